@@ -1,0 +1,35 @@
+"""The `hybridlm` command line: thin entry points over the library.
+
+    hybridlm --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridlm", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=_version())
+    parser.add_subparsers(dest="command", metavar="COMMAND")
+    return parser
+
+
+def _version() -> str:
+    from hybridlm import __version__
+
+    return f"hybridlm {__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 0 if args.command is None else 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

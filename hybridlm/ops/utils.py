@@ -1,0 +1,68 @@
+"""Shared helpers of the ops: argument checks, packed <-> padded layouts, backend choice, dtypes."""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype recurrent math runs in: float64 stays float64, everything else runs in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, *, batch_size: int, total_len: int) -> torch.Tensor:
+    """Validate packed-sequence offsets `[N + 1]` and return them as a CPU int64 tensor.
+
+    Packed batches put every sequence end to end in one row, so `batch_size` must be 1; offsets start
+    at 0, end at `total_len` and strictly increase (every sequence has at least one token).
+    """
+    if batch_size != 1:
+        raise ValueError(
+            f"cu_seqlens needs a packed batch with B == 1, got B = {batch_size}; "
+            "concatenate the sequences along time into one row"
+        )
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D tensor [N + 1] with N >= 1, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
+    offsets = cu_seqlens.detach().to("cpu", torch.int64)
+    if offsets[0].item() != 0 or offsets[-1].item() != total_len:
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at the packed length {total_len}, "
+            f"got {offsets[0].item()} .. {offsets[-1].item()}"
+        )
+    if not bool((offsets[1:] > offsets[:-1]).all()):
+        raise ValueError(f"cu_seqlens must be strictly increasing (no empty sequences), got {offsets.tolist()}")
+    return offsets
+
+
+def packed_to_padded(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`[1, total, ...]` packed along time -> `[N, max_len, ...]`, right-padded with zeros."""
+    lengths = (offsets[1:] - offsets[:-1]).tolist()
+    max_len = max(lengths)
+    out = x.new_zeros((len(lengths), max_len) + tuple(x.shape[2:]))
+    index, rows = _scatter_index(offsets, max_len, x.device)
+    out = out.index_put((rows, index), x[0])
+    return out
+
+
+def padded_to_packed(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`[N, max_len, ...]` right-padded -> `[1, total, ...]` packed along time (inverse of `packed_to_padded`)."""
+    index, rows = _scatter_index(offsets, x.shape[1], x.device)
+    return x[rows, index].unsqueeze(0)
+
+
+def _scatter_index(offsets: torch.Tensor, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = offsets[1:] - offsets[:-1]
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    index = torch.arange(int(offsets[-1])) - offsets[:-1][rows]
+    return index.to(device), rows.to(device)
+
+
+def resolve_backend(backend: str, *, available: tuple[str, ...], default: str) -> str:
+    """Map `backend` ("auto" or a name) to an implemented backend, with a clear error for unknown names."""
+    if backend == "auto":
+        return default
+    if backend not in available:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + available}")
+    return backend
