@@ -1,0 +1,5 @@
+"""Pure tensor functions (no module state): the fast-weight rules and the Mamba-2 SSD scan."""
+
+from hybridlm.ops.fast_weight import FastWeightState, fast_weight_attention
+
+__all__ = ["fast_weight_attention", "FastWeightState"]

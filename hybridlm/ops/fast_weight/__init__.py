@@ -1,0 +1,6 @@
+"""Falcon fast-weight attention: the six write rules with the prefix-shifted pair (README.md derives them)."""
+
+from hybridlm.ops.fast_weight.op import fast_weight_attention
+from hybridlm.ops.fast_weight.state import FastWeightState
+
+__all__ = ["fast_weight_attention", "FastWeightState"]

@@ -1,0 +1,207 @@
+"""Chunk-parallel Falcon fast-weight rules in plain PyTorch (all six rules, differentiable by autograd).
+
+One engine covers the rule table (README.md in this folder derives it). Every rule is a sum of *write
+events* e = (s, j): at step s the state decays by gamma_s and receives w_e x_j r_e^T, where j runs over the
+step's window (one pair for rules 1/2/1A/2A, the last `window` pairs for 3/3A) and
+    w_e = eta_s * [pair j exists] / B_s                      (per value column for rules 2/2A)
+    r_e = y_j                        (inner-product rules 1A/2A/3A)
+    r_e = y_j - S_{s-1}^T x_j        (regression rules 1/2/3: the residual against the pre-step state)
+Inside a chunk with entry state S_0 and chunk-local log decays L_s = sum_{r<=s} log gamma_r:
+    S_t = exp(L_t) S_0 + sum_{e: s_e <= t} exp(L_t - L_{s_e}) w_e x_e r_e^T
+so the regression residuals solve one unit lower-triangular system (the WY/UT transform, paper Alg. 1/8;
+for rule 3 the unknowns are the C x window (step, slot) residuals, the same system on events):
+    r_e + sum_{e': s_e' < s_e} exp(L_{s_e - 1} - L_{s_e'}) w_e' (x_e . x_e') r_e' = y_e - exp(L_{s_e - 1}) S_0^T x_e
+and the outputs are masked attention over events (paper Alg. 4 for 3A). Decays only ever enter as
+exp(L_a - L_b) with a >= b inside one chunk, so nothing overflows (C.6, chunk-local renormalization).
+Per-column rules carry a decay per value column: the Gram x_e . x_e' is shared, the systems are per column.
+
+Cost per head: O(T * C * W * (K + V) + T * (C W)^2 V / C) -- linear in T for a fixed chunk and window.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridlm.ops.fast_weight.state import FastWeightState
+from hybridlm.ops.utils import packed_to_padded, padded_to_packed
+
+REGRESSION_RULES = ("1", "2", "3")
+PER_COLUMN_RULES = ("2", "2A")
+SLIDING_RULES = ("3", "3A")
+
+
+def fast_weight_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    *,
+    rule: str,
+    window: int,
+    pairing: str,
+    read: str,
+    step_size: str,
+    ridge_scaling: bool,
+    eps: float,
+    eps_gamma: float,
+    initial_state: FastWeightState,
+    offsets: torch.Tensor | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, FastWeightState]:
+    """Same contract as `naive.fast_weight_naive` (inputs validated and cast by the front door)."""
+    if offsets is not None:
+        # Packed sequences run as a right-padded batch: padded steps have no pair (eta = 0, gamma = 1),
+        # so they leave the state untouched and the final state is the state at each sequence's end.
+        q, k, v, beta, lam = (packed_to_padded(t, offsets) for t in (q, k, v, beta, lam))
+        lengths = (offsets[1:] - offsets[:-1]).to(q.device)
+    else:
+        lengths = torch.full((q.shape[0],), q.shape[1], dtype=torch.int64, device=q.device)
+    N, T, H, K = k.shape
+    V = v.shape[-1]
+    W = window
+    valid = torch.arange(T, device=q.device)[None, :] < lengths[:, None]                # [N, T]
+
+    # 1. Write pairs (x_t, y_t) and whether each exists (C.5: a fresh shifted sequence has none at t = 1).
+    if pairing == "shifted":
+        first = initial_state.last_k if initial_state.last_k is not None else k.new_zeros(N, H, K)
+        x = torch.cat([first[:, None], k[:, :-1]], dim=1)                                  # [N, T, H, K]
+        exists = valid.clone()
+        if initial_state.last_k is None:
+            exists[:, 0] = False
+    else:
+        x, exists = k, valid
+    x = x * exists[:, :, None, None]
+    y = v * exists[:, :, None, None]
+
+    # 2. Each step's window of pairs, reaching into the carried tail (C.7).
+    if W > 1:
+        tail_x, tail_v, tail_m = _tail(initial_state, N, H, K, V, W, x)
+        x_ext = torch.cat([tail_x, x], dim=1)                                              # [N, W-1+T, H, K]
+        y_ext = torch.cat([tail_v, y], dim=1)
+        m_ext = torch.cat([tail_m, exists], dim=1)                                         # [N, W-1+T]
+        Xw = x_ext.unfold(1, W, 1).movedim(-1, 3)                                          # [N, T, H, W, K]
+        Yw = y_ext.unfold(1, W, 1).movedim(-1, 3)                                          # [N, T, H, W, V]
+        Mw = m_ext.unfold(1, W, 1)                                                         # [N, T, W]
+    else:
+        Xw, Yw, Mw = x[:, :, :, None], y[:, :, :, None], exists[:, :, None]
+    Mw = Mw.to(x.dtype)
+    count = Mw.sum(-1).clamp(min=1.0)                                                      # B_t  [N, T]
+
+    # 3. The rule's statistic E_t, step sizes eta_t and log decays log gamma_t.
+    if rule == "3":
+        gram = Xw @ Xw.transpose(-1, -2)                                                   # [N, T, H, W, W]
+        E = torch.linalg.eigvalsh(gram)[..., -1] / count[:, :, None]                       # mu_t  [N, T, H]
+    elif rule == "3A":
+        E = (Xw * Xw).sum(dim=(-1, -2)) / count[:, :, None]                                # Ebar_t
+    else:
+        E = (x * x).sum(-1)                                                                # |x_t|^2
+    ridge = lam * E.detach() if ridge_scaling else lam                                     # [N, T, H]
+    active = exists[:, :, None]                                                            # [N, T, 1]
+    if step_size == "nlms":
+        denom = torch.where(active, E + ridge + eps, 1.0)                                  # [N, T, H]
+        eta = beta / (denom[..., None] if rule in PER_COLUMN_RULES else denom)
+    else:
+        eta = beta
+    if rule in PER_COLUMN_RULES:                                                           # eta [N, T, H, V]
+        ridge, active = ridge[..., None], active[..., None]
+    eta = torch.where(active, eta, 0.0)
+    log_gamma = torch.log1p(-torch.clamp(eta * ridge, max=1.0 - eps_gamma))                # log gamma_t
+    if rule not in PER_COLUMN_RULES:
+        eta, log_gamma = eta[..., None], log_gamma[..., None]                              # [N, T, H, Dv]
+    weights = eta[:, :, :, None, :] * (Mw / count[..., None])[:, :, None, :, None]         # [N, T, H, W, Dv]
+
+    # 4. The chunk scan, head-major.
+    o, S = _chunk_scan(
+        q.transpose(1, 2), Xw.transpose(1, 2), Yw.transpose(1, 2), weights.transpose(1, 2),
+        log_gamma.transpose(1, 2), initial_state.S,
+        regression=rule in REGRESSION_RULES, read_after=read == "after", chunk_size=chunk_size,
+    )
+    o = o.transpose(1, 2)                                                                  # [N, T, H, V]
+    if offsets is not None:
+        o = padded_to_packed(o, offsets)
+
+    rows = torch.arange(N, device=q.device)
+    final = FastWeightState(S=S, last_k=k[rows, lengths - 1] if pairing == "shifted" else None)
+    if W > 1:
+        index = lengths[:, None] + torch.arange(W - 1, device=q.device)[None, :]           # ext slots [N, W-1]
+        final.tail_x = x_ext[rows[:, None], index].transpose(1, 2)                         # [N, H, W-1, K]
+        final.tail_v = y_ext[rows[:, None], index].transpose(1, 2)
+        final.tail_len = m_ext[rows[:, None], index].sum(-1).to(torch.int64)
+    return o, final
+
+
+def _tail(state: FastWeightState, N, H, K, V, W, like):
+    """The carried tail as time-major prefixes [N, W-1, H, *] and its existence mask [N, W-1]."""
+    if state.tail_x is None:
+        return like.new_zeros(N, W - 1, H, K), like.new_zeros(N, W - 1, H, V), torch.zeros(
+            N, W - 1, dtype=torch.bool, device=like.device
+        )
+    slots = torch.arange(W - 1, device=like.device)[None, :]
+    mask = slots >= (W - 1 - state.tail_len.to(like.device))[:, None]
+    tail_x = state.tail_x.transpose(1, 2) * mask[:, :, None, None]
+    tail_v = state.tail_v.transpose(1, 2) * mask[:, :, None, None]
+    return tail_x, tail_v, mask
+
+
+def _chunk_scan(q, X, Y, w, log_gamma, S, *, regression, read_after, chunk_size):
+    """The event scan. q [N, H, T, K]; X [N, H, T, W, K]; Y [N, H, T, W, V]; w [N, H, T, W, Dv];
+    log_gamma [N, H, T, Dv]; S [N, H, K, V] the entry state. Returns o [N, H, T, V] and the final state."""
+    N, H, T, W, K = X.shape
+    V = Y.shape[-1]
+    Dv = w.shape[-1]
+    outputs = []
+    for a in range(0, T, chunk_size):
+        b = min(a + chunk_size, T)
+        c, n = b - a, (b - a) * W
+        Xc = X[:, :, a:b].reshape(N, H, n, K)                                              # events  [N, H, n, K]
+        Yc = Y[:, :, a:b].reshape(N, H, n, V)
+        wc = w[:, :, a:b].reshape(N, H, n, Dv)
+        Qc = q[:, :, a:b]                                                                  # [N, H, c, K]
+        lg = log_gamma[:, :, a:b]
+        L = torch.cumsum(lg, dim=2)                                                        # log c_t  [N, H, c, Dv]
+        L_prev = L - lg                                                                    # log c_{t-1}
+        step = torch.arange(c, device=q.device).repeat_interleave(W)                       # s_e  [n]
+        L_event = L[:, :, step]                                                            # log c_{s_e}  [N, H, n, Dv]
+
+        if regression:
+            L_event_prev = L_prev[:, :, step]
+            earlier = (step[:, None] > step[None, :])[:, :, None]                          # s_e' < s_e  [n, n, 1]
+            decay = _masked_exp(L_event_prev[:, :, :, None] - L_event[:, :, None], earlier)  # [N, H, n, n, Dv]
+            A = decay * wc[:, :, None] * (Xc @ Xc.transpose(-1, -2))[..., None]
+            rhs = Yc - torch.exp(L_event_prev) * (Xc @ S)                                  # [N, H, n, V]
+            R = _solve_unit_lower(A.movedim(-1, 2), rhs)                                   # residuals r_e
+        else:
+            R = Yc
+
+        L_read = L if read_after else L_prev
+        t_idx = torch.arange(c, device=q.device)
+        seen = (step[None, :] <= t_idx[:, None]) if read_after else (step[None, :] < t_idx[:, None])
+        D = _masked_exp(L_read[:, :, :, None] - L_event[:, :, None], seen[:, :, None]) * wc[:, :, None]  # [N,H,c,n,Dv]
+        P = Qc @ Xc.transpose(-1, -2)                                                      # q_t . x_e  [N, H, c, n]
+        o = torch.exp(L_read) * (Qc @ S)                                                   # the entry state's part
+        if Dv == 1:
+            o = o + (P * D[..., 0]) @ R
+        else:
+            o = o + torch.einsum("nhte,nhtev,nhev->nhtv", P, D, R)
+        outputs.append(o)
+
+        carry = torch.exp(L[:, :, -1])                                                     # [N, H, Dv]
+        coef = torch.exp(L[:, :, -1:] - L_event) * wc                                      # [N, H, n, Dv]
+        S = carry[:, :, None, :] * S + Xc.transpose(-1, -2) @ (coef * R)
+    return torch.cat(outputs, dim=2), S
+
+
+def _masked_exp(exponent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """exp(exponent) where mask, else 0; the masked entries are never exponentiated (they may be positive)."""
+    return torch.exp(torch.where(mask, exponent, float("-inf")))
+
+
+def _solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """Solve (I + A) R = rhs for strictly lower-triangular A [N, H, Dv, n, n]; rhs and R are [N, H, n, V].
+
+    Dv == 1: one system with V right-hand sides. Dv == V: one system per value column."""
+    if A.shape[2] == 1:
+        return torch.linalg.solve_triangular(A, rhs[:, :, None], upper=False, unitriangular=True)[:, :, 0]
+    solved = torch.linalg.solve_triangular(A, rhs.transpose(-1, -2)[..., None], upper=False, unitriangular=True)
+    return solved[..., 0].transpose(-1, -2)

@@ -1,0 +1,158 @@
+"""The front door of the Falcon fast-weight rules: argument checks, dtype policy, backend choice."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridlm.ops.fast_weight.chunk import PER_COLUMN_RULES, SLIDING_RULES, fast_weight_chunk
+from hybridlm.ops.fast_weight.naive import fast_weight_naive
+from hybridlm.ops.fast_weight.state import FastWeightState
+from hybridlm.ops.utils import check_cu_seqlens, compute_dtype, resolve_backend
+
+RULES = ("1", "2", "3", "1A", "2A", "3A")
+BACKENDS = ("naive", "chunk")
+
+
+def fast_weight_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor | None = None,
+    *,
+    rule: str,
+    window: int = 1,
+    pairing: str = "shifted",
+    read: str = "after",
+    step_size: str = "nlms",
+    ridge_scaling: bool = False,
+    eps: float = 1e-6,
+    eps_gamma: float = 1e-6,
+    initial_state: FastWeightState | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, FastWeightState | None]:
+    """Falcon fast-weight attention: o_t = S_t^T q_t with S written by one of the six Falcon rules.
+
+    Args:
+        q, k: `[B, T, H, K]` query and key features (already feature-mapped; the op does the key shift).
+        v: `[B, T, H, V]` values.
+        beta: `[B, T, H]` NLMS gains in (0, 2) (or the step sizes themselves with `step_size="direct"`);
+            rules "2"/"2A" take one gain per value column, `[B, T, H, V]`.
+        lam: `[B, T, H]` ridge >= 0 (decay through gamma = 1 - min(eta * lam, 1 - eps_gamma)); None = 0.
+        rule: "1" | "2" | "3" | "1A" | "2A" | "3A" (regression / inner product; scalar, per-column, sliding).
+        window: the sliding window B of rules "3"/"3A" (1 for the other rules).
+        pairing: "shifted" writes (k_{t-1}, v_t) (Falcon); "same_step" writes (k_t, v_t) (DeltaNet, Mamba-2).
+        read: "after" reads S_t (read after write); "before" reads S_{t-1}.
+        step_size: "nlms" (eta = beta / (E_t + lam + eps)) or "direct" (eta = beta).
+        ridge_scaling: the actual ridge is lam * E_t with E_t the rule's statistic (detached).
+        eps: the NLMS stabilizer (> 0). eps_gamma: the decay fraction is clamped at 1 - eps_gamma.
+        initial_state: the state to continue from (one row per batch row, or per packed sequence).
+        output_final_state: return the final `FastWeightState` (else None).
+        cu_seqlens: `[N + 1]` int offsets of packed sequences (B == 1); each starts fresh or from its row
+            of `initial_state`, and nothing crosses a sequence boundary.
+        chunk_size: the chunk length of the chunk-parallel backend.
+        backend: "auto" | "naive" | "chunk".
+
+    Returns:
+        o `[B, T, H, V]` in q's dtype, and the final state (float32; float64 for float64 inputs) or None.
+
+    Example:
+        >>> q = k = torch.randn(2, 16, 4, 8); v = torch.randn(2, 16, 4, 8); beta = torch.rand(2, 16, 4)
+        >>> o, state = fast_weight_attention(q, k, v, beta, rule="1A", output_final_state=True)
+    """
+    offsets = _check_inputs(q, k, v, beta, lam, rule=rule, window=window, pairing=pairing, read=read,
+                            step_size=step_size, eps=eps, eps_gamma=eps_gamma, cu_seqlens=cu_seqlens,
+                            chunk_size=chunk_size)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    n_rows = B if offsets is None else len(offsets) - 1
+    dtype = compute_dtype(q.dtype)
+    state = _prepare_state(initial_state, n_rows=n_rows, H=H, K=K, V=V, window=window, pairing=pairing,
+                           dtype=dtype, device=q.device)
+    out_dtype = q.dtype
+    if lam is None:
+        lam = q.new_zeros(B, T, H)
+    q, k, v, beta, lam = (t.to(dtype) for t in (q, k, v, beta, lam))
+    options = dict(rule=rule, window=window, pairing=pairing, read=read, step_size=step_size,
+                   ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=state, offsets=offsets)
+    # The recurrent step loop is the cheapest path for a single decoding step.
+    name = resolve_backend(backend, available=BACKENDS, default="naive" if T == 1 else "chunk")
+    if name == "naive":
+        o, final = fast_weight_naive(q, k, v, beta, lam, **options)
+    else:
+        o, final = fast_weight_chunk(q, k, v, beta, lam, chunk_size=chunk_size, **options)
+    return o.to(out_dtype), (final if output_final_state else None)
+
+
+def _check_inputs(q, k, v, beta, lam, *, rule, window, pairing, read, step_size, eps, eps_gamma, cu_seqlens,
+                  chunk_size) -> torch.Tensor | None:
+    """Raise a ValueError that says what is wrong; return the packed offsets (or None)."""
+    if rule not in RULES:
+        raise ValueError(f"unknown rule {rule!r}; choose one of {RULES}")
+    for name, value, choices in (("pairing", pairing, ("shifted", "same_step")), ("read", read, ("after", "before")),
+                                 ("step_size", step_size, ("nlms", "direct"))):
+        if value not in choices:
+            raise ValueError(f"unknown {name} {value!r}; choose one of {choices}")
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an integer >= 1, got {window!r}")
+    if window > 1 and rule not in SLIDING_RULES:
+        raise ValueError(f"window = {window} only applies to the sliding rules {SLIDING_RULES}; rule {rule!r} needs 1")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    if not 0 < eps_gamma <= 1:
+        raise ValueError(f"eps_gamma must be in (0, 1], got {eps_gamma}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [B, T, H, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape [B, T, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, H, _ = q.shape
+    if v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
+    if T < 1:
+        raise ValueError("the sequence is empty (T = 0)")
+    want_beta = (B, T, H, v.shape[3]) if rule in PER_COLUMN_RULES else (B, T, H)
+    if tuple(beta.shape) != want_beta:
+        what = "one gain per value column, [B, T, H, V]" if rule in PER_COLUMN_RULES else "[B, T, H]"
+        raise ValueError(f"rule {rule!r} takes beta as {what} = {list(want_beta)}; got {list(beta.shape)}")
+    if lam is not None:
+        if tuple(lam.shape) != (B, T, H):
+            raise ValueError(f"lam must be [B, T, H] = {[B, T, H]}; got {list(lam.shape)}")
+        if not torch.compiler.is_compiling() and bool((lam < 0).any()):
+            raise ValueError("lam must be >= 0 (it is a ridge coefficient); got negative entries")
+    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("lam", lam)):
+        if t is not None and not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if cu_seqlens is None:
+        return None
+    return check_cu_seqlens(cu_seqlens, batch_size=B, total_len=T)
+
+
+def _prepare_state(state, *, n_rows, H, K, V, window, pairing, dtype, device) -> FastWeightState:
+    """Check a given initial state against the call, cast it to the compute dtype; a zero state if None."""
+    if state is None:
+        return FastWeightState(S=torch.zeros(n_rows, H, K, V, dtype=dtype, device=device))
+    if not isinstance(state, FastWeightState):
+        raise ValueError(f"initial_state must be a FastWeightState, got {type(state).__name__}")
+    if tuple(state.S.shape) != (n_rows, H, K, V):
+        raise ValueError(f"initial_state.S must be [N, H, K, V] = {[n_rows, H, K, V]} (N = rows or packed "
+                         f"sequences); got {list(state.S.shape)}")
+    last_k = None
+    if pairing == "shifted" and state.last_k is not None:
+        if tuple(state.last_k.shape) != (n_rows, H, K):
+            raise ValueError(f"initial_state.last_k must be {[n_rows, H, K]}; got {list(state.last_k.shape)}")
+        last_k = state.last_k.to(dtype)
+    tail_x = tail_v = tail_len = None
+    if window > 1 and state.tail_x is not None:
+        if (tuple(state.tail_x.shape) != (n_rows, H, window - 1, K) or state.tail_v is None
+                or tuple(state.tail_v.shape) != (n_rows, H, window - 1, V) or state.tail_len is None
+                or tuple(state.tail_len.shape) != (n_rows,)):
+            raise ValueError(f"initial_state's tail must hold window - 1 = {window - 1} pairs: tail_x "
+                             f"{[n_rows, H, window - 1, K]}, tail_v {[n_rows, H, window - 1, V]}, tail_len "
+                             f"[{n_rows}]; got tail_x {list(state.tail_x.shape)} (was it made with another window?)")
+        tail_x, tail_v, tail_len = state.tail_x.to(dtype), state.tail_v.to(dtype), state.tail_len.to(device)
+    return FastWeightState(S=state.S.to(dtype), last_k=last_k, tail_x=tail_x, tail_v=tail_v, tail_len=tail_len)
