@@ -1,0 +1,107 @@
+"""Mamba-2 SSD (state-space duality) op: the front door `ssd` and its backends.
+
+Backends: "naive" (loop over time steps, the specification, `naive.py`) and "chunk" (the chunked
+SSD algorithm in plain torch, `chunk.py`); "auto" picks "chunk". The math: README.md in this folder.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridlm.ops.ssd.chunk import chunk_ssd
+from hybridlm.ops.ssd.naive import naive_ssd
+from hybridlm.ops.utils import check_cu_seqlens, compute_dtype, resolve_backend
+
+__all__ = ["ssd", "naive_ssd", "chunk_ssd"]
+
+_BACKENDS = ("naive", "chunk")
+
+
+def ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    D: torch.Tensor | None = None,
+    chunk_size: int = 256,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Mamba-2 SSD: per head, `h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T` and `y_t = h_t C_t + D x_t`.
+
+    Args:
+        x: `[b, T, H, P]` inputs per head.
+        dt: `[b, T, H]` step sizes, already softplus-ed and limited (>= 0).
+        A: `[H]` negative reals (the log decay per unit dt).
+        B, C: `[b, T, G, N]` write and read vectors; head h uses group h // (H // G).
+        D: optional `[H]` skip, `y += D[h] * x`.
+        chunk_size: chunk length of the "chunk" backend.
+        initial_state: `[b, H, P, N]` (`[N_seq, H, P, N]` with `cu_seqlens`); zeros if None.
+        output_final_state: also return the state after the last step.
+        cu_seqlens: `[N_seq + 1]` int offsets of packed sequences (b == 1); each sequence starts from its
+            own row of `initial_state` and none sees another.
+        backend: "auto", "naive" or "chunk".
+
+    Returns:
+        `(y, final_state)`: y `[b, T, H, P]` in x's dtype; final_state `[b or N_seq, H, P, N]` in float32
+        (float64 for float64 inputs) when `output_final_state`, else None. The recurrence runs in that
+        dtype too, whatever the input dtype.
+    """
+    backend = resolve_backend(backend, available=_BACKENDS, default="chunk")
+    _check_shapes(x, dt, A, B, C, D, initial_state, chunk_size)
+    b, T, H, P = x.shape
+    N = B.shape[-1]
+    offsets = None
+    n_states = b
+    if cu_seqlens is not None:
+        offsets = check_cu_seqlens(cu_seqlens, batch_size=b, total_len=T)
+        n_states = len(offsets) - 1
+    if initial_state is not None and tuple(initial_state.shape) != (n_states, H, P, N):
+        rows = "N_seq" if cu_seqlens is not None else "b"
+        raise ValueError(
+            f"initial_state must be [{rows}, H, P, N] = {[n_states, H, P, N]}, got {list(initial_state.shape)}"
+        )
+
+    promoted = x.dtype
+    for t in (dt, A, B, C):
+        promoted = torch.promote_types(promoted, t.dtype)
+    dtype = compute_dtype(promoted)
+    if initial_state is None:
+        initial_state = x.new_zeros(n_states, H, P, N, dtype=dtype)
+    args = [t.to(dtype) for t in (x, dt, A, B, C)]
+    kwargs = dict(D=None if D is None else D.to(dtype), initial_state=initial_state.to(dtype), offsets=offsets)
+    if backend == "naive":
+        y, final_state = naive_ssd(*args, **kwargs)
+    else:
+        y, final_state = chunk_ssd(*args, chunk_size=chunk_size, **kwargs)
+    return y.to(x.dtype), (final_state if output_final_state else None)
+
+
+def _check_shapes(x, dt, A, B, C, D, initial_state, chunk_size) -> None:
+    for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("initial_state", initial_state)):
+        if t is not None and not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if x.dim() != 4:
+        raise ValueError(f"x must be [b, T, H, P], got shape {list(x.shape)}")
+    b, T, H, P = x.shape
+    if tuple(dt.shape) != (b, T, H):
+        raise ValueError(f"dt must be [b, T, H] = {[b, T, H]} (matching x), got {list(dt.shape)}")
+    if tuple(A.shape) != (H,):
+        raise ValueError(f"A must be [H] = [{H}], got {list(A.shape)}")
+    if D is not None and tuple(D.shape) != (H,):
+        raise ValueError(f"D must be None or [H] = [{H}], got {list(D.shape)}")
+    if B.dim() != 4 or tuple(B.shape[:2]) != (b, T):
+        raise ValueError(f"B must be [b, T, G, N] with b, T = {b}, {T} (matching x), got {list(B.shape)}")
+    if tuple(C.shape) != tuple(B.shape):
+        raise ValueError(f"C must have B's shape [b, T, G, N] = {list(B.shape)}, got {list(C.shape)}")
+    G = B.shape[2]
+    if G == 0 or H % G != 0:
+        raise ValueError(f"the number of heads H = {H} must be a multiple of the number of groups G = {G}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if initial_state is not None and initial_state.dim() != 4:
+        raise ValueError(f"initial_state must be [b, H, P, N], got shape {list(initial_state.shape)}")
