@@ -28,6 +28,9 @@ from hybridlm.ops.utils import packed_to_padded, padded_to_packed
 REGRESSION_RULES = ("1", "2", "3")
 PER_COLUMN_RULES = ("2", "2A")
 SLIDING_RULES = ("3", "3A")
+# Per-column decays (rules 2/2A) make every intra-chunk coefficient a [C, C, V] tensor of exponentials rather
+# than a matmul, so their chunks are kept short: the work per step grows with C, the chunk loop shrinks.
+PER_COLUMN_MAX_CHUNK = 16
 
 
 def fast_weight_chunk(
@@ -112,6 +115,8 @@ def fast_weight_chunk(
     weights = eta[:, :, :, None, :] * (Mw / count[..., None])[:, :, None, :, None]         # [N, T, H, W, Dv]
 
     # 4. The chunk scan, head-major.
+    if rule in PER_COLUMN_RULES:
+        chunk_size = min(chunk_size, PER_COLUMN_MAX_CHUNK)
     o, S = _chunk_scan(
         q.transpose(1, 2), Xw.transpose(1, 2), Yw.transpose(1, 2), weights.transpose(1, 2),
         log_gamma.transpose(1, 2), initial_state.S,

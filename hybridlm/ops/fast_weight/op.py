@@ -53,7 +53,8 @@ def fast_weight_attention(
         output_final_state: return the final `FastWeightState` (else None).
         cu_seqlens: `[N + 1]` int offsets of packed sequences (B == 1); each starts fresh or from its row
             of `initial_state`, and nothing crosses a sequence boundary.
-        chunk_size: the chunk length of the chunk-parallel backend.
+        chunk_size: the chunk length of the chunk-parallel backend (rules "2"/"2A" use at most 16: their
+            per-column decays cost O(C^2 V) exponentials per chunk instead of matmuls).
         backend: "auto" | "naive" | "chunk".
 
     Returns:
