@@ -6,13 +6,22 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+# Each module registers its command group with `add_commands(subparsers)`; imports stay lazy inside them.
+COMMAND_MODULES = (
+    "hybridlm.models.commands",
+    "hybridlm.data.commands",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridlm", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=_version())
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_commands(subparsers)
     return parser
 
 

@@ -1,0 +1,522 @@
+"""Token shards on disk: `prepare` tokenizes corpora into them, `TokenDataset` opens and checks them.
+
+    result = prepare(["corpus/"], "tok/", "data/web", workers=8)
+    ds = TokenDataset("data/web")            # verifies sizes and sha256 checksums, then memory-maps
+    ds.doc(0)                                # np.int64 token ids of document 0, ending with EOS
+
+Layout of a prepared directory (see README.md in this folder):
+    shard_00000.bin   token ids, little-endian uint16 (vocab <= 65,536) or uint32, no header; every
+                      shard holds exactly `shard_tokens` tokens except the last; documents run on
+                      across shard boundaries; every document ends with EOS
+    shard_00000.idx   little-endian uint64: the global token offset of every document that starts in
+                      this shard
+    manifest.json     written last: dtype, counts, shard sizes and sha256, sources; its presence
+                      means the dataset is complete
+    progress.json     only while a run is unfinished: the shards written so far (for resuming)
+
+Every file is written under a temporary name and renamed into place (os.replace), so a crash leaves
+whole files or none. Re-running `prepare` with the same inputs and settings: with a complete, intact
+manifest it does nothing; otherwise it keeps the longest prefix of intact shards, re-reads the inputs
+(skipping the documents already written, without tokenizing them) and continues from there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from hybridlm.data.corpus import ReadStats, SourceFile, find_files, iter_documents
+from hybridlm.data.errors import DataError
+from hybridlm.data.tokenizer import TOKENIZER_FILE, HybridTokenizer
+from hybridlm.fileio import sha256_file, write_atomic
+
+log = logging.getLogger(__name__)
+
+FORMAT = "hybridlm-shards"
+VERSION = 1
+MANIFEST = "manifest.json"
+PROGRESS = "progress.json"
+LOCK = ".prepare.lock"
+DEFAULT_SHARD_TOKENS = 100_000_000
+INDEX_DTYPE = np.dtype("<u8")
+
+
+def shard_name(i: int) -> str:
+    return f"shard_{i:05d}.bin"
+
+
+def index_name(i: int) -> str:
+    return f"shard_{i:05d}.idx"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 holds ids 0..65535, so any vocabulary of at most 65,536 tokens; uint32 beyond."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    write_atomic(path, json.dumps(obj, indent=2).encode("utf-8"))
+
+
+def _rerun_hint(directory: Path) -> str:
+    return (f"re-run `hybridlm data prepare` with the same inputs and --out {directory}: it keeps the intact "
+            f"shards and rebuilds the rest (or delete {directory} and prepare it again)")
+
+
+def check_shards(directory: Path, shards: Sequence[dict], dtype: np.dtype, *, full: bool = True) -> tuple[int, str]:
+    """Check shard files against their manifest entries, in order.
+
+    Returns `(n_good, problem)`: the number of leading shards that are intact and, if one is not, a
+    sentence naming it and what is wrong ("" when all are intact). `full=False` checks sizes only.
+    """
+    for i, entry in enumerate(shards):
+        for name, nbytes, digest in (
+            (entry["name"], entry["tokens"] * dtype.itemsize, entry["sha256"]),
+            (entry["index"], entry["index_docs"] * INDEX_DTYPE.itemsize, entry["index_sha256"]),
+        ):
+            path = directory / name
+            if not path.is_file():
+                return i, f"{path} is missing"
+            size = path.stat().st_size
+            if size != nbytes:
+                return i, f"{path} has {size} bytes but the manifest says {nbytes} (truncated or overwritten)"
+            if full and sha256_file(path) != digest:
+                return i, f"{path} is corrupt: its sha256 does not match the manifest"
+    return len(shards), ""
+
+
+# --- the writer: fixed-size shards, document index, resumable progress -----------------------------
+
+class _ShardWriter:
+    """Accumulates documents' tokens and writes each full shard (plus its index) atomically."""
+
+    def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int, shards: list[dict], on_shard):
+        self.out, self.dtype, self.shard_tokens = out, dtype, shard_tokens
+        self.shards = shards  # entries of the shards already on disk (kept from an earlier run)
+        self.tokens_done = sum(s["tokens"] for s in shards)
+        self.chunks: list[np.ndarray] = []
+        self.buf_len = 0
+        self.starts: list[int] = []  # global offsets of documents starting in the buffer
+        self.on_shard = on_shard
+
+    def add(self, doc: int, tokens: np.ndarray, full_len: int, is_start: bool) -> None:
+        """Append document `doc` (or its tail: `tokens` are the last len(tokens) of `full_len`)."""
+        if is_start:
+            self.starts.append(self.tokens_done + self.buf_len)
+        self.chunks.append(tokens)
+        self.buf_len += len(tokens)
+        while self.buf_len >= self.shard_tokens:
+            # The buffer held < shard_tokens before this document, so the cut falls inside it.
+            data = np.concatenate(self.chunks)
+            rest = self.buf_len - self.shard_tokens
+            end = {"doc": doc, "offset": full_len - rest} if rest else {"doc": doc + 1, "offset": 0}
+            self._write(data[: self.shard_tokens], end)
+            self.chunks = [data[self.shard_tokens:]] if rest else []
+            self.buf_len = rest
+
+    def finish(self, n_docs: int) -> None:
+        if self.buf_len:
+            self._write(np.concatenate(self.chunks), {"doc": n_docs, "offset": 0})
+            self.chunks, self.buf_len = [], 0
+
+    def _write(self, tokens: np.ndarray, end: dict) -> None:
+        i = len(self.shards)
+        limit = self.tokens_done + len(tokens)
+        starts = [s for s in self.starts if s < limit]
+        self.starts = self.starts[len(starts):]
+        index = np.asarray(starts, dtype=INDEX_DTYPE)
+        data = np.ascontiguousarray(tokens, dtype=self.dtype)
+        entry = {
+            "name": shard_name(i),
+            "tokens": int(len(data)),
+            "sha256": write_atomic(self.out / shard_name(i), memoryview(data).cast("B")),
+            "index": index_name(i),
+            "index_docs": int(len(index)),
+            "index_sha256": write_atomic(self.out / index_name(i), memoryview(index).cast("B")),
+            "end": end,
+        }
+        self.shards.append(entry)
+        self.tokens_done = limit
+        self.on_shard(self.shards)
+
+
+# --- tokenizing, in this process or in a pool of worker processes ----------------------------------
+
+_worker_tokenizer: HybridTokenizer | None = None
+
+
+def _init_worker(tokenizer_dir: str) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no thread pool on top
+    _worker_tokenizer = HybridTokenizer.load(tokenizer_dir)
+
+
+def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenize a batch in a worker: all ids flat (uint32) and the length of each document."""
+    ids = _worker_tokenizer.encode_batch(texts)
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.uint32, count=int(lengths.sum()))
+    return flat, lengths
+
+
+class _InlineResult:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+@contextlib.contextmanager
+def _executor(workers: int, tokenizer_dir: Path, tok: HybridTokenizer):
+    """A process pool of `workers` tokenizers, or None (tokenize here, with `tok`) when workers <= 1."""
+    global _worker_tokenizer
+    if workers <= 1:
+        _worker_tokenizer = tok
+        yield None
+        return
+    import multiprocessing as mp
+
+    # spawn, not fork: forking after the Rust tokenizer has started threads is unsafe.
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
+                               initializer=_init_worker, initargs=(str(tokenizer_dir),))
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _batches(docs: Iterator[tuple[int, str]], batch_chars: int, batch_docs: int):
+    """Group `(global_doc, text)` into lists of at most `batch_docs` documents / about `batch_chars`."""
+    batch: list[tuple[int, str]] = []
+    chars = 0
+    for item in docs:
+        batch.append(item)
+        chars += len(item[1])
+        if chars >= batch_chars or len(batch) >= batch_docs:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+# --- prepare ---------------------------------------------------------------------------------------
+
+@dataclass
+class PrepareResult:
+    manifest: dict
+    status: str  # "created", "resumed" or "up_to_date"
+    kept_shards: int = 0  # shards reused from an earlier, unfinished run
+
+
+def _settings(files: Sequence[SourceFile], tokenizer_sha: str, text_field: str, skip_missing_field: bool,
+              shard_tokens: int) -> dict:
+    return {
+        "sources": [f.fingerprint() for f in files],
+        "tokenizer_sha256": tokenizer_sha,
+        "text_field": text_field,
+        "skip_missing_field": skip_missing_field,
+        "shard_tokens": shard_tokens,
+        "append_eos": True,
+    }
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        log.warning("%s is unreadable; ignoring it", path)
+        return None
+
+
+def _our_files(out: Path) -> list[Path]:
+    return [p for p in out.iterdir() if p.name in (MANIFEST, PROGRESS)
+            or (p.name.startswith("shard_") and p.suffix in (".bin", ".idx"))]
+
+
+@contextlib.contextmanager
+def _lock(out: Path):
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, the user must not run two prepares on one directory
+        yield
+        return
+    with open(out / LOCK, "a") as f:  # "a": taking the lock does not touch the file
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise DataError(f"another `prepare` is writing to {out}; wait for it to finish") from None
+        yield
+
+
+def prepare(
+    inputs: Sequence[str | Path],
+    tokenizer_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    workers: int | None = None,
+    text_field: str = "text",
+    skip_missing_field: bool = False,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    overwrite: bool = False,
+    progress: bool = True,
+    batch_chars: int = 1 << 20,
+    batch_docs: int = 1024,
+) -> PrepareResult:
+    """Tokenize `inputs` (.txt trees, .jsonl, .parquet) into shards in `out_dir`; see the module docstring.
+
+    `workers` processes tokenize (default: all CPUs; 1 tokenizes in this process). Output does not
+    depend on `workers`. An `out_dir` that holds a dataset of other inputs or settings is an error
+    unless `overwrite=True`, which deletes that dataset's files (only those) first.
+    """
+    if shard_tokens < 1:
+        raise DataError(f"shard_tokens must be positive, got {shard_tokens}")
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    tokenizer_dir = Path(tokenizer_dir)
+    tok = HybridTokenizer.load(tokenizer_dir)
+    files = find_files(inputs)
+    settings = _settings(files, sha256_file(tokenizer_dir / TOKENIZER_FILE), text_field, skip_missing_field,
+                         shard_tokens)
+    dtype = token_dtype(tok.vocab_size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with _lock(out):
+        for stray in out.glob("*.tmp-*"):  # left by a run that was killed mid-write
+            stray.unlink()
+        manifest = _read_json(out / MANIFEST)
+        earlier = manifest or _read_json(out / PROGRESS)
+        if earlier is not None and earlier.get("settings") != settings:
+            if not overwrite:
+                differ = sorted(k for k in settings if earlier.get("settings", {}).get(k) != settings[k])
+                raise DataError(
+                    f"{out} already holds a dataset prepared from other inputs or settings (differs in: "
+                    f"{', '.join(differ) or 'format'}); use another --out, or pass --overwrite to replace it")
+            earlier = manifest = None
+            for p in _our_files(out):
+                p.unlink()
+        shards = list(earlier["shards"]) if earlier else []
+        n_good, problem = check_shards(out, shards, dtype)
+        if manifest is not None and manifest.get("complete") and n_good == len(shards):
+            log.info("%s is up to date (%d tokens in %d shards)", out, manifest["num_tokens"], len(shards))
+            return PrepareResult(manifest, "up_to_date", len(shards))
+        if problem:
+            log.warning("%s; rebuilding from shard %d", problem, n_good)
+        shards = shards[:n_good]
+        keep = {s["name"] for s in shards} | {s["index"] for s in shards}
+        for p in _our_files(out):
+            if p.name not in keep:
+                p.unlink()
+        cursor = shards[-1]["end"] if shards else {"doc": 0, "offset": 0}
+        status = "resumed" if shards else "created"
+        manifest = _run(files, tok, tokenizer_dir, out, settings, dtype, shards, cursor, workers,
+                        text_field, skip_missing_field, progress, batch_chars, batch_docs)
+        return PrepareResult(manifest, status, n_good)
+
+
+def _run(files, tok, tokenizer_dir, out, settings, dtype, shards, cursor, workers, text_field,
+         skip_missing_field, progress, batch_chars, batch_docs) -> dict:
+    from tqdm.auto import tqdm
+
+    stats = ReadStats()
+    file_docs = [0] * len(files)
+    eos = np.array([tok.eos_id], dtype=np.uint32)
+
+    def save_progress(entries: list[dict]) -> None:
+        _write_json(out / PROGRESS, {"format": FORMAT, "version": VERSION, "complete": False,
+                                     "settings": settings, "shards": entries})
+
+    writer = _ShardWriter(out, dtype, settings["shard_tokens"], shards, save_progress)
+
+    def numbered_docs() -> Iterator[tuple[int, str]]:
+        """All documents with their global number; those before the cursor are read but not returned."""
+        docs = iter_documents(files, text_field=text_field, skip_missing_field=skip_missing_field, stats=stats)
+        for g, (file_index, text) in enumerate(docs):
+            file_docs[file_index] += 1
+            if g >= cursor["doc"]:
+                yield g, text
+
+    def consume(batch: list[tuple[int, str]], result) -> None:
+        flat, lengths = result.result()
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        for (g, _), a, b in zip(batch, bounds[:-1], bounds[1:]):
+            tokens = np.concatenate([flat[a:b], eos])
+            skip = cursor["offset"] if g == cursor["doc"] else 0
+            writer.add(g, tokens[skip:], len(tokens), is_start=skip == 0)
+        bar.update(int(bounds[-1]) + len(batch))
+        bar.set_postfix(docs=batch[-1][0] + 1, shards=len(writer.shards), refresh=False)
+
+    bar = tqdm(total=None, initial=writer.tokens_done, unit="tok", unit_scale=True, desc="tokenizing",
+               disable=not progress)
+    try:
+        with _executor(workers, tokenizer_dir, tok) as pool:
+            pending: deque = deque()
+            for batch in _batches(numbered_docs(), batch_chars, batch_docs):
+                texts = [t for _, t in batch]
+                pending.append((batch, pool.submit(_encode, texts) if pool else _InlineResult(_encode(texts))))
+                while len(pending) > 2 * max(workers, 1) or (pool is None and pending):
+                    consume(*pending.popleft())
+            while pending:
+                consume(*pending.popleft())
+        writer.finish(stats.docs)
+    except KeyboardInterrupt:
+        log.warning("interrupted after %d complete shards; run the same command again to resume", len(writer.shards))
+        raise
+    finally:
+        bar.close()
+    if stats.docs == 0:
+        raise DataError(f"no documents in {len(files)} input file(s): every file was empty or skipped")
+    manifest = _manifest(out, settings, dtype, tok, writer.shards, stats, files, file_docs)
+    _write_json(out / MANIFEST, manifest)
+    (out / PROGRESS).unlink(missing_ok=True)
+    counts = manifest["counts"]
+    if counts["invalid_utf8_docs"]:
+        log.warning("%d documents had invalid UTF-8 (%d bytes replaced with U+FFFD)",
+                    counts["invalid_utf8_docs"], counts["invalid_utf8_bytes"])
+    return manifest
+
+
+class _DocStarts:
+    """Global token offset where each document starts, read from the shard index files on demand."""
+
+    def __init__(self, out: Path, shards: list[dict], total_tokens: int):
+        self.out, self.shards, self.total = out, shards, total_tokens
+        self.first_doc = np.cumsum([0] + [s["index_docs"] for s in shards])
+        self.cache: dict[int, np.ndarray] = {}
+
+    def __call__(self, doc: int) -> int:
+        if doc >= self.first_doc[-1]:
+            return self.total
+        s = int(np.searchsorted(self.first_doc, doc, side="right")) - 1
+        if s not in self.cache:
+            self.cache = {s: np.fromfile(self.out / self.shards[s]["index"], dtype=INDEX_DTYPE)}
+        return int(self.cache[s][doc - self.first_doc[s]])
+
+
+def _manifest(out, settings, dtype, tok, shards, stats, files, file_docs) -> dict:
+    num_tokens = sum(s["tokens"] for s in shards)
+    start = _DocStarts(out, shards, num_tokens)
+    sources, first = [], 0
+    for f, n in zip(files, file_docs):
+        tokens = start(first + n) - start(first) if n else 0
+        sources.append({**f.fingerprint(), "first_doc": first, "docs": n, "tokens": tokens})
+        first += n
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "complete": True,
+        "dtype": dtype.name,
+        "byte_order": "little",
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "special_tokens": tok.special_ids,
+        "num_tokens": num_tokens,
+        "num_docs": stats.docs,
+        "shard_tokens": settings["shard_tokens"],
+        "counts": stats.as_dict(),
+        "sources": sources,
+        "shards": shards,
+        "settings": settings,
+    }
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+def load_manifest(directory: str | Path) -> dict:
+    d = Path(directory)
+    if not (d / MANIFEST).is_file():
+        if (d / PROGRESS).is_file():
+            raise DataError(f"{d}: `prepare` has not finished (progress.json but no manifest.json); "
+                            "run the same `hybridlm data prepare` command again to finish it")
+        raise DataError(f"{d}: no manifest.json; not a dataset written by `hybridlm data prepare`")
+    try:
+        manifest = json.loads((d / MANIFEST).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{d / MANIFEST} is damaged ({e}); {_rerun_hint(d)}") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION or not manifest.get("complete"):
+        raise DataError(f"{d / MANIFEST}: not a complete {FORMAT} v{VERSION} manifest; {_rerun_hint(d)}")
+    return manifest
+
+
+class TokenDataset:
+    """A prepared directory, memory-mapped; documents addressed by number.
+
+    `verify="full"` (default) checks every file's size and sha256 on open, `"size"` only sizes (fast,
+    for very large datasets); any mismatch raises DataError naming the file and what to do.
+    """
+
+    def __init__(self, directory: str | Path, *, verify: str = "full"):
+        if verify not in ("full", "size"):
+            raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
+        self.directory = Path(directory)
+        self.manifest = load_manifest(self.directory)
+        self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
+        shards = self.manifest["shards"]
+        n_good, problem = check_shards(self.directory, shards, self.dtype, full=verify == "full")
+        if problem:
+            raise DataError(f"{problem}; {_rerun_hint(self.directory)}")
+        self._tokens = [np.memmap(self.directory / s["name"], dtype=self.dtype, mode="r") for s in shards]
+        self._index = [np.memmap(self.directory / s["index"], dtype=INDEX_DTYPE, mode="r") if s["index_docs"]
+                       else np.empty(0, dtype=INDEX_DTYPE) for s in shards]
+        self._shard_first_token = np.cumsum([0] + [s["tokens"] for s in shards])
+        self._shard_first_doc = np.cumsum([0] + [s["index_docs"] for s in shards])
+        if self._shard_first_doc[-1] != self.num_docs or self._shard_first_token[-1] != self.num_tokens:
+            raise DataError(f"{self.directory / MANIFEST}: shard totals disagree with the manifest; "
+                            f"{_rerun_hint(self.directory)}")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.manifest["num_tokens"])
+
+    @property
+    def num_docs(self) -> int:
+        return int(self.manifest["num_docs"])
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.manifest["eos_id"])
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return dict(self.manifest["special_tokens"])
+
+    @property
+    def tokenizer_sha256(self) -> str:
+        return self.manifest["settings"]["tokenizer_sha256"]
+
+    def doc_start(self, i: int) -> int:
+        if i == self.num_docs:
+            return self.num_tokens
+        if not 0 <= i < self.num_docs:
+            raise IndexError(f"document {i} out of range [0, {self.num_docs})")
+        s = int(np.searchsorted(self._shard_first_doc, i, side="right")) - 1
+        return int(self._index[s][i - self._shard_first_doc[s]])
+
+    def doc(self, i: int) -> np.ndarray:
+        """Token ids of document `i` (int64, EOS included)."""
+        return self.tokens(self.doc_start(i), self.doc_start(i + 1))
+
+    def tokens(self, start: int, end: int) -> np.ndarray:
+        """Token ids in the global range [start, end) as int64, across shard boundaries."""
+        if not 0 <= start <= end <= self.num_tokens:
+            raise IndexError(f"token range [{start}, {end}) outside [0, {self.num_tokens})")
+        parts = []
+        s = int(np.searchsorted(self._shard_first_token, start, side="right")) - 1
+        while start < end:
+            lo = start - self._shard_first_token[s]
+            take = min(end - start, self._shard_first_token[s + 1] - start)
+            parts.append(np.asarray(self._tokens[s][lo:lo + take], dtype=np.int64))
+            start += take
+            s += 1
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)

@@ -1,0 +1,361 @@
+"""Byte-level BPE tokenizer in the Falcon-H1 style, trained with HF `tokenizers`.
+
+    tok = train_tokenizer(["corpus/"], vocab_size=32768, out_dir="tok/")
+    tok = HybridTokenizer.load("tok/")
+    ids = tok.encode("x = \\frac{1}{2}")          # raw text: "<|end_of_text|>" in it stays plain text
+    print(text_stats(tok, held_out_texts))      # fertility, bytes per token
+
+Design (Falcon-H1 report, "Tokenizer Design"; the choices are ours where it leaves them open):
+- Byte-level BPE: every byte has a token, so any Unicode string encodes and decodes back exactly
+  (no normalizer, no unknown token).
+- Pre-tokenizer: a GPT-4o / Llama-3 style splitting regex (case-aware letter runs, whitespace runs,
+  newline runs) changed in two ways the report found to help downstream code and math:
+  every digit is its own pre-token (so "2024" is always 4 tokens), and punctuation/symbols are never
+  joined to letters or digits (GPT-4o's pattern lets one leading punctuation character join a word,
+  e.g. "(word" or "。世界"; English contractions are split too: "don" "'" "t"). A run of punctuation
+  can still merge with itself ("...", "}{", "。」").
+- LaTeX: common commands (\\frac, \\sqrt, Greek letters, relations, \\begin{equation}, ...) are added
+  tokens, matched before pre-tokenization (longest match first, so "\\infty" beats "\\in"; a command
+  that merely starts with a listed one, like "\\input", becomes "\\in" + "put").
+- Ids are stable in every tokenizer we train: the named special tokens first (pad 0, bos 1, eos 2, chat
+  roles, FIM and section sentinels), then 1,024 reserved special tokens, then the LaTeX tokens, then
+  the 256 bytes and the learned merges. `vocab_size` is the total size, all of these included.
+
+A tokenizer directory holds `tokenizer.json` (loads with `tokenizers.Tokenizer.from_file` and
+`transformers.PreTrainedTokenizerFast(tokenizer_file=...)`), `tokenizer_config.json` (so
+`AutoTokenizer.from_pretrained(dir)` knows bos/eos/pad and a chat template) and `hybridlm_tokenizer.json`
+(our metadata: special ids, training inputs, settings).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from hybridlm.data.corpus import ReadStats, find_files, iter_documents
+from hybridlm.data.errors import DataError
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILE = "tokenizer.json"
+HF_CONFIG_FILE = "tokenizer_config.json"
+META_FILE = "hybridlm_tokenizer.json"
+
+# Named special tokens; the position in this tuple is the id. Append new ones by renaming a reserved
+# token downstream, never by inserting here (that would move every id after it).
+SPECIAL_TOKENS: tuple[tuple[str, str], ...] = (
+    ("pad", "<|pad|>"),
+    ("bos", "<|begin_of_text|>"),
+    ("eos", "<|end_of_text|>"),
+    ("system", "<|system|>"),
+    ("user", "<|user|>"),
+    ("assistant", "<|assistant|>"),
+    ("tool", "<|tool|>"),
+    ("end_of_turn", "<|end_of_turn|>"),
+    ("fim_prefix", "<|fim_prefix|>"),
+    ("fim_middle", "<|fim_middle|>"),
+    ("fim_suffix", "<|fim_suffix|>"),
+    ("section", "<|section|>"),
+    ("original_order", "<|original_order|>"),
+)
+NUM_RESERVED = 1024
+
+
+def reserved_token(i: int) -> str:
+    return f"<|reserved_{i}|>"
+
+
+# Common LaTeX, chosen from the commands a math-heavy corpus uses most (Greek letters, fractions and
+# roots, big operators, relations, arrows, fonts, delimiters, accents, environments).
+_GREEK = (
+    "alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi pi "
+    "varpi rho varrho sigma varsigma tau upsilon phi varphi chi psi omega "
+    "Gamma Delta Theta Lambda Xi Pi Sigma Upsilon Phi Psi Omega"
+)
+_COMMANDS = (
+    "frac dfrac tfrac sqrt sum prod coprod int iint iiint oint lim limsup liminf infty partial nabla "
+    "cdot cdots ldots dots vdots ddots times div pm mp circ bullet star ast oplus otimes "
+    "leq geq neq approx equiv sim simeq cong propto ll gg prec succ perp parallel mid "
+    "in notin ni subset subseteq supset supseteq cup cap bigcup bigcap setminus emptyset varnothing "
+    "forall exists nexists neg land lor wedge vee "
+    "to rightarrow leftarrow leftrightarrow Rightarrow Leftarrow Leftrightarrow longrightarrow "
+    "iff implies mapsto uparrow downarrow "
+    "log ln exp sin cos tan sec csc cot arcsin arccos arctan sinh cosh tanh max min sup inf arg det "
+    "dim ker gcd Pr deg "
+    "mathbb mathcal mathrm mathbf mathit mathsf mathfrak boldsymbol text textbf textit texttt emph "
+    "operatorname left right big Big bigg Bigg langle rangle lfloor rfloor lceil rceil lvert rvert "
+    "lVert rVert vert Vert "
+    "hat bar tilde vec dot ddot overline underline widehat widetilde overbrace underbrace "
+    "binom pmod bmod mod quad qquad hspace vspace label ref eqref cite section subsection item "
+    "begin end displaystyle limits prime ell hbar Re Im aleph"
+)
+_ENVIRONMENTS = (
+    "equation equation* align align* aligned gather gather* multline cases matrix pmatrix bmatrix "
+    "vmatrix array itemize enumerate figure table tabular proof theorem lemma definition document"
+)
+
+
+def latex_tokens() -> list[str]:
+    """The LaTeX strings added as single tokens, in id order."""
+    out = ["\\" + c for c in (_GREEK + " " + _COMMANDS).split()]
+    for env in _ENVIRONMENTS.split():
+        out += ["\\begin{" + env + "}", "\\end{" + env + "}"]
+    assert len(out) == len(set(out)), "duplicate LaTeX token"
+    return out
+
+
+# Pre-tokenizer regex (Oniguruma syntax, as `tokenizers` runs it). Alternatives, first match wins:
+#   1-2. an optional leading space + a letter run, split before an upper-case letter that follows
+#        lower case (camelCase -> camel Case), marks kept with their letters;
+#   3.   one digit (any Unicode number character);
+#   4.   an optional leading space + a run of punctuation/symbols (never letters or digits), with the
+#        newlines that follow it;
+#   5-7. newline runs with their indentation, whitespace not followed by text, other whitespace.
+SPLIT_PATTERN = "|".join([
+    r" ?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+",
+    r" ?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*",
+    r"\p{N}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end_of_turn|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_pipeline(pattern: str = SPLIT_PATTERN) -> Tokenizer:
+    """An untrained byte-level BPE with our pre-tokenizer and decoder."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def fixed_tokens(num_reserved: int = NUM_RESERVED) -> list[str]:
+    """Every token with a fixed id, in id order: named specials, reserved specials, LaTeX."""
+    return [t for _, t in SPECIAL_TOKENS] + [reserved_token(i) for i in range(num_reserved)] + latex_tokens()
+
+
+def train_from_texts(
+    texts: Iterable[str],
+    vocab_size: int,
+    *,
+    min_frequency: int = 2,
+    num_reserved: int = NUM_RESERVED,
+    pattern: str = SPLIT_PATTERN,
+    progress: bool = False,
+) -> Tokenizer:
+    """Train the BPE on an iterable of documents and return the `tokenizers.Tokenizer`."""
+    fixed = fixed_tokens(num_reserved)
+    smallest = len(fixed) + 256 + 1
+    if vocab_size < smallest:
+        raise DataError(
+            f"vocab_size {vocab_size} is too small: {len(SPECIAL_TOKENS)} named + {num_reserved} reserved special "
+            f"tokens, {len(latex_tokens())} LaTeX tokens and 256 bytes take {smallest - 1}; use at least {smallest}"
+        )
+    tok = build_pipeline(pattern)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=fixed,  # the trainer gives these ids 0..len(fixed)-1, in order
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=progress,
+    )
+    tok.train_from_iterator(texts, trainer)
+    # LaTeX tokens are ordinary text: mark them non-special so decoding never drops them.
+    spec = json.loads(tok.to_str())
+    latex = set(latex_tokens())
+    for added in spec["added_tokens"]:
+        if added["content"] in latex:
+            added["special"] = False
+    tok = Tokenizer.from_str(json.dumps(spec))
+    for i, content in enumerate(fixed):  # the layout every user of the ids relies on
+        if tok.token_to_id(content) != i:
+            raise RuntimeError(f"tokenizer training moved {content!r} to id {tok.token_to_id(content)}, expected {i}")
+    return tok
+
+
+class HybridTokenizer:
+    """A trained tokenizer plus our metadata; `encode` treats its input as raw text."""
+
+    def __init__(self, tokenizer: Tokenizer, meta: dict):
+        self.tokenizer = tokenizer
+        self.tokenizer.encode_special_tokens = True  # "<|eos|>" typed in a document is text, not EOS
+        self.meta = meta
+        self.special_ids: dict[str, int] = dict(meta["special_tokens"])
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_id(self) -> int:
+        return self.special_ids["eos"]
+
+    @property
+    def bos_id(self) -> int:
+        return self.special_ids["bos"]
+
+    @property
+    def pad_id(self) -> int:
+        return self.special_ids["pad"]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)  # fast: no offsets
+        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def save(self, directory: str | Path) -> None:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        names = dict(SPECIAL_TOKENS)
+        hf_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": names["bos"],
+            "eos_token": names["eos"],
+            "pad_token": names["pad"],
+            "clean_up_tokenization_spaces": False,
+            "chat_template": CHAT_TEMPLATE,
+        }
+        _atomic_write_text(d / TOKENIZER_FILE, self.tokenizer.to_str(pretty=True))
+        _atomic_write_text(d / HF_CONFIG_FILE, json.dumps(hf_config, indent=2))
+        _atomic_write_text(d / META_FILE, json.dumps(self.meta, indent=2))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "HybridTokenizer":
+        d = Path(directory)
+        for name in (TOKENIZER_FILE, META_FILE):
+            if not (d / name).is_file():
+                raise DataError(f"{d}: no {name}; not a tokenizer directory written by `hybridlm tokenizer train`")
+        try:
+            tok = Tokenizer.from_file(str(d / TOKENIZER_FILE))
+            meta = json.loads((d / META_FILE).read_text())
+        except Exception as e:  # damaged JSON from either library
+            raise DataError(f"{d}: cannot read the tokenizer ({e}); train it again") from None
+        return cls(tok, meta)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def train_tokenizer(
+    inputs: Sequence[str | Path],
+    vocab_size: int,
+    out_dir: str | Path,
+    *,
+    text_field: str = "text",
+    skip_missing_field: bool = False,
+    min_frequency: int = 2,
+    max_bytes: int | None = None,
+    num_reserved: int = NUM_RESERVED,
+    progress: bool = False,
+) -> HybridTokenizer:
+    """Train on .txt / .jsonl / .parquet inputs (at most `max_bytes` of text) and save to `out_dir`."""
+    files = find_files(inputs)
+    stats = ReadStats()
+
+    def texts() -> Iterable[str]:
+        for _, text in iter_documents(files, text_field=text_field, skip_missing_field=skip_missing_field,
+                                      stats=stats):
+            yield text
+            if max_bytes is not None and stats.bytes >= max_bytes:
+                return
+
+    tok = train_from_texts(texts(), vocab_size, min_frequency=min_frequency, num_reserved=num_reserved,
+                           progress=progress)
+    if stats.docs == 0:
+        raise DataError(f"no text found in {', '.join(map(str, inputs))}")
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size < vocab_size:
+        log.warning("the corpus supports only %d tokens (asked for %d): it has too few distinct merges "
+                    "with min_frequency=%d", size, vocab_size, min_frequency)
+    latex = latex_tokens()
+    fixed = len(SPECIAL_TOKENS) + num_reserved
+    meta = {
+        "format": "hybridlm-tokenizer",
+        "version": 1,
+        "vocab_size": size,
+        "requested_vocab_size": vocab_size,
+        "special_tokens": {name: i for i, (name, _) in enumerate(SPECIAL_TOKENS)},
+        "reserved_tokens": {"first_id": len(SPECIAL_TOKENS), "count": num_reserved},
+        "latex_tokens": {"first_id": fixed, "count": len(latex)},
+        "split_pattern": SPLIT_PATTERN,
+        "digits": "individual",
+        "training": {
+            "files": [f.path for f in files],
+            "docs": stats.docs,
+            "bytes": stats.bytes,
+            "max_bytes": max_bytes,
+            "min_frequency": min_frequency,
+            "text_field": text_field,
+            "read": stats.as_dict(),
+        },
+        "tokenizers_version": tokenizers.__version__,
+    }
+    hybrid = HybridTokenizer(tok, meta)
+    hybrid.save(out_dir)
+    return hybrid
+
+
+def text_stats(tok: HybridTokenizer, texts: Iterable[str]) -> dict:
+    """Fertility (tokens per whitespace-separated word) and UTF-8 bytes per token over `texts`.
+
+    Lower fertility / higher bytes per token mean shorter sequences. Fertility is not meaningful for
+    scripts written without spaces (Chinese, Japanese, Thai): a whole sentence counts as one "word".
+    """
+    docs = words = n_bytes = n_tokens = 0
+    batch: list[str] = []
+
+    def flush() -> None:
+        nonlocal n_tokens
+        n_tokens += sum(len(ids) for ids in tok.encode_batch(batch))
+        batch.clear()
+
+    for text in texts:
+        docs += 1
+        words += len(text.split())
+        n_bytes += len(text.encode("utf-8"))
+        batch.append(text)
+        if len(batch) >= 256:
+            flush()
+    flush()
+    return {
+        "docs": docs,
+        "words": words,
+        "bytes": n_bytes,
+        "tokens": n_tokens,
+        "fertility": n_tokens / words if words else float("nan"),
+        "bytes_per_token": n_bytes / n_tokens if n_tokens else float("nan"),
+    }
+
+
+def stats(tokenizer_dir: str | Path, inputs: Sequence[str | Path], *, text_field: str = "text",
+          skip_missing_field: bool = False) -> dict:
+    """`text_stats` of the tokenizer in `tokenizer_dir` on held-out .txt / .jsonl / .parquet inputs."""
+    tok = HybridTokenizer.load(tokenizer_dir)
+    files = find_files(inputs)
+    out = text_stats(tok, (t for _, t in iter_documents(files, text_field=text_field,
+                                                        skip_missing_field=skip_missing_field)))
+    out["vocab_size"] = tok.vocab_size
+    return out

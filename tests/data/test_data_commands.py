@@ -1,0 +1,88 @@
+"""The `tokenizer` and `data` commands, driven through an argparse parser as the CLI builds it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from hybridlm.data.commands import add_commands
+from hybridlm.data.shards import MANIFEST, TokenDataset
+from tests.data.corpora import VOCAB_SIZE, documents, write_jsonl, write_txt_tree
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybridlm")
+    sp = p.add_subparsers(dest="command")
+    add_commands(sp)
+    return p
+
+
+def _call(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    return args.func(args)
+
+
+@pytest.mark.parametrize("argv, flags", [
+    (["tokenizer", "train"], ["--input", "--vocab-size", "--out", "--text-field"]),
+    (["tokenizer", "stats"], ["--tokenizer", "--input"]),
+    (["data", "prepare"], ["--input", "--tokenizer", "--out", "--workers", "--text-field", "--shard-tokens"]),
+    (["data", "verify"], ["--data"]),
+])
+def test_help_lists_the_options(capsys, argv, flags):
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args(argv + ["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert all(f in text for f in flags)
+
+
+def test_missing_required_option_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args(["data", "prepare", "--input", "x"])
+    assert exit_info.value.code == 2
+    assert "--tokenizer" in capsys.readouterr().err
+
+
+def test_train_stats_prepare_verify(tmp_path, capsys):
+    corpus = write_txt_tree(tmp_path / "corpus", documents(seed=3, n_docs=60))
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", documents(seed=4, n_docs=10), field="body")
+    tok = tmp_path / "tok"
+    assert _call(["tokenizer", "train", "--input", str(corpus), "--vocab-size", str(VOCAB_SIZE), "--out", str(tok),
+                  "--no-progress"]) == 0
+    assert "60 documents" in capsys.readouterr().out
+    assert (tok / "tokenizer.json").is_file()
+
+    assert _call(["tokenizer", "stats", "--tokenizer", str(tok), "--input", str(held_out), "--text-field", "body",
+                  "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["docs"] == 10 and s["fertility"] > 1.0 and s["bytes_per_token"] > 1.0
+
+    out = tmp_path / "data"
+    argv = ["data", "prepare", "--input", str(corpus), "--tokenizer", str(tok), "--out", str(out),
+            "--workers", "1", "--shard-tokens", "300", "--no-progress"]
+    assert _call(argv) == 0
+    first = capsys.readouterr().out
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert first.startswith(f"wrote {manifest['num_tokens']} tokens, 60 documents") and manifest["shard_tokens"] == 300
+    assert _call(argv) == 0
+    assert capsys.readouterr().out.startswith("up to date:")
+
+    assert _call(["data", "verify", "--data", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"ok: {manifest['num_tokens']} tokens")
+    TokenDataset(out)
+
+
+def test_errors_exit_1_with_a_message(tmp_path, tokenizer_dir, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"content": "no text"}\n')
+    rc = _call(["data", "prepare", "--input", str(bad), "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "o"),
+                "--workers", "1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "bad.jsonl:2: no text field 'text'" in err and "Traceback" not in err
+
+    assert _call(["data", "verify", "--data", str(tmp_path)]) == 1
+    assert "no manifest.json" in capsys.readouterr().err
+    assert _call(["tokenizer", "train", "--input", str(bad), "--vocab-size", "500", "--out", str(tmp_path / "t")]) == 1
+    assert "too small" in capsys.readouterr().err

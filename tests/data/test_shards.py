@@ -1,0 +1,216 @@
+"""`prepare` and `TokenDataset`: shard layout, determinism, idempotence, resuming, corruption."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from hybridlm.data import shards
+from hybridlm.data.errors import DataError
+from hybridlm.data.shards import MANIFEST, PROGRESS, TokenDataset, prepare, token_dtype
+from tests.data.corpora import documents, write_jsonl, write_txt_tree
+
+SHARD = 397  # small and odd, so documents cross shard boundaries
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    docs = documents(seed=1, n_docs=40, lo=3, hi=40)
+    write_txt_tree(tmp_path / "in" / "tree", docs[:25])
+    write_jsonl(tmp_path / "in" / "extra.jsonl", docs[25:])
+    (tmp_path / "in" / "empty.txt").write_bytes(b"")
+    return tmp_path / "in", docs
+
+
+def _files(d):
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name.startswith("shard_")}
+
+
+def _run(corpus_dir, tokenizer_dir, out, **kw):
+    kw.setdefault("workers", 1)
+    return prepare([corpus_dir], tokenizer_dir, out, shard_tokens=SHARD, progress=False, **kw)
+
+
+def test_layout_manifest_and_documents(corpus, tokenizer_dir, tokenizer, tmp_path):
+    corpus_dir, docs = corpus
+    result = _run(corpus_dir, tokenizer_dir, tmp_path / "out")
+    m = result.manifest
+    assert result.status == "created"
+    # Document order: files by relative path ("empty.txt" < "extra.jsonl" < "tree/...").
+    order = docs[25:] + [docs[i] for p in range(3) for i in range(25) if i % 3 == p]
+    expected = [tokenizer.encode(d) + [tokenizer.eos_id] for d in order]
+    assert m["num_docs"] == len(expected) and m["num_tokens"] == sum(map(len, expected))
+    assert m["dtype"] == "uint16" and m["eos_id"] == 2
+    assert m["counts"]["empty_files"] == 1 and m["counts"]["files"] == 27
+    sizes = [s["tokens"] for s in m["shards"]]
+    assert all(n == SHARD for n in sizes[:-1]) and 0 < sizes[-1] <= SHARD and sum(sizes) == m["num_tokens"]
+    for s in m["shards"]:
+        raw = (tmp_path / "out" / s["name"]).read_bytes()
+        assert len(raw) == 2 * s["tokens"] and hashlib.sha256(raw).hexdigest() == s["sha256"]
+    assert sum(s["tokens"] for s in m["sources"]) == m["num_tokens"]
+    assert [s["docs"] for s in m["sources"]][:2] == [0, 15]  # empty.txt, extra.jsonl
+    ds = TokenDataset(tmp_path / "out")
+    assert [ds.doc(i).tolist() for i in range(ds.num_docs)] == expected
+    assert tokenizer.decode(ds.doc(3)[:-1]) == order[3]
+    flat = np.concatenate([np.fromfile(tmp_path / "out" / s["name"], dtype="<u2") for s in m["shards"]])
+    assert flat.tolist() == sum(expected, [])
+    assert not (tmp_path / "out" / PROGRESS).exists()
+
+
+def test_output_does_not_depend_on_workers(corpus, tokenizer_dir, tmp_path):
+    corpus_dir, _ = corpus
+    a = _run(corpus_dir, tokenizer_dir, tmp_path / "w1", workers=1, batch_docs=3)
+    b = _run(corpus_dir, tokenizer_dir, tmp_path / "w2", workers=2, batch_docs=3)
+    assert _files(tmp_path / "w1") == _files(tmp_path / "w2")
+    assert a.manifest["shards"] == b.manifest["shards"]
+
+
+def test_rerun_is_a_no_op(corpus, tokenizer_dir, tmp_path, monkeypatch):
+    corpus_dir, _ = corpus
+    _run(corpus_dir, tokenizer_dir, tmp_path / "out")
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
+
+    def no_tokenizing(texts):
+        raise AssertionError("a complete dataset was tokenized again")
+
+    monkeypatch.setattr(shards, "_encode", no_tokenizing)
+    assert _run(corpus_dir, tokenizer_dir, tmp_path / "out").status == "up_to_date"
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()} == before
+
+
+def test_interrupted_run_resumes_to_identical_output(corpus, tokenizer_dir, tmp_path, monkeypatch):
+    corpus_dir, _ = corpus
+    _run(corpus_dir, tokenizer_dir, tmp_path / "whole")
+    total_docs = json.loads((tmp_path / "whole" / MANIFEST).read_text())["num_docs"]
+
+    real_write, calls = shards._ShardWriter._write, []
+
+    def crash_on_fourth_shard(self, tokens, end):
+        calls.append(end)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        real_write(self, tokens, end)
+
+    monkeypatch.setattr(shards._ShardWriter, "_write", crash_on_fourth_shard)
+    with pytest.raises(KeyboardInterrupt):
+        _run(corpus_dir, tokenizer_dir, tmp_path / "out")
+    monkeypatch.setattr(shards._ShardWriter, "_write", real_write)
+    out = tmp_path / "out"
+    assert not (out / MANIFEST).exists() and (out / PROGRESS).exists()
+    assert sorted(p.name for p in out.glob("shard_*.bin")) == [f"shard_0000{i}.bin" for i in range(3)]
+    with pytest.raises(DataError, match="has not finished"):
+        TokenDataset(out)
+
+    tokenized = []
+    real_encode = shards._encode
+    monkeypatch.setattr(shards, "_encode", lambda texts: (tokenized.extend(texts), real_encode(texts))[1])
+    result = _run(corpus_dir, tokenizer_dir, out)
+    assert (result.status, result.kept_shards) == ("resumed", 3)
+    assert len(tokenized) == total_docs - calls[2]["doc"]  # starts at the document the 3rd shard ended in
+    assert calls[2]["offset"] > 0  # ... which it had cut in the middle
+    assert _files(out) == _files(tmp_path / "whole")
+    assert result.manifest == json.loads((tmp_path / "whole" / MANIFEST).read_text())
+
+
+def test_failed_write_leaves_no_partial_file(corpus, tokenizer_dir, tmp_path, monkeypatch):
+    corpus_dir, _ = corpus
+    real_replace = shards.os.replace
+
+    def failing_replace(src, dst):
+        if str(dst).endswith("shard_00001.bin"):
+            raise OSError("disk full")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(shards.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk full"):
+        _run(corpus_dir, tokenizer_dir, tmp_path / "out")
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == [".prepare.lock", PROGRESS, "shard_00000.bin", "shard_00000.idx"]
+    monkeypatch.setattr(shards.os, "replace", real_replace)
+    (tmp_path / "out" / "shard_00001.bin.tmp-12345").write_bytes(b"left by a killed run")
+    assert _run(corpus_dir, tokenizer_dir, tmp_path / "out").status == "resumed"
+    assert not list((tmp_path / "out").glob("*.tmp-*"))
+    TokenDataset(tmp_path / "out")
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_shard_is_detected_and_repaired(corpus, tokenizer_dir, tmp_path, damage):
+    corpus_dir, _ = corpus
+    out = tmp_path / "out"
+    _run(corpus_dir, tokenizer_dir, out)
+    good = _files(out)
+    victim = out / "shard_00002.bin"
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[5] ^= 0x01
+        victim.write_bytes(bytes(data))
+    elif damage == "truncate":
+        victim.write_bytes(bytes(data[:-3]))
+    else:
+        victim.unlink()
+    expected = {"flip": "sha256 does not match", "truncate": f"has {2 * SHARD - 3} bytes but the manifest says {2 * SHARD}",
+                "delete": "is missing"}[damage]
+    with pytest.raises(DataError, match=rf"shard_00002\.bin.*{expected}.*re-run `hybridlm data prepare`"):
+        TokenDataset(out)
+    if damage == "flip":
+        TokenDataset(out, verify="size")  # a size check alone cannot see a flipped bit
+    else:
+        with pytest.raises(DataError):
+            TokenDataset(out, verify="size")
+    result = _run(corpus_dir, tokenizer_dir, out)
+    assert (result.status, result.kept_shards) == ("resumed", 2)
+    assert _files(out) == good
+    TokenDataset(out)
+
+
+def test_other_inputs_into_the_same_directory(corpus, tokenizer_dir, tmp_path):
+    corpus_dir, _ = corpus
+    out = tmp_path / "out"
+    _run(corpus_dir, tokenizer_dir, out)
+    with pytest.raises(DataError, match=r"other inputs or settings \(differs in: shard_tokens\).*--overwrite"):
+        prepare([corpus_dir], tokenizer_dir, out, shard_tokens=SHARD + 1, workers=1, progress=False)
+    (corpus_dir / "extra.jsonl").write_text('{"text": "changed"}\n')
+    with pytest.raises(DataError, match=r"differs in: sources"):
+        _run(corpus_dir, tokenizer_dir, out)
+    result = _run(corpus_dir, tokenizer_dir, out, overwrite=True)
+    assert result.status == "created" and result.manifest["sources"][1]["docs"] == 1
+    assert len(list(out.glob("shard_*.bin"))) == len(result.manifest["shards"])
+
+
+def test_bad_record_stops_before_anything_is_published(tmp_path, tokenizer_dir):
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(30)) + '{"body": "x"}\n')
+    with pytest.raises(DataError, match=r"in\.jsonl:31: no text field 'text'"):
+        prepare([path], tokenizer_dir, tmp_path / "out", shard_tokens=10, workers=1, progress=False)
+    assert not (tmp_path / "out" / MANIFEST).exists()
+    result = prepare([path], tokenizer_dir, tmp_path / "out2", shard_tokens=10, workers=1, progress=False,
+                     skip_missing_field=True)
+    assert result.manifest["counts"]["missing_field"] == 1 and result.manifest["num_docs"] == 30
+
+
+def test_token_dtype_by_vocab_size():
+    assert token_dtype(1800) == np.uint16 and token_dtype(65536) == np.uint16
+    assert token_dtype(65537) == np.uint32 and token_dtype(262144) == np.uint32
+
+
+def test_open_rejects_non_datasets(tmp_path):
+    with pytest.raises(DataError, match="no manifest.json"):
+        TokenDataset(tmp_path)
+    (tmp_path / MANIFEST).write_text("{broken")
+    with pytest.raises(DataError, match="damaged"):
+        TokenDataset(tmp_path)
+
+
+def test_parquet_input(tmp_path, tokenizer_dir, tokenizer):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    docs = documents(seed=5, n_docs=12)
+    pq.write_table(pa.table({"content": docs}), tmp_path / "d.parquet", row_group_size=5)
+    result = prepare([tmp_path / "d.parquet"], tokenizer_dir, tmp_path / "out", text_field="content", workers=1,
+                     shard_tokens=SHARD, progress=False)
+    ds = TokenDataset(tmp_path / "out")
+    assert result.manifest["sources"][0]["format"] == "parquet"
+    assert [tokenizer.decode(ds.doc(i)[:-1]) for i in range(ds.num_docs)] == docs
