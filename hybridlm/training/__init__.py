@@ -1,0 +1,72 @@
+"""Training stack pieces that do not depend on the model classes.
+
+- `schedules`: lr / wd factors (warmup, WSD, cosine, power, effective power) and batch rampup
+- `optim`: AdamW parameter groups by role with ELR / EWD multipliers; muP width transfer of multipliers
+- `checkpoint`: atomic, checksummed, pickle-free training checkpoints (`rng`, `tensor_tree` underneath)
+- `guard`: skip non-finite (or spiking) updates, stop after a streak
+"""
+
+from __future__ import annotations
+
+from hybridlm.training.checkpoint import (
+    CheckpointError,
+    LoadedCheckpoint,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from hybridlm.training.guard import StepGuard, TrainingDivergedError
+from hybridlm.training.optim import (
+    DEFAULT_ROLE_PATTERNS,
+    MATRIX_ROLES,
+    MUP_WIDTH_EXPONENTS,
+    VECTOR_ROLES,
+    MatrixMultipliers,
+    apply_schedule,
+    build_param_groups,
+    classify_parameters,
+    matrix_lr_wd,
+    regex_classifier,
+    scale_multipliers,
+)
+from hybridlm.training.schedules import (
+    BatchRampup,
+    ScheduleConfig,
+    ScheduleFactors,
+    lr_wd_factors,
+    plot_schedule,
+    schedule_factors,
+    simulate_schedule,
+)
+
+__all__ = [
+    "BatchRampup",
+    "CheckpointError",
+    "DEFAULT_ROLE_PATTERNS",
+    "LoadedCheckpoint",
+    "MATRIX_ROLES",
+    "MUP_WIDTH_EXPONENTS",
+    "MatrixMultipliers",
+    "ScheduleConfig",
+    "ScheduleFactors",
+    "StepGuard",
+    "TrainingDivergedError",
+    "VECTOR_ROLES",
+    "apply_schedule",
+    "build_param_groups",
+    "classify_parameters",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "lr_wd_factors",
+    "matrix_lr_wd",
+    "plot_schedule",
+    "regex_classifier",
+    "save_checkpoint",
+    "schedule_factors",
+    "scale_multipliers",
+    "simulate_schedule",
+    "verify_checkpoint",
+]

@@ -1,0 +1,323 @@
+"""Training checkpoints: one directory per step, written atomically, verified on load, no pickle.
+
+Layout of `<directory>/step_XXXXXXXX/` (8 digits, more past 10^8 steps):
+
+    model.safetensors        model.state_dict() (tied weights stored once: safetensors.torch.save_model)
+    optimizer.safetensors    the optimizer state's tensors ...
+    optimizer.json           ... and the rest of optimizer.state_dict() (param groups: lr, base_lr, role,
+                             param_names, betas, ...), see `hybridlm.training.tensor_tree`
+    rng.safetensors, rng.json   torch CPU / CUDA, numpy and python `random` states (`training.rng`)
+    train_state.json         {"step": int, "train_state": the caller's JSON dict}: token count, schedule
+                             config, data-loader position, guard counters, ... whatever resuming needs
+    manifest.json            {"format", "version", "step", "files": {name: {"sha256", "bytes"}}}
+
+Atomicity: everything is written into `step_XXXXXXXX.tmp/`, each file fsynced, the manifest (with the
+sha256 of every other file) last; then the directory is renamed to `step_XXXXXXXX/` with `os.replace`.
+A crash leaves at most a `.tmp` directory, which `latest_checkpoint` ignores and the next save of that
+step removes. `keep_last=K` then deletes all but the K newest step directories.
+
+Loading verifies the manifest and every checksum before touching the model and raises `CheckpointError`
+naming the bad file and saying what to do (remove the directory to fall back to the previous one).
+Resuming exactly: save after an update and before the next draws any random number; restoring then
+continues the same random streams (`restore_rng=True`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, load_model, save_file, save_model
+from torch import nn
+
+from hybridlm.fileio import fsync_dir, fsync_file, sha256_file
+from hybridlm.training.rng import capture_rng_state, restore_rng_state
+from hybridlm.training.tensor_tree import flatten_tree, unflatten_tree
+
+FORMAT = "hybridlm-training-checkpoint"
+VERSION = 1
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_TENSORS = "optimizer.safetensors"
+OPTIMIZER_JSON = "optimizer.json"
+RNG_TENSORS = "rng.safetensors"
+RNG_JSON = "rng.json"
+TRAIN_STATE_FILE = "train_state.json"
+MANIFEST_FILE = "manifest.json"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be written or loaded; the message names the file and says what to do."""
+
+
+class LoadedCheckpoint(NamedTuple):
+    path: Path
+    step: int
+    train_state: dict[str, Any]
+
+
+def checkpoint_dir_name(step: int) -> str:
+    """`step_XXXXXXXX` for a step count >= 0."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return f"step_{step:08d}"
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _write_json(path: Path, obj: Any, what: str) -> None:
+    try:
+        text = json.dumps(obj, indent=1, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(
+            f"{what} must be JSON-serializable (dict, list, str, int, finite float, bool, None): {err}"
+        ) from err
+    path.write_text(text + "\n", encoding="utf-8")
+
+
+def _step_of(path: Path) -> int | None:
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """Every `step_XXXXXXXX` directory under `directory` (complete or not), oldest first; `.tmp` excluded."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(step, p) for p in directory.iterdir() if p.is_dir() and (step := _step_of(p)) is not None]
+    return [p for _, p in sorted(found)]
+
+
+def _looks_complete(path: Path) -> bool:
+    """Cheap check (no hashing): the manifest parses and every file it lists exists with its size."""
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
+        files = manifest["files"]
+        return manifest.get("format") == FORMAT and all(
+            (path / name).is_file() and (path / name).stat().st_size == entry["bytes"] for name, entry in files.items()
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest complete checkpoint under `directory` (None if there is none).
+
+    Complete: a `step_XXXXXXXX` directory (never `.tmp`) whose manifest parses and whose listed files
+    all exist with the recorded sizes. Checksums are verified by `load_checkpoint`, not here.
+    """
+    for path in reversed(list_checkpoints(directory)):
+        if _looks_complete(path):
+            return path
+    return None
+
+
+def _previous_hint(path: Path) -> str:
+    older = [p for p in list_checkpoints(path.parent) if (_step_of(p) or 0) < (_step_of(path) or 0)]
+    if older:
+        return f"remove {path} to fall back to the previous checkpoint ({older[-1].name})"
+    return f"remove {path}; there is no older checkpoint to fall back to, so training restarts from scratch"
+
+
+# ---------------------------------------------------------------------------------------------- save
+def save_checkpoint(
+    directory: str | Path,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    train_state: dict[str, Any] | None = None,
+    save_rng: bool = True,
+    keep_last: int | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write `<directory>/step_XXXXXXXX/` atomically and return its path.
+
+    `train_state` is the caller's JSON dict (tokens, schedule config, data-loader position, ...).
+    `keep_last=K` keeps only the K newest step directories afterwards. An existing directory for this
+    step raises CheckpointError unless `overwrite=True`.
+    """
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+        raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+    directory = Path(directory)
+    final = directory / checkpoint_dir_name(step)
+    tmp = directory / (final.name + ".tmp")
+    if final.exists() and not overwrite:
+        raise CheckpointError(f"{final} already exists; pass overwrite=True to replace it")
+    directory.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():  # left by an interrupted save of this step
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+
+    written: list[str] = []
+    save_model(model, str(tmp / MODEL_FILE))
+    written.append(MODEL_FILE)
+    if optimizer is not None:
+        tensors, skeleton = flatten_tree(optimizer.state_dict())
+        save_file(tensors, str(tmp / OPTIMIZER_TENSORS))
+        _write_json(tmp / OPTIMIZER_JSON, skeleton, "the optimizer state")
+        written += [OPTIMIZER_TENSORS, OPTIMIZER_JSON]
+    if save_rng:
+        tensors, skeleton = flatten_tree(capture_rng_state())
+        save_file(tensors, str(tmp / RNG_TENSORS))
+        _write_json(tmp / RNG_JSON, skeleton, "the RNG state")
+        written += [RNG_TENSORS, RNG_JSON]
+    _write_json(tmp / TRAIN_STATE_FILE, {"step": step, "train_state": dict(train_state or {})}, "train_state")
+    written.append(TRAIN_STATE_FILE)
+
+    files = {}
+    for name in written:
+        fsync_file(tmp / name)
+        files[name] = {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
+    _write_json(tmp / MANIFEST_FILE, {"format": FORMAT, "version": VERSION, "step": step, "files": files}, "manifest")
+    fsync_file(tmp / MANIFEST_FILE)
+    fsync_dir(tmp)
+
+    if final.exists():  # overwrite=True: move the old one aside under a name nothing else reads
+        old = directory / (final.name + ".old.tmp")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(directory)
+
+    if keep_last is not None:
+        for stale in list_checkpoints(directory)[:-keep_last]:
+            if stale != final:
+                shutil.rmtree(stale)
+    return final
+
+
+# ---------------------------------------------------------------------------------------------- load
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Check the manifest and the sha256 and size of every file it lists; return the manifest.
+
+    Raises CheckpointError naming the first problem (missing or unreadable manifest, missing file, size or
+    checksum mismatch) and saying what to do.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint directory")
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise CheckpointError(
+            f"{manifest_path} is missing: the checkpoint is incomplete (its save was interrupted); "
+            + _previous_hint(path)
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+        if manifest.get("format") != FORMAT or not isinstance(files, dict):
+            raise ValueError(f"format {manifest.get('format')!r}")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{manifest_path} is unreadable or not a {FORMAT} manifest ({err}); " + _previous_hint(path)) from err
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(
+            f"{manifest_path} has format version {manifest.get('version')!r}; this hybridlm reads version {VERSION}"
+        )
+    for name, entry in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is listed in the manifest but missing; " + _previous_hint(path))
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(
+                f"{file} has {size} bytes, the manifest records {entry['bytes']}: the file is corrupt or truncated; "
+                + _previous_hint(path)
+            )
+        digest = sha256_file(file)
+        if digest != entry["sha256"]:
+            raise CheckpointError(
+                f"{file} fails its checksum (sha256 {digest[:16]}..., manifest {entry['sha256'][:16]}...): the file "
+                "is corrupt; " + _previous_hint(path)
+            )
+    return manifest
+
+
+def _read_tree(path: Path, tensor_file: str, json_file: str) -> Any:
+    try:
+        tensors = load_file(str(path / tensor_file))
+        skeleton = json.loads((path / json_file).read_text(encoding="utf-8"))
+        return unflatten_tree(tensors, skeleton)
+    except (OSError, ValueError, SafetensorError) as err:
+        raise CheckpointError(f"{path / json_file} / {tensor_file} cannot be read ({err}); " + _previous_hint(path)) from err
+
+
+def _check_param_names(saved: dict[str, Any], optimizer: torch.optim.Optimizer, path: Path) -> None:
+    saved_groups = saved.get("param_groups", [])
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{path / OPTIMIZER_JSON} has {len(saved_groups)} parameter groups, the optimizer has "
+            f"{len(optimizer.param_groups)}: build the optimizer the way the saved run did"
+        )
+    for index, (old, new) in enumerate(zip(saved_groups, optimizer.param_groups)):
+        if "param_names" in old and "param_names" in new and list(old["param_names"]) != list(new["param_names"]):
+            diff = next((a, b) for a, b in zip(old["param_names"] + [None], new["param_names"] + [None]) if a != b)
+            raise CheckpointError(
+                f"{path / OPTIMIZER_JSON}: parameter group {index} ({old.get('role', '?')}) was saved for other "
+                f"parameters (first difference: saved {diff[0]!r}, now {diff[1]!r}); the model changed since the save"
+            )
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    restore_rng: bool = True,
+) -> LoadedCheckpoint:
+    """Verify `path` (a step directory), then load the model, the optimizer and the RNG states into place.
+
+    The model must have exactly the saved parameter and buffer names and shapes. Returns the step and the
+    caller's train_state. Raises CheckpointError for a corrupt, incomplete or mismatched checkpoint; files
+    are verified and read before any object changes, but a model that does not fit may be left partly
+    loaded (rebuild it).
+    """
+    path = Path(path)
+    manifest = verify_checkpoint(path)
+    files = manifest["files"]
+
+    # read and check everything before changing any object
+    saved_optimizer = None
+    if optimizer is not None:
+        if OPTIMIZER_TENSORS not in files:
+            raise CheckpointError(f"{path} holds no optimizer state (saved with optimizer=None)")
+        saved_optimizer = _read_tree(path, OPTIMIZER_TENSORS, OPTIMIZER_JSON)
+        _check_param_names(saved_optimizer, optimizer, path)
+    saved_rng = None
+    if restore_rng:
+        if RNG_TENSORS not in files:
+            raise CheckpointError(f"{path} holds no RNG state (saved with save_rng=False); pass restore_rng=False")
+        saved_rng = _read_tree(path, RNG_TENSORS, RNG_JSON)
+    try:
+        record = json.loads((path / TRAIN_STATE_FILE).read_text(encoding="utf-8"))
+        loaded = LoadedCheckpoint(path, int(record["step"]), dict(record["train_state"]))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path / TRAIN_STATE_FILE} cannot be read ({err}); " + _previous_hint(path)) from err
+
+    try:
+        missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False)
+    except (OSError, RuntimeError, SafetensorError) as err:
+        raise CheckpointError(f"{path / MODEL_FILE} does not fit the model: {err}") from err
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path / MODEL_FILE} does not fit the model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}; build the model with the saved configuration"
+        )
+    if saved_optimizer is not None:
+        try:
+            optimizer.load_state_dict(saved_optimizer)
+        except (ValueError, KeyError, RuntimeError) as err:
+            raise CheckpointError(f"{path / OPTIMIZER_JSON} does not fit the optimizer: {err}") from err
+    if saved_rng is not None:
+        restore_rng_state(saved_rng)
+    return loaded
