@@ -1,0 +1,111 @@
+"""Grouped-query self-attention with RoPE and Falcon-H1's key multiplier.
+
+    q = W_q h,   k = m_key W_k h,   v = W_v h          (heads: q [B, T, Hq, D], k, v [B, T, Hkv, D])
+    q, k = RoPE(q), RoPE(k) at position_ids
+    o = W_o softmax(q k^T / sqrt(D) + causal mask) v
+
+Packed batches (`cu_seqlens`, B == 1) use a block-diagonal causal mask: tokens attend only inside
+their own document (an O(T^2) boolean mask; fine on CPU and for moderate lengths). A `LayerCache`
+makes it incremental: new keys/values are appended and queries attend to everything cached.
+The input multiplier (`attention_in_multiplier`) and output multiplier live in the block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridlm.layers.cache import LayerCache
+from hybridlm.modules.boundaries import has_restarts, local_positions, pack_rows, sequence_ids
+from hybridlm.modules.rotary import RotaryEmbedding, apply_rotary
+from hybridlm.ops.utils import check_cu_seqlens
+
+
+class Attention(nn.Module):
+    """Self-attention mixer: `forward(hidden [B, T, D], *, cu_seqlens, position_ids, cache) -> [B, T, D]`."""
+
+    def __init__(self, config, layer_idx: int) -> None:  # config: HybridConfig
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.key_multiplier = config.key_multiplier
+        self.dropout = config.attention_dropout
+        width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, width, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
+        self.o_proj = nn.Linear(width, config.hidden_size, bias=config.attention_bias)
+        self.rotary = RotaryEmbedding(self.head_dim, base=config.rope_theta)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        if cu_seqlens is None and position_ids is not None and has_restarts(position_ids):
+            if cache is not None:
+                raise ValueError("Attention: a decoding cache cannot be combined with packed documents (restarts)")
+            # Documents packed inside rows (position_ids restart at 0): attend as one packed row.
+            packed, cu_seqlens, position_ids = pack_rows(hidden, position_ids)
+            out = self(packed, cu_seqlens=cu_seqlens, position_ids=position_ids)
+            return out.reshape(hidden.shape[0], hidden.shape[1], -1)
+        batch, length, _ = hidden.shape
+        offsets = None
+        if cu_seqlens is not None:
+            if cache is not None:
+                raise ValueError("Attention: a decoding cache cannot be combined with cu_seqlens (packed batches)")
+            offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length).to(hidden.device)
+        past = cache.key.shape[1] if cache is not None and cache.key is not None else 0
+        if position_ids is None:
+            if offsets is not None:
+                position_ids = local_positions(offsets, length).unsqueeze(0)  # [1, T]
+            else:
+                position_ids = torch.arange(past, past + length, device=hidden.device).unsqueeze(0)  # [1, T]
+
+        q = self.q_proj(hidden).view(batch, length, self.num_heads, self.head_dim)  # [B, T, Hq, D]
+        k = self.k_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim) * self.key_multiplier
+        v = self.v_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        cos, sin = self.rotary(position_ids)  # [B or 1, T, D]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        if cache is not None:
+            if cache.key is not None:
+                k = torch.cat([cache.key, k], dim=1)  # [B, S, Hkv, D], S = past + T
+                v = torch.cat([cache.value, v], dim=1)
+            cache.key, cache.value = k, v
+
+        mask, is_causal = _attention_mask(offsets, length=length, past=past, device=hidden.device)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),  # [B, Hq, T, D]
+            k.transpose(1, 2),  # [B, Hkv, S, D]
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [B, Hq, T, D]
+        out = out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+def _attention_mask(
+    offsets: torch.Tensor | None, *, length: int, past: int, device: torch.device
+) -> tuple[torch.Tensor | None, bool]:
+    """(boolean mask [T, past + T] where True = may attend, or None; is_causal flag for SDPA)."""
+    if offsets is not None:
+        seq = sequence_ids(offsets, length)  # [T]
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        return (seq[:, None] == seq[None, :]) & causal, False
+    if past == 0:
+        return None, length > 1
+    if length == 1:
+        return None, False  # one new query sees the whole cache
+    rows = torch.arange(length, device=device)[:, None] + past
+    cols = torch.arange(past + length, device=device)[None, :]
+    return cols <= rows, False

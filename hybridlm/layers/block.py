@@ -1,0 +1,107 @@
+"""The hybrid block: attention heads and SSM heads side by side, then the MLP (Falcon-H1).
+
+Arrangements (`config.block_arrangement`), with N, N_A, N' RMSNorms and m_* the muP multipliers:
+
+    "SA_M" (default, Falcon-H1):  n = N(x)
+                                  h = x + m_ssm_out ssm(m_ssm_in n) + m_attn_out attn(m_attn_in n)
+                                  out = h + mlp(N'(h))
+    "SAM"  (fully parallel):      n = N(x)
+                                  out = x + m_ssm_out ssm(m_ssm_in n) + m_attn_out attn(m_attn_in n) + mlp(n)
+    "S_A_M" (sequential):         h1 = x + m_ssm_out ssm(m_ssm_in N(x))
+                                  h2 = h1 + m_attn_out attn(m_attn_in N_A(h1))
+                                  out = h2 + mlp(N'(h2))
+
+Either mixer may be off (`use_attention=False`, `ssm_mixer="none"`); `intermediate_size=0` drops
+the MLP. The SSM half comes from `build_ssm_mixer`, keyed by `config.ssm_mixer`.
+
+Mixer contract (every sequence mixer, e.g. `Mamba2Mixer`, `Attention`, and the fast-weight mixer
+`hybridlm.layers.fast_weight.FastWeightMixer(config, layer_idx)`):
+
+    mixer(hidden,                 # [B, T, D], already normalized and scaled by the input multiplier
+          *,
+          cu_seqlens=None,        # [N + 1] int offsets of packed documents (B == 1): no mixing across them
+          position_ids=None,      # [B, T] or [1, T] positions (restart at 0 per document); RoPE uses them
+          cache=None)             # hybridlm.layers.cache.LayerCache of this layer, read and updated in place
+        -> [B, T, D]              # before the output multiplier (the block applies it)
+
+An SSM mixer keeps its decoding state in `cache.ssm` (a dict it owns). The block applies the
+ssm_in/ssm_out and attention_in/attention_out multipliers; mixers apply only their internal ones.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridlm.layers.attention import Attention
+from hybridlm.layers.cache import LayerCache
+from hybridlm.layers.fast_weight import FastWeightMixer
+from hybridlm.layers.mamba2 import Mamba2Mixer
+from hybridlm.layers.mlp import GatedMLP
+from hybridlm.modules.norm import RMSNorm
+
+
+def build_ssm_mixer(config, layer_idx: int) -> nn.Module | None:
+    """The SSM half of a block for `config.ssm_mixer` ("mamba2" | "fast_weight" | "none")."""
+    if config.ssm_mixer == "none":
+        return None
+    if config.ssm_mixer == "mamba2":
+        return Mamba2Mixer(config, layer_idx)
+    if config.ssm_mixer == "fast_weight":
+        return FastWeightMixer(config, layer_idx)
+    raise ValueError(f"unknown ssm_mixer {config.ssm_mixer!r}; choose 'mamba2', 'fast_weight' or 'none'")
+
+
+class HybridBlock(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:  # config: HybridConfig
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.arrangement = config.block_arrangement
+        self.ssm_in_multiplier = config.ssm_in_multiplier
+        self.ssm_out_multiplier = config.ssm_out_multiplier
+        self.attn_in_multiplier = config.attention_in_multiplier
+        self.attn_out_multiplier = config.attention_out_multiplier
+        eps = config.rms_norm_eps
+        self.ssm = build_ssm_mixer(config, layer_idx)
+        self.attn = Attention(config, layer_idx) if config.use_attention else None
+        self.mlp = GatedMLP(config) if config.intermediate_size > 0 else None
+        # N: before the mixers (S_A_M: before the SSM only, or before attention if the SSM is off).
+        self.norm = RMSNorm(config.hidden_size, eps=eps)
+        sequential = self.arrangement == "S_A_M" and self.ssm is not None and self.attn is not None
+        self.attn_norm = RMSNorm(config.hidden_size, eps=eps) if sequential else None
+        mlp_needs_norm = self.mlp is not None and self.arrangement != "SAM"
+        self.mlp_norm = RMSNorm(config.hidden_size, eps=eps) if mlp_needs_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
+        mix = dict(cu_seqlens=cu_seqlens, position_ids=position_ids, cache=cache)
+        n = self.norm(x)
+        if self.arrangement == "S_A_M":
+            h = x
+            if self.ssm is not None:
+                h = h + self._ssm(n, mix)
+            if self.attn is not None:
+                h = h + self._attn(self.attn_norm(h) if self.attn_norm is not None else n, mix)
+            return h + self.mlp(self.mlp_norm(h)) if self.mlp is not None else h
+        mixed = x
+        if self.ssm is not None:
+            mixed = mixed + self._ssm(n, mix)
+        if self.attn is not None:
+            mixed = mixed + self._attn(n, mix)
+        if self.mlp is None:
+            return mixed
+        if self.arrangement == "SAM":
+            return mixed + self.mlp(n)
+        return mixed + self.mlp(self.mlp_norm(mixed))  # SA_M
+
+    def _ssm(self, n: torch.Tensor, mix: dict) -> torch.Tensor:
+        return self.ssm(n * self.ssm_in_multiplier, **mix) * self.ssm_out_multiplier
+
+    def _attn(self, n: torch.Tensor, mix: dict) -> torch.Tensor:
+        return self.attn(n * self.attn_in_multiplier, **mix) * self.attn_out_multiplier

@@ -1,0 +1,250 @@
+"""The Falcon fast-weight mixer: the SSM half of a hybrid block written by one of the six Falcon rules.
+
+    qkv, z, b, l = W_in h                          (one fused projection, no bias)
+    q, k, v = SiLU(causal depthwise conv(q, k, v))          (K = fw_conv_size taps)
+    q, k = QKNorm(q), QKNorm(k)                    per head: "rms" u / sqrt(|u|^2 / d + eps) (paper 4.1, no
+                                                   learned scale), "l2" u / sqrt(|u|^2 + eps), or "none"
+    beta = 2 sigmoid(b + b_beta)                   NLMS gain in (0, 2)          (step_size "nlms")
+    eta  = (2 / E0) sigmoid(b + b_beta)            the step itself, ctx-eta      (step_size "direct")
+    lam  = lam_scale sigmoid(l + b_lam)            ridge >= 0 per head          (paper C.1)
+    o = fast_weight_attention(q, k, v, beta or eta, lam; rule, window, pairing, read, ridge_scaling)
+    y = W_out GatedRMSNorm(o, z)                   per-head RMSNorm, then * SiLU(z)
+
+Shapes: heads H = fw_heads, K = V = fw_head_dim; beta is [B, T, H] ([B, T, H, V] for the per-column rules
+"2"/"2A"), lam is [B, T, H]. E0 is the nominal energy |x|^2 of a normalized key: head_dim for "rms" (and
+"none"), 1 for "l2".
+
+Decisions (documented here because they are choices, not the paper's prescriptions):
+- QK norm "rms" has no learned scale: the paper's RMSNorm operator (4.1) has none, and the NLMS step is
+  invariant to a uniform rescaling of the key anyway (C.1). The config's bool `fw_qk_norm` maps
+  True -> "rms", False -> "none"; the strings "rms" | "l2" | "none" are accepted too. E0 for "none" is a
+  nominal value only (unnormalized keys have no fixed energy).
+- "direct" step sizes are sigmoid-scaled, eta = (2 / E0) sigmoid(.), so eta E0 covers (0, 2) like the NLMS
+  gain does: the regression rules stay stable for keys of nominal energy, without the live normalizer.
+  (A softplus would leave eta unbounded and let rules 1/2/3 diverge.)
+- lam_scale = `fw_lam_scale` when the config defines it; otherwise 1 with `fw_ridge_scaling` (lam is then
+  the dimensionless base ridge, the actual ridge being lam |x|^2) and E0 without (so that lam / |x|^2 has
+  the same range either way and the initial decay does not depend on the switch).
+- Init: b_beta = 0, so beta starts near 1 (the NLMS step that fits the current pair exactly) and eta E0
+  near 1; b_lam spreads over the heads so that sigmoid(b_lam) runs log-uniformly from 1e-3 to 1e-1, i.e.
+  per-step decay fractions alpha ~ beta lam / (E + lam) from about 1e-3 to 1e-1: memory horizons of ~10 to
+  ~1000 tokens, in the spirit of Mamba-2's spread of A. The projections keep torch's defaults (the model's
+  initializer overwrites them with N(0, initializer_range)); the short conv keeps its own; no biases
+  elsewhere (paper B.1).
+- No muP multipliers inside: q and k are normalized, and the block applies ssm_in / ssm_out.
+
+Packed documents (`cu_seqlens`, or `position_ids` that restart at 0) reach both the conv and the op, so
+nothing crosses a document boundary. Decoding: `cache.ssm` holds the conv tail ("conv" [B, K-1, C]) and the
+`FastWeightState` fields ("S" [B, H, K, V] fp32, "last_k" [B, H, K], and for the sliding rules "tail_x",
+"tail_v", "tail_len"); a prefill runs the chunk-parallel path, each later token the recurrent step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from hybridlm.layers.cache import LayerCache
+from hybridlm.modules.boundaries import has_restarts, pack_rows
+from hybridlm.modules.gated_norm import GatedRMSNorm
+from hybridlm.modules.short_conv import ShortConvolution
+from hybridlm.ops.fast_weight import PER_COLUMN_RULES, RULES, SLIDING_RULES, FastWeightState, fast_weight_attention
+from hybridlm.ops.utils import compute_dtype
+
+QK_NORMS = ("rms", "l2", "none")
+_STATE_FIELDS = ("S", "last_k", "tail_x", "tail_v", "tail_len")  # FastWeightState fields kept in cache.ssm
+_QK_EPS = 1e-6
+_LAM_INIT_RANGE = (1e-3, 1e-1)  # sigmoid(b_lam) over the heads, log-uniform
+
+
+class FastWeightMixer(nn.Module):
+    """SSM mixer: `forward(hidden [B, T, D], *, cu_seqlens, position_ids, cache) -> [B, T, D]`."""
+
+    def __init__(self, config, layer_idx: int) -> None:  # config: HybridConfig
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.rule = _choice("fw_rule", getattr(config, "fw_rule", "1"), RULES)
+        self.window = getattr(config, "fw_window", 1)
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"FastWeightMixer: fw_window must be an int >= 1, got {self.window!r}")
+        if self.window > 1 and self.rule not in SLIDING_RULES:
+            raise ValueError(
+                f"FastWeightMixer: fw_window={self.window} needs a sliding rule {SLIDING_RULES}; "
+                f"rule {self.rule!r} takes fw_window=1"
+            )
+        self.pairing = _choice("fw_pairing", getattr(config, "fw_pairing", "shifted"), ("shifted", "same_step"))
+        self.read = _choice("fw_read", getattr(config, "fw_read", "after"), ("after", "before"))
+        self.step_size = _choice("fw_step_size", getattr(config, "fw_step_size", "nlms"), ("nlms", "direct"))
+        self.ridge_scaling = bool(getattr(config, "fw_ridge_scaling", False))
+        self.qk_norm = _resolve_qk_norm(getattr(config, "fw_qk_norm", "rms"))
+        self.chunk_size = _positive_int("fw_chunk_size", getattr(config, "fw_chunk_size", 64))
+        self.backend = "auto"  # "naive" | "chunk" to force one (tests); "auto": chunk, or the step loop at T == 1
+
+        # Heads: fw_heads x fw_head_dim; by default the SSM channel allocation: mamba_n_heads heads sharing
+        # mamba_d_ssm channels (so the alpha_S allocation sizes either SSM half).
+        self.num_heads = _positive_int("fw_heads", getattr(config, "fw_heads", None) or config.mamba_n_heads)
+        head_dim = getattr(config, "fw_head_dim", None)
+        if head_dim is None:
+            head_dim = config.mamba_d_ssm // self.num_heads
+        self.head_dim = _positive_int("fw_head_dim", head_dim)
+        H, K = self.num_heads, self.head_dim
+        V = K
+        self.width = H * V  # inner width of the mixer (the per-head outputs, concatenated)
+        self.feature_energy = 1.0 if self.qk_norm == "l2" else float(K)  # E0: nominal |x|^2 of a normalized key
+        lam_scale = getattr(config, "fw_lam_scale", None)
+        if lam_scale is None:
+            lam_scale = 1.0 if self.ridge_scaling else self.feature_energy
+        if isinstance(lam_scale, bool) or not isinstance(lam_scale, (int, float)) or not (
+            math.isfinite(lam_scale) and lam_scale > 0
+        ):
+            raise ValueError(f"FastWeightMixer: fw_lam_scale must be a finite number > 0, got {lam_scale!r}")
+        self.lam_scale = float(lam_scale)
+
+        # Projection layout: q [H K], k [H K], v [H V] (through the conv), z [H V], beta logits, lam logits [H].
+        self.beta_width = H * V if self.rule in PER_COLUMN_RULES else H
+        self.conv_channels = 2 * H * K + H * V
+        self.in_proj = nn.Linear(config.hidden_size, self.conv_channels + H * V + self.beta_width + H, bias=False)
+        conv_size = getattr(config, "fw_conv_size", 4)
+        self.conv = ShortConvolution(self.conv_channels, conv_size, bias=False, activation="silu")
+        self.beta_bias = nn.Parameter(torch.empty(self.beta_width))
+        self.lam_bias = nn.Parameter(torch.empty(H))
+        self.norm = GatedRMSNorm(self.width, groups=H, eps=config.rms_norm_eps, norm_before_gate=True)
+        self.out_proj = nn.Linear(self.width, config.hidden_size, bias=config.projectors_bias)
+        self.reset_gate_parameters()
+
+    def reset_gate_parameters(self) -> None:
+        """beta (or eta E0) starts near 1 (b_beta = 0); b_lam = `initial_lam_bias(heads)`."""
+        with torch.no_grad():
+            self.beta_bias.zero_()
+            self.lam_bias.copy_(initial_lam_bias(self.num_heads))
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        batch, length, _ = hidden.shape
+        if cu_seqlens is None and position_ids is not None and has_restarts(position_ids):
+            # Documents packed inside rows: run the rows end to end as one packed row with offsets.
+            if cache is not None:
+                raise ValueError(
+                    "FastWeightMixer: a decoding cache cannot be combined with packed documents (position_ids restarts)"
+                )
+            packed, cu_seqlens, _ = pack_rows(hidden, position_ids)  # [1, B T, D]
+            return self(packed, cu_seqlens=cu_seqlens).reshape(batch, length, -1)
+        if cache is not None and cu_seqlens is not None:
+            raise ValueError("FastWeightMixer: a decoding cache cannot be combined with cu_seqlens (packed batches)")
+        H, K, V = self.num_heads, self.head_dim, self.head_dim
+
+        # 1. Fused input projection and split.
+        qkv, z, beta_logits, lam_logits = self.in_proj(hidden).split(
+            [self.conv_channels, self.width, self.beta_width, H], dim=-1
+        )
+
+        # 2. Short causal conv + SiLU on (q, k, v); the conv tail carries across calls.
+        conv_state = cache.ssm.get("conv") if cache is not None else None
+        qkv, conv_state = self.conv(
+            qkv, initial_state=conv_state, output_final_state=cache is not None, cu_seqlens=cu_seqlens
+        )
+        q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
+        q = self._normalize(q.reshape(batch, length, H, K))  # [B, T, H, K], compute dtype
+        k = self._normalize(k.reshape(batch, length, H, K))
+        v = v.reshape(batch, length, H, V)  # [B, T, H, V]
+
+        # 3. Gains and ridge in the compute dtype (float32 under autocast).
+        beta, lam = self._gains(beta_logits, lam_logits)
+
+        # 4. The fast-weight recurrence (state in float32, or float64 for float64 inputs).
+        o, state = fast_weight_attention(
+            q, k, v, beta, lam,
+            rule=self.rule, window=self.window, pairing=self.pairing, read=self.read,
+            step_size=self.step_size, ridge_scaling=self.ridge_scaling,
+            initial_state=_load_state(cache), output_final_state=cache is not None,
+            cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, backend=self.backend,
+        )  # o [B, T, H, V]
+        if cache is not None:
+            cache.ssm["conv"] = conv_state
+            _store_state(cache, state)
+
+        # 5. Per-head gated RMSNorm, output projection.
+        y = self.norm(o.reshape(batch, length, self.width), z)  # [B, T, H V]
+        return self.out_proj(y.to(hidden.dtype))
+
+    def _normalize(self, u: torch.Tensor) -> torch.Tensor:
+        """QK normalization over the head dim, in the compute dtype."""
+        u = u.to(compute_dtype(u.dtype))
+        if self.qk_norm == "rms":
+            return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + _QK_EPS)
+        if self.qk_norm == "l2":
+            return u * torch.rsqrt(u.pow(2).sum(-1, keepdim=True) + _QK_EPS)
+        return u
+
+    def _gains(self, beta_logits: torch.Tensor, lam_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> beta [B, T, H] (or [B, T, H, V]) and lam [B, T, H] >= 0."""
+        dtype = compute_dtype(beta_logits.dtype)
+        gate = torch.sigmoid(beta_logits.to(dtype) + self.beta_bias.to(dtype))
+        if self.rule in PER_COLUMN_RULES:
+            gate = gate.unflatten(-1, (self.num_heads, self.head_dim))  # [B, T, H, V]
+        beta = 2.0 * gate if self.step_size == "nlms" else (2.0 / self.feature_energy) * gate
+        lam = self.lam_scale * torch.sigmoid(lam_logits.to(dtype) + self.lam_bias.to(dtype))
+        return beta, lam
+
+    def extra_repr(self) -> str:
+        return (
+            f"rule={self.rule!r}, window={self.window}, pairing={self.pairing!r}, read={self.read!r}, "
+            f"step_size={self.step_size!r}, ridge_scaling={self.ridge_scaling}, qk_norm={self.qk_norm!r}, "
+            f"heads={self.num_heads}, head_dim={self.head_dim}, lam_scale={self.lam_scale:g}"
+        )
+
+
+def initial_lam_bias(num_heads: int) -> torch.Tensor:
+    """[H] float32 logits whose sigmoids run log-uniformly over [1e-3, 1e-1] (one head: their geometric mean)."""
+    low, high = (math.log(p) for p in _LAM_INIT_RANGE)
+    fractions = torch.linspace(0.0, 1.0, num_heads) if num_heads > 1 else torch.tensor([0.5])
+    p = torch.exp(low + (high - low) * fractions)
+    return torch.log(p) - torch.log1p(-p)  # logit(p)
+
+
+def _load_state(cache: LayerCache | None) -> FastWeightState | None:
+    """The carried state of this layer, or None for a fresh sequence (no cache, or nothing in it yet)."""
+    if cache is None or "S" not in cache.ssm:
+        return None
+    return FastWeightState(**{name: cache.ssm.get(name) for name in _STATE_FIELDS})
+
+
+def _store_state(cache: LayerCache, state: FastWeightState) -> None:
+    for name in _STATE_FIELDS:
+        value = getattr(state, name)
+        if value is None:
+            cache.ssm.pop(name, None)
+        else:
+            cache.ssm[name] = value
+
+
+def _resolve_qk_norm(value) -> str:
+    if value is True:
+        return "rms"
+    if value is False:
+        return "none"
+    if value not in QK_NORMS:
+        raise ValueError(
+            f"FastWeightMixer: unknown fw_qk_norm {value!r}; choose one of {QK_NORMS} (or True = 'rms', False = 'none')"
+        )
+    return value
+
+
+def _choice(name: str, value, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"FastWeightMixer: unknown {name} {value!r}; choose one of {choices}")
+    return value
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"FastWeightMixer: {name} must be an int >= 1, got {value!r}")
+    return value

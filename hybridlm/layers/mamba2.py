@@ -1,0 +1,131 @@
+"""Falcon-H1's Mamba-2 mixer.
+
+    zxbcdt = W_in h  (one fused projection)  -> z [d_ssm], x [d_ssm], B [G N], C [G N], dt [H]
+    each piece times its muP multiplier (m_z, m_x, m_B, m_C, m_dt)
+    x, B, C = SiLU(causal depthwise conv(x, B, C))                   (K = mamba_d_conv taps)
+    dt = clamp(softplus(dt + dt_bias), time_step_limit);  A = -exp(A_log)        (float32)
+    y = SSD(x, dt, A, B, C) + D x                     (per head: h_t = e^{dt A} h + dt x B^T, y = h C)
+    y = gated RMSNorm(y, z)  if mamba_rms_norm  else  y * SiLU(z)
+    out = W_out y
+
+Differences from a stock Mamba-2 (what makes it Falcon-H1's): `mamba_d_ssm` may differ from
+expand * d, the output norm is optional, and the five multipliers above. The block applies
+`ssm_in_multiplier` to the input and `ssm_out_multiplier` to the output. For decoding, a
+`LayerCache` carries the conv tail ("conv", [B, K-1, C]) and the SSM state ("ssm", [B, H, P, N], fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridlm.layers.cache import LayerCache
+from hybridlm.modules.boundaries import has_restarts, pack_rows
+from hybridlm.modules.gated_norm import GatedRMSNorm
+from hybridlm.modules.short_conv import ShortConvolution
+from hybridlm.ops.ssd import ssd
+
+
+class Mamba2Mixer(nn.Module):
+    """SSM mixer: `forward(hidden [B, T, D], *, cu_seqlens, position_ids, cache) -> [B, T, D]`."""
+
+    def __init__(self, config, layer_idx: int) -> None:  # config: HybridConfig
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.d_ssm = config.mamba_d_ssm
+        self.num_heads = config.mamba_n_heads
+        self.head_dim = config.mamba_d_head
+        self.groups = config.mamba_n_groups
+        self.d_state = config.mamba_d_state
+        self.chunk_size = config.mamba_chunk_size
+        self.time_step_limit = tuple(config.time_step_limit)
+        self.multipliers = {
+            "z": config.ssm_multiplier_z,
+            "x": config.ssm_multiplier_x,
+            "B": config.ssm_multiplier_B,
+            "C": config.ssm_multiplier_C,
+            "dt": config.ssm_multiplier_dt,
+        }
+        bc_width = self.groups * self.d_state
+        self.conv_channels = self.d_ssm + 2 * bc_width  # conv runs on (x, B, C)
+        self.in_proj = nn.Linear(
+            config.hidden_size, 2 * self.d_ssm + 2 * bc_width + self.num_heads, bias=config.mamba_proj_bias
+        )
+        self.conv = ShortConvolution(
+            self.conv_channels, config.mamba_d_conv, bias=config.mamba_conv_bias, activation="silu"
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, self.num_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.norm = (
+            GatedRMSNorm(
+                self.d_ssm, groups=self.groups, eps=config.rms_norm_eps, norm_before_gate=config.mamba_norm_before_gate
+            )
+            if config.mamba_rms_norm
+            else None
+        )
+        self.out_proj = nn.Linear(self.d_ssm, config.hidden_size, bias=config.projectors_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,  # only their restarts at 0 (document starts) matter here
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        if cu_seqlens is None and position_ids is not None and has_restarts(position_ids):
+            if cache is not None:
+                raise ValueError("Mamba2Mixer: a decoding cache cannot be combined with packed documents (restarts)")
+            packed, cu_seqlens, _ = pack_rows(hidden, position_ids)  # documents packed inside rows
+            return self(packed, cu_seqlens=cu_seqlens).reshape(hidden.shape[0], hidden.shape[1], -1)
+        batch, length, _ = hidden.shape
+        if cache is not None and cu_seqlens is not None:
+            raise ValueError("Mamba2Mixer: a decoding cache cannot be combined with cu_seqlens (packed batches)")
+        bc_width = self.groups * self.d_state
+        m = self.multipliers
+
+        # 1. Fused input projection, split, muP multipliers.
+        zxbcdt = self.in_proj(hidden)  # [B, T, 2 d_ssm + 2 G N + H]
+        z, xbc, dt = zxbcdt.split([self.d_ssm, self.conv_channels, self.num_heads], dim=-1)
+        z = z * m["z"]
+        x, b, c = xbc.split([self.d_ssm, bc_width, bc_width], dim=-1)
+        xbc = torch.cat([x * m["x"], b * m["B"], c * m["C"]], dim=-1)  # [B, T, d_ssm + 2 G N]
+        dt = dt * m["dt"]  # [B, T, H]
+
+        # 2. Short causal conv + SiLU on (x, B, C); the conv tail carries across calls.
+        conv_state = cache.ssm.get("conv") if cache is not None else None
+        xbc, conv_state = self.conv(
+            xbc, initial_state=conv_state, output_final_state=cache is not None, cu_seqlens=cu_seqlens
+        )
+        x, b, c = xbc.split([self.d_ssm, bc_width, bc_width], dim=-1)
+
+        # 3. Discretization inputs in float32.
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        dt = dt.clamp(min=self.time_step_limit[0], max=self.time_step_limit[1])  # [B, T, H]
+        A = -torch.exp(self.A_log.float())  # [H]
+
+        # 4. SSD scan (state in float32), D skip inside.
+        y, ssm_state = ssd(
+            x.reshape(batch, length, self.num_heads, self.head_dim),  # [B, T, H, P]
+            dt,
+            A,
+            b.reshape(batch, length, self.groups, self.d_state),  # [B, T, G, N]
+            c.reshape(batch, length, self.groups, self.d_state),
+            D=self.D,
+            chunk_size=self.chunk_size,
+            initial_state=cache.ssm.get("ssm") if cache is not None else None,
+            output_final_state=cache is not None,
+            cu_seqlens=cu_seqlens,
+        )
+        if cache is not None:
+            cache.ssm["conv"], cache.ssm["ssm"] = conv_state, ssm_state
+        y = y.reshape(batch, length, self.d_ssm)  # [B, T, d_ssm]
+
+        # 5. Gate (through the grouped norm, or a plain SiLU gate), output projection.
+        if self.norm is not None:
+            y = self.norm(y, z)
+        else:
+            y = (y.float() * F.silu(z.float())).to(y.dtype)
+        return self.out_proj(y.to(hidden.dtype))

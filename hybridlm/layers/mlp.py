@@ -1,0 +1,21 @@
+"""Gated SiLU MLP with Falcon-H1's muP multipliers: out = m_down W_down (W_up h * SiLU(m_gate W_gate h))."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config) -> None:  # config: HybridConfig
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_multiplier = config.mlp_multiplier_gate
+        self.down_multiplier = config.mlp_multiplier_down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
+        inner = self.up_proj(x) * F.silu(self.gate_proj(x) * self.gate_multiplier)  # [B, T, d_mlp]
+        return self.down_proj(inner) * self.down_multiplier

@@ -1,0 +1,53 @@
+"""`hybridlm models`: list the presets with their shapes and parameter counts.
+
+    hybridlm models             # table of presets (counts from a meta-device build: no memory used)
+
+Wire into the CLI with `add_commands(subparsers)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("models", help="list model presets with parameter counts")
+    parser.set_defaults(func=run_models)
+
+
+def count_parameters(config) -> int:
+    """Parameters of a HybridForCausalLM built from `config` (a HybridConfig) on the meta device."""
+    import torch
+
+    from hybridlm.models.configuration import HybridLMConfig
+    from hybridlm.models.model import HybridForCausalLM
+
+    with torch.device("meta"):
+        model = HybridForCausalLM(HybridLMConfig.from_hybrid(config))
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_models(args: argparse.Namespace) -> int:
+    from hybridlm.models.presets import get_preset, list_presets
+
+    header = (
+        f"{'preset':<22}{'params':>10}  {'layers':>6} {'d_model':>7} {'attn Q/KV':>9} {'ssm heads':>9} "
+        f"{'d_state':>7} {'mlp':>6} {'vocab':>7}"
+    )
+    print(header)
+    for name in list_presets():
+        c = get_preset(name)
+        params = count_parameters(c)
+        print(
+            f"{name:<22}{_human(params):>10}  {c.num_hidden_layers:>6} {c.hidden_size:>7} "
+            f"{f'{c.num_attention_heads}/{c.num_key_value_heads}':>9} {c.mamba_n_heads:>9} {c.mamba_d_state:>7} "
+            f"{c.intermediate_size:>6} {c.vocab_size:>7}"
+        )
+    return 0
+
+
+def _human(count: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.2f}{unit}"
+    return str(count)

@@ -1,0 +1,266 @@
+"""`HybridConfig`: the validated description of a hybrid attention + SSM language model.
+
+Falcon-H1 fields keep the names of transformers' `FalconH1Config` (hidden_size, mamba_d_ssm,
+key_multiplier, ...) so official checkpoints map onto it field by field. Two differences:
+- the positional multiplier lists of FalconH1Config get one named field per entry:
+  `ssm_multipliers = [z, x, B, C, dt]` -> ssm_multiplier_z, _x, _B, _C, _dt and
+  `mlp_multipliers = [gate, down]` -> mlp_multiplier_gate, _down (`hybridlm.models.falcon_h1` converts);
+- `rope_theta` is a plain field (transformers 5 nests it in `rope_parameters`).
+Ours on top: `ssm_mixer` (which SSM channels: "mamba2" | "fast_weight" | "none"), `use_attention`,
+`block_arrangement` ("SA_M" | "SAM" | "S_A_M") and the fast-weight options `fw_*`, read by
+`hybridlm.layers.fast_weight`.
+
+Derived sizes left as None are resolved in `__post_init__` (head_dim = hidden_size / heads,
+mamba_d_ssm = mamba_expand * hidden_size, mamba_d_head = mamba_d_ssm / mamba_n_heads,
+num_key_value_heads = num_attention_heads). Every error is a ValueError that names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+SSM_MIXERS = ("mamba2", "fast_weight", "none")
+BLOCK_ARRANGEMENTS = ("SA_M", "SAM", "S_A_M")
+FW_RULES = ("1", "2", "3", "1A", "2A", "3A")
+FW_PAIRINGS = ("shifted", "same_step")
+FW_STEP_SIZES = ("nlms", "direct")
+FW_READS = ("after", "before")
+
+
+@dataclass
+class HybridConfig:
+    # --- sizes (FalconH1Config names) ---
+    vocab_size: int = 1024
+    hidden_size: int = 256
+    intermediate_size: int = 640  # MLP inner width; 0 removes the MLP
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int | None = None  # None: = num_attention_heads (no GQA)
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    mamba_d_ssm: int | None = None  # None: mamba_expand * hidden_size
+    mamba_n_heads: int = 8
+    mamba_d_head: int | None = None  # None (or "auto"): mamba_d_ssm // mamba_n_heads
+    mamba_n_groups: int = 1
+    mamba_d_state: int = 64
+    mamba_d_conv: int = 4
+    mamba_expand: int = 2
+    mamba_chunk_size: int = 256
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_rms_norm: bool = False
+    mamba_norm_before_gate: bool = True
+    time_step_limit: tuple[float, float] = (0.0, math.inf)  # clamp of dt after the softplus
+    rope_theta: float = 1e11
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    projectors_bias: bool = False  # bias of the SSM out_proj
+    attention_dropout: float = 0.0
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 8192  # informational: RoPE has no table
+    initializer_range: float = 0.02
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    # --- muP forward multipliers (Falcon-H1 report, Table 7) ---
+    embedding_multiplier: float = 1.0
+    lm_head_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    attention_in_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    ssm_in_multiplier: float = 1.0
+    ssm_out_multiplier: float = 1.0
+    ssm_multiplier_z: float = 1.0  # FalconH1Config.ssm_multipliers[0]
+    ssm_multiplier_x: float = 1.0  # [1]
+    ssm_multiplier_B: float = 1.0  # [2]
+    ssm_multiplier_C: float = 1.0  # [3]
+    ssm_multiplier_dt: float = 1.0  # [4]
+    mlp_multiplier_gate: float = 1.0  # FalconH1Config.mlp_multipliers[0]
+    mlp_multiplier_down: float = 1.0  # [1]
+    # --- ours: which mixers, how the block is wired ---
+    ssm_mixer: str = "mamba2"
+    use_attention: bool = True
+    block_arrangement: str = "SA_M"
+    # --- fast-weight SSM channels (read by hybridlm.layers.fast_weight) ---
+    fw_rule: str = "1"
+    fw_window: int = 1
+    fw_pairing: str = "shifted"
+    fw_qk_norm: bool = True
+    fw_step_size: str = "nlms"
+    fw_read: str = "after"
+    fw_ridge_scaling: bool = False
+    fw_heads: int | None = None
+    fw_head_dim: int | None = None
+    fw_conv_size: int = 4
+
+    def __post_init__(self) -> None:
+        self._resolve()
+        self._validate()
+
+    # ------------------------------------------------------------------ derived sizes
+    def _resolve(self) -> None:
+        if isinstance(self.time_step_limit, list):
+            self.time_step_limit = tuple(self.time_step_limit)
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and _is_int(self.num_attention_heads) and self.num_attention_heads > 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.mamba_d_ssm is None:
+            self.mamba_d_ssm = self.mamba_expand * self.hidden_size
+        if (self.mamba_d_head is None or self.mamba_d_head == "auto") and _is_int(self.mamba_n_heads):
+            self.mamba_d_head = self.mamba_d_ssm // self.mamba_n_heads if self.mamba_n_heads > 0 else 0
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings"):
+            _require_int(name, getattr(self, name), minimum=1)
+        _require_int("intermediate_size", self.intermediate_size, minimum=0)
+        _require_choice("hidden_act", self.hidden_act, ("silu",))
+        _require_choice("ssm_mixer", self.ssm_mixer, SSM_MIXERS)
+        _require_choice("block_arrangement", self.block_arrangement, BLOCK_ARRANGEMENTS)
+        _require_bool("use_attention", self.use_attention)
+        if not self.use_attention and self.ssm_mixer == "none":
+            raise ValueError("use_attention=False with ssm_mixer='none' leaves no sequence mixer; enable one of them")
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "projectors_bias", "mamba_conv_bias",
+                     "mamba_proj_bias", "mamba_rms_norm", "mamba_norm_before_gate", "fw_qk_norm", "fw_ridge_scaling"):
+            _require_bool(name, getattr(self, name))
+        for name in ("rms_norm_eps", "rope_theta"):
+            _require_float(name, getattr(self, name), positive=True)
+        _require_float("initializer_range", self.initializer_range, positive=False)
+        _require_float("attention_dropout", self.attention_dropout, positive=False)
+        if not 0.0 <= self.attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout must be in [0, 1), got {self.attention_dropout}")
+        for name in self.multiplier_names():
+            _require_float(name, getattr(self, name), positive=False)
+        # attention: heads, GQA groups, an even head_dim for RoPE
+        _require_int("num_attention_heads", self.num_attention_heads, minimum=1)
+        _require_int("num_key_value_heads", self.num_key_value_heads, minimum=1)
+        _require_int("head_dim", self.head_dim, minimum=2)
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_key_value_heads={self.num_key_value_heads} must divide num_attention_heads="
+                f"{self.num_attention_heads} (grouped-query attention)"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for the rotary embedding, got {self.head_dim}")
+        # mamba-2: d_ssm = heads * d_head, heads split evenly over the B/C groups
+        for name in ("mamba_n_heads", "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_chunk_size",
+                     "mamba_n_groups"):
+            _require_int(name, getattr(self, name), minimum=1)
+        _require_int("mamba_d_ssm", self.mamba_d_ssm, minimum=1)
+        _require_int("mamba_d_head", self.mamba_d_head, minimum=1)
+        if self.ssm_mixer == "mamba2":
+            if self.mamba_n_heads * self.mamba_d_head != self.mamba_d_ssm:
+                raise ValueError(
+                    f"mamba_d_ssm={self.mamba_d_ssm} must equal mamba_n_heads * mamba_d_head = "
+                    f"{self.mamba_n_heads} * {self.mamba_d_head}"
+                )
+            if self.mamba_n_heads % self.mamba_n_groups != 0:
+                raise ValueError(
+                    f"mamba_n_groups={self.mamba_n_groups} must divide mamba_n_heads={self.mamba_n_heads}"
+                )
+        limit = self.time_step_limit
+        if not (isinstance(limit, tuple) and len(limit) == 2 and all(_is_number(v) for v in limit)):
+            raise ValueError(f"time_step_limit must be a pair (min, max) of floats, got {limit!r}")
+        if not 0.0 <= limit[0] <= limit[1]:
+            raise ValueError(f"time_step_limit must satisfy 0 <= min <= max, got {limit!r}")
+        for name in ("pad_token_id", "bos_token_id"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_int(name, value, minimum=0)
+        # fast-weight options
+        _require_choice("fw_rule", self.fw_rule, FW_RULES)
+        _require_choice("fw_pairing", self.fw_pairing, FW_PAIRINGS)
+        _require_choice("fw_step_size", self.fw_step_size, FW_STEP_SIZES)
+        _require_choice("fw_read", self.fw_read, FW_READS)
+        _require_int("fw_window", self.fw_window, minimum=1)
+        _require_int("fw_conv_size", self.fw_conv_size, minimum=1)
+        for name in ("fw_heads", "fw_head_dim"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_int(name, value, minimum=1)
+
+    # ------------------------------------------------------------------ views
+    @staticmethod
+    def multiplier_names() -> tuple[str, ...]:
+        return tuple(f.name for f in fields(HybridConfig) if f.name.endswith("_multiplier") or "_multiplier_" in f.name)
+
+    @property
+    def ssm_multipliers(self) -> list[float]:
+        """FalconH1Config's positional list [z, x, B, C, dt]."""
+        return [self.ssm_multiplier_z, self.ssm_multiplier_x, self.ssm_multiplier_B, self.ssm_multiplier_C,
+                self.ssm_multiplier_dt]
+
+    @property
+    def mlp_multipliers(self) -> list[float]:
+        """FalconH1Config's positional list [gate, down]."""
+        return [self.mlp_multiplier_gate, self.mlp_multiplier_down]
+
+    @property
+    def has_mlp(self) -> bool:
+        return self.intermediate_size > 0
+
+    # ------------------------------------------------------------------ (de)serialization
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls) if f.init)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> HybridConfig:
+        """Build from a plain dict; unknown keys raise a ValueError that names them."""
+        known = set(cls.field_names())
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown HybridConfig field(s): {', '.join(unknown)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict of every field, derived sizes resolved (time_step_limit as a list)."""
+        out = {name: getattr(self, name) for name in self.field_names()}
+        out["time_step_limit"] = list(self.time_step_limit)
+        if isinstance(out["eos_token_id"], tuple):
+            out["eos_token_id"] = list(out["eos_token_id"])
+        return out
+
+    def replace(self, **changes: Any) -> HybridConfig:
+        """A copy with some fields changed (validated again; unknown names raise)."""
+        unknown = sorted(set(changes) - set(self.field_names()))
+        if unknown:
+            raise ValueError(f"unknown HybridConfig field(s): {', '.join(unknown)}")
+        return dataclasses.replace(self, **changes)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _require_int(name: str, value: Any, *, minimum: int) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _require_float(name: str, value: Any, *, positive: bool) -> None:
+    if not _is_number(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def _require_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def _require_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")

@@ -1,0 +1,38 @@
+"""`HybridLMConfig`: the transformers `PretrainedConfig` face of `HybridConfig` (model_type "hybridlm").
+
+It carries every `HybridConfig` field as an attribute (validated through `HybridConfig`), plus the
+usual transformers bookkeeping keys, so `save_pretrained` / `from_pretrained` / `AutoConfig` work.
+The model code itself only reads `config.to_hybrid()`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from hybridlm.models.config import HybridConfig
+
+
+class HybridLMConfig(PretrainedConfig):
+    model_type = "hybridlm"
+
+    def __init__(self, **kwargs: Any) -> None:
+        names = set(HybridConfig.field_names())
+        hybrid = HybridConfig.from_dict({key: kwargs.pop(key) for key in list(kwargs) if key in names})
+        for key, value in hybrid.to_dict().items():
+            object.__setattr__(self, key, value)
+        super().__init__(**kwargs)
+
+    @classmethod
+    def from_hybrid(cls, config: HybridConfig, **kwargs: Any) -> HybridLMConfig:
+        return cls(**config.to_dict(), **kwargs)
+
+    def to_hybrid(self) -> HybridConfig:
+        return HybridConfig.from_dict({name: getattr(self, name) for name in HybridConfig.field_names()})
+
+    def to_diff_dict(self) -> dict[str, Any]:
+        # Always write every model field, so a checkpoint never depends on today's defaults.
+        out = super().to_diff_dict()
+        out.update(self.to_hybrid().to_dict())
+        return out

@@ -1,0 +1,208 @@
+"""Adapter to and from the official `falcon_h1` format (transformers' FalconH1Config / FalconH1ForCausalLM).
+
+Config: FalconH1Config fields map one to one onto HybridConfig, except the positional multiplier
+lists (`ssm_multipliers` [z, x, B, C, dt], `mlp_multipliers` [gate, down]) that become named fields,
+and `rope_parameters["rope_theta"]` that becomes `rope_theta`. Only what Falcon-H1 can express is
+exported: Mamba-2 SSM channels, attention on, SA_M blocks, an MLP.
+
+Weights (ours <-> falcon_h1, per layer i; everything else has the same name):
+
+    model.norm                      <-> model.final_layernorm
+    model.layers.i.norm             <-> model.layers.i.input_layernorm
+    model.layers.i.mlp_norm         <-> model.layers.i.pre_ff_layernorm
+    model.layers.i.attn.*           <-> model.layers.i.self_attn.*
+    model.layers.i.mlp.*            <-> model.layers.i.feed_forward.*
+    model.layers.i.ssm.conv.*       <-> model.layers.i.mamba.conv1d.*   (weight [C, K] <-> [C, 1, K])
+    model.layers.i.ssm.*            <-> model.layers.i.mamba.*
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import FalconH1Config
+
+from hybridlm.models.config import HybridConfig
+
+# FalconH1Config fields with the same name and meaning in HybridConfig.
+SHARED_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "mamba_d_ssm", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
+    "mamba_d_conv", "mamba_expand", "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "mamba_rms_norm",
+    "mamba_norm_before_gate", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "mlp_bias",
+    "projectors_bias", "hidden_act", "max_position_embeddings", "initializer_range", "pad_token_id",
+    "bos_token_id", "eos_token_id", "embedding_multiplier", "lm_head_multiplier", "key_multiplier",
+    "attention_in_multiplier", "attention_out_multiplier", "ssm_in_multiplier", "ssm_out_multiplier",
+)
+SSM_MULTIPLIER_FIELDS = ("ssm_multiplier_z", "ssm_multiplier_x", "ssm_multiplier_B", "ssm_multiplier_C",
+                         "ssm_multiplier_dt")
+MLP_MULTIPLIER_FIELDS = ("mlp_multiplier_gate", "mlp_multiplier_down")
+
+# (ours, falcon_h1) name prefixes: whole-model ones, then the ones inside `model.layers.<i>.`;
+# the first matching pair wins, in either direction.
+_MODEL_NAMES = (
+    ("model.embed_tokens.", "model.embed_tokens."),
+    ("model.norm.", "model.final_layernorm."),
+    ("lm_head.", "lm_head."),
+)
+_LAYER_NAMES = (
+    ("norm.", "input_layernorm."),
+    ("mlp_norm.", "pre_ff_layernorm."),
+    ("attn.", "self_attn."),
+    ("mlp.", "feed_forward."),
+    ("ssm.conv.", "mamba.conv1d."),
+    ("ssm.", "mamba."),
+)
+_LAYER_PREFIX = re.compile(r"^model\.layers\.\d+\.")
+_CONV_WEIGHT = re.compile(r"^model\.layers\.\d+\.(ssm\.conv|mamba\.conv1d)\.weight$")
+
+
+# ---------------------------------------------------------------------------------------------- config
+def config_from_falcon_h1(falcon: FalconH1Config | dict) -> HybridConfig:
+    """HybridConfig of an official falcon_h1 config (a FalconH1Config, or its decoded `to_dict()`)."""
+    if isinstance(falcon, dict):
+        falcon = FalconH1Config.from_dict(dict(falcon))
+    rope = dict(getattr(falcon, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"falcon_h1 rope_parameters: only the default RoPE is supported, got {rope!r}")
+    for key in ("attn_layer_indices", "quantization_config"):
+        if getattr(falcon, key, None):
+            raise ValueError(f"falcon_h1 config: {key}={getattr(falcon, key)!r} is not supported")
+    values = {name: getattr(falcon, name) for name in SHARED_FIELDS}
+    values["head_dim"] = getattr(falcon, "head_dim", None) or falcon.hidden_size // falcon.num_attention_heads
+    values["rope_theta"] = float(rope.get("rope_theta", getattr(falcon, "rope_theta", 10000.0)))
+    limit = falcon.time_step_limit
+    values["time_step_limit"] = (0.0, math.inf) if limit is None else tuple(float(v) for v in limit)
+    values["attention_dropout"] = float(falcon.attention_dropout or 0.0)
+    values.update(_named(SSM_MULTIPLIER_FIELDS, falcon.ssm_multipliers, "ssm_multipliers"))
+    values.update(_named(MLP_MULTIPLIER_FIELDS, falcon.mlp_multipliers, "mlp_multipliers"))
+    if isinstance(values["eos_token_id"], tuple):
+        values["eos_token_id"] = list(values["eos_token_id"])
+    return HybridConfig(**values, ssm_mixer="mamba2", use_attention=True, block_arrangement="SA_M")
+
+
+def config_to_falcon_h1(config: HybridConfig) -> FalconH1Config:
+    """FalconH1Config for a HybridConfig that Falcon-H1 can express (else a ValueError naming the field)."""
+    for name, needed in (("ssm_mixer", "mamba2"), ("use_attention", True), ("block_arrangement", "SA_M")):
+        if getattr(config, name) != needed:
+            raise ValueError(f"the falcon_h1 format needs {name}={needed!r}, this model has {getattr(config, name)!r}")
+    if config.intermediate_size == 0:
+        raise ValueError("the falcon_h1 format needs an MLP: intermediate_size must be > 0")
+    values = {name: getattr(config, name) for name in SHARED_FIELDS}
+    return FalconH1Config(
+        **values,
+        head_dim=config.head_dim,
+        rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
+        time_step_limit=tuple(config.time_step_limit),
+        attention_dropout=config.attention_dropout,
+        ssm_multipliers=list(config.ssm_multipliers),
+        mlp_multipliers=list(config.mlp_multipliers),
+        architectures=["FalconH1ForCausalLM"],
+    )
+
+
+def _named(names: tuple[str, ...], values, field_name: str) -> dict[str, float]:
+    values = list(values if values is not None else [1.0] * len(names))
+    if len(values) != len(names):
+        raise ValueError(f"falcon_h1 {field_name} must have {len(names)} entries, got {values!r}")
+    return {name: float(value) for name, value in zip(names, values)}
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def state_dict_to_falcon_h1(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our `HybridForCausalLM` state dict -> falcon_h1 names and shapes."""
+    return {_rename(key, to_falcon=True): _conv_to_falcon(key, value) for key, value in state.items()}
+
+
+def state_dict_from_falcon_h1(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """falcon_h1 state dict -> our names and shapes."""
+    return {_rename(key, to_falcon=False): _conv_from_falcon(key, value) for key, value in state.items()}
+
+
+def _rename(key: str, *, to_falcon: bool) -> str:
+    src, dst = (0, 1) if to_falcon else (1, 0)
+    prefix, rest, table = "", key, _MODEL_NAMES
+    layer = _LAYER_PREFIX.match(key)
+    if layer:
+        prefix, rest, table = layer.group(0), key[layer.end():], _LAYER_NAMES
+    for names in table:
+        if rest.startswith(names[src]):
+            return prefix + names[dst] + rest[len(names[src]):]
+    raise ValueError(f"no falcon_h1 mapping for weight {key!r}")
+
+
+def _conv_to_falcon(key: str, value: torch.Tensor) -> torch.Tensor:
+    return value.unsqueeze(1) if _CONV_WEIGHT.match(key) else value  # [C, K] -> [C, 1, K]
+
+
+def _conv_from_falcon(key: str, value: torch.Tensor) -> torch.Tensor:
+    if _CONV_WEIGHT.match(key):
+        if value.dim() != 3 or value.shape[1] != 1:
+            raise ValueError(f"{key}: expected a depthwise conv weight [C, 1, K], got {list(value.shape)}")
+        return value.squeeze(1)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- files
+def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint dir: `model.safetensors`, or the shards its index names."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        shards = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(
+            f"{path}: no model.safetensors or model.safetensors.index.json (pickled weights are not read)"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(str(path / shard)))
+    return state
+
+
+def load_falcon_h1(path: str | Path, *, dtype: torch.dtype | None = None):
+    """A `HybridForCausalLM` from an official falcon_h1 dir (config.json + safetensors, sharded or not).
+    dtype: the parameters' dtype (default: the checkpoint's)."""
+    from hybridlm.models.configuration import HybridLMConfig
+    from hybridlm.models.model import HybridForCausalLM
+
+    path = Path(path)
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if model_type != "falcon_h1":
+        raise ValueError(f"{path}: model_type is {model_type!r}, not 'falcon_h1'")
+    config = config_from_falcon_h1(FalconH1Config.from_json_file(str(path / "config.json")))
+    state = state_dict_from_falcon_h1(read_safetensors_dir(path))
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    elif "lm_head.weight" not in state:
+        raise ValueError(f"{path}: lm_head.weight is missing and tie_word_embeddings is false")
+    if dtype is None:
+        dtype = state["model.embed_tokens.weight"].dtype
+    with torch.device("meta"):
+        model = HybridForCausalLM(HybridLMConfig.from_hybrid(config))
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def save_falcon_h1(model, path: str | Path) -> None:
+    """Write `model` (a HybridForCausalLM) as an official falcon_h1 checkpoint dir."""
+    path = Path(path)
+    config = model.config.to_hybrid()
+    falcon = config_to_falcon_h1(config)
+    falcon.dtype = model.model.embed_tokens.weight.dtype
+    state = state_dict_to_falcon_h1(model.state_dict())
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    path.mkdir(parents=True, exist_ok=True)
+    falcon.save_pretrained(str(path))
+    tensors = {key: value.detach().to("cpu").contiguous().clone() for key, value in state.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})

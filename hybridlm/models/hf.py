@@ -1,0 +1,31 @@
+"""`load_model(path)`: one front door for checkpoint dirs, ours ("hybridlm") or official ("falcon_h1").
+
+    model = hybridlm.load_model("runs/my-model")               # saved by HybridForCausalLM.save_pretrained
+    model = hybridlm.load_model("Falcon-H1-0.5B-Base")          # a downloaded official checkpoint dir
+    model.save_pretrained("out", format="falcon_h1")            # back to the official format
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from hybridlm.models.falcon_h1 import load_falcon_h1
+from hybridlm.models.model import HybridForCausalLM
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridForCausalLM:
+    """Load a local checkpoint dir by its config.json model_type; returns the model in eval mode."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{path}: no config.json")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type == "falcon_h1":
+        return load_falcon_h1(path, dtype=dtype)
+    if model_type == "hybridlm":
+        kwargs = {"dtype": dtype} if dtype is not None else {}
+        return HybridForCausalLM.from_pretrained(str(path), **kwargs).eval()
+    raise ValueError(f"{path}: unsupported model_type {model_type!r}; expected 'hybridlm' or 'falcon_h1'")

@@ -1,0 +1,234 @@
+"""`HybridModel` / `HybridForCausalLM`: a stack of hybrid blocks as transformers `PreTrainedModel`s.
+
+Notable features:
+- Falcon-H1 blocks (attention and Mamba-2 heads side by side, `SA_M`), other arrangements and a
+  pluggable SSM half (`ssm_mixer`), all described by one validated `HybridConfig`;
+- muP forward multipliers: embeddings x `embedding_multiplier`, logits x `lm_head_multiplier`,
+  the block and mixer multipliers of Falcon-H1;
+- packed documents without padding: `cu_seqlens` (B == 1) or `position_ids` restarting at 0; no
+  token attends to, convolves over or carries state from another document, and the loss skips the
+  targets that cross a boundary;
+- incremental decoding through `HybridCache` (KV + conv tail + SSM state per layer);
+- registered with `AutoConfig` / `AutoModel` / `AutoModelForCausalLM` as model_type "hybridlm";
+  `save_pretrained(dir, format="falcon_h1")` writes a checkpoint `FalconH1ForCausalLM` loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
+from transformers import initialization as init
+from transformers.utils import ModelOutput
+
+from hybridlm.layers.block import HybridBlock
+from hybridlm.layers.cache import HybridCache
+from hybridlm.layers.mamba2 import Mamba2Mixer
+from hybridlm.models.configuration import HybridLMConfig
+from hybridlm.modules.boundaries import has_restarts, local_positions, pack_rows, sequence_ids
+from hybridlm.modules.gated_norm import GatedRMSNorm
+from hybridlm.modules.norm import RMSNorm
+from hybridlm.modules.short_conv import ShortConvolution
+from hybridlm.ops.utils import check_cu_seqlens
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class HybridCausalLMOutput(ModelOutput):
+    loss: torch.Tensor | None = None  # mean next-token cross entropy over counted targets
+    logits: torch.Tensor | None = None  # [B, T, V] (or the last `logits_to_keep` positions)
+    cache: HybridCache | None = None
+
+
+class HybridPreTrainedModel(PreTrainedModel):
+    config_class = HybridLMConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["HybridBlock"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, (RMSNorm, GatedRMSNorm)):
+            init.ones_(module.weight)
+        elif isinstance(module, ShortConvolution):
+            bound = module.kernel_size**-0.5
+            init.uniform_(module.weight, -bound, bound)
+            if module.bias is not None:
+                init.uniform_(module.bias, -bound, bound)
+        elif isinstance(module, Mamba2Mixer):
+            # Falcon-H1's init: A = -(1, 2, ..., H), D = 1, dt_bias = 1.
+            heads = torch.arange(1, module.num_heads + 1, dtype=torch.float32, device=module.A_log.device)
+            init.copy_(module.A_log, torch.log(heads))
+            init.ones_(module.D)
+            init.ones_(module.dt_bias)
+
+
+class HybridModel(HybridPreTrainedModel):
+    """Embeddings -> hybrid blocks -> final RMSNorm; returns hidden states [B, T, D]."""
+
+    def __init__(self, config: HybridLMConfig) -> None:
+        super().__init__(config)
+        hybrid = config.to_hybrid()
+        self.embed_tokens = nn.Embedding(hybrid.vocab_size, hybrid.hidden_size)
+        self.layers = nn.ModuleList(HybridBlock(hybrid, i) for i in range(hybrid.num_hidden_layers))
+        self.norm = RMSNorm(hybrid.hidden_size, eps=hybrid.rms_norm_eps)
+        self.embedding_multiplier = hybrid.embedding_multiplier
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: HybridCache | None = None,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        h = h * self.embedding_multiplier  # [B, T, D]
+        batch, length, width = h.shape
+        packed_rows = None
+        if cu_seqlens is not None:
+            if cache is not None:
+                raise ValueError("a decoding cache cannot be combined with cu_seqlens (packed batches)")
+            offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length).to(h.device)
+            if position_ids is None:
+                position_ids = local_positions(offsets, length).unsqueeze(0)
+            cu_seqlens = offsets
+        elif position_ids is not None and has_restarts(position_ids):
+            # Documents packed in rows, marked by position_ids restarting at 0: run as one packed row.
+            if cache is not None:
+                raise ValueError("a decoding cache cannot be combined with packed documents (position_ids restarts)")
+            h, cu_seqlens, position_ids = pack_rows(h, position_ids)
+            packed_rows = batch
+        elif position_ids is None:
+            past = cache.seq_len if cache is not None else 0
+            position_ids = torch.arange(past, past + length, device=h.device).unsqueeze(0)  # [1, T]
+        if cache is not None and len(cache) != len(self.layers):
+            raise ValueError(f"cache has {len(cache)} layers, the model {len(self.layers)}")
+
+        for i, layer in enumerate(self.layers):
+            layer_cache = cache[i] if cache is not None else None
+            h = layer(h, cu_seqlens=cu_seqlens, position_ids=position_ids, cache=layer_cache)
+        h = self.norm(h)
+        if packed_rows is not None:
+            h = h.reshape(packed_rows, length, width)
+        if cache is not None:
+            cache.seq_len += length
+        return h
+
+
+class HybridForCausalLM(HybridPreTrainedModel):
+    """`HybridModel` + LM head (optionally tied to the embeddings), next-token loss, greedy decoding."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: HybridLMConfig) -> None:
+        super().__init__(config)
+        hybrid = config.to_hybrid()
+        self.model = HybridModel(config)
+        self.lm_head = nn.Linear(hybrid.hidden_size, hybrid.vocab_size, bias=False)
+        self.lm_head_multiplier = hybrid.lm_head_multiplier
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def new_cache(self) -> HybridCache:
+        return HybridCache(len(self.model.layers))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: HybridCache | None = None,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> HybridCausalLMOutput:
+        """labels [B, T] are the input ids (shifted here); IGNORE_INDEX (-100) targets are skipped.
+        `logits_to_keep=n > 0` computes logits for the last n positions only (decoding)."""
+        hidden = self.model(input_ids, cu_seqlens, position_ids, cache, inputs_embeds=inputs_embeds)
+        kept = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
+        logits = self.lm_head(kept) * self.lm_head_multiplier  # [B, T, V]
+        loss = None
+        if labels is not None:
+            if logits_to_keep > 0:
+                raise ValueError("labels need the logits of every position; leave logits_to_keep at 0")
+            loss = _next_token_loss(logits, labels, cu_seqlens=cu_seqlens, position_ids=position_ids)
+        return HybridCausalLMOutput(loss=loss, logits=logits, cache=cache)
+
+    @torch.no_grad()
+    def generate(
+        self, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: int | None = None
+    ) -> torch.Tensor:
+        """Greedy decoding with the cache: prompt [B, T] -> [B, T + n] (n <= max_new_tokens; stops
+        early once every row has produced `eos_token_id`, later tokens of finished rows repeat it)."""
+        cache = self.new_cache()
+        logits = self(input_ids, cache=cache, logits_to_keep=1).logits  # [B, 1, V]
+        out = input_ids
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for _ in range(max_new_tokens):
+            token = logits[:, -1].argmax(-1)  # [B]
+            if eos_token_id is not None:
+                token = torch.where(done, torch.full_like(token, eos_token_id), token)
+                done = done | (token == eos_token_id)
+            out = torch.cat([out, token[:, None]], dim=1)
+            if eos_token_id is not None and bool(done.all()):
+                break
+            logits = self(token[:, None], cache=cache, logits_to_keep=1).logits
+        return out
+
+    def save_pretrained(self, save_directory, *args, format: str = "hybridlm", **kwargs):  # noqa: A002
+        """`format="hybridlm"` (default): our config + safetensors. `format="falcon_h1"`: an official
+        `falcon_h1` checkpoint (needs ssm_mixer="mamba2", attention on, SA_M blocks, an MLP)."""
+        if format == "falcon_h1":
+            from hybridlm.models.falcon_h1 import save_falcon_h1
+
+            return save_falcon_h1(self, save_directory)
+        if format != "hybridlm":
+            raise ValueError(f"unknown checkpoint format {format!r}; choose 'hybridlm' or 'falcon_h1'")
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+def _next_token_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+) -> torch.Tensor:
+    """Mean cross entropy of logits[:, t] against labels[:, t + 1], skipping -100 and the targets that
+    belong to the next packed document."""
+    batch, length = labels.shape
+    targets = labels[:, 1:].clone()  # [B, T-1]
+    if cu_seqlens is not None:
+        seq = sequence_ids(cu_seqlens.to(labels.device), length)  # [T]
+        crosses = seq[1:] != seq[:-1]  # target t+1 starts another document
+        targets[:, crosses] = IGNORE_INDEX
+    elif position_ids is not None:
+        starts = position_ids.expand(batch, length)[:, 1:] == 0
+        targets[starts] = IGNORE_INDEX
+    return F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
+    )
+
+
+AutoConfig.register("hybridlm", HybridLMConfig, exist_ok=True)
+AutoModel.register(HybridLMConfig, HybridModel, exist_ok=True)
+AutoModelForCausalLM.register(HybridLMConfig, HybridForCausalLM, exist_ok=True)

@@ -1,0 +1,56 @@
+"""Document boundaries of packed batches: `cu_seqlens` offsets from `position_ids`, local positions.
+
+A packed row holds several documents end to end. Two spellings of where they start are accepted
+across the library: `cu_seqlens` [N + 1] (offsets into one packed row, B == 1) and `position_ids`
+[B, T] that restart at 0 at each document start (the Hugging Face convention for packed rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """position_ids [B, T] -> int64 offsets [N + 1] of the documents of the flattened [1, B*T] row.
+
+    Every row start and every position equal to 0 starts a document.
+    """
+    if position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0)
+    batch, length = position_ids.shape
+    starts = position_ids == 0  # [B, T]
+    starts[:, 0] = True
+    flat_starts = torch.nonzero(starts.reshape(-1), as_tuple=False).flatten()
+    end = torch.tensor([batch * length], device=flat_starts.device, dtype=flat_starts.dtype)
+    return torch.cat([flat_starts, end]).to(torch.int64)
+
+
+def has_restarts(position_ids: torch.Tensor) -> bool:
+    """True when some row of position_ids [B, T] restarts at 0 after its first step (packed documents)."""
+    if position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0)
+    return bool((position_ids[:, 1:] == 0).any())
+
+
+def local_positions(cu_seqlens: torch.Tensor, total_len: int) -> torch.Tensor:
+    """Offsets [N + 1] -> [total_len] position of every token inside its own document (0, 1, ...)."""
+    offsets = cu_seqlens.to(torch.int64)
+    lengths = offsets[1:] - offsets[:-1]
+    starts = torch.repeat_interleave(offsets[:-1], lengths, output_size=total_len)
+    return torch.arange(total_len, device=offsets.device) - starts
+
+
+def sequence_ids(cu_seqlens: torch.Tensor, total_len: int) -> torch.Tensor:
+    """Offsets [N + 1] -> [total_len] index of the document each token belongs to."""
+    offsets = cu_seqlens.to(torch.int64)
+    lengths = offsets[1:] - offsets[:-1]
+    return torch.repeat_interleave(torch.arange(len(lengths), device=offsets.device), lengths, output_size=total_len)
+
+
+def pack_rows(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows [B, T, ...] whose position_ids [B, T] (or [1, T]) mark documents -> one packed row:
+    (x [1, B*T, ...], cu_seqlens [N + 1], position_ids [1, B*T]). Undo with `y.reshape(B, T, ...)`."""
+    batch, length = x.shape[:2]
+    position_ids = position_ids.expand(batch, length)
+    cu_seqlens = cu_seqlens_from_position_ids(position_ids).to(x.device)
+    return x.reshape(1, batch * length, *x.shape[2:]), cu_seqlens, position_ids.reshape(1, batch * length)

@@ -1,0 +1,55 @@
+"""Rotary position embedding (RoPE), half-split layout: the pair of dim i is dim i + D/2.
+
+Frequency of pair i: base^(-2i/D). Falcon-H1 uses a very large base (1e11), so most pairs barely
+rotate within any trained length and context extension needs no rescaling.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rotary_inv_freq(head_dim: int, *, base: float, device: torch.device | None = None) -> torch.Tensor:
+    """[D/2] inverse frequencies base^(-2i/D), float32."""
+    if head_dim % 2 != 0:
+        raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    return 1.0 / (base**exponent)
+
+
+def rotary_cos_sin(
+    position_ids: torch.Tensor, *, head_dim: int, base: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """position_ids [B, T] (or [T]) -> cos, sin [B, T, D] (or [T, D]) in float32."""
+    inv_freq = rotary_inv_freq(head_dim, base=base, device=position_ids.device)  # [D/2]
+    angles = position_ids.float()[..., None] * inv_freq  # [B, T, D/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [B, T, D]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, T, H, D] by cos, sin [B, T, D] (cast to x.dtype, as the reference does)."""
+    cos = cos.to(x.dtype).unsqueeze(-2)  # [B, T, 1, D]
+    sin = sin.to(x.dtype).unsqueeze(-2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (x1, x2) -> (-x2, x1)
+    return x * cos + rotated * sin
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds (head_dim, base); `forward(position_ids)` returns (cos, sin). No buffers: the [D/2]
+    frequencies are recomputed per call, so the module is safe to build on the meta device."""
+
+    def __init__(self, head_dim: int, *, base: float = 10000.0) -> None:
+        super().__init__()
+        if head_dim % 2 != 0:
+            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+        self.head_dim = head_dim
+        self.base = base
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_cos_sin(position_ids, head_dim=self.head_dim, base=self.base)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base:g}"

@@ -1,0 +1,135 @@
+"""Depthwise short causal conv1d with an explicit state, for any mixer (Mamba-2, fast-weight, ...).
+
+    y_t[c] = bias[c] + sum_{k=0}^{K-1} w[c, k] * x_{t-K+1+k}[c]        (then an optional SiLU)
+
+The state is the last K-1 inputs, time-major like the activations: `[B, K-1, C]` (oldest first).
+Running `[0:T]` equals running `[0:t]` then `[t:T]` from the carried state. A fresh sequence starts
+from zeros. With `cu_seqlens` (packed batch, B == 1) every document runs on its own: it never sees
+the tail of the previous one, it starts from its own row of `initial_state` (`[N, K-1, C]`), and the
+final state has one row per document.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridlm.modules.boundaries import sequence_ids
+from hybridlm.ops.utils import check_cu_seqlens
+
+_ACTIVATIONS = (None, "silu")
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [B, T, C], weight [C, K], bias [C] -> (y [B, T, C], final_state [B or N, K-1, C] or None)."""
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"causal_conv1d: unknown activation {activation!r}; choose one of {_ACTIVATIONS}")
+    batch, length, channels = x.shape
+    if weight.shape[0] != channels:
+        raise ValueError(f"causal_conv1d: weight has {weight.shape[0]} channels, x has {channels}")
+    width = weight.shape[1] - 1  # K - 1: how far back each output looks
+    rows = batch
+    if cu_seqlens is not None:
+        offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length).to(x.device)
+        rows = len(offsets) - 1
+    if initial_state is not None and tuple(initial_state.shape) != (rows, width, channels):
+        raise ValueError(
+            f"causal_conv1d: initial_state must be [{rows}, {width}, {channels}] (one row per sequence, last K-1 "
+            f"inputs), got {tuple(initial_state.shape)}"
+        )
+    if cu_seqlens is None:
+        # 1. Extended input: the carried K-1 inputs, then the new ones.  [B, K-1+T, C]
+        state = initial_state.to(x.dtype) if initial_state is not None else x.new_zeros(batch, width, channels)
+        extended = torch.cat([state, x], dim=1)
+        y = _depthwise(extended, weight, bias)  # [B, T, C]
+        final = extended[:, extended.shape[1] - width :] if output_final_state else None
+    else:
+        # 1. Extended packed row: every document gets its own K-1 slots of history in front of it.
+        #    Token t of document n sits at t + (n + 1)(K - 1); the slots of document n start at
+        #    offsets[n] + n(K - 1).                                               [1, T + N(K-1), C]
+        seq = sequence_ids(offsets, length)  # [T]
+        where = torch.arange(length, device=x.device) + (seq + 1) * width  # [T]
+        extended = x.new_zeros(1, length + rows * width, channels)
+        extended[0, where] = x[0]
+        slots = torch.arange(width, device=x.device)
+        docs = torch.arange(rows, device=x.device)
+        if initial_state is not None:
+            history = (offsets[:-1] + docs * width)[:, None] + slots  # [N, K-1]
+            extended[0, history] = initial_state.to(x.dtype)
+        # 2. Conv over the whole extended row; the output for a token at p is window [p-K+1, p].
+        y_all = _depthwise(extended, weight, bias)  # [1, T + (N-1)(K-1), C]; output o covers extended[o : o+K]
+        y = y_all[:, where - width]
+        final = None
+        if output_final_state:
+            tail = (offsets[1:] + (docs + 1) * width - width)[:, None] + slots  # [N, K-1]
+            final = extended[0, tail]
+    if activation == "silu":
+        y = F.silu(y)
+    return y, final
+
+
+def _depthwise(extended: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Valid depthwise conv along time: [B, L, C] -> [B, L-K+1, C]."""
+    channels = extended.shape[-1]
+    out = F.conv1d(extended.transpose(1, 2).to(weight.dtype), weight.unsqueeze(1), bias, groups=channels)
+    return out.transpose(1, 2).to(extended.dtype)
+
+
+class ShortConvolution(nn.Module):
+    """`causal_conv1d` with its parameters: weight [C, K], optional bias [C], optional SiLU."""
+
+    def __init__(self, channels: int, kernel_size: int, *, bias: bool = True, activation: str | None = "silu") -> None:
+        super().__init__()
+        if kernel_size < 1:
+            raise ValueError(f"ShortConvolution: kernel_size must be >= 1, got {kernel_size}")
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"ShortConvolution: unknown activation {activation!r}; choose one of {_ACTIVATIONS}")
+        self.weight = nn.Parameter(torch.empty(channels, kernel_size))
+        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
+        self.activation = activation
+        self.reset_parameters()
+
+    @property
+    def kernel_size(self) -> int:
+        return self.weight.shape[1]
+
+    def reset_parameters(self) -> None:
+        # torch's Conv1d default for a depthwise filter: U(-1/sqrt(K), 1/sqrt(K)) (fan_in = K).
+        bound = self.kernel_size**-0.5
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        initial_state: torch.Tensor | None = None,
+        output_final_state: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return causal_conv1d(
+            x,
+            self.weight,
+            self.bias,
+            activation=self.activation,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.weight.shape[0]}, kernel_size={self.kernel_size}, bias={self.bias is not None}, "
+            f"activation={self.activation}"
+        )

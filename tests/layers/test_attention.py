@@ -1,0 +1,67 @@
+"""Attention: parity with transformers' FalconH1Attention, packed documents == alone, KV cache == full."""
+
+import pytest
+import torch
+from transformers import FalconH1Config
+from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Attention, FalconH1RotaryEmbedding
+
+from hybridlm.layers import Attention, LayerCache
+from hybridlm.models.config import HybridConfig
+
+ATOL = 1e-5
+
+
+def make_attention(heads=4, kv_heads=2, head_dim=8, hidden=24, seed=0, **changes) -> Attention:
+    torch.manual_seed(seed)
+    config = HybridConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          head_dim=head_dim, rope_theta=1e4, key_multiplier=0.7, mamba_n_heads=4, **changes)
+    return Attention(config, layer_idx=0).eval()
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (6, 1)])
+def test_matches_falcon_h1_attention(heads, kv_heads):
+    ours = make_attention(heads, kv_heads)
+    ref_config = FalconH1Config(hidden_size=24, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
+                                rope_theta=1e4, key_multiplier=0.7, mamba_d_ssm=24, mamba_n_heads=4)
+    ref_config._attn_implementation = "eager"
+    ref = FalconH1Attention(ref_config, layer_idx=0).eval()
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    x = torch.randn(2, 9, 24)
+    position_ids = torch.arange(9)[None].expand(2, 9)
+    cos, sin = FalconH1RotaryEmbedding(ref_config)(x, position_ids)
+    causal = torch.full((9, 9), float("-inf")).triu(1)[None, None]
+    expected, _ = ref(x, position_embeddings=(cos, sin), attention_mask=causal)
+    torch.testing.assert_close(ours(x), expected, rtol=ATOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("marker", ["cu_seqlens", "position_ids"])
+def test_packed_documents_equal_each_alone(marker):
+    attn = make_attention()
+    cu = torch.tensor([0, 4, 5, 11])
+    x = torch.randn(1, 11, 24)
+    if marker == "cu_seqlens":
+        packed = attn(x, cu_seqlens=cu)
+    else:
+        packed = attn(x, position_ids=torch.tensor([[0, 1, 2, 3, 0, 0, 1, 2, 3, 4, 5]]))
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        torch.testing.assert_close(packed[:, start:end], attn(x[:, start:end]), rtol=ATOL, atol=ATOL)
+    assert not torch.allclose(packed[:, 5:], attn(x)[:, 5:], atol=1e-3)  # the mask matters
+
+
+def test_cache_steps_equal_full_forward():
+    attn = make_attention(heads=6, kv_heads=2)
+    x = torch.randn(2, 10, 24)
+    full = attn(x)
+    cache = LayerCache()
+    outs = [attn(x[:, :4], cache=cache)]  # prefill
+    for t in range(4, 7):
+        outs.append(attn(x[:, t : t + 1], cache=cache))  # one token at a time
+    outs.append(attn(x[:, 7:], cache=cache))  # a chunk after the cache: offset causal mask
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=ATOL, atol=ATOL)
+    assert cache.key.shape == (2, 10, 2, 8)
+
+
+def test_cache_rejects_packed_batches():
+    attn = make_attention()
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        attn(torch.randn(1, 4, 24), cu_seqlens=torch.tensor([0, 2, 4]), cache=LayerCache())

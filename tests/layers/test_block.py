@@ -1,0 +1,98 @@
+"""Hybrid block: the three arrangements as written, either half off, the SSM mixer factory."""
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from hybridlm.layers import HybridBlock, Mamba2Mixer, build_ssm_mixer
+from hybridlm.models.config import HybridConfig
+
+MULT = dict(ssm_in_multiplier=1.3, ssm_out_multiplier=0.4, attention_in_multiplier=0.8, attention_out_multiplier=1.7)
+
+
+def make_block(**changes) -> HybridBlock:
+    torch.manual_seed(0)
+    fields = dict(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8, mamba_d_ssm=16,
+                  mamba_n_heads=2, mamba_d_state=4, mamba_chunk_size=4, intermediate_size=24, **MULT)
+    fields.update(changes)
+    block = HybridBlock(HybridConfig(**fields), layer_idx=0).eval()
+    with torch.no_grad():
+        for norm in (block.norm, block.attn_norm, block.mlp_norm):
+            if norm is not None:
+                norm.weight.uniform_(0.5, 1.5)  # distinct norms, so swapping them would be caught
+    return block
+
+
+def ssm(block, n):
+    return block.ssm(n * 1.3) * 0.4
+
+
+def attn(block, n):
+    return block.attn(n * 0.8) * 1.7
+
+
+def test_sa_m():
+    block = make_block()
+    x = torch.randn(2, 7, 16)
+    n = block.norm(x)
+    h = x + ssm(block, n) + attn(block, n)
+    torch.testing.assert_close(block(x), h + block.mlp(block.mlp_norm(h)))
+    assert block.attn_norm is None
+
+
+def test_sam():
+    block = make_block(block_arrangement="SAM")
+    x = torch.randn(2, 7, 16)
+    n = block.norm(x)
+    torch.testing.assert_close(block(x), x + ssm(block, n) + attn(block, n) + block.mlp(n))
+    assert block.mlp_norm is None
+
+
+def test_s_a_m():
+    block = make_block(block_arrangement="S_A_M")
+    x = torch.randn(2, 7, 16)
+    h1 = x + ssm(block, block.norm(x))
+    h2 = h1 + attn(block, block.attn_norm(h1))
+    torch.testing.assert_close(block(x), h2 + block.mlp(block.mlp_norm(h2)))
+
+
+@pytest.mark.parametrize("arrangement", ["SA_M", "SAM", "S_A_M"])
+def test_either_half_can_be_off(arrangement):
+    x = torch.randn(1, 5, 16)
+    no_attn = make_block(block_arrangement=arrangement, use_attention=False)
+    no_ssm = make_block(block_arrangement=arrangement, ssm_mixer="none")
+    no_mlp = make_block(block_arrangement=arrangement, intermediate_size=0)
+    assert no_attn.attn is None and isinstance(no_attn.ssm, Mamba2Mixer)
+    assert no_ssm.ssm is None and no_ssm.attn is not None
+    assert no_mlp.mlp is None and no_mlp.mlp_norm is None
+    for block in (no_attn, no_ssm, no_mlp):
+        assert block(x).shape == x.shape
+    n = no_ssm.norm(x)
+    h = x + attn(no_ssm, n)
+    expected = h + no_ssm.mlp(no_ssm.mlp_norm(h)) if arrangement != "SAM" else h + no_ssm.mlp(n)
+    torch.testing.assert_close(no_ssm(x), expected)
+
+
+def test_factory():
+    config = HybridConfig(hidden_size=16, num_attention_heads=2, mamba_d_ssm=16, mamba_n_heads=2)
+    assert isinstance(build_ssm_mixer(config, 0), Mamba2Mixer)
+    assert build_ssm_mixer(config.replace(ssm_mixer="none"), 0) is None
+
+
+def test_fast_weight_without_its_module_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "hybridlm.layers.fast_weight", None)  # as if the file did not exist
+    config = HybridConfig(hidden_size=16, num_attention_heads=2, ssm_mixer="fast_weight")
+    with pytest.raises(ValueError, match="needs hybridlm.layers.fast_weight"):
+        build_ssm_mixer(config, 0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hybridlm.layers.fast_weight") is None,
+                    reason="hybridlm.layers.fast_weight not written yet")
+def test_fast_weight_block_runs():
+    config = HybridConfig(hidden_size=16, num_attention_heads=2, ssm_mixer="fast_weight", fw_heads=2, fw_head_dim=8)
+    block = HybridBlock(config, layer_idx=0)
+    assert type(block.ssm).__name__ == "FastWeightMixer"
+    x = torch.randn(1, 6, 16)
+    assert block(x).shape == x.shape

@@ -1,0 +1,97 @@
+"""HybridConfig validation and (de)serialization, the transformers config wrapper, channel allocation."""
+
+import math
+
+import pytest
+
+from hybridlm.models.allocation import channel_allocation
+from hybridlm.models.config import HybridConfig
+from hybridlm.models.configuration import HybridLMConfig
+
+
+def test_defaults_resolve_derived_sizes():
+    config = HybridConfig(hidden_size=64, num_attention_heads=4, mamba_n_heads=8, mamba_expand=2)
+    assert config.head_dim == 16 and config.num_key_value_heads == 4
+    assert config.mamba_d_ssm == 128 and config.mamba_d_head == 16
+    assert HybridConfig(hidden_size=64, mamba_n_heads=8, mamba_d_head="auto").mamba_d_head == 16
+
+
+def test_dict_round_trip():
+    config = HybridConfig(ssm_multiplier_B=0.25, time_step_limit=(0.0, 0.5), eos_token_id=[2, 3], fw_rule="3A")
+    again = HybridConfig.from_dict(config.to_dict())
+    assert again == config and isinstance(again.time_step_limit, tuple)
+    assert config.ssm_multipliers == [1.0, 1.0, 0.25, 1.0, 1.0]
+    assert config.to_dict()["time_step_limit"] == [0.0, 0.5]
+
+
+def test_unknown_keys_are_named():
+    with pytest.raises(ValueError, match="ssm_multipliers, typo_field"):
+        HybridConfig.from_dict({"typo_field": 1, "ssm_multipliers": [1, 1, 1, 1, 1]})
+    with pytest.raises(ValueError, match="hidden"):
+        HybridConfig().replace(hidden=3)
+
+
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        (dict(mamba_d_ssm=96, mamba_n_heads=4, mamba_d_head=16), "mamba_d_ssm"),
+        (dict(mamba_n_heads=6, mamba_d_ssm=96, mamba_n_groups=4), "mamba_n_groups"),
+        (dict(num_attention_heads=6, num_key_value_heads=4), "num_key_value_heads"),
+        (dict(head_dim=7), "head_dim"),
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(vocab_size=10.5), "vocab_size"),
+        (dict(intermediate_size=-1), "intermediate_size"),
+        (dict(mamba_d_state=0), "mamba_d_state"),
+        (dict(ssm_mixer="mamba3"), "ssm_mixer"),
+        (dict(block_arrangement="SA-M"), "block_arrangement"),
+        (dict(use_attention=False, ssm_mixer="none"), "use_attention"),
+        (dict(time_step_limit=(0.5, 0.1)), "time_step_limit"),
+        (dict(time_step_limit=(0.1,)), "time_step_limit"),
+        (dict(rope_theta=0.0), "rope_theta"),
+        (dict(key_multiplier=math.nan), "key_multiplier"),
+        (dict(ssm_multiplier_dt="1"), "ssm_multiplier_dt"),
+        (dict(mamba_rms_norm=1), "mamba_rms_norm"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(attention_dropout=1.0), "attention_dropout"),
+        (dict(fw_rule="4"), "fw_rule"),
+        (dict(fw_pairing="next"), "fw_pairing"),
+        (dict(fw_window=0), "fw_window"),
+        (dict(fw_heads=0), "fw_heads"),
+    ],
+)
+def test_inconsistent_values_name_the_field(changes, field):
+    with pytest.raises(ValueError, match=field):
+        HybridConfig(**changes)
+
+
+def test_mamba_sizes_are_free_without_mamba():
+    HybridConfig(ssm_mixer="none", mamba_d_ssm=96, mamba_n_heads=4, mamba_d_head=16)  # no error
+
+
+def test_transformers_config_round_trip(tmp_path):
+    config = HybridLMConfig.from_hybrid(HybridConfig(hidden_size=64, num_attention_heads=2, ssm_multiplier_x=0.5))
+    config.save_pretrained(tmp_path)
+    loaded = HybridLMConfig.from_pretrained(tmp_path)
+    assert loaded.to_hybrid() == config.to_hybrid()
+    assert math.isinf(loaded.time_step_limit[1])
+    with pytest.raises(ValueError, match="mamba_d_state"):
+        HybridLMConfig(mamba_d_state=-1)
+
+
+def test_channel_allocation_follows_the_report():
+    # The 1.2B proxy of the report: d = 1280, SA_M optimum (2/8, 1/8, 5/8).
+    fields = channel_allocation(hidden_size=1280, alpha_S=2 / 8, alpha_A=1 / 8, alpha_M=5 / 8, num_key_value_heads=2)
+    assert fields["mamba_d_ssm"] == 1024 and fields["mamba_n_heads"] == 16  # 2/8 * 4096
+    assert fields["num_attention_heads"] * fields["head_dim"] == 768  # 1/8 * 6144
+    assert fields["intermediate_size"] == 3072  # 5/8 * 4864 = 3040, to a multiple of 64
+    config = HybridConfig(hidden_size=1280, **fields)
+    assert config.mamba_d_ssm == 1024
+    # Widths scale with d; a zero share switches the module off.
+    wide = channel_allocation(hidden_size=2560, alpha_S=0.5, alpha_A=0.0, alpha_M=0.5)
+    assert wide["mamba_d_ssm"] == 4096 and wide["use_attention"] is False
+    no_ssm = channel_allocation(hidden_size=256, alpha_S=0.0, alpha_A=0.5, alpha_M=0.5)
+    assert no_ssm["ssm_mixer"] == "none"
+    with pytest.raises(ValueError, match="must be 1"):
+        channel_allocation(hidden_size=256, alpha_S=0.5, alpha_A=0.5, alpha_M=0.5)
+    with pytest.raises(ValueError, match="alpha_A"):
+        channel_allocation(hidden_size=256, alpha_S=0.75, alpha_A=-0.25, alpha_M=0.5)
