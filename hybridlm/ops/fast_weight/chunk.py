@@ -21,6 +21,7 @@ Cost per head: O(T * C * W * (K + V) + T * (C W)^2 V / C) -- linear in T for a f
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hybridlm.ops.fast_weight.state import FastWeightState
 from hybridlm.ops.utils import packed_to_padded, padded_to_packed
@@ -94,7 +95,7 @@ def fast_weight_chunk(
     # 3. The rule's statistic E_t, step sizes eta_t and log decays log gamma_t.
     if rule == "3":
         gram = Xw @ Xw.transpose(-1, -2)                                                   # [N, T, H, W, W]
-        E = torch.linalg.eigvalsh(gram)[..., -1] / count[:, :, None]                       # mu_t  [N, T, H]
+        E = _top_eigenvalue(gram) / count[:, :, None]                                      # mu_t  [N, T, H]
     elif rule == "3A":
         E = (Xw * Xw).sum(dim=(-1, -2)) / count[:, :, None]                                # Ebar_t
     else:
@@ -151,50 +152,79 @@ def _tail(state: FastWeightState, N, H, K, V, W, like):
 
 def _chunk_scan(q, X, Y, w, log_gamma, S, *, regression, read_after, chunk_size):
     """The event scan. q [N, H, T, K]; X [N, H, T, W, K]; Y [N, H, T, W, V]; w [N, H, T, W, Dv];
-    log_gamma [N, H, T, Dv]; S [N, H, K, V] the entry state. Returns o [N, H, T, V] and the final state."""
+    log_gamma [N, H, T, Dv]; S [N, H, K, V] the entry state. Returns o [N, H, T, V] and the final state.
+
+    Three phases: everything that does not depend on the carried state is computed for all chunks at once
+    (decays, Gram and attention matrices, and for scalar-decay regression the WY factors U, W with
+    r = U - W S_in); only the state passing S_in -> S_out runs as a loop over chunks; the outputs are then
+    computed for all chunks at once from the recorded entry states.
+    """
     N, H, T, W, K = X.shape
     V = Y.shape[-1]
     Dv = w.shape[-1]
-    outputs = []
-    for a in range(0, T, chunk_size):
-        b = min(a + chunk_size, T)
-        c, n = b - a, (b - a) * W
-        Xc = X[:, :, a:b].reshape(N, H, n, K)                                              # events  [N, H, n, K]
-        Yc = Y[:, :, a:b].reshape(N, H, n, V)
-        wc = w[:, :, a:b].reshape(N, H, n, Dv)
-        Qc = q[:, :, a:b]                                                                  # [N, H, c, K]
-        lg = log_gamma[:, :, a:b]
-        L = torch.cumsum(lg, dim=2)                                                        # log c_t  [N, H, c, Dv]
-        L_prev = L - lg                                                                    # log c_{t-1}
-        step = torch.arange(c, device=q.device).repeat_interleave(W)                       # s_e  [n]
-        L_event = L[:, :, step]                                                            # log c_{s_e}  [N, H, n, Dv]
+    C = min(chunk_size, T)
+    n_chunks = -(-T // C)
+    pad = n_chunks * C - T  # padded steps write nothing (w = 0) and do not decay (log gamma = 0)
+    n = C * W                                                                              # events per chunk
+    Qc = F.pad(q, (0, 0, 0, pad)).reshape(N, H, n_chunks, C, K)
+    Xc = F.pad(X, (0, 0, 0, 0, 0, pad)).reshape(N, H, n_chunks, n, K)                        # [N, H, c, n, K]
+    Yc = F.pad(Y, (0, 0, 0, 0, 0, pad)).reshape(N, H, n_chunks, n, V)
+    wc = F.pad(w, (0, 0, 0, 0, 0, pad)).reshape(N, H, n_chunks, n, Dv)
+    lg = F.pad(log_gamma, (0, 0, 0, pad)).reshape(N, H, n_chunks, C, Dv)
+    L = torch.cumsum(lg, dim=3)                                                            # log c_t (chunk-local)
+    L_prev = L - lg                                                                        # log c_{t-1}
+    step = torch.arange(C, device=q.device).repeat_interleave(W)                           # s_e  [n]
+    L_event = L[:, :, :, step]                                                             # [N, H, c, n, Dv]
+    carry = torch.exp(L[:, :, :, -1])                                                      # chunk decay [N, H, c, Dv]
+    coef = torch.exp(L[:, :, :, -1:] - L_event) * wc                                       # to the chunk end
 
-        if regression:
-            L_event_prev = L_prev[:, :, step]
-            earlier = (step[:, None] > step[None, :])[:, :, None]                          # s_e' < s_e  [n, n, 1]
-            decay = _masked_exp(L_event_prev[:, :, :, None] - L_event[:, :, None], earlier)  # [N, H, n, n, Dv]
-            A = decay * wc[:, :, None] * (Xc @ Xc.transpose(-1, -2))[..., None]
-            rhs = Yc - torch.exp(L_event_prev) * (Xc @ S)                                  # [N, H, n, V]
-            R = _solve_unit_lower(A.movedim(-1, 2), rhs)                                   # residuals r_e
-        else:
-            R = Yc
+    # Phase 1: the regression residuals' triangular systems (r + A r = y - exp(L_{s-1}) X S_in).
+    if regression:
+        L_event_prev = L_prev[:, :, :, step]
+        earlier = (step[:, None] > step[None, :])[:, :, None]                              # s_e' < s_e  [n, n, 1]
+        decay = _masked_exp(L_event_prev[..., :, None, :] - L_event[..., None, :, :], earlier)
+        A = (decay * wc[..., None, :, :] * (Xc @ Xc.transpose(-1, -2))[..., None]).movedim(-1, 3)  # [N,H,c,Dv,n,n]
+        start = torch.exp(L_event_prev)                                                    # [N, H, c, n, Dv]
+        if Dv == 1:  # WY form: r = U - W S_in with U = (I + A)^-1 Y, W = (I + A)^-1 diag(start) X
+            U = _solve_unit_lower(A, Yc)
+            W_wy = _solve_unit_lower(A, start * Xc)
 
-        L_read = L if read_after else L_prev
-        t_idx = torch.arange(c, device=q.device)
-        seen = (step[None, :] <= t_idx[:, None]) if read_after else (step[None, :] < t_idx[:, None])
-        D = _masked_exp(L_read[:, :, :, None] - L_event[:, :, None], seen[:, :, None]) * wc[:, :, None]  # [N,H,c,n,Dv]
-        P = Qc @ Xc.transpose(-1, -2)                                                      # q_t . x_e  [N, H, c, n]
-        o = torch.exp(L_read) * (Qc @ S)                                                   # the entry state's part
-        if Dv == 1:
-            o = o + (P * D[..., 0]) @ R
-        else:
-            o = o + torch.einsum("nhte,nhtev,nhev->nhtv", P, D, R)
-        outputs.append(o)
+    # Phase 2: pass the state through the chunks.
+    entry_states, residuals = [], []
+    for c in range(n_chunks):
+        entry_states.append(S)
+        if not regression:
+            R = Yc[:, :, c]
+        elif Dv == 1:
+            R = U[:, :, c] - W_wy[:, :, c] @ S
+        else:  # per-column systems: one solve per chunk with this chunk's entry state
+            R = _solve_unit_lower(A[:, :, c], Yc[:, :, c] - start[:, :, c] * (Xc[:, :, c] @ S))
+        residuals.append(R)
+        S = carry[:, :, c, None, :] * S + Xc[:, :, c].transpose(-1, -2) @ (coef[:, :, c] * R)
+    S_in = torch.stack(entry_states, dim=2)                                                # [N, H, c, K, V]
+    R = torch.stack(residuals, dim=2) if regression else Yc                                # [N, H, c, n, V]
 
-        carry = torch.exp(L[:, :, -1])                                                     # [N, H, Dv]
-        coef = torch.exp(L[:, :, -1:] - L_event) * wc                                      # [N, H, n, Dv]
-        S = carry[:, :, None, :] * S + Xc.transpose(-1, -2) @ (coef * R)
-    return torch.cat(outputs, dim=2), S
+    # Phase 3: outputs, o_t = exp(L_t) S_in^T q_t + sum_{e: s_e <= t} exp(L_t - L_{s_e}) w_e (q_t . x_e) r_e.
+    L_read = L if read_after else L_prev
+    t_idx = torch.arange(C, device=q.device)
+    seen = (step[None, :] <= t_idx[:, None]) if read_after else (step[None, :] < t_idx[:, None])
+    D = _masked_exp(L_read[..., :, None, :] - L_event[..., None, :, :], seen[:, :, None]) * wc[..., None, :, :]
+    P = Qc @ Xc.transpose(-1, -2)                                                          # q_t . x_e  [N,H,c,C,n]
+    o = torch.exp(L_read) * (Qc @ S_in)
+    if Dv == 1:
+        o = o + (P * D[..., 0]) @ R
+    else:
+        o = o + torch.einsum("...te,...tev,...ev->...tv", P, D, R)
+    return o.reshape(N, H, n_chunks * C, V)[:, :, :T], S
+
+
+def _top_eigenvalue(gram: torch.Tensor, slice_size: int = 1 << 15) -> torch.Tensor:
+    """lambda_max of a batch of small symmetric matrices [..., W, W] -> [...].
+
+    cuSOLVER's batched eigensolver fails on very large batches, so the batch runs in slices."""
+    flat = gram.reshape(-1, *gram.shape[-2:])
+    top = [torch.linalg.eigvalsh(part)[:, -1] for part in flat.split(slice_size)]
+    return torch.cat(top).reshape(gram.shape[:-2])
 
 
 def _masked_exp(exponent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -203,10 +233,10 @@ def _masked_exp(exponent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """Solve (I + A) R = rhs for strictly lower-triangular A [N, H, Dv, n, n]; rhs and R are [N, H, n, V].
+    """Solve (I + A) R = rhs for strictly lower-triangular A [..., Dv, n, n]; rhs and R are [..., n, M].
 
-    Dv == 1: one system with V right-hand sides. Dv == V: one system per value column."""
-    if A.shape[2] == 1:
-        return torch.linalg.solve_triangular(A, rhs[:, :, None], upper=False, unitriangular=True)[:, :, 0]
+    Dv == 1: one system with M right-hand sides. Dv == M: one system per column."""
+    if A.shape[-3] == 1:
+        return torch.linalg.solve_triangular(A[..., 0, :, :], rhs, upper=False, unitriangular=True)
     solved = torch.linalg.solve_triangular(A, rhs.transpose(-1, -2)[..., None], upper=False, unitriangular=True)
     return solved[..., 0].transpose(-1, -2)

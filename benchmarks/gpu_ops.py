@@ -1,0 +1,83 @@
+"""GPU timing of the fast-weight rules against causal SDPA at the same shape, side by side in one run.
+
+    python benchmarks/gpu_ops.py                                  # B=8 H=16 D=128 bf16, T in 2048 4096
+    python benchmarks/gpu_ops.py --T 2048 4096 16384 --rules 1 1A 3A
+
+Times (median of `triton.testing.do_bench`) the torch chunk backend forward and forward+backward per rule,
+and causal SDPA (flash / cuDNN backend) on the same q, k, v; prints time and the ratio chunk / SDPA.
+The Triton backend is added as a column when it exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from hybridlm.ops import fast_weight_attention
+
+RULES = ("1", "2", "3", "1A", "2A", "3A")
+
+
+def bench(fn, *, backward: bool, inputs) -> float:
+    import triton.testing
+
+    def step():
+        out = fn()
+        if backward:
+            out.backward(grad)
+            for t in inputs:
+                t.grad = None
+
+    out = fn()
+    grad = torch.randn_like(out)
+    return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--T", type=int, nargs="+", default=[2048, 4096])
+    parser.add_argument("--rules", nargs="+", default=list(RULES), choices=RULES)
+    parser.add_argument("--B", type=int, default=8)
+    parser.add_argument("--H", type=int, default=16)
+    parser.add_argument("--D", type=int, default=128)
+    parser.add_argument("--chunk-size", type=int, default=64)
+    args = parser.parse_args()
+    dev, dtype = "cuda", torch.bfloat16
+    print(f"# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+          f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size}")
+    print("| rule | T | pass | SDPA (ms) | chunk (ms) | chunk / SDPA |")
+    print("|---|---|---|---|---|---|")
+    for T in args.T:
+        shape = (args.B, T, args.H, args.D)
+        q, k, v = (torch.randn(shape, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+        k_unit = F.normalize(k.detach().float(), dim=-1).to(dtype).requires_grad_(True)
+        sdpa = {}
+        for backward in (False, True):
+            sdpa[backward] = bench(
+                lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                       is_causal=True),
+                backward=backward, inputs=(q, k, v))
+        for rule in args.rules:
+            window = 3 if rule in ("3", "3A") else 1
+            beta_shape = shape if rule in ("2", "2A") else shape[:3]
+            beta = torch.rand(beta_shape, device=dev, dtype=dtype).mul(1.9).requires_grad_(True)
+            lam = torch.rand(shape[:3], device=dev, dtype=dtype).mul(0.1).requires_grad_(True)
+            inputs = (q, k_unit, v, beta, lam)
+            for backward in (False, True):
+                try:
+                    ms = bench(lambda: fast_weight_attention(*inputs, rule=rule, window=window, backend="chunk",
+                                                             chunk_size=args.chunk_size)[0],
+                               backward=backward, inputs=inputs)
+                    cell = f"{ms:.2f} | {ms / sdpa[backward]:.1f}x"
+                except torch.OutOfMemoryError:
+                    cell = "out of memory | -"
+                    torch.cuda.empty_cache()
+                name = "fwd+bwd" if backward else "fwd"
+                print(f"| {rule} | {T} | {name} | {sdpa[backward]:.2f} | {cell} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
