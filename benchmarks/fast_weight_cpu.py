@@ -35,6 +35,7 @@ def make_inputs(rule: str, *, T: int, B: int, H: int, D: int, requires_grad: boo
 def time_call(rule: str, backend: str, *, T: int, backward: bool, repeats: int, B: int, H: int, D: int) -> float:
     inputs = make_inputs(rule, T=T, B=B, H=H, D=D, requires_grad=backward)
     window = 3 if rule in ("3", "3A") else 1
+    fast_weight_attention(*inputs, rule=rule, window=window, backend=backend, chunk_size=64)  # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
