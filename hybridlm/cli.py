@@ -13,6 +13,7 @@ import sys
 COMMAND_MODULES = (
     "hybridlm.models.commands",
     "hybridlm.data.commands",
+    "hybridlm.inference.commands",
 )
 
 

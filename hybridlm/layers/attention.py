@@ -6,7 +6,9 @@
 
 Packed batches (`cu_seqlens`, B == 1) use a block-diagonal causal mask: tokens attend only inside
 their own document (an O(T^2) boolean mask; fine on CPU and for moderate lengths). A `LayerCache`
-makes it incremental: new keys/values are appended and queries attend to everything cached.
+makes it incremental: new keys/values are appended and queries attend to everything cached. A packed
+prefill into an empty cache stores one row per document, right-aligned (`LayerCache.store_packed_kv`);
+later queries of a row then skip its `pad` leading slots.
 The input multiplier (`attention_in_multiplier`) and output multiplier live in the block.
 """
 
@@ -58,15 +60,17 @@ class Attention(nn.Module):
         batch, length, _ = hidden.shape
         offsets = None
         if cu_seqlens is not None:
-            if cache is not None:
-                raise ValueError("Attention: a decoding cache cannot be combined with cu_seqlens (packed batches)")
             offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length).to(hidden.device)
-        past = cache.key.shape[1] if cache is not None and cache.key is not None else 0
+            if cache is not None and cache.length:
+                raise ValueError("Attention: a packed prefill (cu_seqlens) needs an empty cache")
+        past = cache.length if cache is not None else 0
         if position_ids is None:
             if offsets is not None:
                 position_ids = local_positions(offsets, length).unsqueeze(0)  # [1, T]
             else:
                 position_ids = torch.arange(past, past + length, device=hidden.device).unsqueeze(0)  # [1, T]
+                if cache is not None and cache.pad is not None:
+                    position_ids = position_ids - cache.pad.to(hidden.device)[:, None]  # [B, T]: own positions
 
         q = self.q_proj(hidden).view(batch, length, self.num_heads, self.head_dim)  # [B, T, Hq, D]
         k = self.k_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim) * self.key_multiplier
@@ -74,13 +78,15 @@ class Attention(nn.Module):
         cos, sin = self.rotary(position_ids)  # [B or 1, T, D]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
+        pad = None
         if cache is not None:
-            if cache.key is not None:
-                k = torch.cat([cache.key, k], dim=1)  # [B, S, Hkv, D], S = past + T
-                v = torch.cat([cache.value, v], dim=1)
-            cache.key, cache.value = k, v
+            if offsets is not None:
+                cache.store_packed_kv(k, v, offsets)  # one row per document; this call attends packed
+            else:
+                k, v = cache.append_kv(k, v)  # [B, S, Hkv, D], S = past + T
+                pad = cache.pad
 
-        mask, is_causal = _attention_mask(offsets, length=length, past=past, device=hidden.device)
+        mask, is_causal = _attention_mask(offsets, length=length, past=past, pad=pad, device=hidden.device)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),  # [B, Hq, T, D]
             k.transpose(1, 2),  # [B, Hkv, S, D]
@@ -95,17 +101,26 @@ class Attention(nn.Module):
 
 
 def _attention_mask(
-    offsets: torch.Tensor | None, *, length: int, past: int, device: torch.device
+    offsets: torch.Tensor | None, *, length: int, past: int, pad: torch.Tensor | None, device: torch.device
 ) -> tuple[torch.Tensor | None, bool]:
-    """(boolean mask [T, past + T] where True = may attend, or None; is_causal flag for SDPA)."""
+    """(boolean mask where True = may attend, or None; is_causal flag for SDPA).
+
+    Packed documents: [T, T] block-diagonal causal. Left-padded cache rows (`pad` [B] leading empty slots):
+    [B, 1, T, past + T]. Otherwise [T, past + T] causal with the cache in front, or None when SDPA's own
+    causal flag (no cache) or no mask at all (one query after the cache) suffices."""
     if offsets is not None:
         seq = sequence_ids(offsets, length)  # [T]
         causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
         return (seq[:, None] == seq[None, :]) & causal, False
-    if past == 0:
-        return None, length > 1
-    if length == 1:
-        return None, False  # one new query sees the whole cache
+    if pad is None:
+        if past == 0:
+            return None, length > 1
+        if length == 1:
+            return None, False  # one new query sees the whole cache
     rows = torch.arange(length, device=device)[:, None] + past
     cols = torch.arange(past + length, device=device)[None, :]
-    return cols <= rows, False
+    causal = cols <= rows  # [T, S]
+    if pad is None:
+        return causal, False
+    filled = cols >= pad.to(device)[:, None]  # [B, S]
+    return (causal[None] & filled[:, None, :]).unsqueeze(1), False  # [B, 1, T, S]

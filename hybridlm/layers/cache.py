@@ -4,35 +4,120 @@
     out = model(prompt, cache=cache)          # prefill: fills every layer, cache.seq_len = len(prompt)
     out = model(next_token, cache=cache)      # one step: reads and updates the states
 
-Each mixer owns its fields of `LayerCache`: attention reads and grows `key`/`value`
-([B, S, H_kv, D]); an SSM mixer keeps its tensors in the `ssm` dict under names it chooses
-(Mamba-2: "conv" [B, K-1, C] and "ssm" [B, H, P, N] float32). The model advances `seq_len`
-after every call, so positions of later tokens continue where the cache stopped.
+Each mixer owns its fields of `LayerCache`: attention appends to the keys/values ([B, S, H_kv, D]);
+an SSM mixer keeps its tensors in the `ssm` dict under names it chooses (Mamba-2: "conv" [B, K-1, C]
+and "ssm" [B, H, P, N] float32). The model advances the cache after every call, so positions of later
+tokens continue where the cache stopped.
+
+Rows of different lengths (a left-padded batch of prompts) enter the cache through a packed prefill:
+the prompts run end to end as one packed row with `cu_seqlens`, every SSM mixer stores one state per
+prompt (padding never reaches a recurrent state), and attention stores each prompt's keys right-aligned
+in a row of `seq_len` slots, the `pad` leading slots of a shorter row masked out for every later query.
+`HybridCache.lengths` then holds each row's own token count, from which its next positions follow.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from hybridlm.modules.boundaries import local_positions, sequence_ids
 
-@dataclass
+
 class LayerCache:
-    key: torch.Tensor | None = None  # [B, S, H_kv, D] keys after RoPE and the key multiplier
-    value: torch.Tensor | None = None  # [B, S, H_kv, D]
-    ssm: dict[str, torch.Tensor] = field(default_factory=dict)  # the SSM mixer's carried state
+    """One layer's decoding state: the attention keys/values and the SSM mixer's `ssm` dict."""
+
+    def __init__(self) -> None:
+        self.ssm: dict[str, torch.Tensor] = {}  # the SSM mixer's carried state
+        self.pad: torch.Tensor | None = None  # [B] leading key slots of each row that hold no token (None: none)
+        self._key: torch.Tensor | None = None  # [B, capacity, H_kv, D] storage; slots [0, length) are filled
+        self._value: torch.Tensor | None = None
+        self.length = 0  # filled key/value slots
+
+    @property
+    def key(self) -> torch.Tensor | None:
+        """[B, S, H_kv, D] keys after RoPE and the key multiplier (a view of the storage), or None."""
+        return None if self._key is None else self._key[:, : self.length]
+
+    @property
+    def value(self) -> torch.Tensor | None:
+        return None if self._value is None else self._value[:, : self.length]
+
+    def append_kv(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append [B, T, H_kv, D] keys/values; return every cached key/value [B, S + T, H_kv, D].
+
+        The storage grows geometrically, so a decoding step writes only its own token instead of copying
+        the whole cache. When gradients flow into the new keys, it is reallocated instead (no in-place
+        write into a tensor autograd saved)."""
+        needed = self.length + key.shape[1]
+        grad = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
+        if self._key is None or needed > self._key.shape[1] or grad:
+            capacity = needed if (grad or self._key is None) else max(needed, 2 * self._key.shape[1])
+            self._key = _grow(self._key, self.length, key, capacity)
+            self._value = _grow(self._value, self.length, value, capacity)
+        self._key[:, self.length : needed] = key
+        self._value[:, self.length : needed] = value
+        self.length = needed
+        return self.key, self.value
+
+    def store_packed_kv(self, key: torch.Tensor, value: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Fill an empty cache from a packed prefill: key/value [1, total, H_kv, D] of the sequences that
+        `offsets` [N + 1] delimit become N rows, each right-aligned in max(length) slots (left padding)."""
+        if self.length:
+            raise ValueError("a packed prefill (cu_seqlens) needs an empty cache")
+        total = key.shape[1]
+        offsets = offsets.to(key.device)
+        lengths = offsets[1:] - offsets[:-1]  # [N]
+        slots = int(lengths.max())
+        pad = slots - lengths  # [N]
+        seq = sequence_ids(offsets, total)  # [total] row of each token
+        where = pad[seq] + local_positions(offsets, total)  # [total] its slot in the row
+        rows_key = key.new_zeros(len(lengths), slots, *key.shape[2:])
+        rows_value = value.new_zeros(len(lengths), slots, *value.shape[2:])
+        rows_key[seq, where] = key[0]
+        rows_value[seq, where] = value[0]
+        self.append_kv(rows_key, rows_value)
+        self.pad = pad if bool((pad > 0).any()) else None
 
 
 class HybridCache:
-    """One `LayerCache` per block plus the number of tokens already seen."""
+    """One `LayerCache` per block, the number of time slots filled (`seq_len`) and, after a packed
+    prefill of prompts of different lengths, each row's own token count (`lengths`)."""
 
     def __init__(self, num_layers: int) -> None:
         self.layers = [LayerCache() for _ in range(num_layers)]
-        self.seq_len = 0
+        self.seq_len = 0  # time slots filled (the longest row)
+        self.lengths: torch.Tensor | None = None  # [B] tokens of each row; None: every row has seq_len
 
     def __getitem__(self, layer_idx: int) -> LayerCache:
         return self.layers[layer_idx]
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    def positions(self, length: int, device: torch.device) -> torch.Tensor:
+        """Positions of the next `length` tokens: [1, T], or [B, T] when the rows have their own lengths."""
+        steps = torch.arange(length, device=device)
+        if self.lengths is None:
+            return (self.seq_len + steps).unsqueeze(0)
+        return self.lengths.to(device)[:, None] + steps
+
+    def advance(self, length: int) -> None:
+        """Count `length` more tokens in every row."""
+        self.seq_len += length
+        if self.lengths is not None:
+            self.lengths = self.lengths + length
+
+    def start_rows(self, lengths: torch.Tensor) -> None:
+        """After a packed prefill into an empty cache: one row per sequence, `lengths` [N] tokens each."""
+        if self.seq_len:
+            raise ValueError("a packed prefill (cu_seqlens) needs an empty cache")
+        self.seq_len = int(lengths.max())
+        self.lengths = None if bool((lengths == self.seq_len).all()) else lengths
+
+
+def _grow(storage: torch.Tensor | None, filled: int, like: torch.Tensor, capacity: int) -> torch.Tensor:
+    """New storage [B, capacity, ...] holding the first `filled` slots of the old one."""
+    out = like.new_empty(like.shape[0], capacity, *like.shape[2:])
+    if storage is not None and filled:
+        out[:, :filled] = storage[:, :filled]
+    return out

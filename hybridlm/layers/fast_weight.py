@@ -16,13 +16,13 @@ Shapes: heads H = fw_heads, K = V = fw_head_dim; beta is [B, T, H] ([B, T, H, V]
 
 Decisions (documented here because they are choices, not the paper's prescriptions):
 - QK norm "rms" has no learned scale: the paper's RMSNorm operator (4.1) has none, and the NLMS step is
-  invariant to a uniform rescaling of the key anyway (C.1). The config's bool `fw_qk_norm` maps
-  True -> "rms", False -> "none"; the strings "rms" | "l2" | "none" are accepted too. E0 for "none" is a
-  nominal value only (unnormalized keys have no fixed energy).
+  invariant to a uniform rescaling of the key anyway (C.1). `fw_qk_norm` is "rms" | "l2" | "none" (the
+  config reads an older bool as True -> "rms", False -> "none"). E0 for "none" is a nominal value only
+  (unnormalized keys have no fixed energy).
 - "direct" step sizes are sigmoid-scaled, eta = (2 / E0) sigmoid(.), so eta E0 covers (0, 2) like the NLMS
   gain does: the regression rules stay stable for keys of nominal energy, without the live normalizer.
   (A softplus would leave eta unbounded and let rules 1/2/3 diverge.)
-- lam_scale = `fw_lam_scale` when the config defines it; otherwise 1 with `fw_ridge_scaling` (lam is then
+- lam_scale = `fw_lam_scale` when set; when None, 1 with `fw_ridge_scaling` (lam is then
   the dimensionless base ridge, the actual ridge being lam |x|^2) and E0 without (so that lam / |x|^2 has
   the same range either way and the initial decay does not depend on the switch).
 - Init: b_beta = 0, so beta starts near 1 (the NLMS step that fits the current pair exactly) and eta E0
@@ -36,7 +36,8 @@ Decisions (documented here because they are choices, not the paper's prescriptio
 Packed documents (`cu_seqlens`, or `position_ids` that restart at 0) reach both the conv and the op, so
 nothing crosses a document boundary. Decoding: `cache.ssm` holds the conv tail ("conv" [B, K-1, C]) and the
 `FastWeightState` fields ("S" [B, H, K, V] fp32, "last_k" [B, H, K], and for the sliding rules "tail_x",
-"tail_v", "tail_len"); a prefill runs the chunk-parallel path, each later token the recurrent step.
+"tail_v", "tail_len"); a prefill runs the chunk-parallel path, each later token the recurrent step. With
+`cu_seqlens` and a cache (a packed prefill) the states have one row per packed sequence.
 """
 
 from __future__ import annotations
@@ -50,10 +51,9 @@ from hybridlm.layers.cache import LayerCache
 from hybridlm.modules.boundaries import has_restarts, pack_rows
 from hybridlm.modules.gated_norm import GatedRMSNorm
 from hybridlm.modules.short_conv import ShortConvolution
-from hybridlm.ops.fast_weight import PER_COLUMN_RULES, RULES, SLIDING_RULES, FastWeightState, fast_weight_attention
+from hybridlm.ops.fast_weight import PER_COLUMN_RULES, FastWeightState, fast_weight_attention
 from hybridlm.ops.utils import compute_dtype
 
-QK_NORMS = ("rms", "l2", "none")
 _STATE_FIELDS = ("S", "last_k", "tail_x", "tail_v", "tail_len")  # FastWeightState fields kept in cache.ssm
 _QK_EPS = 1e-6
 _LAM_INIT_RANGE = (1e-3, 1e-1)  # sigmoid(b_lam) over the heads, log-uniform
@@ -62,52 +62,42 @@ _LAM_INIT_RANGE = (1e-3, 1e-1)  # sigmoid(b_lam) over the heads, log-uniform
 class FastWeightMixer(nn.Module):
     """SSM mixer: `forward(hidden [B, T, D], *, cu_seqlens, position_ids, cache) -> [B, T, D]`."""
 
-    def __init__(self, config, layer_idx: int) -> None:  # config: HybridConfig
+    def __init__(self, config, layer_idx: int) -> None:  # config: a validated HybridConfig
         super().__init__()
         self.layer_idx = layer_idx
-        self.rule = _choice("fw_rule", getattr(config, "fw_rule", "1"), RULES)
-        self.window = getattr(config, "fw_window", 1)
-        if not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"FastWeightMixer: fw_window must be an int >= 1, got {self.window!r}")
-        if self.window > 1 and self.rule not in SLIDING_RULES:
-            raise ValueError(
-                f"FastWeightMixer: fw_window={self.window} needs a sliding rule {SLIDING_RULES}; "
-                f"rule {self.rule!r} takes fw_window=1"
-            )
-        self.pairing = _choice("fw_pairing", getattr(config, "fw_pairing", "shifted"), ("shifted", "same_step"))
-        self.read = _choice("fw_read", getattr(config, "fw_read", "after"), ("after", "before"))
-        self.step_size = _choice("fw_step_size", getattr(config, "fw_step_size", "nlms"), ("nlms", "direct"))
-        self.ridge_scaling = bool(getattr(config, "fw_ridge_scaling", False))
-        self.qk_norm = _resolve_qk_norm(getattr(config, "fw_qk_norm", "rms"))
-        self.chunk_size = _positive_int("fw_chunk_size", getattr(config, "fw_chunk_size", 64))
+        self.rule = config.fw_rule
+        self.window = config.fw_window
+        self.pairing = config.fw_pairing
+        self.read = config.fw_read
+        self.step_size = config.fw_step_size
+        self.ridge_scaling = config.fw_ridge_scaling
+        self.qk_norm = config.fw_qk_norm
+        self.chunk_size = config.fw_chunk_size
         self.backend = "auto"  # "naive" | "chunk" to force one (tests); "auto": chunk, or the step loop at T == 1
 
         # Heads: fw_heads x fw_head_dim; by default the SSM channel allocation: mamba_n_heads heads sharing
         # mamba_d_ssm channels (so the alpha_S allocation sizes either SSM half).
-        self.num_heads = _positive_int("fw_heads", getattr(config, "fw_heads", None) or config.mamba_n_heads)
-        head_dim = getattr(config, "fw_head_dim", None)
-        if head_dim is None:
-            head_dim = config.mamba_d_ssm // self.num_heads
-        self.head_dim = _positive_int("fw_head_dim", head_dim)
+        self.num_heads = config.fw_heads or config.mamba_n_heads
+        self.head_dim = config.fw_head_dim or config.mamba_d_ssm // self.num_heads
+        if self.head_dim < 1:
+            raise ValueError(
+                f"FastWeightMixer: mamba_d_ssm={config.mamba_d_ssm} gives {self.num_heads} heads no channels; "
+                "set fw_head_dim"
+            )
         H, K = self.num_heads, self.head_dim
         V = K
         self.width = H * V  # inner width of the mixer (the per-head outputs, concatenated)
         self.feature_energy = 1.0 if self.qk_norm == "l2" else float(K)  # E0: nominal |x|^2 of a normalized key
-        lam_scale = getattr(config, "fw_lam_scale", None)
+        lam_scale = config.fw_lam_scale
         if lam_scale is None:
             lam_scale = 1.0 if self.ridge_scaling else self.feature_energy
-        if isinstance(lam_scale, bool) or not isinstance(lam_scale, (int, float)) or not (
-            math.isfinite(lam_scale) and lam_scale > 0
-        ):
-            raise ValueError(f"FastWeightMixer: fw_lam_scale must be a finite number > 0, got {lam_scale!r}")
         self.lam_scale = float(lam_scale)
 
         # Projection layout: q [H K], k [H K], v [H V] (through the conv), z [H V], beta logits, lam logits [H].
         self.beta_width = H * V if self.rule in PER_COLUMN_RULES else H
         self.conv_channels = 2 * H * K + H * V
         self.in_proj = nn.Linear(config.hidden_size, self.conv_channels + H * V + self.beta_width + H, bias=False)
-        conv_size = getattr(config, "fw_conv_size", 4)
-        self.conv = ShortConvolution(self.conv_channels, conv_size, bias=False, activation="silu")
+        self.conv = ShortConvolution(self.conv_channels, config.fw_conv_size, bias=False, activation="silu")
         self.beta_bias = nn.Parameter(torch.empty(self.beta_width))
         self.lam_bias = nn.Parameter(torch.empty(H))
         self.norm = GatedRMSNorm(self.width, groups=H, eps=config.rms_norm_eps, norm_before_gate=True)
@@ -137,8 +127,6 @@ class FastWeightMixer(nn.Module):
                 )
             packed, cu_seqlens, _ = pack_rows(hidden, position_ids)  # [1, B T, D]
             return self(packed, cu_seqlens=cu_seqlens).reshape(batch, length, -1)
-        if cache is not None and cu_seqlens is not None:
-            raise ValueError("FastWeightMixer: a decoding cache cannot be combined with cu_seqlens (packed batches)")
         H, K, V = self.num_heads, self.head_dim, self.head_dim
 
         # 1. Fused input projection and split.
@@ -224,27 +212,3 @@ def _store_state(cache: LayerCache, state: FastWeightState) -> None:
             cache.ssm.pop(name, None)
         else:
             cache.ssm[name] = value
-
-
-def _resolve_qk_norm(value) -> str:
-    if value is True:
-        return "rms"
-    if value is False:
-        return "none"
-    if value not in QK_NORMS:
-        raise ValueError(
-            f"FastWeightMixer: unknown fw_qk_norm {value!r}; choose one of {QK_NORMS} (or True = 'rms', False = 'none')"
-        )
-    return value
-
-
-def _choice(name: str, value, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"FastWeightMixer: unknown {name} {value!r}; choose one of {choices}")
-    return value
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"FastWeightMixer: {name} must be an int >= 1, got {value!r}")
-    return value

@@ -3,7 +3,7 @@
     zxbcdt = W_in h  (one fused projection)  -> z [d_ssm], x [d_ssm], B [G N], C [G N], dt [H]
     each piece times its muP multiplier (m_z, m_x, m_B, m_C, m_dt)
     x, B, C = SiLU(causal depthwise conv(x, B, C))                   (K = mamba_d_conv taps)
-    dt = clamp(softplus(dt + dt_bias), time_step_limit);  A = -exp(A_log)        (float32)
+    dt = clamp(softplus(dt + dt_bias), time_step_limit);  A = -exp(A_log)   (float32; float64 stays)
     y = SSD(x, dt, A, B, C) + D x                     (per head: h_t = e^{dt A} h + dt x B^T, y = h C)
     y = gated RMSNorm(y, z)  if mamba_rms_norm  else  y * SiLU(z)
     out = W_out y
@@ -11,7 +11,9 @@
 Differences from a stock Mamba-2 (what makes it Falcon-H1's): `mamba_d_ssm` may differ from
 expand * d, the output norm is optional, and the five multipliers above. The block applies
 `ssm_in_multiplier` to the input and `ssm_out_multiplier` to the output. For decoding, a
-`LayerCache` carries the conv tail ("conv", [B, K-1, C]) and the SSM state ("ssm", [B, H, P, N], fp32).
+`LayerCache` carries the conv tail ("conv", [B, K-1, C]) and the SSM state ("ssm", [B, H, P, N], fp32):
+a prefill runs the chunked SSD, a single token the recurrence step (`ssd(..., backend="naive")` at T == 1).
+With `cu_seqlens` and a cache (a packed prefill) the states have one row per packed sequence.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from hybridlm.modules.boundaries import has_restarts, pack_rows
 from hybridlm.modules.gated_norm import GatedRMSNorm
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.ssd import ssd
+from hybridlm.ops.utils import compute_dtype
 
 
 class Mamba2Mixer(nn.Module):
@@ -81,8 +84,6 @@ class Mamba2Mixer(nn.Module):
             packed, cu_seqlens, _ = pack_rows(hidden, position_ids)  # documents packed inside rows
             return self(packed, cu_seqlens=cu_seqlens).reshape(hidden.shape[0], hidden.shape[1], -1)
         batch, length, _ = hidden.shape
-        if cache is not None and cu_seqlens is not None:
-            raise ValueError("Mamba2Mixer: a decoding cache cannot be combined with cu_seqlens (packed batches)")
         bc_width = self.groups * self.d_state
         m = self.multipliers
 
@@ -101,10 +102,11 @@ class Mamba2Mixer(nn.Module):
         )
         x, b, c = xbc.split([self.d_ssm, bc_width, bc_width], dim=-1)
 
-        # 3. Discretization inputs in float32.
-        dt = F.softplus(dt.float() + self.dt_bias.float())
+        # 3. Discretization inputs in float32 (float64 stays float64).
+        dtype = compute_dtype(dt.dtype)
+        dt = F.softplus(dt.to(dtype) + self.dt_bias.to(dtype))
         dt = dt.clamp(min=self.time_step_limit[0], max=self.time_step_limit[1])  # [B, T, H]
-        A = -torch.exp(self.A_log.float())  # [H]
+        A = -torch.exp(self.A_log.to(dtype))  # [H]
 
         # 4. SSD scan (state in float32), D skip inside.
         y, ssm_state = ssd(
@@ -118,6 +120,7 @@ class Mamba2Mixer(nn.Module):
             initial_state=cache.ssm.get("ssm") if cache is not None else None,
             output_final_state=cache is not None,
             cu_seqlens=cu_seqlens,
+            backend="naive" if length == 1 else "auto",  # one decoding step: the recurrence itself
         )
         if cache is not None:
             cache.ssm["conv"], cache.ssm["ssm"] = conv_state, ssm_state
@@ -127,5 +130,5 @@ class Mamba2Mixer(nn.Module):
         if self.norm is not None:
             y = self.norm(y, z)
         else:
-            y = (y.float() * F.silu(z.float())).to(y.dtype)
+            y = (y.to(dtype) * F.silu(z.to(dtype))).to(y.dtype)
         return self.out_proj(y.to(hidden.dtype))

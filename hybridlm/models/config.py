@@ -28,6 +28,8 @@ FW_RULES = ("1", "2", "3", "1A", "2A", "3A")
 FW_PAIRINGS = ("shifted", "same_step")
 FW_STEP_SIZES = ("nlms", "direct")
 FW_READS = ("after", "before")
+FW_QK_NORMS = ("rms", "l2", "none")
+FW_SLIDING_RULES = ("3", "3A")
 
 
 @dataclass
@@ -89,13 +91,15 @@ class HybridConfig:
     fw_rule: str = "1"
     fw_window: int = 1
     fw_pairing: str = "shifted"
-    fw_qk_norm: bool = True
+    fw_qk_norm: str = "rms"  # "rms" (the paper's default) | "l2" | "none"; True / False read as "rms" / "none"
     fw_step_size: str = "nlms"
     fw_read: str = "after"
     fw_ridge_scaling: bool = False
     fw_heads: int | None = None
     fw_head_dim: int | None = None
     fw_conv_size: int = 4
+    fw_lam_scale: float | None = None  # None: 1 with fw_ridge_scaling, else the nominal key energy (layer docstring)
+    fw_chunk_size: int = 64  # chunk length of the chunk-parallel fast-weight op
 
     def __post_init__(self) -> None:
         self._resolve()
@@ -105,6 +109,8 @@ class HybridConfig:
     def _resolve(self) -> None:
         if isinstance(self.time_step_limit, list):
             self.time_step_limit = tuple(self.time_step_limit)
+        if isinstance(self.fw_qk_norm, bool):  # the older boolean spelling
+            self.fw_qk_norm = "rms" if self.fw_qk_norm else "none"
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None and _is_int(self.num_attention_heads) and self.num_attention_heads > 0:
@@ -126,7 +132,7 @@ class HybridConfig:
         if not self.use_attention and self.ssm_mixer == "none":
             raise ValueError("use_attention=False with ssm_mixer='none' leaves no sequence mixer; enable one of them")
         for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "projectors_bias", "mamba_conv_bias",
-                     "mamba_proj_bias", "mamba_rms_norm", "mamba_norm_before_gate", "fw_qk_norm", "fw_ridge_scaling"):
+                     "mamba_proj_bias", "mamba_rms_norm", "mamba_norm_before_gate", "fw_ridge_scaling"):
             _require_bool(name, getattr(self, name))
         for name in ("rms_norm_eps", "rope_theta"):
             _require_float(name, getattr(self, name), positive=True)
@@ -177,8 +183,17 @@ class HybridConfig:
         _require_choice("fw_pairing", self.fw_pairing, FW_PAIRINGS)
         _require_choice("fw_step_size", self.fw_step_size, FW_STEP_SIZES)
         _require_choice("fw_read", self.fw_read, FW_READS)
+        _require_choice("fw_qk_norm", self.fw_qk_norm, FW_QK_NORMS)
         _require_int("fw_window", self.fw_window, minimum=1)
+        if self.fw_window > 1 and self.fw_rule not in FW_SLIDING_RULES:
+            raise ValueError(
+                f"fw_window={self.fw_window} needs a sliding rule {FW_SLIDING_RULES}; fw_rule={self.fw_rule!r} takes "
+                "fw_window=1"
+            )
         _require_int("fw_conv_size", self.fw_conv_size, minimum=1)
+        _require_int("fw_chunk_size", self.fw_chunk_size, minimum=1)
+        if self.fw_lam_scale is not None:
+            _require_float("fw_lam_scale", self.fw_lam_scale, positive=True)
         for name in ("fw_heads", "fw_head_dim"):
             value = getattr(self, name)
             if value is not None:

@@ -8,7 +8,9 @@ Notable features:
 - packed documents without padding: `cu_seqlens` (B == 1) or `position_ids` restarting at 0; no
   token attends to, convolves over or carries state from another document, and the loss skips the
   targets that cross a boundary;
-- incremental decoding through `HybridCache` (KV + conv tail + SSM state per layer);
+- incremental decoding through `HybridCache` (KV + conv tail + SSM state per layer), left-padded
+  prompt batches prefilled as packed sequences so that padding never enters a state; sampling and
+  the decoding loop live in `hybridlm.inference`;
 - registered with `AutoConfig` / `AutoModel` / `AutoModelForCausalLM` as model_type "hybridlm";
   `save_pretrained(dir, format="falcon_h1")` writes a checkpoint `FalconH1ForCausalLM` loads.
 """
@@ -26,6 +28,7 @@ from transformers.utils import ModelOutput
 
 from hybridlm.layers.block import HybridBlock
 from hybridlm.layers.cache import HybridCache
+from hybridlm.layers.fast_weight import FastWeightMixer, initial_lam_bias
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.configuration import HybridLMConfig
 from hybridlm.modules.boundaries import has_restarts, local_positions, pack_rows, sequence_ids
@@ -72,6 +75,10 @@ class HybridPreTrainedModel(PreTrainedModel):
             init.copy_(module.A_log, torch.log(heads))
             init.ones_(module.D)
             init.ones_(module.dt_bias)
+        elif isinstance(module, FastWeightMixer):
+            # The mixer's gate init (hybridlm.layers.fast_weight): beta near 1, lam spread over the heads.
+            init.zeros_(module.beta_bias)
+            init.copy_(module.lam_bias, initial_lam_bias(module.num_heads).to(module.lam_bias.device))
 
 
 class HybridModel(HybridPreTrainedModel):
@@ -93,18 +100,44 @@ class HybridModel(HybridPreTrainedModel):
         position_ids: torch.Tensor | None = None,
         cache: HybridCache | None = None,
         *,
+        attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """-> hidden states [B, T, D].
+
+        attention_mask [B, T] (1 = token, 0 = padding) admits a LEFT-padded batch: the rows' tokens run
+        as one packed row (`cu_seqlens`), so no pad position enters attention, a conv or a recurrent
+        state; a cache then gets one row per prompt (`HybridCache.lengths`). Pad positions return zeros.
+        """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         h = h * self.embedding_multiplier  # [B, T, D]
+        keep = _left_padding(attention_mask, h.shape[:2]) if attention_mask is not None else None
+        if keep is None:
+            return self._run(h, cu_seqlens, position_ids, cache)
+        if cu_seqlens is not None or position_ids is not None:
+            raise ValueError("a padded attention_mask cannot be combined with cu_seqlens or position_ids")
+        lengths = keep.sum(1)  # [B] tokens per row
+        offsets = F.pad(lengths.cumsum(0), (1, 0))  # [B + 1]
+        packed = self._run(h[keep].unsqueeze(0), offsets, None, cache)  # [1, total, D]
+        out = h.new_zeros(h.shape)
+        out[keep] = packed[0]
+        return out
+
+    def _run(
+        self,
+        h: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        cache: HybridCache | None,
+    ) -> torch.Tensor:
         batch, length, width = h.shape
         packed_rows = None
         if cu_seqlens is not None:
-            if cache is not None:
-                raise ValueError("a decoding cache cannot be combined with cu_seqlens (packed batches)")
             offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length).to(h.device)
+            if cache is not None and cache.seq_len:
+                raise ValueError("a packed prefill (cu_seqlens) needs an empty cache; decode one row per sequence")
             if position_ids is None:
                 position_ids = local_positions(offsets, length).unsqueeze(0)
             cu_seqlens = offsets
@@ -115,8 +148,10 @@ class HybridModel(HybridPreTrainedModel):
             h, cu_seqlens, position_ids = pack_rows(h, position_ids)
             packed_rows = batch
         elif position_ids is None:
-            past = cache.seq_len if cache is not None else 0
-            position_ids = torch.arange(past, past + length, device=h.device).unsqueeze(0)  # [1, T]
+            if cache is not None:
+                position_ids = cache.positions(length, h.device)  # [1 or B, T]
+            else:
+                position_ids = torch.arange(length, device=h.device).unsqueeze(0)  # [1, T]
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} layers, the model {len(self.layers)}")
 
@@ -127,12 +162,15 @@ class HybridModel(HybridPreTrainedModel):
         if packed_rows is not None:
             h = h.reshape(packed_rows, length, width)
         if cache is not None:
-            cache.seq_len += length
+            if cu_seqlens is not None:
+                cache.start_rows(cu_seqlens[1:] - cu_seqlens[:-1])  # one cache row per packed sequence
+            else:
+                cache.advance(length)
         return h
 
 
 class HybridForCausalLM(HybridPreTrainedModel):
-    """`HybridModel` + LM head (optionally tied to the embeddings), next-token loss, greedy decoding."""
+    """`HybridModel` + LM head (optionally tied to the embeddings), next-token loss, cached generation."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -158,41 +196,35 @@ class HybridForCausalLM(HybridPreTrainedModel):
         position_ids: torch.Tensor | None = None,
         cache: HybridCache | None = None,
         *,
+        attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         logits_to_keep: int = 0,
     ) -> HybridCausalLMOutput:
-        """labels [B, T] are the input ids (shifted here); IGNORE_INDEX (-100) targets are skipped.
+        """labels [B, T] are the input ids (shifted here); IGNORE_INDEX (-100) targets are skipped, and so
+        are the targets of pad positions of a left-padded `attention_mask` [B, T].
         `logits_to_keep=n > 0` computes logits for the last n positions only (decoding)."""
-        hidden = self.model(input_ids, cu_seqlens, position_ids, cache, inputs_embeds=inputs_embeds)
+        hidden = self.model(
+            input_ids, cu_seqlens, position_ids, cache, attention_mask=attention_mask, inputs_embeds=inputs_embeds
+        )
         kept = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
         logits = self.lm_head(kept) * self.lm_head_multiplier  # [B, T, V]
         loss = None
         if labels is not None:
             if logits_to_keep > 0:
                 raise ValueError("labels need the logits of every position; leave logits_to_keep at 0")
-            loss = _next_token_loss(logits, labels, cu_seqlens=cu_seqlens, position_ids=position_ids)
+            loss = _next_token_loss(
+                logits, labels, cu_seqlens=cu_seqlens, position_ids=position_ids, attention_mask=attention_mask
+            )
         return HybridCausalLMOutput(loss=loss, logits=logits, cache=cache)
 
     @torch.no_grad()
-    def generate(
-        self, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: int | None = None
-    ) -> torch.Tensor:
-        """Greedy decoding with the cache: prompt [B, T] -> [B, T + n] (n <= max_new_tokens; stops
-        early once every row has produced `eos_token_id`, later tokens of finished rows repeat it)."""
-        cache = self.new_cache()
-        logits = self(input_ids, cache=cache, logits_to_keep=1).logits  # [B, 1, V]
-        out = input_ids
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for _ in range(max_new_tokens):
-            token = logits[:, -1].argmax(-1)  # [B]
-            if eos_token_id is not None:
-                token = torch.where(done, torch.full_like(token, eos_token_id), token)
-                done = done | (token == eos_token_id)
-            out = torch.cat([out, token[:, None]], dim=1)
-            if eos_token_id is not None and bool(done.all()):
-                break
-            logits = self(token[:, None], cache=cache, logits_to_keep=1).logits
-        return out
+    def generate(self, input_ids: torch.Tensor, **options) -> torch.Tensor:
+        """Cached decoding: prompt ids [B, T] -> [B, T + n]; see `hybridlm.inference.generate` for the
+        options (attention_mask for left-padded prompts, max_new_tokens, temperature, top_k, top_p,
+        eos_token_id, pad_token_id, generator / seed). Greedy by default."""
+        from hybridlm.inference.generate import generate
+
+        return generate(self, input_ids, **options).sequences
 
     def save_pretrained(self, save_directory, *args, format: str = "hybridlm", **kwargs):  # noqa: A002
         """`format="hybridlm"` (default): our config + safetensors. `format="falcon_h1"`: an official
@@ -206,17 +238,36 @@ class HybridForCausalLM(HybridPreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
 
+def _left_padding(attention_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+    """attention_mask [B, T] (1 = token) -> the boolean mask, or None when nothing is padded.
+    Only left padding is accepted (each row: zeros, then ones), with at least one token per row."""
+    if tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask must be [B, T] = {list(shape)}, got {list(attention_mask.shape)}")
+    keep = attention_mask.to(torch.bool)
+    if bool(keep.all()):
+        return None
+    if not bool(keep[:, -1].all()) or bool((keep[:, :-1] & ~keep[:, 1:]).any()):
+        raise ValueError(
+            "attention_mask must be LEFT padding (each row: zeros, then ones, ending on a token); "
+            "right or inner padding is not supported"
+        )
+    return keep
+
+
 def _next_token_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
     cu_seqlens: torch.Tensor | None,
     position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean cross entropy of logits[:, t] against labels[:, t + 1], skipping -100 and the targets that
-    belong to the next packed document."""
+    """Mean cross entropy of logits[:, t] against labels[:, t + 1], skipping -100, the targets that
+    belong to the next packed document and those read at a pad position."""
     batch, length = labels.shape
     targets = labels[:, 1:].clone()  # [B, T-1]
+    if attention_mask is not None:
+        targets[~attention_mask[:, :-1].to(torch.bool)] = IGNORE_INDEX
     if cu_seqlens is not None:
         seq = sequence_ids(cu_seqlens.to(labels.device), length)  # [T]
         crosses = seq[1:] != seq[:-1]  # target t+1 starts another document

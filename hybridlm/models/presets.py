@@ -1,10 +1,24 @@
 """Named model shapes: `tiny` (CPU seconds) and the released Falcon-H1 family.
 
-Falcon-H1 shapes follow the report's Table 1 (layers, d_model, attention heads Q/KV, attention and SSM
-head dims, SSM heads, d_state; groups = 2 for 34B only) and the released config.json files (MLP width,
-vocabulary, untied embeddings, SSM d_conv 4). The muP multipliers of the released checkpoints differ per
-size and are not repeated here (they are all 1.0): load an official checkpoint to get them, or set
-them for training. Attention biases, MLP biases and the SSM output norm are off, as released.
+Where each Falcon-H1 value comes from (searched 2026; the released `tiiuae/Falcon-H1-*` config.json files
+themselves were not reachable from here, so "verified" means: read from a verbatim copy of the released
+config.json in a public repository or model page, and consistent with transformers' FalconH1 doc table):
+- the doc table of transformers' FalconH1 (huggingface.co/docs/transformers/model_doc/falcon_h1) gives, for
+  every size, layers, d_model, attention heads / KV heads, SSM heads, attention / SSM head dims, d_state;
+- 0.5B: every field below, muP multipliers included, from a copy of Falcon-H1-0.5B's config.json
+  (NVIDIA Megatron-Bridge's FalconH1 bridge test, `FALCON_H1_500M_CONFIG`; the same values on the model
+  pages MerlinSafety/HybridIntelligence-0.5B and wmere/falcon_moe_0.5Base_test, which copy that config);
+- 1.5B: MLP width 4608, vocab 65537, d_ssm 3072, groups 1, d_conv 4 from a copy of Falcon-H1-1.5B's config
+  (a memory-planning tool's test fixture `FALCON_H1`); its muP multipliers were NOT found: left at 1.0;
+- 7B: MLP width 12288, vocab 130048, d_ssm 3072, groups 1, chunk 128, max positions 262144, untied embeddings
+  from a copy of Falcon-H1-7B's config (`FALCON_H1_7B_HF` in a model-sizing tool's tests; the same shapes
+  quoted from mlx-community/Falcon-H1-7B-Instruct-4bit's config.json); muP multipliers NOT found: 1.0;
+- 1.5B-Deep, 3B, 34B: beyond the doc table (MLP width, vocab, groups = 2 for 34B) NOT verified here; the
+  parameter counts they give match the released totals within 1% (tests/models/test_presets.py). muP
+  multipliers NOT found: 1.0.
+A checkpoint loaded with `hybridlm.load_model` always carries its own multipliers; the 1.0 defaults only
+matter when training from a preset. Attention biases, MLP biases and the SSM output norm are off, as
+released; RoPE base 1e11.
 
     config = get_preset("falcon-h1-0.5b")                 # a HybridConfig
     config = get_preset("tiny", ssm_mixer="fast_weight")  # with overrides
@@ -18,8 +32,9 @@ from hybridlm.models.config import HybridConfig
 
 # name -> (nominal parameter count, HybridConfig fields)
 _FALCON_COMMON: dict[str, Any] = dict(
-    mamba_d_conv=4, mamba_n_groups=1, mamba_rms_norm=False, mamba_norm_before_gate=False, rope_theta=1e11,
-    tie_word_embeddings=False, rms_norm_eps=1e-5, block_arrangement="SA_M", ssm_mixer="mamba2",
+    mamba_d_conv=4, mamba_n_groups=1, mamba_rms_norm=False, mamba_norm_before_gate=False, mamba_conv_bias=True,
+    mamba_proj_bias=False, rope_theta=1e11, tie_word_embeddings=False, rms_norm_eps=1e-5, block_arrangement="SA_M",
+    ssm_mixer="mamba2",
 )
 
 
@@ -32,6 +47,18 @@ def _falcon(layers, d_model, heads, kv_heads, head_dim, ssm_heads, ssm_head_dim,
     )
 
 
+# Falcon-H1-0.5B's tuned muP multipliers (config.json; see the module docstring for the source).
+_FALCON_0_5B_MUP: dict[str, Any] = dict(
+    embedding_multiplier=5.656854249492381, lm_head_multiplier=0.0390625, key_multiplier=0.39062499999999994,
+    attention_in_multiplier=1.0, attention_out_multiplier=0.9375, ssm_in_multiplier=1.25,
+    ssm_out_multiplier=0.23570226039551587,
+    # ssm_multipliers [z, x, B, C, dt]
+    ssm_multiplier_z=0.3535533905932738, ssm_multiplier_x=0.25, ssm_multiplier_B=0.3535533905932738,
+    ssm_multiplier_C=0.5, ssm_multiplier_dt=0.3535533905932738,
+    # mlp_multipliers [gate, down]
+    mlp_multiplier_gate=0.8838834764831844, mlp_multiplier_down=0.5859375,
+)
+
 PRESETS: dict[str, tuple[float, dict[str, Any]]] = {
     "tiny": (
         1.25e6,
@@ -42,11 +69,20 @@ PRESETS: dict[str, tuple[float, dict[str, Any]]] = {
         ),
     ),
     #                                  L   d     Q   KV  hd   SSMh  ssm_hd  d_state  MLP    vocab
-    "falcon-h1-0.5b": (0.5e9, _falcon(36, 1024, 8, 2, 64, 24, 64, 128, 2048, 32784, mamba_chunk_size=128)),
+    # verified: every field (muP included)
+    "falcon-h1-0.5b": (0.5e9, _falcon(36, 1024, 8, 2, 64, 24, 64, 128, 2048, 32784, mamba_chunk_size=128,
+                                      max_position_embeddings=16384, pad_token_id=0, bos_token_id=1,
+                                      eos_token_id=11, **_FALCON_0_5B_MUP)),
+    # verified: shapes; unverified: muP multipliers (1.0)
     "falcon-h1-1.5b": (1.5e9, _falcon(24, 2048, 8, 2, 128, 48, 64, 256, 4608, 65537)),
+    # verified: the doc-table shapes; unverified: MLP width, vocab, muP multipliers
     "falcon-h1-1.5b-deep": (1.5e9, _falcon(66, 1280, 6, 2, 128, 24, 64, 256, 3072, 65537)),
+    # verified: the doc-table shapes; unverified: MLP width, vocab, muP multipliers
     "falcon-h1-3b": (3e9, _falcon(32, 2560, 10, 2, 128, 32, 128, 256, 6144, 65537)),
-    "falcon-h1-7b": (7e9, _falcon(44, 3072, 12, 2, 128, 24, 128, 256, 12288, 130048)),
+    # verified: shapes, chunk, context; unverified: muP multipliers (1.0). 7.59B parameters as released.
+    "falcon-h1-7b": (7e9, _falcon(44, 3072, 12, 2, 128, 24, 128, 256, 12288, 130048, mamba_chunk_size=128,
+                                  max_position_embeddings=262144)),
+    # verified: the doc-table shapes; unverified: MLP width, vocab, groups = 2, muP multipliers
     "falcon-h1-34b": (34e9, _falcon(72, 5120, 20, 4, 128, 32, 128, 256, 21504, 261120, mamba_n_groups=2)),
 }
 

@@ -3,7 +3,8 @@
 Channels are cut into `groups` equal groups, each normalized on its own (so the norm stays local to
 a tensor-parallel shard that holds whole groups). The gate multiplies by SiLU(z) either after the
 norm (`norm_before_gate=True`: y = norm(x) * silu(z)) or before it (`False`: y = norm(x * silu(z))).
-Everything runs in float32 and the result goes back to the input dtype.
+The math runs in `compute_dtype(x.dtype)` (float32, or float64 for float64 inputs) and the result goes
+back to the input dtype.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hybridlm.ops.utils import compute_dtype
 
 
 def gated_rms_norm(
@@ -26,14 +29,15 @@ def gated_rms_norm(
     dim = x.shape[-1]
     if dim % groups != 0:
         raise ValueError(f"gated_rms_norm: groups={groups} must divide the channel count {dim}")
-    out = x.float()
+    dtype = compute_dtype(x.dtype)
+    out = x.to(dtype)
     if gate is not None and not norm_before_gate:
-        out = out * F.silu(gate.float())
+        out = out * F.silu(gate.to(dtype))
     out = out.unflatten(-1, (groups, dim // groups))  # [..., G, D/G]
     out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)
-    out = (weight.view(groups, dim // groups) * out).flatten(-2)  # [..., D]
+    out = (weight.to(dtype).view(groups, dim // groups) * out).flatten(-2)  # [..., D]
     if gate is not None and norm_before_gate:
-        out = out * F.silu(gate.float())
+        out = out * F.silu(gate.to(dtype))
     return out.to(x.dtype)
 
 

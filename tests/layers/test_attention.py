@@ -61,7 +61,39 @@ def test_cache_steps_equal_full_forward():
     assert cache.key.shape == (2, 10, 2, 8)
 
 
-def test_cache_rejects_packed_batches():
+def test_packed_prefill_fills_one_cache_row_per_document():
+    """cu_seqlens + an empty cache: each document becomes a left-padded cache row; the next tokens of each
+    row then equal that document decoded alone (its own positions, no attention to the pad slots)."""
+    attn = make_attention(heads=4, kv_heads=2)
+    lengths = [4, 1, 6]
+    docs = [torch.randn(1, n + 2, 24, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(lengths)]
+    cache = LayerCache()
+    packed = attn(torch.cat([d[:, :n] for d, n in zip(docs, lengths)], dim=1), cu_seqlens=torch.tensor([0, 4, 5, 11]),
+                  cache=cache)
+    assert cache.key.shape == (3, 6, 2, 8) and cache.pad.tolist() == [2, 5, 0]
+    steps = [attn(torch.cat([d[:, n + j : n + j + 1] for d, n in zip(docs, lengths)]), cache=cache) for j in range(2)]
+    for row, (doc, n) in enumerate(zip(docs, lengths)):
+        alone = attn(doc)
+        start = sum(lengths[:row])
+        torch.testing.assert_close(packed[:, start : start + n], alone[:, :n], rtol=ATOL, atol=ATOL)
+        for j in range(2):
+            torch.testing.assert_close(steps[j][row], alone[0, n + j : n + j + 1], rtol=ATOL, atol=ATOL)
+
+
+def test_cache_storage_grows_without_copying_every_step():
     attn = make_attention()
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        attn(torch.randn(1, 4, 24), cu_seqlens=torch.tensor([0, 2, 4]), cache=LayerCache())
+    cache = LayerCache()
+    with torch.no_grad():
+        attn(torch.randn(1, 5, 24), cache=cache)
+        attn(torch.randn(1, 1, 24), cache=cache)
+        storage = cache._key
+        attn(torch.randn(1, 1, 24), cache=cache)
+    assert storage.shape[1] == 10 and cache._key is storage and cache.key.shape[1] == 7
+
+
+def test_packed_prefill_needs_an_empty_cache():
+    attn = make_attention()
+    cache = LayerCache()
+    attn(torch.randn(1, 4, 24), cache=cache)
+    with pytest.raises(ValueError, match="needs an empty cache"):
+        attn(torch.randn(1, 4, 24), cu_seqlens=torch.tensor([0, 2, 4]), cache=cache)

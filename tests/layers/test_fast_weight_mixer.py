@@ -11,6 +11,7 @@ from hybridlm.layers.cache import LayerCache
 from hybridlm.layers.fast_weight import FastWeightMixer
 from hybridlm.models.config import HybridConfig
 from tests.helpers import rel_err
+from tests.layers.packed_prefill import assert_packed_prefill_matches_alone
 
 RULES = ("1", "2", "3", "1A", "2A", "3A")
 PAIRINGS = ("shifted", "same_step")
@@ -72,10 +73,9 @@ def test_chunk_matches_naive(rule, pairing):
     out_naive, o_naive = op_outputs(mixer, hidden)
     mixer.backend = "chunk"
     out_chunk, o_chunk = op_outputs(mixer, hidden)
-    assert o_chunk.dtype == torch.float64
+    assert o_chunk.dtype == torch.float64 and out_chunk.dtype == torch.float64
     assert rel_err(o_chunk, o_naive) < 1e-10
-    # The gated norm computes in float32, so the layer output agrees to float32 rounding.
-    assert rel_err(out_chunk, out_naive) < 1e-6
+    assert rel_err(out_chunk, out_naive) < 1e-10  # the gated norm stays in float64 too
 
 
 @pytest.mark.parametrize("rule,pairing", CASES)
@@ -88,7 +88,7 @@ def test_packed_documents_match_each_document_alone(rule, pairing):
     alone, o_alone = zip(*[op_outputs(mixer, doc) for doc in hidden.split(lengths, dim=1)])
     alone, o_alone = torch.cat(alone, dim=1), torch.cat(o_alone, dim=1)
     assert rel_err(o_packed, o_alone) < 1e-10
-    assert rel_err(packed, alone) < 1e-6  # float32 rounding inside the gated norm
+    assert rel_err(packed, alone) < 1e-10
     # Without the offsets the documents would mix: the comparison above can tell.
     assert rel_err(mixer(hidden), alone) > 1e-3
 
@@ -128,9 +128,9 @@ def test_cached_decoding_matches_full_forward(rule, pairing):
 
 
 VARIANTS = [
-    pytest.param("1", dict(fw_step_size="direct", fw_qk_norm=True), id="rule1-direct"),
+    pytest.param("1", dict(fw_step_size="direct", fw_qk_norm="l2"), id="rule1-direct-l2"),
     pytest.param("2A", dict(fw_read="before", fw_ridge_scaling=True), id="rule2A-read_before-ridge_scaling"),
-    pytest.param("3", dict(fw_step_size="direct", fw_ridge_scaling=True, fw_qk_norm=False),
+    pytest.param("3", dict(fw_step_size="direct", fw_ridge_scaling=True, fw_qk_norm="none"),
                  id="rule3-direct-ridge_scaling-no_qk_norm"),
     pytest.param("3A", dict(fw_read="before", fw_conv_size=1), id="rule3A-read_before-no_conv_history"),
 ]
@@ -151,8 +151,8 @@ def test_options_decode_and_match_naive(rule, changes):
 
 @pytest.mark.parametrize(
     "changes",
-    [dict(fw_read="before"), dict(fw_step_size="direct"), dict(fw_ridge_scaling=True), dict(fw_qk_norm=False),
-     dict(fw_pairing="same_step")],
+    [dict(fw_read="before"), dict(fw_step_size="direct"), dict(fw_ridge_scaling=True), dict(fw_qk_norm="none"),
+     dict(fw_qk_norm="l2"), dict(fw_pairing="same_step"), dict(fw_lam_scale=4.0)],
     ids=lambda changes: "-".join(f"{k}={v}" for k, v in changes.items()),
 )
 def test_each_option_reaches_the_op(changes):
@@ -160,11 +160,10 @@ def test_each_option_reaches_the_op(changes):
     hidden = make_hidden(2, 9)
     # Ridge scaling: unnormalized keys and one lam_scale for both (with QK norm |x|^2 is constant for rule 1,
     # and the default lam_scale makes the scale-coupled ridge lam |x|^2 equal the plain one: module docstring).
-    common = dict(fw_qk_norm=False) if "fw_ridge_scaling" in changes else {}
-    configs = [make_config("1", **common), make_config("1", **common, **changes)]
-    for config in configs:
-        config.fw_lam_scale = 1.0
-    base, changed = (make_mixer(config)(hidden) for config in configs)
+    common = dict(fw_qk_norm="none") if "fw_ridge_scaling" in changes else {}
+    common.update(fw_lam_scale=1.0)
+    base = make_mixer(make_config("1", **common))(hidden)
+    changed = make_mixer(make_config("1", **{**common, **changes}))(hidden)
     assert rel_err(changed, base) > 1e-3
 
 
@@ -176,13 +175,17 @@ def test_read_before_write_sees_the_previous_state():
     assert after[:, 0].abs().max() > 0 and before[:, 0].abs().max() == 0
 
 
-def test_l2_qk_norm_gives_unit_keys():
-    mixer = make_mixer(make_config("1", fw_qk_norm=True))
-    mixer.qk_norm = "l2"
-    u = torch.randn(3, 4, H, K)
-    assert torch.allclose(mixer._normalize(u).norm(dim=-1), torch.ones(3, 4, H), atol=1e-5)
-    mixer.qk_norm = "rms"
-    assert torch.allclose(mixer._normalize(u).pow(2).mean(-1), torch.ones(3, 4, H), atol=1e-4)
+def test_qk_norms():
+    u = torch.randn(3, 4, H, K, generator=torch.Generator().manual_seed(0))
+    l2 = make_mixer(make_config("1", fw_qk_norm="l2"))
+    assert torch.allclose(l2._normalize(u).norm(dim=-1), torch.ones(3, 4, H), atol=1e-5)
+    rms = make_mixer(make_config("1"))  # the default
+    assert rms.qk_norm == "rms"
+    assert torch.allclose(rms._normalize(u).pow(2).mean(-1), torch.ones(3, 4, H), atol=1e-4)
+    assert torch.equal(make_mixer(make_config("1", fw_qk_norm="none"))._normalize(u), u)
+    # The older boolean spelling still reads.
+    assert make_config("1", fw_qk_norm=True).fw_qk_norm == "rms"
+    assert make_config("1", fw_qk_norm=False).fw_qk_norm == "none"
 
 
 @pytest.mark.parametrize("rule,pairing", CASES)
@@ -258,26 +261,43 @@ def test_block_builds_the_fast_weight_mixer():
     assert out.shape == (2, 7, D) and torch.isfinite(out).all()
 
 
-def test_bad_config_raises_clear_errors():
-    config = make_config("1")
-    config.fw_qk_norm = "cosine"
-    with pytest.raises(ValueError, match="unknown fw_qk_norm 'cosine'"):
-        FastWeightMixer(config, 0)
-    with pytest.raises(ValueError, match="fw_window=3 needs a sliding rule"):
-        FastWeightMixer(make_config("1A", fw_window=3), 0)
-    config = make_config("1")
-    config.fw_lam_scale = -1.0
-    with pytest.raises(ValueError, match="fw_lam_scale must be a finite number > 0"):
-        FastWeightMixer(config, 0)
-    config = make_config("1")
-    config.fw_rule = "4"
-    with pytest.raises(ValueError, match="unknown fw_rule '4'"):
-        FastWeightMixer(config, 0)
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(fw_qk_norm="cosine"), "fw_qk_norm"),
+        (dict(fw_window=3), r"fw_window=3 needs a sliding rule .*fw_rule='1A'"),
+        (dict(fw_lam_scale=-1.0), "fw_lam_scale must be > 0"),
+        (dict(fw_lam_scale=math.inf), "fw_lam_scale must be a finite number"),
+        (dict(fw_rule="4"), "fw_rule"),
+        (dict(fw_chunk_size=0), "fw_chunk_size"),
+    ],
+)
+def test_bad_config_raises_clear_errors(changes, message):
+    with pytest.raises(ValueError, match=message):
+        make_config("1A", **changes)
 
 
-def test_cache_with_packed_documents_is_refused():
+def test_chunk_size_and_lam_scale_reach_the_mixer():
+    mixer = FastWeightMixer(make_config("3", fw_chunk_size=5, fw_lam_scale=0.25), 0)
+    assert (mixer.chunk_size, mixer.lam_scale, mixer.window) == (5, 0.25, 3)
+    # The chunk length changes only the schedule of the computation, not the result.
+    mixer = make_mixer(make_config("3", fw_chunk_size=5), dtype=torch.float64)
+    hidden = make_hidden(2, 17, dtype=torch.float64)
+    short = mixer(hidden)
+    mixer.chunk_size = 64
+    assert rel_err(short, mixer(hidden)) < 1e-10
+
+
+@pytest.mark.parametrize("rule,pairing", CASES)
+def test_packed_prefill_states_equal_each_document_alone(rule, pairing):
+    """The prefill of a padded batch: packed prompts into one cache leave each row the state of its
+    prompt alone (S, last key, sliding tail, conv tail), and decoding continues row by row."""
+    mixer = make_mixer(make_config(rule, pairing), dtype=torch.float64)
+    docs = [make_hidden(1, n + 2, dtype=torch.float64, seed=10 + n) for n in (6, 1, 2, 9)]  # 1, 2: short tails
+    assert_packed_prefill_matches_alone(mixer, docs)
+
+
+def test_cache_with_row_packed_documents_is_refused():
     mixer = make_mixer(make_config("1"))
-    with pytest.raises(ValueError, match="cannot be combined with cu_seqlens"):
-        mixer(make_hidden(1, 6), cu_seqlens=torch.tensor([0, 2, 6]), cache=LayerCache())
     with pytest.raises(ValueError, match=r"cannot be combined with packed documents \(position_ids restarts\)"):
         mixer(make_hidden(1, 6), position_ids=torch.tensor([[0, 1, 0, 1, 2, 3]]), cache=LayerCache())

@@ -7,6 +7,7 @@ from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer, comp
 
 from hybridlm.layers import LayerCache, Mamba2Mixer
 from hybridlm.models.config import HybridConfig
+from tests.layers.packed_prefill import assert_packed_prefill_matches_alone
 
 ATOL = 1e-5
 MULTIPLIERS = dict(ssm_multiplier_z=0.5, ssm_multiplier_x=1.5, ssm_multiplier_B=0.7, ssm_multiplier_C=1.3,
@@ -97,3 +98,26 @@ def test_multipliers_change_the_output():
     for name in MULTIPLIERS:
         other = make_mixer(make_config(**{name: 2.0}))(x)
         assert not torch.allclose(base, other, atol=1e-4), name
+
+
+@pytest.mark.parametrize("rms_norm", [False, True])
+def test_packed_prefill_states_equal_each_sequence_alone(rms_norm):
+    """A padded batch's prefill: the packed prompts leave each cache row the conv tail and SSD state of
+    its prompt alone; the next one-token steps (the recurrent path) continue each row exactly."""
+    mixer = make_mixer(make_config(mamba_rms_norm=rms_norm)).double()
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randn(1, n + 2, 24, generator=g, dtype=torch.float64) for n in (7, 1, 2, 10)]
+    assert_packed_prefill_matches_alone(mixer, docs)
+
+
+def test_one_token_step_uses_the_recurrence(monkeypatch):
+    from hybridlm.layers import mamba2
+
+    backends = []
+    real = mamba2.ssd
+    monkeypatch.setattr(mamba2, "ssd", lambda *a, **k: backends.append(k["backend"]) or real(*a, **k))
+    mixer = make_mixer(make_config())
+    cache = LayerCache()
+    mixer(torch.randn(1, 5, 24), cache=cache)
+    mixer(torch.randn(1, 1, 24), cache=cache)
+    assert backends == ["auto", "naive"]

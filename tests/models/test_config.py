@@ -17,7 +17,8 @@ def test_defaults_resolve_derived_sizes():
 
 
 def test_dict_round_trip():
-    config = HybridConfig(ssm_multiplier_B=0.25, time_step_limit=(0.0, 0.5), eos_token_id=[2, 3], fw_rule="3A")
+    config = HybridConfig(ssm_multiplier_B=0.25, time_step_limit=(0.0, 0.5), eos_token_id=[2, 3], fw_rule="3A",
+                          fw_window=4, fw_qk_norm="l2", fw_lam_scale=0.5, fw_chunk_size=32)
     again = HybridConfig.from_dict(config.to_dict())
     assert again == config and isinstance(again.time_step_limit, tuple)
     assert config.ssm_multipliers == [1.0, 1.0, 0.25, 1.0, 1.0]
@@ -57,11 +58,24 @@ def test_unknown_keys_are_named():
         (dict(fw_pairing="next"), "fw_pairing"),
         (dict(fw_window=0), "fw_window"),
         (dict(fw_heads=0), "fw_heads"),
+        (dict(fw_window=2), "fw_window=2 needs a sliding rule"),  # the default rule "1" has no window
+        (dict(fw_rule="1A", fw_window=3), "fw_rule='1A'"),
+        (dict(fw_qk_norm="cos"), "fw_qk_norm"),
+        (dict(fw_lam_scale=0.0), "fw_lam_scale"),
+        (dict(fw_lam_scale="1"), "fw_lam_scale"),
+        (dict(fw_chunk_size=0), "fw_chunk_size"),
     ],
 )
 def test_inconsistent_values_name_the_field(changes, field):
     with pytest.raises(ValueError, match=field):
         HybridConfig(**changes)
+
+
+def test_fast_weight_defaults_and_the_boolean_qk_norm():
+    config = HybridConfig()
+    assert (config.fw_qk_norm, config.fw_lam_scale, config.fw_chunk_size) == ("rms", None, 64)
+    assert HybridConfig(fw_qk_norm=False).fw_qk_norm == "none" and HybridConfig(fw_qk_norm=True).fw_qk_norm == "rms"
+    assert HybridConfig(fw_rule="3", fw_window=5).fw_window == 5
 
 
 def test_mamba_sizes_are_free_without_mamba():

@@ -95,3 +95,23 @@ def test_greedy_generate_matches_transformers(tmp_path):
     got = ours.generate(prompt, max_new_tokens=12)
     assert got.shape == expected.shape == (2, 19)
     assert torch.equal(got, expected)
+
+
+def test_left_padded_greedy_generate_matches_transformers(tmp_path):
+    """A batch of prompts of different lengths, left-padded: ours (packed prefill) and transformers (masked
+    padding) pick the same tokens."""
+    reference = random_falcon(seed=4, **CASES["rmsnorm-g2-mup"])
+    reference.save_pretrained(tmp_path)
+    ours = hybridlm.load_model(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    batch = torch.zeros(3, 7, dtype=torch.long)
+    mask = torch.zeros(3, 7, dtype=torch.long)
+    for row, n in enumerate((7, 3, 5)):
+        batch[row, 7 - n :] = torch.randint(1, VOCAB, (n,), generator=g)
+        mask[row, 7 - n :] = 1
+    with torch.no_grad():
+        expected = reference.generate(batch, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                      pad_token_id=0, eos_token_id=None)
+    got = ours.generate(batch, attention_mask=mask, max_new_tokens=10)
+    assert torch.equal(got, expected)
+    assert not torch.equal(got[1:2, 7:], ours.generate(batch[1:2], max_new_tokens=10)[:, 7:])  # pads matter

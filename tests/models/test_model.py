@@ -140,8 +140,38 @@ def test_bad_inputs(tmp_path):
     model = make_model()
     with pytest.raises(ValueError, match="cu_seqlens"):
         model(ids(2, 6), cu_seqlens=torch.tensor([0, 3, 6]))
-    with pytest.raises(ValueError, match="cache"):
-        model(ids(1, 6), cu_seqlens=torch.tensor([0, 3, 6]), cache=HybridCache(2))
+    cache = model.new_cache()
+    model(ids(1, 3), cache=cache)
+    with pytest.raises(ValueError, match="needs an empty cache"):
+        model(ids(1, 6), cu_seqlens=torch.tensor([0, 3, 6]), cache=cache)
+    with pytest.raises(ValueError, match="cache has 3 layers"):
+        model(ids(1, 6), cache=HybridCache(3))
+    with pytest.raises(ValueError, match="LEFT padding"):
+        model(ids(2, 4), attention_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="LEFT padding"):
+        model(ids(1, 4), attention_mask=torch.tensor([[0, 0, 0, 0]]))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        model(ids(1, 4), attention_mask=torch.tensor([[0, 1, 1, 1]]), position_ids=torch.arange(4)[None])
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ValueError, match="model_type"):
         hybridlm.load_model(tmp_path)
+
+
+def test_missing_fast_weight_gates_are_initialized_on_load(tmp_path):
+    """A checkpoint without the fast-weight gate biases (e.g. from an older layout) loads with the mixer's
+    init: b_beta = 0, b_lam = initial_lam_bias(heads), not whatever memory the meta-device build left."""
+    from safetensors.torch import load_file, save_file
+
+    from hybridlm.layers.fast_weight import initial_lam_bias
+
+    model = make_model(seed=6, ssm_mixer="fast_weight", fw_heads=4, fw_head_dim=8)
+    model.save_pretrained(tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert weights["model.layers.0.ssm.lam_bias"].abs().sum() > 0
+    kept = {k: v for k, v in weights.items() if not k.endswith(("beta_bias", "lam_bias"))}
+    save_file(kept, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    loaded = hybridlm.load_model(tmp_path)
+    for layer in loaded.model.layers:
+        assert torch.equal(layer.ssm.beta_bias, torch.zeros(4))
+        assert torch.equal(layer.ssm.lam_bias, initial_lam_bias(4))
+    torch.testing.assert_close(loaded.model.layers[1].ssm.in_proj.weight, model.model.layers[1].ssm.in_proj.weight)

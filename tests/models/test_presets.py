@@ -19,18 +19,32 @@ RELEASED = {
 }
 
 
-def _name_cases():
-    for name in list_presets():
-        marks = []
-        if name == "falcon-h1-7b":  # as released: 7.59B parameters, 8.4% above the name
-            marks = [pytest.mark.xfail(strict=True, reason="the released 7B has 7.59B parameters")]
-        yield pytest.param(name, marks=marks, id=name)
-
-
-@pytest.mark.parametrize("name", list(_name_cases()))
+@pytest.mark.parametrize("name", [name for name in list_presets() if name != "falcon-h1-7b"])
 def test_parameter_count_within_5_percent_of_the_name(name):
     count = count_parameters(get_preset(name))
     assert abs(count / nominal_parameters(name) - 1) < 0.05, f"{name}: {count / 1e9:.3f}B"
+
+
+def test_7b_has_the_released_count_not_its_name():
+    """The released Falcon-H1-7B has 7.59B parameters, 8.4% above its name: hold the preset to the release."""
+    count = count_parameters(get_preset("falcon-h1-7b"))
+    assert abs(count / 7.59e9 - 1) < 0.01, f"{count / 1e9:.3f}B"
+    assert abs(count / nominal_parameters("falcon-h1-7b") - 1) > 0.05
+
+
+def test_0_5b_carries_the_released_mup_multipliers():
+    """The multipliers of Falcon-H1-0.5B's released config.json, in falcon_h1 spelling after export."""
+    from hybridlm.models.falcon_h1 import config_to_falcon_h1
+
+    falcon = config_to_falcon_h1(get_preset("falcon-h1-0.5b"))
+    assert falcon.embedding_multiplier == 5.656854249492381 and falcon.lm_head_multiplier == 0.0390625
+    assert falcon.key_multiplier == 0.39062499999999994 and falcon.attention_out_multiplier == 0.9375
+    assert falcon.ssm_in_multiplier == 1.25 and falcon.ssm_out_multiplier == 0.23570226039551587
+    assert list(falcon.ssm_multipliers) == [0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738]
+    assert list(falcon.mlp_multipliers) == [0.8838834764831844, 0.5859375]
+    assert (falcon.mamba_d_ssm, falcon.intermediate_size, falcon.mamba_d_head, falcon.mamba_n_heads) == (1536, 2048, 64, 24)
+    assert (falcon.mamba_d_state, falcon.mamba_chunk_size, falcon.vocab_size) == (128, 128, 32784)
+    assert falcon.rope_parameters["rope_theta"] == 1e11 and falcon.max_position_embeddings == 16384
 
 
 @pytest.mark.parametrize("name", list(RELEASED))

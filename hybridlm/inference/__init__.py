@@ -1,0 +1,19 @@
+"""Inference: cached generation (greedy and sampled, batched left-padded prompts) and its CLI.
+
+The decoding cache itself lives in `hybridlm.layers.cache` (the mixers read and write it); it is
+re-exported here.
+"""
+
+from hybridlm.inference.generate import GenerationOutput, generate
+from hybridlm.inference.sampling import sample_next, top_k_filter, top_p_filter
+from hybridlm.layers.cache import HybridCache, LayerCache
+
+__all__ = [
+    "GenerationOutput",
+    "HybridCache",
+    "LayerCache",
+    "generate",
+    "sample_next",
+    "top_k_filter",
+    "top_p_filter",
+]

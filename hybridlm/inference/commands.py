@@ -1,0 +1,156 @@
+"""`hybridlm generate`: text in, continuation out, from a checkpoint directory (ours or official falcon_h1).
+
+    hybridlm generate --model runs/tiny --prompt "Once upon a time"            # greedy, 64 new tokens
+    hybridlm generate --model Falcon-H1-0.5B-Base --prompt "2 + 2 =" --max-new-tokens 8
+    hybridlm generate --model runs/tiny --tokenizer tok/ --prompt "a" --prompt "longer prompt" \\
+        --temperature 0.8 --top-p 0.95 --seed 0                                   # two prompts, one batch
+
+The tokenizer comes from --tokenizer, else from the model directory: a directory written by
+`hybridlm tokenizer train` (hybridlm_tokenizer.json), or any transformers tokenizer directory
+(tokenizer.json / tokenizer_config.json). Several --prompt values run as one left-padded batch. Decoding
+stops per prompt at the tokenizer's or the model's eos. Errors (a missing directory, no tokenizer, a
+prompt longer than the model's max_position_embeddings, bad sampling settings) are one line on stderr
+and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+class CommandError(Exception):
+    """A user-facing error: printed as one line, no traceback."""
+
+
+def add_commands(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate", help="continue a prompt with a trained or official model",
+        description="Generate text from a checkpoint directory with cached decoding (greedy by default).",
+    )
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory (hybridlm or falcon_h1)")
+    p.add_argument("--prompt", required=True, action="append", metavar="TEXT",
+                   help="the prompt; repeat for a batch of prompts")
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: the model directory)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to add (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 = greedy (default); > 0 samples from softmax(logits / T)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="sample among the most likely tokens that cover probability P")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed of the sampling (reproducible output)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="parameter dtype (default float32)")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    try:
+        texts = generate_texts(args)
+    except (CommandError, ValueError) as error:
+        print(f"hybridlm generate: {error}", file=sys.stderr)
+        return 1
+    for i, text in enumerate(texts):
+        if i:
+            print("-" * 40)
+        print(text)
+    return 0
+
+
+def generate_texts(args: argparse.Namespace) -> list[str]:
+    """Each prompt followed by its continuation."""
+    import torch
+
+    import hybridlm
+    from hybridlm.inference.generate import generate
+
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise CommandError(f"model directory {model_dir} does not exist")
+    if not (model_dir / "config.json").is_file():
+        raise CommandError(f"{model_dir} has no config.json; not a checkpoint directory")
+    tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else model_dir)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    model = hybridlm.load_model(model_dir, dtype=getattr(torch, args.dtype)).to(device)
+    config = model.config
+
+    prompts = [tokenizer.encode(text) for text in args.prompt]
+    limit = config.max_position_embeddings
+    for i, ids in enumerate(prompts):
+        which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"
+        if not ids:
+            raise CommandError(f"{which} is empty after tokenization")
+        if len(ids) > limit:
+            raise CommandError(f"{which} has {len(ids)} tokens, more than the model's max_position_embeddings {limit}")
+        if max(ids) >= config.vocab_size:
+            raise CommandError(
+                f"{which} has token id {max(ids)}, outside the model's vocabulary of {config.vocab_size}; "
+                "is this the model's tokenizer?"
+            )
+
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else (config.pad_token_id or 0)
+    width = max(len(ids) for ids in prompts)
+    batch = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=device)
+    eos = _eos_ids(tokenizer.eos_id, config.eos_token_id)
+    out = generate(
+        model, batch, attention_mask=mask, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=eos or None,
+        pad_token_id=pad, seed=args.seed,
+    )
+    texts = []
+    for row, (text, ids) in enumerate(zip(args.prompt, prompts)):
+        new = [t for t in out.sequences[row, width:][out.attention_mask[row, width:].bool()].tolist() if t not in eos]
+        texts.append(text + _continuation(tokenizer, ids, new))
+    return texts
+
+
+def _continuation(tokenizer, prompt: list[int], new: list[int]) -> str:
+    """The text the new tokens add after the prompt: decoded together with the prompt, so that the joint
+    between them (a space, a merged character) comes out as the tokenizer writes it."""
+    head, full = tokenizer.decode(prompt), tokenizer.decode(prompt + new)
+    return full[len(head) :] if full.startswith(head) else tokenizer.decode(new)
+
+
+class _Tokenizer:
+    """The little the command needs from a tokenizer: encode, decode, eos and pad ids."""
+
+    def __init__(self, encode, decode, eos_id: int | None, pad_id: int | None) -> None:
+        self.encode, self.decode, self.eos_id, self.pad_id = encode, decode, eos_id, pad_id
+
+
+def load_tokenizer(path: Path) -> _Tokenizer:
+    if not path.is_dir():
+        raise CommandError(f"tokenizer directory {path} does not exist")
+    if (path / "hybridlm_tokenizer.json").is_file():
+        from hybridlm.data.errors import DataError
+        from hybridlm.data.tokenizer import HybridTokenizer
+
+        try:
+            tok = HybridTokenizer.load(path)
+        except DataError as error:
+            raise CommandError(str(error)) from None
+        return _Tokenizer(tok.encode, tok.decode, tok.eos_id, tok.pad_id)
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path))
+        return _Tokenizer(
+            lambda text: tok(text)["input_ids"],
+            lambda ids: tok.decode(ids, skip_special_tokens=True),
+            tok.eos_token_id,
+            tok.pad_token_id,
+        )
+    raise CommandError(f"no tokenizer in {path} (tokenizer.json); pass --tokenizer DIR")
+
+
+def _eos_ids(*candidates) -> list[int]:
+    out: list[int] = []
+    for value in candidates:
+        for i in ([] if value is None else [value] if isinstance(value, int) else list(value)):
+            if i not in out:
+                out.append(int(i))
+    return out
+

@@ -1,0 +1,112 @@
+"""Cached generation: one prefill, then one recurrent step per new token.
+
+    out = generate(model, ids, max_new_tokens=32)                                   # greedy
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=32, temperature=0.8, top_p=0.95,
+                   eos_token_id=11, seed=0)                                         # sampled, batched
+    out.sequences                                                                   # [B, T + n]
+
+Prompts of different lengths go in one batch LEFT-padded, with `attention_mask` [B, T] (1 = token).
+Padding is handled by packing, not masking: the prefill runs the rows' tokens end to end as one packed
+row with `cu_seqlens`, so every mixer sees each prompt alone (attention cannot see pad keys, the convs
+restart at each prompt, and the SSD / fast-weight states of a row are exactly those of its unpadded
+prompt, to float rounding). The cache then holds one row per prompt and every row continues from its own
+length; see `hybridlm.layers.cache`.
+
+Stopping: a row is finished once it produces one of `eos_token_id`; its later positions hold
+`pad_token_id` (or the first eos id when no pad id is known) and decoding ends when every row is done
+or after `max_new_tokens`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridlm.inference.sampling import check_sampling, sample_next
+
+
+@dataclass
+class GenerationOutput:
+    sequences: torch.Tensor  # [B, T + n] prompt (with its left padding) + new tokens
+    attention_mask: torch.Tensor  # [B, T + n] 1 = a real token, 0 = left padding or filler after eos
+    logits: torch.Tensor | None = None  # [B, n, V] float32 raw logits of every new position (output_logits)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 20,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+    seed: int | None = None,
+    output_logits: bool = False,
+) -> GenerationOutput:
+    """Generate up to `max_new_tokens` tokens after each prompt of `input_ids` [B, T].
+
+    Args:
+        model: a `HybridForCausalLM` (anything with `new_cache()` and its forward signature).
+        attention_mask: [B, T], 1 = token, 0 = left padding; None = no padding.
+        temperature: 0 = greedy (argmax); > 0 samples from softmax(logits / temperature).
+        top_k, top_p: sampling filters (None = off), applied after the temperature.
+        eos_token_id: one id or a list; a row stops after producing any of them. None: never stop early.
+        pad_token_id: what finished rows get after their eos (default: the model config's pad id).
+        generator / seed: the random source of sampling (give at most one); a seed makes a fresh
+            `torch.Generator` on the ids' device, so the same seed gives the same tokens.
+        output_logits: also return the raw logits of every generated position.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [B, T] with T >= 1, got shape {list(input_ids.shape)}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    if generator is not None and seed is not None:
+        raise ValueError("pass a generator or a seed, not both")
+    if seed is not None:
+        generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+    eos = _eos_ids(eos_token_id, input_ids.device)
+    if pad_token_id is None:
+        pad_token_id = getattr(model.config, "pad_token_id", None)
+    filler = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos is not None else 0)
+    batch = input_ids.shape[0]
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
+
+    new_tokens, new_mask, step_logits = [], [], []
+    done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    if max_new_tokens > 0:
+        cache = model.new_cache()
+        logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1]
+        for step in range(max_new_tokens):
+            if output_logits:
+                step_logits.append(logits.float())
+            token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            new_mask.append(~done)
+            token = torch.where(done, torch.full_like(token, filler), token)
+            new_tokens.append(token)
+            if eos is not None:
+                done = done | torch.isin(token, eos)
+                if bool(done.all()):
+                    break
+            if step + 1 < max_new_tokens:
+                logits = model(token[:, None], cache=cache, logits_to_keep=1).logits[:, -1]  # [B, V]
+
+    sequences = torch.cat([input_ids, *[t[:, None] for t in new_tokens]], dim=1)
+    out_mask = torch.cat([mask, *[m[:, None].to(mask.dtype) for m in new_mask]], dim=1)
+    logits_out = torch.stack(step_logits, dim=1) if output_logits and step_logits else None
+    return GenerationOutput(sequences=sequences, attention_mask=out_mask, logits=logits_out)
+
+
+def _eos_ids(eos_token_id, device: torch.device) -> torch.Tensor | None:
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"eos_token_id must be an id >= 0 or a non-empty list of them, got {eos_token_id!r}")
+    return torch.tensor(ids, device=device)

@@ -1,0 +1,215 @@
+"""Cached generation: cached logits == full forward for every SSM mixer and rule, a left-padded batch ==
+each prompt alone (tokens, logits and recurrent states), per-row eos, seeded sampling, the sampling filters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridlm.inference import generate, sample_next, top_k_filter, top_p_filter
+from hybridlm.models.model import HybridForCausalLM
+from tests.helpers import rel_err
+from tests.models import test_model as model_tests
+
+VOCAB = model_tests.VOCAB
+TOL = 1e-4  # max abs logit difference, float32
+FAST_WEIGHT_SIZES = dict(fw_heads=2, fw_head_dim=8, fw_chunk_size=4, fw_conv_size=3)
+
+
+def make_model(seed: int = 0, **changes) -> HybridForCausalLM:
+    """The model tests' small model (vocab 61, 2 layers, GQA, grouped Mamba-2, muP multipliers), with small
+    fast-weight chunks so that the prompts below span several of them."""
+    return model_tests.make_model(seed, **{**FAST_WEIGHT_SIZES, **changes})
+
+
+def fast_weight(rule: str, **changes) -> dict:
+    return dict(ssm_mixer="fast_weight", fw_rule=rule, fw_window=3 if rule in ("3", "3A") else 1, **changes)
+
+
+MIXERS = {
+    "mamba2": dict(),
+    **{f"fast_weight-{rule}": fast_weight(rule) for rule in ("1", "2", "3", "1A", "2A", "3A")},
+    "fast_weight-3A-same_step-read_before": fast_weight("3A", fw_pairing="same_step", fw_read="before"),
+    "none": dict(ssm_mixer="none"),
+    "mamba2-ssm_only": dict(use_attention=False),
+    "fast_weight-3-ssm_only": fast_weight("3", use_attention=False),
+}
+
+
+def ids(*shape, seed=0):
+    return torch.randint(3, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("mixer", list(MIXERS))
+def test_cached_logits_equal_the_full_forward(mixer):
+    model = make_model(seed=1, **MIXERS[mixer])
+    tokens = ids(2, 15, seed=1)
+    with torch.no_grad():
+        full = model(tokens).logits
+        cache = model.new_cache()
+        pieces = [model(tokens[:, :5], cache=cache).logits]  # prefill (chunked paths)
+        pieces.append(model(tokens[:, 5:8], cache=cache).logits)  # a chunk continuing from the cache
+        for t in range(8, 15):  # one token at a time (recurrent steps)
+            pieces.append(model(tokens[:, t : t + 1], cache=cache).logits)
+    stepped = torch.cat(pieces, dim=1)
+    assert full.abs().max() > 0.5  # not a degenerate comparison
+    for t in range(15):
+        assert max_diff(stepped[:, t], full[:, t]) < TOL, f"position {t}"
+    assert cache.seq_len == 15 and cache.lengths is None
+
+
+PROMPT_LENGTHS = (5, 1, 8, 2)  # 1 and 2: shorter than the conv window
+
+
+def padded_batch(seed: int = 2) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    prompts = [ids(1, n, seed=seed + i) for i, n in enumerate(PROMPT_LENGTHS)]
+    width = max(PROMPT_LENGTHS)
+    batch = torch.zeros(len(prompts), width, dtype=torch.long)  # pad id 0
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        batch[row, width - prompt.shape[1] :] = prompt[0]
+        mask[row, width - prompt.shape[1] :] = 1
+    return prompts, batch, mask
+
+
+@pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1", "fast_weight-2A", "fast_weight-3", "none",
+                                   "fast_weight-3-ssm_only"])
+def test_padded_batch_equals_each_prompt_alone(mixer):
+    model = make_model(seed=3, **MIXERS[mixer])
+    prompts, batch, mask = padded_batch()
+    out = generate(model, batch, attention_mask=mask, max_new_tokens=6, output_logits=True)
+    assert out.sequences.shape == (4, 8 + 6) and out.logits.shape == (4, 6, VOCAB)
+    assert torch.equal(out.attention_mask[:, :8], mask) and bool(out.attention_mask[:, 8:].all())
+    for row, prompt in enumerate(prompts):
+        alone = generate(model, prompt, max_new_tokens=6, output_logits=True)
+        assert torch.equal(out.sequences[row, 8:], alone.sequences[0, prompt.shape[1] :]), f"row {row}"
+        assert max_diff(out.logits[row], alone.logits[0]) < TOL, f"row {row}"
+    # The prefill's logits at every real position equal the prompt's own full forward; pads give zeros.
+    with torch.no_grad():
+        logits = model(batch, attention_mask=mask).logits
+        for row, prompt in enumerate(prompts):
+            n = prompt.shape[1]
+            assert max_diff(logits[row, 8 - n :], model(prompt).logits[0]) < TOL
+            assert not logits[row, : 8 - n].any()
+        # Without the mask the pads would be read as tokens: the comparison above can tell.
+        unmasked = model(batch).logits
+    assert max_diff(unmasked[0, -1], logits[0, -1]) > 1e-3
+
+
+@pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-3A", "fast_weight-2"])
+def test_padding_never_enters_a_recurrent_state(mixer):
+    """After the padded prefill, every SSM state of row b (conv tail, SSD state / S, last key, sliding tail)
+    equals the state its prompt leaves alone, and attention's keys of row b are the prompt's own."""
+    model = make_model(seed=4, **MIXERS[mixer])
+    prompts, batch, mask = padded_batch(seed=5)
+    with torch.no_grad():
+        cache = model.new_cache()
+        model(batch, attention_mask=mask, cache=cache)
+        assert cache.seq_len == 8 and cache.lengths.tolist() == list(PROMPT_LENGTHS)
+        for row, prompt in enumerate(prompts):
+            alone = model.new_cache()
+            model(prompt, cache=alone)
+            n = prompt.shape[1]
+            for layer, layer_alone in zip(cache.layers, alone.layers):
+                assert set(layer.ssm) == set(layer_alone.ssm) and layer_alone.ssm
+                for name, value in layer_alone.ssm.items():
+                    got = layer.ssm[name][row : row + 1]
+                    if value.dtype == torch.int64:
+                        assert torch.equal(got, value), name
+                    else:
+                        assert rel_err(got, value) < 1e-5, (row, name)
+                assert rel_err(layer.key[row, 8 - n :], layer_alone.key[0]) < 1e-5
+                assert int(layer.pad[row]) == 8 - n
+
+
+def test_rows_stop_at_their_own_eos():
+    model = make_model(seed=6)
+    prompts, batch, mask = padded_batch(seed=7)
+    free = generate(model, batch, attention_mask=mask, max_new_tokens=8).sequences[:, 8:]
+    # An eos that row 0 produces at step 2 and that no other row produces in the first 4 steps.
+    eos = int(free[0, 2])
+    assert all(eos not in free[row, :4].tolist() for row in (1, 2, 3)) and eos not in free[0, :2].tolist()
+    out = generate(model, batch, attention_mask=mask, max_new_tokens=8, eos_token_id=[eos, VOCAB + 5],
+                   pad_token_id=0)
+    new = out.sequences[:, 8:]
+    assert new[0, :3].tolist() == free[0, :3].tolist() and new[0, 3:].eq(0).all()
+    assert out.attention_mask[0, 8:].tolist() == [1, 1, 1] + [0] * (new.shape[1] - 3)
+    for row in (1, 2, 3):  # the others go on as if nothing happened, until their own eos
+        stop = free[row].tolist().index(eos) + 1 if eos in free[row].tolist() else new.shape[1]
+        assert new[row, :stop].tolist() == free[row, :stop].tolist()
+    # Decoding ends once every row is done.
+    short = generate(model, prompts[0], max_new_tokens=8, eos_token_id=int(free[0, 1]))
+    assert short.sequences.shape[1] == prompts[0].shape[1] + 2
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy():
+    model = make_model(seed=8, **MIXERS["fast_weight-1A"])
+    _, batch, mask = padded_batch(seed=9)
+    options = dict(attention_mask=mask, max_new_tokens=10, temperature=1.5)
+    first = generate(model, batch, seed=123, **options).sequences
+    again = generate(model, batch, generator=torch.Generator().manual_seed(123), **options).sequences
+    other = generate(model, batch, seed=124, **options).sequences
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    greedy = generate(model, batch, attention_mask=mask, max_new_tokens=10).sequences
+    assert not torch.equal(first, greedy)
+    top1 = generate(model, batch, seed=5, top_k=1, **options).sequences
+    assert torch.equal(top1, greedy)
+    assert torch.equal(model.generate(batch, attention_mask=mask, max_new_tokens=10), greedy)
+
+
+def test_temperature_scales_the_sampled_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    g = torch.Generator().manual_seed(0)
+    for temperature in (0.5, 2.0):
+        draws = sample_next(logits.expand(40000, 4), temperature=temperature, generator=g)
+        freq = torch.bincount(draws, minlength=4).float() / draws.numel()
+        assert max_diff(freq, torch.softmax(logits / temperature, -1)) < 0.01, temperature
+    assert sample_next(logits[None], temperature=0.0).item() == 0
+
+
+def test_top_k_and_top_p_filters():
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.15, 0.3]]))
+
+    def kept(filtered: torch.Tensor) -> list[bool]:
+        return torch.isfinite(filtered)[0].tolist()
+
+    assert kept(top_k_filter(logits, 2)) == [False, True, False, True]
+    assert kept(top_k_filter(logits, 4)) == [True] * 4
+    assert kept(top_p_filter(logits, 0.5)) == [False, True, False, False]  # the top token alone reaches p
+    assert kept(top_p_filter(logits, 0.79)) == [False, True, False, True]
+    assert kept(top_p_filter(logits, 0.81)) == [False, True, True, True]
+    assert kept(top_p_filter(logits, 1.0)) == [True] * 4
+    g = torch.Generator().manual_seed(1)
+    draws = sample_next(logits.expand(2000, 4), temperature=1.0, top_p=0.79, generator=g)
+    assert set(draws.tolist()) == {1, 3}
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_new_tokens=-1), "max_new_tokens"),
+        (dict(seed=1, generator=torch.Generator()), "generator or a seed"),
+        (dict(eos_token_id=[]), "eos_token_id"),
+    ],
+)
+def test_bad_options_raise(options, message):
+    model = make_model()
+    with pytest.raises(ValueError, match=message):
+        generate(model, ids(1, 3), **{"max_new_tokens": 2, **options})
+
+
+def test_zero_new_tokens_returns_the_prompt():
+    model = make_model()
+    prompt = ids(2, 4)
+    out = generate(model, prompt, max_new_tokens=0, output_logits=True)
+    assert torch.equal(out.sequences, prompt) and out.logits is None

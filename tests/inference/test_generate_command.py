@@ -1,0 +1,109 @@
+"""`hybridlm generate`: text through our own tokenizer or a transformers one, batched prompts, seeded sampling,
+and the one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridlm.cli import main
+from hybridlm.inference import generate
+from hybridlm.models.config import HybridConfig
+from hybridlm.models.configuration import HybridLMConfig
+from hybridlm.models.model import HybridForCausalLM
+from tests.models.falcon_reference import randomize_
+
+WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(44)]
+
+
+def save_model(path: Path, vocab_size: int, **changes) -> HybridForCausalLM:
+    fields = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_d_ssm=32, mamba_n_heads=4,
+                  mamba_d_state=6, mamba_chunk_size=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    fields.update(changes)
+    torch.manual_seed(0)
+    model = HybridForCausalLM(HybridLMConfig.from_hybrid(HybridConfig(**fields))).eval()
+    randomize_(model, 0)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture
+def word_model(tmp_path) -> tuple[Path, HybridForCausalLM]:
+    """A model directory with a transformers word-level tokenizer in it (ids = positions in WORDS)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(tmp_path)
+    return tmp_path, save_model(tmp_path, len(WORDS), max_position_embeddings=12)
+
+
+def words(ids) -> str:
+    return " ".join(WORDS[i] for i in ids)
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(["generate", *map(str, argv)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_greedy_text_matches_the_library(word_model, capsys):
+    path, model = word_model
+    code, out, err = run(capsys, "--model", path, "--prompt", "w5 w7 w9", "--max-new-tokens", 6)
+    assert code == 0, err
+    expected = generate(model, torch.tensor([[9, 11, 13]]), max_new_tokens=6, eos_token_id=2)
+    new = [t for t, real in zip(expected.sequences[0, 3:].tolist(), expected.attention_mask[0, 3:]) if real]
+    words_out = [t for t in new if t >= 4]  # the transformers decode skips special tokens (<pad> <s> </s> <unk>)
+    assert len(words_out) >= 3
+    assert out == "w5 w7 w9 " + words(words_out) + "\n"  # the word-level decoder joins tokens with spaces
+
+
+def test_prompts_batch_and_seeded_sampling_repeats(word_model, capsys):
+    path, _ = word_model
+    argv = ("--model", path, "--prompt", "w1", "--prompt", "w2 w3 w4 w5", "--max-new-tokens", 5,
+            "--temperature", 1.0, "--top-k", 20, "--top-p", 0.9, "--seed", 7)
+    code, first, err = run(capsys, *argv)
+    assert code == 0, err
+    assert run(capsys, *argv)[1] == first
+    blocks = first.rstrip("\n").split("\n" + "-" * 40 + "\n")
+    assert len(blocks) == 2 and blocks[0].startswith("w1") and blocks[1].startswith("w2 w3 w4 w5")
+    # Each prompt of the batch continues as it would alone (greedy, so the comparison is exact).
+    _, alone, _ = run(capsys, "--model", path, "--prompt", "w2 w3 w4 w5", "--max-new-tokens", 5)
+    _, batched, _ = run(capsys, "--model", path, "--prompt", "w1", "--prompt", "w2 w3 w4 w5", "--max-new-tokens", 5)
+    assert batched.rstrip("\n").split("\n" + "-" * 40 + "\n")[1] + "\n" == alone
+
+
+def test_our_tokenizer_format(tmp_path, capsys):
+    from hybridlm.data.tokenizer import train_tokenizer
+
+    (tmp_path / "corpus.txt").write_text("the cat sat on the mat. " * 50)
+    tok = train_tokenizer([tmp_path / "corpus.txt"], 1600, tmp_path / "tok")
+    model = save_model(tmp_path / "model", tok.vocab_size, eos_token_id=tok.eos_id)
+    code, out, err = run(capsys, "--model", tmp_path / "model", "--tokenizer", tmp_path / "tok",
+                         "--prompt", "the cat", "--max-new-tokens", 4)
+    assert code == 0, err
+    ids = torch.tensor([tok.encode("the cat")])
+    expected = generate(model, ids, max_new_tokens=4, eos_token_id=tok.eos_id)
+    new = [t for t, real in zip(expected.sequences[0, 2:].tolist(), expected.attention_mask[0, 2:]) if real]
+    assert out == tok.decode(ids[0].tolist() + [t for t in new if t != tok.eos_id]) + "\n"  # byte-level: exact
+
+
+def test_errors_are_one_line(word_model, tmp_path, capsys):
+    path, _ = word_model
+    code, out, err = run(capsys, "--model", tmp_path / "missing", "--prompt", "w1")
+    assert code == 1 and out == "" and err == f"hybridlm generate: model directory {tmp_path / 'missing'} does not exist\n"
+    long_prompt = " ".join(f"w{i}" for i in range(13))
+    code, _, err = run(capsys, "--model", path, "--prompt", long_prompt)
+    assert code == 1 and "has 13 tokens, more than the model's max_position_embeddings 12" in err
+    code, _, err = run(capsys, "--model", path, "--prompt", "w1", "--temperature", -1)
+    assert code == 1 and "temperature" in err
+    bare = tmp_path / "bare"
+    save_model(bare, len(WORDS))
+    code, _, err = run(capsys, "--model", bare, "--prompt", "w1")
+    assert code == 1 and f"no tokenizer in {bare}" in err and "--tokenizer" in err
