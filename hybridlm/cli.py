@@ -13,6 +13,8 @@ import sys
 COMMAND_MODULES = (
     "hybridlm.models.commands",
     "hybridlm.data.commands",
+    "hybridlm.training.commands",
+    "hybridlm.eval.commands",
     "hybridlm.inference.commands",
 )
 

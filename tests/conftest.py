@@ -1,4 +1,4 @@
-"""The training tests run toy models: one intra-op thread is fastest for them and immune to a busy machine."""
+"""Suite-wide fixtures: the tests run small models, for which one intra-op thread is fastest and immune to a busy machine."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 
-@pytest.fixture(autouse=True, scope="package")
+@pytest.fixture(autouse=True, scope="session")
 def _one_thread() -> Iterator[None]:
     previous = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,0 +1,296 @@
+"""What the `hybridlm bench ...` commands share: resumable runs spread over devices, mean ± std, markdown.
+
+    results = run_jobs(jobs, out_dir, devices=["cuda:0", "cuda:1"], per_device=4, time_budget=540)
+
+A job is one training run (a model and a seed, or one allocation) described by a JSON-able `spec`
+holding everything that determines its result (task, model, seed, recipe). `run_jobs` writes each
+finished run to `out_dir/runs/<key>.json` as soon as it ends, with its spec; a later call with the same
+`out_dir` reuses every run whose stored spec equals the job's spec and runs only the rest. So an
+interrupted benchmark continues where it stopped, and a long one can be split over several commands
+(`time_budget`: start no new run after that many seconds; the tables are then written from the runs
+that exist, the missing ones listed).
+
+Runs execute in this process when there is one worker (CPU, tests), else in spawned worker processes,
+`per_device` of them on each device (small models leave an H200 mostly idle, so several runs per GPU
+raise throughput). Each worker logs to `out_dir/runs/<key>.log`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import shlex
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hybridlm.fileio import write_atomic
+
+RUNS = "runs"
+
+
+@dataclass(frozen=True)
+class Job:
+    key: str  # file-name-safe identity, e.g. "fw-3A_seed0"
+    runner: str  # "module:function" called as function(spec, device=..., log_fn=..., **context) -> result dict
+    spec: dict  # everything that determines the result (compared when reusing a stored run)
+    context: dict = field(default_factory=dict)  # where things are (paths): passed on, never compared
+
+
+def safe_key(*parts: object) -> str:
+    text = "_".join(str(p) for p in parts)
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in text)
+
+
+def parse_devices(text: str) -> list[str]:
+    """"cuda" -> every visible GPU ("cuda:0", ...), "cpu", or an explicit list "cuda:0,cuda:1"."""
+    import torch
+
+    names = [d.strip() for d in text.split(",") if d.strip()]
+    if names == ["cuda"]:
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda, but torch sees no GPU")
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    for name in names:
+        torch.device(name)  # raises on a malformed name
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {name}, but torch sees no GPU")
+    return names
+
+
+def _run_path(out_dir: Path, key: str) -> Path:
+    return out_dir / RUNS / f"{key}.json"
+
+
+def load_run(out_dir: Path, job: Job) -> dict | None:
+    """The stored result of `job` when its spec matches, else None."""
+    path = _run_path(out_dir, job.key)
+    if not path.is_file():
+        return None
+    try:
+        stored = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    return stored["result"] if stored.get("spec") == job.spec else None
+
+
+def _call(job: Job, device: str, out_dir: Path) -> dict:
+    module, function = job.runner.split(":")
+    fn: Callable = getattr(importlib.import_module(module), function)
+    log_path = out_dir / RUNS / f"{job.key}.log"
+    with open(log_path, "a", encoding="utf-8") as log:
+        def log_fn(line: str) -> None:
+            log.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+            log.flush()
+
+        log_fn(f"start {job.key} on {device}")
+        start = time.perf_counter()
+        try:
+            result = fn(job.spec, device=device, log_fn=log_fn, **job.context)
+        except Exception:
+            log_fn("failed:\n" + traceback.format_exc())
+            raise
+        result["seconds"] = time.perf_counter() - start
+        result["device"] = device
+        log_fn(f"done in {result['seconds']:.1f}s")
+    write_atomic(_run_path(out_dir, job.key), json.dumps({"spec": job.spec, "result": result}, indent=1).encode())
+    return result
+
+
+_worker_device: str | None = None
+
+
+def _init_worker(queue, threads: int) -> None:
+    import torch
+
+    global _worker_device
+    _worker_device = queue.get()
+    torch.set_num_threads(threads)  # the workers share the cores: no oversubscription
+    if _worker_device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(_worker_device))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _worker_call(job: Job, out_dir: str) -> tuple[str, dict | None, str]:
+    try:
+        return job.key, _call(job, _worker_device, Path(out_dir)), ""
+    except Exception:  # noqa: BLE001  (reported by the parent; the other runs go on)
+        return job.key, None, traceback.format_exc()
+
+
+def run_jobs(
+    jobs: Sequence[Job],
+    out_dir: str | Path,
+    *,
+    devices: Sequence[str] = ("cpu",),
+    per_device: int = 1,
+    time_budget: float | None = None,
+    echo: Callable[[str], None] = print,
+) -> dict[str, dict]:
+    """Run (or reuse) every job; returns key -> result for the runs that exist at the end."""
+    out_dir = Path(out_dir)
+    (out_dir / RUNS).mkdir(parents=True, exist_ok=True)
+    if len({j.key for j in jobs}) != len(jobs):
+        raise ValueError("job keys must be unique")
+    results: dict[str, dict] = {}
+    todo: list[Job] = []
+    for job in jobs:
+        stored = load_run(out_dir, job)
+        if stored is not None:
+            results[job.key] = stored
+        else:
+            todo.append(job)
+    if results:
+        echo(f"reusing {len(results)} finished run(s) from {out_dir / RUNS}")
+    start = time.monotonic()
+
+    def over_budget() -> bool:
+        return time_budget is not None and time.monotonic() - start > time_budget
+
+    workers = len(devices) * per_device
+    failures = []
+    if workers <= 1 or len(todo) <= 1:
+        for job in todo:
+            if over_budget():
+                break
+            echo(f"run {job.key} on {devices[0]}")
+            try:
+                results[job.key] = _call(job, devices[0], out_dir)
+            except Exception:  # noqa: BLE001  (e.g. a diverged run: report it, go on with the others)
+                failures.append(job.key)
+                echo(f"  FAILED {job.key}:\n{traceback.format_exc()}")
+                continue
+            echo(f"  done {job.key} in {results[job.key]['seconds']:.1f}s")
+    else:
+        import multiprocessing as mp
+
+        context = mp.get_context("spawn")
+        queue = context.Queue()
+        for device in devices:
+            for _ in range(per_device):
+                queue.put(device)
+        pending = list(reversed(todo))
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
+                                 initargs=(queue, max(1, (os.cpu_count() or 1) // workers))) as pool:
+            running = set()
+            while pending or running:
+                while pending and len(running) < workers and not over_budget():
+                    job = pending.pop()
+                    running.add(pool.submit(_worker_call, job, str(out_dir)))
+                    echo(f"run {job.key}")
+                if not running:
+                    break
+                done, running = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    key, result, error = future.result()
+                    if result is None:
+                        failures.append(key)
+                        echo(f"  FAILED {key}:\n{error}")
+                    else:
+                        results[key] = result
+                        echo(f"  done {key} in {result['seconds']:.1f}s on {result['device']}")
+    skipped = [j.key for j in todo if j.key not in results and j.key not in failures]
+    if skipped:
+        echo(f"time budget reached: {len(skipped)} run(s) not started ({', '.join(skipped)}); "
+             "run the same command again to continue")
+    if failures:
+        echo(f"{len(failures)} run(s) failed: {', '.join(failures)}")
+    return results
+
+
+def bench_model_seeds(
+    task: str,
+    runner: str,
+    models: Sequence[str],
+    seeds: Sequence[int],
+    recipe: dict,
+    out_dir: str | Path,
+    report: Callable[[dict[str, list[dict]], Path, list[str]], dict],
+    *,
+    echo: Callable[[str], None] = print,
+    **kwargs,
+) -> dict:
+    """One job per (model, seed) with spec {"task", "model", "seed", "recipe"}; `run_jobs` them, then
+    `report(model -> its finished runs in seed order, out_dir, keys of the missing runs)`."""
+    jobs = [Job(safe_key(m, f"seed{s}"), runner, {"task": task, "model": m, "seed": s, "recipe": recipe})
+            for m in models for s in seeds]
+    runs = run_jobs(jobs, out_dir, echo=echo, **kwargs)
+    by_model = {m: [runs[j.key] for j in jobs if j.spec["model"] == m and j.key in runs] for m in models}
+    result = report(by_model, Path(out_dir), [j.key for j in jobs if j.key not in runs])
+    echo(f"wrote {result['files']}")
+    return result
+
+
+# --- numbers and tables ----------------------------------------------------------------------------
+
+def mean_std(values: Sequence[float]) -> dict[str, float]:
+    """{"mean", "std" (sample std, 0 for one value), "n"} over the finite values."""
+    finite = [float(v) for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return {"mean": math.nan, "std": math.nan, "n": 0}
+    std = float(np.std(finite, ddof=1)) if len(finite) > 1 else 0.0
+    return {"mean": float(np.mean(finite)), "std": std, "n": len(finite)}
+
+
+def pm(stat: dict[str, float], *, scale: float = 100.0, digits: int = 1) -> str:
+    """"99.8 ± 0.1" (the ± part only with two or more values); "–" when nothing was measured."""
+    if stat["n"] == 0:
+        return "–"
+    text = f"{stat['mean'] * scale:.{digits}f}"
+    return text + (f" ± {stat['std'] * scale:.{digits}f}" if stat["n"] > 1 else "")
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def human_count(count: float) -> str:
+    for unit, scale in (("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.2f}{unit}"
+    return str(int(count))
+
+
+def write_json(path: Path, obj: dict) -> None:
+    write_atomic(path, json.dumps(obj, indent=1, allow_nan=True).encode())
+
+
+def write_outputs(out_dir: Path, *, lines: list[str], payload: dict, missing: Sequence[str], png: str,
+                  plot: Callable[[Path], None]) -> list[str]:
+    """results.md (`lines`, plus the missing runs), results.json (`payload` + command + missing) and the PNG
+    drawn by `plot(path)`; returns the three paths."""
+    if missing:
+        lines = [*lines, f"Missing runs (not finished yet): {', '.join(missing)}", ""]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, js, image = out_dir / "results.md", out_dir / "results.json", out_dir / png
+    md.write_text("\n".join(lines), encoding="utf-8")
+    write_json(js, {**payload, "command": command_line(), "missing": list(missing)})
+    plot(image)
+    return [str(md), str(js), str(image)]
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def command_line() -> str:
+    """The `hybridlm ...` command being run, or a note when called from Python."""
+    if sys.argv and Path(sys.argv[0]).name in ("hybridlm", "cli.py"):
+        return shlex.join(["hybridlm", *sys.argv[1:]])
+    return "(called from Python)"

@@ -1,0 +1,249 @@
+"""`hybridlm bench addition|recall|allocation` and `hybridlm eval ppl|export-hf`: the evaluation CLI.
+
+    hybridlm bench addition --models fw-1A,fw-1A-same,fw-3A,transformer --seeds 3 --out runs/addition
+    hybridlm bench recall --models fw-3A,mamba2,transformer --seeds 1 --out runs/recall --device cuda
+    hybridlm bench allocation --out runs/alloc --device cuda --per-device 4
+    hybridlm eval ppl --model runs/my-model --data data/val --tokenizer tok/
+    hybridlm eval export-hf --model runs/my-model --tokenizer tok/      # then lm_eval --model hf ...
+
+Bench commands are resumable (finished runs in OUT/runs/ are reused when their settings match) and
+take `--device cuda` (every GPU), `--per-device K` (runs side by side on each device) and
+`--time-budget SECONDS` (start no run after that; run the same command again to continue).
+Exit status: 0 done, 1 a bad input (message on stderr), 2 a usage error. See hybridlm/eval/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+DEFAULT_MODELS = "fw-1A,fw-1A-same,fw-3A,fw-3A-same,fw-1,mamba2,transformer,hybrid-fw-3A,hybrid-mamba2"
+
+
+def add_commands(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="train-and-evaluate benchmarks (addition, recall, allocation)",
+                                  description="Synthetic benchmarks of the papers: each trains small models and "
+                                              "writes results.md, results.json and a PNG to --out.")
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+
+    p = sub.add_parser("addition", help="variable-digit addition, length generalization (fast-weight paper Table 3)")
+    _add_run_options(p, default_seeds=3)
+    p.add_argument("--models", default=DEFAULT_MODELS, metavar="LIST",
+                   help=f"comma-separated model names (default {DEFAULT_MODELS})")
+    _add_recipe_options(p, [("size", str, "model size: small (the GPU recipe) or tiny (smoke tests)"),
+                            ("batch-size", int, "examples per step"), ("lr", float, "peak learning rate"),
+                            ("warmup", int, "warmup steps (default: 10%% of --steps when --steps is given)"),
+                            ("eval-per-width", int, "held-out pairs per width"),
+                            ("val-per-width", int, "held-out pairs per width for checkpoint selection"),
+                            ("eval-every", int, "steps between validation checks"),
+                            ("train-max-width", int, "widest training operands (default 32)"),
+                            ("eval-max-width", int, "widest evaluated operands (default 48)")])
+    p.set_defaults(func=_bench_addition)
+
+    p = sub.add_parser("recall", help="MQAR and needle retrieval at long context")
+    _add_run_options(p, default_seeds=1)
+    p.add_argument("--models", default=DEFAULT_MODELS, metavar="LIST", help="comma-separated model names")
+    p.add_argument("--tasks", default=None, metavar="LIST", help="mqar,needle,multi_needle (default all)")
+    p.add_argument("--eval-lens", default=None, metavar="LIST", help="context lengths (default 512,...,16384)")
+    _add_recipe_options(p, [("size", str, "model size"), ("batch-size", int, "sequences per step"),
+                            ("lr", float, "peak learning rate"), ("warmup", int, "warmup steps"),
+                            ("train-min-len", int, "shortest training sequence"),
+                            ("train-max-len", int, "longest training sequence"),
+                            ("eval-count", int, "held-out sequences per task and length"),
+                            ("val-count", int, "validation sequences per task"),
+                            ("eval-every", int, "steps between validation checks"),
+                            ("mqar-pairs", int, "key-value pairs per MQAR sequence"),
+                            ("needles", int, "needles of the multi-needle task")])
+    p.set_defaults(func=_bench_recall)
+
+    p = sub.add_parser("allocation", help="channel-allocation sweep of hybrid blocks (Falcon-H1 Figure 2)")
+    _add_run_options(p, default_seeds=1)
+    p.add_argument("--arrangements", default="SA_M,SAM,S_A_M", metavar="LIST",
+                   help="block arrangements (SA_M over all 21 allocations, the others at alpha_A = 1/8)")
+    p.add_argument("--points", default=None, metavar="I,J,K;...",
+                   help="only these allocations, in eighths (alpha_S,alpha_A,alpha_M), e.g. '2,1,5;3,1,4'")
+    p.add_argument("--data", default="stdlib", metavar="SOURCE",
+                   help="stdlib (default: the built-in corpus, the Python standard library's sources as bytes), "
+                        "synthetic (a generated language), or a dir of prepared training shards")
+    p.add_argument("--val-data", default=None, metavar="DIR", help="prepared held-out shards (with --data DIR)")
+    p.add_argument("--data-bytes", type=int, default=None, metavar="N",
+                   help="stdlib: bytes of source to use (default 16,000,000)")
+    p.add_argument("--data-cache", default=None, metavar="DIR",
+                   help="stdlib: where to prepare the corpus (default OUT/stdlib_data, about 3x --data-bytes)")
+    _add_recipe_options(p, [("hidden-size", int, "residual width"), ("layers", int, "blocks"),
+                            ("ssm", str, "SSM mixer name: mamba2 or fw-..."), ("batch-size", int, "sequences per step"),
+                            ("seq-len", int, "tokens per sequence"), ("lr", float, "peak learning rate"),
+                            ("warmup", int, "warmup steps"), ("val-docs", int, "held-out synthetic documents"),
+                            ("val-max-tokens", int, "held-out tokens scored on prepared data (default 2^20)")])
+    p.set_defaults(func=_bench_allocation)
+
+    ev = subparsers.add_parser("eval", help="evaluate a saved model (perplexity) or export it for lm_eval")
+    ev_sub = ev.add_subparsers(dest="eval_command", metavar="ACTION", required=True)
+    p = ev_sub.add_parser("ppl", help="token-weighted NLL, perplexity and bits per byte on prepared shards")
+    p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint dir (save_pretrained / falcon_h1)")
+    p.add_argument("--data", required=True, metavar="DIR", help="a directory written by `hybridlm data prepare`")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the tokenizer the shards were made with, for exact bytes (default: the model dir's, else "
+                        "the manifest's average bytes per token)")
+    p.add_argument("--seq-len", type=int, default=2048, metavar="N", help="window length (default 2048)")
+    p.add_argument("--batch-size", type=int, default=4, metavar="B", help="rows per forward (default 4)")
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N", help="evaluate the first N tokens' documents")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the numbers to this JSON file")
+    p.set_defaults(func=_eval_ppl)
+
+    p = ev_sub.add_parser("export-hf", help="make a checkpoint dir loadable by `lm_eval --model hf`")
+    p.add_argument("--model", required=True, metavar="DIR", help="a dir saved by HybridForCausalLM.save_pretrained")
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer dir to copy in (lm_eval needs one)")
+    p.set_defaults(func=_eval_export)
+
+
+def _add_run_options(p: argparse.ArgumentParser, *, default_seeds: int) -> None:
+    p.add_argument("--out", required=True, metavar="DIR", help="output dir (finished runs in DIR/runs are reused)")
+    p.add_argument("--seeds", type=int, default=default_seeds, metavar="N", help=f"seeds 0..N-1 (default {default_seeds})")
+    p.add_argument("--steps", type=int, default=None, metavar="S", help="training steps per run (default: the recipe's)")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda (every GPU), or a list cuda:0,cuda:1 (default: cuda when available)")
+    p.add_argument("--per-device", type=int, default=1, metavar="K", help="runs side by side per device (default 1)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="start no new run after this many seconds; the report covers the runs done so far")
+
+
+def _add_recipe_options(p: argparse.ArgumentParser, options: list[tuple[str, type, str]]) -> None:
+    for flag, kind, text in options:
+        p.add_argument(f"--{flag}", type=kind, default=None, help=text)
+
+
+def _recipe(cls, args: argparse.Namespace, **extra):
+    """The recipe's defaults, overridden by every recipe option given on the command line."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    changes = {name: value for name, value in vars(args).items() if name in fields and value is not None}
+    changes.update({k: v for k, v in extra.items() if v is not None})
+    if args.steps is not None and getattr(args, "warmup", None) is None and "warmup" in fields:
+        changes["warmup"] = max(1, args.steps // 10)
+    return dataclasses.replace(cls(), **changes)
+
+
+def _devices(args: argparse.Namespace) -> list[str]:
+    import torch
+
+    from hybridlm.eval.bench import parse_devices
+
+    return parse_devices(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+def _run_options(args: argparse.Namespace) -> dict:
+    if args.seeds < 1 or args.per_device < 1:
+        raise ValueError("--seeds and --per-device must be >= 1")
+    return {"devices": _devices(args), "per_device": args.per_device, "time_budget": args.time_budget}
+
+
+def _bench_addition(args: argparse.Namespace) -> int:
+    from hybridlm.eval.addition import AdditionRecipe, bench_addition
+    from hybridlm.eval.models import parse_model_list
+
+    try:
+        models = parse_model_list(args.models)
+        recipe = _recipe(AdditionRecipe, args)
+        bench_addition(models, list(range(args.seeds)), recipe, args.out, **_run_options(args))
+    except ValueError as err:
+        return _fail(str(err))
+    return 0
+
+
+def _bench_recall(args: argparse.Namespace) -> int:
+    from hybridlm.eval.models import parse_model_list
+    from hybridlm.eval.recall import RecallRecipe, bench_recall
+
+    try:
+        models = parse_model_list(args.models)
+        tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip()) if args.tasks else None
+        lens = tuple(int(n) for n in args.eval_lens.split(",") if n.strip()) if args.eval_lens else None
+        recipe = _recipe(RecallRecipe, args, tasks=tasks, eval_lens=lens)
+        bench_recall(models, list(range(args.seeds)), recipe, args.out, **_run_options(args))
+    except ValueError as err:
+        return _fail(str(err))
+    return 0
+
+
+def _bench_allocation(args: argparse.Namespace) -> int:
+    from hybridlm.eval.allocation import (
+        AllocationRecipe,
+        bench_allocation,
+        parse_points,
+        sweep_points,
+    )
+
+    try:
+        named = args.data in ("stdlib", "synthetic")
+        if named == (args.val_data is not None):
+            raise ValueError("--val-data goes with --data DIR (prepared training and held-out shards), and only there")
+        points = sweep_points([a.strip() for a in args.arrangements.split(",") if a.strip()])
+        if args.points:
+            keep = set(parse_points(args.points))
+            points = [p for p in points if p[1] in keep]
+        if not points:
+            raise ValueError("no allocation left to run (check --points against --arrangements)")
+        recipe = _recipe(AllocationRecipe, args, data=args.data if named else "shards",
+                         data_dir=None if named else args.data, val_dir=args.val_data)
+        bench_allocation(points, list(range(args.seeds)), recipe, args.out, data_cache=args.data_cache,
+                         **_run_options(args))
+    except ValueError as err:
+        return _fail(str(err))
+    return 0
+
+
+def _eval_ppl(args: argparse.Namespace) -> int:
+    import torch
+
+    from hybridlm.data.errors import DataError
+    from hybridlm.data.shards import TokenDataset
+    from hybridlm.eval.perplexity import (
+        check_tokenizer_matches,
+        evaluate_perplexity,
+        find_tokenizer,
+        token_byte_lengths,
+    )
+    from hybridlm.models.hf import load_model
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        data = TokenDataset(args.data)
+        tokenizer_dir = find_tokenizer(args.tokenizer, args.model)
+        if args.tokenizer is not None and tokenizer_dir is None:
+            raise ValueError(f"{args.tokenizer}: no tokenizer.json")
+        byte_lengths = None
+        if tokenizer_dir is not None:
+            check_tokenizer_matches(tokenizer_dir, data)
+            byte_lengths = token_byte_lengths(tokenizer_dir)
+        model = load_model(args.model).to(device)
+        result = evaluate_perplexity(model, data, seq_len=args.seq_len, batch_size=args.batch_size,
+                                     max_tokens=args.max_tokens, byte_lengths=byte_lengths, device=device)
+    except (ValueError, DataError, FileNotFoundError) as err:
+        return _fail(str(err))
+    result["model"] = args.model
+    print(f"tokens {result['tokens']:,}  loss {result['loss']:.4f} nats/token  perplexity {result['perplexity']:.3f}  "
+          f"bits/byte {result['bits_per_byte']:.4f}  ({result['bytes_per_token']:.3f} bytes/token, "
+          f"{result['bytes_source']})")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def _eval_export(args: argparse.Namespace) -> int:
+    from hybridlm.eval.harness import export_for_lm_eval
+
+    try:
+        path = export_for_lm_eval(args.model, tokenizer_dir=args.tokenizer)
+    except (ValueError, FileNotFoundError) as err:
+        return _fail(str(err))
+    print(f"{path} is ready: lm_eval --model hf --model_args pretrained={path},trust_remote_code=True --tasks ...")
+    return 0

@@ -1,0 +1,101 @@
+"""lm-evaluation-harness adapter: make a checkpoint dir loadable by `lm_eval --model hf`, and the
+loglikelihood computation its multiple-choice tasks use (for tests and quick local checks).
+
+    export_for_lm_eval("runs/my-model", tokenizer_dir="tok/")     # or: hybridlm eval export-hf ...
+    # lm_eval --model hf --model_args pretrained=runs/my-model,trust_remote_code=True --tasks piqa
+
+Our classes register with transformers' Auto classes when `hybridlm.models.model` is imported, but
+lm_eval's HF backend imports only transformers. `export_for_lm_eval` therefore adds to the directory
+(1) `hybridlm_auto.py`, three lines that import our config and model classes from the installed
+`hybridlm` package (no model code is copied), (2) an `auto_map` in config.json pointing AutoConfig /
+AutoModel / AutoModelForCausalLM at them, and (3) the tokenizer files, so that
+`AutoConfig/AutoModelForCausalLM/AutoTokenizer.from_pretrained(dir, trust_remote_code=True)` work in
+a fresh process. `hybridlm` must be installed where lm_eval runs.
+
+`loglikelihood` mirrors what lm_eval's HF backend computes for a (context, continuation) request:
+trailing spaces of the context move to the continuation; the continuation's tokens are those of
+encode(context + continuation) after encode(context)'s tokens (no special tokens added; an empty
+context is replaced by the EOS id); the model reads (context + continuation)[:-1], at most
+`max_length` tokens, left-truncated; the result is (sum of the continuation tokens' log-probs, whether
+each was the argmax).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+STUB = "hybridlm_auto.py"
+_STUB_TEXT = '''"""Loads hybridlm's model classes for transformers' trust_remote_code path (written by hybridlm eval export-hf)."""
+from hybridlm.models.configuration import HybridLMConfig  # noqa: F401
+from hybridlm.models.model import HybridForCausalLM, HybridModel  # noqa: F401
+'''
+AUTO_MAP = {
+    "AutoConfig": "hybridlm_auto.HybridLMConfig",
+    "AutoModel": "hybridlm_auto.HybridModel",
+    "AutoModelForCausalLM": "hybridlm_auto.HybridForCausalLM",
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "hybridlm_tokenizer.json")
+
+
+def export_for_lm_eval(model_dir: str | Path, *, tokenizer_dir: str | Path | None = None) -> Path:
+    """Make `model_dir` (saved by `HybridForCausalLM.save_pretrained`) loadable with trust_remote_code."""
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{model_dir}: no config.json (save the model with save_pretrained first)")
+    config = json.loads(config_path.read_text())
+    if config.get("model_type") != "hybridlm":
+        raise ValueError(f"{model_dir}: model_type {config.get('model_type')!r}; only 'hybridlm' checkpoints need "
+                         "this (official falcon_h1 checkpoints load in lm_eval as they are)")
+    (model_dir / STUB).write_text(_STUB_TEXT, encoding="utf-8")
+    config["auto_map"] = dict(AUTO_MAP)
+    config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    if tokenizer_dir is not None:
+        tokenizer_dir = Path(tokenizer_dir)
+        if not (tokenizer_dir / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{tokenizer_dir}: no tokenizer.json")
+        for name in TOKENIZER_FILES:
+            if (tokenizer_dir / name).is_file() and tokenizer_dir.resolve() != model_dir.resolve():
+                shutil.copyfile(tokenizer_dir / name, model_dir / name)
+    elif not (model_dir / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: no tokenizer files; pass the tokenizer directory (lm_eval needs one)")
+    return model_dir
+
+
+def encode_request(tokenizer, context: str, continuation: str, *, prefix_id: int | None = None) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) split the way lm_eval's HF backend splits them."""
+    if not context:
+        prefix = tokenizer.eos_token_id if prefix_id is None else prefix_id
+        return [prefix], tokenizer.encode(continuation, add_special_tokens=False)
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole = tokenizer.encode(context + continuation, add_special_tokens=False)
+    context_ids = tokenizer.encode(context, add_special_tokens=False)
+    return context_ids, whole[len(context_ids):]
+
+
+@torch.no_grad()
+def loglikelihood(model, tokenizer, requests: Sequence[tuple[str, str]], *, max_length: int | None = None,
+                  device: str | torch.device | None = None) -> list[tuple[float, bool]]:
+    """[(log p(continuation | context), greedy)] for each (context, continuation) request."""
+    device = device or next(model.parameters()).device
+    max_length = max_length or getattr(model.config, "max_position_embeddings", 2048)
+    out = []
+    for context, continuation in requests:
+        context_ids, continuation_ids = encode_request(tokenizer, context, continuation)
+        if not continuation_ids:
+            raise ValueError(f"continuation {continuation!r} encodes to no token")
+        window = (context_ids + continuation_ids)[-(max_length + 1):][:-1]
+        logits = model(torch.tensor([window], device=device)).logits[0].float()  # [T, V]
+        scored = torch.log_softmax(logits[-len(continuation_ids):], dim=-1)  # [n, V]
+        target = torch.tensor(continuation_ids, device=device)
+        logprob = scored.gather(-1, target[:, None]).sum().item()
+        greedy = bool((scored.argmax(-1) == target).all())
+        out.append((logprob, greedy))
+    return out

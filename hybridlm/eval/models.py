@@ -1,0 +1,137 @@
+"""Model names of the benchmark lists -> small `HybridConfig`s that share one size.
+
+    task_config("fw-3A", vocab_size=16)                  # Falcon-3A, window 3, shifted pair, SSM + MLP blocks
+    task_config("hybrid:mamba2", vocab_size=16, size="tiny")
+
+Grammar (case of the rule as written: "1A", "3A"; "-" or ":" after "hybrid"):
+
+    transformer                      attention (RoPE, theta 1e4) + MLP, no SSM
+    mamba2                           Mamba-2 + MLP, no attention
+    fw-<rule>[-w<B>][-same|-shifted][-eta|-nlms]
+                                     Falcon fast-weight rule 1 | 2 | 3 | 1A | 2A | 3A + MLP, no attention;
+                                     window B (default 3 for the sliding rules 3 / 3A, else 1); pairing
+                                     shifted (default; the write pair (k_{t-1}, v_t)) or same_step
+                                     (k_t, v_t); step size nlms (ctx-beta, default) or eta (ctx-eta, the
+                                     paper's ".2"/".3" variants: `fw_step_size="direct"`)
+    hybrid-<ssm> | hybrid:<ssm>      attention heads and the SSM side by side (Falcon-H1 SA_M block)
+
+Every model of one size has the same residual width, depth, MLP and per-mixer widths (the SSM half is
+`mamba_d_ssm` channels whichever mixer fills it), so a hybrid has both mixers' parameters: the
+comparison holds the mixers' widths fixed, not the total count (`parameter_count` reports it).
+
+Sizes (`SIZES`):
+    "small"  d_model 256, 4 blocks, MLP 768; attention 4 heads x 64; SSM 512 channels = 8 heads x 64,
+             Mamba-2 d_state 64 (3.4M parameters for the transformer to 6.1M for a fast-weight hybrid):
+             the GPU recipe of the benchmarks
+    "tiny"   d_model 32, 2 blocks: CPU smoke tests only
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from hybridlm.models.config import FW_RULES, HybridConfig
+
+SIZES: dict[str, dict[str, Any]] = {
+    "small": dict(
+        hidden_size=256, num_hidden_layers=4, intermediate_size=768, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=64, mamba_d_ssm=512, mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64, mamba_chunk_size=64,
+    ),
+    "tiny": dict(
+        hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16,
+    ),
+}
+COMMON: dict[str, Any] = dict(rope_theta=1e4, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+                              eos_token_id=2, max_position_embeddings=65536)
+SLIDING_DEFAULT_WINDOW = 3
+_FW = re.compile(r"^fw-(?P<rule>1A|2A|3A|1|2|3)(?P<opts>(-[a-z0-9]+)*)$")
+
+
+def ssm_fields(name: str) -> dict[str, Any]:
+    """HybridConfig fields of an SSM name without "hybrid": "mamba2" or "fw-..." (see the module docstring)."""
+    if name == "mamba2":
+        return {"ssm_mixer": "mamba2"}
+    match = _FW.match(name)
+    if match is None:
+        raise ValueError(
+            f"unknown model name {name!r}; use transformer, mamba2, fw-<rule>[-w<B>][-same|-shifted][-eta|-nlms] "
+            f"(rule in {', '.join(FW_RULES)}) or hybrid-<one of those SSMs>"
+        )
+    rule = match["rule"]
+    fields: dict[str, Any] = {"ssm_mixer": "fast_weight", "fw_rule": rule, "fw_pairing": "shifted",
+                              "fw_step_size": "nlms", "fw_window": SLIDING_DEFAULT_WINDOW if rule in ("3", "3A") else 1}
+    for option in filter(None, match["opts"].split("-")):
+        if re.fullmatch(r"w\d+", option):
+            fields["fw_window"] = int(option[1:])
+        elif option in ("same", "shifted"):
+            fields["fw_pairing"] = "same_step" if option == "same" else "shifted"
+        elif option in ("eta", "nlms"):
+            fields["fw_step_size"] = "direct" if option == "eta" else "nlms"
+        else:
+            raise ValueError(f"model {name!r}: unknown option {option!r} (w<B>, same, shifted, eta, nlms)")
+    if fields["fw_window"] > 1 and rule not in ("3", "3A"):
+        raise ValueError(f"model {name!r}: a window needs a sliding rule (3 or 3A), not {rule}")
+    return fields
+
+
+def model_fields(name: str) -> dict[str, Any]:
+    """The mixer fields of a benchmark model name (no sizes)."""
+    name = name.strip()
+    if name == "transformer":
+        return {"ssm_mixer": "none", "use_attention": True}
+    for prefix in ("hybrid-", "hybrid:"):
+        if name.startswith(prefix):
+            return {**ssm_fields(name[len(prefix):]), "use_attention": True}
+    return {**ssm_fields(name), "use_attention": False}
+
+
+def task_config(name: str, *, vocab_size: int, size: str = "small", **overrides: Any) -> HybridConfig:
+    """A HybridConfig for model `name` at `size` with `vocab_size` tokens (pad 0, bos 1, eos 2)."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    fields = {**COMMON, **SIZES[size], **model_fields(name), "vocab_size": vocab_size, **overrides}
+    return HybridConfig.from_dict(fields)
+
+
+def describe(name: str) -> str:
+    """A readable label: "Falcon-3A (B=3, shifted, ctx-beta)", "Transformer (RoPE)", "hybrid: attention + Mamba-2"."""
+    fields = model_fields(name)
+    if fields["ssm_mixer"] == "none":
+        return "Transformer (RoPE)"
+    if fields["ssm_mixer"] == "mamba2":
+        ssm = "Mamba-2"
+    else:
+        window = f"B={fields['fw_window']}, " if fields["fw_window"] > 1 else ""
+        pairing = "shifted" if fields["fw_pairing"] == "shifted" else "same-step"
+        step = "ctx-eta" if fields["fw_step_size"] == "direct" else "ctx-beta"
+        ssm = f"Falcon-{fields['fw_rule']} ({window}{pairing}, {step})"
+    return f"hybrid: attention + {ssm}" if fields["use_attention"] else ssm
+
+
+def build_model(config: HybridConfig, *, seed: int):
+    """A freshly initialized `HybridForCausalLM` (torch seeded with `seed` first)."""
+    import torch
+
+    from hybridlm.models.configuration import HybridLMConfig
+    from hybridlm.models.model import HybridForCausalLM
+
+    torch.manual_seed(seed)
+    return HybridForCausalLM(HybridLMConfig.from_hybrid(config))
+
+
+def parameter_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def parse_model_list(text: str) -> list[str]:
+    """"fw-1A,fw-3A mamba2" -> names (commas or spaces), each checked; duplicates raise."""
+    names = [n for n in re.split(r"[,\s]+", text.strip()) if n]
+    if not names:
+        raise ValueError("the model list is empty")
+    for n in names:
+        model_fields(n)
+    if len(set(names)) != len(names):
+        raise ValueError(f"the model list repeats a name: {names}")
+    return names

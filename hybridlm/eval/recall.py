@@ -1,0 +1,327 @@
+"""Recall at long context: multi-query associative recall (MQAR) and single / multi-needle retrieval.
+
+Vocabulary (`RecallVocab`, 328 ids by default): <pad> 0, <bos> 1, <eos> 2, <blank> 3, <needle> 4,
+<query> 5 (6, 7 unused), then 128 keys, 128 values and 64 haystack words. Every sequence starts with
+<bos>; its labels are -100 except at the answers (the value that must follow a queried key), which is
+what the loss trains and the accuracy scores (teacher-forced, argmax).
+
+    mqar           <bos> k1 v1 k2 v2 ... kN vN | then N queries ki vi, each key once in random order, at
+                   random slots of the rest of the sequence, <blank> everywhere else (Zoology's layout).
+                   N = `mqar_pairs` distinct keys; values drawn with replacement.
+    needle         a haystack of random words with one "<needle> k v" at a uniformly random depth; the
+                   sequence ends with "<query> k v <eos>".
+    multi_needle   `needles` needles with distinct keys at random depths; the end queries all of them in
+                   random order: "<query> k v" each, then <eos>.
+
+Training draws a task per batch (round robin) and one length per batch, uniform in
+[train_min_len, train_max_len]; evaluation runs every task at each of `eval_lens` (default 512 ..
+16384), so everything past `train_max_len` tests length generalization. Evaluation sequences come from
+a fixed seed stream of their own, the same for every model and training seed (held out: a sequence
+longer than any training sequence cannot be one of them, and at the training lengths a repeat has
+probability below 128^-16). Reported: answer-token accuracy per task and length, and the exact rate
+(every answer of a sequence right).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybridlm.eval import scoring
+from hybridlm.eval.scoring import IGNORE_INDEX
+from hybridlm.eval.train_task import TrainRecipe
+
+TASKS = ("mqar", "needle", "multi_needle")
+PAD, BOS, EOS, BLANK, NEEDLE, QUERY = 0, 1, 2, 3, 4, 5
+_FIRST_FREE = 8
+_EVAL_SEED = 3_000_017
+
+
+@dataclass(frozen=True)
+class RecallVocab:
+    keys: int = 128
+    values: int = 128
+    words: int = 64
+
+    @property
+    def key0(self) -> int:
+        return _FIRST_FREE
+
+    @property
+    def value0(self) -> int:
+        return _FIRST_FREE + self.keys
+
+    @property
+    def word0(self) -> int:
+        return _FIRST_FREE + self.keys + self.values
+
+    @property
+    def size(self) -> int:
+        return self.word0 + self.words
+
+
+def mqar_example(rng: np.random.Generator, length: int, pairs: int, vocab: RecallVocab) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [length], labels [length]) of one MQAR sequence."""
+    if pairs > vocab.keys:
+        raise ValueError(f"mqar: {pairs} pairs need as many distinct keys, the vocabulary has {vocab.keys}")
+    rest = length - 1 - 2 * pairs
+    if rest < 2 * pairs:
+        raise ValueError(f"mqar: length {length} is too short for {pairs} pairs and their queries")
+    keys = vocab.key0 + rng.choice(vocab.keys, size=pairs, replace=False)
+    values = vocab.value0 + rng.integers(0, vocab.values, size=pairs)
+    tokens = np.full(length, BLANK, dtype=np.int64)
+    labels = np.full(length, IGNORE_INDEX, dtype=np.int64)
+    tokens[0] = BOS
+    tokens[1:1 + 2 * pairs:2], tokens[2:2 + 2 * pairs:2] = keys, values
+    # queries: `pairs` non-overlapping 2-token slots among the rest // 2 slots after the pairs
+    slots = np.sort(rng.choice(rest // 2, size=pairs, replace=False))
+    starts = 1 + 2 * pairs + 2 * slots
+    order = rng.permutation(pairs)
+    tokens[starts], tokens[starts + 1] = keys[order], values[order]
+    labels[starts + 1] = values[order]
+    return tokens, labels
+
+
+def needle_example(rng: np.random.Generator, length: int, needles: int,
+                   vocab: RecallVocab) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, labels) of a haystack with `needles` needles, every one queried at the end."""
+    tail = 3 * needles + 1  # "<query> k v" per needle, then <eos>
+    hay = length - 1 - tail
+    if hay < 3 * needles:
+        raise ValueError(f"needle: length {length} is too short for {needles} needle(s)")
+    keys = vocab.key0 + rng.choice(vocab.keys, size=needles, replace=False)
+    values = vocab.value0 + rng.integers(0, vocab.values, size=needles)
+    tokens = np.empty(length, dtype=np.int64)
+    labels = np.full(length, IGNORE_INDEX, dtype=np.int64)
+    tokens[0] = BOS
+    tokens[1:1 + hay] = vocab.word0 + rng.integers(0, vocab.words, size=hay)
+    # needles at non-overlapping 3-token slots of the haystack, uniformly random depths
+    slots = np.sort(rng.choice(hay // 3, size=needles, replace=False))
+    for slot, k, v in zip(slots, keys, values):
+        at = 1 + 3 * slot
+        tokens[at:at + 3] = (NEEDLE, k, v)
+    order = rng.permutation(needles)
+    at = 1 + hay
+    for i in order:
+        tokens[at:at + 3] = (QUERY, keys[i], values[i])
+        labels[at + 2] = values[i]
+        at += 3
+    tokens[at] = EOS
+    return tokens, labels
+
+
+@dataclass(frozen=True)
+class RecallTasks:
+    """Task parameters shared by training and evaluation."""
+
+    mqar_pairs: int = 16
+    needles: int = 4  # multi_needle
+    vocab: RecallVocab = field(default_factory=RecallVocab)
+
+    def example(self, task: str, rng: np.random.Generator, length: int) -> tuple[np.ndarray, np.ndarray]:
+        if task == "mqar":
+            return mqar_example(rng, length, self.mqar_pairs, self.vocab)
+        if task == "needle":
+            return needle_example(rng, length, 1, self.vocab)
+        if task == "multi_needle":
+            return needle_example(rng, length, self.needles, self.vocab)
+        raise ValueError(f"unknown recall task {task!r}; choose from {TASKS}")
+
+    def batch(self, task: str, rng: np.random.Generator, batch_size: int, length: int) -> dict[str, torch.Tensor]:
+        rows = [self.example(task, rng, length) for _ in range(batch_size)]
+        return {"input_ids": torch.from_numpy(np.stack([t for t, _ in rows])),
+                "labels": torch.from_numpy(np.stack([lab for _, lab in rows]))}
+
+
+def eval_set(tasks: RecallTasks, task: str, length: int, count: int) -> dict[str, torch.Tensor]:
+    """The fixed held-out sequences of one task and length."""
+    rng = np.random.default_rng([_EVAL_SEED, TASKS.index(task), length])
+    return tasks.batch(task, rng, count, length)
+
+
+@torch.no_grad()
+def evaluate(model, tasks: RecallTasks, task_names: Sequence[str], lengths: Sequence[int], *, count: int,
+             device, tokens_per_batch: int = 1 << 16) -> dict[str, dict[int, dict[str, float]]]:
+    """task -> length -> answer accuracy, exact rate, loss (teacher-forced)."""
+    from hybridlm.eval.train_task import autocast_for
+
+    was_training = model.training
+    model.eval()
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    for task in task_names:
+        out[task] = {}
+        for length in lengths:
+            data = eval_set(tasks, task, length, count)
+            per_batch = max(1, tokens_per_batch // length)
+            total = None
+            for start in range(0, count, per_batch):
+                ids = data["input_ids"][start:start + per_batch].to(device)
+                labels = data["labels"][start:start + per_batch].to(device)
+                with autocast_for(device):
+                    logits = model(ids).logits
+                total = scoring.accumulate(total, scoring.target_scores(logits, labels))
+            out[task][length] = scoring.finish(total)
+    model.train(was_training)
+    return out
+
+
+@dataclass(frozen=True)
+class RecallRecipe(TrainRecipe):
+    steps: int = 1500
+    batch_size: int = 64
+    warmup: int = 150
+    size: str = "small"
+    tasks: tuple[str, ...] = TASKS
+    train_min_len: int = 128
+    train_max_len: int = 512
+    eval_lens: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384)
+    eval_count: int = 64
+    val_count: int = 32
+    eval_every: int = 250
+    eval_tokens_per_batch: int = 1 << 16
+    mqar_pairs: int = 16
+    needles: int = 4
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        d["tasks"], d["eval_lens"] = list(self.tasks), list(self.eval_lens)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RecallRecipe:
+        return cls(**{**d, "tasks": tuple(d["tasks"]), "eval_lens": tuple(d["eval_lens"])})
+
+    def task_params(self) -> RecallTasks:
+        return RecallTasks(mqar_pairs=self.mqar_pairs, needles=self.needles)
+
+
+def run_recall(model_name: str, seed: int, recipe: RecallRecipe, *, device: str = "cpu", log_fn=None) -> dict:
+    """Train `model_name` on the recall tasks from `seed`; evaluate every task at every length."""
+    from hybridlm.eval.models import build_model, parameter_count, task_config
+    from hybridlm.eval.train_task import train_on_task
+
+    for task in recipe.tasks:
+        if task not in TASKS:
+            raise ValueError(f"unknown recall task {task!r}; choose from {TASKS}")
+    tasks = recipe.task_params()
+    config = task_config(model_name, vocab_size=tasks.vocab.size, size=recipe.size)
+    model = build_model(config, seed=seed)
+    rng = np.random.default_rng([seed, 11])
+
+    def batch_fn(step: int) -> dict:
+        task = recipe.tasks[step % len(recipe.tasks)]
+        length = int(rng.integers(recipe.train_min_len, recipe.train_max_len + 1))
+        return tasks.batch(task, rng, recipe.batch_size, length)
+
+    def val_fn(m) -> tuple[float, float]:  # in-distribution: the longest training length
+        res = evaluate(m, tasks, recipe.tasks, [recipe.train_max_len], count=recipe.val_count, device=device,
+                       tokens_per_batch=recipe.eval_tokens_per_batch)
+        rows = [r[recipe.train_max_len] for r in res.values()]
+        return float(np.mean([r["token_acc"] for r in rows])), float(np.mean([r["loss"] for r in rows]))
+
+    trained = train_on_task(model, batch_fn, device=device, eval_fn=val_fn, eval_every=recipe.eval_every,
+                            log_fn=log_fn, **recipe.train_options())
+    res = evaluate(model, tasks, recipe.tasks, recipe.eval_lens, count=recipe.eval_count, device=device,
+                   tokens_per_batch=recipe.eval_tokens_per_batch)
+    return {
+        "model": model_name,
+        "seed": seed,
+        "parameters": parameter_count(model),
+        "train": trained.to_dict(),
+        "best_step": trained.best_step,
+        "results": {task: {str(length): r for length, r in by_len.items()} for task, by_len in res.items()},
+    }
+
+
+# --- the benchmark ---------------------------------------------------------------------------------
+
+RUNNER = "hybridlm.eval.recall:run_job"
+
+
+def run_job(spec: dict, *, device: str, log_fn=None) -> dict:
+    return run_recall(spec["model"], spec["seed"], RecallRecipe.from_dict(spec["recipe"]), device=device,
+                      log_fn=log_fn)
+
+
+def bench_recall(models: Sequence[str], seeds: Sequence[int], recipe: RecallRecipe, out_dir, **run_options) -> dict:
+    """Train every model with every seed and write the report; `run_options` go to `bench.run_jobs`
+    (devices, per_device, time_budget, echo). Finished runs in out_dir/runs are reused."""
+    from hybridlm.eval import bench
+
+    return bench.bench_model_seeds(
+        "recall", RUNNER, models, seeds, recipe.to_dict(), out_dir,
+        lambda by_model, out, missing: write_report(by_model, recipe, out, missing=missing), **run_options,
+    )
+
+
+def write_report(by_model: dict[str, list[dict]], recipe: RecallRecipe, out_dir: Path, *, missing=()) -> dict:
+    """results.json, results.md (one table per task: accuracy by length) and accuracy_vs_length.png."""
+    from hybridlm.eval import bench
+    from hybridlm.eval.models import describe
+
+    stats = {
+        m: {
+            "seeds": [r["seed"] for r in rs],
+            "parameters": rs[0]["parameters"] if rs else None,
+            "acc": {t: {n: bench.mean_std([r["results"][t][str(n)]["token_acc"] for r in rs]) for n in recipe.eval_lens}
+                    for t in recipe.tasks},
+            "exact": {t: {n: bench.mean_std([r["results"][t][str(n)]["exact_match"] for r in rs])
+                          for n in recipe.eval_lens} for t in recipe.tasks},
+        }
+        for m, rs in by_model.items()
+    }
+    text = [
+        "# Recall at long context (MQAR, single and multi-needle retrieval)",
+        "",
+        f"Command: `{bench.command_line()}`",
+        "",
+        (f"Recipe: size `{recipe.size}`, {recipe.steps} steps x batch {recipe.batch_size}, lengths "
+         f"{recipe.train_min_len}..{recipe.train_max_len} (one task per batch, round robin), AdamW lr {recipe.lr:g} "
+         f"(warmup {recipe.warmup}, cosine to {recipe.min_lr_ratio:g}x), wd {recipe.weight_decay:g}; MQAR "
+         f"{recipe.mqar_pairs} pairs, multi-needle {recipe.needles} needles; {recipe.eval_count} held-out sequences "
+         "per task and length. Answer-token accuracy in % (mean ± sample std over seeds)."),
+        "",
+    ]
+    for task in recipe.tasks:
+        rows = [[f"{describe(m)} `{m}`", bench.human_count(s["parameters"]) if s["seeds"] else "–",
+                 *(bench.pm(s["acc"][task][n]) for n in recipe.eval_lens), str(len(s["seeds"]))]
+                for m, s in stats.items()]
+        text += [f"## {task}", "", bench.markdown_table(["Model", "Params", *(f"L={n}" for n in recipe.eval_lens),
+                                                         "Seeds"], rows), ""]
+    files = bench.write_outputs(
+        out_dir, lines=text, missing=missing, png="accuracy_vs_length.png",
+        payload={"task": "recall", "recipe": recipe.to_dict(), "aggregate": stats, "runs": by_model},
+        plot=lambda path: _plot(stats, recipe, path),
+    )
+    return {"files": files, "aggregate": stats}
+
+
+def _plot(stats: dict, recipe: RecallRecipe, path: Path) -> None:
+    from hybridlm.eval.bench import pyplot
+    from hybridlm.eval.models import describe
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(recipe.tasks), figsize=(4.5 * len(recipe.tasks), 4), squeeze=False)
+    lengths = np.array(recipe.eval_lens)
+    for ax, task in zip(axes[0], recipe.tasks):
+        for m, s in stats.items():
+            if not s["seeds"]:
+                continue
+            mean = np.array([s["acc"][task][n]["mean"] for n in lengths]) * 100
+            std = np.array([s["acc"][task][n]["std"] for n in lengths]) * 100
+            (line,) = ax.plot(lengths, mean, marker="o", markersize=3, label=describe(m))
+            ax.fill_between(lengths, mean - std, mean + std, color=line.get_color(), alpha=0.15, linewidth=0)
+        ax.set_xscale("log", base=2)
+        ax.axvline(recipe.train_max_len, color="0.6", linestyle="--", linewidth=1)
+        ax.set_title(task)
+        ax.set_xlabel("context length (dashed: longest training length)")
+        ax.set_ylim(-2, 102)
+    axes[0][0].set_ylabel("answer accuracy (%)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

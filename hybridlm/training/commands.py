@@ -1,0 +1,145 @@
+"""`hybridlm train` and `hybridlm mup-check`.
+
+    hybridlm train                                   # the built-in demo: tiny preset, Python stdlib bytes
+    hybridlm train --set train.steps=60 --out runs/quick
+    hybridlm train --config configs/demo.yaml --set optim.lr=2e-3 --set model.overrides.ssm_multiplier_dt=0.5
+    hybridlm train --resume --out runs/demo --set train.steps=600     # continue (and extend) a run
+    torchrun --nproc_per_node 2 -m hybridlm.cli train --set train.device=cpu        # 2 CPU ranks, gloo, DDP
+    torchrun --nproc_per_node 8 -m hybridlm.cli train --config configs/hybrid-125m.yaml
+    torchrun --nproc_per_node 2 -m hybridlm.cli train --config configs/hybrid-125m.yaml --set distributed.strategy=fsdp
+    hybridlm mup-check --out runs/mup                # coordinate check: mup_check.png + mup_check.json
+
+`--set key=value` (repeatable) addresses nested config keys with dots (train.steps, batch.micro_batch,
+model.overrides.hidden_size, optim.elr.ssm_in, ...); values are YAML (numbers, true/false, null,
+[lists]) and are checked against the key's type. `--resume` without `--config` continues with the
+run's own `config.yaml`. Exit status: 0 done, 1 training failed (diverged, data ran out, bad
+checkpoint), 2 configuration error (reported before anything runs), 128 + signal number when stopped
+by SIGINT / SIGTERM (a checkpoint was saved).
+
+Wire into the CLI with `add_commands(subparsers)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    train = subparsers.add_parser(
+        "train",
+        help="train a hybrid LM (no --config: the built-in demo on the Python standard library)",
+        description=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("--config", type=Path, help="YAML run config (see configs/); default: the built-in demo")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override one config value, e.g. --set train.steps=12 (repeatable)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest complete checkpoint in the output directory")
+    train.add_argument("--out", type=Path, help="output directory (sets train.out_dir)")
+    train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    train.set_defaults(func=run_train)
+
+    mup = subparsers.add_parser(
+        "mup-check",
+        help="muP coordinate check: activation RMS per layer type across widths (PNG + JSON)",
+        description="Train models of several widths a few steps with the muP multipliers transferred from "
+        "--base-width and record the RMS of each layer type's output (hybridlm.training.mup_check).",
+    )
+    mup.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256, 512], help="hidden sizes (multiples of 64)")
+    mup.add_argument("--base-width", type=int, default=128, help="width the multipliers were tuned at")
+    mup.add_argument("--steps", type=int, default=6, help="AdamW updates per width")
+    mup.add_argument("--lr", type=float, default=1e-2, help="the same lr for every width")
+    mup.add_argument("--layers", type=int, default=2)
+    mup.add_argument("--seed", type=int, default=0)
+    mup.add_argument("--no-scale", action="store_true",
+                     help="leave the multipliers at 1 (standard parametrization): the control that should blow up")
+    mup.add_argument("--out", type=Path, required=True, help="directory for mup_check.png and mup_check.json")
+    mup.set_defaults(func=run_mup_check)
+
+
+def _resolve_config(args: argparse.Namespace):
+    from hybridlm.training.config import load_config
+
+    overrides = list(args.overrides)
+    config_path = args.config
+    if args.out is not None:
+        overrides.append(f"train.out_dir={args.out}")
+    if config_path is None and args.resume:
+        # continue the run with its own settings (the --out dir's, else the demo's default out dir)
+        out = args.out
+        if out is None:
+            out = Path(load_config(None, overrides).train.out_dir)
+        saved = Path(out) / "config.yaml"
+        if saved.is_file():
+            config_path = saved
+    return load_config(config_path, overrides)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    import logging
+
+    from hybridlm.training.checkpoint import CheckpointError
+    from hybridlm.training.config import ConfigError, dump_config
+    from hybridlm.training.guard import TrainingDivergedError
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = _resolve_config(args)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(dump_config(config), end="")
+        return 0
+    from hybridlm.training.trainer import Trainer
+
+    trainer = None
+    try:
+        trainer = Trainer(config, resume=args.resume)
+        result = trainer.train()
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    except (TrainingDivergedError, CheckpointError, RuntimeError) as err:
+        print(f"training failed: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if trainer is not None:
+            trainer.close()
+    if trainer.ctx.is_main:
+        loss = f"{result.loss:.4f}" if result.loss is not None else "n/a"
+        held = f", held-out loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""
+        print(f"{result.status}: {result.step} updates, {result.tokens:,} tokens, loss {loss}{held}; "
+              f"outputs in {result.out_dir} (metrics.jsonl, loss.png, checkpoints/)")
+    if result.status == "interrupted":
+        import signal
+
+        reason = trainer._stop_reason or ""
+        return 128 + int(getattr(signal, reason)) if reason in ("SIGINT", "SIGTERM") else 1
+    return 0
+
+
+def run_mup_check(args: argparse.Namespace) -> int:
+    from hybridlm.training.mup_check import coordinate_check, spread, write_report
+
+    if args.base_width not in args.widths:
+        print(f"--base-width {args.base_width} must be one of --widths {args.widths}", file=sys.stderr)
+        return 2
+    try:
+        result = coordinate_check(args.widths, base_width=args.base_width, steps=args.steps, lr=args.lr,
+                                  layers=args.layers, seed=args.seed, scale=not args.no_scale)
+    except ValueError as err:
+        print(f"mup-check: {err}", file=sys.stderr)
+        return 2
+    json_path, png_path = write_report(result, args.out)
+    print(f"RMS after {args.steps} updates, per width {result['widths']} "
+          f"({'muP multipliers' if not args.no_scale else 'multipliers not scaled'}):")
+    factors = spread(result, "rms")
+    for kind, by_width in result["rms"].items():
+        values = " ".join(f"{by_width[str(w)][-1]:9.4f}" for w in result["widths"])
+        print(f"  {kind:<10} {values}   max factor vs base width: {factors[kind]:.2f}")
+    print(f"wrote {png_path} and {json_path}")
+    return 0

@@ -1,0 +1,628 @@
+"""`TrainConfig`: the typed, validated description of a training run, read from YAML plus `--set` overrides.
+
+    config = load_config("configs/demo.yaml", ["train.steps=12", "optim.lr=3e-3"])
+    config = load_config(None)                      # the built-in demo (same as configs/demo.yaml)
+    save_config(config, "runs/x/config.yaml")       # the resolved config; load_config reads it back equal
+
+Sections (dotted keys address them: `--set batch.micro_batch=4`):
+
+    model         preset (a name from hybridlm.models.presets), overrides (any HybridConfig field, typed
+                  like the field: `model.overrides.ssm_multiplier_dt=0.5`), mup_base_width (the width the
+                  forward multipliers were tuned at: they are transferred to hidden_size with
+                  `training.optim.scale_multipliers`; None leaves them as given)
+    data          demo (the built-in corpus, `training.demo`) or sources (prepared shard dirs with weights),
+                  eval_sources (held-out shard dirs), tokenizer (a tokenizer dir, to print samples)
+    optim         AdamW lr, weight_decay, betas, eps; per-role multipliers: elr / ewd (matrix roles,
+                  `training.optim`), vector_lr (vector roles)
+    schedule      `training.schedules.ScheduleConfig` (kind, unit, warmup, decay, ...; not rampup)
+    batch         micro_batch (rows per rank per micro-step), seq_len, grad_accum; batch-size rampup:
+                  rampup_start (rows at the start; None: off), rampup_tokens, ref_batch. Batch sizes count
+                  rows per data-parallel rank: the global batch is micro_batch x grad_accum x world size
+    train         steps and / or tokens (the run ends at whichever comes first), out_dir, log_every, eval_every, eval_batches, save_every,
+                  keep_last, seed, dtype ("fp32" | "bf16": autocast, fp32 master weights), grad_clip,
+                  max_consecutive_skips, spike_factor, compile, device, progress, samples
+    distributed   strategy ("ddp" | "fsdp"), backend ("auto" | "gloo" | "nccl"); used under torchrun
+
+dt attenuation (report, "Training Stability and the dt Attenuation Mechanism") is the model field
+`ssm_multiplier_dt` (the forward multiplier alpha of the dt activation, 0 < alpha < 1 attenuates);
+clipping positive dt is `time_step_limit: [min, max]` (dt = clamp(softplus(.), min, max) in the Mamba-2
+mixer). Both are ordinary `model.overrides`.
+
+Typing: every value is parsed into the declared type of its field (ints, floats, bools, str, optional,
+tuples, lists, dicts, nested sections); YAML's `3e-4` (a string to PyYAML) is read as a float where a
+float is expected. Errors are `ConfigError`s that name the dotted key: an unknown key lists the valid
+keys of its section, a wrong type says what was expected, an impossible combination (warmup longer than
+the run, rampup batches that are not multiples of the micro batch, ...) names the keys involved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hybridlm.training.schedules import ScheduleConfig
+
+DTYPES = ("fp32", "bf16")
+STRATEGIES = ("ddp", "fsdp")
+BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message starts with the dotted key it concerns."""
+
+
+# ------------------------------------------------------------------------------------------------ sections
+@dataclass
+class ModelSection:
+    preset: str = "tiny"
+    overrides: dict[str, Any] = field(default_factory=dict)  # HybridConfig fields (typed by HybridConfig)
+    mup_base_width: int | None = None
+
+
+@dataclass
+class SourceSection:
+    """A prepared dataset (`hybridlm data prepare`) in the mixture."""
+
+    name: str
+    path: str
+    weight: float = 1.0
+    max_epochs: float | None = None
+
+
+@dataclass
+class DataSection:
+    demo: bool = False
+    sources: list[SourceSection] = field(default_factory=list)
+    eval_sources: list[SourceSection] = field(default_factory=list)
+    tokenizer: str | None = None  # a tokenizer dir, only to decode the samples printed at the end
+    cross_doc_labels: bool = True
+    shuffle: bool = True
+    verify: str = "full"  # "full" (sha256 of every shard on open) | "size"
+    demo_dir: str | None = None  # where the demo corpus is prepared; None: <train.out_dir>/demo_data
+    demo_max_bytes: int = 16_000_000
+    demo_heldout_every: int = 20  # one stdlib file in this many is held out
+
+
+@dataclass
+class OptimSection:
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    elr: dict[str, float] = field(default_factory=dict)  # matrix role -> effective-lr multiplier
+    ewd: dict[str, float] = field(default_factory=dict)  # matrix role -> effective-wd multiplier
+    vector_lr: dict[str, float] = field(default_factory=dict)  # vector role -> lr multiplier
+
+
+@dataclass
+class BatchSection:
+    micro_batch: int = 8  # rows (sequences) per rank per micro-step
+    seq_len: int = 256
+    grad_accum: int = 1  # micro-steps per update (the final value when rampup is on)
+    rampup_start: int | None = None  # rows (per rank) at the start of the rampup; None: no rampup
+    rampup_tokens: int = 0  # (global) tokens over which the batch grows linearly to micro_batch x grad_accum
+    ref_batch: int | None = None  # rows (per rank) the lr was tuned at (sqrt lr scaling); None: the target
+
+
+@dataclass
+class TrainSection:
+    steps: int | None = 300
+    tokens: int | None = None  # stop after this many tokens (or after `steps`, whichever comes first)
+    out_dir: str = "runs/demo"
+    log_every: int = 10
+    eval_every: int = 100  # 0: no periodic evaluation (one at the end if held-out data exists)
+    eval_batches: int = 4
+    save_every: int = 100  # 0: only at the end (and on SIGINT / SIGTERM)
+    keep_last: int = 2
+    seed: int = 0
+    dtype: str = "fp32"
+    grad_clip: float | None = 1.0
+    max_consecutive_skips: int = 5
+    spike_factor: float | None = None  # skip updates whose loss exceeds this x the recent median
+    compile: bool = False
+    device: str = "auto"
+    progress: bool = True
+    samples: int = 3  # generated at the end (needs data.tokenizer or the demo); 0: none
+    sample_tokens: int = 200
+    sample_temperature: float = 0.8
+
+
+@dataclass
+class DistributedSection:
+    strategy: str = "ddp"
+    backend: str = "auto"
+
+
+@dataclass
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(kind="wsd", warmup=30, decay_fraction=0.2))
+    batch: BatchSection = field(default_factory=BatchSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)
+
+
+def demo_config() -> TrainConfig:
+    """What `hybridlm train` runs without --config: the tiny preset on the built-in stdlib corpus."""
+    config = TrainConfig(data=DataSection(demo=True))
+    config.optim.lr = 3e-3
+    config.train.eval_batches = 16  # 32K held-out bytes: a batch holds consecutive bytes of one or two files
+    validate(config)
+    return config
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+_HIDDEN_KEYS: dict[type, dict[str, str]] = {
+    ScheduleConfig: {"rampup": "the batch rampup is set under batch.rampup_start / batch.rampup_tokens / batch.ref_batch"},
+}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(hint: Any) -> str:
+    if hint is type(None):
+        return "null"
+    if isinstance(hint, type):
+        return hint.__name__
+    return str(hint).replace("typing.", "")
+
+
+def _fail(path: str, message: str) -> ConfigError:
+    return ConfigError(f"{path}: {message}")
+
+
+def _coerce(value: Any, hint: Any, path: str) -> Any:
+    """`value` (from YAML) as an instance of the type `hint`; ConfigError naming `path` if it is not one."""
+    if hint is Any:
+        return value
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError:
+                continue
+        raise _fail(path, f"expected {_type_name(hint)}, got {value!r}")
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise _fail(path, f"expected a bool (true / false), got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        number = _as_float(value)
+        if number is not None and math.isfinite(number) and number.is_integer():
+            return int(number)
+        raise _fail(path, f"expected an int, got {value!r}")
+    if hint is float:
+        number = _as_float(value)
+        if number is None:
+            raise _fail(path, f"expected a number, got {value!r}")
+        return number
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise _fail(path, f"expected a string, got {value!r}")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise _fail(path, f"expected a list, got {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise _fail(path, f"expected a list of {len(args)} values, got {len(value)}: {value!r}")
+            return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        item = args[0] if args else Any
+        out = [_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _fail(path, f"expected a mapping, got {value!r}")
+        key_hint, value_hint = args if args else (Any, Any)
+        return {_coerce(k, key_hint, path): _coerce(v, value_hint, f"{path}.{k}") for k, v in value.items()}
+    raise _fail(path, f"cannot parse a value of type {_type_name(hint)}")  # a field type this parser lacks
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        text = {".inf": "inf", "+.inf": "inf", "-.inf": "-inf", ".nan": "nan"}.get(text, text)
+        try:
+            return float(text)
+        except ValueError:
+            return None
+    return None
+
+
+def _build(cls: type, raw: Any, path: str) -> Any:
+    """Instantiate dataclass `cls` from the mapping `raw` (None: all defaults)."""
+    if raw is None:
+        raw = {}
+    if dataclasses.is_dataclass(raw) and isinstance(raw, cls):
+        return raw
+    if not isinstance(raw, dict):
+        raise _fail(path, f"expected a mapping of keys ({', '.join(_valid_keys(cls))}), got {raw!r}")
+    hidden = _HIDDEN_KEYS.get(cls, {})
+    valid = _valid_keys(cls)
+    for key in raw:
+        where = f"{path}.{key}" if path else str(key)
+        if key in hidden:
+            raise _fail(where, f"cannot be set here; {hidden[key]}")
+        if key not in valid:
+            raise ConfigError(f"unknown key {where!r}; valid keys of {path or 'the config'}: {', '.join(valid)}")
+    hints = _hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        where = f"{path}.{key}" if path else key
+        if (cls, key) in _TYPED_MAPPINGS:
+            kwargs[key] = _coerce_fields_of(_TYPED_MAPPINGS[(cls, key)], value, where)
+        else:
+            kwargs[key] = _coerce(value, hints[key], where)
+    missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise _fail(path, f"missing required key(s): {', '.join(missing)}")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as err:
+        raise _fail(path, str(err)) from err
+
+
+def _valid_keys(cls: type) -> list[str]:
+    hidden = _HIDDEN_KEYS.get(cls, {})
+    return [f.name for f in dataclasses.fields(cls) if f.init and f.name not in hidden]
+
+
+def _hybrid_config_class() -> type:
+    from hybridlm.models.config import HybridConfig
+
+    return HybridConfig
+
+
+def _coerce_fields_of(cls_factory, raw: Any, path: str) -> dict[str, Any]:
+    """A mapping whose keys are the fields of another dataclass (model.overrides -> HybridConfig)."""
+    cls = cls_factory()
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise _fail(path, f"expected a mapping of {cls.__name__} fields, got {raw!r}")
+    valid = [f.name for f in dataclasses.fields(cls) if f.init]
+    hints = _hints(cls)
+    out = {}
+    for key, value in raw.items():
+        if key not in valid:
+            raise ConfigError(f"unknown key '{path}.{key}'; valid keys of {path} (the {cls.__name__} fields): "
+                              + ", ".join(valid))
+        hint = hints[key]
+        if key == "mamba_d_head" and value == "auto":
+            out[key] = value
+            continue
+        out[key] = _coerce(value, hint, f"{path}.{key}")
+    return out
+
+
+_TYPED_MAPPINGS: dict[tuple[type, str], Any] = {(ModelSection, "overrides"): _hybrid_config_class}
+
+
+# ------------------------------------------------------------------------------------------------ overrides
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`"a.b.c=value"` -> (["a", "b", "c"], value parsed as YAML: numbers, true/false, null, [lists], {maps})."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key=value (dotted key, e.g. train.steps=12)")
+    key, _, raw = text.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not key or any(not p for p in parts):
+        raise ConfigError(f"--set {text!r}: {key!r} is not a dotted key like train.steps")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # not YAML (e.g. an unbalanced bracket in a path): keep the string; the type check decides
+    return parts, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each `key=value` into the nested dict `raw` (a copy is returned)."""
+    import copy
+
+    out = copy.deepcopy(raw)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = out
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"--set {text!r}: {'.'.join(parts[:depth + 1])} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
+    """Build and validate a TrainConfig from a nested dict (as read from YAML)."""
+    config = _build(TrainConfig, raw, "")
+    validate(config)
+    return config
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Read a YAML config (None: the built-in demo config), apply `key=value` overrides, validate.
+
+    Raises ConfigError naming the key for unknown keys, wrong types and impossible settings.
+    """
+    if path is None:
+        raw = config_to_dict(demo_config())
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: no such file")
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path} is not valid YAML: {err}") from err
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(_valid_keys(TrainConfig))})")
+    return config_from_dict(apply_overrides(raw, list(overrides)))
+
+
+def config_to_dict(config: Any) -> Any:
+    """Plain dicts / lists / scalars (tuples as lists; the schedule without its rampup field)."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        hidden = _HIDDEN_KEYS.get(type(config), {})
+        return {f.name: config_to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)
+                if f.init and f.name not in hidden}
+    if isinstance(config, (list, tuple)):
+        return [config_to_dict(v) for v in config]
+    if isinstance(config, dict):
+        return {k: config_to_dict(v) for k, v in config.items()}
+    return config
+
+
+def dump_config(config: TrainConfig) -> str:
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=None)
+
+
+def save_config(config: TrainConfig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dump_config(config), encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def diff_configs(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dicts ("key: old -> new")."""
+    out = []
+    for key in sorted(set(old) | set(new), key=str):
+        a, b = old.get(key), new.get(key)
+        where = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += diff_configs(a, b, where + ".")
+        elif a != b:
+            out.append(f"{where}: {a!r} -> {b!r}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ validation
+def _positive_int(value: Any, key: str, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{key}: must be an int >= {minimum}, got {value!r}")
+
+
+def _finite(value: float, key: str, *, low: float | None = None, high: float | None = None, strict=True) -> None:
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}: must be finite, got {value!r}")
+    if low is not None and (value <= low if strict else value < low):
+        raise ConfigError(f"{key}: must be {'>' if strict else '>='} {low}, got {value!r}")
+    if high is not None and value >= high:
+        raise ConfigError(f"{key}: must be < {high}, got {value!r}")
+
+
+def _choice(value: str, key: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}: must be one of {', '.join(choices)}, got {value!r}")
+
+
+def build_model_config(config: TrainConfig):
+    """The HybridConfig of the run: preset + overrides, multipliers transferred from mup_base_width."""
+    from hybridlm.models.presets import get_preset
+    from hybridlm.training.optim import scale_multipliers
+
+    try:
+        hybrid = get_preset(config.model.preset, **config.model.overrides)
+    except ValueError as err:
+        key = "model.preset" if "preset" in str(err) else "model.overrides"
+        raise ConfigError(f"{key}: {err}") from err
+    base = config.model.mup_base_width
+    if base is not None and base != hybrid.hidden_size:
+        names = hybrid.multiplier_names()
+        scaled = scale_multipliers({n: getattr(hybrid, n) for n in names}, base, hybrid.hidden_size)
+        hybrid = hybrid.replace(**scaled)
+    return hybrid
+
+
+def validate(config: TrainConfig) -> None:
+    """Cross-field checks; raises ConfigError naming the keys. The model config is built once here."""
+    from hybridlm.training.optim import MATRIX_ROLES, VECTOR_ROLES
+
+    # model
+    hybrid = build_model_config(config)
+    if config.model.mup_base_width is not None:
+        _positive_int(config.model.mup_base_width, "model.mup_base_width")
+    # data
+    data = config.data
+    if data.demo and data.sources:
+        raise ConfigError("data.demo: true and data.sources are exclusive; use one of them")
+    if not data.demo and not data.sources:
+        raise ConfigError("data: no training data; list prepared datasets under data.sources, or set data.demo: true")
+    for key, sources in (("data.sources", data.sources), ("data.eval_sources", data.eval_sources)):
+        names = [s.name for s in sources]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"{key}: source names must be unique, got {names}")
+        for i, s in enumerate(sources):
+            _finite(s.weight, f"{key}[{i}].weight", low=0.0, strict=False)
+            if s.max_epochs is not None:
+                _finite(s.max_epochs, f"{key}[{i}].max_epochs", low=0.0)
+    _choice(data.verify, "data.verify", ("full", "size"))
+    _positive_int(data.demo_max_bytes, "data.demo_max_bytes", 1000)
+    _positive_int(data.demo_heldout_every, "data.demo_heldout_every", 2)
+    # optim
+    o = config.optim
+    _finite(o.lr, "optim.lr", low=0.0)
+    _finite(o.weight_decay, "optim.weight_decay", low=0.0, strict=False)
+    for i, beta in enumerate(o.betas):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"optim.betas[{i}]: must be in [0, 1), got {beta!r}")
+    _finite(o.eps, "optim.eps", low=0.0)
+    for key, table, roles in (("optim.elr", o.elr, MATRIX_ROLES), ("optim.ewd", o.ewd, MATRIX_ROLES),
+                              ("optim.vector_lr", o.vector_lr, VECTOR_ROLES)):
+        for role, value in table.items():
+            if role not in roles:
+                kind = "matrix" if roles is MATRIX_ROLES else "vector"
+                raise ConfigError(f"unknown key '{key}.{role}'; valid keys of {key} (the {kind} roles): {', '.join(roles)}")
+            _finite(value, f"{key}.{role}", low=0.0, strict=key != "optim.vector_lr")
+    # batch
+    b = config.batch
+    _positive_int(b.micro_batch, "batch.micro_batch")
+    _positive_int(b.seq_len, "batch.seq_len", 2)
+    _positive_int(b.grad_accum, "batch.grad_accum")
+    if b.rampup_start is not None:
+        _positive_int(b.rampup_start, "batch.rampup_start")
+        target = b.micro_batch * b.grad_accum  # rows per rank, like rampup_start
+        if b.rampup_start % b.micro_batch:
+            raise ConfigError(f"batch.rampup_start: {b.rampup_start} must be a multiple of batch.micro_batch "
+                              f"({b.micro_batch})")
+        if b.rampup_start > target:
+            raise ConfigError(f"batch.rampup_start: {b.rampup_start} exceeds the target batch "
+                              f"batch.micro_batch x batch.grad_accum = {target}")
+        _positive_int(b.rampup_tokens, "batch.rampup_tokens", 0)
+    if b.ref_batch is not None:
+        _positive_int(b.ref_batch, "batch.ref_batch")
+        if b.rampup_start is None:
+            raise ConfigError("batch.ref_batch: only used with the rampup (set batch.rampup_start)")
+    if b.seq_len > hybrid.max_position_embeddings:
+        raise ConfigError(f"batch.seq_len: {b.seq_len} exceeds the model's max_position_embeddings "
+                          f"{hybrid.max_position_embeddings} (model.overrides.max_position_embeddings)")
+    # train
+    t = config.train
+    if t.steps is None and t.tokens is None:
+        raise ConfigError("train.steps / train.tokens: give at least one (the run ends at whichever comes first)")
+    if t.steps is not None:
+        _positive_int(t.steps, "train.steps")
+    if t.tokens is not None:
+        _positive_int(t.tokens, "train.tokens")
+    for key in ("log_every", "eval_batches", "keep_last", "max_consecutive_skips", "sample_tokens"):
+        _positive_int(getattr(t, key), f"train.{key}")
+    for key in ("eval_every", "save_every", "samples", "seed"):
+        _positive_int(getattr(t, key), f"train.{key}", 0)
+    _choice(t.dtype, "train.dtype", DTYPES)
+    _choice(t.device, "train.device", DEVICES)
+    if t.grad_clip is not None:
+        _finite(t.grad_clip, "train.grad_clip", low=0.0)
+    if t.spike_factor is not None:
+        _finite(t.spike_factor, "train.spike_factor", low=1.0)
+    _finite(t.sample_temperature, "train.sample_temperature", low=0.0)
+    if not t.out_dir:
+        raise ConfigError("train.out_dir: must not be empty")
+    # distributed
+    _choice(config.distributed.strategy, "distributed.strategy", STRATEGIES)
+    _choice(config.distributed.backend, "distributed.backend", BACKENDS)
+    # schedule: the stages must fit in the run (world size 1 here; the trainer checks again with its own)
+    try:
+        schedule_config(config, world_size=1)
+    except ValueError as err:
+        raise ConfigError(f"schedule: {err}") from err
+
+
+# ------------------------------------------------------------------------------------------------ run length
+def rampup_of(config: TrainConfig, world_size: int):
+    """The `BatchRampup` of the run in global rows (the batch section counts rows per rank), or None."""
+    from hybridlm.training.schedules import BatchRampup
+
+    b = config.batch
+    if b.rampup_start is None:
+        return None
+    unit = b.micro_batch * world_size
+    return BatchRampup(
+        start=b.rampup_start * world_size,
+        target=unit * b.grad_accum,
+        rampup_tokens=b.rampup_tokens,
+        micro_batch=unit,
+        ref_batch=None if b.ref_batch is None else b.ref_batch * world_size,
+        tokens_per_sample=b.seq_len,
+    )
+
+
+def schedule_config(config: TrainConfig, world_size: int) -> tuple[ScheduleConfig, float, str | None]:
+    """(the run's ScheduleConfig with its rampup, its total in its unit, a note if the warmup was shortened).
+
+    A warmup that does not fit (warmup + decay > total, e.g. `--set train.steps=12` on a config written
+    for thousands of steps) is shortened to total - decay, with a note saying so, so that any config runs
+    at any length; a decay longer than the whole run is an error (ValueError).
+    """
+    _, _, total = schedule_total(config, world_size)
+    schedule = config.schedule
+    note = None
+    decay = schedule.decay_length(total)
+    if decay > total:
+        raise ValueError(f"the decay ({decay:g}) is longer than the whole run ({total:g} {schedule.unit}); "
+                         "shorten schedule.decay or train longer")
+    if schedule.warmup + decay > total:
+        warmup = total - decay
+        note = (f"schedule.warmup {schedule.warmup:g} + decay {decay:g} exceed the run's {total:g} {schedule.unit}; "
+                f"warmup shortened to {warmup:g}")
+        schedule = dataclasses.replace(schedule, warmup=warmup)
+    return dataclasses.replace(schedule, rampup=rampup_of(config, world_size)), total, note
+
+
+def plan_steps(config: TrainConfig, world_size: int) -> tuple[int, int]:
+    """(updates, tokens) of the whole run: it ends after `train.steps` updates or once `train.tokens`
+    tokens are consumed, whichever comes first (one of the two may be null)."""
+    rampup = rampup_of(config, world_size)
+    b = config.batch
+    fixed = b.micro_batch * world_size * b.grad_accum * b.seq_len  # tokens per update without rampup
+    max_steps, max_tokens = config.train.steps, config.train.tokens
+    if rampup is None:
+        steps = max_steps if max_tokens is None else -(-max_tokens // fixed)
+        if max_steps is not None:
+            steps = min(steps, max_steps)
+        return steps, steps * fixed
+    steps = tokens = 0
+    while (max_steps is None or steps < max_steps) and (max_tokens is None or tokens < max_tokens):
+        tokens += rampup.batch_size(tokens) * b.seq_len
+        steps += 1
+    return steps, tokens
+
+
+def schedule_total(config: TrainConfig, world_size: int) -> tuple[int, int, float]:
+    """(updates, tokens, the schedule's total in its unit)."""
+    steps, tokens = plan_steps(config, world_size)
+    return steps, tokens, steps if config.schedule.unit == "steps" else tokens

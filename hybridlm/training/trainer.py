@@ -1,0 +1,651 @@
+"""`Trainer`: one training run of a hybrid LM from a `TrainConfig`, on one process or under torchrun.
+
+    trainer = Trainer(load_config("configs/demo.yaml", ["train.steps=50"]), resume=False)
+    result = trainer.train()          # TrainResult(status, step, tokens, loss, eval_loss, checkpoint)
+
+What one update does (step s, 0-based; t = tokens consumed before it):
+1. agree across ranks whether to stop (SIGINT / SIGTERM / `request_stop`): if so, save and return;
+2. schedule factors for (s, t) (`training.schedules.schedule_factors`: warmup / WSD / power / EPS and
+   the batch rampup with sqrt lr scaling) -> every group's lr and wd (`training.optim.apply_schedule`);
+3. draw the step's micro-batches from the packing loader (grad_accum of them, or global batch /
+   (micro_batch x world) during a rampup); count their labels and all-reduce the count;
+4. per micro-batch: forward under bf16 autocast (if train.dtype is bf16; weights and AdamW state stay
+   fp32, the recurrent ops compute in fp32 anyway), summed cross entropy over the loader's labels
+   (-100 skipped), backward of sum / global count (x world size, since DDP and FSDP average): the
+   gradient of the mean loss over every label of the global batch, however it is split into ranks and
+   micro-batches. Gradients are synchronized on the last micro-batch only;
+5. all-reduce the loss; clip the gradient norm (`train.grad_clip`); the `StepGuard` skips the update
+   (zeroing the gradients) for a non-finite loss or norm and stops the run after
+   `train.max_consecutive_skips` in a row; otherwise AdamW steps.
+
+Run directory (`train.out_dir`): `config.yaml` (resolved config), `metrics.jsonl` (one object per
+`log_every` steps: step, tokens, loss and grad_norm (means over the interval), lr and wd (base value x
+schedule factor), tokens_per_s, skipped (updates skipped in the interval), elapsed_s), `eval.jsonl`
+(step, tokens, eval_loss on the held-out data), `checkpoints/step_XXXXXXXX/` (`training.checkpoint`:
+model, optimizer, RNG, and train_state = tokens, loader position, guard, schedule, config), `loss.png`,
+`samples.txt` (`hybridlm.inference.generate` continuing the first tokens of held-out documents). Only
+rank 0 writes.
+
+Resuming (`resume=True`): the newest complete checkpoint in `<out_dir>/checkpoints` is verified and
+loaded (model, AdamW state, RNG streams, step, tokens, data-loader position, guard counters); the
+metrics files are cut back to its step; the run continues exactly as if it had not stopped (tested:
+2N steps == N + resume + N on CPU in fp32). The config given at resume time wins (e.g. a larger
+train.steps, or a new lr: the groups' base lr / wd are taken from it), and its differences from the
+saved one are printed. The loader state is moved to the current world size, so a run saved under 2
+ranks resumes under 1 with the same stream of tokens (keep the global batch the same for exactness).
+
+Stopping: SIGINT or SIGTERM (or `request_stop()` from a callback) finishes the current update, saves
+a checkpoint and returns status "interrupted"; a second signal raises KeyboardInterrupt at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hybridlm.training import distributed as D
+from hybridlm.training.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from hybridlm.training.config import (
+    ConfigError,
+    TrainConfig,
+    build_model_config,
+    config_to_dict,
+    diff_configs,
+    dump_config,
+    plan_steps,
+    save_config,
+    schedule_config,
+)
+from hybridlm.training.guard import StepGuard
+from hybridlm.training.optim import (
+    MatrixMultipliers,
+    apply_schedule,
+    build_param_groups,
+)
+from hybridlm.training.schedules import schedule_factors
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
+CONFIG_FILE = "config.yaml"
+CHECKPOINT_DIR = "checkpoints"
+LOSS_PLOT = "loss.png"
+SAMPLES_FILE = "samples.txt"
+
+
+@dataclass
+class TrainResult:
+    status: str  # "completed" | "interrupted"
+    step: int
+    tokens: int
+    loss: float | None  # mean training loss of the last logged interval
+    eval_loss: float | None
+    checkpoint: Path | None
+    out_dir: Path
+    samples: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Data:
+    loader: Any
+    eval_sources: list  # hybridlm.data.loader.Source
+    tokenizer_dir: Path | None
+    vocab_size: int
+
+
+class _ModelState(torch.nn.Module):
+    """What safetensors' save_model / load_model see: a fixed state dict (a gathered full one) on save,
+    a sink on load (the trainer then loads it into the real, possibly sharded, model)."""
+
+    def __init__(self, state: dict[str, torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self._state = state or {}
+        self.loaded: dict[str, torch.Tensor] | None = None
+
+    def state_dict(self, *args, **kwargs):
+        return self._state
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        self.loaded = dict(state_dict)
+        return [], []
+
+
+class _OptimizerState:
+    """The optimizer as `training.checkpoint` sees it: state_dict() on save, load_state_dict() on load,
+    param_groups for its parameter-name check."""
+
+    def __init__(self, param_groups: list[dict], state: dict[str, Any] | None = None) -> None:
+        self.param_groups = param_groups
+        self._state = state or {}
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = state
+
+
+def _mean(values: list[float]) -> float | None:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else None
+
+
+class Trainer:
+    """See the module docstring. `callbacks` are called as `fn(trainer, record)` after every update."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        resume: bool = False,
+        callbacks: Sequence[Callable[[Trainer, dict], None]] = (),
+    ) -> None:
+        self.config = config
+        self.callbacks = list(callbacks)
+        self.ctx = D.init_distributed(config.distributed, device=config.train.device)
+        self.out_dir = Path(config.train.out_dir)
+        self.checkpoint_dir = self.out_dir / CHECKPOINT_DIR
+        self._stop_reason: str | None = None
+        self._signal_count = 0
+        self.history: list[dict] = []  # every update's record (this session), for tests and tools
+        self._prepare_out_dir(resume)
+        self._seed(config.train.seed)
+
+        # sizes and schedule
+        world = self.ctx.world_size
+        self.hybrid = build_model_config(config)
+        self.total_steps, self.total_tokens = plan_steps(config, world)
+        self.schedule, self.schedule_total, note = schedule_config(config, world)
+        if note:
+            self._print(note)
+        b = config.batch
+        self.rows_per_micro = b.micro_batch * world  # global rows drawn per micro-step
+        self.tokens_per_update = self.rows_per_micro * b.grad_accum * b.seq_len  # without rampup
+
+        # data, model, optimizer
+        self.data = self._build_data()
+        if self.data.vocab_size > self.hybrid.vocab_size:
+            raise ConfigError(
+                f"model.overrides.vocab_size: the data's tokenizer has {self.data.vocab_size} ids but the model's "
+                f"vocabulary is {self.hybrid.vocab_size}; set model.overrides.vocab_size >= {self.data.vocab_size}"
+            )
+        self.loader = self.data.loader
+        from hybridlm.models.configuration import HybridLMConfig
+        from hybridlm.models.model import HybridForCausalLM
+
+        self.raw_model = HybridForCausalLM(HybridLMConfig.from_hybrid(self.hybrid)).to(self.ctx.device)
+        self.model = D.parallelize(self.raw_model, config, self.ctx)
+        self.optimizer = torch.optim.AdamW(
+            self._param_groups(), lr=config.optim.lr, betas=config.optim.betas, eps=config.optim.eps,
+            weight_decay=config.optim.weight_decay,
+        )
+        self.guard = StepGuard(config.train.max_consecutive_skips, spike_factor=config.train.spike_factor)
+        self.step = 0
+        self.tokens = 0
+        self.resumed_from: Path | None = None
+        self._last_saved_step: int | None = None
+        if resume:
+            self._resume()
+        if self.ctx.is_main:
+            save_config(config, self.out_dir / CONFIG_FILE)
+        self.parameters = sum(p.numel() for p in self.raw_model.parameters())
+
+    # ------------------------------------------------------------------------------------------ setup
+    def _print(self, message: str) -> None:
+        if self.ctx.is_main:
+            from tqdm.auto import tqdm
+
+            tqdm.write(message)
+
+    def _seed(self, seed: int) -> None:
+        import random
+
+        import numpy as np
+
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def _prepare_out_dir(self, resume: bool) -> None:
+        existing = list_checkpoints(self.checkpoint_dir)
+        if existing and not resume:
+            raise ConfigError(
+                f"train.out_dir: {self.out_dir} already holds a run ({existing[-1].name}); pass --resume to "
+                "continue it, or choose another --out"
+            )
+        if self.ctx.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            if not resume:
+                for name in (METRICS_FILE, EVAL_FILE):
+                    (self.out_dir / name).unlink(missing_ok=True)
+        D.barrier(self.ctx)
+
+    def _build_data(self) -> _Data:
+        from hybridlm.data.loader import PackedLoader, Source
+        from hybridlm.data.shards import load_manifest
+
+        c = self.config
+        if c.data.demo:
+            from hybridlm.training.demo import prepare_demo
+
+            directory = Path(c.data.demo_dir) if c.data.demo_dir else self.out_dir / "demo_data"
+            if self.ctx.is_main:
+                self._print(f"preparing the built-in demo corpus (the Python standard library) in {directory}")
+                demo = prepare_demo(directory, max_bytes=c.data.demo_max_bytes, heldout_every=c.data.demo_heldout_every)
+                self._print(f"demo corpus: {demo.train_files} training files, {demo.heldout_files} held out")
+            D.barrier(self.ctx)
+            sources = [Source("stdlib", directory / "train")]
+            eval_sources = [Source("stdlib_heldout", directory / "heldout")]
+            tokenizer_dir: Path | None = directory / "tokenizer"
+        else:
+            sources = [Source(s.name, s.path, s.weight, s.max_epochs) for s in c.data.sources]
+            eval_sources = [Source(s.name, s.path, s.weight, s.max_epochs) for s in c.data.eval_sources]
+            tokenizer_dir = Path(c.data.tokenizer) if c.data.tokenizer else None
+        try:
+            loader = PackedLoader(
+                sources, batch_size=c.batch.micro_batch, seq_len=c.batch.seq_len, seed=c.train.seed,
+                shuffle=c.data.shuffle, cross_doc_labels=c.data.cross_doc_labels, rank=self.ctx.rank,
+                world_size=self.ctx.world_size, verify=c.data.verify,
+            )
+        except Exception as err:  # DataError, ValueError: name the section
+            raise ConfigError(f"data.sources: {err}") from err
+        vocab = max(int(load_manifest(s.path)["vocab_size"]) for s in sources)
+        return _Data(loader, eval_sources, tokenizer_dir, vocab)
+
+    def _param_groups(self) -> list[dict]:
+        o = self.config.optim
+        roles = set(o.elr) | set(o.ewd)
+        matrix = {r: MatrixMultipliers(o.elr.get(r, 1.0), o.ewd.get(r, 1.0)) for r in roles}
+        # FSDP2 replaces parameters in place and keeps their names; DDP wraps: name them on the raw model.
+        return build_param_groups(
+            D.unwrap(self.model).named_parameters(), lr=o.lr, weight_decay=o.weight_decay,
+            matrix_multipliers=matrix, vector_lr_multipliers=o.vector_lr,
+        )
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def _train_state(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "loader": self.loader.state_dict(),
+            "guard": self.guard.state_dict(),
+            "schedule": self.schedule.to_dict(),
+            "world_size": self.ctx.world_size,
+            "config": dump_config(self.config),
+        }
+
+    def save(self) -> Path | None:
+        """Write a checkpoint of the current step (every rank must call it; rank 0 writes)."""
+        model_sd, optim_sd = D.full_state_dicts(self.model, self.optimizer, self.ctx)
+        path = None
+        if self.ctx.is_main:
+            path = save_checkpoint(
+                self.checkpoint_dir, self.step, model=_ModelState(model_sd),
+                optimizer=_OptimizerState(self.optimizer.param_groups, optim_sd),
+                train_state=self._train_state(), keep_last=self.config.train.keep_last, overwrite=True,
+            )
+        D.barrier(self.ctx)
+        self._last_saved_step = self.step
+        return path
+
+    def _resume(self) -> None:
+        path = latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            self._print(f"--resume: no complete checkpoint in {self.checkpoint_dir}; starting from scratch")
+            if self.ctx.is_main:
+                for name in (METRICS_FILE, EVAL_FILE):
+                    self._truncate_jsonl(self.out_dir / name, 0)
+            return
+        model_state = _ModelState()
+        # fresh base lr / wd: the config given now wins over the saved groups' values
+        fresh = [{k: g[k] for k in ("base_lr", "base_weight_decay")} for g in self.optimizer.param_groups]
+        optim_state = _OptimizerState(self.optimizer.param_groups)
+        loaded = load_checkpoint(path, model=model_state, optimizer=optim_state, restore_rng=True)
+        D.load_full_state_dicts(self.model, self.optimizer, model_state.loaded, optim_state.loaded, self.ctx)
+        for group, values in zip(self.optimizer.param_groups, fresh):
+            group.update(values)
+        state = loaded.train_state
+        self.step, self.tokens = loaded.step, int(state["tokens"])
+        loader_state = json.loads(json.dumps(state["loader"]))
+        # The stream position does not depend on how many rows each rank takes per batch.
+        loader_state["config"]["batch_size"] = self.loader.batch_size
+        loader_state["config"]["world_size"] = self.loader.world_size
+        self.loader.load_state_dict(loader_state)
+        self.guard.load_state_dict(state["guard"])
+        self.resumed_from = path
+        self._last_saved_step = self.step
+        import yaml
+
+        changes = diff_configs(yaml.safe_load(state.get("config", "{}")) or {}, config_to_dict(self.config))
+        changes = [c for c in changes if not c.startswith("train.out_dir")]
+        self._print(f"resumed from {path} (step {self.step}, {self.tokens:,} tokens)"
+                    + ("; settings changed since: " + "; ".join(changes) if changes else ""))
+        if self.ctx.is_main:
+            for name in (METRICS_FILE, EVAL_FILE):
+                self._truncate_jsonl(self.out_dir / name, self.step)
+
+    @staticmethod
+    def _truncate_jsonl(path: Path, step: int) -> None:
+        """Drop records logged after `step` (by a run that died before its next checkpoint)."""
+        if not path.is_file():
+            return
+        keep = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue
+        path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+
+    # ------------------------------------------------------------------------------------------ stopping
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Stop before the next update: save a checkpoint and return status "interrupted"."""
+        self._stop_reason = self._stop_reason or reason
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signal_count += 1
+        if self._signal_count > 1:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
+        name = signal.Signals(signum).name
+        self.request_stop(name)
+        self._print(f"{name}: finishing this update, then saving a checkpoint (send it again to abort at once)")
+
+    @contextlib.contextmanager
+    def _signal_handlers(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _agree_stop(self) -> bool:
+        flag = torch.tensor([1.0 if self._stop_reason else 0.0])
+        return bool(D.all_reduce_sum(flag, self.ctx).item() > 0)
+
+    # ------------------------------------------------------------------------------------------ the update
+    def _autocast(self):
+        enabled = self.config.train.dtype == "bf16"
+        return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.ctx.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def compute_loss_sum(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        """Summed next-token cross entropy of one micro-batch over its counted labels (fp32 scalar)."""
+        with self._autocast():
+            logits = model(batch["input_ids"], position_ids=batch["position_ids"]).logits  # [B, T, V]
+        return F.cross_entropy(
+            logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+
+    def _next_batches(self, count: int) -> list[dict]:
+        try:
+            return [self._to_device(next(self.loader)) for _ in range(count)]
+        except StopIteration:
+            raise RuntimeError(
+                f"the training data ran out at update {self.step} ({self.tokens:,} tokens): every source reached "
+                "its max_epochs; lower train.steps / train.tokens or allow more epochs"
+            ) from None
+
+    def _train_step(self) -> dict:
+        c = self.config
+        world = self.ctx.world_size
+        started = time.perf_counter()
+        factors = schedule_factors(self.schedule, total=self.schedule_total, step=self.step, tokens=self.tokens,
+                                   batch_tokens=self.tokens_per_update)
+        apply_schedule(self.optimizer, factors.lr, factors.wd)
+        accum = c.batch.grad_accum if factors.batch_size is None else factors.batch_size // self.rows_per_micro
+        batches = self._next_batches(accum)
+        local_count = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+        total_count = max(1.0, float(D.all_reduce_sum(torch.tensor([float(local_count)]), self.ctx).item()))
+
+        self.model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for i, batch in enumerate(batches):
+            with D.gradient_sync(self.model, enabled=i == accum - 1):
+                micro = self.compute_loss_sum(self.model, batch)
+                (micro * (world / total_count)).backward()
+            loss_sum += micro.detach().double().cpu()
+        loss = float(D.all_reduce_sum(loss_sum.reshape(1), self.ctx).item()) / total_count
+        max_norm = c.train.grad_clip if c.train.grad_clip is not None else math.inf
+        norm = D.grad_norm_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        grad_norm = float(norm.item())
+        if self.guard.check(loss, grad_norm, optimizer=self.optimizer, step=self.step):
+            self.optimizer.step()
+            skipped = False
+        else:
+            skipped = True
+        self.optimizer.zero_grad(set_to_none=True)
+        step_tokens = accum * self.rows_per_micro * c.batch.seq_len
+        self.step += 1
+        self.tokens += step_tokens
+        return {
+            "step": self.step, "tokens": self.tokens, "loss": loss, "grad_norm": grad_norm,
+            "lr": c.optim.lr * factors.lr, "wd": c.optim.weight_decay * factors.wd, "skipped": skipped,
+            "step_tokens": step_tokens, "seconds": time.perf_counter() - started,
+        }
+
+    # ------------------------------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, batches: int | None = None) -> float | None:
+        """Mean loss per label over the first `eval_batches` global batches (micro_batch x grad_accum x
+        world rows each) of the held-out sources: the same rows every time and for any split of the
+        global batch into ranks and micro-batches. None without held-out data."""
+        if not self.data.eval_sources:
+            return None
+        from hybridlm.data.loader import PackedLoader
+
+        c = self.config
+        loader = PackedLoader(
+            self.data.eval_sources, batch_size=c.batch.micro_batch, seq_len=c.batch.seq_len, seed=c.train.seed,
+            shuffle=False, cross_doc_labels=c.data.cross_doc_labels, rank=self.ctx.rank,
+            world_size=self.ctx.world_size, verify="size",
+        )
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64)
+        for _ in range((batches or c.train.eval_batches) * c.batch.grad_accum):
+            try:
+                batch = self._to_device(next(loader))
+            except StopIteration:
+                break
+            totals[0] += float(self.compute_loss_sum(self.model, batch))
+            totals[1] += int((batch["labels"] != IGNORE_INDEX).sum())
+        self.model.train()
+        totals = D.all_reduce_sum(totals, self.ctx)
+        return float(totals[0] / totals[1]) if totals[1] > 0 else None
+
+    # ------------------------------------------------------------------------------------------ samples
+    def _write_samples(self) -> list[str]:
+        c = self.config.train
+        if c.samples == 0 or self.data.tokenizer_dir is None:
+            return []
+        if not D._is_fsdp(self.model) and not self.ctx.is_main:
+            return []
+        from hybridlm.data.shards import TokenDataset
+        from hybridlm.data.tokenizer import HybridTokenizer
+
+        tok = HybridTokenizer.load(self.data.tokenizer_dir)
+        source = (self.data.eval_sources or self.loader.sources)[0]
+        dataset = TokenDataset(source.path, verify="size")
+        prompt_len = 32
+        prompts = []
+        for i in range(min(dataset.num_docs, 100 * c.samples)):
+            doc = dataset.doc(i)
+            if len(doc) > prompt_len:
+                prompts.append(doc[:prompt_len].tolist())
+            if len(prompts) == c.samples:
+                break
+        if not prompts:
+            return []
+        from hybridlm.inference.generate import generate
+
+        # Under FSDP every rank runs the forward (it gathers the parameters); otherwise rank 0 alone.
+        model = self.model if D._is_fsdp(self.model) else D.unwrap(self.model)
+        model.eval()
+        with self._autocast():
+            out = generate(model, torch.tensor(prompts, device=self.ctx.device), max_new_tokens=c.sample_tokens,
+                           temperature=c.sample_temperature, eos_token_id=tok.eos_id, seed=c.seed)
+        model.train()
+        texts = []
+        for row, mask in zip(out.sequences.tolist(), out.attention_mask.tolist()):
+            new = [t for t, m in zip(row[prompt_len:], mask[prompt_len:]) if m and t != tok.eos_id]
+            texts.append(tok.decode(row[:prompt_len]) + tok.decode(new))
+        if self.ctx.is_main:
+            sep = "\n" + "-" * 72 + "\n"
+            body = sep.join(f"[prompt: {tok.decode(p)!r}]\n{t}" for p, t in zip(prompts, texts))
+            (self.out_dir / SAMPLES_FILE).write_text(body + "\n", encoding="utf-8")
+            self._print(f"samples (temperature {c.sample_temperature}) after {self.step} updates:{sep}{body}{sep}")
+        return texts
+
+    # ------------------------------------------------------------------------------------------ logging
+    def _append_jsonl(self, name: str, record: dict) -> None:
+        if self.ctx.is_main:
+            with open(self.out_dir / name, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def train(self) -> TrainResult:
+        """Train to `total_steps` (or until stopped); see the module docstring."""
+        from tqdm.auto import tqdm
+
+        c = self.config.train
+        self._print(
+            f"training {self.parameters / 1e6:.2f}M parameters ({self.config.model.preset}) on {self.ctx.device}"
+            f" x {self.ctx.world_size} ({self.ctx.strategy if self.ctx.distributed else 'single process'}), "
+            f"{self.total_steps} updates, {self.total_tokens:,} tokens, dtype {c.dtype} -> {self.out_dir}"
+        )
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not (c.progress and self.ctx.is_main))
+        interval: list[dict] = []
+        status, last_loss, eval_loss = "completed", None, None
+        began = time.perf_counter()
+        try:
+            with self._signal_handlers():
+                while self.step < self.total_steps:
+                    if self._agree_stop():
+                        status = "interrupted"
+                        break
+                    record = self._train_step()
+                    self.history.append(record)
+                    interval.append(record)
+                    bar.update(1)
+                    tps = record["step_tokens"] / max(record["seconds"], 1e-9)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{tps:,.0f}",
+                                    refresh=False)
+                    last = self.step == self.total_steps
+                    if self.step % c.log_every == 0 or last:
+                        last_loss = self._log_interval(interval, began)
+                        interval = []
+                    if (c.eval_every and self.step % c.eval_every == 0) or last:
+                        eval_loss = self._log_eval()
+                    if c.save_every and self.step % c.save_every == 0 and not last:
+                        self.save()
+                    for callback in self.callbacks:
+                        callback(self, record)
+        finally:
+            bar.close()
+        if interval:
+            last_loss = self._log_interval(interval, began)
+        checkpoint = None
+        if self._last_saved_step != self.step or latest_checkpoint(self.checkpoint_dir) is None:
+            checkpoint = self.save()
+        else:
+            checkpoint = latest_checkpoint(self.checkpoint_dir)
+        if status == "interrupted":
+            self._print(f"stopped ({self._stop_reason}) at update {self.step}; checkpoint {checkpoint}; continue "
+                        f"with `hybridlm train --resume --out {self.out_dir}`")
+            samples: list[str] = []
+        else:
+            samples = self._write_samples()
+        if self.ctx.is_main:
+            plot_losses(self.out_dir)
+        return TrainResult(status, self.step, self.tokens, last_loss, eval_loss,
+                           Path(checkpoint) if checkpoint else None, self.out_dir, samples)
+
+    def _log_interval(self, interval: list[dict], began: float) -> float | None:
+        seconds = sum(r["seconds"] for r in interval)
+        record = {
+            "step": self.step,
+            "tokens": self.tokens,
+            "loss": _mean([r["loss"] for r in interval]),
+            "lr": interval[-1]["lr"],
+            "wd": interval[-1]["wd"],
+            "grad_norm": _mean([r["grad_norm"] for r in interval]),
+            "tokens_per_s": sum(r["step_tokens"] for r in interval) / max(seconds, 1e-9),
+            "skipped": sum(r["skipped"] for r in interval),
+            "elapsed_s": time.perf_counter() - began,
+        }
+        self._append_jsonl(METRICS_FILE, record)
+        return record["loss"]
+
+    def _log_eval(self) -> float | None:
+        value = self.evaluate()
+        if value is not None:
+            self._append_jsonl(EVAL_FILE, {"step": self.step, "tokens": self.tokens, "eval_loss": value})
+            self._print(f"update {self.step}: held-out loss {value:.4f}")
+        return value
+
+    def close(self) -> None:
+        D.destroy_distributed(self.ctx)
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def plot_losses(out_dir: str | Path) -> Path | None:
+    """`<out_dir>/loss.png`: training loss (and held-out loss) against tokens; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no loss curve (pip install matplotlib)")
+        return None
+    out_dir = Path(out_dir)
+    train = [r for r in read_jsonl(out_dir / METRICS_FILE) if r.get("loss") is not None]
+    held = read_jsonl(out_dir / EVAL_FILE)
+    if not train:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], label="train")
+    if held:
+        ax.plot([r["tokens"] for r in held], [r["eval_loss"] for r in held], "o-", label="held-out")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(f"{out_dir.name}: loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = out_dir / LOSS_PLOT
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,102 @@
+"""The variable-digit addition task: sequence format, reversed sums, widths, the train / held-out split."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridlm.eval import addition as A
+from hybridlm.eval.scoring import IGNORE_INDEX
+
+
+def _number(digits: np.ndarray) -> int:
+    return int("".join(map(str, digits.tolist())))
+
+
+def test_sequence_format_and_labels():
+    a = np.array([[0, 9, 5]], dtype=np.uint8)
+    b = np.array([[7, 1, 7]], dtype=np.uint8)
+    tokens = A.sequences(a, b)
+    assert A.decode(tokens[0]) == "<bos>095+717=2180<eos>"  # 95 + 717 = 0812, reversed
+    assert tokens.shape == (1, 3 * 3 + 5)
+    train = A.target_labels(tokens, include_eos=True)[0]
+    scored = train != IGNORE_INDEX
+    assert A.decode(tokens[0][scored]) == "2180<eos>"  # the target suffix only
+    digits = A.target_labels(tokens, include_eos=False)[0]
+    assert A.decode(tokens[0][digits != IGNORE_INDEX]) == "2180"
+    assert A.encode("<bos>095+717=2180<eos>") == tokens[0].tolist()
+
+
+@pytest.mark.parametrize("width", [1, 2, 7, 19, 48])
+def test_reversed_sum_matches_integer_addition(width):
+    rng = np.random.default_rng(width)
+    a, b = A.sample_digits(rng, width, 200)
+    out = A.reversed_sum(a, b)
+    assert out.shape == (200, width + 1)
+    for x, y, s in zip(a, b, out):
+        expected = str(_number(x) + _number(y)).zfill(width + 1)[::-1]
+        assert "".join(map(str, s.tolist())) == expected
+    # carries happen, and the final carry digit is 1 for some pairs (so the test sees both cases)
+    assert 0 < (out[:, -1] == 1).sum() < 200
+
+
+def test_train_batch_widths_padding_and_targets():
+    rng = np.random.default_rng(0)
+    counts = np.zeros(33, dtype=int)
+    for _ in range(20):
+        batch = A.train_batch(rng, 128)
+        ids, labels = batch["input_ids"].numpy(), batch["labels"].numpy()
+        for row, lab in zip(ids, labels):
+            length = int((row != A.PAD).sum())
+            width = (length - 5) // 3
+            assert 1 <= width <= 32 and length == 3 * width + 5
+            assert (row[length:] == A.PAD).all() and (lab[length:] == IGNORE_INDEX).all()
+            text = A.decode(row[:length])
+            left, right = text[len("<bos>"):].split("=")
+            x, y = left.split("+")
+            assert len(x) == len(y) == width
+            assert right == str(int(x) + int(y)).zfill(width + 1)[::-1] + "<eos>"
+            assert A.decode(lab[lab != IGNORE_INDEX]) == right
+            counts[width] += 1
+    assert counts[0] == 0 and (counts[1:] > 0).all()
+    expected = counts.sum() / 32
+    assert np.abs(counts[1:] - expected).max() < 0.5 * expected  # uniform over 1..32 (2560 draws)
+
+
+def test_train_and_held_out_pairs_never_overlap():
+    # width 1 and 2: the held-out set is enumerated; training draws land only in its complement
+    for width in (1, 2):
+        held_a, held_b = A._held_out_set(width)
+        held = {(_number(x), _number(y)) for x, y in zip(held_a, held_b)}
+        assert 0 < len(held) < (10**width) ** 2 / 8
+        rng = np.random.default_rng(width)
+        a, b = A.sample_train_pairs(rng, width, 20000)
+        train = {(_number(x), _number(y)) for x, y in zip(a, b)}
+        assert not train & held
+        if width == 1:
+            assert len(train) + len(held) == 100  # every training-side pair is drawn
+        ea, eb = A.sample_eval_pairs(width, 10**6, seed=3)
+        assert {(_number(x), _number(y)) for x, y in zip(ea, eb)} == held  # all of them, each once
+    # a larger width: evaluation pairs are held out and distinct, training draws never are
+    ea, eb = A.sample_eval_pairs(9, 300, seed=1)
+    assert A.is_held_out(ea, eb).all() and len({x.tobytes() + y.tobytes() for x, y in zip(ea, eb)}) == 300
+    rng = np.random.default_rng(1)
+    a, b = A.sample_train_pairs(rng, 9, 5000)
+    assert not A.is_held_out(a, b).any()
+    # the partition keeps about 1/16 of every width, and the width is part of the key ("05" != "5")
+    a, b = A.sample_digits(np.random.default_rng(2), 6, 64000)
+    assert abs(A.is_held_out(a, b).mean() - 1 / 16) < 0.005
+    zero_padded = A.pair_hash(np.array([[0, 5]], np.uint8), np.array([[0, 7]], np.uint8))
+    plain = A.pair_hash(np.array([[5]], np.uint8), np.array([[7]], np.uint8))
+    assert zero_padded[0] != plain[0]
+
+
+def test_eval_sets_are_fixed_and_summarized_like_table_3():
+    first = A.eval_sets([3, 40], 8)
+    again = A.eval_sets([3, 40], 8)
+    assert all((x.input_ids == y.input_ids).all() for x, y in zip(first, again))
+    per_width = {w: {"token_acc": w / 100, "exact_match": 0.5} for w in range(1, 49)}
+    s = A.summarize(per_width)
+    assert s["val_acc"] == pytest.approx(np.mean(np.arange(1, 33) / 100))
+    assert s["ood_mean"] == pytest.approx(np.mean(np.arange(33, 49) / 100))
+    assert s["acc_at_33"] == 0.33 and s["acc_at_48"] == 0.48 and s["val_exact"] == 0.5

@@ -1,0 +1,73 @@
+"""The allocation grid, the sweep's points and configs, and the built-in synthetic language."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridlm.eval.allocation import (
+    AllocationRecipe,
+    allocation_grid,
+    parse_points,
+    sweep_points,
+)
+from hybridlm.eval.corpus import BOS, SyntheticLanguage
+from hybridlm.models.commands import count_parameters
+
+
+def test_grid_has_the_21_admissible_triplets():
+    grid = allocation_grid()
+    assert len(grid) == len(set(grid)) == 21
+    assert all(min(p) >= 1 and sum(p) == 8 for p in grid)
+    points = sweep_points()
+    assert len(points) == 21 + 6 + 6
+    assert {p for a, p in points if a != "SA_M"} == {p for p in grid if p[1] == 1}
+    assert parse_points("2,1,5; 3,1,4") == [(2, 1, 5), (3, 1, 4)]
+    for bad in ("2,1,4", "0,2,6", "7,1"):
+        with pytest.raises(ValueError):
+            parse_points(bad)
+
+
+def test_allocations_follow_the_alphas_at_about_equal_parameters():
+    recipe = AllocationRecipe()
+    configs = {p: recipe.config("SA_M", p, 512) for p in allocation_grid()}
+    counts = [count_parameters(c) for c in configs.values()]
+    assert max(counts) / min(counts) < 1.15
+    ssm = {p: c.mamba_d_ssm for p, c in configs.items()}
+    attn = {p: c.num_attention_heads * c.head_dim for p, c in configs.items()}
+    assert ssm[(6, 1, 1)] > ssm[(2, 1, 5)] > ssm[(1, 1, 6)]
+    assert attn[(1, 6, 1)] > attn[(1, 2, 5)] > attn[(1, 1, 6)]
+    assert configs[(2, 1, 5)].intermediate_size > configs[(5, 1, 2)].intermediate_size
+    assert recipe.config("S_A_M", (2, 1, 5), 512).block_arrangement == "S_A_M"
+
+
+def test_synthetic_language_is_seeded_and_has_its_structure():
+    language = SyntheticLanguage()
+    a = language.documents(np.random.default_rng(0), 64, 200)
+    b = language.documents(np.random.default_rng(0), 64, 200)
+    c = language.documents(np.random.default_rng(1), 64, 200)
+    assert (a == b).all() and not (a == c).all()
+    assert (a[:, 0] == BOS).all() and a[:, 1:].min() >= 3 and a.max() < language.vocab_size
+    names = a[:, 1:] >= language.vocab_size - language.names
+    assert 0 < names.mean() < 0.5
+    assert max(len(np.unique(row[row >= language.vocab_size - language.names])) for row in a) <= language.name_states
+    # some documents repeat a 16+ token span verbatim
+    repeats = sum(any((row[i:i + 16] == row[j:j + 16]).all() for i in range(1, 84) for j in range(100, 184))
+                  for row in a)
+    assert 10 < repeats < 54
+    batch = language.batch(np.random.default_rng(0), 4, 50)
+    assert batch["labels"][:, 0].eq(-100).all() and (batch["labels"][:, 1:] == batch["input_ids"][:, 1:]).all()
+
+
+def test_allocation_run_on_prepared_shards(shards_dir):
+    from hybridlm.eval.allocation import run_allocation
+
+    recipe = AllocationRecipe(hidden_size=64, layers=1, steps=2, batch_size=2, seq_len=32, data="shards",
+                              data_dir=str(shards_dir), val_dir=str(shards_dir), val_max_tokens=200)
+    result = run_allocation("SA_M", (2, 1, 5), 0, recipe)
+    assert result["alphas"] == [2, 1, 5] and result["widths"]["attention"] > 0
+    assert 5.0 < result["val_loss"] < 9.0  # about log(vocab 1800) = 7.5 after two steps
+    with pytest.raises(ValueError, match="shards"):
+        AllocationRecipe(data="shards")
+    with pytest.raises(ValueError, match="unknown data source"):
+        AllocationRecipe(data="web")

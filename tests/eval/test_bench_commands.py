@@ -1,0 +1,91 @@
+"""CPU smoke runs of `hybridlm bench addition|recall|allocation`: the pipeline, not the accuracy."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from hybridlm.cli import main
+
+COMMON = ["--steps", "2", "--device", "cpu"]
+
+
+def _rows(markdown: str, marker: str) -> list[str]:
+    return [line for line in markdown.splitlines() if line.startswith("| ") and marker in line]
+
+
+def _png(path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_addition_smoke_and_resume(tmp_path, capsys):
+    out = tmp_path / "addition"
+    args = ["bench", "addition", "--models", "fw-1A,fw-3A-same,transformer", "--seeds", "2", "--size", "tiny",
+            "--batch-size", "4", "--eval-per-width", "2", "--val-per-width", "1", "--eval-every", "1",
+            "--out", str(out), *COMMON]
+    assert main(args) == 0
+    md = (out / "results.md").read_text()
+    for name in ("`fw-1A`", "`fw-3A-same`", "`transformer`"):
+        assert len(_rows(md, name)) == 3  # Table 3 layout, exact match, per-width
+    assert "Acc@d33/d48" in md and _png(out / "accuracy_vs_width.png")
+    result = json.loads((out / "results.json").read_text())
+    for runs in result["runs"].values():
+        assert [r["seed"] for r in runs] == [0, 1]
+        for r in runs:
+            assert sorted(map(int, r["per_width"])) == list(range(1, 49))
+            for v in r["per_width"].values():
+                assert 0.0 <= v["token_acc"] <= 1.0 and 0.0 <= v["exact_match"] <= 1.0
+            assert all(0.0 <= r["summary"][k] <= 1.0 for k in ("val_acc", "ood_mean", "acc_at_33", "acc_at_48"))
+            assert r["best_step"] in (1, 2)
+    stamps = {p.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")}
+    capsys.readouterr()
+    assert main(args) == 0  # a second run reuses every finished run
+    assert "reusing 6 finished run(s)" in capsys.readouterr().out
+    assert stamps == {p.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")}
+
+
+def test_bench_recall_smoke(tmp_path):
+    out = tmp_path / "recall"
+    assert main(["bench", "recall", "--models", "hybrid-mamba2,fw-1A", "--seeds", "1", "--size", "tiny",
+                 "--batch-size", "2", "--train-min-len", "40", "--train-max-len", "48", "--eval-lens", "48,96",
+                 "--eval-count", "2", "--val-count", "1", "--mqar-pairs", "4", "--needles", "2", "--out", str(out),
+                 *COMMON]) == 0
+    md = (out / "results.md").read_text()
+    for task in ("## mqar", "## needle", "## multi_needle"):
+        assert task in md
+    assert len(_rows(md, "`hybrid-mamba2`")) == 3 and "L=96" in md and _png(out / "accuracy_vs_length.png")
+    result = json.loads((out / "results.json").read_text())
+    for runs in result["runs"].values():
+        for task, by_len in runs[0]["results"].items():
+            assert sorted(map(int, by_len)) == [48, 96]
+            assert all(0.0 <= v["token_acc"] <= 1.0 for v in by_len.values())
+
+
+SMALL_ALLOCATION = ["--hidden-size", "64", "--layers", "1", "--batch-size", "2", "--seq-len", "48"]
+
+
+def test_bench_allocation_smoke(tmp_path):
+    out = tmp_path / "alloc"
+    assert main(["bench", "allocation", "--points", "2,1,5;1,6,1", "--arrangements", "SA_M,S_A_M", "--data",
+                 "synthetic", "--val-docs", "4", "--out", str(out), *SMALL_ALLOCATION, *COMMON]) == 0
+    md = (out / "results.md").read_text()
+    assert len(_rows(md, "| SA_M |")) == 2 and len(_rows(md, "| S_A_M |")) == 1  # S_A_M only at alpha_A = 1/8
+    assert _png(out / "allocation.png")
+    table = json.loads((out / "results.json").read_text())["table"]
+    assert len(table) == 3 and all(math.isfinite(e["val_loss"]["mean"]) and e["val_loss"]["mean"] > 0 for e in table)
+
+
+def test_bench_allocation_on_the_stdlib_corpus(tmp_path):
+    out = tmp_path / "alloc_stdlib"
+    assert main(["bench", "allocation", "--points", "2,1,5", "--arrangements", "SAM", "--data-bytes", "1000000",
+                 "--val-max-tokens", "3000", "--out", str(out), *SMALL_ALLOCATION, *COMMON]) == 0
+    assert (out / "stdlib_data" / "train" / "manifest.json").is_file()
+    run = json.loads((out / "runs" / "SAM_215_seed0.json").read_text())
+    assert run["spec"]["recipe"]["data"] == "stdlib" and "stdlib_data" not in json.dumps(run["spec"])
+    assert 4.0 < run["result"]["val_loss"] < 6.5  # byte tokens: about ln(259) = 5.56 after two steps
+
+
+def test_bad_arguments_fail_cleanly(tmp_path, capsys):
+    assert main(["bench", "addition", "--models", "fw-9", "--out", str(tmp_path), "--device", "cpu"]) == 1
+    assert "unknown model name" in capsys.readouterr().err
+    assert main(["bench", "allocation", "--points", "4,4,0", "--out", str(tmp_path), "--device", "cpu"]) == 1

@@ -1,0 +1,93 @@
+"""The lm-evaluation-harness path: an exported checkpoint loads through the Auto classes with
+trust_remote_code in a fresh process (as `lm_eval --model hf` loads it), and its loglikelihoods of a
+2-choice task equal a direct computation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hybridlm.data.tokenizer import HybridTokenizer
+from hybridlm.eval.harness import AUTO_MAP, export_for_lm_eval
+from hybridlm.eval.models import build_model, task_config
+
+# (context, continuation): two choices per question; the second question's context ends in a space,
+# which the harness moves into the continuation
+TASK = [("The model reads the", " data"), ("The model reads the", " memory"),
+        ("x = ", r"\frac{1}{2}"), ("x = ", "42")]
+
+_LOAD = """
+import json, sys
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+assert "hybridlm" not in sys.modules
+path, task = sys.argv[1], json.loads(sys.argv[2])
+config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+tokenizer = AutoTokenizer.from_pretrained(path)
+from hybridlm.eval.harness import loglikelihood
+print(json.dumps({"config": type(config).__name__, "model": type(model).__name__,
+                  "results": loglikelihood(model, tokenizer, task)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, tokenizer_dir):
+    vocab = HybridTokenizer.load(tokenizer_dir).vocab_size
+    model = build_model(task_config("hybrid-fw-1A", vocab_size=vocab, size="tiny", initializer_range=0.3), seed=1)
+    out = tmp_path_factory.mktemp("harness_model")
+    model.save_pretrained(out)
+    return export_for_lm_eval(out, tokenizer_dir=tokenizer_dir)
+
+
+def _direct(model, tok: HybridTokenizer, context: str, continuation: str) -> tuple[float, bool]:
+    stripped = context.rstrip()
+    moved = context[len(stripped):] + continuation
+    context_ids, whole = tok.encode(stripped), tok.encode(stripped + moved)
+    assert whole[:len(context_ids)] == context_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([whole])).logits[0].double(), -1)
+    positions = range(len(context_ids), len(whole))
+    total = sum(logp[t - 1, whole[t]].item() for t in positions)
+    greedy = all(logp[t - 1].argmax().item() == whole[t] for t in positions)
+    return total, greedy
+
+
+def test_export_writes_the_auto_map_and_tokenizer(exported):
+    config = json.loads((exported / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP and config["model_type"] == "hybridlm"
+    assert (exported / "hybridlm_auto.py").is_file() and (exported / "tokenizer.json").is_file()
+
+
+def test_fresh_process_loads_and_scores_a_two_choice_task(exported, tokenizer_dir, tmp_path):
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _LOAD, str(exported), json.dumps(TASK)], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert loaded["config"] == "HybridLMConfig" and loaded["model"] == "HybridForCausalLM"
+
+    from hybridlm.models.hf import load_model
+
+    model = load_model(exported)
+    tok = HybridTokenizer.load(tokenizer_dir)
+    direct = [_direct(model, tok, c, x) for c, x in TASK]
+    for (logprob, greedy), (expected, expected_greedy) in zip(loaded["results"], direct):
+        assert logprob == pytest.approx(expected, rel=1e-5, abs=1e-5)
+        assert greedy == expected_greedy
+    # the 2-choice decision (argmax of the loglikelihoods) is the same, and not a tie
+    for q in (0, 2):
+        a, b = loaded["results"][q][0], loaded["results"][q + 1][0]
+        assert (a > b) == (direct[q][0] > direct[q + 1][0]) and abs(a - b) > 1e-3
+
+
+def test_export_refuses_a_dir_without_tokenizer(tmp_path):
+    model = build_model(task_config("transformer", vocab_size=32, size="tiny"), seed=0)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="tokenizer"):
+        export_for_lm_eval(tmp_path)

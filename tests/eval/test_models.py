@@ -1,0 +1,80 @@
+"""Benchmark model names -> configs, and the small training loop (schedule, best-checkpoint restore)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridlm.eval.models import describe, model_fields, parse_model_list, task_config
+from hybridlm.eval.train_task import train_on_task
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("transformer", dict(ssm_mixer="none", use_attention=True)),
+        ("mamba2", dict(ssm_mixer="mamba2", use_attention=False)),
+        ("fw-1A", dict(ssm_mixer="fast_weight", fw_rule="1A", fw_window=1, fw_pairing="shifted", use_attention=False)),
+        ("fw-3A", dict(fw_rule="3A", fw_window=3, fw_pairing="shifted")),
+        ("fw-3A-w5-same", dict(fw_rule="3A", fw_window=5, fw_pairing="same_step")),
+        ("fw-1A-same", dict(fw_rule="1A", fw_pairing="same_step")),
+        ("fw-1-eta", dict(fw_rule="1", fw_step_size="direct")),
+        ("hybrid-fw-3A", dict(ssm_mixer="fast_weight", fw_rule="3A", fw_window=3, use_attention=True)),
+        ("hybrid:mamba2", dict(ssm_mixer="mamba2", use_attention=True)),
+    ],
+)
+def test_model_names(name, expected):
+    fields = model_fields(name)
+    assert {k: fields[k] for k in expected} == expected
+    config = task_config(name, vocab_size=16, size="tiny")
+    assert config.vocab_size == 16 and config.hidden_size == 32
+    assert describe(name)
+
+
+@pytest.mark.parametrize("name", ["fw-4A", "fw-1A-w3", "fw-1A-fast", "hybrid-transformer", "gpt", "fw-3A-w"])
+def test_bad_model_names_raise(name):
+    with pytest.raises(ValueError):
+        model_fields(name)
+
+
+def test_model_list_parsing():
+    assert parse_model_list("fw-1A, fw-3A\nmamba2") == ["fw-1A", "fw-3A", "mamba2"]
+    with pytest.raises(ValueError, match="repeats"):
+        parse_model_list("fw-1A,fw-1A")
+
+
+class _Toy(torch.nn.Module):
+    """Regress a constant: loss = (w - 3)^2, so training moves w towards 3."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({"0": torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict(
+            {"up_proj": torch.nn.Linear(1, 1, bias=False)})})})
+
+    def forward(self, input_ids, labels):
+        w = self.layers["0"]["mlp"]["up_proj"].weight.sum()
+        return type("Out", (), {"loss": (w - 3.0) ** 2})()
+
+
+def test_train_on_task_learns_and_restores_the_best_evaluation():
+    torch.manual_seed(0)
+    model = _Toy()
+    seen = []
+    scores = iter([0.2, 0.9, 0.9, 0.5, 0.1])  # steps 2, 4, 6, 8, 10: best 0.9, tie -> lower loss (step 6)
+    losses = iter([1.0, 0.7, 0.6, 0.1, 0.1])
+
+    def eval_fn(m):
+        seen.append(m.layers["0"]["mlp"]["up_proj"].weight.item())
+        return next(scores), next(losses)
+
+    def batch_fn(step):
+        return {"input_ids": torch.zeros(1, 1, dtype=torch.long), "labels": torch.zeros(1, 1, dtype=torch.long)}
+
+    start = model.layers["0"]["mlp"]["up_proj"].weight.item()
+    result = train_on_task(model, batch_fn, steps=10, lr=0.3, weight_decay=0.0, warmup=2, eval_fn=eval_fn,
+                           eval_every=2, log_every=5)
+    assert [e["step"] for e in result.evals] == [2, 4, 6, 8, 10]
+    assert result.best_step == 6 and result.best_score == 0.9
+    assert model.layers["0"]["mlp"]["up_proj"].weight.item() == pytest.approx(seen[2])
+    assert abs(seen[-1] - 3.0) < abs(start - 3.0)  # it did train towards the target
+    assert [s for s, _ in result.losses] == [5, 10]

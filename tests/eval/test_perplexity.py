@@ -1,0 +1,138 @@
+"""`evaluate_perplexity` / `hybridlm eval ppl` against a direct per-document computation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hybridlm.cli import main
+from hybridlm.data.shards import TokenDataset
+from hybridlm.data.tokenizer import HybridTokenizer
+from hybridlm.eval.models import build_model, task_config
+from hybridlm.eval.perplexity import (
+    evaluate_perplexity,
+    packed_batches,
+    token_byte_lengths,
+    windows,
+)
+
+
+@pytest.fixture(scope="module", params=["hybrid-mamba2", "hybrid-fw-3A"])
+def model_dir(request, tmp_path_factory, tokenizer_dir):
+    vocab = HybridTokenizer.load(tokenizer_dir).vocab_size
+    # a large init std makes the outputs depend strongly on the context (a packing error would show)
+    config = task_config(request.param, vocab_size=vocab, size="tiny", initializer_range=0.3)
+    model = build_model(config, seed=0).eval()
+    out = tmp_path_factory.mktemp(f"ppl_model_{request.param}")
+    model.save_pretrained(out)
+    return out
+
+
+def _direct(model, data: TokenDataset, seq_len: int) -> tuple[float, int, list[int]]:
+    """Sum of -log p over every token but each document's first, each window run alone."""
+    nll, count, targets = 0.0, 0, []
+    with torch.no_grad():
+        for i in range(data.num_docs):
+            doc = torch.from_numpy(data.doc(i))
+            for start in range(0, len(doc) - 1, seq_len - 1):
+                window = doc[start:start + seq_len]
+                logp = torch.log_softmax(model(window[None]).logits[0].double(), -1)
+                nll -= logp[torch.arange(len(window) - 1), window[1:]].sum().item()
+                count += len(window) - 1
+                targets += window[1:].tolist()
+    return nll, count, targets
+
+
+def test_byte_lengths_reproduce_utf8_sizes(tokenizer_dir, held_out_docs):
+    tok = HybridTokenizer.load(tokenizer_dir)
+    lengths = token_byte_lengths(tokenizer_dir)
+    assert len(lengths) == tok.vocab_size and lengths[tok.eos_id] == 0
+    texts = held_out_docs + [r"\frac{a}{b} \infty 你好 <|end_of_text|> é"]
+    for text in texts:
+        assert lengths[tok.encode(text)].sum() == len(text.encode("utf-8"))
+
+
+@pytest.mark.parametrize("seq_len", [512, 17])
+def test_matches_the_direct_computation(model_dir, shards_dir, tokenizer_dir, seq_len):
+    from hybridlm.models.hf import load_model
+
+    model = load_model(model_dir)
+    data = TokenDataset(shards_dir)
+    lengths = token_byte_lengths(tokenizer_dir)
+    result = evaluate_perplexity(model, data, seq_len=seq_len, batch_size=3, byte_lengths=lengths)
+    nll, count, targets = _direct(model, data, seq_len)
+    assert count == data.num_tokens - data.num_docs  # every token but each document's first, once
+    assert result["tokens"] == count
+    assert result["nll_sum"] == pytest.approx(nll, rel=2e-5)
+    assert result["loss"] == pytest.approx(nll / count, rel=2e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(nll / count), rel=2e-5)
+    n_bytes = int(lengths[targets].sum())
+    assert result["bytes"] == n_bytes and result["bytes_source"] == "tokenizer"
+    assert result["bits_per_byte"] == pytest.approx(nll / math.log(2) / n_bytes, rel=2e-5)
+    # documents really are kept apart: scoring the raw stream in one piece gives another number
+    stream = torch.from_numpy(data.tokens(0, data.num_tokens))
+    with torch.no_grad():
+        logp = torch.log_softmax(model(stream[None]).logits[0].double(), -1)
+    starts = {data.doc_start(i) for i in range(data.num_docs)}
+    joined = -sum(logp[t - 1, stream[t]].item() for t in range(1, len(stream)) if t not in starts)
+    assert abs(joined - nll) > 1e-3 * abs(nll)
+
+
+def test_manifest_average_without_tokenizer_and_max_tokens(model_dir, shards_dir):
+    from hybridlm.models.hf import load_model
+
+    data = TokenDataset(shards_dir)
+    result = evaluate_perplexity(load_model(model_dir), data, seq_len=64, max_tokens=100)
+    first_docs = 0
+    used = 0
+    while used < 100:
+        used += len(data.doc(first_docs))
+        first_docs += 1
+    assert result["tokens"] == used - first_docs  # whole documents up to max_tokens
+    per_token = data.manifest["counts"]["bytes"] / (data.num_tokens - data.num_docs)
+    assert result["bytes_source"] == "manifest-average"
+    assert result["bytes"] == pytest.approx(per_token * (result["tokens"] - first_docs))  # EOS targets: 0 bytes
+
+
+def test_packing_keeps_windows_whole():
+    class FakeData:
+        num_docs = 3
+        docs = (np.arange(10, 15), np.arange(20, 22), np.arange(30, 41))
+
+        def doc(self, i):
+            return self.docs[i]
+
+    pieces = list(windows(FakeData(), seq_len=6))
+    assert [p.tolist() for p in pieces] == [list(range(10, 15)), [20, 21], list(range(30, 36)), list(range(35, 41))]
+    batches = list(packed_batches(iter(pieces), seq_len=8, batch_size=2))
+    ids = torch.cat([b["input_ids"] for b in batches])
+    labels = torch.cat([b["labels"] for b in batches])
+    pos = torch.cat([b["position_ids"] for b in batches])
+    assert ids[0].tolist() == [10, 11, 12, 13, 14, 20, 21, 0] and pos[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 0]
+    assert labels[0].tolist() == [-100, 11, 12, 13, 14, -100, 21, -100]
+    assert (labels != -100).sum() == 4 + 1 + 5 + 5
+
+
+def test_eval_ppl_command(model_dir, shards_dir, tokenizer_dir, tmp_path, capsys):
+    out = tmp_path / "ppl.json"
+    assert main(["eval", "ppl", "--model", str(model_dir), "--data", str(shards_dir), "--tokenizer",
+                 str(tokenizer_dir), "--seq-len", "17", "--device", "cpu", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert "bits/byte" in printed and result["bytes_source"] == "tokenizer"
+    from hybridlm.models.hf import load_model
+
+    direct = evaluate_perplexity(load_model(model_dir), TokenDataset(shards_dir), seq_len=17,
+                                 byte_lengths=token_byte_lengths(tokenizer_dir))
+    assert result["loss"] == pytest.approx(direct["loss"], rel=1e-6)
+    # a tokenizer the shards were not made with is refused
+    other = tmp_path / "other_tok"
+    other.mkdir()
+    (other / "tokenizer.json").write_text((tokenizer_dir / "tokenizer.json").read_text() + " ")
+    assert main(["eval", "ppl", "--model", str(model_dir), "--data", str(shards_dir), "--tokenizer", str(other),
+                 "--device", "cpu"]) == 1
+    assert "not the tokenizer" in capsys.readouterr().err

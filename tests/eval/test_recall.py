@@ -1,0 +1,71 @@
+"""Recall tasks: every scored answer is the value bound to its key earlier in the same sequence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridlm.eval.recall import BLANK, BOS, EOS, NEEDLE, QUERY, RecallTasks, eval_set
+from hybridlm.eval.scoring import IGNORE_INDEX
+
+TASKS = RecallTasks(mqar_pairs=8, needles=3)
+V = TASKS.vocab
+
+
+def _is_key(t):
+    return V.key0 <= t < V.value0
+
+
+def _is_value(t):
+    return V.value0 <= t < V.word0
+
+
+@pytest.mark.parametrize("length", [40, 97, 300])
+def test_mqar_layout_and_answers(length):
+    rng = np.random.default_rng(length)
+    tokens, labels = TASKS.example("mqar", rng, length)
+    assert tokens.shape == labels.shape == (length,) and tokens[0] == BOS
+    pairs = tokens[1:1 + 2 * 8].reshape(8, 2)
+    assert all(_is_key(k) and _is_value(v) for k, v in pairs)
+    binding = {int(k): int(v) for k, v in pairs}
+    assert len(binding) == 8  # distinct keys
+    answers = np.nonzero(labels != IGNORE_INDEX)[0]
+    assert len(answers) == 8
+    assert sorted(int(tokens[a - 1]) for a in answers) == sorted(binding)  # each key queried once
+    for a in answers:
+        assert a > 2 * 8 and labels[a] == tokens[a] == binding[int(tokens[a - 1])]
+    rest = np.ones(length, bool)
+    rest[:1 + 16] = False
+    rest[answers] = rest[answers - 1] = False
+    assert (tokens[rest] == BLANK).all()
+
+
+@pytest.mark.parametrize("task, needles", [("needle", 1), ("multi_needle", 3)])
+def test_needles_are_queried_at_the_end(task, needles):
+    rng = np.random.default_rng(7)
+    for length in (30, 128, 513):
+        tokens, labels = TASKS.example(task, rng, length)
+        assert len(tokens) == length and tokens[0] == BOS and tokens[-1] == EOS
+        marks = np.nonzero(tokens == NEEDLE)[0]
+        assert len(marks) == needles
+        binding = {int(tokens[m + 1]): int(tokens[m + 2]) for m in marks}
+        queries = np.nonzero(tokens == QUERY)[0]
+        assert len(queries) == needles and queries.min() > marks.max()
+        assert sorted(int(tokens[q + 1]) for q in queries) == sorted(binding)
+        answers = np.nonzero(labels != IGNORE_INDEX)[0]
+        assert answers.tolist() == sorted((queries + 2).tolist())
+        assert all(labels[a] == binding[int(tokens[a - 1])] for a in answers)
+        hay = np.ones(length, bool)
+        hay[[0, length - 1]] = False
+        for m in (*marks, *queries):
+            hay[m:m + 3] = False
+        assert (tokens[hay] >= V.word0).all()
+
+
+def test_eval_sets_are_fixed_and_too_short_lengths_raise():
+    a = eval_set(TASKS, "mqar", 64, 3)
+    b = eval_set(TASKS, "mqar", 64, 3)
+    assert (a["input_ids"] == b["input_ids"]).all()
+    assert not (eval_set(TASKS, "needle", 64, 3)["input_ids"] == eval_set(TASKS, "needle", 65, 3)["input_ids"][:, :64]).all()
+    with pytest.raises(ValueError, match="too short"):
+        TASKS.example("mqar", np.random.default_rng(0), 30)

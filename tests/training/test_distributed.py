@@ -1,0 +1,122 @@
+"""Two gloo processes on the CPU train like one process with the same global batch (DDP and FSDP2), and
+checkpoints move between world sizes. The tiny preset, float32, seeded.
+
+Each multi-process run is `torch.multiprocessing.spawn` of `_worker` below (the environment torchrun
+would set: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR / MASTER_PORT); rank 0 writes its per-update losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from hybridlm.training.checkpoint import latest_checkpoint
+from hybridlm.training.config import load_config
+from hybridlm.training.trainer import Trainer
+
+STEPS = 6
+TOL = 1e-5
+
+
+def _config(demo_dir: Path, out: Path, *overrides: str):
+    return load_config(None, [
+        f"data.demo_dir={demo_dir}", f"train.out_dir={out}", "data.demo_max_bytes=400000",
+        "data.demo_heldout_every=4", "batch.seq_len=32", f"train.steps={STEPS}", "train.log_every=1",
+        "train.eval_every=3", "train.eval_batches=2", "train.save_every=0", "train.samples=0",
+        "train.progress=false", "schedule.warmup=2", "optim.lr=3e-3", *overrides,
+    ])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, demo_dir: str, out: str, overrides: list, stop_at: int | None,
+            resume: bool, result_file: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+
+    def stop(trainer, record):
+        if stop_at is not None and record["step"] == stop_at:
+            trainer.request_stop("test")
+
+    trainer = Trainer(_config(Path(demo_dir), Path(out), *overrides), resume=resume, callbacks=[stop])
+    try:
+        result = trainer.train()
+        evals = [json.loads(line)["eval_loss"] for line in (Path(out) / "eval.jsonl").read_text().splitlines()]
+        if rank == 0:
+            Path(result_file).write_text(json.dumps({
+                "losses": [r["loss"] for r in trainer.history], "status": result.status, "evals": evals,
+                "grad_norms": [r["grad_norm"] for r in trainer.history],
+                "step": trainer.step, "tokens": trainer.tokens,
+            }))
+    finally:
+        trainer.close()
+
+
+def run_two_ranks(demo_dir: Path, out: Path, *overrides: str, stop_at=None, resume=False) -> dict:
+    result_file = out.parent / f"{out.name}_result.json"
+    mp.spawn(_worker, args=(2, _free_port(), str(demo_dir), str(out), list(overrides), stop_at, resume,
+                            str(result_file)), nprocs=2, join=True)
+    return json.loads(result_file.read_text())
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory) -> Path:
+    from hybridlm.training.demo import prepare_demo
+
+    directory = tmp_path_factory.mktemp("demo")
+    prepare_demo(directory, max_bytes=400_000, heldout_every=4)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def reference(demo_dir, tmp_path_factory) -> dict:
+    """One process, micro-batches of 2 rows, 2 accumulated: the global batch of 2 ranks x 2 rows."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    trainer = Trainer(_config(demo_dir, out, "batch.micro_batch=2", "batch.grad_accum=2"))
+    trainer.train()
+    evals = [json.loads(line)["eval_loss"] for line in (out / "eval.jsonl").read_text().splitlines()]
+    return {"losses": [r["loss"] for r in trainer.history], "evals": evals, "tokens": trainer.tokens,
+            "grad_norms": [r["grad_norm"] for r in trainer.history]}
+
+
+def _close(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (a, b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def test_ddp_two_ranks_match_one_process(demo_dir, reference, tmp_path):
+    got = run_two_ranks(demo_dir, tmp_path / "ddp", "batch.micro_batch=2", "distributed.strategy=ddp")
+    assert got["status"] == "completed" and got["tokens"] == reference["tokens"]
+    assert _close(got["losses"], reference["losses"]) < TOL, (got["losses"], reference["losses"])
+    assert _close(got["evals"], reference["evals"]) < TOL
+    # the gradient itself (before clipping), not only its direction: Adam would hide a wrong scale
+    assert _close(got["grad_norms"], reference["grad_norms"]) < TOL * max(reference["grad_norms"])
+    assert reference["losses"][-1] < reference["losses"][0] - 1.0  # it trained (so equality means something)
+
+
+def test_checkpoints_move_between_one_process_and_fsdp(demo_dir, reference, tmp_path):
+    """Updates 1-2 in one process, 3-4 on 2 FSDP2 ranks (resumed from its checkpoint), 5-6 in one process
+    again (resumed from the FSDP checkpoint): the same losses as one uninterrupted process."""
+    out = tmp_path / "chain"
+    single = ("batch.micro_batch=2", "batch.grad_accum=2")
+    first = Trainer(_config(demo_dir, out, *single), callbacks=[lambda t, r: t.request_stop() if r["step"] == 2 else None])
+    assert first.train().status == "interrupted"
+    middle = run_two_ranks(demo_dir, out, "batch.micro_batch=2", "distributed.strategy=fsdp", stop_at=4, resume=True)
+    assert middle["status"] == "interrupted" and latest_checkpoint(out / "checkpoints").name == "step_00000004"
+    last = Trainer(_config(demo_dir, out, *single), resume=True)
+    assert last.train().status == "completed" and last.tokens == reference["tokens"]
+    chained = [r["loss"] for r in first.history] + middle["losses"] + [r["loss"] for r in last.history]
+    assert _close(chained, reference["losses"]) < TOL, (chained, reference["losses"])
+    evals = [json.loads(line)["eval_loss"] for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert _close(evals, reference["evals"]) < TOL  # step 3 evaluated under FSDP, step 6 in one process

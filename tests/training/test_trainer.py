@@ -1,0 +1,225 @@
+"""The Trainer on the tiny preset and a small slice of the built-in stdlib corpus (CPU, float32, seeded)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+
+from hybridlm.training.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+)
+from hybridlm.training.config import ConfigError, load_config
+from hybridlm.training.guard import TrainingDivergedError
+from hybridlm.training.trainer import Trainer, read_jsonl
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory) -> Path:
+    from hybridlm.training.demo import prepare_demo
+
+    directory = tmp_path_factory.mktemp("demo")
+    prepare_demo(directory, max_bytes=400_000, heldout_every=4)
+    return directory
+
+
+def small_config(demo_dir: Path, out: Path, *overrides: str):
+    """Tiny preset, 2 x 32-token rows per micro-batch, no samples / bar / periodic eval or saves."""
+    return load_config(None, [
+        f"data.demo_dir={demo_dir}", f"train.out_dir={out}", "data.demo_max_bytes=400000",
+        "data.demo_heldout_every=4", "batch.micro_batch=2", "batch.seq_len=32", "train.steps=8",
+        "train.log_every=1", "train.eval_every=0", "train.save_every=0", "train.samples=0", "train.progress=false",
+        "schedule.warmup=2", "optim.lr=3e-3", *overrides,
+    ])
+
+
+def losses(trainer: Trainer) -> list[float]:
+    return [r["loss"] for r in trainer.history]
+
+
+def stop_at(step: int):
+    def callback(trainer: Trainer, record: dict) -> None:
+        if record["step"] == step:
+            trainer.request_stop("test")
+
+    return callback
+
+
+def test_demo_corpus_is_bytes_of_the_stdlib(demo_dir):
+    from hybridlm.data.shards import TokenDataset
+    from hybridlm.data.tokenizer import HybridTokenizer
+    from hybridlm.training.demo import BYTE_OFFSET, prepare_demo, stdlib_sources
+
+    tok = HybridTokenizer.load(demo_dir / "tokenizer")
+    train, held = TokenDataset(demo_dir / "train"), TokenDataset(demo_dir / "heldout")
+    files = stdlib_sources(400_000)
+    first = files[0].read_bytes()
+    assert train.doc(0)[:64].tolist() == [b + BYTE_OFFSET for b in first[:64]]
+    assert tok.decode(train.doc(0)[:-1].tolist()) == first.decode("utf-8", errors="replace")
+    assert train.doc(0)[-1] == tok.eos_id == 2
+    assert held.num_docs == len(files) // 4 and train.num_docs == len(files) - held.num_docs
+    assert prepare_demo(demo_dir, max_bytes=400_000, heldout_every=4).train_files == train.num_docs  # idempotent
+
+
+def test_short_run_loss_falls_and_writes_its_outputs(demo_dir, tmp_path):
+    out = tmp_path / "run"
+    config = small_config(demo_dir, out, "train.steps=30", "train.log_every=10", "train.eval_every=15",
+                          "train.save_every=10", "train.samples=2", "train.sample_tokens=8", "batch.micro_batch=4",
+                          "batch.seq_len=64")
+    trainer = Trainer(config)
+    result = trainer.train()
+    assert result.status == "completed" and result.step == 30 and result.tokens == 30 * 4 * 64
+    per_step = losses(trainer)
+    assert per_step[0] == pytest.approx(torch.log(torch.tensor(512.0)).item(), abs=0.3)  # ~uniform at init
+    assert sum(per_step[-5:]) / 5 < per_step[0] - 1.5, per_step
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [10, 20, 30]
+    for m in metrics:
+        assert {"step", "tokens", "loss", "lr", "wd", "grad_norm", "tokens_per_s", "skipped"} <= set(m)
+        assert m["tokens"] == m["step"] * 256 and m["tokens_per_s"] > 0 and m["skipped"] == 0
+    assert metrics[0]["loss"] == pytest.approx(sum(per_step[:10]) / 10)
+    held = read_jsonl(out / "eval.jsonl")
+    assert [h["step"] for h in held] == [15, 30] and held[1]["eval_loss"] < held[0]["eval_loss"]
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_00000020", "step_00000030"]  # keep 2
+    assert (out / "loss.png").stat().st_size > 1000
+    assert load_config(out / "config.yaml") == config
+    assert len(result.samples) == 2 and (out / "samples.txt").is_file()
+
+
+def test_resume_continues_exactly(demo_dir, tmp_path):
+    """2N updates in one go == N updates, stop, resume, N more: identical losses, weights, loader position."""
+    extra = ("batch.grad_accum=2", "schedule.decay_fraction=0.5")  # accumulation, a decaying lr
+    whole = Trainer(small_config(demo_dir, tmp_path / "whole", *extra))
+    whole.train()
+
+    first = Trainer(small_config(demo_dir, tmp_path / "split", *extra), callbacks=[stop_at(4)])
+    assert first.train().status == "interrupted"
+    assert latest_checkpoint(tmp_path / "split" / "checkpoints").name == "step_00000004"
+    torch.manual_seed(1234)  # disturb the global RNG: the checkpoint must restore it
+    second = Trainer(small_config(demo_dir, tmp_path / "split", *extra), resume=True)
+    assert second.step == 4 and second.tokens == 4 * 2 * 2 * 32
+    assert second.train().status == "completed"
+
+    assert losses(first) + losses(second) == losses(whole)  # exact, not approximate
+    assert [r["lr"] for r in first.history + second.history] == [r["lr"] for r in whole.history]
+    for (name, a), (_, b) in zip(whole.raw_model.state_dict().items(), second.raw_model.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert second.loader.state_dict() == whole.loader.state_dict()
+    logged = [m["step"] for m in read_jsonl(tmp_path / "split" / "metrics.jsonl")]
+    assert logged == list(range(1, 9))
+
+
+def test_resume_with_more_steps_through_the_cli(demo_dir, tmp_path):
+    from hybridlm.cli import main
+
+    out = tmp_path / "cli"
+    base = ["--set", f"data.demo_dir={demo_dir}", "--set", "batch.micro_batch=2", "--set", "batch.seq_len=32",
+            "--set", "train.samples=0", "--set", "train.progress=false", "--set", "data.demo_max_bytes=400000",
+            "--set", "data.demo_heldout_every=4", "--set", "train.eval_every=0"]
+    assert main(["train", "--out", str(out), "--set", "train.steps=3", *base]) == 0
+    assert main(["train", "--out", str(out), "--set", "train.steps=3", *base]) == 2  # exists: --resume needed
+    assert main(["train", "--resume", "--out", str(out), "--set", "train.steps=5"]) == 0  # its config.yaml
+    assert latest_checkpoint(out / "checkpoints").name == "step_00000005"
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")][-1] == 5
+    assert load_config(out / "config.yaml").train.steps == 5
+
+
+def test_sigterm_saves_a_checkpoint_and_restores_the_handler(demo_dir, tmp_path):
+    def send_sigterm(trainer: Trainer, record: dict) -> None:
+        if record["step"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # a real signal, handled in this (main) thread
+
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = Trainer(small_config(demo_dir, tmp_path / "sig"), callbacks=[send_sigterm])
+    result = trainer.train()
+    assert result.status == "interrupted" and result.step == 3
+    assert result.checkpoint.name == "step_00000003"
+    assert latest_checkpoint(tmp_path / "sig" / "checkpoints") == result.checkpoint
+    assert signal.getsignal(signal.SIGTERM) is before
+    resumed = Trainer(small_config(demo_dir, tmp_path / "sig"), resume=True)
+    assert resumed.step == 3
+
+
+class NaNAt(Trainer):
+    """Makes the loss of the given (0-based) updates non-finite."""
+
+    bad_steps: ClassVar[set[int]] = set()
+
+    def compute_loss_sum(self, model, batch):
+        loss = super().compute_loss_sum(model, batch)
+        return loss * float("nan") if self.step in self.bad_steps else loss
+
+
+def test_non_finite_loss_skips_the_update(demo_dir, tmp_path):
+    class Trainer2(NaNAt):
+        bad_steps: ClassVar[set[int]] = {2}
+
+    snapshots = {}
+
+    def snapshot(trainer, record):
+        snapshots[record["step"]] = [p.detach().clone() for p in trainer.raw_model.parameters()]
+
+    trainer = Trainer2(small_config(demo_dir, tmp_path / "nan", "train.log_every=4"), callbacks=[snapshot])
+    result = trainer.train()
+    assert result.status == "completed"
+    assert [r["skipped"] for r in trainer.history] == [False, False, True, False, False, False, False, False]
+    assert all(torch.equal(a, b) for a, b in zip(snapshots[2], snapshots[3]))  # the skipped update changed nothing
+    assert not all(torch.equal(a, b) for a, b in zip(snapshots[3], snapshots[4]))
+    assert all(torch.isfinite(p).all() for p in trainer.raw_model.parameters())
+    metrics = read_jsonl(tmp_path / "nan" / "metrics.jsonl")
+    assert [m["skipped"] for m in metrics] == [1, 0]
+    assert trainer.guard.total_skips == 1 and trainer.guard.consecutive_skips == 0
+
+
+def test_consecutive_non_finite_losses_stop_the_run(demo_dir, tmp_path):
+    class Trainer2(NaNAt):
+        bad_steps: ClassVar[set[int]] = {1, 2, 3, 4, 5}
+
+    trainer = Trainer2(small_config(demo_dir, tmp_path / "div", "train.max_consecutive_skips=3"))
+    with pytest.raises(TrainingDivergedError, match="3 consecutive optimizer updates skipped"):
+        trainer.train()
+    assert trainer.step == 3  # updates 1 and 2 (0-based) were skipped, the third skip (update 3) raised
+
+
+def test_bf16_autocast_trains_with_fp32_master_weights(demo_dir, tmp_path):
+    trainer = Trainer(small_config(demo_dir, tmp_path / "bf16", "train.dtype=bf16", "train.steps=4"))
+    trainer.train()
+    assert all(p.dtype == torch.float32 for p in trainer.raw_model.parameters())
+    assert all(torch.isfinite(torch.tensor(x)) for x in losses(trainer))
+    assert losses(trainer)[-1] < losses(trainer)[0]
+
+
+def test_refuses_a_corrupt_checkpoint_and_an_existing_run(demo_dir, tmp_path):
+    out = tmp_path / "corrupt"
+    Trainer(small_config(demo_dir, out, "train.steps=2")).train()
+    with pytest.raises(ConfigError, match="--resume"):
+        Trainer(small_config(demo_dir, out, "train.steps=2"))
+    model_file = latest_checkpoint(out / "checkpoints") / "model.safetensors"
+    data = bytearray(model_file.read_bytes())
+    data[-5] ^= 0xFF
+    model_file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum"):
+        Trainer(small_config(demo_dir, out, "train.steps=4"), resume=True)
+
+
+def test_data_vocabulary_must_fit_the_model(demo_dir, tmp_path):
+    with pytest.raises(ConfigError, match="model.overrides.vocab_size"):
+        Trainer(small_config(demo_dir, tmp_path / "v", "model.overrides.vocab_size=200"))
+
+
+def test_optimizer_groups_follow_the_config(demo_dir, tmp_path):
+    trainer = Trainer(small_config(demo_dir, tmp_path / "groups", "optim.elr.ssm_in=2", "optim.ewd.ssm_in=0.5",
+                                   "optim.vector_lr.dt_bias=0.1"))
+    groups = {g["role"]: g for g in trainer.optimizer.param_groups}
+    assert groups["ssm_in"]["base_lr"] == pytest.approx(3e-3 * 2 / 0.5)
+    assert groups["ssm_in"]["base_weight_decay"] == pytest.approx(0.1 * 2 * 0.5)
+    assert groups["dt_bias"]["base_lr"] == pytest.approx(3e-4) and groups["dt_bias"]["base_weight_decay"] == 0
+    assert groups["mlp_up"]["base_lr"] == pytest.approx(3e-3)
+    json.dumps(trainer._train_state())  # the checkpoint's train_state is plain JSON
