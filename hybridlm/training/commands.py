@@ -113,7 +113,7 @@ def run_train(args: argparse.Namespace) -> int:
         loss = f"{result.loss:.4f}" if result.loss is not None else "n/a"
         held = f", held-out loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""
         print(f"{result.status}: {result.step} updates, {result.tokens:,} tokens, loss {loss}{held}; "
-              f"outputs in {result.out_dir} (metrics.jsonl, loss.png, checkpoints/)")
+              f"outputs in {result.out_dir} (metrics.jsonl, loss.png, checkpoints/, final/)")
     if result.status == "interrupted":
         import signal
 

@@ -23,8 +23,9 @@ Run directory (`train.out_dir`): `config.yaml` (resolved config), `metrics.jsonl
 schedule factor), tokens_per_s, skipped (updates skipped in the interval), elapsed_s), `eval.jsonl`
 (step, tokens, eval_loss on the held-out data), `checkpoints/step_XXXXXXXX/` (`training.checkpoint`:
 model, optimizer, RNG, and train_state = tokens, loader position, guard, schedule, config), `loss.png`,
-`samples.txt` (`hybridlm.inference.generate` continuing the first tokens of held-out documents). Only
-rank 0 writes.
+`samples.txt` (`hybridlm.inference.generate` continuing the first tokens of held-out documents), `final/`
+(the trained model as a `from_pretrained` directory with the tokenizer: `hybridlm generate --model
+<out_dir>/final --prompt ...`). Only rank 0 writes.
 
 Resuming (`resume=True`): the newest complete checkpoint in `<out_dir>/checkpoints` is verified and
 loaded (model, AdamW state, RNG streams, step, tokens, data-loader position, guard counters); the
@@ -44,6 +45,8 @@ import contextlib
 import json
 import logging
 import math
+import os
+import shutil
 import signal
 import threading
 import time
@@ -90,6 +93,7 @@ CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoints"
 LOSS_PLOT = "loss.png"
 SAMPLES_FILE = "samples.txt"
+FINAL_DIR = "final"
 
 
 @dataclass
@@ -581,10 +585,31 @@ class Trainer:
             samples: list[str] = []
         else:
             samples = self._write_samples()
+            self.export()
         if self.ctx.is_main:
             plot_losses(self.out_dir)
         return TrainResult(status, self.step, self.tokens, last_loss, eval_loss,
                            Path(checkpoint) if checkpoint else None, self.out_dir, samples)
+
+    def export(self) -> Path | None:
+        """`<out_dir>/final/`: the trained model as a `from_pretrained` directory (safetensors) with the run's
+        tokenizer beside it, ready for `hybridlm generate --model <out_dir>/final`. Every rank calls it (FSDP
+        gathers); rank 0 writes, through a temporary directory renamed into place."""
+        model_sd, _ = D.full_state_dicts(self.model, self.optimizer, self.ctx)
+        final = self.out_dir / FINAL_DIR
+        if self.ctx.is_main:
+            tmp = self.out_dir / f"{FINAL_DIR}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            model = D.unwrap(self.raw_model)
+            model.save_pretrained(tmp, state_dict=model_sd, safe_serialization=True)
+            if self.data.tokenizer_dir is not None:
+                for item in Path(self.data.tokenizer_dir).iterdir():
+                    if item.is_file():
+                        shutil.copy2(item, tmp / item.name)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        D.barrier(self.ctx)
+        return final if self.ctx.is_main else None
 
     def _log_interval(self, interval: list[dict], began: float) -> float | None:
         seconds = sum(r["seconds"] for r in interval)

@@ -91,6 +91,14 @@ def test_short_run_loss_falls_and_writes_its_outputs(demo_dir, tmp_path):
     assert (out / "loss.png").stat().st_size > 1000
     assert load_config(out / "config.yaml") == config
     assert len(result.samples) == 2 and (out / "samples.txt").is_file()
+    # The exported model loads with from_pretrained and gives the trained model's logits.
+    from hybridlm.models.hf import load_model
+
+    exported = load_model(out / "final")
+    probe = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        assert torch.allclose(exported(probe).logits, trainer.raw_model(probe).logits, atol=1e-5)
+    assert (out / "final" / "tokenizer.json").is_file()
 
 
 def test_resume_continues_exactly(demo_dir, tmp_path):
