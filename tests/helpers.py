@@ -13,3 +13,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     denom = b.norm().item()
     diff = (a - b).norm().item()
     return diff / denom if denom > 0 else diff
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface, for the rendezvous of spawned gloo process groups."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

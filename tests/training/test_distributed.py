@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import torch.multiprocessing as mp
 from hybridlm.training.checkpoint import latest_checkpoint
 from hybridlm.training.config import load_config
 from hybridlm.training.trainer import Trainer
+from tests.helpers import free_port
 
 STEPS = 6
 TOL = 1e-5
@@ -31,12 +31,6 @@ def _config(demo_dir: Path, out: Path, *overrides: str):
         "train.eval_every=3", "train.eval_batches=2", "train.save_every=0", "train.samples=0",
         "train.progress=false", "schedule.warmup=2", "optim.lr=3e-3", *overrides,
     ])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, demo_dir: str, out: str, overrides: list, stop_at: int | None,
@@ -65,7 +59,7 @@ def _worker(rank: int, world: int, port: int, demo_dir: str, out: str, overrides
 
 def run_two_ranks(demo_dir: Path, out: Path, *overrides: str, stop_at=None, resume=False) -> dict:
     result_file = out.parent / f"{out.name}_result.json"
-    mp.spawn(_worker, args=(2, _free_port(), str(demo_dir), str(out), list(overrides), stop_at, resume,
+    mp.spawn(_worker, args=(2, free_port(), str(demo_dir), str(out), list(overrides), stop_at, resume,
                             str(result_file)), nprocs=2, join=True)
     return json.loads(result_file.read_text())
 

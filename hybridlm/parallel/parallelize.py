@@ -1,0 +1,53 @@
+"""`parallelize(model, mesh, config)`: every parallelism applied in one place, in torchtitan's order
+
+    1. tensor parallelism over mesh["tp"]             (apply_tensor_parallel; the model must be unwrapped)
+    2. activation checkpointing per block              (config.activation_checkpointing)
+    3. torch.compile per block                         (compile=True)
+    4. FSDP2 `fully_shard` per block, then the root    over data_parallel_mesh(mesh) (HSDP with dp_replicate > 1)
+
+Context parallelism is not a module transform: wrap the forward in `context_parallel(model, mesh["cp"])`
+(hybridlm.parallel.context_parallel). With cp > 1 the parameters are replicated over the cp ranks (FSDP
+shards over the data-parallel dims only).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    checkpoint_wrapper,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from hybridlm.layers.block import HybridBlock
+from hybridlm.parallel.mesh import ParallelConfig, data_parallel_mesh
+from hybridlm.parallel.tensor_parallel import apply_tensor_parallel
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig, *, compile: bool = False) -> nn.Module:
+    """Apply TP -> activation checkpointing -> compile -> FSDP2 to `model` (a HybridForCausalLM or
+    HybridModel already on its device) in place; returns it. `mesh` comes from `build_mesh(config)`."""
+    if tuple(mesh.mesh.shape) != config.resolved(mesh.size()).shape:
+        raise ValueError(f"mesh shape {tuple(mesh.mesh.shape)} does not match the config {config}")
+    apply_tensor_parallel(model, mesh["tp"])
+    layers = _layer_list(model)
+    for index, block in enumerate(list(layers)):
+        if config.activation_checkpointing:
+            block = checkpoint_wrapper(block)  # recompute the block in backward
+        if compile:
+            block.compile()
+        layers[index] = block
+    dp_mesh = data_parallel_mesh(mesh)
+    if dp_mesh is not None:
+        for block in layers:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def _layer_list(model: nn.Module) -> nn.ModuleList:
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not all(isinstance(b, HybridBlock) for b in layers):
+        raise TypeError("parallelize expects a HybridForCausalLM / HybridModel (model.layers of HybridBlock)")
+    return layers
