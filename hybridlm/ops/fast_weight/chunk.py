@@ -20,11 +20,13 @@ Cost per head: O(T * C * W * (K + V) + T * (C W)^2 V / C) -- linear in T for a f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from hybridlm.ops.fast_weight.state import FastWeightState
-from hybridlm.ops.utils import packed_to_padded, padded_to_packed
+from hybridlm.ops.utils import compute_dtype, packed_to_padded, padded_to_packed
 
 REGRESSION_RULES = ("1", "2", "3")
 PER_COLUMN_RULES = ("2", "2A")
@@ -32,6 +34,102 @@ SLIDING_RULES = ("3", "3A")
 # Per-column decays (rules 2/2A) make every intra-chunk coefficient a [C, C, V] tensor of exponentials rather
 # than a matmul, so their chunks are kept short: the work per step grows with C, the chunk loop shrinks.
 PER_COLUMN_MAX_CHUNK = 16
+
+
+@dataclass
+class PreparedWrites:
+    """The rule-independent form of a call (steps 1-3 below), shared by the chunk and Triton backends.
+
+    Every step t carries its window of write pairs and their weights w = eta_t [pair exists] / B_t; rules without a
+    window have one slot. Packed inputs are right-padded into rows (padded steps have no pair: eta = 0, gamma = 1).
+    """
+
+    q: torch.Tensor           # [N, T, H, K]
+    X: torch.Tensor           # [N, T, H, W, K] write features of the step's window (zeros where no pair)
+    Y: torch.Tensor           # [N, T, H, W, V]
+    weights: torch.Tensor     # [N, T, H, W, Dv] (Dv = V for rules 2/2A, else 1), in the statistics dtype
+    log_gamma: torch.Tensor   # [N, T, H, Dv]
+    final: FastWeightState    # the carried last key and sliding tail at each row's end (S is left to the scan)
+
+
+def prepare_writes(q, k, v, beta, lam, *, rule, window, pairing, step_size, ridge_scaling, eps, eps_gamma,
+                   initial_state: FastWeightState, offsets: torch.Tensor | None) -> PreparedWrites:
+    """Steps 1-3 of the chunk form: write pairs, windows, the statistic E_t, step sizes and log decays.
+
+    q, k, v keep their dtype (the Triton backend runs bf16 operands); the statistic, step sizes, decays and the
+    carried pairs are computed in `compute_dtype` (float32, or float64 for float64 inputs)."""
+    stat = compute_dtype(k.dtype)
+    beta, lam = beta.to(stat), lam.to(stat)
+    if offsets is not None:
+        # Packed sequences run as a right-padded batch: padded steps have no pair (eta = 0, gamma = 1),
+        # so they leave the state untouched and the final state is the state at each sequence's end.
+        q, k, v, beta, lam = (packed_to_padded(t, offsets) for t in (q, k, v, beta, lam))
+        lengths = (offsets[1:] - offsets[:-1]).to(q.device)
+    else:
+        lengths = torch.full((q.shape[0],), q.shape[1], dtype=torch.int64, device=q.device)
+    N, T, H, K = k.shape
+    V = v.shape[-1]
+    W = window
+    valid = torch.arange(T, device=q.device)[None, :] < lengths[:, None]                # [N, T]
+
+    # 1. Write pairs (x_t, y_t) and whether each exists (C.5: a fresh shifted sequence has none at t = 1).
+    if pairing == "shifted":
+        first = initial_state.last_k if initial_state.last_k is not None else k.new_zeros(N, H, K)
+        x = torch.cat([first[:, None].to(k.dtype), k[:, :-1]], dim=1)                      # [N, T, H, K]
+        exists = valid.clone()
+        if initial_state.last_k is None:
+            exists[:, 0] = False
+    else:
+        x, exists = k, valid
+    x = x * exists[:, :, None, None].to(x.dtype)
+    y = v * exists[:, :, None, None].to(v.dtype)
+
+    # 2. Each step's window of pairs, reaching into the carried tail (C.7).
+    if W > 1:
+        tail_x, tail_v, tail_m = _tail(initial_state, N, H, K, V, W, x)
+        x_ext = torch.cat([tail_x.to(x.dtype), x], dim=1)                                  # [N, W-1+T, H, K]
+        y_ext = torch.cat([tail_v.to(y.dtype), y], dim=1)
+        m_ext = torch.cat([tail_m, exists], dim=1)                                         # [N, W-1+T]
+        Xw = x_ext.unfold(1, W, 1).movedim(-1, 3)                                          # [N, T, H, W, K]
+        Yw = y_ext.unfold(1, W, 1).movedim(-1, 3)                                          # [N, T, H, W, V]
+        Mw = m_ext.unfold(1, W, 1)                                                         # [N, T, W]
+    else:
+        Xw, Yw, Mw = x[:, :, :, None], y[:, :, :, None], exists[:, :, None]
+    Mw = Mw.to(stat)
+    count = Mw.sum(-1).clamp(min=1.0)                                                      # B_t  [N, T]
+
+    # 3. The rule's statistic E_t, step sizes eta_t and log decays log gamma_t.
+    if rule == "3":
+        Xs = Xw.to(stat)
+        E = _top_eigenvalue(Xs @ Xs.transpose(-1, -2)) / count[:, :, None]                 # mu_t  [N, T, H]
+    elif rule == "3A":
+        E = Xw.to(stat).square().sum(dim=(-1, -2)) / count[:, :, None]                     # Ebar_t
+    else:
+        E = x.to(stat).square().sum(-1)                                                    # |x_t|^2
+    ridge = lam * E.detach() if ridge_scaling else lam                                     # [N, T, H]
+    active = exists[:, :, None]                                                            # [N, T, 1]
+    if step_size == "nlms":
+        denom = torch.where(active, E + ridge + eps, 1.0)                                  # [N, T, H]
+        eta = beta / (denom[..., None] if rule in PER_COLUMN_RULES else denom)
+    else:
+        eta = beta
+    if rule in PER_COLUMN_RULES:                                                           # eta [N, T, H, V]
+        ridge, active = ridge[..., None], active[..., None]
+    eta = torch.where(active, eta, 0.0)
+    log_gamma = torch.log1p(-torch.clamp(eta * ridge, max=1.0 - eps_gamma))                # log gamma_t
+    if rule not in PER_COLUMN_RULES:
+        eta, log_gamma = eta[..., None], log_gamma[..., None]                              # [N, T, H, Dv]
+    weights = eta[:, :, :, None, :] * (Mw / count[..., None])[:, :, None, :, None]         # [N, T, H, W, Dv]
+
+    rows = torch.arange(N, device=q.device)
+    final = FastWeightState(S=initial_state.S,
+                            last_k=k[rows, lengths - 1].to(stat) if pairing == "shifted" else None)
+    if W > 1:
+        index = lengths[:, None] + torch.arange(W - 1, device=q.device)[None, :]           # ext slots [N, W-1]
+        final.tail_x = x_ext[rows[:, None], index].transpose(1, 2).to(stat)                # [N, H, W-1, K]
+        final.tail_v = y_ext[rows[:, None], index].transpose(1, 2).to(stat)
+        final.tail_len = m_ext[rows[:, None], index].sum(-1).to(torch.int64)
+    return PreparedWrites(q=q, X=Xw, Y=Yw, weights=weights, log_gamma=log_gamma, final=final)
 
 
 def fast_weight_chunk(
@@ -54,87 +152,22 @@ def fast_weight_chunk(
     chunk_size: int,
 ) -> tuple[torch.Tensor, FastWeightState]:
     """Same contract as `naive.fast_weight_naive` (inputs validated and cast by the front door)."""
-    if offsets is not None:
-        # Packed sequences run as a right-padded batch: padded steps have no pair (eta = 0, gamma = 1),
-        # so they leave the state untouched and the final state is the state at each sequence's end.
-        q, k, v, beta, lam = (packed_to_padded(t, offsets) for t in (q, k, v, beta, lam))
-        lengths = (offsets[1:] - offsets[:-1]).to(q.device)
-    else:
-        lengths = torch.full((q.shape[0],), q.shape[1], dtype=torch.int64, device=q.device)
-    N, T, H, K = k.shape
-    V = v.shape[-1]
-    W = window
-    valid = torch.arange(T, device=q.device)[None, :] < lengths[:, None]                # [N, T]
-
-    # 1. Write pairs (x_t, y_t) and whether each exists (C.5: a fresh shifted sequence has none at t = 1).
-    if pairing == "shifted":
-        first = initial_state.last_k if initial_state.last_k is not None else k.new_zeros(N, H, K)
-        x = torch.cat([first[:, None], k[:, :-1]], dim=1)                                  # [N, T, H, K]
-        exists = valid.clone()
-        if initial_state.last_k is None:
-            exists[:, 0] = False
-    else:
-        x, exists = k, valid
-    x = x * exists[:, :, None, None]
-    y = v * exists[:, :, None, None]
-
-    # 2. Each step's window of pairs, reaching into the carried tail (C.7).
-    if W > 1:
-        tail_x, tail_v, tail_m = _tail(initial_state, N, H, K, V, W, x)
-        x_ext = torch.cat([tail_x, x], dim=1)                                              # [N, W-1+T, H, K]
-        y_ext = torch.cat([tail_v, y], dim=1)
-        m_ext = torch.cat([tail_m, exists], dim=1)                                         # [N, W-1+T]
-        Xw = x_ext.unfold(1, W, 1).movedim(-1, 3)                                          # [N, T, H, W, K]
-        Yw = y_ext.unfold(1, W, 1).movedim(-1, 3)                                          # [N, T, H, W, V]
-        Mw = m_ext.unfold(1, W, 1)                                                         # [N, T, W]
-    else:
-        Xw, Yw, Mw = x[:, :, :, None], y[:, :, :, None], exists[:, :, None]
-    Mw = Mw.to(x.dtype)
-    count = Mw.sum(-1).clamp(min=1.0)                                                      # B_t  [N, T]
-
-    # 3. The rule's statistic E_t, step sizes eta_t and log decays log gamma_t.
-    if rule == "3":
-        gram = Xw @ Xw.transpose(-1, -2)                                                   # [N, T, H, W, W]
-        E = _top_eigenvalue(gram) / count[:, :, None]                                      # mu_t  [N, T, H]
-    elif rule == "3A":
-        E = (Xw * Xw).sum(dim=(-1, -2)) / count[:, :, None]                                # Ebar_t
-    else:
-        E = (x * x).sum(-1)                                                                # |x_t|^2
-    ridge = lam * E.detach() if ridge_scaling else lam                                     # [N, T, H]
-    active = exists[:, :, None]                                                            # [N, T, 1]
-    if step_size == "nlms":
-        denom = torch.where(active, E + ridge + eps, 1.0)                                  # [N, T, H]
-        eta = beta / (denom[..., None] if rule in PER_COLUMN_RULES else denom)
-    else:
-        eta = beta
-    if rule in PER_COLUMN_RULES:                                                           # eta [N, T, H, V]
-        ridge, active = ridge[..., None], active[..., None]
-    eta = torch.where(active, eta, 0.0)
-    log_gamma = torch.log1p(-torch.clamp(eta * ridge, max=1.0 - eps_gamma))                # log gamma_t
-    if rule not in PER_COLUMN_RULES:
-        eta, log_gamma = eta[..., None], log_gamma[..., None]                              # [N, T, H, Dv]
-    weights = eta[:, :, :, None, :] * (Mw / count[..., None])[:, :, None, :, None]         # [N, T, H, W, Dv]
-
+    p = prepare_writes(q, k, v, beta, lam, rule=rule, window=window, pairing=pairing, step_size=step_size,
+                       ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=initial_state,
+                       offsets=offsets)
     # 4. The chunk scan, head-major.
     if rule in PER_COLUMN_RULES:
         chunk_size = min(chunk_size, PER_COLUMN_MAX_CHUNK)
     o, S = _chunk_scan(
-        q.transpose(1, 2), Xw.transpose(1, 2), Yw.transpose(1, 2), weights.transpose(1, 2),
-        log_gamma.transpose(1, 2), initial_state.S,
+        p.q.transpose(1, 2), p.X.transpose(1, 2), p.Y.transpose(1, 2), p.weights.transpose(1, 2),
+        p.log_gamma.transpose(1, 2), initial_state.S,
         regression=rule in REGRESSION_RULES, read_after=read == "after", chunk_size=chunk_size,
     )
     o = o.transpose(1, 2)                                                                  # [N, T, H, V]
     if offsets is not None:
         o = padded_to_packed(o, offsets)
-
-    rows = torch.arange(N, device=q.device)
-    final = FastWeightState(S=S, last_k=k[rows, lengths - 1] if pairing == "shifted" else None)
-    if W > 1:
-        index = lengths[:, None] + torch.arange(W - 1, device=q.device)[None, :]           # ext slots [N, W-1]
-        final.tail_x = x_ext[rows[:, None], index].transpose(1, 2)                         # [N, H, W-1, K]
-        final.tail_v = y_ext[rows[:, None], index].transpose(1, 2)
-        final.tail_len = m_ext[rows[:, None], index].sum(-1).to(torch.int64)
-    return o, final
+    p.final.S = S
+    return o, p.final
 
 
 def _tail(state: FastWeightState, N, H, K, V, W, like):

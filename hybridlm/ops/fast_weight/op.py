@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hybridlm.ops.fast_weight.chunk import PER_COLUMN_RULES, SLIDING_RULES, fast_weight_chunk
 from hybridlm.ops.fast_weight.naive import fast_weight_naive
 from hybridlm.ops.fast_weight.state import FastWeightState
+from hybridlm.ops.fast_weight.triton import fast_weight_triton
+from hybridlm.ops.fast_weight.triton import is_available as triton_available
+from hybridlm.ops.fast_weight.triton import supports as triton_supports
 from hybridlm.ops.utils import check_cu_seqlens, compute_dtype, resolve_backend
 
 RULES = ("1", "2", "3", "1A", "2A", "3A")
-BACKENDS = ("naive", "chunk")
+BACKENDS = ("naive", "chunk", "triton")
 
 
 def fast_weight_attention(
@@ -55,7 +60,9 @@ def fast_weight_attention(
             of `initial_state`, and nothing crosses a sequence boundary.
         chunk_size: the chunk length of the chunk-parallel backend (rules "2"/"2A" use at most 16: their
             per-column decays cost O(C^2 V) exponentials per chunk instead of matmuls).
-        backend: "auto" | "naive" | "chunk".
+        backend: "auto" | "naive" | "chunk" | "triton". "auto" takes the step loop for T == 1 (decoding), the
+            Triton kernels on CUDA for the rules they cover (1A, 3A; K, V <= 128; float32/bf16/fp16) when triton
+            is installed, and the chunk path otherwise.
 
     Returns:
         o `[B, T, H, V]` in q's dtype, and the final state (float32; float64 for float64 inputs) or None.
@@ -76,11 +83,18 @@ def fast_weight_attention(
     out_dtype = q.dtype
     if lam is None:
         lam = q.new_zeros(B, T, H)
-    q, k, v, beta, lam = (t.to(dtype) for t in (q, k, v, beta, lam))
     options = dict(rule=rule, window=window, pairing=pairing, read=read, step_size=step_size,
                    ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=state, offsets=offsets)
-    # The recurrent step loop is the cheapest path for a single decoding step.
-    name = resolve_backend(backend, available=BACKENDS, default="naive" if T == 1 else "chunk")
+    # The recurrent step loop is the cheapest path for a single decoding step; on a GPU, the Triton kernels.
+    on_gpu = q.is_cuda and triton_available() and triton_supports(rule=rule, window=window, K=K, V=V, dtype=q.dtype)
+    name = resolve_backend(backend, available=BACKENDS, default="naive" if T == 1 else "triton" if on_gpu else "chunk")
+    if name == "triton":  # q, k, v keep their dtype (bf16 tensor cores); step sizes and decays run in float32
+        if not (triton_available() and q.is_cuda) and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("backend='triton' needs triton installed and the tensors on a CUDA device; "
+                             "use backend='chunk' (or 'auto') here")
+        o, final = fast_weight_triton(q, k, v, beta, lam, chunk_size=chunk_size, **options)
+        return o.to(out_dtype), (final if output_final_state else None)
+    q, k, v, beta, lam = (t.to(dtype) for t in (q, k, v, beta, lam))
     if name == "naive":
         o, final = fast_weight_naive(q, k, v, beta, lam, **options)
     else:

@@ -1,0 +1,151 @@
+"""GPU timing of rule 1A (and 3A): the Triton kernels vs the torch chunk path vs causal SDPA, in one run.
+
+    python benchmarks/gpu_fast_weight_triton.py                          # 1A, B=8 H=16 D=128 bf16, T 2048 4096 16384
+    python benchmarks/gpu_fast_weight_triton.py --rules 1A 3A --T 2048 4096
+
+First checks the Triton backend against the chunk backend at one shape for each rule (float32 and bf16; outputs,
+final state and every gradient) and stops if they disagree. Then times (median of `triton.testing.do_bench`)
+forward and forward+backward of:
+- SDPA: causal `F.scaled_dot_product_attention` on the same q, k, v (flash / cuDNN backend);
+- chunk: `fast_weight_attention(..., backend="chunk")` (the torch chunk path; window 3 for 3A);
+- triton: the same op through the Triton backend (raw q, k, v, beta, lam -> prepared writes -> kernels);
+- kernels (1A): `fast_weight_1a_triton` alone on prepared writes (the kernels without the preparation).
+Prints a markdown table with the ratios triton / SDPA and chunk / triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from gpu_ops import bench  # benchmarks/ is on the path when this script runs
+
+from hybridlm.ops import FastWeightState, fast_weight_attention
+from hybridlm.ops.fast_weight.triton import fast_weight_1a_triton, fast_weight_triton
+
+WINDOW = {"1A": 1, "3A": 3}
+
+
+def run_triton(q, k, v, beta, lam, *, rule, chunk_size, initial_state=None, output_final_state=False):
+    """The rule through the Triton backend with the op's defaults (what backend="triton" will run)."""
+    B, _, H, K = q.shape
+    state = initial_state or FastWeightState(S=q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32))
+    o, final = fast_weight_triton(q, k, v, beta, lam, rule=rule, window=WINDOW[rule], pairing="shifted",
+                                  read="after", step_size="nlms", ridge_scaling=False, eps=1e-6, eps_gamma=1e-6,
+                                  initial_state=state, offsets=None, chunk_size=chunk_size)
+    return o, (final if output_final_state else None)
+
+
+def run_chunk(q, k, v, beta, lam, *, rule, chunk_size, initial_state=None, output_final_state=False):
+    return fast_weight_attention(q, k, v, beta, lam, rule=rule, window=WINDOW[rule], backend="chunk",
+                                 chunk_size=chunk_size, initial_state=initial_state,
+                                 output_final_state=output_final_state)
+
+
+def make_inputs(B, T, H, D, dtype, *, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(B, T, H, D, device="cuda", generator=g) for _ in range(3))
+    k = F.normalize(k, dim=-1)
+    beta = 1.9 * torch.rand(B, T, H, device="cuda", generator=g)
+    lam = 0.1 * torch.rand(B, T, H, device="cuda", generator=g)
+    return [t.to(dtype).requires_grad_(True) for t in (q, k, v, beta, lam)]
+
+
+def rel_err(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check(rule, *, B=2, T=1000, H=4, D=128, chunk_size=64) -> None:
+    """Triton vs chunk backend: float32 (< 1e-4) and bf16 against the float32 chunk path (< 2e-2)."""
+    W = WINDOW[rule]
+    ref_in = make_inputs(B, T, H, D, torch.float32)
+    state = FastWeightState(S=0.3 * torch.randn(B, H, D, D, device="cuda"), last_k=torch.randn(B, H, D, device="cuda"))
+    if W > 1:
+        state.tail_x = torch.randn(B, H, W - 1, D, device="cuda")
+        state.tail_v = torch.randn(B, H, W - 1, D, device="cuda")
+        state.tail_len = torch.tensor([W - 1, 1][:B], device="cuda")
+    state.S.requires_grad_(True)
+    o_ref, s_ref = run_chunk(*ref_in, rule=rule, chunk_size=chunk_size, initial_state=state, output_final_state=True)
+    w_o, w_s = torch.randn_like(o_ref), torch.randn_like(s_ref.S)
+    g_ref = torch.autograd.grad((o_ref * w_o).sum() + (s_ref.S * w_s).sum(), ref_in + [state.S])
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        ins = [t.detach().to(dtype).requires_grad_(True) for t in ref_in]
+        start = state.detach()
+        start.S.requires_grad_(True)
+        o, s = run_triton(*ins, rule=rule, chunk_size=chunk_size, initial_state=start, output_final_state=True)
+        grads = torch.autograd.grad((o.float() * w_o).sum() + (s.S * w_s).sum(), ins + [start.S])
+        errors = {"o": rel_err(o, o_ref), "S": rel_err(s.S, s_ref.S)}
+        errors.update({f"d{n}": rel_err(a, b) for n, a, b in zip(("q", "k", "v", "beta", "lam", "S0"), grads, g_ref)})
+        worst = max(errors.values())
+        print(f"check {rule} {str(dtype)[6:]} B={B} T={T} H={H} D={D}: max rel err {worst:.1e} "
+              f"({', '.join(f'{k} {v:.1e}' for k, v in errors.items())})", flush=True)
+        if not worst < tol:
+            raise SystemExit(f"Triton and chunk backends disagree for {rule} in {dtype} (tolerance {tol}); not timing")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--T", type=int, nargs="+", default=[2048, 4096, 16384])
+    parser.add_argument("--rules", nargs="+", default=["1A"], choices=sorted(WINDOW))
+    parser.add_argument("--B", type=int, default=8)
+    parser.add_argument("--H", type=int, default=16)
+    parser.add_argument("--D", type=int, default=128)
+    parser.add_argument("--chunk-size", type=int, default=64)
+    args = parser.parse_args()
+    for rule in args.rules:
+        check(rule, chunk_size=args.chunk_size)
+    print(f"\n# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+          f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | window 3 for 3A")
+    print("| rule | T | pass | SDPA (ms) | chunk (ms) | triton (ms) | kernels (ms) | triton / SDPA | chunk / triton |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for T in args.T:
+        for rule in args.rules:
+            for line in time_one(rule, args.B, T, args.H, args.D, torch.bfloat16, chunk_size=args.chunk_size):
+                print(line, flush=True)
+            torch.cuda.empty_cache()
+
+
+def time_one(rule, B, T, H, D, dtype, *, chunk_size):
+    """The table rows (fwd, fwd+bwd) of one rule and sequence length."""
+    q, k, v, beta, lam = inputs = make_inputs(B, T, H, D, dtype)
+    prepared = None
+    if rule == "1A":
+        with torch.no_grad():  # the prepared writes as the backend makes them (shifted pair, NLMS step, decay)
+            x = torch.cat([torch.zeros_like(k[:, :1]), k[:, :-1]], dim=1)
+            E = x.float().pow(2).sum(-1)
+            eta = beta.float() / (E + lam.float() + 1e-6)
+            eta[:, 0] = 0.0
+            log_gamma = torch.log1p(-torch.clamp(eta * lam.float(), max=1 - 1e-6))
+        prepared = [t.detach().clone().requires_grad_(True) for t in (q, x, v, eta, log_gamma)]
+    rows = []
+    for backward in (False, True):
+        ms = {
+            "sdpa": bench(lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                 v.transpose(1, 2), is_causal=True),
+                          backward=backward, inputs=(q, k, v)),
+            "triton": bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0], backward=backward,
+                            inputs=inputs),
+        }
+        kernels = "-"
+        if prepared is not None:
+            kernels = "{:.2f}".format(bench(lambda: fast_weight_1a_triton(*prepared, None, read_after=True,
+                                                                          chunk_size=chunk_size)[0],
+                                            backward=backward, inputs=prepared))
+        try:
+            ms["chunk"] = bench(lambda: run_chunk(*inputs, rule=rule, chunk_size=chunk_size)[0], backward=backward,
+                                inputs=inputs)
+            chunk_cells = f"{ms['chunk']:.2f}", f"{ms['chunk'] / ms['triton']:.1f}x"
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            chunk_cells = "out of memory", "-"
+        name = "fwd+bwd" if backward else "fwd"
+        rows.append(f"| {rule} | {T} | {name} | {ms['sdpa']:.2f} | {chunk_cells[0]} | {ms['triton']:.2f} | {kernels} | "
+                    f"{ms['triton'] / ms['sdpa']:.2f}x | {chunk_cells[1]} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Triton (GPU) kernels of the Falcon fast-weight rules. Importing this package never needs triton
+(`chunk_1a.py` and `kernels.py`, which do, are imported on the first call).
+
+- `fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, *, read_after, chunk_size)`: rule 1A on the prepared
+  quantities of chunk.py's pipeline (write pairs, step sizes and log decays), forward and backward in Triton.
+- `fast_weight_triton(...)`: the same contract as `chunk.fast_weight_chunk` for the supported rules/options
+  (`supports(...)`: rules 1A and 3A), i.e. what `fast_weight_attention(..., backend="triton")` runs.
+- `is_available()`: triton importable and a CUDA device present.
+
+The kernels also run on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set before triton is
+imported): that is how the tests check them without a GPU (`HYBRIDLM_TRITON_INTERPRET=1`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+SUPPORTED_RULES = ("1A", "3A")  # 3A runs as 1A over its window's write events (frontend.py)
+MAX_HEAD_DIM = 128  # K and V
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of q, k, v (float64 stays on the torch backends)
+
+
+def is_available() -> bool:
+    """True when the Triton kernels can run here: triton is importable and a CUDA device is present."""
+    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+
+
+def fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 64):
+    """Rule 1A on prepared writes; see `chunk_1a.fast_weight_1a_triton`."""
+    from hybridlm.ops.fast_weight.triton.chunk_1a import fast_weight_1a_triton as run
+
+    return run(q, x, y, eta, log_gamma, S0, read_after=read_after, chunk_size=chunk_size)
+
+
+def supports(*, rule: str, window: int, K: int, V: int, dtype: torch.dtype) -> bool:
+    """Whether `fast_weight_triton` handles this call (else use the chunk backend)."""
+    windowed = window == 1 or rule == "3A"
+    return rule in SUPPORTED_RULES and windowed and K <= MAX_HEAD_DIM and V <= MAX_HEAD_DIM and dtype in DTYPES
+
+
+def fast_weight_triton(q, k, v, beta, lam, **options):
+    """The op's backend contract (as `chunk.fast_weight_chunk`) on the Triton kernels; see `frontend.py`."""
+    from hybridlm.ops.fast_weight.triton.frontend import fast_weight_triton as run
+
+    return run(q, k, v, beta, lam, **options)
+
+
+__all__ = ["DTYPES", "MAX_HEAD_DIM", "SUPPORTED_RULES", "fast_weight_1a_triton", "fast_weight_triton", "is_available",
+           "supports"]

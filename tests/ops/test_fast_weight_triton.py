@@ -1,0 +1,243 @@
+"""The Triton kernels of rule 1A against a float64 step loop of the same prepared recurrence,
+
+    S_t = exp(log_gamma_t) S_{t-1} + eta_t x_t y_t^T,   o_t = S_t^T q_t (read after) or S_{t-1}^T q_t (before),
+
+and the Triton backend (rules 1A and 3A from raw inputs) against the torch chunk backend.
+
+Where they run:
+- GPU machine (CUDA + triton): every test runs on CUDA tensors (float32, bfloat16, float16):
+      python -m pytest -q tests/ops/test_fast_weight_triton.py
+- CPU, no GPU (CI): skipped, except the import test.
+- CPU with triton installed and HYBRIDLM_TRITON_INTERPRET=1: the tests marked `interpret` run the kernels on CPU
+  tensors under Triton's interpreter (this file sets TRITON_INTERPRET=1 before triton is imported; ~30 s):
+      HYBRIDLM_TRITON_INTERPRET=1 python -m pytest -q tests/ops/test_fast_weight_triton.py
+  The interpreter's tl.dot is wrong for bfloat16 (numpy has no bfloat16), so float16 stands in for the 16-bit
+  path there; bfloat16 is checked on the GPU only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("HYBRIDLM_TRITON_INTERPRET") == "1"
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton's kernels
+# One launch configuration instead of autotuning: the many shapes here would each tune (compile time), and the
+# configurations differ only in warps/stages. The benchmark runs the tuned kernels.
+os.environ.setdefault("HYBRIDLM_TRITON_AUTOTUNE", "0")
+
+from hybridlm.ops import fast_weight_attention
+from hybridlm.ops.fast_weight.triton import fast_weight_1a_triton, fast_weight_triton, is_available
+from tests.helpers import rel_err
+from tests.ops.test_fast_weight import make_inputs, random_state
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+ON_GPU = not INTERPRET and is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+# Runs on the GPU, and on the CPU under the interpreter.
+interpret = pytest.mark.skipif(not (ON_GPU or (INTERPRET and HAS_TRITON)),
+                               reason="needs CUDA + triton, or HYBRIDLM_TRITON_INTERPRET=1 with triton installed")
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs CUDA + triton (too slow or unsupported in the interpreter)")
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+NAMES = ("q", "x", "y", "eta", "log_gamma", "S0")
+
+
+def reference(q, x, y, eta, log_gamma, S0, *, read_after):
+    """The recurrence as a step loop (float64 inputs in, differentiable by autograd)."""
+    S, outs = S0, []
+    for t in range(q.shape[1]):
+        S_prev = S
+        write = eta[:, t, :, None, None] * x[:, t, :, :, None] * y[:, t, :, None, :]        # [N, H, K, V]
+        S = log_gamma[:, t].exp()[..., None, None] * S + write
+        outs.append(torch.einsum("nhk,nhkv->nhv", q[:, t], S if read_after else S_prev))
+    return torch.stack(outs, dim=1), S
+
+
+def prepared(N, T, H, K, V, *, seed=0):
+    """Random prepared writes as the op makes them (float64, CPU): unit-RMS queries, |x|^2 ~ 1, eta in [0, 1.9]
+    with no write at t = 0 and some missing pairs, decays down to gamma = 1e-6 (log_gamma ~ -13.8)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(N, T, H, K, generator=g, dtype=torch.float64)
+    x = torch.randn(N, T, H, K, generator=g, dtype=torch.float64) / K ** 0.5
+    y = torch.randn(N, T, H, V, generator=g, dtype=torch.float64)
+    eta = 1.9 * torch.rand(N, T, H, generator=g, dtype=torch.float64)
+    eta = eta * (torch.rand(N, T, H, generator=g, dtype=torch.float64) > 0.1)
+    eta[:, 0] = 0.0
+    alpha = 0.3 * torch.rand(N, T, H, generator=g, dtype=torch.float64)
+    alpha = torch.where(torch.rand(N, T, H, generator=g, dtype=torch.float64) < 0.02, 1 - 1e-6, alpha)
+    log_gamma = torch.log1p(-alpha)
+    S0 = 0.3 * torch.randn(N, H, K, V, generator=g, dtype=torch.float64)
+    return [q, x, y, eta, log_gamma, S0]
+
+
+def projection(o, S, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(o.shape, generator=g, dtype=torch.float64),
+            torch.randn(S.shape, generator=g, dtype=torch.float64))
+
+
+def check_against_reference(N, T, H, K, V, *, dtype, chunk_size, read_after, with_S0=True, seed=0):
+    """Outputs, final state and the gradients of a random projection of both, against the float64 loop on the
+    same (rounded) inputs."""
+    base = prepared(N, T, H, K, V, seed=seed)
+    base[:3] = [t.to(dtype).double() for t in base[:3]]  # the reference sees the rounded q, x, y
+    ref_in = [t.clone().requires_grad_(True) for t in base]
+    if not with_S0:
+        ref_in[5] = torch.zeros_like(base[5])
+    o_ref, S_ref = reference(*ref_in, read_after=read_after)
+    w_o, w_S = projection(o_ref, S_ref)
+    grads_ref = torch.autograd.grad((o_ref * w_o).sum() + (S_ref * w_S).sum(), ref_in if with_S0 else ref_in[:5])
+
+    dtypes = (dtype, dtype, dtype, torch.float32, torch.float32, torch.float32)
+    ins = [t.to(DEVICE, d).requires_grad_(True) for t, d in zip(base, dtypes)]
+    S0 = ins[5] if with_S0 else None
+    o, S = fast_weight_1a_triton(*ins[:5], S0, read_after=read_after, chunk_size=chunk_size)
+    assert o.dtype == dtype and o.shape == (N, T, H, V) and S.dtype == torch.float32 and S.shape == (N, H, K, V)
+    loss = (o.double() * w_o.to(DEVICE)).sum() + (S.double() * w_S.to(DEVICE)).sum()
+    grads = torch.autograd.grad(loss, ins if with_S0 else ins[:5])
+    tol = TOL[dtype]
+    errors = {"o": rel_err(o.cpu(), o_ref), "S": rel_err(S.cpu(), S_ref)}
+    for name, grad, grad_ref, leaf in zip(NAMES, grads, grads_ref, ins):
+        assert grad.dtype == leaf.dtype, name
+        errors["d" + name] = rel_err(grad.cpu(), grad_ref)
+    assert max(errors.values()) < tol, {k: f"{v:.2e}" for k, v in errors.items()}
+
+
+CASES = list(itertools.product((torch.float32, torch.float16, torch.bfloat16), (1, 63, 130), (16, 64), (True, False)))
+
+
+@interpret
+@pytest.mark.parametrize("dtype,T,chunk_size,read_after", CASES,
+                         ids=[f"{str(d)[6:]}-T{T}-C{c}-{'after' if a else 'before'}" for d, T, c, a in CASES])
+def test_matches_reference(dtype, T, chunk_size, read_after):
+    if dtype == torch.bfloat16 and not ON_GPU:
+        pytest.skip("the interpreter's tl.dot is wrong for bfloat16; float16 covers the 16-bit path on the CPU")
+    check_against_reference(2, T, 2, 16, 24, dtype=dtype, chunk_size=chunk_size, read_after=read_after)
+
+
+@interpret
+@pytest.mark.parametrize("K,V", [(128, 128), (64, 128), (100, 40)])
+def test_head_dims(K, V):
+    """Several K/V blocks per state (blocks of 64), the whole of K in the dq/dx kernel, and non-powers of two."""
+    check_against_reference(1, 70, 1, K, V, dtype=torch.float32, chunk_size=64, read_after=True)
+
+
+@interpret
+def test_no_initial_state_and_chunk_128():
+    check_against_reference(1, 150, 2, 16, 16, dtype=torch.float32, chunk_size=128, read_after=False, with_S0=False)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_shape(dtype):
+    """A model-sized head (K = V = 128) over many chunks, several rows and heads."""
+    check_against_reference(2, 1000, 4, 128, 128, dtype=dtype, chunk_size=64, read_after=True)
+
+
+@interpret
+def test_state_carry_over():
+    """Running [0:T] equals running [0:t] and then [t:T] from the returned state (t not on a chunk edge)."""
+    q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in prepared(1, 100, 2, 16, 16, seed=3))
+    o, S = fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, read_after=True, chunk_size=16)
+    o1, S1 = fast_weight_1a_triton(*(t[:, :37] for t in (q, x, y, eta, log_gamma)), S0, read_after=True,
+                                   chunk_size=16)
+    o2, S2 = fast_weight_1a_triton(*(t[:, 37:] for t in (q, x, y, eta, log_gamma)), S1, read_after=True,
+                                   chunk_size=16)
+    assert rel_err(torch.cat([o1, o2], dim=1), o) < 1e-5
+    assert rel_err(S2, S) < 1e-5
+
+
+CONTRACT_CASES = [  # rule, window, pairing, read, step_size, packed
+    ("1A", 1, "shifted", "after", "nlms", False), ("1A", 1, "shifted", "before", "direct", True),
+    ("1A", 1, "same_step", "after", "nlms", True), ("3A", 3, "shifted", "after", "nlms", True),
+    ("3A", 3, "shifted", "before", "nlms", False), ("3A", 2, "same_step", "after", "direct", False),
+]
+
+
+@interpret
+@pytest.mark.parametrize("rule,window,pairing,read,step_size,packed", CONTRACT_CASES,
+                         ids=["-".join(map(str, case)).replace("True", "packed").replace("-False", "")
+                              for case in CONTRACT_CASES])
+def test_backend_contract_matches_chunk(rule, window, pairing, read, step_size, packed):
+    """`fast_weight_triton` (raw q, k, v, beta, lam -> prepared writes -> kernels; 3A over its write events) against
+    the torch chunk backend, with a carried state (S, last key, window tail), ridge scaling and packed sequences:
+    outputs, the whole final state and all gradients."""
+    B, T, H, K, V = (1, 70, 2, 16, 24) if packed else (2, 70, 2, 16, 24)
+    offsets = torch.tensor([0, 5, 40, 41, 70]) if packed else None
+    n = 4 if packed else B
+    cpu = make_inputs(rule, B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, requires_grad=True)
+    state = random_state(n, H, K, V, window=window, dtype=torch.float32, requires_grad=True)
+    if pairing == "same_step":
+        state.last_k = None
+    options = {"rule": rule, "window": window, "pairing": pairing, "read": read, "step_size": step_size,
+               "ridge_scaling": True, "eps": 1e-6, "eps_gamma": 1e-6}
+    o_ref, s_ref = fast_weight_attention(*cpu, backend="chunk", initial_state=state, output_final_state=True,
+                                         cu_seqlens=offsets, **options)
+    dev = [t.detach().to(DEVICE).requires_grad_(True) for t in cpu]
+    dev_state = state.detach().to(DEVICE)
+    dev_state.S.requires_grad_(True)
+    o, s = fast_weight_triton(*dev, initial_state=dev_state, offsets=offsets, chunk_size=64, **options)
+    assert rel_err(o.cpu(), o_ref) < 1e-4 and rel_err(s.S.cpu(), s_ref.S) < 1e-4
+    for mine, ref in ((s.last_k, s_ref.last_k), (s.tail_x, s_ref.tail_x), (s.tail_v, s_ref.tail_v),
+                      (s.tail_len, s_ref.tail_len)):
+        assert (mine is None and ref is None) or torch.equal(mine.cpu(), ref)
+    w_o, w_S = projection(o_ref, s_ref.S)
+    grads_ref = torch.autograd.grad((o_ref * w_o.float()).sum() + (s_ref.S * w_S.float()).sum(), cpu + [state.S])
+    grads = torch.autograd.grad((o * w_o.float().to(DEVICE)).sum() + (s.S * w_S.float().to(DEVICE)).sum(),
+                                dev + [dev_state.S])
+    for grad, grad_ref in zip(grads, grads_ref):
+        assert rel_err(grad.cpu(), grad_ref) < 1e-4
+
+
+@gpu_only
+@pytest.mark.parametrize("rule,dtype", list(itertools.product(("1A", "3A"), (torch.float32, torch.bfloat16))))
+def test_front_door(rule, dtype):
+    """`fast_weight_attention(backend="triton")` on the GPU against the chunk backend in float64 on the CPU."""
+    window = 3 if rule == "3A" else 1
+    cpu = make_inputs(rule, B=2, T=150, H=4, K=32, V=48, requires_grad=True)
+    state = random_state(2, 4, 32, 48, window=window)
+    o_ref, s_ref = fast_weight_attention(*cpu, rule=rule, window=window, backend="chunk", initial_state=state,
+                                         output_final_state=True)
+    gpu = [t.detach().to("cuda", dtype).requires_grad_(True) for t in cpu]
+    o, s = fast_weight_attention(*gpu, rule=rule, window=window, backend="triton", initial_state=state.to("cuda"),
+                                 output_final_state=True)
+    assert o.dtype == dtype and s.S.dtype == torch.float32
+    assert rel_err(o.cpu(), o_ref) < TOL[dtype] and rel_err(s.S.cpu(), s_ref.S) < TOL[dtype]
+    w_o, w_S = projection(o_ref, s_ref.S)
+    grads_ref = torch.autograd.grad((o_ref * w_o).sum() + (s_ref.S * w_S).sum(), cpu)
+    grads = torch.autograd.grad((o.double() * w_o.cuda()).sum() + (s.S.double() * w_S.cuda()).sum(), gpu)
+    for grad, grad_ref in zip(grads, grads_ref):
+        assert rel_err(grad.cpu(), grad_ref) < TOL[dtype]
+
+
+@interpret
+def test_rejects_unsupported_calls():
+    q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in prepared(1, 8, 1, 16, 16))
+    with pytest.raises(ValueError, match="chunk_size"):
+        fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, read_after=True, chunk_size=48)
+    with pytest.raises(ValueError, match="one dtype"):
+        fast_weight_1a_triton(q, x.half(), y, eta, log_gamma, S0, read_after=True, chunk_size=16)
+    big = torch.zeros(1, 8, 1, 256, device=DEVICE)
+    with pytest.raises(ValueError, match="K, V <= 128"):
+        fast_weight_1a_triton(big, big, y, eta, log_gamma, None, read_after=True, chunk_size=16)
+    with pytest.raises(ValueError, match="rules 1A"):
+        fast_weight_triton(q, q, y, eta, eta, rule="2A", window=1, pairing="shifted", read="after", step_size="nlms",
+                           ridge_scaling=False, eps=1e-6, eps_gamma=1e-6, initial_state=None, offsets=None,
+                           chunk_size=64)
+
+
+def test_import_without_triton():
+    """The package imports (and reports unavailable) where triton is missing."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import hybridlm.ops.fast_weight.triton as t\n"
+            "assert not t.is_available()\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
