@@ -8,7 +8,7 @@ from hybridlm.layers.cache import LayerCache
 from tests.helpers import rel_err
 
 
-def assert_packed_prefill_matches_alone(mixer, docs: list, *, steps: int = 2, tol: float = 1e-10) -> None:
+def check_packed_prefill_matches_alone(mixer, docs: list, *, steps: int = 2, tol: float = 1e-10) -> None:
     """A mixer prefilled with the packed `docs` (each [1, n + steps, D]; the first n tokens are the prompt)
     into one empty LayerCache holds, row by row, exactly the states each prompt leaves alone, and its next
     `steps` one-token calls give each document's own outputs. Use float64 mixers (tol is relative)."""

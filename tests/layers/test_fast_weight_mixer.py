@@ -11,7 +11,7 @@ from hybridlm.layers.cache import LayerCache
 from hybridlm.layers.fast_weight import FastWeightMixer
 from hybridlm.models.config import HybridConfig
 from tests.helpers import rel_err
-from tests.layers.packed_prefill import assert_packed_prefill_matches_alone
+from tests.layers.packed_prefill import check_packed_prefill_matches_alone
 
 RULES = ("1", "2", "3", "1A", "2A", "3A")
 PAIRINGS = ("shifted", "same_step")
@@ -107,7 +107,7 @@ def test_position_id_restarts_match_cu_seqlens(rule, pairing):
     assert rel_err(by_positions[1], plain[1]) < 1e-12 and rel_err(by_positions[0], plain[0]) > 1e-3
 
 
-def assert_decoding_matches_full(mixer: FastWeightMixer, *, B=2, T=13, prefix=5, middle=4):
+def check_decoding_matches_full(mixer: FastWeightMixer, *, B=2, T=13, prefix=5, middle=4):
     hidden = make_hidden(B, T, seed=3)
     full = mixer(hidden)
     cache = LayerCache()
@@ -124,7 +124,7 @@ def assert_decoding_matches_full(mixer: FastWeightMixer, *, B=2, T=13, prefix=5,
 
 @pytest.mark.parametrize("rule,pairing", CASES)
 def test_cached_decoding_matches_full_forward(rule, pairing):
-    assert_decoding_matches_full(make_mixer(make_config(rule, pairing)))
+    check_decoding_matches_full(make_mixer(make_config(rule, pairing)))
 
 
 VARIANTS = [
@@ -139,7 +139,7 @@ VARIANTS = [
 @pytest.mark.parametrize("rule,changes", VARIANTS)
 def test_options_decode_and_match_naive(rule, changes):
     mixer = make_mixer(make_config(rule, **changes))
-    assert_decoding_matches_full(mixer)
+    check_decoding_matches_full(mixer)
     mixer = mixer.double()
     hidden = make_hidden(2, 11, dtype=torch.float64)
     mixer.backend = "naive"
@@ -294,7 +294,7 @@ def test_packed_prefill_states_equal_each_document_alone(rule, pairing):
     prompt alone (S, last key, sliding tail, conv tail), and decoding continues row by row."""
     mixer = make_mixer(make_config(rule, pairing), dtype=torch.float64)
     docs = [make_hidden(1, n + 2, dtype=torch.float64, seed=10 + n) for n in (6, 1, 2, 9)]  # 1, 2: short tails
-    assert_packed_prefill_matches_alone(mixer, docs)
+    check_packed_prefill_matches_alone(mixer, docs)
 
 
 def test_cache_with_row_packed_documents_is_refused():

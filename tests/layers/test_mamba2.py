@@ -7,7 +7,7 @@ from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer, comp
 
 from hybridlm.layers import LayerCache, Mamba2Mixer
 from hybridlm.models.config import HybridConfig
-from tests.layers.packed_prefill import assert_packed_prefill_matches_alone
+from tests.layers.packed_prefill import check_packed_prefill_matches_alone
 
 ATOL = 1e-5
 MULTIPLIERS = dict(ssm_multiplier_z=0.5, ssm_multiplier_x=1.5, ssm_multiplier_B=0.7, ssm_multiplier_C=1.3,
@@ -107,7 +107,7 @@ def test_packed_prefill_states_equal_each_sequence_alone(rms_norm):
     mixer = make_mixer(make_config(mamba_rms_norm=rms_norm)).double()
     g = torch.Generator().manual_seed(3)
     docs = [torch.randn(1, n + 2, 24, generator=g, dtype=torch.float64) for n in (7, 1, 2, 10)]
-    assert_packed_prefill_matches_alone(mixer, docs)
+    check_packed_prefill_matches_alone(mixer, docs)
 
 
 def test_one_token_step_uses_the_recurrence(monkeypatch):

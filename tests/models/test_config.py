@@ -79,7 +79,8 @@ def test_fast_weight_defaults_and_the_boolean_qk_norm():
 
 
 def test_mamba_sizes_are_free_without_mamba():
-    HybridConfig(ssm_mixer="none", mamba_d_ssm=96, mamba_n_heads=4, mamba_d_head=16)  # no error
+    config = HybridConfig(ssm_mixer="none", mamba_d_ssm=96, mamba_n_heads=4, mamba_d_head=16)  # no error
+    assert config.ssm_mixer == "none" and config.mamba_d_ssm == 96
 
 
 def test_transformers_config_round_trip(tmp_path):

@@ -72,7 +72,7 @@ def grads_of(inputs, o, state, extra=()):
     return [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
 
 
-def compare_backends(rule, *, window=1, chunk_size=16, tol=1e-10, dtype=torch.float64, with_state=False,
+def check_backends_agree(rule, *, window=1, chunk_size=16, tol=1e-10, dtype=torch.float64, with_state=False,
                      grads=True, **shape_and_options):
     shape = {key: shape_and_options.pop(key) for key in ("B", "T", "H", "K", "V") if key in shape_and_options}
     inputs = make_inputs(rule, dtype=dtype, requires_grad=grads, **shape)
@@ -99,7 +99,7 @@ OPTION_GRID = list(itertools.product(RULES, ("shifted", "same_step"), ("after", 
 @pytest.mark.parametrize("rule,pairing,read,step_size,ridge_scaling", OPTION_GRID,
                          ids=[f"rule{r}-{p}-{rd}-{s}-ridgescale{int(rs)}" for r, p, rd, s, rs in OPTION_GRID])
 def test_chunk_matches_naive_float64(rule, pairing, read, step_size, ridge_scaling):
-    compare_backends(rule, window=3 if rule in SLIDING else 1, pairing=pairing, read=read, step_size=step_size,
+    check_backends_agree(rule, window=3 if rule in SLIDING else 1, pairing=pairing, read=read, step_size=step_size,
                      ridge_scaling=ridge_scaling, T=37, with_state=True)
 
 
@@ -111,12 +111,12 @@ SIZE_GRID = [(rule, T, chunk, window)
 @pytest.mark.parametrize("rule,T,chunk_size,window", SIZE_GRID,
                          ids=[f"rule{r}-T{t}-C{c}-W{w}" for r, t, c, w in SIZE_GRID])
 def test_chunk_matches_naive_odd_sizes(rule, T, chunk_size, window):
-    compare_backends(rule, window=window, chunk_size=chunk_size, T=T, K=6, V=5, grads=T <= 63)
+    check_backends_agree(rule, window=window, chunk_size=chunk_size, T=T, K=6, V=5, grads=T <= 63)
 
 
 @pytest.mark.parametrize("rule", RULES)
 def test_chunk_matches_naive_float32(rule):
-    compare_backends(rule, window=3 if rule in SLIDING else 1, dtype=torch.float32, tol=1e-4, T=130, with_state=True)
+    check_backends_agree(rule, window=3 if rule in SLIDING else 1, dtype=torch.float32, tol=1e-4, T=130, with_state=True)
 
 
 @pytest.mark.parametrize("rule", RULES)
