@@ -31,7 +31,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from hybridlm.models.config import FW_RULES, HybridConfig
+from hybridlm.models.config import HybridConfig
+from hybridlm.ops.fast_weight import RULES as FW_RULES
 
 SIZES: dict[str, dict[str, Any]] = {
     "small": dict(

@@ -73,7 +73,7 @@ class FastWeightMixer(nn.Module):
         self.ridge_scaling = config.fw_ridge_scaling
         self.qk_norm = config.fw_qk_norm
         self.chunk_size = config.fw_chunk_size
-        self.backend = "auto"  # "naive" | "chunk" to force one (tests); "auto": chunk, or the step loop at T == 1
+        self.backend = "auto"  # "naive" | "chunk" | "triton" to force one; "auto": the op's choice
 
         # Heads: fw_heads x fw_head_dim; by default the SSM channel allocation: mamba_n_heads heads sharing
         # mamba_d_ssm channels (so the alpha_S allocation sizes either SSM half).
@@ -140,9 +140,11 @@ class FastWeightMixer(nn.Module):
             qkv, initial_state=conv_state, output_final_state=cache is not None, cu_seqlens=cu_seqlens
         )
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
-        q = self._normalize(q.reshape(batch, length, H, K))  # [B, T, H, K], compute dtype
-        k = self._normalize(k.reshape(batch, length, H, K))
-        v = v.reshape(batch, length, H, V)  # [B, T, H, V]
+        v = v.reshape(batch, length, H, V)  # [B, T, H, V], the activation dtype (bf16 under autocast)
+        # Normalized in the compute dtype, then handed over in the activations' dtype: the op computes its
+        # statistics, step sizes and state in float32 itself, and its GPU kernels take bf16 operands.
+        q = self._normalize(q.reshape(batch, length, H, K)).to(v.dtype)  # [B, T, H, K]
+        k = self._normalize(k.reshape(batch, length, H, K)).to(v.dtype)
 
         # 3. Gains and ridge in the compute dtype (float32 under autocast).
         beta, lam = self._gains(beta_logits, lam_logits)

@@ -22,14 +22,14 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hybridlm.ops.fast_weight import RULES, SLIDING_RULES
+
 SSM_MIXERS = ("mamba2", "fast_weight", "none")
 BLOCK_ARRANGEMENTS = ("SA_M", "SAM", "S_A_M")
-FW_RULES = ("1", "2", "3", "1A", "2A", "3A")
 FW_PAIRINGS = ("shifted", "same_step")
 FW_STEP_SIZES = ("nlms", "direct")
 FW_READS = ("after", "before")
 FW_QK_NORMS = ("rms", "l2", "none")
-FW_SLIDING_RULES = ("3", "3A")
 
 
 @dataclass
@@ -179,15 +179,15 @@ class HybridConfig:
             if value is not None:
                 _require_int(name, value, minimum=0)
         # fast-weight options
-        _require_choice("fw_rule", self.fw_rule, FW_RULES)
+        _require_choice("fw_rule", self.fw_rule, RULES)
         _require_choice("fw_pairing", self.fw_pairing, FW_PAIRINGS)
         _require_choice("fw_step_size", self.fw_step_size, FW_STEP_SIZES)
         _require_choice("fw_read", self.fw_read, FW_READS)
         _require_choice("fw_qk_norm", self.fw_qk_norm, FW_QK_NORMS)
         _require_int("fw_window", self.fw_window, minimum=1)
-        if self.fw_window > 1 and self.fw_rule not in FW_SLIDING_RULES:
+        if self.fw_window > 1 and self.fw_rule not in SLIDING_RULES:
             raise ValueError(
-                f"fw_window={self.fw_window} needs a sliding rule {FW_SLIDING_RULES}; fw_rule={self.fw_rule!r} takes "
+                f"fw_window={self.fw_window} needs a sliding rule {SLIDING_RULES}; fw_rule={self.fw_rule!r} takes "
                 "fw_window=1"
             )
         _require_int("fw_conv_size", self.fw_conv_size, minimum=1)
@@ -214,10 +214,6 @@ class HybridConfig:
     def mlp_multipliers(self) -> list[float]:
         """FalconH1Config's positional list [gate, down]."""
         return [self.mlp_multiplier_gate, self.mlp_multiplier_down]
-
-    @property
-    def has_mlp(self) -> bool:
-        return self.intermediate_size > 0
 
     # ------------------------------------------------------------------ (de)serialization
     @classmethod

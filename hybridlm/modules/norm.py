@@ -5,14 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridlm.ops.utils import compute_dtype
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
     """Normalize the last dim of `x` [..., D] by its root mean square, then scale by `weight` [D].
 
-    The statistics run in float32; the normalized tensor goes back to `x.dtype` before the scale,
+    The statistics run in float32 (float64 stays float64); the normalized tensor goes back to `x.dtype` before the scale,
     so a float32 `weight` returns float32 (Falcon-H1's RMSNorm does the same).
     """
-    x32 = x.float()
+    x32 = x.to(compute_dtype(x.dtype))
     inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
     return weight * (x32 * inv_rms).to(x.dtype)
 

@@ -347,3 +347,15 @@ def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match="another window"):
         _, s = run((q, k, v, beta, lam), "chunk", rule="3", window=3)
         call(q, k, v, beta, rule="3", window=4, initial_state=s)
+
+
+@pytest.mark.parametrize("backend", ["naive", "chunk"])
+@pytest.mark.parametrize("rule", RULES)
+def test_bf16_autocast_leaves_the_recurrence_in_float32(rule, backend):
+    """A caller's bf16 autocast must not reach the recurrence's matmuls (DESIGN: recurrent math in fp32)."""
+    window = 3 if rule in SLIDING else 1
+    inputs = make_inputs(rule, T=40, dtype=torch.float32)
+    o, s = run(inputs, backend, rule=rule, window=window)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o_autocast, s_autocast = run(inputs, backend, rule=rule, window=window)
+    assert rel_err(o_autocast, o) < 1e-6 and rel_err(s_autocast.S, s.S) < 1e-6

@@ -251,3 +251,13 @@ def test_property_chunk_matches_naive(b, T, G, R, P, N, chunk_size, with_state, 
     y, h = ssd(**inputs, output_final_state=True, backend="chunk", chunk_size=chunk_size)
     assert y.shape == (b, T, G * R, P) and h.shape == (b, G * R, P, N)
     assert rel_err(y, y_ref) < 1e-10 and rel_err(h, h_ref) < 1e-10
+
+
+@pytest.mark.parametrize("backend", ["naive", "chunk"])
+def test_bf16_autocast_leaves_the_recurrence_in_float32(backend):
+    """A caller's bf16 autocast must not reach the scan's einsums (DESIGN: recurrent math in fp32)."""
+    inputs = {k: v.detach() for k, v in make_inputs(2, 70, 4, 6, 2, 5, dtype=torch.float32).items()}
+    y, h = ssd(**inputs, output_final_state=True, backend=backend, chunk_size=16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_autocast, h_autocast = ssd(**inputs, output_final_state=True, backend=backend, chunk_size=16)
+    assert rel_err(y_autocast, y) < 1e-6 and rel_err(h_autocast, h) < 1e-6

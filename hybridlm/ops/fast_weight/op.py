@@ -92,13 +92,16 @@ def fast_weight_attention(
         if not (triton_available() and q.is_cuda) and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend='triton' needs triton installed and the tensors on a CUDA device; "
                              "use backend='chunk' (or 'auto') here")
-        o, final = fast_weight_triton(q, k, v, beta, lam, chunk_size=chunk_size, **options)
+        with torch.autocast(q.device.type, enabled=False):
+            o, final = fast_weight_triton(q, k, v, beta, lam, chunk_size=chunk_size, **options)
         return o.to(out_dtype), (final if output_final_state else None)
     q, k, v, beta, lam = (t.to(dtype) for t in (q, k, v, beta, lam))
-    if name == "naive":
-        o, final = fast_weight_naive(q, k, v, beta, lam, **options)
-    else:
-        o, final = fast_weight_chunk(q, k, v, beta, lam, chunk_size=chunk_size, **options)
+    # The recurrence stays in `dtype` under a caller's bf16 autocast (its matmuls would otherwise run in bf16).
+    with torch.autocast(q.device.type, enabled=False):
+        if name == "naive":
+            o, final = fast_weight_naive(q, k, v, beta, lam, **options)
+        else:
+            o, final = fast_weight_chunk(q, k, v, beta, lam, chunk_size=chunk_size, **options)
     return o.to(out_dtype), (final if output_final_state else None)
 
 
@@ -160,7 +163,7 @@ def _prepare_state(state, *, n_rows, H, K, V, window, pairing, dtype, device) ->
     if pairing == "shifted" and state.last_k is not None:
         if tuple(state.last_k.shape) != (n_rows, H, K):
             raise ValueError(f"initial_state.last_k must be {[n_rows, H, K]}; got {list(state.last_k.shape)}")
-        last_k = state.last_k.to(dtype)
+        last_k = state.last_k.to(device=device, dtype=dtype)
     tail_x = tail_v = tail_len = None
     if window > 1 and state.tail_x is not None:
         if (tuple(state.tail_x.shape) != (n_rows, H, window - 1, K) or state.tail_v is None
@@ -169,5 +172,8 @@ def _prepare_state(state, *, n_rows, H, K, V, window, pairing, dtype, device) ->
             raise ValueError(f"initial_state's tail must hold window - 1 = {window - 1} pairs: tail_x "
                              f"{[n_rows, H, window - 1, K]}, tail_v {[n_rows, H, window - 1, V]}, tail_len "
                              f"[{n_rows}]; got tail_x {list(state.tail_x.shape)} (was it made with another window?)")
-        tail_x, tail_v, tail_len = state.tail_x.to(dtype), state.tail_v.to(dtype), state.tail_len.to(device)
-    return FastWeightState(S=state.S.to(dtype), last_k=last_k, tail_x=tail_x, tail_v=tail_v, tail_len=tail_len)
+        tail_x = state.tail_x.to(device=device, dtype=dtype)
+        tail_v = state.tail_v.to(device=device, dtype=dtype)
+        tail_len = state.tail_len.to(device)
+    return FastWeightState(S=state.S.to(device=device, dtype=dtype), last_k=last_k, tail_x=tail_x, tail_v=tail_v,
+                           tail_len=tail_len)

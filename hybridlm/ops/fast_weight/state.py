@@ -33,11 +33,6 @@ class FastWeightState:
     tail_v: torch.Tensor | None = None
     tail_len: torch.Tensor | None = None
 
-    @property
-    def window_tail(self) -> int:
-        """Number of tail slots (window - 1 of the rule that produced this state; 0 when there is no tail)."""
-        return 0 if self.tail_x is None else self.tail_x.shape[2]
-
     def detach(self) -> FastWeightState:
         """A copy cut from the autograd graph (for truncated backpropagation through time)."""
         return FastWeightState(*(None if t is None else t.detach() for t in self._fields()))

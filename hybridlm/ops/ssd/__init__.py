@@ -73,11 +73,14 @@ def ssd(
     if initial_state is None:
         initial_state = x.new_zeros(n_states, H, P, N, dtype=dtype)
     args = [t.to(dtype) for t in (x, dt, A, B, C)]
-    kwargs = dict(D=None if D is None else D.to(dtype), initial_state=initial_state.to(dtype), offsets=offsets)
-    if backend == "naive":
-        y, final_state = naive_ssd(*args, **kwargs)
-    else:
-        y, final_state = chunk_ssd(*args, chunk_size=chunk_size, **kwargs)
+    kwargs = dict(D=None if D is None else D.to(dtype), initial_state=initial_state.to(device=x.device, dtype=dtype),
+                  offsets=offsets)
+    # The recurrence stays in `dtype` under a caller's bf16 autocast (its einsums would otherwise run in bf16).
+    with torch.autocast(x.device.type, enabled=False):
+        if backend == "naive":
+            y, final_state = naive_ssd(*args, **kwargs)
+        else:
+            y, final_state = chunk_ssd(*args, chunk_size=chunk_size, **kwargs)
     return y.to(x.dtype), (final_state if output_final_state else None)
 
 
