@@ -18,6 +18,9 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
+
+from hybridlm.fileio import write_atomic
 
 DEFAULT_MODELS = "fw-1A,fw-1A-same,fw-3A,fw-3A-same,fw-1,mamba2,transformer,hybrid-fw-3A,hybrid-mamba2"
 
@@ -224,6 +227,10 @@ def _eval_ppl(args: argparse.Namespace) -> int:
             check_tokenizer_matches(tokenizer_dir, data)
             byte_lengths = token_byte_lengths(tokenizer_dir)
         model = load_model(args.model).to(device)
+        data_vocab = int(data.manifest["vocab_size"])
+        if data_vocab > model.config.vocab_size:
+            raise ValueError(f"{args.data} was tokenized with {data_vocab:,} ids but the model has "
+                             f"{model.config.vocab_size:,}; prepare the data with the model's tokenizer")
         result = evaluate_perplexity(model, data, seq_len=args.seq_len, batch_size=args.batch_size,
                                      max_tokens=args.max_tokens, byte_lengths=byte_lengths, device=device)
     except (ValueError, DataError, FileNotFoundError) as err:
@@ -233,8 +240,7 @@ def _eval_ppl(args: argparse.Namespace) -> int:
           f"bits/byte {result['bits_per_byte']:.4f}  ({result['bytes_per_token']:.3f} bytes/token, "
           f"{result['bytes_source']})")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        write_atomic(Path(args.json), (json.dumps(result, indent=2) + "\n").encode("utf-8"))
     return 0
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from hybridlm.fileio import write_atomic
+
 STUB = "hybridlm_auto.py"
 _STUB_TEXT = '''"""Loads hybridlm's model classes for transformers' trust_remote_code path (written by hybridlm eval export-hf)."""
 from hybridlm.models.configuration import HybridLMConfig  # noqa: F401
@@ -52,9 +54,9 @@ def export_for_lm_eval(model_dir: str | Path, *, tokenizer_dir: str | Path | Non
     if config.get("model_type") != "hybridlm":
         raise ValueError(f"{model_dir}: model_type {config.get('model_type')!r}; only 'hybridlm' checkpoints need "
                          "this (official falcon_h1 checkpoints load in lm_eval as they are)")
-    (model_dir / STUB).write_text(_STUB_TEXT, encoding="utf-8")
+    write_atomic(model_dir / STUB, _STUB_TEXT.encode("utf-8"))
     config["auto_map"] = dict(AUTO_MAP)
-    config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    write_atomic(config_path, (json.dumps(config, indent=2) + "\n").encode("utf-8"))
     if tokenizer_dir is not None:
         tokenizer_dir = Path(tokenizer_dir)
         if not (tokenizer_dir / "tokenizer.json").is_file():

@@ -342,7 +342,7 @@ def plot_schedule(
 ) -> Path:
     """Write a PNG of the lr factor, wd factor and lr/wd (and the batch size with rampup) against steps.
 
-    Needs matplotlib (an optional dependency, imported here only); raises ImportError saying how to
+    Needs matplotlib (a dependency of hybridlm, imported here only); raises ImportError saying how to
     install it when it is missing.
     """
     try:
@@ -352,7 +352,7 @@ def plot_schedule(
         import matplotlib.pyplot as plt
     except ImportError as err:
         raise ImportError(
-            "plot_schedule needs matplotlib, which hybridlm does not install; run `pip install matplotlib`"
+            "plot_schedule needs matplotlib; run `pip install matplotlib`"
         ) from err
     rows = simulate_schedule(config, total_steps, batch_tokens=batch_tokens)
     steps = [step + 1 for step, _, _ in rows]

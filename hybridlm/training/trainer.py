@@ -29,10 +29,11 @@ model, optimizer, RNG, and train_state = tokens, loader position, guard, schedul
 
 Resuming (`resume=True`): the newest complete checkpoint in `<out_dir>/checkpoints` is verified and
 loaded (model, AdamW state, RNG streams, step, tokens, data-loader position, guard counters); the
-metrics files are cut back to its step; the run continues exactly as if it had not stopped (tested:
-2N steps == N + resume + N on CPU in fp32). The config given at resume time wins (e.g. a larger
-train.steps, or a new lr: the groups' base lr / wd are taken from it), and its differences from the
-saved one are printed. The loader state is moved to the current world size, so a run saved under 2
+metrics files are cut back to its step; with the same config the run continues exactly as if it had
+not stopped (tested: 2N steps == N + resume + N on CPU in fp32). The config given at resume time wins
+(e.g. a larger train.steps, or a new lr: the groups' base lr / wd are taken from it), and its differences
+from the saved one are printed; the schedule is recomputed for the new length, so extending a run whose
+WSD decay has finished warms the lr back up. The loader state is moved to the current world size, so a run saved under 2
 ranks resumes under 1 with the same stream of tokens (keep the global batch the same for exactness).
 
 Stopping: SIGINT or SIGTERM (or `request_stop()` from a callback) finishes the current update, saves
@@ -58,6 +59,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hybridlm.fileio import write_atomic
 from hybridlm.training import distributed as D
 from hybridlm.training.checkpoint import (
     latest_checkpoint,
@@ -359,7 +361,7 @@ class Trainer:
                     keep.append(line)
             except (ValueError, KeyError, TypeError):
                 continue
-        path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+        write_atomic(path, "".join(line + "\n" for line in keep).encode("utf-8"))
 
     # ------------------------------------------------------------------------------------------ stopping
     def request_stop(self, reason: str = "stop requested") -> None:
@@ -606,8 +608,13 @@ class Trainer:
                 for item in Path(self.data.tokenizer_dir).iterdir():
                     if item.is_file():
                         shutil.copy2(item, tmp / item.name)
-            shutil.rmtree(final, ignore_errors=True)
+            # Move the previous export aside before the new one takes its name: a crash leaves one of them.
+            old = self.out_dir / f"{FINAL_DIR}.old.tmp"
+            shutil.rmtree(old, ignore_errors=True)
+            if final.exists():
+                os.replace(final, old)
             os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
         D.barrier(self.ctx)
         return final if self.ctx.is_main else None
 

@@ -136,3 +136,10 @@ def test_eval_ppl_command(model_dir, shards_dir, tokenizer_dir, tmp_path, capsys
     assert main(["eval", "ppl", "--model", str(model_dir), "--data", str(shards_dir), "--tokenizer", str(other),
                  "--device", "cpu"]) == 1
     assert "not the tokenizer" in capsys.readouterr().err
+
+
+def test_eval_ppl_refuses_data_with_more_ids_than_the_model(shards_dir, tmp_path, capsys):
+    small = build_model(task_config("hybrid-mamba2", vocab_size=64, size="tiny"), seed=0)
+    small.save_pretrained(tmp_path / "small")
+    assert main(["eval", "ppl", "--model", str(tmp_path / "small"), "--data", str(shards_dir), "--device", "cpu"]) == 1
+    assert "the model has 64" in capsys.readouterr().err
