@@ -9,6 +9,7 @@ import torch
 from hybridlm.ops.fast_weight.chunk import PER_COLUMN_RULES, SLIDING_RULES, fast_weight_chunk
 from hybridlm.ops.fast_weight.naive import fast_weight_naive
 from hybridlm.ops.fast_weight.state import FastWeightState
+from hybridlm.ops.fast_weight.triton import AUTO_RULES as TRITON_AUTO_RULES
 from hybridlm.ops.fast_weight.triton import fast_weight_triton
 from hybridlm.ops.fast_weight.triton import is_available as triton_available
 from hybridlm.ops.fast_weight.triton import supports as triton_supports
@@ -61,8 +62,9 @@ def fast_weight_attention(
         chunk_size: the chunk length of the chunk-parallel backend (rules "2"/"2A" use at most 16: their
             per-column decays cost O(C^2 V) exponentials per chunk instead of matmuls).
         backend: "auto" | "naive" | "chunk" | "triton". "auto" takes the step loop for T == 1 (decoding), the
-            Triton kernels on CUDA for the rules they cover (1A, 3A; K, V <= 128; float32/bf16/fp16) when triton
-            is installed, and the chunk path otherwise.
+            Triton kernels on CUDA for the GPU-verified rules (1A, 3A; K, V <= 128; float32/bf16/fp16) when
+            triton is installed, and the chunk path otherwise. "triton" also runs rule 1 (forward kernels, backward
+            by recomputation through the chunk path; not yet checked on a GPU).
 
     Returns:
         o `[B, T, H, V]` in q's dtype, and the final state (float32; float64 for float64 inputs) or None.
@@ -86,7 +88,8 @@ def fast_weight_attention(
     options = dict(rule=rule, window=window, pairing=pairing, read=read, step_size=step_size,
                    ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=state, offsets=offsets)
     # The recurrent step loop is the cheapest path for a single decoding step; on a GPU, the Triton kernels.
-    on_gpu = q.is_cuda and triton_available() and triton_supports(rule=rule, window=window, K=K, V=V, dtype=q.dtype)
+    on_gpu = (q.is_cuda and rule in TRITON_AUTO_RULES and triton_available()
+              and triton_supports(rule=rule, window=window, K=K, V=V, dtype=q.dtype))
     name = resolve_backend(backend, available=BACKENDS, default="naive" if T == 1 else "triton" if on_gpu else "chunk")
     if name == "triton":  # q, k, v keep their dtype (bf16 tensor cores); step sizes and decays run in float32
         if not (triton_available() and q.is_cuda) and os.environ.get("TRITON_INTERPRET") != "1":

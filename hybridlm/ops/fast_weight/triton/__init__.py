@@ -3,8 +3,10 @@
 
 - `fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, *, read_after, chunk_size)`: rule 1A on the prepared
   quantities of chunk.py's pipeline (write pairs, step sizes and log decays), forward and backward in Triton.
+- `fast_weight_1_triton(...)`: rule 1 (regression, window 1) on the same prepared quantities; Triton forward, backward
+  by recomputation through the torch chunk path (`chunk_1.py`).
 - `fast_weight_triton(...)`: the same contract as `chunk.fast_weight_chunk` for the supported rules/options
-  (`supports(...)`: rules 1A and 3A), i.e. what `fast_weight_attention(..., backend="triton")` runs.
+  (`supports(...)`: rules 1A, 3A and 1 with window 1), i.e. what `fast_weight_attention(..., backend="triton")` runs.
 - `is_available()`: triton importable and a CUDA device present.
 
 The kernels also run on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set before triton is
@@ -17,7 +19,10 @@ import importlib.util
 
 import torch
 
-SUPPORTED_RULES = ("1A", "3A")  # 3A runs as 1A over its window's write events (frontend.py)
+SUPPORTED_RULES = ("1A", "3A", "1")  # 3A runs as 1A over its window's write events (frontend.py); 1: window 1
+# The rules `backend="auto"` sends to these kernels on CUDA: those whose compiled kernels have been checked and timed
+# on a GPU (benchmarks/RESULTS.md). Rule 1 runs only when asked for (`backend="triton"`) until it has been.
+AUTO_RULES = ("1A", "3A")
 MAX_HEAD_DIM = 128  # K and V
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of q, k, v (float64 stays on the torch backends)
 
@@ -30,6 +35,13 @@ def is_available() -> bool:
 def fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 64):
     """Rule 1A on prepared writes; see `chunk_1a.fast_weight_1a_triton`."""
     from hybridlm.ops.fast_weight.triton.chunk_1a import fast_weight_1a_triton as run
+
+    return run(q, x, y, eta, log_gamma, S0, read_after=read_after, chunk_size=chunk_size)
+
+
+def fast_weight_1_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 64):
+    """Rule 1 (window 1) on prepared writes; see `chunk_1.fast_weight_1_triton` (Triton forward, torch backward)."""
+    from hybridlm.ops.fast_weight.triton.chunk_1 import fast_weight_1_triton as run
 
     return run(q, x, y, eta, log_gamma, S0, read_after=read_after, chunk_size=chunk_size)
 
@@ -47,5 +59,5 @@ def fast_weight_triton(q, k, v, beta, lam, **options):
     return run(q, k, v, beta, lam, **options)
 
 
-__all__ = ["DTYPES", "MAX_HEAD_DIM", "SUPPORTED_RULES", "fast_weight_1a_triton", "fast_weight_triton", "is_available",
+__all__ = ["AUTO_RULES", "DTYPES", "MAX_HEAD_DIM", "SUPPORTED_RULES", "fast_weight_1_triton", "fast_weight_1a_triton", "fast_weight_triton", "is_available",
            "supports"]

@@ -1,8 +1,8 @@
 """The op's backend contract on the Triton kernels: raw (q, k, v, beta, lam) -> prepared writes -> kernels.
 
 Same contract as `chunk.fast_weight_chunk` (inputs validated by the front door), for the rules and options of
-`supports(...)`: rule 1A, and rule 3A as 1A over write events. Unlike the torch backends it keeps q, k, v in their
-dtype (bf16/fp16 run on tensor cores); the statistic E_t, the step sizes and the log decays are in float32.
+`supports(...)`: rules 1A and 1 (window 1; `chunk_1.py`), and rule 3A as 1A over write events. Unlike the torch
+backends it keeps q, k, v in their dtype (bf16/fp16 run on tensor cores); the statistic E_t, the step sizes and the log decays are in float32.
 
 Rule 3A over events (README.md, "Write events"): step t writes w_(t,j) x_j y_j^T for the `window` slots j of its
 window (w = eta_t [pair j exists] / B_t). Laid out in time as (t, slot 0), ..., (t, slot W-1), with the step's decay
@@ -18,7 +18,11 @@ import torch
 
 from hybridlm.ops.fast_weight.chunk import prepare_writes
 from hybridlm.ops.fast_weight.state import FastWeightState
-from hybridlm.ops.fast_weight.triton import fast_weight_1a_triton, supports
+from hybridlm.ops.fast_weight.triton import (
+    fast_weight_1_triton,
+    fast_weight_1a_triton,
+    supports,
+)
 from hybridlm.ops.utils import padded_to_packed
 
 
@@ -41,13 +45,13 @@ def fast_weight_triton(
     offsets: torch.Tensor | None,
     chunk_size: int,
 ) -> tuple[torch.Tensor, FastWeightState]:
-    """Rules 1A / 3A through the Triton kernels. `chunk_size` is rounded to a power of two in [16, 128].
+    """Rules 1A / 3A / 1 through the Triton kernels. `chunk_size` is rounded to a power of two in [16, 128].
 
     Returns o `[B, T, H, V]` in q's dtype and the final state (S float32)."""
     K, V = q.shape[-1], v.shape[-1]
     if not supports(rule=rule, window=window, K=K, V=V, dtype=q.dtype):
-        raise ValueError(f"the Triton backend runs rules 1A (window 1) and 3A with K, V <= 128 in float32/bfloat16/"
-                         f"float16; got rule {rule!r}, window {window}, K = {K}, V = {V}, {q.dtype} "
+        raise ValueError(f"the Triton backend runs rules 1A and 1 (window 1) and 3A with K, V <= 128 in float32/"
+                         f"bfloat16/float16; got rule {rule!r}, window {window}, K = {K}, V = {V}, {q.dtype} "
                          "(use backend='chunk')")
     p = prepare_writes(q, k, v, beta, lam, rule=rule, window=window, pairing=pairing, step_size=step_size,
                        ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=initial_state,
@@ -65,7 +69,8 @@ def fast_weight_triton(
     events = (torch.arange(W, device=q.device) == slot)[None, None, :, None, None]         # [1, 1, W, 1, 1]
     q_e = torch.where(events, p.q[:, :, None], 0.0) if W > 1 else p.q[:, :, None]
     lg_e = torch.cat([log_gamma[:, :, None], log_gamma.new_zeros(N, T, W - 1, H)], dim=2)  # decay on slot 0
-    o, S = fast_weight_1a_triton(
+    scan = fast_weight_1_triton if rule == "1" else fast_weight_1a_triton  # rule 1: window 1 (supports)
+    o, S = scan(
         q_e.reshape(N, T * W, H, K), X.reshape(N, T * W, H, K).to(q.dtype), Y.reshape(N, T * W, H, V).to(q.dtype),
         weights.reshape(N, T * W, H), lg_e.reshape(N, T * W, H), initial_state.S.float(),
         read_after=read_after, chunk_size=_triton_chunk(chunk_size))
