@@ -34,7 +34,7 @@ if INTERPRET:
 os.environ.setdefault("HYBRIDLM_TRITON_AUTOTUNE", "0")
 
 from hybridlm.ops import fast_weight_attention
-from hybridlm.ops.fast_weight.triton import fast_weight_1a_triton, fast_weight_triton, is_available
+from hybridlm.ops.fast_weight.triton import fast_weight_1_triton, fast_weight_1a_triton, fast_weight_triton, is_available
 from tests.helpers import rel_err
 from tests.ops.test_fast_weight import make_inputs, random_state
 
@@ -50,15 +50,22 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 NAMES = ("q", "x", "y", "eta", "log_gamma", "S0")
 
 
-def reference(q, x, y, eta, log_gamma, S0, *, read_after):
-    """The recurrence as a step loop (float64 inputs in, differentiable by autograd)."""
+def reference(q, x, y, eta, log_gamma, S0, *, read_after, rule="1A"):
+    """The recurrence as a step loop (float64 inputs in, differentiable by autograd): rule 1A writes eta x y^T,
+    rule 1 writes eta x (y - S^T x)^T."""
     S, outs = S0, []
     for t in range(q.shape[1]):
         S_prev = S
-        write = eta[:, t, :, None, None] * x[:, t, :, :, None] * y[:, t, :, None, :]        # [N, H, K, V]
+        target = y[:, t]
+        if rule == "1":
+            target = target - torch.einsum("nhk,nhkv->nhv", x[:, t], S_prev)                # residual [N, H, V]
+        write = eta[:, t, :, None, None] * x[:, t, :, :, None] * target[:, :, None, :]     # [N, H, K, V]
         S = log_gamma[:, t].exp()[..., None, None] * S + write
         outs.append(torch.einsum("nhk,nhkv->nhv", q[:, t], S if read_after else S_prev))
     return torch.stack(outs, dim=1), S
+
+
+KERNELS = {"1A": fast_weight_1a_triton, "1": fast_weight_1_triton}
 
 
 def prepared(N, T, H, K, V, *, seed=0):
@@ -84,25 +91,28 @@ def projection(o, S, seed=7):
             torch.randn(S.shape, generator=g, dtype=torch.float64))
 
 
-def check_against_reference(N, T, H, K, V, *, dtype, chunk_size, read_after, with_S0=True, seed=0):
-    """Outputs, final state and the gradients of a random projection of both, against the float64 loop on the
-    same (rounded) inputs."""
+def check_against_reference(N, T, H, K, V, *, dtype, chunk_size, read_after, with_S0=True, seed=0, rule="1A",
+                            grad_o=True, grad_S=True):
+    """Outputs, final state and the gradients of a random projection of (either or both of) them, against the
+    float64 loop on the same (rounded) inputs."""
     base = prepared(N, T, H, K, V, seed=seed)
     base[:3] = [t.to(dtype).double() for t in base[:3]]  # the reference sees the rounded q, x, y
     ref_in = [t.clone().requires_grad_(True) for t in base]
     if not with_S0:
         ref_in[5] = torch.zeros_like(base[5])
-    o_ref, S_ref = reference(*ref_in, read_after=read_after)
+    o_ref, S_ref = reference(*ref_in, read_after=read_after, rule=rule)
     w_o, w_S = projection(o_ref, S_ref)
-    grads_ref = torch.autograd.grad((o_ref * w_o).sum() + (S_ref * w_S).sum(), ref_in if with_S0 else ref_in[:5])
+    w_o, w_S = w_o * grad_o, w_S * grad_S
+    grads_ref = torch.autograd.grad((o_ref * w_o).sum() + (S_ref * w_S).sum(), ref_in if with_S0 else ref_in[:5],
+                                    materialize_grads=True)  # q is unused when only the final state is
 
     dtypes = (dtype, dtype, dtype, torch.float32, torch.float32, torch.float32)
     ins = [t.to(DEVICE, d).requires_grad_(True) for t, d in zip(base, dtypes)]
     S0 = ins[5] if with_S0 else None
-    o, S = fast_weight_1a_triton(*ins[:5], S0, read_after=read_after, chunk_size=chunk_size)
+    o, S = KERNELS[rule](*ins[:5], S0, read_after=read_after, chunk_size=chunk_size)
     assert o.dtype == dtype and o.shape == (N, T, H, V) and S.dtype == torch.float32 and S.shape == (N, H, K, V)
     loss = (o.double() * w_o.to(DEVICE)).sum() + (S.double() * w_S.to(DEVICE)).sum()
-    grads = torch.autograd.grad(loss, ins if with_S0 else ins[:5])
+    grads = torch.autograd.grad(loss, ins if with_S0 else ins[:5], materialize_grads=True)
     tol = TOL[dtype]
     errors = {"o": rel_err(o.cpu(), o_ref), "S": rel_err(S.cpu(), S_ref)}
     for name, grad, grad_ref, leaf in zip(NAMES, grads, grads_ref, ins):
@@ -111,46 +121,60 @@ def check_against_reference(N, T, H, K, V, *, dtype, chunk_size, read_after, wit
     assert max(errors.values()) < tol, {k: f"{v:.2e}" for k, v in errors.items()}
 
 
-CASES = list(itertools.product((torch.float32, torch.float16, torch.bfloat16), (1, 63, 130), (16, 64), (True, False)))
+CASES = list(itertools.product(KERNELS, (torch.float32, torch.float16, torch.bfloat16), (1, 63, 130), (16, 64),
+                               (True, False)))
 
 
 @interpret
-@pytest.mark.parametrize("dtype,T,chunk_size,read_after", CASES,
-                         ids=[f"{str(d)[6:]}-T{T}-C{c}-{'after' if a else 'before'}" for d, T, c, a in CASES])
-def test_matches_reference(dtype, T, chunk_size, read_after):
+@pytest.mark.parametrize("rule,dtype,T,chunk_size,read_after", CASES,
+                         ids=[f"rule{r}-{str(d)[6:]}-T{T}-C{c}-{'after' if a else 'before'}" for r, d, T, c, a in CASES])
+def test_matches_reference(rule, dtype, T, chunk_size, read_after):
     if dtype == torch.bfloat16 and not ON_GPU:
         pytest.skip("the interpreter's tl.dot is wrong for bfloat16; float16 covers the 16-bit path on the CPU")
-    check_against_reference(2, T, 2, 16, 24, dtype=dtype, chunk_size=chunk_size, read_after=read_after)
+    check_against_reference(2, T, 2, 16, 24, dtype=dtype, chunk_size=chunk_size, read_after=read_after, rule=rule)
 
 
 @interpret
+@pytest.mark.parametrize("rule", KERNELS)
 @pytest.mark.parametrize("K,V", [(128, 128), (64, 128), (100, 40)])
-def test_head_dims(K, V):
-    """Several K/V blocks per state (blocks of 64), the whole of K in the dq/dx kernel, and non-powers of two."""
-    check_against_reference(1, 70, 1, K, V, dtype=torch.float32, chunk_size=64, read_after=True)
+def test_head_dims(rule, K, V):
+    """Several K/V blocks per state, all of K in one program (dq/dx, the WY and pass kernels), non-powers of two."""
+    check_against_reference(1, 70, 1, K, V, dtype=torch.float32, chunk_size=64, read_after=True, rule=rule)
 
 
 @interpret
-def test_no_initial_state_and_chunk_128():
-    check_against_reference(1, 150, 2, 16, 16, dtype=torch.float32, chunk_size=128, read_after=False, with_S0=False)
+@pytest.mark.parametrize("rule", KERNELS)
+def test_no_initial_state_and_chunk_128(rule):
+    check_against_reference(1, 150, 2, 16, 16, dtype=torch.float32, chunk_size=128, read_after=False, with_S0=False,
+                            rule=rule)
 
 
 @gpu_only
+@pytest.mark.parametrize("rule", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_large_shape(dtype):
+def test_large_shape(rule, dtype):
     """A model-sized head (K = V = 128) over many chunks, several rows and heads."""
-    check_against_reference(2, 1000, 4, 128, 128, dtype=dtype, chunk_size=64, read_after=True)
+    check_against_reference(2, 1000, 4, 128, 128, dtype=dtype, chunk_size=64, read_after=True, rule=rule)
 
 
 @interpret
-def test_state_carry_over():
+@pytest.mark.parametrize("rule", KERNELS)
+@pytest.mark.parametrize("grad_o,grad_S", [(True, False), (False, True)])
+def test_one_output_used(rule, grad_o, grad_S):
+    """Only o or only the final state reaches the loss (the other gradient arrives as None)."""
+    check_against_reference(1, 40, 2, 16, 16, dtype=torch.float32, chunk_size=16, read_after=True, rule=rule,
+                            grad_o=grad_o, grad_S=grad_S)
+
+
+@interpret
+@pytest.mark.parametrize("rule", KERNELS)
+def test_state_carry_over(rule):
     """Running [0:T] equals running [0:t] and then [t:T] from the returned state (t not on a chunk edge)."""
+    kernel = KERNELS[rule]
     q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in prepared(1, 100, 2, 16, 16, seed=3))
-    o, S = fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, read_after=True, chunk_size=16)
-    o1, S1 = fast_weight_1a_triton(*(t[:, :37] for t in (q, x, y, eta, log_gamma)), S0, read_after=True,
-                                   chunk_size=16)
-    o2, S2 = fast_weight_1a_triton(*(t[:, 37:] for t in (q, x, y, eta, log_gamma)), S1, read_after=True,
-                                   chunk_size=16)
+    o, S = kernel(q, x, y, eta, log_gamma, S0, read_after=True, chunk_size=16)
+    o1, S1 = kernel(*(t[:, :37] for t in (q, x, y, eta, log_gamma)), S0, read_after=True, chunk_size=16)
+    o2, S2 = kernel(*(t[:, 37:] for t in (q, x, y, eta, log_gamma)), S1, read_after=True, chunk_size=16)
     assert rel_err(torch.cat([o1, o2], dim=1), o) < 1e-5
     assert rel_err(S2, S) < 1e-5
 
@@ -159,6 +183,8 @@ CONTRACT_CASES = [  # rule, window, pairing, read, step_size, packed
     ("1A", 1, "shifted", "after", "nlms", False), ("1A", 1, "shifted", "before", "direct", True),
     ("1A", 1, "same_step", "after", "nlms", True), ("3A", 3, "shifted", "after", "nlms", True),
     ("3A", 3, "shifted", "before", "nlms", False), ("3A", 2, "same_step", "after", "direct", False),
+    ("1", 1, "shifted", "after", "nlms", False), ("1", 1, "shifted", "before", "direct", True),
+    ("1", 1, "same_step", "after", "nlms", True),
 ]
 
 
@@ -198,7 +224,7 @@ def test_backend_contract_matches_chunk(rule, window, pairing, read, step_size, 
 
 
 @gpu_only
-@pytest.mark.parametrize("rule,dtype", list(itertools.product(("1A", "3A"), (torch.float32, torch.bfloat16))))
+@pytest.mark.parametrize("rule,dtype", list(itertools.product(("1A", "3A", "1"), (torch.float32, torch.bfloat16))))
 def test_front_door(rule, dtype):
     """`fast_weight_attention(backend="triton")` on the GPU against the chunk backend in float64 on the CPU."""
     window = 3 if rule == "3A" else 1
