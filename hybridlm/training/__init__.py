@@ -1,9 +1,14 @@
-"""Training stack pieces that do not depend on the model classes.
+"""The training stack.
 
+Model-independent pieces (exported here):
 - `schedules`: lr / wd factors (warmup, WSD, cosine, power, effective power) and batch rampup
 - `optim`: AdamW parameter groups by role with ELR / EWD multipliers; muP width transfer of multipliers
 - `checkpoint`: atomic, checksummed, pickle-free training checkpoints (`rng`, `tensor_tree` underneath)
 - `guard`: skip non-finite (or spiking) updates, stop after a streak
+Runs (import them from their modules; they pull in the model classes):
+- `config`: the typed run config (YAML + `--set` overrides); `trainer`: `Trainer`; `distributed`: torchrun,
+  DDP / FSDP2; `demo`: the built-in Python-stdlib byte corpus; `mup_check`: the coordinate check;
+  `commands`: `hybridlm train` and `hybridlm mup-check`
 """
 
 from __future__ import annotations
