@@ -179,9 +179,10 @@ def target_labels(tokens: np.ndarray, *, include_eos: bool) -> np.ndarray:
 
 
 def train_batch(rng: np.random.Generator, batch_size: int, *, min_width: int = 1, max_width: int = 32) -> dict:
-    """One training batch: widths uniform in [min_width, max_width] per example, right-padded with <pad>."""
+    """One training batch: widths uniform in [min_width, max_width] per example, right-padded with <pad> to
+    the longest possible example, so every batch has one shape."""
     widths = rng.integers(min_width, max_width + 1, size=batch_size)
-    length = 3 * int(widths.max()) + 5
+    length = 3 * max_width + 5
     input_ids = np.full((batch_size, length), PAD, dtype=np.int64)
     labels = np.full((batch_size, length), IGNORE_INDEX, dtype=np.int64)
     for width in np.unique(widths):

@@ -46,6 +46,7 @@ def test_train_batch_widths_padding_and_targets():
     for _ in range(20):
         batch = A.train_batch(rng, 128)
         ids, labels = batch["input_ids"].numpy(), batch["labels"].numpy()
+        assert ids.shape == labels.shape == (128, 3 * 32 + 5)  # one shape for every batch
         for row, lab in zip(ids, labels):
             length = int((row != A.PAD).sum())
             width = (length - 5) // 3

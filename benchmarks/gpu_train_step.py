@@ -1,0 +1,67 @@
+"""Time of one training update of the benchmark models on a GPU, with the Transformer's as the baseline.
+
+    python benchmarks/gpu_train_step.py                                   # addition recipe shape, 7 models
+    python benchmarks/gpu_train_step.py --models fw-1A transformer --batch-size 256 --json out.json
+
+The models and the batch are those of `hybridlm bench addition` (size "small", batch 256 of 101 tokens).
+For each model: the median wall time of an update through `train_on_task` (AdamW, clipping, bf16
+autocast; the GPU is synchronized at every update, so this is the time of one update alone, with no
+overlap of the host's launches and the GPU's work) and its ratio to the Transformer's in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from hybridlm.eval.addition import MODEL_VOCAB_SIZE, train_batch
+from hybridlm.eval.models import build_model, task_config
+from hybridlm.eval.train_task import train_on_task
+
+MODELS = ("transformer", "mamba2", "fw-1A", "fw-3A", "fw-1", "hybrid-fw-3A", "hybrid-mamba2")
+
+
+def timed_run(name: str, *, steps: int, batches: list[dict]) -> float:
+    model = build_model(task_config(name, vocab_size=MODEL_VOCAB_SIZE, size="small"), seed=0)
+    stamps: list[float] = []
+
+    def batch_fn(step: int) -> dict:
+        torch.cuda.synchronize()  # measures the update before this one end to end
+        stamps.append(time.perf_counter())
+        return batches[step % len(batches)]
+
+    train_on_task(model, batch_fn, steps=steps, lr=1e-3, device="cuda")
+    deltas = [b - a for a, b in zip(stamps[10:], stamps[11:])]  # past compilation
+    return 1e3 * statistics.median(deltas)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    batches = [train_batch(rng, args.batch_size) for _ in range(args.steps)]
+    print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · batch {args.batch_size} x "
+          f"{batches[0]['input_ids'].shape[1]} tokens · median of {args.steps - 11} updates")
+    baseline = timed_run("transformer", steps=args.steps, batches=batches)
+    print(f"{'model':<16}{'ms/update':>10}{'/ transformer':>15}")
+    rows = []
+    for name in args.models:
+        ms = baseline if name == "transformer" else timed_run(name, steps=args.steps, batches=batches)
+        rows.append({"model": name, "ms_per_update": ms, "ratio_to_transformer": ms / baseline})
+        print(f"{name:<16}{ms:>10.2f}{ms / baseline:>15.2f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
