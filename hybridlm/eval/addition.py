@@ -270,6 +270,17 @@ class AdditionRecipe(TrainRecipe):
     val_per_width: int = 32
     eval_every: int = 250
     eval_batch_size: int = 512
+    curriculum_steps: int = 0
+    curriculum_start: int = 4
+
+    def max_width_at(self, step: int) -> int:
+        """The widest training operands at `step`: `train_max_width`, or with `curriculum_steps` > 0 a cap that
+        grows linearly from `curriculum_start` to `train_max_width` over the first `curriculum_steps` updates
+        (widths stay uniform below the cap). Off by default: the paper samples 1..32 uniformly throughout."""
+        if step >= self.curriculum_steps:
+            return self.train_max_width
+        start = max(self.min_width, min(self.curriculum_start, self.train_max_width))
+        return start + (self.train_max_width - start) * step // self.curriculum_steps
 
 
 def run_addition(model_name: str, seed: int, recipe: AdditionRecipe, *, device: str = "cpu",
@@ -287,7 +298,7 @@ def run_addition(model_name: str, seed: int, recipe: AdditionRecipe, *, device: 
     val = eval_sets(train_widths, recipe.val_per_width, seed=_VAL_SEED)
 
     def batch_fn(step: int) -> dict:
-        return train_batch(rng, recipe.batch_size, min_width=recipe.min_width, max_width=recipe.train_max_width)
+        return train_batch(rng, recipe.batch_size, min_width=recipe.min_width, max_width=recipe.max_width_at(step))
 
     def val_fn(m) -> tuple[float, float]:
         per_width = evaluate(m, val, device=device, batch_size=recipe.eval_batch_size)

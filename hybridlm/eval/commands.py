@@ -35,9 +35,12 @@ def add_commands(subparsers) -> None:
     _add_run_options(p, default_seeds=3)
     p.add_argument("--models", default=DEFAULT_MODELS, metavar="LIST",
                    help=f"comma-separated model names (default {DEFAULT_MODELS})")
-    _add_recipe_options(p, [("size", str, "model size: small (the GPU recipe) or tiny (smoke tests)"),
+    _add_recipe_options(p, [("size", str, "model size: small (the GPU recipe), medium, or tiny (smoke tests)"),
                             ("batch-size", int, "examples per step"), ("lr", float, "peak learning rate"),
                             ("warmup", int, "warmup steps (default: 10%% of --steps when --steps is given)"),
+                            ("curriculum-steps", int, "grow the widest training width from --curriculum-start to "
+                                                      "--train-max-width over this many steps (default 0: off)"),
+                            ("curriculum-start", int, "widest training width at step 0 of the curriculum (default 4)"),
                             ("eval-per-width", int, "held-out pairs per width"),
                             ("val-per-width", int, "held-out pairs per width for checkpoint selection"),
                             ("eval-every", int, "steps between validation checks"),

@@ -23,6 +23,8 @@ Sizes (`SIZES`):
     "small"  d_model 256, 4 blocks, MLP 768; attention 4 heads x 64; SSM 512 channels = 8 heads x 64,
              Mamba-2 d_state 64 (3.4M parameters for the transformer to 6.1M for a fast-weight hybrid):
              the GPU recipe of the benchmarks
+    "medium" d_model 512, 8 blocks, MLP 1536; attention 8 heads x 64; SSM 1024 channels = 16 heads x 64
+             (about 8x "small"): for tasks the small size does not learn
     "tiny"   d_model 32, 2 blocks: CPU smoke tests only
 """
 
@@ -38,6 +40,10 @@ SIZES: dict[str, dict[str, Any]] = {
     "small": dict(
         hidden_size=256, num_hidden_layers=4, intermediate_size=768, num_attention_heads=4, num_key_value_heads=4,
         head_dim=64, mamba_d_ssm=512, mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64, mamba_chunk_size=64,
+    ),
+    "medium": dict(
+        hidden_size=512, num_hidden_layers=8, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=8,
+        head_dim=64, mamba_d_ssm=1024, mamba_n_heads=16, mamba_d_head=64, mamba_d_state=64, mamba_chunk_size=64,
     ),
     "tiny": dict(
         hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,

@@ -78,3 +78,9 @@ def test_train_on_task_learns_and_restores_the_best_evaluation():
     assert model.layers["0"]["mlp"]["up_proj"].weight.item() == pytest.approx(seen[2])
     assert abs(seen[-1] - 3.0) < abs(start - 3.0)  # it did train towards the target
     assert [s for s, _ in result.losses] == [5, 10]
+
+
+def test_medium_size_is_wider_and_deeper_than_small():
+    small, medium = task_config("fw-1A", vocab_size=16), task_config("fw-1A", vocab_size=16, size="medium")
+    assert (medium.hidden_size, medium.num_hidden_layers) == (2 * small.hidden_size, 2 * small.num_hidden_layers)
+    assert medium.mamba_n_heads * medium.mamba_d_head == medium.mamba_d_ssm
