@@ -38,6 +38,8 @@ nothing crosses a document boundary. Decoding: `cache.ssm` holds the conv tail (
 `FastWeightState` fields ("S" [B, H, K, V] fp32, "last_k" [B, H, K], and for the sliding rules "tail_x",
 "tail_v", "tail_len"); a prefill runs the chunk-parallel path, each later token the recurrent step. With
 `cu_seqlens` and a cache (a packed prefill) the states have one row per packed sequence.
+Under tensor parallelism (hybridlm.parallel.tensor_parallel) num_heads, width, beta_width and conv_channels
+are the rank's local ones and beta_bias / lam_bias are Shard(0) DTensors read through `local_tensor`.
 """
 
 from __future__ import annotations
@@ -51,8 +53,12 @@ from hybridlm.layers.cache import LayerCache
 from hybridlm.modules.boundaries import has_restarts, pack_rows
 from hybridlm.modules.gated_norm import GatedRMSNorm
 from hybridlm.modules.short_conv import ShortConvolution
-from hybridlm.ops.fast_weight import PER_COLUMN_RULES, FastWeightState, fast_weight_attention
-from hybridlm.ops.utils import compute_dtype
+from hybridlm.ops.fast_weight import (
+    PER_COLUMN_RULES,
+    FastWeightState,
+    fast_weight_attention,
+)
+from hybridlm.ops.utils import compute_dtype, local_tensor
 
 _STATE_FIELDS = ("S", "last_k", "tail_x", "tail_v", "tail_len")  # FastWeightState fields kept in cache.ssm
 _QK_EPS = 1e-6
@@ -177,11 +183,11 @@ class FastWeightMixer(nn.Module):
     def _gains(self, beta_logits: torch.Tensor, lam_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> beta [B, T, H] (or [B, T, H, V]) and lam [B, T, H] >= 0."""
         dtype = compute_dtype(beta_logits.dtype)
-        gate = torch.sigmoid(beta_logits.to(dtype) + self.beta_bias.to(dtype))
+        gate = torch.sigmoid(beta_logits.to(dtype) + local_tensor(self.beta_bias).to(dtype))
         if self.rule in PER_COLUMN_RULES:
             gate = gate.unflatten(-1, (self.num_heads, self.head_dim))  # [B, T, H, V]
         beta = 2.0 * gate if self.step_size == "nlms" else (2.0 / self.feature_energy) * gate
-        lam = self.lam_scale * torch.sigmoid(lam_logits.to(dtype) + self.lam_bias.to(dtype))
+        lam = self.lam_scale * torch.sigmoid(lam_logits.to(dtype) + local_tensor(self.lam_bias).to(dtype))
         return beta, lam
 
     def extra_repr(self) -> str:

@@ -14,6 +14,8 @@ expand * d, the output norm is optional, and the five multipliers above. The blo
 `LayerCache` carries the conv tail ("conv", [B, K-1, C]) and the SSM state ("ssm", [B, H, P, N], fp32):
 a prefill runs the chunked SSD, a single token the recurrence step (`ssd(..., backend="naive")` at T == 1).
 With `cu_seqlens` and a cache (a packed prefill) the states have one row per packed sequence.
+Under tensor parallelism (hybridlm.parallel.tensor_parallel) the head counts here (num_heads, groups, d_ssm,
+conv_channels) are the rank's local ones and the per-head parameters are Shard(0) DTensors read through `local_tensor`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from hybridlm.modules.boundaries import has_restarts, pack_rows
 from hybridlm.modules.gated_norm import GatedRMSNorm
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.ssd import ssd
-from hybridlm.ops.utils import compute_dtype
+from hybridlm.ops.utils import compute_dtype, local_tensor
 
 
 class Mamba2Mixer(nn.Module):
@@ -104,9 +106,9 @@ class Mamba2Mixer(nn.Module):
 
         # 3. Discretization inputs in float32 (float64 stays float64).
         dtype = compute_dtype(dt.dtype)
-        dt = F.softplus(dt.to(dtype) + self.dt_bias.to(dtype))
+        dt = F.softplus(dt.to(dtype) + local_tensor(self.dt_bias).to(dtype))
         dt = dt.clamp(min=self.time_step_limit[0], max=self.time_step_limit[1])  # [B, T, H]
-        A = -torch.exp(self.A_log.to(dtype))  # [H]
+        A = -torch.exp(local_tensor(self.A_log).to(dtype))  # [H]
 
         # 4. SSD scan (state in float32), D skip inside.
         y, ssm_state = ssd(
@@ -115,7 +117,7 @@ class Mamba2Mixer(nn.Module):
             A,
             b.reshape(batch, length, self.groups, self.d_state),  # [B, T, G, N]
             c.reshape(batch, length, self.groups, self.d_state),
-            D=self.D,
+            D=local_tensor(self.D),
             chunk_size=self.chunk_size,
             initial_state=cache.ssm.get("ssm") if cache is not None else None,
             output_final_state=cache is not None,

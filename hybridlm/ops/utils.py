@@ -66,3 +66,11 @@ def resolve_backend(backend: str, *, available: tuple[str, ...], default: str) -
     if backend not in available:
         raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + available}")
     return backend
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The local shard of a sharded DTensor parameter (the layers' per-head parameters under tensor
+    parallelism), else the tensor itself. Duck-typed (`to_local`) so that the layers need no
+    torch.distributed import."""
+    to_local = getattr(param, "to_local", None)
+    return to_local() if to_local is not None else param

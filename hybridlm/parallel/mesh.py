@@ -11,12 +11,13 @@ then cp, then the data-parallel dimensions, as torchtitan does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+MIXER_PARALLEL_MODES = ("off", "on", "interleaved")
 
 
 @dataclass
@@ -26,8 +27,13 @@ class ParallelConfig:
     dp_replicate: DDP-style replicas (HSDP when combined with dp_shard > 1).
     dp_shard: FSDP2 sharding degree.
     cp: context parallelism (the sequence split over ranks; see `context_parallel`).
-    tp: tensor parallelism (attention heads and MLP split; see `tensor_parallel`).
+    tp: tensor parallelism (attention heads, SSM heads and MLP split; see `tensor_parallel`).
     activation_checkpointing: recompute each block in backward (applied by `parallelize`).
+    ssm_tensor_parallel: split the SSM mixers' heads over tp (True), or keep them replicated (False: e.g. the
+        released Falcon-H1 checkpoints, whose mamba_n_groups=1 cannot split B/C over tp ranks).
+    mixer_parallel: "off", "on" (attention on the first half of every tp group, the SSM mixer on the second,
+        concurrently) or "interleaved" (the halves swap roles every other layer); needs an even tp. See
+        `mixer_parallel`.
     """
 
     dp_replicate: int = 1
@@ -35,6 +41,8 @@ class ParallelConfig:
     cp: int = 1
     tp: int = 1
     activation_checkpointing: bool = False
+    ssm_tensor_parallel: bool = True
+    mixer_parallel: str = "off"
 
     def resolved(self, world_size: int) -> ParallelConfig:
         """A copy with dp_shard filled in and every size checked against `world_size`."""
@@ -44,6 +52,15 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.mixer_parallel not in MIXER_PARALLEL_MODES:
+            raise ValueError(
+                f"ParallelConfig.mixer_parallel must be one of {MIXER_PARALLEL_MODES}, got {self.mixer_parallel!r}"
+            )
+        if self.mixer_parallel != "off" and self.tp % 2:
+            raise ValueError(
+                f"ParallelConfig.mixer_parallel={self.mixer_parallel!r} splits every tp group in two halves "
+                f"(attention | SSM): tp must be even, got tp={self.tp}"
+            )
         dp_shard = self.dp_shard
         if not isinstance(dp_shard, int) or isinstance(dp_shard, bool) or (dp_shard < 1 and dp_shard != -1):
             raise ValueError(f"ParallelConfig.dp_shard must be an integer >= 1 or -1 (the rest), got {dp_shard!r}")
@@ -60,7 +77,7 @@ class ParallelConfig:
                 f"dp_replicate * dp_shard * cp * tp = {self.dp_replicate} * {dp_shard} * {self.cp} * {self.tp} = "
                 f"{fixed * dp_shard}, but the world size is {world_size}; the product must equal it"
             )
-        return ParallelConfig(self.dp_replicate, dp_shard, self.cp, self.tp, self.activation_checkpointing)
+        return replace(self, dp_shard=dp_shard)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

@@ -1,9 +1,15 @@
 """`parallelize(model, mesh, config)`: every parallelism applied in one place, in torchtitan's order
 
-    1. tensor parallelism over mesh["tp"]             (apply_tensor_parallel; the model must be unwrapped)
+    1. tensor parallelism over mesh["tp"]             (apply_tensor_parallel; the model must be unwrapped),
+       or mixer parallelism over it                    (config.mixer_parallel "on" | "interleaved":
+                                                        apply_mixer_parallel, which also splits the MLP)
     2. activation checkpointing per block              (config.activation_checkpointing)
     3. torch.compile per block                         (compile=True)
     4. FSDP2 `fully_shard` per block, then the root    over data_parallel_mesh(mesh) (HSDP with dp_replicate > 1)
+
+FSDP2 keeps the root module's parameters unsharded after a forward (the backward usually follows): after a
+forward under torch.no_grad() (an evaluation), call `model.reshard()` before the next training step, or that
+step's root gradients are not reduce-scattered (tests/parallel/test_tensor_parallel.py measures it).
 
 Context parallelism is not a module transform: wrap the forward in `context_parallel(model, mesh["cp"])`
 (hybridlm.parallel.context_parallel). With cp > 1 the parameters are replicated over the cp ranks (FSDP
@@ -21,6 +27,7 @@ from torch.distributed.fsdp import fully_shard
 
 from hybridlm.layers.block import HybridBlock
 from hybridlm.parallel.mesh import ParallelConfig, data_parallel_mesh
+from hybridlm.parallel.mixer_parallel import apply_mixer_parallel
 from hybridlm.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -29,7 +36,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig, *, c
     HybridModel already on its device) in place; returns it. `mesh` comes from `build_mesh(config)`."""
     if tuple(mesh.mesh.shape) != config.resolved(mesh.size()).shape:
         raise ValueError(f"mesh shape {tuple(mesh.mesh.shape)} does not match the config {config}")
-    apply_tensor_parallel(model, mesh["tp"])
+    if config.mixer_parallel == "off":
+        apply_tensor_parallel(model, mesh["tp"], ssm_heads=config.ssm_tensor_parallel)
+    else:
+        apply_mixer_parallel(model, mesh["tp"], mode=config.mixer_parallel, ssm_heads=config.ssm_tensor_parallel)
     layers = _layer_list(model)
     for index, block in enumerate(list(layers)):
         if config.activation_checkpointing:

@@ -1,106 +1,197 @@
-"""cp=2 on 2 gloo processes: the sequence split in two matches one process (float32, tol 1e-5) for the
-Mamba-2 mixer and the fast-weight mixer (rule 3A with a window of 3, rule 1), and attention's K/V gather
-is exact in backward too (attention-only model: parameter gradients summed over the cp ranks)."""
+"""Context parallelism equals one process:
+
+- cp=2 on 2 gloo processes, for an attention-only model (grouped-query: 2 query heads on 1 key/value head),
+  Mamba-2 only, fast-weight rule 3A with a window of 3, fast-weight rule 1, the default hybrid (attention +
+  Mamba-2) with ring attention and with the K/V all-gather: the logits, the parameter gradients (after the
+  cp reduction) and the gradient of the input embeddings; float32 (tol 1e-5 relative) and float64 (every
+  parameter's gradient to 1e-10: exact, not just close). One spawn runs every variant (spawning dominates the
+  time on 2 cores); each variant is its own test.
+- cp=2 x dp_shard=2 on 4 processes (FSDP2 over dp_shard, parameters replicated over cp and their gradients
+  summed over it by `reduce_context_parallel_grads`): the losses of 3 AdamW steps of the tiny hybrid equal one
+  process on the same global batch. The same spawn runs test_ring_attention's rings.
+"""
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    checkpoint_wrapper,
+)
 
 from hybridlm.parallel import (
     ParallelConfig,
     build_mesh,
     context_parallel,
     gather_sequence,
+    parallelize,
+    reduce_context_parallel_grads,
     shard_sequence,
 )
+from tests.helpers import rel_err
 from tests.parallel.harness import run_ranks, tiny_model
+from tests.parallel.test_ring_attention import rings
 
 TOL = 1e-5
 LENGTH = 26  # 13 tokens per rank: not a multiple of the chunk size 8, and longer than the conv tail
+STEPS = 3
+
+# name -> (tiny_model overrides, context_parallel attention mode)
+VARIANTS = {
+    "attention-gqa": ({"ssm_mixer": "none", "num_key_value_heads": 1}, "ring"),
+    "mamba2": ({"ssm_mixer": "mamba2", "use_attention": False}, "ring"),
+    "fast_weight-3A-window3": ({"ssm_mixer": "fast_weight", "fw_rule": "3A", "fw_window": 3, "use_attention": False}, "ring"),
+    "fast_weight-1": ({"ssm_mixer": "fast_weight", "fw_rule": "1", "use_attention": False}, "ring"),
+    "hybrid-ring": ({}, "ring"),
+    "hybrid-allgather": ({}, "allgather"),
+}
 
 
-def _ids() -> torch.Tensor:
+def _ids(rows: int = 2) -> torch.Tensor:
     torch.manual_seed(2)
-    return torch.randint(0, 128, (2, LENGTH))
+    return torch.randint(0, 128, (rows, LENGTH))
 
 
-def _forward(rank: int, world: int, overrides: dict) -> dict:
-    mesh = build_mesh(ParallelConfig(dp_shard=1, cp=world))
-    group = mesh["cp"].get_group()
-    model = tiny_model(**overrides).eval()
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def _compare(group, overrides: dict, attention: str, dtype: torch.dtype) -> dict:
+    """One variant in one dtype: forward + backward under cp against the same model in one process."""
+    model = tiny_model(**overrides).to(dtype)
+    reference = copy.deepcopy(model)
     ids = _ids()
-    with torch.no_grad():
-        want = model(ids).logits
-        local, positions = shard_sequence(ids, group)
-        with context_parallel(model, group):
-            got = gather_sequence(model(local, position_ids=positions).logits, group)
-        # without the state passing / K/V gather the second half must differ (the test can fail)
-        alone = gather_sequence(model(local, position_ids=positions).logits, group)
+    torch.manual_seed(3)
+    weights = torch.randn(2, LENGTH, 128, dtype=dtype)  # a loss that reads every logit
+    embeds = reference.model.embed_tokens(ids).detach().requires_grad_(True)  # [B, T, D]
+    want = reference(inputs_embeds=embeds).logits
+    (want * weights).sum().backward()
+    want = want.detach()
+
+    local, positions = shard_sequence(embeds.detach(), group)
+    local.requires_grad_(True)
+    with context_parallel(model, group, attention=attention):
+        logits = model(inputs_embeds=local, position_ids=positions).logits  # [B, T/2, V]
+    (logits * shard_sequence(weights, group)[0]).sum().backward()  # after the hooks are gone: still exact
+    reduce_context_parallel_grads(model, group)
+
+    with torch.no_grad():  # without the state passing / ring the second half must differ (the test can fail)
+        alone = gather_sequence(model(inputs_embeds=local.detach(), position_ids=positions).logits, group)
+    got = gather_sequence(logits.detach(), group)
+    # the embedding table gets no gradient here: the embeddings are the input
+    pairs = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None]
     half = LENGTH // 2
     return {
-        "diff": float((got - want).abs().max()),
+        "logits": _relative(got, want),
+        "embed_grads": _relative(gather_sequence(local.grad, group), embeds.grad),
+        # float32: the worst entry of any gradient against the largest gradient entry; float64: each parameter
+        # on its own (float32 rounding alone moves A_log's small, cancelling gradient by ~1e-5 of itself)
+        "all_param_grads": max(float((a - b).abs().max()) for a, b in pairs) / max(float(b.abs().max()) for _, b in pairs),
+        "each_param_grad": max(rel_err(a, b) for a, b in pairs),
         "second_half_alone": float((alone - want)[:, half:].abs().max()),
     }
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        {"ssm_mixer": "mamba2"},
-        {"ssm_mixer": "fast_weight", "fw_rule": "3A", "fw_window": 3},
-        {"ssm_mixer": "fast_weight", "fw_rule": "1"},
-    ],
-    ids=["mamba2", "fast_weight-3A-window3", "fast_weight-1"],
-)
-def test_cp2_forward_matches_one_process(overrides):
-    got = run_ranks(_forward, overrides=overrides)
-    assert got["diff"] < TOL, got
-    assert got["second_half_alone"] > 1e-3, got
+def _all_variants(rank: int, world: int) -> dict:
+    group = build_mesh(ParallelConfig(dp_shard=1, cp=world))["cp"].get_group()
+    return {
+        name: {str(dtype): _compare(group, overrides, attention, dtype) for dtype in (torch.float32, torch.float64)}
+        for name, (overrides, attention) in VARIANTS.items()
+    }
 
 
-def _attention_backward(rank: int, world: int) -> dict:
-    mesh = build_mesh(ParallelConfig(dp_shard=1, cp=world))
-    group = mesh["cp"].get_group()
-    model = tiny_model(ssm_mixer="none")
-    reference = copy.deepcopy(model)
-    ids = _ids()
-    torch.manual_seed(3)
-    weights = torch.randn(2, LENGTH, 128)  # a loss that reads every logit
-    (reference(ids).logits * weights).sum().backward()
-    local, positions = shard_sequence(ids, group)
-    local_weights, _ = shard_sequence(weights, group)
-    with context_parallel(model, group):
-        (model(local, position_ids=positions).logits * local_weights).sum().backward()
-    worst = 0.0
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=group)  # the cp ranks' contributions, as data parallelism would sum them
-        worst = max(worst, float((grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)))
-    return {"relative_grad_diff": worst}
+@pytest.fixture(scope="module")
+def cp2_results() -> dict:
+    return run_ranks(_all_variants)
 
 
-def test_cp2_attention_gradients_match_one_process():
-    got = run_ranks(_attention_backward)
-    assert got["relative_grad_diff"] < TOL, got
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cp2_forward_and_gradients_match_one_process(cp2_results, variant):
+    single, double = cp2_results[variant]["torch.float32"], cp2_results[variant]["torch.float64"]
+    for name in ("logits", "embed_grads", "all_param_grads"):
+        assert single[name] < TOL, single
+    assert double["each_param_grad"] < 1e-10, double  # exact: every parameter's gradient, float64
+    assert double["logits"] < 1e-12 and double["embed_grads"] < 1e-10, double
+    assert single["second_half_alone"] > 1e-3, single
 
 
-def _grad_guard(rank: int, world: int) -> dict:
-    mesh = build_mesh(ParallelConfig(dp_shard=1, cp=world))
-    group = mesh["cp"].get_group()
+def _labels(ids: torch.Tensor) -> torch.Tensor:
+    """Next-token targets of the whole sequence ([B, T], -100 after the last token): shifting before
+    sharding lets the last token of rank j predict the first token of rank j+1."""
+    return F.pad(ids[:, 1:], (0, 1), value=-100)
+
+
+def _train_cp_dp(rank: int, world: int) -> dict:
+    config = ParallelConfig(dp_shard=2, cp=2)
+    mesh = build_mesh(config)
+    cp_group = mesh["cp"].get_group()
     model = tiny_model()
-    local, positions = shard_sequence(_ids(), group)
-    with context_parallel(model, group):
-        try:  # every rank raises in the first SSM mixer's hook, before any communication
-            model(local, position_ids=positions)
-        except RuntimeError as error:
-            return {"error": str(error)}
-    return {"error": None}
+    reference = copy.deepcopy(model)
+    ids = _ids(rows=4)
+    labels = _labels(ids)
+    dp_rank = mesh["dp_shard"].get_local_rank()
+    rows = ids.chunk(2)[dp_rank]  # this dp rank's half of the global batch
+    local, positions = shard_sequence(rows, cp_group)
+    local_labels, _ = shard_sequence(labels.chunk(2)[dp_rank], cp_group)
+    count = rows.shape[0] * (LENGTH - 1)  # the targets of this dp rank's rows (over all cp ranks)
+
+    parallelize(model, mesh, config)  # FSDP2 over dp_shard; replicated over cp
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(STEPS):
+        with context_parallel(model, cp_group):
+            logits = model(local, position_ids=positions).logits  # [B/2, T/2, V]
+        # this rank's share: summed over cp it is the mean over the dp rank's rows; FSDP averages over dp
+        loss = F.cross_entropy(logits.flatten(0, 1), local_labels.flatten(), ignore_index=-100, reduction="sum") / count
+        loss.backward()
+        reduce_context_parallel_grads(model, cp_group)
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        dist.all_reduce(value)  # sum over cp and dp ...
+        losses.append(float(value) / 2)  # ... / dp = the global mean
+
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    want = []
+    for _ in range(STEPS):
+        logits = reference(ids).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append(float(loss.detach()))
+    return {"losses": losses, "reference": want}
 
 
-def test_cp_refuses_gradients_through_ssm_states():
-    got = run_ranks(_grad_guard)
-    assert got["error"] is not None and "forward-only" in got["error"], got
+def _four_processes(rank: int, world: int) -> dict:
+    return {"train": _train_cp_dp(rank, world), "rings": rings(rank, world)}
+
+
+@functools.cache
+def four_process_results() -> dict:
+    """One 4-process spawn for the cp x dp training here and the ring attention checks of
+    test_ring_attention (spawning 4 processes dominates their time on 2 cores)."""
+    return run_ranks(_four_processes, world=4)
+
+
+def test_cp2_x_dp_shard2_training_matches_one_process():
+    got = four_process_results()["train"]
+    losses, reference = got["losses"], got["reference"]
+    assert max(abs(a - b) for a, b in zip(losses, reference)) < TOL, (losses, reference)
+    assert reference[-1] < reference[0] - 0.1  # it trained, so equal losses mean equal updates
+
+
+def test_context_parallel_refuses_unknown_attention_and_checkpointing():
+    """Checked before any communication (no process group needed)."""
+    model = tiny_model()
+    with pytest.raises(ValueError, match="attention must be one of"), context_parallel(model, attention="flash"):
+        pass
+    model.model.layers[0] = checkpoint_wrapper(model.model.layers[0])
+    with pytest.raises(ValueError, match="activation checkpointing is not supported"), context_parallel(model):
+        pass

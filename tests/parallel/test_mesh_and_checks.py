@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridlm.parallel import ParallelConfig, check_tensor_parallel
+from hybridlm.parallel.mixer_parallel import check_mixer_parallel
 from tests.parallel.harness import tiny_model
 
 
@@ -20,8 +21,11 @@ def test_dp_shard_takes_the_rest_of_the_world():
         (ParallelConfig(dp_shard=3, tp=2), 4, "must equal it"),
         (ParallelConfig(tp=0), 4, "ParallelConfig.tp must be an integer >= 1"),
         (ParallelConfig(dp_shard=0), 4, "ParallelConfig.dp_shard"),
+        (ParallelConfig(tp=1, mixer_parallel="on"), 4, "tp must be even, got tp=1"),
+        (ParallelConfig(tp=2, mixer_parallel="yes"), 4, "ParallelConfig.mixer_parallel must be one of"),
     ],
-    ids=["tp-does-not-divide", "product-mismatch", "tp-zero", "dp-shard-zero"],
+    ids=["tp-does-not-divide", "product-mismatch", "tp-zero", "dp-shard-zero", "mixer-parallel-odd-tp",
+         "mixer-parallel-mode"],
 )
 def test_bad_mesh_sizes_raise(config, world, message):
     with pytest.raises(ValueError, match=message):
@@ -33,9 +37,13 @@ def test_bad_mesh_sizes_raise(config, world, message):
     [
         ({"num_key_value_heads": 1}, 2, "num_key_value_heads=1"),
         ({"num_attention_heads": 3, "num_key_value_heads": 3}, 2, "num_attention_heads=3"),
-        ({"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 322}, 4, "intermediate_size=322"),
+        ({"num_attention_heads": 4, "num_key_value_heads": 4, "mamba_n_groups": 4, "intermediate_size": 322}, 4,
+         "intermediate_size=322"),
+        ({}, 2, "mamba_n_groups=1"),  # the tiny preset's B/C: one group cannot split over 2 ranks
+        ({"use_attention": False, "mamba_n_heads": 6, "mamba_d_ssm": 384, "mamba_n_groups": 2}, 4, "mamba_n_heads=6"),
+        ({"ssm_mixer": "fast_weight", "fw_heads": 3, "fw_head_dim": 32}, 2, "fw_heads .*=3"),
     ],
-    ids=["kv-heads", "query-heads", "mlp-width"],
+    ids=["kv-heads", "query-heads", "mlp-width", "mamba-groups", "mamba-heads", "fast-weight-heads"],
 )
 def test_tensor_parallel_divisibility_errors_name_the_field(overrides, tp, field):
     model = tiny_model(**overrides)
@@ -44,4 +52,24 @@ def test_tensor_parallel_divisibility_errors_name_the_field(overrides, tp, field
 
 
 def test_divisible_shapes_pass():
-    check_tensor_parallel(tiny_model(), 2)  # 2 query heads, 2 KV heads, MLP 320
+    check_tensor_parallel(tiny_model(mamba_n_groups=2), 2)  # 2 query heads, 2 KV heads, MLP 320, 4 SSM heads
+    check_tensor_parallel(tiny_model(), 2, ssm_heads=False)  # 1 B/C group: the SSM mixers stay replicated
+
+
+@pytest.mark.parametrize(
+    ("overrides", "tp", "message"),
+    [
+        ({"block_arrangement": "S_A_M"}, 2, "block_arrangement='S_A_M'"),
+        ({}, 4, "mamba_n_groups=1"),  # tp=4: SSM TP=2 inside its half needs 2 B/C groups
+        ({"num_key_value_heads": 1}, 4, "num_key_value_heads=1"),  # attention TP=2 inside its half
+        ({}, 3, "even tp"),
+    ],
+    ids=["sequential-arrangement", "ssm-groups-in-half", "kv-heads-in-half", "odd-tp"],
+)
+def test_mixer_parallel_errors_name_the_field(overrides, tp, message):
+    with pytest.raises(ValueError, match=message):
+        check_mixer_parallel(tiny_model(**overrides), tp, mode="interleaved")
+
+
+def test_mixer_parallel_halves_of_one_rank_need_no_split():
+    check_mixer_parallel(tiny_model(num_key_value_heads=1), 2, mode="on")  # each half: 1 rank, whole mixers
