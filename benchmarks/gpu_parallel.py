@@ -35,7 +35,7 @@ DEVICE = "cuda"  # "cpu" (gloo) with --cpu: a smoke run of this script without G
 
 def sync() -> None:
     if DEVICE == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def build(seed: int, dtype=torch.float32, **fields) -> HybridForCausalLM:
