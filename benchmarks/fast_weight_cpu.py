@@ -1,10 +1,13 @@
 """CPU timing of the fast-weight op: the chunk-parallel backend against the naive step loop, side by side.
 
     python benchmarks/fast_weight_cpu.py                       # B=1 H=4 K=V=64, T in 256 1024 4096
-    python benchmarks/fast_weight_cpu.py --T 256 1024 --repeats 3 --markdown
+    python benchmarks/fast_weight_cpu.py --T 256 1024 --repeats 3
+    python benchmarks/fast_weight_cpu.py --decode --B 1 8 64      # one decoding step: naive / recurrent / chunk
 
 Prints median wall times and the naive/chunk ratio per rule, forward and forward+backward, all measured in
-this one process (float32, chunk 64, window 3 for rules 3/3A).
+this one process (float32, chunk 64, window 3 for rules 3/3A). `--decode` times a single step (T = 1, no
+gradients, a carried state with full tails) of the naive spec, the row-vectorized "recurrent" backend ("auto"'s
+choice for decoding) and the chunk path, per batch size.
 """
 
 from __future__ import annotations
@@ -46,11 +49,38 @@ def time_call(rule: str, backend: str, *, T: int, backward: bool, repeats: int, 
     return statistics.median(times)
 
 
+def time_decode(rule: str, backend: str, *, B: int, H: int, D: int, repeats: int) -> float:
+    inputs = make_inputs(rule, T=1, B=B, H=H, D=D, requires_grad=False)
+    window = 3 if rule in ("3", "3A") else 1
+    _, state = fast_weight_attention(*make_inputs(rule, T=4, B=B, H=H, D=D, requires_grad=False), rule=rule,
+                                     window=window, output_final_state=True)
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats + 1):  # the first is a warm-up
+            start = time.perf_counter()
+            fast_weight_attention(*inputs, rule=rule, window=window, backend=backend, initial_state=state,
+                                  output_final_state=True)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def decode_table(args: argparse.Namespace) -> None:
+    print("| rule | B | naive (ms) | recurrent (ms) | chunk (ms) | naive / recurrent | chunk / recurrent |")
+    print("|---|---|---|---|---|---|---|")
+    for rule in args.rules:
+        for B in args.B:
+            ms = {name: 1e3 * time_decode(rule, name, B=B, H=args.H, D=args.D, repeats=args.repeats)
+                  for name in ("naive", "recurrent", "chunk")}
+            print(f"| {rule} | {B} | {ms['naive']:.2f} | {ms['recurrent']:.2f} | {ms['chunk']:.2f} | "
+                  f"{ms['naive'] / ms['recurrent']:.1f}x | {ms['chunk'] / ms['recurrent']:.1f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--T", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--rules", nargs="+", default=list(RULES), choices=RULES)
-    parser.add_argument("--B", type=int, default=1)
+    parser.add_argument("--B", type=int, nargs="+", default=[1], help="batch sizes (the sequence table uses the first)")
+    parser.add_argument("--decode", action="store_true", help="time one decoding step instead of sequences")
     parser.add_argument("--H", type=int, default=4)
     parser.add_argument("--D", type=int, default=64, help="K = V")
     parser.add_argument("--repeats", type=int, default=3)
@@ -59,6 +89,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"# {time.strftime('%Y-%m-%d')} | {platform.processor() or platform.machine()} | torch {torch.__version__} "
           f"| {args.threads} threads | B={args.B} H={args.H} K=V={args.D} float32 chunk=64")
+    if args.decode:
+        decode_table(args)
+        return
+    args.B = args.B[0]
     print("| rule | T | pass | naive (s) | chunk (s) | naive / chunk |")
     print("|---|---|---|---|---|---|")
     for rule in args.rules:

@@ -73,7 +73,7 @@ def grads_of(inputs, o, state, extra=()):
 
 
 def check_backends_agree(rule, *, window=1, chunk_size=16, tol=1e-10, dtype=torch.float64, with_state=False,
-                     grads=True, **shape_and_options):
+                         grads=True, backend="chunk", **shape_and_options):
     shape = {key: shape_and_options.pop(key) for key in ("B", "T", "H", "K", "V") if key in shape_and_options}
     inputs = make_inputs(rule, dtype=dtype, requires_grad=grads, **shape)
     B, T, H, K = inputs[0].shape
@@ -81,7 +81,7 @@ def check_backends_agree(rule, *, window=1, chunk_size=16, tol=1e-10, dtype=torc
     options = dict(rule=rule, window=window, **shape_and_options)
     state = random_state(B, H, K, V, window=window, dtype=dtype, requires_grad=grads) if with_state else None
     o_ref, s_ref = run(inputs, "naive", initial_state=state, **options)
-    o, s = run(inputs, "chunk", initial_state=state, chunk_size=chunk_size, **options)
+    o, s = run(inputs, backend, initial_state=state, chunk_size=chunk_size, **options)
     assert o.dtype == dtype and s.S.dtype == dtype
     assert rel_err(o, o_ref) < tol
     assert_states_equal(s, s_ref, tol)
@@ -101,6 +101,31 @@ OPTION_GRID = list(itertools.product(RULES, ("shifted", "same_step"), ("after", 
 def test_chunk_matches_naive_float64(rule, pairing, read, step_size, ridge_scaling):
     check_backends_agree(rule, window=3 if rule in SLIDING else 1, pairing=pairing, read=read, step_size=step_size,
                      ridge_scaling=ridge_scaling, T=37, with_state=True)
+
+
+@pytest.mark.parametrize("rule,pairing,read,step_size,ridge_scaling", OPTION_GRID,
+                         ids=[f"rule{r}-{p}-{rd}-{s}-ridgescale{int(rs)}" for r, p, rd, s, rs in OPTION_GRID])
+def test_recurrent_matches_naive_float64(rule, pairing, read, step_size, ridge_scaling):
+    # 4 rows whose carried tails hold 0, 1 or 2 pairs (random_state draws tail_len per row): the rows' windows
+    # differ in size B_t at every step while they run together; T = 1 is the decoding step, T = 5 fills windows.
+    for T, with_state in ((1, True), (5, True), (5, False)):
+        check_backends_agree(rule, window=3 if rule in SLIDING else 1, pairing=pairing, read=read, step_size=step_size,
+                             ridge_scaling=ridge_scaling, B=4, T=T, with_state=with_state, backend="recurrent")
+
+
+def test_recurrent_refuses_packed_sequences_and_auto_decodes_with_it(monkeypatch):
+    inputs = make_inputs("3A", B=1, T=6)
+    with pytest.raises(ValueError, match="recurrent backend does not take packed sequences"):
+        run(inputs, "recurrent", rule="3A", window=3, cu_seqlens=torch.tensor([0, 2, 6]))
+    import hybridlm.ops.fast_weight.op as op
+
+    calls = []
+    monkeypatch.setattr(op, "fast_weight_recurrent", lambda *a, **kw: calls.append(1) or op.fast_weight_naive(*a, **kw))
+    step = [t[:, :1] for t in make_inputs("1A", B=3, T=1)]
+    run(step, "auto", rule="1A")
+    assert calls == [1]  # a decoding step of a batch takes the vectorized loop
+    run([t[:, :1] for t in inputs], "auto", rule="3A", window=3, cu_seqlens=torch.tensor([0, 1]))
+    assert calls == [1]  # packed sequences keep the per-sequence spec
 
 
 SIZE_GRID = [(rule, T, chunk, window)
