@@ -8,6 +8,7 @@ import torch
 
 from hybridlm.ops.fast_weight.chunk import PER_COLUMN_RULES, SLIDING_RULES, fast_weight_chunk
 from hybridlm.ops.fast_weight.naive import fast_weight_naive
+from hybridlm.ops.fast_weight.recurrent import fast_weight_recurrent
 from hybridlm.ops.fast_weight.state import FastWeightState
 from hybridlm.ops.fast_weight.triton import AUTO_RULES as TRITON_AUTO_RULES
 from hybridlm.ops.fast_weight.triton import fast_weight_triton
@@ -16,7 +17,7 @@ from hybridlm.ops.fast_weight.triton import supports as triton_supports
 from hybridlm.ops.utils import check_cu_seqlens, compute_dtype, resolve_backend
 
 RULES = ("1", "2", "3", "1A", "2A", "3A")
-BACKENDS = ("naive", "chunk", "triton")
+BACKENDS = ("naive", "recurrent", "chunk", "triton")
 
 
 def fast_weight_attention(
@@ -61,10 +62,11 @@ def fast_weight_attention(
             of `initial_state`, and nothing crosses a sequence boundary.
         chunk_size: the chunk length of the chunk-parallel backend (rules "2"/"2A" use at most 16: their
             per-column decays cost O(C^2 V) exponentials per chunk instead of matmuls).
-        backend: "auto" | "naive" | "chunk" | "triton". "auto" takes the step loop for T == 1 (decoding), the
+        backend: "auto" | "naive" | "recurrent" | "chunk" | "triton". "recurrent" is the step loop vectorized
+            over rows (no cu_seqlens). "auto" takes it for T == 1 (decoding; naive with cu_seqlens), the
             Triton kernels on CUDA for the GPU-verified rules (1A, 3A; K, V <= 128; float32/bf16/fp16) when
-            triton is installed, and the chunk path otherwise. "triton" also runs rule 1 (forward kernels, backward
-            by recomputation through the chunk path; not yet checked on a GPU).
+            triton is installed, and the chunk path otherwise. "triton" also runs rule 1 (forward and backward
+            kernels; not yet checked on a GPU).
 
     Returns:
         o `[B, T, H, V]` in q's dtype, and the final state (float32; float64 for float64 inputs) or None.
@@ -87,10 +89,12 @@ def fast_weight_attention(
         lam = q.new_zeros(B, T, H)
     options = dict(rule=rule, window=window, pairing=pairing, read=read, step_size=step_size,
                    ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=state, offsets=offsets)
-    # The recurrent step loop is the cheapest path for a single decoding step; on a GPU, the Triton kernels.
+    # A single decoding step runs the step loop (vectorized over rows); longer inputs the chunk path, or on a
+    # GPU the Triton kernels.
     on_gpu = (q.is_cuda and rule in TRITON_AUTO_RULES and triton_available()
               and triton_supports(rule=rule, window=window, K=K, V=V, dtype=q.dtype))
-    name = resolve_backend(backend, available=BACKENDS, default="naive" if T == 1 else "triton" if on_gpu else "chunk")
+    step_loop = "naive" if offsets is not None else "recurrent"  # decoding: one step, vectorized over rows
+    name = resolve_backend(backend, available=BACKENDS, default=step_loop if T == 1 else "triton" if on_gpu else "chunk")
     if name == "triton":  # q, k, v keep their dtype (bf16 tensor cores); step sizes and decays run in float32
         if not (triton_available() and q.is_cuda) and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend='triton' needs triton installed and the tensors on a CUDA device; "
@@ -103,6 +107,8 @@ def fast_weight_attention(
     with torch.autocast(q.device.type, enabled=False):
         if name == "naive":
             o, final = fast_weight_naive(q, k, v, beta, lam, **options)
+        elif name == "recurrent":
+            o, final = fast_weight_recurrent(q, k, v, beta, lam, **options)
         else:
             o, final = fast_weight_chunk(q, k, v, beta, lam, chunk_size=chunk_size, **options)
     return o.to(out_dtype), (final if output_final_state else None)
@@ -143,7 +149,7 @@ def _check_inputs(q, k, v, beta, lam, *, rule, window, pairing, read, step_size,
     if lam is not None:
         if tuple(lam.shape) != (B, T, H):
             raise ValueError(f"lam must be [B, T, H] = {[B, T, H]}; got {list(lam.shape)}")
-        if not torch.compiler.is_compiling() and bool((lam < 0).any()):
+        if not _tracing() and bool((lam < 0).any()):
             raise ValueError("lam must be >= 0 (it is a ridge coefficient); got negative entries")
     for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("lam", lam)):
         if t is not None and not t.dtype.is_floating_point:
@@ -180,3 +186,8 @@ def _prepare_state(state, *, n_rows, H, K, V, window, pairing, dtype, device) ->
         tail_len = state.tail_len.to(device)
     return FastWeightState(S=state.S.to(device=device, dtype=dtype), last_k=last_k, tail_x=tail_x, tail_v=tail_v,
                            tail_len=tail_len)
+
+
+def _tracing() -> bool:
+    """Inside torch.compile or a CUDA-graph capture, where a value check would synchronize with the host."""
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
