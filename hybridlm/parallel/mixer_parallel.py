@@ -30,7 +30,7 @@ Mixer parameters not owned by a rank are dropped (`block.attn` / `block.ssm` set
 per layer, one mixer's weights (1/(P/2) of them with inner TP). Blocks with only one mixer are tensor-
 parallel over the whole group as usual. The sequential arrangement "S_A_M" cannot be split (attention reads
 the SSM's output): a ValueError names `block_arrangement`. A rank's state dict then holds only its mixers:
-checkpoints under mixer parallelism need the mapping (not done, hybridlm/parallel/README.md).
+`hybridlm.parallel.checkpoint` gathers the full, single-process state dict from the owning ranks.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ Model-independent pieces (exported here):
 - `guard`: skip non-finite (or spiking) updates, stop after a streak
 Runs (import them from their modules; they pull in the model classes):
 - `config`: the typed run config (YAML + `--set` overrides); `trainer`: `Trainer`; `distributed`: torchrun,
-  DDP / FSDP2; `demo`: the built-in Python-stdlib byte corpus; `mup_check`: the coordinate check;
+  the device mesh and `hybridlm.parallel` (FSDP2 / HSDP, tp, cp, mixer parallelism), full checkpoints;
+  `demo`: the built-in Python-stdlib byte corpus; `mup_check`: the coordinate check;
   `commands`: `hybridlm train` and `hybridlm mup-check`
 """
 
@@ -47,18 +48,18 @@ from hybridlm.training.schedules import (
 )
 
 __all__ = [
-    "BatchRampup",
-    "CheckpointError",
     "DEFAULT_ROLE_PATTERNS",
-    "LoadedCheckpoint",
     "MATRIX_ROLES",
     "MUP_WIDTH_EXPONENTS",
+    "VECTOR_ROLES",
+    "BatchRampup",
+    "CheckpointError",
+    "LoadedCheckpoint",
     "MatrixMultipliers",
     "ScheduleConfig",
     "ScheduleFactors",
     "StepGuard",
     "TrainingDivergedError",
-    "VECTOR_ROLES",
     "apply_schedule",
     "build_param_groups",
     "classify_parameters",
@@ -70,8 +71,8 @@ __all__ = [
     "plot_schedule",
     "regex_classifier",
     "save_checkpoint",
-    "schedule_factors",
     "scale_multipliers",
+    "schedule_factors",
     "simulate_schedule",
     "verify_checkpoint",
 ]

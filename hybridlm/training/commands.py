@@ -4,9 +4,10 @@
     hybridlm train --set train.steps=60 --out runs/quick
     hybridlm train --config configs/demo.yaml --set optim.lr=2e-3 --set model.overrides.ssm_multiplier_dt=0.5
     hybridlm train --resume --out runs/demo --set train.steps=600     # continue (and extend) a run
-    torchrun --nproc_per_node 2 -m hybridlm.cli train --set train.device=cpu        # 2 CPU ranks, gloo, DDP
-    torchrun --nproc_per_node 8 -m hybridlm.cli train --config configs/hybrid-125m.yaml
-    torchrun --nproc_per_node 2 -m hybridlm.cli train --config configs/hybrid-125m.yaml --set distributed.strategy=fsdp
+    torchrun --nproc_per_node 2 -m hybridlm.cli train --set train.device=cpu        # 2 CPU ranks, gloo, FSDP2
+    torchrun --nproc_per_node 8 -m hybridlm.cli train --config configs/hybrid-125m.yaml   # FSDP2 over 8 GPUs
+    torchrun --nproc_per_node 8 -m hybridlm.cli train --config configs/hybrid-125m.yaml --set parallel.tp=2
+    torchrun --nproc_per_node 2 -m hybridlm.cli train --set parallel.dp_replicate=-1 --set parallel.dp_shard=1  # replicas
     hybridlm mup-check --out runs/mup                # coordinate check: mup_check.png + mup_check.json
 
 `--set key=value` (repeatable) addresses nested config keys with dots (train.steps, batch.micro_batch,

@@ -11,17 +11,25 @@ Sections (dotted keys address them: `--set batch.micro_batch=4`):
                   forward multipliers were tuned at: they are transferred to hidden_size with
                   `training.optim.scale_multipliers`; None leaves them as given)
     data          demo (the built-in corpus, `training.demo`) or sources (prepared shard dirs with weights),
-                  eval_sources (held-out shard dirs), tokenizer (a tokenizer dir, to print samples)
+                  eval_sources (held-out shard dirs), tokenizer (a tokenizer dir, to print samples),
+                  document_boundaries (false: one position run per row, documents not kept apart; for cp)
     optim         AdamW lr, weight_decay, betas, eps; per-role multipliers: elr / ewd (matrix roles,
                   `training.optim`), vector_lr (vector roles)
     schedule      `training.schedules.ScheduleConfig` (kind, unit, warmup, decay, ...; not rampup)
     batch         micro_batch (rows per rank per micro-step), seq_len, grad_accum; batch-size rampup:
                   rampup_start (rows at the start; None: off), rampup_tokens, ref_batch. Batch sizes count
-                  rows per data-parallel rank: the global batch is micro_batch x grad_accum x world size
+                  rows per data-parallel rank: the global batch is micro_batch x grad_accum x dp_replicate x
+                  dp_shard (the tp and cp ranks of one data-parallel rank share its rows)
     train         steps and / or tokens (the run ends at whichever comes first), out_dir, log_every, eval_every, eval_batches, save_every,
                   keep_last, seed, dtype ("fp32" | "bf16": autocast, fp32 master weights), grad_clip,
                   max_consecutive_skips, spike_factor, compile, device, progress, samples
-    distributed   strategy ("ddp" | "fsdp"), backend ("auto" | "gloo" | "nccl"); used under torchrun
+    parallel      the device mesh under torchrun (`hybridlm.parallel`): dp_replicate, dp_shard (one of the two
+                  may be -1: the ranks left over), cp, tp, mixer_parallel ("off" | "on" | "interleaved"),
+                  ssm_tensor_parallel, activation_checkpointing; dp_replicate x dp_shard x cp x tp must be the
+                  world size. The default (dp_shard: -1) is FSDP2 over every rank; DDP-like replicas are
+                  dp_replicate: -1, dp_shard: 1
+    distributed   backend ("auto" | "gloo" | "nccl"); used under torchrun. (`distributed.strategy` is gone:
+                  "fsdp" is parallel.dp_shard=-1, "ddp" is parallel.dp_replicate=-1 + parallel.dp_shard=1)
 
 dt attenuation (report, "Training Stability and the dt Attenuation Mechanism") is the model field
 `ssm_multiplier_dt` (the forward multiplier alpha of the dt activation, 0 < alpha < 1 attenuates);
@@ -50,7 +58,7 @@ import yaml
 from hybridlm.training.schedules import ScheduleConfig
 
 DTYPES = ("fp32", "bf16")
-STRATEGIES = ("ddp", "fsdp")
+MIXER_PARALLEL = ("off", "on", "interleaved")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -89,6 +97,10 @@ class DataSection:
     demo_dir: str | None = None  # where the demo corpus is prepared; None: <train.out_dir>/demo_data
     demo_max_bytes: int = 16_000_000
     demo_heldout_every: int = 20  # one stdlib file in this many is held out
+    # True: position_ids restart at every document start packed into a row (the model keeps documents apart:
+    # cu_seqlens). False: position_ids 0..seq_len-1 in every row, documents in a row see each other (as
+    # nanoGPT); needed by parallel.cp > 1, which cannot split packed documents.
+    document_boundaries: bool = True
 
 
 @dataclass
@@ -137,8 +149,22 @@ class TrainSection:
 
 @dataclass
 class DistributedSection:
-    strategy: str = "ddp"
     backend: str = "auto"
+
+
+@dataclass
+class ParallelSection:
+    """Sizes of the mesh dimensions (`hybridlm.parallel.ParallelConfig`), resolved against the world size by
+    the trainer. Exactly one of dp_replicate / dp_shard may be -1 ("the ranks left over"), so one config
+    serves any number of GPUs."""
+
+    dp_replicate: int = 1  # replicas (DDP-like; HSDP with dp_shard > 1)
+    dp_shard: int = -1  # FSDP2 sharding degree
+    cp: int = 1  # context parallelism: each row's sequence split over cp ranks
+    tp: int = 1  # tensor parallelism: attention / SSM heads and MLP channels split over tp ranks
+    mixer_parallel: str = "off"  # "on" | "interleaved": attention and SSM mixers on the two halves of tp
+    ssm_tensor_parallel: bool = True  # False: SSM mixers replicated over tp (needed when mamba_n_groups % tp)
+    activation_checkpointing: bool = False  # recompute every block in backward (not with cp > 1)
 
 
 @dataclass
@@ -149,6 +175,7 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(kind="wsd", warmup=30, decay_fraction=0.2))
     batch: BatchSection = field(default_factory=BatchSection)
     train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
 
     def to_dict(self) -> dict[str, Any]:
@@ -167,6 +194,13 @@ def demo_config() -> TrainConfig:
 # ------------------------------------------------------------------------------------------------ parsing
 _HIDDEN_KEYS: dict[type, dict[str, str]] = {
     ScheduleConfig: {"rampup": "the batch rampup is set under batch.rampup_start / batch.rampup_tokens / batch.ref_batch"},
+}
+# Keys of older versions, with what to write instead (a resumed old run's config.yaml names them).
+_REMOVED_KEYS: dict[type, dict[str, str]] = {
+    DistributedSection: {
+        "strategy": "the parallel section replaced it: 'fsdp' is parallel.dp_shard=-1 (the default, FSDP2 over "
+        "all ranks), 'ddp' is parallel.dp_replicate=-1 with parallel.dp_shard=1 (replicas); delete the key",
+    },
 }
 
 
@@ -267,17 +301,22 @@ def _build(cls: type, raw: Any, path: str) -> Any:
     if not isinstance(raw, dict):
         raise _fail(path, f"expected a mapping of keys ({', '.join(_valid_keys(cls))}), got {raw!r}")
     hidden = _HIDDEN_KEYS.get(cls, {})
+    removed = _REMOVED_KEYS.get(cls, {})
     valid = _valid_keys(cls)
     for key in raw:
         where = f"{path}.{key}" if path else str(key)
         if key in hidden:
             raise _fail(where, f"cannot be set here; {hidden[key]}")
+        if key in removed:
+            raise _fail(where, f"was removed; {removed[key]}")
         if key not in valid:
             raise ConfigError(f"unknown key {where!r}; valid keys of {path or 'the config'}: {', '.join(valid)}")
     hints = _hints(cls)
     kwargs = {}
     for key, value in raw.items():
         where = f"{path}.{key}" if path else key
+        if (cls, key) in _YAML_BOOL_WORDS and isinstance(value, bool):
+            value = _YAML_BOOL_WORDS[(cls, key)][value]  # YAML reads an unquoted on / off as true / false
         if (cls, key) in _TYPED_MAPPINGS:
             kwargs[key] = _coerce_fields_of(_TYPED_MAPPINGS[(cls, key)], value, where)
         else:
@@ -326,6 +365,8 @@ def _coerce_fields_of(cls_factory, raw: Any, path: str) -> dict[str, Any]:
 
 
 _TYPED_MAPPINGS: dict[tuple[type, str], Any] = {(ModelSection, "overrides"): _hybrid_config_class}
+# String fields whose words YAML 1.1 reads as booleans: (word for false, word for true).
+_YAML_BOOL_WORDS: dict[tuple[type, str], tuple[str, str]] = {(ParallelSection, "mixer_parallel"): ("off", "on")}
 
 
 # ------------------------------------------------------------------------------------------------ overrides
@@ -552,8 +593,9 @@ def validate(config: TrainConfig) -> None:
     _finite(t.sample_temperature, "train.sample_temperature", low=0.0)
     if not t.out_dir:
         raise ConfigError("train.out_dir: must not be empty")
+    # parallel (sizes against the world size: `resolve_parallel`, called by the trainer)
+    _validate_parallel(config, hybrid)
     # distributed
-    _choice(config.distributed.strategy, "distributed.strategy", STRATEGIES)
     _choice(config.distributed.backend, "distributed.backend", BACKENDS)
     # schedule: the stages must fit in the run (world size 1 here; the trainer checks again with its own)
     try:
@@ -562,9 +604,88 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"schedule: {err}") from err
 
 
+def _validate_parallel(config: TrainConfig, hybrid) -> None:
+    """What can be checked without the world size: value ranges and the combinations the parallel code
+    refuses (named by key here, before any process starts)."""
+    p = config.parallel
+    for key in ("cp", "tp"):
+        _positive_int(getattr(p, key), f"parallel.{key}")
+    for key in ("dp_replicate", "dp_shard"):
+        value = getattr(p, key)
+        if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
+            raise ConfigError(f"parallel.{key}: must be an int >= 1, or -1 (the ranks left over), got {value!r}")
+    if p.dp_replicate == -1 and p.dp_shard == -1:
+        raise ConfigError("parallel.dp_replicate / parallel.dp_shard: at most one of them can be -1 (the rest); "
+                          "e.g. dp_replicate: -1 with dp_shard: 1 for replicas, or dp_shard: -1 for FSDP2")
+    _choice(p.mixer_parallel, "parallel.mixer_parallel", MIXER_PARALLEL)
+    if p.mixer_parallel != "off" and p.tp % 2:
+        raise ConfigError(f"parallel.mixer_parallel: {p.mixer_parallel!r} splits every tp group into two halves "
+                          f"(attention | SSM), so parallel.tp must be even, got {p.tp}")
+    if p.cp > 1:
+        if p.activation_checkpointing:
+            raise ConfigError("parallel.activation_checkpointing: not supported with parallel.cp > 1 (recomputing "
+                              "a block in backward would repeat its state transfers and ring exchanges)")
+        if config.data.document_boundaries:
+            raise ConfigError(
+                "parallel.cp: context parallelism cannot run packed documents: the rows' position_ids restart at "
+                "every document start, which the model turns into cu_seqlens, and CP's state passing and ring "
+                "attention support neither; set data.document_boundaries=false (position_ids 0..seq_len-1 in "
+                "every row: documents in one row attend across their boundary) to train with cp > 1"
+            )
+        if config.batch.seq_len % p.cp:
+            raise ConfigError(f"batch.seq_len: {config.batch.seq_len} must be divisible by parallel.cp={p.cp} "
+                              "(each cp rank holds seq_len / cp tokens of every row)")
+        if hybrid.attention_dropout:
+            raise ConfigError("model.overrides.attention_dropout: must be 0 with parallel.cp > 1 (ring attention "
+                              "has no dropout)")
+    if p.mixer_parallel != "off" and p.cp > 1:
+        raise ConfigError("parallel.mixer_parallel: not combined with parallel.cp > 1 (untested; see "
+                          "hybridlm/parallel/README.md)")
+
+
+def resolve_parallel(config: TrainConfig, world_size: int):
+    """The run's `hybridlm.parallel.ParallelConfig` for `world_size` ranks (a -1 filled in, sizes checked);
+    ConfigError naming the parallel keys if they do not multiply to the world size."""
+    from hybridlm.parallel.mesh import ParallelConfig
+
+    p = config.parallel
+    dp_replicate, dp_shard = p.dp_replicate, p.dp_shard
+    fixed = p.cp * p.tp * (dp_shard if dp_replicate == -1 else dp_replicate)
+    if -1 in (dp_replicate, dp_shard):
+        if world_size % fixed:
+            raise ConfigError(
+                f"parallel: the world size {world_size} is not divisible by the fixed sizes "
+                f"(dp_replicate x dp_shard x cp x tp without the -1 = {fixed}); change parallel.tp / parallel.cp / "
+                "parallel.dp_* or the number of processes"
+            )
+        rest = world_size // fixed
+        dp_replicate, dp_shard = (rest, dp_shard) if dp_replicate == -1 else (dp_replicate, rest)
+    product = dp_replicate * dp_shard * p.cp * p.tp
+    if product != world_size:
+        raise ConfigError(
+            f"parallel: dp_replicate x dp_shard x cp x tp = {dp_replicate} x {dp_shard} x {p.cp} x {p.tp} = "
+            f"{product}, but the world size is {world_size}; the product must equal it (set one of "
+            "parallel.dp_replicate / parallel.dp_shard to -1 to fill the rest)"
+        )
+    return ParallelConfig(
+        dp_replicate=dp_replicate, dp_shard=dp_shard, cp=p.cp, tp=p.tp,
+        activation_checkpointing=p.activation_checkpointing, ssm_tensor_parallel=p.ssm_tensor_parallel,
+        mixer_parallel=p.mixer_parallel,
+    ).resolved(world_size)
+
+
+def data_parallel_size(config: TrainConfig, world_size: int) -> int:
+    """Ranks that read different rows (dp_replicate x dp_shard): the batch section's sizes are per such rank."""
+    resolved = resolve_parallel(config, world_size)
+    return resolved.dp_replicate * resolved.dp_shard
+
+
 # ------------------------------------------------------------------------------------------------ run length
 def rampup_of(config: TrainConfig, world_size: int):
-    """The `BatchRampup` of the run in global rows (the batch section counts rows per rank), or None."""
+    """The `BatchRampup` of the run in global rows (the batch section counts rows per rank), or None.
+
+    Here and in `schedule_config` / `plan_steps`, `world_size` is the number of data-parallel ranks
+    (`data_parallel_size`): the world size when neither tp nor cp is used."""
     from hybridlm.training.schedules import BatchRampup
 
     b = config.batch

@@ -1,26 +1,29 @@
-"""One process or many under torchrun: the process group, `parallelize`, and rank-0 full checkpoints.
+"""One process or many under torchrun: the process group and device mesh, `hybridlm.parallel`, full checkpoints.
 
-    ctx = init_distributed(config.distributed, device="auto")   # reads RANK / WORLD_SIZE / LOCAL_RANK
-    model = parallelize(model, config, ctx)                       # compile -> FSDP2 or DDP, in one place
+    ctx = init_distributed(config, device="auto")             # RANK / WORLD_SIZE / LOCAL_RANK; mesh from `parallel`
+    model = parallelize(model, config, ctx)                    # hybridlm.parallel.parallelize: TP -> AC -> compile -> FSDP2
     with gradient_sync(model, enabled=last_micro_step): loss.backward()
-    model_sd, optim_sd = full_state_dicts(model, optimizer, ctx)  # on rank 0 (others: empty dicts)
-    load_full_state_dicts(model, optimizer, model_sd, optim_sd, ctx)   # on every rank
+    norm = clip_grad_norm(model, max_norm, ctx, names=names)   # the global norm over sharded / replicated grads
+    model_sd, optim_sd = full_state_dicts(model, optimizer, ctx, groups=canonical_groups)  # rank 0 (others: {})
+    load_full_state_dicts(model, optimizer, model_sd, optim_sd, ctx, groups=canonical_groups)  # every rank
 
 Launch (torchrun sets the environment; gloo on CPU, nccl on CUDA unless `distributed.backend` says):
 
-    torchrun --nproc_per_node 8 -m hybridlm.cli train --config configs/hybrid-125m.yaml
+    torchrun --nproc_per_node 8 -m hybridlm.cli train --config configs/hybrid-125m.yaml             # FSDP2 x 8
+    torchrun --nproc_per_node 8 -m hybridlm.cli train --config configs/hybrid-125m.yaml --set parallel.tp=2
     torchrun --nproc_per_node 2 -m hybridlm.cli train --set train.device=cpu   # CPU, gloo
 
-Strategies (`distributed.strategy`): "ddp" (`DistributedDataParallel`: replicated weights, all-reduced
-gradients) or "fsdp" (FSDP2, `torch.distributed.fsdp.fully_shard` on every hybrid block, then on the
-root: parameters, gradients and AdamW moments sharded over the ranks). With one process neither wraps.
+The mesh (`parallel` section, `hybridlm.parallel.build_mesh`) has the dims (dp_replicate, dp_shard, cp, tp).
+Rows: each data-parallel rank (a (dp_replicate, dp_shard) coordinate, `DistContext.dp_rank`) reads its own
+rows; the cp and tp ranks of one data-parallel rank read the same rows (cp then splits each row's sequence).
+FSDP2 averages gradients over the dp_size data-parallel ranks; context parallelism's gradients are summed over
+cp by `hybridlm.parallel.reduce_context_parallel_grads`.
 
-Checkpoints have one format whatever the strategy and world size: the unwrapped model's state_dict and
-the optimizer's state_dict as a single-process AdamW over the same parameter groups would write it
-(states keyed by the parameter's position in the groups). FSDP gathers the full tensors with
-`torch.distributed.checkpoint.state_dict` (full_state_dict=True, cpu_offload=True) and converts the
-optimizer state between that API's parameter names and positions. So a run saved under 2 ranks resumes
-under 1 and the other way round.
+Checkpoints have one format whatever the mesh and world size: the unparallelized model's state dict and the
+optimizer state as a single-process AdamW over the same parameter groups writes it (states keyed by the
+parameter's position in the groups). `hybridlm.parallel.checkpoint` gathers and cuts the tensors (undoing
+the SSM head split's row permutation and collecting the mixers that mixer parallelism spreads over ranks),
+so a run saved under tp=2 x dp_shard=2 resumes in one process and the other way round.
 
 Every collective here is a no-op with one process, so the trainer calls them unconditionally.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,12 +44,16 @@ from torch import nn
 
 @dataclass(frozen=True)
 class DistContext:
+    """Where this process stands: rank / world / device, and with several processes the resolved
+    `hybridlm.parallel.ParallelConfig` and its 4-D `DeviceMesh` (None with one process)."""
+
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None  # None: no process group (one process)
-    strategy: str = "ddp"
+    parallel: Any = None  # hybridlm.parallel.ParallelConfig (resolved); None with one process
+    mesh: Any = None  # torch DeviceMesh; None with one process
 
     @property
     def distributed(self) -> bool:
@@ -54,6 +62,38 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks (dp_replicate x dp_shard): the ranks that read different rows."""
+        return 1 if self.parallel is None else self.parallel.dp_replicate * self.parallel.dp_shard
+
+    @property
+    def dp_rank(self) -> int:
+        if self.mesh is None:
+            return 0
+        return self.mesh["dp_replicate"].get_local_rank() * self.parallel.dp_shard + self.mesh["dp_shard"].get_local_rank()
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.parallel is None else self.parallel.cp
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        return None if self.cp_size == 1 else self.mesh["cp"].get_group()
+
+    @property
+    def counts_rows(self) -> bool:
+        """True on the one rank of each tp group whose per-row sums (loss, label counts) enter a world-wide
+        sum: the tp ranks of a data-parallel rank hold the same rows, which must be counted once."""
+        return self.mesh is None or self.mesh["tp"].get_local_rank() == 0
+
+    def describe(self) -> str:
+        if self.parallel is None:
+            return "single process"
+        p = self.parallel
+        return (f"dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x cp {p.cp} x tp {p.tp}"
+                + (f", mixer parallelism {p.mixer_parallel}" if p.mixer_parallel != "off" else ""))
 
 
 def _env_int(name: str, default: int) -> int:
@@ -70,21 +110,23 @@ def resolve_device(device: str, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_distributed(section: Any, *, device: str = "auto", timeout_s: float = 1800) -> DistContext:
-    """The process group from torchrun's environment (or none for one process) and this rank's device.
+def init_distributed(config: Any, *, device: str = "auto", timeout_s: float = 1800) -> DistContext:
+    """The process group from torchrun's environment (or none for one process), this rank's device, and the
+    device mesh of the config's `parallel` section (its sizes checked against the world size: ConfigError).
 
-    `section` is the config's `distributed` section (strategy, backend). An already initialized default
-    group (e.g. created by a test harness) is reused.
-    """
+    An already initialized default group (e.g. created by a test harness) is reused."""
+    from hybridlm.training.config import resolve_parallel
+
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
+    parallel = resolve_parallel(config, world)  # before any process group: a wrong size fails fast
     dev = resolve_device(device, local_rank)
     if world <= 1:
-        return DistContext(device=dev, strategy=section.strategy)
-    backend = section.backend
+        return DistContext(device=dev)
+    backend = config.distributed.backend
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if backend == "nccl" and dev.type != "cuda":
@@ -94,7 +136,10 @@ def init_distributed(section: Any, *, device: str = "auto", timeout_s: float = 1
     if not dist.is_initialized():
         kwargs = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    return DistContext(rank, world, local_rank, dev, dist.get_backend(), section.strategy)
+    from hybridlm.parallel import build_mesh
+
+    mesh = build_mesh(parallel, device_type=dev.type)
+    return DistContext(rank, world, local_rank, dev, dist.get_backend(), parallel, mesh)
 
 
 def destroy_distributed(ctx: DistContext) -> None:
@@ -104,51 +149,47 @@ def destroy_distributed(ctx: DistContext) -> None:
 
 # ----------------------------------------------------------------------------------------------- wrapping
 def parallelize(model: nn.Module, config: Any, ctx: DistContext) -> nn.Module:
-    """Apply `torch.compile` (per block, if `train.compile`) and then FSDP2 or DDP per
-    `distributed.strategy`; returns the module to call (the same object for FSDP2, a DDP wrapper for
-    DDP, `model` itself with one process). `model` must already be on `ctx.device`."""
-    blocks = list(getattr(getattr(model, "model", model), "layers", []))
-    if config.train.compile:
-        for block in blocks:
+    """Apply the config's parallelism to `model` (already on `ctx.device`, the same weights on every rank) in
+    place and return it: `hybridlm.parallel.parallelize` under torchrun (TP or mixer parallelism ->
+    activation checkpointing -> compile -> FSDP2 over the data-parallel dims). With one process there is no
+    mesh: the same two single-device steps (activation checkpointing, then compile per block) are applied."""
+    if ctx.mesh is not None:
+        from hybridlm.parallel import parallelize as parallelize_model
+
+        return parallelize_model(model, ctx.mesh, ctx.parallel, compile=config.train.compile)
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    for index, block in enumerate(list(layers or [])):
+        if config.parallel.activation_checkpointing:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                checkpoint_wrapper,
+            )
+
+            block = checkpoint_wrapper(block)
+        if config.train.compile:
             block.compile()
-    if not ctx.distributed:
-        return model
-    if ctx.strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in blocks:
-            fully_shard(block)
-        fully_shard(model)
-        return model
-    from torch.nn.parallel import DistributedDataParallel
-
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+        layers[index] = block
+    return model
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model without a DDP wrapper (FSDP2 shards in place, so its module is the model)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def _is_fsdp(model: nn.Module) -> bool:
+def is_fsdp(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
 
 
+def reshard(model: nn.Module) -> None:
+    """After a forward under no_grad (evaluation, samples): FSDP2 keeps the root's parameters unsharded for
+    the backward it expects, and the next training step would then not reduce the root's gradients
+    (hybridlm/parallel/parallelize.py). Reshard them; a no-op without FSDP2."""
+    if is_fsdp(model):
+        model.reshard()
+
+
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, enabled: bool):
-    """Inside: backward all-reduces (DDP) / reduce-scatters (FSDP2) gradients only if `enabled`; use
-    enabled=False for every micro-step but the last of a gradient-accumulation step."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel) and not enabled:
-        with model.no_sync():
-            yield
-    elif _is_fsdp(model):
+    """Inside: backward reduce-scatters (FSDP2) gradients only if `enabled`; use enabled=False for every
+    micro-step but the last of a gradient-accumulation step."""
+    if is_fsdp(model):
         model.set_requires_gradient_sync(enabled)
         try:
             yield
@@ -156,6 +197,40 @@ def gradient_sync(model: nn.Module, enabled: bool):
             model.set_requires_gradient_sync(True)
     else:
         yield
+
+
+@contextlib.contextmanager
+def context_parallel(model: nn.Module, ctx: DistContext):
+    """Inside: the model's forward runs on this rank's chunk of every row (`hybridlm.parallel.context_parallel`);
+    nothing with cp = 1."""
+    if ctx.cp_size == 1:
+        yield model
+        return
+    from hybridlm.parallel import context_parallel as cp_hooks
+
+    with cp_hooks(model, ctx.cp_group):
+        yield model
+
+
+def shard_rows(batch: dict, ctx: DistContext) -> dict:
+    """This cp rank's chunk of a batch's rows: input_ids and labels (already the next tokens: shifted before
+    the split) cut along the sequence, position_ids the chunk's global positions. Unchanged with cp = 1."""
+    if ctx.cp_size == 1:
+        return batch
+    from hybridlm.parallel import shard_sequence
+
+    group = ctx.cp_group
+    input_ids, positions = shard_sequence(batch["input_ids"], group)
+    labels, _ = shard_sequence(batch["labels"], group)
+    return {**batch, "input_ids": input_ids, "labels": labels, "position_ids": positions}
+
+
+def reduce_context_parallel_grads(model: nn.Module, ctx: DistContext) -> None:
+    """Sum the gradients over the cp ranks (each holds its chunk's share of the loss); no-op with cp = 1."""
+    if ctx.cp_size > 1:
+        from hybridlm.parallel import reduce_context_parallel_grads as reduce
+
+        reduce(model, ctx.cp_group)
 
 
 # ----------------------------------------------------------------------------------------------- collectives
@@ -168,6 +243,12 @@ def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
         out = out.to(ctx.device)
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out.cpu()
+
+
+def row_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """Sum over the world of per-rank sums over rows (losses, label counts), each row counted once: the tp
+    ranks of one data-parallel rank hold the same rows, so only tp rank 0 contributes."""
+    return all_reduce_sum(values if ctx.counts_rows else torch.zeros_like(values), ctx)
 
 
 def barrier(ctx: DistContext) -> None:
@@ -187,18 +268,63 @@ def broadcast_object(obj: Any, ctx: DistContext) -> Any:
     return box[0]
 
 
-def grad_norm_value(norm: torch.Tensor) -> torch.Tensor:
-    """`clip_grad_norm_`'s result as a plain tensor (FSDP2 returns a DTensor)."""
+@torch.no_grad()
+def clip_grad_norm(model: nn.Module, max_norm: float, ctx: DistContext, *, names: list[str]) -> float:
+    """The 2-norm of the whole model's gradient, as one process computes it, and clip to `max_norm` (torch's
+    rule: scale by min(1, max_norm / (norm + 1e-6))); returns the norm before clipping.
+
+    `names`: every canonical parameter name of the model (the same list on every rank). Why not
+    `clip_grad_norm_` (torch 2.13, checked on gloo): with tp only it raises (`_foreach_norm` got mixed
+    torch.Tensor and DTensor: the embeddings and norms are not split), with tp x dp_shard too (`stack` of norms
+    on different meshes: (dp_shard, tp) and (dp_shard,)); under mixer parallelism it could not see the mixers
+    other ranks hold anyway. Here each rank adds, per parameter, the squared sum of its local
+    shard divided by the number of mesh ranks holding the same shard (Replicate dims), and 1 / mesh size to
+    a count of the parameter's mesh copies; after one all-reduce, norm^2 = sum(squares / copies) counts every
+    element once."""
     from torch.distributed.tensor import DTensor
 
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    from hybridlm.parallel.checkpoint import canonical_parameters
+
+    index = {name: i for i, name in enumerate(names)}
+    squares: list[torch.Tensor] = []
+    slots: list[int] = []
+    copies = torch.zeros(len(names), dtype=torch.float64)
+    grads: list[torch.Tensor] = []
+    for name, param in canonical_parameters(model).items():
+        grad = param.grad
+        if grad is None:
+            continue
+        grads.append(grad)
+        if isinstance(grad, DTensor):
+            local = grad.to_local()
+            mesh = grad.device_mesh
+            replicas = math.prod(mesh.size(d) for d, p in enumerate(grad.placements) if p.is_replicate())
+            mesh_size = mesh.size()
+        else:
+            local, replicas, mesh_size = grad, 1, 1
+        squares.append(local.detach().double().pow(2).sum() / replicas)
+        slots.append(index[name])
+        copies[index[name]] += 1.0 / mesh_size
+    summed = torch.zeros(len(names), dtype=torch.float64)
+    if squares:
+        summed.index_add_(0, torch.tensor(slots), torch.stack(squares).cpu())
+    totals = all_reduce_sum(torch.cat([summed, copies]), ctx)
+    summed, copies = totals[: len(names)], totals[len(names):]
+    held = copies > 0
+    norm = float((summed[held] / copies[held]).sum().sqrt())
+    if math.isfinite(norm) and math.isfinite(max_norm):
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for grad in grads:
+                grad.mul_(coef)
+    return norm
 
 
 # ----------------------------------------------------------------------------------------------- full state
-def _param_names(optimizer: torch.optim.Optimizer) -> list[str]:
-    """Parameter names in optimizer order (the groups carry `param_names`, see training.optim)."""
+def _flat_names(groups: list[dict]) -> list[str]:
+    """Canonical parameter names in optimizer order (the groups carry `param_names`, see training.optim)."""
     names: list[str] = []
-    for index, group in enumerate(optimizer.param_groups):
+    for index, group in enumerate(groups):
         if "param_names" not in group:
             raise ValueError(f"optimizer param group {index} has no param_names; build it with build_param_groups")
         names += list(group["param_names"])
@@ -206,36 +332,30 @@ def _param_names(optimizer: torch.optim.Optimizer) -> list[str]:
 
 
 def full_state_dicts(
-    model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext
+    model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext, *, groups: list[dict]
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(model state_dict, optimizer state_dict) in the single-process format, full tensors on the CPU.
 
-    Every rank must call it (FSDP gathers); only rank 0 gets the dicts, the other ranks get ({}, {}).
-    """
-    if not _is_fsdp(model):
-        if not ctx.is_main:
-            return {}, {}
-        model_sd = {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
-        return model_sd, optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    `groups`: the canonical parameter groups (every parameter's name, as the unparallelized model has them;
+    a rank's own groups may lack the mixers other ranks hold). Every rank must call it; only rank 0 gets
+    the dicts, the other ranks get ({}, {})."""
+    from hybridlm.parallel.checkpoint import full_model_state_dict, full_optimizer_state
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd = get_model_state_dict(model, options=options)
-    named_osd = get_optimizer_state_dict(model, optimizer, options=options)
+    model_sd = full_model_state_dict(model)
+    moments = full_optimizer_state(model, optimizer)
     if not ctx.is_main:
         return {}, {}
-    index = {name: i for i, name in enumerate(_param_names(optimizer))}
-    state = {index[name]: value for name, value in named_osd["state"].items()}
-    groups = []
-    for group in named_osd["param_groups"]:
-        group = dict(group)
-        group["params"] = [index[name] for name in group["params"]]
-        groups.append(group)
-    return model_sd, {"state": state, "param_groups": groups}
+    names = _flat_names(groups)
+    state = {i: moments[name] for i, name in enumerate(names) if name in moments}
+    saved_groups, start = [], 0
+    for local, canonical in zip(optimizer.param_groups, groups):
+        group = {k: v for k, v in local.items() if k not in ("params", "param_names")}
+        count = len(canonical["param_names"])
+        group["params"] = list(range(start, start + count))
+        group["param_names"] = list(canonical["param_names"])
+        start += count
+        saved_groups.append(group)
+    return model_sd, {"state": state, "param_groups": saved_groups}
 
 
 def load_full_state_dicts(
@@ -244,55 +364,30 @@ def load_full_state_dicts(
     model_sd: dict[str, torch.Tensor],
     optim_sd: dict[str, Any] | None,
     ctx: DistContext,
+    *,
+    groups: list[dict] | None = None,
 ) -> None:
-    """Load `full_state_dicts` output (read on every rank) into a plain, DDP or FSDP2 model and its optimizer.
+    """Load `full_state_dicts` output (read on every rank) into this rank's part of the model and optimizer.
 
-    Missing model keys are allowed only for weights tied to a loaded one (saved once by safetensors).
-    """
-    raw = unwrap(model)
-    if not _is_fsdp(model):
-        missing, unexpected = raw.load_state_dict(model_sd, strict=False)
-        _check_keys(raw, missing, unexpected)
-        if optimizer is not None and optim_sd is not None:
-            optimizer.load_state_dict(optim_sd)
-        return
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
+    Raises RuntimeError when the checkpoint does not fit the model (missing or unexpected names)."""
+    from hybridlm.parallel.checkpoint import (
+        load_full_model_state_dict,
+        load_full_optimizer_state,
     )
 
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    result = set_model_state_dict(model, model_sd, options=options)
-    _check_keys(raw, result.missing_keys, result.unexpected_keys)
-    if optimizer is not None and optim_sd is not None:
-        names = _param_names(optimizer)
-        state = {names[int(i)]: value for i, value in optim_sd["state"].items()}
-        groups = []
-        for group in optim_sd["param_groups"]:
-            group = dict(group)
-            group["params"] = [names[int(i)] for i in group["params"]]
-            groups.append(group)
-        set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups},
-                                 options=StateDictOptions(full_state_dict=True))
-
-
-def _check_keys(raw: nn.Module, missing: list[str], unexpected: list[str]) -> None:
-    tied = set()
-    for names in _shared_parameter_names(raw):
-        if any(n not in missing for n in names):
-            tied |= set(names)
-    missing = [k for k in missing if k not in tied]
+    missing, unexpected = load_full_model_state_dict(model, model_sd)
     if missing or unexpected:
         raise RuntimeError(
             f"the checkpoint does not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}; "
             "build the model with the configuration it was saved with"
         )
-
-
-def _shared_parameter_names(module: nn.Module) -> list[list[str]]:
-    """Groups of state_dict names that are one tensor (tied weights)."""
-    by_id: dict[int, list[str]] = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        by_id.setdefault(id(tensor), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
+    if optimizer is None or optim_sd is None:
+        return
+    names = _flat_names(groups if groups is not None else optimizer.param_groups)
+    states = {names[int(i)]: value for i, value in optim_sd["state"].items()}
+    load_full_optimizer_state(model, optimizer, states)
+    if len(optim_sd["param_groups"]) != len(optimizer.param_groups):
+        raise RuntimeError(f"the checkpoint has {len(optim_sd['param_groups'])} optimizer groups, the optimizer "
+                           f"{len(optimizer.param_groups)}")
+    for local, saved in zip(optimizer.param_groups, optim_sd["param_groups"]):
+        local.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})

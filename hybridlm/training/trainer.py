@@ -8,15 +8,24 @@ What one update does (step s, 0-based; t = tokens consumed before it):
 2. schedule factors for (s, t) (`training.schedules.schedule_factors`: warmup / WSD / power / EPS and
    the batch rampup with sqrt lr scaling) -> every group's lr and wd (`training.optim.apply_schedule`);
 3. draw the step's micro-batches from the packing loader (grad_accum of them, or global batch /
-   (micro_batch x world) during a rampup); count their labels and all-reduce the count;
+   (micro_batch x dp) during a rampup; the loader's rank / world are the data-parallel rank / size, so the
+   tp and cp ranks of one data-parallel rank get the same rows); with cp > 1 cut every row's input_ids and
+   labels (the next tokens: shifted before the cut) to this rank's chunk; count the labels and all-reduce
+   the count (each row once: tp rank 0 counts);
 4. per micro-batch: forward under bf16 autocast (if train.dtype is bf16; weights and AdamW state stay
-   fp32, the recurrent ops compute in fp32 anyway), summed cross entropy over the loader's labels
-   (-100 skipped), backward of sum / global count (x world size, since DDP and FSDP average): the
-   gradient of the mean loss over every label of the global batch, however it is split into ranks and
-   micro-batches. Gradients are synchronized on the last micro-batch only;
-5. all-reduce the loss; clip the gradient norm (`train.grad_clip`); the `StepGuard` skips the update
-   (zeroing the gradients) for a non-finite loss or norm and stops the run after
-   `train.max_consecutive_skips` in a row; otherwise AdamW steps.
+   fp32, the recurrent ops compute in fp32 anyway) inside `context_parallel` when cp > 1, summed cross
+   entropy over this rank's labels (-100 skipped), backward of sum / global count (x dp, since FSDP2
+   averages over the data-parallel ranks): the gradient of the mean loss over every label of the global
+   batch, however it is split into ranks, chunks and micro-batches. Gradients are synchronized on the last
+   micro-batch only, then summed over cp (`reduce_context_parallel_grads`);
+5. all-reduce the loss; clip the global gradient norm (`train.grad_clip`; `distributed.clip_grad_norm`
+   over sharded and replicated gradients); the `StepGuard` skips the update (zeroing the gradients) for a
+   non-finite loss or norm and stops the run after `train.max_consecutive_skips` in a row; otherwise AdamW
+   steps.
+
+Parallelism (`parallel` section, under torchrun): `hybridlm.parallel.parallelize` in one place (TP or mixer
+parallelism, activation checkpointing, compile, FSDP2); after a forward under no_grad (evaluation, samples)
+FSDP2's root is resharded before the next step.
 
 Run directory (`train.out_dir`): `config.yaml` (resolved config), `metrics.jsonl` (one object per
 `log_every` steps: step, tokens, loss and grad_norm (means over the interval), lr and wd (base value x
@@ -30,11 +39,13 @@ model, optimizer, RNG, and train_state = tokens, loader position, guard, schedul
 Resuming (`resume=True`): the newest complete checkpoint in `<out_dir>/checkpoints` is verified and
 loaded (model, AdamW state, RNG streams, step, tokens, data-loader position, guard counters); the
 metrics files are cut back to its step; with the same config the run continues exactly as if it had
-not stopped (tested: 2N steps == N + resume + N on CPU in fp32). The config given at resume time wins
+not stopped (tested: 2N steps == N + resume + N on CPU in fp32). Checkpoints hold the unparallelized
+layout, so a run saved under one mesh (tp=2 x dp_shard=2, mixer parallelism, ...) resumes under another or in
+one process (`hybridlm.parallel.checkpoint`). The config given at resume time wins
 (e.g. a larger train.steps, or a new lr: the groups' base lr / wd are taken from it), and its differences
 from the saved one are printed; the schedule is recomputed for the new length, so extending a run whose
-WSD decay has finished warms the lr back up. The loader state is moved to the current world size, so a run saved under 2
-ranks resumes under 1 with the same stream of tokens (keep the global batch the same for exactness).
+WSD decay has finished warms the lr back up. The loader state is moved to the current data-parallel size, so a run
+saved under 2 ranks resumes under 1 with the same stream of tokens (keep the global batch the same for exactness).
 
 Stopping: SIGINT or SIGTERM (or `request_stop()` from a callback) finishes the current update, saves
 a checkpoint and returns status "interrupted"; a second signal raises KeyboardInterrupt at once.
@@ -168,7 +179,7 @@ class Trainer:
     ) -> None:
         self.config = config
         self.callbacks = list(callbacks)
-        self.ctx = D.init_distributed(config.distributed, device=config.train.device)
+        self.ctx = D.init_distributed(config, device=config.train.device)
         self.out_dir = Path(config.train.out_dir)
         self.checkpoint_dir = self.out_dir / CHECKPOINT_DIR
         self._stop_reason: str | None = None
@@ -177,15 +188,15 @@ class Trainer:
         self._prepare_out_dir(resume)
         self._seed(config.train.seed)
 
-        # sizes and schedule
-        world = self.ctx.world_size
+        # sizes and schedule: batch sizes count rows per data-parallel rank
+        dp = self.ctx.dp_size
         self.hybrid = build_model_config(config)
-        self.total_steps, self.total_tokens = plan_steps(config, world)
-        self.schedule, self.schedule_total, note = schedule_config(config, world)
+        self.total_steps, self.total_tokens = plan_steps(config, dp)
+        self.schedule, self.schedule_total, note = schedule_config(config, dp)
         if note:
             self._print(note)
         b = config.batch
-        self.rows_per_micro = b.micro_batch * world  # global rows drawn per micro-step
+        self.rows_per_micro = b.micro_batch * dp  # global rows drawn per micro-step
         self.tokens_per_update = self.rows_per_micro * b.grad_accum * b.seq_len  # without rampup
 
         # data, model, optimizer
@@ -200,9 +211,14 @@ class Trainer:
         from hybridlm.models.model import HybridForCausalLM
 
         self.raw_model = HybridForCausalLM(HybridLMConfig.from_hybrid(self.hybrid)).to(self.ctx.device)
+        self.parameters = sum(p.numel() for p in self.raw_model.parameters())
+        # The groups of the unparallelized model, by name: checkpoints and the gradient norm use them (a
+        # mixer-parallel rank holds only some of the parameters); each rank's optimizer holds its share.
+        self.canonical_groups = [{k: v for k, v in g.items() if k != "params"} for g in self._param_groups()]
+        self.param_names = [n for g in self.canonical_groups for n in g["param_names"]]
         self.model = D.parallelize(self.raw_model, config, self.ctx)
         self.optimizer = torch.optim.AdamW(
-            self._param_groups(), lr=config.optim.lr, betas=config.optim.betas, eps=config.optim.eps,
+            self._local_groups(), lr=config.optim.lr, betas=config.optim.betas, eps=config.optim.eps,
             weight_decay=config.optim.weight_decay,
         )
         self.guard = StepGuard(config.train.max_consecutive_skips, spike_factor=config.train.spike_factor)
@@ -214,7 +230,6 @@ class Trainer:
             self._resume()
         if self.ctx.is_main:
             save_config(config, self.out_dir / CONFIG_FILE)
-        self.parameters = sum(p.numel() for p in self.raw_model.parameters())
 
     # ------------------------------------------------------------------------------------------ setup
     def _print(self, message: str) -> None:
@@ -270,8 +285,8 @@ class Trainer:
         try:
             loader = PackedLoader(
                 sources, batch_size=c.batch.micro_batch, seq_len=c.batch.seq_len, seed=c.train.seed,
-                shuffle=c.data.shuffle, cross_doc_labels=c.data.cross_doc_labels, rank=self.ctx.rank,
-                world_size=self.ctx.world_size, verify=c.data.verify,
+                shuffle=c.data.shuffle, cross_doc_labels=c.data.cross_doc_labels, rank=self.ctx.dp_rank,
+                world_size=self.ctx.dp_size, verify=c.data.verify,
             )
         except Exception as err:  # DataError, ValueError: name the section
             raise ConfigError(f"data.sources: {err}") from err
@@ -279,14 +294,26 @@ class Trainer:
         return _Data(loader, eval_sources, tokenizer_dir, vocab)
 
     def _param_groups(self) -> list[dict]:
+        """The AdamW groups of the unparallelized model (call before `parallelize`)."""
         o = self.config.optim
         roles = set(o.elr) | set(o.ewd)
         matrix = {r: MatrixMultipliers(o.elr.get(r, 1.0), o.ewd.get(r, 1.0)) for r in roles}
-        # FSDP2 replaces parameters in place and keeps their names; DDP wraps: name them on the raw model.
         return build_param_groups(
-            D.unwrap(self.model).named_parameters(), lr=o.lr, weight_decay=o.weight_decay,
+            self.raw_model.named_parameters(), lr=o.lr, weight_decay=o.weight_decay,
             matrix_multipliers=matrix, vector_lr_multipliers=o.vector_lr,
         )
+
+    def _local_groups(self) -> list[dict]:
+        """The canonical groups over this rank's (parallelized) parameters, found by canonical name; every
+        group is kept, empty where this rank holds none of it, so the groups line up on every rank."""
+        from hybridlm.parallel.checkpoint import canonical_parameters
+
+        held = canonical_parameters(self.model)
+        groups = []
+        for group in self.canonical_groups:
+            names = [n for n in group["param_names"] if n in held]
+            groups.append({**group, "params": [held[n] for n in names], "param_names": names})
+        return groups
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def _train_state(self) -> dict[str, Any]:
@@ -296,17 +323,19 @@ class Trainer:
             "guard": self.guard.state_dict(),
             "schedule": self.schedule.to_dict(),
             "world_size": self.ctx.world_size,
+            "data_parallel_size": self.ctx.dp_size,
+            "mesh": self.ctx.describe(),
             "config": dump_config(self.config),
         }
 
     def save(self) -> Path | None:
         """Write a checkpoint of the current step (every rank must call it; rank 0 writes)."""
-        model_sd, optim_sd = D.full_state_dicts(self.model, self.optimizer, self.ctx)
+        model_sd, optim_sd = D.full_state_dicts(self.model, self.optimizer, self.ctx, groups=self.canonical_groups)
         path = None
         if self.ctx.is_main:
             path = save_checkpoint(
                 self.checkpoint_dir, self.step, model=_ModelState(model_sd),
-                optimizer=_OptimizerState(self.optimizer.param_groups, optim_sd),
+                optimizer=_OptimizerState(self.canonical_groups, optim_sd),
                 train_state=self._train_state(), keep_last=self.config.train.keep_last, overwrite=True,
             )
         D.barrier(self.ctx)
@@ -324,9 +353,10 @@ class Trainer:
         model_state = _ModelState()
         # fresh base lr / wd: the config given now wins over the saved groups' values
         fresh = [{k: g[k] for k in ("base_lr", "base_weight_decay")} for g in self.optimizer.param_groups]
-        optim_state = _OptimizerState(self.optimizer.param_groups)
+        optim_state = _OptimizerState(self.canonical_groups)
         loaded = load_checkpoint(path, model=model_state, optimizer=optim_state, restore_rng=True)
-        D.load_full_state_dicts(self.model, self.optimizer, model_state.loaded, optim_state.loaded, self.ctx)
+        D.load_full_state_dicts(self.model, self.optimizer, model_state.loaded, optim_state.loaded, self.ctx,
+                                groups=self.canonical_groups)
         for group, values in zip(self.optimizer.param_groups, fresh):
             group.update(values)
         state = loaded.train_state
@@ -400,17 +430,27 @@ class Trainer:
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.ctx.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
+    def _prepare(self, batch: dict) -> dict:
+        """A loader batch on this rank's device, as this rank computes it: without document boundaries the
+        position_ids run 0..T-1 in every row; with cp > 1 this rank's chunk of every row (`D.shard_rows`)."""
+        batch = self._to_device(batch)
+        if not self.config.data.document_boundaries:
+            rows, length = batch["input_ids"].shape
+            batch["position_ids"] = torch.arange(length, device=self.ctx.device).unsqueeze(0).expand(rows, -1)
+        return D.shard_rows(batch, self.ctx)
+
     def compute_loss_sum(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
-        """Summed next-token cross entropy of one micro-batch over its counted labels (fp32 scalar)."""
-        with self._autocast():
-            logits = model(batch["input_ids"], position_ids=batch["position_ids"]).logits  # [B, T, V]
+        """Summed next-token cross entropy of one micro-batch over this rank's labels (fp32 scalar); with
+        cp > 1, of this rank's chunk (the chunks' sums add up to the rows' sum)."""
+        with self._autocast(), D.context_parallel(model, self.ctx):
+            logits = model(batch["input_ids"], position_ids=batch["position_ids"]).logits  # [B, T or T/cp, V]
         return F.cross_entropy(
             logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
 
     def _next_batches(self, count: int) -> list[dict]:
         try:
-            return [self._to_device(next(self.loader)) for _ in range(count)]
+            return [self._prepare(next(self.loader)) for _ in range(count)]
         except StopIteration:
             raise RuntimeError(
                 f"the training data ran out at update {self.step} ({self.tokens:,} tokens): every source reached "
@@ -419,7 +459,7 @@ class Trainer:
 
     def _train_step(self) -> dict:
         c = self.config
-        world = self.ctx.world_size
+        dp = self.ctx.dp_size
         started = time.perf_counter()
         factors = schedule_factors(self.schedule, total=self.schedule_total, step=self.step, tokens=self.tokens,
                                    batch_tokens=self.tokens_per_update)
@@ -427,19 +467,19 @@ class Trainer:
         accum = c.batch.grad_accum if factors.batch_size is None else factors.batch_size // self.rows_per_micro
         batches = self._next_batches(accum)
         local_count = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
-        total_count = max(1.0, float(D.all_reduce_sum(torch.tensor([float(local_count)]), self.ctx).item()))
+        total_count = max(1.0, float(D.row_sum(torch.tensor([float(local_count)]), self.ctx).item()))
 
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i, batch in enumerate(batches):
             with D.gradient_sync(self.model, enabled=i == accum - 1):
                 micro = self.compute_loss_sum(self.model, batch)
-                (micro * (world / total_count)).backward()
+                (micro * (dp / total_count)).backward()
             loss_sum += micro.detach().double().cpu()
-        loss = float(D.all_reduce_sum(loss_sum.reshape(1), self.ctx).item()) / total_count
+        D.reduce_context_parallel_grads(self.model, self.ctx)
+        loss = float(D.row_sum(loss_sum.reshape(1), self.ctx).item()) / total_count
         max_norm = c.train.grad_clip if c.train.grad_clip is not None else math.inf
-        norm = D.grad_norm_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        grad_norm = float(norm.item())
+        grad_norm = D.clip_grad_norm(self.model, max_norm, self.ctx, names=self.param_names)
         if self.guard.check(loss, grad_norm, optimizer=self.optimizer, step=self.step):
             self.optimizer.step()
             skipped = False
@@ -459,8 +499,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, batches: int | None = None) -> float | None:
         """Mean loss per label over the first `eval_batches` global batches (micro_batch x grad_accum x
-        world rows each) of the held-out sources: the same rows every time and for any split of the
-        global batch into ranks and micro-batches. None without held-out data."""
+        dp rows each) of the held-out sources: the same rows every time and for any split of the
+        global batch into ranks, chunks and micro-batches. None without held-out data."""
         if not self.data.eval_sources:
             return None
         from hybridlm.data.loader import PackedLoader
@@ -468,20 +508,22 @@ class Trainer:
         c = self.config
         loader = PackedLoader(
             self.data.eval_sources, batch_size=c.batch.micro_batch, seq_len=c.batch.seq_len, seed=c.train.seed,
-            shuffle=False, cross_doc_labels=c.data.cross_doc_labels, rank=self.ctx.rank,
-            world_size=self.ctx.world_size, verify="size",
+            shuffle=False, cross_doc_labels=c.data.cross_doc_labels, rank=self.ctx.dp_rank,
+            world_size=self.ctx.dp_size, verify="size",
         )
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64)
         for _ in range((batches or c.train.eval_batches) * c.batch.grad_accum):
+            # every rank of a data-parallel group draws the same rows and stops together (same loader state)
             try:
-                batch = self._to_device(next(loader))
+                batch = self._prepare(next(loader))
             except StopIteration:
                 break
             totals[0] += float(self.compute_loss_sum(self.model, batch))
             totals[1] += int((batch["labels"] != IGNORE_INDEX).sum())
         self.model.train()
-        totals = D.all_reduce_sum(totals, self.ctx)
+        D.reshard(self.model)  # FSDP2's root stays unsharded after a no_grad forward
+        totals = D.row_sum(totals, self.ctx)
         return float(totals[0] / totals[1]) if totals[1] > 0 else None
 
     # ------------------------------------------------------------------------------------------ samples
@@ -489,7 +531,8 @@ class Trainer:
         c = self.config.train
         if c.samples == 0 or self.data.tokenizer_dir is None:
             return []
-        if not D._is_fsdp(self.model) and not self.ctx.is_main:
+        if self.ctx.parallel is not None and self.ctx.parallel.mixer_parallel != "off":
+            self._print("no samples under mixer parallelism (its decoding caches are untested)")
             return []
         from hybridlm.data.shards import TokenDataset
         from hybridlm.data.tokenizer import HybridTokenizer
@@ -509,13 +552,15 @@ class Trainer:
             return []
         from hybridlm.inference.generate import generate
 
-        # Under FSDP every rank runs the forward (it gathers the parameters); otherwise rank 0 alone.
-        model = self.model if D._is_fsdp(self.model) else D.unwrap(self.model)
+        # Every rank runs the forward (FSDP2 gathers, TP splits); no context parallelism while decoding (the
+        # cp ranks, which hold whole parameters, each decode the prompts).
+        model = self.model
         model.eval()
         with self._autocast():
             out = generate(model, torch.tensor(prompts, device=self.ctx.device), max_new_tokens=c.sample_tokens,
                            temperature=c.sample_temperature, eos_token_id=tok.eos_id, seed=c.seed)
         model.train()
+        D.reshard(model)
         texts = []
         for row, mask in zip(out.sequences.tolist(), out.attention_mask.tolist()):
             new = [t for t, m in zip(row[prompt_len:], mask[prompt_len:]) if m and t != tok.eos_id]
@@ -541,7 +586,7 @@ class Trainer:
         c = self.config.train
         self._print(
             f"training {self.parameters / 1e6:.2f}M parameters ({self.config.model.preset}) on {self.ctx.device}"
-            f" x {self.ctx.world_size} ({self.ctx.strategy if self.ctx.distributed else 'single process'}), "
+            f" x {self.ctx.world_size} ({self.ctx.describe()}), "
             f"{self.total_steps} updates, {self.total_tokens:,} tokens, dtype {c.dtype} -> {self.out_dir}"
         )
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
@@ -597,13 +642,14 @@ class Trainer:
         """`<out_dir>/final/`: the trained model as a `from_pretrained` directory (safetensors) with the run's
         tokenizer beside it, ready for `hybridlm generate --model <out_dir>/final`. Every rank calls it (FSDP
         gathers); rank 0 writes, through a temporary directory renamed into place."""
-        model_sd, _ = D.full_state_dicts(self.model, self.optimizer, self.ctx)
+        from hybridlm.parallel.checkpoint import full_model_state_dict
+
+        model_sd = full_model_state_dict(self.model)
         final = self.out_dir / FINAL_DIR
         if self.ctx.is_main:
             tmp = self.out_dir / f"{FINAL_DIR}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
-            model = D.unwrap(self.raw_model)
-            model.save_pretrained(tmp, state_dict=model_sd, safe_serialization=True)
+            self.raw_model.save_pretrained(tmp, state_dict=model_sd, safe_serialization=True)
             if self.data.tokenizer_dir is not None:
                 for item in Path(self.data.tokenizer_dir).iterdir():
                     if item.is_file():

@@ -1,5 +1,6 @@
-"""Two gloo processes on the CPU train like one process with the same global batch (DDP and FSDP2), and
-checkpoints move between world sizes. The tiny preset, float32, seeded.
+"""Two gloo processes on the CPU train like one process with the same global batch (replicas and FSDP2), and
+checkpoints move between world sizes. The tiny preset, float32, seeded. (The meshes with tp, cp and mixer
+parallelism: tests/training/test_distributed_mesh.py.)
 
 Each multi-process run is `torch.multiprocessing.spawn` of `_worker` below (the environment torchrun
 would set: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR / MASTER_PORT); rank 0 writes its per-update losses.
@@ -89,8 +90,10 @@ def _close(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
-def test_ddp_two_ranks_match_one_process(demo_dir, reference, tmp_path):
-    got = run_two_ranks(demo_dir, tmp_path / "ddp", "batch.micro_batch=2", "distributed.strategy=ddp")
+def test_replicas_two_ranks_match_one_process(demo_dir, reference, tmp_path):
+    """dp_replicate=2 (HSDP with a shard group of 1: DDP-like replicas)."""
+    got = run_two_ranks(demo_dir, tmp_path / "ddp", "batch.micro_batch=2", "parallel.dp_replicate=-1",
+                        "parallel.dp_shard=1")
     assert got["status"] == "completed" and got["tokens"] == reference["tokens"]
     assert _close(got["losses"], reference["losses"]) < TOL, (got["losses"], reference["losses"])
     assert _close(got["evals"], reference["evals"]) < TOL
@@ -106,7 +109,7 @@ def test_checkpoints_move_between_one_process_and_fsdp(demo_dir, reference, tmp_
     single = ("batch.micro_batch=2", "batch.grad_accum=2")
     first = Trainer(_config(demo_dir, out, *single), callbacks=[lambda t, r: t.request_stop() if r["step"] == 2 else None])
     assert first.train().status == "interrupted"
-    middle = run_two_ranks(demo_dir, out, "batch.micro_batch=2", "distributed.strategy=fsdp", stop_at=4, resume=True)
+    middle = run_two_ranks(demo_dir, out, "batch.micro_batch=2", "parallel.dp_shard=-1", stop_at=4, resume=True)
     assert middle["status"] == "interrupted" and latest_checkpoint(out / "checkpoints").name == "step_00000004"
     last = Trainer(_config(demo_dir, out, *single), resume=True)
     assert last.train().status == "completed" and last.tokens == reference["tokens"]

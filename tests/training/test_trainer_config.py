@@ -47,7 +47,7 @@ def test_125m_config_is_about_125m():
     config = load_config(CONFIGS / "hybrid-125m.yaml")
     params = count_parameters(build_model_config(config))
     assert 110e6 < params < 160e6, params
-    assert config.train.dtype == "bf16" and config.distributed.strategy == "fsdp"
+    assert config.train.dtype == "bf16" and config.parallel.dp_shard == -1  # FSDP2 over all ranks
 
 
 def test_yaml_values_are_typed_and_set_overrides_win(tmp_path):
@@ -102,7 +102,7 @@ def test_mup_base_width_transfers_the_multipliers():
         ("train.compile=3", ["train.compile", "bool"]),
         ("optim.betas=[0.9]", ["optim.betas", "2 values"]),
         ("train.dtype=fp16", ["train.dtype", "bf16"]),
-        ("distributed.strategy=zero3", ["distributed.strategy", "fsdp"]),
+        ("distributed.strategy=fsdp", ["distributed.strategy", "removed", "parallel.dp_shard=-1"]),
         ("batch.seq_len=1", ["batch.seq_len", ">= 2"]),
         ("batch.seq_len=100000", ["batch.seq_len", "max_position_embeddings"]),
         ("model.overrides.hidden_size=0", ["model.overrides", "hidden_size"]),
