@@ -25,7 +25,7 @@ from gpu_ops import bench  # benchmarks/ is on the path when this script runs
 from hybridlm.ops import FastWeightState, fast_weight_attention
 from hybridlm.ops.fast_weight.triton import fast_weight_1a_triton, fast_weight_triton
 
-WINDOW = {"1A": 1, "3A": 3, "1": 1}  # rule 1: Triton forward, torch backward (chunk_1.py)
+WINDOW = {"1A": 1, "3A": 3, "1": 1}
 
 
 def run_triton(q, k, v, beta, lam, *, rule, chunk_size, initial_state=None, output_final_state=False):

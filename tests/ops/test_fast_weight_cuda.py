@@ -48,8 +48,10 @@ def test_cuda_packed_sequences(rule):
     window = 3 if rule in SLIDING else 1
     offsets = torch.tensor([0, 5, 70, 71, 130])
     cpu = make_inputs(rule, B=1, T=130, H=2, K=16, V=16)
-    o_ref, _ = fast_weight_attention(*cpu, rule=rule, window=window, backend="naive", cu_seqlens=offsets)
+    o_ref, s_ref = fast_weight_attention(*cpu, rule=rule, window=window, backend="naive", cu_seqlens=offsets,
+                                         output_final_state=True)
     gpu = [t.to("cuda", torch.float32) for t in cpu]
     o, s = fast_weight_attention(*gpu, rule=rule, window=window, cu_seqlens=offsets.cuda(), output_final_state=True)
     assert rel_err(o.cpu(), o_ref) < 1e-4
     assert s.S.shape[0] == 4 and s.S.dtype == torch.float32
+    assert rel_err(s.S.cpu(), s_ref.S.float()) < 1e-4  # one final state per packed sequence

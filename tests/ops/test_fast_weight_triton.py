@@ -1,15 +1,19 @@
-"""The Triton kernels of rule 1A against a float64 step loop of the same prepared recurrence,
+"""The Triton kernels of rules 1A and 1 (forward and backward) against a float64 step loop of the same prepared
+recurrence,
 
-    S_t = exp(log_gamma_t) S_{t-1} + eta_t x_t y_t^T,   o_t = S_t^T q_t (read after) or S_{t-1}^T q_t (before),
+    S_t = exp(log_gamma_t) S_{t-1} + eta_t x_t y_t^T              (rule 1A)
+    S_t = exp(log_gamma_t) S_{t-1} + eta_t x_t (y_t - S_{t-1}^T x_t)^T   (rule 1)
+    o_t = S_t^T q_t (read after) or S_{t-1}^T q_t (before),
 
-and the Triton backend (rules 1A and 3A from raw inputs) against the torch chunk backend.
+and the front door with backend="triton" (rules 1A, 3A and 1 from raw inputs, packed sequences included) against
+the torch chunk backend. tests/ops/test_fast_weight_triton_compile.py checks the custom ops and torch.compile.
 
 Where they run:
 - GPU machine (CUDA + triton): every test runs on CUDA tensors (float32, bfloat16, float16):
       python -m pytest -q tests/ops/test_fast_weight_triton.py
 - CPU, no GPU (CI): skipped, except the import test.
 - CPU with triton installed and HYBRIDLM_TRITON_INTERPRET=1: the tests marked `interpret` run the kernels on CPU
-  tensors under Triton's interpreter (this file sets TRITON_INTERPRET=1 before triton is imported; ~30 s):
+  tensors under Triton's interpreter (this file sets TRITON_INTERPRET=1 before triton is imported; ~1-2 min):
       HYBRIDLM_TRITON_INTERPRET=1 python -m pytest -q tests/ops/test_fast_weight_triton.py
   The interpreter's tl.dot is wrong for bfloat16 (numpy has no bfloat16), so float16 stands in for the 16-bit
   path there; bfloat16 is checked on the GPU only.
@@ -34,7 +38,12 @@ if INTERPRET:
 os.environ.setdefault("HYBRIDLM_TRITON_AUTOTUNE", "0")
 
 from hybridlm.ops import fast_weight_attention
-from hybridlm.ops.fast_weight.triton import fast_weight_1_triton, fast_weight_1a_triton, fast_weight_triton, is_available
+from hybridlm.ops.fast_weight.triton import (
+    fast_weight_1_triton,
+    fast_weight_1a_triton,
+    fast_weight_triton,
+    is_available,
+)
 from tests.helpers import rel_err
 from tests.ops.test_fast_weight import make_inputs, random_state
 
@@ -131,7 +140,7 @@ CASES = list(itertools.product(KERNELS, (torch.float32, torch.float16, torch.bfl
 def test_matches_reference(rule, dtype, T, chunk_size, read_after):
     if dtype == torch.bfloat16 and not ON_GPU:
         pytest.skip("the interpreter's tl.dot is wrong for bfloat16; float16 covers the 16-bit path on the CPU")
-    check_against_reference(2, T, 2, 16, 24, dtype=dtype, chunk_size=chunk_size, read_after=read_after, rule=rule)
+    check_against_reference(1, T, 2, 16, 24, dtype=dtype, chunk_size=chunk_size, read_after=read_after, rule=rule)
 
 
 @interpret
@@ -147,6 +156,15 @@ def test_head_dims(rule, K, V):
 def test_no_initial_state_and_chunk_128(rule):
     check_against_reference(1, 150, 2, 16, 16, dtype=torch.float32, chunk_size=128, read_after=False, with_S0=False,
                             rule=rule)
+
+
+@interpret
+@pytest.mark.parametrize("rule", KERNELS)
+@pytest.mark.parametrize("read_after", [True, False], ids=["after", "before"])
+def test_odd_sizes_without_initial_state(rule, read_after):
+    """K != V (V below the smallest block), T not a multiple of the chunk, no initial state (S0 = None)."""
+    check_against_reference(2, 37, 1, 16, 8, dtype=torch.float32, chunk_size=16, read_after=read_after,
+                            with_S0=False, rule=rule)
 
 
 @gpu_only
@@ -179,48 +197,52 @@ def test_state_carry_over(rule):
     assert rel_err(S2, S) < 1e-5
 
 
-CONTRACT_CASES = [  # rule, window, pairing, read, step_size, packed
-    ("1A", 1, "shifted", "after", "nlms", False), ("1A", 1, "shifted", "before", "direct", True),
-    ("1A", 1, "same_step", "after", "nlms", True), ("3A", 3, "shifted", "after", "nlms", True),
-    ("3A", 3, "shifted", "before", "nlms", False), ("3A", 2, "same_step", "after", "direct", False),
-    ("1", 1, "shifted", "after", "nlms", False), ("1", 1, "shifted", "before", "direct", True),
-    ("1", 1, "same_step", "after", "nlms", True),
+CONTRACT_CASES = [  # rule, window, pairing, read, step_size, packed, with an initial state
+    ("1A", 1, "shifted", "after", "nlms", False, True), ("1A", 1, "shifted", "before", "direct", True, True),
+    ("1A", 1, "same_step", "after", "nlms", True, True), ("3A", 3, "shifted", "after", "nlms", True, True),
+    ("3A", 3, "shifted", "before", "nlms", False, True), ("3A", 2, "same_step", "after", "direct", False, True),
+    ("1", 1, "shifted", "after", "nlms", False, True), ("1", 1, "shifted", "before", "direct", True, True),
+    ("1", 1, "same_step", "after", "nlms", True, True), ("1", 1, "shifted", "before", "nlms", True, False),
+    ("1", 1, "same_step", "after", "nlms", False, False),
 ]
 
 
 @interpret
-@pytest.mark.parametrize("rule,window,pairing,read,step_size,packed", CONTRACT_CASES,
-                         ids=["-".join(map(str, case)).replace("True", "packed").replace("-False", "")
+@pytest.mark.parametrize("rule,window,pairing,read,step_size,packed,stateful", CONTRACT_CASES,
+                         ids=["-".join(map(str, case[:5])) + ("-packed" if case[5] else "") + ("" if case[6] else "-fresh")
                               for case in CONTRACT_CASES])
-def test_backend_contract_matches_chunk(rule, window, pairing, read, step_size, packed):
-    """`fast_weight_triton` (raw q, k, v, beta, lam -> prepared writes -> kernels; 3A over its write events) against
-    the torch chunk backend, with a carried state (S, last key, window tail), ridge scaling and packed sequences:
-    outputs, the whole final state and all gradients."""
+def test_front_door_matches_chunk(rule, window, pairing, read, step_size, packed, stateful):
+    """`fast_weight_attention(backend="triton")` (raw q, k, v, beta, lam -> prepared writes -> kernels; 3A over its
+    write events) against the torch chunk backend, with or without a carried state (S, last key, window tail), ridge
+    scaling and packed sequences (`cu_seqlens`): outputs, the whole final state and all gradients (q, k, v, beta, lam
+    and the initial S)."""
     B, T, H, K, V = (1, 70, 2, 16, 24) if packed else (2, 70, 2, 16, 24)
     offsets = torch.tensor([0, 5, 40, 41, 70]) if packed else None
     n = 4 if packed else B
     cpu = make_inputs(rule, B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, requires_grad=True)
-    state = random_state(n, H, K, V, window=window, dtype=torch.float32, requires_grad=True)
-    if pairing == "same_step":
-        state.last_k = None
+    state = dev_state = None
+    if stateful:
+        state = random_state(n, H, K, V, window=window, dtype=torch.float32, requires_grad=True)
+        if pairing == "same_step":
+            state.last_k = None
+        dev_state = state.detach().to(DEVICE)
+        dev_state.S.requires_grad_(True)
     options = {"rule": rule, "window": window, "pairing": pairing, "read": read, "step_size": step_size,
-               "ridge_scaling": True, "eps": 1e-6, "eps_gamma": 1e-6}
-    o_ref, s_ref = fast_weight_attention(*cpu, backend="chunk", initial_state=state, output_final_state=True,
-                                         cu_seqlens=offsets, **options)
+               "ridge_scaling": True, "eps": 1e-6, "eps_gamma": 1e-6, "output_final_state": True,
+               "cu_seqlens": offsets}
+    o_ref, s_ref = fast_weight_attention(*cpu, backend="chunk", initial_state=state, **options)
     dev = [t.detach().to(DEVICE).requires_grad_(True) for t in cpu]
-    dev_state = state.detach().to(DEVICE)
-    dev_state.S.requires_grad_(True)
-    o, s = fast_weight_triton(*dev, initial_state=dev_state, offsets=offsets, chunk_size=64, **options)
+    o, s = fast_weight_attention(*dev, backend="triton", initial_state=dev_state, **options)
     assert rel_err(o.cpu(), o_ref) < 1e-4 and rel_err(s.S.cpu(), s_ref.S) < 1e-4
     for mine, ref in ((s.last_k, s_ref.last_k), (s.tail_x, s_ref.tail_x), (s.tail_v, s_ref.tail_v),
                       (s.tail_len, s_ref.tail_len)):
         assert (mine is None and ref is None) or torch.equal(mine.cpu(), ref)
     w_o, w_S = projection(o_ref, s_ref.S)
-    grads_ref = torch.autograd.grad((o_ref * w_o.float()).sum() + (s_ref.S * w_S.float()).sum(), cpu + [state.S])
-    grads = torch.autograd.grad((o * w_o.float().to(DEVICE)).sum() + (s.S * w_S.float().to(DEVICE)).sum(),
-                                dev + [dev_state.S])
-    for grad, grad_ref in zip(grads, grads_ref):
-        assert rel_err(grad.cpu(), grad_ref) < 1e-4
+    leaves_ref, leaves = (cpu + [state.S], dev + [dev_state.S]) if stateful else (cpu, dev)
+    grads_ref = torch.autograd.grad((o_ref * w_o.float()).sum() + (s_ref.S * w_S.float()).sum(), leaves_ref)
+    grads = torch.autograd.grad((o * w_o.float().to(DEVICE)).sum() + (s.S * w_S.float().to(DEVICE)).sum(), leaves)
+    for name, grad, grad_ref in zip(("q", "k", "v", "beta", "lam", "S0"), grads, grads_ref):
+        assert rel_err(grad.cpu(), grad_ref) < 1e-4, name
 
 
 @gpu_only
@@ -261,9 +283,11 @@ def test_rejects_unsupported_calls():
 
 
 def test_import_without_triton():
-    """The package imports (and reports unavailable) where triton is missing."""
+    """The package imports (and reports unavailable) where triton is missing; the custom ops register there too."""
     code = ("import sys; sys.modules['triton'] = None\n"
             "import hybridlm.ops.fast_weight.triton as t\n"
+            "import hybridlm.ops.fast_weight.triton.custom_ops\n"
+            "import torch; torch.ops.hybridlm.fast_weight_1_fwd\n"
             "assert not t.is_available()\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr

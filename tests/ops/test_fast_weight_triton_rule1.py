@@ -1,8 +1,9 @@
 """What is particular to rule 1 in Triton (regression / delta rule, scalar decay, window 1).
 
-Its kernels are checked with rule 1A's in tests/ops/test_fast_weight_triton.py (parametrized over the kernels:
-against a float64 step loop, the backend contract against the chunk backend, carry-over, the front door on a
-GPU); here: which calls the Triton backend accepts.
+Its kernels (forward and backward) are checked with rule 1A's in tests/ops/test_fast_weight_triton.py (parametrized
+over the kernels: against a float64 step loop, the front door with backend="triton" against the chunk backend,
+packed sequences included, carry-over), its custom ops and torch.compile in test_fast_weight_triton_compile.py;
+here: which calls the Triton backend accepts.
 """
 
 from __future__ import annotations

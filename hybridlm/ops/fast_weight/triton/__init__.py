@@ -1,10 +1,12 @@
 """Triton (GPU) kernels of the Falcon fast-weight rules. Importing this package never needs triton
-(`chunk_1a.py` and `kernels.py`, which do, are imported on the first call).
+(`chunk_1a.py`, `chunk_1.py` and the kernel files, which do, are imported on the first call).
 
 - `fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, *, read_after, chunk_size)`: rule 1A on the prepared
   quantities of chunk.py's pipeline (write pairs, step sizes and log decays), forward and backward in Triton.
-- `fast_weight_1_triton(...)`: rule 1 (regression, window 1) on the same prepared quantities; Triton forward, backward
-  by recomputation through the torch chunk path (`chunk_1.py`).
+- `fast_weight_1_triton(...)`: rule 1 (regression, window 1) on the same prepared quantities, forward and backward
+  in Triton.
+- Both run as `torch.library` custom ops (`hybridlm::fast_weight_{1a,1}_{fwd,bwd}`, `custom_ops.py`, registered on
+  the first call), so `torch.compile` traces them.
 - `fast_weight_triton(...)`: the same contract as `chunk.fast_weight_chunk` for the supported rules/options
   (`supports(...)`: rules 1A, 3A and 1 with window 1), i.e. what `fast_weight_attention(..., backend="triton")` runs.
 - `is_available()`: triton importable and a CUDA device present.
@@ -33,15 +35,15 @@ def is_available() -> bool:
 
 
 def fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 64):
-    """Rule 1A on prepared writes; see `chunk_1a.fast_weight_1a_triton`."""
-    from hybridlm.ops.fast_weight.triton.chunk_1a import fast_weight_1a_triton as run
+    """Rule 1A on prepared writes; see `custom_ops.fast_weight_1a_triton`."""
+    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_1a_triton as run
 
     return run(q, x, y, eta, log_gamma, S0, read_after=read_after, chunk_size=chunk_size)
 
 
 def fast_weight_1_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 64):
-    """Rule 1 (window 1) on prepared writes; see `chunk_1.fast_weight_1_triton` (Triton forward, torch backward)."""
-    from hybridlm.ops.fast_weight.triton.chunk_1 import fast_weight_1_triton as run
+    """Rule 1 (window 1) on prepared writes; see `custom_ops.fast_weight_1_triton`."""
+    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_1_triton as run
 
     return run(q, x, y, eta, log_gamma, S0, read_after=read_after, chunk_size=chunk_size)
 

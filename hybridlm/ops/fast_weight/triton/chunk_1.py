@@ -1,117 +1,130 @@
-"""Rule 1 (regression / delta rule, scalar decay, window 1) on prepared writes: Triton forward, torch backward.
+"""Rule 1 (regression / delta rule, scalar decay, window 1) on prepared writes: launchers of the Triton kernels,
+forward and backward (the implementations of the custom ops `hybridlm::fast_weight_1_fwd` / `_bwd`,
+`custom_ops.py`).
 
     S_t = exp(log_gamma_t) S_{t-1} + eta_t x_t (y_t - S_{t-1}^T x_t)^T     o_t = S_t^T q_t (read after) or S_{t-1}^T q_t
 
-Forward (Triton): chunk-local cumulative decays (`kernels.chunk_cumsum_kernel`) -> the WY factors of every chunk,
+Forward: chunk-local cumulative decays (`kernels.chunk_cumsum_kernel`) -> the WY factors of every chunk,
 U = (I + A)^-1 Y and W = (I + A)^-1 diag(exp L_{s-1}) X, all chunks in parallel (`kernels_delta.wy_kernel`) ->
 the sequential pass r_c = U_c - W_c S_c, S_{c+1} = exp(L_last) S_c + X_c^T diag(exp(L_last - L_s) eta_s) r_c
 (`kernels_delta.delta_pass_kernel`) -> the outputs, which are rule 1A's with y replaced by the residuals r
 (`kernels.output_kernel`).
 
-Backward: NOT in Triton yet. It recomputes the forward through the torch chunk path (`chunk._chunk_scan` on the
-same prepared inputs, in float32, under autograd) and differentiates that, so it costs what the chunk backend's
-forward + backward cost (and its memory), on top of the Triton forward.
+Backward (`kernels_delta.py` derives it): the forward's first three stages again (keeping (I + A)^-1 of every chunk)
+for the entry states and residuals -> sum_t exp(Lr_t) q_t dO_t^T per chunk (`kernels.chunk_outer_kernel`) and the
+chunk-local part of dL/dr (`kernels.grad_y_kernel`), all chunks in parallel -> the reverse sequential pass for
+dL/dS at every chunk exit, dZ = dL/dy and dL/dS_0 (`kernels_delta.delta_grad_pass_kernel`) -> dq, then dx, d eta and
+d log_gamma, of all chunks in parallel (`kernels_delta.delta_grad_q_kernel`, `kernels_delta.delta_grad_kernel`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hybridlm.ops.fast_weight.chunk import _chunk_scan
 from hybridlm.ops.fast_weight.triton import kernels, kernels_delta
-from hybridlm.ops.fast_weight.triton.chunk_1a import _block, _check, _interpreting
+from hybridlm.ops.fast_weight.triton.chunk_1a import _block
+from hybridlm.ops.fast_weight.triton.custom_ops import _interpreting
 
 
-def fast_weight_1_triton(
-    q: torch.Tensor,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    eta: torch.Tensor,
-    log_gamma: torch.Tensor,
-    S0: torch.Tensor | None,
-    *,
-    read_after: bool,
-    chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rule 1 on prepared quantities (the same contract as `chunk_1a.fast_weight_1a_triton`), differentiable in
-    every input. Returns o `[N, T, H, V]` in q's dtype and the final state `[N, H, K, V]` float32."""
-    _check(q, x, y, eta, log_gamma, S0, chunk_size)
-    return _FastWeight1.apply(q, x, y, eta, log_gamma, S0, bool(read_after), int(chunk_size))
-
-
-class _FastWeight1(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, x, y, eta, log_gamma, S0, read_after, chunk_size):
-        q, x, y, eta, log_gamma = (t.contiguous() for t in (q, x, y, eta, log_gamma))
-        S0 = None if S0 is None else S0.contiguous()
-        o, S_final = _forward(q, x, y, eta, log_gamma, S0, read_after, chunk_size)
-        ctx.save_for_backward(q, x, y, eta, log_gamma, S0)
-        ctx.read_after, ctx.chunk_size = read_after, chunk_size
-        ctx.set_materialize_grads(False)
-        return o, S_final
-
-    @staticmethod
-    def backward(ctx, do, dS_final):
-        q, x, y, eta, log_gamma, S0 = ctx.saved_tensors
-        N, _, H, K = q.shape
-        V = y.shape[-1]
-        leaves = [t.detach().float().requires_grad_(True) for t in (q, x, y, eta, log_gamma)]
-        S_in = (S0.detach() if S0 is not None else q.new_zeros(N, H, K, V, dtype=torch.float32)).float()
-        S_in.requires_grad_(S0 is not None and ctx.needs_input_grad[5])
-        with torch.enable_grad():
-            qf, xf, yf, etaf, lgf = leaves
-            o, S = _chunk_scan(qf.transpose(1, 2), xf.transpose(1, 2)[:, :, :, None], yf.transpose(1, 2)[:, :, :, None],
-                               etaf.transpose(1, 2)[..., None, None], lgf.transpose(1, 2)[..., None], S_in,
-                               regression=True, read_after=ctx.read_after, chunk_size=ctx.chunk_size)
-            outputs, grads_out = [], []
-            if do is not None:
-                outputs.append(o.transpose(1, 2))
-                grads_out.append(do.float())
-            if dS_final is not None:
-                outputs.append(S)
-                grads_out.append(dS_final.float())
-            inputs = leaves + ([S_in] if S_in.requires_grad else [])
-            if outputs:
-                grads = torch.autograd.grad(outputs, inputs, grads_out, allow_unused=True)
-            else:
-                grads = [None] * len(inputs)
-        grads = [None if g is None else g.to(t.dtype) for g, t in zip(grads, (q, x, y, eta, log_gamma, S0))]
-        dS0 = grads[5] if len(grads) > 5 else None
-        return (*grads[:5], dS0, None, None)
-
-
-def _forward(q, x, y, eta, log_gamma, S0, read_after, chunk_size):
-    N, T, H, K = q.shape
-    V = y.shape[-1]
-    BT = chunk_size
-    n_chunks = -(-T // BT)
-    T_pad = n_chunks * BT
-    NH = N * H
-    device = q.device
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"  # products of the 16-bit / fp32 inputs
-    prec32 = "ieee" if q.dtype == torch.float32 else "tf32"  # products of the fp32 WY factors and states
-    interpreting = _interpreting()
-    BK_full = _block(K, 128)
-
-    L = torch.empty(NH, T_pad, dtype=torch.float32, device=device)
-    kernels.chunk_cumsum_kernel[(n_chunks, NH)](log_gamma, L, T, T_pad, H, BT=BT)
-
-    U = torch.empty(NH, T_pad, V, dtype=torch.float32, device=device)
-    W = torch.empty(NH, T_pad, K, dtype=torch.float32, device=device)
-    kernels_delta.wy_kernel[(n_chunks, NH)](x, y, eta, L, U, W, T, T_pad, n_chunks, H, K=K, V=V, BT=BT, BK=BK_full,
-                                             BV=_block(V, 64), PREC=prec, PREC32=prec32)
-
-    states = torch.empty(NH, n_chunks, K, V, dtype=torch.float32, device=device)
-    R = torch.empty(N, T, H, V, dtype=torch.float32, device=device)
-    final = torch.empty(N, H, K, V, dtype=torch.float32, device=device)
-    BV_pass = _block(V, 32 if BK_full > 64 else 64)
-    kernels_delta.delta_pass_kernel[(-(-V // BV_pass), NH)](
-        x, eta, L, U, W, final if S0 is None else S0, states, R, final, T, T_pad, n_chunks, H, K=K, V=V, BT=BT,
-        BK=BK_full, BV=BV_pass, HAS_INIT=S0 is not None, INTERPRET=interpreting, PREC32=prec32, num_warps=4)
-
+def forward(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """o `[N, T, H, V]` (q's dtype) and the final state `[N, H, K, V]` float32 on contiguous, checked inputs
+    (`custom_ops._check`); S0 None for zeros."""
+    p = _Plan(q, y, chunk_size, read_after)
+    L = p.cumsum(log_gamma)
+    states, R, final, _ = p.scan(x, y, eta, L, S0, keep_tinv=False)
     # Outputs: rule 1A's output kernel with the (float32) residuals in place of y.
-    o = torch.empty(N, T, H, V, dtype=q.dtype, device=device)
-    BK, BV = _block(K, 64), _block(V, 64)
-    kernels.output_kernel[(-(-V // BV), n_chunks, NH)](
-        q, x, R, eta, L, states, o, T, T_pad, n_chunks, H, K=K, V=V, BT=BT, BK=BK, BV=BV, READ_AFTER=read_after, PREC=prec32)
+    o = torch.empty(p.N, p.T, p.H, p.V, dtype=q.dtype, device=p.device)
+    BK, BV = _block(p.K, 64), _block(p.V, 64)
+    kernels.output_kernel[(-(-p.V // BV), p.n_chunks, p.NH)](
+        q, x, R, eta, L, states, o, p.T, p.T_pad, p.n_chunks, p.H, K=p.K, V=p.V, BT=p.BT, BK=BK, BV=BV,
+        READ_AFTER=read_after, PREC=p.prec32)
     return o, final
+
+
+def backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int):
+    """dq, dx, dy (inputs' dtype), d eta, d log_gamma (their dtypes) and dS_0 (float32) for dL/do (q's dtype) and
+    dL/dS_final (float32 or None). The entry states, residuals and (I + A)^-1 are recomputed."""
+    p = _Plan(q, y, chunk_size, read_after)
+    L = p.cumsum(log_gamma)
+    states, R, _, tinv = p.scan(x, y, eta, L, S0, keep_tinv=True)
+    BK, BV = _block(p.K, 64), _block(p.V, 64)
+    sizes = {"K": p.K, "V": p.V, "BT": p.BT}
+
+    # sum_t exp(Lr_t) q_t dO_t^T of every chunk (B3's second term), into the buffer that the pass fills with dS'.
+    dh = torch.empty(p.NH, p.n_chunks, p.K, p.V, dtype=torch.float32, device=p.device)
+    kernels.chunk_outer_kernel[(-(-p.K // BK) * -(-p.V // BV), p.n_chunks, p.NH)](
+        q, do, L, L, dh, p.T, p.T_pad, p.n_chunks, p.H, **sizes, BK=BK, BV=BV, READ_AFTER=read_after, GRAD=True,
+        PREC=p.prec)
+    # The chunk-local part of dL/dr (B1's first term): rule 1A's dy without its dS' term.
+    dr = torch.empty(p.N, p.T, p.H, p.V, dtype=torch.float32, device=p.device)
+    kernels.grad_y_kernel[(-(-p.V // BV), p.n_chunks, p.NH)](
+        q, x, eta, L, do, dh, dr, p.T, p.T_pad, p.n_chunks, p.H, **sizes, BK=BK, BV=BV, READ_AFTER=read_after,
+        HAS_DH=False, PREC=p.prec)
+    # The reverse pass: dh[c] <- dL/dS_{c+1}, dZ (= dL/dy), dL/dS_0.
+    dz = torch.empty(p.N, p.T, p.H, p.V, dtype=torch.float32, device=p.device)
+    dS0 = torch.empty(p.N, p.H, p.K, p.V, dtype=torch.float32, device=p.device)
+    init = None if dS_final is None else dS_final.to(torch.float32).contiguous()
+    kernels_delta.delta_grad_pass_kernel[(-(-p.V // p.BV_pass), p.NH)](
+        x, eta, L, tinv, dr, dS0 if init is None else init, dh, dz, dS0, p.T, p.T_pad, p.n_chunks, p.H, **sizes,
+        BK=p.BK_full, BV=p.BV_pass, HAS_INIT=init is not None, INTERPRET=_interpreting(), PREC32=p.prec32,
+        num_warps=8)  # (ptxas, sm_90, K = 128: 4 warps spill ~1.5 KB, 8 warps ~0.7 KB; not yet timed)
+    # dq (and q_t . dq_t), then dx, d eta, d log_gamma, per chunk.
+    # (ptxas, sm_90, K = V = 128, C = 64, bf16, 8 warps: no spill for dq at BV = 32; ~1.2 KB for dx at BV = 16, more
+    # at 32; not yet timed on a GPU.)
+    BV_q, BV_x = (_block(p.V, 32), _block(p.V, 16)) if p.BK_full > 64 else (_block(p.V, 64), _block(p.V, 32))
+    dq = torch.empty_like(q)
+    qdq = torch.empty(p.N, p.T, p.H, dtype=torch.float32, device=p.device)
+    kernels_delta.delta_grad_q_kernel[(p.n_chunks, p.NH)](
+        q, x, R, eta, L, do, states, dq, qdq, p.T, p.T_pad, p.n_chunks, p.H, **sizes, BK=p.BK_full, BV=BV_q,
+        READ_AFTER=read_after, PREC32=p.prec32)
+    dx = torch.empty_like(x)
+    deta = torch.empty_like(eta)
+    dlg = torch.empty_like(log_gamma)
+    kernels_delta.delta_grad_kernel[(p.n_chunks, p.NH)](
+        q, x, R, eta, L, do, states, dh, dz, qdq, dx, deta, dlg, p.T, p.T_pad, p.n_chunks, p.H, **sizes,
+        BK=p.BK_full, BV=BV_x, READ_AFTER=read_after, PREC32=p.prec32)
+    return dq, dx, dz.to(y.dtype), deta, dlg, dS0
+
+
+class _Plan:
+    """Sizes and block shapes of one call; the stages shared by the forward and the backward."""
+
+    def __init__(self, q: torch.Tensor, y: torch.Tensor, chunk_size: int, read_after: bool):
+        self.N, self.T, self.H, self.K = q.shape
+        self.V = y.shape[-1]
+        self.NH = self.N * self.H
+        self.BT = chunk_size
+        self.n_chunks = -(-self.T // self.BT)
+        self.T_pad = self.n_chunks * self.BT
+        self.read_after = read_after
+        self.device = q.device
+        self.prec = "ieee" if q.dtype == torch.float32 else "tf32"  # products of the 16-bit / fp32 inputs
+        self.prec32 = "ieee" if q.dtype == torch.float32 else "tf32"  # products of fp32 factors, states, gradients
+        self.BK_full = _block(self.K, 128)  # the WY, pass and gradient kernels hold all of K
+        self.BV_pass = _block(self.V, 32 if self.BK_full > 64 else 64)
+
+    def cumsum(self, log_gamma):
+        L = torch.empty(self.NH, self.T_pad, dtype=torch.float32, device=self.device)
+        kernels.chunk_cumsum_kernel[(self.n_chunks, self.NH)](log_gamma, L, self.T, self.T_pad, self.H, BT=self.BT)
+        return L
+
+    def scan(self, x, y, eta, L, S0, *, keep_tinv: bool):
+        """The WY factors and the sequential pass: every chunk's entry state [N * H, n_chunks, K, V], the residuals
+        r [N, T, H, V], the final state [N, H, K, V] (all float32), and with keep_tinv (I + A)^-1 of every chunk
+        [N * H, T_pad, BT] (else None)."""
+        N, T, H, K, V, NH, BT = self.N, self.T, self.H, self.K, self.V, self.NH, self.BT
+        f32 = {"dtype": torch.float32, "device": self.device}
+        U = torch.empty(NH, self.T_pad, V, **f32)
+        W = torch.empty(NH, self.T_pad, K, **f32)
+        tinv = torch.empty(NH, self.T_pad, BT, **f32) if keep_tinv else None
+        kernels_delta.wy_kernel[(self.n_chunks, NH)](
+            x, y, eta, L, U, W, U if tinv is None else tinv, T, self.T_pad, self.n_chunks, H, K=K, V=V, BT=BT,
+            BK=self.BK_full, BV=_block(V, 64), STORE_TINV=keep_tinv, PREC=self.prec, PREC32=self.prec32)
+        states = torch.empty(NH, self.n_chunks, K, V, **f32)
+        R = torch.empty(N, T, H, V, **f32)
+        final = torch.empty(N, H, K, V, **f32)
+        kernels_delta.delta_pass_kernel[(-(-V // self.BV_pass), NH)](
+            x, eta, L, U, W, final if S0 is None else S0, states, R, final, T, self.T_pad, self.n_chunks, H, K=K,
+            V=V, BT=BT, BK=self.BK_full, BV=self.BV_pass, HAS_INIT=S0 is not None, INTERPRET=_interpreting(),
+            PREC32=self.prec32, num_warps=4)
+        return states, R, final, tinv

@@ -1,4 +1,5 @@
-"""Rule 1A on prepared writes: launchers of the Triton chunk kernels and their autograd Function.
+"""Rule 1A on prepared writes: launchers of the Triton chunk kernels, forward and backward (the implementations of
+the custom ops `hybridlm::fast_weight_1a_fwd` / `_bwd`, `custom_ops.py`).
 
     S_t = exp(log_gamma_t) S_{t-1} + eta_t x_t y_t^T          o_t = S_t^T q_t  (read after)  or  S_{t-1}^T q_t
 
@@ -10,100 +11,32 @@ dq, dx, d eta, d log_gamma and one for dy. `kernels.py` has the formulas.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
-from hybridlm.ops.fast_weight.triton import DTYPES, MAX_HEAD_DIM, kernels
+from hybridlm.ops.fast_weight.triton import kernels
+from hybridlm.ops.fast_weight.triton.custom_ops import _interpreting
 
 
-def fast_weight_1a_triton(
-    q: torch.Tensor,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    eta: torch.Tensor,
-    log_gamma: torch.Tensor,
-    S0: torch.Tensor | None,
-    *,
-    read_after: bool,
-    chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rule 1A on prepared quantities (chunk.py's pipeline after its step 3), differentiable in every input.
-
-    Args:
-        q: `[N, T, H, K]` queries. x: `[N, T, H, K]` write features (already shifted and masked).
-        y: `[N, T, H, V]` values (same dtype as q and x: float32, bfloat16 or float16).
-        eta: `[N, T, H]` step sizes (0 where nothing is written). log_gamma: `[N, T, H]` log decays (<= 0).
-        S0: `[N, H, K, V]` the entry state (float32), or None for zeros.
-        read_after: o_t reads S_t (True) or S_{t-1} (False).
-        chunk_size: a power of two in [16, 128].
-
-    Returns:
-        o `[N, T, H, V]` in q's dtype and the final state `[N, H, K, V]` float32.
-    """
-    _check(q, x, y, eta, log_gamma, S0, chunk_size)
-    return _FastWeight1A.apply(q, x, y, eta, log_gamma, S0, bool(read_after), int(chunk_size))
+def forward(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """o `[N, T, H, V]` (q's dtype) and the final state `[N, H, K, V]` float32 on contiguous, checked inputs
+    (`custom_ops._check`); S0 None for zeros."""
+    plan = _Plan(q, y, chunk_size, read_after)
+    L = plan.cumsum(log_gamma)
+    states, S_final = plan.states(x, y, eta, L, S0)
+    return plan.outputs(q, x, y, eta, L, states), S_final
 
 
-def _check(q, x, y, eta, log_gamma, S0, chunk_size) -> None:
-    if q.dim() != 4 or x.shape != q.shape or y.dim() != 4 or y.shape[:3] != q.shape[:3]:
-        raise ValueError(f"q, x must be [N, T, H, K] and y [N, T, H, V]; got q {tuple(q.shape)}, "
-                         f"x {tuple(x.shape)}, y {tuple(y.shape)}")
-    N, T, H, K = q.shape
-    V = y.shape[-1]
-    if T < 1:
-        raise ValueError("the sequence is empty (T = 0)")
-    for name, t in (("eta", eta), ("log_gamma", log_gamma)):
-        if tuple(t.shape) != (N, T, H) or not t.dtype.is_floating_point:
-            raise ValueError(f"{name} must be a floating-point [N, T, H] = {[N, T, H]}; "
-                             f"got {list(t.shape)} {t.dtype}")
-    if q.dtype not in DTYPES or x.dtype != q.dtype or y.dtype != q.dtype:
-        raise ValueError(f"q, x, y must share one dtype among {DTYPES}; got {q.dtype}, {x.dtype}, {y.dtype}")
-    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
-        raise ValueError(f"the Triton kernels take K, V <= {MAX_HEAD_DIM}; got K = {K}, V = {V} "
-                         "(use the chunk backend)")
-    if not (isinstance(chunk_size, int) and 16 <= chunk_size <= 128 and chunk_size & (chunk_size - 1) == 0):
-        raise ValueError(f"chunk_size must be a power of two in [16, 128] for the Triton kernels; got {chunk_size}")
-    if S0 is not None and (tuple(S0.shape) != (N, H, K, V) or S0.dtype != torch.float32):
-        raise ValueError(f"S0 must be float32 [N, H, K, V] = {[N, H, K, V]}; got {list(S0.shape)} {S0.dtype}")
-    devices = {t.device for t in (q, x, y, eta, log_gamma, S0) if t is not None}
-    if len(devices) != 1:
-        raise ValueError(f"all inputs must be on one device; got {sorted(map(str, devices))}")
-    if q.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"the Triton kernels need CUDA tensors (got {q.device}; on a CPU set TRITON_INTERPRET=1 "
-                         "before triton is imported to run them under the interpreter)")
-
-
-class _FastWeight1A(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, x, y, eta, log_gamma, S0, read_after, chunk_size):
-        q, x, y, eta, log_gamma = (t.contiguous() for t in (q, x, y, eta, log_gamma))
-        S0 = None if S0 is None else S0.contiguous()
-        plan = _Plan(q, y, chunk_size, read_after)
-        L = plan.cumsum(log_gamma)
-        states, S_final = plan.states(x, y, eta, L, S0)
-        o = plan.outputs(q, x, y, eta, L, states)
-        ctx.save_for_backward(q, x, y, eta, S0, L)
-        ctx.plan = plan
-        ctx.lg_dtype = log_gamma.dtype
-        ctx.set_materialize_grads(False)
-        return o, S_final
-
-    @staticmethod
-    def backward(ctx, do, dS_final):
-        q, x, y, eta, S0, L = ctx.saved_tensors
-        plan = ctx.plan
-        do = torch.zeros_like(y) if do is None else do.to(q.dtype).contiguous()
-        states, _ = plan.states(x, y, eta, L, S0)                     # recomputed: entry state of every chunk
-        dstates, dS0 = plan.state_grads(q, do, L, dS_final)          # dL/dS at every chunk exit, and dS_0
-        dq, dx, deta, dlg = plan.grad_qx(q, x, y, eta, L, do, states, dstates, ctx.lg_dtype)
-        dy = plan.grad_y(q, x, eta, L, do, dstates)
-        return dq, dx, dy, deta, dlg, (dS0 if S0 is not None and ctx.needs_input_grad[5] else None), None, None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+def backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int):
+    """dq, dx, dy (inputs' dtype), d eta, d log_gamma (their dtypes) and dS_0 (float32) for dL/do (q's dtype) and
+    dL/dS_final (float32 or None). The entry states are recomputed."""
+    plan = _Plan(q, y, chunk_size, read_after)
+    L = plan.cumsum(log_gamma)
+    states, _ = plan.states(x, y, eta, L, S0)                     # recomputed: entry state of every chunk
+    dstates, dS0 = plan.state_grads(q, do, L, dS_final)          # dL/dS at every chunk exit, and dS_0
+    dq, dx, deta, dlg = plan.grad_qx(q, x, y, eta, L, do, states, dstates, log_gamma.dtype)
+    dy = plan.grad_y(q, x, eta, L, do, dstates)
+    return dq, dx, dy, deta, dlg, dS0
 
 
 def _block(dim: int, cap: int) -> int:
@@ -190,5 +123,5 @@ class _Plan:
         dy = torch.empty(self.N, self.T, self.H, self.V, dtype=q.dtype, device=self.device)
         kernels.grad_y_kernel[(-(-self.V // self.BV), self.n_chunks, self.N * self.H)](
             q, x, eta, L, do, dstates, dy, self.T, self.T_pad, self.n_chunks, self.H, **self._sizes(), BK=self.BK,
-            BV=self.BV, READ_AFTER=self.read_after, PREC=self.prec)
+            BV=self.BV, READ_AFTER=self.read_after, HAS_DH=True, PREC=self.prec)
         return dy

@@ -264,9 +264,10 @@ def grad_qx_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr,
 @triton.jit(do_not_specialize=_SIZES)
 def grad_y_kernel(q_ptr, x_ptr, eta_ptr, L_ptr, do_ptr, dh_ptr, dy_ptr, T, T_pad, n_chunks, H,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  READ_AFTER: tl.constexpr, PREC: tl.constexpr):
+                  READ_AFTER: tl.constexpr, HAS_DH: tl.constexpr, PREC: tl.constexpr):
     """(3'') dy_s = sum_t M exp(Lr_t - L_s) eta_s (q_t . x_s) dO_t + exp(L_last - L_s) eta_s dS_out^T x_s,
-    a [BT, BV] block. Grid (nV, n_chunks, N * H)."""
+    a [BT, BV] block. Without HAS_DH only the first (chunk-local) term: rule 1's backward adds the second in its
+    sequential pass, where dS_out is known. Grid (nV, n_chunks, N * H)."""
     i_v, i_c, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     t = i_c * BT + tl.arange(0, BT)
@@ -277,14 +278,16 @@ def grad_y_kernel(q_ptr, x_ptr, eta_ptr, L_ptr, do_ptr, dh_ptr, dy_ptr, T, T_pad
         rk = i_k * BK + tl.arange(0, BK)
         q = _load_rows(q_ptr, i_n, i_h, t, T, H, K, rk)
         x = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk)
-        offs, mask = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
-        dS = tl.load(dh_ptr + offs, mask=mask, other=0.0)                                   # [BK, BV] fp32
         qx += tl.dot(q, tl.trans(x), input_precision=PREC)
-        dy_out += tl.dot(x, dS.to(x.dtype), input_precision=PREC)
+        if HAS_DH:
+            offs, mask = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
+            dS = tl.load(dh_ptr + offs, mask=mask, other=0.0)                               # [BK, BV] fp32
+            dy_out += tl.dot(x, dS.to(x.dtype), input_precision=PREC)
     eta = _load_steps(eta_ptr, i_n, i_h, t, T, H)
     L, Lr, L_last = _decays(L_ptr, i_nh, i_c, T_pad, BT, READ_AFTER)
     A = qx * _causal_decay(L, Lr, BT, READ_AFTER) * eta[None, :]                            # [BT(t), BT(s)]
     do = _load_rows(do_ptr, i_n, i_h, t, T, H, V, rv)
-    dy = tl.dot(tl.trans(A).to(do.dtype), do, input_precision=PREC) \
-        + dy_out * (tl.exp(L_last - L) * eta)[:, None]
+    dy = tl.dot(tl.trans(A).to(do.dtype), do, input_precision=PREC)
+    if HAS_DH:
+        dy += dy_out * (tl.exp(L_last - L) * eta)[:, None]
     _store_rows(dy_ptr, dy, i_n, i_h, t, T, H, V, rv)

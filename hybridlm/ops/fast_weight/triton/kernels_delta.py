@@ -1,15 +1,42 @@
-"""Triton kernels of the rule-1 forward (regression / delta rule, scalar decay, window 1): the WY factors and the
-sequential residual/state pass. The outputs reuse `kernels.output_kernel` with the residuals r in place of y.
+"""Triton kernels of rule 1 (regression / delta rule, scalar decay, window 1): the WY factors, the sequential
+residual/state pass, and the backward's reverse pass and per-chunk gradients. The outputs (and the chunk-local part
+of dr) reuse rule 1A's kernels (`kernels.output_kernel`, `kernels.grad_y_kernel`) with the residuals r in place of y.
 
 Imported only by `chunk_1.py` (lazily; this file needs triton at import time). Per (n, h) and chunk c of BT steps,
-with chunk-local L_t = sum_{r<=t} log gamma_r and Lp_t = L_{t-1} (Lp_0 = 0):
+with chunk-local L_t = sum_{r<=t} log gamma_r, Lp_t = L_{t-1} (Lp_0 = 0), Lr_t = L_t (read after) or Lp_t (read
+before), M[t, s] = [s <= t] (after) or [s < t] (before), b_s = exp(L_last - L_s) eta_s, S = S_c the entry state:
 
-    A[s, s'] = [s' < s] exp(Lp_s - L_s') eta_s' (x_s . x_s')                      (strictly lower, [BT, BT])
-    Tinv = (I + A)^-1 (forward substitution)    U = Tinv Y    W = Tinv diag(exp Lp) X                   (wy)
-    r_c = U_c - W_c S_c      S_{c+1} = exp(L_last) S_c + X_c^T diag(exp(L_last - L_s) eta_s) r_c      (pass)
+    A[s, s'] = [s' < s] exp(Lp_s - L_s') eta_s' (x_s . x_s')                      (strictly lower, [BT, BT])  (F1)
+    Tinv = (I + A)^-1 (forward substitution)    U = Tinv Y    W = Tinv diag(exp Lp) X                      (F2)
+    r = U - W S = Tinv Z,   Z = Y - diag(exp Lp) X S                                                       (F3)
+    S_{c+1} = exp(L_last) S + X^T diag(b) r                                                                (F4)
+    o_t = exp(Lr_t) S^T q_t + sum_s M[t, s] exp(Lr_t - L_s) eta_s (q_t . x_s) r_s                           (F5)
 
-Buffers: U [N * H, T_pad, V] and W [N * H, T_pad, K] float32; residuals r [N, T, H, V] float32 (the layout of y,
-so that `output_kernel` reads them); per-chunk entry states [N * H, n_chunks, K, V] float32.
+Backward (dO given, dS' = dL/dS_{c+1} from the chunk after; the derivation, equation by equation):
+
+    dr_s = sum_t M exp(Lr_t - L_s) eta_s (q_t . x_s) dO_t + b_s dS'^T x_s            (F5, F4 in r)         (B1)
+    dZ = Tinv^T dr,  dY = dZ,   dA = -dZ r^T on s' < s                                (F3: (I + A) r = Z)    (B2)
+    dS_c = exp(L_last) dS' + sum_t exp(Lr_t) q_t dO_t^T - X^T diag(exp Lp) dZ        (F4, F5, F3 in S)     (B3)
+    dq_t = exp(Lr_t) S dO_t + sum_s G[t, s] eta_s x_s,   G[t, s] = M exp(Lr_t - L_s) (dO_t . r_s)         (B4)
+    dx_s = eta_s (sum_t G[t, s] q_t + exp(L_last - L_s) dS' r_s)                     (F5, F4: rule 1A's)
+           - exp(Lp_s) S dZ_s                                                          (F3)
+           + sum_s' (dGr[s, s'] + dGr[s', s]) x_s',  dGr[s, s'] = dA[s, s'] exp(Lp_s - L_s') eta_s'   (F1) (B5)
+    deta_s = x_s . (sum_t G[t, s] q_t + exp(L_last - L_s) dS' r_s)                   (F5, F4)
+             + sum_s'' dA[s'', s] exp(Lp_s'' - L_s) (x_s'' . x_s)                     (F1, column s)       (B6)
+
+The log decays: with E[s, s'] = dA[s, s'] A[s, s'] (F1 depends on Lp_s and -L_s'),
+    dL/dL_t  (direct) = [after] q_t . dq_t - eta_t x_t . (rule 1A's dxt_t) - sum_s E[s, t]
+    dL/dLp_t (direct) = [before] q_t . dq_t + sum_s' E[t, s'] - exp(Lp_t) x_t^T S dZ_t          (F3 in Lp)
+    dL/dL_last       += <dS', S_{c+1}> = exp(L_last) <dS', S> + sum_s b_s x_s . (dS' r_s)         (F4)
+and L_t = sum_{r<=t} lg_r, Lp_t = sum_{r<t} lg_r give (a reverse cumulative sum over the chunk):
+    dlg_r = sum_{t>=r} (dL/dL_t + dL/dLp_t) - dL/dLp_r + <dS', S_{c+1}>                                   (B7)
+(every term of o_t that q_t enters carries exp(Lr_t); every term that x_s enters through F4/F5 carries exp(-L_s)).
+
+Stages: `delta_grad_pass_kernel` runs B1 (its dS' term; the chunk-local term comes from `kernels.grad_y_kernel`),
+B2's dZ and B3, sequentially from the last chunk; then, for all chunks in parallel, `delta_grad_q_kernel` runs B4
+(and q_t . dq_t) and `delta_grad_kernel` B2's dA and B5-B7 (two kernels: one [BT, K] accumulator each).
+Buffers: U [N * H, T_pad, V], W [N * H, T_pad, K] and Tinv [N * H, T_pad, BT] float32; residuals r, dr and dZ
+[N, T, H, V] float32 (the layout of y); per-chunk states [N * H, n_chunks, K, V] float32.
 """
 
 from __future__ import annotations
@@ -19,6 +46,7 @@ import triton.language as tl
 
 from hybridlm.ops.fast_weight.triton.kernels import (
     _SIZES,
+    _causal_decay,
     _configs,
     _decays,
     _load_rows,
@@ -37,11 +65,11 @@ def _buffer_offsets(i_nh, t, T_pad, D: tl.constexpr, cols):
 
 @triton.autotune(configs=_configs(), key=["K", "V", "BT"])
 @triton.jit(do_not_specialize=_SIZES)
-def wy_kernel(x_ptr, y_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, T, T_pad, n_chunks, H,
+def wy_kernel(x_ptr, y_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, tinv_ptr, T, T_pad, n_chunks, H,
               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              PREC: tl.constexpr, PREC32: tl.constexpr):
-    """One chunk's WY factors U = (I + A)^-1 Y and W = (I + A)^-1 diag(exp Lp) X (float32). BK covers all of K.
-    Grid (n_chunks, N * H)."""
+              STORE_TINV: tl.constexpr, PREC: tl.constexpr, PREC32: tl.constexpr):
+    """(F1, F2) One chunk's WY factors U = (I + A)^-1 Y and W = (I + A)^-1 diag(exp Lp) X (float32), and with
+    STORE_TINV (the backward) (I + A)^-1 itself. BK covers all of K. Grid (n_chunks, N * H)."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     t = i_c * BT + tl.arange(0, BT)
@@ -61,22 +89,25 @@ def wy_kernel(x_ptr, y_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, T, T_pad, n_chunks, H,
         row = row + tl.sum(row[:, None] * b, axis=0)
         b = tl.where(i[:, None] == s, row[None, :], b)
     tinv = b + tl.where(i[:, None] == i[None, :], 1.0, 0.0)                                 # (I + A)^-1
+    if STORE_TINV:
+        tinv_offs, tinv_mask = _buffer_offsets(i_nh, t, T_pad, BT, i)
+        tl.store(tinv_ptr + tinv_offs, tinv, mask=tinv_mask)
     xs = x.to(tl.float32) * tl.exp(Lp)[:, None]
     w = tl.dot(tinv, xs, input_precision=PREC32)                                            # [BT, BK]
     offs, mask = _buffer_offsets(i_nh, t, T_pad, K, rk)
     tl.store(w_ptr + offs, w, mask=mask)
-    for i_v in range(tl.cdiv(V, BV)):
+    for i_v in range(tl.cdiv(V, BV)):  # (new names: a variable assigned before a compiled loop is loop-carried)
         rv = i_v * BV + tl.arange(0, BV)
         y = _load_rows(y_ptr, i_n, i_h, t, T, H, V, rv).to(tl.float32)                     # [BT, BV]
         u = tl.dot(tinv, y, input_precision=PREC32)
-        offs, mask = _buffer_offsets(i_nh, t, T_pad, V, rv)
-        tl.store(u_ptr + offs, u, mask=mask)
+        u_offs, u_mask = _buffer_offsets(i_nh, t, T_pad, V, rv)
+        tl.store(u_ptr + u_offs, u, mask=u_mask)
 
 
 @triton.jit
 def _delta_step(x_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, h_ptr, r_ptr, S, i_c, i_n, i_h, i_nh, T, T_pad, n_chunks, H,
                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, rk, rv, PREC32: tl.constexpr):
-    """One chunk: record the entry state S, r = U - W S (stored), return exp(L_last) S + X^T (coef r)."""
+    """(F3, F4) One chunk: record the entry state S, r = U - W S (stored), return exp(L_last) S + X^T (coef r)."""
     offs, mask = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
     tl.store(h_ptr + offs, S, mask=mask)
     t = i_c * BT + tl.arange(0, BT)
@@ -119,3 +150,158 @@ def delta_pass_kernel(x_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, init_ptr, h_ptr, r_pt
             S = _delta_step(x_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, h_ptr, r_ptr, S, i_c, i_n, i_h, i_nh, T, T_pad,
                             n_chunks, H, K, V, BT, rk, rv, PREC32)
     tl.store(final_ptr + offs0, S, mask=mask)
+
+
+@triton.jit
+def _delta_grad_step(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, dh_ptr, dz_ptr, dS, i, i_n, i_h, i_nh, T, T_pad,
+                     n_chunks, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, rk, rv, PREC32: tl.constexpr):
+    """One chunk of the reverse pass, dS = dS' = dL/dS_{c+1} on entry: swap h[c] (sum_t exp(Lr_t) q_t dO_t^T) for
+    dS', finish dr (B1), store dZ = Tinv^T dr (B2) and return dS_c (B3)."""
+    i_c = n_chunks - 1 - i
+    offs, mask = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
+    dcontrib = tl.load(dh_ptr + offs, mask=mask, other=0.0)
+    tl.store(dh_ptr + offs, dS, mask=mask)
+    t = i_c * BT + tl.arange(0, BT)
+    x = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk).to(tl.float32)                         # [BT, BK]
+    eta = _load_steps(eta_ptr, i_n, i_h, t, T, H)
+    L, Lp, L_last = _decays(L_ptr, i_nh, i_c, T_pad, BT, False)                             # Lp_s = L_{s-1}
+    dr = _load_rows(dr_ptr, i_n, i_h, t, T, H, V, rv) \
+        + (tl.exp(L_last - L) * eta)[:, None] * tl.dot(x, dS, input_precision=PREC32)       # (B1) [BT, BV]
+    tinv_offs, tinv_mask = _buffer_offsets(i_nh, t, T_pad, BT, tl.arange(0, BT))
+    tinv = tl.load(tinv_ptr + tinv_offs, mask=tinv_mask, other=0.0)                         # [BT, BT]
+    dz = tl.dot(tl.trans(tinv), dr, input_precision=PREC32)                                 # (B2)
+    _store_rows(dz_ptr, dz, i_n, i_h, t, T, H, V, rv)
+    xs = x * tl.exp(Lp)[:, None]
+    return tl.exp(L_last) * dS + dcontrib - tl.dot(tl.trans(xs), dz, input_precision=PREC32)  # (B3)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def delta_grad_pass_kernel(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, init_ptr, dh_ptr, dz_ptr, final_ptr, T, T_pad,
+                           n_chunks, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                           BV: tl.constexpr, HAS_INIT: tl.constexpr, INTERPRET: tl.constexpr,
+                           PREC32: tl.constexpr):
+    """The reverse pass over chunks for one [K, BV] column block of dS (B3 acts on the rows of dS, so column blocks
+    are independent; BK covers all of K). On entry dh[c] = sum_t exp(Lr_t) q_t dO_t^T and dr holds the chunk-local
+    part of B1; on exit dh[c] = dL/dS_{c+1}, dz = dZ (B2), final = dL/dS_0. init: dL/dS_final (HAS_INIT) or zeros.
+    Grid (nV, N * H); float32 throughout. INTERPRET: a while loop (see `kernels.state_pass_kernel`)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    rk, rv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    offs0, mask = _state_offsets(i_nh, 0, 1, K, V, rk, rv)
+    if HAS_INIT:
+        dS = tl.load(init_ptr + offs0, mask=mask, other=0.0).to(tl.float32)
+    else:
+        dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if INTERPRET:
+        i = 0
+        while i < n_chunks:
+            dS = _delta_grad_step(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, dh_ptr, dz_ptr, dS, i, i_n, i_h, i_nh, T,
+                                  T_pad, n_chunks, H, K, V, BT, rk, rv, PREC32)
+            i += 1
+    else:
+        for i in range(n_chunks):
+            dS = _delta_grad_step(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, dh_ptr, dz_ptr, dS, i, i_n, i_h, i_nh, T,
+                                  T_pad, n_chunks, H, K, V, BT, rk, rv, PREC32)
+    tl.store(final_ptr + offs0, dS, mask=mask)
+
+
+@triton.autotune(configs=_configs(), key=["K", "V", "BT", "READ_AFTER"])
+@triton.jit(do_not_specialize=_SIZES)
+def delta_grad_q_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dq_ptr, qdq_ptr, T, T_pad, n_chunks, H,
+                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        READ_AFTER: tl.constexpr, PREC32: tl.constexpr):
+    """(B4) dq_t = exp(Lr_t) S dO_t + sum_s G[t, s] eta_s x_s with S = h[c], and q_t . dq_t (float32 [N, T, H], for
+    B7). BK covers all of K. Grid (n_chunks, N * H)."""
+    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    t = i_c * BT + tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    dOr = tl.zeros([BT, BT], dtype=tl.float32)                                              # dO_t . r_s
+    dq = tl.zeros([BT, BK], dtype=tl.float32)                                               # S dO_t
+    for i_v in range(tl.cdiv(V, BV)):
+        rv = i_v * BV + tl.arange(0, BV)
+        do = _load_rows(do_ptr, i_n, i_h, t, T, H, V, rv).to(tl.float32)                    # [BT, BV]
+        r = _load_rows(r_ptr, i_n, i_h, t, T, H, V, rv)                                     # fp32
+        offs, mask = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
+        S = tl.load(h_ptr + offs, mask=mask, other=0.0)                                     # [BK, BV] fp32
+        dOr += tl.dot(do, tl.trans(r), input_precision=PREC32)
+        dq += tl.dot(do, tl.trans(S), input_precision=PREC32)
+    eta = _load_steps(eta_ptr, i_n, i_h, t, T, H)
+    L, Lr, _ = _decays(L_ptr, i_nh, i_c, T_pad, BT, READ_AFTER)
+    G = dOr * _causal_decay(L, Lr, BT, READ_AFTER)                                          # [BT(t), BT(s)]
+    xf = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk).to(tl.float32)                        # [BT, BK]
+    dq = dq * tl.exp(Lr)[:, None] + tl.dot(G * eta[None, :], xf, input_precision=PREC32)
+    qf = _load_rows(q_ptr, i_n, i_h, t, T, H, K, rk).to(tl.float32)
+    _store_rows(dq_ptr, dq, i_n, i_h, t, T, H, K, rk)
+    tl.store(qdq_ptr + (i_n.to(tl.int64) * T + t) * H + i_h, tl.sum(qf * dq, axis=1), mask=t < T)
+
+
+@triton.autotune(configs=_configs(), key=["K", "V", "BT", "READ_AFTER"])
+@triton.jit(do_not_specialize=_SIZES)
+def delta_grad_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr, dz_ptr, qdq_ptr,
+                      dx_ptr, deta_ptr, dlg_ptr, T, T_pad, n_chunks, H,
+                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      READ_AFTER: tl.constexpr, PREC32: tl.constexpr):
+    """(B2's dA, B5-B7) dx, d eta and d log_gamma of one chunk, from S = h[c] (entry state), dS' = dh[c], the
+    residuals r, dZ and q_t . dq_t (float32; `delta_grad_q_kernel`). BK covers all of K. Grid (n_chunks, N * H)."""
+    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    t = i_c * BT + tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    xf = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk).to(tl.float32)                        # [BT, BK]
+    eta = _load_steps(eta_ptr, i_n, i_h, t, T, H)
+    L, Lr, L_last = _decays(L_ptr, i_nh, i_c, T_pad, BT, READ_AFTER)
+    _, Lp, _ = _decays(L_ptr, i_nh, i_c, T_pad, BT, False)
+    out_decay = tl.exp(L_last - L)                                                          # [BT]
+    start = tl.exp(Lp)
+    dOr = tl.zeros([BT, BT], dtype=tl.float32)                                              # dO_t . r_s
+    dZr = tl.zeros([BT, BT], dtype=tl.float32)                                              # dZ_s . r_s'
+    dx = tl.zeros([BT, BK], dtype=tl.float32)                                               # F4 + F3 terms
+    x_dSr = tl.zeros([BT], dtype=tl.float32)                                                # x_s . (dS' r_s)
+    x_SdZ = tl.zeros([BT], dtype=tl.float32)                                                # x_s^T S dZ_s
+    s_dot = 0.0                                                                             # <dS', S>
+    for i_v in range(tl.cdiv(V, BV)):
+        rv = i_v * BV + tl.arange(0, BV)
+        do = _load_rows(do_ptr, i_n, i_h, t, T, H, V, rv).to(tl.float32)                    # [BT, BV]
+        r = _load_rows(r_ptr, i_n, i_h, t, T, H, V, rv)                                     # fp32
+        dz = _load_rows(dz_ptr, i_n, i_h, t, T, H, V, rv)                                   # fp32
+        offs, mask = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
+        S = tl.load(h_ptr + offs, mask=mask, other=0.0)                                     # [BK, BV] fp32
+        dS = tl.load(dh_ptr + offs, mask=mask, other=0.0)
+        dOr += tl.dot(do, tl.trans(r), input_precision=PREC32)
+        dZr += tl.dot(dz, tl.trans(r), input_precision=PREC32)
+        dx += tl.dot(r * (out_decay * eta)[:, None], tl.trans(dS), input_precision=PREC32) \
+            - tl.dot(dz * start[:, None], tl.trans(S), input_precision=PREC32)
+        x_dSr += tl.sum(r * tl.dot(xf, dS, input_precision=PREC32), axis=1)
+        x_SdZ += tl.sum(dz * tl.dot(xf, S, input_precision=PREC32), axis=1)
+        s_dot += tl.sum(tl.sum(S * dS, axis=1), axis=0)
+    # Rule 1A's part of B5/B6 (dxt = sum_t G[t, s] q_t + exp(L_last - L_s) dS' r_s).
+    G = dOr * _causal_decay(L, Lr, BT, READ_AFTER)                                          # [BT(t), BT(s)]
+    qf = _load_rows(q_ptr, i_n, i_h, t, T, H, K, rk).to(tl.float32)                        # [BT, BK]
+    dxt_attn = tl.dot(tl.trans(G), qf, input_precision=PREC32)                              # sum_t G[t, s] q_t
+    deta = tl.sum(xf * dxt_attn, axis=1) + out_decay * x_dSr
+    x_dx = eta * deta                                                                       # x_s . (eta_s dxt_s)
+    exit_term = tl.exp(L_last) * s_dot + tl.sum(out_decay * eta * x_dSr, axis=0)           # <dS', S_{c+1}>
+    dx += dxt_attn * eta[:, None]
+    # B2's dA and its F1 terms of B5/B6/B7.
+    i = tl.arange(0, BT)
+    decay = tl.exp(tl.where(i[:, None] > i[None, :], Lp[:, None] - L[None, :], float("-inf")))  # s' < s
+    gram = tl.dot(xf, tl.trans(xf), input_precision=PREC32)                                 # x_s . x_s'
+    dA_decay = -dZr * decay                                                                 # dA exp(Lp_s - L_s')
+    dGr = dA_decay * eta[None, :]
+    dx += tl.dot(dGr + tl.trans(dGr), xf, input_precision=PREC32)
+    deta += tl.sum(dA_decay * gram, axis=0)
+    E = dGr * gram                                                                          # dA * A
+    # B7.
+    q_dq = _load_steps(qdq_ptr, i_n, i_h, t, T, H)
+    dL = -x_dx - tl.sum(E, axis=0)
+    dLp = tl.sum(E, axis=1) - start * x_SdZ
+    if READ_AFTER:
+        dL += q_dq
+    else:
+        dLp += q_dq
+    dlg = tl.cumsum(dL + dLp, axis=0, reverse=True) - dLp + exit_term
+    _store_rows(dx_ptr, dx, i_n, i_h, t, T, H, K, rk)
+    scalar_offs = (i_n.to(tl.int64) * T + t) * H + i_h
+    tl.store(deta_ptr + scalar_offs, deta.to(deta_ptr.dtype.element_ty), mask=t < T)
+    tl.store(dlg_ptr + scalar_offs, dlg.to(dlg_ptr.dtype.element_ty), mask=t < T)

@@ -1,0 +1,138 @@
+"""The Triton scans as `torch.library` custom ops, so that `torch.compile` traces them as single graph nodes
+(fake implementations give the output shapes; autograd is registered on the forward op and calls the backward op).
+
+    hybridlm::fast_weight_1a_fwd(q, x, y, eta, log_gamma, S0?, read_after, chunk_size) -> (o, S_final)
+    hybridlm::fast_weight_1a_bwd(do, dS_final?, q, x, y, eta, log_gamma, S0?, read_after, chunk_size)
+        -> (dq, dx, dy, deta, dlog_gamma, dS0)
+    hybridlm::fast_weight_1_fwd / hybridlm::fast_weight_1_bwd: the same for rule 1.
+
+Rule 3A runs as rule 1A over its write events (`frontend.py`), so it goes through the 1A ops. The implementations
+(`chunk_1a.py`, `chunk_1.py`, which need triton) are imported on the first call; this file imports only torch.
+dS0 is always computed (the backward pass ends on it); the autograd formula drops it when S0 is None.
+"""
+
+import os
+
+import torch
+
+from hybridlm.ops.fast_weight.triton import DTYPES, MAX_HEAD_DIM
+
+_FWD_SCHEMA = "(Tensor q, Tensor x, Tensor y, Tensor eta, Tensor log_gamma, Tensor? S0, bool read_after, " \
+              "int chunk_size) -> (Tensor, Tensor)"
+_BWD_SCHEMA = "(Tensor do, Tensor? dS_final, Tensor q, Tensor x, Tensor y, Tensor eta, Tensor log_gamma, " \
+              "Tensor? S0, bool read_after, int chunk_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+
+
+def fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 64):
+    """Rule 1A on prepared quantities (chunk.py's pipeline after its step 3), differentiable in every input.
+
+    Args:
+        q: `[N, T, H, K]` queries. x: `[N, T, H, K]` write features (already shifted and masked).
+        y: `[N, T, H, V]` values (same dtype as q and x: float32, bfloat16 or float16).
+        eta: `[N, T, H]` step sizes (0 where nothing is written). log_gamma: `[N, T, H]` log decays (<= 0).
+        S0: `[N, H, K, V]` the entry state (float32), or None for zeros.
+        read_after: o_t reads S_t (True) or S_{t-1} (False).
+        chunk_size: a power of two in [16, 128].
+
+    Returns:
+        o `[N, T, H, V]` in q's dtype and the final state `[N, H, K, V]` float32.
+    """
+    _check(q, x, y, eta, log_gamma, S0, chunk_size)
+    return torch.ops.hybridlm.fast_weight_1a_fwd(q, x, y, eta, log_gamma, S0, bool(read_after), int(chunk_size))
+
+
+def fast_weight_1_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 64):
+    """Rule 1 (regression, S_t = exp(lg_t) S_{t-1} + eta_t x_t (y_t - S_{t-1}^T x_t)^T) on prepared quantities; the
+    same contract as `fast_weight_1a_triton`."""
+    _check(q, x, y, eta, log_gamma, S0, chunk_size)
+    return torch.ops.hybridlm.fast_weight_1_fwd(q, x, y, eta, log_gamma, S0, bool(read_after), int(chunk_size))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check(q, x, y, eta, log_gamma, S0, chunk_size) -> None:
+    if q.dim() != 4 or x.shape != q.shape or y.dim() != 4 or y.shape[:3] != q.shape[:3]:
+        raise ValueError(f"q, x must be [N, T, H, K] and y [N, T, H, V]; got q {tuple(q.shape)}, "
+                         f"x {tuple(x.shape)}, y {tuple(y.shape)}")
+    N, T, H, K = q.shape
+    V = y.shape[-1]
+    if T < 1:
+        raise ValueError("the sequence is empty (T = 0)")
+    for name, t in (("eta", eta), ("log_gamma", log_gamma)):
+        if tuple(t.shape) != (N, T, H) or not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point [N, T, H] = {[N, T, H]}; "
+                             f"got {list(t.shape)} {t.dtype}")
+    if q.dtype not in DTYPES or x.dtype != q.dtype or y.dtype != q.dtype:
+        raise ValueError(f"q, x, y must share one dtype among {DTYPES}; got {q.dtype}, {x.dtype}, {y.dtype}")
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        raise ValueError(f"the Triton kernels take K, V <= {MAX_HEAD_DIM}; got K = {K}, V = {V} "
+                         "(use the chunk backend)")
+    if not (isinstance(chunk_size, int) and 16 <= chunk_size <= 128 and chunk_size & (chunk_size - 1) == 0):
+        raise ValueError(f"chunk_size must be a power of two in [16, 128] for the Triton kernels; got {chunk_size}")
+    if S0 is not None and (tuple(S0.shape) != (N, H, K, V) or S0.dtype != torch.float32):
+        raise ValueError(f"S0 must be float32 [N, H, K, V] = {[N, H, K, V]}; got {list(S0.shape)} {S0.dtype}")
+    devices = {t.device for t in (q, x, y, eta, log_gamma, S0) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device; got {sorted(map(str, devices))}")
+    if q.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"the Triton kernels need CUDA tensors (got {q.device}; on a CPU set TRITON_INTERPRET=1 "
+                         "before triton is imported to run them under the interpreter)")
+
+
+def _implementation(rule: str):
+    if rule == "1":
+        from hybridlm.ops.fast_weight.triton import chunk_1 as module
+    else:
+        from hybridlm.ops.fast_weight.triton import chunk_1a as module
+    return module
+
+
+def _register(rule: str, name: str) -> None:
+    """Define hybridlm::fast_weight_{name}_fwd / _bwd on the kernels of `rule`, their fake implementations and the
+    forward op's autograd formula."""
+
+    @torch.library.custom_op(f"hybridlm::fast_weight_{name}_fwd", mutates_args=(), schema=_FWD_SCHEMA)
+    def fwd(q, x, y, eta, log_gamma, S0, read_after, chunk_size):
+        q, x, y, eta, log_gamma = (t.contiguous() for t in (q, x, y, eta, log_gamma))
+        S0 = None if S0 is None else S0.contiguous()
+        return _implementation(rule).forward(q, x, y, eta, log_gamma, S0, read_after, chunk_size)
+
+    @fwd.register_fake
+    def _(q, x, y, eta, log_gamma, S0, read_after, chunk_size):
+        N, T, H, K = q.shape
+        V = y.shape[-1]
+        return q.new_empty(N, T, H, V), q.new_empty(N, H, K, V, dtype=torch.float32)
+
+    @torch.library.custom_op(f"hybridlm::fast_weight_{name}_bwd", mutates_args=(), schema=_BWD_SCHEMA)
+    def bwd(do, dS_final, q, x, y, eta, log_gamma, S0, read_after, chunk_size):
+        do, q, x, y, eta, log_gamma = (t.contiguous() for t in (do, q, x, y, eta, log_gamma))
+        S0 = None if S0 is None else S0.contiguous()
+        dS_final = None if dS_final is None else dS_final.float().contiguous()
+        return _implementation(rule).backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after, chunk_size)
+
+    @bwd.register_fake
+    def _(do, dS_final, q, x, y, eta, log_gamma, S0, read_after, chunk_size):
+        N, _, H, K = q.shape
+        V = y.shape[-1]
+        # Contiguous, as the kernels write them (the inputs are made contiguous first).
+        return (q.new_empty(q.shape), x.new_empty(x.shape), y.new_empty(y.shape), eta.new_empty(eta.shape),
+                log_gamma.new_empty(log_gamma.shape), q.new_empty(N, H, K, V, dtype=torch.float32))
+
+    def setup_context(ctx, inputs, output):
+        q, x, y, eta, log_gamma, S0, read_after, chunk_size = inputs
+        ctx.save_for_backward(q, x, y, eta, log_gamma, S0)
+        ctx.read_after, ctx.chunk_size = read_after, chunk_size
+
+    def backward(ctx, do, dS_final):
+        q, x, y, eta, log_gamma, S0 = ctx.saved_tensors
+        dq, dx, dy, deta, dlg, dS0 = bwd(do.to(q.dtype), dS_final, q, x, y, eta, log_gamma, S0, ctx.read_after,
+                                         ctx.chunk_size)
+        return dq, dx, dy, deta, dlg, (None if S0 is None else dS0), None, None
+
+    fwd.register_autograd(backward, setup_context=setup_context)
+
+
+_register("1A", "1a")
+_register("1", "1")

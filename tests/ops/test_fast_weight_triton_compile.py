@@ -1,0 +1,78 @@
+"""The Triton scans as torch.library custom ops (`hybridlm::fast_weight_{1a,1}_{fwd,bwd}`): `torch.library.opcheck`
+(schema, fake tensors, autograd registration, AOT dispatch with dynamic shapes) and `torch.compile(fullgraph=True)`
+of the front door with backend="triton" against eager.
+
+Runs where tests/ops/test_fast_weight_triton.py's `interpret` tests run (a GPU, or the CPU interpreter with
+HYBRIDLM_TRITON_INTERPRET=1; ~20 s there). torch.compile uses the "aot_eager" backend everywhere (dynamo + AOT
+autograd, the part that must see through the custom ops; no C compiler needed) and also "inductor" on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridlm.ops import fast_weight_attention
+from hybridlm.ops.fast_weight.state import FastWeightState
+from tests.helpers import rel_err
+from tests.ops.test_fast_weight import make_inputs
+from tests.ops.test_fast_weight_triton import (  # its import sets TRITON_INTERPRET before any kernel loads
+    DEVICE,
+    gpu_only,
+    interpret,
+    prepared,
+)
+
+OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def _ops(name):
+    import hybridlm.ops.fast_weight.triton.custom_ops  # noqa: F401  (registers the ops)
+
+    return getattr(torch.ops.hybridlm, f"fast_weight_{name}_fwd"), getattr(torch.ops.hybridlm, f"fast_weight_{name}_bwd")
+
+
+@interpret
+@pytest.mark.parametrize("name", ["1a", "1"])
+def test_opcheck(name):
+    """The forward op with an initial state, the backward op without one (and without dL/dS_final)."""
+    fwd, bwd = _ops(name)
+    q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32).requires_grad_(True)
+                                   for t in prepared(1, 20, 2, 16, 8))
+    torch.library.opcheck(fwd, (q, x, y, eta, log_gamma, S0, True, 16), test_utils=OPCHECKS)
+    do = torch.randn(1, 20, 2, 8, device=DEVICE)
+    detached = [t.detach() for t in (q, x, y, eta, log_gamma)]
+    torch.library.opcheck(bwd, (do, None, *detached, None, False, 16), test_utils=OPCHECKS)
+
+
+COMPILE_CASES = [("3A", "aot_eager"), ("1", "aot_eager"),  # 3A runs the 1A ops
+                 pytest.param("1", "inductor", marks=gpu_only), pytest.param("3A", "inductor", marks=gpu_only)]
+
+
+@interpret
+@pytest.mark.parametrize("rule,compile_backend", COMPILE_CASES)
+def test_compiled_front_door_matches_eager(rule, compile_backend):
+    """torch.compile(fullgraph=True) of `fast_weight_attention(backend="triton")`: no graph break, outputs, final
+    state and all gradients (q, k, v, beta, lam, S0) equal to eager's (the same kernels run)."""
+    window = 2 if rule == "3A" else 1
+    H, K, V = 2, 16, 8
+
+    def fn(q, k, v, beta, lam, S, last_k):
+        o, state = fast_weight_attention(q, k, v, beta, lam, rule=rule, window=window, backend="triton",
+                                         chunk_size=16, initial_state=FastWeightState(S=S, last_k=last_k),
+                                         output_final_state=True)
+        return o, state.S
+
+    inputs = [t.to(DEVICE).detach().requires_grad_(True)
+              for t in make_inputs(rule, B=2, T=37, H=H, K=K, V=V, dtype=torch.float32)]
+    S = (0.3 * torch.randn(2, H, K, V, device=DEVICE)).requires_grad_(True)
+    last_k = torch.randn(2, H, K, device=DEVICE)
+    leaves = inputs + [S]
+    o, S_final = fn(*inputs, S, last_k)
+    grads = torch.autograd.grad(o.square().sum() + S_final.square().sum(), leaves)
+    compiled = torch.compile(fn, fullgraph=True, backend=compile_backend)
+    o_c, S_c = compiled(*inputs, S, last_k)
+    grads_c = torch.autograd.grad(o_c.square().sum() + S_c.square().sum(), leaves)
+    assert rel_err(o_c, o) < 1e-5 and rel_err(S_c, S_final) < 1e-5
+    for name, grad, grad_c in zip(("q", "k", "v", "beta", "lam", "S0"), grads, grads_c):
+        assert rel_err(grad_c, grad) < 1e-5, name
