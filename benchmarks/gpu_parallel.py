@@ -65,7 +65,7 @@ def token_loss(logits: torch.Tensor, ids: torch.Tensor, *, start: int, total: in
 def train_losses(model, ids, *, mode: str | None, mesh, steps: int, autocast: bool = False) -> tuple[list[float], torch.Tensor, float]:
     """Losses of `steps` AdamW updates on `ids` [B, T], the first forward's logits (this rank's positions) and
     the seconds per update after the first."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)  # DTensor and plain params mix
     losses, first_logits, times = [], None, []
     total = ids.shape[1]
     for step in range(steps):

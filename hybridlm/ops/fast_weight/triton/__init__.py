@@ -29,9 +29,12 @@ MAX_HEAD_DIM = 128  # K and V
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of q, k, v (float64 stays on the torch backends)
 
 
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None  # looked up once: torch.compile cannot trace it
+
+
 def is_available() -> bool:
     """True when the Triton kernels can run here: triton is importable and a CUDA device is present."""
-    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+    return _TRITON_FOUND and torch.cuda.is_available()
 
 
 def fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 64):
