@@ -178,11 +178,16 @@ def target_labels(tokens: np.ndarray, *, include_eos: bool) -> np.ndarray:
     return labels
 
 
-def train_batch(rng: np.random.Generator, batch_size: int, *, min_width: int = 1, max_width: int = 32) -> dict:
+def train_batch(rng: np.random.Generator, batch_size: int, *, min_width: int = 1, max_width: int = 32,
+                pad_width: int | None = None) -> dict:
     """One training batch: widths uniform in [min_width, max_width] per example, right-padded with <pad> to
-    the longest possible example, so every batch has one shape."""
+    the length of a `pad_width`-digit example (default `max_width`), so batches of one run have one shape
+    even while a curriculum grows `max_width`."""
+    pad_width = max_width if pad_width is None else pad_width
+    if pad_width < max_width:
+        raise ValueError(f"pad_width ({pad_width}) must be >= max_width ({max_width})")
     widths = rng.integers(min_width, max_width + 1, size=batch_size)
-    length = 3 * max_width + 5
+    length = 3 * pad_width + 5
     input_ids = np.full((batch_size, length), PAD, dtype=np.int64)
     labels = np.full((batch_size, length), IGNORE_INDEX, dtype=np.int64)
     for width in np.unique(widths):
@@ -298,7 +303,8 @@ def run_addition(model_name: str, seed: int, recipe: AdditionRecipe, *, device: 
     val = eval_sets(train_widths, recipe.val_per_width, seed=_VAL_SEED)
 
     def batch_fn(step: int) -> dict:
-        return train_batch(rng, recipe.batch_size, min_width=recipe.min_width, max_width=recipe.max_width_at(step))
+        return train_batch(rng, recipe.batch_size, min_width=recipe.min_width, max_width=recipe.max_width_at(step),
+                           pad_width=recipe.train_max_width)
 
     def val_fn(m) -> tuple[float, float]:
         per_width = evaluate(m, val, device=device, batch_size=recipe.eval_batch_size)

@@ -141,7 +141,7 @@ def _gather_to_rank0(entries: list[tuple[str, torch.Tensor, torch.Tensor | None]
         if rank == 0:
             out[key] = full.cpu().clone()
         elif owners[key][0] == rank and 0 not in owners[key]:
-            pending[key] = full
+            pending[key] = full.cpu()  # off the device: the other half's weights and moments, all at once
     if world == 1:
         return out
     # the other half's mixers (mixer parallelism): the lowest holder sends, in one agreed order, through the
@@ -164,19 +164,25 @@ def _gather_to_rank0(entries: list[tuple[str, torch.Tensor, torch.Tensor | None]
 def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
     """Copy a canonical full state dict (held by every rank) into this rank's part of `model`, in place.
 
-    Returns (missing, unexpected) canonical keys: missing = held here but not in `state`; unexpected = in
-    `state` but held by no rank (one all_gather_object of the names when distributed)."""
+    Returns (missing, unexpected) canonical keys: missing = held here but not in `state` under its name or a
+    tied alias's; unexpected = in `state` but held by no rank (one all_gather_object of the names when
+    distributed)."""
     perms = row_permutations(model)
+    entries = model.state_dict(keep_vars=True)
+    aliases: dict[int, list[str]] = {}  # tied weights: one tensor under several names, saved once (safetensors)
+    for name, tensor in entries.items():
+        aliases.setdefault(id(tensor), []).append(canonical_name(name))
     held, missing = [], []
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in entries.items():
         key = canonical_name(name)
         held.append(key)
-        if key not in state:
+        source = next((alias for alias in [key, *aliases[id(tensor)]] if alias in state), None)
+        if source is None:
             missing.append(key)
             continue
-        full = state[key]
-        if key in perms:
-            full = full[perms[key]]
+        full = state[source]
+        if source in perms:
+            full = full[perms[source]]
         _copy_full_into(tensor, full, key)
     known = set(_all_names(held))
     unexpected = sorted(k for k in state if k not in known)

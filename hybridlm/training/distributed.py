@@ -383,11 +383,11 @@ def load_full_state_dicts(
         )
     if optimizer is None or optim_sd is None:
         return
+    if len(optim_sd["param_groups"]) != len(optimizer.param_groups):  # checked before anything is loaded
+        raise RuntimeError(f"the checkpoint has {len(optim_sd['param_groups'])} optimizer groups, the optimizer "
+                           f"{len(optimizer.param_groups)}; build it with the configuration it was saved with")
     names = _flat_names(groups if groups is not None else optimizer.param_groups)
     states = {names[int(i)]: value for i, value in optim_sd["state"].items()}
     load_full_optimizer_state(model, optimizer, states)
-    if len(optim_sd["param_groups"]) != len(optimizer.param_groups):
-        raise RuntimeError(f"the checkpoint has {len(optim_sd['param_groups'])} optimizer groups, the optimizer "
-                           f"{len(optimizer.param_groups)}")
     for local, saved in zip(optimizer.param_groups, optim_sd["param_groups"]):
         local.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})

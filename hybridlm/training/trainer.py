@@ -532,7 +532,7 @@ class Trainer:
         if c.samples == 0 or self.data.tokenizer_dir is None:
             return []
         if self.ctx.parallel is not None and self.ctx.parallel.mixer_parallel != "off":
-            self._print("no samples under mixer parallelism (its decoding caches are untested)")
+            self._print("no samples under mixer parallelism (its decoding is not tested through the trainer)")
             return []
         from hybridlm.data.shards import TokenDataset
         from hybridlm.data.tokenizer import HybridTokenizer

@@ -109,3 +109,6 @@ def test_width_curriculum_grows_the_cap_then_stays_at_the_maximum():
     caps = [recipe.max_width_at(s) for s in range(0, 120)]
     assert caps[0] == 4 and caps[50] == 4 + 28 * 50 // 100 and caps[99] == 31 and caps[100:] == [32] * 20
     assert all(a <= b for a, b in zip(caps, caps[1:]))
+    batch = A.train_batch(np.random.default_rng(0), 64, max_width=recipe.max_width_at(0), pad_width=32)
+    assert batch["input_ids"].shape == (64, 3 * 32 + 5)  # the shape of a full-width batch
+    assert int((batch["input_ids"] != A.PAD).sum(1).max()) <= 3 * 4 + 5  # widths still capped at 4

@@ -12,8 +12,9 @@ against one uninterrupted process (micro-batches of 2 rows, 2 accumulated: the g
 ranks x 2 rows). A wrong row permutation, a mixer missing from a checkpoint, AdamW moments in the wrong layout,
 a loss normalized per cp chunk or a gradient norm that double counts tp / cp copies all break these equalities.
 The checkpoints of each mesh hold the keys and shapes of a single-process checkpoint, and their tensors equal
-the single-process run's at the same update. Every update is followed by an evaluation (no_grad forward), so
-the next update also checks that FSDP2's root was resharded. Float32, tolerance 1e-5.
+the single-process run's at the same update. Every update is followed by an evaluation (no_grad forward; that
+the trainer reshards FSDP2's root after it is not something these equalities can see: a run's first forward is
+always a training step). Float32, tolerance 1e-5.
 """
 
 from __future__ import annotations
