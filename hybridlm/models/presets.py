@@ -1,4 +1,5 @@
-"""Named model shapes: `tiny` (CPU seconds) and the released Falcon-H1 family.
+"""Named model shapes: `tiny` (CPU seconds), the released Falcon-H1 family and `hybrid-1b` (a ~1B Falcon-H1-like
+hybrid whose head counts split over 8 tensor-parallel ranks: the long-context scaling runs).
 
 Where each Falcon-H1 value comes from (searched 2026; the released `tiiuae/Falcon-H1-*` config.json files
 themselves were not reachable from here, so "verified" means: read from a verbatim copy of the released
@@ -84,6 +85,12 @@ PRESETS: dict[str, tuple[float, dict[str, Any]]] = {
                                   max_position_embeddings=262144)),
     # verified: the doc-table shapes; unverified: MLP width, vocab, groups = 2, muP multipliers
     "falcon-h1-34b": (34e9, _falcon(72, 5120, 20, 4, 128, 32, 128, 256, 21504, 261120, mamba_n_groups=2)),
+    # Not a release: the ~1B hybrid of issue 7's scaling run (Falcon-H1-1.5B's trunk, d_model 2048 x 24 SA_M
+    # blocks, resized so that tp=8 and mixer parallelism over tp=8 split every head count: 16 query / 8 KV
+    # heads of 128, 32 Mamba-2 heads of 64 (d_ssm 2048) in 8 B/C groups, MLP 2048). 1.14B parameters, 1.01B
+    # without the (untied) embeddings; 32K context, SSD chunk 128.
+    "hybrid-1b": (1e9, _falcon(24, 2048, 16, 8, 128, 32, 64, 128, 2048, 32768, mamba_n_groups=8,
+                               mamba_chunk_size=128, max_position_embeddings=32768)),
 }
 
 

@@ -638,9 +638,8 @@ def _validate_parallel(config: TrainConfig, hybrid) -> None:
         if hybrid.attention_dropout:
             raise ConfigError("model.overrides.attention_dropout: must be 0 with parallel.cp > 1 (ring attention "
                               "has no dropout)")
-    if p.mixer_parallel != "off" and p.cp > 1:
-        raise ConfigError("parallel.mixer_parallel: not combined with parallel.cp > 1 (untested; see "
-                          "hybridlm/parallel/README.md)")
+    # mixer_parallel with cp > 1 is allowed: a rank's cp peers have its tp coordinate and so its mixer in every
+    # layer (ring attention among attention ranks, state passing among SSM ranks; tests/parallel/test_combined.py)
 
 
 def resolve_parallel(config: TrainConfig, world_size: int):
