@@ -638,13 +638,39 @@ def _validate_parallel(config: TrainConfig, hybrid) -> None:
         if hybrid.attention_dropout:
             raise ConfigError("model.overrides.attention_dropout: must be 0 with parallel.cp > 1 (ring attention "
                               "has no dropout)")
+    if config.train.compile and (p.cp > 1 or p.mixer_parallel != "off"):
+        raise ConfigError("train.compile: not combined with parallel.cp > 1 or parallel.mixer_parallel yet (their "
+                          "hooks and point-to-point transfers are untested under torch.compile); set train.compile=false")
     # mixer_parallel with cp > 1 is allowed: a rank's cp peers have its tp coordinate and so its mixer in every
     # layer (ring attention among attention ranks, state passing among SSM ranks; tests/parallel/test_combined.py)
 
 
+def _check_model_splits(hybrid, p) -> None:
+    """The model's head, group and width counts against parallel.tp, checked on a meta-device model by the code
+    that later splits it: a combination that cannot split fails with the keys named, before any model is built."""
+    import torch
+
+    from hybridlm.models.configuration import HybridLMConfig
+    from hybridlm.models.model import HybridForCausalLM
+    from hybridlm.parallel import check_mixer_parallel, check_tensor_parallel
+
+    with torch.device("meta"):
+        model = HybridForCausalLM(HybridLMConfig.from_hybrid(hybrid))
+    try:
+        if p.mixer_parallel == "off":
+            check_tensor_parallel(model, p.tp, ssm_heads=p.ssm_tensor_parallel)
+        else:
+            check_mixer_parallel(model, p.tp, mode=p.mixer_parallel, ssm_heads=p.ssm_tensor_parallel)
+    except ValueError as err:
+        raise ConfigError(f"parallel.tp={p.tp} does not fit the model: {err}. Change parallel.tp or the sizes "
+                          "under model.overrides; for SSM head or group counts, parallel.ssm_tensor_parallel=false "
+                          "keeps the SSM mixers replicated instead") from err
+
+
 def resolve_parallel(config: TrainConfig, world_size: int):
     """The run's `hybridlm.parallel.ParallelConfig` for `world_size` ranks (a -1 filled in, sizes checked);
-    ConfigError naming the parallel keys if they do not multiply to the world size."""
+    ConfigError naming the parallel keys if they do not multiply to the world size or tp does not split the
+    model's heads / groups / widths."""
     from hybridlm.parallel.mesh import ParallelConfig
 
     p = config.parallel
@@ -666,6 +692,8 @@ def resolve_parallel(config: TrainConfig, world_size: int):
             f"{product}, but the world size is {world_size}; the product must equal it (set one of "
             "parallel.dp_replicate / parallel.dp_shard to -1 to fill the rest)"
         )
+    if p.tp > 1:
+        _check_model_splits(build_model_config(config), p)
     return ParallelConfig(
         dp_replicate=dp_replicate, dp_shard=dp_shard, cp=p.cp, tp=p.tp,
         activation_checkpointing=p.activation_checkpointing, ssm_tensor_parallel=p.ssm_tensor_parallel,
@@ -673,18 +701,12 @@ def resolve_parallel(config: TrainConfig, world_size: int):
     ).resolved(world_size)
 
 
-def data_parallel_size(config: TrainConfig, world_size: int) -> int:
-    """Ranks that read different rows (dp_replicate x dp_shard): the batch section's sizes are per such rank."""
-    resolved = resolve_parallel(config, world_size)
-    return resolved.dp_replicate * resolved.dp_shard
-
-
 # ------------------------------------------------------------------------------------------------ run length
 def rampup_of(config: TrainConfig, world_size: int):
     """The `BatchRampup` of the run in global rows (the batch section counts rows per rank), or None.
 
     Here and in `schedule_config` / `plan_steps`, `world_size` is the number of data-parallel ranks
-    (`data_parallel_size`): the world size when neither tp nor cp is used."""
+    (dp_replicate x dp_shard of `resolve_parallel`): the world size when neither tp nor cp is used."""
     from hybridlm.training.schedules import BatchRampup
 
     b = config.batch

@@ -196,7 +196,11 @@ def test_head_split_checkpoint_resumes_in_one_process(demo_dir, reference, tmp_p
         (["parallel.cp=3", "data.document_boundaries=false", "batch.seq_len=32"], 3, ["batch.seq_len", "divisible"]),
         (["parallel.tp=3", "parallel.mixer_parallel=on"], 3, ["parallel.mixer_parallel", "even"]),
         (["parallel.mixer_parallel=sideways"], 1, ["parallel.mixer_parallel", "interleaved"]),
+        (["parallel.tp=2", "parallel.mixer_parallel=on", "train.compile=true"], 2, ["train.compile", "mixer_parallel"]),
         (["distributed.strategy=ddp"], 1, ["distributed.strategy", "removed", "parallel.dp_replicate=-1"]),
+        (["parallel.tp=2", "model.overrides.num_key_value_heads=2"], 2,
+         ["parallel.tp=2", "mamba_n_groups=1", "parallel.ssm_tensor_parallel=false"]),
+        (["parallel.tp=2", "model.overrides.mamba_n_groups=2"], 2, ["parallel.tp=2", "num_key_value_heads"]),
     ],
 )
 def test_parallel_config_errors_name_the_keys(overrides, world, names):
@@ -207,8 +211,12 @@ def test_parallel_config_errors_name_the_keys(overrides, world, names):
 
 
 def test_sizes_resolve_against_the_world_size():
-    config = load_config(None, ["parallel.tp=2"])
-    assert resolve_parallel(config, 8).shape == (1, 4, 1, 2)
+    config = load_config(None, ["parallel.tp=2", "model.overrides.num_key_value_heads=2"])
+    with pytest.raises(ConfigError, match="mamba_n_groups"):
+        resolve_parallel(config, 8)
+    replicated_ssm = load_config(None, ["parallel.tp=2", "model.overrides.num_key_value_heads=2",
+                                        "parallel.ssm_tensor_parallel=false"])
+    assert resolve_parallel(replicated_ssm, 8).shape == (1, 4, 1, 2)
     replicas = load_config(None, ["parallel.dp_replicate=-1", "parallel.dp_shard=1"])
     assert resolve_parallel(replicas, 4).shape == (4, 1, 1, 1)
 
