@@ -1,7 +1,9 @@
 """Mamba-2 SSD (state-space duality) op: the front door `ssd` and its backends.
 
 Backends: "naive" (loop over time steps, the specification, `naive.py`) and "chunk" (the chunked
-SSD algorithm in plain torch, `chunk.py`); "auto" picks "chunk". The math: README.md in this folder.
+SSD algorithm in plain torch, `chunk.py`); "auto" picks "chunk". "triton" (the chunked algorithm in Triton
+kernels, `triton/`) runs only when asked for: it has not been checked on a GPU yet. The math: README.md in this
+folder.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ import torch
 
 from hybridlm.ops.ssd.chunk import chunk_ssd
 from hybridlm.ops.ssd.naive import naive_ssd
+from hybridlm.ops.ssd.triton import ssd_triton
 from hybridlm.ops.utils import check_cu_seqlens, compute_dtype, resolve_backend
 
 __all__ = ["ssd", "naive_ssd", "chunk_ssd"]
 
-_BACKENDS = ("naive", "chunk")
+_BACKENDS = ("naive", "chunk", "triton")
 
 
 def ssd(
@@ -44,7 +47,8 @@ def ssd(
         output_final_state: also return the state after the last step.
         cu_seqlens: `[N_seq + 1]` int offsets of packed sequences (b == 1); each sequence starts from its
             own row of `initial_state` and none sees another.
-        backend: "auto", "naive" or "chunk".
+        backend: "auto", "naive", "chunk" or "triton" (CUDA tensors and triton installed; x, B, C in float32,
+            bfloat16 or float16, P <= 128, N <= 256; never picked by "auto").
 
     Returns:
         `(y, final_state)`: y `[b, T, H, P]` in x's dtype; final_state `[b or N_seq, H, P, N]` in float32
@@ -65,6 +69,12 @@ def ssd(
         raise ValueError(
             f"initial_state must be [{rows}, H, P, N] = {[n_states, H, P, N]}, got {list(initial_state.shape)}"
         )
+
+    if backend == "triton":  # x, B, C keep their dtype (bf16/fp16 matmuls); dt, A, D and the state run in float32
+        with torch.autocast(x.device.type, enabled=False):
+            y, final_state = ssd_triton(x, dt, A, B, C, D=D, chunk_size=chunk_size, initial_state=initial_state,
+                                        offsets=offsets)
+        return y, (final_state if output_final_state else None)
 
     promoted = x.dtype
     for t in (dt, A, B, C):

@@ -1,0 +1,120 @@
+"""The Triton SSD scan as `torch.library` custom ops, so that `torch.compile` traces it as single graph nodes (fake
+implementations give the output shapes; autograd is registered on the forward op and calls the backward op).
+
+    hybridlm::ssd_fwd(x, dt, A, B, C, D?, h0?, chunk_size) -> (y, h_final)
+    hybridlm::ssd_bwd(dy, dh_final?, x, dt, A, B, C, D?, h0?, chunk_size) -> (dx, ddt, dA, dB, dC, dD, dh0)
+
+The implementation (`chunk.py`, which needs triton) is imported on the first call; this file imports only torch.
+dD and dh0 are always computed (dh0 is where the reverse pass ends); the autograd formula drops them when D / h0 is
+None.
+"""
+
+import os
+
+import torch
+
+from hybridlm.ops.ssd.triton import DTYPES, MAX_D_STATE, MAX_HEAD_DIM
+
+_FWD_SCHEMA = "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? h0, int chunk_size) " \
+              "-> (Tensor, Tensor)"
+_BWD_SCHEMA = "(Tensor dy, Tensor? dh_final, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, " \
+              "Tensor? h0, int chunk_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+
+
+def ssd_chunk_triton(x, dt, A, B, C, D, h0, *, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked SSD on the Triton kernels, differentiable in every tensor input.
+
+    Args:
+        x: `[b, T, H, P]`; B, C: `[b, T, G, N]` (one dtype among float32, bfloat16, float16; G divides H).
+        dt: `[b, T, H]` float32 (>= 0). A: `[H]` float32 (< 0). D: `[H]` float32 or None.
+        h0: `[b, H, P, N]` float32 entry state, or None for zeros.
+        chunk_size: a power of two in [16, 128].
+
+    Returns:
+        y `[b, T, H, P]` in x's dtype and the final state `[b, H, P, N]` float32.
+    """
+    _check(x, dt, A, B, C, D, h0, chunk_size)
+    return torch.ops.hybridlm.ssd_fwd(x, dt, A, B, C, D, h0, int(chunk_size))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check(x, dt, A, B, C, D, h0, chunk_size) -> None:
+    if x.dim() != 4 or B.dim() != 4 or C.shape != B.shape or B.shape[:2] != x.shape[:2]:
+        raise ValueError(f"x must be [b, T, H, P] and B, C [b, T, G, N]; got x {tuple(x.shape)}, "
+                         f"B {tuple(B.shape)}, C {tuple(C.shape)}")
+    b, T, H, P = x.shape
+    G, N = B.shape[2:]
+    if T < 1:
+        raise ValueError("the sequence is empty (T = 0)")
+    if G < 1 or H % G != 0:
+        raise ValueError(f"the number of heads H = {H} must be a multiple of the number of groups G = {G}")
+    if x.dtype not in DTYPES or B.dtype != x.dtype or C.dtype != x.dtype:
+        raise ValueError(f"x, B, C must share one dtype among {DTYPES}; got {x.dtype}, {B.dtype}, {C.dtype}")
+    for name, t, shape in (("dt", dt, (b, T, H)), ("A", A, (H,)), ("D", D, (H,)), ("h0", h0, (b, H, P, N))):
+        if t is not None and (tuple(t.shape) != shape or t.dtype != torch.float32):
+            raise ValueError(f"{name} must be float32 {list(shape)}; got {list(t.shape)} {t.dtype}")
+    if P > MAX_HEAD_DIM or N > MAX_D_STATE:
+        raise ValueError(f"the Triton kernels take P <= {MAX_HEAD_DIM} and N <= {MAX_D_STATE}; got P = {P}, "
+                         f"N = {N} (use the chunk backend)")
+    if not (isinstance(chunk_size, int) and 16 <= chunk_size <= 128 and chunk_size & (chunk_size - 1) == 0):
+        raise ValueError(f"chunk_size must be a power of two in [16, 128] for the Triton kernels; got {chunk_size}")
+    devices = {t.device for t in (x, dt, A, B, C, D, h0) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device; got {sorted(map(str, devices))}")
+    if x.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"the Triton kernels need CUDA tensors (got {x.device}; on a CPU set TRITON_INTERPRET=1 "
+                         "before triton is imported to run them under the interpreter)")
+
+
+def _implementation():
+    from hybridlm.ops.ssd.triton import chunk
+
+    return chunk
+
+
+def _contiguous(*tensors):
+    return tuple(None if t is None else t.contiguous() for t in tensors)
+
+
+@torch.library.custom_op("hybridlm::ssd_fwd", mutates_args=(), schema=_FWD_SCHEMA)
+def _ssd_fwd(x, dt, A, B, C, D, h0, chunk_size):
+    return _implementation().forward(*_contiguous(x, dt, A, B, C, D, h0), chunk_size)
+
+
+@_ssd_fwd.register_fake
+def _(x, dt, A, B, C, D, h0, chunk_size):
+    b, _, H, P = x.shape
+    return x.new_empty(x.shape), x.new_empty(b, H, P, B.shape[-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("hybridlm::ssd_bwd", mutates_args=(), schema=_BWD_SCHEMA)
+def _ssd_bwd(dy, dh_final, x, dt, A, B, C, D, h0, chunk_size):
+    dh_final = None if dh_final is None else dh_final.float()
+    return _implementation().backward(*_contiguous(dy, dh_final, x, dt, A, B, C, D, h0), chunk_size)
+
+
+@_ssd_bwd.register_fake
+def _(dy, dh_final, x, dt, A, B, C, D, h0, chunk_size):
+    b, _, H, P = x.shape
+    # Contiguous, as the kernels write them (the inputs are made contiguous first).
+    return (x.new_empty(x.shape), dt.new_empty(dt.shape), A.new_empty(A.shape), B.new_empty(B.shape),
+            C.new_empty(C.shape), A.new_empty(H), x.new_empty(b, H, P, B.shape[-1], dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    x, dt, A, B, C, D, h0, chunk_size = inputs
+    ctx.save_for_backward(x, dt, A, B, C, D, h0)
+    ctx.chunk_size = chunk_size
+
+
+def _backward(ctx, dy, dh_final):
+    x, dt, A, B, C, D, h0 = ctx.saved_tensors
+    dy = torch.zeros_like(x) if dy is None else dy
+    dx, ddt, dA, dB, dC, dD, dh0 = _ssd_bwd(dy.to(x.dtype), dh_final, x, dt, A, B, C, D, h0, ctx.chunk_size)
+    return dx, ddt, dA, dB, dC, (None if D is None else dD), (None if h0 is None else dh0), None
+
+
+_ssd_fwd.register_autograd(_backward, setup_context=_setup_context)

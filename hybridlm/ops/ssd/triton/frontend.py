@@ -1,0 +1,67 @@
+"""The `ssd` backend contract on the Triton kernels: checked raw inputs -> prepared inputs -> the custom op.
+
+Same contract as `chunk.chunk_ssd` (inputs validated by the front door `hybridlm.ops.ssd.ssd`), except for dtypes:
+x, B and C keep their (promoted) dtype, so bf16/fp16 matmuls run on tensor cores, while dt, A, D, the decays and
+the state run in float32; float64 is refused (the torch backends run it). Packed sequences (`offsets`) are
+right-padded into a batch exactly as the torch chunk path does (`packed_to_padded`, dt = 0 on the padding: padded
+steps are exact no-ops, so each row's state after its padding is its sequence's final state), then y is packed back.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hybridlm.ops.ssd.triton import (
+    _TRITON_FOUND,
+    DTYPES,
+    MAX_D_STATE,
+    MAX_HEAD_DIM,
+    ssd_chunk_triton,
+    supports,
+)
+from hybridlm.ops.utils import packed_to_padded, padded_to_packed
+
+
+def ssd_triton(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    D: torch.Tensor | None,
+    chunk_size: int,
+    initial_state: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(y [b, T, H, P] in x's dtype, final_state [b or N_seq, H, P, N] float32)`. `chunk_size` is rounded to a
+    power of two in [16, 64]; initial_state None means zeros."""
+    if not (_TRITON_FOUND and x.is_cuda) and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend='triton' needs triton installed and the tensors on a CUDA device; "
+                         "use backend='chunk' (or set TRITON_INTERPRET=1 to run the kernels on CPU tensors)")
+    dtype = torch.promote_types(torch.promote_types(x.dtype, B.dtype), C.dtype)
+    P, N = x.shape[-1], B.shape[-1]
+    if not supports(P=P, N=N, dtype=dtype):
+        raise ValueError(f"the Triton backend takes x, B, C in {DTYPES} with P <= {MAX_HEAD_DIM} and "
+                         f"N <= {MAX_D_STATE}; got {dtype}, P = {P}, N = {N} (use backend='chunk')")
+    f32 = lambda t: None if t is None else t.to(device=x.device, dtype=torch.float32)
+    x_, B_, C_, dt_, A_, D_, h0 = x.to(dtype), B.to(dtype), C.to(dtype), f32(dt), f32(A), f32(D), f32(initial_state)
+    if offsets is not None:  # [1, total, ...] -> [N_seq, max_len, ...], dt = 0 on the padding
+        x_, dt_, B_, C_ = (packed_to_padded(t, offsets) for t in (x_, dt_, B_, C_))
+    b, T, H, _ = x_.shape
+    if T == 0:  # nothing to scan: the state passes through
+        final = h0 if h0 is not None else x.new_zeros(b, H, P, N, dtype=torch.float32)
+        return x.new_zeros(x.shape), final
+    y, final = ssd_chunk_triton(x_, dt_, A_, B_, C_, D_, h0, chunk_size=_triton_chunk(chunk_size))
+    if offsets is not None:
+        y = padded_to_packed(y, offsets)
+    return y.to(x.dtype), final
+
+
+def _triton_chunk(chunk_size: int) -> int:
+    """The nearest power of two >= chunk_size, clamped to [16, 64]: tl.dot needs >= 16 rows, and the backward
+    kernels hold several [chunk, chunk] and [chunk, P] fp32 tiles (the op's default 256 would spill registers).
+    The chunk length changes the cost only, never the result."""
+    return min(64, max(16, 1 << (max(chunk_size, 1) - 1).bit_length()))
