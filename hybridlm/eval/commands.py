@@ -115,6 +115,8 @@ def _add_run_options(p: argparse.ArgumentParser, *, default_seeds: int) -> None:
     p.add_argument("--per-device", type=int, default=1, metavar="K", help="runs side by side per device (default 1)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="start no new run after this many seconds; the report covers the runs done so far")
+    p.add_argument("--compile", action="store_const", const=True, default=None,
+                   help="train through torch.compile (inductor + CUDA graphs on GPUs; part of the recipe)")
 
 
 def _add_recipe_options(p: argparse.ArgumentParser, options: list[tuple[str, type, str]]) -> None:

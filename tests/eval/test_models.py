@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,3 +85,19 @@ def test_medium_size_is_wider_and_deeper_than_small():
     small, medium = task_config("fw-1A", vocab_size=16), task_config("fw-1A", vocab_size=16, size="medium")
     assert (medium.hidden_size, medium.num_hidden_layers) == (2 * small.hidden_size, 2 * small.num_hidden_layers)
     assert medium.mamba_n_heads * medium.mamba_d_head == medium.mamba_d_ssm
+
+
+@pytest.mark.parametrize("name", ["hybrid-fw-1A", "mamba2"])
+def test_compiled_training_matches_eager(name):
+    from hybridlm.eval.addition import MODEL_VOCAB_SIZE, train_batch
+    from hybridlm.eval.models import build_model
+
+    batches = [train_batch(np.random.default_rng(s), 4, max_width=5) for s in range(3)]
+    losses = {}
+    for compile in (False, True):
+        model = build_model(task_config(name, vocab_size=MODEL_VOCAB_SIZE, size="tiny"), seed=0)
+        result = train_on_task(model, lambda step: batches[step], steps=3, lr=1e-2, warmup=1, log_every=1,
+                               compile=compile)
+        losses[compile] = [loss for _, loss in result.losses]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    assert losses[False][2] != losses[False][0]  # it trained
