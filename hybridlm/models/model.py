@@ -147,11 +147,11 @@ class HybridModel(HybridPreTrainedModel):
                 raise ValueError("a decoding cache cannot be combined with packed documents (position_ids restarts)")
             h, cu_seqlens, position_ids = pack_rows(h, position_ids)
             packed_rows = batch
-        elif position_ids is None:
-            if cache is not None:
-                position_ids = cache.positions(length, h.device)  # [1 or B, T]
-            else:
-                position_ids = torch.arange(length, device=h.device).unsqueeze(0)  # [1, T]
+        elif position_ids is None and cache is not None:
+            position_ids = cache.positions(length, h.device)  # [1 or B, T]
+        # Without a cache, absent position_ids stay None: attention numbers the tokens 0..T-1 itself, and no layer
+        # has to look for document restarts in them (a host synchronization per mixer, which also rules out
+        # capturing the step in a CUDA graph).
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} layers, the model {len(self.layers)}")
 
