@@ -40,19 +40,25 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig, *, c
         apply_tensor_parallel(model, mesh["tp"], ssm_heads=config.ssm_tensor_parallel)
     else:
         apply_mixer_parallel(model, mesh["tp"], mode=config.mixer_parallel, ssm_heads=config.ssm_tensor_parallel)
-    layers = _layer_list(model)
-    for index, block in enumerate(list(layers)):
-        if config.activation_checkpointing:
-            block = checkpoint_wrapper(block)  # recompute the block in backward
-        if compile:
-            block.compile()
-        layers[index] = block
+    layers = wrap_blocks(model, activation_checkpointing=config.activation_checkpointing, compile=compile)
     dp_mesh = data_parallel_mesh(mesh)
     if dp_mesh is not None:
         for block in layers:
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
     return model
+
+
+def wrap_blocks(model: nn.Module, *, activation_checkpointing: bool, compile: bool) -> nn.ModuleList:
+    """Steps 2 and 3 on every block in place (also what one process without a mesh applies); returns the list."""
+    layers = _layer_list(model)
+    for index, block in enumerate(list(layers)):
+        if activation_checkpointing:
+            block = checkpoint_wrapper(block)  # recompute the block in backward
+        if compile:
+            block.compile()
+        layers[index] = block
+    return layers
 
 
 def _layer_list(model: nn.Module) -> nn.ModuleList:

@@ -153,21 +153,12 @@ def parallelize(model: nn.Module, config: Any, ctx: DistContext) -> nn.Module:
     place and return it: `hybridlm.parallel.parallelize` under torchrun (TP or mixer parallelism ->
     activation checkpointing -> compile -> FSDP2 over the data-parallel dims). With one process there is no
     mesh: the same two single-device steps (activation checkpointing, then compile per block) are applied."""
+    from hybridlm.parallel.parallelize import parallelize as parallelize_model
+    from hybridlm.parallel.parallelize import wrap_blocks
+
     if ctx.mesh is not None:
-        from hybridlm.parallel import parallelize as parallelize_model
-
         return parallelize_model(model, ctx.mesh, ctx.parallel, compile=config.train.compile)
-    layers = getattr(getattr(model, "model", model), "layers", None)
-    for index, block in enumerate(list(layers or [])):
-        if config.parallel.activation_checkpointing:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                checkpoint_wrapper,
-            )
-
-            block = checkpoint_wrapper(block)
-        if config.train.compile:
-            block.compile()
-        layers[index] = block
+    wrap_blocks(model, activation_checkpointing=config.parallel.activation_checkpointing, compile=config.train.compile)
     return model
 
 
