@@ -1,6 +1,16 @@
-"""ring_attention over 2 and over 4 gloo processes (in the 4-process spawn of test_context_parallel) equals plain causal attention on the whole sequence (one process):
-the output and the gradients of q, k, v, with grouped-query attention (6 query heads on 2 key/value heads),
-an odd head dim (5) and a value dim that differs (7), float32, tol 1e-5 relative to the largest entry."""
+"""ring_attention equals plain causal attention on the whole sequence (one process), float32, tol 1e-5 relative
+to the largest entry, with grouped-query attention (6 query heads on 2 key/value heads), an odd head dim (5) and
+a value dim that differs (7):
+
+- over 2 and over 4 gloo processes (in the 4-process spawn of test_context_parallel), 13 tokens per rank,
+  untiled and in query tiles of 4 rows (4 does not divide 13): the output and the gradients of q, k, v, and
+  tiled == untiled;
+- in one process: the block math (`block_attention` / `block_attention_backward`, a "ring" of one block) against
+  SDPA, causal (the diagonal block) and full (an earlier rank's block), for tiles of 1, 4, 13 rows and untiled;
+  `ring_attention` without a process group (one rank) in float32 and from bf16 inputs;
+- memory: the largest tensor any aten op produces in forward + backward is one score tile [B, Hq, tile, Q],
+  not the [B, Hq, Q, Q] of an untiled block (a dispatch-mode probe; it fails if the tiling is removed).
+"""
 
 from __future__ import annotations
 
@@ -8,17 +18,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from hybridlm.parallel import ring_attention, shard_sequence
+from hybridlm.parallel.ring_attention import block_attention, block_attention_backward
 
 TOL = 1e-5
-BATCH, CHUNK, Q_HEADS, KV_HEADS, DIM, VALUE_DIM = 2, 3, 6, 2, 5, 7
+BATCH, CHUNK, Q_HEADS, KV_HEADS, DIM, VALUE_DIM = 2, 13, 6, 2, 5, 7
+RING_TILES = {"untiled": None, "tile4": 4}  # 4 does not divide CHUNK
 
 
-def _reference(q, k, v) -> torch.Tensor:
-    """Plain causal GQA attention, [B, T, H, D] layouts."""
+def _reference(q, k, v, *, causal: bool = True) -> torch.Tensor:
+    """Plain (causal) GQA attention, [B, T, H, D] layouts."""
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, enable_gqa=True
     )
     return out.transpose(1, 2)
 
@@ -27,50 +41,159 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach() - b.detach()).abs().max() / b.detach().abs().max())
 
 
-def _ring(group, rank: int, world: int) -> dict:
-    """ring_attention over `group` (`world` ranks, this one `rank` in it) against the whole sequence."""
-    length = CHUNK * world
-    torch.manual_seed(0)
+def _inputs(length: int, keys: int | None = None, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """q [B, T, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] (S = T unless given) and loss weights [B, T, Hq, Dv]."""
+    keys = length if keys is None else keys
+    torch.manual_seed(seed)
     q = torch.randn(BATCH, length, Q_HEADS, DIM, requires_grad=True)
-    k = torch.randn(BATCH, length, KV_HEADS, DIM, requires_grad=True)
-    v = torch.randn(BATCH, length, KV_HEADS, VALUE_DIM, requires_grad=True)
+    k = torch.randn(BATCH, keys, KV_HEADS, DIM, requires_grad=True)
+    v = torch.randn(BATCH, keys, KV_HEADS, VALUE_DIM, requires_grad=True)
     weights = torch.randn(BATCH, length, Q_HEADS, VALUE_DIM)  # a loss that reads every output
+    return q, k, v, weights
+
+
+# --------------------------------------------------------------------------- over 2 and 4 processes
+
+
+def _ring(group, rank: int, world: int) -> dict:
+    """ring_attention over `group` (`world` ranks, this one `rank` in it) against the whole sequence, for each
+    of RING_TILES; the tiled run also against the untiled one."""
+    q, k, v, weights = _inputs(CHUNK * world)
     want = _reference(q, k, v)
     (want * weights).sum().backward()
+    local_weights = shard_sequence(weights, group)[0]
 
-    local = [shard_sequence(t.detach(), group)[0].requires_grad_(True) for t in (q, k, v)]
-    got = ring_attention(*local, group)
-    (got * shard_sequence(weights, group)[0]).sum().backward()
-    alone = _reference(*(t.detach() for t in local))  # this chunk without the earlier ranks' keys
-    return {
-        "out": _relative(got, shard_sequence(want, group)[0]),
-        "dq": _relative(local[0].grad, shard_sequence(q.grad, group)[0]),
-        "dk": _relative(local[1].grad, shard_sequence(k.grad, group)[0]),
-        "dv": _relative(local[2].grad, shard_sequence(v.grad, group)[0]),
-        "last_rank_alone": float((alone - got).abs().max()) if rank == world - 1 else 0.0,
-    }
+    results, untiled = {}, None
+    for name, tile in RING_TILES.items():
+        local = [shard_sequence(t.detach(), group)[0].requires_grad_(True) for t in (q, k, v)]
+        got = ring_attention(*local, group, tile=tile)
+        (got * local_weights).sum().backward()
+        alone = _reference(*(t.detach() for t in local))  # this chunk without the earlier ranks' keys
+        results[name] = {
+            "out": _relative(got, shard_sequence(want, group)[0]),
+            "dq": _relative(local[0].grad, shard_sequence(q.grad, group)[0]),
+            "dk": _relative(local[1].grad, shard_sequence(k.grad, group)[0]),
+            "dv": _relative(local[2].grad, shard_sequence(v.grad, group)[0]),
+            "last_rank_alone": float((alone - got.detach()).abs().max()) if rank == world - 1 else 0.0,
+        }
+        if untiled is None:
+            untiled = [got, *(t.grad for t in local)]
+        else:
+            results[name]["vs_untiled"] = max(_relative(a, b) for a, b in zip([got, *(t.grad for t in local)], untiled))
+    return results
 
 
 def rings(rank: int, world: int) -> dict:
-    """On 4 processes: one ring over all 4 (cp=4) and two rings of 2 ({0, 1}, {2, 3}: cp=2); the worst rank's
-    errors of each. Runs inside the 4-process spawn of test_context_parallel (a spawn costs ~10-20 s on 2
-    cores, the rings a fraction of a second)."""
+    """On 4 processes: one ring over all 4 (cp=4) and two rings of 2 ({0, 1}, {2, 3}: cp=2), each untiled and
+    tiled; the worst rank's errors of each, keyed "cp4/tile4" etc. Runs inside the 4-process spawn of
+    test_context_parallel (a spawn costs ~10-20 s on 2 cores, the rings a fraction of a second)."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
     results = {"cp4": _ring(dist.group.WORLD, rank, world), "cp2": _ring(pairs[rank // 2], rank % 2, 2)}
     worst = {}
-    for name, result in results.items():
-        values = torch.tensor(list(result.values()), dtype=torch.float64)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        worst[name] = dict(zip(result, values.tolist()))
+    for cp, by_tile in results.items():
+        for tile, result in by_tile.items():
+            values = torch.tensor(list(result.values()), dtype=torch.float64)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+            worst[f"{cp}/{tile}"] = dict(zip(result, values.tolist()))
     return worst
 
 
+@pytest.mark.parametrize("tile", list(RING_TILES))
 @pytest.mark.parametrize("cp", ["cp2", "cp4"])
-def test_ring_attention_matches_causal_attention(cp):
+def test_ring_attention_matches_causal_attention(cp, tile):
     # shares the 4-process spawn of test_context_parallel (imported here: that module imports this one)
     from tests.parallel.test_context_parallel import four_process_results
 
-    got = four_process_results()["rings"][cp]
-    for name in ("out", "dq", "dk", "dv"):
-        assert got[name] < TOL, got
+    got = four_process_results()["rings"][f"{cp}/{tile}"]
+    for name in ("out", "dq", "dk", "dv", "vs_untiled"):
+        assert got.get(name, 0.0) < TOL, got
     assert got["last_rank_alone"] > 1e-2, got  # the earlier ranks' keys really matter (the test can fail)
+
+
+# --------------------------------------------------------------------------- in one process
+
+
+def _grouped(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, Hq, D] -> [B, Hkv, G, T, D], ring_attention's grouped query layout."""
+    return x.unflatten(2, (KV_HEADS, Q_HEADS // KV_HEADS)).permute(0, 2, 3, 1, 4)
+
+
+def _ungrouped(x: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, G, T, D] -> [B, T, Hq, D]."""
+    return x.permute(0, 3, 1, 2, 4).flatten(2, 3)
+
+
+@pytest.mark.parametrize("tile", [1, 4, 13, None], ids=["tile1", "tile4", "tile13", "untiled"])
+@pytest.mark.parametrize("causal", [True, False], ids=["diagonal", "earlier-block"])
+def test_block_attention_matches_sdpa(causal, tile):
+    """One block: the diagonal (causal, S = Q = 13) and an earlier rank's block (no mask; S = 9 keys)."""
+    q, k, v, weights = _inputs(CHUNK, CHUNK if causal else 9)
+    want = _reference(q, k, v, causal=causal)
+    (want * weights).sum().backward()
+
+    scale = DIM**-0.5
+    qg, kh, vh = _grouped(q.detach()), k.detach().transpose(1, 2), v.detach().transpose(1, 2)
+    out, lse = block_attention(qg, kh, vh, scale=scale, causal=causal, tile=tile)
+    dout = _grouped(weights)
+    delta = (dout * out).sum(-1)  # one block: its own output is the final output
+    dq, dk, dv = block_attention_backward(qg, kh, vh, dout, lse, delta, scale=scale, causal=causal, tile=tile)
+
+    scores = _grouped(q.detach()) @ kh.unsqueeze(2).transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(CHUNK, CHUNK, dtype=torch.bool).triu(1), float("-inf"))
+    assert _relative(lse, torch.logsumexp(scores, -1)) < TOL
+    assert _relative(_ungrouped(out), want) < TOL
+    assert _relative(_ungrouped(dq), q.grad) < TOL
+    assert _relative(dk.transpose(1, 2), k.grad) < TOL
+    assert _relative(dv.transpose(1, 2), v.grad) < TOL
+
+
+@pytest.mark.parametrize("tile", [4, None], ids=["tile4", "untiled"])
+def test_one_rank_ring_attention_matches_sdpa(tile):
+    """Without a process group ring_attention is one rank: causal attention through the autograd Function."""
+    q, k, v, weights = _inputs(CHUNK)
+    want = _reference(q, k, v)
+    want_grads = torch.autograd.grad((want * weights).sum(), (q, k, v))
+    got = ring_attention(q, k, v, tile=tile)
+    grads = torch.autograd.grad((got * weights).sum(), (q, k, v))
+    assert _relative(got, want) < TOL
+    for a, b in zip(grads, want_grads):
+        assert _relative(a, b) < TOL
+
+    low = [t.detach().bfloat16().requires_grad_(True) for t in (q, k, v)]  # bf16 in, float32 math, bf16 out
+    got = ring_attention(*low, tile=tile)
+    assert got.dtype == torch.bfloat16
+    assert _relative(got.float(), _reference(*(t.detach().float() for t in low))) < 1e-2
+    got.float().mul(weights).sum().backward()
+    assert all(t.grad.dtype == torch.bfloat16 for t in low)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor (in elements) any aten op returns while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.numel = max([self.numel, *sizes])
+        return out
+
+
+def test_score_tiles_bound_the_largest_intermediate():
+    """Q = 64, tile 8, head dims 4 < tile: the [B, Hq, tile, Q] score tile is the largest tensor of forward +
+    backward; untiled, the [B, Hq, Q, Q] scores are (so the probe sees them)."""
+    length, tile, dim = 64, 8, 4
+    torch.manual_seed(0)
+    q = torch.randn(1, length, Q_HEADS, dim, requires_grad=True)
+    k = torch.randn(1, length, KV_HEADS, dim, requires_grad=True)
+    v = torch.randn(1, length, KV_HEADS, dim, requires_grad=True)
+    largest = {}
+    for name, rows in (("tiled", tile), ("untiled", None)):
+        with _LargestTensor() as probe:
+            ring_attention(q, k, v, tile=rows).sum().backward()
+        largest[name] = probe.numel
+    assert largest["tiled"] == Q_HEADS * tile * length, largest
+    assert largest["untiled"] == Q_HEADS * length * length, largest
