@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -170,20 +171,30 @@ class _StatePassing:
 
     The state is the mixer's `cache.ssm` dict, sent as its tensors in sorted-name order. Under grad mode both
     ends are autograd nodes (tied to a zero-size anchor that requires grad, so that they exist on every rank
-    even for a frozen model: the two ends must agree on whether a backward transfer will happen)."""
+    even for a frozen model: the two ends must agree on whether a backward transfer will happen).
+
+    The layout (names, dtypes, shapes) travels once per mixer and input signature (shape, dtype, autocast):
+    both ends remember it in `_LAYOUTS`, so later steps send only the tensors (reading a header back is a
+    host synchronization per layer). The cp ranks run the same layers on equal shapes in lockstep, so the two
+    ends always agree on whether a header comes."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.cache: LayerCache | None = None
+        self.signature: tuple | None = None
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict):
         _check_call(type(module).__name__, kwargs)
         hidden = args[0] if args else kwargs["hidden"]
         self.cache = LayerCache()
+        self.signature = (tuple(hidden.shape), hidden.dtype, torch.is_autocast_enabled(hidden.device.type))
         if self.rank > 0:
             peer = self.rank - 1
-            layout = _receive_layout(self.group, peer, hidden.device)
+            known = _LAYOUTS.setdefault(module, {})
+            layout = known.get(("received", self.signature))
+            if layout is None:
+                layout = known[("received", self.signature)] = _receive_layout(self.group, peer, hidden.device)
             state = _ReceiveState.apply(_anchor(hidden.device), self.group, peer, layout)
             self.cache.ssm.update(zip((slot[0] for slot in layout), state))
         return args, {**kwargs, "cache": self.cache}  # the mixer reads its initial state and writes its final one
@@ -195,10 +206,21 @@ class _StatePassing:
         names = sorted(cache.ssm)
         state = [cache.ssm[name] for name in names]
         peer = self.rank + 1
-        _send_layout(names, state, self.group, peer, output.device)
+        known = _LAYOUTS.setdefault(module, {})
+        layout = tuple((n, t.dtype, tuple(t.shape)) for n, t in zip(names, state))
+        sent = known.get(("sent", self.signature))
+        if sent is None:
+            _send_layout(names, state, self.group, peer, output.device)
+            known[("sent", self.signature)] = layout
+        elif sent != layout:
+            raise RuntimeError(f"context_parallel: the state layout of {type(module).__name__} changed for the same "
+                               f"input signature ({sent} -> {layout}); the receiving rank would misread it")
         # The output passes through unchanged; its backward node is where the state's gradient comes back in.
         return _SendState.apply(output, _anchor(output.device), self.group, peer, *state)
 
+
+# mixer -> {("sent" | "received", input signature): layout}; weak, so a dropped model takes its entries along
+_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 _Layout = tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]  # (name, dtype, shape) per state tensor
 
