@@ -278,7 +278,7 @@ def test_rejects_unsupported_calls():
     with pytest.raises(ValueError, match="K, V <= 128"):
         fast_weight_1a_triton(big, big, y, eta, log_gamma, None, read_after=True, chunk_size=16)
     with pytest.raises(ValueError, match="rules 1A"):
-        fast_weight_triton(q, q, y, eta, eta, rule="2A", window=1, pairing="shifted", read="after", step_size="nlms",
+        fast_weight_triton(q, q, y, eta, eta, rule="2", window=1, pairing="shifted", read="after", step_size="nlms",
                            ridge_scaling=False, eps=1e-6, eps_gamma=1e-6, initial_state=None, offsets=None,
                            chunk_size=64)
 
@@ -288,7 +288,7 @@ def test_import_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
             "import hybridlm.ops.fast_weight.triton as t\n"
             "import hybridlm.ops.fast_weight.triton.custom_ops\n"
-            "import torch; torch.ops.hybridlm.fast_weight_1_fwd\n"
+            "import torch; torch.ops.hybridlm.fast_weight_1_fwd; torch.ops.hybridlm.fast_weight_2a_bwd\n"
             "assert not t.is_available()\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr

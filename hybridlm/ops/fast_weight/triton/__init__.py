@@ -1,14 +1,17 @@
 """Triton (GPU) kernels of the Falcon fast-weight rules. Importing this package never needs triton
-(`chunk_1a.py`, `chunk_1.py` and the kernel files, which do, are imported on the first call).
+(`chunk_1a.py`, `chunk_1.py`, `chunk_2a.py` and the kernel files, which do, are imported on the first call).
 
 - `fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, *, read_after, chunk_size)`: rule 1A on the prepared
   quantities of chunk.py's pipeline (write pairs, step sizes and log decays), forward and backward in Triton.
 - `fast_weight_1_triton(...)`: rule 1 (regression, window 1) on the same prepared quantities, forward and backward
   in Triton.
-- Both run as `torch.library` custom ops (`hybridlm::fast_weight_{1a,1}_{fwd,bwd}`, `custom_ops.py`, registered on
+- `fast_weight_2a_triton(...)`: rule 2A (inner product, eta and log_gamma per value column, `[N, T, H, V]`) on the
+  same prepared quantities, forward and backward in Triton.
+- All run as `torch.library` custom ops (`hybridlm::fast_weight_{1a,1,2a}_{fwd,bwd}`, `custom_ops.py`, registered on
   the first call), so `torch.compile` traces them.
 - `fast_weight_triton(...)`: the same contract as `chunk.fast_weight_chunk` for the supported rules/options
-  (`supports(...)`: rules 1A, 3A and 1 with window 1), i.e. what `fast_weight_attention(..., backend="triton")` runs.
+  (`supports(...)`: rules 1A, 3A, and 1 and 2A with window 1), i.e. what
+  `fast_weight_attention(..., backend="triton")` runs.
 - `is_available()`: triton importable and a CUDA device present.
 
 The kernels also run on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set before triton is
@@ -21,9 +24,10 @@ import importlib.util
 
 import torch
 
-SUPPORTED_RULES = ("1A", "3A", "1")  # 3A runs as 1A over its window's write events (frontend.py); 1: window 1
+# 3A runs as 1A over its window's write events (frontend.py); 1 and 2A: window 1 (2A: decays per value column)
+SUPPORTED_RULES = ("1A", "3A", "1", "2A")
 # The rules `backend="auto"` sends to these kernels on CUDA: those whose compiled kernels have been checked and timed
-# on a GPU (benchmarks/RESULTS.md). Rule 1 runs only when asked for (`backend="triton"`) until it has been.
+# on a GPU (benchmarks/RESULTS.md). Rules 1 and 2A run only when asked for (`backend="triton"`) until they have been.
 AUTO_RULES = ("1A", "3A")
 MAX_HEAD_DIM = 128  # K and V
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of q, k, v (float64 stays on the torch backends)
@@ -51,6 +55,13 @@ def fast_weight_1_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk
     return run(q, x, y, eta, log_gamma, S0, read_after=read_after, chunk_size=chunk_size)
 
 
+def fast_weight_2a_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 16):
+    """Rule 2A (eta, log_gamma per value column) on prepared writes; see `custom_ops.fast_weight_2a_triton`."""
+    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_2a_triton as run
+
+    return run(q, x, y, eta, log_gamma, S0, read_after=read_after, chunk_size=chunk_size)
+
+
 def supports(*, rule: str, window: int, K: int, V: int, dtype: torch.dtype) -> bool:
     """Whether `fast_weight_triton` handles this call (else use the chunk backend)."""
     windowed = window == 1 or rule == "3A"
@@ -64,5 +75,5 @@ def fast_weight_triton(q, k, v, beta, lam, **options):
     return run(q, k, v, beta, lam, **options)
 
 
-__all__ = ["AUTO_RULES", "DTYPES", "MAX_HEAD_DIM", "SUPPORTED_RULES", "fast_weight_1_triton", "fast_weight_1a_triton", "fast_weight_triton", "is_available",
-           "supports"]
+__all__ = ["AUTO_RULES", "DTYPES", "MAX_HEAD_DIM", "SUPPORTED_RULES", "fast_weight_1_triton", "fast_weight_1a_triton",
+           "fast_weight_2a_triton", "fast_weight_triton", "is_available", "supports"]

@@ -5,9 +5,12 @@
     hybridlm::fast_weight_1a_bwd(do, dS_final?, q, x, y, eta, log_gamma, S0?, read_after, chunk_size)
         -> (dq, dx, dy, deta, dlog_gamma, dS0)
     hybridlm::fast_weight_1_fwd / hybridlm::fast_weight_1_bwd: the same for rule 1.
+    hybridlm::fast_weight_2a_fwd / hybridlm::fast_weight_2a_bwd: the same for rule 2A (eta, log_gamma per value
+        column: [N, T, H, V]).
 
 Rule 3A runs as rule 1A over its write events (`frontend.py`), so it goes through the 1A ops. The implementations
-(`chunk_1a.py`, `chunk_1.py`, which need triton) are imported on the first call; this file imports only torch.
+(`chunk_1a.py`, `chunk_1.py`, `chunk_2a.py`, which need triton) are imported on the first call; this file imports only
+torch.
 dS0 is always computed (the backward pass ends on it); the autograd formula drops it when S0 is None.
 """
 
@@ -48,11 +51,19 @@ def fast_weight_1_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk
     return torch.ops.hybridlm.fast_weight_1_fwd(q, x, y, eta, log_gamma, S0, bool(read_after), int(chunk_size))
 
 
+def fast_weight_2a_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 16):
+    """Rule 2A (S_t = S_{t-1} Diag(exp(log_gamma_t)) + x_t (eta_t * y_t)^T, decays and step sizes per value column)
+    on prepared quantities; the contract of `fast_weight_1a_triton` except that eta and log_gamma are `[N, T, H, V]`
+    (float32). The intra-chunk work is O(C^2 V) exponentials per chunk: the front door uses chunk_size 16."""
+    _check(q, x, y, eta, log_gamma, S0, chunk_size, per_column=True)
+    return torch.ops.hybridlm.fast_weight_2a_fwd(q, x, y, eta, log_gamma, S0, bool(read_after), int(chunk_size))
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _check(q, x, y, eta, log_gamma, S0, chunk_size) -> None:
+def _check(q, x, y, eta, log_gamma, S0, chunk_size, per_column: bool = False) -> None:
     if q.dim() != 4 or x.shape != q.shape or y.dim() != 4 or y.shape[:3] != q.shape[:3]:
         raise ValueError(f"q, x must be [N, T, H, K] and y [N, T, H, V]; got q {tuple(q.shape)}, "
                          f"x {tuple(x.shape)}, y {tuple(y.shape)}")
@@ -60,9 +71,10 @@ def _check(q, x, y, eta, log_gamma, S0, chunk_size) -> None:
     V = y.shape[-1]
     if T < 1:
         raise ValueError("the sequence is empty (T = 0)")
+    want, what = ((N, T, H, V), "[N, T, H, V]") if per_column else ((N, T, H), "[N, T, H]")
     for name, t in (("eta", eta), ("log_gamma", log_gamma)):
-        if tuple(t.shape) != (N, T, H) or not t.dtype.is_floating_point:
-            raise ValueError(f"{name} must be a floating-point [N, T, H] = {[N, T, H]}; "
+        if tuple(t.shape) != want or not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point {what} = {list(want)}; "
                              f"got {list(t.shape)} {t.dtype}")
     if q.dtype not in DTYPES or x.dtype != q.dtype or y.dtype != q.dtype:
         raise ValueError(f"q, x, y must share one dtype among {DTYPES}; got {q.dtype}, {x.dtype}, {y.dtype}")
@@ -84,6 +96,8 @@ def _check(q, x, y, eta, log_gamma, S0, chunk_size) -> None:
 def _implementation(rule: str):
     if rule == "1":
         from hybridlm.ops.fast_weight.triton import chunk_1 as module
+    elif rule == "2A":
+        from hybridlm.ops.fast_weight.triton import chunk_2a as module
     else:
         from hybridlm.ops.fast_weight.triton import chunk_1a as module
     return module
@@ -136,3 +150,4 @@ def _register(rule: str, name: str) -> None:
 
 _register("1A", "1a")
 _register("1", "1")
+_register("2A", "2a")

@@ -1,7 +1,8 @@
 """The op's backend contract on the Triton kernels: raw (q, k, v, beta, lam) -> prepared writes -> kernels.
 
 Same contract as `chunk.fast_weight_chunk` (inputs validated by the front door), for the rules and options of
-`supports(...)`: rules 1A and 1 (window 1; `chunk_1.py`), and rule 3A as 1A over write events. Unlike the torch
+`supports(...)`: rules 1A and 1 (window 1; `chunk_1.py`), 2A (decays and step sizes per value column; `chunk_2a.py`,
+chunks of 16), and rule 3A as 1A over write events. Unlike the torch
 backends it keeps q, k, v in their dtype (bf16/fp16 run on tensor cores); the statistic E_t, the step sizes and the log decays are in float32.
 
 Rule 3A over events (README.md, "Write events"): step t writes w_(t,j) x_j y_j^T for the `window` slots j of its
@@ -21,9 +22,14 @@ from hybridlm.ops.fast_weight.state import FastWeightState
 from hybridlm.ops.fast_weight.triton import (
     fast_weight_1_triton,
     fast_weight_1a_triton,
+    fast_weight_2a_triton,
     supports,
 )
 from hybridlm.ops.utils import padded_to_packed
+
+# Rule 2A's chunk length: its intra-chunk decays form a [C, C, V] tensor of exponentials (kernels_2a.py), so its chunks
+# are kept short, as chunk.py's PER_COLUMN_MAX_CHUNK.
+PER_COLUMN_CHUNK = 16
 
 
 def fast_weight_triton(
@@ -45,12 +51,13 @@ def fast_weight_triton(
     offsets: torch.Tensor | None,
     chunk_size: int,
 ) -> tuple[torch.Tensor, FastWeightState]:
-    """Rules 1A / 3A / 1 through the Triton kernels. `chunk_size` is rounded to a power of two in [16, 128].
+    """Rules 1A / 3A / 1 / 2A through the Triton kernels. `chunk_size` is rounded to a power of two in [16, 128]
+    (rule 2A: 16, whatever is asked; its intra-chunk work is O(C^2 V) exponentials per chunk, as in chunk.py).
 
     Returns o `[B, T, H, V]` in q's dtype and the final state (S float32)."""
     K, V = q.shape[-1], v.shape[-1]
     if not supports(rule=rule, window=window, K=K, V=V, dtype=q.dtype):
-        raise ValueError(f"the Triton backend runs rules 1A and 1 (window 1) and 3A with K, V <= 128 in float32/"
+        raise ValueError(f"the Triton backend runs rules 1A, 1 and 2A (window 1) and 3A with K, V <= 128 in float32/"
                          f"bfloat16/float16; got rule {rule!r}, window {window}, K = {K}, V = {V}, {q.dtype} "
                          "(use backend='chunk')")
     p = prepare_writes(q, k, v, beta, lam, rule=rule, window=window, pairing=pairing, step_size=step_size,
@@ -58,9 +65,17 @@ def fast_weight_triton(
                        offsets=offsets)
     N, T, H, _ = p.q.shape
     W = window
+    read_after = read == "after"
+    if rule == "2A":  # one write per step, eta and log gamma per value column: X [N, T, H, 1, K] -> [N, T, H, K]
+        o, S = fast_weight_2a_triton(
+            p.q, p.X[:, :, :, 0].to(q.dtype), p.Y[:, :, :, 0].to(q.dtype), p.weights[:, :, :, 0], p.log_gamma,
+            initial_state.S.float(), read_after=read_after, chunk_size=PER_COLUMN_CHUNK)
+        if offsets is not None:
+            o = padded_to_packed(o, offsets)
+        p.final.S = S
+        return o, p.final
 
     # The 1A scan over the T * W events (the events of step t are (t, 0), ..., (t, W - 1)).
-    read_after = read == "after"
     X = p.X.permute(0, 1, 3, 2, 4)                                                         # [N, T, W, H, K]
     Y = p.Y.permute(0, 1, 3, 2, 4)                                                         # [N, T, W, H, V]
     weights = p.weights[..., 0].permute(0, 1, 3, 2)                                        # [N, T, W, H]
