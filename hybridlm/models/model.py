@@ -31,7 +31,14 @@ from hybridlm.layers.cache import HybridCache
 from hybridlm.layers.fast_weight import FastWeightMixer, initial_lam_bias
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.configuration import HybridLMConfig
-from hybridlm.modules.boundaries import has_restarts, local_positions, pack_rows, sequence_ids
+from hybridlm.modules.boundaries import (
+    has_restarts,
+    known_without_restarts,
+    local_positions,
+    pack_rows,
+    remembered_restarts,
+    sequence_ids,
+)
 from hybridlm.modules.gated_norm import GatedRMSNorm
 from hybridlm.modules.norm import RMSNorm
 from hybridlm.modules.short_conv import ShortConvolution
@@ -115,7 +122,8 @@ class HybridModel(HybridPreTrainedModel):
         h = h * self.embedding_multiplier  # [B, T, D]
         keep = _left_padding(attention_mask, h.shape[:2]) if attention_mask is not None else None
         if keep is None:
-            return self._run(h, cu_seqlens, position_ids, cache)
+            with remembered_restarts():  # the layers re-ask about document restarts: answered once
+                return self._run(h, cu_seqlens, position_ids, cache)
         if cu_seqlens is not None or position_ids is not None:
             raise ValueError("a padded attention_mask cannot be combined with cu_seqlens or position_ids")
         lengths = keep.sum(1)  # [B] tokens per row
@@ -149,6 +157,7 @@ class HybridModel(HybridPreTrainedModel):
             packed_rows = batch
         elif position_ids is None and cache is not None:
             position_ids = cache.positions(length, h.device)  # [1 or B, T]
+            known_without_restarts(position_ids)  # counted from each row's length: no restarts by construction
         # Without a cache, absent position_ids stay None: attention numbers the tokens 0..T-1 itself, and no layer
         # has to look for document restarts in them (a host synchronization per mixer, which also rules out
         # capturing the step in a CUDA graph).

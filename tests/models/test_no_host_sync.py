@@ -8,6 +8,7 @@ import collections
 
 import numpy as np
 import pytest
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hybridlm.ops.fast_weight.op as fast_weight_op
@@ -29,14 +30,29 @@ class _CountSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("with_positions", [False, True], ids=["no-position-ids", "trainer-position-ids"])
 @pytest.mark.parametrize("name", ["transformer", "mamba2", "hybrid-mamba2", "fw-1A", "fw-3A", "fw-1", "fw-2A",
                                   "hybrid-fw-3A"])
-def test_training_step_has_no_host_sync(name, monkeypatch):
+def test_training_step_has_no_host_sync(name, with_positions, monkeypatch):
     # The op's lam >= 0 check is a ValueError on CPU tensors (a sync) and a device-side assert on CUDA ones;
     # pretend to be on the device path so that everything else is what gets counted.
     monkeypatch.setattr(fast_weight_op, "_tracing", lambda: True)
     model = build_model(task_config(name, vocab_size=MODEL_VOCAB_SIZE, size="tiny"), seed=0)
     batch = train_batch(np.random.default_rng(0), 4, max_width=6)
+    if with_positions:  # as the trainer passes them: the model must look for document restarts, once
+        batch["position_ids"] = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"])
     with _CountSyncs() as counter:
         model(**batch).loss.backward()
+    assert sum(counter.calls.values()) == (1 if with_positions else 0), dict(counter.calls)
+
+
+def test_cached_steps_have_no_host_sync(monkeypatch):
+    monkeypatch.setattr(fast_weight_op, "_tracing", lambda: True)
+    model = build_model(task_config("hybrid-fw-3A", vocab_size=MODEL_VOCAB_SIZE, size="tiny"), seed=0).eval()
+    prompt = train_batch(np.random.default_rng(0), 2, max_width=3)["input_ids"][:, :6]
+    with torch.no_grad():
+        cache = model(prompt, cache=model.new_cache()).cache
+        with _CountSyncs() as counter:
+            cache = model(prompt[:, -1:], cache=cache).cache  # one decoding step
+            model(prompt[:, -3:], cache=cache)  # a chunk of 3 tokens on a cache (the positions come from it)
     assert not counter.calls, dict(counter.calls)
