@@ -69,9 +69,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    checkpoint_wrapper,
-)
 
 from hybridlm.layers.attention import Attention
 from hybridlm.layers.mamba2 import Mamba2Mixer
@@ -79,6 +76,7 @@ from hybridlm.models import get_preset
 from hybridlm.models.configuration import HybridLMConfig
 from hybridlm.models.model import HybridForCausalLM
 from hybridlm.parallel import ParallelConfig, build_mesh, parallelize
+from hybridlm.parallel.parallelize import wrap_blocks
 from hybridlm.training.distributed import (
     DistContext,
     clip_grad_norm,
@@ -181,13 +179,10 @@ class Runner:
         model = self.build()
         names = [name for name, _ in model.named_parameters()]  # canonical names (before any wrapping)
         if alone:  # the single-device part of `parallelize`: AC, then compile, per block
-            layers = model.model.layers
-            for index, block in enumerate(list(layers)):
-                block = checkpoint_wrapper(block) if self.args.ac else block
-                if self.args.compile:
-                    block.compile()
-                layers[index] = block
+            wrap_blocks(model, activation_checkpointing=self.args.ac, compile=self.args.compile)
         else:
+            if self.args.compile and (config.cp > 1 or config.mixer_parallel != "off"):
+                raise ValueError("--compile is not combined with cp or mixer parallelism (untested, as in the trainer)")
             parallelize(model, mesh, config, compile=self.args.compile)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
         batch = shard_rows(self.batch(ctx.dp_rank), ctx)  # this cp rank's chunk (global positions)

@@ -44,6 +44,7 @@ class Mamba2Mixer(nn.Module):
         self.groups = config.mamba_n_groups
         self.d_state = config.mamba_d_state
         self.chunk_size = config.mamba_chunk_size
+        self.backend = "auto"  # the ssd op's backend for sequences ("chunk", "triton", ...); "auto": its choice
         self.time_step_limit = tuple(config.time_step_limit)
         self.multipliers = {
             "z": config.ssm_multiplier_z,
@@ -122,7 +123,7 @@ class Mamba2Mixer(nn.Module):
             initial_state=cache.ssm.get("ssm") if cache is not None else None,
             output_final_state=cache is not None,
             cu_seqlens=cu_seqlens,
-            backend="naive" if length == 1 else "auto",  # one decoding step: the recurrence itself
+            backend="naive" if length == 1 else self.backend,  # one decoding step: the recurrence itself
         )
         if cache is not None:
             cache.ssm["conv"], cache.ssm["ssm"] = conv_state, ssm_state

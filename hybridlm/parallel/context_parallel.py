@@ -173,7 +173,8 @@ class _StatePassing:
     ends are autograd nodes (tied to a zero-size anchor that requires grad, so that they exist on every rank
     even for a frozen model: the two ends must agree on whether a backward transfer will happen).
 
-    The layout (names, dtypes, shapes) travels once per mixer and input signature (shape, dtype, autocast):
+    The layout (names, dtypes, shapes) travels once per mixer, group and input signature (shape, dtype,
+    autocast dtype):
     both ends remember it in `_LAYOUTS`, so later steps send only the tensors (reading a header back is a
     host synchronization per layer). The cp ranks run the same layers on equal shapes in lockstep, so the two
     ends always agree on whether a header comes."""
@@ -181,6 +182,7 @@ class _StatePassing:
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))  # part of the layout key
         self.cache: LayerCache | None = None
         self.signature: tuple | None = None
 
@@ -188,7 +190,9 @@ class _StatePassing:
         _check_call(type(module).__name__, kwargs)
         hidden = args[0] if args else kwargs["hidden"]
         self.cache = LayerCache()
-        self.signature = (tuple(hidden.shape), hidden.dtype, torch.is_autocast_enabled(hidden.device.type))
+        device = hidden.device.type
+        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        self.signature = (self.ranks, tuple(hidden.shape), hidden.dtype, autocast)
         if self.rank > 0:
             peer = self.rank - 1
             known = _LAYOUTS.setdefault(module, {})

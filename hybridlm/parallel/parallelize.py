@@ -40,7 +40,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig, *, c
         apply_tensor_parallel(model, mesh["tp"], ssm_heads=config.ssm_tensor_parallel)
     else:
         apply_mixer_parallel(model, mesh["tp"], mode=config.mixer_parallel, ssm_heads=config.ssm_tensor_parallel)
-    layers = wrap_blocks(model, activation_checkpointing=config.activation_checkpointing, compile=compile)
+    layers = _layer_list(model)  # before wrapping: the wrappers are no HybridBlocks
+    wrap_blocks(model, activation_checkpointing=config.activation_checkpointing, compile=compile)
     dp_mesh = data_parallel_mesh(mesh)
     if dp_mesh is not None:
         for block in layers:
@@ -49,8 +50,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig, *, c
     return model
 
 
-def wrap_blocks(model: nn.Module, *, activation_checkpointing: bool, compile: bool) -> nn.ModuleList:
-    """Steps 2 and 3 on every block in place (also what one process without a mesh applies); returns the list."""
+def wrap_blocks(model: nn.Module, *, activation_checkpointing: bool, compile: bool) -> nn.ModuleList | None:
+    """Steps 2 and 3 on every block in place (also what one process without a mesh applies); returns the list
+    (None when neither is asked for: then any model passes)."""
+    if not (activation_checkpointing or compile):
+        return None
     layers = _layer_list(model)
     for index, block in enumerate(list(layers)):
         if activation_checkpointing:

@@ -340,9 +340,17 @@ def test_rejects_unsupported_calls():
         ssd(**{k: v.to(DEVICE) for k, v in inputs.items()}, backend="triton")
 
 
-def test_auto_never_picks_triton():
+def test_auto_never_picks_triton(monkeypatch):
     """"auto" stays on the chunk path (the Triton kernels have not been checked on a GPU)."""
-    inputs = {k: v.detach() for k, v in make_inputs(1, 9, 2, 3, 1, 4).items()}  # float64: triton would refuse
+    ssd_module = sys.modules["hybridlm.ops.ssd"]  # (hybridlm.ops.ssd, the attribute, is the function)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("auto called the Triton backend")
+
+    monkeypatch.setattr(ssd_module, "ssd_triton", refuse)
+    inputs = {k: v.detach().float() for k, v in make_inputs(1, 9, 2, 3, 1, 4).items()}
     y, _ = ssd(**inputs)
     y_chunk, _ = ssd(**inputs, backend="chunk")
     assert torch.equal(y, y_chunk)
+    with pytest.raises(AssertionError, match="auto called"):
+        ssd(**inputs, backend="triton")  # the patch is where "triton" goes

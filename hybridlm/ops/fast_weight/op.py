@@ -149,10 +149,11 @@ def _check_inputs(q, k, v, beta, lam, *, rule, window, pairing, read, step_size,
     if lam is not None:
         if tuple(lam.shape) != (B, T, H):
             raise ValueError(f"lam must be [B, T, H] = {[B, T, H]}; got {list(lam.shape)}")
-        if lam.is_cuda and not _tracing():  # checked on the device: a host sync per call would stall the GPU
-            torch._assert_async((lam >= 0).all(), "lam must be >= 0 (it is a ridge coefficient); got negative entries")
-        elif not _tracing() and bool((lam < 0).any()):
-            raise ValueError("lam must be >= 0 (it is a ridge coefficient); got negative entries")
+        message = "lam must be >= 0 (it is a ridge coefficient); got negative or NaN entries"
+        if lam.is_cuda and not _tracing():  # a device-side assert: a host sync per call would stall the GPU
+            torch._assert_async((lam >= 0).all(), message)
+        elif not _tracing() and not bool((lam >= 0).all()):
+            raise ValueError(message)
     for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("lam", lam)):
         if t is not None and not t.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")

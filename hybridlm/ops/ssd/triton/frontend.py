@@ -52,7 +52,7 @@ def ssd_triton(
         x_, dt_, B_, C_ = (packed_to_padded(t, offsets) for t in (x_, dt_, B_, C_))
     b, T, H, _ = x_.shape
     if T == 0:  # nothing to scan: the state passes through
-        final = h0 if h0 is not None else x.new_zeros(b, H, P, N, dtype=torch.float32)
+        final = h0.clone() if h0 is not None else x.new_zeros(b, H, P, N, dtype=torch.float32)
         return x.new_zeros(x.shape), final
     y, final = ssd_chunk_triton(x_, dt_, A_, B_, C_, D_, h0, chunk_size=_triton_chunk(chunk_size))
     if offsets is not None:
