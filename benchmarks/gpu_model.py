@@ -1,0 +1,164 @@
+"""Whole models on one GPU: training tokens/s at long context, prefill time and per-token decoding vs context.
+
+    python benchmarks/gpu_model.py                                 # ~125M shape, T 4096 16384, bf16 autocast
+    python benchmarks/gpu_model.py --lengths 4096 --contexts 1024 8192 32768 --json out.json
+    python benchmarks/gpu_model.py --cpu --preset tiny --lengths 256 --contexts 128 512   # smoke run
+
+Variants of one shape (`configs/hybrid-125m.yaml`'s model: d 768, 12 blocks, 12 query / 4 KV heads, SSM 1024
+channels = 16 heads x 64; or `--preset`), each measured in this one process:
+    transformer        attention + MLP (ssm_mixer "none")
+    hybrid mamba2      Falcon-H1 block: attention and Mamba-2 side by side
+    hybrid fw-1A       attention and Falcon-1A (Triton on CUDA, "auto")
+    hybrid fw-3A       attention and Falcon-3A, window 3
+    fw-1A              Falcon-1A alone (no attention)
+1. Training: a full update (forward, backward, AdamW; bf16 autocast, fp32 master weights) on 1 row of T tokens:
+   tokens/s and peak memory, and the ratio to the transformer's tokens/s at the same T.
+2. Prefill (no grad, with a decoding cache) of C tokens, and the median time of one decoding step after it;
+   the decode ratio to the shortest context shows which models' per-token cost grows with the context
+   (Falcon-H1 hybrids keep attention in every block: their KV cache grows; a pure SSM stays flat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from hybridlm.models.configuration import HybridLMConfig
+from hybridlm.models.model import HybridForCausalLM
+from hybridlm.models.presets import get_preset
+
+SHAPE_125M = dict(vocab_size=32768, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                  num_key_value_heads=4, head_dim=64, mamba_d_ssm=1024, mamba_n_heads=16, mamba_d_head=64,
+                  mamba_d_state=64, mamba_n_groups=2, mamba_chunk_size=128, intermediate_size=1536,
+                  max_position_embeddings=65536)
+VARIANTS = {
+    "transformer": dict(ssm_mixer="none"),
+    "hybrid mamba2": dict(),
+    "hybrid fw-1A": dict(ssm_mixer="fast_weight", fw_rule="1A"),
+    "hybrid fw-3A": dict(ssm_mixer="fast_weight", fw_rule="3A", fw_window=3),
+    "fw-1A": dict(ssm_mixer="fast_weight", fw_rule="1A", use_attention=False),
+}
+
+
+def build(preset: str, changes: dict, device: torch.device) -> HybridForCausalLM:
+    base = SHAPE_125M if preset == "125m" else {}
+    config = get_preset("tiny" if preset == "125m" else preset, **{**base, **changes})
+    torch.manual_seed(0)
+    return HybridForCausalLM(HybridLMConfig.from_hybrid(config)).to(device)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: torch.device, *, warmup: int, repeats: int) -> float:
+    """Median seconds of `fn()` after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def training(model, *, length: int, device: torch.device, repeats: int) -> dict:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    ids = torch.randint(0, model.config.vocab_size, (1, length), device=device)
+
+    def update():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(ids, labels=ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seconds = timed(update, device, warmup=2, repeats=repeats)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    return {"tokens_per_s": length / seconds, "peak_gib": peak}
+
+
+@torch.no_grad()
+def decoding(model, *, context: int, device: torch.device, steps: int) -> dict:
+    model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
+    token = ids[:, -1:]
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        sync(device)
+        start = time.perf_counter()
+        cache = model(ids, cache=model.new_cache()).cache
+        sync(device)
+        prefill = time.perf_counter() - start
+        times = []
+        for _ in range(steps):
+            sync(device)
+            start = time.perf_counter()
+            cache = model(token, cache=cache).cache
+            sync(device)
+            times.append(time.perf_counter() - start)
+    model.train()
+    return {"prefill_s": prefill, "decode_ms": 1e3 * statistics.median(times[1:] or times)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="125m", help="'125m' (the shape above) or any preset name")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384], help="training tokens per row")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run of this script)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.cpu else "cuda")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{name} · torch {torch.__version__} · preset {args.preset} · bf16 autocast on CUDA")
+    rows: list[dict] = []
+    for variant in args.variants:
+        model = build(args.preset, VARIANTS[variant], device)
+        params = sum(p.numel() for p in model.parameters())
+        for length in args.lengths:
+            try:
+                rows.append({"variant": variant, "params": params, "T": length,
+                             **training(model, length=length, device=device, repeats=args.repeats)})
+            except torch.OutOfMemoryError:
+                rows.append({"variant": variant, "params": params, "T": length, "tokens_per_s": None})
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        for context in args.contexts:
+            rows.append({"variant": variant, "context": context,
+                         **decoding(model, context=context, device=device, steps=args.decode_steps)})
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    train = {(r["variant"], r["T"]): r for r in rows if "T" in r}
+    print("\n| model | params | T | tokens/s | / transformer | peak GiB |\n|---|---|---|---|---|---|")
+    for (variant, length), r in train.items():
+        base = train.get(("transformer", length), {}).get("tokens_per_s")
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if r["tokens_per_s"] and base else "-"
+        tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "OOM"
+        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
+        print(f"| {variant} | {r['params'] / 1e6:.0f}M | {length} | {tps} | {ratio} | {peak} |")
+    decode = {(r["variant"], r["context"]): r for r in rows if "context" in r}
+    print("\n| model | context | prefill s | decode ms/token | decode / shortest context |\n|---|---|---|---|---|")
+    for (variant, context), r in decode.items():
+        first = decode[(variant, min(args.contexts))]["decode_ms"]
+        print(f"| {variant} | {context} | {r['prefill_s']:.3f} | {r['decode_ms']:.2f} | {r['decode_ms'] / first:.2f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "preset": args.preset, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
