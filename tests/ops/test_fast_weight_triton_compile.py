@@ -1,4 +1,5 @@
-"""The Triton scans as torch.library custom ops (`hybridlm::fast_weight_{1a,1}_{fwd,bwd}`): `torch.library.opcheck`
+"""The Triton scans and the fused rule-1A/1 preparation as torch.library custom ops
+(`hybridlm::fast_weight_{1a,1,prepare}_{fwd,bwd}`): `torch.library.opcheck`
 (schema, fake tensors, autograd registration, AOT dispatch with dynamic shapes) and `torch.compile(fullgraph=True)`
 of the front door with backend="triton" against eager.
 
@@ -43,6 +44,26 @@ def test_opcheck(name):
     do = torch.randn(1, 20, 2, 8, device=DEVICE)
     detached = [t.detach() for t in (q, x, y, eta, log_gamma)]
     torch.library.opcheck(bwd, (do, None, *detached, None, False, 16), test_utils=OPCHECKS)
+
+
+@interpret
+def test_opcheck_prepare():
+    """The fused preparation op (`hybridlm::fast_weight_prepare_fwd`, rules 1A / 1): shifted with a carried key and
+    packed rows, and same-step over plain rows with direct steps; the backward op without a carried key."""
+    fwd, bwd = _ops("prepare")
+    k = torch.randn(1, 20, 2, 16, device=DEVICE)
+    v = torch.randn(1, 20, 2, 8, device=DEVICE)
+    beta, lam = torch.rand(1, 20, 2, device=DEVICE), torch.rand(1, 20, 2, device=DEVICE)
+    last_k = torch.randn(3, 2, 16, device=DEVICE)
+    offsets = torch.tensor([0, 4, 15, 20], device=DEVICE)
+    leaves = [t.requires_grad_(True) for t in (k, v, beta, lam, last_k)]
+    torch.library.opcheck(fwd, (*leaves, offsets, 11, True, True, True, 1e-6, 1e-6), test_utils=OPCHECKS)
+    torch.library.opcheck(fwd, (*leaves[:4], None, None, 20, False, False, False, 1e-6, 1e-6), test_utils=OPCHECKS)
+    grads = (torch.randn(1, 20, 2, 16, device=DEVICE), torch.randn(1, 20, 2, 8, device=DEVICE),
+             torch.randn(1, 20, 2, device=DEVICE), torch.randn(1, 20, 2, device=DEVICE))
+    detached = [t.detach() for t in (k, v, beta, lam)]
+    torch.library.opcheck(bwd, (*grads, *detached, None, None, 20, True, True, False, 1e-6, 0.05),
+                          test_utils=OPCHECKS)
 
 
 COMPILE_CASES = [("3A", "aot_eager"), ("1", "aot_eager"),  # 3A runs the 1A ops

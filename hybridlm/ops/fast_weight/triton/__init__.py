@@ -1,5 +1,6 @@
 """Triton (GPU) kernels of the Falcon fast-weight rules. Importing this package never needs triton
-(`chunk_1a.py`, `chunk_1.py`, `chunk_2a.py` and the kernel files, which do, are imported on the first call).
+(`chunk_1a.py`, `chunk_1.py`, `chunk_2a.py`, `prepare.py` and the kernel files, which do, are imported on the first
+call).
 
 - `fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, *, read_after, chunk_size)`: rule 1A on the prepared
   quantities of chunk.py's pipeline (write pairs, step sizes and log decays), forward and backward in Triton.
@@ -8,7 +9,9 @@
 - `fast_weight_2a_triton(...)`: rule 2A (inner product, eta and log_gamma per value column, `[N, T, H, V]`) on the
   same prepared quantities, forward and backward in Triton.
 - All run as `torch.library` custom ops (`hybridlm::fast_weight_{1a,1,2a}_{fwd,bwd}`, `custom_ops.py`, registered on
-  the first call), so `torch.compile` traces them.
+  the first call), so `torch.compile` traces them; so does the fused write preparation of rules 1A and 1
+  (`hybridlm::fast_weight_prepare_{fwd,bwd}`, `prepare.py`), which `fast_weight_triton` runs in place of chunk.py's
+  `prepare_writes` for those rules.
 - `fast_weight_triton(...)`: the same contract as `chunk.fast_weight_chunk` for the supported rules/options
   (`supports(...)`: rules 1A, 3A, and 1 and 2A with window 1), i.e. what
   `fast_weight_attention(..., backend="triton")` runs.

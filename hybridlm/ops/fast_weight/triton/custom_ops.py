@@ -7,10 +7,14 @@
     hybridlm::fast_weight_1_fwd / hybridlm::fast_weight_1_bwd: the same for rule 1.
     hybridlm::fast_weight_2a_fwd / hybridlm::fast_weight_2a_bwd: the same for rule 2A (eta, log_gamma per value
         column: [N, T, H, V]).
+    hybridlm::fast_weight_prepare_fwd(k, v, beta, lam, last_k?, offsets?, max_len, shifted, nlms, ridge_scaling, eps,
+        eps_gamma) -> (x, y, eta, log_gamma): the fused write preparation of rules 1A / 1 (`prepare.py`);
+    hybridlm::fast_weight_prepare_bwd(dx, dy, deta, dlog_gamma, <the forward's inputs>) -> (dk, dv, dbeta, dlam,
+        dlast_k).
 
 Rule 3A runs as rule 1A over its write events (`frontend.py`), so it goes through the 1A ops. The implementations
-(`chunk_1a.py`, `chunk_1.py`, `chunk_2a.py`, which need triton) are imported on the first call; this file imports only
-torch.
+(`chunk_1a.py`, `chunk_1.py`, `chunk_2a.py`, `prepare.py`, which need triton) are imported on the first call; this
+file imports only torch.
 dS0 is always computed (the backward pass ends on it); the autograd formula drops it when S0 is None.
 """
 
@@ -57,6 +61,28 @@ def fast_weight_2a_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chun
     (float32). The intra-chunk work is O(C^2 V) exponentials per chunk: the front door uses chunk_size 16."""
     _check(q, x, y, eta, log_gamma, S0, chunk_size, per_column=True)
     return torch.ops.hybridlm.fast_weight_2a_fwd(q, x, y, eta, log_gamma, S0, bool(read_after), int(chunk_size))
+
+
+def fast_weight_prepare_triton(k, v, beta, lam, last_k, offsets, *, max_len: int, pairing: str, step_size: str,
+                               ridge_scaling: bool, eps: float, eps_gamma: float):
+    """chunk.py's `prepare_writes` for window 1 and a scalar step per head (rules 1A, 1), fused, differentiable in
+    k, v, beta, lam and last_k.
+
+    Args:
+        k: `[B, T, H, K]`, v: `[B, T, H, V]` (one dtype), beta, lam: `[B, T, H]` (cast to float32 here).
+        last_k: `[N, H, K]` the carried last key (shifted pairing) or None (cast to k's dtype, as prepare_writes).
+        offsets: `[N + 1]` int64 packed-sequence offsets on k's device (B = 1), or None (N = B, max_len = T).
+        max_len: the longest sequence (T without offsets).
+
+    Returns:
+        x `[N, max_len, H, K]` (k's dtype), y `[N, max_len, H, V]`, eta and log_gamma `[N, max_len, H]` float32: the
+        window-1 `p.X[..., 0, :]`, `p.Y[..., 0, :]`, `p.weights[..., 0, 0]`, `p.log_gamma[..., 0]`.
+    """
+    shifted = pairing == "shifted"
+    last_k = last_k.to(k.dtype) if shifted and last_k is not None else None
+    return torch.ops.hybridlm.fast_weight_prepare_fwd(
+        k, v, beta.to(torch.float32), lam.to(torch.float32), last_k, offsets, int(max_len), shifted,
+        step_size == "nlms", bool(ridge_scaling), float(eps), float(eps_gamma))
 
 
 def _interpreting() -> bool:
@@ -148,6 +174,66 @@ def _register(rule: str, name: str) -> None:
     fwd.register_autograd(backward, setup_context=setup_context)
 
 
+_PREP_ARGS = "Tensor k, Tensor v, Tensor beta, Tensor lam, Tensor? last_k, Tensor? offsets, int max_len, " \
+             "bool shifted, bool nlms, bool ridge_scaling, float eps, float eps_gamma"
+
+
+def _register_prepare() -> None:
+    """hybridlm::fast_weight_prepare_fwd / _bwd (`prepare.py`), their fake implementations and autograd."""
+
+    def rows(k, offsets):
+        return k.shape[0] if offsets is None else offsets.shape[0] - 1
+
+    @torch.library.custom_op("hybridlm::fast_weight_prepare_fwd", mutates_args=(),
+                             schema=f"({_PREP_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
+    def fwd(k, v, beta, lam, last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps, eps_gamma):
+        from hybridlm.ops.fast_weight.triton import prepare
+
+        k, v, beta, lam = (t.contiguous() for t in (k, v, beta, lam))
+        last_k = None if last_k is None else last_k.contiguous()
+        return prepare.forward(k, v, beta, lam, last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps,
+                               eps_gamma)
+
+    @fwd.register_fake
+    def _(k, v, beta, lam, last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps, eps_gamma):
+        N, H = rows(k, offsets), k.shape[2]
+        eta = beta.new_empty(N, max_len, H, dtype=torch.float32)
+        return (k.new_empty(N, max_len, H, k.shape[3]), v.new_empty(N, max_len, H, v.shape[3]), eta,
+                torch.empty_like(eta))
+
+    @torch.library.custom_op("hybridlm::fast_weight_prepare_bwd", mutates_args=(),
+                             schema=f"(Tensor dx, Tensor dy, Tensor deta, Tensor dlog_gamma, {_PREP_ARGS}) -> "
+                                    "(Tensor, Tensor, Tensor, Tensor, Tensor)")
+    def bwd(dx, dy, deta, dlog_gamma, k, v, beta, lam, last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps,
+            eps_gamma):
+        from hybridlm.ops.fast_weight.triton import prepare
+
+        dx, dy, deta, dlog_gamma, k, v, beta, lam = (t.contiguous() for t in (dx, dy, deta, dlog_gamma, k, v, beta,
+                                                                                lam))
+        last_k = None if last_k is None else last_k.contiguous()
+        return prepare.backward(dx.to(k.dtype), dy.to(v.dtype), deta.float(), dlog_gamma.float(), k, v, beta, lam,
+                                last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps, eps_gamma)
+
+    @bwd.register_fake
+    def _(dx, dy, deta, dlog_gamma, k, v, beta, lam, last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps,
+          eps_gamma):
+        return (k.new_empty(k.shape), v.new_empty(v.shape), beta.new_empty(beta.shape), lam.new_empty(lam.shape),
+                k.new_empty(rows(k, offsets), k.shape[2], k.shape[3]))
+
+    def setup_context(ctx, inputs, output):
+        k, v, beta, lam, last_k, offsets = inputs[:6]
+        ctx.save_for_backward(k, v, beta, lam, last_k, offsets)
+        ctx.options = inputs[6:]
+
+    def backward(ctx, dx, dy, deta, dlog_gamma):
+        k, v, beta, lam, last_k, offsets = ctx.saved_tensors
+        dk, dv, dbeta, dlam, dlast = bwd(dx, dy, deta, dlog_gamma, k, v, beta, lam, last_k, offsets, *ctx.options)
+        return (dk, dv, dbeta, dlam, None if last_k is None else dlast) + (None,) * 8
+
+    fwd.register_autograd(backward, setup_context=setup_context)
+
+
+_register_prepare()
 _register("1A", "1a")
 _register("1", "1")
 _register("2A", "2a")

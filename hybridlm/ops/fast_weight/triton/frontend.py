@@ -10,10 +10,16 @@ window (w = eta_t [pair j exists] / B_t). Laid out in time as (t, slot 0), ..., 
 on slot 0 and none on the others, the 1A recurrence over the T * W events passes through S_t after slot W-1 and
 S_{t-1} before slot 0: the outputs are read there (q sits on that slot, zeros elsewhere). The cost is W times 1A's.
 
-The preparation (pairs, windows, statistic, step sizes, decays) is chunk.py's `prepare_writes`.
+The preparation (pairs, windows, statistic, step sizes, decays) is chunk.py's `prepare_writes`, except for rules 1A
+and 1 (window 1, one step size per head): there one fused Triton kernel computes the same write events, forward and
+backward (`prepare.py`, the custom op `hybridlm::fast_weight_prepare_fwd`), when FUSED_PREPARATION is on
+(`HYBRIDLM_TRITON_FUSED_PREPARATION=1`). It is off by default until it has been checked on a GPU (it is checked
+under Triton's CPU interpreter only): "auto" on CUDA keeps the GPU-verified prepare_writes path.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -25,7 +31,11 @@ from hybridlm.ops.fast_weight.triton import (
     fast_weight_2a_triton,
     supports,
 )
-from hybridlm.ops.utils import padded_to_packed
+from hybridlm.ops.utils import compute_dtype, packed_to_padded, padded_to_packed
+
+# The fused preparation kernel for the rules it covers (FUSED_RULES, window 1); off: chunk.py's prepare_writes.
+FUSED_PREPARATION = os.environ.get("HYBRIDLM_TRITON_FUSED_PREPARATION", "0") == "1"
+FUSED_RULES = ("1A", "1")  # window 1, scalar step per head (2A's steps are per value column; 3A has a window)
 
 # Rule 2A's chunk length: its intra-chunk decays form a [C, C, V] tensor of exponentials (kernels_2a.py), so its chunks
 # are kept short, as chunk.py's PER_COLUMN_MAX_CHUNK.
@@ -53,6 +63,7 @@ def fast_weight_triton(
 ) -> tuple[torch.Tensor, FastWeightState]:
     """Rules 1A / 3A / 1 / 2A through the Triton kernels. `chunk_size` is rounded to a power of two in [16, 128]
     (rule 2A: 16, whatever is asked; its intra-chunk work is O(C^2 V) exponentials per chunk, as in chunk.py).
+    Rules 1A and 1 take their write events from the fused preparation kernel while FUSED_PREPARATION is on.
 
     Returns o `[B, T, H, V]` in q's dtype and the final state (S float32)."""
     K, V = q.shape[-1], v.shape[-1]
@@ -60,6 +71,10 @@ def fast_weight_triton(
         raise ValueError(f"the Triton backend runs rules 1A, 1 and 2A (window 1) and 3A with K, V <= 128 in float32/"
                          f"bfloat16/float16; got rule {rule!r}, window {window}, K = {K}, V = {V}, {q.dtype} "
                          "(use backend='chunk')")
+    if FUSED_PREPARATION and rule in FUSED_RULES and window == 1:
+        return _window_1(q, k, v, beta, lam, rule=rule, pairing=pairing, read=read, step_size=step_size,
+                         ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=initial_state,
+                         offsets=offsets, chunk_size=chunk_size)
     p = prepare_writes(q, k, v, beta, lam, rule=rule, window=window, pairing=pairing, step_size=step_size,
                        ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=initial_state,
                        offsets=offsets)
@@ -94,6 +109,34 @@ def fast_weight_triton(
         o = padded_to_packed(o, offsets)
     p.final.S = S
     return o, p.final
+
+
+def _window_1(q, k, v, beta, lam, *, rule, pairing, read, step_size, ridge_scaling, eps, eps_gamma, initial_state,
+              offsets, chunk_size) -> tuple[torch.Tensor, FastWeightState]:
+    """Rules 1A / 1 with the fused preparation: the write events of prepare_writes (window 1) from one kernel."""
+    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_prepare_triton
+
+    shifted = pairing == "shifted"
+    if offsets is not None:
+        ends = offsets[1:] - 1                                                             # each sequence's last step
+        max_len = int((offsets[1:] - offsets[:-1]).max())
+        q_rows = packed_to_padded(q, offsets)
+        last = k[0, ends.to(k.device)] if shifted else None                                # [N, H, K]
+        device_offsets = offsets.to(device=q.device, dtype=torch.int64)
+    else:
+        max_len = q.shape[1]
+        q_rows = q
+        last = k[:, -1] if shifted else None
+        device_offsets = None
+    x, y, eta, log_gamma = fast_weight_prepare_triton(
+        k, v, beta, lam, initial_state.last_k if shifted else None, device_offsets, max_len=max_len, pairing=pairing,
+        step_size=step_size, ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma)
+    scan = fast_weight_1_triton if rule == "1" else fast_weight_1a_triton
+    o, S = scan(q_rows, x.to(q.dtype), y.to(q.dtype), eta, log_gamma, initial_state.S.float(),
+                read_after=read == "after", chunk_size=_triton_chunk(chunk_size))
+    if offsets is not None:
+        o = padded_to_packed(o, offsets)
+    return o, FastWeightState(S=S, last_k=None if last is None else last.to(compute_dtype(k.dtype)))
 
 
 def _triton_chunk(chunk_size: int) -> int:
