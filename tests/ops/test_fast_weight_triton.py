@@ -247,7 +247,8 @@ def test_front_door_matches_chunk(rule, window, pairing, read, step_size, packed
 
 
 @gpu_only
-@pytest.mark.parametrize("rule,dtype", list(itertools.product(("1A", "3A", "1"), (torch.float32, torch.bfloat16))))
+@pytest.mark.parametrize("rule,dtype", list(itertools.product(("1A", "3A", "1", "2A"),
+                                                              (torch.float32, torch.bfloat16))))
 def test_front_door(rule, dtype):
     """`fast_weight_attention(backend="triton")` on the GPU against the chunk backend in float64 on the CPU."""
     window = 3 if rule == "3A" else 1

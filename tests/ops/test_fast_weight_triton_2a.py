@@ -191,26 +191,6 @@ def test_front_door_matches_chunk_and_naive(pairing, read, step_size, packed, st
             assert rel_err(grad.cpu(), grad_ref) < 1e-4, (backend, name)
 
 
-@gpu_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_front_door_gpu(dtype):
-    """backend="triton" on the GPU against the chunk backend in float64 on the CPU."""
-    cpu = make_inputs("2A", B=2, T=150, H=4, K=32, V=48, requires_grad=True)
-    state = random_state(2, 4, 32, 48, window=1)
-    o_ref, s_ref = fast_weight_attention(*cpu, rule="2A", backend="chunk", initial_state=state,
-                                         output_final_state=True)
-    gpu = [t.detach().to("cuda", dtype).requires_grad_(True) for t in cpu]
-    o, s = fast_weight_attention(*gpu, rule="2A", backend="triton", initial_state=state.to("cuda"),
-                                 output_final_state=True)
-    assert o.dtype == dtype and s.S.dtype == torch.float32
-    assert rel_err(o.cpu(), o_ref) < TOL[dtype] and rel_err(s.S.cpu(), s_ref.S) < TOL[dtype]
-    w_o, w_S = projection(o_ref, s_ref.S)
-    grads_ref = torch.autograd.grad((o_ref * w_o).sum() + (s_ref.S * w_S).sum(), cpu)
-    grads = torch.autograd.grad((o.double() * w_o.cuda()).sum() + (s.S.double() * w_S.cuda()).sum(), gpu)
-    for grad, grad_ref in zip(grads, grads_ref):
-        assert rel_err(grad.cpu(), grad_ref) < TOL[dtype]
-
-
 @interpret
 def test_opcheck():
     """The forward op with an initial state, the backward op without one (and without dL/dS_final)."""
@@ -221,33 +201,6 @@ def test_opcheck():
     do = torch.randn(1, 20, 2, 8, device=DEVICE)
     detached = [t.detach() for t in (q, x, y, eta, log_gamma)]
     torch.library.opcheck(bwd, (do, None, *detached, None, False, 16), test_utils=OPCHECKS)
-
-
-@interpret
-@pytest.mark.parametrize("compile_backend", ["aot_eager", pytest.param("inductor", marks=gpu_only)])
-def test_compiled_front_door_matches_eager(compile_backend):
-    """torch.compile(fullgraph=True) of `fast_weight_attention(rule="2A", backend="triton")`: no graph break, outputs,
-    final state and all gradients equal to eager's."""
-    H, K, V = 2, 16, 8
-
-    def fn(q, k, v, beta, lam, S, last_k):
-        o, state = fast_weight_attention(q, k, v, beta, lam, rule="2A", backend="triton",
-                                         initial_state=FastWeightState(S=S, last_k=last_k), output_final_state=True)
-        return o, state.S
-
-    inputs = [t.to(DEVICE).detach().requires_grad_(True)
-              for t in make_inputs("2A", B=2, T=21, H=H, K=K, V=V, dtype=torch.float32)]
-    S = (0.3 * torch.randn(2, H, K, V, device=DEVICE)).requires_grad_(True)
-    last_k = torch.randn(2, H, K, device=DEVICE)
-    leaves = inputs + [S]
-    o, S_final = fn(*inputs, S, last_k)
-    grads = torch.autograd.grad(o.square().sum() + S_final.square().sum(), leaves)
-    compiled = torch.compile(fn, fullgraph=True, backend=compile_backend)
-    o_c, S_c = compiled(*inputs, S, last_k)
-    grads_c = torch.autograd.grad(o_c.square().sum() + S_c.square().sum(), leaves)
-    assert rel_err(o_c, o) < 1e-5 and rel_err(S_c, S_final) < 1e-5
-    for name, grad, grad_c in zip(("q", "k", "v", "beta", "lam", "S0"), grads, grads_c):
-        assert rel_err(grad_c, grad) < 1e-5, name
 
 
 @interpret

@@ -66,8 +66,9 @@ def test_opcheck_prepare():
                           test_utils=OPCHECKS)
 
 
-COMPILE_CASES = [("3A", "aot_eager"), ("1", "aot_eager"),  # 3A runs the 1A ops
-                 pytest.param("1", "inductor", marks=gpu_only), pytest.param("3A", "inductor", marks=gpu_only)]
+COMPILE_CASES = [("3A", "aot_eager"), ("1", "aot_eager"), ("2A", "aot_eager"),  # 3A runs the 1A ops
+                 pytest.param("1", "inductor", marks=gpu_only), pytest.param("3A", "inductor", marks=gpu_only),
+                 pytest.param("2A", "inductor", marks=gpu_only)]
 
 
 @interpret
