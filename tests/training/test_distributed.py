@@ -66,15 +66,6 @@ def run_two_ranks(demo_dir: Path, out: Path, *overrides: str, stop_at=None, resu
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory) -> Path:
-    from hybridlm.training.demo import prepare_demo
-
-    directory = tmp_path_factory.mktemp("demo")
-    prepare_demo(directory, max_bytes=400_000, heldout_every=4)
-    return directory
-
-
-@pytest.fixture(scope="module")
 def reference(demo_dir, tmp_path_factory) -> dict:
     """One process, micro-batches of 2 rows, 2 accumulated: the global batch of 2 ranks x 2 rows."""
     out = tmp_path_factory.mktemp("single") / "run"

@@ -88,15 +88,6 @@ def _chain_worker(rank: int, world: int, port: int, demo_dir: str, out: str, res
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory) -> Path:
-    from hybridlm.training.demo import prepare_demo
-
-    directory = tmp_path_factory.mktemp("demo")
-    prepare_demo(directory, max_bytes=400_000, heldout_every=4)
-    return directory
-
-
-@pytest.fixture(scope="module")
 def reference(demo_dir, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("single") / "run"
     trainer = Trainer(_config(demo_dir, out, "batch.micro_batch=2", "batch.grad_accum=2"))

@@ -21,15 +21,6 @@ from hybridlm.training.guard import TrainingDivergedError
 from hybridlm.training.trainer import Trainer, read_jsonl
 
 
-@pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory) -> Path:
-    from hybridlm.training.demo import prepare_demo
-
-    directory = tmp_path_factory.mktemp("demo")
-    prepare_demo(directory, max_bytes=400_000, heldout_every=4)
-    return directory
-
-
 def small_config(demo_dir: Path, out: Path, *overrides: str):
     """Tiny preset, 2 x 32-token rows per micro-batch, no samples / bar / periodic eval or saves."""
     return load_config(None, [
