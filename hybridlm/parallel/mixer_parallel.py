@@ -47,6 +47,7 @@ from hybridlm.parallel.tensor_parallel import (
     check_attention_split,
     check_ssm_split,
     parallelize_attention,
+    parallelize_block,
     parallelize_mlp,
     parallelize_ssm,
 )
@@ -115,13 +116,10 @@ def apply_mixer_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, mode: str, ss
                     parallelize_ssm(block.ssm, inner)
             block.__class__ = MixerParallelBlock  # as FSDP2's fully_shard does: a subclass for this instance
             block.mixer_role, block.mixer_pair = role, pair
+            if block.mlp is not None:
+                parallelize_mlp(block.mlp, tp_mesh)
         else:
-            if block.attn is not None:
-                parallelize_attention(block.attn, tp_mesh)
-            if block.ssm is not None and ssm_heads:
-                parallelize_ssm(block.ssm, tp_mesh)
-        if block.mlp is not None:
-            parallelize_mlp(block.mlp, tp_mesh)
+            parallelize_block(block, tp_mesh, ssm_heads=ssm_heads)
     return model
 
 

@@ -125,13 +125,18 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, ssm_heads: b
     if tp == 1:
         return model
     for block in _blocks(model):
-        if block.attn is not None:
-            parallelize_attention(block.attn, tp_mesh)
-        if block.ssm is not None and ssm_heads:
-            parallelize_ssm(block.ssm, tp_mesh)
-        if block.mlp is not None:
-            parallelize_mlp(block.mlp, tp_mesh)
+        parallelize_block(block, tp_mesh, ssm_heads=ssm_heads)
     return model
+
+
+def parallelize_block(block: HybridBlock, tp_mesh: DeviceMesh, *, ssm_heads: bool) -> None:
+    """Every part of one block split over `tp_mesh`: attention heads, SSM heads (unless `ssm_heads=False`), MLP."""
+    if block.attn is not None:
+        parallelize_attention(block.attn, tp_mesh)
+    if block.ssm is not None and ssm_heads:
+        parallelize_ssm(block.ssm, tp_mesh)
+    if block.mlp is not None:
+        parallelize_mlp(block.mlp, tp_mesh)
 
 
 def parallelize_attention(attn: Attention, tp_mesh: DeviceMesh) -> None:
