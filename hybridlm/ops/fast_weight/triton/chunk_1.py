@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from hybridlm.ops.fast_weight.triton import kernels, kernels_delta
-from hybridlm.ops.fast_weight.triton.chunk_1a import _block
+from hybridlm.ops.fast_weight.triton.chunk_1a import ChunkPlan, _block
 from hybridlm.ops.fast_weight.triton.custom_ops import _interpreting
 
 
@@ -86,20 +86,12 @@ def backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_
     return dq, dx, dz.to(y.dtype), deta, dlg, dS0
 
 
-class _Plan:
-    """Sizes and block shapes of one call; the stages shared by the forward and the backward."""
+class _Plan(ChunkPlan):
+    """Rule 1's block shapes; the stages shared by the forward and the backward."""
 
     def __init__(self, q: torch.Tensor, y: torch.Tensor, chunk_size: int, read_after: bool):
-        self.N, self.T, self.H, self.K = q.shape
-        self.V = y.shape[-1]
-        self.NH = self.N * self.H
-        self.BT = chunk_size
-        self.n_chunks = -(-self.T // self.BT)
-        self.T_pad = self.n_chunks * self.BT
-        self.read_after = read_after
-        self.device = q.device
-        self.prec = "ieee" if q.dtype == torch.float32 else "tf32"  # products of the 16-bit / fp32 inputs
-        self.prec32 = "ieee" if q.dtype == torch.float32 else "tf32"  # products of fp32 factors, states, gradients
+        super().__init__(q, y, chunk_size, read_after)
+        self.prec32 = self.prec  # products of fp32 factors, states, gradients: as exact as the inputs' products
         self.BK_full = _block(self.K, 128)  # the WY, pass and gradient kernels hold all of K
         self.BV_pass = _block(self.V, 32 if self.BK_full > 64 else 64)
 
@@ -120,7 +112,7 @@ class _Plan:
         kernels_delta.wy_kernel[(self.n_chunks, NH)](
             x, y, eta, L, U, W, U if tinv is None else tinv, T, self.T_pad, self.n_chunks, H, K=K, V=V, BT=BT,
             BK=self.BK_full, BV=_block(V, 64), STORE_TINV=keep_tinv, PREC=self.prec, PREC32=self.prec32)
-        states = torch.empty(NH, self.n_chunks, K, V, **f32)
+        states = self.state_buffer()
         R = torch.empty(N, T, H, V, **f32)
         final = torch.empty(N, H, K, V, **f32)
         kernels_delta.delta_pass_kernel[(-(-V // self.BV_pass), NH)](

@@ -44,27 +44,35 @@ def _block(dim: int, cap: int) -> int:
     return min(max(16, triton.next_power_of_2(dim)), cap)
 
 
-class _Plan:
-    """Sizes, block shapes and launch grids of one call; each method launches one stage."""
+class ChunkPlan:
+    """What every chunked launcher derives from one call: sizes, the chunk grid, the matmul precision, and the
+    float32 buffer of per-chunk states. The rules' plans add their block shapes and stages."""
 
     def __init__(self, q: torch.Tensor, y: torch.Tensor, chunk_size: int, read_after: bool):
         self.N, self.T, self.H, self.K = q.shape
         self.V = y.shape[-1]
+        self.NH = self.N * self.H
         self.BT = chunk_size
         self.n_chunks = -(-self.T // self.BT)
         self.T_pad = self.n_chunks * self.BT
+        self.read_after = read_after
+        self.prec = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: exact products (no TF32)
+        self.device = q.device
+        self.sizes = {"K": self.K, "V": self.V, "BT": self.BT}
+
+    def state_buffer(self) -> torch.Tensor:
+        """[N * H, n_chunks, K, V] float32: one state per chunk."""
+        return torch.empty(self.NH, self.n_chunks, self.K, self.V, dtype=torch.float32, device=self.device)
+
+
+class _Plan(ChunkPlan):
+    """Rule 1A's block shapes; each method launches one stage."""
+
+    def __init__(self, q: torch.Tensor, y: torch.Tensor, chunk_size: int, read_after: bool):
+        super().__init__(q, y, chunk_size, read_after)
         self.BK, self.BV = _block(self.K, 64), _block(self.V, 64)
         self.BK_full = _block(self.K, 128)  # the dq/dx kernel holds all of K
         self.BV_qx = _block(self.V, 64 if self.BK_full <= 64 else 32)
-        self.read_after = read_after
-        self.prec = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32: exact products (no TF32)
-        self.device = q.device
-
-    def _sizes(self):
-        return {"K": self.K, "V": self.V, "BT": self.BT}
-
-    def _state_buffer(self) -> torch.Tensor:
-        return torch.empty(self.N * self.H, self.n_chunks, self.K, self.V, dtype=torch.float32, device=self.device)
 
     def _n_state_blocks(self) -> int:
         return -(-self.K // self.BK) * -(-self.V // self.BV)
@@ -77,7 +85,7 @@ class _Plan:
 
     def states(self, x, y, eta, L, S0):
         """(1) + (2): the entry state of every chunk [N * H, n_chunks, K, V] and the final state [N, H, K, V]."""
-        h = self._state_buffer()
+        h = self.state_buffer()
         self._outer(x, y, eta, L, h, grad=False)
         final = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
         self._pass(h, S0, final, L, reverse=False)
@@ -85,25 +93,25 @@ class _Plan:
 
     def _outer(self, a, b, eta, L, out, *, grad: bool) -> None:
         kernels.chunk_outer_kernel[(self._n_state_blocks(), self.n_chunks, self.N * self.H)](
-            a, b, eta, L, out, self.T, self.T_pad, self.n_chunks, self.H, **self._sizes(), BK=self.BK, BV=self.BV,
+            a, b, eta, L, out, self.T, self.T_pad, self.n_chunks, self.H, **self.sizes, BK=self.BK, BV=self.BV,
             READ_AFTER=self.read_after, GRAD=grad, PREC=self.prec)
 
     def _pass(self, h, init, final, L, *, reverse: bool) -> None:
         BK, BV = self.BK, _block(self.V, 32)  # smaller blocks: more programs for the sequential pass
         kernels.state_pass_kernel[(-(-self.K // BK) * -(-self.V // BV), self.N * self.H)](
-            h, h if init is None else init, final, L, self.T_pad, self.n_chunks, **self._sizes(), BK=BK, BV=BV,
+            h, h if init is None else init, final, L, self.T_pad, self.n_chunks, **self.sizes, BK=BK, BV=BV,
             HAS_INIT=init is not None, REVERSE=reverse, INTERPRET=_interpreting(), num_warps=4)
 
     def outputs(self, q, x, y, eta, L, states):
         o = torch.empty(self.N, self.T, self.H, self.V, dtype=q.dtype, device=self.device)
         kernels.output_kernel[(-(-self.V // self.BV), self.n_chunks, self.N * self.H)](
-            q, x, y, eta, L, states, o, self.T, self.T_pad, self.n_chunks, self.H, **self._sizes(), BK=self.BK,
+            q, x, y, eta, L, states, o, self.T, self.T_pad, self.n_chunks, self.H, **self.sizes, BK=self.BK,
             BV=self.BV, READ_AFTER=self.read_after, PREC=self.prec)
         return o
 
     def state_grads(self, q, do, L, dS_final):
         """(1') + (2'): dL/dS at every chunk's exit [N * H, n_chunks, K, V] and dL/dS_0 [N, H, K, V]."""
-        g = self._state_buffer()
+        g = self.state_buffer()
         self._outer(q, do, L, L, g, grad=True)  # (eta is unused)
         dS0 = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
         init = None if dS_final is None else dS_final.to(torch.float32).contiguous()
@@ -116,12 +124,12 @@ class _Plan:
         dlg = torch.empty(eta.shape, dtype=lg_dtype, device=self.device)
         kernels.grad_qx_kernel[(self.n_chunks, self.N * self.H)](
             q, x, y, eta, L, do, states, dstates, dq, dx, deta, dlg, self.T, self.T_pad, self.n_chunks, self.H,
-            **self._sizes(), BK=self.BK_full, BV=self.BV_qx, READ_AFTER=self.read_after, PREC=self.prec)
+            **self.sizes, BK=self.BK_full, BV=self.BV_qx, READ_AFTER=self.read_after, PREC=self.prec)
         return dq, dx, deta, dlg
 
     def grad_y(self, q, x, eta, L, do, dstates):
         dy = torch.empty(self.N, self.T, self.H, self.V, dtype=q.dtype, device=self.device)
         kernels.grad_y_kernel[(-(-self.V // self.BV), self.n_chunks, self.N * self.H)](
-            q, x, eta, L, do, dstates, dy, self.T, self.T_pad, self.n_chunks, self.H, **self._sizes(), BK=self.BK,
+            q, x, eta, L, do, dstates, dy, self.T, self.T_pad, self.n_chunks, self.H, **self.sizes, BK=self.BK,
             BV=self.BV, READ_AFTER=self.read_after, HAS_DH=True, PREC=self.prec)
         return dy

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from hybridlm.ops.fast_weight.triton import kernels_2a
-from hybridlm.ops.fast_weight.triton.chunk_1a import _block
+from hybridlm.ops.fast_weight.triton.chunk_1a import ChunkPlan, _block
 from hybridlm.ops.fast_weight.triton.custom_ops import _interpreting
 
 # Elements of the [BT, BT, BV] decay tensor of the intra-chunk kernels (the value tile shrinks as the chunk grows).
@@ -41,7 +41,7 @@ def backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_
     p = _Plan(q, y, chunk_size, read_after)
     L = p.cumsum(log_gamma)
     states, _ = p.states(x, y, eta, L, S0)                                 # entry state of every chunk
-    dstates = p.buffer()                                                   # (B1): dS' of every chunk, and dS_0
+    dstates = p.state_buffer()                                             # (B1): dS' of every chunk, and dS_0
     p.outer(q, do, L, L, dstates, grad=True)                               # (eta unused)
     dS0 = torch.empty(p.N, p.H, p.K, p.V, dtype=torch.float32, device=p.device)
     init = None if dS_final is None else dS_final.to(torch.float32).contiguous()
@@ -59,25 +59,13 @@ def backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_
     return dq, dx, dy, deta, dlg, dS0
 
 
-class _Plan:
-    """Sizes, block shapes and launch grids of one call; the stages shared by the forward and the backward."""
+class _Plan(ChunkPlan):
+    """Rule 2A's block shapes and launch grids; the stages shared by the forward and the backward."""
 
     def __init__(self, q: torch.Tensor, y: torch.Tensor, chunk_size: int, read_after: bool):
-        self.N, self.T, self.H, self.K = q.shape
-        self.V = y.shape[-1]
-        self.NH = self.N * self.H
-        self.BT = chunk_size
-        self.n_chunks = -(-self.T // self.BT)
-        self.T_pad = self.n_chunks * self.BT
+        super().__init__(q, y, chunk_size, read_after)
         self.BK, self.BV = _block(self.K, 64), _block(self.V, 64)
         self.BV3 = _block(self.V, max(16, _TILE_3D // (self.BT * self.BT)))  # value tile of the [BT, BT, BV] kernels
-        self.read_after = read_after
-        self.prec = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32: exact products (no TF32)
-        self.device = q.device
-        self.sizes = {"K": self.K, "V": self.V, "BT": self.BT}
-
-    def buffer(self) -> torch.Tensor:
-        return torch.empty(self.NH, self.n_chunks, self.K, self.V, dtype=torch.float32, device=self.device)
 
     def cumsum(self, log_gamma):
         """L [N * H, T_pad, V] float32, chunk-local cumulative log decays per value column."""
@@ -88,7 +76,7 @@ class _Plan:
 
     def states(self, x, y, eta, L, S0):
         """(F1) + (F2): the entry state of every chunk [N * H, n_chunks, K, V] and the final state [N, H, K, V]."""
-        h = self.buffer()
+        h = self.state_buffer()
         self.outer(x, y, eta, L, h, grad=False)
         final = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
         self.run_pass(h, S0, final, L, reverse=False)
