@@ -13,7 +13,8 @@ Where they run:
       python -m pytest -q tests/ops/test_fast_weight_triton.py
 - CPU, no GPU (CI): skipped, except the import test.
 - CPU with triton installed and HYBRIDLM_TRITON_INTERPRET=1: the tests marked `interpret` run the kernels on CPU
-  tensors under Triton's interpreter (this file sets TRITON_INTERPRET=1 before triton is imported; ~1-2 min):
+  tensors under Triton's interpreter (~1-2 min; tests/ops/triton_modes.py sets TRITON_INTERPRET=1 before
+  triton is imported):
       HYBRIDLM_TRITON_INTERPRET=1 python -m pytest -q tests/ops/test_fast_weight_triton.py
   The interpreter's tl.dot is wrong for bfloat16 (numpy has no bfloat16), so float16 stands in for the 16-bit
   path there; bfloat16 is checked on the GPU only.
@@ -21,39 +22,23 @@ Where they run:
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-INTERPRET = os.environ.get("HYBRIDLM_TRITON_INTERPRET") == "1"
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton's kernels
-# One launch configuration instead of autotuning: the many shapes here would each tune (compile time), and the
-# configurations differ only in warps/stages. The benchmark runs the tuned kernels.
-os.environ.setdefault("HYBRIDLM_TRITON_AUTOTUNE", "0")
-
+from tests.ops.triton_modes import DEVICE, ON_GPU, gpu_only, interpret  # first: sets the Triton mode
 from hybridlm.ops import fast_weight_attention
 from hybridlm.ops.fast_weight.triton import (
     fast_weight_1_triton,
     fast_weight_1a_triton,
     fast_weight_triton,
-    is_available,
 )
 from tests.helpers import rel_err
 from tests.ops.test_fast_weight import make_inputs, random_state
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-ON_GPU = not INTERPRET and is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-# Runs on the GPU, and on the CPU under the interpreter.
-interpret = pytest.mark.skipif(not (ON_GPU or (INTERPRET and HAS_TRITON)),
-                               reason="needs CUDA + triton, or HYBRIDLM_TRITON_INTERPRET=1 with triton installed")
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs CUDA + triton (too slow or unsupported in the interpreter)")
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 NAMES = ("q", "x", "y", "eta", "log_gamma", "S0")

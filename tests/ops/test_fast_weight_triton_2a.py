@@ -28,17 +28,8 @@ from hybridlm.ops.fast_weight.state import FastWeightState
 from hybridlm.ops.fast_weight.triton import AUTO_RULES, fast_weight_2a_triton, supports
 from tests.helpers import rel_err
 from tests.ops.test_fast_weight import make_inputs, random_state
-from tests.ops.test_fast_weight_triton import (
-    DEVICE,
-    HAS_TRITON,
-    NAMES,
-    ON_GPU,
-    TOL,
-    gpu_only,
-    interpret,
-    prepared,
-    projection,
-)
+from tests.ops.test_fast_weight_triton import NAMES, TOL, prepared, projection
+from tests.ops.triton_modes import DEVICE, HAS_TRITON, ON_GPU, gpu_only, interpret
 from tests.ops.test_fast_weight_triton_compile import OPCHECKS
 
 

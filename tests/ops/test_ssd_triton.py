@@ -8,7 +8,8 @@ Where they run:
 - CPU, no GPU (CI): skipped, except the import, error and "auto" tests and `test_kernels_compile_for_sm90` (every
   kernel compiled to PTX for sm_90, which needs triton but no GPU).
 - CPU with triton installed and HYBRIDLM_TRITON_INTERPRET=1: the tests marked `interpret` run the kernels on CPU
-  tensors under Triton's interpreter (this file sets TRITON_INTERPRET=1 before triton is imported; ~30 s):
+  tensors under Triton's interpreter (~30 s; tests/ops/triton_modes.py sets TRITON_INTERPRET=1 before triton
+  is imported):
       HYBRIDLM_TRITON_INTERPRET=1 python -m pytest -q tests/ops/test_ssd_triton.py
   The interpreter's tl.dot is wrong for bfloat16 (numpy has no bfloat16), so float16 stands in for the 16-bit
   path there; bfloat16 is checked on the GPU only.
@@ -26,23 +27,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-INTERPRET = os.environ.get("HYBRIDLM_TRITON_INTERPRET") == "1"
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton's kernels
-os.environ.setdefault("HYBRIDLM_TRITON_AUTOTUNE", "0")  # one launch configuration: no tuning per test shape
+from tests.ops.triton_modes import DEVICE, HAS_TRITON, INTERPRET, ON_GPU, gpu_only, interpret  # sets the mode
 
 from hybridlm.ops.ssd import ssd
-from hybridlm.ops.ssd.triton import is_available
 from tests.helpers import rel_err
 from tests.ops.test_ssd import NAMES, make_inputs, outputs_and_grads, time_slice
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-ON_GPU = not INTERPRET and is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-# Runs on the GPU, and on the CPU under the interpreter.
-interpret = pytest.mark.skipif(not (ON_GPU or (INTERPRET and HAS_TRITON)),
-                               reason="needs CUDA + triton, or HYBRIDLM_TRITON_INTERPRET=1 with triton installed")
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs CUDA + triton (too slow or unsupported in the interpreter)")
 
 TOL = 1e-4  # float32 against float32 references
 
