@@ -49,8 +49,9 @@ class Attention(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: LayerCache | None = None,
+        restarts_resolved: bool = False,  # the caller (the model) packed any document restarts already
     ) -> torch.Tensor:
-        if cu_seqlens is None and position_ids is not None and has_restarts(position_ids):
+        if cu_seqlens is None and position_ids is not None and not restarts_resolved and has_restarts(position_ids):
             if cache is not None:
                 raise ValueError("Attention: a decoding cache cannot be combined with packed documents (restarts)")
             # Documents packed inside rows (position_ids restart at 0): attend as one packed row.

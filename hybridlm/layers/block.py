@@ -21,7 +21,9 @@ Mixer contract (every sequence mixer, e.g. `Mamba2Mixer`, `Attention`, and the f
           *,
           cu_seqlens=None,        # [N + 1] int offsets of packed documents (B == 1): no mixing across them
           position_ids=None,      # [B, T] or [1, T] positions (restart at 0 per document); RoPE uses them
-          cache=None)             # hybridlm.layers.cache.LayerCache of this layer, read and updated in place
+          cache=None,             # hybridlm.layers.cache.LayerCache of this layer, read and updated in place
+          restarts_resolved=False)  # True: the caller already packed any restarts of position_ids into
+                                    # cu_seqlens, so the mixer need not look for them (a host synchronization)
         -> [B, T, D]              # before the output multiplier (the block applies it)
 
 An SSM mixer keeps its decoding state in `cache.ssm` (a dict it owns). The block applies the
@@ -79,8 +81,9 @@ class HybridBlock(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: LayerCache | None = None,
+        restarts_resolved: bool = False,
     ) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
-        mix = dict(cu_seqlens=cu_seqlens, position_ids=position_ids, cache=cache)
+        mix = dict(cu_seqlens=cu_seqlens, position_ids=position_ids, cache=cache, restarts_resolved=restarts_resolved)
         n = self.norm(x)
         if self.arrangement == "S_A_M":
             h = x

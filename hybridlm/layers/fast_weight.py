@@ -123,9 +123,10 @@ class FastWeightMixer(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: LayerCache | None = None,
+        restarts_resolved: bool = False,  # the caller (the model) packed any document restarts already
     ) -> torch.Tensor:
         batch, length, _ = hidden.shape
-        if cu_seqlens is None and position_ids is not None and has_restarts(position_ids):
+        if cu_seqlens is None and position_ids is not None and not restarts_resolved and has_restarts(position_ids):
             # Documents packed inside rows: run the rows end to end as one packed row with offsets.
             if cache is not None:
                 raise ValueError(

@@ -80,8 +80,9 @@ class Mamba2Mixer(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,  # only their restarts at 0 (document starts) matter here
         cache: LayerCache | None = None,
+        restarts_resolved: bool = False,  # the caller (the model) packed any document restarts already
     ) -> torch.Tensor:
-        if cu_seqlens is None and position_ids is not None and has_restarts(position_ids):
+        if cu_seqlens is None and position_ids is not None and not restarts_resolved and has_restarts(position_ids):
             if cache is not None:
                 raise ValueError("Mamba2Mixer: a decoding cache cannot be combined with packed documents (restarts)")
             packed, cu_seqlens, _ = pack_rows(hidden, position_ids)  # documents packed inside rows

@@ -31,14 +31,7 @@ from hybridlm.layers.cache import HybridCache
 from hybridlm.layers.fast_weight import FastWeightMixer, initial_lam_bias
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.configuration import HybridLMConfig
-from hybridlm.modules.boundaries import (
-    has_restarts,
-    known_without_restarts,
-    local_positions,
-    pack_rows,
-    remembered_restarts,
-    sequence_ids,
-)
+from hybridlm.modules.boundaries import has_restarts, local_positions, pack_rows, sequence_ids
 from hybridlm.modules.gated_norm import GatedRMSNorm
 from hybridlm.modules.norm import RMSNorm
 from hybridlm.modules.short_conv import ShortConvolution
@@ -122,8 +115,7 @@ class HybridModel(HybridPreTrainedModel):
         h = h * self.embedding_multiplier  # [B, T, D]
         keep = _left_padding(attention_mask, h.shape[:2]) if attention_mask is not None else None
         if keep is None:
-            with remembered_restarts():  # the layers re-ask about document restarts: answered once
-                return self._run(h, cu_seqlens, position_ids, cache)
+            return self._run(h, cu_seqlens, position_ids, cache)
         if cu_seqlens is not None or position_ids is not None:
             raise ValueError("a padded attention_mask cannot be combined with cu_seqlens or position_ids")
         lengths = keep.sum(1)  # [B] tokens per row
@@ -157,16 +149,15 @@ class HybridModel(HybridPreTrainedModel):
             packed_rows = batch
         elif position_ids is None and cache is not None:
             position_ids = cache.positions(length, h.device)  # [1 or B, T]
-            known_without_restarts(position_ids)  # counted from each row's length: no restarts by construction
-        # Without a cache, absent position_ids stay None: attention numbers the tokens 0..T-1 itself, and no layer
-        # has to look for document restarts in them (a host synchronization per mixer, which also rules out
-        # capturing the step in a CUDA graph).
+        # Without a cache, absent position_ids stay None: attention numbers the tokens 0..T-1 itself.
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} layers, the model {len(self.layers)}")
 
         for i, layer in enumerate(self.layers):
             layer_cache = cache[i] if cache is not None else None
-            h = layer(h, cu_seqlens=cu_seqlens, position_ids=position_ids, cache=layer_cache)
+            # Document restarts are resolved above (packed into cu_seqlens, or there are none): the layers need not
+            # look again (each look is a host synchronization, which also rules out CUDA-graph capture).
+            h = layer(h, cu_seqlens=cu_seqlens, position_ids=position_ids, cache=layer_cache, restarts_resolved=True)
         h = self.norm(h)
         if packed_rows is not None:
             h = h.reshape(packed_rows, length, width)

@@ -7,12 +7,7 @@ across the library: `cu_seqlens` [N + 1] (offsets into one packed row, B == 1) a
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
-
-_ANSWERS: dict[int, tuple[torch.Tensor, bool]] | None = None  # id -> (position_ids, restarts) in `remembered_restarts`
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -32,38 +27,11 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 def has_restarts(position_ids: torch.Tensor) -> bool:
     """True when some row of position_ids [B, T] restarts at 0 after its first step (packed documents).
-
-    Reading the answer is a host synchronization; inside `remembered_restarts` each tensor is asked once."""
+    Reading the answer is a host synchronization (none for T < 2)."""
     if position_ids.shape[-1] < 2:
         return False
-    if _ANSWERS is not None and id(position_ids) in _ANSWERS:
-        return _ANSWERS[id(position_ids)][1]
     rows = position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids
-    answer = bool((rows[:, 1:] == 0).any())
-    if _ANSWERS is not None:
-        _ANSWERS[id(position_ids)] = (position_ids, answer)  # holding the tensor keeps its id unique
-    return answer
-
-
-def known_without_restarts(position_ids: torch.Tensor) -> None:
-    """Tell `has_restarts` (inside `remembered_restarts`) that `position_ids` has none: positions the caller made."""
-    if _ANSWERS is not None:
-        _ANSWERS[id(position_ids)] = (position_ids, False)
-
-
-@contextlib.contextmanager
-def remembered_restarts() -> Iterator[None]:
-    """Inside, `has_restarts` answers each position_ids tensor once: a model checks its position_ids, and its
-    layers, which check again when called on their own, get the answer without another host synchronization
-    (one per mixer per forward otherwise). For the span of one forward, while no one modifies the tensors."""
-    global _ANSWERS
-    outer = _ANSWERS
-    if outer is None:
-        _ANSWERS = {}
-    try:
-        yield
-    finally:
-        _ANSWERS = outer
+    return bool((rows[:, 1:] == 0).any())
 
 
 def local_positions(cu_seqlens: torch.Tensor, total_len: int) -> torch.Tensor:
