@@ -91,7 +91,9 @@ def main() -> None:
     args = parser.parse_args()
     errors = agreement(2, 300, 4, 64)
     print("agreement with fla (float32, relative):", {k: f"{v:.1e}" for k, v in errors.items()}, flush=True)
-    if max(errors.values()) > 1e-3:
+    # fla's float32 tl.dot runs in TF32 (10-bit mantissa): ~1e-3 relative is its rounding; a wrong
+    # correspondence (a missing shift, gamma or eta) shows as errors of order one.
+    if max(errors.values()) > 1e-2:
         raise SystemExit("ours and fla disagree: fix that before timing anything")
     print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · B={args.B} H={args.H} D={args.D} bf16, ms")
     names = ["SDPA", "ours 1A", "ours 1", "fla simple GLA", "fla gated delta"]

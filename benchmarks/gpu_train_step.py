@@ -2,16 +2,22 @@
 
     python benchmarks/gpu_train_step.py                                   # addition recipe shape, 7 models
     python benchmarks/gpu_train_step.py --models fw-1A transformer --batch-size 256 --json out.json
+    python benchmarks/gpu_train_step.py --compile --steps 60             # through torch.compile (CUDA graphs)
+    python benchmarks/gpu_train_step.py --compile --ssm-backend chunk    # the torch chunk path in the SSM mixers
 
 The models and the batch are those of `hybridlm bench addition` (size "small", batch 256 of 101 tokens).
 For each model: the median wall time of an update through `train_on_task` (AdamW, clipping, bf16
 autocast; the GPU is synchronized at every update, so this is the time of one update alone, with no
 overlap of the host's launches and the GPU's work) and its ratio to the Transformer's in the same run.
+`--compile` times the updates of `bench addition --compile` (inductor, "reduce-overhead"); the first
+updates, which compile and record the graphs, are left out of the median. `--ssm-backend` sets the op backend of
+every fast-weight and Mamba-2 mixer ("auto": Triton kernels for the rules that have them, the chunk path for SSD).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -22,12 +28,17 @@ import torch
 from hybridlm.eval.addition import MODEL_VOCAB_SIZE, train_batch
 from hybridlm.eval.models import build_model, task_config
 from hybridlm.eval.train_task import train_on_task
+from hybridlm.layers.fast_weight import FastWeightMixer
+from hybridlm.layers.mamba2 import Mamba2Mixer
 
 MODELS = ("transformer", "mamba2", "fw-1A", "fw-3A", "fw-1", "hybrid-fw-3A", "hybrid-mamba2")
 
 
-def timed_run(name: str, *, steps: int, batches: list[dict]) -> float:
+def timed_run(name: str, *, steps: int, batches: list[dict], compile: bool, ssm_backend: str) -> float:
     model = build_model(task_config(name, vocab_size=MODEL_VOCAB_SIZE, size="small"), seed=0)
+    for module in model.modules():
+        if isinstance(module, (FastWeightMixer, Mamba2Mixer)):
+            module.backend = ssm_backend
     stamps: list[float] = []
 
     def batch_fn(step: int) -> dict:
@@ -35,8 +46,8 @@ def timed_run(name: str, *, steps: int, batches: list[dict]) -> float:
         stamps.append(time.perf_counter())
         return batches[step % len(batches)]
 
-    train_on_task(model, batch_fn, steps=steps, lr=1e-3, device="cuda")
-    deltas = [b - a for a, b in zip(stamps[10:], stamps[11:])]  # past compilation
+    train_on_task(model, batch_fn, steps=steps, lr=1e-3, device="cuda", compile=compile)
+    deltas = [b - a for a, b in itertools.pairwise(stamps[10:])]  # past compilation
     return 1e3 * statistics.median(deltas)
 
 
@@ -45,18 +56,23 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--compile", action="store_true", help="train through torch.compile (reduce-overhead)")
+    parser.add_argument("--ssm-backend", default="auto", choices=["auto", "chunk", "triton"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     batches = [train_batch(rng, args.batch_size) for _ in range(args.steps)]
     print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · batch {args.batch_size} x "
-          f"{batches[0]['input_ids'].shape[1]} tokens · median of {args.steps - 11} updates")
-    baseline = timed_run("transformer", steps=args.steps, batches=batches)
+          f"{batches[0]['input_ids'].shape[1]} tokens · median of {args.steps - 11} updates"
+          + (" · torch.compile reduce-overhead" if args.compile else " · eager") + f" · SSM backend {args.ssm_backend}")
+    options = {"steps": args.steps, "batches": batches, "compile": args.compile, "ssm_backend": args.ssm_backend}
+    baseline = timed_run("transformer", **options)
     print(f"{'model':<16}{'ms/update':>10}{'/ transformer':>15}")
     rows = []
     for name in args.models:
-        ms = baseline if name == "transformer" else timed_run(name, steps=args.steps, batches=batches)
-        rows.append({"model": name, "ms_per_update": ms, "ratio_to_transformer": ms / baseline})
+        ms = baseline if name == "transformer" else timed_run(name, **options)
+        rows.append({"model": name, "compile": args.compile, "ssm_backend": args.ssm_backend,
+                     "batch_size": args.batch_size, "ms_per_update": ms, "ratio_to_transformer": ms / baseline})
         print(f"{name:<16}{ms:>10.2f}{ms / baseline:>15.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

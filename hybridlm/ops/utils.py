@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype recurrent math runs in: float64 stays float64, everything else runs in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def on_tensor_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Make `tensor`'s GPU the current one while kernels launch: Triton launches on the current device's stream,
+    so a model on cuda:1 called from a process whose current device is cuda:0 would hand the kernels pointers of
+    another device. A no-op on the CPU (the interpreter)."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, *, batch_size: int, total_len: int) -> torch.Tensor:

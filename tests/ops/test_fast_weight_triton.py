@@ -253,6 +253,23 @@ def test_front_door(rule, dtype):
         assert rel_err(grad.cpu(), grad_ref) < TOL[dtype]
 
 
+@pytest.mark.skipif(not ON_GPU or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("rule", ["1A", "1", "2A"])
+def test_kernels_run_on_the_tensors_gpu(rule):
+    """Tensors on cuda:1 while cuda:0 is the current device (a model moved to the second GPU): the kernels launch
+    on the tensors' GPU, forward and backward, and give cuda:0's results."""
+    cpu = make_inputs(rule, B=2, T=70, H=2, K=32, V=32, requires_grad=True)
+    results = []
+    for device in ("cuda:0", "cuda:1"):
+        inputs = [t.detach().to(device, torch.float32).requires_grad_(True) for t in cpu]
+        with torch.cuda.device(0):
+            o, s = fast_weight_attention(*inputs, rule=rule, backend="triton", output_final_state=True)
+            grads = torch.autograd.grad(o.square().sum() + s.S.sum(), inputs)
+        results.append([t.cpu() for t in (o, s.S, *grads)])
+    for mine, ref in zip(*results):
+        assert rel_err(mine, ref) < 1e-6
+
+
 @interpret
 def test_rejects_unsupported_calls():
     q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in prepared(1, 8, 1, 16, 16))

@@ -47,8 +47,8 @@ def time_slice(inputs, start, end):
 def outputs_and_grads(inputs, y, h):
     """`[y, final_state, grads of x, dt, A, B, C, D, initial_state]` for a fixed random linear loss."""
     g = torch.Generator().manual_seed(1)
-    gy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.dtype)
-    gh = torch.randn(h.shape, generator=g, dtype=torch.float64).to(h.dtype)
+    gy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.device, y.dtype)
+    gh = torch.randn(h.shape, generator=g, dtype=torch.float64).to(h.device, h.dtype)
     names = ["x", "dt", "A", "B", "C", "D", "initial_state"]
     grads = torch.autograd.grad((y * gy).sum() + (h * gh).sum(), [inputs[k] for k in names])
     return [y.detach(), h.detach(), *grads]

@@ -223,6 +223,17 @@ def test_large_shape(dtype):
     assert_close({k: v.float() for k, v in out.items()}, ref, TOL if dtype == torch.float32 else 3e-2)
 
 
+@pytest.mark.skipif(not ON_GPU or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_kernels_run_on_the_tensors_gpu():
+    """Tensors on cuda:1 while cuda:0 is current: the kernels launch there and give cuda:0's results."""
+    inputs = inputs_on_device(2, 50, 2, 16, 1, 16, seed=4)
+    ref = run_all(inputs, backend="triton", chunk_size=16)
+    with torch.cuda.device(0):
+        out = run_all({k: v.detach().to("cuda:1").requires_grad_() for k, v in inputs.items()}, backend="triton",
+                      chunk_size=16)
+    assert_close({k: v.to(DEVICE) for k, v in out.items()}, ref, 1e-6)
+
+
 # ---------------------------------------------------------------------------------- custom ops and compile
 
 

@@ -23,6 +23,7 @@ import os
 import torch
 
 from hybridlm.ops.fast_weight.triton import DTYPES, MAX_HEAD_DIM
+from hybridlm.ops.utils import on_tensor_device
 
 _FWD_SCHEMA = "(Tensor q, Tensor x, Tensor y, Tensor eta, Tensor log_gamma, Tensor? S0, bool read_after, " \
               "int chunk_size) -> (Tensor, Tensor)"
@@ -137,7 +138,8 @@ def _register(rule: str, name: str) -> None:
     def fwd(q, x, y, eta, log_gamma, S0, read_after, chunk_size):
         q, x, y, eta, log_gamma = (t.contiguous() for t in (q, x, y, eta, log_gamma))
         S0 = None if S0 is None else S0.contiguous()
-        return _implementation(rule).forward(q, x, y, eta, log_gamma, S0, read_after, chunk_size)
+        with on_tensor_device(q):
+            return _implementation(rule).forward(q, x, y, eta, log_gamma, S0, read_after, chunk_size)
 
     @fwd.register_fake
     def _(q, x, y, eta, log_gamma, S0, read_after, chunk_size):
@@ -150,7 +152,8 @@ def _register(rule: str, name: str) -> None:
         do, q, x, y, eta, log_gamma = (t.contiguous() for t in (do, q, x, y, eta, log_gamma))
         S0 = None if S0 is None else S0.contiguous()
         dS_final = None if dS_final is None else dS_final.float().contiguous()
-        return _implementation(rule).backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after, chunk_size)
+        with on_tensor_device(q):
+            return _implementation(rule).backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after, chunk_size)
 
     @bwd.register_fake
     def _(do, dS_final, q, x, y, eta, log_gamma, S0, read_after, chunk_size):
@@ -191,8 +194,9 @@ def _register_prepare() -> None:
 
         k, v, beta, lam = (t.contiguous() for t in (k, v, beta, lam))
         last_k = None if last_k is None else last_k.contiguous()
-        return prepare.forward(k, v, beta, lam, last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps,
-                               eps_gamma)
+        with on_tensor_device(k):
+            return prepare.forward(k, v, beta, lam, last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps,
+                                   eps_gamma)
 
     @fwd.register_fake
     def _(k, v, beta, lam, last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps, eps_gamma):
@@ -211,8 +215,9 @@ def _register_prepare() -> None:
         dx, dy, deta, dlog_gamma, k, v, beta, lam = (t.contiguous() for t in (dx, dy, deta, dlog_gamma, k, v, beta,
                                                                                 lam))
         last_k = None if last_k is None else last_k.contiguous()
-        return prepare.backward(dx.to(k.dtype), dy.to(v.dtype), deta.float(), dlog_gamma.float(), k, v, beta, lam,
-                                last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps, eps_gamma)
+        with on_tensor_device(k):
+            return prepare.backward(dx.to(k.dtype), dy.to(v.dtype), deta.float(), dlog_gamma.float(), k, v, beta,
+                                    lam, last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps, eps_gamma)
 
     @bwd.register_fake
     def _(dx, dy, deta, dlog_gamma, k, v, beta, lam, last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps,

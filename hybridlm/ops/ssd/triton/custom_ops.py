@@ -14,6 +14,7 @@ import os
 import torch
 
 from hybridlm.ops.ssd.triton import DTYPES, MAX_D_STATE, MAX_HEAD_DIM
+from hybridlm.ops.utils import on_tensor_device
 
 _FWD_SCHEMA = "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? h0, int chunk_size) " \
               "-> (Tensor, Tensor)"
@@ -81,7 +82,8 @@ def _contiguous(*tensors):
 
 @torch.library.custom_op("hybridlm::ssd_fwd", mutates_args=(), schema=_FWD_SCHEMA)
 def _ssd_fwd(x, dt, A, B, C, D, h0, chunk_size):
-    return _implementation().forward(*_contiguous(x, dt, A, B, C, D, h0), chunk_size)
+    with on_tensor_device(x):
+        return _implementation().forward(*_contiguous(x, dt, A, B, C, D, h0), chunk_size)
 
 
 @_ssd_fwd.register_fake
@@ -93,7 +95,8 @@ def _(x, dt, A, B, C, D, h0, chunk_size):
 @torch.library.custom_op("hybridlm::ssd_bwd", mutates_args=(), schema=_BWD_SCHEMA)
 def _ssd_bwd(dy, dh_final, x, dt, A, B, C, D, h0, chunk_size):
     dh_final = None if dh_final is None else dh_final.float()
-    return _implementation().backward(*_contiguous(dy, dh_final, x, dt, A, B, C, D, h0), chunk_size)
+    with on_tensor_device(x):
+        return _implementation().backward(*_contiguous(dy, dh_final, x, dt, A, B, C, D, h0), chunk_size)
 
 
 @_ssd_bwd.register_fake
