@@ -64,9 +64,9 @@ def fast_weight_attention(
             per-column decays cost O(C^2 V) exponentials per chunk instead of matmuls).
         backend: "auto" | "naive" | "recurrent" | "chunk" | "triton". "recurrent" is the step loop vectorized
             over rows (no cu_seqlens). "auto" takes it for T == 1 (decoding; naive with cu_seqlens), the
-            Triton kernels on CUDA for the GPU-verified rules (1A, 3A; K, V <= 128; float32/bf16/fp16) when
-            triton is installed, and the chunk path otherwise. "triton" also runs rules 1 and 2A (forward and backward
-            kernels; rule 1 only partly checked on a GPU so far, 2A not yet: benchmarks/RESULTS.md).
+            Triton kernels on CUDA for the rules checked and timed on a GPU (1A, 3A, 1; K, V <= 128;
+            float32/bf16/fp16) when triton is installed, and the chunk path otherwise. "triton" also runs rule 2A
+            (forward and backward kernels, checked on an H200, not yet timed: benchmarks/RESULTS.md).
 
     Returns:
         o `[B, T, H, V]` in q's dtype, and the final state (float32; float64 for float64 inputs) or None.
