@@ -12,7 +12,10 @@
      differ: the gated delta rule also decays the correction term, rule 1 does not).
    The shifted pairing (our default) writes (k_{t-1}, v_t), which fla has no option for; the timing uses it.
 2. Timing (median of `triton.testing.do_bench`), forward and forward+backward, bf16: SDPA (causal), ours 1A and
-   rule 1 (shifted pairing, NLMS steps: what the model runs), fla simple GLA and gated delta rule; ratios to SDPA.
+   rule 1 (shifted pairing, NLMS steps: what the model runs), fla simple GLA, gated delta rule and (ungated)
+   delta rule. fla 0.6 refuses its gated backward kernels on Hopper with Triton >= 3.4 and < 3.7.1 (fla issue
+   #640: wrong results there), so on an H200 with Triton 3.6 the forward + backward rows of simple GLA and the gated
+   delta rule print "refused"; `chunk_delta_rule` (no decay) is then rule 1's forward + backward peer.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ def agreement(B: int, T: int, H: int, D: int) -> dict[str, float]:
 
 
 def timings(B: int, T: int, H: int, D: int, *, backward: bool) -> dict[str, float]:
+    """Median ms per call; NaN where fla refuses the call (a RuntimeError raised before any kernel runs)."""
+    from fla.ops.delta_rule import chunk_delta_rule
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.simple_gla import chunk_simple_gla
 
@@ -78,8 +83,22 @@ def timings(B: int, T: int, H: int, D: int, *, backward: bool) -> dict[str, floa
         "ours 1": lambda: fast_weight_attention(q, k, v, beta, lam, rule="1", backend="triton")[0],
         "fla simple GLA": lambda: chunk_simple_gla(q, k, v, g=log_gamma, scale=scale)[0],
         "fla gated delta": lambda: chunk_gated_delta_rule(q, k, v, g=log_gamma, beta=beta.to(q.dtype), scale=scale)[0],
+        "fla delta": lambda: chunk_delta_rule(q, k, v, beta=beta.to(q.dtype), scale=scale)[0],
     }
-    return {name: bench(fn, backward=backward, inputs=leaves) for name, fn in calls.items()}
+    out = {}
+    for name, fn in calls.items():
+        try:
+            out[name] = bench(fn, backward=backward, inputs=leaves)
+        except RuntimeError as error:
+            if not name.startswith("fla"):
+                raise
+            print(f"  {name} refused at T={T}: {str(error).splitlines()[0][:100]}", flush=True)
+            out[name] = math.nan
+    return out
+
+
+def cell(value: float, digits: int = 2, suffix: str = "") -> str:
+    return "refused" if math.isnan(value) else f"{value:.{digits}f}{suffix}"
 
 
 def main() -> None:
@@ -96,15 +115,16 @@ def main() -> None:
     if max(errors.values()) > 1e-2:
         raise SystemExit("ours and fla disagree: fix that before timing anything")
     print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · B={args.B} H={args.H} D={args.D} bf16, ms")
-    names = ["SDPA", "ours 1A", "ours 1", "fla simple GLA", "fla gated delta"]
-    print("| T | pass | " + " | ".join(names) + " | ours 1A / fla GLA | ours 1 / fla GDN |")
-    print("|---|---|" + "---|" * (len(names) + 2))
+    names = ["SDPA", "ours 1A", "ours 1", "fla simple GLA", "fla gated delta", "fla delta"]
+    ratios = [("ours 1A", "fla simple GLA"), ("ours 1", "fla gated delta"), ("ours 1", "fla delta")]
+    print("| T | pass | " + " | ".join(names) + " | ours 1A / fla GLA | ours 1 / fla GDN | ours 1 / fla delta |")
+    print("|---|---|" + "---|" * (len(names) + len(ratios)))
     for T in args.T:
         for backward in (False, True):
             ms = timings(args.B, T, args.H, args.D, backward=backward)
-            row = " | ".join(f"{ms[n]:.2f}" for n in names)
-            print(f"| {T} | {'fwd+bwd' if backward else 'fwd'} | {row} | {ms['ours 1A'] / ms['fla simple GLA']:.2f}x "
-                  f"| {ms['ours 1'] / ms['fla gated delta']:.2f}x |", flush=True)
+            row = " | ".join(cell(ms[n]) for n in names)
+            ratio_cells = " | ".join(cell(ms[a] / ms[b], suffix="x") for a, b in ratios)
+            print(f"| {T} | {'fwd+bwd' if backward else 'fwd'} | {row} | {ratio_cells} |", flush=True)
 
 
 if __name__ == "__main__":

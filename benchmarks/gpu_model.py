@@ -3,6 +3,7 @@
     python benchmarks/gpu_model.py                                 # ~125M shape, T 4096 16384, bf16 autocast
     python benchmarks/gpu_model.py --lengths 4096 --contexts 1024 8192 32768 --json out.json
     python benchmarks/gpu_model.py --cpu --preset tiny --lengths 256 --contexts 128 512   # smoke run
+    python benchmarks/gpu_model.py --lengths --contexts 4096 --profile-decode               # where a step's time goes
 
 Variants of one shape (`configs/hybrid-125m.yaml`'s model: d 768, 12 blocks, 12 query / 4 KV heads, SSM 1024
 channels = 16 heads x 64; or `--preset`), each measured in this one process:
@@ -16,6 +17,8 @@ channels = 16 heads x 64; or `--preset`), each measured in this one process:
 2. Prefill (no grad, with a decoding cache) of C tokens, and the median time of one decoding step after it;
    the decode ratio to the shortest context shows which models' per-token cost grows with the context
    (Falcon-H1 hybrids keep attention in every block: their KV cache grows; a pure SSM stays flat).
+3. `--profile-decode`: `torch.profiler` over 3 decoding steps at the first context, per variant: the operators with
+   the most device (or CPU) time and the number of kernel launches, to tell per-step overhead from the math.
 """
 
 from __future__ import annotations
@@ -89,6 +92,30 @@ def training(model, *, length: int, device: torch.device, repeats: int) -> dict:
 
 
 @torch.no_grad()
+def profile_decoding(model, *, context: int, device: torch.device, rows: int = 12) -> str:
+    """A profiler table of 3 decoding steps after a prefill of `context` tokens (operators by self device time on
+    CUDA, self CPU time on the CPU), with the count of kernel launches per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        cache = model(ids, cache=model.new_cache()).cache
+        cache = model(ids[:, -1:], cache=cache).cache  # one step outside the profile (first-call work)
+        sync(device)
+        with profile(activities=activities) as prof:
+            for _ in range(3):
+                cache = model(ids[:, -1:], cache=cache).cache
+            sync(device)
+    model.train()
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return f"kernel launches per step: {launches / 3:.0f}\n" + events.table(sort_by=sort, row_limit=rows)
+
+
+@torch.no_grad()
 def decoding(model, *, context: int, device: torch.device, steps: int) -> dict:
     model.eval()
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
@@ -113,11 +140,12 @@ def decoding(model, *, context: int, device: torch.device, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="125m", help="'125m' (the shape above) or any preset name")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384], help="training tokens per row")
+    parser.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384], help="training tokens per row")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--profile-decode", action="store_true", help="print a profile of decoding steps per variant")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run of this script)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -139,6 +167,9 @@ def main() -> None:
         for context in args.contexts:
             rows.append({"variant": variant, "context": context,
                          **decoding(model, context=context, device=device, steps=args.decode_steps)})
+        if args.profile_decode:
+            print(f"\n### decoding profile: {variant}, context {args.contexts[0]}\n"
+                  + profile_decoding(model, context=args.contexts[0], device=device), flush=True)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -39,7 +39,8 @@ def add_commands(subparsers) -> None:
                             ("batch-size", int, "examples per step"), ("lr", float, "peak learning rate"),
                             ("warmup", int, "warmup steps (default: 10%% of --steps when --steps is given)"),
                             ("curriculum-steps", int, "grow the widest training width from --curriculum-start to "
-                                                      "--train-max-width over this many steps (default 0: off)"),
+                                                      "--train-max-width over this many steps (default 2000; 0: the paper's "
+                                                      "uniform widths from the start)"),
                             ("curriculum-start", int, "widest training width at step 0 of the curriculum (default 4)"),
                             ("eval-per-width", int, "held-out pairs per width"),
                             ("val-per-width", int, "held-out pairs per width for checkpoint selection"),

@@ -104,7 +104,7 @@ def test_eval_sets_are_fixed_and_summarized_like_table_3():
 
 
 def test_width_curriculum_grows_the_cap_then_stays_at_the_maximum():
-    assert [A.AdditionRecipe().max_width_at(s) for s in (0, 10, 10_000)] == [32, 32, 32]  # off by default
+    assert [A.AdditionRecipe(curriculum_steps=0).max_width_at(s) for s in (0, 10, 10_000)] == [32, 32, 32]  # off
     recipe = A.AdditionRecipe(curriculum_steps=100, curriculum_start=4)
     caps = [recipe.max_width_at(s) for s in range(0, 120)]
     assert caps[0] == 4 and caps[50] == 4 + 28 * 50 // 100 and caps[99] == 31 and caps[100:] == [32] * 20
