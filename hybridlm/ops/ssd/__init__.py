@@ -2,8 +2,8 @@
 
 Backends: "naive" (loop over time steps, the specification, `naive.py`) and "chunk" (the chunked
 SSD algorithm in plain torch, `chunk.py`); "auto" picks "chunk". "triton" (the chunked algorithm in Triton
-kernels, `triton/`) runs only when asked for: it has not been checked on a GPU yet. The math: README.md in this
-folder.
+kernels, `triton/`) runs only when asked for: it passes its tests on an H200 but has not been shown faster than
+"chunk" (benchmarks/RESULTS.md). The math: README.md in this folder.
 """
 
 from __future__ import annotations
