@@ -9,13 +9,16 @@ forward and forward+backward of:
 - SDPA: causal `F.scaled_dot_product_attention` on the same q, k, v (flash / cuDNN backend);
 - chunk: `fast_weight_attention(..., backend="chunk")` (the torch chunk path; window 3 for 3A);
 - triton: the same op through the Triton backend (raw q, k, v, beta, lam -> prepared writes -> kernels);
-- kernels (1A): `fast_weight_1a_triton` alone on prepared writes (the kernels without the preparation).
+- kernels (1A): `fast_weight_1a_triton` alone on prepared writes (the kernels without the preparation);
+- fused states (1A, 3A): the triton op again with `chunk_1a.FUSED_STATES` on (the state stages as one kernel), to
+  decide whether it becomes the default.
 Prints a markdown table with the ratios triton / SDPA and chunk / triton.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 from gpu_ops import bench  # benchmarks/ is on the path when this script runs
 
 from hybridlm.ops import FastWeightState, fast_weight_attention
-from hybridlm.ops.fast_weight.triton import fast_weight_1a_triton, fast_weight_triton
+from hybridlm.ops.fast_weight.triton import chunk_1a, fast_weight_1a_triton, fast_weight_triton
 
 WINDOW = {"1A": 1, "3A": 3, "1": 1}
 
@@ -71,16 +74,22 @@ def check(rule, *, B=2, T=1000, H=4, D=128, chunk_size=64) -> None:
     o_ref, s_ref = run_chunk(*ref_in, rule=rule, chunk_size=chunk_size, initial_state=state, output_final_state=True)
     w_o, w_s = torch.randn_like(o_ref), torch.randn_like(s_ref.S)
     g_ref = torch.autograd.grad((o_ref * w_o).sum() + (s_ref.S * w_s).sum(), ref_in + [state.S])
-    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+    variants = (False, True) if rule in ("1A", "3A") else (False,)  # without / with chunk_1a.FUSED_STATES
+    for (dtype, tol), fused in itertools.product(((torch.float32, 1e-4), (torch.bfloat16, 2e-2)), variants):
         ins = [t.detach().to(dtype).requires_grad_(True) for t in ref_in]
         start = state.detach()
         start.S.requires_grad_(True)
-        o, s = run_triton(*ins, rule=rule, chunk_size=chunk_size, initial_state=start, output_final_state=True)
-        grads = torch.autograd.grad((o.float() * w_o).sum() + (s.S * w_s).sum(), ins + [start.S])
+        previous, chunk_1a.FUSED_STATES = chunk_1a.FUSED_STATES, fused
+        try:
+            o, s = run_triton(*ins, rule=rule, chunk_size=chunk_size, initial_state=start, output_final_state=True)
+            grads = torch.autograd.grad((o.float() * w_o).sum() + (s.S * w_s).sum(), ins + [start.S])
+        finally:
+            chunk_1a.FUSED_STATES = previous
         errors = {"o": rel_err(o, o_ref), "S": rel_err(s.S, s_ref.S)}
         errors.update({f"d{n}": rel_err(a, b) for n, a, b in zip(("q", "k", "v", "beta", "lam", "S0"), grads, g_ref)})
         worst = max(errors.values())
-        print(f"check {rule} {str(dtype)[6:]} B={B} T={T} H={H} D={D}: max rel err {worst:.1e} "
+        label = f"{rule}{' fused states' if fused else ''} {str(dtype)[6:]}"
+        print(f"check {label} B={B} T={T} H={H} D={D}: max rel err {worst:.1e} "
               f"({', '.join(f'{k} {v:.1e}' for k, v in errors.items())})", flush=True)
         if not worst < tol:
             raise SystemExit(f"Triton and chunk backends disagree for {rule} in {dtype} (tolerance {tol}); not timing")
@@ -99,8 +108,9 @@ def main() -> None:
         check(rule, chunk_size=args.chunk_size)
     print(f"\n# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | window 3 for 3A")
-    print("| rule | T | pass | SDPA (ms) | chunk (ms) | triton (ms) | kernels (ms) | triton / SDPA | chunk / triton |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| rule | T | pass | SDPA (ms) | chunk (ms) | triton (ms) | kernels (ms) | fused states (ms) | triton / SDPA "
+          "| chunk / triton |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for T in args.T:
         for rule in args.rules:
             for line in time_one(rule, args.B, T, args.H, args.D, torch.bfloat16, chunk_size=args.chunk_size):
@@ -129,6 +139,14 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size):
             "triton": bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0], backward=backward,
                             inputs=inputs),
         }
+        fused = "-"
+        if rule in ("1A", "3A"):
+            previous, chunk_1a.FUSED_STATES = chunk_1a.FUSED_STATES, True
+            try:
+                fused = "{:.2f}".format(bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0],
+                                              backward=backward, inputs=inputs))
+            finally:
+                chunk_1a.FUSED_STATES = previous
         kernels = "-"
         if prepared is not None:
             kernels = "{:.2f}".format(bench(lambda: fast_weight_1a_triton(*prepared, None, read_after=True,
@@ -143,7 +161,7 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size):
             chunk_cells = "out of memory", "-"
         name = "fwd+bwd" if backward else "fwd"
         rows.append(f"| {rule} | {T} | {name} | {ms['sdpa']:.2f} | {chunk_cells[0]} | {ms['triton']:.2f} | {kernels} | "
-                    f"{ms['triton'] / ms['sdpa']:.2f}x | {chunk_cells[1]} |")
+                    f"{fused} | {ms['triton'] / ms['sdpa']:.2f}x | {chunk_cells[1]} |")
     return rows
 
 

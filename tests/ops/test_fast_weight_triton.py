@@ -129,6 +129,30 @@ def test_matches_reference(rule, dtype, T, chunk_size, read_after):
     check_against_reference(rows, T, 2, 16, 24, dtype=dtype, chunk_size=chunk_size, read_after=read_after, rule=rule)
 
 
+FUSED_CASES = [(130, 16, True, True, 16, 24), (63, 16, False, False, 16, 24), (1, 16, True, True, 16, 24),
+               (200, 64, False, True, 100, 40)]
+
+
+@interpret
+@pytest.mark.parametrize("T,chunk_size,read_after,with_S0,K,V", FUSED_CASES,
+                         ids=[f"T{c[0]}-C{c[1]}-{'after' if c[2] else 'before'}-{'S0' if c[3] else 'noS0'}-K{c[4]}V{c[5]}"
+                              for c in FUSED_CASES])
+def test_fused_state_scan_matches_reference(monkeypatch, T, chunk_size, read_after, with_S0, K, V):
+    """`chunk_1a.FUSED_STATES`: the state stages (1) + (2) and (1') + (2') as one kernel give rule 1A's outputs, final
+    state and every gradient of the step loop (several key / value blocks with K = 100, V = 40), also when only
+    the outputs or only the final state carry a gradient."""
+    from hybridlm.ops.fast_weight.triton import chunk_1a
+
+    monkeypatch.setattr(chunk_1a, "FUSED_STATES", True)
+    check_against_reference(2, T, 2, K, V, dtype=torch.float32, chunk_size=chunk_size, read_after=read_after,
+                            with_S0=with_S0)
+    check_against_reference(1, T, 2, K, V, dtype=torch.float16, chunk_size=chunk_size, read_after=read_after,
+                            with_S0=with_S0)
+    for grad_o, grad_S in ((True, False), (False, True)):
+        check_against_reference(1, T, 2, K, V, dtype=torch.float32, chunk_size=chunk_size, read_after=read_after,
+                                with_S0=with_S0, grad_o=grad_o, grad_S=grad_S)
+
+
 @interpret
 @pytest.mark.parametrize("rule", KERNELS)
 @pytest.mark.parametrize("K,V", [(128, 128), (64, 128), (100, 40)])

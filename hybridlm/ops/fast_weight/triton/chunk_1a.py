@@ -7,15 +7,25 @@ Forward: chunk-local cumulative decays -> (1) each chunk's contribution to the s
 giving every chunk's entry state and the final state -> (3) the outputs. Backward recomputes the entry states,
 runs the same two state stages on the gradients in reverse (dS of every chunk exit, and dS_0), then one kernel for
 dq, dx, d eta, d log_gamma and one for dy. `kernels.py` has the formulas.
+
+FUSED_STATES (`HYBRIDLM_TRITON_FUSED_STATES=1` before import, or the attribute) runs (1) + (2), and (1') + (2'), as
+one kernel (`kernels.state_scan_kernel`: the state block stays in registers while a program walks the chunks), the
+layout of flash-linear-attention's state kernels; it saves two passes over the float32 per-chunk state buffer. Same
+results (checked under the interpreter: tests/ops/test_fast_weight_triton.py); off by default until it is timed
+on a GPU against the two-kernel form (`benchmarks/gpu_fast_weight_triton.py` prints both).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 
 from hybridlm.ops.fast_weight.triton import kernels
 from hybridlm.ops.fast_weight.triton.custom_ops import _interpreting
+
+FUSED_STATES = os.environ.get("HYBRIDLM_TRITON_FUSED_STATES", "0") == "1"
 
 
 def forward(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,10 +96,21 @@ class _Plan(ChunkPlan):
     def states(self, x, y, eta, L, S0):
         """(1) + (2): the entry state of every chunk [N * H, n_chunks, K, V] and the final state [N, H, K, V]."""
         h = self.state_buffer()
-        self._outer(x, y, eta, L, h, grad=False)
         final = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
-        self._pass(h, S0, final, L, reverse=False)
+        if FUSED_STATES:
+            self._scan(x, y, eta, L, h, S0, final, grad=False)
+        else:
+            self._outer(x, y, eta, L, h, grad=False)
+            self._pass(h, S0, final, L, reverse=False)
         return h, final
+
+    def _scan(self, a, b, eta, L, h, init, final, *, grad: bool) -> None:
+        """(1) + (2) (or with grad, (1') + (2') in reverse) as one kernel; see FUSED_STATES."""
+        BK, BV = self.BK, _block(self.V, 32)  # the pass's blocks: more programs for the sequential walk
+        kernels.state_scan_kernel[(-(-self.K // BK) * -(-self.V // BV), self.N * self.H)](
+            a, b, eta, L, h, h if init is None else init, final, self.T, self.T_pad, self.n_chunks, self.H,
+            **self.sizes, BK=BK, BV=BV, HAS_INIT=init is not None, READ_AFTER=self.read_after, GRAD=grad,
+            REVERSE=grad, PREC=self.prec, INTERPRET=_interpreting(), num_warps=4)
 
     def _outer(self, a, b, eta, L, out, *, grad: bool) -> None:
         kernels.chunk_outer_kernel[(self._n_state_blocks(), self.n_chunks, self.N * self.H)](
@@ -112,10 +133,13 @@ class _Plan(ChunkPlan):
     def state_grads(self, q, do, L, dS_final):
         """(1') + (2'): dL/dS at every chunk's exit [N * H, n_chunks, K, V] and dL/dS_0 [N, H, K, V]."""
         g = self.state_buffer()
-        self._outer(q, do, L, L, g, grad=True)  # (eta is unused)
         dS0 = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
         init = None if dS_final is None else dS_final.to(torch.float32).contiguous()
-        self._pass(g, init, dS0, L, reverse=True)
+        if FUSED_STATES:
+            self._scan(q, do, L, L, g, init, dS0, grad=True)  # (eta is unused)
+        else:
+            self._outer(q, do, L, L, g, grad=True)  # (eta is unused)
+            self._pass(g, init, dS0, L, reverse=True)
         return g, dS0
 
     def grad_qx(self, q, x, y, eta, L, do, states, dstates, lg_dtype):

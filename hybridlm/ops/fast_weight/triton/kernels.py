@@ -170,6 +170,62 @@ def state_pass_kernel(h_ptr, init_ptr, final_ptr, L_ptr, T_pad, n_chunks,
     tl.store(final_ptr + offs0, S, mask=mask)
 
 
+@triton.jit
+def _scan_step(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, S, i, i_nh, T, T_pad, n_chunks, H, K: tl.constexpr,
+               V: tl.constexpr, BT: tl.constexpr, rk, rv, mask, READ_AFTER: tl.constexpr, GRAD: tl.constexpr,
+               REVERSE: tl.constexpr, PREC: tl.constexpr):
+    """One chunk of the fused scan: h[c] <- S (the state carried into chunk c), return exp(L_last_c) S + contrib_c
+    with contrib_c as `chunk_outer_kernel` computes it, from registers instead of a buffer."""
+    if REVERSE:
+        i_c = n_chunks - 1 - i
+    else:
+        i_c = i
+    offs, _ = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
+    tl.store(h_ptr + offs, S, mask=mask)
+    i_n, i_h = i_nh // H, i_nh % H
+    t = i_c * BT + tl.arange(0, BT)
+    a = _load_rows(a_ptr, i_n, i_h, t, T, H, K, rk)                                         # [BT, BK]
+    b = _load_rows(b_ptr, i_n, i_h, t, T, H, V, rv)                                         # [BT, BV]
+    L, Lr, L_last = _decays(L_ptr, i_nh, i_c, T_pad, BT, READ_AFTER)
+    if GRAD:
+        coef = tl.exp(Lr)
+    else:
+        coef = tl.exp(L_last - L) * _load_steps(eta_ptr, i_n, i_h, t, T, H)                 # [BT]
+    contrib = tl.dot(tl.trans((a * coef[:, None]).to(a.dtype)), b, input_precision=PREC)    # [BK, BV] fp32
+    return tl.exp(L_last) * S + contrib
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def state_scan_kernel(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, init_ptr, final_ptr, T, T_pad, n_chunks, H,
+                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      HAS_INIT: tl.constexpr, READ_AFTER: tl.constexpr, GRAD: tl.constexpr, REVERSE: tl.constexpr,
+                      PREC: tl.constexpr, INTERPRET: tl.constexpr):
+    """(1) + (2) in one kernel (or (1') + (2') with GRAD and REVERSE): each program keeps one [BK, BV] block of the
+    carried state in registers and walks the chunks, writing the state carried into every chunk to h and the last
+    one to final. The same arithmetic as `chunk_outer_kernel` followed by `state_pass_kernel`, without writing the
+    per-chunk contributions to h and reading them back (two of the four passes over the [N * H, n_chunks, K, V]
+    float32 buffer); the chunks of one program run one after another, as in the pass. Grid (nK * nV, N * H)."""
+    i_kv, i_nh = tl.program_id(0), tl.program_id(1)
+    i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
+    rk, rv = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    offs0, mask = _state_offsets(i_nh, 0, 1, K, V, rk, rv)                                  # [K, V] of row nh
+    if HAS_INIT:
+        S = tl.load(init_ptr + offs0, mask=mask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+    if INTERPRET:
+        i = 0
+        while i < n_chunks:
+            S = _scan_step(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, S, i, i_nh, T, T_pad, n_chunks, H, K, V, BT, rk, rv,
+                           mask, READ_AFTER, GRAD, REVERSE, PREC)
+            i += 1
+    else:
+        for i in range(n_chunks):
+            S = _scan_step(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, S, i, i_nh, T, T_pad, n_chunks, H, K, V, BT, rk, rv,
+                           mask, READ_AFTER, GRAD, REVERSE, PREC)
+    tl.store(final_ptr + offs0, S, mask=mask)
+
+
 @triton.autotune(configs=_configs(), key=_KEY)
 @triton.jit(do_not_specialize=_SIZES)
 def output_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, h_ptr, o_ptr, T, T_pad, n_chunks, H,
