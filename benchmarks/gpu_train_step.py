@@ -4,6 +4,7 @@
     python benchmarks/gpu_train_step.py --models fw-1A transformer --batch-size 256 --json out.json
     python benchmarks/gpu_train_step.py --compile --steps 60             # through torch.compile (CUDA graphs)
     python benchmarks/gpu_train_step.py --compile --ssm-backend chunk    # the torch chunk path in the SSM mixers
+    python benchmarks/gpu_train_step.py --models fw-1A --profile          # where an update's GPU time goes
 
 The models and the batch are those of `hybridlm bench addition` (size "small", batch 256 of 101 tokens).
 For each model: the median wall time of an update through `train_on_task` (AdamW, clipping, bf16
@@ -12,6 +13,8 @@ overlap of the host's launches and the GPU's work) and its ratio to the Transfor
 `--compile` times the updates of `bench addition --compile` (inductor, "reduce-overhead"); the first
 updates, which compile and record the graphs, are left out of the median. `--ssm-backend` sets the op backend of
 every fast-weight and Mamba-2 mixer ("auto": Triton kernels for the rules that have them, the chunk path for SSD).
+`--profile` adds, per model, a `torch.profiler` table of 3 updates after the timed ones: the kernels with the most
+GPU time, and the count of kernel launches per update.
 """
 
 from __future__ import annotations
@@ -34,19 +37,34 @@ from hybridlm.layers.mamba2 import Mamba2Mixer
 MODELS = ("transformer", "mamba2", "fw-1A", "fw-3A", "fw-1", "hybrid-fw-3A", "hybrid-mamba2")
 
 
-def timed_run(name: str, *, steps: int, batches: list[dict], compile: bool, ssm_backend: str) -> float:
+def timed_run(name: str, *, steps: int, batches: list[dict], compile: bool, ssm_backend: str,
+              profile: bool = False) -> float:
     model = build_model(task_config(name, vocab_size=MODEL_VOCAB_SIZE, size="small"), seed=0)
     for module in model.modules():
         if isinstance(module, (FastWeightMixer, Mamba2Mixer)):
             module.backend = ssm_backend
     stamps: list[float] = []
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                  torch.profiler.ProfilerActivity.CUDA])
+    profiled = range(steps, steps + 3) if profile else range(0)
 
     def batch_fn(step: int) -> dict:
         torch.cuda.synchronize()  # measures the update before this one end to end
         stamps.append(time.perf_counter())
+        if step == profiled.start and profile:
+            profiler.start()
         return batches[step % len(batches)]
 
-    train_on_task(model, batch_fn, steps=steps, lr=1e-3, device="cuda", compile=compile)
+    train_on_task(model, batch_fn, steps=steps + len(profiled), lr=1e-3, device="cuda", compile=compile)
+    if profile:
+        torch.cuda.synchronize()
+        profiler.stop()
+        events = profiler.key_averages()
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                            "cudaGraphLaunch"))
+        print(f"\n### {name}: 3 updates profiled, {launches / 3:.0f} kernel / graph launches per update")
+        print(events.table(sort_by="self_cuda_time_total", row_limit=15), flush=True)
+        stamps = stamps[:steps]
     deltas = [b - a for a, b in itertools.pairwise(stamps[10:])]  # past compilation
     return 1e3 * statistics.median(deltas)
 
@@ -58,6 +76,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--compile", action="store_true", help="train through torch.compile (reduce-overhead)")
     parser.add_argument("--ssm-backend", default="auto", choices=["auto", "chunk", "triton"])
+    parser.add_argument("--profile", action="store_true", help="print a GPU profile of 3 updates per model")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -65,7 +84,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · batch {args.batch_size} x "
           f"{batches[0]['input_ids'].shape[1]} tokens · median of {args.steps - 11} updates"
           + (" · torch.compile reduce-overhead" if args.compile else " · eager") + f" · SSM backend {args.ssm_backend}")
-    options = {"steps": args.steps, "batches": batches, "compile": args.compile, "ssm_backend": args.ssm_backend}
+    options = {"steps": args.steps, "batches": batches, "compile": args.compile, "ssm_backend": args.ssm_backend,
+               "profile": args.profile}
     baseline = timed_run("transformer", **options)
     print(f"{'model':<16}{'ms/update':>10}{'/ transformer':>15}")
     rows = []
