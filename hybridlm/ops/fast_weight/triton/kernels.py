@@ -99,20 +99,14 @@ def _causal_decay(L, Lr, BT: tl.constexpr, READ_AFTER: tl.constexpr):
     return tl.exp(tl.where(seen, Lr[:, None] - L[None, :], float("-inf")))
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
-@triton.jit(do_not_specialize=_SIZES)
-def chunk_outer_kernel(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, T, T_pad, n_chunks, H,
-                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       READ_AFTER: tl.constexpr, GRAD: tl.constexpr, PREC: tl.constexpr):
-    """h[nh, c] = sum_t coef_t a_t b_t^T, one [BK, BV] block; a is [N, T, H, K], b [N, T, H, V].
+@triton.jit
+def _contribution(a_ptr, b_ptr, eta_ptr, L_ptr, i_nh, i_c, T, T_pad, H, K: tl.constexpr, V: tl.constexpr,
+                  BT: tl.constexpr, rk, rv, READ_AFTER: tl.constexpr, GRAD: tl.constexpr, PREC: tl.constexpr):
+    """sum_t coef_t a_t b_t^T over chunk i_c, the [BK, BV] block (rk, rv), in fp32, and the chunk's L_last.
     (1) a = x, b = y, coef_t = exp(L_last - L_t) eta_t: the chunk's contribution to its exit state.
-    (1') GRAD: a = q, b = dO, coef_t = exp(Lr_t): the chunk's outputs' contribution to dL/dS_c.
-    Grid (nK * nV, n_chunks, N * H)."""
-    i_kv, i_c, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
+    (1') GRAD: a = q, b = dO, coef_t = exp(Lr_t): the chunk's outputs' contribution to dL/dS_c."""
     i_n, i_h = i_nh // H, i_nh % H
     t = i_c * BT + tl.arange(0, BT)
-    rk, rv = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     a = _load_rows(a_ptr, i_n, i_h, t, T, H, K, rk)                                         # [BT, BK]
     b = _load_rows(b_ptr, i_n, i_h, t, T, H, V, rv)                                         # [BT, BV]
     L, Lr, L_last = _decays(L_ptr, i_nh, i_c, T_pad, BT, READ_AFTER)
@@ -120,7 +114,21 @@ def chunk_outer_kernel(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, T, T_pad, n_chunks, 
         coef = tl.exp(Lr)
     else:
         coef = tl.exp(L_last - L) * _load_steps(eta_ptr, i_n, i_h, t, T, H)                 # [BT]
-    h = tl.dot(tl.trans((a * coef[:, None]).to(a.dtype)), b, input_precision=PREC)          # [BK, BV] fp32
+    return tl.dot(tl.trans((a * coef[:, None]).to(a.dtype)), b, input_precision=PREC), L_last
+
+
+@triton.autotune(configs=_configs(), key=_KEY)
+@triton.jit(do_not_specialize=_SIZES)
+def chunk_outer_kernel(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, T, T_pad, n_chunks, H,
+                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       READ_AFTER: tl.constexpr, GRAD: tl.constexpr, PREC: tl.constexpr):
+    """h[nh, c] = sum_t coef_t a_t b_t^T (`_contribution`), one [BK, BV] block; a is [N, T, H, K], b [N, T, H, V].
+    Grid (nK * nV, n_chunks, N * H)."""
+    i_kv, i_c, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
+    rk, rv = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    h, _ = _contribution(a_ptr, b_ptr, eta_ptr, L_ptr, i_nh, i_c, T, T_pad, H, K, V, BT, rk, rv, READ_AFTER, GRAD,
+                         PREC)
     offs, mask = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
     tl.store(h_ptr + offs, h, mask=mask)
 
@@ -140,6 +148,21 @@ def _pass_step(h_ptr, L_ptr, S, i, i_nh, T_pad, n_chunks, K: tl.constexpr, V: tl
     return decay * S + contrib
 
 
+@triton.jit
+def _carried_block(init_ptr, i_kv, i_nh, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   HAS_INIT: tl.constexpr):
+    """The sequential stages' start: program i_kv's [BK, BV] block of row nh's carried state (init, or zeros), its
+    rows and columns, and the offsets and mask of that block in a [N * H, K, V] tensor."""
+    i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
+    rk, rv = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    offs0, mask = _state_offsets(i_nh, 0, 1, K, V, rk, rv)                                  # [K, V] of row nh
+    if HAS_INIT:
+        S = tl.load(init_ptr + offs0, mask=mask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+    return S, rk, rv, offs0, mask
+
+
 @triton.jit(do_not_specialize=_SIZES)
 def state_pass_kernel(h_ptr, init_ptr, final_ptr, L_ptr, T_pad, n_chunks,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -151,14 +174,8 @@ def state_pass_kernel(h_ptr, init_ptr, final_ptr, L_ptr, T_pad, n_chunks,
 
     INTERPRET: a while loop (Triton 3.6's CPU interpreter cannot `range` over a runtime int with numpy >= 2.4);
     compiled kernels use the for loop, which Triton can software-pipeline."""
-    i_kv, i_nh = tl.program_id(0), tl.program_id(1)
-    i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
-    rk, rv = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    offs0, mask = _state_offsets(i_nh, 0, 1, K, V, rk, rv)                                  # [K, V] of row nh
-    if HAS_INIT:
-        S = tl.load(init_ptr + offs0, mask=mask, other=0.0).to(tl.float32)
-    else:
-        S = tl.zeros([BK, BV], dtype=tl.float32)
+    i_nh = tl.program_id(1)
+    S, rk, rv, offs0, mask = _carried_block(init_ptr, tl.program_id(0), i_nh, K, V, BK, BV, HAS_INIT)
     if INTERPRET:
         i = 0
         while i < n_chunks:
@@ -175,23 +192,15 @@ def _scan_step(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, S, i, i_nh, T, T_pad, n_chun
                V: tl.constexpr, BT: tl.constexpr, rk, rv, mask, READ_AFTER: tl.constexpr, GRAD: tl.constexpr,
                REVERSE: tl.constexpr, PREC: tl.constexpr):
     """One chunk of the fused scan: h[c] <- S (the state carried into chunk c), return exp(L_last_c) S + contrib_c
-    with contrib_c as `chunk_outer_kernel` computes it, from registers instead of a buffer."""
+    (`_contribution`), kept in registers instead of a buffer."""
     if REVERSE:
         i_c = n_chunks - 1 - i
     else:
         i_c = i
     offs, _ = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
     tl.store(h_ptr + offs, S, mask=mask)
-    i_n, i_h = i_nh // H, i_nh % H
-    t = i_c * BT + tl.arange(0, BT)
-    a = _load_rows(a_ptr, i_n, i_h, t, T, H, K, rk)                                         # [BT, BK]
-    b = _load_rows(b_ptr, i_n, i_h, t, T, H, V, rv)                                         # [BT, BV]
-    L, Lr, L_last = _decays(L_ptr, i_nh, i_c, T_pad, BT, READ_AFTER)
-    if GRAD:
-        coef = tl.exp(Lr)
-    else:
-        coef = tl.exp(L_last - L) * _load_steps(eta_ptr, i_n, i_h, t, T, H)                 # [BT]
-    contrib = tl.dot(tl.trans((a * coef[:, None]).to(a.dtype)), b, input_precision=PREC)    # [BK, BV] fp32
+    contrib, L_last = _contribution(a_ptr, b_ptr, eta_ptr, L_ptr, i_nh, i_c, T, T_pad, H, K, V, BT, rk, rv,
+                                    READ_AFTER, GRAD, PREC)
     return tl.exp(L_last) * S + contrib
 
 
@@ -205,14 +214,8 @@ def state_scan_kernel(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, init_ptr, final_ptr, 
     one to final. The same arithmetic as `chunk_outer_kernel` followed by `state_pass_kernel`, without writing the
     per-chunk contributions to h and reading them back (two of the four passes over the [N * H, n_chunks, K, V]
     float32 buffer); the chunks of one program run one after another, as in the pass. Grid (nK * nV, N * H)."""
-    i_kv, i_nh = tl.program_id(0), tl.program_id(1)
-    i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
-    rk, rv = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    offs0, mask = _state_offsets(i_nh, 0, 1, K, V, rk, rv)                                  # [K, V] of row nh
-    if HAS_INIT:
-        S = tl.load(init_ptr + offs0, mask=mask, other=0.0).to(tl.float32)
-    else:
-        S = tl.zeros([BK, BV], dtype=tl.float32)
+    i_nh = tl.program_id(1)
+    S, rk, rv, offs0, mask = _carried_block(init_ptr, tl.program_id(0), i_nh, K, V, BK, BV, HAS_INIT)
     if INTERPRET:
         i = 0
         while i < n_chunks:

@@ -44,7 +44,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybridlm.ops.fast_weight.triton.kernels import _SIZES, _configs, _load_rows, _state_offsets, _store_rows
+from hybridlm.ops.fast_weight.triton.kernels import (
+    _SIZES,
+    _carried_block,
+    _configs,
+    _load_rows,
+    _state_offsets,
+    _store_rows,
+)
 
 _KEY = ["K", "V", "BT", "READ_AFTER"]
 
@@ -137,14 +144,8 @@ def pass_2a_kernel(h_ptr, init_ptr, final_ptr, L_ptr, T_pad, n_chunks,
     """(F2)/(B1) The sequential pass over chunks, in place (as `kernels.state_pass_kernel`, with the decay per value
     column): h[c] holds chunk c's contribution on entry and the value carried into chunk c on exit (the entry states;
     REVERSE: dS' of every chunk). The last carried value goes to final [N * H, K, V]. Grid (nK * nV, N * H)."""
-    i_kv, i_nh = tl.program_id(0), tl.program_id(1)
-    i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
-    rk, rv = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    offs0, mask = _state_offsets(i_nh, 0, 1, K, V, rk, rv)
-    if HAS_INIT:
-        S = tl.load(init_ptr + offs0, mask=mask, other=0.0).to(tl.float32)
-    else:
-        S = tl.zeros([BK, BV], dtype=tl.float32)
+    i_nh = tl.program_id(1)
+    S, rk, rv, offs0, mask = _carried_block(init_ptr, tl.program_id(0), i_nh, K, V, BK, BV, HAS_INIT)
     if INTERPRET:  # Triton 3.6's interpreter cannot `range` over a runtime int with numpy >= 2.4
         i = 0
         while i < n_chunks:
