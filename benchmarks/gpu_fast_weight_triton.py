@@ -12,7 +12,9 @@ forward and forward+backward of:
 - kernels (1A): `fast_weight_1a_triton` alone on prepared writes (the kernels without the preparation);
 - fused states (1A, 3A): the triton op again with `chunk_1a.FUSED_STATES` on (the state stages as one kernel), to
   decide whether it becomes the default.
-Prints a markdown table with the ratios triton / SDPA and chunk / triton.
+Prints a markdown table with the ratios triton / SDPA and chunk / triton, and what the triton op's time means against
+the H200's measured ceilings (`roofline.py`: matmul TFLOP/s and the unavoidable bytes' TB/s, with the fractions
+of 716 TFLOP/s and 4.3 TB/s).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 from gpu_ops import bench  # benchmarks/ is on the path when this script runs
+from roofline import fast_weight_counts, utilization
 
 from hybridlm.ops import FastWeightState, fast_weight_attention
 from hybridlm.ops.fast_weight.triton import chunk_1a, fast_weight_1a_triton, fast_weight_triton
@@ -109,8 +112,8 @@ def main() -> None:
     print(f"\n# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | window 3 for 3A")
     print("| rule | T | pass | SDPA (ms) | chunk (ms) | triton (ms) | kernels (ms) | fused states (ms) | triton / SDPA "
-          "| chunk / triton |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| chunk / triton | triton TFLOP/s | triton TB/s (min. bytes) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for T in args.T:
         for rule in args.rules:
             for line in time_one(rule, args.B, T, args.H, args.D, torch.bfloat16, chunk_size=args.chunk_size):
@@ -160,8 +163,11 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size):
             torch.cuda.empty_cache()
             chunk_cells = "out of memory", "-"
         name = "fwd+bwd" if backward else "fwd"
+        flops, nbytes = fast_weight_counts(rule, B=B, T=T, H=H, K=D, V=D, chunk=chunk_size, backward=backward)
+        use = utilization(ms=ms["triton"], flops=flops, nbytes=nbytes)
         rows.append(f"| {rule} | {T} | {name} | {ms['sdpa']:.2f} | {chunk_cells[0]} | {ms['triton']:.2f} | {kernels} | "
-                    f"{fused} | {ms['triton'] / ms['sdpa']:.2f}x | {chunk_cells[1]} |")
+                    f"{fused} | {ms['triton'] / ms['sdpa']:.2f}x | {chunk_cells[1]} | {use['tflops']:.0f} "
+                    f"({100 * use['flop_frac']:.1f}%) | {use['tbps']:.2f} ({100 * use['byte_frac']:.0f}%) |")
     return rows
 
 
