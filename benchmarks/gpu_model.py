@@ -30,6 +30,7 @@ import statistics
 import time
 
 import torch
+from gpu_ops import kernel_launches  # benchmarks/ is on the path when this script runs
 
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.configuration import HybridLMConfig
@@ -118,7 +119,7 @@ def profile_decoding(model, *, context: int, device: torch.device, rows: int = 1
             sync(device)
     model.train()
     events = prof.key_averages()
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    launches = kernel_launches(events)
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     return f"kernel launches per step: {launches / 3:.0f}\n" + events.table(sort_by=sort, row_limit=rows)
 

@@ -21,6 +21,16 @@ from hybridlm.ops import fast_weight_attention
 RULES = ("1", "2", "3", "1A", "2A", "3A")
 
 
+# Profiler event names of a kernel launch from the host: the runtime API (torch's kernels), the driver API
+# (Triton 3.6 launches through cuLaunchKernelEx) and a whole CUDA graph.
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def kernel_launches(events) -> int:
+    """Host-side launches (kernels and CUDA graphs) among `torch.profiler` key averages."""
+    return sum(e.count for e in events if e.key in LAUNCH_EVENTS)
+
+
 def bench(fn, *, backward: bool, inputs) -> float:
     import triton.testing
 

@@ -6,7 +6,8 @@
     python benchmarks/gpu_train_step.py --compile --ssm-backend chunk    # the torch chunk path in the SSM mixers
     python benchmarks/gpu_train_step.py --models fw-1A --profile          # where an update's GPU time goes
 
-The models and the batch are those of `hybridlm bench addition` (size "small", batch 256 of 101 tokens).
+The models and sequences are those of `hybridlm bench addition` (size "small", 101 tokens); the batch is 256 by
+default, the batch of the timings in benchmarks/RESULTS.md (the addition recipe now trains on 1024: --batch-size).
 For each model: the median wall time of an update through `train_on_task` (AdamW, clipping, bf16
 autocast; the GPU is synchronized at every update, so this is the time of one update alone, with no
 overlap of the host's launches and the GPU's work) and its ratio to the Transformer's in the same run.
@@ -27,6 +28,7 @@ import time
 
 import numpy as np
 import torch
+from gpu_ops import kernel_launches  # benchmarks/ is on the path when this script runs
 
 from hybridlm.eval.addition import MODEL_VOCAB_SIZE, train_batch
 from hybridlm.eval.models import build_model, task_config
@@ -60,8 +62,7 @@ def timed_run(name: str, *, steps: int, batches: list[dict], compile: bool, ssm_
         torch.cuda.synchronize()
         profiler.stop()
         events = profiler.key_averages()
-        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
-                                                            "cudaGraphLaunch"))
+        launches = kernel_launches(events)
         print(f"\n### {name}: 3 updates profiled, {launches / 3:.0f} kernel / graph launches per update")
         print(events.table(sort_by="self_cuda_time_total", row_limit=15), flush=True)
         stamps = stamps[:steps]

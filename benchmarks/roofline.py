@@ -21,7 +21,8 @@ small beside them), as the chunked algorithms compute them (full C x C blocks, m
 - causal SDPA, head dim D: forward 2 T^2 D (QK^T and PV, each 2 T^2 D, half of them masked), backward 2.5x.
 
 Bytes: the unavoidable traffic only, each input read once and each output written once (an ideal kernel that
-keeps every intermediate on chip): forward reads q, k, v (and beta, lam for the fast-weight rules) and writes o;
+keeps every intermediate on chip): forward reads q, k, v (and beta, lam for the fast-weight rules: one value per
+step and head; rules 2 / 2A take beta per value column, V - 1 more per step, not counted) and writes o;
 forward + backward reads those and dO and writes o and the gradient of every input. Chunked algorithms also move
 their per-chunk states (N * H * T / C * K * V floats per pass), which this lower bound leaves out on purpose: it
 is the part an implementation chooses.

@@ -39,8 +39,9 @@ def add_commands(subparsers) -> None:
                             ("batch-size", int, "examples per step"), ("lr", float, "peak learning rate"),
                             ("warmup", int, "warmup steps (default: 10%% of --steps when --steps is given)"),
                             ("curriculum-steps", int, "grow the widest training width from --curriculum-start to "
-                                                      "--train-max-width over this many steps (default 2000; 0: the paper's "
-                                                      "uniform widths from the start)"),
+                                                      "--train-max-width over this many steps (default 2000, or a quarter of "
+                                                      "--steps when that is given; 0: the paper's uniform widths "
+                                                      "from the start)"),
                             ("curriculum-start", int, "widest training width at step 0 of the curriculum (default 4)"),
                             ("eval-per-width", int, "held-out pairs per width"),
                             ("val-per-width", int, "held-out pairs per width for checkpoint selection"),
@@ -132,6 +133,8 @@ def _recipe(cls, args: argparse.Namespace, **extra):
     changes.update({k: v for k, v in extra.items() if v is not None})
     if args.steps is not None and getattr(args, "warmup", None) is None and "warmup" in fields:
         changes["warmup"] = max(1, args.steps // 10)
+    if args.steps is not None and getattr(args, "curriculum_steps", None) is None and "curriculum_steps" in fields:
+        changes["curriculum_steps"] = args.steps // 4  # the default recipe's share (2000 of 8000)
     return dataclasses.replace(cls(), **changes)
 
 

@@ -103,6 +103,11 @@ def test_eval_sets_are_fixed_and_summarized_like_table_3():
     assert s["acc_at_33"] == 0.33 and s["acc_at_48"] == 0.48 and s["val_exact"] == 0.5
 
 
+def test_a_curriculum_that_outlasts_training_is_refused():
+    with pytest.raises(ValueError, match="curriculum"):
+        A.run_addition("transformer", 0, A.AdditionRecipe(steps=100, curriculum_steps=100, size="tiny"))
+
+
 def test_width_curriculum_grows_the_cap_then_stays_at_the_maximum():
     assert [A.AdditionRecipe(curriculum_steps=0).max_width_at(s) for s in (0, 10, 10_000)] == [32, 32, 32]  # off
     recipe = A.AdditionRecipe(curriculum_steps=100, curriculum_start=4)

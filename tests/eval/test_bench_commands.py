@@ -37,6 +37,8 @@ def test_bench_addition_smoke_and_resume(tmp_path, capsys):
                 assert 0.0 <= v["token_acc"] <= 1.0 and 0.0 <= v["exact_match"] <= 1.0
             assert all(0.0 <= r["summary"][k] <= 1.0 for k in ("val_acc", "ood_mean", "acc_at_33", "acc_at_48"))
             assert r["best_step"] in (1, 2)
+    assert result["recipe"]["curriculum_steps"] == 0 and result["recipe"]["warmup"] == 1  # scaled to --steps 2
+    assert "uniformly from the start" in md
     stamps = {p.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")}
     capsys.readouterr()
     assert main(args) == 0  # a second run reuses every finished run

@@ -34,6 +34,7 @@ import torch
 from tests.ops.triton_modes import DEVICE, ON_GPU, gpu_only, interpret  # first: sets the Triton mode
 from hybridlm.ops import fast_weight_attention
 from hybridlm.ops.fast_weight.triton import (
+    AUTO_RULES,
     fast_weight_1_triton,
     fast_weight_1a_triton,
     fast_weight_triton,
@@ -146,6 +147,8 @@ def test_fused_state_scan_matches_reference(monkeypatch, T, chunk_size, read_aft
     from hybridlm.ops.fast_weight.triton import chunk_1a
 
     monkeypatch.setattr(chunk_1a, "FUSED_STATES", True)
+    monkeypatch.setattr(chunk_1a.kernels, "chunk_outer_kernel", None)  # the two-kernel form must not run
+    monkeypatch.setattr(chunk_1a.kernels, "state_pass_kernel", None)
     check_against_reference(2, T, 2, K, V, dtype=torch.float32, chunk_size=chunk_size, read_after=read_after,
                             with_S0=with_S0)
     check_against_reference(1, T, 2, K, V, dtype=torch.float16, chunk_size=chunk_size, read_after=read_after,
@@ -153,6 +156,24 @@ def test_fused_state_scan_matches_reference(monkeypatch, T, chunk_size, read_aft
     for grad_o, grad_S in ((True, False), (False, True)):
         check_against_reference(1, T, 2, K, V, dtype=torch.float32, chunk_size=chunk_size, read_after=read_after,
                                 with_S0=with_S0, grad_o=grad_o, grad_S=grad_S)
+
+
+@interpret
+@pytest.mark.parametrize("read_after", [True, False], ids=["after", "before"])
+def test_fused_state_scan_backward_without_final_state_gradient(monkeypatch, read_after):
+    """The backward op with dS_final = None (autograd always passes zeros through the forward op, so the op is
+    called directly): the fused reverse scan starting from zeros equals the two-kernel form."""
+    import hybridlm.ops.fast_weight.triton.custom_ops  # noqa: F401  (registers the ops)
+    from hybridlm.ops.fast_weight.triton import chunk_1a
+
+    q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in prepared(2, 75, 2, 16, 24, seed=3))
+    do = torch.randn(q.shape[:3] + (24,), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(chunk_1a, "FUSED_STATES", fused)
+        results.append(torch.ops.hybridlm.fast_weight_1a_bwd(do, None, q, x, y, eta, log_gamma, S0, read_after, 16))
+    for name, unfused, fused in zip(("dq", "dx", "dy", "deta", "dlog_gamma", "dS0"), *results):
+        assert rel_err(fused.cpu(), unfused.cpu()) < 1e-6, name
 
 
 @interpret
@@ -283,14 +304,23 @@ def test_front_door(rule, dtype):
 @pytest.mark.parametrize("rule", ["1A", "1", "2A"])
 def test_kernels_run_on_the_tensors_gpu(rule):
     """Tensors on cuda:1 while cuda:0 is the current device (a model moved to the second GPU): the kernels launch
-    on the tensors' GPU, forward and backward, and give cuda:0's results."""
-    cpu = make_inputs(rule, B=2, T=70, H=2, K=32, V=32, requires_grad=True)
+    on the tensors' GPU and give cuda:0's results. Through the front door for the forward (autograd runs a
+    backward on its own thread of the tensors' device), and the backward op called directly."""
+    import hybridlm.ops.fast_weight.triton.custom_ops  # noqa: F401  (registers the ops)
+
+    cpu = make_inputs(rule, B=2, T=70, H=2, K=32, V=32)
+    prep = prepared(2, 70, 2, 32, 32, seed=5)
+    if rule == "2A":  # eta and log_gamma per value column
+        prep[3:5] = [t[..., None].expand(-1, -1, -1, 32).contiguous() for t in prep[3:5]]
+    backward = getattr(torch.ops.hybridlm, f"fast_weight_{rule.lower()}_bwd")
     results = []
     for device in ("cuda:0", "cuda:1"):
-        inputs = [t.detach().to(device, torch.float32).requires_grad_(True) for t in cpu]
+        inputs = [t.to(device, torch.float32) for t in cpu]
+        q, x, y, eta, log_gamma, S0 = (t.to(device, torch.float32) for t in prep)
+        do = torch.ones_like(y)
         with torch.cuda.device(0):
             o, s = fast_weight_attention(*inputs, rule=rule, backend="triton", output_final_state=True)
-            grads = torch.autograd.grad(o.square().sum() + s.S.sum(), inputs)
+            grads = backward(do, None, q, x, y, eta, log_gamma, S0, True, 16)
         results.append([t.cpu() for t in (o, s.S, *grads)])
     for mine, ref in zip(*results):
         assert rel_err(mine, ref) < 1e-6
@@ -310,6 +340,11 @@ def test_rejects_unsupported_calls():
         fast_weight_triton(q, q, y, eta, eta, rule="2", window=1, pairing="shifted", read="after", step_size="nlms",
                            ridge_scaling=False, eps=1e-6, eps_gamma=1e-6, initial_state=None, offsets=None,
                            chunk_size=64)
+
+
+def test_auto_takes_the_rules_checked_and_timed_on_a_gpu():
+    """backend="auto" on CUDA: rules 1A, 3A and 1 (benchmarks/RESULTS.md); 2A only when asked for."""
+    assert set(AUTO_RULES) == {"1A", "3A", "1"}
 
 
 def test_import_without_triton():
@@ -344,7 +379,9 @@ for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "iee
     sequential = dict(s, BK=64, BV=32, HAS_INIT=True, INTERPRET=False)
     for flags in (dict(READ_AFTER=True, GRAD=False), dict(READ_AFTER=False, GRAD=True)):
         build(k.chunk_outer_kernel, dict(blocks, **flags, PREC=prec), io)
-        build(k.state_scan_kernel, dict(sequential, **flags, REVERSE=flags["GRAD"], PREC=prec), io, warps=4)
+        for has_init in (True, False):
+            build(k.state_scan_kernel, dict(sequential, **flags, HAS_INIT=has_init, REVERSE=flags["GRAD"], PREC=prec),
+                  io, warps=4)
     build(k.state_pass_kernel, dict(sequential, REVERSE=True), io, warps=4)
     build(k.output_kernel, dict(blocks, READ_AFTER=True, PREC=prec), io)
     build(k.grad_qx_kernel, dict(s, BK=128, BV=32, READ_AFTER=False, PREC=prec), io)
