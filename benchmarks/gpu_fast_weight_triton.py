@@ -1,4 +1,4 @@
-"""GPU timing of rule 1A (and 3A): the Triton kernels vs the torch chunk path vs causal SDPA, in one run.
+"""GPU timing of rules 1A, 3A and 1: the Triton kernels vs the torch chunk path vs causal SDPA, in one run.
 
     python benchmarks/gpu_fast_weight_triton.py                          # 1A, B=8 H=16 D=128 bf16, T 2048 4096 16384
     python benchmarks/gpu_fast_weight_triton.py --rules 1A 3A --T 2048 4096
