@@ -279,11 +279,12 @@ def test_front_door_matches_chunk(rule, window, pairing, read, step_size, packed
 
 
 @gpu_only
-@pytest.mark.parametrize("rule,dtype", list(itertools.product(("1A", "3A", "1", "2A"),
+@pytest.mark.parametrize("rule,dtype", list(itertools.product(("1A", "3A", "1", "2A", "3"),
                                                               (torch.float32, torch.bfloat16))))
 def test_front_door(rule, dtype):
-    """`fast_weight_attention(backend="triton")` on the GPU against the chunk backend in float64 on the CPU."""
-    window = 3 if rule == "3A" else 1
+    """`fast_weight_attention(backend="triton")` on the GPU against the chunk backend in float64 on the CPU (rules 3A
+    and 3 with window 3)."""
+    window = 3 if rule in ("3A", "3") else 1
     cpu = make_inputs(rule, B=2, T=150, H=4, K=32, V=48, requires_grad=True)
     state = random_state(2, 4, 32, 48, window=window)
     o_ref, s_ref = fast_weight_attention(*cpu, rule=rule, window=window, backend="chunk", initial_state=state,

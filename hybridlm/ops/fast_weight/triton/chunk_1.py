@@ -1,8 +1,12 @@
-"""Rule 1 (regression / delta rule, scalar decay, window 1) on prepared writes: launchers of the Triton kernels,
-forward and backward (the implementations of the custom ops `hybridlm::fast_weight_1_fwd` / `_bwd`,
-`custom_ops.py`).
+"""Rule 1 (regression / delta rule, scalar decay, window 1) on prepared writes, and rule 3 as rule 1 over its write
+events: launchers of the Triton kernels, forward and backward (the implementations of the custom ops
+`hybridlm::fast_weight_1_fwd` / `_bwd` and `hybridlm::fast_weight_3_fwd` / `_bwd`, `custom_ops.py`).
 
     S_t = exp(log_gamma_t) S_{t-1} + eta_t x_t (y_t - S_{t-1}^T x_t)^T     o_t = S_t^T q_t (read after) or S_{t-1}^T q_t
+
+Rule 3 (`slots` > 1): the rows are events, `slots` per step; an event's residual reads the state before its step's
+first event, y_t - S_{before step}^T x_t, so the events of one step do not see each other's writes
+(`kernels_delta.py`, constexpr SLOTS). Rule 1 is slots = 1.
 
 Forward: chunk-local cumulative decays (`kernels.chunk_cumsum_kernel`) -> the WY factors of every chunk,
 U = (I + A)^-1 Y and W = (I + A)^-1 diag(exp L_{s-1}) X, all chunks in parallel (`kernels_delta.wy_kernel`) ->
@@ -26,10 +30,11 @@ from hybridlm.ops.fast_weight.triton.chunk_1a import ChunkPlan, _block
 from hybridlm.ops.fast_weight.triton.custom_ops import _interpreting
 
 
-def forward(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int,
+            slots: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """o `[N, T, H, V]` (q's dtype) and the final state `[N, H, K, V]` float32 on contiguous, checked inputs
-    (`custom_ops._check`); S0 None for zeros."""
-    p = _Plan(q, y, chunk_size, read_after)
+    (`custom_ops._check`); S0 None for zeros. slots: events per step (rule 3; a power of two dividing chunk_size)."""
+    p = _Plan(q, y, chunk_size, read_after, slots)
     L = p.cumsum(log_gamma)
     states, R, final, _ = p.scan(x, y, eta, L, S0, keep_tinv=False)
     # Outputs: rule 1A's output kernel with the (float32) residuals in place of y.
@@ -41,10 +46,10 @@ def forward(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -> t
     return o, final
 
 
-def backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int):
+def backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int, slots: int = 1):
     """dq, dx, dy (inputs' dtype), d eta, d log_gamma (their dtypes) and dS_0 (float32) for dL/do (q's dtype) and
     dL/dS_final (float32 or None). The entry states, residuals and (I + A)^-1 are recomputed."""
-    p = _Plan(q, y, chunk_size, read_after)
+    p = _Plan(q, y, chunk_size, read_after, slots)
     L = p.cumsum(log_gamma)
     states, R, _, tinv = p.scan(x, y, eta, L, S0, keep_tinv=True)
     BK, BV = _block(p.K, 64), _block(p.V, 64)
@@ -66,8 +71,8 @@ def backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_
     init = None if dS_final is None else dS_final.to(torch.float32).contiguous()
     kernels_delta.delta_grad_pass_kernel[(-(-p.V // p.BV_pass), p.NH)](
         x, eta, L, tinv, dr, dS0 if init is None else init, dh, dz, dS0, p.T, p.T_pad, p.n_chunks, p.H, **sizes,
-        BK=p.BK_full, BV=p.BV_pass, HAS_INIT=init is not None, INTERPRET=_interpreting(), PREC32=p.prec32,
-        num_warps=8)  # (ptxas, sm_90, K = 128: 4 warps spill ~1.5 KB, 8 warps ~0.7 KB; not yet timed)
+        BK=p.BK_full, BV=p.BV_pass, SLOTS=p.slots, HAS_INIT=init is not None, INTERPRET=_interpreting(),
+        PREC32=p.prec32, num_warps=8)  # (ptxas, sm_90, K = 128: 4 warps spill ~1.5 KB, 8 warps ~0.7 KB; not yet timed)
     # dq (and q_t . dq_t), then dx, d eta, d log_gamma, per chunk.
     # (ptxas, sm_90, K = V = 128, C = 64, bf16, 8 warps: no spill for dq at BV = 32; ~1.2 KB for dx at BV = 16, more
     # at 32; not yet timed on a GPU.)
@@ -82,15 +87,16 @@ def backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_
     dlg = torch.empty_like(log_gamma)
     kernels_delta.delta_grad_kernel[(p.n_chunks, p.NH)](
         q, x, R, eta, L, do, states, dh, dz, qdq, dx, deta, dlg, p.T, p.T_pad, p.n_chunks, p.H, **sizes,
-        BK=p.BK_full, BV=BV_x, READ_AFTER=read_after, PREC32=p.prec32)
+        BK=p.BK_full, BV=BV_x, READ_AFTER=read_after, SLOTS=p.slots, PREC32=p.prec32)
     return dq, dx, dz.to(y.dtype), deta, dlg, dS0
 
 
 class _Plan(ChunkPlan):
     """Rule 1's block shapes; the stages shared by the forward and the backward."""
 
-    def __init__(self, q: torch.Tensor, y: torch.Tensor, chunk_size: int, read_after: bool):
+    def __init__(self, q: torch.Tensor, y: torch.Tensor, chunk_size: int, read_after: bool, slots: int):
         super().__init__(q, y, chunk_size, read_after)
+        self.slots = slots
         self.prec32 = self.prec  # products of fp32 factors, states, gradients: as exact as the inputs' products
         self.BK_full = _block(self.K, 128)  # the WY, pass and gradient kernels hold all of K
         self.BV_pass = _block(self.V, 32 if self.BK_full > 64 else 64)
@@ -111,7 +117,8 @@ class _Plan(ChunkPlan):
         tinv = torch.empty(NH, self.T_pad, BT, **f32) if keep_tinv else None
         kernels_delta.wy_kernel[(self.n_chunks, NH)](
             x, y, eta, L, U, W, U if tinv is None else tinv, T, self.T_pad, self.n_chunks, H, K=K, V=V, BT=BT,
-            BK=self.BK_full, BV=_block(V, 64), STORE_TINV=keep_tinv, PREC=self.prec, PREC32=self.prec32)
+            BK=self.BK_full, BV=_block(V, 64), SLOTS=self.slots, STORE_TINV=keep_tinv, PREC=self.prec,
+            PREC32=self.prec32)
         states = self.state_buffer()
         R = torch.empty(N, T, H, V, **f32)
         final = torch.empty(N, H, K, V, **f32)

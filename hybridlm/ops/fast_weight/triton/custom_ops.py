@@ -5,6 +5,8 @@
     hybridlm::fast_weight_1a_bwd(do, dS_final?, q, x, y, eta, log_gamma, S0?, read_after, chunk_size)
         -> (dq, dx, dy, deta, dlog_gamma, dS0)
     hybridlm::fast_weight_1_fwd / hybridlm::fast_weight_1_bwd: the same for rule 1.
+    hybridlm::fast_weight_3_fwd / hybridlm::fast_weight_3_bwd: rule 3 as rule 1 over write events, with one more
+        argument after chunk_size, int slots (events per step).
     hybridlm::fast_weight_2a_fwd / hybridlm::fast_weight_2a_bwd: the same for rule 2A (eta, log_gamma per value
         column: [N, T, H, V]).
     hybridlm::fast_weight_prepare_fwd(k, v, beta, lam, last_k?, offsets?, max_len, shifted, nlms, ridge_scaling, eps,
@@ -12,9 +14,10 @@
     hybridlm::fast_weight_prepare_bwd(dx, dy, deta, dlog_gamma, <the forward's inputs>) -> (dk, dv, dbeta, dlam,
         dlast_k).
 
-Rule 3A runs as rule 1A over its write events (`frontend.py`), so it goes through the 1A ops. The implementations
-(`chunk_1a.py`, `chunk_1.py`, `chunk_2a.py`, `prepare.py`, which need triton) are imported on the first call; this
-file imports only torch.
+Rule 3A runs as rule 1A over its write events (`frontend.py`), so it goes through the 1A ops; rule 3's events differ
+from rule 1's rows (the events of one step do not see each other's writes), hence its own ops on rule 1's kernels.
+The implementations (`chunk_1a.py`, `chunk_1.py`, `chunk_2a.py`, `prepare.py`, which need triton) are imported on the
+first call; this file imports only torch.
 dS0 is always computed (the backward pass ends on it); the autograd formula drops it when S0 is None.
 """
 
@@ -25,10 +28,11 @@ import torch
 from hybridlm.ops.fast_weight.triton import DTYPES, MAX_HEAD_DIM
 from hybridlm.ops.utils import on_tensor_device
 
-_FWD_SCHEMA = "(Tensor q, Tensor x, Tensor y, Tensor eta, Tensor log_gamma, Tensor? S0, bool read_after, " \
-              "int chunk_size) -> (Tensor, Tensor)"
+# The scans' options (after S0), passed through to the implementations' forward/backward; rule 3 adds `slots`.
+_OPTIONS = "bool read_after, int chunk_size"
+_FWD_SCHEMA = "(Tensor q, Tensor x, Tensor y, Tensor eta, Tensor log_gamma, Tensor? S0, {options}) -> (Tensor, Tensor)"
 _BWD_SCHEMA = "(Tensor do, Tensor? dS_final, Tensor q, Tensor x, Tensor y, Tensor eta, Tensor log_gamma, " \
-              "Tensor? S0, bool read_after, int chunk_size) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+              "Tensor? S0, {options}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 
 
 def fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 64):
@@ -54,6 +58,21 @@ def fast_weight_1_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk
     same contract as `fast_weight_1a_triton`."""
     _check(q, x, y, eta, log_gamma, S0, chunk_size)
     return torch.ops.hybridlm.fast_weight_1_fwd(q, x, y, eta, log_gamma, S0, bool(read_after), int(chunk_size))
+
+
+def fast_weight_3_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 64, slots: int):
+    """Rule 3 (sliding-window regression) as rule 1 over its write events: the rows are events, `slots` per step
+    (a power of two dividing T and chunk_size). Event e decays the state by exp(log_gamma_e) and writes
+    eta_e x_e (y_e - S_{s-1}^T x_e)^T, where S_{s-1} is the state before the first event of e's step s (before its
+    decay): the events of one step do not see each other's writes. Otherwise the contract of `fast_weight_1_triton`
+    (`frontend.py` lays the windows out, the step's decay on its first slot)."""
+    _check(q, x, y, eta, log_gamma, S0, chunk_size)
+    T = q.shape[1]
+    if not (isinstance(slots, int) and slots >= 1 and slots & (slots - 1) == 0 and chunk_size % slots == 0
+            and T % slots == 0):
+        raise ValueError(f"slots must be a power of two dividing chunk_size ({chunk_size}) and T ({T}); got {slots}")
+    return torch.ops.hybridlm.fast_weight_3_fwd(q, x, y, eta, log_gamma, S0, bool(read_after), int(chunk_size),
+                                                int(slots))
 
 
 def fast_weight_2a_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 16):
@@ -121,7 +140,7 @@ def _check(q, x, y, eta, log_gamma, S0, chunk_size, per_column: bool = False) ->
 
 
 def _implementation(rule: str):
-    if rule == "1":
+    if rule in ("1", "3"):
         from hybridlm.ops.fast_weight.triton import chunk_1 as module
     elif rule == "2A":
         from hybridlm.ops.fast_weight.triton import chunk_2a as module
@@ -130,33 +149,36 @@ def _implementation(rule: str):
     return module
 
 
-def _register(rule: str, name: str) -> None:
+def _register(rule: str, name: str, options: str = _OPTIONS) -> None:
     """Define hybridlm::fast_weight_{name}_fwd / _bwd on the kernels of `rule`, their fake implementations and the
-    forward op's autograd formula."""
+    forward op's autograd formula. `options`: the schema's arguments after S0 (no gradient), passed on in order to
+    the implementation's forward and backward."""
 
-    @torch.library.custom_op(f"hybridlm::fast_weight_{name}_fwd", mutates_args=(), schema=_FWD_SCHEMA)
-    def fwd(q, x, y, eta, log_gamma, S0, read_after, chunk_size):
+    @torch.library.custom_op(f"hybridlm::fast_weight_{name}_fwd", mutates_args=(),
+                             schema=_FWD_SCHEMA.format(options=options))
+    def fwd(q, x, y, eta, log_gamma, S0, *options):
         q, x, y, eta, log_gamma = (t.contiguous() for t in (q, x, y, eta, log_gamma))
         S0 = None if S0 is None else S0.contiguous()
         with on_tensor_device(q):
-            return _implementation(rule).forward(q, x, y, eta, log_gamma, S0, read_after, chunk_size)
+            return _implementation(rule).forward(q, x, y, eta, log_gamma, S0, *options)
 
     @fwd.register_fake
-    def _(q, x, y, eta, log_gamma, S0, read_after, chunk_size):
+    def _(q, x, y, eta, log_gamma, S0, *options):
         N, T, H, K = q.shape
         V = y.shape[-1]
         return q.new_empty(N, T, H, V), q.new_empty(N, H, K, V, dtype=torch.float32)
 
-    @torch.library.custom_op(f"hybridlm::fast_weight_{name}_bwd", mutates_args=(), schema=_BWD_SCHEMA)
-    def bwd(do, dS_final, q, x, y, eta, log_gamma, S0, read_after, chunk_size):
+    @torch.library.custom_op(f"hybridlm::fast_weight_{name}_bwd", mutates_args=(),
+                             schema=_BWD_SCHEMA.format(options=options))
+    def bwd(do, dS_final, q, x, y, eta, log_gamma, S0, *options):
         do, q, x, y, eta, log_gamma = (t.contiguous() for t in (do, q, x, y, eta, log_gamma))
         S0 = None if S0 is None else S0.contiguous()
         dS_final = None if dS_final is None else dS_final.float().contiguous()
         with on_tensor_device(q):
-            return _implementation(rule).backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after, chunk_size)
+            return _implementation(rule).backward(do, dS_final, q, x, y, eta, log_gamma, S0, *options)
 
     @bwd.register_fake
-    def _(do, dS_final, q, x, y, eta, log_gamma, S0, read_after, chunk_size):
+    def _(do, dS_final, q, x, y, eta, log_gamma, S0, *options):
         N, _, H, K = q.shape
         V = y.shape[-1]
         # Contiguous, as the kernels write them (the inputs are made contiguous first).
@@ -164,15 +186,14 @@ def _register(rule: str, name: str) -> None:
                 log_gamma.new_empty(log_gamma.shape), q.new_empty(N, H, K, V, dtype=torch.float32))
 
     def setup_context(ctx, inputs, output):
-        q, x, y, eta, log_gamma, S0, read_after, chunk_size = inputs
+        q, x, y, eta, log_gamma, S0, *options = inputs
         ctx.save_for_backward(q, x, y, eta, log_gamma, S0)
-        ctx.read_after, ctx.chunk_size = read_after, chunk_size
+        ctx.options = options
 
     def backward(ctx, do, dS_final):
         q, x, y, eta, log_gamma, S0 = ctx.saved_tensors
-        dq, dx, dy, deta, dlg, dS0 = bwd(do.to(q.dtype), dS_final, q, x, y, eta, log_gamma, S0, ctx.read_after,
-                                         ctx.chunk_size)
-        return dq, dx, dy, deta, dlg, (None if S0 is None else dS0), None, None
+        dq, dx, dy, deta, dlg, dS0 = bwd(do.to(q.dtype), dS_final, q, x, y, eta, log_gamma, S0, *ctx.options)
+        return (dq, dx, dy, deta, dlg, None if S0 is None else dS0) + (None,) * len(ctx.options)
 
     fwd.register_autograd(backward, setup_context=setup_context)
 
@@ -241,4 +262,5 @@ def _register_prepare() -> None:
 _register_prepare()
 _register("1A", "1a")
 _register("1", "1")
+_register("3", "3", options=f"{_OPTIONS}, int slots")
 _register("2A", "2a")

@@ -2,13 +2,21 @@
 
 Same contract as `chunk.fast_weight_chunk` (inputs validated by the front door), for the rules and options of
 `supports(...)`: rules 1A and 1 (window 1; `chunk_1.py`), 2A (decays and step sizes per value column; `chunk_2a.py`,
-chunks of 16), and rule 3A as 1A over write events. Unlike the torch
+chunks of 16), rule 3A as 1A over write events and rule 3 as 1 over write events. Unlike the torch
 backends it keeps q, k, v in their dtype (bf16/fp16 run on tensor cores); the statistic E_t, the step sizes and the log decays are in float32.
 
 Rule 3A over events (README.md, "Write events"): step t writes w_(t,j) x_j y_j^T for the `window` slots j of its
 window (w = eta_t [pair j exists] / B_t). Laid out in time as (t, slot 0), ..., (t, slot W-1), with the step's decay
 on slot 0 and none on the others, the 1A recurrence over the T * W events passes through S_t after slot W-1 and
 S_{t-1} before slot 0: the outputs are read there (q sits on that slot, zeros elsewhere). The cost is W times 1A's.
+
+Rule 3 over events, the same layout with two differences. Every event of step t writes w_(t,j) x_j (y_j -
+S_{t-1}^T x_j)^T against the state before the step's decay, so the events of one step must not see each other's
+writes: rule 1's kernels take the number of slots per step and mask same-step pairs out of the residuals' triangular
+system (`kernels_delta.py`, SLOTS). And no step may straddle a chunk boundary (the next chunk's entry state would hold
+part of a step's writes), so each step is laid out on P = the next power of two >= W slots, slots W..P-1 events that
+write nothing (zero features and weights), with chunks of at least P events (powers of two: they hold whole steps).
+The cost is P times rule 1's.
 
 The preparation (pairs, windows, statistic, step sizes, decays) is chunk.py's `prepare_writes`, except for rules 1A
 and 1 (window 1, one step size per head): there one fused Triton kernel computes the same write events, forward and
@@ -22,6 +30,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from hybridlm.ops.fast_weight.chunk import prepare_writes
 from hybridlm.ops.fast_weight.state import FastWeightState
@@ -29,6 +38,7 @@ from hybridlm.ops.fast_weight.triton import (
     fast_weight_1_triton,
     fast_weight_1a_triton,
     fast_weight_2a_triton,
+    fast_weight_3_triton,
     supports,
 )
 from hybridlm.ops.utils import compute_dtype, packed_to_padded, padded_to_packed
@@ -61,16 +71,17 @@ def fast_weight_triton(
     offsets: torch.Tensor | None,
     chunk_size: int,
 ) -> tuple[torch.Tensor, FastWeightState]:
-    """Rules 1A / 3A / 1 / 2A through the Triton kernels. `chunk_size` is rounded to a power of two in [16, 128]
-    (rule 2A: 16, whatever is asked; its intra-chunk work is O(C^2 V) exponentials per chunk, as in chunk.py).
+    """Rules 1A / 3A / 1 / 3 / 2A through the Triton kernels. `chunk_size` is rounded to a power of two in [16, 128]
+    (rule 2A: 16, whatever is asked; its intra-chunk work is O(C^2 V) exponentials per chunk, as in chunk.py); for
+    rules 3A and 3 it counts events (rule 3: at least one step's slots).
     Rules 1A and 1 take their write events from the fused preparation kernel while FUSED_PREPARATION is on.
 
     Returns o `[B, T, H, V]` in q's dtype and the final state (S float32)."""
     K, V = q.shape[-1], v.shape[-1]
     if not supports(rule=rule, window=window, K=K, V=V, dtype=q.dtype):
-        raise ValueError(f"the Triton backend runs rules 1A, 1 and 2A (window 1) and 3A with K, V <= 128 in float32/"
-                         f"bfloat16/float16; got rule {rule!r}, window {window}, K = {K}, V = {V}, {q.dtype} "
-                         "(use backend='chunk')")
+        raise ValueError(f"the Triton backend runs rules 1A, 1 and 2A (window 1), 3A and 3 (window <= 128) with K, "
+                         f"V <= 128 in float32/bfloat16/float16; got rule {rule!r}, window {window}, K = {K}, V = {V}, "
+                         f"{q.dtype} (use backend='chunk')")
     if FUSED_PREPARATION and rule in FUSED_RULES and window == 1:
         return _window_1(q, k, v, beta, lam, rule=rule, pairing=pairing, read=read, step_size=step_size,
                          ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=initial_state,
@@ -90,21 +101,30 @@ def fast_weight_triton(
         p.final.S = S
         return o, p.final
 
-    # The 1A scan over the T * W events (the events of step t are (t, 0), ..., (t, W - 1)).
-    X = p.X.permute(0, 1, 3, 2, 4)                                                         # [N, T, W, H, K]
-    Y = p.Y.permute(0, 1, 3, 2, 4)                                                         # [N, T, W, H, V]
-    weights = p.weights[..., 0].permute(0, 1, 3, 2)                                        # [N, T, W, H]
+    # The 1A / 1 scan over the T * P events (the events of step t are (t, 0), ..., (t, P - 1)): P = W, except for
+    # rule 3, whose steps are padded to a power of two with events that write nothing.
+    P = 1 << (W - 1).bit_length() if rule == "3" else W
+    X, Y, weights = p.X, p.Y, p.weights[..., 0]                                            # [N, T, H, W, *]
+    if P > W:
+        X, Y, weights = F.pad(X, (0, 0, 0, P - W)), F.pad(Y, (0, 0, 0, P - W)), F.pad(weights, (0, P - W))
+    X = X.permute(0, 1, 3, 2, 4)                                                           # [N, T, P, H, K]
+    Y = Y.permute(0, 1, 3, 2, 4)                                                           # [N, T, P, H, V]
+    weights = weights.permute(0, 1, 3, 2)                                                  # [N, T, P, H]
     log_gamma = p.log_gamma[..., 0]                                                        # [N, T, H]
-    slot = W - 1 if read_after else 0                                                      # where step t reads
-    events = (torch.arange(W, device=q.device) == slot)[None, None, :, None, None]         # [1, 1, W, 1, 1]
-    q_e = torch.where(events, p.q[:, :, None], 0.0) if W > 1 else p.q[:, :, None]
-    lg_e = torch.cat([log_gamma[:, :, None], log_gamma.new_zeros(N, T, W - 1, H)], dim=2)  # decay on slot 0
-    scan = fast_weight_1_triton if rule == "1" else fast_weight_1a_triton  # rule 1: window 1 (supports)
-    o, S = scan(
-        q_e.reshape(N, T * W, H, K), X.reshape(N, T * W, H, K).to(q.dtype), Y.reshape(N, T * W, H, V).to(q.dtype),
-        weights.reshape(N, T * W, H), lg_e.reshape(N, T * W, H), initial_state.S.float(),
-        read_after=read_after, chunk_size=_triton_chunk(chunk_size))
-    o = o.view(N, T, W, H, V)[:, :, slot]                                                  # [N, T, H, V]
+    slot = P - 1 if read_after else 0                                                      # where step t reads
+    events = (torch.arange(P, device=q.device) == slot)[None, None, :, None, None]         # [1, 1, P, 1, 1]
+    q_e = torch.where(events, p.q[:, :, None], 0.0) if P > 1 else p.q[:, :, None]
+    lg_e = torch.cat([log_gamma[:, :, None], log_gamma.new_zeros(N, T, P - 1, H)], dim=2)  # decay on slot 0
+    inputs = (q_e.reshape(N, T * P, H, K), X.reshape(N, T * P, H, K).to(q.dtype),
+              Y.reshape(N, T * P, H, V).to(q.dtype), weights.reshape(N, T * P, H), lg_e.reshape(N, T * P, H),
+              initial_state.S.float())
+    if rule == "3":  # chunks of whole steps (P <= 128: supports)
+        o, S = fast_weight_3_triton(*inputs, read_after=read_after, chunk_size=max(_triton_chunk(chunk_size), P),
+                                    slots=P)
+    else:
+        scan = fast_weight_1_triton if rule == "1" else fast_weight_1a_triton  # rule 1: window 1 (supports)
+        o, S = scan(*inputs, read_after=read_after, chunk_size=_triton_chunk(chunk_size))
+    o = o.view(N, T, P, H, V)[:, :, slot]                                                  # [N, T, H, V]
     if offsets is not None:
         o = padded_to_packed(o, offsets)
     p.final.S = S

@@ -1,21 +1,33 @@
-"""Triton kernels of rule 1 (regression / delta rule, scalar decay, window 1): the WY factors, the sequential
-residual/state pass, and the backward's reverse pass and per-chunk gradients. The outputs (and the chunk-local part
-of dr) reuse rule 1A's kernels (`kernels.output_kernel`, `kernels.grad_y_kernel`) with the residuals r in place of y.
+"""Triton kernels of rule 1 (regression / delta rule, scalar decay, window 1), and of rule 3 (sliding-window
+regression) as rule 1 over its write events: the WY factors, the sequential residual/state pass, and the backward's
+reverse pass and per-chunk gradients. The outputs (and the chunk-local part of dr) reuse rule 1A's kernels
+(`kernels.output_kernel`, `kernels.grad_y_kernel`) with the residuals r in place of y.
 
-Imported only by `chunk_1.py` (lazily; this file needs triton at import time). Per (n, h) and chunk c of BT steps,
-with chunk-local L_t = sum_{r<=t} log gamma_r, Lp_t = L_{t-1} (Lp_0 = 0), Lr_t = L_t (read after) or Lp_t (read
-before), M[t, s] = [s <= t] (after) or [s < t] (before), b_s = exp(L_last - L_s) eta_s, S = S_c the entry state:
+Imported only by `chunk_1.py` (lazily; this file needs triton at import time). The rows are write events, SLOTS per
+step (a power of two, a constexpr): rule 1 has one (SLOTS = 1); rule 3 lays each step's window out in time as
+(s, slot 0), ..., (s, slot SLOTS - 1), padded with zero-weight events (`frontend.py`), the step's decay on slot 0.
+The two differ only in which state a residual reads: rule 3's events of one step do not see each other's writes,
+and all of them read S_{s-1}, before the step's decay (README.md of the parent folder, "Write events"). Chunks hold
+whole steps (BT is a multiple of SLOTS), so a chunk's entry state never holds part of a step.
 
-    A[s, s'] = [s' < s] exp(Lp_s - L_s') eta_s' (x_s . x_s')                      (strictly lower, [BT, BT])  (F1)
+Per (n, h) and chunk c of BT events, with chunk-local L_t = sum_{r<=t} log gamma_r, st(t) = t // SLOTS the step of
+event t, Lp_t = L_{SLOTS st(t) - 1} the log decay of the state its residual reads (0 in the chunk's first step;
+L_{t-1} for SLOTS = 1), Lr_t = L_t (read after) or L_{t-1} (read before, 0 at t = 0), M[t, s] = [s <= t] (after) or
+[s < t] (before), b_s = exp(L_last - L_s) eta_s, S = S_c the entry state:
+
+    A[s, s'] = [st(s') < st(s)] exp(Lp_s - L_s') eta_s' (x_s . x_s')         (strictly lower, [BT, BT])  (F1)
     Tinv = (I + A)^-1 (forward substitution)    U = Tinv Y    W = Tinv diag(exp Lp) X                      (F2)
     r = U - W S = Tinv Z,   Z = Y - diag(exp Lp) X S                                                       (F3)
     S_{c+1} = exp(L_last) S + X^T diag(b) r                                                                (F4)
-    o_t = exp(Lr_t) S^T q_t + sum_s M[t, s] exp(Lr_t - L_s) eta_s (q_t . x_s) r_s                           (F5)
+    o_t = exp(Lr_t) S^T q_t + sum_s M[t, s] exp(Lr_t - L_s) eta_s (q_t . x_s) r_s                          (F5)
 
-Backward (dO given, dS' = dL/dS_{c+1} from the chunk after; the derivation, equation by equation):
+(F1/F3 are r_t = y_t - S_{before t}^T x_t with S_{before t} = exp(Lp_t) S + sum_{s: st(s) < st(t)} exp(Lp_t - L_s)
+eta_s x_s r_s^T: for rule 3 the state after the last event of the step before, whose L is Lp_t since the later slots
+of a step do not decay.) Backward (dO given, dS' = dL/dS_{c+1} from the chunk after; the derivation, equation by
+equation):
 
     dr_s = sum_t M exp(Lr_t - L_s) eta_s (q_t . x_s) dO_t + b_s dS'^T x_s            (F5, F4 in r)         (B1)
-    dZ = Tinv^T dr,  dY = dZ,   dA = -dZ r^T on s' < s                                (F3: (I + A) r = Z)    (B2)
+    dZ = Tinv^T dr,  dY = dZ,   dA = -dZ r^T on st(s') < st(s)                       (F3: (I + A) r = Z)    (B2)
     dS_c = exp(L_last) dS' + sum_t exp(Lr_t) q_t dO_t^T - X^T diag(exp Lp) dZ        (F4, F5, F3 in S)     (B3)
     dq_t = exp(Lr_t) S dO_t + sum_s G[t, s] eta_s x_s,   G[t, s] = M exp(Lr_t - L_s) (dO_t . r_s)         (B4)
     dx_s = eta_s (sum_t G[t, s] q_t + exp(L_last - L_s) dS' r_s)                     (F5, F4: rule 1A's)
@@ -26,11 +38,16 @@ Backward (dO given, dS' = dL/dS_{c+1} from the chunk after; the derivation, equa
 
 The log decays: with E[s, s'] = dA[s, s'] A[s, s'] (F1 depends on Lp_s and -L_s'),
     dL/dL_t  (direct) = [after] q_t . dq_t - eta_t x_t . (rule 1A's dxt_t) - sum_s E[s, t]
-    dL/dLp_t (direct) = [before] q_t . dq_t + sum_s' E[t, s'] - exp(Lp_t) x_t^T S dZ_t          (F3 in Lp)
+    dL/dLr_t (before) = q_t . dq_t                                                   (F5 in Lr_t = L_{t-1})
+    dL/dLp_t (direct) = sum_s' E[t, s'] - exp(Lp_t) x_t^T S dZ_t                    (F1, F3 in Lp)
     dL/dL_last       += <dS', S_{c+1}> = exp(L_last) <dS', S> + sum_s b_s x_s . (dS' r_s)         (F4)
-and L_t = sum_{r<=t} lg_r, Lp_t = sum_{r<t} lg_r give (a reverse cumulative sum over the chunk):
-    dlg_r = sum_{t>=r} (dL/dL_t + dL/dLp_t) - dL/dLp_r + <dS', S_{c+1}>                                   (B7)
+and L_t = sum_{r<=t} lg_r, L_{t-1} = sum_{r<t} lg_r, Lp_t = sum_{r<SLOTS st(t)} lg_r give
+    dlg_r = sum_{t>=r} dL/dL_t + [before] sum_{t>r} q_t . dq_t + sum_{t: st(t) > st(r)} dL/dLp_t
+            + <dS', S_{c+1}>                                                                              (B7)
 (every term of o_t that q_t enters carries exp(Lr_t); every term that x_s enters through F4/F5 carries exp(-L_s)).
+With SLOTS = 1, Lp_t = L_{t-1} (= Lr_t when reading before) and st(t) > st(r) is t > r, so B7 is one reverse
+cumulative sum over the chunk: dlg_r = sum_{t>=r} (dL/dL_t + dL/dLp_t) - dL/dLp_r + <dS', S_{c+1}>, with
+[before] q_t . dq_t counted in dL/dLp_t. With SLOTS > 1 the sum over the later steps is a masked [BT, BT] column sum.
 
 Stages: `delta_grad_pass_kernel` runs B1 (its dS' term; the chunk-local term comes from `kernels.grad_y_kernel`),
 B2's dZ and B3, sequentially from the last chunk; then, for all chunks in parallel, `delta_grad_q_kernel` runs B4
@@ -63,13 +80,35 @@ def _buffer_offsets(i_nh, t, T_pad, D: tl.constexpr, cols):
     return offs, (t[:, None] < T_pad) & (cols[None, :] < D)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "BT"])
+@triton.jit
+def _residual_decays(L_ptr, i_nh, i_c, T_pad, BT: tl.constexpr, SLOTS: tl.constexpr):
+    """The chunk's L_t, Lp_t = L_{SLOTS st(t) - 1} (the state each residual reads; 0 in the chunk's first step) [BT]
+    and L_last. SLOTS = 1: Lp_t = L_{t-1}, `kernels._decays(..., READ_AFTER=False)`."""
+    base = L_ptr + i_nh.to(tl.int64) * T_pad + i_c * BT
+    i = tl.arange(0, BT)
+    first = (i // SLOTS) * SLOTS                                                            # slot 0 of t's step
+    L = tl.load(base + i)
+    Lp = tl.load(base + first - 1, mask=first > 0, other=0.0)
+    L_last = tl.load(base + BT - 1)
+    return L, Lp, L_last
+
+
+@triton.jit
+def _earlier_steps(BT: tl.constexpr, SLOTS: tl.constexpr):
+    """[BT, BT] st(s') < st(s) (rows s, columns s'): the pairs of events that F1 couples (s' < s for SLOTS = 1)."""
+    i = tl.arange(0, BT)
+    return (i[:, None] // SLOTS) > (i[None, :] // SLOTS)
+
+
+@triton.autotune(configs=_configs(), key=["K", "V", "BT", "SLOTS"])
 @triton.jit(do_not_specialize=_SIZES)
 def wy_kernel(x_ptr, y_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, tinv_ptr, T, T_pad, n_chunks, H,
               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              STORE_TINV: tl.constexpr, PREC: tl.constexpr, PREC32: tl.constexpr):
+              SLOTS: tl.constexpr, STORE_TINV: tl.constexpr, PREC: tl.constexpr, PREC32: tl.constexpr):
     """(F1, F2) One chunk's WY factors U = (I + A)^-1 Y and W = (I + A)^-1 diag(exp Lp) X (float32), and with
-    STORE_TINV (the backward) (I + A)^-1 itself. BK covers all of K. Grid (n_chunks, N * H)."""
+    STORE_TINV (the backward) (I + A)^-1 itself; A couples only events of earlier steps (SLOTS events per step; its
+    same-step entries are zeros, which the forward substitution passes through). BK covers all of K.
+    Grid (n_chunks, N * H)."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     t = i_c * BT + tl.arange(0, BT)
@@ -77,10 +116,9 @@ def wy_kernel(x_ptr, y_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, tinv_ptr, T, T_pad, n_
     x = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk)                                         # [BT, BK]
     gram = tl.dot(x, tl.trans(x), input_precision=PREC)                                     # [BT, BT] fp32
     eta = _load_steps(eta_ptr, i_n, i_h, t, T, H)
-    L, Lp, _ = _decays(L_ptr, i_nh, i_c, T_pad, BT, False)                                  # Lp_s = L_{s-1}
+    L, Lp, _ = _residual_decays(L_ptr, i_nh, i_c, T_pad, BT, SLOTS)
     i = tl.arange(0, BT)
-    earlier = i[:, None] > i[None, :]                                                       # s' < s
-    decay = tl.exp(tl.where(earlier, Lp[:, None] - L[None, :], float("-inf")))
+    decay = tl.exp(tl.where(_earlier_steps(BT, SLOTS), Lp[:, None] - L[None, :], float("-inf")))
     b = -(decay * eta[None, :] * gram)                                                      # -A
     # Forward substitution: row s of (I + A)^-1 - I is -A[s] - sum_{s' < s} A[s, s'] ((I + A)^-1 - I)[s'];
     # after step s the rows <= s of b hold (I + A)^-1 - I, the rows below still -A.
@@ -154,7 +192,8 @@ def delta_pass_kernel(x_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, init_ptr, h_ptr, r_pt
 
 @triton.jit
 def _delta_grad_step(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, dh_ptr, dz_ptr, dS, i, i_n, i_h, i_nh, T, T_pad,
-                     n_chunks, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, rk, rv, PREC32: tl.constexpr):
+                     n_chunks, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SLOTS: tl.constexpr, rk, rv,
+                     PREC32: tl.constexpr):
     """One chunk of the reverse pass, dS = dS' = dL/dS_{c+1} on entry: swap h[c] (sum_t exp(Lr_t) q_t dO_t^T) for
     dS', finish dr (B1), store dZ = Tinv^T dr (B2) and return dS_c (B3)."""
     i_c = n_chunks - 1 - i
@@ -164,7 +203,7 @@ def _delta_grad_step(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, dh_ptr, dz_ptr, dS
     t = i_c * BT + tl.arange(0, BT)
     x = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk).to(tl.float32)                         # [BT, BK]
     eta = _load_steps(eta_ptr, i_n, i_h, t, T, H)
-    L, Lp, L_last = _decays(L_ptr, i_nh, i_c, T_pad, BT, False)                             # Lp_s = L_{s-1}
+    L, Lp, L_last = _residual_decays(L_ptr, i_nh, i_c, T_pad, BT, SLOTS)
     dr = _load_rows(dr_ptr, i_n, i_h, t, T, H, V, rv) \
         + (tl.exp(L_last - L) * eta)[:, None] * tl.dot(x, dS, input_precision=PREC32)       # (B1) [BT, BV]
     tinv_offs, tinv_mask = _buffer_offsets(i_nh, t, T_pad, BT, tl.arange(0, BT))
@@ -178,7 +217,7 @@ def _delta_grad_step(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, dh_ptr, dz_ptr, dS
 @triton.jit(do_not_specialize=_SIZES)
 def delta_grad_pass_kernel(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, init_ptr, dh_ptr, dz_ptr, final_ptr, T, T_pad,
                            n_chunks, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                           BV: tl.constexpr, HAS_INIT: tl.constexpr, INTERPRET: tl.constexpr,
+                           BV: tl.constexpr, SLOTS: tl.constexpr, HAS_INIT: tl.constexpr, INTERPRET: tl.constexpr,
                            PREC32: tl.constexpr):
     """The reverse pass over chunks for one [K, BV] column block of dS (B3 acts on the rows of dS, so column blocks
     are independent; BK covers all of K). On entry dh[c] = sum_t exp(Lr_t) q_t dO_t^T and dr holds the chunk-local
@@ -196,12 +235,12 @@ def delta_grad_pass_kernel(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, init_ptr, dh
         i = 0
         while i < n_chunks:
             dS = _delta_grad_step(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, dh_ptr, dz_ptr, dS, i, i_n, i_h, i_nh, T,
-                                  T_pad, n_chunks, H, K, V, BT, rk, rv, PREC32)
+                                  T_pad, n_chunks, H, K, V, BT, SLOTS, rk, rv, PREC32)
             i += 1
     else:
         for i in range(n_chunks):
             dS = _delta_grad_step(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, dh_ptr, dz_ptr, dS, i, i_n, i_h, i_nh, T,
-                                  T_pad, n_chunks, H, K, V, BT, rk, rv, PREC32)
+                                  T_pad, n_chunks, H, K, V, BT, SLOTS, rk, rv, PREC32)
     tl.store(final_ptr + offs0, dS, mask=mask)
 
 
@@ -236,12 +275,12 @@ def delta_grad_q_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dq_p
     tl.store(qdq_ptr + (i_n.to(tl.int64) * T + t) * H + i_h, tl.sum(qf * dq, axis=1), mask=t < T)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "BT", "READ_AFTER"])
+@triton.autotune(configs=_configs(), key=["K", "V", "BT", "READ_AFTER", "SLOTS"])
 @triton.jit(do_not_specialize=_SIZES)
 def delta_grad_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr, dz_ptr, qdq_ptr,
                       dx_ptr, deta_ptr, dlg_ptr, T, T_pad, n_chunks, H,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      READ_AFTER: tl.constexpr, PREC32: tl.constexpr):
+                      READ_AFTER: tl.constexpr, SLOTS: tl.constexpr, PREC32: tl.constexpr):
     """(B2's dA, B5-B7) dx, d eta and d log_gamma of one chunk, from S = h[c] (entry state), dS' = dh[c], the
     residuals r, dZ and q_t . dq_t (float32; `delta_grad_q_kernel`). BK covers all of K. Grid (n_chunks, N * H)."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
@@ -251,7 +290,7 @@ def delta_grad_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr
     xf = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk).to(tl.float32)                        # [BT, BK]
     eta = _load_steps(eta_ptr, i_n, i_h, t, T, H)
     L, Lr, L_last = _decays(L_ptr, i_nh, i_c, T_pad, BT, READ_AFTER)
-    _, Lp, _ = _decays(L_ptr, i_nh, i_c, T_pad, BT, False)
+    _, Lp, _ = _residual_decays(L_ptr, i_nh, i_c, T_pad, BT, SLOTS)
     out_decay = tl.exp(L_last - L)                                                          # [BT]
     start = tl.exp(Lp)
     dOr = tl.zeros([BT, BT], dtype=tl.float32)                                              # dO_t . r_s
@@ -284,8 +323,8 @@ def delta_grad_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr
     exit_term = tl.exp(L_last) * s_dot + tl.sum(out_decay * eta * x_dSr, axis=0)           # <dS', S_{c+1}>
     dx += dxt_attn * eta[:, None]
     # B2's dA and its F1 terms of B5/B6/B7.
-    i = tl.arange(0, BT)
-    decay = tl.exp(tl.where(i[:, None] > i[None, :], Lp[:, None] - L[None, :], float("-inf")))  # s' < s
+    earlier = _earlier_steps(BT, SLOTS)                                                     # st(s') < st(s)
+    decay = tl.exp(tl.where(earlier, Lp[:, None] - L[None, :], float("-inf")))
     gram = tl.dot(xf, tl.trans(xf), input_precision=PREC32)                                 # x_s . x_s'
     dA_decay = -dZr * decay                                                                 # dA exp(Lp_s - L_s')
     dGr = dA_decay * eta[None, :]
@@ -298,9 +337,15 @@ def delta_grad_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr
     dLp = tl.sum(E, axis=1) - start * x_SdZ
     if READ_AFTER:
         dL += q_dq
-    else:
-        dLp += q_dq
-    dlg = tl.cumsum(dL + dLp, axis=0, reverse=True) - dLp + exit_term
+    if SLOTS == 1:  # Lp_t = L_{t-1} = Lr_t (before): one reverse cumulative sum
+        if not READ_AFTER:
+            dLp += q_dq
+        dlg = tl.cumsum(dL + dLp, axis=0, reverse=True) - dLp + exit_term
+    else:  # sum_{t: st(t) > st(r)} dL/dLp_t: column r of `earlier` marks the events t of the later steps
+        dlg = tl.cumsum(dL, axis=0, reverse=True) + tl.sum(tl.where(earlier, dLp[:, None], 0.0), axis=0) \
+            + exit_term
+        if not READ_AFTER:  # Lr_t = L_{t-1}
+            dlg += tl.cumsum(q_dq, axis=0, reverse=True) - q_dq
     _store_rows(dx_ptr, dx, i_n, i_h, t, T, H, K, rk)
     scalar_offs = (i_n.to(tl.int64) * T + t) * H + i_h
     tl.store(deta_ptr + scalar_offs, deta.to(deta_ptr.dtype.element_ty), mask=t < T)

@@ -1,0 +1,350 @@
+"""Rule 3 (sliding-window regression) in Triton: rule 1's kernels over write events, `slots` per step, in which the
+events of one step do not see each other's writes (`fast_weight_3_triton`; frontend.py lays each step's window out on
+a power of two of slots, the step's decay on slot 0).
+
+- The op against a float64 loop over events where every residual of a step reads the state before the step, with a
+  decay on every event (so d log_gamma is checked on every slot, not only slot 0): one step and odd numbers of steps,
+  several chunks, read after / before, with and without S0.
+- The front door `fast_weight_attention(rule="3", window=W, backend="triton")` against backend="chunk" (and the naive
+  step loop on a small case): outputs, the whole final state (S, last key, sliding tail) and the gradients of q, k, v,
+  beta, lam and of every tensor of the initial state; windows 1-5 (3 and 5 padded to 4 and 8 slots), shifted and
+  same-step pairing, read after / before, nlms and direct steps, with and without a carried state, packed sequences,
+  T = 1, carry-over.
+- The custom ops (`torch.library.opcheck`) and torch.compile of the front door; the kernels with SLOTS > 1 compile
+  for sm_90 (no GPU needed).
+
+Where they run: as tests/ops/test_fast_weight_triton.py (the `interpret` tests on the CPU under
+HYBRIDLM_TRITON_INTERPRET=1, ~1 min; everything on a GPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hybridlm.ops import fast_weight_attention
+from hybridlm.ops.fast_weight.state import FastWeightState
+from hybridlm.ops.fast_weight.triton import (
+    AUTO_RULES,
+    fast_weight_1_triton,
+    fast_weight_3_triton,
+    supports,
+)
+from tests.helpers import rel_err
+from tests.ops.test_fast_weight import make_inputs, random_state
+from tests.ops.test_fast_weight_triton import (  # its import sets TRITON_INTERPRET before any kernel loads
+    DEVICE,
+    NAMES,
+    TOL,
+    gpu_only,
+    interpret,
+    prepared,
+    projection,
+)
+from tests.ops.triton_modes import HAS_TRITON
+
+
+def reference(q, x, y, eta, log_gamma, S0, *, read_after, slots):
+    """The event recurrence as a loop (float64, differentiable by autograd): event t of step s = t // slots writes
+    S <- exp(log_gamma_t) S + eta_t x_t (y_t - S_before^T x_t)^T, S_before the state before the step's first event;
+    o_t reads S after (or before) event t."""
+    S, outs = S0, []
+    for t in range(q.shape[1]):
+        if t % slots == 0:
+            S_step = S
+        residual = y[:, t] - torch.einsum("nhk,nhkv->nhv", x[:, t], S_step)                  # [N, H, V]
+        S_prev = S
+        S = log_gamma[:, t].exp()[..., None, None] * S \
+            + eta[:, t, :, None, None] * x[:, t, :, :, None] * residual[:, :, None, :]
+        outs.append(torch.einsum("nhk,nhkv->nhv", q[:, t], S if read_after else S_prev))
+    return torch.stack(outs, dim=1), S
+
+
+def check_op(N, steps, H, K, V, *, slots, chunk_size, read_after, with_S0=True, dtype=torch.float32, seed=0):
+    """`fast_weight_3_triton` on random prepared events (every event decays and writes) against `reference`:
+    outputs, final state and the gradients of a random projection of both, for every input."""
+    base = prepared(N, steps * slots, H, K, V, seed=seed)
+    base[:3] = [t.to(dtype).double() for t in base[:3]]  # the reference sees the rounded q, x, y
+    ref_in = [t.clone().requires_grad_(True) for t in base]
+    if not with_S0:
+        ref_in[5] = torch.zeros_like(base[5])
+    o_ref, S_ref = reference(*ref_in, read_after=read_after, slots=slots)
+    w_o, w_S = projection(o_ref, S_ref)
+    grads_ref = torch.autograd.grad((o_ref * w_o).sum() + (S_ref * w_S).sum(), ref_in if with_S0 else ref_in[:5])
+
+    dtypes = (dtype, dtype, dtype, torch.float32, torch.float32, torch.float32)
+    ins = [t.to(DEVICE, d).requires_grad_(True) for t, d in zip(base, dtypes)]
+    o, S = fast_weight_3_triton(*ins[:5], ins[5] if with_S0 else None, read_after=read_after, chunk_size=chunk_size,
+                                slots=slots)
+    assert o.dtype == dtype and S.dtype == torch.float32
+    loss = (o.double() * w_o.to(DEVICE)).sum() + (S.double() * w_S.to(DEVICE)).sum()
+    grads = torch.autograd.grad(loss, ins if with_S0 else ins[:5])
+    errors = {"o": rel_err(o.cpu(), o_ref), "S": rel_err(S.cpu(), S_ref)}
+    for name, grad, grad_ref in zip(NAMES, grads, grads_ref):
+        errors["d" + name] = rel_err(grad.cpu(), grad_ref)
+    assert_small(errors, TOL[dtype])
+
+
+def assert_small(errors: dict[str, float], tol: float) -> None:
+    """Every error below tol (a NaN fails, which max() would hide)."""
+    assert all(error < tol for error in errors.values()), {k: f"{v:.2e}" for k, v in errors.items()}
+
+
+OP_CASES = [  # slots, steps, chunk_size, read_after, with S0
+    (2, 1, 16, True, True), (2, 13, 16, False, True), (4, 1, 16, False, True), (4, 13, 16, True, True),
+    (4, 37, 32, False, False), (8, 9, 16, True, False), (16, 5, 16, False, True),
+]
+
+
+@interpret
+@pytest.mark.parametrize("slots,steps,chunk_size,read_after,with_S0", OP_CASES,
+                         ids=[f"P{p}-steps{s}-C{c}-{'after' if a else 'before'}{'' if i else '-fresh'}"
+                              for p, s, c, a, i in OP_CASES])
+def test_op_matches_reference(slots, steps, chunk_size, read_after, with_S0):
+    check_op(2, steps, 2, 16, 24, slots=slots, chunk_size=chunk_size, read_after=read_after, with_S0=with_S0)
+
+
+@interpret
+def test_op_float16():
+    """The 16-bit path (float16 under the interpreter; bfloat16 on a GPU in `test_large_shape`)."""
+    check_op(1, 11, 2, 16, 24, slots=4, chunk_size=16, read_after=True, dtype=torch.float16)
+
+
+@interpret
+@pytest.mark.parametrize("read_after", [True, False], ids=["after", "before"])
+def test_one_slot_is_rule_1(read_after):
+    """slots = 1 runs rule 1's computation: the same kernels, the same results, forward and backward."""
+    ins = [t.to(DEVICE, torch.float32).requires_grad_(True) for t in prepared(1, 40, 2, 16, 8, seed=2)]
+    results = []
+    for run in (fast_weight_1_triton, lambda *a, **kw: fast_weight_3_triton(*a, **kw, slots=1)):
+        o, S = run(*ins, read_after=read_after, chunk_size=16)
+        grads = torch.autograd.grad(o.square().sum() + S.square().sum(), ins)
+        results.append((o, S, *grads))
+    for mine, ref in zip(*results):
+        assert torch.equal(mine, ref)
+
+
+FRONT_DOOR_CASES = [  # window, pairing, read, step_size, packed, with a carried state
+    (2, "shifted", "after", "nlms", False, True), (3, "shifted", "before", "nlms", False, True),
+    (4, "same_step", "after", "direct", False, True), (3, "same_step", "before", "direct", True, True),
+    (3, "shifted", "after", "nlms", True, False), (2, "shifted", "before", "direct", False, False),
+    (4, "shifted", "after", "nlms", True, True), (5, "shifted", "before", "nlms", False, True),
+    (1, "shifted", "after", "nlms", False, True),
+]
+
+
+def front_door_pair(window, pairing, read, step_size, *, T, packed, stateful, chunk_size=64):
+    """The chunk backend and the Triton backend on the same inputs (float32): o, the final state and the gradients
+    of a random projection of (o, S) for q, k, v, beta, lam and every tensor of the initial state, as two dicts."""
+    B, H, K, V = (1, 2, 16, 24) if packed else (2, 2, 16, 24)
+    offsets = torch.tensor([0, 5, T - 12, T - 11, T]) if packed else None
+    n = 4 if packed else B
+    cpu = make_inputs("3", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, requires_grad=True)
+    if step_size == "direct":  # eta = beta: keep eta |k|^2 = eta K below 2, where the recurrence does not blow up
+        cpu[3] = (cpu[3].detach() / K).requires_grad_(True)
+    options = {"rule": "3", "window": window, "pairing": pairing, "read": read, "step_size": step_size,
+               "ridge_scaling": True, "eps": 1e-6, "eps_gamma": 1e-6, "output_final_state": True,
+               "cu_seqlens": offsets, "chunk_size": chunk_size}
+    results = []
+    for backend, device in (("chunk", "cpu"), ("triton", DEVICE)):
+        inputs = [t.detach().to(device).requires_grad_(True) for t in cpu]
+        leaves = dict(zip(("q", "k", "v", "beta", "lam"), inputs))
+        state = None
+        if stateful:
+            state = random_state(n, H, K, V, window=window, dtype=torch.float32).to(device)
+            if pairing == "same_step":
+                state.last_k = None
+            leaves.update((name, t.requires_grad_(True)) for name, t in (
+                ("S0", state.S), ("last_k", state.last_k), ("tail_x", state.tail_x), ("tail_v", state.tail_v))
+                if t is not None)
+        o, s = fast_weight_attention(*inputs, backend=backend, initial_state=state, **options)
+        w_o, w_S = projection(o, s.S)
+        loss = (o * w_o.float().to(device)).sum() + (s.S * w_S.float().to(device)).sum()
+        grads = torch.autograd.grad(loss, list(leaves.values()), materialize_grads=True)
+        result = {"o": o, "S": s.S, "last_k": s.last_k, "tail_x": s.tail_x, "tail_v": s.tail_v,
+                  "tail_len": s.tail_len}
+        result.update(("d" + name, grad) for name, grad in zip(leaves, grads))
+        results.append({name: t if t is None else t.detach().cpu() for name, t in result.items()})
+    return results
+
+
+def assert_close(mine, ref, tol):
+    """o, S and the gradients within tol; the carried last key and window tail (copies of inputs) bitwise equal."""
+    assert mine.keys() == ref.keys()
+    errors = {}
+    for name in mine:
+        assert (mine[name] is None) == (ref[name] is None), name
+        if name in ("last_k", "tail_x", "tail_v", "tail_len"):
+            assert mine[name] is None or torch.equal(mine[name], ref[name]), name
+        else:
+            errors[name] = rel_err(mine[name], ref[name])
+    assert_small(errors, tol)
+
+
+@interpret
+@pytest.mark.parametrize("window,pairing,read,step_size,packed,stateful", FRONT_DOOR_CASES,
+                         ids=[f"W{c[0]}-" + "-".join(c[1:4]) + ("-packed" if c[4] else "") + ("" if c[5] else "-fresh")
+                              for c in FRONT_DOOR_CASES])
+def test_front_door_matches_chunk(window, pairing, read, step_size, packed, stateful):
+    """T = 37 (not a multiple of any chunk), events in chunks of 64 (several per row)."""
+    triton_side, chunk_side = front_door_pair(window, pairing, read, step_size, T=37, packed=packed,
+                                              stateful=stateful)[::-1]
+    assert_close(triton_side, chunk_side, 1e-4)
+
+
+@interpret
+@pytest.mark.parametrize("window,read", [(2, "after"), (3, "before"), (4, "after")])
+def test_front_door_one_step(window, read):
+    """T = 1 from a carried state (the window reaches into the tail)."""
+    triton_side, chunk_side = front_door_pair(window, "shifted", read, "nlms", T=1, packed=False,
+                                              stateful=True)[::-1]
+    assert_close(triton_side, chunk_side, 1e-4)
+
+
+@interpret
+def test_front_door_small_chunks():
+    """Chunks of 16 events (4 steps of 4 slots) and a step per chunk of 16 slots (window 9): many chunk edges."""
+    for window in (3, 9):
+        triton_side, chunk_side = front_door_pair(window, "shifted", "after", "nlms", T=21, packed=False,
+                                                  stateful=True, chunk_size=16)[::-1]
+        assert_close(triton_side, chunk_side, 1e-4)
+
+
+@interpret
+def test_matches_naive_spec():
+    """Against the step loop of the paper's rule (float64) on a small case with a carried state."""
+    cpu = make_inputs("3", B=2, T=11, H=2, K=16, V=8, dtype=torch.float64, requires_grad=True)
+    state = random_state(2, 2, 16, 8, window=3, tail_len=[1, 2])
+    options = {"rule": "3", "window": 3, "read": "after", "output_final_state": True}
+    o_ref, s_ref = fast_weight_attention(*cpu, backend="naive", initial_state=state, **options)
+    dev = [t.detach().to(DEVICE, torch.float32).requires_grad_(True) for t in cpu]
+    o, s = fast_weight_attention(*dev, backend="triton", initial_state=state.to(DEVICE, torch.float32), **options)
+    assert rel_err(o.cpu().double(), o_ref) < 1e-4 and rel_err(s.S.cpu().double(), s_ref.S) < 1e-4
+    for mine, ref in ((s.last_k, s_ref.last_k), (s.tail_x, s_ref.tail_x), (s.tail_v, s_ref.tail_v)):
+        assert rel_err(mine.cpu().double(), ref) < 1e-6
+    assert torch.equal(s.tail_len.cpu(), s_ref.tail_len)
+    w_o, w_S = projection(o_ref, s_ref.S)
+    grads_ref = torch.autograd.grad((o_ref * w_o).sum() + (s_ref.S * w_S).sum(), cpu)
+    grads = torch.autograd.grad((o.double() * w_o.to(DEVICE)).sum() + (s.S.double() * w_S.to(DEVICE)).sum(), dev)
+    for name, grad, grad_ref in zip(("q", "k", "v", "beta", "lam"), grads, grads_ref):
+        assert rel_err(grad.cpu().double(), grad_ref) < 1e-4, name
+
+
+@interpret
+@pytest.mark.parametrize("pairing", ["shifted", "same_step"])
+def test_state_carry_over(pairing):
+    """Running [0:T] equals running [0:t] and then [t:T] from the returned state (S, last key, window tail)."""
+    inputs = [t.to(DEVICE) for t in make_inputs("3", B=2, T=40, H=2, K=16, V=8, dtype=torch.float32)]
+    options = {"rule": "3", "window": 3, "pairing": pairing, "backend": "triton", "output_final_state": True,
+               "chunk_size": 16}
+    o, s = fast_weight_attention(*inputs, **options)
+    o1, s1 = fast_weight_attention(*(t[:, :17] for t in inputs), **options)
+    o2, s2 = fast_weight_attention(*(t[:, 17:] for t in inputs), initial_state=s1, **options)
+    assert rel_err(torch.cat([o1, o2], dim=1), o) < 1e-5
+    assert rel_err(s2.S, s.S) < 1e-5
+    for mine, ref in ((s2.last_k, s.last_k), (s2.tail_x, s.tail_x), (s2.tail_v, s.tail_v), (s2.tail_len, s.tail_len)):
+        assert (mine is None and ref is None) or torch.equal(mine, ref)
+
+
+@interpret
+def test_opcheck():
+    """The rule-3 ops (`hybridlm::fast_weight_3_{fwd,bwd}`): schema, fake tensors, autograd, AOT dispatch."""
+    import hybridlm.ops.fast_weight.triton.custom_ops  # noqa: F401  (registers the ops)
+
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32).requires_grad_(True) for t in prepared(1, 24, 2, 16, 8))
+    torch.library.opcheck(torch.ops.hybridlm.fast_weight_3_fwd, (q, x, y, eta, log_gamma, S0, True, 16, 4),
+                          test_utils=checks)
+    do = torch.randn(1, 24, 2, 8, device=DEVICE)
+    detached = [t.detach() for t in (q, x, y, eta, log_gamma)]
+    torch.library.opcheck(torch.ops.hybridlm.fast_weight_3_bwd, (do, None, *detached, None, False, 16, 2),
+                          test_utils=checks)
+
+
+@interpret
+def test_compiled_front_door_matches_eager():
+    """torch.compile(fullgraph=True, backend="aot_eager") of the front door: no graph break, the same results."""
+    H, K, V = 2, 16, 8
+
+    def fn(q, k, v, beta, lam, S):
+        o, state = fast_weight_attention(q, k, v, beta, lam, rule="3", window=3, backend="triton", chunk_size=16,
+                                         initial_state=FastWeightState(S=S), output_final_state=True)
+        return o, state.S
+
+    inputs = [t.to(DEVICE).detach().requires_grad_(True)
+              for t in make_inputs("3", B=2, T=13, H=H, K=K, V=V, dtype=torch.float32)]
+    S = (0.3 * torch.randn(2, H, K, V, device=DEVICE)).requires_grad_(True)
+    leaves = inputs + [S]
+    o, S_final = fn(*inputs, S)
+    grads = torch.autograd.grad(o.square().sum() + S_final.square().sum(), leaves)
+    o_c, S_c = torch.compile(fn, fullgraph=True, backend="aot_eager")(*inputs, S)
+    grads_c = torch.autograd.grad(o_c.square().sum() + S_c.square().sum(), leaves)
+    assert rel_err(o_c, o) < 1e-5 and rel_err(S_c, S_final) < 1e-5
+    for name, grad, grad_c in zip(("q", "k", "v", "beta", "lam", "S0"), grads, grads_c):
+        assert rel_err(grad_c, grad) < 1e-5, name
+
+
+def test_supports_rule_3():
+    """Every window up to 128 (a step's slots must fit in the largest chunk); "auto" does not send rule 3 here."""
+    for window in (1, 2, 3, 4, 5, 128):
+        assert supports(rule="3", window=window, K=64, V=64, dtype=torch.bfloat16)
+    assert not supports(rule="3", window=129, K=64, V=64, dtype=torch.float32)
+    assert not supports(rule="3", window=3, K=256, V=64, dtype=torch.float32)
+    assert "3" not in AUTO_RULES
+
+
+@interpret
+def test_rejects_bad_slots():
+    ins = [t.to(DEVICE, torch.float32) for t in prepared(1, 12, 1, 16, 8)]
+    with pytest.raises(ValueError, match="slots"):
+        fast_weight_3_triton(*ins, read_after=True, chunk_size=16, slots=3)   # not a power of two
+    with pytest.raises(ValueError, match="slots"):
+        fast_weight_3_triton(*ins, read_after=True, chunk_size=16, slots=8)   # does not divide T = 12
+    ins = [t.to(DEVICE, torch.float32) for t in prepared(1, 64, 1, 16, 8)]
+    with pytest.raises(ValueError, match="slots"):
+        fast_weight_3_triton(*ins, read_after=True, chunk_size=16, slots=32)  # more than a chunk
+
+
+_COMPILE_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hybridlm.ops.fast_weight.triton import kernels_delta as k
+
+def build(kernel, consts, warps):
+    fn = kernel.fn if hasattr(kernel, "configs") else kernel  # under the autotuner
+    consts = {name: value for name, value in consts.items() if name in fn.arg_names}
+    sig = {n: "constexpr" if n in consts else "*bf16" if n in ("x_ptr", "y_ptr", "q_ptr", "do_ptr", "dx_ptr")
+           else "*fp32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+    triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": warps})
+
+sizes = dict(K=128, V=128, BT=64, BK=128, PREC="tf32", PREC32="tf32", SLOTS=4)
+build(k.wy_kernel, dict(sizes, BV=64, STORE_TINV=True), 4)
+build(k.delta_grad_pass_kernel, dict(sizes, BV=32, HAS_INIT=True, INTERPRET=False), 8)
+for read_after in (True, False):
+    build(k.delta_grad_kernel, dict(sizes, BV=16, READ_AFTER=read_after), 8)
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON or importlib.util.find_spec("triton.backends.nvidia") is None,
+                    reason="needs triton with its CUDA backend (no GPU needed)")
+def test_kernels_compile_for_sm90():
+    """The kernels that take SLOTS compile to PTX for sm_90 with SLOTS = 4 (bf16, K = V = 128, chunks of 64): the
+    interpreter does not type-check the compiled path. In a subprocess without TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True, timeout=600,
+                            check=False, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_shape(dtype):
+    """A model-sized head (K = V = 128), window 3 (4 slots) over many chunks, several rows and heads."""
+    check_op(2, 250, 4, 128, 128, slots=4, chunk_size=64, read_after=True, dtype=dtype)
