@@ -22,16 +22,21 @@ Where they run:
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.ops.triton_modes import DEVICE, ON_GPU, gpu_only, interpret  # first: sets the Triton mode
+from tests.ops.triton_modes import (  # first: sets the Triton mode
+    DEVICE,
+    ON_GPU,
+    compile_for_sm90,
+    gpu_only,
+    interpret,
+    needs_cuda_backend,
+)
 from hybridlm.ops import fast_weight_attention
 from hybridlm.ops.fast_weight.triton import (
     AUTO_RULES,
@@ -359,45 +364,29 @@ def test_import_without_triton():
     assert result.returncode == 0, result.stderr
 
 
-_COMPILE_SM90 = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_SM90_KERNELS = """
 from hybridlm.ops.fast_weight.triton import kernels as k
 
 IO = ("q_ptr", "x_ptr", "y_ptr", "a_ptr", "b_ptr", "do_ptr", "o_ptr", "dq_ptr", "dx_ptr", "dy_ptr")
-
-def build(kernel, consts, io, warps=8):
-    fn = kernel.fn if hasattr(kernel, "configs") else kernel  # under the autotuner
-    sig = {n: "constexpr" if n in consts else io if n in IO else "*fp32" if n.endswith("_ptr") else "i32"
-           for n in fn.arg_names}
-    triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": warps})
-
-build(k.chunk_cumsum_kernel, dict(BT=64), "*bf16")
+build(k.chunk_cumsum_kernel, dict(BT=64), warps=8)
 for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "ieee", dict(K=100, V=40, BT=16))):
+    b = functools.partial(build, io=io, io_names=IO, warps=8)
     blocks = dict(s, BK=64, BV=64 if s["V"] > 32 else 32)
-    sequential = dict(s, BK=64, BV=32, HAS_INIT=True, INTERPRET=False)
+    sequential = dict(s, BK=64, BV=32, INTERPRET=False)
     for flags in (dict(READ_AFTER=True, GRAD=False), dict(READ_AFTER=False, GRAD=True)):
-        build(k.chunk_outer_kernel, dict(blocks, **flags, PREC=prec), io)
+        b(k.chunk_outer_kernel, dict(blocks, **flags, PREC=prec))
         for has_init in (True, False):
-            build(k.state_scan_kernel, dict(sequential, **flags, HAS_INIT=has_init, REVERSE=flags["GRAD"], PREC=prec),
-                  io, warps=4)
-    build(k.state_pass_kernel, dict(sequential, REVERSE=True), io, warps=4)
-    build(k.output_kernel, dict(blocks, READ_AFTER=True, PREC=prec), io)
-    build(k.grad_qx_kernel, dict(s, BK=128, BV=32, READ_AFTER=False, PREC=prec), io)
-    build(k.grad_y_kernel, dict(blocks, READ_AFTER=True, HAS_DH=True, PREC=prec), io)
+            b(k.state_scan_kernel, dict(sequential, **flags, HAS_INIT=has_init, REVERSE=flags["GRAD"], PREC=prec),
+              warps=4)
+    b(k.state_pass_kernel, dict(sequential, HAS_INIT=True, REVERSE=True), warps=4)
+    b(k.output_kernel, dict(blocks, READ_AFTER=True, PREC=prec))
+    b(k.grad_qx_kernel, dict(s, BK=128, BV=32, READ_AFTER=False, PREC=prec))
+    b(k.grad_y_kernel, dict(blocks, READ_AFTER=True, HAS_DH=True, PREC=prec))
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None
-                    or importlib.util.find_spec("triton.backends.nvidia") is None,
-                    reason="needs triton with its CUDA backend (no GPU needed)")
+@needs_cuda_backend
 def test_kernels_compile_for_sm90():
     """Every rule-1A kernel (the fused state scan too) compiles to PTX for sm_90, bf16 at a model's sizes and fp32
-    with odd head dims: the interpreter does not check the compiled path. No GPU needed; a subprocess without
-    TRITON_INTERPRET."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True, timeout=600,
-                            check=False, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    with odd head dims (`triton_modes.compile_for_sm90`)."""
+    compile_for_sm90(_SM90_KERNELS)

@@ -14,11 +14,7 @@ parametrization draws eta and log_gamma per step ([N, T, H]), rule 2A takes them
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -29,7 +25,14 @@ from hybridlm.ops.fast_weight.triton import AUTO_RULES, fast_weight_2a_triton, s
 from tests.helpers import rel_err
 from tests.ops.test_fast_weight import make_inputs, random_state
 from tests.ops.test_fast_weight_triton import NAMES, TOL, prepared, projection
-from tests.ops.triton_modes import DEVICE, HAS_TRITON, ON_GPU, gpu_only, interpret
+from tests.ops.triton_modes import (
+    DEVICE,
+    ON_GPU,
+    compile_for_sm90,
+    gpu_only,
+    interpret,
+    needs_cuda_backend,
+)
 from tests.ops.test_fast_weight_triton_compile import OPCHECKS
 
 
@@ -209,39 +212,24 @@ def test_supported_on_request_only():
     assert "2A" not in AUTO_RULES
 
 
-_COMPILE_SM90 = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_SM90_KERNELS = """
 from hybridlm.ops.fast_weight.triton import kernels_2a as k
 
 IO = ("q_ptr", "x_ptr", "y_ptr", "do_ptr", "dq_ptr", "dx_ptr", "dy_ptr", "a_ptr", "b_ptr", "o_ptr")
-
-def build(kernel, consts, io, warps=4):
-    fn = kernel.fn if hasattr(kernel, "configs") else kernel  # under the autotuner
-    sig = {n: "constexpr" if n in consts else io if n in IO else "*fp32" if n.endswith("_ptr") else "i32"
-           for n in fn.arg_names}
-    triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": warps})
-
-build(k.cumsum_2a_kernel, dict(V=128, BT=16, BV=64), "*bf16")
-build(k.pass_2a_kernel, dict(K=128, V=128, BT=16, BK=64, BV=32, HAS_INIT=True, REVERSE=True, INTERPRET=False), "*bf16")
+build(k.cumsum_2a_kernel, dict(V=128, BT=16, BV=64))
+build(k.pass_2a_kernel, dict(K=128, V=128, BT=16, BK=64, BV=32, HAS_INIT=True, REVERSE=True, INTERPRET=False))
 for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=16)), ("*fp32", "ieee", dict(K=16, V=8, BT=16))):
+    b = functools.partial(build, io=io, io_names=IO)
     blocks = dict(s, BK=min(64, s["K"]), BV=min(64, max(16, s["V"])), READ_AFTER=False, PREC=prec)
-    build(k.outer_2a_kernel, dict(blocks, GRAD=True), io)
+    b(k.outer_2a_kernel, dict(blocks, GRAD=True))
     blocks3 = dict(blocks, BV=min(32, max(16, s["V"])))
     for kernel in (k.output_2a_kernel, k.grad_v_2a_kernel, k.grad_qx_2a_kernel):
-        build(kernel, blocks3, io, warps=8)
+        b(kernel, blocks3, warps=8)
 """
 
 
-@pytest.mark.skipif(not HAS_TRITON or importlib.util.find_spec("triton.backends.nvidia") is None,
-                    reason="needs triton with its CUDA backend (no GPU needed)")
+@needs_cuda_backend
 def test_kernels_compile_for_sm90():
-    """Every 2A kernel compiles to PTX for sm_90 (bf16 at a model's sizes, fp32 small): the interpreter does not
-    type-check the compiled path (3D tensors, reductions). Runs without a GPU, in a subprocess without
-    TRITON_INTERPRET."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True, timeout=300,
-                            check=False, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    """Every 2A kernel compiles to PTX for sm_90 (bf16 at a model's sizes, fp32 small; 3-D tensors and reductions
+    that the interpreter does not type-check; `triton_modes.compile_for_sm90`)."""
+    compile_for_sm90(_SM90_KERNELS)

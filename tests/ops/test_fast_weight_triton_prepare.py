@@ -9,11 +9,7 @@ Where they run (as tests/ops/test_fast_weight_triton.py, whose import sets TRITO
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,6 +20,7 @@ from hybridlm.ops.fast_weight.state import FastWeightState
 from tests.helpers import rel_err
 from tests.ops.test_fast_weight import make_inputs, random_state
 from tests.ops.test_fast_weight_triton import DEVICE, interpret, projection
+from tests.ops.triton_modes import compile_for_sm90, needs_cuda_backend
 
 OFFSETS = torch.tensor([0, 5, 40, 41, 70])  # packed: lengths 5, 35, 1, 29
 
@@ -182,34 +179,23 @@ def test_front_door_fused_matches_chunk(monkeypatch, rule, pairing, read, step_s
     assert all(e_chunk < 1e-4 and e_pw < 1e-5 for e_chunk, e_pw in errors.values()), shown
 
 
-_COMPILE_SM90 = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_SM90_KERNELS = """
 from hybridlm.ops.fast_weight.triton import kernels_prepare as kp
 from hybridlm.ops.fast_weight.triton.prepare import BT, NUM_WARPS
 
 HALF = ("k_ptr", "v_ptr", "last_ptr", "x_ptr", "y_ptr", "dx_ptr", "dy_ptr", "dk_ptr", "dv_ptr", "dlast_ptr")
+TYPES = {"offsets_ptr": "*i64", "eps": "fp32", "one_minus_eps_gamma": "fp32"}
 for io, K, V in (("*bf16", 128, 128), ("*fp32", 20, 12)):
     for on in (True, False):
         consts = dict(K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)), BV=max(16, triton.next_power_of_2(V)),
                       SHIFTED=on, HAS_LAST=on, PACKED=on, NLMS=on, SCALED=on)
-        for fn in (kp.prepare_fwd_kernel, kp.prepare_bwd_kernel):
-            sig = {n: "constexpr" if n in consts else io if n in HALF else "*i64" if n == "offsets_ptr"
-                   else "*fp32" if n.endswith("_ptr") else "fp32" if n in ("eps", "one_minus_eps_gamma") else "i32"
-                   for n in fn.arg_names}
-            triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": NUM_WARPS})
+        for kernel in (kp.prepare_fwd_kernel, kp.prepare_bwd_kernel):
+            build(kernel, consts, io=io, io_names=HALF, types=TYPES, warps=NUM_WARPS)
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None
-                    or importlib.util.find_spec("triton.backends.nvidia") is None,
-                    reason="needs triton with its CUDA backend (no GPU needed)")
+@needs_cuda_backend
 def test_kernels_compile_for_sm90():
     """Both preparation kernels compile to sm_90 code (bf16 at K = V = 128 and fp32 at odd sizes; every flag on, then
-    off): the interpreter does not check the compiled path. No GPU needed; a subprocess without TRITON_INTERPRET."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True, timeout=300,
-                            check=False, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    off; `triton_modes.compile_for_sm90`)."""
+    compile_for_sm90(_SM90_KERNELS)

@@ -19,10 +19,6 @@ HYBRIDLM_TRITON_INTERPRET=1, ~1 min; everything on a GPU).
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -46,7 +42,7 @@ from tests.ops.test_fast_weight_triton import (  # its import sets TRITON_INTERP
     prepared,
     projection,
 )
-from tests.ops.triton_modes import HAS_TRITON
+from tests.ops.triton_modes import compile_for_sm90, needs_cuda_backend
 
 
 def reference(q, x, y, eta, log_gamma, S0, *, read_after, slots):
@@ -310,37 +306,23 @@ def test_rejects_bad_slots():
         fast_weight_3_triton(*ins, read_after=True, chunk_size=16, slots=32)  # more than a chunk
 
 
-_COMPILE_SM90 = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_SM90_KERNELS = """
 from hybridlm.ops.fast_weight.triton import kernels_delta as k
 
-def build(kernel, consts, warps):
-    fn = kernel.fn if hasattr(kernel, "configs") else kernel  # under the autotuner
-    consts = {name: value for name, value in consts.items() if name in fn.arg_names}
-    sig = {n: "constexpr" if n in consts else "*bf16" if n in ("x_ptr", "y_ptr", "q_ptr", "do_ptr", "dx_ptr")
-           else "*fp32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
-    triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": warps})
-
+b = functools.partial(build, io="*bf16", io_names=("x_ptr", "y_ptr", "q_ptr", "do_ptr", "dx_ptr"))
 sizes = dict(K=128, V=128, BT=64, BK=128, PREC="tf32", PREC32="tf32", SLOTS=4)
-build(k.wy_kernel, dict(sizes, BV=64, STORE_TINV=True), 4)
-build(k.delta_grad_pass_kernel, dict(sizes, BV=32, HAS_INIT=True, INTERPRET=False), 8)
+b(k.wy_kernel, dict(sizes, BV=64, STORE_TINV=True), warps=4)
+b(k.delta_grad_pass_kernel, dict(sizes, BV=32, HAS_INIT=True, INTERPRET=False), warps=8)
 for read_after in (True, False):
-    build(k.delta_grad_kernel, dict(sizes, BV=16, READ_AFTER=read_after), 8)
+    b(k.delta_grad_kernel, dict(sizes, BV=16, READ_AFTER=read_after), warps=8)
 """
 
 
-@pytest.mark.skipif(not HAS_TRITON or importlib.util.find_spec("triton.backends.nvidia") is None,
-                    reason="needs triton with its CUDA backend (no GPU needed)")
+@needs_cuda_backend
 def test_kernels_compile_for_sm90():
-    """The kernels that take SLOTS compile to PTX for sm_90 with SLOTS = 4 (bf16, K = V = 128, chunks of 64): the
-    interpreter does not type-check the compiled path. In a subprocess without TRITON_INTERPRET."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True, timeout=600,
-                            check=False, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    """The kernels that take SLOTS compile to PTX for sm_90 with SLOTS = 4 (bf16, K = V = 128, chunks of 64;
+    `triton_modes.compile_for_sm90`)."""
+    compile_for_sm90(_SM90_KERNELS)
 
 
 @gpu_only

@@ -17,8 +17,6 @@ Where they run:
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import subprocess
 import sys
 
@@ -27,7 +25,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.ops.triton_modes import DEVICE, HAS_TRITON, INTERPRET, ON_GPU, gpu_only, interpret  # sets the mode
+from tests.ops.triton_modes import (  # sets the mode
+    DEVICE,
+    INTERPRET,
+    ON_GPU,
+    compile_for_sm90,
+    gpu_only,
+    interpret,
+    needs_cuda_backend,
+)
 
 from hybridlm.ops.ssd import ssd
 from tests.helpers import rel_err
@@ -289,39 +295,27 @@ def test_import_without_triton():
     assert result.returncode == 0, result.stderr
 
 
-_COMPILE_SM90 = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_SM90_KERNELS = """
 from hybridlm.ops.ssd.triton import kernels as k
 
-def build(kernel, consts, io):
-    fn = kernel.fn if hasattr(kernel, "configs") else kernel  # under the autotuner
-    sig = {n: "constexpr" if n in consts else io if n in IO else "*fp32" if n.endswith("_ptr") else "i32"
-           for n in fn.arg_names}
-    triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-
 IO = ("x_ptr", "B_ptr", "C_ptr", "y_ptr", "dy_ptr", "dx_ptr", "dB_ptr", "dC_ptr", "a_ptr", "w_ptr")
-build(k.chunk_cumsum_kernel, dict(BT=64), "*bf16")
-build(k.state_pass_kernel, dict(P=64, N=128, BT=64, BP=32, BN=32, HAS_INIT=True, REVERSE=True, INTERPRET=False), "*bf16")
+build(k.chunk_cumsum_kernel, dict(BT=64))
+build(k.state_pass_kernel, dict(P=64, N=128, BT=64, BP=32, BN=32, HAS_INIT=True, REVERSE=True, INTERPRET=False))
 for io, prec, s in (("*bf16", "tf32", dict(P=64, N=128, BT=64)), ("*fp32", "ieee", dict(P=16, N=16, BT=16))):
+    b = functools.partial(build, io=io, io_names=IO)
     blocks = dict(s, BP=min(s["P"], 64), BN=min(s["N"], 64), PREC=prec)
-    build(k.chunk_state_kernel, dict(blocks, GRAD=True), io)
-    build(k.output_kernel, dict(blocks, HAS_D=True), io)
-    build(k.grad_x_kernel, dict(blocks, HAS_D=True), io)
-    build(k.grad_bc_kernel, dict(blocks, R=2), io)
+    b(k.chunk_state_kernel, dict(blocks, GRAD=True))
+    b(k.output_kernel, dict(blocks, HAS_D=True))
+    b(k.grad_x_kernel, dict(blocks, HAS_D=True))
+    b(k.grad_bc_kernel, dict(blocks, R=2))
 """
 
 
-@pytest.mark.skipif(not HAS_TRITON or importlib.util.find_spec("triton.backends.nvidia") is None,
-                    reason="needs triton with its CUDA backend (no GPU needed)")
+@needs_cuda_backend
 def test_kernels_compile_for_sm90():
     """Every kernel compiles to PTX for sm_90 (bf16 at a model's sizes, fp32 small): the interpreter does not type-
-    check the compiled path. Runs without a GPU (~10 s), in a subprocess without TRITON_INTERPRET."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True, timeout=300,
-                            check=False, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    check the compiled path (`triton_modes.compile_for_sm90`, ~10 s without a GPU)."""
+    compile_for_sm90(_SM90_KERNELS)
 
 
 @pytest.mark.skipif(INTERPRET or ON_GPU, reason="checks the refusal on CPU tensors without the interpreter")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -25,3 +27,38 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 interpret = pytest.mark.skipif(not (ON_GPU or (INTERPRET and HAS_TRITON)),
                                reason="needs CUDA + triton, or HYBRIDLM_TRITON_INTERPRET=1 with triton installed")
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs CUDA + triton (too slow or unsupported in the interpreter)")
+
+
+# Compiling kernels to PTX for sm_90 without a GPU: the interpreter never runs the compiled path (its typing of
+# 3-D tensors, reductions, register allocation), so each kernel file has a test that builds every kernel.
+needs_cuda_backend = pytest.mark.skipif(
+    not HAS_TRITON or importlib.util.find_spec("triton.backends.nvidia") is None,
+    reason="needs triton with its CUDA backend (no GPU needed)")
+
+_SM90_BUILD = '''
+import functools
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+def build(kernel, consts, *, io="*fp32", io_names=(), warps=4, types=None):
+    """Compile `kernel` for sm_90: the constexprs in `consts` that it takes, pointers named in io_names of type io,
+    the other pointers *fp32, the other arguments i32 unless `types` names them."""
+    fn = kernel.fn if hasattr(kernel, "configs") else kernel  # under the autotuner
+    consts = {name: value for name, value in consts.items() if name in fn.arg_names}
+    types = types or {}
+    sig = {n: "constexpr" if n in consts else types.get(n) or (io if n in io_names else "*fp32" if n.endswith("_ptr")
+                                                                else "i32")
+           for n in fn.arg_names}
+    triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": warps})
+'''
+
+
+def compile_for_sm90(script: str, *, timeout: int = 600) -> None:
+    """Run `script` (calls of `build(kernel, consts, io=..., io_names=..., warps=...)`) after the definition of
+    `build`, in a subprocess without TRITON_INTERPRET; fail with its error output."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _SM90_BUILD + script], capture_output=True, text=True,
+                            timeout=timeout, check=False, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
