@@ -7,7 +7,8 @@ First checks the Triton backend against the chunk backend at one shape for each 
 final state and every gradient) and stops if they disagree. Then times (median of `triton.testing.do_bench`)
 forward and forward+backward of:
 - SDPA: causal `F.scaled_dot_product_attention` on the same q, k, v (flash / cuDNN backend);
-- chunk: `fast_weight_attention(..., backend="chunk")` (the torch chunk path; window 3 for 3A);
+- chunk: `fast_weight_attention(..., backend="chunk")` (the torch chunk path; window 3 for 3A); with
+  `--compiled-chunk` also the same under `torch.compile` (inductor; compiling per shape takes minutes);
 - triton: the same op through the Triton backend (raw q, k, v, beta, lam -> prepared writes -> kernels);
 - kernels (1A): `fast_weight_1a_triton` alone on prepared writes (the kernels without the preparation);
 - fused states (1A, 3A): the triton op again with `chunk_1a.FUSED_STATES` on (the state stages as one kernel), to
@@ -106,23 +107,26 @@ def main() -> None:
     parser.add_argument("--H", type=int, default=16)
     parser.add_argument("--D", type=int, default=128)
     parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--compiled-chunk", action="store_true", help="also time the chunk path under torch.compile")
     args = parser.parse_args()
     for rule in args.rules:
         check(rule, chunk_size=args.chunk_size)
     print(f"\n# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | window 3 for 3A")
-    print("| rule | T | pass | SDPA (ms) | chunk (ms) | triton (ms) | kernels (ms) | fused states (ms) | triton / SDPA "
-          "| chunk / triton | triton TFLOP/s | triton TB/s (min. bytes) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| rule | T | pass | SDPA (ms) | chunk (ms) | chunk compiled (ms) | triton (ms) | kernels (ms) "
+          "| fused states (ms) | triton / SDPA | chunk / triton | triton TFLOP/s | triton TB/s (min. bytes) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for T in args.T:
         for rule in args.rules:
-            for line in time_one(rule, args.B, T, args.H, args.D, torch.bfloat16, chunk_size=args.chunk_size):
+            for line in time_one(rule, args.B, T, args.H, args.D, torch.bfloat16, chunk_size=args.chunk_size,
+                                 compiled_chunk=args.compiled_chunk):
                 print(line, flush=True)
             torch.cuda.empty_cache()
 
 
-def time_one(rule, B, T, H, D, dtype, *, chunk_size):
+def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
     """The table rows (fwd, fwd+bwd) of one rule and sequence length."""
+    chunk_compiled = torch.compile(run_chunk) if compiled_chunk else None
     q, k, v, beta, lam = inputs = make_inputs(B, T, H, D, dtype)
     prepared = None
     if rule == "1A":
@@ -162,11 +166,20 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size):
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
             chunk_cells = "out of memory", "-"
+        compiled = "-"
+        if chunk_compiled is not None:
+            try:
+                compiled = "{:.2f}".format(bench(lambda: chunk_compiled(*inputs, rule=rule, chunk_size=chunk_size)[0],
+                                                 backward=backward, inputs=inputs))
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                compiled = "out of memory"
         name = "fwd+bwd" if backward else "fwd"
         flops, nbytes = fast_weight_counts(rule, B=B, T=T, H=H, K=D, V=D, chunk=chunk_size, backward=backward)
         use = utilization(ms=ms["triton"], flops=flops, nbytes=nbytes)
-        rows.append(f"| {rule} | {T} | {name} | {ms['sdpa']:.2f} | {chunk_cells[0]} | {ms['triton']:.2f} | {kernels} | "
-                    f"{fused} | {ms['triton'] / ms['sdpa']:.2f}x | {chunk_cells[1]} | {use['tflops']:.0f} "
+        rows.append(f"| {rule} | {T} | {name} | {ms['sdpa']:.2f} | {chunk_cells[0]} | {compiled} | "
+                    f"{ms['triton']:.2f} | {kernels} | {fused} | {ms['triton'] / ms['sdpa']:.2f}x | {chunk_cells[1]} | "
+                    f"{use['tflops']:.0f} "
                     f"({100 * use['flop_frac']:.1f}%) | {use['tbps']:.2f} ({100 * use['byte_frac']:.0f}%) |")
     return rows
 
