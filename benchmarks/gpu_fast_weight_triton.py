@@ -13,7 +13,9 @@ forward and forward+backward of:
 - kernels (1A): `fast_weight_1a_triton` alone on prepared writes (the kernels without the preparation);
 - fused states (1A, 3A): the triton op again with `chunk_1a.FUSED_STATES` on (the state stages as one kernel), to
   decide whether it becomes the default.
-Prints a markdown table with the ratios triton / SDPA and chunk / triton, and what the triton op's time means against
+`--profile` then prints, per rule at the longest T, the kernels of one forward + backward of the triton op with their
+GPU time (torch.profiler): which stage to work on. Prints a markdown table with the ratios triton / SDPA and
+chunk / triton, and what the triton op's time means against
 the H200's measured ceilings (`roofline.py`: matmul TFLOP/s and the unavoidable bytes' TB/s, with the fractions
 of 716 TFLOP/s and 4.3 TB/s).
 """
@@ -108,6 +110,7 @@ def main() -> None:
     parser.add_argument("--D", type=int, default=128)
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--compiled-chunk", action="store_true", help="also time the chunk path under torch.compile")
+    parser.add_argument("--profile", action="store_true", help="per-kernel GPU time of the triton op at the longest T")
     args = parser.parse_args()
     for rule in args.rules:
         check(rule, chunk_size=args.chunk_size)
@@ -122,6 +125,29 @@ def main() -> None:
                                  compiled_chunk=args.compiled_chunk):
                 print(line, flush=True)
             torch.cuda.empty_cache()
+    if args.profile:
+        for rule in args.rules:
+            print(f"\n### {rule}, T={max(args.T)}: kernels of one forward + backward (FUSED_STATES="
+                  f"{chunk_1a.FUSED_STATES})\n" + profile_one(rule, args.B, max(args.T), args.H, args.D,
+                                                              chunk_size=args.chunk_size), flush=True)
+
+
+def profile_one(rule, B, T, H, D, *, chunk_size, rows=20) -> str:
+    """torch.profiler table (self GPU time per kernel) of one forward + backward of the triton op, after a warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = make_inputs(B, T, H, D, torch.bfloat16)
+
+    def step():
+        o = run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0]
+        o.backward(torch.ones_like(o))
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows)
 
 
 def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
