@@ -284,7 +284,7 @@ def test_front_door_matches_chunk(rule, window, pairing, read, step_size, packed
 
 
 @gpu_only
-@pytest.mark.parametrize("rule,dtype", list(itertools.product(("1A", "3A", "1", "2A", "3"),
+@pytest.mark.parametrize("rule,dtype", list(itertools.product(("1A", "3A", "1", "2A", "3", "2"),
                                                               (torch.float32, torch.bfloat16))))
 def test_front_door(rule, dtype):
     """`fast_weight_attention(backend="triton")` on the GPU against the chunk backend in float64 on the CPU (rules 3A
@@ -343,7 +343,7 @@ def test_rejects_unsupported_calls():
     with pytest.raises(ValueError, match="K, V <= 128"):
         fast_weight_1a_triton(big, big, y, eta, log_gamma, None, read_after=True, chunk_size=16)
     with pytest.raises(ValueError, match="rules 1A"):
-        fast_weight_triton(q, q, y, eta, eta, rule="2", window=1, pairing="shifted", read="after", step_size="nlms",
+        fast_weight_triton(q, q, y, eta, eta, rule="2", window=2, pairing="shifted", read="after", step_size="nlms",
                            ridge_scaling=False, eps=1e-6, eps_gamma=1e-6, initial_state=None, offsets=None,
                            chunk_size=64)
 

@@ -2,7 +2,8 @@
 
     S_t = S_{t-1} Diag(exp(log_gamma_t)) + x_t (eta_t * y_t)^T        o_t = S_t^T q_t (after) or S_{t-1}^T q_t
 
-the kernels (`hybridlm::fast_weight_2a_fwd` / `_bwd`) against a float64 step loop of the same prepared recurrence,
+the kernels (`hybridlm::fast_weight_2a_fwd` / `_bwd`, and rule 2's `hybridlm::fast_weight_2_fwd` / `_bwd`, whose
+other tests are in test_fast_weight_triton_rule2.py) against a float64 step loop of the same prepared recurrence,
 the front door with backend="triton" against the torch chunk backend and the naive spec (pairings, reads, carried
 states, packed sequences), `torch.library.opcheck` and torch.compile. Reuses the harness of
 tests/ops/test_fast_weight_triton.py (its import sets TRITON_INTERPRET before any kernel loads); its KERNELS
@@ -21,7 +22,7 @@ import torch
 
 from hybridlm.ops import fast_weight_attention
 from hybridlm.ops.fast_weight.state import FastWeightState
-from hybridlm.ops.fast_weight.triton import AUTO_RULES, fast_weight_2a_triton, supports
+from hybridlm.ops.fast_weight.triton import AUTO_RULES, fast_weight_2_triton, fast_weight_2a_triton, supports
 from tests.helpers import rel_err
 from tests.ops.test_fast_weight import make_inputs, random_state
 from tests.ops.test_fast_weight_triton import NAMES, TOL, prepared, projection
@@ -59,16 +60,32 @@ def prepared_2a(N, T, H, K, V, *, seed=0):
     return [q, x, y, eta, torch.log1p(-alpha), S0]
 
 
+def reference_2(q, x, y, eta, log_gamma, S0, *, read_after):
+    """The rule-2 recurrence as a step loop (float64, differentiable by autograd); eta, log_gamma [N, T, H, V]."""
+    S, outs = S0, []
+    for t in range(q.shape[1]):
+        S_prev = S
+        residual = y[:, t] - torch.einsum("nhk,nhkv->nhv", x[:, t], S_prev)                  # [N, H, V]
+        S = S * log_gamma[:, t].exp()[:, :, None, :] + x[:, t, :, :, None] * (eta[:, t] * residual)[:, :, None, :]
+        outs.append(torch.einsum("nhk,nhkv->nhv", q[:, t], S if read_after else S_prev))
+    return torch.stack(outs, dim=1), S
+
+
+# The per-column rules' kernels on prepared writes and their float64 step loops: the kernel tests below run both.
+PER_COLUMN_KERNELS = {"2A": (fast_weight_2a_triton, reference_2a), "2": (fast_weight_2_triton, reference_2)}
+
+
 def check_kernels(N, T, H, K, V, *, dtype=torch.float32, chunk_size=16, read_after=True, with_S0=True, seed=0,
-                  grad_o=True, grad_S=True):
-    """Outputs, final state and every gradient (of a random projection of o and/or S) against the float64 loop on
-    the same (rounded) inputs; returns the errors."""
+                  grad_o=True, grad_S=True, rule="2A"):
+    """Outputs, final state and every gradient (of a random projection of o and/or S) of rule 2A's (or 2's) kernels
+    against its float64 step loop on the same (rounded) inputs; returns the errors."""
+    kernel, reference = PER_COLUMN_KERNELS[rule]
     base = prepared_2a(N, T, H, K, V, seed=seed)
     base[:3] = [t.to(dtype).double() for t in base[:3]]
     ref_in = [t.clone().requires_grad_(True) for t in base]
     if not with_S0:
         ref_in[5] = torch.zeros_like(base[5])
-    o_ref, S_ref = reference_2a(*ref_in, read_after=read_after)
+    o_ref, S_ref = reference(*ref_in, read_after=read_after)
     w_o, w_S = projection(o_ref, S_ref)
     w_o, w_S = w_o * grad_o, w_S * grad_S
     leaves_ref = ref_in if with_S0 else ref_in[:5]
@@ -76,7 +93,7 @@ def check_kernels(N, T, H, K, V, *, dtype=torch.float32, chunk_size=16, read_aft
 
     dtypes = (dtype, dtype, dtype, torch.float32, torch.float32, torch.float32)
     ins = [t.to(DEVICE, d).requires_grad_(True) for t, d in zip(base, dtypes)]
-    o, S = fast_weight_2a_triton(*ins[:5], ins[5] if with_S0 else None, read_after=read_after, chunk_size=chunk_size)
+    o, S = kernel(*ins[:5], ins[5] if with_S0 else None, read_after=read_after, chunk_size=chunk_size)
     assert o.dtype == dtype and o.shape == (N, T, H, V) and S.dtype == torch.float32 and S.shape == (N, H, K, V)
     loss = (o.double() * w_o.to(DEVICE)).sum() + (S.double() * w_S.to(DEVICE)).sum()
     grads = torch.autograd.grad(loss, ins if with_S0 else ins[:5], materialize_grads=True)
@@ -92,50 +109,54 @@ KERNEL_CASES = list(itertools.product((torch.float32, torch.float16, torch.bfloa
                                       (True, False)))
 
 
+@pytest.mark.parametrize("rule", PER_COLUMN_KERNELS)
 @interpret
 @pytest.mark.parametrize("dtype,T,chunk_size,read_after", KERNEL_CASES,
                          ids=[f"{str(d)[6:]}-T{T}-C{c}-{'after' if a else 'before'}" for d, T, c, a in KERNEL_CASES])
-def test_kernels_match_reference(dtype, T, chunk_size, read_after):
+def test_kernels_match_reference(rule, dtype, T, chunk_size, read_after):
     """T = 1 and T not a multiple of the chunk, K != V (V below the smallest block), several rows and heads."""
     if dtype == torch.bfloat16 and not ON_GPU:
         pytest.skip("the interpreter's tl.dot is wrong for bfloat16; float16 covers the 16-bit path on the CPU")
-    check_kernels(2, T, 2, 16, 8, dtype=dtype, chunk_size=chunk_size, read_after=read_after)
+    check_kernels(2, T, 2, 16, 8, dtype=dtype, chunk_size=chunk_size, read_after=read_after, rule=rule)
 
 
+@pytest.mark.parametrize("rule", PER_COLUMN_KERNELS)
 @interpret
 @pytest.mark.parametrize("K,V", [(100, 40), (24, 72)])
 @pytest.mark.parametrize("read_after", [True, False], ids=["after", "before"])
-def test_kernels_head_dims_without_initial_state(K, V, read_after):
+def test_kernels_head_dims_without_initial_state(rule, K, V, read_after):
     """Several key tiles (K = 100 > 64) or value tiles (V = 72 > 32 and > 64), non-powers of two, S0 = None."""
-    check_kernels(1, 21, 1, K, V, read_after=read_after, with_S0=False)
+    check_kernels(1, 21, 1, K, V, read_after=read_after, with_S0=False, rule=rule)
 
 
+@pytest.mark.parametrize("rule", PER_COLUMN_KERNELS)
 @interpret
 @pytest.mark.parametrize("grad_o,grad_S", [(True, False), (False, True)])
-def test_kernels_one_output_used(grad_o, grad_S):
+def test_kernels_one_output_used(rule, grad_o, grad_S):
     """Only o or only the final state reaches the loss (the other gradient arrives as None)."""
-    check_kernels(1, 20, 1, 16, 16, grad_o=grad_o, grad_S=grad_S)
+    check_kernels(1, 20, 1, 16, 16, grad_o=grad_o, grad_S=grad_S, rule=rule)
 
 
+@pytest.mark.parametrize("rule", PER_COLUMN_KERNELS)
 @interpret
-def test_kernels_state_carry_over():
+def test_kernels_state_carry_over(rule):
     """Running [0:T] equals running [0:t] and then [t:T] from the returned state (t not on a chunk edge)."""
+    kernel = PER_COLUMN_KERNELS[rule][0]
     q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in prepared_2a(1, 40, 1, 16, 16, seed=3))
-    o, S = fast_weight_2a_triton(q, x, y, eta, log_gamma, S0, read_after=True, chunk_size=16)
-    o1, S1 = fast_weight_2a_triton(*(t[:, :19] for t in (q, x, y, eta, log_gamma)), S0, read_after=True,
-                                   chunk_size=16)
-    o2, S2 = fast_weight_2a_triton(*(t[:, 19:] for t in (q, x, y, eta, log_gamma)), S1, read_after=True,
-                                   chunk_size=16)
+    o, S = kernel(q, x, y, eta, log_gamma, S0, read_after=True, chunk_size=16)
+    o1, S1 = kernel(*(t[:, :19] for t in (q, x, y, eta, log_gamma)), S0, read_after=True, chunk_size=16)
+    o2, S2 = kernel(*(t[:, 19:] for t in (q, x, y, eta, log_gamma)), S1, read_after=True, chunk_size=16)
     assert rel_err(torch.cat([o1, o2], dim=1), o) < 1e-5
     assert rel_err(S2, S) < 1e-5
 
 
+@pytest.mark.parametrize("rule", PER_COLUMN_KERNELS)
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("read_after", [True, False], ids=["after", "before"])
-def test_kernels_large_shape(dtype, read_after):
+def test_kernels_large_shape(rule, dtype, read_after):
     """A model-sized head (K = V = 128) over many chunks, several rows and heads."""
-    check_kernels(2, 1000, 4, 128, 128, dtype=dtype, chunk_size=16, read_after=read_after)
+    check_kernels(2, 1000, 4, 128, 128, dtype=dtype, chunk_size=16, read_after=read_after, rule=rule)
 
 
 FRONT_CASES = [  # pairing, read, step_size, packed, with an initial state

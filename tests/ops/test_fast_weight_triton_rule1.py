@@ -18,5 +18,5 @@ def test_supports_rule_1_window_1_only():
     assert not supports(rule="1", window=2, K=64, V=64, dtype=torch.float32)
     assert supports(rule="1A", window=1, K=64, V=64, dtype=torch.bfloat16)
     assert supports(rule="3A", window=3, K=64, V=64, dtype=torch.bfloat16)
-    assert not supports(rule="2", window=1, K=64, V=64, dtype=torch.float32)
+    assert not supports(rule="2", window=2, K=64, V=64, dtype=torch.float32)  # windows: rules 3A and 3 only
     assert not supports(rule="1A", window=1, K=256, V=64, dtype=torch.float32)

@@ -66,8 +66,9 @@ def fast_weight_attention(
             over rows (no cu_seqlens). "auto" takes it for T == 1 (decoding; naive with cu_seqlens), the
             Triton kernels on CUDA for the rules checked and timed on a GPU (1A, 3A, 1; K, V <= 128;
             float32/bf16/fp16) when triton is installed, and the chunk path otherwise. "triton" also runs rule 2A
-            (forward and backward kernels, checked on an H200, not yet timed: benchmarks/RESULTS.md) and rule 3
-            (window <= 128, on rule 1's kernels over write events; checked under Triton's interpreter only).
+            (forward and backward kernels, checked on an H200, not yet timed: benchmarks/RESULTS.md), rule 3
+            (window <= 128, on rule 1's kernels over write events) and rule 2 (both checked under Triton's
+            interpreter only).
 
     Returns:
         o `[B, T, H, V]` in q's dtype, and the final state (float32; float64 for float64 inputs) or None.

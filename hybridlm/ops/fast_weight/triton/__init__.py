@@ -1,6 +1,6 @@
 """Triton (GPU) kernels of the Falcon fast-weight rules. Importing this package never needs triton
-(`chunk_1a.py`, `chunk_1.py`, `chunk_2a.py`, `prepare.py` and the kernel files, which do, are imported on the first
-call).
+(`chunk_1a.py`, `chunk_1.py`, `chunk_2a.py`, `chunk_2.py`, `prepare.py` and the kernel files, which do, are
+imported on the first call).
 
 - `fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, *, read_after, chunk_size)`: rule 1A on the prepared
   quantities of chunk.py's pipeline (write pairs, step sizes and log decays), forward and backward in Triton.
@@ -10,12 +10,14 @@ call).
   per step, on rule 1's kernels (the events of one step do not see each other's writes).
 - `fast_weight_2a_triton(...)`: rule 2A (inner product, eta and log_gamma per value column, `[N, T, H, V]`) on the
   same prepared quantities, forward and backward in Triton.
-- All run as `torch.library` custom ops (`hybridlm::fast_weight_{1a,1,3,2a}_{fwd,bwd}`, `custom_ops.py`, registered on
-  the first call), so `torch.compile` traces them; so does the fused write preparation of rules 1A and 1
+- `fast_weight_2_triton(...)`: rule 2 (regression, eta and log_gamma per value column, `[N, T, H, V]`) on the
+  same prepared quantities, forward and backward in Triton (not yet run on a GPU).
+- All run as `torch.library` custom ops (`hybridlm::fast_weight_{1a,1,3,2a,2}_{fwd,bwd}`, `custom_ops.py`, registered
+  on the first call), so `torch.compile` traces them; so does the fused write preparation of rules 1A and 1
   (`hybridlm::fast_weight_prepare_{fwd,bwd}`, `prepare.py`), which `fast_weight_triton` runs in place of chunk.py's
   `prepare_writes` for those rules.
 - `fast_weight_triton(...)`: the same contract as `chunk.fast_weight_chunk` for the supported rules/options
-  (`supports(...)`: rules 1A, 3A, 3 (window <= 128), and 1 and 2A with window 1), i.e. what
+  (`supports(...)`: rules 1A, 3A, 3 (window <= 128), and 1, 2A and 2 with window 1), i.e. what
   `fast_weight_attention(..., backend="triton")` runs.
 - `is_available()`: triton importable and a CUDA device present.
 
@@ -30,12 +32,12 @@ import importlib.util
 import torch
 
 # 3A runs as 1A over its window's write events (frontend.py), 3 as 1 over its events (a step's events do not see each
-# other's writes); 1 and 2A: window 1 (2A: decays per value column)
-SUPPORTED_RULES = ("1A", "3A", "1", "2A", "3")
+# other's writes); 1, 2A and 2: window 1 (2A, 2: decays per value column)
+SUPPORTED_RULES = ("1A", "3A", "1", "2A", "3", "2")
 # The rules `backend="auto"` sends to these kernels on CUDA: those whose compiled kernels have been checked and timed
 # on a GPU (benchmarks/RESULTS.md: rule 1's forward + backward is 3.3x-13x faster than the chunk path). Rule 2A
 # passes the GPU tests but has not been timed: it runs when asked for (`backend="triton"`); so does rule 3, which has
-# not yet run on a GPU.
+# not yet run on a GPU, and rule 2, which has not yet run on a GPU either.
 AUTO_RULES = ("1A", "3A", "1")
 MAX_HEAD_DIM = 128  # K and V
 # Rule 3 lays each step out on the next power of two >= window slots; a chunk (<= 128 events) holds whole steps.
@@ -79,6 +81,14 @@ def fast_weight_2a_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chun
     return run(q, x, y, eta, log_gamma, S0, read_after=read_after, chunk_size=chunk_size)
 
 
+def fast_weight_2_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 16):
+    """Rule 2 (regression, eta and log_gamma per value column) on prepared writes; see
+    `custom_ops.fast_weight_2_triton`."""
+    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_2_triton as run
+
+    return run(q, x, y, eta, log_gamma, S0, read_after=read_after, chunk_size=chunk_size)
+
+
 def supports(*, rule: str, window: int, K: int, V: int, dtype: torch.dtype) -> bool:
     """Whether `fast_weight_triton` handles this call (else use the chunk backend)."""
     windowed = window == 1 or rule == "3A" or (rule == "3" and window <= MAX_RULE_3_WINDOW)
@@ -93,5 +103,5 @@ def fast_weight_triton(q, k, v, beta, lam, **options):
 
 
 __all__ = ["AUTO_RULES", "DTYPES", "MAX_HEAD_DIM", "MAX_RULE_3_WINDOW", "SUPPORTED_RULES", "fast_weight_1_triton",
-           "fast_weight_1a_triton", "fast_weight_2a_triton", "fast_weight_3_triton", "fast_weight_triton",
-           "is_available", "supports"]
+           "fast_weight_1a_triton", "fast_weight_2_triton", "fast_weight_2a_triton", "fast_weight_3_triton",
+           "fast_weight_triton", "is_available", "supports"]

@@ -9,6 +9,8 @@
         argument after chunk_size, int slots (events per step).
     hybridlm::fast_weight_2a_fwd / hybridlm::fast_weight_2a_bwd: the same for rule 2A (eta, log_gamma per value
         column: [N, T, H, V]).
+    hybridlm::fast_weight_2_fwd / hybridlm::fast_weight_2_bwd: the same for rule 2 (regression, eta and log_gamma
+        per value column).
     hybridlm::fast_weight_prepare_fwd(k, v, beta, lam, last_k?, offsets?, max_len, shifted, nlms, ridge_scaling, eps,
         eps_gamma) -> (x, y, eta, log_gamma): the fused write preparation of rules 1A / 1 (`prepare.py`);
     hybridlm::fast_weight_prepare_bwd(dx, dy, deta, dlog_gamma, <the forward's inputs>) -> (dk, dv, dbeta, dlam,
@@ -16,8 +18,8 @@
 
 Rule 3A runs as rule 1A over its write events (`frontend.py`), so it goes through the 1A ops; rule 3's events differ
 from rule 1's rows (the events of one step do not see each other's writes), hence its own ops on rule 1's kernels.
-The implementations (`chunk_1a.py`, `chunk_1.py`, `chunk_2a.py`, `prepare.py`, which need triton) are imported on the
-first call; this file imports only torch.
+The implementations (`chunk_1a.py`, `chunk_1.py`, `chunk_2a.py`, `chunk_2.py`, `prepare.py`, which need triton) are
+imported on the first call; this file imports only torch.
 dS0 is always computed (the backward pass ends on it); the autograd formula drops it when S0 is None.
 """
 
@@ -83,6 +85,14 @@ def fast_weight_2a_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chun
     return torch.ops.hybridlm.fast_weight_2a_fwd(q, x, y, eta, log_gamma, S0, bool(read_after), int(chunk_size))
 
 
+def fast_weight_2_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 16):
+    """Rule 2 (regression with eta and log_gamma per value column: S_t = S_{t-1} Diag(exp(log_gamma_t))
+    + x_t (eta_t * (y_t - S_{t-1}^T x_t))^T) on prepared quantities; the contract of `fast_weight_2a_triton`
+    (eta, log_gamma `[N, T, H, V]`; the intra-chunk work is O(C^2 V) per chunk: the front door uses chunk_size 16)."""
+    _check(q, x, y, eta, log_gamma, S0, chunk_size, per_column=True)
+    return torch.ops.hybridlm.fast_weight_2_fwd(q, x, y, eta, log_gamma, S0, bool(read_after), int(chunk_size))
+
+
 def fast_weight_prepare_triton(k, v, beta, lam, last_k, offsets, *, max_len: int, pairing: str, step_size: str,
                                ridge_scaling: bool, eps: float, eps_gamma: float):
     """chunk.py's `prepare_writes` for window 1 and a scalar step per head (rules 1A, 1), fused, differentiable in
@@ -144,6 +154,8 @@ def _implementation(rule: str):
         from hybridlm.ops.fast_weight.triton import chunk_1 as module
     elif rule == "2A":
         from hybridlm.ops.fast_weight.triton import chunk_2a as module
+    elif rule == "2":
+        from hybridlm.ops.fast_weight.triton import chunk_2 as module
     else:
         from hybridlm.ops.fast_weight.triton import chunk_1a as module
     return module
@@ -264,3 +276,4 @@ _register("1A", "1a")
 _register("1", "1")
 _register("3", "3", options=f"{_OPTIONS}, int slots")
 _register("2A", "2a")
+_register("2", "2")

@@ -1,9 +1,10 @@
 """The op's backend contract on the Triton kernels: raw (q, k, v, beta, lam) -> prepared writes -> kernels.
 
 Same contract as `chunk.fast_weight_chunk` (inputs validated by the front door), for the rules and options of
-`supports(...)`: rules 1A and 1 (window 1; `chunk_1.py`), 2A (decays and step sizes per value column; `chunk_2a.py`,
-chunks of 16), rule 3A as 1A over write events and rule 3 as 1 over write events. Unlike the torch
-backends it keeps q, k, v in their dtype (bf16/fp16 run on tensor cores); the statistic E_t, the step sizes and the log decays are in float32.
+`supports(...)`: rules 1A and 1 (window 1; `chunk_1.py`), 2A and 2 (decays and step sizes per value column;
+`chunk_2a.py`, `chunk_2.py`, chunks of 16), rule 3A as 1A over write events and rule 3 as 1 over write events.
+Unlike the torch backends it keeps q, k, v in their dtype (bf16/fp16 run on tensor cores); the statistic E_t, the
+step sizes and the log decays are in float32.
 
 Rule 3A over events (README.md, "Write events"): step t writes w_(t,j) x_j y_j^T for the `window` slots j of its
 window (w = eta_t [pair j exists] / B_t). Laid out in time as (t, slot 0), ..., (t, slot W-1), with the step's decay
@@ -37,6 +38,7 @@ from hybridlm.ops.fast_weight.state import FastWeightState
 from hybridlm.ops.fast_weight.triton import (
     fast_weight_1_triton,
     fast_weight_1a_triton,
+    fast_weight_2_triton,
     fast_weight_2a_triton,
     fast_weight_3_triton,
     supports,
@@ -47,8 +49,8 @@ from hybridlm.ops.utils import compute_dtype, packed_to_padded, padded_to_packed
 FUSED_PREPARATION = os.environ.get("HYBRIDLM_TRITON_FUSED_PREPARATION", "0") == "1"
 FUSED_RULES = ("1A", "1")  # window 1, scalar step per head (2A's steps are per value column; 3A has a window)
 
-# Rule 2A's chunk length: its intra-chunk decays form a [C, C, V] tensor of exponentials (kernels_2a.py), so its chunks
-# are kept short, as chunk.py's PER_COLUMN_MAX_CHUNK.
+# Rules 2A and 2's chunk length: their intra-chunk decays form a [C, C, V] tensor of exponentials (kernels_2a.py,
+# kernels_2.py), so their chunks are kept short, as chunk.py's PER_COLUMN_MAX_CHUNK.
 PER_COLUMN_CHUNK = 16
 
 
@@ -71,17 +73,17 @@ def fast_weight_triton(
     offsets: torch.Tensor | None,
     chunk_size: int,
 ) -> tuple[torch.Tensor, FastWeightState]:
-    """Rules 1A / 3A / 1 / 3 / 2A through the Triton kernels. `chunk_size` is rounded to a power of two in [16, 128]
-    (rule 2A: 16, whatever is asked; its intra-chunk work is O(C^2 V) exponentials per chunk, as in chunk.py); for
-    rules 3A and 3 it counts events (rule 3: at least one step's slots).
+    """Rules 1A / 3A / 1 / 3 / 2A / 2 through the Triton kernels. `chunk_size` is rounded to a power of two in
+    [16, 128] (rules 2A and 2: 16, whatever is asked; their intra-chunk work is O(C^2 V) exponentials per chunk, as in
+    chunk.py); for rules 3A and 3 it counts events (rule 3: at least one step's slots).
     Rules 1A and 1 take their write events from the fused preparation kernel while FUSED_PREPARATION is on.
 
     Returns o `[B, T, H, V]` in q's dtype and the final state (S float32)."""
     K, V = q.shape[-1], v.shape[-1]
     if not supports(rule=rule, window=window, K=K, V=V, dtype=q.dtype):
-        raise ValueError(f"the Triton backend runs rules 1A, 1 and 2A (window 1), 3A and 3 (window <= 128) with K, "
-                         f"V <= 128 in float32/bfloat16/float16; got rule {rule!r}, window {window}, K = {K}, V = {V}, "
-                         f"{q.dtype} (use backend='chunk')")
+        raise ValueError(f"the Triton backend runs rules 1A, 1, 2A and 2 (window 1), 3A and 3 (window <= 128) "
+                         f"with K, V <= 128 in float32/bfloat16/float16; got rule {rule!r}, window {window}, "
+                         f"K = {K}, V = {V}, {q.dtype} (use backend='chunk')")
     if FUSED_PREPARATION and rule in FUSED_RULES and window == 1:
         return _window_1(q, k, v, beta, lam, rule=rule, pairing=pairing, read=read, step_size=step_size,
                          ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=initial_state,
@@ -92,8 +94,9 @@ def fast_weight_triton(
     N, T, H, _ = p.q.shape
     W = window
     read_after = read == "after"
-    if rule == "2A":  # one write per step, eta and log gamma per value column: X [N, T, H, 1, K] -> [N, T, H, K]
-        o, S = fast_weight_2a_triton(
+    if rule in ("2A", "2"):  # one write per step, eta, log gamma per value column: X [N, T, H, 1, K] -> [N, T, H, K]
+        scan = fast_weight_2a_triton if rule == "2A" else fast_weight_2_triton
+        o, S = scan(
             p.q, p.X[:, :, :, 0].to(q.dtype), p.Y[:, :, :, 0].to(q.dtype), p.weights[:, :, :, 0], p.log_gamma,
             initial_state.S.float(), read_after=read_after, chunk_size=PER_COLUMN_CHUNK)
         if offsets is not None:

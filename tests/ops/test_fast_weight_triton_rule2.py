@@ -1,0 +1,254 @@
+"""Rule 2 in Triton (regression write, step sizes and log decays per value column):
+
+    S_t = S_{t-1} Diag(exp(log_gamma_t)) + x_t (eta_t * (y_t - S_{t-1}^T x_t))^T
+    o_t = S_t^T q_t (after) or S_{t-1}^T q_t
+
+the kernels (`hybridlm::fast_weight_2_fwd` / `_bwd`) against a float64 step loop of the same prepared recurrence
+(the cases shared with rule 2A run in tests/ops/test_fast_weight_triton_2a.py, parametrized over both rules; here
+the rule-2 ones), the front door with backend="triton" against the torch chunk backend (pairings, reads, step sizes,
+carried states, packed sequences), `torch.library.opcheck`, torch.compile and a PTX build for sm_90 (the GPU front
+door is in tests/ops/test_fast_weight_triton.py). eta and log_gamma are drawn per value column, some decays down to
+gamma = 1e-6.
+
+    GPU:          python -m pytest -q tests/ops/test_fast_weight_triton_rule2.py
+    CPU:          HYBRIDLM_TRITON_INTERPRET=1 python -m pytest -q tests/ops/test_fast_weight_triton_rule2.py
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from hybridlm.ops import fast_weight_attention
+from hybridlm.ops.fast_weight.state import FastWeightState
+from hybridlm.ops.fast_weight.triton import (
+    AUTO_RULES,
+    SUPPORTED_RULES,
+    fast_weight_2_triton,
+    supports,
+)
+from tests.helpers import rel_err
+from tests.ops.test_fast_weight import make_inputs, random_state
+from tests.ops.test_fast_weight_triton import TOL, prepared, projection
+from tests.ops.test_fast_weight_triton_2a import check_kernels, prepared_2a
+from tests.ops.test_fast_weight_triton_compile import OPCHECKS
+from tests.ops.triton_modes import (
+    DEVICE,
+    compile_for_sm90,
+    gpu_only,
+    interpret,
+    needs_cuda_backend,
+)
+
+
+@interpret
+@pytest.mark.parametrize("read_after", [True, False], ids=["after", "before"])
+def test_kernels_head_dims_with_initial_state(read_after):
+    """K != V, several value blocks, an initial state, several chunks."""
+    check_kernels(1, 40, 2, 32, 48, read_after=read_after, seed=4, rule="2")
+
+
+@interpret
+def test_uniform_columns_match_rule_1():
+    """With eta and log_gamma equal across the value columns, rule 2 is rule 1 (its own kernels)."""
+    from hybridlm.ops.fast_weight.triton import fast_weight_1_triton
+
+    q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in prepared(1, 37, 2, 16, 24, seed=2))
+    wide = [t[..., None].expand(-1, -1, -1, 24).contiguous() for t in (eta, log_gamma)]
+    for read_after in (True, False):
+        o, S = fast_weight_2_triton(q, x, y, *wide, S0, read_after=read_after, chunk_size=16)
+        o1, S1 = fast_weight_1_triton(q, x, y, eta, log_gamma, S0, read_after=read_after, chunk_size=16)
+        assert rel_err(o, o1) < 1e-5 and rel_err(S, S1) < 1e-5
+
+
+FRONT_CASES = [  # pairing, read, step_size, packed, with an initial state
+    ("shifted", "after", "nlms", False, True), ("shifted", "before", "direct", True, True),
+    ("same_step", "after", "nlms", True, True), ("same_step", "before", "nlms", False, False),
+    ("shifted", "after", "nlms", True, False), ("same_step", "after", "direct", False, True),
+]
+
+
+@interpret
+@pytest.mark.parametrize("pairing,read,step_size,packed,stateful", FRONT_CASES,
+                         ids=["-".join(case[:3]) + ("-packed" if case[3] else "") + ("" if case[4] else "-fresh")
+                              for case in FRONT_CASES])
+def test_front_door_matches_chunk(pairing, read, step_size, packed, stateful):
+    """`fast_weight_attention(rule="2", backend="triton")` from raw q, k, v, beta [B, T, H, V], lam (ridge scaling on)
+    against the torch chunk backend: outputs, the whole final state and all gradients (q, k, v, beta, lam and the
+    initial S), float32, K != V, T not a multiple of the chunk, packed sequences (`cu_seqlens`)."""
+    B, T, H, K, V = (1, 45, 2, 16, 24) if packed else (2, 45, 2, 16, 24)
+    offsets = torch.tensor([0, 5, 22, 23, 45]) if packed else None
+    n = 4 if packed else B
+    cpu = make_inputs("2", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, requires_grad=True)
+    state = dev_state = None
+    if stateful:
+        state = random_state(n, H, K, V, window=1, dtype=torch.float32, requires_grad=True)
+        if pairing == "same_step":
+            state.last_k = None
+        dev_state = state.detach().to(DEVICE)
+        dev_state.S.requires_grad_(True)
+    options = {"rule": "2", "pairing": pairing, "read": read, "step_size": step_size, "ridge_scaling": True,
+               "output_final_state": True, "cu_seqlens": offsets}
+    dev = [t.detach().to(DEVICE).requires_grad_(True) for t in cpu]
+    o, s = fast_weight_attention(*dev, backend="triton", initial_state=dev_state, **options)
+    w_o, w_S = (w.float() for w in projection(o, s.S))
+    leaves = dev + [dev_state.S] if stateful else dev
+    grads = torch.autograd.grad((o * w_o.to(DEVICE)).sum() + (s.S * w_S.to(DEVICE)).sum(), leaves)
+    ref_leaves = [t.detach().clone().requires_grad_(True) for t in cpu]
+    ref_state = None
+    if stateful:
+        ref_state = FastWeightState(S=state.S.detach().clone().requires_grad_(True), last_k=state.last_k)
+    o_ref, s_ref = fast_weight_attention(*ref_leaves, backend="chunk", initial_state=ref_state, **options)
+    assert rel_err(o.cpu(), o_ref) < 1e-4 and rel_err(s.S.cpu(), s_ref.S) < 1e-4
+    assert (s.last_k is None and s_ref.last_k is None) or torch.equal(s.last_k.cpu(), s_ref.last_k)
+    grads_ref = torch.autograd.grad((o_ref * w_o).sum() + (s_ref.S * w_S).sum(),
+                                    ref_leaves + [ref_state.S] if stateful else ref_leaves)
+    for name, grad, grad_ref in zip(("q", "k", "v", "beta", "lam", "S0"), grads, grads_ref):
+        assert rel_err(grad.cpu(), grad_ref) < 1e-4, name
+
+
+@interpret
+@pytest.mark.parametrize("pairing", ["shifted", "same_step"])
+def test_front_door_two_halves_equal_one_run(pairing):
+    """Carried state: running [0:t] and then [t:T] from the returned state (S and the shifted pairing's last key)
+    equals one run over [0:T], for the outputs, the final state and the gradients."""
+    B, T, H, K, V, t = 2, 40, 2, 16, 24, 19
+    cpu = make_inputs("2", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, seed=3)
+    options = {"rule": "2", "pairing": pairing, "read": "after", "step_size": "nlms", "backend": "triton",
+               "output_final_state": True}
+
+    def run(split):
+        leaves = [x.to(DEVICE).requires_grad_(True) for x in cpu]
+        if split:
+            o1, s1 = fast_weight_attention(*(x[:, :t] for x in leaves), **options)
+            o2, s2 = fast_weight_attention(*(x[:, t:] for x in leaves), initial_state=s1, **options)
+            o, S = torch.cat([o1, o2], dim=1), s2.S
+        else:
+            o, s = fast_weight_attention(*leaves, **options)
+            S = s.S
+        w_o, w_S = (w.float().to(DEVICE) for w in projection(o, S))
+        grads = torch.autograd.grad((o * w_o).sum() + (S * w_S).sum(), leaves)
+        return [o, S, *grads]
+
+    for whole, halves in zip(run(False), run(True)):
+        assert rel_err(halves.cpu(), whole.cpu()) < 1e-5
+
+
+@interpret
+def test_front_door_float16():
+    """float16 q, k, v through the front door against the float64 chunk backend (TOL: 2e-2)."""
+    B, T, H, K, V = 1, 37, 2, 16, 24
+    cpu = make_inputs("2", B=B, T=T, H=H, K=K, V=V, requires_grad=True)
+    state = random_state(B, H, K, V, window=1)
+    o_ref, s_ref = fast_weight_attention(*cpu, rule="2", backend="chunk", initial_state=state,
+                                         output_final_state=True)
+    dev = [t.detach().to(DEVICE, torch.float16).requires_grad_(True) for t in cpu]
+    o, s = fast_weight_attention(*dev, rule="2", backend="triton", initial_state=state.to(DEVICE),
+                                 output_final_state=True)
+    assert o.dtype == torch.float16 and s.S.dtype == torch.float32
+    assert rel_err(o.cpu(), o_ref) < TOL[torch.float16] and rel_err(s.S.cpu(), s_ref.S) < TOL[torch.float16]
+    w_o, w_S = projection(o_ref, s_ref.S)
+    grads_ref = torch.autograd.grad((o_ref * w_o).sum() + (s_ref.S * w_S).sum(), cpu)
+    grads = torch.autograd.grad((o.double() * w_o.to(DEVICE)).sum() + (s.S.double() * w_S.to(DEVICE)).sum(), dev)
+    for name, grad, grad_ref in zip(("q", "k", "v", "beta", "lam"), grads, grads_ref):
+        assert rel_err(grad.cpu(), grad_ref) < TOL[torch.float16], name
+
+
+@interpret
+def test_opcheck():
+    """The forward op with an initial state, the backward op without one (and without dL/dS_final)."""
+    fwd, bwd = torch.ops.hybridlm.fast_weight_2_fwd, torch.ops.hybridlm.fast_weight_2_bwd
+    q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32).requires_grad_(True)
+                                   for t in prepared_2a(1, 20, 2, 16, 8))
+    torch.library.opcheck(fwd, (q, x, y, eta, log_gamma, S0, True, 16), test_utils=OPCHECKS)
+    do = torch.randn(1, 20, 2, 8, device=DEVICE)
+    detached = [t.detach() for t in (q, x, y, eta, log_gamma)]
+    torch.library.opcheck(bwd, (do, None, *detached, None, False, 16), test_utils=OPCHECKS)
+    dS = torch.randn(1, 2, 16, 8, device=DEVICE)
+    torch.library.opcheck(bwd, (do, dS, *detached, S0.detach(), True, 16), test_utils=OPCHECKS)
+
+
+@interpret
+def test_compiled_front_door_matches_eager():
+    """torch.compile(fullgraph=True, backend="aot_eager") of `fast_weight_attention(rule="2", backend="triton")`:
+    no graph break, outputs, final state and all gradients equal to eager's."""
+    H, K, V = 2, 16, 8
+
+    def fn(q, k, v, beta, lam, S, last_k):
+        o, state = fast_weight_attention(q, k, v, beta, lam, rule="2", backend="triton",
+                                         initial_state=FastWeightState(S=S, last_k=last_k), output_final_state=True)
+        return o, state.S
+
+    inputs = [t.to(DEVICE).detach().requires_grad_(True)
+              for t in make_inputs("2", B=2, T=37, H=H, K=K, V=V, dtype=torch.float32)]
+    S = (0.3 * torch.randn(2, H, K, V, device=DEVICE)).requires_grad_(True)
+    last_k = torch.randn(2, H, K, device=DEVICE)
+    leaves = inputs + [S]
+    o, S_final = fn(*inputs, S, last_k)
+    grads = torch.autograd.grad(o.square().sum() + S_final.square().sum(), leaves)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    o_c, S_c = compiled(*inputs, S, last_k)
+    grads_c = torch.autograd.grad(o_c.square().sum() + S_c.square().sum(), leaves)
+    assert rel_err(o_c, o) < 1e-5 and rel_err(S_c, S_final) < 1e-5
+    for name, grad, grad_c in zip(("q", "k", "v", "beta", "lam", "S0"), grads, grads_c):
+        assert rel_err(grad_c, grad) < 1e-5, name
+
+
+@interpret
+def test_rejects_per_step_eta():
+    q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in prepared(1, 8, 1, 16, 16))
+    with pytest.raises(ValueError, match=r"\[N, T, H, V\]"):
+        fast_weight_2_triton(q, x, y, eta, log_gamma, S0, read_after=True, chunk_size=16)
+
+
+def test_supported_on_request_only():
+    """backend="triton" runs rule 2 (window 1); backend="auto" does not send it there (not yet run on a GPU)."""
+    assert "2" in SUPPORTED_RULES
+    assert supports(rule="2", window=1, K=128, V=128, dtype=torch.bfloat16)
+    assert not supports(rule="2", window=2, K=64, V=64, dtype=torch.float32)
+    assert not supports(rule="2", window=1, K=64, V=256, dtype=torch.float32)
+    assert "2" not in AUTO_RULES
+
+
+@gpu_only
+def test_compiled_front_door_inductor():
+    """torch.compile with inductor on the GPU: the custom ops are single graph nodes; results equal eager's."""
+    inputs = [t.to("cuda").detach().requires_grad_(True)
+              for t in make_inputs("2", B=2, T=37, H=2, K=16, V=8, dtype=torch.float32)]
+
+    def fn(*args):
+        o, state = fast_weight_attention(*args, rule="2", backend="triton", output_final_state=True)
+        return o, state.S
+
+    o, S = fn(*inputs)
+    grads = torch.autograd.grad(o.square().sum() + S.square().sum(), inputs)
+    o_c, S_c = torch.compile(fn, fullgraph=True, backend="inductor")(*inputs)
+    grads_c = torch.autograd.grad(o_c.square().sum() + S_c.square().sum(), inputs)
+    assert rel_err(o_c, o) < 1e-5 and rel_err(S_c, S) < 1e-5
+    for grad, grad_c in zip(grads, grads_c):
+        assert rel_err(grad_c, grad) < 1e-5
+
+
+_SM90_KERNELS = """
+from hybridlm.ops.fast_weight.triton import kernels_2 as k
+
+IO = ("q_ptr", "x_ptr", "y_ptr", "do_ptr", "dq_ptr", "dx_ptr", "dy_ptr")
+for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=16)), ("*fp32", "ieee", dict(K=16, V=8, BT=16))):
+    b = functools.partial(build, io=io, io_names=IO)
+    common = dict(s, READ_AFTER=False, PREC=prec, PREC32=prec, INTERPRET=False)
+    passes = dict(common, BK=s["K"], BV=16 if s["K"] > 64 else 32, HAS_INIT=True)
+    b(k.delta2_pass_kernel, passes)
+    b(k.delta2_grad_pass_kernel, passes)
+    blocks3 = dict(common, BK=min(64, s["K"]), BV=min(32, max(16, s["V"])))
+    for kernel in (k.grad_v_2_kernel, k.grad_qx_2_kernel):
+        b(kernel, blocks3, warps=8)
+"""
+
+
+@needs_cuda_backend
+def test_kernels_compile_for_sm90():
+    """Every rule-2 kernel compiles to PTX for sm_90 (bf16 at a model's sizes, fp32 small; 3-D tensors and
+    reductions that the interpreter does not type-check; `triton_modes.compile_for_sm90`). The output kernel is
+    rule 2A's (tests/ops/test_fast_weight_triton_2a.py builds it)."""
+    compile_for_sm90(_SM90_KERNELS)
