@@ -1,0 +1,66 @@
+"""The benchmark scripts run: the CPU ones (and the GPU ones' `--cpu` smoke modes) on tiny shapes, and every GPU
+script's command line parses. Timings are not checked (they belong in benchmarks/RESULTS.md, not in tests); a
+script that a refactor broke is."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def run(*args: str, timeout: int = 300) -> str:
+    """stdout of `python args...` in benchmarks/ (the scripts import their neighbours from there); fails on a
+    non-zero exit with the error output."""
+    result = subprocess.run([sys.executable, *args], cwd=BENCHMARKS, capture_output=True, text=True, timeout=timeout,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def table_rows(text: str, first_cell: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(f"| {first_cell} ")]
+
+
+def test_fast_weight_cpu_sequences_and_decoding():
+    out = run("fast_weight_cpu.py", "--T", "32", "--rules", "1", "3A", "--repeats", "1", "--D", "16")
+    assert len(table_rows(out, "1")) == 2 and len(table_rows(out, "3A")) == 2  # fwd, fwd+bwd
+    out = run("fast_weight_cpu.py", "--decode", "--B", "2", "--rules", "1A", "--repeats", "1", "--D", "16")
+    assert len(table_rows(out, "1A")) == 1
+
+
+def test_model_cpu():
+    out = run("model_cpu.py", "--batch", "1", "--length", "64", "--repeats", "1", "--contexts", "32", "64",
+              "--decode-steps", "2")
+    assert "decoding step" in out
+
+
+def test_gpu_model_on_the_cpu_with_a_decoding_profile():
+    out = run("gpu_model.py", "--cpu", "--preset", "tiny", "--lengths", "64", "--contexts", "32", "--variants",
+              "transformer", "fw-1A", "--repeats", "1", "--decode-steps", "2", "--profile-decode")
+    assert len(table_rows(out, "transformer")) == 2 and len(table_rows(out, "fw-1A")) == 2  # training, decoding
+    assert out.count("### decoding profile") == 2
+
+
+@pytest.mark.parametrize("script,args", [
+    ("gpu_parallel.py", ["--cpu", "--seq-len", "64", "--steps", "2"]),
+    ("gpu_scaling.py", ["--cpu", "--preset", "tiny", "--seq-len", "64", "--set", "num_key_value_heads=2", "--set",
+                        "mamba_n_groups=2", "--layouts", "1", "tp=2", "cp=2", "--steps", "2", "--warmup", "1"]),
+])
+def test_distributed_scripts_on_two_cpu_processes(script, args):
+    out = run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, *args, timeout=600)
+    assert ("tp=2" in out) and ("cp=2" in out)
+
+
+@pytest.mark.parametrize("script", ["gpu_ops.py", "gpu_train_step.py", "gpu_fla_compare.py",
+                                    "gpu_fast_weight_triton.py"])
+def test_gpu_scripts_parse_their_command_line(script):
+    if script == "gpu_fast_weight_triton.py" and not HAS_TRITON:
+        pytest.skip("imports the Triton launchers (needs triton)")
+    assert "usage:" in run(script, "--help")
