@@ -48,6 +48,7 @@ def fast_weight_recurrent(
         tail_x, tail_v = S.new_zeros(N, H, slots, K), S.new_zeros(N, H, slots, V)
         tail_len = torch.zeros(N, dtype=torch.int64, device=S.device)
     positions = torch.arange(window, device=S.device)               # [W]: slot index, the new pair last
+    single = torch.ones(N, dtype=torch.int64, device=S.device)      # B_t of window 1
     outputs = []
     for t in range(T):
         # The write pair (x_t, y_t): shifted (k_{t-1}, v_t) or same-step (k_t, v_t).
@@ -57,7 +58,10 @@ def fast_weight_recurrent(
             x = k[:, t]
         y = v[:, t]                                                 # [N, H, V]
         S_prev = S
-        if x is not None:  # None only at the first step of fresh shifted rows: S_1 = S_0, no write
+        if x is not None and window == 1:  # one pair, no tail: views, no window arithmetic (a decoding step's ops)
+            S = _write(S, x, y, x[:, :, None], y[:, :, None], single, beta[:, t], lam[:, t], rule=rule,
+                       step_size=step_size, ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma)
+        elif x is not None:  # None only at the first step of fresh shifted rows: S_1 = S_0, no write
             count = (tail_len + 1).clamp(max=window)                # B_t  [N]
             valid = (positions >= window - count[:, None]).to(S.dtype)[:, None, :, None]  # [N, 1, W, 1]
             X = torch.cat([tail_x, x[:, :, None]], dim=2) * valid   # I_t's keys  [N, H, W, K]
