@@ -40,6 +40,7 @@ from tests.ops.triton_modes import (  # first: sets the Triton mode
 from hybridlm.ops import fast_weight_attention
 from hybridlm.ops.fast_weight.triton import (
     AUTO_RULES,
+    MAX_DELTA_CHUNK,
     fast_weight_1_triton,
     fast_weight_1a_triton,
     fast_weight_triton,
@@ -191,9 +192,15 @@ def test_head_dims(rule, K, V):
 
 @interpret
 @pytest.mark.parametrize("rule", KERNELS)
-def test_no_initial_state_and_chunk_128(rule):
-    check_against_reference(1, 150, 2, 16, 16, dtype=torch.float32, chunk_size=128, read_after=False, with_S0=False,
+def test_no_initial_state_and_the_largest_chunk(rule):
+    """Chunks of 128 for 1A, of MAX_DELTA_CHUNK (64) for rule 1, which refuses 128 (shared memory)."""
+    chunk = 128 if rule == "1A" else MAX_DELTA_CHUNK
+    check_against_reference(1, 150, 2, 16, 16, dtype=torch.float32, chunk_size=chunk, read_after=False, with_S0=False,
                             rule=rule)
+    if rule == "1":
+        q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in prepared(1, 8, 1, 16, 16))
+        with pytest.raises(ValueError, match="at most 64"):
+            fast_weight_1_triton(q, x, y, eta, log_gamma, S0, read_after=True, chunk_size=128)
 
 
 @interpret
@@ -330,6 +337,15 @@ def test_kernels_run_on_the_tensors_gpu(rule):
         results.append([t.cpu() for t in (o, s.S, *grads)])
     for mine, ref in zip(*results):
         assert rel_err(mine, ref) < 1e-6
+
+
+@interpret
+def test_rejects_launch_grids_over_the_cuda_limit():
+    """Rows x heads (and chunks) go on launch-grid axes limited to 65535: a clear error instead of a failed launch."""
+    q = torch.zeros(65536, 1, 1, 16, device=DEVICE)
+    eta = torch.zeros(65536, 1, 1, device=DEVICE)
+    with pytest.raises(ValueError, match="65535"):
+        fast_weight_1a_triton(q, q, q, eta, eta, None, read_after=True, chunk_size=16)
 
 
 @interpret

@@ -234,15 +234,18 @@ _SM90_KERNELS = """
 from hybridlm.ops.fast_weight.triton import kernels_2 as k
 
 IO = ("q_ptr", "x_ptr", "y_ptr", "do_ptr", "dq_ptr", "dx_ptr", "dy_ptr")
-for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=16)), ("*fp32", "ieee", dict(K=16, V=8, BT=16))):
+CASES = [("*bf16", "tf32", dict(K=128, V=128, BT=BT), read_after) for BT in (16, 32) for read_after in (False, True)]
+for io, prec, s, read_after in CASES + [("*fp32", "ieee", dict(K=16, V=8, BT=16), False)]:
     b = functools.partial(build, io=io, io_names=IO)
-    common = dict(s, READ_AFTER=False, PREC=prec, PREC32=prec, INTERPRET=False)
+    common = dict(s, READ_AFTER=read_after, PREC=prec, PREC32=prec, INTERPRET=False)
+    tile = 16 if s["BT"] > 16 else 32  # chunk_2._Plan: the [BT, BT, BV] tiles shrink as the chunk grows
     passes = dict(common, BK=s["K"], BV=16 if s["K"] > 64 else 32, HAS_INIT=True)
-    b(k.delta2_pass_kernel, passes)
-    b(k.delta2_grad_pass_kernel, passes)
-    blocks3 = dict(common, BK=min(64, s["K"]), BV=min(32, max(16, s["V"])))
+    b(k.delta2_pass_kernel, passes, warps=4)
+    b(k.delta2_grad_pass_kernel, passes, warps=8)  # as launched
+    blocks3 = dict(common, BK=min(64, s["K"]), BV=min(tile, max(16, s["V"])))
     for kernel in (k.grad_v_2_kernel, k.grad_qx_2_kernel):
-        b(kernel, blocks3, warps=8)
+        for warps in (4, 8):  # the autotuned configurations
+            b(kernel, blocks3, warps=warps)
 """
 
 

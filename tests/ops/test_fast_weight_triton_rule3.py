@@ -113,8 +113,10 @@ def test_op_float16():
 
 @interpret
 @pytest.mark.parametrize("read_after", [True, False], ids=["after", "before"])
-def test_one_slot_is_rule_1(read_after):
-    """slots = 1 runs rule 1's computation: the same kernels, the same results, forward and backward."""
+def test_rule_3_ops_with_one_slot_are_rule_1s(read_after):
+    """The rule-3 ops with slots = 1 give the rule-1 ops' results bitwise, forward and backward: the wiring (op
+    schema, options, autograd) of the new ops. Both run the same kernels, so this cannot check their arithmetic;
+    the reference tests above do."""
     ins = [t.to(DEVICE, torch.float32).requires_grad_(True) for t in prepared(1, 40, 2, 16, 8, seed=2)]
     results = []
     for run in (fast_weight_1_triton, lambda *a, **kw: fast_weight_3_triton(*a, **kw, slots=1)):
@@ -286,10 +288,12 @@ def test_compiled_front_door_matches_eager():
 
 
 def test_supports_rule_3():
-    """Every window up to 128 (a step's slots must fit in the largest chunk); "auto" does not send rule 3 here."""
-    for window in (1, 2, 3, 4, 5, 128):
-        assert supports(rule="3", window=window, K=64, V=64, dtype=torch.bfloat16)
-    assert not supports(rule="3", window=129, K=64, V=64, dtype=torch.float32)
+    """Every window up to 64 (a step's slots must fit in a chunk every head size can use: at chunk 128 with
+    K = V = 128 rule 1's gradient kernel needs more shared memory than an H200 has); "auto" does not send rule 3
+    here."""
+    for window in (1, 2, 3, 4, 5, 64):
+        assert supports(rule="3", window=window, K=128, V=128, dtype=torch.bfloat16)
+    assert not supports(rule="3", window=65, K=64, V=64, dtype=torch.float32)
     assert not supports(rule="3", window=3, K=256, V=64, dtype=torch.float32)
     assert "3" not in AUTO_RULES
 
@@ -310,18 +314,23 @@ _SM90_KERNELS = """
 from hybridlm.ops.fast_weight.triton import kernels_delta as k
 
 b = functools.partial(build, io="*bf16", io_names=("x_ptr", "y_ptr", "q_ptr", "do_ptr", "dx_ptr"))
-sizes = dict(K=128, V=128, BT=64, BK=128, PREC="tf32", PREC32="tf32", SLOTS=4)
-b(k.wy_kernel, dict(sizes, BV=64, STORE_TINV=True), warps=4)
-b(k.delta_grad_pass_kernel, dict(sizes, BV=32, HAS_INIT=True, INTERPRET=False), warps=8)
-for read_after in (True, False):
-    b(k.delta_grad_kernel, dict(sizes, BV=16, READ_AFTER=read_after), warps=8)
+# The largest chunk (MAX_DELTA_CHUNK = 64) at three head sizes, rule 1 and rule 3.
+for K, BT in ((128, 64), (64, 64), (16, 64)):
+    for slots in (1, 4):
+        sizes = dict(K=K, V=K, BT=BT, BK=K, PREC="tf32", PREC32="tf32", SLOTS=slots)
+        b(k.wy_kernel, dict(sizes, BV=min(64, max(16, K)), STORE_TINV=True), warps=4)
+        b(k.delta_grad_pass_kernel, dict(sizes, BV=32 if K > 64 else min(64, max(16, K)), HAS_INIT=True,
+                                         INTERPRET=False), warps=8)
+        for read_after in (True, False):
+            b(k.delta_grad_kernel, dict(sizes, BV=16 if K > 64 else min(32, max(16, K)), READ_AFTER=read_after),
+              warps=8)
 """
 
 
 @needs_cuda_backend
 def test_kernels_compile_for_sm90():
-    """The kernels that take SLOTS compile to PTX for sm_90 with SLOTS = 4 (bf16, K = V = 128, chunks of 64;
-    `triton_modes.compile_for_sm90`)."""
+    """The kernels that take SLOTS compile to PTX for sm_90 with SLOTS = 1 and 4 at the largest chunk (64; bf16,
+    K = V = 128, 64 and 16), within an H200's shared memory (`compile_for_sm90`)."""
     compile_for_sm90(_SM90_KERNELS)
 
 

@@ -67,7 +67,7 @@ def fast_weight_attention(
             Triton kernels on CUDA for the rules checked and timed on a GPU (1A, 3A, 1; K, V <= 128;
             float32/bf16/fp16) when triton is installed, and the chunk path otherwise. "triton" also runs rule 2A
             (forward and backward kernels, checked on an H200, not yet timed: benchmarks/RESULTS.md), rule 3
-            (window <= 128, on rule 1's kernels over write events) and rule 2 (both checked under Triton's
+            (window <= 64, on rule 1's kernels over write events) and rule 2 (both checked under Triton's
             interpreter only).
 
     Returns:

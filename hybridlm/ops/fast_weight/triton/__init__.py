@@ -17,7 +17,7 @@ imported on the first call).
   (`hybridlm::fast_weight_prepare_{fwd,bwd}`, `prepare.py`), which `fast_weight_triton` runs in place of chunk.py's
   `prepare_writes` for those rules.
 - `fast_weight_triton(...)`: the same contract as `chunk.fast_weight_chunk` for the supported rules/options
-  (`supports(...)`: rules 1A, 3A, 3 (window <= 128), and 1, 2A and 2 with window 1), i.e. what
+  (`supports(...)`: rules 1A, 3A, 3 (window <= 64), and 1, 2A and 2 with window 1), i.e. what
   `fast_weight_attention(..., backend="triton")` runs.
 - `is_available()`: triton importable and a CUDA device present.
 
@@ -40,8 +40,12 @@ SUPPORTED_RULES = ("1A", "3A", "1", "2A", "3", "2")
 # not yet run on a GPU, and rule 2, which has not yet run on a GPU either.
 AUTO_RULES = ("1A", "3A", "1")
 MAX_HEAD_DIM = 128  # K and V
-# Rule 3 lays each step out on the next power of two >= window slots; a chunk (<= 128 events) holds whole steps.
-MAX_RULE_3_WINDOW = 128
+# Rules 1 and 3 take chunks of at most 64: at 128 rule 1's gradient kernels ask for more shared memory than an H200
+# block has (227 KiB; ptxas for sm_90, bf16: `delta_grad_pass_kernel` 330 KB at K = V = 64, 265 KB at 32, 232.5 KB at
+# 16; `delta_grad_kernel` 256 KB at K = V = 128), while chunks of 64 need at most 114 KB.
+MAX_DELTA_CHUNK = 64
+# Rule 3 lays each step out on the next power of two >= window slots; a chunk holds whole steps.
+MAX_RULE_3_WINDOW = MAX_DELTA_CHUNK
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of q, k, v (float64 stays on the torch backends)
 
 
@@ -102,6 +106,7 @@ def fast_weight_triton(q, k, v, beta, lam, **options):
     return run(q, k, v, beta, lam, **options)
 
 
-__all__ = ["AUTO_RULES", "DTYPES", "MAX_HEAD_DIM", "MAX_RULE_3_WINDOW", "SUPPORTED_RULES", "fast_weight_1_triton",
+__all__ = ["AUTO_RULES", "DTYPES", "MAX_DELTA_CHUNK", "MAX_HEAD_DIM", "MAX_RULE_3_WINDOW", "SUPPORTED_RULES",
+           "fast_weight_1_triton",
            "fast_weight_1a_triton", "fast_weight_2_triton", "fast_weight_2a_triton", "fast_weight_3_triton",
            "fast_weight_triton", "is_available", "supports"]

@@ -9,7 +9,8 @@ first event, y_t - S_{before step}^T x_t, so the events of one step do not see e
 (`kernels_delta.py`, constexpr SLOTS). Rule 1 is slots = 1.
 
 Forward: chunk-local cumulative decays (`kernels.chunk_cumsum_kernel`) -> the WY factors of every chunk,
-U = (I + A)^-1 Y and W = (I + A)^-1 diag(exp L_{s-1}) X, all chunks in parallel (`kernels_delta.wy_kernel`) ->
+U = (I + A)^-1 Y and W = (I + A)^-1 diag(exp Lp_s) X (Lp_s = L_{s-1}; for rule 3 the end of the step before),
+all chunks in parallel (`kernels_delta.wy_kernel`) ->
 the sequential pass r_c = U_c - W_c S_c, S_{c+1} = exp(L_last) S_c + X_c^T diag(exp(L_last - L_s) eta_s) r_c
 (`kernels_delta.delta_pass_kernel`) -> the outputs, which are rule 1A's with y replaced by the residuals r
 (`kernels.output_kernel`).
@@ -96,6 +97,9 @@ class _Plan(ChunkPlan):
 
     def __init__(self, q: torch.Tensor, y: torch.Tensor, chunk_size: int, read_after: bool, slots: int):
         super().__init__(q, y, chunk_size, read_after)
+        if slots < 1 or slots & (slots - 1) or chunk_size % slots or self.T % slots:
+            raise ValueError(f"slots must be a power of two dividing chunk_size ({chunk_size}) and T ({self.T}); "
+                             f"got {slots}")
         self.slots = slots
         self.prec32 = self.prec  # products of fp32 factors, states, gradients: as exact as the inputs' products
         self.BK_full = _block(self.K, 128)  # the WY, pass and gradient kernels hold all of K

@@ -26,6 +26,7 @@ from hybridlm.ops.fast_weight.triton import kernels
 from hybridlm.ops.fast_weight.triton.custom_ops import _interpreting
 
 FUSED_STATES = os.environ.get("HYBRIDLM_TRITON_FUSED_STATES", "0") == "1"
+_MAX_GRID_YZ = 65535  # CUDA's limit on launch grid axes 1 and 2
 
 
 def forward(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +67,9 @@ class ChunkPlan:
         self.n_chunks = -(-self.T // self.BT)
         self.T_pad = self.n_chunks * self.BT
         self.read_after = read_after
+        if self.n_chunks > _MAX_GRID_YZ or self.NH > _MAX_GRID_YZ:
+            raise ValueError(f"the Triton launch grids put the chunks ({self.n_chunks}) and the rows x heads "
+                             f"({self.NH}) on axes limited to {_MAX_GRID_YZ}: split the batch or use a longer chunk")
         self.prec = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: exact products (no TF32)
         self.device = q.device
         self.sizes = {"K": self.K, "V": self.V, "BT": self.BT}

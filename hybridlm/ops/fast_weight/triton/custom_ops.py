@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from hybridlm.ops.fast_weight.triton import DTYPES, MAX_HEAD_DIM
+from hybridlm.ops.fast_weight.triton import DTYPES, MAX_DELTA_CHUNK, MAX_HEAD_DIM
 from hybridlm.ops.utils import on_tensor_device
 
 # The scans' options (after S0), passed through to the implementations' forward/backward; rule 3 adds `slots`.
@@ -57,8 +57,9 @@ def fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chun
 
 def fast_weight_1_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 64):
     """Rule 1 (regression, S_t = exp(lg_t) S_{t-1} + eta_t x_t (y_t - S_{t-1}^T x_t)^T) on prepared quantities; the
-    same contract as `fast_weight_1a_triton`."""
+    same contract as `fast_weight_1a_triton`, with chunk_size at most `MAX_DELTA_CHUNK` (64)."""
     _check(q, x, y, eta, log_gamma, S0, chunk_size)
+    _check_delta_chunk(chunk_size)
     return torch.ops.hybridlm.fast_weight_1_fwd(q, x, y, eta, log_gamma, S0, bool(read_after), int(chunk_size))
 
 
@@ -69,6 +70,7 @@ def fast_weight_3_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk
     decay): the events of one step do not see each other's writes. Otherwise the contract of `fast_weight_1_triton`
     (`frontend.py` lays the windows out, the step's decay on its first slot)."""
     _check(q, x, y, eta, log_gamma, S0, chunk_size)
+    _check_delta_chunk(chunk_size)
     T = q.shape[1]
     if not (isinstance(slots, int) and slots >= 1 and slots & (slots - 1) == 0 and chunk_size % slots == 0
             and T % slots == 0):
@@ -88,8 +90,12 @@ def fast_weight_2a_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chun
 def fast_weight_2_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 16):
     """Rule 2 (regression with eta and log_gamma per value column: S_t = S_{t-1} Diag(exp(log_gamma_t))
     + x_t (eta_t * (y_t - S_{t-1}^T x_t))^T) on prepared quantities; the contract of `fast_weight_2a_triton`
-    (eta, log_gamma `[N, T, H, V]`; the intra-chunk work is O(C^2 V) per chunk: the front door uses chunk_size 16)."""
+    (eta, log_gamma `[N, T, H, V]`; the intra-chunk work is O(C^2 V) per chunk: the front door uses chunk_size 16;
+    chunks of 16 and 32 are the ones built and tested)."""
     _check(q, x, y, eta, log_gamma, S0, chunk_size, per_column=True)
+    if chunk_size > 32:
+        raise ValueError(f"rule 2's kernels take chunks of 16 or 32 (their [C, C, BV] float32 work grows with C^2); "
+                         f"got chunk_size {chunk_size}")
     return torch.ops.hybridlm.fast_weight_2_fwd(q, x, y, eta, log_gamma, S0, bool(read_after), int(chunk_size))
 
 
@@ -117,6 +123,12 @@ def fast_weight_prepare_triton(k, v, beta, lam, last_k, offsets, *, max_len: int
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_delta_chunk(chunk_size) -> None:
+    if chunk_size > MAX_DELTA_CHUNK:
+        raise ValueError(f"rule 1's (and rule 3's) kernels take chunks of at most {MAX_DELTA_CHUNK} (at 128 they need "
+                         f"more shared memory than a GPU block has); got chunk_size {chunk_size}")
 
 
 def _check(q, x, y, eta, log_gamma, S0, chunk_size, per_column: bool = False) -> None:

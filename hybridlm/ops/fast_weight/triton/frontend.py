@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from hybridlm.ops.fast_weight.chunk import prepare_writes
 from hybridlm.ops.fast_weight.state import FastWeightState
 from hybridlm.ops.fast_weight.triton import (
+    MAX_DELTA_CHUNK,
     fast_weight_1_triton,
     fast_weight_1a_triton,
     fast_weight_2_triton,
@@ -81,7 +82,7 @@ def fast_weight_triton(
     Returns o `[B, T, H, V]` in q's dtype and the final state (S float32)."""
     K, V = q.shape[-1], v.shape[-1]
     if not supports(rule=rule, window=window, K=K, V=V, dtype=q.dtype):
-        raise ValueError(f"the Triton backend runs rules 1A, 1, 2A and 2 (window 1), 3A and 3 (window <= 128) "
+        raise ValueError(f"the Triton backend runs rules 1A, 1, 2A and 2 (window 1), 3A and 3 (window <= 64) "
                          f"with K, V <= 128 in float32/bfloat16/float16; got rule {rule!r}, window {window}, "
                          f"K = {K}, V = {V}, {q.dtype} (use backend='chunk')")
     if FUSED_PREPARATION and rule in FUSED_RULES and window == 1:
@@ -122,11 +123,13 @@ def fast_weight_triton(
               Y.reshape(N, T * P, H, V).to(q.dtype), weights.reshape(N, T * P, H), lg_e.reshape(N, T * P, H),
               initial_state.S.float())
     if rule == "3":  # chunks of whole steps (P <= 128: supports)
-        o, S = fast_weight_3_triton(*inputs, read_after=read_after, chunk_size=max(_triton_chunk(chunk_size), P),
-                                    slots=P)
+        chunk = max(min(_triton_chunk(chunk_size), MAX_DELTA_CHUNK), P)
+        o, S = fast_weight_3_triton(*inputs, read_after=read_after, chunk_size=chunk, slots=P)
+    elif rule == "1":  # window 1 (supports)
+        o, S = fast_weight_1_triton(*inputs, read_after=read_after,
+                                    chunk_size=min(_triton_chunk(chunk_size), MAX_DELTA_CHUNK))
     else:
-        scan = fast_weight_1_triton if rule == "1" else fast_weight_1a_triton  # rule 1: window 1 (supports)
-        o, S = scan(*inputs, read_after=read_after, chunk_size=_triton_chunk(chunk_size))
+        o, S = fast_weight_1a_triton(*inputs, read_after=read_after, chunk_size=_triton_chunk(chunk_size))
     o = o.view(N, T, P, H, V)[:, :, slot]                                                  # [N, T, H, V]
     if offsets is not None:
         o = padded_to_packed(o, offsets)
@@ -155,8 +158,11 @@ def _window_1(q, k, v, beta, lam, *, rule, pairing, read, step_size, ridge_scali
         k, v, beta, lam, initial_state.last_k if shifted else None, device_offsets, max_len=max_len, pairing=pairing,
         step_size=step_size, ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma)
     scan = fast_weight_1_triton if rule == "1" else fast_weight_1a_triton
+    chunk = _triton_chunk(chunk_size)
+    if rule == "1":
+        chunk = min(chunk, MAX_DELTA_CHUNK)
     o, S = scan(q_rows, x.to(q.dtype), y.to(q.dtype), eta, log_gamma, initial_state.S.float(),
-                read_after=read == "after", chunk_size=_triton_chunk(chunk_size))
+                read_after=read == "after", chunk_size=chunk)
     if offsets is not None:
         o = padded_to_packed(o, offsets)
     return o, FastWeightState(S=S, last_k=None if last is None else last.to(compute_dtype(k.dtype)))
