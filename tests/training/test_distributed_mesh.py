@@ -130,11 +130,18 @@ def _checkpoint_diff(got: Path, want: Path) -> float:
     return worst
 
 
-def test_mesh_chain_matches_one_process(demo_dir, reference, tmp_path):
-    out = tmp_path / "chain"
-    result_file = tmp_path / "chain.json"
+@pytest.fixture(scope="module")
+def chain(demo_dir, tmp_path_factory) -> tuple[Path, dict]:
+    """The run through the chain of meshes (4 gloo processes): its output folder and each stage's record."""
+    root = tmp_path_factory.mktemp("chain")
+    out, result_file = root / "chain", root / "chain.json"
     mp.spawn(_chain_worker, args=(4, free_port(), str(demo_dir), str(out), str(result_file)), nprocs=4, join=True)
-    stages = json.loads(result_file.read_text())
+    return out, json.loads(result_file.read_text())
+
+
+def test_mesh_chain_matches_one_process(demo_dir, reference, chain):
+    out, stages = chain
+    stages = dict(stages)
     last = Trainer(_config(demo_dir, out, "batch.micro_batch=2", "batch.grad_accum=2"), resume=True)
     assert last.train().status == "completed" and last.step == STEPS
     stages["single"] = _record(last)
@@ -156,14 +163,11 @@ def test_mesh_chain_matches_one_process(demo_dir, reference, tmp_path):
     assert max(diffs.values()) < TOL, diffs  # weights and AdamW moments, float32
 
 
-def test_head_split_checkpoint_resumes_in_one_process(demo_dir, reference, tmp_path):
-    """The tp=2 x dp_shard=2 checkpoint of update 2 (written by the chain above) resumed in one process:
-    updates 3-4 equal the uninterrupted run. Runs after the chain test (the same module's directory)."""
-    chains = sorted(Path(tmp_path).parent.glob("test_mesh_chain_matches*/chain/checkpoints/step_00000002"))
-    if not chains:
-        pytest.skip("needs test_mesh_chain_matches_one_process's checkpoint (run the module)")
+def test_head_split_checkpoint_resumes_in_one_process(demo_dir, reference, chain, tmp_path):
+    """The tp=2 x dp_shard=2 checkpoint of update 2 (written by the chain) resumed in one process: updates 3-4
+    equal the uninterrupted run."""
     out = tmp_path / "from_tp"
-    shutil.copytree(chains[-1], out / "checkpoints" / "step_00000002")
+    shutil.copytree(chain[0] / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
     config = _config(demo_dir, out, "batch.micro_batch=2", "batch.grad_accum=2")  # the reference's schedule
     trainer = Trainer(config, resume=True, callbacks=[lambda t, r: t.request_stop() if r["step"] == 4 else None])
     assert trainer.step == 2
