@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from tests.ops.triton_modes import (  # first: sets the Triton mode
+    H200_SHARED_BYTES,
     DEVICE,
     ON_GPU,
     compile_for_sm90,
@@ -405,4 +406,6 @@ for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "iee
 def test_kernels_compile_for_sm90():
     """Every rule-1A kernel (the fused state scan too) compiles to PTX for sm_90, bf16 at a model's sizes and fp32
     with odd head dims (`triton_modes.compile_for_sm90`)."""
-    compile_for_sm90(_SM90_KERNELS)
+    report = compile_for_sm90(_SM90_KERNELS, modules=("hybridlm.ops.fast_weight.triton.kernels",))
+    assert set(report["built"]) == report["defined"], report  # every kernel of the file
+    assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]

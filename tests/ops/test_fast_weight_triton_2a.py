@@ -27,6 +27,7 @@ from tests.helpers import rel_err
 from tests.ops.test_fast_weight import make_inputs, random_state
 from tests.ops.test_fast_weight_triton import NAMES, TOL, prepared, projection
 from tests.ops.triton_modes import (
+    H200_SHARED_BYTES,
     DEVICE,
     ON_GPU,
     compile_for_sm90,
@@ -253,4 +254,6 @@ for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=16)), ("*fp32", "iee
 def test_kernels_compile_for_sm90():
     """Every 2A kernel compiles to PTX for sm_90 (bf16 at a model's sizes, fp32 small; 3-D tensors and reductions
     that the interpreter does not type-check; `triton_modes.compile_for_sm90`)."""
-    compile_for_sm90(_SM90_KERNELS)
+    report = compile_for_sm90(_SM90_KERNELS, modules=("hybridlm.ops.fast_weight.triton.kernels_2a",))
+    assert set(report["built"]) == report["defined"], report  # every kernel of the file
+    assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]

@@ -20,7 +20,7 @@ from hybridlm.ops.fast_weight.state import FastWeightState
 from tests.helpers import rel_err
 from tests.ops.test_fast_weight import make_inputs, random_state
 from tests.ops.test_fast_weight_triton import DEVICE, interpret, projection
-from tests.ops.triton_modes import compile_for_sm90, needs_cuda_backend
+from tests.ops.triton_modes import H200_SHARED_BYTES, compile_for_sm90, needs_cuda_backend
 
 OFFSETS = torch.tensor([0, 5, 40, 41, 70])  # packed: lengths 5, 35, 1, 29
 
@@ -198,4 +198,6 @@ for io, K, V in (("*bf16", 128, 128), ("*fp32", 20, 12)):
 def test_kernels_compile_for_sm90():
     """Both preparation kernels compile to sm_90 code (bf16 at K = V = 128 and fp32 at odd sizes; every flag on, then
     off; `triton_modes.compile_for_sm90`)."""
-    compile_for_sm90(_SM90_KERNELS)
+    report = compile_for_sm90(_SM90_KERNELS, modules=("hybridlm.ops.fast_weight.triton.kernels_prepare",))
+    assert set(report["built"]) == report["defined"], report  # every kernel of the file
+    assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]

@@ -34,6 +34,7 @@ from tests.ops.test_fast_weight_triton import TOL, prepared, projection
 from tests.ops.test_fast_weight_triton_2a import check_kernels, prepared_2a
 from tests.ops.test_fast_weight_triton_compile import OPCHECKS
 from tests.ops.triton_modes import (
+    H200_SHARED_BYTES,
     DEVICE,
     compile_for_sm90,
     gpu_only,
@@ -254,4 +255,6 @@ def test_kernels_compile_for_sm90():
     """Every rule-2 kernel compiles to PTX for sm_90 (bf16 at a model's sizes, fp32 small; 3-D tensors and
     reductions that the interpreter does not type-check; `triton_modes.compile_for_sm90`). The output kernel is
     rule 2A's (tests/ops/test_fast_weight_triton_2a.py builds it)."""
-    compile_for_sm90(_SM90_KERNELS)
+    report = compile_for_sm90(_SM90_KERNELS, modules=("hybridlm.ops.fast_weight.triton.kernels_2",))
+    assert set(report["built"]) == report["defined"], report  # every kernel of the file
+    assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]

@@ -42,7 +42,7 @@ from tests.ops.test_fast_weight_triton import (  # its import sets TRITON_INTERP
     prepared,
     projection,
 )
-from tests.ops.triton_modes import compile_for_sm90, needs_cuda_backend
+from tests.ops.triton_modes import H200_SHARED_BYTES, compile_for_sm90, needs_cuda_backend
 
 
 def reference(q, x, y, eta, log_gamma, S0, *, read_after, slots):
@@ -324,14 +324,22 @@ for K, BT in ((128, 64), (64, 64), (16, 64)):
         for read_after in (True, False):
             b(k.delta_grad_kernel, dict(sizes, BV=16 if K > 64 else min(32, max(16, K)), READ_AFTER=read_after),
               warps=8)
+    # Rule 1's kernels that do not take SLOTS, as chunk_1 launches them.
+    plain = dict(K=K, V=K, BT=BT, BK=K, PREC32="tf32")
+    b(k.delta_pass_kernel, dict(plain, BV=32 if K > 64 else min(64, max(16, K)), HAS_INIT=True, INTERPRET=False))
+    for read_after in (True, False):
+        b(k.delta_grad_q_kernel, dict(plain, BV=32 if K > 64 else min(64, max(16, K)), READ_AFTER=read_after),
+          warps=8)
 """
 
 
 @needs_cuda_backend
 def test_kernels_compile_for_sm90():
-    """The kernels that take SLOTS compile to PTX for sm_90 with SLOTS = 1 and 4 at the largest chunk (64; bf16,
-    K = V = 128, 64 and 16), within an H200's shared memory (`compile_for_sm90`)."""
-    compile_for_sm90(_SM90_KERNELS)
+    """Every kernel of kernels_delta.py (rules 1 and 3) compiles to PTX for sm_90 at the largest chunk (64; bf16,
+    K = V = 128, 64 and 16; SLOTS = 1 and 4 where the kernel takes it), within an H200's shared memory."""
+    report = compile_for_sm90(_SM90_KERNELS, modules=("hybridlm.ops.fast_weight.triton.kernels_delta",))
+    assert set(report["built"]) == report["defined"], report  # every kernel of the file
+    assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
 
 
 @gpu_only

@@ -26,6 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.ops.triton_modes import (  # sets the mode
+    H200_SHARED_BYTES,
     DEVICE,
     INTERPRET,
     ON_GPU,
@@ -315,7 +316,9 @@ for io, prec, s in (("*bf16", "tf32", dict(P=64, N=128, BT=64)), ("*fp32", "ieee
 def test_kernels_compile_for_sm90():
     """Every kernel compiles to PTX for sm_90 (bf16 at a model's sizes, fp32 small): the interpreter does not type-
     check the compiled path (`triton_modes.compile_for_sm90`, ~10 s without a GPU)."""
-    compile_for_sm90(_SM90_KERNELS)
+    report = compile_for_sm90(_SM90_KERNELS, modules=("hybridlm.ops.ssd.triton.kernels",))
+    assert set(report["built"]) == report["defined"], report  # every kernel of the file
+    assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
 
 
 @pytest.mark.skipif(INTERPRET or ON_GPU, reason="checks the refusal on CPU tensors without the interpreter")

@@ -52,15 +52,36 @@ def build(kernel, consts, *, io="*fp32", io_names=(), warps=4, types=None):
            for n in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps})
-    # An H200 block has 227 KiB of shared memory: more compiles, and fails at launch.
-    assert compiled.metadata.shared <= 232448, (fn.__name__, consts, compiled.metadata.shared)
+    print("built", fn.__name__, compiled.metadata.shared)
 '''
 
+_SM90_DEFINED = '''
+import importlib
+for name in MODULES:
+    for attr, value in vars(importlib.import_module(name)).items():
+        if isinstance(value, (triton.runtime.JITFunction, triton.runtime.Autotuner)) and attr.endswith("_kernel"):
+            print("defined", attr)
+'''
 
-def compile_for_sm90(script: str, *, timeout: int = 600) -> None:
-    """Run `script` (calls of `build(kernel, consts, io=..., io_names=..., warps=...)`) after the definition of
-    `build`, in a subprocess without TRITON_INTERPRET; fail with its error output."""
+# An H200 block has 227 KiB of shared memory: a kernel that asks for more compiles, and fails at launch.
+H200_SHARED_BYTES = 232448
+
+
+def compile_for_sm90(script: str, *, modules: tuple[str, ...], timeout: int = 600) -> dict:
+    """Run `script` (calls of `build(kernel, consts, io=..., io_names=..., warps=...)`) in a subprocess without
+    TRITON_INTERPRET, after the definition of `build`. Returns {"built": {kernel: largest shared memory in bytes over
+    its builds}, "defined": the names of the `*_kernel` Triton functions of `modules`} for the caller's assertions;
+    a build that does not compile fails here, with its error output."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _SM90_BUILD + script], capture_output=True, text=True,
-                            timeout=timeout, check=False, env=env)
+    code = _SM90_BUILD + script + f"\nMODULES = {list(modules)!r}\n" + _SM90_DEFINED
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False,
+                            env=env)
     assert result.returncode == 0, result.stderr[-3000:]
+    built, defined = {}, set()
+    for line in result.stdout.splitlines():
+        what, name, *rest = line.split()
+        if what == "built":
+            built[name] = max(built.get(name, 0), int(rest[0]))
+        elif what == "defined":
+            defined.add(name)
+    return {"built": built, "defined": defined}
