@@ -172,13 +172,20 @@ FRONT_CASES = [  # pairing, read, step_size, packed, with an initial state
                          ids=["-".join(case[:3]) + ("-packed" if case[3] else "") + ("" if case[4] else "-fresh")
                               for case in FRONT_CASES])
 def test_front_door_matches_chunk_and_naive(pairing, read, step_size, packed, stateful):
-    """`fast_weight_attention(rule="2A", backend="triton")` from raw q, k, v, beta [B, T, H, V], lam (ridge scaling on)
-    against the torch chunk backend and the naive spec: outputs, the whole final state and all gradients (q, k, v,
-    beta, lam and the initial S), float32, K != V, T not a multiple of the chunk, packed sequences (`cu_seqlens`)."""
+    """`fast_weight_attention(rule="2A", backend="triton")` against the torch chunk backend and the naive spec
+    (`check_front_door`)."""
+    check_front_door("2A", pairing, read, step_size, packed, stateful, references=("chunk", "naive"))
+
+
+def check_front_door(rule, pairing, read, step_size, packed, stateful, *, references):
+    """`fast_weight_attention(rule=rule, backend="triton")` (a per-column rule, 2A or 2) from raw q, k, v,
+    beta [B, T, H, V], lam (ridge scaling on) against each backend of `references`: outputs, the whole final state and
+    all gradients (q, k, v, beta, lam and the initial S), float32, K != V, T not a multiple of the chunk, packed
+    sequences (`cu_seqlens`)."""
     B, T, H, K, V = (1, 45, 2, 16, 24) if packed else (2, 45, 2, 16, 24)
     offsets = torch.tensor([0, 5, 22, 23, 45]) if packed else None
     n = 4 if packed else B
-    cpu = make_inputs("2A", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, requires_grad=True)
+    cpu = make_inputs(rule, B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, requires_grad=True)
     state = dev_state = None
     if stateful:
         state = random_state(n, H, K, V, window=1, dtype=torch.float32, requires_grad=True)
@@ -186,14 +193,14 @@ def test_front_door_matches_chunk_and_naive(pairing, read, step_size, packed, st
             state.last_k = None
         dev_state = state.detach().to(DEVICE)
         dev_state.S.requires_grad_(True)
-    options = {"rule": "2A", "pairing": pairing, "read": read, "step_size": step_size, "ridge_scaling": True,
+    options = {"rule": rule, "pairing": pairing, "read": read, "step_size": step_size, "ridge_scaling": True,
                "output_final_state": True, "cu_seqlens": offsets}
     dev = [t.detach().to(DEVICE).requires_grad_(True) for t in cpu]
     o, s = fast_weight_attention(*dev, backend="triton", initial_state=dev_state, **options)
     w_o, w_S = (w.float() for w in projection(o, s.S))
     leaves = dev + [dev_state.S] if stateful else dev
     grads = torch.autograd.grad((o * w_o.to(DEVICE)).sum() + (s.S * w_S.to(DEVICE)).sum(), leaves)
-    for backend in ("chunk", "naive"):
+    for backend in references:
         ref_leaves = [t.detach().clone().requires_grad_(True) for t in cpu]
         ref_state = None
         if stateful:

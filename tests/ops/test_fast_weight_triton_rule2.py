@@ -31,7 +31,7 @@ from hybridlm.ops.fast_weight.triton import (
 from tests.helpers import rel_err
 from tests.ops.test_fast_weight import make_inputs, random_state
 from tests.ops.test_fast_weight_triton import TOL, prepared, projection
-from tests.ops.test_fast_weight_triton_2a import check_kernels, prepared_2a
+from tests.ops.test_fast_weight_triton_2a import check_front_door, check_kernels, prepared_2a
 from tests.ops.test_fast_weight_triton_compile import OPCHECKS
 from tests.ops.triton_modes import (
     H200_SHARED_BYTES,
@@ -75,38 +75,9 @@ FRONT_CASES = [  # pairing, read, step_size, packed, with an initial state
                          ids=["-".join(case[:3]) + ("-packed" if case[3] else "") + ("" if case[4] else "-fresh")
                               for case in FRONT_CASES])
 def test_front_door_matches_chunk(pairing, read, step_size, packed, stateful):
-    """`fast_weight_attention(rule="2", backend="triton")` from raw q, k, v, beta [B, T, H, V], lam (ridge scaling on)
-    against the torch chunk backend: outputs, the whole final state and all gradients (q, k, v, beta, lam and the
-    initial S), float32, K != V, T not a multiple of the chunk, packed sequences (`cu_seqlens`)."""
-    B, T, H, K, V = (1, 45, 2, 16, 24) if packed else (2, 45, 2, 16, 24)
-    offsets = torch.tensor([0, 5, 22, 23, 45]) if packed else None
-    n = 4 if packed else B
-    cpu = make_inputs("2", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32, requires_grad=True)
-    state = dev_state = None
-    if stateful:
-        state = random_state(n, H, K, V, window=1, dtype=torch.float32, requires_grad=True)
-        if pairing == "same_step":
-            state.last_k = None
-        dev_state = state.detach().to(DEVICE)
-        dev_state.S.requires_grad_(True)
-    options = {"rule": "2", "pairing": pairing, "read": read, "step_size": step_size, "ridge_scaling": True,
-               "output_final_state": True, "cu_seqlens": offsets}
-    dev = [t.detach().to(DEVICE).requires_grad_(True) for t in cpu]
-    o, s = fast_weight_attention(*dev, backend="triton", initial_state=dev_state, **options)
-    w_o, w_S = (w.float() for w in projection(o, s.S))
-    leaves = dev + [dev_state.S] if stateful else dev
-    grads = torch.autograd.grad((o * w_o.to(DEVICE)).sum() + (s.S * w_S.to(DEVICE)).sum(), leaves)
-    ref_leaves = [t.detach().clone().requires_grad_(True) for t in cpu]
-    ref_state = None
-    if stateful:
-        ref_state = FastWeightState(S=state.S.detach().clone().requires_grad_(True), last_k=state.last_k)
-    o_ref, s_ref = fast_weight_attention(*ref_leaves, backend="chunk", initial_state=ref_state, **options)
-    assert rel_err(o.cpu(), o_ref) < 1e-4 and rel_err(s.S.cpu(), s_ref.S) < 1e-4
-    assert (s.last_k is None and s_ref.last_k is None) or torch.equal(s.last_k.cpu(), s_ref.last_k)
-    grads_ref = torch.autograd.grad((o_ref * w_o).sum() + (s_ref.S * w_S).sum(),
-                                    ref_leaves + [ref_state.S] if stateful else ref_leaves)
-    for name, grad, grad_ref in zip(("q", "k", "v", "beta", "lam", "S0"), grads, grads_ref):
-        assert rel_err(grad.cpu(), grad_ref) < 1e-4, name
+    """`fast_weight_attention(rule="2", backend="triton")` against the torch chunk backend (2A's `check_front_door`:
+    outputs, final state, every gradient; packed sequences, carried states)."""
+    check_front_door("2", pairing, read, step_size, packed, stateful, references=("chunk",))
 
 
 @interpret
