@@ -11,8 +11,8 @@ forward and forward+backward of:
   `--compiled-chunk` also the same under `torch.compile` (inductor; compiling per shape takes minutes);
 - triton: the same op through the Triton backend (raw q, k, v, beta, lam -> prepared writes -> kernels);
 - kernels (1A): `fast_weight_1a_triton` alone on prepared writes (the kernels without the preparation);
-- fused states (1A, 3A): the triton op again with `chunk_1a.FUSED_STATES` on (the state stages as one kernel), to
-  decide whether it becomes the default.
+- torch preparation (1A, 1): the triton op again with `frontend.FUSED_PREPARATION` off (the write events from
+  chunk.py's torch `prepare_writes` instead of the fused Triton kernel).
 `--profile` then prints, per rule at the longest T, the kernels of one forward + backward of the triton op with their
 GPU time (torch.profiler): which stage to work on. Prints a markdown table with the ratios triton / SDPA and
 chunk / triton, and what the triton op's time means against
@@ -32,7 +32,7 @@ from gpu_ops import bench  # benchmarks/ is on the path when this script runs
 from roofline import fast_weight_counts, utilization
 
 from hybridlm.ops import FastWeightState, fast_weight_attention
-from hybridlm.ops.fast_weight.triton import chunk_1a, fast_weight_1a_triton, fast_weight_triton
+from hybridlm.ops.fast_weight.triton import fast_weight_1a_triton, fast_weight_triton, frontend
 
 WINDOW = {"1A": 1, "3A": 3, "1": 1}
 
@@ -80,21 +80,21 @@ def check(rule, *, B=2, T=1000, H=4, D=128, chunk_size=64) -> None:
     o_ref, s_ref = run_chunk(*ref_in, rule=rule, chunk_size=chunk_size, initial_state=state, output_final_state=True)
     w_o, w_s = torch.randn_like(o_ref), torch.randn_like(s_ref.S)
     g_ref = torch.autograd.grad((o_ref * w_o).sum() + (s_ref.S * w_s).sum(), ref_in + [state.S])
-    variants = (False, True) if rule in ("1A", "3A") else (False,)  # without / with chunk_1a.FUSED_STATES
+    variants = (False, True) if rule in frontend.FUSED_RULES else (False,)  # without / with FUSED_PREPARATION
     for (dtype, tol), fused in itertools.product(((torch.float32, 1e-4), (torch.bfloat16, 2e-2)), variants):
         ins = [t.detach().to(dtype).requires_grad_(True) for t in ref_in]
         start = state.detach()
         start.S.requires_grad_(True)
-        previous, chunk_1a.FUSED_STATES = chunk_1a.FUSED_STATES, fused
+        previous, frontend.FUSED_PREPARATION = frontend.FUSED_PREPARATION, fused
         try:
             o, s = run_triton(*ins, rule=rule, chunk_size=chunk_size, initial_state=start, output_final_state=True)
             grads = torch.autograd.grad((o.float() * w_o).sum() + (s.S * w_s).sum(), ins + [start.S])
         finally:
-            chunk_1a.FUSED_STATES = previous
+            frontend.FUSED_PREPARATION = previous
         errors = {"o": rel_err(o, o_ref), "S": rel_err(s.S, s_ref.S)}
         errors.update({f"d{n}": rel_err(a, b) for n, a, b in zip(("q", "k", "v", "beta", "lam", "S0"), grads, g_ref)})
         worst = max(errors.values())
-        label = f"{rule}{' fused states' if fused else ''} {str(dtype)[6:]}"
+        label = f"{rule}{' fused preparation' if fused else ''} {str(dtype)[6:]}"
         print(f"check {label} B={B} T={T} H={H} D={D}: max rel err {worst:.1e} "
               f"({', '.join(f'{k} {v:.1e}' for k, v in errors.items())})", flush=True)
         if not worst < tol:
@@ -117,7 +117,7 @@ def main() -> None:
     print(f"\n# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | window 3 for 3A")
     print("| rule | T | pass | SDPA (ms) | chunk (ms) | chunk compiled (ms) | triton (ms) | kernels (ms) "
-          "| fused states (ms) | triton / SDPA | chunk / triton | triton TFLOP/s | triton TB/s (min. bytes) |")
+          "| torch preparation (ms) | triton / SDPA | chunk / triton | triton TFLOP/s | triton TB/s (min. bytes) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for T in args.T:
         for rule in args.rules:
@@ -127,8 +127,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.profile:
         for rule in args.rules:
-            print(f"\n### {rule}, T={max(args.T)}: kernels of one forward + backward (FUSED_STATES="
-                  f"{chunk_1a.FUSED_STATES})\n" + profile_one(rule, args.B, max(args.T), args.H, args.D,
+            print(f"\n### {rule}, T={max(args.T)}: kernels of one forward + backward (FUSED_PREPARATION="
+                  f"{frontend.FUSED_PREPARATION})\n" + profile_one(rule, args.B, max(args.T), args.H, args.D,
                                                               chunk_size=args.chunk_size), flush=True)
 
 
@@ -173,13 +173,13 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
                             inputs=inputs),
         }
         fused = "-"
-        if rule in ("1A", "3A"):
-            previous, chunk_1a.FUSED_STATES = chunk_1a.FUSED_STATES, True
+        if rule in frontend.FUSED_RULES:
+            previous, frontend.FUSED_PREPARATION = frontend.FUSED_PREPARATION, False
             try:
                 fused = "{:.2f}".format(bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0],
                                               backward=backward, inputs=inputs))
             finally:
-                chunk_1a.FUSED_STATES = previous
+                frontend.FUSED_PREPARATION = previous
         kernels = "-"
         if prepared is not None:
             kernels = "{:.2f}".format(bench(lambda: fast_weight_1a_triton(*prepared, None, read_after=True,

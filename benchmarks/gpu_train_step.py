@@ -5,6 +5,7 @@
     python benchmarks/gpu_train_step.py --compile --steps 60             # through torch.compile (CUDA graphs)
     python benchmarks/gpu_train_step.py --compile --ssm-backend chunk    # the torch chunk path in the SSM mixers
     python benchmarks/gpu_train_step.py --models fw-1A --profile          # where an update's GPU time goes
+    python benchmarks/gpu_train_step.py --models fw-3A --profile --stacks # ... and which Python lines launched it
 
 The models and sequences are those of `hybridlm bench addition` (size "small", 101 tokens); the batch is 256 by
 default, the batch of the timings in benchmarks/RESULTS.md (the addition recipe now trains on 1024: --batch-size).
@@ -15,7 +16,8 @@ overlap of the host's launches and the GPU's work) and its ratio to the Transfor
 updates, which compile and record the graphs, are left out of the median. `--ssm-backend` sets the op backend of
 every fast-weight and Mamba-2 mixer ("auto": Triton kernels for the rules that have them, the chunk path for SSD).
 `--profile` adds, per model, a `torch.profiler` table of 3 updates after the timed ones: the kernels with the most
-GPU time, and the count of kernel launches per update.
+GPU time, and the count of kernel launches per update; `--stacks` groups that table by the Python stack that launched
+each operator (eager mode only: under CUDA graphs the kernels belong to the graph's replay).
 """
 
 from __future__ import annotations
@@ -40,14 +42,14 @@ MODELS = ("transformer", "mamba2", "fw-1A", "fw-3A", "fw-1", "hybrid-fw-3A", "hy
 
 
 def timed_run(name: str, *, steps: int, batches: list[dict], compile: bool, ssm_backend: str,
-              profile: bool = False) -> float:
+              profile: bool = False, stacks: bool = False) -> float:
     model = build_model(task_config(name, vocab_size=MODEL_VOCAB_SIZE, size="small"), seed=0)
     for module in model.modules():
         if isinstance(module, (FastWeightMixer, Mamba2Mixer)):
             module.backend = ssm_backend
     stamps: list[float] = []
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                  torch.profiler.ProfilerActivity.CUDA])
+                                                  torch.profiler.ProfilerActivity.CUDA], with_stack=stacks)
     profiled = range(steps, steps + 3) if profile else range(0)
 
     def batch_fn(step: int) -> dict:
@@ -65,6 +67,9 @@ def timed_run(name: str, *, steps: int, batches: list[dict], compile: bool, ssm_
         launches = kernel_launches(events)
         print(f"\n### {name}: 3 updates profiled, {launches / 3:.0f} kernel / graph launches per update")
         print(events.table(sort_by="self_cuda_time_total", row_limit=15), flush=True)
+        if stacks:
+            by_stack = profiler.key_averages(group_by_stack_n=6)
+            print(by_stack.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
         stamps = stamps[:steps]
     deltas = [b - a for a, b in itertools.pairwise(stamps[10:])]  # past compilation
     return 1e3 * statistics.median(deltas)
@@ -78,6 +83,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="train through torch.compile (reduce-overhead)")
     parser.add_argument("--ssm-backend", default="auto", choices=["auto", "chunk", "triton"])
     parser.add_argument("--profile", action="store_true", help="print a GPU profile of 3 updates per model")
+    parser.add_argument("--stacks", action="store_true", help="with --profile: group by the launching Python stack")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -86,7 +92,7 @@ def main() -> None:
           f"{batches[0]['input_ids'].shape[1]} tokens · median of {args.steps - 11} updates"
           + (" · torch.compile reduce-overhead" if args.compile else " · eager") + f" · SSM backend {args.ssm_backend}")
     options = {"steps": args.steps, "batches": batches, "compile": args.compile, "ssm_backend": args.ssm_backend,
-               "profile": args.profile}
+               "profile": args.profile, "stacks": args.stacks}
     baseline = timed_run("transformer", **options)
     print(f"{'model':<16}{'ms/update':>10}{'/ transformer':>15}")
     rows = []

@@ -58,7 +58,7 @@ def test_distributed_scripts_on_two_cpu_processes(script, args):
     assert ("tp=2" in out) and ("cp=2" in out)
 
 
-@pytest.mark.parametrize("script", ["gpu_ops.py", "gpu_train_step.py", "gpu_fla_compare.py",
+@pytest.mark.parametrize("script", ["gpu_ops.py", "gpu_train_step.py", "gpu_fla_compare.py", "gpu_short_conv.py",
                                     "gpu_fast_weight_triton.py"])
 def test_gpu_scripts_parse_their_command_line(script):
     if script == "gpu_fast_weight_triton.py" and not HAS_TRITON:

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridlm.modules import ShortConvolution, causal_conv1d, cu_seqlens_from_position_ids
+from hybridlm.modules import ShortConvolution, causal_conv1d, cu_seqlens_from_position_ids, short_conv
 
 
 def _reference(x, weight, bias):
@@ -21,6 +21,55 @@ def test_matches_reference_conv(kernel):
     x = torch.randn(2, 11, 6)
     y, _ = conv(x)
     torch.testing.assert_close(y, _reference(x, conv.weight, conv.bias), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["conv1d", "shifted_sum"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_both_forms_match_reference_conv_with_gradients(monkeypatch, form, with_bias):
+    """Eager mode's conv1d form and torch.compile's shifted-sum form: outputs and gradients (input, weight, bias,
+    carried state) equal the padded reference conv's, in float64."""
+    monkeypatch.setattr(short_conv.torch.compiler, "is_compiling", lambda: form == "shifted_sum")
+    spy = {}
+    original = getattr(short_conv, f"_{form}")
+    monkeypatch.setattr(short_conv, f"_{form}", lambda *a: spy.setdefault("ran", original(*a)))
+    torch.manual_seed(3)
+    x = torch.randn(2, 13, 6, dtype=torch.float64, requires_grad=True)
+    state = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(6, dtype=torch.float64, requires_grad=True) if with_bias else None
+    leaves = [x, state, weight] + ([bias] if with_bias else [])
+    y, _ = causal_conv1d(x, weight, bias, activation="silu", initial_state=state)
+    assert "ran" in spy
+    expected = _reference(torch.cat([state, x], dim=1), weight, bias)[:, 3:]
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+    w = torch.randn_like(y)
+    got = torch.autograd.grad((y * w).sum(), leaves)
+    want = torch.autograd.grad((expected * w).sum(), leaves)
+    for name, a, b in zip(("x", "state", "weight", "bias"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_compiled_conv_matches_eager():
+    """Through torch.compile (the shifted-sum form) the module gives eager mode's outputs and gradients."""
+    torch.manual_seed(4)
+    conv = ShortConvolution(8, 4, bias=True)
+    x = torch.randn(2, 9, 8, requires_grad=True)
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(lambda t: conv(t)[0], backend=recording_backend, fullgraph=True)
+    eager_out = conv(x)[0]
+    eager_grads = torch.autograd.grad(eager_out.square().sum(), [x, conv.weight, conv.bias])
+    out = compiled(x)
+    grads = torch.autograd.grad(out.square().sum(), [x, conv.weight, conv.bias])
+    traced = " ".join(str(node.target) for gm in graphs for node in gm.graph.nodes)
+    assert graphs and "conv1d" not in traced, traced  # the shifted sum ran, not F.conv1d
+    torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, eager_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("split", [1, 2, 5, 10])

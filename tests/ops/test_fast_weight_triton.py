@@ -139,23 +139,18 @@ def test_matches_reference(rule, dtype, T, chunk_size, read_after):
     check_against_reference(rows, T, 2, 16, 24, dtype=dtype, chunk_size=chunk_size, read_after=read_after, rule=rule)
 
 
-FUSED_CASES = [(130, 16, True, True, 16, 24), (63, 16, False, False, 16, 24), (1, 16, True, True, 16, 24),
-               (200, 64, False, True, 100, 40)]
+SCAN_CASES = [(130, 16, True, True, 16, 24), (63, 16, False, False, 16, 24), (1, 16, True, True, 16, 24),
+              (200, 64, False, True, 100, 40)]
 
 
 @interpret
-@pytest.mark.parametrize("T,chunk_size,read_after,with_S0,K,V", FUSED_CASES,
+@pytest.mark.parametrize("T,chunk_size,read_after,with_S0,K,V", SCAN_CASES,
                          ids=[f"T{c[0]}-C{c[1]}-{'after' if c[2] else 'before'}-{'S0' if c[3] else 'noS0'}-K{c[4]}V{c[5]}"
-                              for c in FUSED_CASES])
-def test_fused_state_scan_matches_reference(monkeypatch, T, chunk_size, read_after, with_S0, K, V):
-    """`chunk_1a.FUSED_STATES`: the state stages (1) + (2) and (1') + (2') as one kernel give rule 1A's outputs, final
+                              for c in SCAN_CASES])
+def test_state_scan_matches_reference(T, chunk_size, read_after, with_S0, K, V):
+    """The state stages (1) + (2) and (1') + (2') (one kernel, `state_scan_kernel`) give rule 1A's outputs, final
     state and every gradient of the step loop (several key / value blocks with K = 100, V = 40), also when only
     the outputs or only the final state carry a gradient."""
-    from hybridlm.ops.fast_weight.triton import chunk_1a
-
-    monkeypatch.setattr(chunk_1a, "FUSED_STATES", True)
-    monkeypatch.setattr(chunk_1a.kernels, "chunk_outer_kernel", None)  # the two-kernel form must not run
-    monkeypatch.setattr(chunk_1a.kernels, "state_pass_kernel", None)
     check_against_reference(2, T, 2, K, V, dtype=torch.float32, chunk_size=chunk_size, read_after=read_after,
                             with_S0=with_S0)
     check_against_reference(1, T, 2, K, V, dtype=torch.float16, chunk_size=chunk_size, read_after=read_after,
@@ -167,20 +162,18 @@ def test_fused_state_scan_matches_reference(monkeypatch, T, chunk_size, read_aft
 
 @interpret
 @pytest.mark.parametrize("read_after", [True, False], ids=["after", "before"])
-def test_fused_state_scan_backward_without_final_state_gradient(monkeypatch, read_after):
+def test_backward_without_final_state_gradient(read_after):
     """The backward op with dS_final = None (autograd always passes zeros through the forward op, so the op is
-    called directly): the fused reverse scan starting from zeros equals the two-kernel form."""
+    called directly): the reverse scan starting from no gradient equals the one starting from a zero gradient."""
     import hybridlm.ops.fast_weight.triton.custom_ops  # noqa: F401  (registers the ops)
-    from hybridlm.ops.fast_weight.triton import chunk_1a
 
     q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in prepared(2, 75, 2, 16, 24, seed=3))
     do = torch.randn(q.shape[:3] + (24,), generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    results = []
-    for fused in (False, True):
-        monkeypatch.setattr(chunk_1a, "FUSED_STATES", fused)
-        results.append(torch.ops.hybridlm.fast_weight_1a_bwd(do, None, q, x, y, eta, log_gamma, S0, read_after, 16))
-    for name, unfused, fused in zip(("dq", "dx", "dy", "deta", "dlog_gamma", "dS0"), *results):
-        assert rel_err(fused.cpu(), unfused.cpu()) < 1e-6, name
+    zero = torch.zeros_like(S0)
+    without = torch.ops.hybridlm.fast_weight_1a_bwd(do, None, q, x, y, eta, log_gamma, S0, read_after, 16)
+    with_zero = torch.ops.hybridlm.fast_weight_1a_bwd(do, zero, q, x, y, eta, log_gamma, S0, read_after, 16)
+    for name, a, b in zip(("dq", "dx", "dy", "deta", "dlog_gamma", "dS0"), without, with_zero):
+        assert rel_err(a.cpu(), b.cpu()) < 1e-6, name
 
 
 @interpret
@@ -395,7 +388,6 @@ for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "iee
         for has_init in (True, False):
             b(k.state_scan_kernel, dict(sequential, **flags, HAS_INIT=has_init, REVERSE=flags["GRAD"], PREC=prec),
               warps=4)
-    b(k.state_pass_kernel, dict(sequential, HAS_INIT=True, REVERSE=True), warps=4)
     b(k.output_kernel, dict(blocks, READ_AFTER=True, PREC=prec))
     b(k.grad_qx_kernel, dict(s, BK=128, BV=32, READ_AFTER=False, PREC=prec))
     b(k.grad_y_kernel, dict(blocks, READ_AFTER=True, HAS_DH=True, PREC=prec))
@@ -404,7 +396,7 @@ for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "iee
 
 @needs_cuda_backend
 def test_kernels_compile_for_sm90():
-    """Every rule-1A kernel (the fused state scan too) compiles to PTX for sm_90, bf16 at a model's sizes and fp32
+    """Every rule-1A kernel compiles to PTX for sm_90, bf16 at a model's sizes and fp32
     with odd head dims (`triton_modes.compile_for_sm90`)."""
     report = compile_for_sm90(_SM90_KERNELS, modules=("hybridlm.ops.fast_weight.triton.kernels",))
     assert set(report["built"]) == report["defined"], report  # every kernel of the file

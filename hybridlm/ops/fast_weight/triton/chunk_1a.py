@@ -8,16 +8,11 @@ giving every chunk's entry state and the final state -> (3) the outputs. Backwar
 runs the same two state stages on the gradients in reverse (dS of every chunk exit, and dS_0), then one kernel for
 dq, dx, d eta, d log_gamma and one for dy. `kernels.py` has the formulas.
 
-FUSED_STATES (`HYBRIDLM_TRITON_FUSED_STATES=1` before import, or the attribute) runs (1) + (2), and (1') + (2'), as
-one kernel (`kernels.state_scan_kernel`: the state block stays in registers while a program walks the chunks), the
-layout of flash-linear-attention's state kernels; it saves two passes over the float32 per-chunk state buffer. Same
-results (checked under the interpreter: tests/ops/test_fast_weight_triton.py); off by default until it is timed
-on a GPU against the two-kernel form (`benchmarks/gpu_fast_weight_triton.py` prints both).
+The state stages (1) + (2), and (1') + (2'), run as one kernel (`kernels.state_scan_kernel`: the state block
+stays in registers while a program walks the chunks), the layout of flash-linear-attention's state kernels.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -25,7 +20,6 @@ import triton
 from hybridlm.ops.fast_weight.triton import kernels
 from hybridlm.ops.fast_weight.triton.custom_ops import _interpreting
 
-FUSED_STATES = os.environ.get("HYBRIDLM_TRITON_FUSED_STATES", "0") == "1"
 _MAX_GRID_YZ = 65535  # CUDA's limit on launch grid axes 1 and 2
 
 
@@ -88,9 +82,6 @@ class _Plan(ChunkPlan):
         self.BK_full = _block(self.K, 128)  # the dq/dx kernel holds all of K
         self.BV_qx = _block(self.V, 64 if self.BK_full <= 64 else 32)
 
-    def _n_state_blocks(self) -> int:
-        return -(-self.K // self.BK) * -(-self.V // self.BV)
-
     def cumsum(self, log_gamma):
         L = torch.empty(self.N * self.H, self.T_pad, dtype=torch.float32, device=self.device)
         kernels.chunk_cumsum_kernel[(self.n_chunks, self.N * self.H)](log_gamma, L, self.T, self.T_pad, self.H,
@@ -101,31 +92,16 @@ class _Plan(ChunkPlan):
         """(1) + (2): the entry state of every chunk [N * H, n_chunks, K, V] and the final state [N, H, K, V]."""
         h = self.state_buffer()
         final = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
-        if FUSED_STATES:
-            self._scan(x, y, eta, L, h, S0, final, grad=False)
-        else:
-            self._outer(x, y, eta, L, h, grad=False)
-            self._pass(h, S0, final, L, reverse=False)
+        self._scan(x, y, eta, L, h, S0, final, grad=False)
         return h, final
 
     def _scan(self, a, b, eta, L, h, init, final, *, grad: bool) -> None:
-        """(1) + (2) (or with grad, (1') + (2') in reverse) as one kernel; see FUSED_STATES."""
+        """(1) + (2) (or with grad, (1') + (2') in reverse) as one kernel."""
         BK, BV = self.BK, _block(self.V, 32)  # the pass's blocks: more programs for the sequential walk
         kernels.state_scan_kernel[(-(-self.K // BK) * -(-self.V // BV), self.N * self.H)](
             a, b, eta, L, h, h if init is None else init, final, self.T, self.T_pad, self.n_chunks, self.H,
             **self.sizes, BK=BK, BV=BV, HAS_INIT=init is not None, READ_AFTER=self.read_after, GRAD=grad,
             REVERSE=grad, PREC=self.prec, INTERPRET=_interpreting(), num_warps=4)
-
-    def _outer(self, a, b, eta, L, out, *, grad: bool) -> None:
-        kernels.chunk_outer_kernel[(self._n_state_blocks(), self.n_chunks, self.N * self.H)](
-            a, b, eta, L, out, self.T, self.T_pad, self.n_chunks, self.H, **self.sizes, BK=self.BK, BV=self.BV,
-            READ_AFTER=self.read_after, GRAD=grad, PREC=self.prec)
-
-    def _pass(self, h, init, final, L, *, reverse: bool) -> None:
-        BK, BV = self.BK, _block(self.V, 32)  # smaller blocks: more programs for the sequential pass
-        kernels.state_pass_kernel[(-(-self.K // BK) * -(-self.V // BV), self.N * self.H)](
-            h, h if init is None else init, final, L, self.T_pad, self.n_chunks, **self.sizes, BK=BK, BV=BV,
-            HAS_INIT=init is not None, REVERSE=reverse, INTERPRET=_interpreting(), num_warps=4)
 
     def outputs(self, q, x, y, eta, L, states):
         o = torch.empty(self.N, self.T, self.H, self.V, dtype=q.dtype, device=self.device)
@@ -139,11 +115,7 @@ class _Plan(ChunkPlan):
         g = self.state_buffer()
         dS0 = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
         init = None if dS_final is None else dS_final.to(torch.float32).contiguous()
-        if FUSED_STATES:
-            self._scan(q, do, L, L, g, init, dS0, grad=True)  # (eta is unused)
-        else:
-            self._outer(q, do, L, L, g, grad=True)  # (eta is unused)
-            self._pass(g, init, dS0, L, reverse=True)
+        self._scan(q, do, L, L, g, init, dS0, grad=True)  # (eta is unused)
         return g, dS0
 
     def grad_qx(self, q, x, y, eta, L, do, states, dstates, lg_dtype):

@@ -21,9 +21,9 @@ The cost is P times rule 1's.
 
 The preparation (pairs, windows, statistic, step sizes, decays) is chunk.py's `prepare_writes`, except for rules 1A
 and 1 (window 1, one step size per head): there one fused Triton kernel computes the same write events, forward and
-backward (`prepare.py`, the custom op `hybridlm::fast_weight_prepare_fwd`), when FUSED_PREPARATION is on
-(`HYBRIDLM_TRITON_FUSED_PREPARATION=1`). It passes its tests on an H200 and under Triton's CPU interpreter, but it has
-not been timed against prepare_writes yet, so it stays off by default.
+backward (`prepare.py`, the custom op `hybridlm::fast_weight_prepare_fwd`). On an H200 it made the whole op 1.1x
+(rule 1) to 1.8x (rule 1A) faster, forward + backward (benchmarks/RESULTS.md, 2026-11-30), so it is on by default;
+`HYBRIDLM_TRITON_FUSED_PREPARATION=0` (or `FUSED_PREPARATION = False`) goes back to prepare_writes.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from hybridlm.ops.fast_weight.triton import (
 from hybridlm.ops.utils import compute_dtype, packed_to_padded, padded_to_packed
 
 # The fused preparation kernel for the rules it covers (FUSED_RULES, window 1); off: chunk.py's prepare_writes.
-FUSED_PREPARATION = os.environ.get("HYBRIDLM_TRITON_FUSED_PREPARATION", "0") == "1"
+FUSED_PREPARATION = os.environ.get("HYBRIDLM_TRITON_FUSED_PREPARATION", "1") == "1"
 FUSED_RULES = ("1A", "1")  # window 1, scalar step per head (2A's steps are per value column; 3A has a window)
 
 # Rules 2A and 2's chunk length: their intra-chunk decays form a [C, C, V] tensor of exponentials (kernels_2a.py,

@@ -134,21 +134,6 @@ def chunk_outer_kernel(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, T, T_pad, n_chunks, 
 
 
 @triton.jit
-def _pass_step(h_ptr, L_ptr, S, i, i_nh, T_pad, n_chunks, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-               rk, rv, mask, REVERSE: tl.constexpr):
-    """One chunk of the pass: swap h[c] (the contribution) for S, return exp(L_last_c) S + contribution."""
-    if REVERSE:
-        i_c = n_chunks - 1 - i
-    else:
-        i_c = i
-    offs, _ = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
-    contrib = tl.load(h_ptr + offs, mask=mask, other=0.0)
-    tl.store(h_ptr + offs, S, mask=mask)
-    decay = tl.exp(tl.load(L_ptr + i_nh.to(tl.int64) * T_pad + i_c * BT + BT - 1))
-    return decay * S + contrib
-
-
-@triton.jit
 def _carried_block(init_ptr, i_kv, i_nh, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    HAS_INIT: tl.constexpr):
     """The sequential stages' start: program i_kv's [BK, BV] block of row nh's carried state (init, or zeros), its
@@ -161,30 +146,6 @@ def _carried_block(init_ptr, i_kv, i_nh, K: tl.constexpr, V: tl.constexpr, BK: t
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
     return S, rk, rv, offs0, mask
-
-
-@triton.jit(do_not_specialize=_SIZES)
-def state_pass_kernel(h_ptr, init_ptr, final_ptr, L_ptr, T_pad, n_chunks,
-                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, INTERPRET: tl.constexpr):
-    """(2)/(2') The sequential pass over chunks, in place: h[c] holds chunk c's contribution on entry and the
-    state carried into chunk c on exit. Forward: S <- exp(L_last_c) S + h[c] from S_0 = init, the entry states;
-    REVERSE: the same from the last chunk down (dS_out of every chunk; the value left is dS_0). Writes the
-    last carried value to final [N * H, K, V]. Grid (nK * nV, N * H); float32 throughout.
-
-    INTERPRET: a while loop (Triton 3.6's CPU interpreter cannot `range` over a runtime int with numpy >= 2.4);
-    compiled kernels use the for loop, which Triton can software-pipeline."""
-    i_nh = tl.program_id(1)
-    S, rk, rv, offs0, mask = _carried_block(init_ptr, tl.program_id(0), i_nh, K, V, BK, BV, HAS_INIT)
-    if INTERPRET:
-        i = 0
-        while i < n_chunks:
-            S = _pass_step(h_ptr, L_ptr, S, i, i_nh, T_pad, n_chunks, K, V, BT, rk, rv, mask, REVERSE)
-            i += 1
-    else:
-        for i in range(n_chunks):
-            S = _pass_step(h_ptr, L_ptr, S, i, i_nh, T_pad, n_chunks, K, V, BT, rk, rv, mask, REVERSE)
-    tl.store(final_ptr + offs0, S, mask=mask)
 
 
 @triton.jit
@@ -211,9 +172,13 @@ def state_scan_kernel(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, init_ptr, final_ptr, 
                       PREC: tl.constexpr, INTERPRET: tl.constexpr):
     """(1) + (2) in one kernel (or (1') + (2') with GRAD and REVERSE): each program keeps one [BK, BV] block of the
     carried state in registers and walks the chunks, writing the state carried into every chunk to h and the last
-    one to final. The same arithmetic as `chunk_outer_kernel` followed by `state_pass_kernel`, without writing the
-    per-chunk contributions to h and reading them back (two of the four passes over the [N * H, n_chunks, K, V]
-    float32 buffer); the chunks of one program run one after another, as in the pass. Grid (nK * nV, N * H)."""
+    one to final. The per-chunk contributions never reach memory: a form with (1) as its own kernel
+    (`chunk_outer_kernel`) and (2) as a pass over the buffer it wrote took 1.2x-1.6x longer on an H200
+    (benchmarks/RESULTS.md, 2026-11-30), for two more passes over the [N * H, n_chunks, K, V] float32 buffer.
+    Grid (nK * nV, N * H).
+
+    INTERPRET: a while loop (Triton 3.6's CPU interpreter cannot `range` over a runtime int with numpy >= 2.4);
+    compiled kernels use the for loop, which Triton can software-pipeline."""
     i_nh = tl.program_id(1)
     S, rk, rv, offs0, mask = _carried_block(init_ptr, tl.program_id(0), i_nh, K, V, BK, BV, HAS_INIT)
     if INTERPRET:
