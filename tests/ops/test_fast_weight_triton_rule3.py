@@ -10,6 +10,7 @@ a power of two of slots, the step's decay on slot 0).
   beta, lam and of every tensor of the initial state; windows 1-5 (3 and 5 padded to 4 and 8 slots), shifted and
   same-step pairing, read after / before, nlms and direct steps, with and without a carried state, packed sequences,
   T = 1, carry-over.
+- `wy_kernel`'s blocked (I + A)^-1 against float64 at chunks of 16, 32 and 64 events, one slot and several.
 - The custom ops (`torch.library.opcheck`) and torch.compile of the front door; the kernels with SLOTS > 1 compile
   for sm_90 (no GPU needed).
 
@@ -109,6 +110,42 @@ def test_op_matches_reference(slots, steps, chunk_size, read_after, with_S0):
 def test_op_float16():
     """The 16-bit path (float16 under the interpreter; bfloat16 on a GPU in `test_large_shape`)."""
     check_op(1, 11, 2, 16, 24, slots=4, chunk_size=16, read_after=True, dtype=torch.float16)
+
+
+def wy_inverse_reference(x, eta, log_gamma, chunk_size, slots):
+    """(I + A)^-1 of every chunk (float64, [N * H, T_pad, chunk_size], the layout of `wy_kernel`'s buffer), A as
+    kernels_delta.py's F1: A[s, s'] = [st(s') < st(s)] exp(Lp_s - L_s') eta_s' (x_s . x_s'), st(s) = s // slots."""
+    N, T, H, _ = x.shape
+    T_pad = -(-T // chunk_size) * chunk_size
+    x, eta, log_gamma = (torch.nn.functional.pad(t.double().transpose(1, 2), (0, 0) * (t.dim() - 3) + (0, T_pad - T))
+                         for t in (x, eta, log_gamma))                                      # [N, H, T_pad, ...]
+    x = x.reshape(N * H, T_pad // chunk_size, chunk_size, -1)
+    eta, log_gamma = (t.reshape(N * H, T_pad // chunk_size, chunk_size) for t in (eta, log_gamma))
+    L = log_gamma.cumsum(-1)
+    first = torch.arange(chunk_size) // slots * slots                                      # slot 0 of each step
+    Lp = torch.where(first > 0, L[..., (first - 1).clamp(min=0)], 0.0)
+    earlier = first[:, None] > first[None, :]
+    A = torch.where(earlier, (Lp[..., :, None] - L[..., None, :]).exp(), 0.0) * eta[..., None, :] * (x @ x.mT)
+    return torch.linalg.inv(torch.eye(chunk_size, dtype=torch.float64) + A).reshape(N * H, T_pad, chunk_size)
+
+
+WY_CASES = [(16, 1), (16, 4), (16, 16), (32, 2), (32, 8), (32, 32), (64, 1), (64, 4), (64, 16), (64, 32)]
+
+
+@interpret
+@pytest.mark.parametrize("chunk_size,slots", WY_CASES, ids=[f"C{c}-P{p}" for c, p in WY_CASES])
+def test_wy_inverse_matches_float64(chunk_size, slots):
+    """`wy_kernel`'s blocked (I + A)^-1 (16 x 16 diagonal blocks by substitution, then block products) against
+    torch.linalg.inv in float64, in every chunk (2 to 5 per row; the last one padded where T is not a multiple of
+    the chunk): chunks of 16, 32 and 64 events; one slot (rule 1), steps of 2 to 8 slots (inside a 16-event block),
+    of 16 (a whole block: no substitution) and of 32 (two blocks: no first doubling)."""
+    from hybridlm.ops.fast_weight.triton import chunk_1  # (imports triton: not at the module's import)
+
+    q, x, y, eta, log_gamma, _ = (t.to(DEVICE, torch.float32)
+                                  for t in prepared(2, 2 * chunk_size + 3 * slots, 2, 16, 8, seed=chunk_size + slots))
+    plan = chunk_1._Plan(q, y, chunk_size, True, slots)
+    tinv = plan.scan(x, y, eta, plan.cumsum(log_gamma), None, keep_tinv=True)[3]
+    assert rel_err(tinv.cpu(), wy_inverse_reference(x.cpu(), eta.cpu(), log_gamma.cpu(), chunk_size, slots)) < 2e-6
 
 
 @interpret

@@ -141,8 +141,8 @@ def _pass_step_2a(h_ptr, L_ptr, S, i, i_nh, T_pad, n_chunks, K: tl.constexpr, V:
 def pass_2a_kernel(h_ptr, init_ptr, final_ptr, L_ptr, T_pad, n_chunks,
                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, INTERPRET: tl.constexpr):
-    """(F2)/(B1) The sequential pass over chunks, in place (as `kernels.state_pass_kernel`, with the decay per value
-    column): h[c] holds chunk c's contribution on entry and the value carried into chunk c on exit (the entry states;
+    """(F2)/(B1) The sequential pass over chunks, in place, with the decay per value
+    column: h[c] holds chunk c's contribution on entry and the value carried into chunk c on exit (the entry states;
     REVERSE: dS' of every chunk). The last carried value goes to final [N * H, K, V]. Grid (nK * nV, N * H)."""
     i_nh = tl.program_id(1)
     S, rk, rv, offs0, mask = _carried_block(init_ptr, tl.program_id(0), i_nh, K, V, BK, BV, HAS_INIT)

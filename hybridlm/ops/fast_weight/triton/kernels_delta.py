@@ -16,7 +16,7 @@ L_{t-1} for SLOTS = 1), Lr_t = L_t (read after) or L_{t-1} (read before, 0 at t 
 [s < t] (before), b_s = exp(L_last - L_s) eta_s, S = S_c the entry state:
 
     A[s, s'] = [st(s') < st(s)] exp(Lp_s - L_s') eta_s' (x_s . x_s')         (strictly lower, [BT, BT])  (F1)
-    Tinv = (I + A)^-1 (forward substitution)    U = Tinv Y    W = Tinv diag(exp Lp) X                      (F2)
+    Tinv = (I + A)^-1 (blocked: `_unit_lower_inverse`)    U = Tinv Y    W = Tinv diag(exp Lp) X            (F2)
     r = U - W S = Tinv Z,   Z = Y - diag(exp Lp) X S                                                       (F3)
     S_{c+1} = exp(L_last) S + X^T diag(b) r                                                                (F4)
     o_t = exp(Lr_t) S^T q_t + sum_s M[t, s] exp(Lr_t - L_s) eta_s (q_t . x_s) r_s                          (F5)
@@ -100,15 +100,63 @@ def _earlier_steps(BT: tl.constexpr, SLOTS: tl.constexpr):
     return (i[:, None] // SLOTS) > (i[None, :] // SLOTS)
 
 
+@triton.jit
+def _unit_lower_inverse(A, BT: tl.constexpr, SLOTS: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 of a strictly lower triangular fp32 [BT, BT] A (BT a power of two in [16, 128]), blocked as
+    flash-linear-attention's `solve_tril`: the 16 x 16 diagonal blocks by forward substitution (15 steps, all blocks
+    at once on a [BT / 16, 16, 16] tensor, exact fp32), then the off-diagonal blocks by products, doubling the block
+    size: with Inv_s the inverse of the s x s diagonal blocks of M = I + A (zeros elsewhere) and Off_s the entries of
+    M inside the 2s x 2s diagonal blocks but outside the s x s ones (their lower-left quadrants),
+
+        Inv_2s = Inv_s - Inv_s Off_s Inv_s
+
+    (a 2s block [[P, 0], [Q, R]] has the inverse [[P^-1, 0], [-R^-1 Q P^-1, R^-1]]; Inv_s Off_s Inv_s is zero outside
+    the quadrants, so the entries already found stay as they are). Each level is two [BT, BT] products at precision
+    PREC. They are full tiles because register tensors cannot be sliced into blocks: their zero blocks cost
+    tensor-core work (at BT = 64, four 64^3 products where explicit 16 x 16 blocks would need ~16 16^3 ones), but no
+    per-block register tensors, no round trip through a global scratch with barriers, and every product is one
+    M = BT tile. With fp32 inputs ("ieee", no tensor cores) that waste makes `wy_kernel` ~5% slower than the
+    sequential substitution it replaced (H200, README.md). Blocks inside one step of SLOTS events are zero in A
+    (`_earlier_steps`), so the substitution (SLOTS >= 16) and the doublings within a step (2s <= SLOTS) are skipped."""
+    tl.static_assert(BT >= 16 and BT <= 128)
+    NB: tl.constexpr = BT // 16
+    i = tl.arange(0, BT)
+    inv = tl.where(i[:, None] == i[None, :], 1.0, 0.0)                                    # Inv_1 = I  [BT, BT]
+    if SLOTS < 16:
+        blk = tl.arange(0, NB)
+        same = blk[:, None, None, None] == blk[None, None, :, None]                        # [NB, 1, NB, 1]
+        b = -tl.sum(tl.where(same, tl.reshape(A, [NB, 16, NB, 16]), 0.0), axis=2)         # -A_bb  [NB, 16, 16]
+        r = tl.arange(0, 16)[None, :, None]                                                 # [1, 16, 1]
+        # Forward substitution in every block at once: row s of (I + A_bb)^-1 - I is -A_bb[s] - sum_{s' < s}
+        # A_bb[s, s'] ((I + A_bb)^-1 - I)[s']; after step s the rows <= s of b hold (I + A_bb)^-1 - I.
+        for s in range(1, 16):
+            row = tl.sum(tl.where(r == s, b, 0.0), axis=1)                                  # -A_bb[s, :]  [NB, 16]
+            row = row + tl.sum(row[:, :, None] * b, axis=1)
+            b = tl.where(r == s, row[:, None, :], b)                                        # [NB, 16, 16]
+        inv += tl.reshape(tl.where(same, b[:, :, None, :], 0.0), [BT, BT])                # Inv_16
+    for level in tl.static_range(3):  # Inv_16 -> Inv_32 -> Inv_64 -> Inv_128, as far as BT
+        if (32 << level) <= BT and SLOTS < (32 << level):
+            inv = _double_blocks(inv, A, BT, 16 << level, PREC)
+    return inv
+
+
+@triton.jit
+def _double_blocks(inv, A, BT: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
+    """Inv_2S = Inv_S - Inv_S Off_S Inv_S (`_unit_lower_inverse`) for inv = Inv_S [BT, BT]."""
+    i = tl.arange(0, BT)
+    quadrant = (i[:, None] // (2 * S) == i[None, :] // (2 * S)) & (i[:, None] // S != i[None, :] // S)
+    off = tl.where(quadrant, A, 0.0)                                                        # Off_S  [BT, BT]
+    return inv - tl.dot(inv, tl.dot(off, inv, input_precision=PREC), input_precision=PREC)
+
+
 @triton.autotune(configs=_configs(), key=["K", "V", "BT", "SLOTS"])
 @triton.jit(do_not_specialize=_SIZES)
 def wy_kernel(x_ptr, y_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, tinv_ptr, T, T_pad, n_chunks, H,
               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
               SLOTS: tl.constexpr, STORE_TINV: tl.constexpr, PREC: tl.constexpr, PREC32: tl.constexpr):
     """(F1, F2) One chunk's WY factors U = (I + A)^-1 Y and W = (I + A)^-1 diag(exp Lp) X (float32), and with
-    STORE_TINV (the backward) (I + A)^-1 itself; A couples only events of earlier steps (SLOTS events per step; its
-    same-step entries are zeros, which the forward substitution passes through). BK covers all of K.
-    Grid (n_chunks, N * H)."""
+    STORE_TINV (the backward) (I + A)^-1 itself (`_unit_lower_inverse`); A couples only events of earlier steps
+    (SLOTS events per step; its same-step entries are zeros). BK covers all of K. Grid (n_chunks, N * H)."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     t = i_c * BT + tl.arange(0, BT)
@@ -119,14 +167,7 @@ def wy_kernel(x_ptr, y_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, tinv_ptr, T, T_pad, n_
     L, Lp, _ = _residual_decays(L_ptr, i_nh, i_c, T_pad, BT, SLOTS)
     i = tl.arange(0, BT)
     decay = tl.exp(tl.where(_earlier_steps(BT, SLOTS), Lp[:, None] - L[None, :], float("-inf")))
-    b = -(decay * eta[None, :] * gram)                                                      # -A
-    # Forward substitution: row s of (I + A)^-1 - I is -A[s] - sum_{s' < s} A[s, s'] ((I + A)^-1 - I)[s'];
-    # after step s the rows <= s of b hold (I + A)^-1 - I, the rows below still -A.
-    for s in range(1, BT):
-        row = tl.sum(tl.where(i[:, None] == s, b, 0.0), axis=0)                             # -A[s, :]  [BT]
-        row = row + tl.sum(row[:, None] * b, axis=0)
-        b = tl.where(i[:, None] == s, row[None, :], b)
-    tinv = b + tl.where(i[:, None] == i[None, :], 1.0, 0.0)                                 # (I + A)^-1
+    tinv = _unit_lower_inverse(decay * eta[None, :] * gram, BT, SLOTS, PREC32)              # (I + A)^-1
     if STORE_TINV:
         tinv_offs, tinv_mask = _buffer_offsets(i_nh, t, T_pad, BT, i)
         tl.store(tinv_ptr + tinv_offs, tinv, mask=tinv_mask)
@@ -168,7 +209,7 @@ def delta_pass_kernel(x_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, init_ptr, h_ptr, r_pt
                       HAS_INIT: tl.constexpr, INTERPRET: tl.constexpr, PREC32: tl.constexpr):
     """The sequential pass over chunks for one [K, BV] column block of the state (BK covers all of K, since
     r = U - W S needs every row of S): entry states into h, residuals into r, the final state into final.
-    Grid (nV, N * H); float32 throughout. INTERPRET: a while loop (see `kernels.state_pass_kernel`)."""
+    Grid (nV, N * H); float32 throughout. INTERPRET: a while loop (see `kernels.state_scan_kernel`)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     rk, rv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
@@ -222,7 +263,7 @@ def delta_grad_pass_kernel(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, init_ptr, dh
     """The reverse pass over chunks for one [K, BV] column block of dS (B3 acts on the rows of dS, so column blocks
     are independent; BK covers all of K). On entry dh[c] = sum_t exp(Lr_t) q_t dO_t^T and dr holds the chunk-local
     part of B1; on exit dh[c] = dL/dS_{c+1}, dz = dZ (B2), final = dL/dS_0. init: dL/dS_final (HAS_INIT) or zeros.
-    Grid (nV, N * H); float32 throughout. INTERPRET: a while loop (see `kernels.state_pass_kernel`)."""
+    Grid (nV, N * H); float32 throughout. INTERPRET: a while loop (see `kernels.state_scan_kernel`)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     rk, rv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
