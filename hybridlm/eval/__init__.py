@@ -7,7 +7,7 @@
     harness.py      lm-evaluation-harness adapter (export for `lm_eval --model hf`, loglikelihood)
     corpus.py       a built-in synthetic language for the allocation sweep
     models.py       model names ("fw-3A", "hybrid-mamba2", ...) -> small HybridConfigs
-    train_task.py   `train_on_task`: the small training loop of the synthetic benchmarks
+    train_task.py   `train_on_task`: the small training loop of the synthetic benchmarks (resumable)
     scoring.py      teacher-forced hits / NLL of target tokens
     bench.py        resumable runs over devices, mean ± std, markdown tables
     commands.py     `hybridlm bench ...` and `hybridlm eval ...`

@@ -294,10 +294,13 @@ class AdditionRecipe(TrainRecipe):
 
 
 def run_addition(model_name: str, seed: int, recipe: AdditionRecipe, *, device: str = "cpu",
-                 log_fn=None) -> dict:
-    """Train `model_name` with `recipe` from `seed`, then evaluate every width: a JSON-able result dict."""
+                 log_fn=None, checkpoint=None, should_stop=None) -> dict:
+    """Train `model_name` with `recipe` from `seed`, then evaluate every width: a JSON-able result dict.
+
+    `checkpoint` (a path stem) and `should_stop` go to `train_on_task`: the run saves there, resumes from
+    there, and stops (raising `TrainingInterrupted`) when `should_stop()` turns true."""
     from hybridlm.eval.models import build_model, parameter_count, task_config
-    from hybridlm.eval.train_task import train_on_task
+    from hybridlm.eval.train_task import generator_state, train_on_task
 
     if not 1 <= recipe.min_width <= recipe.train_max_width < recipe.eval_max_width:
         raise ValueError("need 1 <= min_width <= train_max_width < eval_max_width")
@@ -321,7 +324,10 @@ def run_addition(model_name: str, seed: int, recipe: AdditionRecipe, *, device: 
                 float(np.mean([r["loss"] for r in per_width.values()])))
 
     trained = train_on_task(model, batch_fn, device=device, eval_fn=val_fn, eval_every=recipe.eval_every,
-                            log_fn=log_fn, **recipe.train_options())
+                            log_fn=log_fn, checkpoint=checkpoint, batch_state=generator_state(rng),
+                            fingerprint={"task": "addition", "model": model_name, "seed": seed,
+                                         "recipe": recipe.to_dict()},
+                            should_stop=should_stop, **recipe.train_options())
     sets = eval_sets(range(1, recipe.eval_max_width + 1), recipe.eval_per_width)
     per_width = evaluate(model, sets, device=device, batch_size=recipe.eval_batch_size)
     return {
@@ -341,9 +347,10 @@ def run_addition(model_name: str, seed: int, recipe: AdditionRecipe, *, device: 
 RUNNER = "hybridlm.eval.addition:run_job"
 
 
-def run_job(spec: dict, *, device: str, log_fn=None) -> dict:
-    """`bench.Job` entry point: spec = {"task", "model", "seed", "recipe"}."""
-    return run_addition(spec["model"], spec["seed"], AdditionRecipe(**spec["recipe"]), device=device, log_fn=log_fn)
+def run_job(spec: dict, *, device: str, log_fn=None, checkpoint=None, should_stop=None) -> dict:
+    """`bench.Job` entry point: spec = {"task", "model", "seed", "recipe"}; resumable (see `run_addition`)."""
+    return run_addition(spec["model"], spec["seed"], AdditionRecipe(**spec["recipe"]), device=device, log_fn=log_fn,
+                        checkpoint=checkpoint, should_stop=should_stop)
 
 
 def bench_addition(models: Sequence[str], seeds: Sequence[int], recipe: AdditionRecipe, out_dir, **run_options) -> dict:
@@ -453,7 +460,8 @@ def plot_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
     ax.set_ylabel("teacher-forced target-digit accuracy (%)")
     ax.set_xlim(1, recipe.eval_max_width)
     ax.set_title("Variable-digit addition")
-    ax.legend(fontsize=7, loc="lower left")
+    if ax.get_legend_handles_labels()[0]:  # no finished run yet: no legend
+        ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -119,12 +119,15 @@ def prepare_stdlib(recipe: AllocationRecipe, directory: Path) -> dict[str, str]:
 
 
 def run_allocation(arrangement: str, point: tuple[int, int, int], seed: int, recipe: AllocationRecipe, *,
-                   device: str = "cpu", log_fn=None, data_dir: str | None = None, val_dir: str | None = None) -> dict:
+                   device: str = "cpu", log_fn=None, data_dir: str | None = None, val_dir: str | None = None,
+                   checkpoint=None, should_stop=None) -> dict:
     """Train one allocation for the recipe's budget; the held-out loss (nats per token) and sizes.
-    Prepared data ("stdlib", "shards") is read from `data_dir` / `val_dir` (default: the recipe's)."""
+    Prepared data ("stdlib", "shards") is read from `data_dir` / `val_dir` (default: the recipe's).
+    `checkpoint` and `should_stop`: resumable training, as in `addition.run_addition` (the loader's position
+    is saved with it)."""
     from hybridlm.eval.corpus import SyntheticLanguage
     from hybridlm.eval.models import build_model, parameter_count
-    from hybridlm.eval.train_task import autocast_for, train_on_task
+    from hybridlm.eval.train_task import autocast_for, generator_state, train_on_task
 
     data_dir, val_dir = data_dir or recipe.data_dir, val_dir or recipe.val_dir
     if recipe.data != "synthetic" and (data_dir is None or val_dir is None):
@@ -136,6 +139,8 @@ def run_allocation(arrangement: str, point: tuple[int, int, int], seed: int, rec
 
         def batch_fn(step: int) -> dict:
             return language.batch(rng, recipe.batch_size, recipe.seq_len)
+
+        batch_state = generator_state(rng)
     else:
         from hybridlm.data.loader import PackedLoader, Source
         from hybridlm.data.shards import load_manifest
@@ -149,9 +154,15 @@ def run_allocation(arrangement: str, point: tuple[int, int, int], seed: int, rec
             return {"input_ids": batch["input_ids"], "labels": _aligned_labels(batch),
                     "position_ids": batch["position_ids"]}
 
+        batch_state = (loader.state_dict, loader.load_state_dict)
+
     config = recipe.config(arrangement, point, vocab_size)
     model = build_model(config, seed=seed)
-    trained = train_on_task(model, batch_fn, device=device, log_fn=log_fn, **recipe.train_options())
+    fingerprint = {"task": "allocation", "arrangement": arrangement, "alphas": list(point), "seed": seed,
+                   "recipe": recipe.to_dict()}
+    trained = train_on_task(model, batch_fn, device=device, log_fn=log_fn, checkpoint=checkpoint,
+                            batch_state=batch_state, fingerprint=fingerprint, should_stop=should_stop,
+                            **recipe.train_options())
     if recipe.data != "synthetic":
         from hybridlm.data.shards import TokenDataset
         from hybridlm.eval.perplexity import evaluate_perplexity
@@ -199,9 +210,11 @@ def _aligned_labels(batch: dict) -> torch.Tensor:
 RUNNER = "hybridlm.eval.allocation:run_job"
 
 
-def run_job(spec: dict, *, device: str, log_fn=None, **data_dirs) -> dict:
+def run_job(spec: dict, *, device: str, log_fn=None, data_dir: str | None = None, val_dir: str | None = None,
+            checkpoint=None, should_stop=None) -> dict:
     return run_allocation(spec["arrangement"], tuple(spec["alphas"]), spec["seed"], AllocationRecipe(**spec["recipe"]),
-                          device=device, log_fn=log_fn, **data_dirs)
+                          device=device, log_fn=log_fn, data_dir=data_dir, val_dir=val_dir, checkpoint=checkpoint,
+                          should_stop=should_stop)
 
 
 def bench_allocation(points: Sequence[tuple[str, tuple[int, int, int]]], seeds: Sequence[int],
@@ -218,7 +231,7 @@ def bench_allocation(points: Sequence[tuple[str, tuple[int, int, int]]], seeds: 
         context = {}
     jobs = [bench.Job(bench.safe_key(a, "".join(map(str, p)), f"seed{s}"), RUNNER,
                       {"task": "allocation", "arrangement": a, "alphas": list(p), "seed": s,
-                       "recipe": recipe.to_dict()}, context)
+                       "recipe": recipe.to_dict()}, context, resumable=True)
             for a, p in points for s in seeds]
     runs = bench.run_jobs(jobs, out_dir, echo=echo, **run_options)
     groups = {(a, p): [runs[j.key] for j in jobs if j.spec["arrangement"] == a and tuple(j.spec["alphas"]) == p

@@ -10,18 +10,30 @@ interrupted benchmark continues where it stopped, and a long one can be split ov
 (`time_budget`: start no new run after that many seconds; the tables are then written from the runs
 that exist, the missing ones listed).
 
-Runs execute in this process when there is one worker (CPU, tests), else in spawned worker processes,
-`per_device` of them on each device (small models leave an H200 mostly idle, so several runs per GPU
-raise throughput). Each worker logs to `out_dir/runs/<key>.log`.
+Resumable jobs (`Job.resumable`: the model-seed benchmarks and the allocation sweep) also continue a run
+that was stopped half way: their runner gets `checkpoint=out_dir/runs/<key>.ckpt` (a path stem, see
+`hybridlm.eval.train_task`) and `should_stop`. SIGTERM or SIGINT (once; a second one more than 2 s
+later raises KeyboardInterrupt at once) and the end of `time_budget` make every running resumable run save its
+checkpoint after its current update and stop (`TrainingInterrupted`); the next call with the same
+`out_dir` resumes it from there. The checkpoint is removed once runs/<key>.json is written.
+
+Runs execute in this process when there is one worker on the CPU (tests), else in spawned worker
+processes, `per_device` of them on each device (small models leave an H200 mostly idle, so several runs
+per GPU raise throughput). Workers run in a process group of their own, so that a signal to the
+command's group (`timeout`, Ctrl-C) reaches only this process, which stops them through an Event (a
+signal to the whole group would also kill torch.compile's compiler subprocesses mid-compilation).
+Each run logs to `out_dir/runs/<key>.log`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import math
 import os
 import shlex
+import signal
 import sys
 import time
 import traceback
@@ -33,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from hybridlm.fileio import write_atomic
+from hybridlm.training.stop import StopRequest
 
 RUNS = "runs"
 
@@ -43,6 +56,7 @@ class Job:
     runner: str  # "module:function" called as function(spec, device=..., log_fn=..., **context) -> result dict
     spec: dict  # everything that determines the result (compared when reusing a stored run)
     context: dict = field(default_factory=dict)  # where things are (paths): passed on, never compared
+    resumable: bool = False  # the runner also takes checkpoint= and should_stop= (see the module docstring)
 
 
 def safe_key(*parts: object) -> str:
@@ -70,6 +84,11 @@ def _run_path(out_dir: Path, key: str) -> Path:
     return out_dir / RUNS / f"{key}.json"
 
 
+def checkpoint_path(out_dir: str | Path, key: str) -> Path:
+    """The checkpoint stem of a resumable run: files <stem>.json and <stem>.stepNNNNNNNN.safetensors."""
+    return Path(out_dir) / RUNS / f"{key}.ckpt"
+
+
 def load_run(out_dir: Path, job: Job) -> dict | None:
     """The stored result of `job` when its spec matches, else None."""
     path = _run_path(out_dir, job.key)
@@ -82,10 +101,15 @@ def load_run(out_dir: Path, job: Job) -> dict | None:
     return stored["result"] if stored.get("spec") == job.spec else None
 
 
-def _call(job: Job, device: str, out_dir: Path) -> dict:
+def _call(job: Job, device: str, out_dir: Path, should_stop: Callable[[], bool] | None = None) -> dict:
+    """Run `job`, write runs/<key>.json, remove its checkpoint. A resumable job stopped by `should_stop`
+    raises `TrainingInterrupted` (its checkpoint saved)."""
     module, function = job.runner.split(":")
     fn: Callable = getattr(importlib.import_module(module), function)
     log_path = out_dir / RUNS / f"{job.key}.log"
+    extra = {}
+    if job.resumable:
+        extra = {"checkpoint": str(checkpoint_path(out_dir, job.key)), "should_stop": should_stop}
     with open(log_path, "a", encoding="utf-8") as log:
         def log_fn(line: str) -> None:
             log.write(f"{time.strftime('%H:%M:%S')} {line}\n")
@@ -94,36 +118,74 @@ def _call(job: Job, device: str, out_dir: Path) -> dict:
         log_fn(f"start {job.key} on {device}")
         start = time.perf_counter()
         try:
-            result = fn(job.spec, device=device, log_fn=log_fn, **job.context)
-        except Exception:
-            log_fn("failed:\n" + traceback.format_exc())
+            result = fn(job.spec, device=device, log_fn=log_fn, **job.context, **extra)
+        except Exception as err:
+            if _is_interrupted(err):
+                log_fn(f"{err}; run the same command again to continue")
+            else:
+                log_fn("failed:\n" + traceback.format_exc())
             raise
         result["seconds"] = time.perf_counter() - start
         result["device"] = device
         log_fn(f"done in {result['seconds']:.1f}s")
     write_atomic(_run_path(out_dir, job.key), json.dumps({"spec": job.spec, "result": result}, indent=1).encode())
+    if job.resumable:
+        _remove_checkpoint(out_dir, job.key)
     return result
 
 
+def _is_interrupted(err: BaseException) -> bool:
+    from hybridlm.eval.train_task import TrainingInterrupted
+
+    return isinstance(err, TrainingInterrupted)
+
+
+def _remove_checkpoint(out_dir: Path, key: str) -> None:
+    from hybridlm.eval.train_task import remove_checkpoint
+
+    remove_checkpoint(checkpoint_path(out_dir, key))
+
+
 _worker_device: str | None = None
+_worker_stop = StopRequest()
+_worker_event = None  # the parent's multiprocessing Event: set on a signal or at the time budget
+_worker_parent: int | None = None
 
 
-def _init_worker(queue, threads: int) -> None:
+def _init_worker(queue, threads: int, stop_event=None) -> None:
     import torch
 
-    global _worker_device
+    global _worker_device, _worker_event, _worker_parent
+    # A process group of its own: `timeout` and Ctrl-C signal the whole foreground group, which would
+    # also kill torch.compile's compiler subprocesses and leave a compiling run waiting for them forever
+    # (seen on an H200). The parent alone gets the signal and relays it through `stop_event`.
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpgrp()
+    _worker_parent = os.getppid()
     _worker_device = queue.get()
+    _worker_event = stop_event
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a signal sent to this process itself: stop the same way
+        signal.signal(sig, _worker_stop._on_signal)
     torch.set_num_threads(threads)  # the workers share the cores: no oversubscription
     if _worker_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(_worker_device))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _worker_call(job: Job, out_dir: str) -> tuple[str, dict | None, str]:
+def _worker_should_stop() -> bool:
+    """A signal, the parent's stop (signal or time budget), or the parent is gone (killed)."""
+    return (bool(_worker_stop) or (_worker_event is not None and _worker_event.is_set())
+            or os.getppid() != _worker_parent)
+
+
+def _worker_call(job: Job, out_dir: str) -> tuple[str, dict | None, str, bool]:
+    """(key, result or None, error text, interrupted)."""
     try:
-        return job.key, _call(job, _worker_device, Path(out_dir)), ""
-    except Exception:  # noqa: BLE001  (reported by the parent; the other runs go on)
-        return job.key, None, traceback.format_exc()
+        return job.key, _call(job, _worker_device, Path(out_dir), _worker_should_stop), "", False
+    except Exception as err:  # noqa: BLE001  (reported by the parent; the other runs go on)
+        if _is_interrupted(err):
+            return job.key, None, str(err), True
+        return job.key, None, traceback.format_exc(), False
 
 
 def run_jobs(
@@ -135,7 +197,10 @@ def run_jobs(
     time_budget: float | None = None,
     echo: Callable[[str], None] = print,
 ) -> dict[str, dict]:
-    """Run (or reuse) every job; returns key -> result for the runs that exist at the end."""
+    """Run (or reuse) every job; returns key -> result for the runs that exist at the end.
+
+    SIGTERM / SIGINT (handled while this runs) and the end of `time_budget` start no further run and stop
+    the resumable runs in progress at their next update, saving their checkpoints."""
     out_dir = Path(out_dir)
     (out_dir / RUNS).mkdir(parents=True, exist_ok=True)
     if len({j.key for j in jobs}) != len(jobs):
@@ -146,60 +211,86 @@ def run_jobs(
         stored = load_run(out_dir, job)
         if stored is not None:
             results[job.key] = stored
+            if job.resumable:  # a run killed between writing its result and removing its checkpoint
+                _remove_checkpoint(out_dir, job.key)
         else:
             todo.append(job)
     if results:
         echo(f"reusing {len(results)} finished run(s) from {out_dir / RUNS}")
     start = time.monotonic()
+    stop = StopRequest()
 
     def over_budget() -> bool:
         return time_budget is not None and time.monotonic() - start > time_budget
 
-    workers = len(devices) * per_device
-    failures = []
-    if workers <= 1 or len(todo) <= 1:
-        for job in todo:
-            if over_budget():
-                break
-            echo(f"run {job.key} on {devices[0]}")
-            try:
-                results[job.key] = _call(job, devices[0], out_dir)
-            except Exception:  # noqa: BLE001  (e.g. a diverged run: report it, go on with the others)
-                failures.append(job.key)
-                echo(f"  FAILED {job.key}:\n{traceback.format_exc()}")
-                continue
-            echo(f"  done {job.key} in {results[job.key]['seconds']:.1f}s")
-    else:
-        import multiprocessing as mp
+    def should_stop() -> bool:
+        if over_budget():
+            stop.request("time budget reached")
+        return bool(stop)
 
-        context = mp.get_context("spawn")
-        queue = context.Queue()
-        for device in devices:
-            for _ in range(per_device):
-                queue.put(device)
-        pending = list(reversed(todo))
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
-                                 initargs=(queue, max(1, (os.cpu_count() or 1) // workers))) as pool:
-            running = set()
-            while pending or running:
-                while pending and len(running) < workers and not over_budget():
-                    job = pending.pop()
-                    running.add(pool.submit(_worker_call, job, str(out_dir)))
-                    echo(f"run {job.key}")
-                if not running:
+    workers = len(devices) * per_device
+    failures: list[str] = []
+    stopped: list[str] = []
+
+    def report(key: str, result: dict | None, error: str, interrupted: bool, where: str) -> None:
+        if interrupted:
+            stopped.append(key)
+            stop.request(f"run {key} was stopped")  # e.g. its worker got the signal: start nothing more
+            echo(f"  stopped {key}: {error}")
+        elif result is None:
+            failures.append(key)
+            echo(f"  FAILED {key}:\n{error}")
+        else:
+            results[key] = result
+            echo(f"  done {key} in {result['seconds']:.1f}s{where}")
+
+    with stop.handle_signals():
+        # in this process only on the CPU: GPU runs go to worker processes (see `_init_worker`)
+        if (workers <= 1 or len(todo) <= 1) and all(d == "cpu" for d in devices):
+            for job in todo:
+                if should_stop():
                     break
-                done, running = wait(running, return_when=FIRST_COMPLETED)
-                for future in done:
-                    key, result, error = future.result()
-                    if result is None:
-                        failures.append(key)
-                        echo(f"  FAILED {key}:\n{error}")
-                    else:
-                        results[key] = result
-                        echo(f"  done {key} in {result['seconds']:.1f}s on {result['device']}")
-    skipped = [j.key for j in todo if j.key not in results and j.key not in failures]
+                echo(f"run {job.key} on {devices[0]}")
+                try:
+                    result = _call(job, devices[0], out_dir, should_stop)
+                except Exception as err:  # noqa: BLE001  (e.g. a diverged run: report it, go on with the others)
+                    interrupted = _is_interrupted(err)
+                    report(job.key, None, str(err) if interrupted else traceback.format_exc(), interrupted, "")
+                    continue
+                report(job.key, result, "", False, "")
+        elif todo:
+            import multiprocessing as mp
+
+            context = mp.get_context("spawn")
+            queue = context.Queue()
+            stop_event = context.Event()
+            for device in devices:
+                for _ in range(per_device):
+                    queue.put(device)
+            pending = list(reversed(todo))
+            with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
+                                     initargs=(queue, max(1, (os.cpu_count() or 1) // workers), stop_event)) as pool:
+                running = set()
+                while pending or running:
+                    while pending and len(running) < workers and not should_stop():
+                        job = pending.pop()
+                        running.add(pool.submit(_worker_call, job, str(out_dir)))
+                        echo(f"run {job.key}")
+                    if not running:
+                        break
+                    done, running = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
+                    if should_stop() and not stop_event.is_set():
+                        stop_event.set()  # the workers' runs save and return at their next update
+                        echo(f"stopping: {stop.reason}")
+                    for future in done:
+                        key, result, error, interrupted = future.result()
+                        report(key, result, error, interrupted, f" on {result['device']}" if result else "")
+    skipped = [j.key for j in todo if j.key not in results and j.key not in failures and j.key not in stopped]
+    if stopped:
+        echo(f"{len(stopped)} run(s) stopped with a checkpoint ({', '.join(stopped)}); "
+             "run the same command again to continue them")
     if skipped:
-        echo(f"time budget reached: {len(skipped)} run(s) not started ({', '.join(skipped)}); "
+        echo(f"{stop.reason or 'stopped'}: {len(skipped)} run(s) not started ({', '.join(skipped)}); "
              "run the same command again to continue")
     if failures:
         echo(f"{len(failures)} run(s) failed: {', '.join(failures)}")
@@ -220,7 +311,8 @@ def bench_model_seeds(
 ) -> dict:
     """One job per (model, seed) with spec {"task", "model", "seed", "recipe"}; `run_jobs` them, then
     `report(model -> its finished runs in seed order, out_dir, keys of the missing runs)`."""
-    jobs = [Job(safe_key(m, f"seed{s}"), runner, {"task": task, "model": m, "seed": s, "recipe": recipe})
+    jobs = [Job(safe_key(m, f"seed{s}"), runner, {"task": task, "model": m, "seed": s, "recipe": recipe},
+                resumable=True)
             for m in models for s in seeds]
     runs = run_jobs(jobs, out_dir, echo=echo, **kwargs)
     by_model = {m: [runs[j.key] for j in jobs if j.spec["model"] == m and j.key in runs] for m in models}

@@ -6,9 +6,11 @@
     hybridlm eval ppl --model runs/my-model --data data/val --tokenizer tok/
     hybridlm eval export-hf --model runs/my-model --tokenizer tok/      # then lm_eval --model hf ...
 
-Bench commands are resumable (finished runs in OUT/runs/ are reused when their settings match) and
-take `--device cuda` (every GPU), `--per-device K` (runs side by side on each device) and
-`--time-budget SECONDS` (start no run after that; run the same command again to continue).
+Bench commands are resumable (finished runs in OUT/runs/ are reused when their settings match; a run
+stopped half way by SIGTERM, SIGINT or the time budget saved a checkpoint in OUT/runs/ and continues
+from it) and take `--device cuda` (every GPU), `--per-device K` (runs side by side on each device) and
+`--time-budget SECONDS` (stop there, checkpointing the runs in progress; run the same command again to
+continue).
 Exit status: 0 done, 1 a bad input (message on stderr), 2 a usage error. See hybridlm/eval/README.md.
 """
 
@@ -116,7 +118,8 @@ def _add_run_options(p: argparse.ArgumentParser, *, default_seeds: int) -> None:
                    help="cpu, cuda (every GPU), or a list cuda:0,cuda:1 (default: cuda when available)")
     p.add_argument("--per-device", type=int, default=1, metavar="K", help="runs side by side per device (default 1)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                   help="start no new run after this many seconds; the report covers the runs done so far")
+                   help="after this many seconds start no new run and stop the running ones, saving their "
+                        "checkpoints; the report covers the runs done so far, the same command continues")
     p.add_argument("--compile", action="store_const", const=True, default=None,
                    help="train through torch.compile (inductor + CUDA graphs on GPUs; part of the recipe)")
 

@@ -199,10 +199,12 @@ class RecallRecipe(TrainRecipe):
         return RecallTasks(mqar_pairs=self.mqar_pairs, needles=self.needles)
 
 
-def run_recall(model_name: str, seed: int, recipe: RecallRecipe, *, device: str = "cpu", log_fn=None) -> dict:
-    """Train `model_name` on the recall tasks from `seed`; evaluate every task at every length."""
+def run_recall(model_name: str, seed: int, recipe: RecallRecipe, *, device: str = "cpu", log_fn=None,
+               checkpoint=None, should_stop=None) -> dict:
+    """Train `model_name` on the recall tasks from `seed`; evaluate every task at every length. `checkpoint`
+    and `should_stop`: resumable training, as in `addition.run_addition`."""
     from hybridlm.eval.models import build_model, parameter_count, task_config
-    from hybridlm.eval.train_task import train_on_task
+    from hybridlm.eval.train_task import generator_state, train_on_task
 
     for task in recipe.tasks:
         if task not in TASKS:
@@ -224,7 +226,9 @@ def run_recall(model_name: str, seed: int, recipe: RecallRecipe, *, device: str 
         return float(np.mean([r["token_acc"] for r in rows])), float(np.mean([r["loss"] for r in rows]))
 
     trained = train_on_task(model, batch_fn, device=device, eval_fn=val_fn, eval_every=recipe.eval_every,
-                            log_fn=log_fn, **recipe.train_options())
+                            log_fn=log_fn, checkpoint=checkpoint, batch_state=generator_state(rng),
+                            fingerprint={"task": "recall", "model": model_name, "seed": seed, "recipe": recipe.to_dict()},
+                            should_stop=should_stop, **recipe.train_options())
     res = evaluate(model, tasks, recipe.tasks, recipe.eval_lens, count=recipe.eval_count, device=device,
                    tokens_per_batch=recipe.eval_tokens_per_batch)
     return {
@@ -242,9 +246,9 @@ def run_recall(model_name: str, seed: int, recipe: RecallRecipe, *, device: str 
 RUNNER = "hybridlm.eval.recall:run_job"
 
 
-def run_job(spec: dict, *, device: str, log_fn=None) -> dict:
+def run_job(spec: dict, *, device: str, log_fn=None, checkpoint=None, should_stop=None) -> dict:
     return run_recall(spec["model"], spec["seed"], RecallRecipe.from_dict(spec["recipe"]), device=device,
-                      log_fn=log_fn)
+                      log_fn=log_fn, checkpoint=checkpoint, should_stop=should_stop)
 
 
 def bench_recall(models: Sequence[str], seeds: Sequence[int], recipe: RecallRecipe, out_dir, **run_options) -> dict:

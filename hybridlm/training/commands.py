@@ -118,7 +118,7 @@ def run_train(args: argparse.Namespace) -> int:
     if result.status == "interrupted":
         import signal
 
-        reason = trainer._stop_reason or ""
+        reason = trainer.stop_reason or ""
         return 128 + int(getattr(signal, reason)) if reason in ("SIGINT", "SIGTERM") else 1
     return 0
 

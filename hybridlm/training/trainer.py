@@ -48,19 +48,18 @@ WSD decay has finished warms the lr back up. The loader state is moved to the cu
 saved under 2 ranks resumes under 1 with the same stream of tokens (keep the global batch the same for exactness).
 
 Stopping: SIGINT or SIGTERM (or `request_stop()` from a callback) finishes the current update, saves
-a checkpoint and returns status "interrupted"; a second signal raises KeyboardInterrupt at once.
+a checkpoint and returns status "interrupted"; a second signal more than 2 s later raises KeyboardInterrupt at once
+(`hybridlm.training.stop.StopRequest`: `timeout` signals the command and then its process group, a double
+signal that counts as one).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
 import shutil
-import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -96,6 +95,7 @@ from hybridlm.training.optim import (
     build_param_groups,
 )
 from hybridlm.training.schedules import schedule_factors
+from hybridlm.training.stop import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +182,8 @@ class Trainer:
         self.ctx = D.init_distributed(config, device=config.train.device)
         self.out_dir = Path(config.train.out_dir)
         self.checkpoint_dir = self.out_dir / CHECKPOINT_DIR
-        self._stop_reason: str | None = None
-        self._signal_count = 0
+        self._stop = StopRequest(on_signal=lambda name: self._print(
+            f"{name}: finishing this update, then saving a checkpoint (send it again to abort at once)"))
         self.history: list[dict] = []  # every update's record (this session), for tests and tools
         self._prepare_out_dir(resume)
         self._seed(config.train.seed)
@@ -396,30 +396,15 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ stopping
     def request_stop(self, reason: str = "stop requested") -> None:
         """Stop before the next update: save a checkpoint and return status "interrupted"."""
-        self._stop_reason = self._stop_reason or reason
+        self._stop.request(reason)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self._signal_count += 1
-        if self._signal_count > 1:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
-        name = signal.Signals(signum).name
-        self.request_stop(name)
-        self._print(f"{name}: finishing this update, then saving a checkpoint (send it again to abort at once)")
-
-    @contextlib.contextmanager
-    def _signal_handlers(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    @property
+    def stop_reason(self) -> str | None:
+        """Why training stopped early (a signal's name or `request_stop`'s reason), None otherwise."""
+        return self._stop.reason
 
     def _agree_stop(self) -> bool:
-        flag = torch.tensor([1.0 if self._stop_reason else 0.0])
+        flag = torch.tensor([1.0 if self._stop.reason else 0.0])
         return bool(D.all_reduce_sum(flag, self.ctx).item() > 0)
 
     # ------------------------------------------------------------------------------------------ the update
@@ -595,7 +580,7 @@ class Trainer:
         status, last_loss, eval_loss = "completed", None, None
         began = time.perf_counter()
         try:
-            with self._signal_handlers():
+            with self._stop.handle_signals():
                 while self.step < self.total_steps:
                     if self._agree_stop():
                         status = "interrupted"
@@ -627,7 +612,7 @@ class Trainer:
         else:
             checkpoint = latest_checkpoint(self.checkpoint_dir)
         if status == "interrupted":
-            self._print(f"stopped ({self._stop_reason}) at update {self.step}; checkpoint {checkpoint}; continue "
+            self._print(f"stopped ({self._stop.reason}) at update {self.step}; checkpoint {checkpoint}; continue "
                         f"with `hybridlm train --resume --out {self.out_dir}`")
             samples: list[str] = []
         else:

@@ -240,6 +240,8 @@ CONTRACT_CASES = [  # rule, window, pairing, read, step_size, packed, with an in
     ("1A", 1, "shifted", "after", "nlms", False, True), ("1A", 1, "shifted", "before", "direct", True, True),
     ("1A", 1, "same_step", "after", "nlms", True, True), ("3A", 3, "shifted", "after", "nlms", True, True),
     ("3A", 3, "shifted", "before", "nlms", False, True), ("3A", 2, "same_step", "after", "direct", False, True),
+    ("3A", 5, "shifted", "before", "nlms", True, True), ("3A", 4, "same_step", "before", "direct", False, False),
+    ("3A", 3, "shifted", "after", "nlms", True, False), ("3A", 9, "shifted", "after", "nlms", True, True),
     ("1", 1, "shifted", "after", "nlms", False, True), ("1", 1, "shifted", "before", "direct", True, True),
     ("1", 1, "same_step", "after", "nlms", True, True), ("1", 1, "shifted", "before", "nlms", True, False),
     ("1", 1, "same_step", "after", "nlms", False, False),
@@ -251,8 +253,8 @@ CONTRACT_CASES = [  # rule, window, pairing, read, step_size, packed, with an in
                          ids=["-".join(map(str, case[:5])) + ("-packed" if case[5] else "") + ("" if case[6] else "-fresh")
                               for case in CONTRACT_CASES])
 def test_front_door_matches_chunk(rule, window, pairing, read, step_size, packed, stateful):
-    """`fast_weight_attention(backend="triton")` (raw q, k, v, beta, lam -> prepared writes -> kernels; 3A over its
-    write events) against the torch chunk backend, with or without a carried state (S, last key, window tail), ridge
+    """`fast_weight_attention(backend="triton")` (raw q, k, v, beta, lam -> prepared writes -> kernels; 3A as delayed
+    writes plus the band; windows up to 9, longer than some packed documents) against the torch chunk backend, with or without a carried state (S, last key, window tail), ridge
     scaling and packed sequences (`cu_seqlens`): outputs, the whole final state and all gradients (q, k, v, beta, lam
     and the initial S)."""
     B, T, H, K, V = (1, 70, 2, 16, 24) if packed else (2, 70, 2, 16, 24)

@@ -1,0 +1,322 @@
+"""Resumable synthetic-task training: `train_on_task(checkpoint=...)` continues bit for bit, refuses corrupt or
+foreign checkpoints, and `hybridlm bench addition` stopped by SIGTERM or its time budget finishes when re-run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hybridlm.eval import addition as A
+from hybridlm.eval import bench
+from hybridlm.eval.models import build_model, task_config
+from hybridlm.eval.train_task import (
+    TrainingInterrupted,
+    checkpoint_files,
+    generator_state,
+    remove_checkpoint,
+    train_on_task,
+)
+from hybridlm.training.checkpoint import CheckpointError
+from hybridlm.training.stop import StopRequest
+
+STEPS = 8
+
+
+def _model(name: str = "hybrid-fw-1A"):
+    # attention dropout on: training draws from torch's generator too, so its state must be restored as well
+    config = dataclasses.replace(task_config(name, vocab_size=A.MODEL_VOCAB_SIZE, size="tiny"), attention_dropout=0.1)
+    return build_model(config, seed=0)
+
+
+def _train(checkpoint=None, stop_at=(), *, model_name: str = "hybrid-fw-1A", lr: float = 3e-3,
+           fingerprint=None):
+    """A tiny addition run: batches from a numpy Generator, validation every 2 steps, a loss line every 2."""
+    model = _model(model_name)
+    rng = np.random.default_rng([0, 7])
+    val = A.eval_sets(range(1, 4), 2, seed=5)
+
+    def batch_fn(step: int) -> dict:
+        return A.train_batch(rng, 4, max_width=3)
+
+    def eval_fn(m) -> tuple[float, float]:
+        per_width = A.evaluate(m, val, device="cpu")
+        return (float(np.mean([r["token_acc"] for r in per_width.values()])),
+                float(np.mean([r["loss"] for r in per_width.values()])))
+
+    def should_stop() -> bool:
+        return steps_done[0] in stop_at
+
+    steps_done = [0]
+
+    def counted_batch_fn(step: int) -> dict:
+        steps_done[0] = step + 1
+        return batch_fn(step)
+
+    result = train_on_task(model, counted_batch_fn, steps=STEPS, lr=lr, warmup=2, eval_fn=eval_fn, eval_every=2,
+                           log_every=2, checkpoint=checkpoint, batch_state=generator_state(rng),
+                           fingerprint=fingerprint or {"task": "test", "seed": 0}, should_stop=should_stop)
+    return model, result
+
+
+def _same_result(a, b) -> None:
+    assert a.losses == b.losses and a.evals == b.evals
+    assert (a.best_step, a.best_score, a.best_loss) == (b.best_step, b.best_score, b.best_loss)
+
+
+def test_interrupted_and_resumed_training_equals_an_uninterrupted_run(tmp_path):
+    straight_model, straight = _train()
+    stem = tmp_path / "run.ckpt"
+    # stop after 3 updates (mid log interval: a partial loss sum is carried), resume, stop again after 5, resume
+    for stop_at in (3, 5):
+        with pytest.raises(TrainingInterrupted) as stopped:
+            _train(stem, stop_at=(stop_at,))
+        assert stopped.value.step == stop_at and (tmp_path / "run.ckpt.json").is_file()
+        assert [p.name for p in checkpoint_files(stem)] == ["run.ckpt.json", f"run.ckpt.step{stop_at:08d}.safetensors"]
+    resumed_model, resumed = _train(stem)
+    _same_result(resumed, straight)
+    assert [e["step"] for e in resumed.evals] == [2, 4, 6, 8] and [s for s, _ in resumed.losses] == [2, 4, 6, 8]
+    straight_state, resumed_state = straight_model.state_dict(), resumed_model.state_dict()
+    assert straight_state.keys() == resumed_state.keys()
+    for key, value in straight_state.items():  # the best evaluation's weights, restored at the end: exactly equal
+        assert torch.equal(value, resumed_state[key]), key
+    # the finished state stays until the result is recorded; a second call returns it without training
+    assert json.loads((tmp_path / "run.ckpt.json").read_text())["step"] == STEPS
+    _, again = _train(stem, stop_at=tuple(range(STEPS + 1)))
+    _same_result(again, straight)
+    assert remove_checkpoint(stem) and checkpoint_files(stem) == []
+
+
+def _interrupted(stem) -> dict:
+    with pytest.raises(TrainingInterrupted):
+        _train(stem, stop_at=(2,))
+    return {p.name: p.read_bytes() for p in checkpoint_files(stem)}
+
+
+def _unchanged(stem, before: dict) -> bool:
+    return {p.name: p.read_bytes() for p in checkpoint_files(stem)} == before
+
+
+def test_corrupt_or_foreign_checkpoints_raise_and_are_kept(tmp_path):
+    stem = tmp_path / "run.ckpt"
+    before = _interrupted(stem)
+    tensors = tmp_path / "run.ckpt.step00000002.safetensors"
+    meta = tmp_path / "run.ckpt.json"
+
+    tensors.write_bytes(before[tensors.name][:-100])  # truncated
+    with pytest.raises(CheckpointError, match=r"run\.ckpt\.step00000002\.safetensors has .* bytes.*truncated.*delete"):
+        _train(stem)
+    tensors.write_bytes(before[tensors.name][:-1] + bytes([before[tensors.name][-1] ^ 1]))  # one bit flipped
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        _train(stem)
+    tensors.write_bytes(before[tensors.name])
+    meta.write_text(before[meta.name].decode()[:200])  # a cut JSON
+    with pytest.raises(CheckpointError, match=r"run\.ckpt\.json is not a readable checkpoint.*start this run over"):
+        _train(stem)
+    meta.write_bytes(before[meta.name])
+    assert _unchanged(stem, before)  # nothing was overwritten by the failed attempts
+
+    with pytest.raises(CheckpointError, match=r"saved by a different run \(lr: saved 0\.003, now 0\.001"):
+        _train(stem, lr=1e-3)
+    with pytest.raises(CheckpointError, match=r"fingerprint\.seed: saved 0, now 1"):
+        _train(stem, fingerprint={"task": "test", "seed": 1})
+    with pytest.raises(CheckpointError, match="does not fit the model"):
+        _train(stem, model_name="hybrid-mamba2")
+    assert _unchanged(stem, before)
+    _, result = _train(stem)  # the intact checkpoint still resumes
+    assert result.evals[-1]["step"] == STEPS
+
+
+# --- the command line ------------------------------------------------------------------------------
+
+ARGS = ["bench", "addition", "--models", "transformer", "--seeds", "2", "--size", "tiny", "--steps", "6",
+        "--batch-size", "4", "--eval-per-width", "2", "--val-per-width", "1", "--eval-every", "2",
+        "--train-max-width", "4", "--eval-max-width", "6", "--device", "cpu"]
+
+
+def _runs(out) -> dict:
+    """runs/<key>.json without what depends on the clock or the machine."""
+    runs = {}
+    for path in sorted((out / "runs").glob("*.json")):
+        result = json.loads(path.read_text())["result"]
+        for key in ("seconds", "device"):
+            result.pop(key)
+        result["train"].pop("seconds")
+        runs[path.name] = result
+    return runs
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    from hybridlm.cli import main
+
+    out = tmp_path_factory.mktemp("straight")
+    assert main([*ARGS, "--out", str(out)]) == 0
+    assert [p.name for p in (out / "runs").glob("*.ckpt*")] == []  # finished runs leave no checkpoint
+    return _runs(out)
+
+
+def _count_batches(monkeypatch, at: int, action) -> None:
+    real = A.train_batch
+    calls = [0]
+
+    def train_batch(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == at:
+            action()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(A, "train_batch", train_batch)
+
+
+def test_bench_stopped_by_sigterm_finishes_when_run_again(tmp_path, monkeypatch, capsys, uninterrupted):
+    from hybridlm.cli import main
+
+    out = tmp_path / "addition"
+    handler = signal.getsignal(signal.SIGTERM)
+
+    def timeout() -> None:  # `timeout` signals the command, then its process group: the command gets it twice
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    with monkeypatch.context() as patch:  # during the 4th update of the first run
+        _count_batches(patch, 4, timeout)
+        assert main([*ARGS, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "stopped transformer_seed0: stopped after 4/6 updates" in text and "1 run(s) not started" in text
+    assert signal.getsignal(signal.SIGTERM) is handler  # the bench's handler is gone with the run
+    runs = out / "runs"
+    assert not (runs / "transformer_seed0.json").exists()
+    assert sorted(p.name for p in runs.glob("*.ckpt*")) == ["transformer_seed0.ckpt.json",
+                                                            "transformer_seed0.ckpt.step00000004.safetensors"]
+    assert "Missing runs (not finished yet): transformer_seed0, transformer_seed1" in (out / "results.md").read_text()
+
+    assert main([*ARGS, "--out", str(out)]) == 0
+    assert "resumed from" in (runs / "transformer_seed0.log").read_text()
+    assert _runs(out) == uninterrupted
+    assert list(runs.glob("*.ckpt*")) == []
+
+
+def test_a_second_signal_later_aborts_at_once():
+    stop = StopRequest()
+    stop._on_signal(signal.SIGTERM, None)
+    stop._on_signal(signal.SIGTERM, None)  # the same signal delivered twice (by `timeout`): one request
+    assert stop.reason == "SIGTERM"
+    stop._first_signal -= 10.0
+    with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
+        stop._on_signal(signal.SIGINT, None)
+
+
+def test_bench_stopped_by_its_time_budget_finishes_when_run_again(tmp_path, monkeypatch, capsys, uninterrupted):
+    from hybridlm.cli import main
+
+    out = tmp_path / "addition"
+    clock = [0.0]  # a fake clock for the budget: every training batch takes 100 s
+    with monkeypatch.context() as patch:
+        patch.setattr(bench, "time", types.SimpleNamespace(monotonic=lambda: clock[0], perf_counter=time.perf_counter,
+                                                           strftime=time.strftime))
+
+        def tick() -> None:
+            clock[0] += 100.0
+
+        real = A.train_batch
+        patch.setattr(A, "train_batch", lambda *a, **k: (tick(), real(*a, **k))[1])
+        assert main([*ARGS, "--time-budget", "250", "--out", str(out)]) == 0
+    assert "stopped after 3/6 updates" in capsys.readouterr().out
+    assert (out / "runs" / "transformer_seed0.ckpt.json").is_file()
+    assert main([*ARGS, "--out", str(out)]) == 0
+    assert _runs(out) == uninterrupted
+    assert list((out / "runs").glob("*.ckpt*")) == []
+
+
+def _waiting_runner(spec: dict, *, device: str, log_fn, checkpoint, should_stop) -> dict:
+    """A resumable toy run: works until told to stop (a worker process gets the parent's stop through an Event)."""
+    while not should_stop():
+        time.sleep(0.01)
+    raise TrainingInterrupted(1, 2, None)
+
+
+def test_time_budget_stops_runs_in_worker_processes(tmp_path):
+    lines = []
+    jobs = [bench.Job(k, "tests.eval.test_resume:_waiting_runner", {"x": k}, resumable=True) for k in "ab"]
+    started = time.monotonic()
+    results = bench.run_jobs(jobs, tmp_path, devices=["cpu", "cpu"], time_budget=0.5, echo=lines.append)
+    assert results == {} and time.monotonic() - started < 60
+    assert "2 run(s) stopped with a checkpoint" in "\n".join(lines)
+
+
+@pytest.mark.parametrize("data", ["synthetic", "shards"])
+def test_allocation_runs_resume_exactly(tmp_path, shards_dir, data):
+    """The sweep resumes too: a Generator's state (synthetic language) or the packed loader's position (shards)."""
+    from hybridlm.eval.allocation import AllocationRecipe, run_allocation
+
+    fields = {"data_dir": str(shards_dir), "val_dir": str(shards_dir), "val_max_tokens": 200} if data == "shards" else {}
+    recipe = AllocationRecipe(hidden_size=64, layers=1, steps=6, warmup=1, batch_size=2, seq_len=32, data=data,
+                              val_docs=4, **fields)
+    straight = run_allocation("SA_M", (2, 1, 5), 0, recipe)
+    calls = [0]
+
+    def should_stop() -> bool:
+        calls[0] += 1
+        return calls[0] == 3
+
+    stem = tmp_path / "alloc.ckpt"
+    with pytest.raises(TrainingInterrupted):
+        run_allocation("SA_M", (2, 1, 5), 0, recipe, checkpoint=stem, should_stop=should_stop)
+    resumed = run_allocation("SA_M", (2, 1, 5), 0, recipe, checkpoint=stem)
+    for result in (straight, resumed):
+        result["train"].pop("seconds")
+    assert resumed == straight
+
+
+def _runner_with_a_child(spec: dict, *, device: str, log_fn, checkpoint, should_stop) -> dict:
+    """A resumable toy run with a subprocess of its own (as torch.compile's compiler workers are)."""
+    out = Path(spec["out"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (out / f"started_{spec['x']}").write_text(str(child.pid))
+        while not should_stop():
+            time.sleep(0.01)
+        (out / f"child_{spec['x']}").write_text("alive" if child.poll() is None else "killed")
+    finally:
+        child.kill()
+        child.wait()
+    raise TrainingInterrupted(1, 2, None)
+
+
+def test_timeout_stops_worker_runs_through_the_parent_and_spares_their_subprocesses(tmp_path):
+    """`timeout` signals the command and then its whole process group. The workers have groups of their
+    own, so only the parent is hit; it stops them through its Event, and their subprocesses live on."""
+    code = (
+        "from hybridlm.eval import bench\n"
+        f"jobs = [bench.Job(k, 'tests.eval.test_resume:_runner_with_a_child', {{'x': k, 'out': {str(tmp_path)!r}}}, "
+        "resumable=True) for k in 'ab']\n"
+        f"bench.run_jobs(jobs, {str(tmp_path / 'bench')!r}, devices=['cpu', 'cpu'])\n"
+        "print('run_jobs returned')\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=root, start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"started_{k}").exists() for k in "ab"):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)  # what `timeout` does: the command, then its process group
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "2 run(s) stopped with a checkpoint" in out and "run_jobs returned" in out, out
+    assert [(tmp_path / f"child_{k}").read_text() for k in "ab"] == ["alive", "alive"]
