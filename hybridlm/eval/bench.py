@@ -310,10 +310,11 @@ def bench_model_seeds(
     **kwargs,
 ) -> dict:
     """One job per (model, seed) with spec {"task", "model", "seed", "recipe"}; `run_jobs` them, then
-    `report(model -> its finished runs in seed order, out_dir, keys of the missing runs)`."""
+    `report(model -> its finished runs in seed order, out_dir, keys of the missing runs)`. Jobs start seed by
+    seed (every model's seed 0 first), so a run cut short by its time budget has one seed of every model to show."""
     jobs = [Job(safe_key(m, f"seed{s}"), runner, {"task": task, "model": m, "seed": s, "recipe": recipe},
                 resumable=True)
-            for m in models for s in seeds]
+            for s in seeds for m in models]
     runs = run_jobs(jobs, out_dir, echo=echo, **kwargs)
     by_model = {m: [runs[j.key] for j in jobs if j.spec["model"] == m and j.key in runs] for m in models}
     result = report(by_model, Path(out_dir), [j.key for j in jobs if j.key not in runs])
