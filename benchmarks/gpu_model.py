@@ -4,6 +4,7 @@
     python benchmarks/gpu_model.py --lengths 4096 --contexts 1024 8192 32768 --json out.json
     python benchmarks/gpu_model.py --cpu --preset tiny --lengths 256 --contexts 128 512   # smoke run
     python benchmarks/gpu_model.py --lengths --contexts 4096 --profile-decode               # where a step's time goes
+    python benchmarks/gpu_model.py --compile --contexts 4096                                 # training through inductor
 
 Variants of one shape (`configs/hybrid-125m.yaml`'s model: d 768, 12 blocks, 12 query / 4 KV heads, SSM 1024
 channels = 16 heads x 64; or `--preset`), each measured in this one process:
@@ -14,7 +15,9 @@ channels = 16 heads x 64; or `--preset`), each measured in this one process:
     hybrid fw-3A       attention and Falcon-3A, window 3
     fw-1A              Falcon-1A alone (no attention)
 1. Training: a full update (forward, backward, AdamW; bf16 autocast, fp32 master weights) on 1 row of T tokens:
-   tokens/s and peak memory, and the ratio to the transformer's tokens/s at the same T.
+   tokens/s and peak memory, and the ratio to the transformer's tokens/s at the same T. `--compile` runs the
+   training forward through `torch.compile` (inductor, default mode: one long row leaves little launch overhead
+   to remove; the compiled update is warmed up before timing), every variant alike.
 2. Prefill (no grad, with a decoding cache) of C tokens, and the median time of one decoding step after it;
    the decode ratio to the shortest context shows which models' per-token cost grows with the context
    (Falcon-H1 hybrids keep attention in every block: their KV cache grows; a pure SSM stays flat).
@@ -82,13 +85,14 @@ def timed(fn, device: torch.device, *, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def training(model, *, length: int, device: torch.device, repeats: int) -> dict:
+def training(model, *, length: int, device: torch.device, repeats: int, compile: bool = False) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     ids = torch.randint(0, model.config.vocab_size, (1, length), device=device)
+    forward = torch.compile(model, backend="inductor" if device.type == "cuda" else "aot_eager") if compile else model
 
     def update():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model(ids, labels=ids).loss
+            loss = forward(ids, labels=ids).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -156,12 +160,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--profile-decode", action="store_true", help="print a profile of decoding steps per variant")
+    parser.add_argument("--compile", action="store_true", help="train through torch.compile (every variant)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run of this script)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = torch.device("cpu" if args.cpu else "cuda")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"{name} · torch {torch.__version__} · preset {args.preset} · bf16 autocast on CUDA")
+    print(f"{name} · torch {torch.__version__} · preset {args.preset} · bf16 autocast on CUDA"
+          + (" · training through torch.compile" if args.compile else ""))
     rows: list[dict] = []
     for variant in args.variants:
         model = build(args.preset, variant, device)
@@ -169,7 +175,8 @@ def main() -> None:
         for length in args.lengths:
             try:
                 rows.append({"variant": variant, "params": params, "T": length,
-                             **training(model, length=length, device=device, repeats=args.repeats)})
+                             **training(model, length=length, device=device, repeats=args.repeats,
+                                        compile=args.compile)})
             except torch.OutOfMemoryError:
                 rows.append({"variant": variant, "params": params, "T": length, "tokens_per_s": None})
             if device.type == "cuda":

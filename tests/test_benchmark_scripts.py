@@ -48,6 +48,12 @@ def test_gpu_model_on_the_cpu_with_a_decoding_profile():
     assert out.count("### decoding profile") == 2
 
 
+def test_gpu_model_on_the_cpu_compiled():
+    out = run("gpu_model.py", "--cpu", "--preset", "tiny", "--lengths", "64", "--contexts", "32", "--variants",
+              "hybrid fw-1A", "--repeats", "1", "--decode-steps", "2", "--compile")
+    assert "training through torch.compile" in out and len(table_rows(out, "hybrid fw-1A")) == 2
+
+
 @pytest.mark.parametrize("script,args", [
     ("gpu_parallel.py", ["--cpu", "--seq-len", "64", "--steps", "2"]),
     ("gpu_scaling.py", ["--cpu", "--preset", "tiny", "--seq-len", "64", "--set", "num_key_value_heads=2", "--set",
