@@ -76,7 +76,7 @@ class Attention(nn.Module):
         q = self.q_proj(hidden).view(batch, length, self.num_heads, self.head_dim)  # [B, T, Hq, D]
         k = self.k_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim) * self.key_multiplier
         v = self.v_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
-        cos, sin = self.rotary(position_ids)  # [B or 1, T, D]
+        cos, sin = (t.to(q.dtype) for t in self.rotary(position_ids))  # [B or 1, T, D], cast once for q and k
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         pad = None

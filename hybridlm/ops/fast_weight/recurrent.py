@@ -42,13 +42,13 @@ def fast_weight_recurrent(
     S = initial_state.S                                             # [N, H, K, V]
     last_k = initial_state.last_k if pairing == "shifted" else None  # [N, H, K] or None (fresh rows)
     slots = window - 1
-    if initial_state.tail_x is not None:
-        tail_x, tail_v, tail_len = initial_state.tail_x, initial_state.tail_v, initial_state.tail_len
-    else:
-        tail_x, tail_v = S.new_zeros(N, H, slots, K), S.new_zeros(N, H, slots, V)
-        tail_len = torch.zeros(N, dtype=torch.int64, device=S.device)
-    positions = torch.arange(window, device=S.device)               # [W]: slot index, the new pair last
-    single = torch.ones(N, dtype=torch.int64, device=S.device)      # B_t of window 1
+    if window > 1:  # (window 1 allocates nothing per call: a decoding step's kernel launches)
+        if initial_state.tail_x is not None:
+            tail_x, tail_v, tail_len = initial_state.tail_x, initial_state.tail_v, initial_state.tail_len
+        else:
+            tail_x, tail_v = S.new_zeros(N, H, slots, K), S.new_zeros(N, H, slots, V)
+            tail_len = torch.zeros(N, dtype=torch.int64, device=S.device)
+        positions = torch.arange(window, device=S.device)           # [W]: slot index, the new pair last
     outputs = []
     for t in range(T):
         # The write pair (x_t, y_t): shifted (k_{t-1}, v_t) or same-step (k_t, v_t).
@@ -59,7 +59,7 @@ def fast_weight_recurrent(
         y = v[:, t]                                                 # [N, H, V]
         S_prev = S
         if x is not None and window == 1:  # one pair, no tail: views, no window arithmetic (a decoding step's ops)
-            S = _write(S, x, y, x[:, :, None], y[:, :, None], single, beta[:, t], lam[:, t], rule=rule,
+            S = _write(S, x, y, x[:, :, None], y[:, :, None], None, beta[:, t], lam[:, t], rule=rule,
                        step_size=step_size, ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma)
         elif x is not None:  # None only at the first step of fresh shifted rows: S_1 = S_0, no write
             count = (tail_len + 1).clamp(max=window)                # B_t  [N]
@@ -80,13 +80,13 @@ def fast_weight_recurrent(
 
 def _write(S, x, y, X, Y, count, beta, lam, *, rule, step_size, ridge_scaling, eps, eps_gamma):
     """naive._write for all rows: S [N, H, K, V] is S_{t-1}; x [N, H, K], y [N, H, V]; X, Y the window
-    [N, H, W, ...] with invalid slots zeroed; count = B_t [N]; beta [N, H] (rules 2/2A: [N, H, V]); lam [N, H]."""
-    B_t = count.to(S.dtype)[:, None]                                # [N, 1]
+    [N, H, W, ...] with invalid slots zeroed; count = B_t [N] (None: window 1, B_t = 1); beta [N, H] (rules 2/2A:
+    [N, H, V]); lam [N, H]."""
     if rule == "3":
         gram = X @ X.transpose(-1, -2)                              # [N, H, W, W]: zero rows add zero eigenvalues
-        E = torch.linalg.eigvalsh(gram)[..., -1] / B_t              # mu_t  [N, H]
+        E = _per_pair(torch.linalg.eigvalsh(gram)[..., -1], count)  # mu_t  [N, H]
     elif rule == "3A":
-        E = (X * X).sum(dim=(-2, -1)) / B_t                         # Ebar_t  [N, H]
+        E = _per_pair((X * X).sum(dim=(-2, -1)), count)             # Ebar_t  [N, H]
     else:
         E = (x * x).sum(-1)                                         # |x_t|^2  [N, H]
     ridge = lam * E.detach() if ridge_scaling else lam              # [N, H]
@@ -106,11 +106,18 @@ def _write(S, x, y, X, Y, count, beta, lam, *, rule, step_size, ridge_scaling, e
         return S * gamma[:, :, None, :] + torch.einsum("nhk,nhv->nhkv", x, eta * residual)
     if rule == "3":
         residual = Y - torch.einsum("nhkv,nhwk->nhwv", S, X)       # y_j - S^T x_j  [N, H, W, V]
-        update = torch.einsum("nhwk,nhwv->nhkv", X, residual) / B_t[..., None, None]
+        update = _per_pair(torch.einsum("nhwk,nhwv->nhkv", X, residual), count)
         return gamma[..., None, None] * S + eta[..., None, None] * update
     if rule == "1A":
         return gamma[..., None, None] * S + eta[..., None, None] * torch.einsum("nhk,nhv->nhkv", x, y)
     if rule == "2A":
         return S * gamma[:, :, None, :] + torch.einsum("nhk,nhv->nhkv", x, eta * y)
-    update = torch.einsum("nhwk,nhwv->nhkv", X, Y) / B_t[..., None, None]  # rule 3A
+    update = _per_pair(torch.einsum("nhwk,nhwv->nhkv", X, Y), count)  # rule 3A
     return gamma[..., None, None] * S + eta[..., None, None] * update
+
+
+def _per_pair(total: torch.Tensor, count: torch.Tensor | None) -> torch.Tensor:
+    """total [N, ...] / B_t per row (count [N]; None: B_t = 1, nothing to divide)."""
+    if count is None:
+        return total
+    return total / count.to(total.dtype).view(-1, *([1] * (total.dim() - 1)))
