@@ -194,6 +194,24 @@ def state_scan_kernel(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, init_ptr, final_ptr, 
     tl.store(final_ptr + offs0, S, mask=mask)
 
 
+@triton.jit
+def _scores_and_read(q_ptr, x_ptr, h_ptr, i_n, i_h, i_nh, i_c, t, T, n_chunks, H, K: tl.constexpr, V: tl.constexpr,
+                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, rv, PREC: tl.constexpr):
+    """The output kernels' pass over K for chunk i_c and value block rv: the scores q_t . x_s [BT, BT] and the
+    inter-chunk read q_t^T S_c [BT, BV] (S_c = h[c], fp32), both accumulated in fp32."""
+    qx = tl.zeros([BT, BT], dtype=tl.float32)
+    o_inter = tl.zeros([BT, BV], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        rk = i_k * BK + tl.arange(0, BK)
+        q = _load_rows(q_ptr, i_n, i_h, t, T, H, K, rk)                                     # [BT, BK]
+        x = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk)
+        offs, mask = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
+        S = tl.load(h_ptr + offs, mask=mask, other=0.0)                                     # [BK, BV] fp32
+        qx += tl.dot(q, tl.trans(x), input_precision=PREC)
+        o_inter += tl.dot(q, S.to(q.dtype), input_precision=PREC)
+    return qx, o_inter
+
+
 @triton.autotune(configs=_configs(), key=_KEY)
 @triton.jit(do_not_specialize=_SIZES)
 def output_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, h_ptr, o_ptr, T, T_pad, n_chunks, H,
@@ -205,16 +223,8 @@ def output_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, h_ptr, o_ptr, T, T_pad, n
     i_n, i_h = i_nh // H, i_nh % H
     t = i_c * BT + tl.arange(0, BT)
     rv = i_v * BV + tl.arange(0, BV)
-    qx = tl.zeros([BT, BT], dtype=tl.float32)
-    o_inter = tl.zeros([BT, BV], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        rk = i_k * BK + tl.arange(0, BK)
-        q = _load_rows(q_ptr, i_n, i_h, t, T, H, K, rk)                                     # [BT, BK]
-        x = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk)
-        offs, mask = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
-        S = tl.load(h_ptr + offs, mask=mask, other=0.0)                                     # [BK, BV] fp32
-        qx += tl.dot(q, tl.trans(x), input_precision=PREC)
-        o_inter += tl.dot(q, S.to(q.dtype), input_precision=PREC)
+    qx, o_inter = _scores_and_read(q_ptr, x_ptr, h_ptr, i_n, i_h, i_nh, i_c, t, T, n_chunks, H, K, V, BT, BK, BV, rv,
+                                   PREC)
     eta = _load_steps(eta_ptr, i_n, i_h, t, T, H)
     L, Lr, _ = _decays(L_ptr, i_nh, i_c, T_pad, BT, READ_AFTER)
     A = qx * _causal_decay(L, Lr, BT, READ_AFTER) * eta[None, :]                            # [BT, BT]

@@ -49,6 +49,7 @@ from hybridlm.ops.fast_weight.triton.kernels import (
     _carried_block,
     _configs,
     _load_rows,
+    _scores_and_read,
     _state_offsets,
     _store_rows,
 )
@@ -168,16 +169,8 @@ def output_2a_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, h_ptr, o_ptr, T, T_pad
     i_n, i_h = i_nh // H, i_nh % H
     t = i_c * BT + tl.arange(0, BT)
     rv = i_v * BV + tl.arange(0, BV)
-    P = tl.zeros([BT, BT], dtype=tl.float32)
-    o_inter = tl.zeros([BT, BV], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        rk = i_k * BK + tl.arange(0, BK)
-        q = _load_rows(q_ptr, i_n, i_h, t, T, H, K, rk)                                     # [BT, BK]
-        x = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk)
-        offs, mask = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
-        S = tl.load(h_ptr + offs, mask=mask, other=0.0)                                     # [BK, BV] fp32
-        P += tl.dot(q, tl.trans(x), input_precision=PREC)
-        o_inter += tl.dot(q, S.to(q.dtype), input_precision=PREC)
+    P, o_inter = _scores_and_read(q_ptr, x_ptr, h_ptr, i_n, i_h, i_nh, i_c, t, T, n_chunks, H, K, V, BT, BK, BV, rv,
+                                  PREC)
     L, Lr, _ = _decays_2a(L_ptr, i_nh, i_c, T_pad, V, BT, rv, READ_AFTER)
     u = _load_rows(y_ptr, i_n, i_h, t, T, H, V, rv).to(tl.float32) \
         * _load_rows(eta_ptr, i_n, i_h, t, T, H, V, rv).to(tl.float32)                      # [BT, BV]
