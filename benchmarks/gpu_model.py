@@ -21,6 +21,8 @@ channels = 16 heads x 64; or `--preset`), each measured in this one process:
 2. Prefill (no grad, with a decoding cache) of C tokens, and the median time of one decoding step after it;
    the decode ratio to the shortest context shows which models' per-token cost grows with the context
    (Falcon-H1 hybrids keep attention in every block: their KV cache grows; a pure SSM stays flat).
+   `--graph` times the steps of `GraphedDecoder` instead (one replayed CUDA graph per token; the static cache
+   attends over all its slots, here context + decode steps).
 3. `--profile-decode`: `torch.profiler` over 3 decoding steps at the first context, per variant: the operators with
    the most device (or CPU) time and the number of kernel launches, to tell per-step overhead from the math.
 """
@@ -35,6 +37,7 @@ import time
 import torch
 from gpu_ops import kernel_launches  # benchmarks/ is on the path when this script runs
 
+from hybridlm.inference import GraphedDecoder
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.configuration import HybridLMConfig
 from hybridlm.models.model import HybridForCausalLM
@@ -129,7 +132,7 @@ def profile_decoding(model, *, context: int, device: torch.device, rows: int = 1
 
 
 @torch.no_grad()
-def decoding(model, *, context: int, device: torch.device, steps: int) -> dict:
+def decoding(model, *, context: int, device: torch.device, steps: int, graph: bool = False) -> dict:
     model.eval()
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
     token = ids[:, -1:]
@@ -140,11 +143,16 @@ def decoding(model, *, context: int, device: torch.device, steps: int) -> dict:
         cache = model(ids, cache=model.new_cache()).cache
         sync(device)
         prefill = time.perf_counter() - start
+        if graph:  # the first step captures the graph: left out of the median below with the others' first
+            decoder = GraphedDecoder(model, cache, capacity=context + steps, batch_size=1)
+            step = lambda: decoder.step(token[:, 0])
+        else:
+            step = lambda: model(token, cache=cache)
         times = []
         for _ in range(steps):
             sync(device)
             start = time.perf_counter()
-            cache = model(token, cache=cache).cache
+            step()
             sync(device)
             times.append(time.perf_counter() - start)
     model.train()
@@ -161,13 +169,15 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--profile-decode", action="store_true", help="print a profile of decoding steps per variant")
     parser.add_argument("--compile", action="store_true", help="train through torch.compile (every variant)")
+    parser.add_argument("--graph", action="store_true", help="decode through GraphedDecoder (a CUDA graph per step)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run of this script)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = torch.device("cpu" if args.cpu else "cuda")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{name} · torch {torch.__version__} · preset {args.preset} · bf16 autocast on CUDA"
-          + (" · training through torch.compile" if args.compile else ""))
+          + (" · training through torch.compile" if args.compile else "")
+          + (" · decoding through CUDA graphs" if args.graph else ""))
     rows: list[dict] = []
     for variant in args.variants:
         model = build(args.preset, variant, device)
@@ -183,7 +193,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
         for context in args.contexts:
             rows.append({"variant": variant, "context": context,
-                         **decoding(model, context=context, device=device, steps=args.decode_steps)})
+                         **decoding(model, context=context, device=device, steps=args.decode_steps, graph=args.graph)})
         if args.profile_decode:
             print(f"\n### decoding profile: {variant}, context {args.contexts[0]}\n"
                   + profile_decoding(model, context=args.contexts[0], device=device), flush=True)

@@ -12,6 +12,9 @@ restart at each prompt, and the SSD / fast-weight states of a row are exactly th
 prompt, to float rounding). The cache then holds one row per prompt and every row continues from its own
 length; see `hybridlm.layers.cache`.
 
+`graph=True` runs the decoding steps through `GraphedDecoder` (hybridlm/inference/graphed.py): one replayed CUDA
+graph per token on a GPU, the same fixed-shape step run eagerly on the CPU; same tokens and logits.
+
 Stopping: a row is finished once it produces one of `eos_token_id`; its later positions hold
 `pad_token_id` (or the first eos id when no pad id is known) and decoding ends when every row is done
 or after `max_new_tokens`.
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridlm.inference.graphed import GraphedDecoder
 from hybridlm.inference.sampling import check_sampling, sample_next
 
 
@@ -48,6 +52,7 @@ def generate(
     generator: torch.Generator | None = None,
     seed: int | None = None,
     output_logits: bool = False,
+    graph: bool = False,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens after each prompt of `input_ids` [B, T].
 
@@ -61,6 +66,7 @@ def generate(
         generator / seed: the random source of sampling (give at most one); a seed makes a fresh
             `torch.Generator` on the ids' device, so the same seed gives the same tokens.
         output_logits: also return the raw logits of every generated position.
+        graph: decode through a `GraphedDecoder` (a CUDA graph of the step; see the module docstring).
     """
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [B, T] with T >= 1, got shape {list(input_ids.shape)}")
@@ -83,9 +89,12 @@ def generate(
     if max_new_tokens > 0:
         cache = model.new_cache()
         logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1]
+        decoder = None
+        if graph and max_new_tokens > 1:
+            decoder = GraphedDecoder(model, cache, capacity=cache.seq_len + max_new_tokens - 1, batch_size=batch)
         for step in range(max_new_tokens):
             if output_logits:
-                step_logits.append(logits.float())
+                step_logits.append(logits.float().clone())  # (the decoder's logits buffer is rewritten)
             token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
             new_mask.append(~done)
             token = torch.where(done, torch.full_like(token, filler), token)
@@ -94,7 +103,9 @@ def generate(
                 done = done | torch.isin(token, eos)
                 if bool(done.all()):
                     break
-            if step + 1 < max_new_tokens:
+            if step + 1 < max_new_tokens and decoder is not None:
+                logits = decoder.step(token)  # [B, V]
+            elif step + 1 < max_new_tokens:
                 logits = model(token[:, None], cache=cache, logits_to_keep=1).logits[:, -1]  # [B, V]
 
     sequences = torch.cat([input_ids, *[t[:, None] for t in new_tokens]], dim=1)

@@ -18,8 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.layers.cache import LayerCache
-from hybridlm.modules.boundaries import has_restarts, local_positions, pack_rows, sequence_ids
+from hybridlm.layers.cache import LayerCache, StaticLayerCache
+from hybridlm.modules.boundaries import (
+    has_restarts,
+    local_positions,
+    pack_rows,
+    sequence_ids,
+)
 from hybridlm.modules.rotary import RotaryEmbedding, apply_rotary
 from hybridlm.ops.utils import check_cu_seqlens
 
@@ -87,7 +92,10 @@ class Attention(nn.Module):
                 k, v = cache.append_kv(k, v)  # [B, S, Hkv, D], S = past + T
                 pad = cache.pad
 
-        mask, is_causal = _attention_mask(offsets, length=length, past=past, pad=pad, device=hidden.device)
+        if isinstance(cache, StaticLayerCache):
+            mask, is_causal = cache.static_mask(), False  # the whole storage, its empty slots masked
+        else:
+            mask, is_causal = _attention_mask(offsets, length=length, past=past, pad=pad, device=hidden.device)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),  # [B, Hq, T, D]
             k.transpose(1, 2),  # [B, Hkv, S, D]

@@ -14,6 +14,11 @@ the prompts run end to end as one packed row with `cu_seqlens`, every SSM mixer 
 prompt (padding never reaches a recurrent state), and attention stores each prompt's keys right-aligned
 in a row of `seq_len` slots, the `pad` leading slots of a shorter row masked out for every later query.
 `HybridCache.lengths` then holds each row's own token count, from which its next positions follow.
+
+`StaticCache` (built from a filled cache) is the form a CUDA graph of the decoding step needs
+(`hybridlm.inference.graphed`): attention keys/values in storage of a fixed capacity written at a slot that is a
+device tensor, masks over the whole capacity, positions from device tensors. One token per call; every tensor a
+step reads stays at one address (the SSM states are copied back into their buffers by the decoder).
 """
 
 from __future__ import annotations
@@ -113,6 +118,78 @@ class HybridCache:
             raise ValueError("a packed prefill (cu_seqlens) needs an empty cache")
         self.seq_len = int(lengths.max())
         self.lengths = None if bool((lengths == self.seq_len).all()) else lengths
+
+
+class StaticLayerCache(LayerCache):
+    """A layer's cache with key/value storage of `capacity` slots and the write slot `slot` (a device scalar shared
+    by the layers): `append_kv` writes one token there and returns the whole storage; `static_mask` says which
+    slots hold a token (the filled ones and the one being written, minus each row's left padding)."""
+
+    def __init__(self, source: LayerCache, *, capacity: int, slot: torch.Tensor) -> None:
+        super().__init__()
+        self.ssm = {name: t.clone() for name, t in source.ssm.items()}
+        self.pad = source.pad
+        self.length = source.length
+        self._slot = slot
+        if source._key is not None:
+            self._key = _grow(source._key, source.length, source._key, capacity)
+            self._value = _grow(source._value, source.length, source._value, capacity)
+            self._key[:, source.length :] = 0  # never attended (masked), but no stale NaN/inf can reach a product
+            self._value[:, source.length :] = 0
+            self._slots = torch.arange(capacity, device=slot.device)  # [S]
+
+    def append_kv(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if key.shape[1] != 1:
+            raise ValueError(f"a static cache takes one token per call, got {key.shape[1]}")
+        if self._key is None:
+            raise ValueError("a static cache is built from a filled cache (run the prefill first)")
+        index = self._slot.view(1)
+        self._key.index_copy_(1, index, key)
+        self._value.index_copy_(1, index, value)
+        self.length += 1
+        return self._key, self._value
+
+    def static_mask(self) -> torch.Tensor:
+        """[B or 1, 1, 1, S] True where the new query may attend."""
+        valid = self._slots <= self._slot  # [S]
+        if self.pad is None:
+            return valid.view(1, 1, 1, -1)
+        return (valid[None] & (self._slots[None] >= self.pad.to(valid.device)[:, None]))[:, None, None]
+
+
+class StaticCache(HybridCache):
+    """`HybridCache` for one-token decoding steps of fixed shapes (the module docstring): built from a filled cache
+    with room for `capacity` time slots in all. The next token's positions ([B, 1]) and write slot are device
+    tensors that `advance` increments in place; `seq_len` counts on the host (`free` slots left)."""
+
+    def __init__(self, cache: HybridCache, *, capacity: int, batch_size: int, device: torch.device) -> None:
+        if capacity <= cache.seq_len:
+            raise ValueError(f"a static cache needs room for new tokens: capacity {capacity} <= the {cache.seq_len} "
+                             "slots already filled")
+        self.capacity = capacity
+        self.slot = torch.tensor(cache.seq_len, dtype=torch.int64, device=device)
+        self.layers = [StaticLayerCache(layer, capacity=capacity, slot=self.slot) for layer in cache.layers]
+        self.seq_len = cache.seq_len
+        self.lengths = cache.lengths
+        rows = cache.lengths if cache.lengths is not None else torch.full((batch_size,), cache.seq_len)
+        self.next_positions = rows.to(device=device, dtype=torch.int64).clone()[:, None]  # [B, 1]
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.seq_len
+
+    def positions(self, length: int, device: torch.device) -> torch.Tensor:
+        if length != 1:
+            raise ValueError(f"a static cache takes one token per call, got {length}")
+        return self.next_positions
+
+    def advance(self, length: int) -> None:
+        self.slot.add_(length)
+        self.next_positions.add_(length)
+        self.seq_len += length
+
+    def start_rows(self, lengths: torch.Tensor) -> None:
+        raise ValueError("a static cache continues a filled cache: run the prefill on a HybridCache")
 
 
 def _grow(storage: torch.Tensor | None, filled: int, like: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -213,3 +213,57 @@ def test_zero_new_tokens_returns_the_prompt():
     prompt = ids(2, 4)
     out = generate(model, prompt, max_new_tokens=0, output_logits=True)
     assert torch.equal(out.sequences, prompt) and out.logits is None
+
+
+@pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1A", "fast_weight-3A", "fast_weight-3A-same_step-read_before",
+                                   "fast_weight-1", "none", "fast_weight-3-ssm_only"])
+@pytest.mark.parametrize("padded", [False, True], ids=["equal", "left-padded"])
+def test_static_decoding_step_equals_the_dynamic_cache(mixer, padded):
+    """`generate(graph=True)` on the CPU: the fixed-shape step of `GraphedDecoder` (static key/value storage written
+    at a device-side slot, masks over the whole storage, states copied back into their buffers) gives the dynamic
+    cache's tokens and logits, for every mixer, with and without left padding."""
+    model = make_model(seed=6, **MIXERS[mixer])
+    if padded:
+        _, batch, mask = padded_batch(seed=7)
+    else:
+        batch, mask = ids(3, 6, seed=7), None
+    dynamic = generate(model, batch, attention_mask=mask, max_new_tokens=7, output_logits=True)
+    static = generate(model, batch, attention_mask=mask, max_new_tokens=7, output_logits=True, graph=True)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    assert max_diff(static.logits, dynamic.logits) < 1e-5
+
+
+def test_static_decoder_reads_its_states_from_fixed_buffers():
+    """Every step reads the same state tensors (what a replayed graph needs), the write slot advances on the device,
+    and the decoder refuses to run past its capacity."""
+    from hybridlm.inference import GraphedDecoder
+
+    model = make_model(seed=8, **MIXERS["fast_weight-3A"])
+    tokens = ids(2, 5, seed=8)
+    with torch.no_grad():
+        cache = model.new_cache()
+        model(tokens, cache=cache)
+        decoder = GraphedDecoder(model, cache, capacity=7, batch_size=2)
+        buffers = [{name: t.data_ptr() for name, t in layer.ssm.items()} for layer in decoder.cache.layers]
+        storage = [layer._key.data_ptr() for layer in decoder.cache.layers if layer._key is not None]
+        assert storage and all(buffers)
+        for _ in range(2):
+            decoder.step(tokens[:, 0])
+        assert [{name: t.data_ptr() for name, t in layer.ssm.items()} for layer in decoder.cache.layers] == buffers
+        assert [layer._key.data_ptr() for layer in decoder.cache.layers if layer._key is not None] == storage
+        assert int(decoder.cache.slot) == 7 and decoder.cache.free == 0
+        with pytest.raises(ValueError, match="cache is full"):
+            decoder.step(tokens[:, 0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
+@pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1A", "fast_weight-3A", "none"])
+def test_cuda_graph_decoding_equals_eager(mixer):
+    """On a GPU: the replayed CUDA graph of the step gives the eager dynamic cache's tokens and logits."""
+    model = make_model(seed=9, **MIXERS[mixer]).cuda()
+    _, batch, mask = padded_batch(seed=9)
+    batch, mask = batch.cuda(), mask.cuda()
+    dynamic = generate(model, batch, attention_mask=mask, max_new_tokens=9, output_logits=True)
+    graphed = generate(model, batch, attention_mask=mask, max_new_tokens=9, output_logits=True, graph=True)
+    assert torch.equal(graphed.sequences, dynamic.sequences)
+    assert max_diff(graphed.logits, dynamic.logits) < 1e-4

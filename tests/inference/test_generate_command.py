@@ -62,6 +62,9 @@ def test_greedy_text_matches_the_library(word_model, capsys):
     words_out = [t for t in new if t >= 4]  # the transformers decode skips special tokens (<pad> <s> </s> <unk>)
     assert len(words_out) >= 3
     assert out == "w5 w7 w9 " + words(words_out) + "\n"  # the word-level decoder joins tokens with spaces
+    # --graph: the fixed-shape decoding step (a CUDA graph on a GPU, eager here) writes the same text.
+    code, graphed, err = run(capsys, "--model", path, "--prompt", "w5 w7 w9", "--max-new-tokens", 6, "--graph")
+    assert code == 0 and graphed == out, err
 
 
 def test_prompts_batch_and_seeded_sampling_repeats(word_model, capsys):

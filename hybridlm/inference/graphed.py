@@ -1,0 +1,98 @@
+"""Decoding steps as a replayed CUDA graph: one launch per token instead of one per operator.
+
+    decoder = GraphedDecoder(model, cache, capacity=prompt_len + max_new_tokens)   # after a prefill into `cache`
+    logits = decoder.step(token)                # token [B] -> logits [B, V] of the next position
+
+A decoding step of these models is a few hundred small kernels whose launches, not their math, set its time on a
+GPU (benchmarks/RESULTS.md: 733 launches per step for the ~125M Transformer, 1597 for the fw-1A hybrid, at
+22-79 ms per token). Capturing the step once and replaying it needs every step to run the same kernels on the same
+addresses: the decoder converts the filled cache into a `StaticCache` (attention keys/values in storage of fixed
+capacity written at a device-side slot, masks over the whole storage, positions from device tensors), feeds the
+token through a static input buffer, and after the model's step copies every new SSM state (conv tails, SSD and
+fast-weight states, carried keys) back into the buffers the step reads. The copies are part of the graph.
+
+On the CPU (or with `use_graph=False`) the same static step runs eagerly: that is what the CPU tests check against
+the dynamic cache. Attention then reads all `capacity` slots every step (the empty ones masked), so keep the
+capacity at what the generation needs. Capture happens on the first `step` (after one eager warm-up step on a side
+stream whose effect on the states is undone); `step` refuses to run past the capacity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridlm.layers.cache import HybridCache, StaticCache
+
+
+class GraphedDecoder:
+    """Decoding steps of `model` over `cache` (already filled by a prefill) with room for `capacity` slots."""
+
+    def __init__(self, model, cache: HybridCache, *, capacity: int, batch_size: int,
+                 use_graph: bool | None = None) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.cache = StaticCache(cache, capacity=capacity, batch_size=batch_size, device=self.device)
+        self.use_graph = self.device.type == "cuda" if use_graph is None else use_graph
+        if self.use_graph and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device (use_graph=False runs the static step)")
+        self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)  # the step's input
+        self.buffers = [dict(layer.ssm) for layer in self.cache.layers]  # the state tensors every step reads
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None  # the graph's output [B, V]
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """Feed `token` [B] (int64): the logits [B, V] of the next position. They live in a buffer the next call
+        overwrites (clone to keep them)."""
+        if self.cache.free < 1:
+            raise ValueError(f"the decoder's cache is full ({self.cache.capacity} slots): build it with a larger "
+                             "capacity (prompt length + new tokens)")
+        self.token.copy_(token.view(-1, 1))
+        if not self.use_graph:
+            return self._forward()
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        self.cache.seq_len += 1  # the host's count (the replayed graph advances the device-side slot)
+        return self.logits
+
+    def _forward(self) -> torch.Tensor:
+        """One static step: the model on the token buffer, then the new SSM states copied into the read buffers."""
+        logits = self.model(self.token, cache=self.cache, logits_to_keep=1).logits[:, -1]
+        for layer, buffers in zip(self.cache.layers, self.buffers):
+            if layer.ssm.keys() != buffers.keys():
+                raise RuntimeError(f"a decoding step changed the cached state's fields ({sorted(buffers)} -> "
+                                   f"{sorted(layer.ssm)}): this model's step cannot be replayed")
+            for name, buffer in buffers.items():
+                if layer.ssm[name] is not buffer:
+                    buffer.copy_(layer.ssm[name])
+                    layer.ssm[name] = buffer
+        return logits
+
+    def _capture(self) -> None:
+        saved = self._snapshot()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._forward()  # warm-up: lazy library set-up and kernel selection happen outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._restore(saved)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._forward()
+        self._restore(saved)  # capture records the step without running it; the host counters moved once
+
+    def _snapshot(self) -> dict:
+        """What a step changes besides the key/value slot it writes (which the next real step rewrites)."""
+        return {"seq_len": self.cache.seq_len, "lengths": [layer.length for layer in self.cache.layers],
+                "slot": self.cache.slot.clone(), "positions": self.cache.next_positions.clone(),
+                "states": [{name: t.clone() for name, t in buffers.items()} for buffers in self.buffers]}
+
+    def _restore(self, saved: dict) -> None:
+        self.cache.seq_len = saved["seq_len"]
+        for layer, length in zip(self.cache.layers, saved["lengths"]):
+            layer.length = length
+        self.cache.slot.copy_(saved["slot"])
+        self.cache.next_positions.copy_(saved["positions"])
+        for buffers, states in zip(self.buffers, saved["states"]):
+            for name, value in states.items():
+                buffers[name].copy_(value)
