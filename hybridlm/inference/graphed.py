@@ -14,10 +14,14 @@ fast-weight states, carried keys) back into the buffers the step reads. The copi
 On the CPU (or with `use_graph=False`) the same static step runs eagerly: that is what the CPU tests check against
 the dynamic cache. Attention then reads all `capacity` slots every step (the empty ones masked), so keep the
 capacity at what the generation needs. Capture happens on the first `step` (after one eager warm-up step on a side
-stream whose effect on the states is undone); `step` refuses to run past the capacity.
+stream whose effect on the states is undone); `step` refuses to run past the capacity. Under a caller's autocast
+the capture runs with autocast's weight-cast cache off: a cast cached before the capture would be read by every
+replay from memory the cache frees when its context ends, so the graph recomputes the casts itself.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -70,15 +74,19 @@ class GraphedDecoder:
 
     def _capture(self) -> None:
         saved = self._snapshot()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._forward()  # warm-up: lazy library set-up and kernel selection happen outside the capture
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        self._restore(saved)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._forward()
+        casts = contextlib.nullcontext()
+        if torch.is_autocast_enabled("cuda"):  # the module docstring: no cached weight casts inside the graph
+            casts = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+        with casts:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._forward()  # warm-up: lazy library set-up and kernel selection happen outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self._restore(saved)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._forward()
         self._restore(saved)  # capture records the step without running it; the host counters moved once
 
     def _snapshot(self) -> dict:
