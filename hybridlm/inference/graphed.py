@@ -44,6 +44,7 @@ class GraphedDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output [B, V]
 
+    @torch.no_grad()
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed `token` [B] (int64): the logits [B, V] of the next position. They live in a buffer the next call
         overwrites (clone to keep them)."""
