@@ -134,6 +134,7 @@ def test_sigterm_saves_a_checkpoint_and_restores_the_handler(demo_dir, tmp_path)
     def send_sigterm(trainer: Trainer, record: dict) -> None:
         if record["step"] == 3:
             os.kill(os.getpid(), signal.SIGTERM)  # a real signal, handled in this (main) thread
+            os.kill(os.getpid(), signal.SIGTERM)  # again at once, as `timeout` does (command, then its group)
 
     before = signal.getsignal(signal.SIGTERM)
     trainer = Trainer(small_config(demo_dir, tmp_path / "sig"), callbacks=[send_sigterm])
