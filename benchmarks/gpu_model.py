@@ -18,9 +18,10 @@ channels = 16 heads x 64; or `--preset`), each measured in this one process:
    tokens/s and peak memory, and the ratio to the transformer's tokens/s at the same T. `--compile` runs the
    training forward through `torch.compile` (inductor, default mode: one long row leaves little launch overhead
    to remove; the compiled update is warmed up before timing), every variant alike.
-2. Prefill (no grad, with a decoding cache) of C tokens, and the median time of one decoding step after it;
-   the decode ratio to the shortest context shows which models' per-token cost grows with the context
-   (Falcon-H1 hybrids keep attention in every block: their KV cache grows; a pure SSM stays flat).
+2. Prefill (no grad, with a decoding cache) of C tokens in each of `--decode-batches` rows, and the median time of
+   one decoding step after it: decode tokens/s (rows / step time), its ratio to the Transformer's at the same context
+   and batch, and the cache's size per row (keys / values and SSM states: a pure SSM's stays constant, a Falcon-H1
+   hybrid keeps attention in every block, so its KV cache grows with the context).
    `--graph` times the steps of `GraphedDecoder` instead (one replayed CUDA graph per token; the static cache
    attends over all its slots, here context + decode steps).
 3. `--profile-decode`: `torch.profiler` over 3 decoding steps at the first context, per variant: the operators with
@@ -132,22 +133,24 @@ def profile_decoding(model, *, context: int, device: torch.device, rows: int = 1
 
 
 @torch.no_grad()
-def decoding(model, *, context: int, device: torch.device, steps: int, graph: bool = False) -> dict:
+def decoding(model, *, context: int, device: torch.device, steps: int, batch: int = 1, graph: bool = False) -> dict:
     model.eval()
-    ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
     token = ids[:, -1:]
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        model(ids, cache=model.new_cache())  # first-call work (kernel compilation, library set-up) not timed
+        # first-call work (kernel compilation, library set-up) not timed; logits of the last position only
+        model(ids, cache=model.new_cache(), logits_to_keep=1)
         sync(device)
         start = time.perf_counter()
-        cache = model(ids, cache=model.new_cache()).cache
+        cache = model(ids, cache=model.new_cache(), logits_to_keep=1).cache
         sync(device)
         prefill = time.perf_counter() - start
         if graph:  # the first step captures the graph: left out of the median below with the others' first
-            decoder = GraphedDecoder(model, cache, capacity=context + steps, batch_size=1)
+            decoder = GraphedDecoder(model, cache, capacity=context + steps, batch_size=batch)
+            cache = decoder.cache
             step = lambda: decoder.step(token[:, 0])
         else:
-            step = lambda: model(token, cache=cache)
+            step = lambda: model(token, cache=cache, logits_to_keep=1)
         times = []
         for _ in range(steps):
             sync(device)
@@ -156,7 +159,11 @@ def decoding(model, *, context: int, device: torch.device, steps: int, graph: bo
             sync(device)
             times.append(time.perf_counter() - start)
     model.train()
-    return {"prefill_s": prefill, "decode_ms": 1e3 * statistics.median(times[1:] or times)}
+    state_bytes = sum(t.numel() * t.element_size() for layer in cache.layers
+                      for t in (layer._key, layer._value, *layer.ssm.values()) if isinstance(t, torch.Tensor))
+    decode_s = statistics.median(times[1:] or times)
+    return {"prefill_s": prefill, "decode_ms": 1e3 * decode_s, "tokens_per_s": batch / decode_s,
+            "cache_mib_per_row": state_bytes / batch / 2**20}
 
 
 def main() -> None:
@@ -167,6 +174,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1], help="rows decoded together")
     parser.add_argument("--profile-decode", action="store_true", help="print a profile of decoding steps per variant")
     parser.add_argument("--compile", action="store_true", help="train through torch.compile (every variant)")
     parser.add_argument("--graph", action="store_true", help="decode through GraphedDecoder (a CUDA graph per step)")
@@ -192,8 +200,15 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         for context in args.contexts:
-            rows.append({"variant": variant, "context": context,
-                         **decoding(model, context=context, device=device, steps=args.decode_steps, graph=args.graph)})
+            for batch in args.decode_batches:
+                try:
+                    measured = decoding(model, context=context, device=device, steps=args.decode_steps, batch=batch,
+                                        graph=args.graph)
+                except torch.OutOfMemoryError:
+                    measured = {"prefill_s": None, "decode_ms": None, "tokens_per_s": None, "cache_mib_per_row": None}
+                rows.append({"variant": variant, "context": context, "batch": batch, **measured})
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
         if args.profile_decode:
             print(f"\n### decoding profile: {variant}, context {args.contexts[0]}\n"
                   + profile_decoding(model, context=args.contexts[0], device=device), flush=True)
@@ -208,12 +223,17 @@ def main() -> None:
         tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "OOM"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
         print(f"| {variant} | {r['params'] / 1e6:.0f}M | {length} | {tps} | {ratio} | {peak} |")
-    decode = {(r["variant"], r["context"]): r for r in rows if "context" in r}
-    print("\n| model | context | prefill s | decode ms/token | decode / shortest context |\n|---|---|---|---|---|")
-    for (variant, context), r in decode.items():
-        first = decode[(variant, min(args.contexts))]["decode_ms"]
-        print(f"| {variant} | {context} | {r['prefill_s']:.3f} | {r['decode_ms']:.2f} | "
-              f"{r['decode_ms'] / first:.2f}x |")
+    decode = {(r["variant"], r["context"], r["batch"]): r for r in rows if "context" in r}
+    print("\n| model | context | batch | prefill s | decode ms/step | decode tokens/s | / transformer | "
+          "cache MiB/row |\n|---|---|---|---|---|---|---|---|")
+    for (variant, context, batch), r in decode.items():
+        if r["decode_ms"] is None:
+            print(f"| {variant} | {context} | {batch} | OOM | - | - | - | - |")
+            continue
+        base = decode.get(("transformer", context, batch), {}).get("tokens_per_s")
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        print(f"| {variant} | {context} | {batch} | {r['prefill_s']:.3f} | {r['decode_ms']:.2f} | "
+              f"{r['tokens_per_s']:.0f} | {ratio} | {r['cache_mib_per_row']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "preset": args.preset, "rows": rows}, f, indent=1)
