@@ -25,7 +25,8 @@ channels = 16 heads x 64; or `--preset`), each measured in this one process:
    `--graph` times the steps of `GraphedDecoder` instead (one replayed CUDA graph per token; the static cache
    attends over all its slots, here context + decode steps).
 3. `--profile-decode`: `torch.profiler` over 3 decoding steps at the first context, per variant: the operators with
-   the most device (or CPU) time and the number of kernel launches, to tell per-step overhead from the math.
+   the most device (or CPU) time and the number of kernel launches, to tell per-step overhead from the math;
+   `--profile-train` the same for one training update per variant and length.
 """
 
 from __future__ import annotations
@@ -89,7 +90,27 @@ def timed(fn, device: torch.device, *, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def training(model, *, length: int, device: torch.device, repeats: int, compile: bool = False) -> dict:
+def profiled(fn, device: torch.device, *, steps: int, rows: int = 12) -> str:
+    """A profiler table of `steps` calls of `fn` (operators by self device time on CUDA, self CPU time on the CPU),
+    with the count of kernel launches per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        sync(device)
+    events = prof.key_averages()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return f"kernel launches per call: {kernel_launches(events) / steps:.0f}\n" + events.table(sort_by=sort,
+                                                                                            row_limit=rows)
+
+
+def training(model, *, length: int, device: torch.device, repeats: int, compile: bool = False,
+             profile_label: str | None = None) -> dict:
+    """Tokens/s and peak memory of one update on 1 row of `length` tokens; with `profile_label`, also print a
+    `profiled` table of one more update under that name."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     ids = torch.randint(0, model.config.vocab_size, (1, length), device=device)
     forward = torch.compile(model, backend="inductor" if device.type == "cuda" else "aot_eager") if compile else model
@@ -105,31 +126,23 @@ def training(model, *, length: int, device: torch.device, repeats: int, compile:
         torch.cuda.reset_peak_memory_stats()
     seconds = timed(update, device, warmup=2, repeats=repeats)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    if profile_label is not None:
+        print(f"\n### training profile: {profile_label}, T={length}\n" + profiled(update, device, steps=1, rows=20),
+              flush=True)
     return {"tokens_per_s": length / seconds, "peak_gib": peak}
 
 
 @torch.no_grad()
 def profile_decoding(model, *, context: int, device: torch.device, rows: int = 12) -> str:
-    """A profiler table of 3 decoding steps after a prefill of `context` tokens (operators by self device time on
-    CUDA, self CPU time on the CPU), with the count of kernel launches per step."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """`profiled` over 3 decoding steps after a prefill of `context` tokens."""
     model.eval()
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         cache = model(ids, cache=model.new_cache()).cache
-        cache = model(ids[:, -1:], cache=cache).cache  # one step outside the profile (first-call work)
-        sync(device)
-        with profile(activities=activities) as prof:
-            for _ in range(3):
-                cache = model(ids[:, -1:], cache=cache).cache
-            sync(device)
+        model(ids[:, -1:], cache=cache)  # one step outside the profile (first-call work)
+        table = profiled(lambda: model(ids[:, -1:], cache=cache), device, steps=3, rows=rows)
     model.train()
-    events = prof.key_averages()
-    launches = kernel_launches(events)
-    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return f"kernel launches per step: {launches / 3:.0f}\n" + events.table(sort_by=sort, row_limit=rows)
+    return table
 
 
 @torch.no_grad()
@@ -176,6 +189,7 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1], help="rows decoded together")
     parser.add_argument("--profile-decode", action="store_true", help="print a profile of decoding steps per variant")
+    parser.add_argument("--profile-train", action="store_true", help="print a profile of one update per variant and T")
     parser.add_argument("--compile", action="store_true", help="train through torch.compile (every variant)")
     parser.add_argument("--graph", action="store_true", help="decode through GraphedDecoder (a CUDA graph per step)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run of this script)")
@@ -194,7 +208,7 @@ def main() -> None:
             try:
                 rows.append({"variant": variant, "params": params, "T": length,
                              **training(model, length=length, device=device, repeats=args.repeats,
-                                        compile=args.compile)})
+                                        compile=args.compile, profile_label=variant if args.profile_train else None)})
             except torch.OutOfMemoryError:
                 rows.append({"variant": variant, "params": params, "T": length, "tokens_per_s": None})
             if device.type == "cuda":

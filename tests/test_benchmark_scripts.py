@@ -41,11 +41,12 @@ def test_model_cpu():
     assert "decoding step" in out
 
 
-def test_gpu_model_on_the_cpu_with_a_decoding_profile():
+def test_gpu_model_on_the_cpu_with_decoding_and_training_profiles():
     out = run("gpu_model.py", "--cpu", "--preset", "tiny", "--lengths", "64", "--contexts", "32", "--variants",
-              "transformer", "fw-1A", "--repeats", "1", "--decode-steps", "2", "--profile-decode")
+              "transformer", "fw-1A", "--repeats", "1", "--decode-steps", "2", "--profile-decode", "--profile-train")
     assert len(table_rows(out, "transformer")) == 2 and len(table_rows(out, "fw-1A")) == 2  # training, decoding
-    assert out.count("### decoding profile") == 2
+    assert out.count("### decoding profile") == 2 and out.count("### training profile") == 2
+    assert out.count("kernel launches per call") == 4
 
 
 def test_gpu_model_on_the_cpu_compiled_and_static_decoding():
