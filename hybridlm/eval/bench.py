@@ -141,7 +141,7 @@ def _is_interrupted(err: BaseException) -> bool:
 
 
 def _remove_checkpoint(out_dir: Path, key: str) -> None:
-    from hybridlm.eval.train_task import remove_checkpoint
+    from hybridlm.eval.task_checkpoint import remove_checkpoint
 
     remove_checkpoint(checkpoint_path(out_dir, key))
 

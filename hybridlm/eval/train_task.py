@@ -47,7 +47,7 @@ and saying what to do (delete STEM.* to start the run over). It is never overwri
 `batch_fn` must be a function of the step and of state that `batch_state=(get, set)` captures: the
 random generator it draws from (`generator_state(rng)`), or a data loader's `state_dict` /
 `load_state_dict`. A finished run leaves its final checkpoint (step == `steps`, a second call returns the
-result without training); whoever records the result removes it with `remove_checkpoint(STEM)` (the
+result without training); whoever records the result removes it with `task_checkpoint.remove_checkpoint(STEM)` (the
 bench runner does, right after writing runs/<key>.json). When `should_stop()` is true after an update,
 the loop saves and raises `TrainingInterrupted` (the bench runner sets it on SIGTERM / SIGINT and at the
 `--time-budget`).
@@ -56,10 +56,7 @@ the loop saves and raises `TrainingInterrupted` (the bench runner sets it on SIG
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import math
-import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -69,17 +66,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridlm.fileio import write_atomic
+from hybridlm.eval import task_checkpoint as C
 from hybridlm.training.checkpoint import CheckpointError
 from hybridlm.training.optim import apply_schedule, build_param_groups
 from hybridlm.training.schedules import ScheduleConfig, schedule_factors
-from hybridlm.training.tensor_tree import flatten_tree, unflatten_tree
 
 Batch = dict[str, torch.Tensor]
 StateAccess = tuple[Callable[[], Any], Callable[[Any], None]]  # (get, set) of a JSON-able state
 
-CHECKPOINT_FORMAT = "hybridlm-task-checkpoint"
-CHECKPOINT_VERSION = 1
 DEFAULT_CHECKPOINT_EVERY = 1000
 
 
@@ -133,7 +127,7 @@ class TrainingInterrupted(Exception):
     checkpoint at `checkpoint` (a STEM; None when no checkpoint was asked for). Call again to continue."""
 
     def __init__(self, step: int, steps: int, checkpoint: Path | None):
-        where = f"state saved to {_json_path(checkpoint)}" if checkpoint is not None else "nothing saved (no checkpoint)"
+        where = f"state saved to {C.json_of(checkpoint)}" if checkpoint is not None else "nothing saved (no checkpoint)"
         super().__init__(f"stopped after {step}/{steps} updates; {where}")
         self.step, self.steps, self.checkpoint = step, steps, checkpoint
 
@@ -200,24 +194,24 @@ def train_on_task(
     best_key = None
     running, counted = 0.0, 0
     first_step, seconds_before = 0, 0.0
-    stem = _stem(checkpoint) if checkpoint is not None else None
-    settings = _jsonable({"steps": steps, "lr": lr, "weight_decay": weight_decay, "betas": betas, "warmup": warmup,
+    stem = C.stem_of(checkpoint) if checkpoint is not None else None
+    settings = C.jsonable({"steps": steps, "lr": lr, "weight_decay": weight_decay, "betas": betas, "warmup": warmup,
                           "min_lr_ratio": min_lr_ratio, "grad_clip": grad_clip, "eval": eval_fn is not None,
                           "eval_every": eval_every, "log_every": log_every, "compile": compile,
                           "batch_state": batch_state is not None}, "the train settings")
-    fingerprint = _jsonable(fingerprint, "fingerprint")
+    fingerprint = C.jsonable(fingerprint, "fingerprint")
     last_saved = None
     if stem is not None:
-        loaded = _load(stem, settings=settings, fingerprint=fingerprint, model=model)
+        loaded = C.load(stem, settings=settings, fingerprint=fingerprint, model=model)
         if loaded is not None:
             record, tree = loaded
             model.load_state_dict(tree["model"])
             try:
                 optimizer.load_state_dict(tree["optimizer"])
             except (ValueError, KeyError, RuntimeError) as err:
-                raise CheckpointError(f"{_json_path(stem)}: the saved AdamW state does not fit this model's optimizer "
-                                      f"({err}); {_fix(stem)}") from err
-            _set_torch_rng(tree.get("torch_rng", {}), device)
+                raise CheckpointError(f"{C.json_of(stem)}: the saved AdamW state does not fit this model's optimizer "
+                                      f"({err}); {C.fix_hint(stem)}") from err
+            C.set_torch_rng(tree.get("torch_rng", {}), device)
             if batch_state is not None:
                 batch_state[1](record["batch_state"])
             saved = record["result"]
@@ -233,7 +227,7 @@ def train_on_task(
             first_step = last_saved = int(record["step"])
             seconds_before = float(record["seconds"])
             if log_fn is not None:
-                log_fn(f"resumed from {_json_path(stem)} at step {first_step}/{steps}")
+                log_fn(f"resumed from {C.json_of(stem)} at step {first_step}/{steps}")
     start = time.perf_counter()
 
     def evaluate(step: int) -> None:
@@ -252,19 +246,19 @@ def train_on_task(
 
     def save(step: int) -> None:
         nonlocal last_saved
-        tree = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "torch_rng": _torch_rng(device)}
+        tree = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "torch_rng": C.torch_rng(device)}
         if best_state is not None:
             tree["best"] = best_state
         if counted:
             tree["running_loss"] = running
         record = {"step": step, "settings": settings, "fingerprint": fingerprint,
                   "result": {**result.to_dict(), "seconds": None}, "running_count": counted,
-                  "batch_state": _jsonable(batch_state[0](), "batch_state") if batch_state is not None else None,
+                  "batch_state": C.jsonable(batch_state[0](), "batch_state") if batch_state is not None else None,
                   "seconds": seconds_before + time.perf_counter() - start, "device": str(device)}
-        _save(stem, tree, record)
+        C.save(stem, tree, record)
         last_saved = step
         if log_fn is not None:
-            log_fn(f"step {step}: checkpoint saved to {_json_path(stem)}")
+            log_fn(f"step {step}: checkpoint saved to {C.json_of(stem)}")
 
     for step in range(first_step, steps):
         factors = schedule_factors(schedule, total=steps, step=step)
@@ -309,154 +303,6 @@ def train_on_task(
 def _best_key(score: float, loss: float, step: int) -> tuple:
     """Highest score, then the lower loss, then the later step."""
     return (score, -loss if math.isfinite(loss) else -math.inf, step)
-
-
-# --- checkpoint files ------------------------------------------------------------------------------
-
-def _stem(checkpoint: str | Path) -> Path:
-    path = Path(checkpoint)
-    return path.with_name(path.name[: -len(".json")]) if path.name.endswith(".json") else path
-
-
-def _json_path(stem: Path) -> Path:
-    return stem.with_name(stem.name + ".json")
-
-
-def _fix(stem: Path) -> str:
-    return f"delete {stem}.* (the checkpoint's files) to start this run over"
-
-
-def checkpoint_files(checkpoint: str | Path) -> list[Path]:
-    """Every file of the checkpoint at STEM: STEM.json, its tensor files and temporaries of interrupted saves."""
-    stem = _stem(checkpoint)
-    if not stem.parent.is_dir():
-        return []
-    pattern = re.compile(re.escape(stem.name) + r"(\.json|\.step\d+\.safetensors)(\.tmp-\d+)?")
-    return sorted(p for p in stem.parent.iterdir() if pattern.fullmatch(p.name))
-
-
-def remove_checkpoint(checkpoint: str | Path) -> bool:
-    """Delete the checkpoint at STEM (its JSON first: a partial removal leaves no checkpoint, only files
-    the next save or removal deletes). Returns whether there was one."""
-    stem = _stem(checkpoint)
-    json_path = _json_path(stem)
-    existed = json_path.is_file()
-    json_path.unlink(missing_ok=True)
-    for path in checkpoint_files(stem):
-        path.unlink(missing_ok=True)
-    return existed
-
-
-def _jsonable(value: Any, what: str) -> Any:
-    """`value` as it comes back from JSON (tuples -> lists); TypeError when it is not JSON-able."""
-    try:
-        return json.loads(json.dumps(value, allow_nan=True))
-    except (TypeError, ValueError) as err:
-        raise TypeError(f"{what} must be JSON-serializable: {err}") from err
-
-
-def _torch_rng(device: torch.device) -> dict[str, torch.Tensor]:
-    """torch's CPU generator and, on CUDA, the training device's (dropout draws from them)."""
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_torch_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
-    if "cpu" in state:
-        torch.set_rng_state(state["cpu"].to(torch.uint8))
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"].to(torch.uint8), device)
-
-
-def _save(stem: Path, tree: dict, record: dict) -> None:
-    """The tensor file (atomically), then STEM.json naming it (atomically: now the checkpoint is complete),
-    then older tensor files and temporaries."""
-    from safetensors.torch import save as safetensors_bytes
-
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    tensors, skeleton = flatten_tree(tree)
-    data = safetensors_bytes(tensors)
-    name = f"{stem.name}.step{record['step']:08d}.safetensors"
-    digest = write_atomic(stem.parent / name, data)
-    json_path = _json_path(stem)
-    record = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, **record,
-              "tensors": {"file": name, "bytes": len(data), "sha256": digest}, "tree": skeleton}
-    write_atomic(json_path, (json.dumps(record, indent=1, allow_nan=True) + "\n").encode("utf-8"))
-    for path in checkpoint_files(stem):
-        if path.name not in (name, json_path.name):
-            path.unlink(missing_ok=True)
-
-
-def _differences(saved: Any, now: Any, prefix: str = "") -> list[str]:
-    if isinstance(saved, dict) and isinstance(now, dict):
-        out = []
-        for key in [*saved, *(k for k in now if k not in saved)]:
-            out += _differences(saved.get(key, "(absent)"), now.get(key, "(absent)"), f"{prefix}{key}.")
-        return out
-    return [] if saved == now else [f"{prefix.rstrip('.') or 'value'}: saved {saved!r}, now {now!r}"]
-
-
-def _load(stem: Path, *, settings: dict, fingerprint: Any, model: nn.Module) -> tuple[dict, dict] | None:
-    """(record, tensor tree) of the checkpoint at STEM, verified against this run; None when there is none."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load as safetensors_load
-
-    json_path = _json_path(stem)
-    if not json_path.is_file():
-        return None
-    try:
-        record = json.loads(json_path.read_text(encoding="utf-8"))
-        if not isinstance(record, dict) or record.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"not a {CHECKPOINT_FORMAT} file")
-        if record.get("version") != CHECKPOINT_VERSION:
-            raise ValueError(f"format version {record.get('version')!r}, this hybridlm reads {CHECKPOINT_VERSION}")
-        step, info = record["step"], record["tensors"]
-        if not isinstance(step, int) or not 0 < step <= settings["steps"]:
-            raise ValueError(f"step {step!r} is outside 1..{settings['steps']}")
-        for key in ("settings", "fingerprint", "result", "running_count", "batch_state", "seconds", "tree"):
-            if key not in record:
-                raise KeyError(key)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{json_path} is not a readable checkpoint ({type(err).__name__}: {err}); "
-                              + _fix(stem)) from err
-    mismatches = _differences(record["settings"], settings) + _differences(record["fingerprint"], fingerprint,
-                                                                             "fingerprint.")
-    if mismatches:
-        raise CheckpointError(f"{json_path} was saved by a different run ({'; '.join(mismatches[:8])}): resume with "
-                              "the settings it was saved with, or " + _fix(stem))
-    name = info.get("file") if isinstance(info, dict) else None
-    if not isinstance(name, str) or Path(name).name != name:
-        raise CheckpointError(f"{json_path} names no valid tensor file ({name!r}); " + _fix(stem))
-    tensor_path = stem.parent / name
-    try:
-        data = tensor_path.read_bytes()
-    except OSError as err:
-        raise CheckpointError(f"{tensor_path}, which {json_path} names, cannot be read ({err}); " + _fix(stem)) from err
-    if len(data) != info.get("bytes"):
-        raise CheckpointError(f"{tensor_path} has {len(data)} bytes, {json_path} records {info.get('bytes')}: the file "
-                              "is truncated or from another save; " + _fix(stem))
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != info.get("sha256"):
-        raise CheckpointError(f"{tensor_path} fails its checksum (sha256 {digest[:16]}..., {json_path} records "
-                              f"{str(info.get('sha256'))[:16]}...): the file is corrupt; " + _fix(stem))
-    try:
-        tree = unflatten_tree(safetensors_load(data), record["tree"])
-        if not isinstance(tree, dict) or not isinstance(tree.get("model"), dict) or "optimizer" not in tree:
-            raise ValueError("no model or optimizer state")
-        saved = tree["model"]
-    except (SafetensorError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{tensor_path} / {json_path} cannot be decoded ({err}); " + _fix(stem)) from err
-    current = model.state_dict()
-    problems = [f"missing {k}" for k in current if k not in saved][:3]
-    problems += [f"unexpected {k}" for k in saved if k not in current][:3]
-    problems += [f"{k}: saved {list(saved[k].shape)}, model {list(v.shape)}"
-                 for k, v in current.items() if k in saved and saved[k].shape != v.shape][:3]
-    if problems:
-        raise CheckpointError(f"{tensor_path} does not fit the model ({'; '.join(problems)}): it was saved for "
-                              "another model; " + _fix(stem))
-    return record, tree
 
 
 def _compiled(model: nn.Module, device: torch.device) -> Callable:

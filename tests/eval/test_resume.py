@@ -20,13 +20,8 @@ import torch
 from hybridlm.eval import addition as A
 from hybridlm.eval import bench
 from hybridlm.eval.models import build_model, task_config
-from hybridlm.eval.train_task import (
-    TrainingInterrupted,
-    checkpoint_files,
-    generator_state,
-    remove_checkpoint,
-    train_on_task,
-)
+from hybridlm.eval.task_checkpoint import checkpoint_files, remove_checkpoint
+from hybridlm.eval.train_task import TrainingInterrupted, generator_state, train_on_task
 from hybridlm.training.checkpoint import CheckpointError
 from hybridlm.training.stop import StopRequest
 
