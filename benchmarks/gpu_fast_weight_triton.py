@@ -172,12 +172,12 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
             "triton": bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0], backward=backward,
                             inputs=inputs),
         }
-        fused = "-"
+        torch_prep = "-"
         if rule in frontend.FUSED_RULES:
             previous, frontend.FUSED_PREPARATION = frontend.FUSED_PREPARATION, False
             try:
-                fused = "{:.2f}".format(bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0],
-                                              backward=backward, inputs=inputs))
+                torch_prep = "{:.2f}".format(bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0],
+                                                   backward=backward, inputs=inputs))
             finally:
                 frontend.FUSED_PREPARATION = previous
         kernels = "-"
@@ -204,7 +204,7 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
         flops, nbytes = fast_weight_counts(rule, B=B, T=T, H=H, K=D, V=D, chunk=chunk_size, backward=backward)
         use = utilization(ms=ms["triton"], flops=flops, nbytes=nbytes)
         rows.append(f"| {rule} | {T} | {name} | {ms['sdpa']:.2f} | {chunk_cells[0]} | {compiled} | "
-                    f"{ms['triton']:.2f} | {kernels} | {fused} | {ms['triton'] / ms['sdpa']:.2f}x | {chunk_cells[1]} | "
+                    f"{ms['triton']:.2f} | {kernels} | {torch_prep} | {ms['triton'] / ms['sdpa']:.2f}x | {chunk_cells[1]} | "
                     f"{use['tflops']:.0f} "
                     f"({100 * use['flop_frac']:.1f}%) | {use['tbps']:.2f} ({100 * use['byte_frac']:.0f}%) |")
     return rows

@@ -172,8 +172,7 @@ def decoding(model, *, context: int, device: torch.device, steps: int, batch: in
             sync(device)
             times.append(time.perf_counter() - start)
     model.train()
-    state_bytes = sum(t.numel() * t.element_size() for layer in cache.layers
-                      for t in (layer._key, layer._value, *layer.ssm.values()) if isinstance(t, torch.Tensor))
+    state_bytes = sum(layer.state_bytes() for layer in cache.layers)
     decode_s = statistics.median(times[1:] or times)
     return {"prefill_s": prefill, "decode_ms": 1e3 * decode_s, "tokens_per_s": batch / decode_s,
             "cache_mib_per_row": state_bytes / batch / 2**20}

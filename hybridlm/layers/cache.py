@@ -64,6 +64,11 @@ class LayerCache:
         self.length = needed
         return self.key, self.value
 
+    def state_bytes(self) -> int:
+        """Bytes this layer's cache holds: the key/value storage (its whole capacity) and the SSM state."""
+        tensors = [t for t in (self._key, self._value) if t is not None] + list(self.ssm.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def store_packed_kv(self, key: torch.Tensor, value: torch.Tensor, offsets: torch.Tensor) -> None:
         """Fill an empty cache from a packed prefill: key/value [1, total, H_kv, D] of the sequences that
         `offsets` [N + 1] delimit become N rows, each right-aligned in max(length) slots (left padding)."""

@@ -252,6 +252,10 @@ def test_static_decoder_reads_its_states_from_fixed_buffers():
         assert [{name: t.data_ptr() for name, t in layer.ssm.items()} for layer in decoder.cache.layers] == buffers
         assert [layer._key.data_ptr() for layer in decoder.cache.layers if layer._key is not None] == storage
         assert int(decoder.cache.slot) == 7 and decoder.cache.free == 0
+        layer = next(layer for layer in decoder.cache.layers if layer._key is not None)
+        kv = 2 * layer._key.numel() * layer._key.element_size()  # the whole capacity: [2, 7, H_kv, D]
+        assert layer._key.shape[:2] == (2, 7)
+        assert layer.state_bytes() == kv + sum(t.numel() * t.element_size() for t in layer.ssm.values())
         with pytest.raises(ValueError, match="cache is full"):
             decoder.step(tokens[:, 0])
 
