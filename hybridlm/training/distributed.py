@@ -143,7 +143,14 @@ def init_distributed(config: Any, *, device: str = "auto", timeout_s: float = 18
 
 
 def destroy_distributed(ctx: DistContext) -> None:
+    """Leave together, then tear the process group down. Without the barrier a rank could destroy its group while
+    another still finishes its last save (seen on 2 gloo CPU processes: "terminate called without an active
+    exception", SIGABRT at exit). A barrier that fails (a peer already gone) does not stop the teardown."""
     if ctx.distributed and dist.is_initialized():
+        try:
+            dist.barrier()
+        except RuntimeError:  # (DistBackendError is one)
+            pass  # a peer exited first (its own error is what the launcher reports)
         dist.destroy_process_group()
 
 
