@@ -200,16 +200,26 @@ def main() -> None:
           + (" · training through torch.compile" if args.compile else "")
           + (" · decoding through CUDA graphs" if args.graph else ""))
     rows: list[dict] = []
+
+    def record(row: dict) -> None:
+        """Keep `row` and say it at once (and rewrite --json), so a run cut short still shows what it measured."""
+        rows.append(row)
+        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items() if k != "params"}
+        print("measured " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": name, "preset": args.preset, "rows": rows}, f, indent=1)
+
     for variant in args.variants:
         model = build(args.preset, variant, device)
         params = sum(p.numel() for p in model.parameters())
         for length in args.lengths:
             try:
-                rows.append({"variant": variant, "params": params, "T": length,
-                             **training(model, length=length, device=device, repeats=args.repeats,
-                                        compile=args.compile, profile_label=variant if args.profile_train else None)})
+                record({"variant": variant, "params": params, "T": length,
+                        **training(model, length=length, device=device, repeats=args.repeats,
+                                   compile=args.compile, profile_label=variant if args.profile_train else None)})
             except torch.OutOfMemoryError:
-                rows.append({"variant": variant, "params": params, "T": length, "tokens_per_s": None})
+                record({"variant": variant, "params": params, "T": length, "tokens_per_s": None})
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         for context in args.contexts:
@@ -219,7 +229,7 @@ def main() -> None:
                                         graph=args.graph)
                 except torch.OutOfMemoryError:
                     measured = {"prefill_s": None, "decode_ms": None, "tokens_per_s": None, "cache_mib_per_row": None}
-                rows.append({"variant": variant, "context": context, "batch": batch, **measured})
+                record({"variant": variant, "context": context, "batch": batch, **measured})
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         if args.profile_decode:
@@ -247,9 +257,6 @@ def main() -> None:
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         print(f"| {variant} | {context} | {batch} | {r['prefill_s']:.3f} | {r['decode_ms']:.2f} | "
               f"{r['tokens_per_s']:.0f} | {ratio} | {r['cache_mib_per_row']:.1f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": name, "preset": args.preset, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -442,7 +442,7 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
 
 
 def plot_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
-    from hybridlm.eval.bench import pyplot
+    from hybridlm.eval.bench import plot_percent_with_std, pyplot
     from hybridlm.eval.models import describe
 
     plt = pyplot()
@@ -453,8 +453,7 @@ def plot_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
             continue
         mean = np.array([s["token_acc"][w]["mean"] for w in widths]) * 100
         std = np.array([s["token_acc"][w]["std"] for w in widths]) * 100
-        (line,) = ax.plot(widths, mean, label=f"{describe(m)}", linewidth=1.5)
-        ax.fill_between(widths, mean - std, mean + std, color=line.get_color(), alpha=0.15, linewidth=0)
+        plot_percent_with_std(ax, widths, mean, std, label=describe(m), linewidth=1.5)
     ax.axvspan(recipe.train_max_width + 0.5, recipe.eval_max_width + 0.5, color="0.9", zorder=0)
     ax.set_xlabel("digits n (shaded: longer than any training example)")
     ax.set_ylabel("teacher-forced target-digit accuracy (%)")

@@ -382,6 +382,13 @@ def pyplot():
     return plt
 
 
+def plot_percent_with_std(ax, x, mean, std, *, label: str, **line_options) -> None:
+    """A mean curve in % with a +-1 std band over seeds, the band clipped to 0..100 (an accuracy cannot leave it)."""
+    (line,) = ax.plot(x, mean, label=label, **line_options)
+    ax.fill_between(x, np.clip(mean - std, 0, 100), np.clip(mean + std, 0, 100), color=line.get_color(), alpha=0.15,
+                    linewidth=0)
+
+
 def command_line() -> str:
     """The `hybridlm ...` command being run, or a note when called from Python."""
     if sys.argv and Path(sys.argv[0]).name in ("hybridlm", "cli.py"):

@@ -305,7 +305,7 @@ def write_report(by_model: dict[str, list[dict]], recipe: RecallRecipe, out_dir:
 
 
 def _plot(stats: dict, recipe: RecallRecipe, path: Path) -> None:
-    from hybridlm.eval.bench import pyplot
+    from hybridlm.eval.bench import plot_percent_with_std, pyplot
     from hybridlm.eval.models import describe
 
     plt = pyplot()
@@ -317,8 +317,7 @@ def _plot(stats: dict, recipe: RecallRecipe, path: Path) -> None:
                 continue
             mean = np.array([s["acc"][task][n]["mean"] for n in lengths]) * 100
             std = np.array([s["acc"][task][n]["std"] for n in lengths]) * 100
-            (line,) = ax.plot(lengths, mean, marker="o", markersize=3, label=describe(m))
-            ax.fill_between(lengths, mean - std, mean + std, color=line.get_color(), alpha=0.15, linewidth=0)
+            plot_percent_with_std(ax, lengths, mean, std, label=describe(m), marker="o", markersize=3)
         ax.set_xscale("log", base=2)
         ax.axvline(recipe.train_max_len, color="0.6", linestyle="--", linewidth=1)
         ax.set_title(task)

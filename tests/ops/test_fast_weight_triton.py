@@ -253,8 +253,9 @@ CONTRACT_CASES = [  # rule, window, pairing, read, step_size, packed, with an in
                          ids=["-".join(map(str, case[:5])) + ("-packed" if case[5] else "") + ("" if case[6] else "-fresh")
                               for case in CONTRACT_CASES])
 def test_front_door_matches_chunk(rule, window, pairing, read, step_size, packed, stateful):
-    """`fast_weight_attention(backend="triton")` (raw q, k, v, beta, lam -> prepared writes -> kernels; 3A as delayed
-    writes plus the band; windows up to 9, longer than some packed documents) against the torch chunk backend, with or without a carried state (S, last key, window tail), ridge
+    """`fast_weight_attention(backend="triton")` (raw q, k, v, beta, lam -> prepared writes -> kernels; 3A over its
+    write events, windows up to 9, longer than some packed documents) against the torch chunk backend, with or without
+    a carried state (S, last key, window tail), ridge
     scaling and packed sequences (`cu_seqlens`): outputs, the whole final state and all gradients (q, k, v, beta, lam
     and the initial S)."""
     B, T, H, K, V = (1, 70, 2, 16, 24) if packed else (2, 70, 2, 16, 24)

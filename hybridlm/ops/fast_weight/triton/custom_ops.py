@@ -16,8 +16,7 @@
     hybridlm::fast_weight_prepare_bwd(dx, dy, deta, dlog_gamma, <the forward's inputs>) -> (dk, dv, dbeta, dlam,
         dlast_k).
 
-Rule 3A runs as rule 1A over delayed writes plus a band in torch (`frontend.py`), so it goes through the 1A ops; rule
-3's events differ
+Rule 3A runs as rule 1A over its write events (`frontend.py`), so it goes through the 1A ops; rule 3's events differ
 from rule 1's rows (the events of one step do not see each other's writes), hence its own ops on rule 1's kernels.
 The implementations (`chunk_1a.py`, `chunk_1.py`, `chunk_2a.py`, `chunk_2.py`, `prepare.py`, which need triton) are
 imported on the first call; this file imports only torch.

@@ -2,25 +2,18 @@
 
 Same contract as `chunk.fast_weight_chunk` (inputs validated by the front door), for the rules and options of
 `supports(...)`: rules 1A and 1 (window 1; `chunk_1.py`), 2A and 2 (decays and step sizes per value column;
-`chunk_2a.py`, `chunk_2.py`, chunks of 16), rule 3A as 1A over delayed writes and rule 3 as 1 over write events.
+`chunk_2a.py`, `chunk_2.py`, chunks of 16), rule 3A as 1A over write events and rule 3 as 1 over write events.
 Unlike the torch backends it keeps q, k, v in their dtype (bf16/fp16 run on tensor cores); the statistic E_t, the
 step sizes and the log decays are in float32.
 
-Rule 3A, delayed writes (README.md, "Rule 3A as delayed writes"): step t writes w_(t,j) x_j y_j^T for the `window`
-pairs j = t-W+1..t of its window, so pair p receives its W writes at steps p..p+W-1. Its share of S_t is
-C_t(p) x_p y_p^T with C_t(p) = sum_{t'=p..min(t, p+W-1)} w_(t',p) gamma_(t'+1) ... gamma_t, and once complete
-(t >= p+W-1) it only decays: S_t is 1A's state over ONE delayed write per step, pair t-W+1 with weight C_t(t-W+1)
-(the oldest slot of step t's window), plus the W-1 pairs still being written, a band read directly:
+Rule 3A over events (README.md, "Rule 3A as 1A over events"): step t writes w_(t,j) x_j y_j^T for the `window`
+slots j of its window (w = eta_t [pair j exists] / B_t). Laid out in time as (t, slot 0), ..., (t, slot W-1), with
+the step's decay on slot 0 and none on the others, the 1A recurrence over the T * W events passes through S_t after
+slot W-1 and S_{t-1} before slot 0: the outputs are read there (q sits on that slot, zeros elsewhere). The cost is W
+times 1A's (one scan over delayed writes was tried and measured slower with its band in torch: README.md).
 
-    o_t = (1A over (x_(t-W+1), y_(t-W+1), C_t(t-W+1)))_t + sum_(p = t-W+2..t) C_t(p) (q_t . x_p) y_p     (read after)
-
-(read before: the band of S_(t-1)). Every decay inside C spans fewer than W steps and runs forward in time (never
-exp of a positive sum), so this is as stable as the event form it replaced, at 1A's cost plus O(W^2) scalars and
-O(W (K + V)) per step instead of W times 1A's kernels.
-
-Rule 3 over events: step t is laid out as the events (t, 0), ..., (t, W-1), the step's decay on slot 0, q_t on the slot
-where the step reads. Every event of step t writes w_(t,j) x_j (y_j - S_{t-1}^T x_j)^T against the state before the
-step's decay (nothing can be delayed: the residual depends on the state), so the events of one step must not see each other's
+Rule 3 over events, the same layout with two differences. Every event of step t writes w_(t,j) x_j (y_j -
+S_{t-1}^T x_j)^T against the state before the step's decay, so the events of one step must not see each other's
 writes: rule 1's kernels take the number of slots per step and mask same-step pairs out of the residuals' triangular
 system (`kernels_delta.py`, SLOTS). And no step may straddle a chunk boundary (the next chunk's entry state would hold
 part of a step's writes), so each step is laid out on P = the next power of two >= W slots, slots W..P-1 events that
@@ -113,15 +106,8 @@ def fast_weight_triton(
         p.final.S = S
         return o, p.final
 
-    if rule == "3A":
-        o, S = _delayed_window(p, initial_state.S.float(), read_after=read_after, chunk_size=_triton_chunk(chunk_size))
-        if offsets is not None:
-            o = padded_to_packed(o, offsets)
-        p.final.S = S
-        return o, p.final
-
-    # Rule 3's scan over the T * P events (the events of step t are (t, 0), ..., (t, P - 1); P the next power of two
-    # >= W, the slots past W events that write nothing); rules 1 and 1A (torch preparation) with P = W = 1.
+    # The 1A / 1 scan over the T * P events (the events of step t are (t, 0), ..., (t, P - 1)): P = W, except for
+    # rule 3, whose steps are padded to a power of two with events that write nothing.
     P = 1 << (W - 1).bit_length() if rule == "3" else W
     X, Y, weights = p.X, p.Y, p.weights[..., 0]                                            # [N, T, H, W, *]
     if P > W:
@@ -150,35 +136,6 @@ def fast_weight_triton(
         o = padded_to_packed(o, offsets)
     p.final.S = S
     return o, p.final
-
-
-def _delayed_window(p, S0: torch.Tensor, *, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rule 3A on prepare_writes' windows as 1A over delayed writes plus the band of pairs still being written (the
-    module docstring). p.X / p.Y [N, T, H, W, *] hold pair t-W+1+j in slot j of step t, p.weights [N, T, H, W, 1] its
-    weight w_(t,j). Returns o [N, T, H, V] in q's dtype and the final state [N, H, K, V] float32 (at the padded end
-    of every row: padded steps write nothing and do not decay)."""
-    T, W = p.X.shape[1], p.X.shape[3]
-    w = p.weights[..., 0]                                                                  # [N, T, H, W]
-    lg = p.log_gamma[..., 0]                                                               # [N, T, H]
-    # C_t[j] = sum_m exp(lg_(t-m+1) + ... + lg_t) w_(t-m)[j+m]: the pair in slot j of step t, over its writes so far.
-    C, span = w, torch.zeros_like(lg)
-    for m in range(1, min(W, T)):
-        span = span + F.pad(lg[:, : T - m + 1], (0, 0, m - 1, 0))                         # sum of the last m lg
-        C = C + span.exp()[..., None] * F.pad(w[:, : T - m, :, m:], (0, m, 0, 0, m, 0))
-    dtype = p.q.dtype
-    o, S = fast_weight_1a_triton(p.q, p.X[:, :, :, 0].to(dtype).contiguous(), p.Y[:, :, :, 0].to(dtype).contiguous(),
-                                 C[..., 0].contiguous(), lg.contiguous(), S0, read_after=read_after,
-                                 chunk_size=chunk_size)
-    if W == 1:
-        return o, S
-    band = C[..., 1:], p.X[:, :, :, 1:].float(), p.Y[:, :, :, 1:].float()                  # the pairs p > t-W+1
-    if not read_after:  # S_(t-1)'s band; S_0's partial writes are in S_0
-        band = tuple(F.pad(t[:, :-1], (0, 0) * (t.dim() - 2) + (1, 0)) for t in band)
-    Cb, Xb, Yb = band
-    scores = torch.einsum("nthk,nthjk->nthj", p.q.float(), Xb) * Cb                       # C (q_t . x_p)
-    o = (o.float() + torch.einsum("nthj,nthjv->nthv", scores, Yb)).to(o.dtype)
-    S = S + torch.einsum("nhj,nhjk,nhjv->nhkv", C[:, -1, :, 1:], p.X[:, -1, :, 1:].float(), p.Y[:, -1, :, 1:].float())
-    return o, S
 
 
 def _window_1(q, k, v, beta, lam, *, rule, pairing, read, step_size, ridge_scaling, eps, eps_gamma, initial_state,
