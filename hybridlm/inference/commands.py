@@ -19,6 +19,8 @@ import argparse
 import sys
 from pathlib import Path
 
+DEFAULT_NEW_TOKENS = 64
+
 
 class CommandError(Exception):
     """A user-facing error: printed as one line, no traceback."""
@@ -33,7 +35,9 @@ def add_commands(subparsers) -> None:
     p.add_argument("--prompt", required=True, action="append", metavar="TEXT",
                    help="the prompt; repeat for a batch of prompts")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: the model directory)")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to add (default 64)")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"tokens to add (default {DEFAULT_NEW_TOKENS}, or fewer when the model's "
+                        "max_position_embeddings leaves less room)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="0 = greedy (default); > 0 samples from softmax(logits / T)")
     p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens")
@@ -94,11 +98,17 @@ def generate_texts(args: argparse.Namespace) -> list[str]:
 
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else (config.pad_token_id or 0)
     width = max(len(ids) for ids in prompts)
+    new_tokens = min(DEFAULT_NEW_TOKENS, limit - width) if args.max_new_tokens is None else args.max_new_tokens
+    if width + new_tokens > limit:
+        raise CommandError(
+            f"the longest prompt ({width} tokens) + --max-new-tokens {new_tokens} = {width + new_tokens} positions, "
+            f"more than the model's max_position_embeddings {limit}: ask for at most {limit - width} new tokens"
+        )
     batch = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=device)
     eos = _eos_ids(tokenizer.eos_id, config.eos_token_id)
     out = generate(
-        model, batch, attention_mask=mask, max_new_tokens=args.max_new_tokens,
+        model, batch, attention_mask=mask, max_new_tokens=new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=eos or None,
         pad_token_id=pad, seed=args.seed, graph=args.graph,
     )

@@ -13,7 +13,10 @@ prompt, to float rounding). The cache then holds one row per prompt and every ro
 length; see `hybridlm.layers.cache`.
 
 `graph=True` runs the decoding steps through `GraphedDecoder` (hybridlm/inference/graphed.py): one replayed CUDA
-graph per token on a GPU, the same fixed-shape step run eagerly on the CPU; same tokens and logits.
+graph per token on a GPU, the same fixed-shape step run eagerly on the CPU; the same tokens and logits in float32 (in
+bf16 the two paths round differently, so a near-tie between two tokens can go either way). Its attention reads the
+prompt length + max_new_tokens slots at every step, whether or not an eos ends the rows early: ask for the tokens
+you need.
 
 Stopping: a row is finished once it produces one of `eos_token_id`; its later positions hold
 `pad_token_id` (or the first eos id when no pad id is known) and decoding ends when every row is done
@@ -92,6 +95,7 @@ def generate(
         decoder = None
         if graph and max_new_tokens > 1:
             decoder = GraphedDecoder(model, cache, capacity=cache.seq_len + max_new_tokens - 1, batch_size=batch)
+            cache = None  # the decoder holds a copy: free the prefill's keys and values
         for step in range(max_new_tokens):
             if output_logits:
                 step_logits.append(logits.float().clone())  # (the decoder's logits buffer is rewritten)

@@ -33,9 +33,13 @@ class GraphedDecoder:
 
     def __init__(self, model, cache: HybridCache, *, capacity: int, batch_size: int,
                  use_graph: bool | None = None) -> None:
+        rows = _cache_rows(cache)
+        if rows is not None and rows != batch_size:
+            raise ValueError(f"batch_size {batch_size} does not match the cache's {rows} rows")
         self.model = model
         self.device = next(model.parameters()).device
-        self.cache = StaticCache(cache, capacity=capacity, batch_size=batch_size, device=self.device)
+        with torch.no_grad():  # the storage must not carry the prefill's autograd graph
+            self.cache = StaticCache(cache, capacity=capacity, batch_size=batch_size, device=self.device)
         self.use_graph = self.device.type == "cuda" if use_graph is None else use_graph
         if self.use_graph and self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device (use_graph=False runs the static step)")
@@ -48,6 +52,9 @@ class GraphedDecoder:
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed `token` [B] (int64): the logits [B, V] of the next position. They live in a buffer the next call
         overwrites (clone to keep them)."""
+        if token.numel() != self.token.shape[0] or token.dtype.is_floating_point:
+            raise ValueError(f"step takes one integer token per row: [{self.token.shape[0]}], got "
+                             f"{list(token.shape)} {token.dtype}")
         if self.cache.free < 1:
             raise ValueError(f"the decoder's cache is full ({self.cache.capacity} slots): build it with a larger "
                              "capacity (prompt length + new tokens)")
@@ -57,7 +64,11 @@ class GraphedDecoder:
         if self.graph is None:
             self._capture()
         self.graph.replay()
-        self.cache.seq_len += 1  # the host's count (the replayed graph advances the device-side slot)
+        # The host's counts (the replayed graph advances the device-side slot and positions, not these).
+        self.cache.seq_len += 1
+        for layer in self.cache.layers:
+            if layer._key is not None:
+                layer.length += 1
         return self.logits
 
     def _forward(self) -> torch.Tensor:
@@ -74,21 +85,27 @@ class GraphedDecoder:
         return logits
 
     def _capture(self) -> None:
+        """Record the step into `self.graph`. Whether it succeeds or raises, the states and counters are left as
+        they were (capture records the step without running it; the warm-up step's effect is undone), and a
+        failed capture leaves no graph behind to replay."""
         saved = self._snapshot()
         casts = contextlib.nullcontext()
         if torch.is_autocast_enabled("cuda"):  # the module docstring: no cached weight casts inside the graph
             casts = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
-        with casts:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._forward()  # warm-up: lazy library set-up and kernel selection happen outside the capture
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+        try:
+            with casts:
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self._forward()  # warm-up: lazy library set-up and kernel selection happen outside the capture
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                self._restore(saved)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    logits = self._forward()
+            self.graph, self.logits = graph, logits
+        finally:
             self._restore(saved)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = self._forward()
-        self._restore(saved)  # capture records the step without running it; the host counters moved once
 
     def _snapshot(self) -> dict:
         """What a step changes besides the key/value slot it writes (which the next real step rewrites)."""
@@ -105,3 +122,14 @@ class GraphedDecoder:
         for buffers, states in zip(self.buffers, saved["states"]):
             for name, value in states.items():
                 buffers[name].copy_(value)
+
+
+def _cache_rows(cache: HybridCache) -> int | None:
+    """The number of rows a filled cache holds (None when it holds no tensor yet)."""
+    if cache.lengths is not None:
+        return int(cache.lengths.shape[0])
+    for layer in cache.layers:
+        for tensor in (layer._key, *layer.ssm.values()):
+            if tensor is not None:
+                return int(tensor.shape[0])
+    return None

@@ -175,13 +175,17 @@ class StaticCache(HybridCache):
         self.slot = torch.tensor(cache.seq_len, dtype=torch.int64, device=device)
         self.layers = [StaticLayerCache(layer, capacity=capacity, slot=self.slot) for layer in cache.layers]
         self.seq_len = cache.seq_len
-        self.lengths = cache.lengths
         rows = cache.lengths if cache.lengths is not None else torch.full((batch_size,), cache.seq_len)
         self.next_positions = rows.to(device=device, dtype=torch.int64).clone()[:, None]  # [B, 1]
 
     @property
     def free(self) -> int:
         return self.capacity - self.seq_len
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B] tokens of each row so far (the device tensor the steps advance, also inside a replayed graph)."""
+        return self.next_positions[:, 0]
 
     def positions(self, length: int, device: torch.device) -> torch.Tensor:
         if length != 1:

@@ -44,6 +44,24 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
+class StepCount:
+    count = 0
+
+
+def count_decoder_steps(monkeypatch) -> StepCount:
+    """Count `GraphedDecoder.step` calls, so a test knows the static path ran (the dynamic one gives the same output)."""
+    from hybridlm.inference import GraphedDecoder
+
+    counter, step = StepCount(), GraphedDecoder.step
+
+    def counted(self, token):
+        counter.count += 1
+        return step(self, token)
+
+    monkeypatch.setattr(GraphedDecoder, "step", counted)
+    return counter
+
+
 @pytest.mark.parametrize("mixer", list(MIXERS))
 def test_cached_logits_equal_the_full_forward(mixer):
     model = make_model(seed=1, **MIXERS[mixer])
@@ -218,7 +236,7 @@ def test_zero_new_tokens_returns_the_prompt():
 @pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1A", "fast_weight-3A", "fast_weight-3A-same_step-read_before",
                                    "fast_weight-1", "none", "fast_weight-3-ssm_only"])
 @pytest.mark.parametrize("padded", [False, True], ids=["equal", "left-padded"])
-def test_static_decoding_step_equals_the_dynamic_cache(mixer, padded):
+def test_static_decoding_step_equals_the_dynamic_cache(mixer, padded, monkeypatch):
     """`generate(graph=True)` on the CPU: the fixed-shape step of `GraphedDecoder` (static key/value storage written
     at a device-side slot, masks over the whole storage, states copied back into their buffers) gives the dynamic
     cache's tokens and logits, for every mixer, with and without left padding."""
@@ -228,7 +246,9 @@ def test_static_decoding_step_equals_the_dynamic_cache(mixer, padded):
     else:
         batch, mask = ids(3, 6, seed=7), None
     dynamic = generate(model, batch, attention_mask=mask, max_new_tokens=7, output_logits=True)
+    steps = count_decoder_steps(monkeypatch)
     static = generate(model, batch, attention_mask=mask, max_new_tokens=7, output_logits=True, graph=True)
+    assert steps.count == 6  # every token after the prefill's came from the static step
     assert torch.equal(static.sequences, dynamic.sequences)
     assert max_diff(static.logits, dynamic.logits) < 1e-5
 
@@ -252,12 +272,22 @@ def test_static_decoder_reads_its_states_from_fixed_buffers():
         assert [{name: t.data_ptr() for name, t in layer.ssm.items()} for layer in decoder.cache.layers] == buffers
         assert [layer._key.data_ptr() for layer in decoder.cache.layers if layer._key is not None] == storage
         assert int(decoder.cache.slot) == 7 and decoder.cache.free == 0
+        assert [layer.length for layer in decoder.cache.layers if layer._key is not None] == [7, 7]
+        assert decoder.cache.lengths.tolist() == [7, 7]
+        config = model.config
+        kv = 2 * 2 * 7 * config.num_key_value_heads * config.head_dim * 4  # keys + values [2, 7, H_kv, D] float32
+        fw = (2 * config.fw_heads * config.fw_head_dim ** 2  # S [2, H, K, V]
+              + 2 * config.fw_heads * config.fw_head_dim  # the last key [2, H, K]
+              + 2 * 2 * 2 * config.fw_heads * config.fw_head_dim) * 4 + 2 * 8  # the window's tail: 2 pairs, its length
         layer = next(layer for layer in decoder.cache.layers if layer._key is not None)
-        kv = 2 * layer._key.numel() * layer._key.element_size()  # the whole capacity: [2, 7, H_kv, D]
-        assert layer._key.shape[:2] == (2, 7)
-        assert layer.state_bytes() == kv + sum(t.numel() * t.element_size() for t in layer.ssm.values())
+        conv = layer.state_bytes() - kv - fw
+        assert conv > 0 and conv == sum(t.numel() * 4 for name, t in layer.ssm.items() if "conv" in name)
         with pytest.raises(ValueError, match="cache is full"):
             decoder.step(tokens[:, 0])
+        with pytest.raises(ValueError, match="one integer token per row"):
+            decoder.step(tokens[:1, 0])
+    with pytest.raises(ValueError, match="batch_size 3 does not match the cache's 2 rows"):
+        GraphedDecoder(model, cache, capacity=9, batch_size=3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
@@ -271,7 +301,54 @@ def test_cuda_graph_decoding_equals_eager(mixer):
     graphed = generate(model, batch, attention_mask=mask, max_new_tokens=9, output_logits=True, graph=True)
     assert torch.equal(graphed.sequences, dynamic.sequences)
     assert max_diff(graphed.logits, dynamic.logits) < 1e-4
-    with torch.autocast("cuda", dtype=torch.bfloat16):  # the capture must not keep autocast's cached casts
-        dynamic = generate(model, batch, attention_mask=mask, max_new_tokens=9, output_logits=True)
-        graphed = generate(model, batch, attention_mask=mask, max_new_tokens=9, output_logits=True, graph=True)
-    assert max_diff(graphed.logits, dynamic.logits) < 5e-2
+    # bf16 (the capture must not keep autocast's cached casts): both paths fed the same tokens, since a near-tie
+    # rounded differently would send two free-running generations apart.
+    from hybridlm.inference import GraphedDecoder
+
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        cache = model.new_cache()
+        logits = model(batch, attention_mask=mask, cache=cache, logits_to_keep=1).logits[:, -1]
+        decoder = GraphedDecoder(model, cache, capacity=cache.seq_len + 8, batch_size=batch.shape[0])
+        for _ in range(8):
+            token = logits.argmax(-1)
+            logits = model(token[:, None], cache=cache, logits_to_keep=1).logits[:, -1]
+            assert max_diff(decoder.step(token).float(), logits.float()) < 5e-2
+    assert decoder.graph is not None
+
+
+def test_a_failed_capture_leaves_no_graph_and_the_states_as_they_were(monkeypatch):
+    """`GraphedDecoder._capture` with the CUDA calls stood in for on the CPU and the capture failing: the error
+    propagates, no graph is kept to replay, and the states, slot, positions and host counts are the ones before."""
+    import contextlib
+
+    from hybridlm.inference import GraphedDecoder
+
+    class Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    @contextlib.contextmanager
+    def failing_capture(graph):
+        raise RuntimeError("capture failed")
+        yield
+
+    model = make_model(seed=8, **MIXERS["fast_weight-3A"])
+    tokens = ids(2, 5, seed=8)
+    with torch.no_grad():
+        cache = model.new_cache()
+        model(tokens, cache=cache)
+    decoder = GraphedDecoder(model, cache, capacity=9, batch_size=2, use_graph=False)
+    decoder.use_graph = True
+    for name, stand_in in [("Stream", lambda device=None: Stream()), ("current_stream", lambda device=None: Stream()),
+                           ("stream", lambda s: contextlib.nullcontext()), ("CUDAGraph", object),
+                           ("graph", failing_capture)]:
+        monkeypatch.setattr(torch.cuda, name, stand_in)
+    before = decoder._snapshot()
+    with pytest.raises(RuntimeError, match="capture failed"):
+        decoder.step(tokens[:, 0])
+    after = decoder._snapshot()
+    assert decoder.graph is None and decoder.logits is None
+    assert after["seq_len"] == before["seq_len"] and after["lengths"] == before["lengths"]
+    assert torch.equal(after["slot"], before["slot"]) and torch.equal(after["positions"], before["positions"])
+    for old, new in zip(before["states"], after["states"]):
+        assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)

@@ -13,6 +13,7 @@ from hybridlm.inference import generate
 from hybridlm.models.config import HybridConfig
 from hybridlm.models.configuration import HybridLMConfig
 from hybridlm.models.model import HybridForCausalLM
+from tests.inference.test_generate import count_decoder_steps
 from tests.models.falcon_reference import randomize_
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(44)]
@@ -53,8 +54,9 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def test_greedy_text_matches_the_library(word_model, capsys):
+def test_greedy_text_matches_the_library(word_model, capsys, monkeypatch):
     path, model = word_model
+    steps = count_decoder_steps(monkeypatch)
     code, out, err = run(capsys, "--model", path, "--prompt", "w5 w7 w9", "--max-new-tokens", 6)
     assert code == 0, err
     expected = generate(model, torch.tensor([[9, 11, 13]]), max_new_tokens=6, eos_token_id=2)
@@ -65,6 +67,7 @@ def test_greedy_text_matches_the_library(word_model, capsys):
     # --graph: the fixed-shape decoding step (a CUDA graph on a GPU, eager here) writes the same text.
     code, graphed, err = run(capsys, "--model", path, "--prompt", "w5 w7 w9", "--max-new-tokens", 6, "--graph")
     assert code == 0 and graphed == out, err
+    assert steps.count >= 1  # the decoder ran (it is not the dynamic path's output twice)
 
 
 def test_prompts_batch_and_seeded_sampling_repeats(word_model, capsys):
@@ -104,6 +107,9 @@ def test_errors_are_one_line(word_model, tmp_path, capsys):
     long_prompt = " ".join(f"w{i}" for i in range(13))
     code, _, err = run(capsys, "--model", path, "--prompt", long_prompt)
     assert code == 1 and "has 13 tokens, more than the model's max_position_embeddings 12" in err
+    code, _, err = run(capsys, "--model", path, "--prompt", "w1 w2 w3", "--max-new-tokens", 10)
+    assert code == 1 and "= 13 positions, more than the model's max_position_embeddings 12" in err
+    assert "at most 9 new tokens" in err
     code, _, err = run(capsys, "--model", path, "--prompt", "w1", "--temperature", -1)
     assert code == 1 and "temperature" in err
     bare = tmp_path / "bare"
