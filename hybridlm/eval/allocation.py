@@ -236,9 +236,9 @@ def bench_allocation(points: Sequence[tuple[str, tuple[int, int, int]]], seeds: 
     runs = bench.run_jobs(jobs, out_dir, echo=echo, **run_options)
     groups = {(a, p): [runs[j.key] for j in jobs if j.spec["arrangement"] == a and tuple(j.spec["alphas"]) == p
                        and j.key in runs] for a, p in points}
-    report = write_report(groups, recipe, Path(out_dir), missing=[j.key for j in jobs if j.key not in runs])
+    report = write_report(groups, recipe, Path(out_dir), missing=runs.missing([j.key for j in jobs]))
     echo(f"wrote {report['files']}")
-    return report
+    return {**report, "exit_status": runs.exit_status()}
 
 
 def write_report(groups: dict, recipe: AllocationRecipe, out_dir: Path, *, missing=()) -> dict:

@@ -35,10 +35,12 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +50,7 @@ from hybridlm.fileio import write_atomic
 from hybridlm.training.stop import StopRequest
 
 RUNS = "runs"
+EXIT_INCOMPLETE = 75  # sysexits' EX_TEMPFAIL: runs stopped or not started; run the same command again
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,52 @@ def _run_path(out_dir: Path, key: str) -> Path:
     return out_dir / RUNS / f"{key}.json"
 
 
+class JobResults(dict):
+    """`run_jobs`' answer: key -> result of every run that exists at the end, and what became of the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed: list[str] = []  # raised (see runs/<key>.log), their worker died, or busy in another command
+        self.stopped: list[str] = []  # stopped with a checkpoint: the same command continues them
+        self.not_started: list[str] = []  # the time budget or a stop came first
+
+    def missing(self, keys: Sequence[str]) -> list[str]:
+        """`keys` without a result, failed ones marked (the reports list them)."""
+        return [f"{k} (failed: see runs/{k}.log)" if k in self.failed else k for k in keys if k not in self]
+
+    def exit_status(self) -> int:
+        """The command's exit status: 0 every run done, 1 some failed, EXIT_INCOMPLETE some stopped or not
+        started (the same command continues them)."""
+        if self.failed:
+            return 1
+        return EXIT_INCOMPLETE if self.stopped or self.not_started else 0
+
+
+class RunBusy(RuntimeError):
+    """Another command holds the run's lock (two commands share an out_dir)."""
+
+
+@contextlib.contextmanager
+def _run_lock(out_dir: Path, key: str):
+    """An exclusive lock on runs/<key>.lock while the run trains, so two commands sharing an out_dir never train
+    (and checkpoint) the same run at once. No-op where fcntl does not exist."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(out_dir / RUNS / f"{key}.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as err:
+            raise RunBusy(f"run {key} is being trained by another command on {out_dir}: run this one again when "
+                          "that one ends") from err
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def checkpoint_path(out_dir: str | Path, key: str) -> Path:
     """The checkpoint stem of a resumable run: files <stem>.json and <stem>.stepNNNNNNNN.safetensors."""
     return Path(out_dir) / RUNS / f"{key}.ckpt"
@@ -96,7 +145,9 @@ def load_run(out_dir: Path, job: Job) -> dict | None:
         return None
     try:
         stored = json.loads(path.read_text())
-    except json.JSONDecodeError:
+    except (OSError, ValueError):  # unreadable: the run trains again and rewrites it
+        return None
+    if not isinstance(stored, dict) or not isinstance(stored.get("result"), dict):
         return None
     return stored["result"] if stored.get("spec") == job.spec else None
 
@@ -110,7 +161,7 @@ def _call(job: Job, device: str, out_dir: Path, should_stop: Callable[[], bool] 
     extra = {}
     if job.resumable:
         extra = {"checkpoint": str(checkpoint_path(out_dir, job.key)), "should_stop": should_stop}
-    with open(log_path, "a", encoding="utf-8") as log:
+    with _run_lock(out_dir, job.key), open(log_path, "a", encoding="utf-8") as log:
         def log_fn(line: str) -> None:
             log.write(f"{time.strftime('%H:%M:%S')} {line}\n")
             log.flush()
@@ -125,12 +176,12 @@ def _call(job: Job, device: str, out_dir: Path, should_stop: Callable[[], bool] 
             else:
                 log_fn("failed:\n" + traceback.format_exc())
             raise
-        result["seconds"] = time.perf_counter() - start
+        result["seconds"] = time.perf_counter() - start  # this call's (a resumed run's training time: train.seconds)
         result["device"] = device
         log_fn(f"done in {result['seconds']:.1f}s")
-    write_atomic(_run_path(out_dir, job.key), json.dumps({"spec": job.spec, "result": result}, indent=1).encode())
-    if job.resumable:
-        _remove_checkpoint(out_dir, job.key)
+        write_atomic(_run_path(out_dir, job.key), json.dumps({"spec": job.spec, "result": result}, indent=1).encode())
+        if job.resumable:
+            _remove_checkpoint(out_dir, job.key)
     return result
 
 
@@ -146,6 +197,43 @@ def _remove_checkpoint(out_dir: Path, key: str) -> None:
     remove_checkpoint(checkpoint_path(out_dir, key))
 
 
+def _leftover_checkpoint(out_dir: Path, job: Job, echo: Callable[[str], None]) -> None:
+    """A finished run reused: its own checkpoint (left by a kill between the result's write and the checkpoint's
+    removal) goes; one saved for another spec under the same key (another recipe's half-done run) stays."""
+    from hybridlm.eval.task_checkpoint import json_of, saved_fingerprint
+
+    stem = checkpoint_path(out_dir, job.key)
+    if json_of(stem).is_file() and saved_fingerprint(stem) != job.spec:
+        echo(f"kept {json_of(stem)}: a checkpoint saved for another spec under the same run name")
+    else:  # its own, or only the temporaries of an interrupted first save
+        _remove_checkpoint(out_dir, job.key)
+
+
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+@contextlib.contextmanager
+def _signals_blocked():
+    """SIGTERM / SIGINT held back (delivered on leaving) while worker processes are spawned: they inherit the
+    mask, so a signal to the command's process group cannot kill one before it has left the group."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    """Kill the pool's worker processes (the runs are abandoned: stopping at once). They are in their own process
+    groups, so nothing else would reach them. `_processes` is the executor's own record of them."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        with contextlib.suppress(Exception):
+            process.kill()
+
+
 _worker_device: str | None = None
 _worker_stop = StopRequest()
 _worker_event = None  # the parent's multiprocessing Event: set on a signal or at the time budget
@@ -159,13 +247,20 @@ def _init_worker(queue, threads: int, stop_event=None) -> None:
     # A process group of its own: `timeout` and Ctrl-C signal the whole foreground group, which would
     # also kill torch.compile's compiler subprocesses and leave a compiling run waiting for them forever
     # (seen on an H200). The parent alone gets the signal and relays it through `stop_event`.
+    # The parent spawned this process with SIGTERM / SIGINT blocked (`_signals_blocked`), so a signal to the
+    # command's group before this point could not kill it (the parent relays it through `stop_event`). Out of the
+    # group, the pending ones are discarded (ignored while unblocked) and the defaults come back: an idle, orphaned
+    # worker dies on SIGTERM; during a run `_worker_call` turns them into a stop.
     with contextlib.suppress(OSError, AttributeError):
         os.setpgrp()
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _worker_parent = os.getppid()
     _worker_device = queue.get()
     _worker_event = stop_event
-    for sig in (signal.SIGTERM, signal.SIGINT):  # a signal sent to this process itself: stop the same way
-        signal.signal(sig, _worker_stop._on_signal)
     torch.set_num_threads(threads)  # the workers share the cores: no oversubscription
     if _worker_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(_worker_device))
@@ -179,9 +274,11 @@ def _worker_should_stop() -> bool:
 
 
 def _worker_call(job: Job, out_dir: str) -> tuple[str, dict | None, str, bool]:
-    """(key, result or None, error text, interrupted)."""
+    """(key, result or None, error text, interrupted). A signal sent to this process during the run stops it as
+    the parent's stop does (saving its checkpoint)."""
     try:
-        return job.key, _call(job, _worker_device, Path(out_dir), _worker_should_stop), "", False
+        with _worker_stop.handle_signals():
+            return job.key, _call(job, _worker_device, Path(out_dir), _worker_should_stop), "", False
     except Exception as err:  # noqa: BLE001  (reported by the parent; the other runs go on)
         if _is_interrupted(err):
             return job.key, None, str(err), True
@@ -196,8 +293,9 @@ def run_jobs(
     per_device: int = 1,
     time_budget: float | None = None,
     echo: Callable[[str], None] = print,
-) -> dict[str, dict]:
-    """Run (or reuse) every job; returns key -> result for the runs that exist at the end.
+) -> JobResults:
+    """Run (or reuse) every job; returns key -> result for the runs that exist at the end (with the keys of the
+    failed, stopped and not started ones: `JobResults`).
 
     SIGTERM / SIGINT (handled while this runs) and the end of `time_budget` start no further run and stop
     the resumable runs in progress at their next update, saving their checkpoints."""
@@ -205,14 +303,14 @@ def run_jobs(
     (out_dir / RUNS).mkdir(parents=True, exist_ok=True)
     if len({j.key for j in jobs}) != len(jobs):
         raise ValueError("job keys must be unique")
-    results: dict[str, dict] = {}
+    results = JobResults()
     todo: list[Job] = []
     for job in jobs:
         stored = load_run(out_dir, job)
         if stored is not None:
             results[job.key] = stored
             if job.resumable:  # a run killed between writing its result and removing its checkpoint
-                _remove_checkpoint(out_dir, job.key)
+                _leftover_checkpoint(out_dir, job, echo)
         else:
             todo.append(job)
     if results:
@@ -268,24 +366,40 @@ def run_jobs(
                 for _ in range(per_device):
                     queue.put(device)
             pending = list(reversed(todo))
-            with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
-                                     initargs=(queue, max(1, (os.cpu_count() or 1) // workers), stop_event)) as pool:
-                running = set()
+            pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
+                                       initargs=(queue, max(1, (os.cpu_count() or 1) // workers), stop_event))
+            running: dict = {}  # future -> its job's key
+            try:
                 while pending or running:
                     while pending and len(running) < workers and not should_stop():
                         job = pending.pop()
-                        running.add(pool.submit(_worker_call, job, str(out_dir)))
+                        with _signals_blocked():  # submit spawns the workers
+                            running[pool.submit(_worker_call, job, str(out_dir))] = job.key
                         echo(f"run {job.key}")
                     if not running:
                         break
-                    done, running = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
+                    done, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
                     if should_stop() and not stop_event.is_set():
                         stop_event.set()  # the workers' runs save and return at their next update
                         echo(f"stopping: {stop.reason}")
                     for future in done:
-                        key, result, error, interrupted = future.result()
+                        key = running.pop(future)
+                        try:
+                            key, result, error, interrupted = future.result()
+                        except BrokenProcessPool:
+                            # A worker was killed (out of memory, a signal) or crashed: the executor ends them all.
+                            stop.request("a worker process died")
+                            report(key, None, "its worker process died (killed, out of memory or crashed); runs "
+                                   "continue from their last checkpoint when the same command runs again", False, "")
+                            continue
                         report(key, result, error, interrupted, f" on {result['device']}" if result else "")
+            except BaseException:  # a second signal (KeyboardInterrupt): stop at once, leaving no worker behind
+                _kill_workers(pool)
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            pool.shutdown(wait=True)
     skipped = [j.key for j in todo if j.key not in results and j.key not in failures and j.key not in stopped]
+    results.failed, results.stopped, results.not_started = failures, stopped, skipped
     if stopped:
         echo(f"{len(stopped)} run(s) stopped with a checkpoint ({', '.join(stopped)}); "
              "run the same command again to continue them")
@@ -317,9 +431,9 @@ def bench_model_seeds(
             for s in seeds for m in models]
     runs = run_jobs(jobs, out_dir, echo=echo, **kwargs)
     by_model = {m: [runs[j.key] for j in jobs if j.spec["model"] == m and j.key in runs] for m in models}
-    result = report(by_model, Path(out_dir), [j.key for j in jobs if j.key not in runs])
+    result = report(by_model, Path(out_dir), runs.missing([j.key for j in jobs]))
     echo(f"wrote {result['files']}")
-    return result
+    return {**result, "exit_status": runs.exit_status()}
 
 
 # --- numbers and tables ----------------------------------------------------------------------------
@@ -363,7 +477,8 @@ def write_outputs(out_dir: Path, *, lines: list[str], payload: dict, missing: Se
     """results.md (`lines`, plus the missing runs), results.json (`payload` + command + missing) and the PNG
     drawn by `plot(path)`; returns the three paths."""
     if missing:
-        lines = [*lines, f"Missing runs (not finished yet): {', '.join(missing)}", ""]
+        lines = [*lines, f"Missing runs (run the same command to continue; read a failed run's log first): "
+                         f"{', '.join(missing)}", ""]
     out_dir.mkdir(parents=True, exist_ok=True)
     md, js, image = out_dir / "results.md", out_dir / "results.json", out_dir / png
     md.write_text("\n".join(lines), encoding="utf-8")

@@ -11,7 +11,8 @@ stopped half way by SIGTERM, SIGINT or the time budget saved a checkpoint in OUT
 from it) and take `--device cuda` (every GPU), `--per-device K` (runs side by side on each device) and
 `--time-budget SECONDS` (stop there, checkpointing the runs in progress; run the same command again to
 continue).
-Exit status: 0 done, 1 a bad input (message on stderr), 2 a usage error. See hybridlm/eval/README.md.
+Exit status: 0 done, 1 a bad input (message on stderr) or a failed run, 2 a usage error, 75 (bench: runs stopped or
+not started, by a signal or --time-budget; the same command continues them). See hybridlm/eval/README.md.
 """
 
 from __future__ import annotations
@@ -167,10 +168,10 @@ def _bench_addition(args: argparse.Namespace) -> int:
     try:
         models = parse_model_list(args.models)
         recipe = _recipe(AdditionRecipe, args)
-        bench_addition(models, list(range(args.seeds)), recipe, args.out, **_run_options(args))
+        report = bench_addition(models, list(range(args.seeds)), recipe, args.out, **_run_options(args))
     except ValueError as err:
         return _fail(str(err))
-    return 0
+    return report["exit_status"]
 
 
 def _bench_recall(args: argparse.Namespace) -> int:
@@ -182,10 +183,10 @@ def _bench_recall(args: argparse.Namespace) -> int:
         tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip()) if args.tasks else None
         lens = tuple(int(n) for n in args.eval_lens.split(",") if n.strip()) if args.eval_lens else None
         recipe = _recipe(RecallRecipe, args, tasks=tasks, eval_lens=lens)
-        bench_recall(models, list(range(args.seeds)), recipe, args.out, **_run_options(args))
+        report = bench_recall(models, list(range(args.seeds)), recipe, args.out, **_run_options(args))
     except ValueError as err:
         return _fail(str(err))
-    return 0
+    return report["exit_status"]
 
 
 def _bench_allocation(args: argparse.Namespace) -> int:
@@ -208,11 +209,11 @@ def _bench_allocation(args: argparse.Namespace) -> int:
             raise ValueError("no allocation left to run (check --points against --arrangements)")
         recipe = _recipe(AllocationRecipe, args, data=args.data if named else "shards",
                          data_dir=None if named else args.data, val_dir=args.val_data)
-        bench_allocation(points, list(range(args.seeds)), recipe, args.out, data_cache=args.data_cache,
-                         **_run_options(args))
+        report = bench_allocation(points, list(range(args.seeds)), recipe, args.out, data_cache=args.data_cache,
+                                  **_run_options(args))
     except ValueError as err:
         return _fail(str(err))
-    return 0
+    return report["exit_status"]
 
 
 def _eval_ppl(args: argparse.Namespace) -> int:

@@ -48,6 +48,15 @@ def checkpoint_files(checkpoint: str | Path) -> list[Path]:
     return sorted(p for p in stem.parent.iterdir() if pattern.fullmatch(p.name))
 
 
+def saved_fingerprint(checkpoint: str | Path) -> Any:
+    """The fingerprint STEM.json records (None when there is no readable checkpoint JSON)."""
+    try:
+        record = json.loads(json_of(stem_of(checkpoint)).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record.get("fingerprint") if isinstance(record, dict) and record.get("format") == CHECKPOINT_FORMAT else None
+
+
 def remove_checkpoint(checkpoint: str | Path) -> bool:
     """Delete the checkpoint at STEM (its JSON first: a partial removal leaves no checkpoint, only files
     the next save or removal deletes). Returns whether there was one."""

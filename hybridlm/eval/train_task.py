@@ -211,21 +211,25 @@ def train_on_task(
             except (ValueError, KeyError, RuntimeError) as err:
                 raise CheckpointError(f"{C.json_of(stem)}: the saved AdamW state does not fit this model's optimizer "
                                       f"({err}); {C.fix_hint(stem)}") from err
-            C.set_torch_rng(tree.get("torch_rng", {}), device)
-            if batch_state is not None:
-                batch_state[1](record["batch_state"])
-            saved = record["result"]
-            result.losses = [(int(s), float(v)) for s, v in saved["losses"]]
-            result.evals = list(saved["evals"])
-            result.best_step, result.best_score, result.best_loss = (saved["best_step"], saved["best_score"],
-                                                                    saved["best_loss"])
-            if "best" in tree:
-                best_state = {k: v.to(device) for k, v in tree["best"].items()}
-                best_key = _best_key(result.best_score, result.best_loss, result.best_step)
-            counted = int(record["running_count"])
-            running = tree["running_loss"].to(device) if counted else 0.0
-            first_step = last_saved = int(record["step"])
-            seconds_before = float(record["seconds"])
+            try:
+                C.set_torch_rng(tree.get("torch_rng", {}), device)
+                if batch_state is not None:
+                    batch_state[1](record["batch_state"])
+                saved = record["result"]
+                result.losses = [(int(s), float(v)) for s, v in saved["losses"]]
+                result.evals = list(saved["evals"])
+                result.best_step, result.best_score, result.best_loss = (saved["best_step"], saved["best_score"],
+                                                                        saved["best_loss"])
+                if "best" in tree:
+                    best_state = {k: v.to(device) for k, v in tree["best"].items()}
+                    best_key = _best_key(result.best_score, result.best_loss, result.best_step)
+                counted = int(record["running_count"])
+                running = tree["running_loss"].to(device) if counted else 0.0
+                first_step = last_saved = int(record["step"])
+                seconds_before = float(record["seconds"])
+            except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as err:
+                raise CheckpointError(f"{C.json_of(stem)}: its saved training state cannot be restored "
+                                      f"({type(err).__name__}: {err}); {C.fix_hint(stem)}") from err
             if log_fn is not None:
                 log_fn(f"resumed from {C.json_of(stem)} at step {first_step}/{steps}")
     start = time.perf_counter()

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
-from hybridlm.eval.bench import Job, mean_std, pm, run_jobs
+from hybridlm.eval.bench import EXIT_INCOMPLETE, Job, mean_std, pm, run_jobs
+from hybridlm.eval.task_checkpoint import CHECKPOINT_FORMAT
 
 RUNNER = "tests.eval.test_bench:toy_runner"
 
@@ -17,6 +21,8 @@ def toy_runner(spec: dict, *, device: str, log_fn) -> dict:
     log_fn(f"toy {spec}")
     if spec.get("fail"):
         raise RuntimeError("diverged")
+    if spec.get("die"):
+        os._exit(9)  # as a worker killed by the kernel's OOM killer would vanish
     return {"value": spec["x"] * 2}
 
 
@@ -30,6 +36,8 @@ def test_reuse_rerun_and_failures(tmp_path):
     assert not (tmp_path / "runs" / "b.json").exists()
     stored = json.loads((tmp_path / "runs" / "a.json").read_text())
     assert stored["spec"] == {"x": 1} and stored["result"]["device"] == "cpu"
+    assert results.failed == ["b"] and results.exit_status() == 1
+    assert results.missing(["a", "b", "c"]) == ["b (failed: see runs/b.log)"]
 
     lines.clear()
     again = run_jobs([Job("a", RUNNER, {"x": 1}), Job("c", RUNNER, {"x": 30})], tmp_path, echo=lines.append)
@@ -42,8 +50,53 @@ def test_time_budget_stops_starting_runs(tmp_path):
     results = run_jobs([Job("a", RUNNER, {"x": 1}), Job("b", RUNNER, {"x": 2})], tmp_path, time_budget=-1.0,
                        echo=lines.append)
     assert results == {} and "2 run(s) not started" in lines[-1]
+    assert results.not_started == ["a", "b"] and results.exit_status() == EXIT_INCOMPLETE
     with pytest.raises(ValueError, match="unique"):
         run_jobs([Job("a", RUNNER, {}), Job("a", RUNNER, {})], tmp_path)
+
+
+def test_a_run_another_command_is_training_is_left_alone(tmp_path):
+    """Two commands on one out_dir: a run whose lock another process holds fails with a clear message, untouched."""
+    (tmp_path / "runs").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True);"
+        " time.sleep(60)"), str(tmp_path / "runs" / "a.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        lines = []
+        results = run_jobs([Job("a", RUNNER, {"x": 1}), Job("b", RUNNER, {"x": 2})], tmp_path, echo=lines.append)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert results.failed == ["a"] and results["b"]["value"] == 4
+    assert any("FAILED a" in line and "being trained by another command" in line for line in lines)
+    assert not (tmp_path / "runs" / "a.json").exists()
+
+
+def test_a_reused_run_removes_only_its_own_leftover_checkpoint(tmp_path):
+    """A finished run reused: a checkpoint left by its own spec goes (a kill between the result and the clean-up);
+    one another spec saved under the same name stays."""
+    runs = tmp_path / "runs"
+    run_jobs([Job("a", RUNNER, {"x": 1}, resumable=False)], tmp_path, echo=lambda line: None)
+    for fingerprint, kept in (({"x": 2}, True), ({"x": 1}, False)):
+        record = {"format": CHECKPOINT_FORMAT, "fingerprint": fingerprint, "step": 1}
+        (runs / "a.ckpt.json").write_text(json.dumps(record))
+        (runs / "a.ckpt.step00000001.safetensors").write_bytes(b"tensors")
+        lines = []
+        run_jobs([Job("a", RUNNER, {"x": 1}, resumable=True)], tmp_path, echo=lines.append)
+        assert (runs / "a.ckpt.json").exists() == kept
+        assert (runs / "a.ckpt.step00000001.safetensors").exists() == kept
+        assert any("saved for another spec" in line for line in lines) == kept
+
+
+def test_a_worker_that_dies_fails_its_run_and_the_command_goes_on(tmp_path):
+    """A worker process killed outright (no Python exception) is reported as a failed run, not a crash of the whole
+    command: the report can still be written from the other runs."""
+    lines = []
+    jobs = [Job("a", RUNNER, {"x": 1, "die": True}), Job("b", RUNNER, {"x": 2})]
+    results = run_jobs(jobs, tmp_path, devices=["cpu", "cpu"], echo=lines.append)
+    assert "a" in results.failed and results.exit_status() == 1
+    assert any("FAILED a" in line and "worker process died" in line for line in lines)
 
 
 def test_mean_std_and_formatting():

@@ -35,8 +35,9 @@ def _model(name: str = "hybrid-fw-1A"):
 
 
 def _train(checkpoint=None, stop_at=(), *, model_name: str = "hybrid-fw-1A", lr: float = 3e-3,
-           fingerprint=None):
-    """A tiny addition run: batches from a numpy Generator, validation every 2 steps, a loss line every 2."""
+           fingerprint=None, falling_scores: bool = False):
+    """A tiny addition run: batches from a numpy Generator, validation every 2 steps, a loss line every 2.
+    `falling_scores`: validation scores 1 / step instead of the accuracy, so the first evaluation stays the best."""
     model = _model(model_name)
     rng = np.random.default_rng([0, 7])
     val = A.eval_sets(range(1, 4), 2, seed=5)
@@ -46,8 +47,10 @@ def _train(checkpoint=None, stop_at=(), *, model_name: str = "hybrid-fw-1A", lr:
 
     def eval_fn(m) -> tuple[float, float]:
         per_width = A.evaluate(m, val, device="cpu")
-        return (float(np.mean([r["token_acc"] for r in per_width.values()])),
-                float(np.mean([r["loss"] for r in per_width.values()])))
+        loss = float(np.mean([r["loss"] for r in per_width.values()]))
+        if falling_scores:
+            return 1.0 / steps_done[0], loss
+        return float(np.mean([r["token_acc"] for r in per_width.values()])), loss
 
     def should_stop() -> bool:
         return steps_done[0] in stop_at
@@ -90,6 +93,20 @@ def test_interrupted_and_resumed_training_equals_an_uninterrupted_run(tmp_path):
     _, again = _train(stem, stop_at=tuple(range(STEPS + 1)))
     _same_result(again, straight)
     assert remove_checkpoint(stem) and checkpoint_files(stem) == []
+
+
+def test_a_best_evaluation_before_the_stop_survives_the_resume(tmp_path):
+    """The best evaluation (step 2) comes before the stop (step 3): the resumed run still ends on step 2's weights
+    and reports step 2 as its best, as the uninterrupted run does."""
+    straight_model, straight = _train(falling_scores=True)
+    assert straight.best_step == 2
+    stem = tmp_path / "run.ckpt"
+    with pytest.raises(TrainingInterrupted):
+        _train(stem, stop_at=(3,), falling_scores=True)
+    resumed_model, resumed = _train(stem, falling_scores=True)
+    _same_result(resumed, straight)
+    for key, value in straight_model.state_dict().items():
+        assert torch.equal(value, resumed_model.state_dict()[key]), key
 
 
 def _interrupted(stem) -> dict:
@@ -186,7 +203,7 @@ def test_bench_stopped_by_sigterm_finishes_when_run_again(tmp_path, monkeypatch,
 
     with monkeypatch.context() as patch:  # during the 4th update of the first run
         _count_batches(patch, 4, timeout)
-        assert main([*ARGS, "--out", str(out)]) == 0
+        assert main([*ARGS, "--out", str(out)]) == bench.EXIT_INCOMPLETE
     text = capsys.readouterr().out
     assert "stopped transformer_seed0: stopped after 4/6 updates" in text and "1 run(s) not started" in text
     assert signal.getsignal(signal.SIGTERM) is handler  # the bench's handler is gone with the run
@@ -194,7 +211,7 @@ def test_bench_stopped_by_sigterm_finishes_when_run_again(tmp_path, monkeypatch,
     assert not (runs / "transformer_seed0.json").exists()
     assert sorted(p.name for p in runs.glob("*.ckpt*")) == ["transformer_seed0.ckpt.json",
                                                             "transformer_seed0.ckpt.step00000004.safetensors"]
-    assert "Missing runs (not finished yet): transformer_seed0, transformer_seed1" in (out / "results.md").read_text()
+    assert "continue; read a failed run's log first): transformer_seed0, transformer_seed1" in (out / "results.md").read_text()
 
     assert main([*ARGS, "--out", str(out)]) == 0
     assert "resumed from" in (runs / "transformer_seed0.log").read_text()
@@ -226,7 +243,7 @@ def test_bench_stopped_by_its_time_budget_finishes_when_run_again(tmp_path, monk
 
         real = A.train_batch
         patch.setattr(A, "train_batch", lambda *a, **k: (tick(), real(*a, **k))[1])
-        assert main([*ARGS, "--time-budget", "250", "--out", str(out)]) == 0
+        assert main([*ARGS, "--time-budget", "250", "--out", str(out)]) == bench.EXIT_INCOMPLETE
     assert "stopped after 3/6 updates" in capsys.readouterr().out
     assert (out / "runs" / "transformer_seed0.ckpt.json").is_file()
     assert main([*ARGS, "--out", str(out)]) == 0
