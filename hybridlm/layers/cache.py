@@ -65,9 +65,12 @@ class LayerCache:
         return self.key, self.value
 
     def state_bytes(self) -> int:
-        """Bytes this layer's cache holds: the key/value storage (its whole capacity) and the SSM state."""
+        """Bytes of memory this layer's cache keeps alive: the key/value storage (its whole capacity) and the SSM
+        states, each counted by the storage it pins (a state kept as a slice of a larger tensor pins all of it),
+        every storage once."""
         tensors = [t for t in (self._key, self._value) if t is not None] + list(self.ssm.values())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())
 
     def store_packed_kv(self, key: torch.Tensor, value: torch.Tensor, offsets: torch.Tensor) -> None:
         """Fill an empty cache from a packed prefill: key/value [1, total, H_kv, D] of the sequences that
