@@ -102,8 +102,9 @@ def prepare_writes(q, k, v, beta, lam, *, rule, window, pairing, step_size, ridg
     if rule == "3":
         Xs = Xw.to(stat)
         E = _top_eigenvalue(Xs @ Xs.transpose(-1, -2)) / count[:, :, None]                 # mu_t  [N, T, H]
-    elif rule == "3A":
-        E = Xw.to(stat).square().sum(dim=(-1, -2)) / count[:, :, None]                     # Ebar_t
+    elif rule == "3A":  # the window's sum of per-pair energies (never a float copy of the [N, T, H, W, K] windows)
+        energy = (x_ext if W > 1 else x).to(stat).square().sum(-1)                         # [N, W-1+T, H]
+        E = (energy.unfold(1, W, 1).sum(-1) if W > 1 else energy) / count[:, :, None]      # Ebar_t
     else:
         E = x.to(stat).square().sum(-1)                                                    # |x_t|^2
     ridge = lam * E.detach() if ridge_scaling else lam                                     # [N, T, H]
