@@ -12,7 +12,9 @@ forward and forward+backward of:
 - triton: the same op through the Triton backend (raw q, k, v, beta, lam -> prepared writes -> kernels);
 - kernels (1A): `fast_weight_1a_triton` alone on prepared writes (the kernels without the preparation);
 - torch preparation (1A, 1): the triton op again with `frontend.FUSED_PREPARATION` off (the write events from
-  chunk.py's torch `prepare_writes` instead of the fused Triton kernel).
+  chunk.py's torch `prepare_writes` instead of the fused Triton kernel);
+- 3A delayed: rule 3A's opt-in form (`frontend.RULE_3A_FORM = "delayed"`: one 1A scan over delayed writes plus the
+  band kernel) against the default event form in the triton column.
 `--profile` then prints, per rule at the longest T, the kernels of one forward + backward of the triton op with their
 GPU time (torch.profiler): which stage to work on. Prints a markdown table with the ratios triton / SDPA and
 chunk / triton, and what the triton op's time means against
@@ -23,6 +25,7 @@ of 716 TFLOP/s and 4.3 TB/s).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import time
 
@@ -62,6 +65,19 @@ def make_inputs(B, T, H, D, dtype, *, seed=0):
     return [t.to(dtype).requires_grad_(True) for t in (q, k, v, beta, lam)]
 
 
+@contextlib.contextmanager
+def frontend_settings(**settings):
+    """`frontend` module settings (FUSED_PREPARATION, RULE_3A_FORM) changed for the block, then put back."""
+    previous = {name: getattr(frontend, name) for name in settings}
+    try:
+        for name, value in settings.items():
+            setattr(frontend, name, value)
+        yield
+    finally:
+        for name, value in previous.items():
+            setattr(frontend, name, value)
+
+
 def rel_err(a, b) -> float:
     a, b = a.detach().double(), b.detach().double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -80,21 +96,23 @@ def check(rule, *, B=2, T=1000, H=4, D=128, chunk_size=64) -> None:
     o_ref, s_ref = run_chunk(*ref_in, rule=rule, chunk_size=chunk_size, initial_state=state, output_final_state=True)
     w_o, w_s = torch.randn_like(o_ref), torch.randn_like(s_ref.S)
     g_ref = torch.autograd.grad((o_ref * w_o).sum() + (s_ref.S * w_s).sum(), ref_in + [state.S])
-    variants = (False, True) if rule in frontend.FUSED_RULES else (False,)  # without / with FUSED_PREPARATION
-    for (dtype, tol), fused in itertools.product(((torch.float32, 1e-4), (torch.bfloat16, 2e-2)), variants):
+    variants = [("", {})]  # (label, frontend settings)
+    if rule in frontend.FUSED_RULES:
+        variants = [("", {"FUSED_PREPARATION": False}), (" fused preparation", {"FUSED_PREPARATION": True})]
+    elif rule == "3A":
+        variants = [(" events", {"RULE_3A_FORM": "events"}), (" delayed", {"RULE_3A_FORM": "delayed"})]
+    for (dtype, tol), (variant, settings) in itertools.product(((torch.float32, 1e-4), (torch.bfloat16, 2e-2)),
+                                                               variants):
         ins = [t.detach().to(dtype).requires_grad_(True) for t in ref_in]
         start = state.detach()
         start.S.requires_grad_(True)
-        previous, frontend.FUSED_PREPARATION = frontend.FUSED_PREPARATION, fused
-        try:
+        with frontend_settings(**settings):
             o, s = run_triton(*ins, rule=rule, chunk_size=chunk_size, initial_state=start, output_final_state=True)
             grads = torch.autograd.grad((o.float() * w_o).sum() + (s.S * w_s).sum(), ins + [start.S])
-        finally:
-            frontend.FUSED_PREPARATION = previous
         errors = {"o": rel_err(o, o_ref), "S": rel_err(s.S, s_ref.S)}
         errors.update({f"d{n}": rel_err(a, b) for n, a, b in zip(("q", "k", "v", "beta", "lam", "S0"), grads, g_ref)})
         worst = max(errors.values())
-        label = f"{rule}{' fused preparation' if fused else ''} {str(dtype)[6:]}"
+        label = f"{rule}{variant} {str(dtype)[6:]}"
         print(f"check {label} B={B} T={T} H={H} D={D}: max rel err {worst:.1e} "
               f"({', '.join(f'{k} {v:.1e}' for k, v in errors.items())})", flush=True)
         if not worst < tol:
@@ -117,8 +135,9 @@ def main() -> None:
     print(f"\n# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | window 3 for 3A")
     print("| rule | T | pass | SDPA (ms) | chunk (ms) | chunk compiled (ms) | triton (ms) | kernels (ms) "
-          "| torch preparation (ms) | triton / SDPA | chunk / triton | triton TFLOP/s | triton TB/s (min. bytes) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| torch preparation (ms) | 3A delayed (ms) | triton / SDPA | chunk / triton | triton TFLOP/s "
+          "| triton TB/s (min. bytes) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for T in args.T:
         for rule in args.rules:
             for line in time_one(rule, args.B, T, args.H, args.D, torch.bfloat16, chunk_size=args.chunk_size,
@@ -174,12 +193,14 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
         }
         torch_prep = "-"
         if rule in frontend.FUSED_RULES:
-            previous, frontend.FUSED_PREPARATION = frontend.FUSED_PREPARATION, False
-            try:
+            with frontend_settings(FUSED_PREPARATION=False):
                 torch_prep = "{:.2f}".format(bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0],
                                                    backward=backward, inputs=inputs))
-            finally:
-                frontend.FUSED_PREPARATION = previous
+        delayed = "-"
+        if rule == "3A":
+            with frontend_settings(RULE_3A_FORM="delayed"):
+                delayed = "{:.2f}".format(bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0],
+                                                backward=backward, inputs=inputs))
         kernels = "-"
         if prepared is not None:
             kernels = "{:.2f}".format(bench(lambda: fast_weight_1a_triton(*prepared, None, read_after=True,
@@ -204,7 +225,7 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
         flops, nbytes = fast_weight_counts(rule, B=B, T=T, H=H, K=D, V=D, chunk=chunk_size, backward=backward)
         use = utilization(ms=ms["triton"], flops=flops, nbytes=nbytes)
         rows.append(f"| {rule} | {T} | {name} | {ms['sdpa']:.2f} | {chunk_cells[0]} | {compiled} | "
-                    f"{ms['triton']:.2f} | {kernels} | {torch_prep} | {ms['triton'] / ms['sdpa']:.2f}x | {chunk_cells[1]} | "
+                    f"{ms['triton']:.2f} | {kernels} | {torch_prep} | {delayed} | {ms['triton'] / ms['sdpa']:.2f}x | {chunk_cells[1]} | "
                     f"{use['tflops']:.0f} "
                     f"({100 * use['flop_frac']:.1f}%) | {use['tbps']:.2f} ({100 * use['byte_frac']:.0f}%) |")
     return rows

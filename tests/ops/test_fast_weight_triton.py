@@ -258,6 +258,26 @@ def test_front_door_matches_chunk(rule, window, pairing, read, step_size, packed
     a carried state (S, last key, window tail), ridge
     scaling and packed sequences (`cu_seqlens`): outputs, the whole final state and all gradients (q, k, v, beta, lam
     and the initial S)."""
+    _front_door_against_chunk(rule, window, pairing, read, step_size, packed, stateful)
+
+
+RULE_3A_CASES = [case for case in CONTRACT_CASES if case[0] == "3A"]
+
+
+@interpret
+@pytest.mark.parametrize("rule,window,pairing,read,step_size,packed,stateful", RULE_3A_CASES,
+                         ids=["-".join(map(str, case[1:5])) + ("-packed" if case[5] else "") + ("" if case[6] else "-fresh")
+                              for case in RULE_3A_CASES])
+def test_rule_3a_delayed_form_matches_chunk(rule, window, pairing, read, step_size, packed, stateful, monkeypatch):
+    """Rule 3A in its opt-in delayed-write form (one 1A scan over delayed writes plus the band kernel,
+    HYBRIDLM_TRITON_3A=delayed), the same contract cases as the event form."""
+    from hybridlm.ops.fast_weight.triton import frontend
+
+    monkeypatch.setattr(frontend, "RULE_3A_FORM", "delayed")
+    _front_door_against_chunk(rule, window, pairing, read, step_size, packed, stateful)
+
+
+def _front_door_against_chunk(rule, window, pairing, read, step_size, packed, stateful):
     B, T, H, K, V = (1, 70, 2, 16, 24) if packed else (2, 70, 2, 16, 24)
     offsets = torch.tensor([0, 5, 40, 41, 70]) if packed else None
     n = 4 if packed else B
@@ -285,6 +305,65 @@ def test_front_door_matches_chunk(rule, window, pairing, read, step_size, packed
     grads = torch.autograd.grad((o * w_o.float().to(DEVICE)).sum() + (s.S * w_S.float().to(DEVICE)).sum(), leaves)
     for name, grad, grad_ref in zip(("q", "k", "v", "beta", "lam", "S0"), grads, grads_ref):
         assert rel_err(grad.cpu(), grad_ref) < 1e-4, name
+
+
+def band_reference(q, x_ext, y_ext, c, *, read_after):
+    """o_t = sum_{j=1..W-1} c_(t,j) (q_t . x_e) y_e, e = t + j (- 1 reading before), as a float64 loop over j."""
+    T, W = q.shape[1], c.shape[-1] + 1
+    o = 0
+    for j in range(1, W):
+        e = torch.arange(T) + j - (0 if read_after else 1)
+        x, y = x_ext[:, e].double(), y_ext[:, e].double()
+        o = o + (c[..., j - 1].double() * (q.double() * x).sum(-1))[..., None] * y
+    return o
+
+
+@interpret
+@pytest.mark.parametrize("W,read_after,dtype", [(2, True, torch.float32), (3, False, torch.float32),
+                                                (5, True, torch.float16), (3, True, torch.float32)])
+def test_band_kernel_matches_a_loop(W, read_after, dtype):
+    """Rule 3A's band kernel (forward and all four gradients) against a float64 loop, odd sizes (T = 45 over blocks
+    of 32, K = 24, V = 40)."""
+    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_band_triton
+
+    g = torch.Generator().manual_seed(W)
+    N, T, H, K, V = 2, 45, 3, 24, 40
+    inputs = [torch.randn(N, T, H, K, generator=g), torch.randn(N, W - 1 + T, H, K, generator=g),
+              torch.randn(N, W - 1 + T, H, V, generator=g), torch.rand(N, T, H, W - 1, generator=g)]
+    ref_inputs = [t.double().requires_grad_(True) for t in inputs]
+    dev = [t.to(DEVICE, dtype if i < 3 else torch.float32).requires_grad_(True) for i, t in enumerate(inputs)]
+    o_ref = band_reference(*ref_inputs, read_after=read_after)
+    o = fast_weight_band_triton(*dev, read_after=read_after)
+    assert o.dtype == torch.float32 and rel_err(o.cpu(), o_ref) < TOL[dtype]
+    w = torch.randn(o_ref.shape, generator=g, dtype=torch.float64)
+    grads_ref = torch.autograd.grad((o_ref * w).sum(), ref_inputs)
+    grads = torch.autograd.grad((o * w.to(DEVICE, torch.float32)).sum(), dev)
+    for name, grad, grad_ref in zip(("q", "x_ext", "y_ext", "c"), grads, grads_ref):
+        assert grad.dtype == dev[NAMES_BAND.index(name)].dtype and rel_err(grad.cpu(), grad_ref) < TOL[dtype], name
+
+
+NAMES_BAND = ("q", "x_ext", "y_ext", "c")
+
+_SM90_BAND_KERNELS = """
+from hybridlm.ops.fast_weight.triton import kernels_band as kb
+from hybridlm.ops.fast_weight.triton.band import BT, NUM_WARPS
+
+IO = ("q_ptr", "x_ptr", "y_ptr", "dq_ptr", "dx_ptr", "dy_ptr")
+for io, K, V, W in (("*bf16", 128, 128, 3), ("*fp32", 20, 12, 5)):
+    for shift in (0, 1):
+        consts = dict(SHIFT=shift, W=W, K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)),
+                      BV=max(16, triton.next_power_of_2(V)))
+        for kernel in (kb.band_fwd_kernel, kb.band_bwd_q_kernel, kb.band_bwd_xy_kernel):
+            build(kernel, consts, io=io, io_names=IO, warps=NUM_WARPS)
+"""
+
+
+@needs_cuda_backend
+def test_band_kernels_compile_for_sm90():
+    """Rule 3A's band kernels compile to sm_90 code (bf16 at K = V = 128, fp32 at odd sizes, both shifts)."""
+    report = compile_for_sm90(_SM90_BAND_KERNELS, modules=("hybridlm.ops.fast_weight.triton.kernels_band",))
+    assert set(report["built"]) == report["defined"], report  # every kernel of the file
+    assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
 
 
 @gpu_only

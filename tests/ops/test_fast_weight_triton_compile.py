@@ -1,5 +1,5 @@
-"""The Triton scans and the fused rule-1A/1 preparation as torch.library custom ops
-(`hybridlm::fast_weight_{1a,1,prepare}_{fwd,bwd}`): `torch.library.opcheck`
+"""The Triton scans, the fused rule-1A/1 preparation and rule 3A's band as torch.library custom ops
+(`hybridlm::fast_weight_{1a,1,prepare,band}_{fwd,bwd}`): `torch.library.opcheck`
 (schema, fake tensors, autograd registration, AOT dispatch with dynamic shapes) and `torch.compile(fullgraph=True)`
 of the front door with backend="triton" against eager.
 
@@ -66,17 +66,39 @@ def test_opcheck_prepare():
                           test_utils=OPCHECKS)
 
 
-COMPILE_CASES = [("3A", "aot_eager"), ("1", "aot_eager"), ("2A", "aot_eager"),  # 3A runs the 1A ops
+@interpret
+@pytest.mark.parametrize("shift", [0, 1])
+def test_opcheck_band(shift):
+    """Rule 3A's band op (`hybridlm::fast_weight_band_fwd` / `_bwd`, the delayed-write form), window 3."""
+    fwd, bwd = _ops("band")
+    q = torch.randn(2, 19, 2, 16, device=DEVICE)
+    x_ext, y_ext = torch.randn(2, 21, 2, 16, device=DEVICE), torch.randn(2, 21, 2, 8, device=DEVICE)
+    c = torch.rand(2, 19, 2, 2, device=DEVICE)
+    leaves = [t.requires_grad_(True) for t in (q, x_ext, y_ext, c)]
+    torch.library.opcheck(fwd, (*leaves, shift), test_utils=OPCHECKS)
+    detached = [t.detach() for t in leaves]
+    torch.library.opcheck(bwd, (torch.randn(2, 19, 2, 8, device=DEVICE), *detached, shift), test_utils=OPCHECKS)
+
+
+COMPILE_CASES = [("3A", "aot_eager"), ("3A-delayed", "aot_eager"), ("1", "aot_eager"),  # 3A runs the 1A ops
+                 ("2A", "aot_eager"),
                  pytest.param("1", "inductor", marks=gpu_only), pytest.param("3A", "inductor", marks=gpu_only),
                  pytest.param("2A", "inductor", marks=gpu_only)]
 
 
 @interpret
 @pytest.mark.parametrize("rule,compile_backend", COMPILE_CASES)
-def test_compiled_front_door_matches_eager(rule, compile_backend):
+def test_compiled_front_door_matches_eager(rule, compile_backend, monkeypatch):
     """torch.compile(fullgraph=True) of `fast_weight_attention(backend="triton")`: no graph break, outputs, final
-    state and all gradients (q, k, v, beta, lam, S0) equal to eager's (the same kernels run)."""
-    window = 2 if rule == "3A" else 1
+    state and all gradients (q, k, v, beta, lam, S0) equal to eager's (the same kernels run). "3A-delayed": rule 3A
+    in its delayed-write form (window 3)."""
+    if rule == "3A-delayed":
+        from hybridlm.ops.fast_weight.triton import frontend
+
+        monkeypatch.setattr(frontend, "RULE_3A_FORM", "delayed")
+        rule, window = "3A", 3
+    else:
+        window = 2 if rule == "3A" else 1
     H, K, V = 2, 16, 8
 
     def fn(q, k, v, beta, lam, S, last_k):

@@ -31,8 +31,8 @@ import importlib.util
 
 import torch
 
-# 3A runs as 1A over its window's write events (frontend.py), 3 as 1 over its events (a step's events do not see each
-# other's writes); 1, 2A and 2: window 1 (2A, 2: decays per value column)
+# 3A runs as 1A over its window's write events (frontend.py; opt-in: delayed writes + a band kernel), 3 as 1 over its
+# events (a step's events do not see each other's writes); 1, 2A and 2: window 1 (2A, 2: decays per value column)
 SUPPORTED_RULES = ("1A", "3A", "1", "2A", "3", "2")
 # The rules `backend="auto"` sends to these kernels on CUDA: those whose compiled kernels have been checked and timed
 # on a GPU (benchmarks/RESULTS.md: rule 1's forward + backward is 3.3x-13x faster than the chunk path). Rule 2A

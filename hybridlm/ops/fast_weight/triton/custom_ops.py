@@ -16,6 +16,9 @@
     hybridlm::fast_weight_prepare_bwd(dx, dy, deta, dlog_gamma, <the forward's inputs>) -> (dk, dv, dbeta, dlam,
         dlast_k).
 
+    hybridlm::fast_weight_band_fwd(q, x_ext, y_ext, c, shift) -> o_band; hybridlm::fast_weight_band_bwd(do, q, x_ext,
+        y_ext, c, shift) -> (dq, dx_ext, dy_ext, dc): rule 3A's band in its delayed-write form (`band.py`).
+
 Rule 3A runs as rule 1A over its write events (`frontend.py`), so it goes through the 1A ops; rule 3's events differ
 from rule 1's rows (the events of one step do not see each other's writes), hence its own ops on rule 1's kernels.
 The implementations (`chunk_1a.py`, `chunk_1.py`, `chunk_2a.py`, `chunk_2.py`, `prepare.py`, which need triton) are
@@ -119,6 +122,34 @@ def fast_weight_prepare_triton(k, v, beta, lam, last_k, offsets, *, max_len: int
     return torch.ops.hybridlm.fast_weight_prepare_fwd(
         k, v, beta.to(torch.float32), lam.to(torch.float32), last_k, offsets, int(max_len), shifted,
         step_size == "nlms", bool(ridge_scaling), float(eps), float(eps_gamma))
+
+
+def fast_weight_band_triton(q, x_ext, y_ext, c, *, read_after: bool) -> torch.Tensor:
+    """Rule 3A's band (`kernels_band.py`): o_t = sum_{j=1..W-1} c_(t,j) (q_t . x_e) y_e with e = t + j (read after)
+    or t + j - 1 (read before: the caller puts step t-1's coefficients in row t), differentiable in every input.
+
+    Args:
+        q: `[N, T, H, K]`. x_ext: `[N, W-1+T, H, K]`, y_ext: `[N, W-1+T, H, V]` the pairs with the carried tail in
+            front (q's dtype). c: `[N, T, H, W-1]` float32.
+
+    Returns:
+        `[N, T, H, V]` float32.
+    """
+    N, T, H, K = q.shape if q.dim() == 4 else (None,) * 4
+    W = c.shape[-1] + 1 if c.dim() == 4 else None
+    if (q.dim() != 4 or c.dim() != 4 or tuple(c.shape[:3]) != (N, T, H) or x_ext.shape != (N, W - 1 + T, H, K)
+            or y_ext.dim() != 4 or y_ext.shape[:3] != x_ext.shape[:3]):
+        raise ValueError(f"the band takes q [N, T, H, K], c [N, T, H, W-1], x_ext [N, W-1+T, H, K] and y_ext "
+                         f"[N, W-1+T, H, V]; got {list(q.shape)}, {list(c.shape)}, {list(x_ext.shape)}, "
+                         f"{list(y_ext.shape)}")
+    if q.dtype not in DTYPES or x_ext.dtype != q.dtype or y_ext.dtype != q.dtype or c.dtype != torch.float32:
+        raise ValueError(f"q, x_ext, y_ext must share one dtype among {DTYPES} and c be float32; got {q.dtype}, "
+                         f"{x_ext.dtype}, {y_ext.dtype}, {c.dtype}")
+    if K > MAX_HEAD_DIM or y_ext.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"the Triton kernels take K, V <= {MAX_HEAD_DIM}; got {K}, {y_ext.shape[-1]}")
+    if q.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"the Triton kernels need CUDA tensors (got {q.device})")
+    return torch.ops.hybridlm.fast_weight_band_fwd(q, x_ext, y_ext, c, 0 if read_after else 1)
 
 
 def _interpreting() -> bool:
@@ -283,7 +314,48 @@ def _register_prepare() -> None:
     fwd.register_autograd(backward, setup_context=setup_context)
 
 
+def _register_band() -> None:
+    """hybridlm::fast_weight_band_fwd / _bwd (`band.py`), their fake implementations and autograd."""
+
+    @torch.library.custom_op("hybridlm::fast_weight_band_fwd", mutates_args=(),
+                             schema="(Tensor q, Tensor x_ext, Tensor y_ext, Tensor c, int shift) -> Tensor")
+    def fwd(q, x_ext, y_ext, c, shift):
+        from hybridlm.ops.fast_weight.triton import band
+
+        with on_tensor_device(q):
+            return band.forward(*(t.contiguous() for t in (q, x_ext, y_ext, c)), shift)
+
+    @fwd.register_fake
+    def _(q, x_ext, y_ext, c, shift):
+        return q.new_empty(*q.shape[:3], y_ext.shape[-1], dtype=torch.float32)
+
+    @torch.library.custom_op("hybridlm::fast_weight_band_bwd", mutates_args=(),
+                             schema="(Tensor do, Tensor q, Tensor x_ext, Tensor y_ext, Tensor c, int shift) "
+                                    "-> (Tensor, Tensor, Tensor, Tensor)")
+    def bwd(do, q, x_ext, y_ext, c, shift):
+        from hybridlm.ops.fast_weight.triton import band
+
+        with on_tensor_device(q):
+            return band.backward(*(t.contiguous() for t in (do, q, x_ext, y_ext, c)), shift)
+
+    @bwd.register_fake
+    def _(do, q, x_ext, y_ext, c, shift):
+        return q.new_empty(q.shape), x_ext.new_empty(x_ext.shape), y_ext.new_empty(y_ext.shape), c.new_empty(c.shape)
+
+    def setup_context(ctx, inputs, output):
+        q, x_ext, y_ext, c, shift = inputs
+        ctx.save_for_backward(q, x_ext, y_ext, c)
+        ctx.shift = shift
+
+    def backward(ctx, do):
+        q, x_ext, y_ext, c = ctx.saved_tensors
+        return (*bwd(do.float(), q, x_ext, y_ext, c, ctx.shift), None)
+
+    fwd.register_autograd(backward, setup_context=setup_context)
+
+
 _register_prepare()
+_register_band()
 _register("1A", "1a")
 _register("1", "1")
 _register("3", "3", options=f"{_OPTIONS}, int slots")

@@ -10,7 +10,8 @@ Rule 3A over events (README.md, "Rule 3A as 1A over events"): step t writes w_(t
 slots j of its window (w = eta_t [pair j exists] / B_t). Laid out in time as (t, slot 0), ..., (t, slot W-1), with
 the step's decay on slot 0 and none on the others, the 1A recurrence over the T * W events passes through S_t after
 slot W-1 and S_{t-1} before slot 0: the outputs are read there (q sits on that slot, zeros elsewhere). The cost is W
-times 1A's (one scan over delayed writes was tried and measured slower with its band in torch: README.md).
+times 1A's. Opt-in (`RULE_3A_FORM`, env HYBRIDLM_TRITON_3A=delayed): one 1A scan over delayed writes plus a band
+kernel for the W-1 pairs still being written (`_delayed_window`; README.md, "Rule 3A as delayed writes").
 
 Rule 3 over events, the same layout with two differences. Every event of step t writes w_(t,j) x_j (y_j -
 S_{t-1}^T x_j)^T against the state before the step's decay, so the events of one step must not see each other's
@@ -47,6 +48,12 @@ from hybridlm.ops.fast_weight.triton import (
 )
 from hybridlm.ops.utils import compute_dtype, packed_to_padded, padded_to_packed
 
+# Rule 3A's form: "events" (W write events per step through the 1A kernels: GPU-checked and timed, the default) or
+# "delayed" (one 1A scan over delayed writes plus the band kernel, `_delayed_window`: exact under the interpreter,
+# not yet timed on a GPU; its torch-band predecessor was 1.6x slower than the events, README.md).
+RULE_3A_FORM = os.environ.get("HYBRIDLM_TRITON_3A", "events")
+if RULE_3A_FORM not in ("events", "delayed"):
+    raise ValueError(f"HYBRIDLM_TRITON_3A must be 'events' or 'delayed', got {RULE_3A_FORM!r}")
 # The fused preparation kernel for the rules it covers (FUSED_RULES, window 1); off: chunk.py's prepare_writes.
 FUSED_PREPARATION = os.environ.get("HYBRIDLM_TRITON_FUSED_PREPARATION", "1") == "1"
 FUSED_RULES = ("1A", "1")  # window 1, scalar step per head (2A's steps are per value column; 3A has a window)
@@ -106,6 +113,13 @@ def fast_weight_triton(
         p.final.S = S
         return o, p.final
 
+    if rule == "3A" and RULE_3A_FORM == "delayed" and window > 1:
+        o, S = _delayed_window(p, initial_state.S.float(), read_after=read_after, chunk_size=_triton_chunk(chunk_size))
+        if offsets is not None:
+            o = padded_to_packed(o, offsets)
+        p.final.S = S
+        return o, p.final
+
     # The 1A / 1 scan over the T * P events (the events of step t are (t, 0), ..., (t, P - 1)): P = W, except for
     # rule 3, whose steps are padded to a power of two with events that write nothing.
     P = 1 << (W - 1).bit_length() if rule == "3" else W
@@ -136,6 +150,37 @@ def fast_weight_triton(
         o = padded_to_packed(o, offsets)
     p.final.S = S
     return o, p.final
+
+
+def _delayed_window(p, S0: torch.Tensor, *, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rule 3A (window W > 1) on prepare_writes' windows as 1A over delayed writes plus the band of the W-1 pairs
+    still being written (README.md, "Rule 3A as delayed writes"). p.X / p.Y [N, T, H, W, *] hold pair t-W+1+j in
+    slot j of step t (views of the pairs with the carried tail in front), p.weights [N, T, H, W, 1] its weight
+    w_(t,j). Returns o [N, T, H, V] in q's dtype and the final state [N, H, K, V] float32 (at the padded end of every
+    row: padded steps write nothing and do not decay)."""
+    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_band_triton
+
+    T, W = p.X.shape[1], p.X.shape[3]
+    w = p.weights[..., 0]                                                                  # [N, T, H, W]
+    lg = p.log_gamma[..., 0]                                                               # [N, T, H]
+    # C_t[j] = sum_m exp(lg_(t-m+1) + ... + lg_t) w_(t-m)[j+m]: the pair in slot j of step t, over its writes so far.
+    C, span = w, torch.zeros_like(lg)
+    for m in range(1, min(W, T)):
+        span = span + F.pad(lg[:, : T - m + 1], (0, 0, m - 1, 0))                         # sum of the last m lg
+        C = C + span.exp()[..., None] * F.pad(w[:, : T - m, :, m:], (0, m, 0, 0, m, 0))
+    dtype = p.q.dtype
+    # The pairs with the tail in front, ext row e = pair e-W+1: slot j of step t is ext row t + j.
+    x_ext = torch.cat([p.X[:, 0, :, : W - 1].transpose(1, 2), p.X[:, :, :, W - 1]], dim=1).to(dtype)
+    y_ext = torch.cat([p.Y[:, 0, :, : W - 1].transpose(1, 2), p.Y[:, :, :, W - 1]], dim=1).to(dtype)
+    o, S = fast_weight_1a_triton(p.q, x_ext[:, :T].contiguous(), y_ext[:, :T].contiguous(), C[..., 0].contiguous(),
+                                 lg.contiguous(), S0, read_after=read_after, chunk_size=chunk_size)
+    band = C[..., 1:]                                                                      # [N, T, H, W-1]
+    if not read_after:  # S_(t-1)'s band: step t-1's coefficients in row t (S_0's partial writes are in S_0)
+        band = F.pad(band[:, :-1], (0, 0, 0, 0, 1, 0))
+    o = (o.float() + fast_weight_band_triton(p.q, x_ext, y_ext, band.float().contiguous(),
+                                             read_after=read_after)).to(o.dtype)
+    S = S + torch.einsum("nhj,nhjk,nhjv->nhkv", C[:, -1, :, 1:], p.X[:, -1, :, 1:].float(), p.Y[:, -1, :, 1:].float())
+    return o, S
 
 
 def _window_1(q, k, v, beta, lam, *, rule, pairing, read, step_size, ridge_scaling, eps, eps_gamma, initial_state,
