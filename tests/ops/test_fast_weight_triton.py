@@ -277,6 +277,28 @@ def test_rule_3a_delayed_form_matches_chunk(rule, window, pairing, read, step_si
     _front_door_against_chunk(rule, window, pairing, read, step_size, packed, stateful)
 
 
+@interpret
+@pytest.mark.parametrize("T,window,read", [(1, 3, "after"), (2, 5, "before"), (1, 2, "before")])
+def test_rule_3a_delayed_form_on_sequences_shorter_than_the_window(T, window, read, monkeypatch):
+    """The delayed form when a call holds fewer steps than the window (a prompt's tail, one-token steps): the
+    carried tail supplies the band's pairs; outputs, final state and gradients as the chunk backend's."""
+    from hybridlm.ops.fast_weight.triton import frontend
+
+    monkeypatch.setattr(frontend, "RULE_3A_FORM", "delayed")
+    cpu = make_inputs("3A", B=2, T=T, H=2, K=16, V=8, dtype=torch.float32, requires_grad=True)
+    options = dict(rule="3A", window=window, read=read, output_final_state=True,
+                   initial_state=random_state(2, 2, 16, 8, window=window, dtype=torch.float32))
+    o_ref, s_ref = fast_weight_attention(*cpu, backend="chunk", **options)
+    dev = [t.detach().to(DEVICE).requires_grad_(True) for t in cpu]
+    options["initial_state"] = options["initial_state"].to(DEVICE)
+    o, s = fast_weight_attention(*dev, backend="triton", **options)
+    assert rel_err(o.cpu(), o_ref) < 1e-4 and rel_err(s.S.cpu(), s_ref.S) < 1e-4
+    grads_ref = torch.autograd.grad(o_ref.sum() + s_ref.S.sum(), cpu)
+    grads = torch.autograd.grad(o.sum() + s.S.sum(), dev)
+    for name, grad, grad_ref in zip(("q", "k", "v", "beta", "lam"), grads, grads_ref):
+        assert rel_err(grad.cpu(), grad_ref) < 1e-4, name
+
+
 def _front_door_against_chunk(rule, window, pairing, read, step_size, packed, stateful):
     B, T, H, K, V = (1, 70, 2, 16, 24) if packed else (2, 70, 2, 16, 24)
     offsets = torch.tensor([0, 5, 40, 41, 70]) if packed else None
