@@ -14,12 +14,15 @@ Data (`AllocationRecipe.data`): "stdlib" (default), the built-in corpus `hybridl
 (`hybridlm.training.demo`: the Python standard library's .py sources as byte tokens, one file in 20
 held out; prepared once under out_dir/stdlib_data); "synthetic", the generated language of
 `hybridlm.eval.corpus` (held-out documents from another seed); or "shards", prepared `data_dir` /
-`val_dir`. Prepared data trains through `PackedLoader` (documents packed, none attending to another)
-and is scored by `hybridlm.eval.perplexity` (whole held-out documents, up to `val_max_tokens`).
+`val_dir`. Prepared data trains through `PackedLoader` (documents packed into rows that run across their
+boundaries, the first token of each document unscored) and is scored by `hybridlm.eval.perplexity` (whole
+held-out documents, up to `val_max_tokens`).
 
 Model: `AllocationRecipe` (d_model 256, 4 blocks, 32-channel heads, one KV head, Mamba-2 d_state 32 by
-default: one eighth is 3.2 SSM heads, 4.8 attention heads or 3.8 x 32 MLP channels; 3.0-3.3M parameters at every
-point; `ssm` takes any SSM name of `hybridlm.eval.models`, e.g. "fw-3A"). The report's finding to
+default: one eighth is 3.2 SSM heads, 4.8 attention heads or 3.8 x 32 MLP channels; 2.83-3.16M parameters over the 33
+points (the report's ratio of widths per eighth makes an MLP eighth ~19% more parameters than an SSM or attention
+one; with `ssm="fw-3A"` 3.0-4.1M), so compare neighbouring points with the table's parameter column in view;
+`ssm` takes any SSM name of `hybridlm.eval.models`, e.g. "fw-3A"). The report's finding to
 compare with: attention's share matters most and 1/8 is best; SA_M is best at (2/8, 1/8, 5/8).
 """
 
@@ -114,7 +117,13 @@ def prepare_stdlib(recipe: AllocationRecipe, directory: Path) -> dict[str, str]:
         from hybridlm.training.demo import prepare_demo
     except ImportError as err:  # the training package's demo corpus
         raise ValueError(f"the stdlib corpus needs hybridlm.training.demo ({err}); use --data synthetic") from err
-    demo = prepare_demo(directory, max_bytes=recipe.data_bytes)
+    from hybridlm.data.errors import DataError
+
+    try:
+        demo = prepare_demo(directory, max_bytes=recipe.data_bytes)
+    except (FileNotFoundError, DataError) as err:
+        raise ValueError(f"the stdlib corpus cannot be prepared here ({err}); use --data synthetic, or prepared "
+                         "shards with --data DIR --val-data DIR") from err
     return {"data_dir": str(demo.train_dir), "val_dir": str(demo.heldout_dir)}
 
 
@@ -150,9 +159,12 @@ def run_allocation(arrangement: str, point: tuple[int, int, int], seed: int, rec
                               seq_len=recipe.seq_len, seed=seed, cross_doc_labels=False)
 
         def batch_fn(step: int) -> dict:
+            # No position_ids: each row is one sequence that runs across file boundaries (GPT-style packing). With
+            # them the model would run a batch whose rows restart as one packed row of batch x seq_len tokens under
+            # a dense block-diagonal mask (32x the attention work at 32 x 256), reshaped whenever a file starts
+            # mid-row, which a compiled model recompiles for.
             batch = next(loader)
-            return {"input_ids": batch["input_ids"], "labels": _aligned_labels(batch),
-                    "position_ids": batch["position_ids"]}
+            return {"input_ids": batch["input_ids"], "labels": _aligned_labels(batch)}
 
         batch_state = (loader.state_dict, loader.load_state_dict)
 

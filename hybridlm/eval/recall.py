@@ -14,11 +14,13 @@ what the loss trains and the accuracy scores (teacher-forced, argmax).
                    random order: "<query> k v" each, then <eos>.
 
 Training draws a task per batch (round robin) and one length per batch, uniform in
-[train_min_len, train_max_len]; evaluation runs every task at each of `eval_lens` (default 512 ..
-16384), so everything past `train_max_len` tests length generalization. Evaluation sequences come from
-a fixed seed stream of their own, the same for every model and training seed (held out: a sequence
-longer than any training sequence cannot be one of them, and at the training lengths a repeat has
-probability below 128^-16). Reported: answer-token accuracy per task and length, and the exact rate
+[train_min_len, train_max_len], right-padded to train_max_len (one shape: a compiled model neither
+recompiles nor records a CUDA graph per length); evaluation runs every task at each of `eval_lens`
+(default 512 .. 16384), so everything past `train_max_len` tests length generalization. Evaluation
+sequences come from fixed seed streams of their own, the same for every model and training seed (held
+out: a sequence longer than any training sequence cannot be one of them, and at the training lengths a
+repeat has probability below 128^-16); the best checkpoint is picked on a validation stream separate
+from the test sequences. Reported: answer-token accuracy per task and length, and the exact rate
 (every answer of a sequence right).
 """
 
@@ -131,22 +133,37 @@ class RecallTasks:
             return needle_example(rng, length, self.needles, self.vocab)
         raise ValueError(f"unknown recall task {task!r}; choose from {TASKS}")
 
-    def batch(self, task: str, rng: np.random.Generator, batch_size: int, length: int) -> dict[str, torch.Tensor]:
+    def batch(self, task: str, rng: np.random.Generator, batch_size: int, length: int, *,
+              pad_to: int | None = None) -> dict[str, torch.Tensor]:
+        """`batch_size` examples of `length` tokens, right-padded with <pad> (label -100) to `pad_to` tokens: after
+        the example, so a causal model's outputs on it are unchanged, and one shape for every training batch (a
+        compiled model would otherwise recompile, and record a CUDA graph, per length)."""
         rows = [self.example(task, rng, length) for _ in range(batch_size)]
-        return {"input_ids": torch.from_numpy(np.stack([t for t, _ in rows])),
-                "labels": torch.from_numpy(np.stack([lab for _, lab in rows]))}
+        ids, labels = np.stack([t for t, _ in rows]), np.stack([lab for _, lab in rows])
+        if pad_to is not None and pad_to > length:
+            ids = np.pad(ids, ((0, 0), (0, pad_to - length)), constant_values=PAD)
+            labels = np.pad(labels, ((0, 0), (0, pad_to - length)), constant_values=IGNORE_INDEX)
+        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
 
 
-def eval_set(tasks: RecallTasks, task: str, length: int, count: int) -> dict[str, torch.Tensor]:
-    """The fixed held-out sequences of one task and length."""
-    rng = np.random.default_rng([_EVAL_SEED, TASKS.index(task), length])
+SPLITS = ("test", "val")
+# Runs are short (1500 updates by default): a save every 250 bounds what a kill past the time budget loses.
+RECALL_CHECKPOINT_EVERY = 250
+
+
+def eval_set(tasks: RecallTasks, task: str, length: int, count: int, *, split: str = "test") -> dict[str, torch.Tensor]:
+    """The fixed held-out sequences of one task and length: "test" for the reported results, "val" (a seed stream
+    of its own) for picking the best checkpoint during training, so the selection never sees the test sequences."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose from {SPLITS}")
+    rng = np.random.default_rng([_EVAL_SEED, TASKS.index(task), length, SPLITS.index(split)])
     return tasks.batch(task, rng, count, length)
 
 
 @torch.no_grad()
 def evaluate(model, tasks: RecallTasks, task_names: Sequence[str], lengths: Sequence[int], *, count: int,
-             device, tokens_per_batch: int = 1 << 16) -> dict[str, dict[int, dict[str, float]]]:
-    """task -> length -> answer accuracy, exact rate, loss (teacher-forced)."""
+             device, tokens_per_batch: int = 1 << 16, split: str = "test") -> dict[str, dict[int, dict[str, float]]]:
+    """task -> length -> answer accuracy, exact rate, loss (teacher-forced) on `eval_set`'s `split`."""
     from hybridlm.eval.train_task import autocast_for
 
     was_training = model.training
@@ -155,7 +172,7 @@ def evaluate(model, tasks: RecallTasks, task_names: Sequence[str], lengths: Sequ
     for task in task_names:
         out[task] = {}
         for length in lengths:
-            data = eval_set(tasks, task, length, count)
+            data = eval_set(tasks, task, length, count, split=split)
             per_batch = max(1, tokens_per_batch // length)
             total = None
             for start in range(0, count, per_batch):
@@ -217,18 +234,19 @@ def run_recall(model_name: str, seed: int, recipe: RecallRecipe, *, device: str 
     def batch_fn(step: int) -> dict:
         task = recipe.tasks[step % len(recipe.tasks)]
         length = int(rng.integers(recipe.train_min_len, recipe.train_max_len + 1))
-        return tasks.batch(task, rng, recipe.batch_size, length)
+        return tasks.batch(task, rng, recipe.batch_size, length, pad_to=recipe.train_max_len)
 
-    def val_fn(m) -> tuple[float, float]:  # in-distribution: the longest training length
+    def val_fn(m) -> tuple[float, float]:  # in-distribution: the longest training length, validation sequences
         res = evaluate(m, tasks, recipe.tasks, [recipe.train_max_len], count=recipe.val_count, device=device,
-                       tokens_per_batch=recipe.eval_tokens_per_batch)
+                       tokens_per_batch=recipe.eval_tokens_per_batch, split="val")
         rows = [r[recipe.train_max_len] for r in res.values()]
         return float(np.mean([r["token_acc"] for r in rows])), float(np.mean([r["loss"] for r in rows]))
 
     trained = train_on_task(model, batch_fn, device=device, eval_fn=val_fn, eval_every=recipe.eval_every,
                             log_fn=log_fn, checkpoint=checkpoint, batch_state=generator_state(rng),
                             fingerprint={"task": "recall", "model": model_name, "seed": seed, "recipe": recipe.to_dict()},
-                            should_stop=should_stop, **recipe.train_options())
+                            should_stop=should_stop, checkpoint_every=RECALL_CHECKPOINT_EVERY,
+                            **recipe.train_options())
     res = evaluate(model, tasks, recipe.tasks, recipe.eval_lens, count=recipe.eval_count, device=device,
                    tokens_per_batch=recipe.eval_tokens_per_batch)
     return {

@@ -123,7 +123,7 @@ def _attention_mask(
         return (seq[:, None] == seq[None, :]) & causal, False
     if pad is None:
         if past == 0:
-            return None, length > 1
+            return None, bool(length > 1)  # a Python bool even for a symbolic length (SDPA's flag)
         if length == 1:
             return None, False  # one new query sees the whole cache
     rows = torch.arange(length, device=device)[:, None] + past

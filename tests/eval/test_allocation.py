@@ -71,3 +71,13 @@ def test_allocation_run_on_prepared_shards(shards_dir):
         AllocationRecipe(data="shards")
     with pytest.raises(ValueError, match="unknown data source"):
         AllocationRecipe(data="web")
+
+
+def test_a_machine_without_stdlib_sources_gets_a_clear_error(tmp_path, monkeypatch):
+    """No standard-library .py files (a slim image): a ValueError that names the way out, not a traceback."""
+    import hybridlm.training.demo as demo
+    from hybridlm.eval.allocation import AllocationRecipe, prepare_stdlib
+
+    monkeypatch.setattr(demo, "stdlib_root", lambda: tmp_path / "no-stdlib")
+    with pytest.raises(ValueError, match="use --data synthetic"):
+        prepare_stdlib(AllocationRecipe(), tmp_path / "data")

@@ -69,3 +69,23 @@ def test_eval_sets_are_fixed_and_too_short_lengths_raise():
     assert not (eval_set(TASKS, "needle", 64, 3)["input_ids"] == eval_set(TASKS, "needle", 65, 3)["input_ids"][:, :64]).all()
     with pytest.raises(ValueError, match="too short"):
         TASKS.example("mqar", np.random.default_rng(0), 30)
+
+
+@pytest.mark.parametrize("task", ["mqar", "needle", "multi_needle"])
+def test_validation_and_test_sequences_differ(task):
+    """The best checkpoint is picked on a validation stream that shares no sequence with the reported test set."""
+    test = eval_set(TASKS, task, 128, 32)["input_ids"]
+    val = eval_set(TASKS, task, 128, 32, split="val")["input_ids"]
+    assert not (test[:, None, :] == val[None, :, :]).all(-1).any()
+    with pytest.raises(ValueError, match="unknown split"):
+        eval_set(TASKS, task, 128, 2, split="train")
+
+
+def test_training_batches_pad_after_the_example_to_one_shape():
+    rng_a, rng_b = np.random.default_rng(3), np.random.default_rng(3)
+    plain = TASKS.batch("mqar", rng_a, 4, 100)
+    padded = TASKS.batch("mqar", rng_b, 4, 100, pad_to=160)
+    assert padded["input_ids"].shape == (4, 160)
+    assert (padded["input_ids"][:, :100] == plain["input_ids"]).all()
+    assert (padded["labels"][:, :100] == plain["labels"]).all()
+    assert (padded["input_ids"][:, 100:] == 0).all() and (padded["labels"][:, 100:] == IGNORE_INDEX).all()
