@@ -345,7 +345,7 @@ def band_reference(q, x_ext, y_ext, c, *, read_after):
                                                 (5, True, torch.float16), (3, True, torch.float32)])
 def test_band_kernel_matches_a_loop(W, read_after, dtype):
     """Rule 3A's band kernel (forward and all four gradients) against a float64 loop, odd sizes (T = 45 over blocks
-    of 32, K = 24, V = 40)."""
+    of 16, K = 24, V = 40)."""
     from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_band_triton
 
     g = torch.Generator().manual_seed(W)

@@ -12,7 +12,7 @@ import triton
 
 from hybridlm.ops.fast_weight.triton import kernels_band
 
-BT, NUM_WARPS = 32, 4
+BT, NUM_WARPS = 16, 4  # bwd_xy holds six [BT, 128] float32 blocks: 96 registers per thread at 16
 
 
 def _sizes(q, y_ext, c):
