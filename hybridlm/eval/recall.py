@@ -309,11 +309,13 @@ def write_report(by_model: dict[str, list[dict]], recipe: RecallRecipe, out_dir:
         "",
     ]
     for task in recipe.tasks:
-        rows = [[f"{describe(m)} `{m}`", bench.human_count(s["parameters"]) if s["seeds"] else "–",
-                 *(bench.pm(s["acc"][task][n]) for n in recipe.eval_lens), str(len(s["seeds"]))]
-                for m, s in stats.items()]
-        text += [f"## {task}", "", bench.markdown_table(["Model", "Params", *(f"L={n}" for n in recipe.eval_lens),
-                                                         "Seeds"], rows), ""]
+        for key, what in (("acc", "answer-token accuracy"), ("exact", "exact: every answer of a sequence right")):
+            rows = [[f"{describe(m)} `{m}`", bench.human_count(s["parameters"]) if s["seeds"] else "–",
+                     *(bench.pm(s[key][task][n]) for n in recipe.eval_lens), str(len(s["seeds"]))]
+                    for m, s in stats.items()]
+            text += [f"## {task}, {what}", "",
+                     bench.markdown_table(["Model", "Params", *(f"L={n}" for n in recipe.eval_lens), "Seeds"], rows),
+                     ""]
     files = bench.write_outputs(
         out_dir, lines=text, missing=missing, png="accuracy_vs_length.png",
         payload={"task": "recall", "recipe": recipe.to_dict(), "aggregate": stats, "runs": by_model},

@@ -53,9 +53,9 @@ def test_bench_recall_smoke(tmp_path):
                  "--eval-count", "2", "--val-count", "1", "--mqar-pairs", "4", "--needles", "2", "--out", str(out),
                  *COMMON]) == 0
     md = (out / "results.md").read_text()
-    for task in ("## mqar", "## needle", "## multi_needle"):
+    for task in ("## mqar, answer-token accuracy", "## needle, exact", "## multi_needle, answer-token accuracy"):
         assert task in md
-    assert len(_rows(md, "`hybrid-mamba2`")) == 3 and "L=96" in md and _png(out / "accuracy_vs_length.png")
+    assert len(_rows(md, "`hybrid-mamba2`")) == 6 and "L=96" in md  # accuracy and exact rate per task and _png(out / "accuracy_vs_length.png")
     result = json.loads((out / "results.json").read_text())
     for runs in result["runs"].values():
         for task, by_len in runs[0]["results"].items():
