@@ -287,7 +287,12 @@ def write_report(groups: dict, recipe: AllocationRecipe, out_dir: Path, *, missi
         "",
     ]
     if best is not None:
-        text += [f"Lowest loss: {best['arrangement']} at ({', '.join(f'{x}/8' for x in best['alphas'])}).", ""]
+        text += [f"Lowest loss among the {len(finished)} of {len(table)} allocations with a finite result: "
+                 f"{best['arrangement']} at ({', '.join(f'{x}/8' for x in best['alphas'])}).", ""]
+    diverged = [f"{e['arrangement']} ({', '.join(f'{x}/8' for x in e['alphas'])})"
+                for e, (_, runs) in zip(table, groups.items()) if len(runs) > e["val_loss"]["n"]]
+    if diverged:
+        text += [f"Runs with a non-finite held-out loss (diverged; shown as –): {', '.join(diverged)}.", ""]
     files = bench.write_outputs(
         out_dir, lines=text, missing=missing, png="allocation.png",
         payload={"task": "allocation", "recipe": recipe.to_dict(), "table": table,

@@ -81,3 +81,16 @@ def test_a_machine_without_stdlib_sources_gets_a_clear_error(tmp_path, monkeypat
     monkeypatch.setattr(demo, "stdlib_root", lambda: tmp_path / "no-stdlib")
     with pytest.raises(ValueError, match="use --data synthetic"):
         prepare_stdlib(AllocationRecipe(), tmp_path / "data")
+
+
+def test_report_counts_finished_points_and_names_diverged_runs(tmp_path):
+    from hybridlm.eval.allocation import AllocationRecipe, write_report
+
+    def run(loss):
+        return {"val_loss": loss, "parameters": 3_000_000, "widths": {"ssm": 64, "attention": 32, "mlp": 96}}
+
+    groups = {("SA_M", (2, 1, 5)): [run(2.5)], ("SA_M", (3, 1, 4)): [run(float("nan"))], ("SA_M", (1, 2, 5)): []}
+    write_report(groups, AllocationRecipe(data="synthetic"), tmp_path, missing=["SA_M_125_seed0"])
+    md = (tmp_path / "results.md").read_text()
+    assert "Lowest loss among the 1 of 3 allocations with a finite result: SA_M at (2/8, 1/8, 5/8)." in md
+    assert "non-finite held-out loss (diverged; shown as –): SA_M (3/8, 1/8, 4/8)." in md
