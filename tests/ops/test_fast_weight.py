@@ -384,3 +384,22 @@ def test_bf16_autocast_leaves_the_recurrence_in_float32(rule, backend):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         o_autocast, s_autocast = run(inputs, backend, rule=rule, window=window)
     assert rel_err(o_autocast, o) < 1e-6 and rel_err(s_autocast.S, s.S) < 1e-6
+
+
+def test_compiled_chunk_path_across_lengths_with_and_without_padding():
+    """torch.compile (aot_eager, dynamic after the second length) of the chunk path over lengths that need chunk
+    padding and one that does not (T a multiple of the chunk): equal to eager. A zero pad of a transposed tensor
+    used to be traced as contiguous and viewed (a runtime error at the third length)."""
+    def run(q, k, v, beta, lam):
+        return fast_weight_attention(q, k, v, beta, lam, rule="3A", window=2, backend="chunk", chunk_size=16)[0]
+
+    compiled = torch.compile(run, backend="aot_eager")
+    for T in (20, 24, 32):
+        inputs = make_inputs("3A", B=1, T=T, H=2, K=8, V=8, dtype=torch.float32, requires_grad=True)
+        out = compiled(*inputs)
+        grads = torch.autograd.grad(out.square().sum(), inputs)
+        eager = run(*inputs)
+        eager_grads = torch.autograd.grad(eager.square().sum(), inputs)
+        assert rel_err(out, eager) < 1e-6
+        for grad, eager_grad in zip(grads, eager_grads):
+            assert rel_err(grad, eager_grad) < 1e-6

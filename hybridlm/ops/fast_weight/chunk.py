@@ -184,6 +184,12 @@ def _tail(state: FastWeightState, N, H, K, V, W, like):
     return tail_x, tail_v, mask
 
 
+def _pad_steps(t: torch.Tensor, pad: int, dims_after: int) -> torch.Tensor:
+    """`pad` zero steps at the end of the time dim, which `dims_after` dims follow; `t` itself when pad is 0 (under
+    dynamic shapes a traced zero pad of a transposed tensor was taken as contiguous and viewed: a runtime error)."""
+    return F.pad(t, (0, 0) * dims_after + (0, pad)) if pad else t
+
+
 def _chunk_scan(q, X, Y, w, log_gamma, S, *, regression, read_after, chunk_size):
     """The event scan. q [N, H, T, K]; X [N, H, T, W, K]; Y [N, H, T, W, V]; w [N, H, T, W, Dv];
     log_gamma [N, H, T, Dv]; S [N, H, K, V] the entry state. Returns o [N, H, T, V] and the final state.
@@ -200,11 +206,11 @@ def _chunk_scan(q, X, Y, w, log_gamma, S, *, regression, read_after, chunk_size)
     n_chunks = -(-T // C)
     pad = n_chunks * C - T  # padded steps write nothing (w = 0) and do not decay (log gamma = 0)
     n = C * W                                                                              # events per chunk
-    Qc = F.pad(q, (0, 0, 0, pad)).reshape(N, H, n_chunks, C, K)
-    Xc = F.pad(X, (0, 0, 0, 0, 0, pad)).reshape(N, H, n_chunks, n, K)                        # [N, H, c, n, K]
-    Yc = F.pad(Y, (0, 0, 0, 0, 0, pad)).reshape(N, H, n_chunks, n, V)
-    wc = F.pad(w, (0, 0, 0, 0, 0, pad)).reshape(N, H, n_chunks, n, Dv)
-    lg = F.pad(log_gamma, (0, 0, 0, pad)).reshape(N, H, n_chunks, C, Dv)
+    Qc = _pad_steps(q, pad, 1).reshape(N, H, n_chunks, C, K)
+    Xc = _pad_steps(X, pad, 2).reshape(N, H, n_chunks, n, K)                                # [N, H, c, n, K]
+    Yc = _pad_steps(Y, pad, 2).reshape(N, H, n_chunks, n, V)
+    wc = _pad_steps(w, pad, 2).reshape(N, H, n_chunks, n, Dv)
+    lg = _pad_steps(log_gamma, pad, 1).reshape(N, H, n_chunks, C, Dv)
     L = torch.cumsum(lg, dim=3)                                                            # log c_t (chunk-local)
     L_prev = L - lg                                                                        # log c_{t-1}
     step = torch.arange(C, device=q.device).repeat_interleave(W)                           # s_e  [n]
