@@ -310,7 +310,10 @@ def _best_key(score: float, loss: float, step: int) -> tuple:
 
 
 def _compiled(model: nn.Module, device: torch.device) -> Callable:
-    """The training forward under torch.compile (see the module docstring for the choice of backend)."""
+    """The training forward under torch.compile (see the module docstring for the choice of backend). Dynamo's caches
+    are reset first: a worker process trains run after run (33 allocations of different widths in one sweep), and
+    past torch's recompile limit (8 per function) a new model's forward would silently run uncompiled."""
+    torch._dynamo.reset()
     if device.type == "cuda":
         return torch.compile(model, mode="reduce-overhead")
     return torch.compile(model, backend="aot_eager")
