@@ -147,10 +147,9 @@ def destroy_distributed(ctx: DistContext) -> None:
     another still finishes its last save (seen on 2 gloo CPU processes: "terminate called without an active
     exception", SIGABRT at exit). A barrier that fails (a peer already gone) does not stop the teardown."""
     if ctx.distributed and dist.is_initialized():
-        try:
+        # A peer that exited first (DistBackendError, a RuntimeError) reports its own error through the launcher.
+        with contextlib.suppress(RuntimeError):
             dist.barrier()
-        except RuntimeError:  # (DistBackendError is one)
-            pass  # a peer exited first (its own error is what the launcher reports)
         dist.destroy_process_group()
 
 
