@@ -12,9 +12,7 @@ forward and forward+backward of:
 - triton: the same op through the Triton backend (raw q, k, v, beta, lam -> prepared writes -> kernels);
 - kernels (1A): `fast_weight_1a_triton` alone on prepared writes (the kernels without the preparation);
 - torch preparation (1A, 1): the triton op again with `frontend.FUSED_PREPARATION` off (the write events from
-  chunk.py's torch `prepare_writes` instead of the fused Triton kernel);
-- 3A delayed: rule 3A's opt-in form (`frontend.RULE_3A_FORM = "delayed"`: one 1A scan over delayed writes plus the
-  band kernel) against the default event form in the triton column.
+  chunk.py's torch `prepare_writes` instead of the fused Triton kernel).
 `--profile` then prints, per rule at the longest T, the kernels of one forward + backward of the triton op with their
 GPU time (torch.profiler): which stage to work on. Prints a markdown table with the ratios triton / SDPA and
 chunk / triton, and what the triton op's time means against
@@ -67,7 +65,7 @@ def make_inputs(B, T, H, D, dtype, *, seed=0):
 
 @contextlib.contextmanager
 def frontend_settings(**settings):
-    """`frontend` module settings (FUSED_PREPARATION, RULE_3A_FORM) changed for the block, then put back."""
+    """`frontend` module settings (FUSED_PREPARATION) changed for the block, then put back."""
     previous = {name: getattr(frontend, name) for name in settings}
     try:
         for name, value in settings.items():
@@ -99,8 +97,6 @@ def check(rule, *, B=2, T=1000, H=4, D=128, chunk_size=64) -> None:
     variants = [("", {})]  # (label, frontend settings)
     if rule in frontend.FUSED_RULES:
         variants = [("", {"FUSED_PREPARATION": False}), (" fused preparation", {"FUSED_PREPARATION": True})]
-    elif rule == "3A":
-        variants = [(" events", {"RULE_3A_FORM": "events"}), (" delayed", {"RULE_3A_FORM": "delayed"})]
     for (dtype, tol), (variant, settings) in itertools.product(((torch.float32, 1e-4), (torch.bfloat16, 2e-2)),
                                                                variants):
         ins = [t.detach().to(dtype).requires_grad_(True) for t in ref_in]
@@ -135,9 +131,8 @@ def main() -> None:
     print(f"\n# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | window 3 for 3A")
     print("| rule | T | pass | SDPA (ms) | chunk (ms) | chunk compiled (ms) | triton (ms) | kernels (ms) "
-          "| torch preparation (ms) | 3A delayed (ms) | triton / SDPA | chunk / triton | triton TFLOP/s "
-          "| triton TB/s (min. bytes) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| torch preparation (ms) | triton / SDPA | chunk / triton | triton TFLOP/s | triton TB/s (min. bytes) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for T in args.T:
         for rule in args.rules:
             for line in time_one(rule, args.B, T, args.H, args.D, torch.bfloat16, chunk_size=args.chunk_size,
@@ -196,11 +191,6 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
             with frontend_settings(FUSED_PREPARATION=False):
                 torch_prep = "{:.2f}".format(bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0],
                                                    backward=backward, inputs=inputs))
-        delayed = "-"
-        if rule == "3A":
-            with frontend_settings(RULE_3A_FORM="delayed"):
-                delayed = "{:.2f}".format(bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0],
-                                                backward=backward, inputs=inputs))
         kernels = "-"
         if prepared is not None:
             kernels = "{:.2f}".format(bench(lambda: fast_weight_1a_triton(*prepared, None, read_after=True,
@@ -225,9 +215,8 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
         flops, nbytes = fast_weight_counts(rule, B=B, T=T, H=H, K=D, V=D, chunk=chunk_size, backward=backward)
         use = utilization(ms=ms["triton"], flops=flops, nbytes=nbytes)
         rows.append(f"| {rule} | {T} | {name} | {ms['sdpa']:.2f} | {chunk_cells[0]} | {compiled} | "
-                    f"{ms['triton']:.2f} | {kernels} | {torch_prep} | {delayed} | {ms['triton'] / ms['sdpa']:.2f}x | {chunk_cells[1]} | "
-                    f"{use['tflops']:.0f} "
-                    f"({100 * use['flop_frac']:.1f}%) | {use['tbps']:.2f} ({100 * use['byte_frac']:.0f}%) |")
+                    f"{ms['triton']:.2f} | {kernels} | {torch_prep} | {ms['triton'] / ms['sdpa']:.2f}x | {chunk_cells[1]} | "
+                    f"{use['tflops']:.0f} ({100 * use['flop_frac']:.1f}%) | {use['tbps']:.2f} ({100 * use['byte_frac']:.0f}%) |")
     return rows
 
 

@@ -18,8 +18,9 @@ channels = 16 heads x 64; or `--preset`), each measured in this one process:
    tokens/s and peak memory, and the ratio to the transformer's tokens/s at the same T. `--compile` runs the
    training forward through `torch.compile` (inductor, default mode: one long row leaves little launch overhead
    to remove; the compiled update is warmed up before timing), every variant alike.
-2. Prefill (no grad, with a decoding cache) of C tokens in each of `--decode-batches` rows, and the median time of
-   one decoding step after it: decode tokens/s (rows / step time), its ratio to the Transformer's at the same context
+2. Prefill (no grad, with a decoding cache) of C tokens in each of `--decode-batches` rows, in pieces of at most
+   `--prefill-tokens` tokens in all (as `generate(prefill_chunk=...)`: 32 rows of 64K tokens at once ran out of the
+   H200's memory), and the median time of one decoding step after it: decode tokens/s (rows / step time), its ratio to the Transformer's at the same context
    and batch, and the cache's size per row (keys / values and SSM states: a pure SSM's stays constant, a Falcon-H1
    hybrid keeps attention in every block, so its KV cache grows with the context).
    `--graph` times the steps of `GraphedDecoder` instead (one replayed CUDA graph per token; the static cache
@@ -145,17 +146,28 @@ def profile_decoding(model, *, context: int, device: torch.device, rows: int = 1
     return table
 
 
+def prefill_pieces(model, ids: torch.Tensor, *, piece: int | None = None):
+    """The decoding cache after prefilling `ids` [B, C] in pieces of `piece` tokens per row (None: at once)."""
+    cache = model.new_cache()
+    piece = piece or ids.shape[1]
+    for start in range(0, ids.shape[1], piece):
+        model(ids[:, start:start + piece], cache=cache, logits_to_keep=1)
+    return cache
+
+
 @torch.no_grad()
-def decoding(model, *, context: int, device: torch.device, steps: int, batch: int = 1, graph: bool = False) -> dict:
+def decoding(model, *, context: int, device: torch.device, steps: int, batch: int = 1, graph: bool = False,
+             prefill_tokens: int = 1 << 18) -> dict:
     model.eval()
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
+    piece = max(1, prefill_tokens // batch)  # tokens per row in one prefill call
     token = ids[:, -1:]
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         # first-call work (kernel compilation, library set-up) not timed; logits of the last position only
-        model(ids, cache=model.new_cache(), logits_to_keep=1)
+        prefill_pieces(model, ids[:, :piece])
         sync(device)
         start = time.perf_counter()
-        cache = model(ids, cache=model.new_cache(), logits_to_keep=1).cache
+        cache = prefill_pieces(model, ids, piece=piece)
         sync(device)
         prefill = time.perf_counter() - start
         if graph:  # the first step captures the graph: left out of the median below with the others' first
@@ -187,6 +199,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1], help="rows decoded together")
+    parser.add_argument("--prefill-tokens", type=int, default=1 << 18,
+                        help="tokens (all rows together) per prefill call; longer prompts are prefilled in pieces")
     parser.add_argument("--profile-decode", action="store_true", help="print a profile of decoding steps per variant")
     parser.add_argument("--profile-train", action="store_true", help="print a profile of one update per variant and T")
     parser.add_argument("--compile", action="store_true", help="train through torch.compile (every variant)")
@@ -226,7 +240,7 @@ def main() -> None:
             for batch in args.decode_batches:
                 try:
                     measured = decoding(model, context=context, device=device, steps=args.decode_steps, batch=batch,
-                                        graph=args.graph)
+                                        graph=args.graph, prefill_tokens=args.prefill_tokens)
                 except torch.OutOfMemoryError:
                     measured = {"prefill_s": None, "decode_ms": None, "tokens_per_s": None, "cache_mib_per_row": None}
                 record({"variant": variant, "context": context, "batch": batch, **measured})

@@ -15,7 +15,9 @@ small beside them), as the chunked algorithms compute them (full C x C blocks, m
 - rule 1 (and 2) adds the WY form of each chunk: the Gram X X^T 2CK per token, the inverse of its triangle
   (C^3 / 3 multiply-adds per chunk: 2C^2 / 3 FLOPs per token), W = A^-1 X 2CK, U = A^-1 Y 2CV and the residual
   S^T w 2KV: forward 6KV + 2C(3K + 2V) + 2C^2 / 3 per token;
-- rule 3A (3) with window W runs the rule-1A (1) algorithm over W write events per step: W times the above;
+- rule 3 with window W runs rule 1's algorithm over W write events per step: W times the above; rule 3A runs
+  rule 1A's once (over delayed writes) plus the band of the W - 1 pairs still being written: 2(W - 1)(K + V) more
+  per token (a dot product and an axpy per pair; not matmuls, counted anyway);
 - backward: 2x the forward (the usual ratio for matmul-bound ops: two products per forward product), so a
   forward + backward counts 3x the forward;
 - causal SDPA, head dim D: forward 2 T^2 D (QK^T and PV, each 2 T^2 D, half of them masked), backward 2.5x.
@@ -45,6 +47,8 @@ def fast_weight_counts(rule: str, *, B: int, T: int, H: int, K: int, V: int, chu
     per_token = 4 * K * V + 2 * C * (K + V)
     if rule in _REGRESSION:
         per_token = 6 * K * V + 2 * C * (3 * K + 2 * V) + 2 * C * C / 3
+    if rule == "3A":  # one 1A scan plus the band
+        per_token, W = per_token + 2 * (W - 1) * (K + V), 1
     flops = B * H * T * W * per_token * (3 if backward else 1)
     inputs = B * T * H * (2 * K + V + 2) * bytes_per_element  # q, k, v, beta, lam
     output = B * T * H * V * bytes_per_element

@@ -47,6 +47,9 @@ def add_commands(subparsers) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="parameter dtype (default float32)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prefill in pieces of N tokens per prompt (bounds memory on long prompts; prompts of one "
+                        "length only)")
     p.add_argument("--graph", action="store_true",
                    help="decode through a CUDA graph of the step (hybridlm/inference/graphed.py; eager on the CPU)")
     p.set_defaults(func=run_generate)
@@ -110,7 +113,7 @@ def generate_texts(args: argparse.Namespace) -> list[str]:
     out = generate(
         model, batch, attention_mask=mask, max_new_tokens=new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=eos or None,
-        pad_token_id=pad, seed=args.seed, graph=args.graph,
+        pad_token_id=pad, seed=args.seed, graph=args.graph, prefill_chunk=args.prefill_chunk,
     )
     texts = []
     for row, (text, ids) in enumerate(zip(args.prompt, prompts)):

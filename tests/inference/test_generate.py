@@ -352,3 +352,28 @@ def test_a_failed_capture_leaves_no_graph_and_the_states_as_they_were(monkeypatc
     assert torch.equal(after["slot"], before["slot"]) and torch.equal(after["positions"], before["positions"])
     for old, new in zip(before["states"], after["states"]):
         assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)
+
+
+@pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1A", "fast_weight-3A-same_step-read_before", "fast_weight-1",
+                                   "fast_weight-2", "none", "fast_weight-3-ssm_only"])
+@pytest.mark.parametrize("piece", [1, 4, 7])
+def test_prefill_in_pieces_equals_one_prefill(mixer, piece):
+    """`prefill_chunk`: the prompt (11 tokens: pieces that end inside fast-weight chunks and windows, and a last piece
+    shorter than the others) prefilled piece by piece gives the whole prefill's tokens and logits."""
+    model = make_model(seed=8, **MIXERS[mixer])
+    prompt = ids(2, 11, seed=9)
+    whole = generate(model, prompt, max_new_tokens=5, output_logits=True)
+    pieces = generate(model, prompt, max_new_tokens=5, output_logits=True, prefill_chunk=piece)
+    assert torch.equal(pieces.sequences, whole.sequences)
+    assert max_diff(pieces.logits, whole.logits) < TOL
+    assert whole.logits.abs().max() > 0.5  # not a degenerate comparison
+
+
+def test_prefill_in_pieces_refuses_padding_and_bad_sizes():
+    model = make_model()
+    _, batch, mask = padded_batch(seed=7)
+    with pytest.raises(ValueError, match="without padding"):
+        generate(model, batch, attention_mask=mask, max_new_tokens=2, prefill_chunk=4)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="prefill_chunk"):
+            generate(model, ids(1, 5), max_new_tokens=2, prefill_chunk=bad)

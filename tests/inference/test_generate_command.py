@@ -68,6 +68,11 @@ def test_greedy_text_matches_the_library(word_model, capsys, monkeypatch):
     code, graphed, err = run(capsys, "--model", path, "--prompt", "w5 w7 w9", "--max-new-tokens", 6, "--graph")
     assert code == 0 and graphed == out, err
     assert steps.count >= 1  # the decoder ran (it is not the dynamic path's output twice)
+    # --prefill-chunk: the prompt prefilled a token at a time writes the same text; prompts of two lengths are refused.
+    code, pieces, err = run(capsys, "--model", path, "--prompt", "w5 w7 w9", "--max-new-tokens", 6, "--prefill-chunk", 1)
+    assert code == 0 and pieces == out, err
+    code, _, err = run(capsys, "--model", path, "--prompt", "w1", "--prompt", "w2 w3", "--prefill-chunk", 1)
+    assert code != 0 and "without padding" in err
 
 
 def test_prompts_batch_and_seeded_sampling_repeats(word_model, capsys):

@@ -253,8 +253,8 @@ CONTRACT_CASES = [  # rule, window, pairing, read, step_size, packed, with an in
                          ids=["-".join(map(str, case[:5])) + ("-packed" if case[5] else "") + ("" if case[6] else "-fresh")
                               for case in CONTRACT_CASES])
 def test_front_door_matches_chunk(rule, window, pairing, read, step_size, packed, stateful):
-    """`fast_weight_attention(backend="triton")` (raw q, k, v, beta, lam -> prepared writes -> kernels; 3A over its
-    write events, windows up to 9, longer than some packed documents) against the torch chunk backend, with or without
+    """`fast_weight_attention(backend="triton")` (raw q, k, v, beta, lam -> prepared writes -> kernels; 3A as
+    delayed writes plus the band kernel, windows up to 9, longer than some packed documents) against the torch chunk backend, with or without
     a carried state (S, last key, window tail), ridge
     scaling and packed sequences (`cu_seqlens`): outputs, the whole final state and all gradients (q, k, v, beta, lam
     and the initial S)."""
@@ -262,31 +262,11 @@ def test_front_door_matches_chunk(rule, window, pairing, read, step_size, packed
     assert max(errors.values()) < 1e-4, errors
 
 
-RULE_3A_CASES = [case for case in CONTRACT_CASES if case[0] == "3A"]
-
-
-@interpret
-@pytest.mark.parametrize("rule,window,pairing,read,step_size,packed,stateful", RULE_3A_CASES,
-                         ids=["-".join(map(str, case[1:5])) + ("-packed" if case[5] else "") + ("" if case[6] else "-fresh")
-                              for case in RULE_3A_CASES])
-def test_rule_3a_delayed_form_matches_chunk(rule, window, pairing, read, step_size, packed, stateful, monkeypatch):
-    """Rule 3A in its opt-in delayed-write form (one 1A scan over delayed writes plus the band kernel,
-    HYBRIDLM_TRITON_3A=delayed), the same contract cases as the event form."""
-    from hybridlm.ops.fast_weight.triton import frontend
-
-    monkeypatch.setattr(frontend, "RULE_3A_FORM", "delayed")
-    errors = _front_door_errors(rule, window, pairing, read, step_size, packed, stateful)
-    assert max(errors.values()) < 1e-4, errors
-
-
 @interpret
 @pytest.mark.parametrize("T,window,read", [(1, 3, "after"), (2, 5, "before"), (1, 2, "before")])
-def test_rule_3a_delayed_form_on_sequences_shorter_than_the_window(T, window, read, monkeypatch):
-    """The delayed form when a call holds fewer steps than the window (a prompt's tail, one-token steps): the
-    carried tail supplies the band's pairs; outputs, final state and gradients as the chunk backend's."""
-    from hybridlm.ops.fast_weight.triton import frontend
-
-    monkeypatch.setattr(frontend, "RULE_3A_FORM", "delayed")
+def test_rule_3a_on_sequences_shorter_than_the_window(T, window, read):
+    """Rule 3A's delayed-write form when a call holds fewer steps than the window (a prompt's tail, one-token steps):
+    the carried tail supplies the band's pairs; outputs, final state and gradients as the chunk backend's."""
     cpu = make_inputs("3A", B=2, T=T, H=2, K=16, V=8, dtype=torch.float32, requires_grad=True)
     options = dict(rule="3A", window=window, read=read, output_final_state=True,
                    initial_state=random_state(2, 2, 16, 8, window=window, dtype=torch.float32))

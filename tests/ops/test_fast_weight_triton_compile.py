@@ -80,7 +80,7 @@ def test_opcheck_band(shift):
     torch.library.opcheck(bwd, (torch.randn(2, 19, 2, 8, device=DEVICE), *detached, shift), test_utils=OPCHECKS)
 
 
-COMPILE_CASES = [("3A", "aot_eager"), ("3A-delayed", "aot_eager"), ("1", "aot_eager"),  # 3A runs the 1A ops
+COMPILE_CASES = [("3A", "aot_eager"), ("1", "aot_eager"),  # 3A runs the 1A ops and the band op
                  ("2A", "aot_eager"),
                  pytest.param("1", "inductor", marks=gpu_only), pytest.param("3A", "inductor", marks=gpu_only),
                  pytest.param("2A", "inductor", marks=gpu_only)]
@@ -88,17 +88,10 @@ COMPILE_CASES = [("3A", "aot_eager"), ("3A-delayed", "aot_eager"), ("1", "aot_ea
 
 @interpret
 @pytest.mark.parametrize("rule,compile_backend", COMPILE_CASES)
-def test_compiled_front_door_matches_eager(rule, compile_backend, monkeypatch):
+def test_compiled_front_door_matches_eager(rule, compile_backend):
     """torch.compile(fullgraph=True) of `fast_weight_attention(backend="triton")`: no graph break, outputs, final
-    state and all gradients (q, k, v, beta, lam, S0) equal to eager's (the same kernels run). "3A-delayed": rule 3A
-    in its delayed-write form (window 3)."""
-    if rule == "3A-delayed":
-        from hybridlm.ops.fast_weight.triton import frontend
-
-        monkeypatch.setattr(frontend, "RULE_3A_FORM", "delayed")
-        rule, window = "3A", 3
-    else:
-        window = 2 if rule == "3A" else 1
+    state and all gradients (q, k, v, beta, lam, S0) equal to eager's (the same kernels run); rule 3A with window 3."""
+    window = 3 if rule == "3A" else 1
     H, K, V = 2, 16, 8
 
     def fn(q, k, v, beta, lam, S, last_k):

@@ -31,7 +31,7 @@ import importlib.util
 
 import torch
 
-# 3A runs as 1A over its window's write events (frontend.py; opt-in: delayed writes + a band kernel), 3 as 1 over its
+# 3A runs on 1A's kernels over delayed writes plus a band kernel (frontend.py), 3 as 1 over its write
 # events (a step's events do not see each other's writes); 1, 2A and 2: window 1 (2A, 2: decays per value column)
 SUPPORTED_RULES = ("1A", "3A", "1", "2A", "3", "2")
 # The rules `backend="auto"` sends to these kernels on CUDA: those whose compiled kernels have been checked and timed

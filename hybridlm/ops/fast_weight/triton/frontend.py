@@ -2,21 +2,20 @@
 
 Same contract as `chunk.fast_weight_chunk` (inputs validated by the front door), for the rules and options of
 `supports(...)`: rules 1A and 1 (window 1; `chunk_1.py`), 2A and 2 (decays and step sizes per value column;
-`chunk_2a.py`, `chunk_2.py`, chunks of 16), rule 3A as 1A over write events and rule 3 as 1 over write events.
-Unlike the torch backends it keeps q, k, v in their dtype (bf16/fp16 run on tensor cores); the statistic E_t, the
+`chunk_2a.py`, `chunk_2.py`, chunks of 16), rule 3A on 1A's kernels plus a band kernel and rule 3 as 1 over write
+events. Unlike the torch backends it keeps q, k, v in their dtype (bf16/fp16 run on tensor cores); the statistic E_t, the
 step sizes and the log decays are in float32.
 
-Rule 3A over events (README.md, "Rule 3A as 1A over events"): step t writes w_(t,j) x_j y_j^T for the `window`
-slots j of its window (w = eta_t [pair j exists] / B_t). Laid out in time as (t, slot 0), ..., (t, slot W-1), with
-the step's decay on slot 0 and none on the others, the 1A recurrence over the T * W events passes through S_t after
-slot W-1 and S_{t-1} before slot 0: the outputs are read there (q sits on that slot, zeros elsewhere). The cost is W
-times 1A's. Opt-in (`RULE_3A_FORM`, env HYBRIDLM_TRITON_3A=delayed): one 1A scan over delayed writes plus a band
-kernel for the W-1 pairs still being written (`_delayed_window`; README.md, "Rule 3A as delayed writes").
+Rule 3A (window W > 1) as delayed writes (README.md, "Rule 3A as delayed writes"; `_delayed_window`): one 1A scan
+in which each pair enters the state once, with the sum of all its W writes, plus a band kernel for the W-1 pairs still
+being written when a step reads. On an H200 it is 1.24-1.29x faster forward + backward than the earlier form, W write
+events per step through the 1A kernels (benchmarks/RESULTS.md, 2026-11-30, fourth run), which it replaced.
 
-Rule 3 over events, the same layout with two differences. Every event of step t writes w_(t,j) x_j (y_j -
-S_{t-1}^T x_j)^T against the state before the step's decay, so the events of one step must not see each other's
-writes: rule 1's kernels take the number of slots per step and mask same-step pairs out of the residuals' triangular
-system (`kernels_delta.py`, SLOTS). And no step may straddle a chunk boundary (the next chunk's entry state would hold
+Rule 3 over write events: step t's W writes laid out in time as (t, slot 0), ..., (t, slot W-1), the step's decay
+on slot 0, its read on the last slot (read "after") or the first (read "before"), through rule 1's kernels. Every
+event of step t writes w_(t,j) x_j (y_j - S_{t-1}^T x_j)^T against the state before the step's decay, so the events
+of one step must not see each other's writes: rule 1's kernels take the number of slots per step and mask same-step
+pairs out of the residuals' triangular system (`kernels_delta.py`, SLOTS). And no step may straddle a chunk boundary (the next chunk's entry state would hold
 part of a step's writes), so each step is laid out on P = the next power of two >= W slots, slots W..P-1 events that
 write nothing (zero features and weights), with chunks of at least P events (powers of two: they hold whole steps).
 The cost is P times rule 1's.
@@ -48,12 +47,6 @@ from hybridlm.ops.fast_weight.triton import (
 )
 from hybridlm.ops.utils import compute_dtype, packed_to_padded, padded_to_packed
 
-# Rule 3A's form: "events" (W write events per step through the 1A kernels: GPU-checked and timed, the default) or
-# "delayed" (one 1A scan over delayed writes plus the band kernel, `_delayed_window`: exact under the interpreter,
-# not yet timed on a GPU; its torch-band predecessor was 1.6x slower than the events, README.md).
-RULE_3A_FORM = os.environ.get("HYBRIDLM_TRITON_3A", "events")
-if RULE_3A_FORM not in ("events", "delayed"):
-    raise ValueError(f"HYBRIDLM_TRITON_3A must be 'events' or 'delayed', got {RULE_3A_FORM!r}")
 # The fused preparation kernel for the rules it covers (FUSED_RULES, window 1); off: chunk.py's prepare_writes.
 FUSED_PREPARATION = os.environ.get("HYBRIDLM_TRITON_FUSED_PREPARATION", "1") == "1"
 FUSED_RULES = ("1A", "1")  # window 1, scalar step per head (2A's steps are per value column; 3A has a window)
@@ -84,7 +77,7 @@ def fast_weight_triton(
 ) -> tuple[torch.Tensor, FastWeightState]:
     """Rules 1A / 3A / 1 / 3 / 2A / 2 through the Triton kernels. `chunk_size` is rounded to a power of two in
     [16, 128] (rules 2A and 2: 16, whatever is asked; their intra-chunk work is O(C^2 V) exponentials per chunk, as in
-    chunk.py); for rules 3A and 3 it counts events (rule 3: at least one step's slots).
+    chunk.py); for rule 3 it counts events (at least one step's slots).
     Rules 1A and 1 take their write events from the fused preparation kernel while FUSED_PREPARATION is on.
 
     Returns o `[B, T, H, V]` in q's dtype and the final state (S float32)."""
@@ -113,15 +106,15 @@ def fast_weight_triton(
         p.final.S = S
         return o, p.final
 
-    if rule == "3A" and RULE_3A_FORM == "delayed" and window > 1:
+    if rule == "3A" and window > 1:
         o, S = _delayed_window(p, initial_state.S.float(), read_after=read_after, chunk_size=_triton_chunk(chunk_size))
         if offsets is not None:
             o = padded_to_packed(o, offsets)
         p.final.S = S
         return o, p.final
 
-    # The 1A / 1 scan over the T * P events (the events of step t are (t, 0), ..., (t, P - 1)): P = W, except for
-    # rule 3, whose steps are padded to a power of two with events that write nothing.
+    # The 1A / 1 scan over the T * P events (the events of step t are (t, 0), ..., (t, P - 1)): P = 1 for window 1;
+    # rule 3's steps are padded to P = a power of two >= W with events that write nothing.
     P = 1 << (W - 1).bit_length() if rule == "3" else W
     X, Y, weights = p.X, p.Y, p.weights[..., 0]                                            # [N, T, H, W, *]
     if P > W:
