@@ -66,7 +66,11 @@ def add_commands(subparsers) -> None:
                             ("val-count", int, "validation sequences per task"),
                             ("eval-every", int, "steps between validation checks"),
                             ("mqar-pairs", int, "key-value pairs per MQAR sequence"),
-                            ("needles", int, "needles of the multi-needle task")])
+                            ("needles", int, "needles of the multi-needle task"),
+                            ("curriculum-steps", int, "grow the longest training length from --curriculum-start-len "
+                                                      "to --train-max-len over this many steps (default 750, or half "
+                                                      "of --steps when that is given; 0: no curriculum)"),
+                            ("curriculum-start-len", int, "longest training length at step 0 (default 32)")])
     p.set_defaults(func=_bench_recall)
 
     p = sub.add_parser("allocation", help="channel-allocation sweep of hybrid blocks (Falcon-H1 Figure 2)")
@@ -138,7 +142,8 @@ def _recipe(cls, args: argparse.Namespace, **extra):
     if args.steps is not None and getattr(args, "warmup", None) is None and "warmup" in fields:
         changes["warmup"] = max(1, args.steps // 10)
     if args.steps is not None and getattr(args, "curriculum_steps", None) is None and "curriculum_steps" in fields:
-        changes["curriculum_steps"] = args.steps // 4  # the default recipe's share (2000 of 8000)
+        default = cls()  # the default recipe's share of its steps (addition 2000 of 8000, recall 750 of 1500)
+        changes["curriculum_steps"] = args.steps * default.curriculum_steps // default.steps
     return dataclasses.replace(cls(), **changes)
 
 

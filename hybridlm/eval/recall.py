@@ -15,7 +15,12 @@ what the loss trains and the accuracy scores (teacher-forced, argmax).
 
 Training draws a task per batch (round robin) and one length per batch, uniform in
 [train_min_len, train_max_len], right-padded to train_max_len (one shape: a compiled model neither
-recompiles nor records a CUDA graph per length); evaluation runs every task at each of `eval_lens`
+recompiles nor records a CUDA graph per length). A length curriculum comes first (`curriculum_steps`, default
+the first half of training): the longest training length grows linearly from `curriculum_start_len` to
+train_max_len, and MQAR uses min(mqar_pairs, (length - 1) // 4) pairs at each length, so the short sequences hold
+few pairs and little haystack. Without it (the first GPU run, benchmarks/RESULTS.md) no attention-free model left
+the chance plateau in 1500 updates, while on CPU a fast-weight model learns 2-pair MQAR at 16-24 tokens in a few
+hundred; evaluation runs every task at each of `eval_lens`
 (default 512 .. 16384), so everything past `train_max_len` tests length generalization. Evaluation
 sequences come from fixed seed streams of their own, the same for every model and training seed (held
 out: a sequence longer than any training sequence cannot be one of them, and at the training lengths a
@@ -27,7 +32,7 @@ from the test sequences. Reported: answer-token accuracy per task and length, an
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +138,17 @@ class RecallTasks:
             return needle_example(rng, length, self.needles, self.vocab)
         raise ValueError(f"unknown recall task {task!r}; choose from {TASKS}")
 
+    def shortest(self, task: str) -> int:
+        """The shortest sequence `task` can be laid out in (MQAR with one pair)."""
+        needles = {"mqar": 0, "needle": 1, "multi_needle": self.needles}[task]
+        return 5 if task == "mqar" else 6 * needles + 2
+
+    def for_length(self, length: int) -> RecallTasks:
+        """These tasks with as many MQAR pairs as a `length`-token sequence holds with room for their queries
+        (at most `mqar_pairs`; a training curriculum's short sequences)."""
+        pairs = max(1, min(self.mqar_pairs, (length - 1) // 4))
+        return self if pairs == self.mqar_pairs else replace(self, mqar_pairs=pairs)
+
     def batch(self, task: str, rng: np.random.Generator, batch_size: int, length: int, *,
               pad_to: int | None = None) -> dict[str, torch.Tensor]:
         """`batch_size` examples of `length` tokens, right-padded with <pad> (label -100) to `pad_to` tokens: after
@@ -202,6 +218,16 @@ class RecallRecipe(TrainRecipe):
     eval_tokens_per_batch: int = 1 << 16
     mqar_pairs: int = 16
     needles: int = 4
+    curriculum_steps: int = 750
+    curriculum_start_len: int = 32
+
+    def max_len_at(self, step: int) -> int:
+        """The longest training length at `step`: a cap that grows linearly from `curriculum_start_len` to
+        `train_max_len` over the first `curriculum_steps` updates (lengths uniform below it), then train_max_len."""
+        if step >= self.curriculum_steps:
+            return self.train_max_len
+        start = min(self.curriculum_start_len, self.train_max_len)
+        return start + (self.train_max_len - start) * step // self.curriculum_steps
 
     def to_dict(self) -> dict:
         d = super().to_dict()
@@ -216,6 +242,27 @@ class RecallRecipe(TrainRecipe):
         return RecallTasks(mqar_pairs=self.mqar_pairs, needles=self.needles)
 
 
+def check_recipe(recipe: RecallRecipe, tasks: RecallTasks) -> None:
+    """Clear errors for recipes that cannot run: unknown tasks, lengths too short for a task, a curriculum that
+    would not end before training does."""
+    for task in recipe.tasks:
+        if task not in TASKS:
+            raise ValueError(f"unknown recall task {task!r}; choose from {TASKS}")
+    if not 1 <= recipe.train_min_len <= recipe.train_max_len:
+        raise ValueError(f"need 1 <= train_min_len ({recipe.train_min_len}) <= train_max_len ({recipe.train_max_len})")
+    shortest = max(tasks.shortest(t) for t in recipe.tasks)
+    first = min(recipe.train_min_len, recipe.max_len_at(0))
+    if first < shortest:
+        raise ValueError(f"training sequences of {first} tokens are too short for the tasks {list(recipe.tasks)} "
+                         f"(at least {shortest}): raise --train-min-len / --curriculum-start-len")
+    if recipe.train_max_len < 4 * tasks.mqar_pairs + 1 and "mqar" in recipe.tasks:
+        raise ValueError(f"--train-max-len {recipe.train_max_len} is too short for {tasks.mqar_pairs} MQAR pairs and "
+                         f"their queries (at least {4 * tasks.mqar_pairs + 1})")
+    if recipe.curriculum_steps >= recipe.steps > 1:
+        raise ValueError(f"the length curriculum ({recipe.curriculum_steps} steps) must end before training does "
+                         f"({recipe.steps} steps); lower --curriculum-steps (0 turns it off)")
+
+
 def run_recall(model_name: str, seed: int, recipe: RecallRecipe, *, device: str = "cpu", log_fn=None,
                checkpoint=None, should_stop=None) -> dict:
     """Train `model_name` on the recall tasks from `seed`; evaluate every task at every length. `checkpoint`
@@ -223,18 +270,17 @@ def run_recall(model_name: str, seed: int, recipe: RecallRecipe, *, device: str 
     from hybridlm.eval.models import build_model, parameter_count, task_config
     from hybridlm.eval.train_task import generator_state, train_on_task
 
-    for task in recipe.tasks:
-        if task not in TASKS:
-            raise ValueError(f"unknown recall task {task!r}; choose from {TASKS}")
     tasks = recipe.task_params()
+    check_recipe(recipe, tasks)
     config = task_config(model_name, vocab_size=tasks.vocab.size, size=recipe.size)
     model = build_model(config, seed=seed)
     rng = np.random.default_rng([seed, 11])
 
     def batch_fn(step: int) -> dict:
         task = recipe.tasks[step % len(recipe.tasks)]
-        length = int(rng.integers(recipe.train_min_len, recipe.train_max_len + 1))
-        return tasks.batch(task, rng, recipe.batch_size, length, pad_to=recipe.train_max_len)
+        longest = recipe.max_len_at(step)
+        length = int(rng.integers(min(recipe.train_min_len, longest), longest + 1))
+        return tasks.for_length(length).batch(task, rng, recipe.batch_size, length, pad_to=recipe.train_max_len)
 
     def val_fn(m) -> tuple[float, float]:  # in-distribution: the longest training length, validation sequences
         res = evaluate(m, tasks, recipe.tasks, [recipe.train_max_len], count=recipe.val_count, device=device,
@@ -302,7 +348,10 @@ def write_report(by_model: dict[str, list[dict]], recipe: RecallRecipe, out_dir:
         f"Command: `{bench.command_line()}`",
         "",
         (f"Recipe: size `{recipe.size}`, {recipe.steps} steps x batch {recipe.batch_size}, lengths "
-         f"{recipe.train_min_len}..{recipe.train_max_len} (one task per batch, round robin), AdamW lr {recipe.lr:g} "
+         f"{recipe.train_min_len}..{recipe.train_max_len} (one task per batch, round robin"
+         + (f"; the longest grows from {recipe.curriculum_start_len} over the first {recipe.curriculum_steps} steps, "
+            "MQAR pairs as the length allows" if recipe.curriculum_steps > 0 else "")
+         + f"), AdamW lr {recipe.lr:g} "
          f"(warmup {recipe.warmup}, cosine to {recipe.min_lr_ratio:g}x), wd {recipe.weight_decay:g}; MQAR "
          f"{recipe.mqar_pairs} pairs, multi-needle {recipe.needles} needles; {recipe.eval_count} held-out sequences "
          "per task and length. Answer-token accuracy in % (mean ± sample std over seeds)."),

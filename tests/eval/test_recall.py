@@ -89,3 +89,38 @@ def test_training_batches_pad_after_the_example_to_one_shape():
     assert (padded["input_ids"][:, :100] == plain["input_ids"]).all()
     assert (padded["labels"][:, :100] == plain["labels"]).all()
     assert (padded["input_ids"][:, 100:] == 0).all() and (padded["labels"][:, 100:] == IGNORE_INDEX).all()
+
+
+def test_length_curriculum_grows_the_cap_then_stays_at_the_maximum():
+    from hybridlm.eval.recall import RecallRecipe
+
+    assert [RecallRecipe(curriculum_steps=0).max_len_at(s) for s in (0, 10, 10_000)] == [512, 512, 512]  # off
+    recipe = RecallRecipe(curriculum_steps=100, curriculum_start_len=32, train_max_len=512)
+    caps = [recipe.max_len_at(s) for s in range(0, 130)]
+    assert caps[0] == 32 and caps[50] == 272 and caps[99] < 512 and set(caps[100:]) == {512}
+    assert all(a <= b for a, b in zip(caps, caps[1:]))
+
+
+@pytest.mark.parametrize("length,pairs", [(9, 2), (32, 7), (33, 8), (300, 8)])
+def test_short_curriculum_sequences_hold_as_many_mqar_pairs_as_fit(length, pairs):
+    tasks = TASKS.for_length(length)
+    assert tasks.mqar_pairs == pairs and tasks.needles == TASKS.needles
+    tokens, labels = tasks.example("mqar", np.random.default_rng(length), length)
+    assert (labels != IGNORE_INDEX).sum() == pairs and len(tokens) == length
+    assert TASKS.for_length(10_000) is TASKS
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(curriculum_steps=100, steps=100), "curriculum"),
+    (dict(curriculum_start_len=20), "too short for the tasks"),  # 3 needles need 20 tokens, 4 (the default) 26
+    (dict(train_min_len=10, curriculum_steps=0), "too short for the tasks"),
+    (dict(train_max_len=60, train_min_len=40), "too short for 16 MQAR pairs"),
+    (dict(tasks=("mqar", "copy")), "unknown recall task"),
+])
+def test_recipes_that_cannot_run_are_refused(changes, message):
+    from hybridlm.eval.recall import RecallRecipe, check_recipe
+
+    recipe = RecallRecipe(**changes)
+    with pytest.raises(ValueError, match=message):
+        check_recipe(recipe, recipe.task_params())
+    check_recipe(RecallRecipe(), RecallRecipe().task_params())  # the default recipe runs
