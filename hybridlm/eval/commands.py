@@ -68,8 +68,7 @@ def add_commands(subparsers) -> None:
                             ("mqar-pairs", int, "key-value pairs per MQAR sequence"),
                             ("needles", int, "needles of the multi-needle task"),
                             ("curriculum-steps", int, "grow the longest training length from --curriculum-start-len "
-                                                      "to --train-max-len over this many steps (default 750, or half "
-                                                      "of --steps when that is given; 0: no curriculum)"),
+                                                      "to --train-max-len over this many steps (default 0: none)"),
                             ("curriculum-start-len", int, "longest training length at step 0 (default 32)")])
     p.set_defaults(func=_bench_recall)
 
@@ -142,7 +141,7 @@ def _recipe(cls, args: argparse.Namespace, **extra):
     if args.steps is not None and getattr(args, "warmup", None) is None and "warmup" in fields:
         changes["warmup"] = max(1, args.steps // 10)
     if args.steps is not None and getattr(args, "curriculum_steps", None) is None and "curriculum_steps" in fields:
-        default = cls()  # the default recipe's share of its steps (addition 2000 of 8000, recall 750 of 1500)
+        default = cls()  # the default recipe's share of its steps (addition: 2000 of 8000)
         changes["curriculum_steps"] = args.steps * default.curriculum_steps // default.steps
     return dataclasses.replace(cls(), **changes)
 

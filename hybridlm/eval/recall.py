@@ -15,12 +15,13 @@ what the loss trains and the accuracy scores (teacher-forced, argmax).
 
 Training draws a task per batch (round robin) and one length per batch, uniform in
 [train_min_len, train_max_len], right-padded to train_max_len (one shape: a compiled model neither
-recompiles nor records a CUDA graph per length). A length curriculum comes first (`curriculum_steps`, default
-the first half of training): the longest training length grows linearly from `curriculum_start_len` to
-train_max_len, and MQAR uses min(mqar_pairs, (length - 1) // 4) pairs at each length, so the short sequences hold
-few pairs and little haystack. Without it (the first GPU run, benchmarks/RESULTS.md) no attention-free model left
-the chance plateau in 1500 updates, while on CPU a fast-weight model learns 2-pair MQAR at 16-24 tokens in a few
-hundred; evaluation runs every task at each of `eval_lens`
+recompiles nor records a CUDA graph per length). An optional length curriculum (`curriculum_steps` > 0, off by
+default) grows the longest training length linearly from `curriculum_start_len` to train_max_len, MQAR holding
+min(mqar_pairs, (length - 1) // 4) pairs at each length. With this recipe no attention-free model left the chance
+plateau in 1500 updates on an H200 (benchmarks/RESULTS.md); on CPU a fast-weight model learns 2-pair MQAR at 16-24
+tokens in a few hundred updates, but a quick curriculum (16 -> 96 tokens over 250 of 500 updates) did not get it off
+the plateau at 48-96 tokens, so the curriculum stays opt-in until a GPU run shows it helps;
+evaluation runs every task at each of `eval_lens`
 (default 512 .. 16384), so everything past `train_max_len` tests length generalization. Evaluation
 sequences come from fixed seed streams of their own, the same for every model and training seed (held
 out: a sequence longer than any training sequence cannot be one of them, and at the training lengths a
@@ -218,7 +219,7 @@ class RecallRecipe(TrainRecipe):
     eval_tokens_per_batch: int = 1 << 16
     mqar_pairs: int = 16
     needles: int = 4
-    curriculum_steps: int = 750
+    curriculum_steps: int = 0
     curriculum_start_len: int = 32
 
     def max_len_at(self, step: int) -> int:

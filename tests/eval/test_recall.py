@@ -112,7 +112,7 @@ def test_short_curriculum_sequences_hold_as_many_mqar_pairs_as_fit(length, pairs
 
 @pytest.mark.parametrize("changes,message", [
     (dict(curriculum_steps=100, steps=100), "curriculum"),
-    (dict(curriculum_start_len=20), "too short for the tasks"),  # 3 needles need 20 tokens, 4 (the default) 26
+    (dict(curriculum_steps=100, curriculum_start_len=20), "too short for the tasks"),  # 4 needles (the default) need 26
     (dict(train_min_len=10, curriculum_steps=0), "too short for the tasks"),
     (dict(train_max_len=60, train_min_len=40), "too short for 16 MQAR pairs"),
     (dict(tasks=("mqar", "copy")), "unknown recall task"),
