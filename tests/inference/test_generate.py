@@ -367,6 +367,10 @@ def test_prefill_in_pieces_equals_one_prefill(mixer, piece):
     assert torch.equal(pieces.sequences, whole.sequences)
     assert max_diff(pieces.logits, whole.logits) < TOL
     assert whole.logits.abs().max() > 0.5  # not a degenerate comparison
+    # the static decoder starts from the cache the pieces filled (its keys in storage that grew piece by piece)
+    graphed = generate(model, prompt, max_new_tokens=5, output_logits=True, prefill_chunk=piece, graph=True)
+    assert torch.equal(graphed.sequences, whole.sequences)
+    assert max_diff(graphed.logits, whole.logits) < TOL
 
 
 def test_prefill_in_pieces_refuses_padding_and_bad_sizes():
