@@ -215,8 +215,9 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
         flops, nbytes = fast_weight_counts(rule, B=B, T=T, H=H, K=D, V=D, chunk=chunk_size, backward=backward)
         use = utilization(ms=ms["triton"], flops=flops, nbytes=nbytes)
         rows.append(f"| {rule} | {T} | {name} | {ms['sdpa']:.2f} | {chunk_cells[0]} | {compiled} | "
-                    f"{ms['triton']:.2f} | {kernels} | {torch_prep} | {ms['triton'] / ms['sdpa']:.2f}x | {chunk_cells[1]} | "
-                    f"{use['tflops']:.0f} ({100 * use['flop_frac']:.1f}%) | {use['tbps']:.2f} ({100 * use['byte_frac']:.0f}%) |")
+                    f"{ms['triton']:.2f} | {kernels} | {torch_prep} | {ms['triton'] / ms['sdpa']:.2f}x | "
+                    f"{chunk_cells[1]} | {use['tflops']:.0f} ({100 * use['flop_frac']:.1f}%) | "
+                    f"{use['tbps']:.2f} ({100 * use['byte_frac']:.0f}%) |")
     return rows
 
 

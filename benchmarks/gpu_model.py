@@ -20,9 +20,10 @@ channels = 16 heads x 64; or `--preset`), each measured in this one process:
    to remove; the compiled update is warmed up before timing), every variant alike.
 2. Prefill (no grad, with a decoding cache) of C tokens in each of `--decode-batches` rows, in pieces of at most
    `--prefill-tokens` tokens in all (as `generate(prefill_chunk=...)`: 32 rows of 64K tokens at once ran out of the
-   H200's memory), and the median time of one decoding step after it: decode tokens/s (rows / step time), its ratio to the Transformer's at the same context
-   and batch, and the cache's size per row (keys / values and SSM states: a pure SSM's stays constant, a Falcon-H1
-   hybrid keeps attention in every block, so its KV cache grows with the context).
+   H200's memory), and the median time of one decoding step after it: decode tokens/s (rows / step time), its ratio
+   to the Transformer's at the same context and batch, and the cache's size per row (keys / values and SSM states:
+   a pure SSM's stays constant, a Falcon-H1 hybrid keeps attention in every block, so its KV cache grows with the
+   context).
    `--graph` times the steps of `GraphedDecoder` instead (one replayed CUDA graph per token; the static cache
    attends over all its slots, here context + decode steps).
 3. `--profile-decode`: `torch.profiler` over 3 decoding steps at the first context, per variant: the operators with
@@ -164,7 +165,7 @@ def decoding(model, *, context: int, device: torch.device, steps: int, batch: in
     token = ids[:, -1:]
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         # first-call work (kernel compilation, library set-up) not timed; logits of the last position only
-        prefill_pieces(model, ids[:, :piece])
+        prefill_pieces(model, ids[:, :2 * piece], piece=piece)  # a first piece and a continuation
         sync(device)
         start = time.perf_counter()
         cache = prefill_pieces(model, ids, piece=piece)

@@ -141,8 +141,8 @@ def _recipe(cls, args: argparse.Namespace, **extra):
     if args.steps is not None and getattr(args, "warmup", None) is None and "warmup" in fields:
         changes["warmup"] = max(1, args.steps // 10)
     if args.steps is not None and getattr(args, "curriculum_steps", None) is None and "curriculum_steps" in fields:
-        default = cls()  # the default recipe's share of its steps (addition: 2000 of 8000)
-        changes["curriculum_steps"] = args.steps * default.curriculum_steps // default.steps
+        default = cls()  # the default recipe's share of its steps (addition: 2000 of 8000; recall: none)
+        changes["curriculum_steps"] = args.steps * default.curriculum_steps // max(default.steps, 1)
     return dataclasses.replace(cls(), **changes)
 
 

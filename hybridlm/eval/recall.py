@@ -140,9 +140,10 @@ class RecallTasks:
         raise ValueError(f"unknown recall task {task!r}; choose from {TASKS}")
 
     def shortest(self, task: str) -> int:
-        """The shortest sequence `task` can be laid out in (MQAR with one pair)."""
-        needles = {"mqar": 0, "needle": 1, "multi_needle": self.needles}[task]
-        return 5 if task == "mqar" else 6 * needles + 2
+        """The shortest sequence `task` can be laid out in (MQAR: one pair and its query)."""
+        if task == "mqar":
+            return 5
+        return 6 * (1 if task == "needle" else self.needles) + 2  # <bos>, haystack >= the needles, the queries, <eos>
 
     def for_length(self, length: int) -> RecallTasks:
         """These tasks with as many MQAR pairs as a `length`-token sequence holds with room for their queries
@@ -222,17 +223,21 @@ class RecallRecipe(TrainRecipe):
     curriculum_steps: int = 0
     curriculum_start_len: int = 32
 
-    def max_len_at(self, step: int) -> int:
-        """The longest training length at `step`: a cap that grows linearly from `curriculum_start_len` to
-        `train_max_len` over the first `curriculum_steps` updates (lengths uniform below it), then train_max_len."""
+    def lengths_at(self, step: int) -> tuple[int, int]:
+        """The (shortest, longest) training length at `step`. During the curriculum (the first `curriculum_steps`
+        updates) the longest grows linearly from `curriculum_start_len` to `train_max_len` and the shortest is
+        min(train_min_len, curriculum_start_len); then (train_min_len, train_max_len)."""
         if step >= self.curriculum_steps:
-            return self.train_max_len
+            return self.train_min_len, self.train_max_len
         start = min(self.curriculum_start_len, self.train_max_len)
-        return start + (self.train_max_len - start) * step // self.curriculum_steps
+        longest = start + (self.train_max_len - start) * step // self.curriculum_steps
+        return min(self.train_min_len, start), longest
 
     def to_dict(self) -> dict:
         d = super().to_dict()
         d["tasks"], d["eval_lens"] = list(self.tasks), list(self.eval_lens)
+        if self.curriculum_steps == 0:  # the recipe without a curriculum keeps the spec its earlier runs were saved under
+            del d["curriculum_steps"], d["curriculum_start_len"]
         return d
 
     @classmethod
@@ -241,6 +246,15 @@ class RecallRecipe(TrainRecipe):
 
     def task_params(self) -> RecallTasks:
         return RecallTasks(mqar_pairs=self.mqar_pairs, needles=self.needles)
+
+
+def training_batch(recipe: RecallRecipe, tasks: RecallTasks, rng: np.random.Generator, step: int) -> dict:
+    """Training batch `step`: its task round robin, one length uniform in `recipe.lengths_at(step)`, padded to
+    train_max_len (MQAR with as many pairs as the length holds)."""
+    task = recipe.tasks[step % len(recipe.tasks)]
+    shortest, longest = recipe.lengths_at(step)
+    length = int(rng.integers(shortest, longest + 1))
+    return tasks.for_length(length).batch(task, rng, recipe.batch_size, length, pad_to=recipe.train_max_len)
 
 
 def check_recipe(recipe: RecallRecipe, tasks: RecallTasks) -> None:
@@ -252,13 +266,14 @@ def check_recipe(recipe: RecallRecipe, tasks: RecallTasks) -> None:
     if not 1 <= recipe.train_min_len <= recipe.train_max_len:
         raise ValueError(f"need 1 <= train_min_len ({recipe.train_min_len}) <= train_max_len ({recipe.train_max_len})")
     shortest = max(tasks.shortest(t) for t in recipe.tasks)
-    first = min(recipe.train_min_len, recipe.max_len_at(0))
+    first = recipe.lengths_at(0)[0]
     if first < shortest:
         raise ValueError(f"training sequences of {first} tokens are too short for the tasks {list(recipe.tasks)} "
-                         f"(at least {shortest}): raise --train-min-len / --curriculum-start-len")
+                         f"(at least {shortest}): raise --train-min-len"
+                         + (" / --curriculum-start-len" if recipe.curriculum_steps > 0 else ""))
     if recipe.train_max_len < 4 * tasks.mqar_pairs + 1 and "mqar" in recipe.tasks:
         raise ValueError(f"--train-max-len {recipe.train_max_len} is too short for {tasks.mqar_pairs} MQAR pairs and "
-                         f"their queries (at least {4 * tasks.mqar_pairs + 1})")
+                         f"their queries (at least {4 * tasks.mqar_pairs + 1}): raise it or lower --mqar-pairs")
     if recipe.curriculum_steps >= recipe.steps > 1:
         raise ValueError(f"the length curriculum ({recipe.curriculum_steps} steps) must end before training does "
                          f"({recipe.steps} steps); lower --curriculum-steps (0 turns it off)")
@@ -278,10 +293,7 @@ def run_recall(model_name: str, seed: int, recipe: RecallRecipe, *, device: str 
     rng = np.random.default_rng([seed, 11])
 
     def batch_fn(step: int) -> dict:
-        task = recipe.tasks[step % len(recipe.tasks)]
-        longest = recipe.max_len_at(step)
-        length = int(rng.integers(min(recipe.train_min_len, longest), longest + 1))
-        return tasks.for_length(length).batch(task, rng, recipe.batch_size, length, pad_to=recipe.train_max_len)
+        return training_batch(recipe, tasks, rng, step)
 
     def val_fn(m) -> tuple[float, float]:  # in-distribution: the longest training length, validation sequences
         res = evaluate(m, tasks, recipe.tasks, [recipe.train_max_len], count=recipe.val_count, device=device,
@@ -320,6 +332,8 @@ def bench_recall(models: Sequence[str], seeds: Sequence[int], recipe: RecallReci
     """Train every model with every seed and write the report; `run_options` go to `bench.run_jobs`
     (devices, per_device, time_budget, echo). Finished runs in out_dir/runs are reused."""
     from hybridlm.eval import bench
+
+    check_recipe(recipe, recipe.task_params())  # before any worker starts: one clear error, not one per run
 
     return bench.bench_model_seeds(
         "recall", RUNNER, models, seeds, recipe.to_dict(), out_dir,

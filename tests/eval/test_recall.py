@@ -94,11 +94,60 @@ def test_training_batches_pad_after_the_example_to_one_shape():
 def test_length_curriculum_grows_the_cap_then_stays_at_the_maximum():
     from hybridlm.eval.recall import RecallRecipe
 
-    assert [RecallRecipe(curriculum_steps=0).max_len_at(s) for s in (0, 10, 10_000)] == [512, 512, 512]  # off
-    recipe = RecallRecipe(curriculum_steps=100, curriculum_start_len=32, train_max_len=512)
-    caps = [recipe.max_len_at(s) for s in range(0, 130)]
-    assert caps[0] == 32 and caps[50] == 272 and caps[99] < 512 and set(caps[100:]) == {512}
-    assert all(a <= b for a, b in zip(caps, caps[1:]))
+    assert {RecallRecipe().lengths_at(s) for s in (0, 10, 10_000)} == {(128, 512)}  # off by default
+    recipe = RecallRecipe(curriculum_steps=100, curriculum_start_len=32, train_min_len=128, train_max_len=512)
+    ranges = [recipe.lengths_at(s) for s in range(0, 130)]
+    assert ranges[0] == (32, 32) and ranges[50] == (32, 272) and ranges[99][1] < 512
+    assert set(ranges[100:]) == {(128, 512)}
+    assert all(a[1] <= b[1] for a, b in zip(ranges, ranges[1:]))
+
+
+def test_training_batches_follow_the_curriculum():
+    """The lengths `training_batch` draws (non-pad tokens per row) stay within the curriculum's range at each step,
+    below the cap while it grows and across [train_min_len, train_max_len] after; every batch has one shape."""
+    from hybridlm.eval.recall import PAD, RecallRecipe, training_batch
+
+    recipe = RecallRecipe(curriculum_steps=60, curriculum_start_len=32, train_min_len=64, train_max_len=160,
+                          batch_size=2, steps=200)
+    tasks, rng = recipe.task_params(), np.random.default_rng(0)
+    lengths = {}
+    for step in range(0, 200, 3):
+        batch = training_batch(recipe, tasks, rng, step)
+        assert batch["input_ids"].shape == (2, 160)
+        lengths[step] = int((batch["input_ids"][0] != PAD).sum())
+        shortest, longest = recipe.lengths_at(step)
+        assert shortest <= lengths[step] <= longest
+    assert max(lengths[s] for s in lengths if s < 10) <= 51 < 64 <= min(lengths[s] for s in lengths if s >= 60)
+
+
+def test_recipe_specs_without_a_curriculum_keep_their_earlier_form():
+    """Runs saved before the curriculum existed are reused: its fields stay out of the spec while it is off."""
+    from hybridlm.eval.recall import RecallRecipe
+
+    plain = RecallRecipe().to_dict()
+    assert "curriculum_steps" not in plain and RecallRecipe.from_dict(plain) == RecallRecipe()
+    grown = RecallRecipe(curriculum_steps=300, curriculum_start_len=48)
+    assert RecallRecipe.from_dict(grown.to_dict()) == grown
+
+
+def test_command_line_curriculum_scales_with_the_default_share():
+    import argparse
+
+    from hybridlm.eval.addition import AdditionRecipe
+    from hybridlm.eval.commands import _recipe
+    from hybridlm.eval.recall import RecallRecipe
+
+    args = argparse.Namespace(steps=400, curriculum_steps=None, warmup=None)
+    assert _recipe(RecallRecipe, args).curriculum_steps == 0  # recall has none by default
+    assert _recipe(AdditionRecipe, args).curriculum_steps == 100  # addition: 2000 of 8000
+
+
+def test_bench_recall_refuses_a_bad_recipe_before_any_run(tmp_path):
+    from hybridlm.eval.recall import RecallRecipe, bench_recall
+
+    with pytest.raises(ValueError, match="curriculum"):
+        bench_recall(["fw-1A"], [0], RecallRecipe(steps=5, curriculum_steps=5), tmp_path / "out", devices=["cpu"])
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("length,pairs", [(9, 2), (32, 7), (33, 8), (300, 8)])

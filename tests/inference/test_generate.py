@@ -363,7 +363,11 @@ def test_prefill_in_pieces_equals_one_prefill(mixer, piece):
     model = make_model(seed=8, **MIXERS[mixer])
     prompt = ids(2, 11, seed=9)
     whole = generate(model, prompt, max_new_tokens=5, output_logits=True)
+    widths = []  # the token count of every model call: the pieces, then one per decoding step
+    hook = model.register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))
     pieces = generate(model, prompt, max_new_tokens=5, output_logits=True, prefill_chunk=piece)
+    hook.remove()
+    assert widths == [min(piece, 11 - start) for start in range(0, 11, piece)] + [1] * 4
     assert torch.equal(pieces.sequences, whole.sequences)
     assert max_diff(pieces.logits, whole.logits) < TOL
     assert whole.logits.abs().max() > 0.5  # not a degenerate comparison

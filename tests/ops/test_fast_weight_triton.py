@@ -242,6 +242,7 @@ CONTRACT_CASES = [  # rule, window, pairing, read, step_size, packed, with an in
     ("3A", 3, "shifted", "before", "nlms", False, True), ("3A", 2, "same_step", "after", "direct", False, True),
     ("3A", 5, "shifted", "before", "nlms", True, True), ("3A", 4, "same_step", "before", "direct", False, False),
     ("3A", 3, "shifted", "after", "nlms", True, False), ("3A", 9, "shifted", "after", "nlms", True, True),
+    ("3A", 1, "shifted", "before", "nlms", True, True),  # window 1: rule 1A's scan alone, no band
     ("1", 1, "shifted", "after", "nlms", False, True), ("1", 1, "shifted", "before", "direct", True, True),
     ("1", 1, "same_step", "after", "nlms", True, True), ("1", 1, "shifted", "before", "nlms", True, False),
     ("1", 1, "same_step", "after", "nlms", False, False),

@@ -17,12 +17,12 @@
         dlast_k).
 
     hybridlm::fast_weight_band_fwd(q, x_ext, y_ext, c, shift) -> o_band; hybridlm::fast_weight_band_bwd(do, q, x_ext,
-        y_ext, c, shift) -> (dq, dx_ext, dy_ext, dc): rule 3A's band in its delayed-write form (`band.py`).
+        y_ext, c, shift) -> (dq, dx_ext, dy_ext, dc): rule 3A's band of the pairs still being written (`band.py`).
 
-Rule 3A runs as rule 1A over its write events (`frontend.py`), so it goes through the 1A ops; rule 3's events differ
-from rule 1's rows (the events of one step do not see each other's writes), hence its own ops on rule 1's kernels.
-The implementations (`chunk_1a.py`, `chunk_1.py`, `chunk_2a.py`, `chunk_2.py`, `prepare.py`, which need triton) are
-imported on the first call; this file imports only torch.
+Rule 3A runs as rule 1A over delayed writes plus the band (`frontend.py`), so it goes through the 1A ops and the band
+ops; rule 3's events differ from rule 1's rows (the events of one step do not see each other's writes), hence its own
+ops on rule 1's kernels. The implementations (`chunk_1a.py`, `chunk_1.py`, `chunk_2a.py`, `chunk_2.py`, `prepare.py`,
+`band.py`, which need triton) are imported on the first call; this file imports only torch.
 dS0 is always computed (the backward pass ends on it); the autograd formula drops it when S0 is None.
 """
 

@@ -3,8 +3,8 @@
 Same contract as `chunk.fast_weight_chunk` (inputs validated by the front door), for the rules and options of
 `supports(...)`: rules 1A and 1 (window 1; `chunk_1.py`), 2A and 2 (decays and step sizes per value column;
 `chunk_2a.py`, `chunk_2.py`, chunks of 16), rule 3A on 1A's kernels plus a band kernel and rule 3 as 1 over write
-events. Unlike the torch backends it keeps q, k, v in their dtype (bf16/fp16 run on tensor cores); the statistic E_t, the
-step sizes and the log decays are in float32.
+events. Unlike the torch backends it keeps q, k, v in their dtype (bf16/fp16 run on tensor cores); the statistic
+E_t, the step sizes and the log decays are in float32.
 
 Rule 3A (window W > 1) as delayed writes (README.md, "Rule 3A as delayed writes"; `_delayed_window`): one 1A scan
 in which each pair enters the state once, with the sum of all its W writes, plus a band kernel for the W-1 pairs still
@@ -15,9 +15,10 @@ Rule 3 over write events: step t's W writes laid out in time as (t, slot 0), ...
 on slot 0, its read on the last slot (read "after") or the first (read "before"), through rule 1's kernels. Every
 event of step t writes w_(t,j) x_j (y_j - S_{t-1}^T x_j)^T against the state before the step's decay, so the events
 of one step must not see each other's writes: rule 1's kernels take the number of slots per step and mask same-step
-pairs out of the residuals' triangular system (`kernels_delta.py`, SLOTS). And no step may straddle a chunk boundary (the next chunk's entry state would hold
-part of a step's writes), so each step is laid out on P = the next power of two >= W slots, slots W..P-1 events that
-write nothing (zero features and weights), with chunks of at least P events (powers of two: they hold whole steps).
+pairs out of the residuals' triangular system (`kernels_delta.py`, SLOTS). And no step may straddle a chunk boundary
+(the next chunk's entry state would hold part of a step's writes), so each step is laid out on P = the next power of
+two >= W slots, slots W..P-1 events that write nothing (zero features and weights), with chunks of at least P events
+(powers of two: they hold whole steps).
 The cost is P times rule 1's.
 
 The preparation (pairs, windows, statistic, step sizes, decays) is chunk.py's `prepare_writes`, except for rules 1A
