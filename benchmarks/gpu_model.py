@@ -25,7 +25,8 @@ channels = 16 heads x 64; or `--preset`), each measured in this one process:
    a pure SSM's stays constant, a Falcon-H1 hybrid keeps attention in every block, so its KV cache grows with the
    context).
    `--graph` times the steps of `GraphedDecoder` instead (one replayed CUDA graph per token; the static cache
-   attends over all its slots, here context + decode steps).
+   attends over all its slots, here context + decode steps); `--compile-decode` captures the step compiled by
+   inductor (fused kernels: fewer per replay; aot_eager on the CPU, which only checks the path).
 3. `--profile-decode`: `torch.profiler` over 3 decoding steps at the first context, per variant: the operators with
    the most device (or CPU) time and the number of kernel launches, to tell per-step overhead from the math;
    `--profile-train` the same for one training update per variant and length.
@@ -158,7 +159,7 @@ def prefill_pieces(model, ids: torch.Tensor, *, piece: int | None = None):
 
 @torch.no_grad()
 def decoding(model, *, context: int, device: torch.device, steps: int, batch: int = 1, graph: bool = False,
-             prefill_tokens: int = 1 << 18) -> dict:
+             compile_step: str | None = None, prefill_tokens: int = 1 << 18) -> dict:
     model.eval()
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
     piece = max(1, prefill_tokens // batch)  # tokens per row in one prefill call
@@ -172,7 +173,10 @@ def decoding(model, *, context: int, device: torch.device, steps: int, batch: in
         sync(device)
         prefill = time.perf_counter() - start
         if graph:  # the first step captures the graph: left out of the median below with the others' first
-            decoder = GraphedDecoder(model, cache, capacity=context + steps, batch_size=batch)
+            if compile_step is not None:
+                torch._dynamo.reset()  # one compiled decoder per measurement: stay under torch's recompile limit
+            decoder = GraphedDecoder(model, cache, capacity=context + steps, batch_size=batch,
+                                     compile_step=compile_step)
             cache = decoder.cache
             step = lambda: decoder.step(token[:, 0])
         else:
@@ -206,6 +210,8 @@ def main() -> None:
     parser.add_argument("--profile-train", action="store_true", help="print a profile of one update per variant and T")
     parser.add_argument("--compile", action="store_true", help="train through torch.compile (every variant)")
     parser.add_argument("--graph", action="store_true", help="decode through GraphedDecoder (a CUDA graph per step)")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="with --graph: capture the step compiled by torch.compile (inductor)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run of this script)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -213,7 +219,9 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{name} · torch {torch.__version__} · preset {args.preset} · bf16 autocast on CUDA"
           + (" · training through torch.compile" if args.compile else "")
-          + (" · decoding through CUDA graphs" if args.graph else ""))
+          + (" · decoding through CUDA graphs" if args.graph else "")
+          + (" of the compiled step" if args.graph and args.compile_decode else ""))
+    compile_step = ("inductor" if device.type == "cuda" else "aot_eager") if args.compile_decode else None
     rows: list[dict] = []
 
     def record(row: dict) -> None:
@@ -241,7 +249,8 @@ def main() -> None:
             for batch in args.decode_batches:
                 try:
                     measured = decoding(model, context=context, device=device, steps=args.decode_steps, batch=batch,
-                                        graph=args.graph, prefill_tokens=args.prefill_tokens)
+                                        graph=args.graph, compile_step=compile_step,
+                                        prefill_tokens=args.prefill_tokens)
                 except torch.OutOfMemoryError:
                     measured = {"prefill_s": None, "decode_ms": None, "tokens_per_s": None, "cache_mib_per_row": None}
                 record({"variant": variant, "context": context, "batch": batch, **measured})

@@ -11,6 +11,13 @@ capacity written at a device-side slot, masks over the whole storage, positions 
 token through a static input buffer, and after the model's step copies every new SSM state (conv tails, SSD and
 fast-weight states, carried keys) back into the buffers the step reads. The copies are part of the graph.
 
+`compile_step="inductor"` runs the model's step through torch.compile before the capture, so the graph holds inductor's
+fused kernels instead of one kernel per operator (a step is mostly small elementwise work: norms, gates, casts); the
+same logits as the plain step (checked with "aot_eager" on the CPU and inductor on a GPU; not yet timed). Each decoder
+compiles its step once (its guards hold its own cache), so torch's recompile limit
+(`torch._dynamo.config.recompile_limit`) caps the compiled decoders of one process; past it torch warns and the step
+runs uncompiled (`torch._dynamo.reset()` between them lifts it).
+
 On the CPU (or with `use_graph=False`) the same static step runs eagerly: that is what the CPU tests check against
 the dynamic cache. Attention then reads all `capacity` slots every step (the empty ones masked), so keep the
 capacity at what the generation needs. Capture happens on the first `step` (after one eager warm-up step on a side
@@ -32,7 +39,7 @@ class GraphedDecoder:
     """Decoding steps of `model` over `cache` (already filled by a prefill) with room for `capacity` slots."""
 
     def __init__(self, model, cache: HybridCache, *, capacity: int, batch_size: int,
-                 use_graph: bool | None = None) -> None:
+                 use_graph: bool | None = None, compile_step: str | None = None) -> None:
         rows = _cache_rows(cache)
         if rows is not None and rows != batch_size:
             raise ValueError(f"batch_size {batch_size} does not match the cache's {rows} rows")
@@ -47,6 +54,10 @@ class GraphedDecoder:
         self.buffers = [dict(layer.ssm) for layer in self.cache.layers]  # the state tensors every step reads
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output [B, V]
+        # compile_step: a torch.compile backend ("inductor") for the model's step: fused kernels, so fewer of them per
+        # replay (the module docstring). Compiled on the warm-up step, then captured; without a graph (the CPU) the
+        # host's step counts change the guards every step, so it recompiles up to torch's limit: for checking only.
+        self._model_step = self._step if compile_step is None else torch.compile(self._step, backend=compile_step)
 
     @torch.no_grad()
     def step(self, token: torch.Tensor) -> torch.Tensor:
@@ -71,9 +82,12 @@ class GraphedDecoder:
                 layer.length += 1
         return self.logits
 
+    def _step(self) -> torch.Tensor:
+        return self.model(self.token, cache=self.cache, logits_to_keep=1).logits[:, -1]
+
     def _forward(self) -> torch.Tensor:
         """One static step: the model on the token buffer, then the new SSM states copied into the read buffers."""
-        logits = self.model(self.token, cache=self.cache, logits_to_keep=1).logits[:, -1]
+        logits = self._model_step()
         for layer, buffers in zip(self.cache.layers, self.buffers):
             if layer.ssm.keys() != buffers.keys():
                 raise RuntimeError(f"a decoding step changed the cached state's fields ({sorted(buffers)} -> "

@@ -316,6 +316,51 @@ def test_cuda_graph_decoding_equals_eager(mixer):
     assert decoder.graph is not None
 
 
+@pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1A", "fast_weight-3A-same_step-read_before", "none"])
+def test_compiled_static_step_equals_the_static_step(mixer):
+    """`GraphedDecoder(compile_step=...)`: the model's step through torch.compile (aot_eager here; inductor on a GPU,
+    where the compiled kernels are what the graph captures) gives the plain static step's logits, step after step."""
+    from hybridlm.inference import GraphedDecoder
+
+    torch._dynamo.reset()
+    model = make_model(seed=8, **MIXERS[mixer]).eval()
+    prompt = ids(2, 11, seed=9)
+    with torch.no_grad():
+        caches = [model.new_cache(), model.new_cache()]
+        for cache in caches:
+            model(prompt, cache=cache)
+        plain, compiled = (GraphedDecoder(model, cache, capacity=16, batch_size=2, use_graph=False, compile_step=backend)
+                           for cache, backend in zip(caches, (None, "aot_eager")))
+        token = prompt[:, -1]
+        for _ in range(4):
+            expected = plain.step(token).clone()
+            assert max_diff(compiled.step(token), expected) < 1e-5
+            token = expected.argmax(-1)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # dynamo traced the step (it was not eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
+@pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1A", "fast_weight-3A", "none"])
+def test_cuda_graph_of_the_compiled_step_equals_eager(mixer):
+    """On a GPU: the captured inductor-compiled step gives the eager dynamic cache's logits (float32, teacher-forced)."""
+    from hybridlm.inference import GraphedDecoder
+
+    torch._dynamo.reset()
+    model = make_model(seed=9, **MIXERS[mixer]).cuda().eval()
+    prompt = ids(2, 11, seed=9).cuda()
+    with torch.no_grad():
+        cache = model.new_cache()
+        logits = model(prompt, cache=cache, logits_to_keep=1).logits[:, -1]
+        fresh = model.new_cache()
+        model(prompt, cache=fresh)
+        decoder = GraphedDecoder(model, fresh, capacity=cache.seq_len + 6, batch_size=2, compile_step="inductor")
+        for _ in range(6):
+            token = logits.argmax(-1)
+            logits = model(token[:, None], cache=cache, logits_to_keep=1).logits[:, -1]
+            assert max_diff(decoder.step(token), logits) < 1e-4
+    assert decoder.graph is not None
+
+
 def test_a_failed_capture_leaves_no_graph_and_the_states_as_they_were(monkeypatch):
     """`GraphedDecoder._capture` with the CUDA calls stood in for on the CPU and the capture failing: the error
     propagates, no graph is kept to replay, and the states, slot, positions and host counts are the ones before."""
