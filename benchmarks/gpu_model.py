@@ -14,6 +14,13 @@ channels = 16 heads x 64; or `--preset`), each measured in this one process:
     hybrid fw-1A       attention and Falcon-1A (Triton on CUDA, "auto")
     hybrid fw-3A       attention and Falcon-3A, window 3
     fw-1A              Falcon-1A alone (no attention)
+and, sized against each other (issue 8 compares a hybrid with a same-size Transformer; the hybrids above keep all
+the Transformer's attention and MLP and add the SSM half: 143-159M parameters against its 112M):
+    h1 fw-1A           Falcon-H1's channel allocation of the shape's width (SSM : attention : MLP = 2 : 1 : 5,
+                       `channel_allocation`) with a Falcon-1A SSM half (144M at the 125m shape)
+    h1 mamba2          the same allocation with Mamba-2 (134M)
+    transformer matched  the Transformer with its MLP widened to "h1 fw-1A"'s parameter count (144M): the baseline
+                       of the two "h1" rows' ratio column (the others' is "transformer")
 1. Training: a full update (forward, backward, AdamW; bf16 autocast, fp32 master weights) on 1 row of T tokens:
    tokens/s and peak memory, and the ratio to the transformer's tokens/s at the same T. `--compile` runs the
    training forward through `torch.compile` (inductor, default mode: one long row leaves little launch overhead
@@ -44,6 +51,7 @@ from gpu_ops import kernel_launches  # benchmarks/ is on the path when this scri
 
 from hybridlm.inference import GraphedDecoder
 from hybridlm.layers.mamba2 import Mamba2Mixer
+from hybridlm.models.allocation import channel_allocation
 from hybridlm.models.configuration import HybridLMConfig
 from hybridlm.models.model import HybridForCausalLM
 from hybridlm.models.presets import get_preset
@@ -59,13 +67,44 @@ VARIANTS = {
     "hybrid fw-1A": dict(ssm_mixer="fast_weight", fw_rule="1A"),
     "hybrid fw-3A": dict(ssm_mixer="fast_weight", fw_rule="3A", fw_window=3),
     "fw-1A": dict(ssm_mixer="fast_weight", fw_rule="1A", use_attention=False),
+    "h1 fw-1A": dict(ssm_mixer="fast_weight", fw_rule="1A"),
+    "h1 mamba2": dict(),
+    "transformer matched": dict(ssm_mixer="none"),
 }
 SSD_BACKEND = {"hybrid mamba2-triton": "triton"}  # variants whose Mamba-2 mixers run another SSD backend
+FALCON_H1_ALLOCATION = dict(alpha_S=2 / 8, alpha_A=1 / 8, alpha_M=5 / 8)  # the report's SA_M optimum (Figure 2)
+BASELINE = {"h1 fw-1A": "transformer matched", "h1 mamba2": "transformer matched"}  # default: "transformer"
+
+
+def config_of(preset: str, variant: str):
+    """The HybridConfig of `variant` at `preset` (module docstring)."""
+    base = SHAPE_125M if preset == "125m" else {}
+    fields = {**base, **VARIANTS[variant]}
+
+    def config(**changes):
+        return get_preset("tiny" if preset == "125m" else preset, **{**fields, **changes})
+
+    if variant.startswith("h1 "):
+        shape = config()
+        return config(**channel_allocation(hidden_size=shape.hidden_size, num_key_value_heads=shape.num_key_value_heads,
+                                           head_dim=shape.head_dim, mamba_d_head=shape.mamba_d_head,
+                                           **FALCON_H1_ALLOCATION))
+    if variant == "transformer matched":  # parameters grow linearly with the MLP width: two points give the width
+        target = parameters(config_of(preset, "h1 fw-1A"))
+        narrow, wide = (parameters(config(intermediate_size=width)) for width in (64, 128))
+        width = 64 + round((target - narrow) / (wide - narrow)) * 64
+        return config(intermediate_size=max(64, width))
+    return config()
+
+
+def parameters(config) -> int:
+    """The parameter count of a model of `config` (built on the meta device: no memory, no initialization)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in HybridForCausalLM(HybridLMConfig.from_hybrid(config)).parameters())
 
 
 def build(preset: str, variant: str, device: torch.device) -> HybridForCausalLM:
-    base = SHAPE_125M if preset == "125m" else {}
-    config = get_preset("tiny" if preset == "125m" else preset, **{**base, **VARIANTS[variant]})
+    config = config_of(preset, variant)
     torch.manual_seed(0)
     model = HybridForCausalLM(HybridLMConfig.from_hybrid(config)).to(device)
     for module in model.modules():
@@ -199,7 +238,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="125m", help="'125m' (the shape above) or any preset name")
     parser.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384], help="training tokens per row")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    parser.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096, 16384, 32768],
+                        help="decoding contexts (none: no decoding)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-steps", type=int, default=16)
@@ -256,28 +296,28 @@ def main() -> None:
                 record({"variant": variant, "context": context, "batch": batch, **measured})
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-        if args.profile_decode:
+        if args.profile_decode and args.contexts:
             print(f"\n### decoding profile: {variant}, context {args.contexts[0]}\n"
                   + profile_decoding(model, context=args.contexts[0], device=device), flush=True)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
     train = {(r["variant"], r["T"]): r for r in rows if "T" in r}
-    print("\n| model | params | T | tokens/s | / transformer | peak GiB |\n|---|---|---|---|---|---|")
+    print("\n| model | params | T | tokens/s | / baseline | peak GiB |\n|---|---|---|---|---|---|")
     for (variant, length), r in train.items():
-        base = train.get(("transformer", length), {}).get("tokens_per_s")
+        base = train.get((BASELINE.get(variant, "transformer"), length), {}).get("tokens_per_s")
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if r["tokens_per_s"] and base else "-"
         tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "OOM"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
         print(f"| {variant} | {r['params'] / 1e6:.0f}M | {length} | {tps} | {ratio} | {peak} |")
     decode = {(r["variant"], r["context"], r["batch"]): r for r in rows if "context" in r}
-    print("\n| model | context | batch | prefill s | decode ms/step | decode tokens/s | / transformer | "
+    print("\n| model | context | batch | prefill s | decode ms/step | decode tokens/s | / baseline | "
           "cache MiB/row |\n|---|---|---|---|---|---|---|---|")
     for (variant, context, batch), r in decode.items():
         if r["decode_ms"] is None:
             print(f"| {variant} | {context} | {batch} | OOM | - | - | - | - |")
             continue
-        base = decode.get(("transformer", context, batch), {}).get("tokens_per_s")
+        base = decode.get((BASELINE.get(variant, "transformer"), context, batch), {}).get("tokens_per_s")
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         print(f"| {variant} | {context} | {batch} | {r['prefill_s']:.3f} | {r['decode_ms']:.2f} | "
               f"{r['tokens_per_s']:.0f} | {ratio} | {r['cache_mib_per_row']:.1f} |")

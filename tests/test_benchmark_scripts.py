@@ -97,3 +97,23 @@ def test_gpu_model_prefills_in_pieces():
         step_pieces, step_whole = model(token, cache=pieces).logits, model(token, cache=whole).logits
     assert widths == [8, 8, 7]
     assert (step_pieces - step_whole).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("preset", ["125m", "tiny"])
+def test_gpu_model_same_size_variants(preset):
+    """The "h1" hybrids take Falcon-H1's 2 : 1 : 5 allocation of the shape's width, and "transformer matched" is the
+    Transformer whose MLP width brings it within one MLP width step (64 channels) of "h1 fw-1A"'s parameters."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from gpu_model import config_of, parameters
+
+    from hybridlm.models.allocation import channel_allocation
+
+    h1, matched, plain = (config_of(preset, v) for v in ("h1 fw-1A", "transformer matched", "transformer"))
+    allocation = channel_allocation(hidden_size=plain.hidden_size, alpha_S=2 / 8, alpha_A=1 / 8, alpha_M=5 / 8,
+                                    num_key_value_heads=plain.num_key_value_heads, head_dim=plain.head_dim,
+                                    mamba_d_head=plain.mamba_d_head)
+    assert all(getattr(h1, name) == value for name, value in allocation.items())
+    assert h1.ssm_mixer == "fast_weight" and matched.ssm_mixer == "none"
+    step = 3 * plain.hidden_size * 64 * plain.num_hidden_layers  # the parameters of 64 more MLP channels
+    assert abs(parameters(matched) - parameters(h1)) <= step / 2
+    assert parameters(plain) < parameters(h1) - step  # the plain Transformer is the smaller one
