@@ -20,7 +20,8 @@ the Transformer's attention and MLP and add the SSM half: 143-159M parameters ag
                        `channel_allocation`) with a Falcon-1A SSM half (144M at the 125m shape)
     h1 mamba2          the same allocation with Mamba-2 (134M)
     transformer matched  the Transformer with its MLP widened to "h1 fw-1A"'s parameter count (144M): the baseline
-                       of the two "h1" rows' ratio column (the others' is "transformer")
+                       of the two "h1" rows' ratio column (the others' is "transformer"; h1 mamba2 is the smaller
+                       of the two by 10M, measured against the same 144M baseline)
 1. Training: a full update (forward, backward, AdamW; bf16 autocast, fp32 master weights) on 1 row of T tokens:
    tokens/s and peak memory, and the ratio to the transformer's tokens/s at the same T. `--compile` runs the
    training forward through `torch.compile` (inductor, default mode: one long row leaves little launch overhead
@@ -213,7 +214,7 @@ def decoding(model, *, context: int, device: torch.device, steps: int, batch: in
         prefill = time.perf_counter() - start
         if graph:  # the first step captures the graph: left out of the median below with the others' first
             if compile_step is not None:
-                torch._dynamo.reset()  # one compiled decoder per measurement: stay under torch's recompile limit
+                torch._dynamo.reset()  # each measurement compiles its own step for its shapes (static, not dynamic)
             decoder = GraphedDecoder(model, cache, capacity=context + steps, batch_size=batch,
                                      compile_step=compile_step)
             cache = decoder.cache
@@ -255,6 +256,8 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run of this script)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.compile_decode and not args.graph:
+        parser.error("--compile-decode compiles the step of --graph's decoder: add --graph")
     device = torch.device("cpu" if args.cpu else "cuda")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{name} · torch {torch.__version__} · preset {args.preset} · bf16 autocast on CUDA"

@@ -13,10 +13,10 @@ fast-weight states, carried keys) back into the buffers the step reads. The copi
 
 `compile_step="inductor"` runs the model's step through torch.compile before the capture, so the graph holds inductor's
 fused kernels instead of one kernel per operator (a step is mostly small elementwise work: norms, gates, casts); the
-same logits as the plain step (checked with "aot_eager" on the CPU and inductor on a GPU; not yet timed). Each decoder
-compiles its step once (its guards hold its own cache), so torch's recompile limit
-(`torch._dynamo.config.recompile_limit`) caps the compiled decoders of one process; past it torch warns and the step
-runs uncompiled (`torch._dynamo.reset()` between them lifts it).
+same logits as the plain step (checked with "aot_eager" on the CPU; a GPU test of the inductor capture is written, not
+yet run). The warm-up step compiles; the capture then runs the same call with the same host counts (restored), so it
+must not compile again: it runs with dynamo's `error_on_recompile`, and a guard miss fails the capture (states
+restored, no graph kept) instead of compiling inside it or capturing an uncompiled step.
 
 On the CPU (or with `use_graph=False`) the same static step runs eagerly: that is what the CPU tests check against
 the dynamic cache. Attention then reads all `capacity` slots every step (the empty ones masked), so keep the
@@ -55,9 +55,9 @@ class GraphedDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output [B, V]
         # compile_step: a torch.compile backend ("inductor") for the model's step: fused kernels, so fewer of them per
-        # replay (the module docstring). Compiled on the warm-up step, then captured; without a graph (the CPU) the
-        # host's step counts change the guards every step, so it recompiles up to torch's limit: for checking only.
-        self._model_step = self._step if compile_step is None else torch.compile(self._step, backend=compile_step)
+        # replay (the module docstring). The unbound function, not `self._step`: a bound method kept on the object
+        # would make every decoder a reference cycle, holding its key/value storage until the garbage collector runs.
+        self._compiled_step = None if compile_step is None else torch.compile(GraphedDecoder._step, backend=compile_step)
 
     @torch.no_grad()
     def step(self, token: torch.Tensor) -> torch.Tensor:
@@ -87,7 +87,7 @@ class GraphedDecoder:
 
     def _forward(self) -> torch.Tensor:
         """One static step: the model on the token buffer, then the new SSM states copied into the read buffers."""
-        logits = self._model_step()
+        logits = self._step() if self._compiled_step is None else self._compiled_step(self)
         for layer, buffers in zip(self.cache.layers, self.buffers):
             if layer.ssm.keys() != buffers.keys():
                 raise RuntimeError(f"a decoding step changed the cached state's fields ({sorted(buffers)} -> "
@@ -115,7 +115,10 @@ class GraphedDecoder:
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 self._restore(saved)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                no_recompile = contextlib.nullcontext()
+                if self._compiled_step is not None:  # the module docstring: compiling inside the capture would fail
+                    no_recompile = torch._dynamo.config.patch(error_on_recompile=True)
+                with no_recompile, torch.cuda.graph(graph):
                     logits = self._forward()
             self.graph, self.logits = graph, logits
         finally:

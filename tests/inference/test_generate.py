@@ -323,6 +323,7 @@ def test_compiled_static_step_equals_the_static_step(mixer):
     from hybridlm.inference import GraphedDecoder
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # (reset leaves the counters)
     model = make_model(seed=8, **MIXERS[mixer]).eval()
     prompt = ids(2, 11, seed=9)
     with torch.no_grad():
