@@ -48,8 +48,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="parameter dtype (default float32)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="prefill in pieces of N tokens per prompt (bounds memory on long prompts; prompts of one "
-                        "length only)")
+                   help="prefill in pieces of N tokens per prompt (bounds memory on long prompts)")
     p.add_argument("--graph", action="store_true",
                    help="decode through a CUDA graph of the step (hybridlm/inference/graphed.py; eager on the CPU)")
     p.set_defaults(func=run_generate)

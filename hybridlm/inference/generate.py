@@ -20,7 +20,9 @@ you need.
 
 `prefill_chunk=n` runs the prefill as pieces of n tokens per row, each continuing from the cache the last one filled:
 the same cache and logits (to float rounding), with peak activation memory bounded by n rows' tokens instead of the
-whole prompt's (a batch of 32 prompts of 64K tokens is 2M tokens at once otherwise). For prompts without padding.
+whole prompt's (a batch of 32 prompts of 64K tokens is 2M tokens at once otherwise). In a left-padded batch the
+first piece is the packed prefill of every row's padding and at least one of its tokens (so it is longer than n when
+some row's padding is), and the pieces after it hold no padding.
 
 Stopping: a row is finished once it produces one of `eos_token_id`; its later positions hold
 `pad_token_id` (or the first eos id when no pad id is known) and decoding ends when every row is done
@@ -75,8 +77,7 @@ def generate(
             `torch.Generator` on the ids' device, so the same seed gives the same tokens.
         output_logits: also return the raw logits of every generated position.
         graph: decode through a `GraphedDecoder` (a CUDA graph of the step; see the module docstring).
-        prefill_chunk: prefill in pieces of this many tokens per row (None: the whole prompt at once); prompts
-            without padding only.
+        prefill_chunk: prefill in pieces of this many tokens per row (None: the whole prompt at once).
     """
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [B, T] with T >= 1, got shape {list(input_ids.shape)}")
@@ -93,12 +94,9 @@ def generate(
     filler = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos is not None else 0)
     batch = input_ids.shape[0]
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
-    if prefill_chunk is not None:
-        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be an int >= 1 (tokens per row per piece), got {prefill_chunk!r}")
-        if not bool(mask.bool().all()):
-            raise ValueError("prefill_chunk needs prompts without padding (attention_mask all ones): prefill a "
-                             "left-padded batch whole, or group prompts of one length")
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be an int >= 1 (tokens per row per piece), got {prefill_chunk!r}")
 
     new_tokens, new_mask, step_logits = [], [], []
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
@@ -107,7 +105,10 @@ def generate(
         if prefill_chunk is None:
             logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1]
         else:
-            for start in range(0, input_ids.shape[1], prefill_chunk):
+            first = max(prefill_chunk, int((mask == 0).sum(1).max()) + 1)  # all the (left) padding is in piece one
+            first_mask = None if attention_mask is None else attention_mask[:, :first]
+            logits = model(input_ids[:, :first], attention_mask=first_mask, cache=cache, logits_to_keep=1).logits[:, -1]
+            for start in range(first, input_ids.shape[1], prefill_chunk):
                 piece = input_ids[:, start:start + prefill_chunk]
                 logits = model(piece, cache=cache, logits_to_keep=1).logits[:, -1]
         decoder = None

@@ -423,11 +423,28 @@ def test_prefill_in_pieces_equals_one_prefill(mixer, piece):
     assert max_diff(graphed.logits, whole.logits) < TOL
 
 
-def test_prefill_in_pieces_refuses_padding_and_bad_sizes():
+@pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1A", "fast_weight-3A", "none"])
+def test_prefill_in_pieces_of_a_left_padded_batch(mixer):
+    """A left-padded batch (prompts of 9, 6 and 12 tokens): the first piece is the packed prefill of all the padding
+    and a token of every row (6 + 1 columns, longer than the pieces of 3 asked for), the rest continue unpadded in
+    pieces of 3 and 2; the tokens and logits are those of one padded prefill."""
+    model = make_model(seed=8, **MIXERS[mixer])
+    lengths, width = (9, 6, 12), 12
+    batch, mask = torch.zeros(3, width, dtype=torch.long), torch.zeros(3, width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        batch[row, width - n:], mask[row, width - n:] = ids(1, n, seed=row)[0], 1
+    whole = generate(model, batch, attention_mask=mask, max_new_tokens=5, output_logits=True)
+    widths = []
+    hook = model.register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))
+    pieces = generate(model, batch, attention_mask=mask, max_new_tokens=5, output_logits=True, prefill_chunk=3)
+    hook.remove()
+    assert widths == [7, 3, 2] + [1] * 4
+    assert torch.equal(pieces.sequences, whole.sequences)
+    assert max_diff(pieces.logits, whole.logits) < TOL
+
+
+def test_prefill_in_pieces_refuses_bad_sizes():
     model = make_model()
-    _, batch, mask = padded_batch(seed=7)
-    with pytest.raises(ValueError, match="without padding"):
-        generate(model, batch, attention_mask=mask, max_new_tokens=2, prefill_chunk=4)
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="prefill_chunk"):
             generate(model, ids(1, 5), max_new_tokens=2, prefill_chunk=bad)
