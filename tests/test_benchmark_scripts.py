@@ -51,8 +51,8 @@ def test_gpu_model_on_the_cpu_with_decoding_and_training_profiles():
 
 def test_gpu_model_on_the_cpu_compiled_and_static_decoding():
     out = run("gpu_model.py", "--cpu", "--preset", "tiny", "--lengths", "64", "--contexts", "32", "--variants",
-              "hybrid fw-1A", "--repeats", "1", "--decode-steps", "3", "--compile", "--graph", "--decode-batches", "1", "2",
-              "--prefill-tokens", "32", "--compile-decode")  # batch 2: the prefill in two pieces of 16 tokens per row
+              "hybrid fw-1A", "--repeats", "1", "--decode-steps", "3", "--compile", "--graph", "--decode-batches",
+              "1", "2", "--prefill-tokens", "32", "--compile-decode")  # batch 2: the prefill in 2 pieces of 16 per row
     assert "training through torch.compile" in out and len(table_rows(out, "hybrid fw-1A")) == 3  # 1 + 2 batches
     assert "decoding through CUDA graphs of the compiled step" in out  # on the CPU: the static step, aot_eager
 

@@ -236,7 +236,7 @@ class RecallRecipe(TrainRecipe):
     def to_dict(self) -> dict:
         d = super().to_dict()
         d["tasks"], d["eval_lens"] = list(self.tasks), list(self.eval_lens)
-        if self.curriculum_steps == 0:  # the recipe without a curriculum keeps the spec its earlier runs were saved under
+        if self.curriculum_steps == 0:  # without a curriculum, the spec its earlier runs were saved under
             del d["curriculum_steps"], d["curriculum_start_len"]
         return d
 

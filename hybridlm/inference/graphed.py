@@ -57,7 +57,9 @@ class GraphedDecoder:
         # compile_step: a torch.compile backend ("inductor") for the model's step: fused kernels, so fewer of them per
         # replay (the module docstring). The unbound function, not `self._step`: a bound method kept on the object
         # would make every decoder a reference cycle, holding its key/value storage until the garbage collector runs.
-        self._compiled_step = None if compile_step is None else torch.compile(GraphedDecoder._step, backend=compile_step)
+        self._compiled_step = None
+        if compile_step is not None:
+            self._compiled_step = torch.compile(GraphedDecoder._step, backend=compile_step)
 
     @torch.no_grad()
     def step(self, token: torch.Tensor) -> torch.Tensor:

@@ -330,8 +330,8 @@ def test_compiled_static_step_equals_the_static_step(mixer):
         caches = [model.new_cache(), model.new_cache()]
         for cache in caches:
             model(prompt, cache=cache)
-        plain, compiled = (GraphedDecoder(model, cache, capacity=16, batch_size=2, use_graph=False, compile_step=backend)
-                           for cache, backend in zip(caches, (None, "aot_eager")))
+        plain, compiled = (GraphedDecoder(model, cache, capacity=16, batch_size=2, use_graph=False,
+                                          compile_step=backend) for cache, backend in zip(caches, (None, "aot_eager")))
         token = prompt[:, -1]
         for _ in range(4):
             expected = plain.step(token).clone()
@@ -343,7 +343,8 @@ def test_compiled_static_step_equals_the_static_step(mixer):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
 @pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1A", "fast_weight-3A", "none"])
 def test_cuda_graph_of_the_compiled_step_equals_eager(mixer):
-    """On a GPU: the captured inductor-compiled step gives the eager dynamic cache's logits (float32, teacher-forced)."""
+    """On a GPU: the captured inductor-compiled step gives the eager dynamic cache's logits (float32, teacher
+    forced)."""
     from hybridlm.inference import GraphedDecoder
 
     torch._dynamo.reset()

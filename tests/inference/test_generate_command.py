@@ -69,7 +69,8 @@ def test_greedy_text_matches_the_library(word_model, capsys, monkeypatch):
     assert code == 0 and graphed == out, err
     assert steps.count >= 1  # the decoder ran (it is not the dynamic path's output twice)
     # --prefill-chunk: the prompt prefilled a token at a time writes the same text, also in a batch of two lengths.
-    code, pieces, err = run(capsys, "--model", path, "--prompt", "w5 w7 w9", "--max-new-tokens", 6, "--prefill-chunk", 1)
+    code, pieces, err = run(capsys, "--model", path, "--prompt", "w5 w7 w9", "--max-new-tokens", 6,
+                            "--prefill-chunk", 1)
     assert code == 0 and pieces == out, err
     two = ("--model", path, "--prompt", "w1", "--prompt", "w2 w3 w4 w5", "--max-new-tokens", 4)
     code, at_once, err = run(capsys, *two)
