@@ -35,6 +35,14 @@ def _load(ptr, n, h, rows, valid, length, H, D: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
+def _block(length, H, BT: tl.constexpr):
+    """This program's (row n, head h) and its BT rows of a sequence of `length`: (n, h, rows, rows < length)."""
+    pid_t, pid_nh = tl.program_id(0), tl.program_id(1)
+    rows = pid_t * BT + tl.arange(0, BT)
+    return pid_nh // H, pid_nh % H, rows, rows < length
+
+
+@triton.jit
 def _slot(x_ptr, y_ptr, c_ptr, n, h, t, valid, j, T, H, SHIFT: tl.constexpr, W: tl.constexpr, K: tl.constexpr,
           V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """Slot j of steps t: x_e [BT, BK], y_e [BT, BV] (float32, e = t + j - SHIFT), c_(t,j) [BT] and its offsets."""
@@ -48,10 +56,7 @@ def _slot(x_ptr, y_ptr, c_ptr, n, h, t, valid, j, T, H, SHIFT: tl.constexpr, W: 
 @triton.jit
 def band_fwd_kernel(q_ptr, x_ptr, y_ptr, c_ptr, o_ptr, T, H, SHIFT: tl.constexpr, W: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    pid_t, pid_nh = tl.program_id(0), tl.program_id(1)
-    n, h = pid_nh // H, pid_nh % H
-    t = pid_t * BT + tl.arange(0, BT)
-    valid = t < T
+    n, h, t, valid = _block(T, H, BT)
     q, _, _ = _load(q_ptr, n, h, t, valid, T, H, K, BK)
     acc = tl.zeros([BT, BV], dtype=tl.float32)
     for j in tl.static_range(1, W):
@@ -65,10 +70,7 @@ def band_fwd_kernel(q_ptr, x_ptr, y_ptr, c_ptr, o_ptr, T, H, SHIFT: tl.constexpr
 def band_bwd_q_kernel(do_ptr, q_ptr, x_ptr, y_ptr, c_ptr, dq_ptr, dc_ptr, T, H, SHIFT: tl.constexpr,
                       W: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr):
-    pid_t, pid_nh = tl.program_id(0), tl.program_id(1)
-    n, h = pid_nh // H, pid_nh % H
-    t = pid_t * BT + tl.arange(0, BT)
-    valid = t < T
+    n, h, t, valid = _block(T, H, BT)
     q, q_off, q_mask = _load(q_ptr, n, h, t, valid, T, H, K, BK)
     do, _, _ = _load(do_ptr, n, h, t, valid, T, H, V, BV)
     dq = tl.zeros([BT, BK], dtype=tl.float32)
@@ -84,10 +86,7 @@ def band_bwd_q_kernel(do_ptr, q_ptr, x_ptr, y_ptr, c_ptr, dq_ptr, dc_ptr, T, H, 
 def band_bwd_xy_kernel(do_ptr, q_ptr, x_ptr, y_ptr, c_ptr, dx_ptr, dy_ptr, T, H, SHIFT: tl.constexpr,
                        W: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                        BV: tl.constexpr):
-    pid_e, pid_nh = tl.program_id(0), tl.program_id(1)
-    n, h = pid_nh // H, pid_nh % H
-    e = pid_e * BT + tl.arange(0, BT)
-    rows = e < T + W - 1
+    n, h, e, rows = _block(T + W - 1, H, BT)
     x, x_off, x_mask = _load(x_ptr, n, h, e, rows, T + W - 1, H, K, BK)
     y, y_off, y_mask = _load(y_ptr, n, h, e, rows, T + W - 1, H, V, BV)
     dx = tl.zeros([BT, BK], dtype=tl.float32)
