@@ -27,9 +27,9 @@ the Transformer's attention and MLP and add the SSM half: 143-159M parameters ag
    training forward through `torch.compile` (inductor, default mode: one long row leaves little launch overhead
    to remove; the compiled update is warmed up before timing), every variant alike.
 2. Prefill (no grad, with a decoding cache) of C tokens in each of `--decode-batches` rows, in pieces of at most
-   `--prefill-tokens` tokens in all (as `generate(prefill_chunk=...)`: 32 rows of 64K tokens at once ran out of the
-   H200's memory), and the median time of one decoding step after it: decode tokens/s (rows / step time), its ratio
-   to the Transformer's at the same context and batch, and the cache's size per row (keys / values and SSM states:
+   `--prefill-tokens` tokens in all (`hybridlm.inference.prefill`, as `generate(prefill_chunk=...)`: 32 rows of 64K
+   tokens at once ran out of the H200's memory), and the median time of one decoding step after it: decode tokens/s
+   (rows / step time), its ratio to the Transformer's at the same context and batch, and the cache's size per row (keys / values and SSM states:
    a pure SSM's stays constant, a Falcon-H1 hybrid keeps attention in every block, so its KV cache grows with the
    context).
    `--graph` times the steps of `GraphedDecoder` instead (one replayed CUDA graph per token; the static cache
@@ -50,7 +50,7 @@ import time
 import torch
 from gpu_ops import kernel_launches  # benchmarks/ is on the path when this script runs
 
-from hybridlm.inference import GraphedDecoder
+from hybridlm.inference import GraphedDecoder, prefill
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.allocation import channel_allocation
 from hybridlm.models.configuration import HybridLMConfig
@@ -188,15 +188,6 @@ def profile_decoding(model, *, context: int, device: torch.device, rows: int = 1
     return table
 
 
-def prefill_pieces(model, ids: torch.Tensor, *, piece: int | None = None):
-    """The decoding cache after prefilling `ids` [B, C] in pieces of `piece` tokens per row (None: at once)."""
-    cache = model.new_cache()
-    piece = piece or ids.shape[1]
-    for start in range(0, ids.shape[1], piece):
-        model(ids[:, start:start + piece], cache=cache, logits_to_keep=1)
-    return cache
-
-
 @torch.no_grad()
 def decoding(model, *, context: int, device: torch.device, steps: int, batch: int = 1, graph: bool = False,
              compile_step: str | None = None, prefill_tokens: int = 1 << 18) -> dict:
@@ -206,12 +197,12 @@ def decoding(model, *, context: int, device: torch.device, steps: int, batch: in
     token = ids[:, -1:]
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         # first-call work (kernel compilation, library set-up) not timed; logits of the last position only
-        prefill_pieces(model, ids[:, :2 * piece], piece=piece)  # a first piece and a continuation
+        prefill(model, ids[:, :2 * piece], chunk=piece)  # a first piece and a continuation
         sync(device)
         start = time.perf_counter()
-        cache = prefill_pieces(model, ids, piece=piece)
+        cache, _ = prefill(model, ids, chunk=piece)
         sync(device)
-        prefill = time.perf_counter() - start
+        prefill_s = time.perf_counter() - start
         if graph:  # the first step captures the graph: left out of the median below with the others' first
             if compile_step is not None:
                 torch._dynamo.reset()  # each measurement compiles its own step for its shapes (static, not dynamic)
@@ -231,7 +222,7 @@ def decoding(model, *, context: int, device: torch.device, steps: int, batch: in
     model.train()
     state_bytes = sum(layer.state_bytes() for layer in cache.layers)
     decode_s = statistics.median(times[1:] or times)
-    return {"prefill_s": prefill, "decode_ms": 1e3 * decode_s, "tokens_per_s": batch / decode_s,
+    return {"prefill_s": prefill_s, "decode_ms": 1e3 * decode_s, "tokens_per_s": batch / decode_s,
             "cache_mib_per_row": state_bytes / batch / 2**20}
 
 

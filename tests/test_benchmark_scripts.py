@@ -75,30 +75,6 @@ def test_gpu_scripts_parse_their_command_line(script):
     assert "usage:" in run(script, "--help")
 
 
-def test_gpu_model_prefills_in_pieces():
-    """`gpu_model.prefill_pieces`: the model sees pieces of `piece` tokens per row and ends with the cache of one
-    whole prefill (the decoding step after either gives the same logits)."""
-    import torch
-
-    sys.path.insert(0, str(BENCHMARKS))
-    from gpu_model import prefill_pieces
-
-    from hybridlm.eval.models import build_model, task_config
-
-    model = build_model(task_config("hybrid-fw-1A", vocab_size=40, size="tiny"), seed=0).double().eval()
-    ids = torch.randint(0, 40, (2, 23), generator=torch.Generator().manual_seed(0))
-    widths = []
-    hook = model.register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))
-    with torch.no_grad():
-        pieces = prefill_pieces(model, ids, piece=8)
-        hook.remove()
-        whole = prefill_pieces(model, ids)
-        token = ids[:, -1:]
-        step_pieces, step_whole = model(token, cache=pieces).logits, model(token, cache=whole).logits
-    assert widths == [8, 8, 7]
-    assert (step_pieces - step_whole).abs().max() < 1e-10
-
-
 @pytest.mark.parametrize("preset", ["125m", "tiny"])
 def test_gpu_model_same_size_variants(preset):
     """The "h1" hybrids take Falcon-H1's 2 : 1 : 5 allocation of the shape's width, and "transformer matched" is the

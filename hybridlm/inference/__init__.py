@@ -5,7 +5,7 @@ The decoding cache itself lives in `hybridlm.layers.cache` (the mixers read and 
 re-exported here.
 """
 
-from hybridlm.inference.generate import GenerationOutput, generate
+from hybridlm.inference.generate import GenerationOutput, generate, prefill
 from hybridlm.inference.graphed import GraphedDecoder
 from hybridlm.inference.sampling import sample_next, top_k_filter, top_p_filter
 from hybridlm.layers.cache import HybridCache, LayerCache, StaticCache
@@ -17,6 +17,7 @@ __all__ = [
     "LayerCache",
     "StaticCache",
     "generate",
+    "prefill",
     "sample_next",
     "top_k_filter",
     "top_p_filter",

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridlm.inference.graphed import GraphedDecoder
+from hybridlm.layers.cache import HybridCache
 from hybridlm.inference.sampling import check_sampling, sample_next
 
 
@@ -101,16 +102,7 @@ def generate(
     new_tokens, new_mask, step_logits = [], [], []
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     if max_new_tokens > 0:
-        cache = model.new_cache()
-        if prefill_chunk is None:
-            logits = model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1]
-        else:
-            first = max(prefill_chunk, int((mask == 0).sum(1).max()) + 1)  # all the (left) padding is in piece one
-            first_mask = None if attention_mask is None else attention_mask[:, :first]
-            logits = model(input_ids[:, :first], attention_mask=first_mask, cache=cache, logits_to_keep=1).logits[:, -1]
-            for start in range(first, input_ids.shape[1], prefill_chunk):
-                piece = input_ids[:, start:start + prefill_chunk]
-                logits = model(piece, cache=cache, logits_to_keep=1).logits[:, -1]
+        cache, logits = prefill(model, input_ids, attention_mask=attention_mask, chunk=prefill_chunk)
         decoder = None
         if graph and max_new_tokens > 1:
             decoder = GraphedDecoder(model, cache, capacity=cache.seq_len + max_new_tokens - 1, batch_size=batch)
@@ -135,6 +127,24 @@ def generate(
     out_mask = torch.cat([mask, *[m[:, None].to(mask.dtype) for m in new_mask]], dim=1)
     logits_out = torch.stack(step_logits, dim=1) if output_logits and step_logits else None
     return GenerationOutput(sequences=sequences, attention_mask=out_mask, logits=logits_out)
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+            chunk: int | None = None) -> tuple[HybridCache, torch.Tensor]:
+    """A new decoding cache filled with the prompts `input_ids` [B, T] (left-padded where `attention_mask` [B, T] has
+    zeros), and the logits [B, V] of their last positions. `chunk`: pieces of that many tokens per row (the module
+    docstring's `prefill_chunk`); None: one call."""
+    cache = model.new_cache()
+    if chunk is None:
+        return cache, model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1]
+    padding = 0 if attention_mask is None else int((attention_mask == 0).sum(1).max())
+    first = max(chunk, padding + 1)  # all the (left) padding and a token of every row are in the first piece
+    first_mask = None if attention_mask is None else attention_mask[:, :first]
+    logits = model(input_ids[:, :first], attention_mask=first_mask, cache=cache, logits_to_keep=1).logits[:, -1]
+    for start in range(first, input_ids.shape[1], chunk):
+        logits = model(input_ids[:, start:start + chunk], cache=cache, logits_to_keep=1).logits[:, -1]
+    return cache, logits
 
 
 def _eos_ids(eos_token_id, device: torch.device) -> torch.Tensor | None:

@@ -449,3 +449,23 @@ def test_prefill_in_pieces_refuses_bad_sizes():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="prefill_chunk"):
             generate(model, ids(1, 5), max_new_tokens=2, prefill_chunk=bad)
+
+
+def test_prefill_function_feeds_pieces_and_fills_the_whole_prompts_cache():
+    """`prefill(chunk=8)` of 23 tokens: the model sees pieces of 8, 8 and 7 tokens and ends with the cache of one
+    whole prefill (the decoding step after either gives the same logits), and the same last-position logits."""
+    from hybridlm.eval.models import build_model, task_config
+    from hybridlm.inference import prefill
+
+    model = build_model(task_config("hybrid-fw-1A", vocab_size=40, size="tiny"), seed=0).double().eval()
+    prompt = torch.randint(0, 40, (2, 23), generator=torch.Generator().manual_seed(0))
+    widths = []
+    hook = model.register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))
+    with torch.no_grad():
+        pieces, last_pieces = prefill(model, prompt, chunk=8)
+        hook.remove()
+        whole, last_whole = prefill(model, prompt)
+        token = prompt[:, -1:]
+        step_pieces, step_whole = model(token, cache=pieces).logits, model(token, cache=whole).logits
+    assert widths == [8, 8, 7]
+    assert (step_pieces - step_whole).abs().max() < 1e-10 and (last_pieces - last_whole).abs().max() < 1e-10
