@@ -29,9 +29,9 @@ the Transformer's attention and MLP and add the SSM half: 143-159M parameters ag
 2. Prefill (no grad, with a decoding cache) of C tokens in each of `--decode-batches` rows, in pieces of at most
    `--prefill-tokens` tokens in all (`hybridlm.inference.prefill`, as `generate(prefill_chunk=...)`: 32 rows of 64K
    tokens at once ran out of the H200's memory), and the median time of one decoding step after it: decode tokens/s
-   (rows / step time), its ratio to the Transformer's at the same context and batch, and the cache's size per row (keys / values and SSM states:
-   a pure SSM's stays constant, a Falcon-H1 hybrid keeps attention in every block, so its KV cache grows with the
-   context).
+   (rows / step time), its ratio to the Transformer's at the same context and batch, and the cache's size per row
+   (keys / values and SSM states: a pure SSM's stays constant, a Falcon-H1 hybrid keeps attention in every block,
+   so its KV cache grows with the context).
    `--graph` times the steps of `GraphedDecoder` instead (one replayed CUDA graph per token; the static cache
    attends over all its slots, here context + decode steps); `--compile-decode` captures the step compiled by
    inductor (fused kernels: fewer per replay; aot_eager on the CPU, which only checks the path).
