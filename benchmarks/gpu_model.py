@@ -5,6 +5,7 @@
     python benchmarks/gpu_model.py --cpu --preset tiny --lengths 256 --contexts 128 512   # smoke run
     python benchmarks/gpu_model.py --lengths --contexts 4096 --profile-decode               # where a step's time goes
     python benchmarks/gpu_model.py --compile --contexts 4096                                 # training through inductor
+    python benchmarks/gpu_model.py --compile reduce-overhead --train-rows 4 --contexts       # + CUDA graphs, 4 rows
 
 Variants of one shape (`configs/hybrid-125m.yaml`'s model: d 768, 12 blocks, 12 query / 4 KV heads, SSM 1024
 channels = 16 heads x 64; or `--preset`), each measured in this one process:
@@ -22,10 +23,12 @@ the Transformer's attention and MLP and add the SSM half: 143-159M parameters ag
     transformer matched  the Transformer with its MLP widened to "h1 fw-1A"'s parameter count (144M): the baseline
                        of the two "h1" rows' ratio column (the others' is "transformer"; h1 mamba2 is the smaller
                        of the two by 10M, measured against the same 144M baseline)
-1. Training: a full update (forward, backward, AdamW; bf16 autocast, fp32 master weights) on 1 row of T tokens:
+1. Training: a full update (forward, backward, AdamW; bf16 autocast, fp32 master weights) on `--train-rows` rows
+   (default 1) of T tokens:
    tokens/s and peak memory, and the ratio to the transformer's tokens/s at the same T. `--compile` runs the
-   training forward through `torch.compile` (inductor, default mode: one long row leaves little launch overhead
-   to remove; the compiled update is warmed up before timing), every variant alike.
+   training forward through `torch.compile` (inductor; `--compile reduce-overhead` also replays the forward and
+   backward as CUDA graphs, which the hybrids need at 4K: their compiled update was host-bound, 69 ms of wall
+   time for 21 ms of GPU time; the compiled update is warmed up before timing), every variant alike.
 2. Prefill (no grad, with a decoding cache) of C tokens in each of `--decode-batches` rows, in pieces of at most
    `--prefill-tokens` tokens in all (`hybridlm.inference.prefill`, as `generate(prefill_chunk=...)`: 32 rows of 64K
    tokens at once ran out of the H200's memory), and the median time of one decoding step after it: decode tokens/s
@@ -150,13 +153,20 @@ def profiled(fn, device: torch.device, *, steps: int, rows: int = 12) -> str:
                                                                                             row_limit=rows)
 
 
-def training(model, *, length: int, device: torch.device, repeats: int, compile: bool = False,
+def training(model, *, length: int, device: torch.device, repeats: int, rows: int = 1, compile: str | None = None,
              profile_label: str | None = None) -> dict:
-    """Tokens/s and peak memory of one update on 1 row of `length` tokens; with `profile_label`, also print a
-    `profiled` table of one more update under that name."""
+    """Tokens/s and peak memory of one update on `rows` rows of `length` tokens, the forward through torch.compile
+    in mode `compile` ("default", "reduce-overhead": also CUDA graphs; None: eager); with `profile_label`, also print
+    a `profiled` table of one more update under that name."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    ids = torch.randint(0, model.config.vocab_size, (1, length), device=device)
-    forward = torch.compile(model, backend="inductor" if device.type == "cuda" else "aot_eager") if compile else model
+    ids = torch.randint(0, model.config.vocab_size, (rows, length), device=device)
+    if compile is None:
+        forward = model
+    elif device.type == "cuda":
+        torch._dynamo.reset()  # each variant and length its own graphs, well under the recompile limit
+        forward = torch.compile(model, mode=compile)
+    else:
+        forward = torch.compile(model, backend="aot_eager")
 
     def update():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -170,9 +180,9 @@ def training(model, *, length: int, device: torch.device, repeats: int, compile:
     seconds = timed(update, device, warmup=2, repeats=repeats)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     if profile_label is not None:
-        print(f"\n### training profile: {profile_label}, T={length}\n" + profiled(update, device, steps=1, rows=20),
-              flush=True)
-    return {"tokens_per_s": length / seconds, "peak_gib": peak}
+        print(f"\n### training profile: {profile_label}, {rows} x T={length}\n"
+              + profiled(update, device, steps=1, rows=30), flush=True)
+    return {"tokens_per_s": rows * length / seconds, "peak_gib": peak}
 
 
 @torch.no_grad()
@@ -233,6 +243,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096, 16384, 32768],
                         help="decoding contexts (none: no decoding)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--train-rows", type=int, default=1, help="rows of T tokens per training update")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1], help="rows decoded together")
@@ -240,7 +251,10 @@ def main() -> None:
                         help="tokens (all rows together) per prefill call; longer prompts are prefilled in pieces")
     parser.add_argument("--profile-decode", action="store_true", help="print a profile of decoding steps per variant")
     parser.add_argument("--profile-train", action="store_true", help="print a profile of one update per variant and T")
-    parser.add_argument("--compile", action="store_true", help="train through torch.compile (every variant)")
+    parser.add_argument("--compile", nargs="?", const="default", default=None,
+                        choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+                        help="train through torch.compile (every variant) in this mode (default 'default'; "
+                             "'reduce-overhead' adds CUDA graphs)")
     parser.add_argument("--graph", action="store_true", help="decode through GraphedDecoder (a CUDA graph per step)")
     parser.add_argument("--compile-decode", action="store_true",
                         help="with --graph: capture the step compiled by torch.compile (inductor)")
@@ -252,7 +266,7 @@ def main() -> None:
     device = torch.device("cpu" if args.cpu else "cuda")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{name} · torch {torch.__version__} · preset {args.preset} · bf16 autocast on CUDA"
-          + (" · training through torch.compile" if args.compile else "")
+          + (f" · training through torch.compile ({args.compile})" if args.compile else "")
           + (" · decoding through CUDA graphs" if args.graph else "")
           + (" of the compiled step" if args.graph and args.compile_decode else ""))
     compile_step = ("inductor" if device.type == "cuda" else "aot_eager") if args.compile_decode else None
@@ -274,7 +288,8 @@ def main() -> None:
             try:
                 record({"variant": variant, "params": params, "T": length,
                         **training(model, length=length, device=device, repeats=args.repeats,
-                                   compile=args.compile, profile_label=variant if args.profile_train else None)})
+                                   rows=args.train_rows, compile=args.compile,
+                                   profile_label=variant if args.profile_train else None)})
             except torch.OutOfMemoryError:
                 record({"variant": variant, "params": params, "T": length, "tokens_per_s": None})
             if device.type == "cuda":

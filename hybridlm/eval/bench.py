@@ -420,17 +420,29 @@ def bench_model_seeds(
     out_dir: str | Path,
     report: Callable[[dict[str, list[dict]], Path, list[str]], dict],
     *,
+    parts: dict[str, dict] | None = None,
+    merge: Callable[[list[dict]], dict] | None = None,
     echo: Callable[[str], None] = print,
     **kwargs,
 ) -> dict:
     """One job per (model, seed) with spec {"task", "model", "seed", "recipe"}; `run_jobs` them, then
     `report(model -> its finished runs in seed order, out_dir, keys of the missing runs)`. Jobs start seed by
-    seed (every model's seed 0 first), so a run cut short by its time budget has one seed of every model to show."""
-    jobs = [Job(safe_key(m, f"seed{s}"), runner, {"task": task, "model": m, "seed": s, "recipe": recipe},
-                resumable=True)
-            for s in seeds for m in models]
+    seed (every model's seed 0 first), so a run cut short by its time budget has one seed of every model to show.
+
+    With `parts` (name -> recipe, replacing `recipe`; e.g. one recall task each), one job per (model, seed, part),
+    keyed "model_part_seedN", and `merge(the finished parts' runs)` makes the model's run of that seed."""
+    recipes = parts if parts is not None else {"": recipe}
+    jobs = [Job(safe_key(m, *([part] if part else []), f"seed{s}"), runner,
+                {"task": task, "model": m, "seed": s, "recipe": r}, resumable=True)
+            for s in seeds for m in models for part, r in recipes.items()]
     runs = run_jobs(jobs, out_dir, echo=echo, **kwargs)
-    by_model = {m: [runs[j.key] for j in jobs if j.spec["model"] == m and j.key in runs] for m in models}
+    by_model = {}
+    for m in models:
+        by_model[m] = []
+        for s in seeds:
+            done = [runs[j.key] for j in jobs if j.spec["model"] == m and j.spec["seed"] == s and j.key in runs]
+            if done:
+                by_model[m].append(merge(done) if merge is not None else done[0])
     result = report(by_model, Path(out_dir), runs.missing([j.key for j in jobs]))
     echo(f"wrote {result['files']}")
     return {**result, "exit_status": runs.exit_status()}

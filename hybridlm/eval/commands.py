@@ -42,9 +42,9 @@ def add_commands(subparsers) -> None:
                             ("batch-size", int, "examples per step"), ("lr", float, "peak learning rate"),
                             ("warmup", int, "warmup steps (default: 10%% of --steps when --steps is given)"),
                             ("curriculum-steps", int, "grow the widest training width from --curriculum-start to "
-                                                      "--train-max-width over this many steps (default 2000, or a quarter of "
-                                                      "--steps when that is given; 0: the paper's uniform widths "
-                                                      "from the start)"),
+                                                      "--train-max-width over this many steps (default 2000, or a "
+                                                      "quarter of --steps when that is given; 0: the paper's "
+                                                      "uniform widths from the start)"),
                             ("curriculum-start", int, "widest training width at step 0 of the curriculum (default 4)"),
                             ("eval-per-width", int, "held-out pairs per width"),
                             ("val-per-width", int, "held-out pairs per width for checkpoint selection"),
@@ -57,6 +57,9 @@ def add_commands(subparsers) -> None:
     _add_run_options(p, default_seeds=1)
     p.add_argument("--models", default=DEFAULT_MODELS, metavar="LIST", help="comma-separated model names")
     p.add_argument("--tasks", default=None, metavar="LIST", help="mqar,needle,multi_needle (default all)")
+    p.add_argument("--mixed-tasks", dest="separate_tasks", action="store_const", const=False, default=None,
+                   help="train one model per model name on every task, a task per batch round robin (default: a "
+                        "model per task, which the attention-free models need to learn at all)")
     p.add_argument("--eval-lens", default=None, metavar="LIST", help="context lengths (default 512,...,16384)")
     _add_recipe_options(p, [("size", str, "model size"), ("batch-size", int, "sequences per step"),
                             ("lr", float, "peak learning rate"), ("warmup", int, "warmup steps"),
@@ -116,8 +119,10 @@ def add_commands(subparsers) -> None:
 
 def _add_run_options(p: argparse.ArgumentParser, *, default_seeds: int) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output dir (finished runs in DIR/runs are reused)")
-    p.add_argument("--seeds", type=int, default=default_seeds, metavar="N", help=f"seeds 0..N-1 (default {default_seeds})")
-    p.add_argument("--steps", type=int, default=None, metavar="S", help="training steps per run (default: the recipe's)")
+    p.add_argument("--seeds", type=int, default=default_seeds, metavar="N",
+                   help=f"seeds 0..N-1 (default {default_seeds})")
+    p.add_argument("--steps", type=int, default=None, metavar="S",
+                   help="training steps per run (default: the recipe's)")
     p.add_argument("--device", default=None,
                    help="cpu, cuda (every GPU), or a list cuda:0,cuda:1 (default: cuda when available)")
     p.add_argument("--per-device", type=int, default=1, metavar="K", help="runs side by side per device (default 1)")

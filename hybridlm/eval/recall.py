@@ -13,15 +13,18 @@ what the loss trains and the accuracy scores (teacher-forced, argmax).
     multi_needle   `needles` needles with distinct keys at random depths; the end queries all of them in
                    random order: "<query> k v" each, then <eos>.
 
-Training draws a task per batch (round robin) and one length per batch, uniform in
+Training: by default each task trains a model of its own (`separate_tasks`; the report joins the three runs of
+a model and seed), 4000 updates of 64 sequences, AdamW lr 3e-3. Why: on an H200 (2026-11-30, benchmarks/RESULTS.md)
+no attention-free model left the chance plateau when one model trained on all three tasks, round robin (1500 and
+6000 updates), while trained on MQAR alone Falcon-1A learned it by ~2000 updates (99.6% validation accuracy;
+100% at 512..8K after 6000) and on the single needle alone reached 84% by 3750. `separate_tasks=False`
+(`--mixed-tasks`) is the earlier recipe: a task per batch, round robin. Each batch has one length, uniform in
 [train_min_len, train_max_len], right-padded to train_max_len (one shape: a compiled model neither
 recompiles nor records a CUDA graph per length). An optional length curriculum (`curriculum_steps` > 0, off by
 default) grows the longest training length linearly from `curriculum_start_len` to train_max_len, MQAR holding
-min(mqar_pairs, (length - 1) // 4) pairs at each length. With this recipe no attention-free model left the chance
-plateau in 1500 updates on an H200 (benchmarks/RESULTS.md); on CPU a fast-weight model learns 2-pair MQAR at 16-24
-tokens in a few hundred updates, but a quick curriculum (16 -> 96 tokens over 250 of 500 updates) did not get it off
-the plateau at 48-96 tokens, so the curriculum stays opt-in until a GPU run shows it helps;
-evaluation runs every task at each of `eval_lens`
+min(mqar_pairs, (length - 1) // 4) pairs at each length; on MQAR alone it did not speed Falcon-1A up (both at
+99% by 2000 updates, 3000 curriculum steps from 64 tokens) and Mamba-2 learned less with it (1.0% vs 6.5%).
+Evaluation runs every task at each of `eval_lens`
 (default 512 .. 16384), so everything past `train_max_len` tests length generalization. Evaluation
 sequences come from fixed seed streams of their own, the same for every model and training seed (held
 out: a sequence longer than any training sequence cannot be one of them, and at the training lengths a
@@ -72,7 +75,8 @@ class RecallVocab:
         return self.word0 + self.words
 
 
-def mqar_example(rng: np.random.Generator, length: int, pairs: int, vocab: RecallVocab) -> tuple[np.ndarray, np.ndarray]:
+def mqar_example(rng: np.random.Generator, length: int, pairs: int,
+                 vocab: RecallVocab) -> tuple[np.ndarray, np.ndarray]:
     """(tokens [length], labels [length]) of one MQAR sequence."""
     if pairs > vocab.keys:
         raise ValueError(f"mqar: {pairs} pairs need as many distinct keys, the vocabulary has {vocab.keys}")
@@ -206,9 +210,10 @@ def evaluate(model, tasks: RecallTasks, task_names: Sequence[str], lengths: Sequ
 
 @dataclass(frozen=True)
 class RecallRecipe(TrainRecipe):
-    steps: int = 1500
+    steps: int = 4000
     batch_size: int = 64
-    warmup: int = 150
+    lr: float = 3e-3
+    warmup: int = 400
     size: str = "small"
     tasks: tuple[str, ...] = TASKS
     train_min_len: int = 128
@@ -222,6 +227,7 @@ class RecallRecipe(TrainRecipe):
     needles: int = 4
     curriculum_steps: int = 0
     curriculum_start_len: int = 32
+    separate_tasks: bool = True  # a model per task (False: one model trained on every task, round robin)
 
     def lengths_at(self, step: int) -> tuple[int, int]:
         """The (shortest, longest) training length at `step`. During the curriculum (the first `curriculum_steps`
@@ -238,11 +244,19 @@ class RecallRecipe(TrainRecipe):
         d["tasks"], d["eval_lens"] = list(self.tasks), list(self.eval_lens)
         if self.curriculum_steps == 0:  # without a curriculum, the spec its earlier runs were saved under
             del d["curriculum_steps"], d["curriculum_start_len"]
+        if not self.separate_tasks:  # likewise for the tasks trained together (the earlier recipe)
+            del d["separate_tasks"]
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> RecallRecipe:
-        return cls(**{**d, "tasks": tuple(d["tasks"]), "eval_lens": tuple(d["eval_lens"])})
+        return cls(**{"separate_tasks": False, **d, "tasks": tuple(d["tasks"]), "eval_lens": tuple(d["eval_lens"])})
+
+    def per_task(self) -> dict[str, RecallRecipe]:
+        """The recipe of each training run by its task ("" for one run of every task: tasks trained together)."""
+        if not self.separate_tasks:
+            return {"": self}
+        return {task: replace(self, tasks=(task,)) for task in self.tasks}
 
     def task_params(self) -> RecallTasks:
         return RecallTasks(mqar_pairs=self.mqar_pairs, needles=self.needles)
@@ -303,7 +317,8 @@ def run_recall(model_name: str, seed: int, recipe: RecallRecipe, *, device: str 
 
     trained = train_on_task(model, batch_fn, device=device, eval_fn=val_fn, eval_every=recipe.eval_every,
                             log_fn=log_fn, checkpoint=checkpoint, batch_state=generator_state(rng),
-                            fingerprint={"task": "recall", "model": model_name, "seed": seed, "recipe": recipe.to_dict()},
+                            fingerprint={"task": "recall", "model": model_name, "seed": seed,
+                                         "recipe": recipe.to_dict()},
                             should_stop=should_stop, checkpoint_every=RECALL_CHECKPOINT_EVERY,
                             **recipe.train_options())
     res = evaluate(model, tasks, recipe.tasks, recipe.eval_lens, count=recipe.eval_count, device=device,
@@ -337,8 +352,20 @@ def bench_recall(models: Sequence[str], seeds: Sequence[int], recipe: RecallReci
 
     return bench.bench_model_seeds(
         "recall", RUNNER, models, seeds, recipe.to_dict(), out_dir,
-        lambda by_model, out, missing: write_report(by_model, recipe, out, missing=missing), **run_options,
+        lambda by_model, out, missing: write_report(by_model, recipe, out, missing=missing),
+        parts={task: r.to_dict() for task, r in recipe.per_task().items()},
+        merge=merge_task_runs if recipe.separate_tasks else None, **run_options,
     )
+
+
+def merge_task_runs(runs: list[dict]) -> dict:
+    """One model-and-seed record from its finished runs of single tasks: results, training logs and best steps by
+    task."""
+    merged = {key: runs[0][key] for key in ("model", "seed", "parameters")}
+    merged["results"] = {task: by_len for r in runs for task, by_len in r["results"].items()}
+    merged["train"] = {task: r["train"] for r in runs for task in r["results"]}
+    merged["best_step"] = {task: r["best_step"] for r in runs for task in r["results"]}
+    return merged
 
 
 def write_report(by_model: dict[str, list[dict]], recipe: RecallRecipe, out_dir: Path, *, missing=()) -> dict:
@@ -346,14 +373,17 @@ def write_report(by_model: dict[str, list[dict]], recipe: RecallRecipe, out_dir:
     from hybridlm.eval import bench
     from hybridlm.eval.models import describe
 
+    def stat(rs: list[dict], task: str, metric: str) -> dict:
+        done = [r["results"][task] for r in rs if task in r["results"]]  # a stopped task run leaves a gap
+        return {n: bench.mean_std([d[str(n)][metric] for d in done]) for n in recipe.eval_lens}
+
     stats = {
         m: {
             "seeds": [r["seed"] for r in rs],
             "parameters": rs[0]["parameters"] if rs else None,
-            "acc": {t: {n: bench.mean_std([r["results"][t][str(n)]["token_acc"] for r in rs]) for n in recipe.eval_lens}
-                    for t in recipe.tasks},
-            "exact": {t: {n: bench.mean_std([r["results"][t][str(n)]["exact_match"] for r in rs])
-                          for n in recipe.eval_lens} for t in recipe.tasks},
+            "runs": {t: sum(t in r["results"] for r in rs) for t in recipe.tasks},
+            "acc": {t: stat(rs, t, "token_acc") for t in recipe.tasks},
+            "exact": {t: stat(rs, t, "exact_match") for t in recipe.tasks},
         }
         for m, rs in by_model.items()
     }
@@ -363,7 +393,9 @@ def write_report(by_model: dict[str, list[dict]], recipe: RecallRecipe, out_dir:
         f"Command: `{bench.command_line()}`",
         "",
         (f"Recipe: size `{recipe.size}`, {recipe.steps} steps x batch {recipe.batch_size}, lengths "
-         f"{recipe.train_min_len}..{recipe.train_max_len} (one task per batch, round robin"
+         f"{recipe.train_min_len}..{recipe.train_max_len} ("
+         + (f"{recipe.tasks[0]} only" if len(recipe.tasks) == 1 else
+            "a model trained per task" if recipe.separate_tasks else "one task per batch, round robin")
          + (f"; the longest grows from {recipe.curriculum_start_len} over the first {recipe.curriculum_steps} steps, "
             "MQAR pairs as the length allows" if recipe.curriculum_steps > 0 else "")
          + f"), AdamW lr {recipe.lr:g} "
@@ -375,7 +407,7 @@ def write_report(by_model: dict[str, list[dict]], recipe: RecallRecipe, out_dir:
     for task in recipe.tasks:
         for key, what in (("acc", "answer-token accuracy"), ("exact", "exact: every answer of a sequence right")):
             rows = [[f"{describe(m)} `{m}`", bench.human_count(s["parameters"]) if s["seeds"] else "–",
-                     *(bench.pm(s[key][task][n]) for n in recipe.eval_lens), str(len(s["seeds"]))]
+                     *(bench.pm(s[key][task][n]) for n in recipe.eval_lens), str(s["runs"][task])]
                     for m, s in stats.items()]
             text += [f"## {task}, {what}", "",
                      bench.markdown_table(["Model", "Params", *(f"L={n}" for n in recipe.eval_lens), "Seeds"], rows),
@@ -408,7 +440,8 @@ def _plot(stats: dict, recipe: RecallRecipe, path: Path) -> None:
         ax.set_xlabel("context length (dashed: longest training length)")
         ax.set_ylim(-2, 102)
     axes[0][0].set_ylabel("answer accuracy (%)")
-    axes[0][-1].legend(fontsize=7)
+    if any(s["seeds"] for s in stats.values()):
+        axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

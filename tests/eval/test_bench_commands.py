@@ -55,12 +55,31 @@ def test_bench_recall_smoke(tmp_path):
     md = (out / "results.md").read_text()
     for task in ("## mqar, answer-token accuracy", "## needle, exact", "## multi_needle, answer-token accuracy"):
         assert task in md
-    assert len(_rows(md, "`hybrid-mamba2`")) == 6 and "L=96" in md  # accuracy and exact rate per task and _png(out / "accuracy_vs_length.png")
+    assert len(_rows(md, "`hybrid-mamba2`")) == 6 and "L=96" in md  # accuracy and exact rate per task
+    assert _png(out / "accuracy_vs_length.png")
     result = json.loads((out / "results.json").read_text())
     for runs in result["runs"].values():
+        assert sorted(runs[0]["results"]) == ["mqar", "multi_needle", "needle"]
         for task, by_len in runs[0]["results"].items():
             assert sorted(map(int, by_len)) == [48, 96]
             assert all(0.0 <= v["token_acc"] <= 1.0 for v in by_len.values())
+    # a model per task (the default): each run's recipe holds its one task
+    specs = {p.stem: json.loads(p.read_text())["spec"] for p in (out / "runs").glob("*.json")}
+    assert sorted(specs) == sorted(f"{m}_{t}_seed0" for m in ("hybrid-mamba2", "fw-1A")
+                                   for t in ("mqar", "needle", "multi_needle"))
+    assert all(spec["recipe"]["tasks"] == [key.split("_seed")[0].split("_", 1)[1]] for key, spec in specs.items())
+
+
+def test_bench_recall_mixed_tasks_trains_one_model_on_every_task(tmp_path):
+    out = tmp_path / "recall"
+    assert main(["bench", "recall", "--mixed-tasks", "--models", "fw-1A", "--tasks", "mqar,needle", "--size", "tiny",
+                 "--batch-size", "2", "--train-min-len", "40", "--train-max-len", "48", "--eval-lens", "48",
+                 "--eval-count", "2", "--val-count", "1", "--mqar-pairs", "4", "--out", str(out), *COMMON]) == 0
+    runs = sorted((out / "runs").glob("*.json"))
+    assert [p.stem for p in runs] == ["fw-1A_seed0"]
+    spec = json.loads(runs[0].read_text())["spec"]
+    assert spec["recipe"]["tasks"] == ["mqar", "needle"] and "separate_tasks" not in spec["recipe"]
+    assert "round robin" in (out / "results.md").read_text()
 
 
 SMALL_ALLOCATION = ["--hidden-size", "64", "--layers", "1", "--batch-size", "2", "--seq-len", "48"]

@@ -66,7 +66,8 @@ def test_eval_sets_are_fixed_and_too_short_lengths_raise():
     a = eval_set(TASKS, "mqar", 64, 3)
     b = eval_set(TASKS, "mqar", 64, 3)
     assert (a["input_ids"] == b["input_ids"]).all()
-    assert not (eval_set(TASKS, "needle", 64, 3)["input_ids"] == eval_set(TASKS, "needle", 65, 3)["input_ids"][:, :64]).all()
+    shorter, longer = eval_set(TASKS, "needle", 64, 3)["input_ids"], eval_set(TASKS, "needle", 65, 3)["input_ids"]
+    assert not (shorter == longer[:, :64]).all()
     with pytest.raises(ValueError, match="too short"):
         TASKS.example("mqar", np.random.default_rng(0), 30)
 
@@ -173,3 +174,38 @@ def test_recipes_that_cannot_run_are_refused(changes, message):
     with pytest.raises(ValueError, match=message):
         check_recipe(recipe, recipe.task_params())
     check_recipe(RecallRecipe(), RecallRecipe().task_params())  # the default recipe runs
+
+
+def test_a_model_per_task_unless_mixed():
+    from hybridlm.eval.recall import RecallRecipe
+
+    recipe = RecallRecipe(tasks=("mqar", "needle"))
+    assert {t: r.tasks for t, r in recipe.per_task().items()} == {"mqar": ("mqar",), "needle": ("needle",)}
+    mixed = RecallRecipe(tasks=("mqar", "needle"), separate_tasks=False)
+    assert mixed.per_task() == {"": mixed}
+    assert "separate_tasks" not in mixed.to_dict()  # the earlier recipe's spec: its stored runs stay reusable
+    for r in (recipe, mixed):
+        assert RecallRecipe.from_dict(r.to_dict()) == r
+
+
+def _task_run(model, seed, task, acc):
+    by_len = {"48": {"token_acc": acc, "exact_match": acc, "loss": 1.0}}
+    return {"model": model, "seed": seed, "parameters": 1000, "train": {"steps": 1}, "best_step": 1,
+            "results": {task: by_len}}
+
+
+def test_task_runs_merge_and_a_missing_one_leaves_a_gap(tmp_path):
+    from hybridlm.eval.recall import RecallRecipe, merge_task_runs, write_report
+
+    merged = merge_task_runs([_task_run("fw-1A", 0, "mqar", 1.0), _task_run("fw-1A", 0, "needle", 0.25)])
+    assert sorted(merged["results"]) == ["mqar", "needle"] and merged["train"]["needle"] == {"steps": 1}
+    recipe = RecallRecipe(tasks=("mqar", "needle"), eval_lens=(48,))
+    seed1 = merge_task_runs([_task_run("fw-1A", 1, "mqar", 0.5)])  # its needle run was stopped
+    report = write_report({"fw-1A": [merged, seed1]}, recipe, tmp_path, missing=["fw-1A_needle_seed1"])
+    stats = report["aggregate"]["fw-1A"]
+    assert stats["runs"] == {"mqar": 2, "needle": 1}
+    assert stats["acc"]["mqar"][48]["mean"] == pytest.approx(0.75) and stats["acc"]["needle"][48]["mean"] == 0.25
+    md = (tmp_path / "results.md").read_text()
+    assert "a model trained per task" in md
+    needle = md[md.index("## needle, answer-token accuracy"):]
+    assert "| 25.0 | 1 |" in needle.splitlines()[4]
