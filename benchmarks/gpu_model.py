@@ -19,7 +19,7 @@ and, sized against each other (issue 8 compares a hybrid with a same-size Transf
 the Transformer's attention and MLP and add the SSM half: 143-159M parameters against its 112M):
     h1 fw-1A           Falcon-H1's channel allocation of the shape's width (SSM : attention : MLP = 2 : 1 : 5,
                        `channel_allocation`) with a Falcon-1A SSM half (144M at the 125m shape)
-    h1 mamba2          the same allocation with Mamba-2 (134M)
+    h1 mamba2          the same allocation with Mamba-2 (134M); h1 mamba2-triton with the SSD Triton kernels
     transformer matched  the Transformer with its MLP widened to "h1 fw-1A"'s parameter count (144M): the baseline
                        of the two "h1" rows' ratio column (the others' is "transformer"; h1 mamba2 is the smaller
                        of the two by 10M, measured against the same 144M baseline)
@@ -73,11 +73,12 @@ VARIANTS = {
     "fw-1A": dict(ssm_mixer="fast_weight", fw_rule="1A", use_attention=False),
     "h1 fw-1A": dict(ssm_mixer="fast_weight", fw_rule="1A"),
     "h1 mamba2": dict(),
+    "h1 mamba2-triton": dict(),
     "transformer matched": dict(ssm_mixer="none"),
 }
-SSD_BACKEND = {"hybrid mamba2-triton": "triton"}  # variants whose Mamba-2 mixers run another SSD backend
+SSD_BACKEND = {"hybrid mamba2-triton": "triton", "h1 mamba2-triton": "triton"}  # variants whose Mamba-2 mixers run another SSD backend
 FALCON_H1_ALLOCATION = dict(alpha_S=2 / 8, alpha_A=1 / 8, alpha_M=5 / 8)  # the report's SA_M optimum (Figure 2)
-BASELINE = {"h1 fw-1A": "transformer matched", "h1 mamba2": "transformer matched"}  # default: "transformer"
+BASELINE = {name: "transformer matched" for name in VARIANTS if name.startswith("h1 ")}  # default: "transformer"
 
 
 def config_of(preset: str, variant: str):
