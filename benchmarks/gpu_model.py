@@ -76,7 +76,8 @@ VARIANTS = {
     "h1 mamba2-triton": dict(),
     "transformer matched": dict(ssm_mixer="none"),
 }
-SSD_BACKEND = {"hybrid mamba2-triton": "triton", "h1 mamba2-triton": "triton"}  # variants whose Mamba-2 mixers run another SSD backend
+# Variants whose Mamba-2 mixers run another SSD backend than "auto"'s chunk path.
+SSD_BACKEND = {"hybrid mamba2-triton": "triton", "h1 mamba2-triton": "triton"}
 FALCON_H1_ALLOCATION = dict(alpha_S=2 / 8, alpha_A=1 / 8, alpha_M=5 / 8)  # the report's SA_M optimum (Figure 2)
 BASELINE = {name: "transformer matched" for name in VARIANTS if name.startswith("h1 ")}  # default: "transformer"
 

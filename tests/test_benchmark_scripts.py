@@ -5,6 +5,7 @@ script that a refactor broke is."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -67,8 +68,32 @@ def test_distributed_scripts_on_two_cpu_processes(script, args):
     assert ("tp=2" in out) and ("cp=2" in out)
 
 
+def test_gpu_ssd_on_the_cpu():
+    out = run("gpu_ssd.py", "--cpu", "--B", "1", "--H", "2", "--P", "16", "--N", "16", "--T", "48", "80")
+    assert len(table_rows(out, "48")) == 2 and len(table_rows(out, "80")) == 2  # fwd, fwd+bwd
+    assert "naive (ms)" in out and "chunk (ms)" in out
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="runs the SSD kernels under Triton's interpreter (needs triton)")
+def test_gpu_ssd_check_runs_the_kernels_and_compares_every_gradient():
+    """The benchmark's agreement check, on CPU tensors under the interpreter: it passes on the real kernels and
+    stops on a wrong one (the chunk path's output scaled by 1.001 stands in)."""
+    code = """
+import torch, gpu_ssd
+print(gpu_ssd.check(device=torch.device("cpu"), chunk_size=16, B=1, T=40, H=2, P=16, N=16, G=1, half=torch.float16))
+real = gpu_ssd.run_ssd
+gpu_ssd.run_ssd = lambda *a, backend, **k: (lambda y, s: (y * (1.001 if backend == "chunk" else 1.0), s))(
+    *real(*a, backend=backend, **k))
+gpu_ssd.check(device=torch.device("cpu"), chunk_size=16, B=1, T=40, H=2, P=16, N=16, G=1, half=torch.float16)
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=BENCHMARKS, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"}, check=False)
+    assert "triton vs chunk, worst" in result.stdout and "check fla" in result.stdout  # the first check passed
+    assert result.returncode != 0 and "disagrees with the chunk path in torch.float32" in result.stderr
+
+
 @pytest.mark.parametrize("script", ["gpu_ops.py", "gpu_train_step.py", "gpu_fla_compare.py", "gpu_short_conv.py",
-                                    "gpu_fast_weight_triton.py"])
+                                    "gpu_fast_weight_triton.py", "gpu_ssd.py"])
 def test_gpu_scripts_parse_their_command_line(script):
     if script == "gpu_fast_weight_triton.py" and not HAS_TRITON:
         pytest.skip("imports the Triton launchers (needs triton)")
