@@ -179,11 +179,15 @@ def training(model, *, length: int, device: torch.device, repeats: int, rows: in
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    seconds = timed(update, device, warmup=2, repeats=repeats)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    if profile_label is not None:
-        print(f"\n### training profile: {profile_label}, {rows} x T={length}\n"
-              + profiled(update, device, steps=1, rows=30), flush=True)
+    try:
+        seconds = timed(update, device, warmup=2, repeats=repeats)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+        if profile_label is not None:
+            print(f"\n### training profile: {profile_label}, {rows} x T={length}\n"
+                  + profiled(update, device, steps=1, rows=30), flush=True)
+    finally:
+        if compile is not None:
+            torch._dynamo.reset()  # frees the CUDA-graph pools of reduce-overhead before decoding runs
     return {"tokens_per_s": rows * length / seconds, "peak_gib": peak}
 
 
@@ -288,12 +292,13 @@ def main() -> None:
         params = sum(p.numel() for p in model.parameters())
         for length in args.lengths:
             try:
-                record({"variant": variant, "params": params, "T": length,
+                record({"variant": variant, "params": params, "T": length, "rows": args.train_rows,
                         **training(model, length=length, device=device, repeats=args.repeats,
                                    rows=args.train_rows, compile=args.compile,
                                    profile_label=variant if args.profile_train else None)})
             except torch.OutOfMemoryError:
-                record({"variant": variant, "params": params, "T": length, "tokens_per_s": None})
+                record({"variant": variant, "params": params, "T": length, "rows": args.train_rows,
+                        "tokens_per_s": None})
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         for context in args.contexts:
@@ -314,13 +319,13 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     train = {(r["variant"], r["T"]): r for r in rows if "T" in r}
-    print("\n| model | params | T | tokens/s | / baseline | peak GiB |\n|---|---|---|---|---|---|")
+    print("\n| model | params | rows x T | tokens/s | / baseline | peak GiB |\n|---|---|---|---|---|---|")
     for (variant, length), r in train.items():
         base = train.get((BASELINE.get(variant, "transformer"), length), {}).get("tokens_per_s")
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if r["tokens_per_s"] and base else "-"
         tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "OOM"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
-        print(f"| {variant} | {r['params'] / 1e6:.0f}M | {length} | {tps} | {ratio} | {peak} |")
+        print(f"| {variant} | {r['params'] / 1e6:.0f}M | {r['rows']} x {length} | {tps} | {ratio} | {peak} |")
     decode = {(r["variant"], r["context"], r["batch"]): r for r in rows if "context" in r}
     print("\n| model | context | batch | prefill s | decode ms/step | decode tokens/s | / baseline | "
           "cache MiB/row |\n|---|---|---|---|---|---|---|---|")

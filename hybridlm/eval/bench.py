@@ -432,6 +432,8 @@ def bench_model_seeds(
     With `parts` (name -> recipe, replacing `recipe`; e.g. one recall task each), one job per (model, seed, part),
     keyed "model_part_seedN", and `merge(the finished parts' runs)` makes the model's run of that seed."""
     recipes = parts if parts is not None else {"": recipe}
+    if len(recipes) > 1 and merge is None:
+        raise ValueError("several parts per model and seed need a merge function")
     jobs = [Job(safe_key(m, *([part] if part else []), f"seed{s}"), runner,
                 {"task": task, "model": m, "seed": s, "recipe": r}, resumable=True)
             for s in seeds for m in models for part, r in recipes.items()]

@@ -169,7 +169,7 @@ class RecallTasks:
 
 
 SPLITS = ("test", "val")
-# Runs are short (1500 updates by default): a save every 250 bounds what a kill past the time budget loses.
+# Runs are short (4000 updates by default): a save every 250 bounds what a kill past the time budget loses.
 RECALL_CHECKPOINT_EVERY = 250
 
 
@@ -253,9 +253,10 @@ class RecallRecipe(TrainRecipe):
         return cls(**{"separate_tasks": False, **d, "tasks": tuple(d["tasks"]), "eval_lens": tuple(d["eval_lens"])})
 
     def per_task(self) -> dict[str, RecallRecipe]:
-        """The recipe of each training run by its task ("" for one run of every task: tasks trained together)."""
-        if not self.separate_tasks:
-            return {"": self}
+        """The recipe of each training run by its task, or {"": the recipe} for one run (tasks trained together, or
+        a single task: trained alone either way, so it keeps the mixed form's spec and run names)."""
+        if not self.separate_tasks or len(self.tasks) == 1:
+            return {"": replace(self, separate_tasks=False)}
         return {task: replace(self, tasks=(task,)) for task in self.tasks}
 
     def task_params(self) -> RecallTasks:
@@ -350,21 +351,21 @@ def bench_recall(models: Sequence[str], seeds: Sequence[int], recipe: RecallReci
 
     check_recipe(recipe, recipe.task_params())  # before any worker starts: one clear error, not one per run
 
+    parts = {task: r.to_dict() for task, r in recipe.per_task().items()}
     return bench.bench_model_seeds(
         "recall", RUNNER, models, seeds, recipe.to_dict(), out_dir,
         lambda by_model, out, missing: write_report(by_model, recipe, out, missing=missing),
-        parts={task: r.to_dict() for task, r in recipe.per_task().items()},
-        merge=merge_task_runs if recipe.separate_tasks else None, **run_options,
+        parts=parts, merge=merge_task_runs if len(parts) > 1 else None, **run_options,
     )
 
 
 def merge_task_runs(runs: list[dict]) -> dict:
-    """One model-and-seed record from its finished runs of single tasks: results, training logs and best steps by
-    task."""
+    """One model-and-seed record from its finished runs of single tasks: "results" as a run of every task has
+    them; "train", "best_step", "seconds" and "device" become {task: that run's value}."""
     merged = {key: runs[0][key] for key in ("model", "seed", "parameters")}
     merged["results"] = {task: by_len for r in runs for task, by_len in r["results"].items()}
-    merged["train"] = {task: r["train"] for r in runs for task in r["results"]}
-    merged["best_step"] = {task: r["best_step"] for r in runs for task in r["results"]}
+    for key in ("train", "best_step", "seconds", "device"):
+        merged[key] = {task: r.get(key) for r in runs for task in r["results"]}
     return merged
 
 

@@ -48,7 +48,7 @@ def test_bench_addition_smoke_and_resume(tmp_path, capsys):
 
 def test_bench_recall_smoke(tmp_path):
     out = tmp_path / "recall"
-    assert main(["bench", "recall", "--models", "hybrid-mamba2,fw-1A", "--seeds", "1", "--size", "tiny",
+    assert main(["bench", "recall", "--models", "hybrid-mamba2,fw-1A", "--seeds", "2", "--size", "tiny",
                  "--batch-size", "2", "--train-min-len", "40", "--train-max-len", "48", "--eval-lens", "48,96",
                  "--eval-count", "2", "--val-count", "1", "--mqar-pairs", "4", "--needles", "2", "--out", str(out),
                  *COMMON]) == 0
@@ -59,14 +59,17 @@ def test_bench_recall_smoke(tmp_path):
     assert _png(out / "accuracy_vs_length.png")
     result = json.loads((out / "results.json").read_text())
     for runs in result["runs"].values():
-        assert sorted(runs[0]["results"]) == ["mqar", "multi_needle", "needle"]
-        for task, by_len in runs[0]["results"].items():
-            assert sorted(map(int, by_len)) == [48, 96]
-            assert all(0.0 <= v["token_acc"] <= 1.0 for v in by_len.values())
+        assert [r["seed"] for r in runs] == [0, 1]  # each seed's record joins that seed's task runs
+        for run in runs:
+            assert sorted(run["results"]) == ["mqar", "multi_needle", "needle"]
+            for task, by_len in run["results"].items():
+                assert sorted(map(int, by_len)) == [48, 96]
+                assert all(0.0 <= v["token_acc"] <= 1.0 for v in by_len.values())
     # a model per task (the default): each run's recipe holds its one task
     specs = {p.stem: json.loads(p.read_text())["spec"] for p in (out / "runs").glob("*.json")}
-    assert sorted(specs) == sorted(f"{m}_{t}_seed0" for m in ("hybrid-mamba2", "fw-1A")
-                                   for t in ("mqar", "needle", "multi_needle"))
+    assert sorted(specs) == sorted(f"{m}_{t}_seed{seed}" for m in ("hybrid-mamba2", "fw-1A")
+                                   for t in ("mqar", "needle", "multi_needle") for seed in (0, 1))
+    assert all(spec["seed"] == int(key[-1]) for key, spec in specs.items())
     assert all(spec["recipe"]["tasks"] == [key.split("_seed")[0].split("_", 1)[1]] for key, spec in specs.items())
 
 

@@ -186,6 +186,8 @@ def test_a_model_per_task_unless_mixed():
     assert "separate_tasks" not in mixed.to_dict()  # the earlier recipe's spec: its stored runs stay reusable
     for r in (recipe, mixed):
         assert RecallRecipe.from_dict(r.to_dict()) == r
+    alone = RecallRecipe(tasks=("mqar",))  # one task trains alone either way: the mixed form's spec and run name
+    assert alone.per_task() == {"": RecallRecipe(tasks=("mqar",), separate_tasks=False)}
 
 
 def _task_run(model, seed, task, acc):
@@ -199,6 +201,7 @@ def test_task_runs_merge_and_a_missing_one_leaves_a_gap(tmp_path):
 
     merged = merge_task_runs([_task_run("fw-1A", 0, "mqar", 1.0), _task_run("fw-1A", 0, "needle", 0.25)])
     assert sorted(merged["results"]) == ["mqar", "needle"] and merged["train"]["needle"] == {"steps": 1}
+    assert merged["best_step"] == {"mqar": 1, "needle": 1} and merged["seed"] == 0
     recipe = RecallRecipe(tasks=("mqar", "needle"), eval_lens=(48,))
     seed1 = merge_task_runs([_task_run("fw-1A", 1, "mqar", 0.5)])  # its needle run was stopped
     report = write_report({"fw-1A": [merged, seed1]}, recipe, tmp_path, missing=["fw-1A_needle_seed1"])
