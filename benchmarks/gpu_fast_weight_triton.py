@@ -12,7 +12,9 @@ forward and forward+backward of:
 - triton: the same op through the Triton backend (raw q, k, v, beta, lam -> prepared writes -> kernels);
 - kernels (1A): `fast_weight_1a_triton` alone on prepared writes (the kernels without the preparation);
 - torch preparation (1A, 1): the triton op again with `frontend.FUSED_PREPARATION` off (the write events from
-  chunk.py's torch `prepare_writes` instead of the fused Triton kernel).
+  chunk.py's torch `prepare_writes` instead of the fused Triton kernel);
+- float32 states (1A, 3A): the triton op again with `chunk_1a.INPUT_DTYPE_STATES` off (1A's per-chunk state
+  buffers in float32 instead of the inputs' bf16).
 `--profile` then prints, per rule at the longest T, the kernels of one forward + backward of the triton op with their
 GPU time (torch.profiler): which stage to work on. Prints a markdown table with the ratios triton / SDPA and
 chunk / triton, and what the triton op's time means against
@@ -33,7 +35,7 @@ from gpu_ops import bench  # benchmarks/ is on the path when this script runs
 from roofline import fast_weight_counts, utilization
 
 from hybridlm.ops import FastWeightState, fast_weight_attention
-from hybridlm.ops.fast_weight.triton import fast_weight_1a_triton, fast_weight_triton, frontend
+from hybridlm.ops.fast_weight.triton import chunk_1a, fast_weight_1a_triton, fast_weight_triton, frontend
 
 WINDOW = {"1A": 1, "3A": 3, "1": 1}
 
@@ -64,16 +66,17 @@ def make_inputs(B, T, H, D, dtype, *, seed=0):
 
 
 @contextlib.contextmanager
-def frontend_settings(**settings):
-    """`frontend` module settings (FUSED_PREPARATION) changed for the block, then put back."""
-    previous = {name: getattr(frontend, name) for name in settings}
+def frontend_settings(module=frontend, **settings):
+    """Module settings (`frontend.FUSED_PREPARATION`, `chunk_1a.INPUT_DTYPE_STATES`) changed for the block, then
+    put back."""
+    previous = {name: getattr(module, name) for name in settings}
     try:
         for name, value in settings.items():
-            setattr(frontend, name, value)
+            setattr(module, name, value)
         yield
     finally:
         for name, value in previous.items():
-            setattr(frontend, name, value)
+            setattr(module, name, value)
 
 
 def rel_err(a, b) -> float:
@@ -131,8 +134,9 @@ def main() -> None:
     print(f"\n# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | window 3 for 3A")
     print("| rule | T | pass | SDPA (ms) | chunk (ms) | chunk compiled (ms) | triton (ms) | kernels (ms) "
-          "| torch preparation (ms) | triton / SDPA | chunk / triton | triton TFLOP/s | triton TB/s (min. bytes) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| torch preparation (ms) | float32 states (ms) | triton / SDPA | chunk / triton | triton TFLOP/s "
+          "| triton TB/s (min. bytes) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for T in args.T:
         for rule in args.rules:
             for line in time_one(rule, args.B, T, args.H, args.D, torch.bfloat16, chunk_size=args.chunk_size,
@@ -196,6 +200,11 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
             kernels = "{:.2f}".format(bench(lambda: fast_weight_1a_triton(*prepared, None, read_after=True,
                                                                           chunk_size=chunk_size)[0],
                                             backward=backward, inputs=prepared))
+        fp32_states = "-"
+        if rule in ("1A", "3A"):
+            with frontend_settings(chunk_1a, INPUT_DTYPE_STATES=False):
+                fp32_states = "{:.2f}".format(bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0],
+                                                    backward=backward, inputs=inputs))
         try:
             ms["chunk"] = bench(lambda: run_chunk(*inputs, rule=rule, chunk_size=chunk_size)[0], backward=backward,
                                 inputs=inputs)
@@ -215,7 +224,8 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
         flops, nbytes = fast_weight_counts(rule, B=B, T=T, H=H, K=D, V=D, chunk=chunk_size, backward=backward)
         use = utilization(ms=ms["triton"], flops=flops, nbytes=nbytes)
         rows.append(f"| {rule} | {T} | {name} | {ms['sdpa']:.2f} | {chunk_cells[0]} | {compiled} | "
-                    f"{ms['triton']:.2f} | {kernels} | {torch_prep} | {ms['triton'] / ms['sdpa']:.2f}x | "
+                    f"{ms['triton']:.2f} | {kernels} | {torch_prep} | {fp32_states} | "
+                    f"{ms['triton'] / ms['sdpa']:.2f}x | "
                     f"{chunk_cells[1]} | {use['tflops']:.0f} ({100 * use['flop_frac']:.1f}%) | "
                     f"{use['tbps']:.2f} ({100 * use['byte_frac']:.0f}%) |")
     return rows

@@ -481,6 +481,14 @@ for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "iee
     b(k.output_kernel, dict(blocks, READ_AFTER=True, PREC=prec))
     b(k.grad_qx_kernel, dict(s, BK=128, BV=32, READ_AFTER=False, PREC=prec))
     b(k.grad_y_kernel, dict(blocks, READ_AFTER=True, HAS_DH=True, PREC=prec))
+    # Rule 1A stores its per-chunk states (h, dh) in the inputs' dtype; rule 1 reads float32 ones (above).
+    b = functools.partial(build, io=io, io_names=IO + ("h_ptr", "dh_ptr"), warps=8)
+    for grad in (False, True):
+        b(k.state_scan_kernel, dict(sequential, READ_AFTER=True, GRAD=grad, HAS_INIT=grad, REVERSE=grad, PREC=prec),
+          warps=4)
+    b(k.output_kernel, dict(blocks, READ_AFTER=True, PREC=prec))
+    b(k.grad_qx_kernel, dict(s, BK=128, BV=32, READ_AFTER=True, PREC=prec))
+    b(k.grad_y_kernel, dict(blocks, READ_AFTER=True, HAS_DH=True, PREC=prec))
 """
 
 
@@ -491,3 +499,19 @@ def test_kernels_compile_for_sm90():
     report = compile_for_sm90(_SM90_KERNELS, modules=("hybridlm.ops.fast_weight.triton.kernels",))
     assert set(report["built"]) == report["defined"], report  # every kernel of the file
     assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
+
+
+def test_rule_1a_keeps_its_chunk_states_in_the_inputs_dtype(monkeypatch):
+    """Half the bytes of the op's largest buffers for 16-bit inputs (the kernels' matmuls read them in that dtype
+    anyway; the 16-bit accuracy tests above run through them); float32 inputs keep float32 states."""
+    pytest.importorskip("triton")
+    from hybridlm.ops.fast_weight.triton import chunk_1a
+
+    def plan(dtype):
+        return chunk_1a._Plan(torch.zeros(1, 64, 2, 16, dtype=dtype), torch.zeros(1, 64, 2, 8, dtype=dtype), 16, True)
+
+    assert [plan(d).state_dtype for d in (torch.bfloat16, torch.float16, torch.float32)] == [
+        torch.bfloat16, torch.float16, torch.float32]
+    assert plan(torch.bfloat16).state_buffer(plan(torch.bfloat16).state_dtype).dtype == torch.bfloat16
+    monkeypatch.setattr(chunk_1a, "INPUT_DTYPE_STATES", False)  # the benchmark's float32 column
+    assert plan(torch.bfloat16).state_dtype == torch.float32

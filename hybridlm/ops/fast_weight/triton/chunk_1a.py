@@ -21,6 +21,9 @@ from hybridlm.ops.fast_weight.triton import kernels
 from hybridlm.ops.fast_weight.triton.custom_ops import _interpreting
 
 _MAX_GRID_YZ = 65535  # CUDA's limit on launch grid axes 1 and 2
+# Rule 1A's per-chunk states in the inputs' dtype (`_Plan`); False: float32, as benchmarks/gpu_fast_weight_triton.py
+# times them side by side (not yet timed on a GPU: 2026-11-30).
+INPUT_DTYPE_STATES = True
 
 
 def forward(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,9 +71,9 @@ class ChunkPlan:
         self.device = q.device
         self.sizes = {"K": self.K, "V": self.V, "BT": self.BT}
 
-    def state_buffer(self) -> torch.Tensor:
-        """[N * H, n_chunks, K, V] float32: one state per chunk."""
-        return torch.empty(self.NH, self.n_chunks, self.K, self.V, dtype=torch.float32, device=self.device)
+    def state_buffer(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N * H, n_chunks, K, V]: one state per chunk (float32 unless a rule's plan asks otherwise)."""
+        return torch.empty(self.NH, self.n_chunks, self.K, self.V, dtype=dtype, device=self.device)
 
 
 class _Plan(ChunkPlan):
@@ -81,6 +84,11 @@ class _Plan(ChunkPlan):
         self.BK, self.BV = _block(self.K, 64), _block(self.V, 64)
         self.BK_full = _block(self.K, 128)  # the dq/dx kernel holds all of K
         self.BV_qx = _block(self.V, 64 if self.BK_full <= 64 else 32)
+        # The per-chunk states (and their gradients) are stored in the inputs' dtype: every matmul that reads them
+        # takes that dtype anyway (kernels.py), so only the exit term of dlog_gamma (<dS_out, S_c>, summed in fp32)
+        # sees the rounding, and half the bytes of the buffers, the op's largest, move (flash-linear-attention's
+        # choice too). The carried state, S_0 and the final state stay float32; float32 inputs keep float32 states.
+        self.state_dtype = q.dtype if INPUT_DTYPE_STATES else torch.float32
 
     def cumsum(self, log_gamma):
         L = torch.empty(self.N * self.H, self.T_pad, dtype=torch.float32, device=self.device)
@@ -90,7 +98,7 @@ class _Plan(ChunkPlan):
 
     def states(self, x, y, eta, L, S0):
         """(1) + (2): the entry state of every chunk [N * H, n_chunks, K, V] and the final state [N, H, K, V]."""
-        h = self.state_buffer()
+        h = self.state_buffer(self.state_dtype)
         final = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
         self._scan(x, y, eta, L, h, S0, final, grad=False)
         return h, final
@@ -112,7 +120,7 @@ class _Plan(ChunkPlan):
 
     def state_grads(self, q, do, L, dS_final):
         """(1') + (2'): dL/dS at every chunk's exit [N * H, n_chunks, K, V] and dL/dS_0 [N, H, K, V]."""
-        g = self.state_buffer()
+        g = self.state_buffer(self.state_dtype)
         dS0 = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
         init = None if dS_final is None else dS_final.to(torch.float32).contiguous()
         self._scan(q, do, L, L, g, init, dS0, grad=True)  # (eta is unused)

@@ -13,7 +13,9 @@ L_{t-1} with L_{-1} = 0 (read before), M[t, s] = [s <= t] (after) or [s < t] (be
 
 Tensors are contiguous: q, x [N, T, H, K]; y, o [N, T, H, V]; eta, log_gamma [N, T, H]; the chunk-local
 cumulative decays L [N * H, T_pad] (float32, T_pad = n_chunks * BT; padded steps repeat the last value);
-per-chunk states [N * H, n_chunks, K, V] float32. Steps t >= T are masked on load (zeros: no write, no decay).
+per-chunk states [N * H, n_chunks, K, V] (float32, or rule 1A's in the inputs' dtype: `chunk_1a.py`; they are
+converted to the inputs' dtype for every matmul that reads them). Steps t >= T are masked on load (zeros: no write,
+no decay).
 Matmuls take the inputs' dtype (bf16/fp16 tensor cores, or fp32 with `PREC = "ieee"`) and accumulate in fp32;
 masked decay entries are set to -inf before the exponential, never exponentiated.
 """
@@ -159,7 +161,7 @@ def _scan_step(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, S, i, i_nh, T, T_pad, n_chun
     else:
         i_c = i
     offs, _ = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
-    tl.store(h_ptr + offs, S, mask=mask)
+    tl.store(h_ptr + offs, S.to(h_ptr.dtype.element_ty), mask=mask)
     contrib, L_last = _contribution(a_ptr, b_ptr, eta_ptr, L_ptr, i_nh, i_c, T, T_pad, H, K, V, BT, rk, rv,
                                     READ_AFTER, GRAD, PREC)
     return tl.exp(L_last) * S + contrib
@@ -198,7 +200,7 @@ def state_scan_kernel(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, init_ptr, final_ptr, 
 def _scores_and_read(q_ptr, x_ptr, h_ptr, i_n, i_h, i_nh, i_c, t, T, n_chunks, H, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, rv, PREC: tl.constexpr):
     """The output kernels' pass over K for chunk i_c and value block rv: the scores q_t . x_s [BT, BT] and the
-    inter-chunk read q_t^T S_c [BT, BV] (S_c = h[c], fp32), both accumulated in fp32."""
+    inter-chunk read q_t^T S_c [BT, BV] (S_c = h[c]), both accumulated in fp32."""
     qx = tl.zeros([BT, BT], dtype=tl.float32)
     o_inter = tl.zeros([BT, BV], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -206,7 +208,7 @@ def _scores_and_read(q_ptr, x_ptr, h_ptr, i_n, i_h, i_nh, i_c, t, T, n_chunks, H
         q = _load_rows(q_ptr, i_n, i_h, t, T, H, K, rk)                                     # [BT, BK]
         x = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk)
         offs, mask = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
-        S = tl.load(h_ptr + offs, mask=mask, other=0.0)                                     # [BK, BV] fp32
+        S = tl.load(h_ptr + offs, mask=mask, other=0.0)                                     # [BK, BV]
         qx += tl.dot(q, tl.trans(x), input_precision=PREC)
         o_inter += tl.dot(q, S.to(q.dtype), input_precision=PREC)
     return qx, o_inter
@@ -264,8 +266,8 @@ def grad_qx_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr,
         do = _load_rows(do_ptr, i_n, i_h, t, T, H, V, rv)                                   # [BT, BV]
         y = _load_rows(y_ptr, i_n, i_h, t, T, H, V, rv)
         offs, mask = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
-        S = tl.load(h_ptr + offs, mask=mask, other=0.0)                                     # [BK, BV] fp32
-        dS = tl.load(dh_ptr + offs, mask=mask, other=0.0)
+        S = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)                      # [BK, BV]
+        dS = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         dA += tl.dot(do, tl.trans(y), input_precision=PREC)
         dq_inter += tl.dot(do, tl.trans(S).to(do.dtype), input_precision=PREC)
         dx_out += tl.dot(y, tl.trans(dS).to(y.dtype), input_precision=PREC)
@@ -315,7 +317,7 @@ def grad_y_kernel(q_ptr, x_ptr, eta_ptr, L_ptr, do_ptr, dh_ptr, dy_ptr, T, T_pad
         qx += tl.dot(q, tl.trans(x), input_precision=PREC)
         if HAS_DH:
             offs, mask = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
-            dS = tl.load(dh_ptr + offs, mask=mask, other=0.0)                               # [BK, BV] fp32
+            dS = tl.load(dh_ptr + offs, mask=mask, other=0.0)                               # [BK, BV]
             dy_out += tl.dot(x, dS.to(x.dtype), input_precision=PREC)
     eta = _load_steps(eta_ptr, i_n, i_h, t, T, H)
     L, Lr, L_last = _decays(L_ptr, i_nh, i_c, T_pad, BT, READ_AFTER)
