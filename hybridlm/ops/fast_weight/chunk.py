@@ -50,6 +50,10 @@ class PreparedWrites:
     weights: torch.Tensor     # [N, T, H, W, Dv] (Dv = V for rules 2/2A, else 1), in the statistics dtype
     log_gamma: torch.Tensor   # [N, T, H, Dv]
     final: FastWeightState    # the carried last key and sliding tail at each row's end (S is left to the scan)
+    # The pairs with the carried tail in front, [N, W-1+T, H, K] / [N, W-1+T, H, V] (X and Y are windows of these
+    # views); None for window 1.
+    x_ext: torch.Tensor | None = None
+    y_ext: torch.Tensor | None = None
 
 
 def prepare_writes(q, k, v, beta, lam, *, rule, window, pairing, step_size, ridge_scaling, eps, eps_gamma,
@@ -130,7 +134,8 @@ def prepare_writes(q, k, v, beta, lam, *, rule, window, pairing, step_size, ridg
         final.tail_x = x_ext[rows[:, None], index].transpose(1, 2).to(stat)                # [N, H, W-1, K]
         final.tail_v = y_ext[rows[:, None], index].transpose(1, 2).to(stat)
         final.tail_len = m_ext[rows[:, None], index].sum(-1).to(torch.int64)
-    return PreparedWrites(q=q, X=Xw, Y=Yw, weights=weights, log_gamma=log_gamma, final=final)
+    return PreparedWrites(q=q, X=Xw, Y=Yw, weights=weights, log_gamma=log_gamma, final=final,
+                          x_ext=x_ext if W > 1 else None, y_ext=y_ext if W > 1 else None)
 
 
 def fast_weight_chunk(

@@ -148,10 +148,11 @@ def fast_weight_triton(
 
 def _delayed_window(p, S0: torch.Tensor, *, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rule 3A (window W > 1) on prepare_writes' windows as 1A over delayed writes plus the band of the W-1 pairs
-    still being written (README.md, "Rule 3A as delayed writes"). p.X / p.Y [N, T, H, W, *] hold pair t-W+1+j in
-    slot j of step t (views of the pairs with the carried tail in front), p.weights [N, T, H, W, 1] its weight
-    w_(t,j). Returns o [N, T, H, V] in q's dtype and the final state [N, H, K, V] float32 (at the padded end of every
-    row: padded steps write nothing and do not decay)."""
+    still being written (README.md, "Rule 3A as delayed writes"). p.x_ext / p.y_ext [N, W-1+T, H, *] are the pairs
+    with the carried tail in front (ext row e = pair e-W+1, so slot j of step t is ext row t + j; p.X / p.Y are their
+    windows), p.weights [N, T, H, W, 1] the weight w_(t,j) of slot j at step t. Returns o [N, T, H, V] in q's dtype
+    and the final state [N, H, K, V] float32 (at the padded end of every row: padded steps write nothing and do not
+    decay)."""
     from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_band_triton
 
     T, W = p.X.shape[1], p.X.shape[3]
@@ -163,9 +164,7 @@ def _delayed_window(p, S0: torch.Tensor, *, read_after: bool, chunk_size: int) -
         span = span + F.pad(lg[:, : T - m + 1], (0, 0, m - 1, 0))                         # sum of the last m lg
         C = C + span.exp()[..., None] * F.pad(w[:, : T - m, :, m:], (0, m, 0, 0, m, 0))
     dtype = p.q.dtype
-    # The pairs with the tail in front, ext row e = pair e-W+1: slot j of step t is ext row t + j.
-    x_ext = torch.cat([p.X[:, 0, :, : W - 1].transpose(1, 2), p.X[:, :, :, W - 1]], dim=1).to(dtype)
-    y_ext = torch.cat([p.Y[:, 0, :, : W - 1].transpose(1, 2), p.Y[:, :, :, W - 1]], dim=1).to(dtype)
+    x_ext, y_ext = p.x_ext.to(dtype), p.y_ext.to(dtype)  # (already in q's dtype: the op keeps k and v's)
     o, S = fast_weight_1a_triton(p.q, x_ext[:, :T].contiguous(), y_ext[:, :T].contiguous(), C[..., 0].contiguous(),
                                  lg.contiguous(), S0, read_after=read_after, chunk_size=chunk_size)
     band = C[..., 1:]                                                                      # [N, T, H, W-1]
