@@ -330,33 +330,35 @@ def band_reference(q, x_ext, y_ext, c, *, read_after):
 @pytest.mark.parametrize("W,read_after,dtype", [(2, True, torch.float32), (3, False, torch.float32),
                                                 (5, True, torch.float16), (3, True, torch.float32)])
 def test_band_kernel_matches_a_loop(W, read_after, dtype):
-    """Rule 3A's band kernel (forward and all four gradients) against a float64 loop, odd sizes (T = 45 over blocks
-    of 16, K = 24, V = 40)."""
+    """Rule 3A's band kernel added to a base output (forward and all five gradients) against a float64 loop, odd
+    sizes (T = 45 over blocks of 16, K = 24, V = 40)."""
     from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_band_triton
 
     g = torch.Generator().manual_seed(W)
     N, T, H, K, V = 2, 45, 3, 24, 40
     inputs = [torch.randn(N, T, H, K, generator=g), torch.randn(N, W - 1 + T, H, K, generator=g),
-              torch.randn(N, W - 1 + T, H, V, generator=g), torch.rand(N, T, H, W - 1, generator=g)]
+              torch.randn(N, W - 1 + T, H, V, generator=g), torch.rand(N, T, H, W - 1, generator=g),
+              torch.randn(N, T, H, V, generator=g)]
     ref_inputs = [t.double().requires_grad_(True) for t in inputs]
-    dev = [t.to(DEVICE, dtype if i < 3 else torch.float32).requires_grad_(True) for i, t in enumerate(inputs)]
-    o_ref = band_reference(*ref_inputs, read_after=read_after)
+    dev = [t.to(DEVICE, torch.float32 if name == "c" else dtype).requires_grad_(True)
+           for name, t in zip(NAMES_BAND, inputs)]
+    o_ref = ref_inputs[4] + band_reference(*ref_inputs[:4], read_after=read_after)
     o = fast_weight_band_triton(*dev, read_after=read_after)
-    assert o.dtype == torch.float32 and rel_err(o.cpu(), o_ref) < TOL[dtype]
+    assert o.dtype == dtype and rel_err(o.cpu(), o_ref) < TOL[dtype]
     w = torch.randn(o_ref.shape, generator=g, dtype=torch.float64)
     grads_ref = torch.autograd.grad((o_ref * w).sum(), ref_inputs)
-    grads = torch.autograd.grad((o * w.to(DEVICE, torch.float32)).sum(), dev)
-    for name, grad, grad_ref in zip(("q", "x_ext", "y_ext", "c"), grads, grads_ref):
+    grads = torch.autograd.grad((o * w.to(DEVICE, dtype)).sum(), dev)
+    for name, grad, grad_ref in zip(NAMES_BAND, grads, grads_ref):
         assert grad.dtype == dev[NAMES_BAND.index(name)].dtype and rel_err(grad.cpu(), grad_ref) < TOL[dtype], name
 
 
-NAMES_BAND = ("q", "x_ext", "y_ext", "c")
+NAMES_BAND = ("q", "x_ext", "y_ext", "c", "base")
 
 _SM90_BAND_KERNELS = """
 from hybridlm.ops.fast_weight.triton import kernels_band as kb
 from hybridlm.ops.fast_weight.triton.band import BT, NUM_WARPS
 
-IO = ("q_ptr", "x_ptr", "y_ptr", "dq_ptr", "dx_ptr", "dy_ptr")
+IO = ("q_ptr", "x_ptr", "y_ptr", "dq_ptr", "dx_ptr", "dy_ptr", "base_ptr", "o_ptr", "do_ptr")
 for io, K, V, W in (("*bf16", 128, 128, 3), ("*fp32", 20, 12, 5)):
     for shift in (0, 1):
         consts = dict(SHIFT=shift, W=W, K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)),

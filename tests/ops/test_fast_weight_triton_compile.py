@@ -73,10 +73,10 @@ def test_opcheck_band(shift):
     fwd, bwd = _ops("band")
     q = torch.randn(2, 19, 2, 16, device=DEVICE)
     x_ext, y_ext = torch.randn(2, 21, 2, 16, device=DEVICE), torch.randn(2, 21, 2, 8, device=DEVICE)
-    c = torch.rand(2, 19, 2, 2, device=DEVICE)
-    leaves = [t.requires_grad_(True) for t in (q, x_ext, y_ext, c)]
+    c, base = torch.rand(2, 19, 2, 2, device=DEVICE), torch.randn(2, 19, 2, 8, device=DEVICE)
+    leaves = [t.requires_grad_(True) for t in (q, x_ext, y_ext, c, base)]
     torch.library.opcheck(fwd, (*leaves, shift), test_utils=OPCHECKS)
-    detached = [t.detach() for t in leaves]
+    detached = [t.detach() for t in leaves[:4]]
     torch.library.opcheck(bwd, (torch.randn(2, 19, 2, 8, device=DEVICE), *detached, shift), test_utils=OPCHECKS)
 
 

@@ -23,18 +23,19 @@ def _sizes(q, y_ext, c):
                      "BV": max(16, triton.next_power_of_2(V))}
 
 
-def forward(q, x_ext, y_ext, c, shift: int) -> torch.Tensor:
-    """o_band [N, T, H, V] float32 (contiguous inputs: q [N, T, H, K], x_ext [N, W-1+T, H, K], y_ext [N, W-1+T, H, V],
-    c [N, T, H, W-1] float32)."""
+def forward(q, x_ext, y_ext, c, base, shift: int) -> torch.Tensor:
+    """base + o_band [N, T, H, V] in base's dtype (contiguous inputs: q [N, T, H, K], x_ext [N, W-1+T, H, K], y_ext
+    [N, W-1+T, H, V], c [N, T, H, W-1] float32, base [N, T, H, V])."""
     N, T, H, sizes = _sizes(q, y_ext, c)
-    o = torch.empty(N, T, H, sizes["V"], dtype=torch.float32, device=q.device)
-    kernels_band.band_fwd_kernel[(triton.cdiv(T, BT), N * H)](q, x_ext, y_ext, c, o, T, H, SHIFT=shift, **sizes,
-                                                              num_warps=NUM_WARPS)
+    o = torch.empty_like(base)
+    kernels_band.band_fwd_kernel[(triton.cdiv(T, BT), N * H)](q, x_ext, y_ext, c, base, o, T, H, SHIFT=shift,
+                                                              **sizes, num_warps=NUM_WARPS)
     return o
 
 
 def backward(do, q, x_ext, y_ext, c, shift: int):
-    """dq (q's dtype), dx_ext, dy_ext (their dtypes) and dc (float32) for do [N, T, H, V] float32."""
+    """dq (q's dtype), dx_ext, dy_ext (their dtypes) and dc (float32) for do [N, T, H, V] (any float dtype: the
+    kernels read it in float32)."""
     N, T, H, sizes = _sizes(q, y_ext, c)
     dq, dc = torch.empty_like(q), torch.empty_like(c)
     dx, dy = torch.empty_like(x_ext), torch.empty_like(y_ext)

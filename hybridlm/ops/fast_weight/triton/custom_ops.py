@@ -16,8 +16,9 @@
     hybridlm::fast_weight_prepare_bwd(dx, dy, deta, dlog_gamma, <the forward's inputs>) -> (dk, dv, dbeta, dlam,
         dlast_k).
 
-    hybridlm::fast_weight_band_fwd(q, x_ext, y_ext, c, shift) -> o_band; hybridlm::fast_weight_band_bwd(do, q, x_ext,
-        y_ext, c, shift) -> (dq, dx_ext, dy_ext, dc): rule 3A's band of the pairs still being written (`band.py`).
+    hybridlm::fast_weight_band_fwd(q, x_ext, y_ext, c, base, shift) -> base + o_band;
+    hybridlm::fast_weight_band_bwd(do, q, x_ext, y_ext, c, shift) -> (dq, dx_ext, dy_ext, dc): rule 3A's band of the
+        pairs still being written (`band.py`), added to the 1A scan's output (base; d base = do).
 
 Rule 3A runs as rule 1A over delayed writes plus the band (`frontend.py`), so it goes through the 1A ops and the band
 ops; rule 3's events differ from rule 1's rows (the events of one step do not see each other's writes), hence its own
@@ -124,16 +125,17 @@ def fast_weight_prepare_triton(k, v, beta, lam, last_k, offsets, *, max_len: int
         step_size == "nlms", bool(ridge_scaling), float(eps), float(eps_gamma))
 
 
-def fast_weight_band_triton(q, x_ext, y_ext, c, *, read_after: bool) -> torch.Tensor:
-    """Rule 3A's band (`kernels_band.py`): o_t = sum_{j=1..W-1} c_(t,j) (q_t . x_e) y_e with e = t + j (read after)
-    or t + j - 1 (read before: the caller puts step t-1's coefficients in row t), differentiable in every input.
+def fast_weight_band_triton(q, x_ext, y_ext, c, base, *, read_after: bool) -> torch.Tensor:
+    """Rule 3A's band (`kernels_band.py`) added to `base`: o_t = base_t + sum_{j=1..W-1} c_(t,j) (q_t . x_e) y_e with
+    e = t + j (read after) or t + j - 1 (read before: the caller puts step t-1's coefficients in row t),
+    differentiable in every input.
 
     Args:
         q: `[N, T, H, K]`. x_ext: `[N, W-1+T, H, K]`, y_ext: `[N, W-1+T, H, V]` the pairs with the carried tail in
-            front (q's dtype). c: `[N, T, H, W-1]` float32.
+            front (q's dtype). c: `[N, T, H, W-1]` float32. base: `[N, T, H, V]` (q's dtype: the 1A scan's output).
 
     Returns:
-        `[N, T, H, V]` float32.
+        `[N, T, H, V]` in base's dtype (the sum computed in float32, rounded once).
     """
     N, T, H, K = q.shape if q.dim() == 4 else (None,) * 4
     W = c.shape[-1] + 1 if c.dim() == 4 else None
@@ -142,14 +144,17 @@ def fast_weight_band_triton(q, x_ext, y_ext, c, *, read_after: bool) -> torch.Te
         raise ValueError(f"the band takes q [N, T, H, K], c [N, T, H, W-1], x_ext [N, W-1+T, H, K] and y_ext "
                          f"[N, W-1+T, H, V]; got {list(q.shape)}, {list(c.shape)}, {list(x_ext.shape)}, "
                          f"{list(y_ext.shape)}")
-    if q.dtype not in DTYPES or x_ext.dtype != q.dtype or y_ext.dtype != q.dtype or c.dtype != torch.float32:
-        raise ValueError(f"q, x_ext, y_ext must share one dtype among {DTYPES} and c be float32; got {q.dtype}, "
-                         f"{x_ext.dtype}, {y_ext.dtype}, {c.dtype}")
+    if base.shape != (N, T, H, y_ext.shape[-1]):
+        raise ValueError(f"base must be [N, T, H, V] = {[N, T, H, y_ext.shape[-1]]}; got {list(base.shape)}")
+    if (q.dtype not in DTYPES or x_ext.dtype != q.dtype or y_ext.dtype != q.dtype or base.dtype != q.dtype
+            or c.dtype != torch.float32):
+        raise ValueError(f"q, x_ext, y_ext, base must share one dtype among {DTYPES} and c be float32; got "
+                         f"{q.dtype}, {x_ext.dtype}, {y_ext.dtype}, {base.dtype}, {c.dtype}")
     if K > MAX_HEAD_DIM or y_ext.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"the Triton kernels take K, V <= {MAX_HEAD_DIM}; got {K}, {y_ext.shape[-1]}")
     if q.device.type != "cuda" and not _interpreting():
         raise ValueError(f"the Triton kernels need CUDA tensors (got {q.device})")
-    return torch.ops.hybridlm.fast_weight_band_fwd(q, x_ext, y_ext, c, 0 if read_after else 1)
+    return torch.ops.hybridlm.fast_weight_band_fwd(q, x_ext, y_ext, c, base, 0 if read_after else 1)
 
 
 def _interpreting() -> bool:
@@ -318,16 +323,16 @@ def _register_band() -> None:
     """hybridlm::fast_weight_band_fwd / _bwd (`band.py`), their fake implementations and autograd."""
 
     @torch.library.custom_op("hybridlm::fast_weight_band_fwd", mutates_args=(),
-                             schema="(Tensor q, Tensor x_ext, Tensor y_ext, Tensor c, int shift) -> Tensor")
-    def fwd(q, x_ext, y_ext, c, shift):
+                             schema="(Tensor q, Tensor x_ext, Tensor y_ext, Tensor c, Tensor base, int shift) -> Tensor")
+    def fwd(q, x_ext, y_ext, c, base, shift):
         from hybridlm.ops.fast_weight.triton import band
 
         with on_tensor_device(q):
-            return band.forward(*(t.contiguous() for t in (q, x_ext, y_ext, c)), shift)
+            return band.forward(*(t.contiguous() for t in (q, x_ext, y_ext, c, base)), shift)
 
     @fwd.register_fake
-    def _(q, x_ext, y_ext, c, shift):
-        return q.new_empty(*q.shape[:3], y_ext.shape[-1], dtype=torch.float32)
+    def _(q, x_ext, y_ext, c, base, shift):
+        return torch.empty_like(base, memory_format=torch.contiguous_format)
 
     @torch.library.custom_op("hybridlm::fast_weight_band_bwd", mutates_args=(),
                              schema="(Tensor do, Tensor q, Tensor x_ext, Tensor y_ext, Tensor c, int shift) "
@@ -343,13 +348,13 @@ def _register_band() -> None:
         return q.new_empty(q.shape), x_ext.new_empty(x_ext.shape), y_ext.new_empty(y_ext.shape), c.new_empty(c.shape)
 
     def setup_context(ctx, inputs, output):
-        q, x_ext, y_ext, c, shift = inputs
+        q, x_ext, y_ext, c, base, shift = inputs
         ctx.save_for_backward(q, x_ext, y_ext, c)
         ctx.shift = shift
 
     def backward(ctx, do):
         q, x_ext, y_ext, c = ctx.saved_tensors
-        return (*bwd(do.float(), q, x_ext, y_ext, c, ctx.shift), None)
+        return (*bwd(do, q, x_ext, y_ext, c, ctx.shift), do, None)
 
     fwd.register_autograd(backward, setup_context=setup_context)
 

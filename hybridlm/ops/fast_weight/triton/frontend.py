@@ -170,8 +170,7 @@ def _delayed_window(p, S0: torch.Tensor, *, read_after: bool, chunk_size: int) -
     band = C[..., 1:]                                                                      # [N, T, H, W-1]
     if not read_after:  # S_(t-1)'s band: step t-1's coefficients in row t (S_0's partial writes are in S_0)
         band = F.pad(band[:, :-1], (0, 0, 0, 0, 1, 0))
-    o = (o.float() + fast_weight_band_triton(p.q, x_ext, y_ext, band.float().contiguous(),
-                                             read_after=read_after)).to(o.dtype)
+    o = fast_weight_band_triton(p.q, x_ext, y_ext, band.float().contiguous(), o, read_after=read_after)
     S = S + torch.einsum("nhj,nhjk,nhjv->nhkv", C[:, -1, :, 1:], p.X[:, -1, :, 1:].float(), p.Y[:, -1, :, 1:].float())
     return o, S
 

@@ -6,11 +6,12 @@ Imported only by `band.py`, itself imported lazily (this file needs triton at im
 t + j; c [N, T, H, W - 1] the band's coefficients, slot j in column j - 1; SHIFT = 1 reads step t - 1's band, whose
 coefficients the caller has already moved to row t):
 
-    o_t   = sum_{j=1..W-1} c_(t,j) (q_t . x_e) y_e,                e = t + j - SHIFT
+    o_t   = base_t + sum_{j=1..W-1} c_(t,j) (q_t . x_e) y_e,       e = t + j - SHIFT
     dq_t  = sum_j c_(t,j) (do_t . y_e) x_e                         dc_(t,j) = (q_t . x_e) (do_t . y_e)
     dx_e  = sum_j c_(t,j) (do_t . y_e) q_t                         dy_e = sum_j c_(t,j) (q_t . x_e) do_t
 
-(the last two over the steps t = e - j + SHIFT in 0..T-1). Products and sums in float32.
+(the last two over the steps t = e - j + SHIFT in 0..T-1; d base = do). base is the 1A scan's output, so the sum is
+rounded to its dtype once. Products and sums in float32.
 """
 
 from __future__ import annotations
@@ -54,16 +55,15 @@ def _slot(x_ptr, y_ptr, c_ptr, n, h, t, valid, j, T, H, SHIFT: tl.constexpr, W: 
 
 
 @triton.jit
-def band_fwd_kernel(q_ptr, x_ptr, y_ptr, c_ptr, o_ptr, T, H, SHIFT: tl.constexpr, W: tl.constexpr,
+def band_fwd_kernel(q_ptr, x_ptr, y_ptr, c_ptr, base_ptr, o_ptr, T, H, SHIFT: tl.constexpr, W: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     n, h, t, valid = _block(T, H, BT)
     q, _, _ = _load(q_ptr, n, h, t, valid, T, H, K, BK)
-    acc = tl.zeros([BT, BV], dtype=tl.float32)
+    acc, o_off, o_mask = _load(base_ptr, n, h, t, valid, T, H, V, BV)
     for j in tl.static_range(1, W):
         x, y, c, _ = _slot(x_ptr, y_ptr, c_ptr, n, h, t, valid, j, T, H, SHIFT, W, K, V, BK, BV)
         acc += (tl.sum(q * x, axis=1) * c)[:, None] * y
-    o_off, o_mask = _rows(n, h, t, valid, T, H, V, BV)
-    tl.store(o_ptr + o_off, acc, mask=o_mask)
+    tl.store(o_ptr + o_off, acc.to(o_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
