@@ -322,8 +322,9 @@ def _register_prepare() -> None:
 def _register_band() -> None:
     """hybridlm::fast_weight_band_fwd / _bwd (`band.py`), their fake implementations and autograd."""
 
-    @torch.library.custom_op("hybridlm::fast_weight_band_fwd", mutates_args=(),
-                             schema="(Tensor q, Tensor x_ext, Tensor y_ext, Tensor c, Tensor base, int shift) -> Tensor")
+    @torch.library.custom_op(
+        "hybridlm::fast_weight_band_fwd", mutates_args=(),
+        schema="(Tensor q, Tensor x_ext, Tensor y_ext, Tensor c, Tensor base, int shift) -> Tensor")
     def fwd(q, x_ext, y_ext, c, base, shift):
         from hybridlm.ops.fast_weight.triton import band
 
