@@ -329,9 +329,10 @@ def band_reference(q, x_ext, y_ext, c, *, read_after):
 @interpret
 @pytest.mark.parametrize("W,read_after,dtype", [(2, True, torch.float32), (3, False, torch.float32),
                                                 (5, True, torch.float16), (3, True, torch.float32)])
-def test_band_kernel_matches_a_loop(W, read_after, dtype):
+def test_band_kernel_matches_a_loop(W, read_after, dtype, monkeypatch):
     """Rule 3A's band kernel added to a base output (forward and all five gradients) against a float64 loop, odd
     sizes (T = 45 over blocks of 16, K = 24, V = 40)."""
+    from hybridlm.ops.fast_weight.triton import band
     from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_band_triton
 
     g = torch.Generator().manual_seed(W)
@@ -345,11 +346,15 @@ def test_band_kernel_matches_a_loop(W, read_after, dtype):
     o_ref = ref_inputs[4] + band_reference(*ref_inputs[:4], read_after=read_after)
     o = fast_weight_band_triton(*dev, read_after=read_after)
     assert o.dtype == dtype and rel_err(o.cpu(), o_ref) < TOL[dtype]
+    seen = []  # the backward takes do in its own dtype (no float32 copy)
+    original = band.backward
+    monkeypatch.setattr(band, "backward", lambda do, *rest: seen.append(do.dtype) or original(do, *rest))
     w = torch.randn(o_ref.shape, generator=g, dtype=torch.float64)
     grads_ref = torch.autograd.grad((o_ref * w).sum(), ref_inputs)
     grads = torch.autograd.grad((o * w.to(DEVICE, dtype)).sum(), dev)
     for name, grad, grad_ref in zip(NAMES_BAND, grads, grads_ref):
         assert grad.dtype == dev[NAMES_BAND.index(name)].dtype and rel_err(grad.cpu(), grad_ref) < TOL[dtype], name
+    assert seen == [dtype]
 
 
 NAMES_BAND = ("q", "x_ext", "y_ext", "c", "base")
@@ -483,6 +488,8 @@ for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "iee
     b(k.output_kernel, dict(blocks, READ_AFTER=True, PREC=prec))
     b(k.grad_qx_kernel, dict(s, BK=128, BV=32, READ_AFTER=False, PREC=prec))
     b(k.grad_y_kernel, dict(blocks, READ_AFTER=True, HAS_DH=True, PREC=prec))
+    if io == "*fp32":
+        continue
     # Rule 1A stores its per-chunk states (h, dh) in the inputs' dtype; rule 1 reads float32 ones (above).
     b = functools.partial(build, io=io, io_names=IO + ("h_ptr", "dh_ptr"), warps=8)
     for grad in (False, True):
@@ -503,17 +510,32 @@ def test_kernels_compile_for_sm90():
     assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
 
 
-def test_rule_1a_keeps_its_chunk_states_in_the_inputs_dtype(monkeypatch):
-    """Half the bytes of the op's largest buffers for 16-bit inputs (the kernels' matmuls read them in that dtype
-    anyway; the 16-bit accuracy tests above run through them); float32 inputs keep float32 states."""
-    pytest.importorskip("triton")
+@interpret
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rule_1a_keeps_its_chunk_states_in_the_inputs_dtype(monkeypatch, dtype):
+    """The three per-chunk state buffers of a forward + backward (entry states, their recomputation, dS_out) are in
+    the inputs' dtype for 16-bit inputs (half the bytes of the op's largest buffers; the kernels' matmuls read them
+    in that dtype anyway, and the 16-bit accuracy tests above run through them), float32 for float32 inputs; with
+    `INPUT_DTYPE_STATES` off (the benchmark's float32 column), float32."""
     from hybridlm.ops.fast_weight.triton import chunk_1a
 
-    def plan(dtype):
-        return chunk_1a._Plan(torch.zeros(1, 64, 2, 16, dtype=dtype), torch.zeros(1, 64, 2, 8, dtype=dtype), 16, True)
+    made = []
+    original = chunk_1a._Plan.state_buffer
 
-    assert [plan(d).state_dtype for d in (torch.bfloat16, torch.float16, torch.float32)] == [
-        torch.bfloat16, torch.float16, torch.float32]
-    assert plan(torch.bfloat16).state_buffer(plan(torch.bfloat16).state_dtype).dtype == torch.bfloat16
-    monkeypatch.setattr(chunk_1a, "INPUT_DTYPE_STATES", False)  # the benchmark's float32 column
-    assert plan(torch.bfloat16).state_dtype == torch.float32
+    def recording(self, *args, **kwargs):
+        buffer = original(self, *args, **kwargs)
+        made.append(buffer.dtype)
+        return buffer
+
+    monkeypatch.setattr(chunk_1a._Plan, "state_buffer", recording)
+    g = torch.Generator().manual_seed(0)
+    q, x = (torch.randn(1, 40, 2, 16, generator=g).to(DEVICE, dtype).requires_grad_(True) for _ in range(2))
+    y = torch.randn(1, 40, 2, 8, generator=g).to(DEVICE, dtype).requires_grad_(True)
+    eta = torch.rand(1, 40, 2, generator=g).to(DEVICE).requires_grad_(True)
+    log_gamma = (-torch.rand(1, 40, 2, generator=g)).to(DEVICE).requires_grad_(True)
+    for input_dtype_states, want in ((True, dtype), (False, torch.float32)):
+        made.clear()
+        monkeypatch.setattr(chunk_1a, "INPUT_DTYPE_STATES", input_dtype_states)
+        o, S = fast_weight_1a_triton(q, x, y, eta, log_gamma, None, read_after=True, chunk_size=16)
+        (o.float().sum() + S.sum()).backward()
+        assert made == [want] * 3 and S.dtype == torch.float32

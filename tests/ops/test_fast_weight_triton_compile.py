@@ -67,17 +67,20 @@ def test_opcheck_prepare():
 
 
 @interpret
-@pytest.mark.parametrize("shift", [0, 1])
-def test_opcheck_band(shift):
-    """Rule 3A's band op (`hybridlm::fast_weight_band_fwd` / `_bwd`, the delayed-write form), window 3."""
+@pytest.mark.parametrize("shift,dtype", [(0, torch.float32), (1, torch.float32), (0, torch.float16)])
+def test_opcheck_band(shift, dtype):
+    """Rule 3A's band op (`hybridlm::fast_weight_band_fwd` / `_bwd`, the delayed-write form), window 3; in float16
+    the fake output must take base's dtype as the kernel's does."""
     fwd, bwd = _ops("band")
-    q = torch.randn(2, 19, 2, 16, device=DEVICE)
-    x_ext, y_ext = torch.randn(2, 21, 2, 16, device=DEVICE), torch.randn(2, 21, 2, 8, device=DEVICE)
-    c, base = torch.rand(2, 19, 2, 2, device=DEVICE), torch.randn(2, 19, 2, 8, device=DEVICE)
+    q = torch.randn(2, 19, 2, 16, device=DEVICE, dtype=dtype)
+    x_ext = torch.randn(2, 21, 2, 16, device=DEVICE, dtype=dtype)
+    y_ext = torch.randn(2, 21, 2, 8, device=DEVICE, dtype=dtype)
+    c, base = torch.rand(2, 19, 2, 2, device=DEVICE), torch.randn(2, 19, 2, 8, device=DEVICE, dtype=dtype)
     leaves = [t.requires_grad_(True) for t in (q, x_ext, y_ext, c, base)]
     torch.library.opcheck(fwd, (*leaves, shift), test_utils=OPCHECKS)
     detached = [t.detach() for t in leaves[:4]]
-    torch.library.opcheck(bwd, (torch.randn(2, 19, 2, 8, device=DEVICE), *detached, shift), test_utils=OPCHECKS)
+    torch.library.opcheck(bwd, (torch.randn(2, 19, 2, 8, device=DEVICE, dtype=dtype), *detached, shift),
+                          test_utils=OPCHECKS)
 
 
 COMPILE_CASES = [("3A", "aot_eager"), ("1", "aot_eager"),  # 3A runs the 1A ops and the band op

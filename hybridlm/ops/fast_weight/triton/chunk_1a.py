@@ -54,7 +54,8 @@ def _block(dim: int, cap: int) -> int:
 
 class ChunkPlan:
     """What every chunked launcher derives from one call: sizes, the chunk grid, the matmul precision, and the
-    float32 buffer of per-chunk states. The rules' plans add their block shapes and stages."""
+    buffer of per-chunk states (float32 unless a rule's plan says otherwise). The rules' plans add their block shapes
+    and stages."""
 
     def __init__(self, q: torch.Tensor, y: torch.Tensor, chunk_size: int, read_after: bool):
         self.N, self.T, self.H, self.K = q.shape
@@ -90,6 +91,9 @@ class _Plan(ChunkPlan):
         # choice too). The carried state, S_0 and the final state stay float32; float32 inputs keep float32 states.
         self.state_dtype = q.dtype if INPUT_DTYPE_STATES else torch.float32
 
+    def state_buffer(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return super().state_buffer(self.state_dtype if dtype is None else dtype)
+
     def cumsum(self, log_gamma):
         L = torch.empty(self.N * self.H, self.T_pad, dtype=torch.float32, device=self.device)
         kernels.chunk_cumsum_kernel[(self.n_chunks, self.N * self.H)](log_gamma, L, self.T, self.T_pad, self.H,
@@ -98,7 +102,7 @@ class _Plan(ChunkPlan):
 
     def states(self, x, y, eta, L, S0):
         """(1) + (2): the entry state of every chunk [N * H, n_chunks, K, V] and the final state [N, H, K, V]."""
-        h = self.state_buffer(self.state_dtype)
+        h = self.state_buffer()
         final = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
         self._scan(x, y, eta, L, h, S0, final, grad=False)
         return h, final
@@ -120,7 +124,7 @@ class _Plan(ChunkPlan):
 
     def state_grads(self, q, do, L, dS_final):
         """(1') + (2'): dL/dS at every chunk's exit [N * H, n_chunks, K, V] and dL/dS_0 [N, H, K, V]."""
-        g = self.state_buffer(self.state_dtype)
+        g = self.state_buffer()
         dS0 = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
         init = None if dS_final is None else dS_final.to(torch.float32).contiguous()
         self._scan(q, do, L, L, g, init, dS0, grad=True)  # (eta is unused)

@@ -24,7 +24,7 @@ import triton.language as tl
 def _rows(n, h, rows, valid, length, H, D: tl.constexpr, BD: tl.constexpr):
     """Offsets [BR, BD] of rows `rows` of a [N, length, H, D] tensor and their mask."""
     cols = tl.arange(0, BD)
-    offsets = ((n * length + rows[:, None]) * H + h) * D + cols[None, :]
+    offsets = ((n.to(tl.int64) * length + rows[:, None]) * H + h) * D + cols[None, :]  # past 2^31 elements
     return offsets, valid[:, None] & (cols[None, :] < D)
 
 
@@ -50,7 +50,7 @@ def _slot(x_ptr, y_ptr, c_ptr, n, h, t, valid, j, T, H, SHIFT: tl.constexpr, W: 
     e = t + j - SHIFT
     x, _, _ = _load(x_ptr, n, h, e, valid, T + W - 1, H, K, BK)
     y, _, _ = _load(y_ptr, n, h, e, valid, T + W - 1, H, V, BV)
-    c_off = ((n * T + t) * H + h) * (W - 1) + (j - 1)
+    c_off = ((n.to(tl.int64) * T + t) * H + h) * (W - 1) + (j - 1)
     return x, y, tl.load(c_ptr + c_off, mask=valid, other=0.0), c_off
 
 
@@ -96,7 +96,7 @@ def band_bwd_xy_kernel(do_ptr, q_ptr, x_ptr, y_ptr, c_ptr, dx_ptr, dy_ptr, T, H,
         valid = rows & (t >= 0) & (t < T)
         q, _, _ = _load(q_ptr, n, h, t, valid, T, H, K, BK)
         do, _, _ = _load(do_ptr, n, h, t, valid, T, H, V, BV)
-        c = tl.load(c_ptr + ((n * T + t) * H + h) * (W - 1) + (j - 1), mask=valid, other=0.0)
+        c = tl.load(c_ptr + ((n.to(tl.int64) * T + t) * H + h) * (W - 1) + (j - 1), mask=valid, other=0.0)
         dx += (c * tl.sum(do * y, axis=1))[:, None] * q
         dy += (c * tl.sum(q * x, axis=1))[:, None] * do
     tl.store(dx_ptr + x_off, dx, mask=x_mask)
