@@ -267,6 +267,8 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run of this script)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.train_rows < 1:
+        parser.error(f"--train-rows must be >= 1 (got {args.train_rows})")
     if args.compile_decode and not args.graph:
         parser.error("--compile-decode compiles the step of --graph's decoder: add --graph")
     device = torch.device("cpu" if args.cpu else "cuda")
