@@ -66,7 +66,7 @@ def make_inputs(B, T, H, D, dtype, *, seed=0):
 
 
 @contextlib.contextmanager
-def frontend_settings(module=frontend, **settings):
+def module_settings(module, **settings):
     """Module settings (`frontend.FUSED_PREPARATION`, `chunk_1a.INPUT_DTYPE_STATES`) changed for the block, then
     put back."""
     previous = {name: getattr(module, name) for name in settings}
@@ -105,7 +105,7 @@ def check(rule, *, B=2, T=1000, H=4, D=128, chunk_size=64) -> None:
         ins = [t.detach().to(dtype).requires_grad_(True) for t in ref_in]
         start = state.detach()
         start.S.requires_grad_(True)
-        with frontend_settings(**settings):
+        with module_settings(frontend, **settings):
             o, s = run_triton(*ins, rule=rule, chunk_size=chunk_size, initial_state=start, output_final_state=True)
             grads = torch.autograd.grad((o.float() * w_o).sum() + (s.S * w_s).sum(), ins + [start.S])
         errors = {"o": rel_err(o, o_ref), "S": rel_err(s.S, s_ref.S)}
@@ -192,7 +192,7 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
         }
         torch_prep = "-"
         if rule in frontend.FUSED_RULES:
-            with frontend_settings(FUSED_PREPARATION=False):
+            with module_settings(frontend, FUSED_PREPARATION=False):
                 torch_prep = "{:.2f}".format(bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0],
                                                    backward=backward, inputs=inputs))
         kernels = "-"
@@ -202,7 +202,7 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
                                             backward=backward, inputs=prepared))
         fp32_states = "-"
         if rule in ("1A", "3A"):
-            with frontend_settings(chunk_1a, INPUT_DTYPE_STATES=False):
+            with module_settings(chunk_1a, INPUT_DTYPE_STATES=False):
                 fp32_states = "{:.2f}".format(bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0],
                                                     backward=backward, inputs=inputs))
         try:

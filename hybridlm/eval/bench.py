@@ -416,7 +416,7 @@ def bench_model_seeds(
     runner: str,
     models: Sequence[str],
     seeds: Sequence[int],
-    recipe: dict,
+    recipe: dict | None,
     out_dir: str | Path,
     report: Callable[[dict[str, list[dict]], Path, list[str]], dict],
     *,

@@ -351,11 +351,13 @@ def bench_recall(models: Sequence[str], seeds: Sequence[int], recipe: RecallReci
 
     check_recipe(recipe, recipe.task_params())  # before any worker starts: one clear error, not one per run
 
-    parts = {task: r.to_dict() for task, r in recipe.per_task().items()}
+    runs = recipe.per_task()
+    one = runs.get("")  # one run per model and seed (tasks together, or a single task)
+    parts = None if one else {task: r.to_dict() for task, r in runs.items()}
     return bench.bench_model_seeds(
-        "recall", RUNNER, models, seeds, recipe.to_dict(), out_dir,
+        "recall", RUNNER, models, seeds, one.to_dict() if one else None, out_dir,
         lambda by_model, out, missing: write_report(by_model, recipe, out, missing=missing),
-        parts=parts, merge=merge_task_runs if len(parts) > 1 else None, **run_options,
+        parts=parts, merge=merge_task_runs if parts else None, **run_options,
     )
 
 

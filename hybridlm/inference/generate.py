@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from hybridlm.inference.graphed import GraphedDecoder
-from hybridlm.layers.cache import HybridCache
 from hybridlm.inference.sampling import check_sampling, sample_next
+from hybridlm.layers.cache import HybridCache
 
 
 @dataclass
