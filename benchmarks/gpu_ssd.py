@@ -92,7 +92,9 @@ def check(*, device, chunk_size, B=2, T=1000, H=4, P=64, N=128, G=2, half=torch.
         # fla's state is [B, H, K = N, V = P]; ours [B, H, P, N]
         errors = {"y": rel_err(o, y), "state": rel_err(fla_state.transpose(-1, -2), state)}
     lines.append(f"check fla simple GLA vs chunk (float32): y {errors['y']:.1e}, state {errors['state']:.1e}")
-    if max(errors.values()) > 1e-3:
+    # fla's kernels multiply float32 inputs in TF32 (10-bit mantissa): on an H200 they agree with the chunk path to
+    # 1.5e-3 (y) and 7.8e-4 (state) (2026-11-30); a different function would be off by O(1).
+    if max(errors.values()) > 5e-3:
         raise SystemExit(f"fla's simple GLA is not the same function here: {errors}")
     return lines
 

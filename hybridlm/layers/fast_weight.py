@@ -52,6 +52,7 @@ from torch import nn
 from hybridlm.layers.cache import LayerCache
 from hybridlm.modules.boundaries import has_restarts, pack_rows
 from hybridlm.modules.gated_norm import GatedRMSNorm
+from hybridlm.modules.linear import AlignedLinear
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.fast_weight import (
     PER_COLUMN_RULES,
@@ -102,7 +103,7 @@ class FastWeightMixer(nn.Module):
         # Projection layout: q [H K], k [H K], v [H V] (through the conv), z [H V], beta logits, lam logits [H].
         self.beta_width = H * V if self.rule in PER_COLUMN_RULES else H
         self.conv_channels = 2 * H * K + H * V
-        self.in_proj = nn.Linear(config.hidden_size, self.conv_channels + H * V + self.beta_width + H, bias=False)
+        self.in_proj = AlignedLinear(config.hidden_size, self.conv_channels + H * V + self.beta_width + H, bias=False)
         self.conv = ShortConvolution(self.conv_channels, config.fw_conv_size, bias=False, activation="silu")
         self.beta_bias = nn.Parameter(torch.empty(self.beta_width))
         self.lam_bias = nn.Parameter(torch.empty(H))

@@ -27,6 +27,7 @@ from torch import nn
 from hybridlm.layers.cache import LayerCache
 from hybridlm.modules.boundaries import has_restarts, pack_rows
 from hybridlm.modules.gated_norm import GatedRMSNorm
+from hybridlm.modules.linear import AlignedLinear
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.ssd import ssd
 from hybridlm.ops.utils import compute_dtype, local_tensor
@@ -55,7 +56,7 @@ class Mamba2Mixer(nn.Module):
         }
         bc_width = self.groups * self.d_state
         self.conv_channels = self.d_ssm + 2 * bc_width  # conv runs on (x, B, C)
-        self.in_proj = nn.Linear(
+        self.in_proj = AlignedLinear(
             config.hidden_size, 2 * self.d_ssm + 2 * bc_width + self.num_heads, bias=config.mamba_proj_bias
         )
         self.conv = ShortConvolution(

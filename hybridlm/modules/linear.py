@@ -1,0 +1,56 @@
+"""A linear layer whose GEMMs stay on aligned shapes when its output width is odd.
+
+The mixers' fused input projections have widths like 2580 (fast-weight: q, k, v, z, then H beta and H lam logits)
+or 1546 (Mamba-2: z, x, B, C, then H dt). A bf16 row of 2580 elements is not a multiple of 16 bytes, and cuBLAS
+then leaves its sm90 kernels for slower ones. Measured on an H200 (benchmarks/RESULTS.md, 2026-11-30), forward +
+backward of a 768-wide input at 16384 rows: width 2580 0.836 ms against 0.280 ms at 2560; width 1546 0.587 ms
+against 0.250 ms at 1536.
+
+`AlignedLinear` keeps the checkpoint layout (`weight [out, in]`, `bias [out]`, the same names), and on CUDA with
+many rows it multiplies by the weight padded with zero rows to a multiple of `ALIGN_ROWS`, then drops the extra
+columns of the output (a view). The padding is a copy of the weight per call (2 M elements for the 125M preset's
+in_proj), so it is skipped for few rows (decoding), where the GEMM is small anyway. A weight sharded by tensor
+parallelism (a DTensor) takes the plain path: its local shard's width is the parallel plan's business.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ALIGN_ROWS = 8  # 8 bf16/fp16 elements = 16 bytes, the row alignment cuBLAS's fast kernels ask for
+MIN_PADDED_ROWS = 1024  # fewer input rows (decoding, short prompts): the weight copy costs more than it saves
+
+
+def padded_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, multiple: int = ALIGN_ROWS
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` computed with `weight`'s rows (and `bias`) zero-padded to a multiple of `multiple`.
+
+    x [..., in], weight [out, in], bias [out] -> [..., out] (a view of a [..., out + pad] result). Gradients flow to
+    x, weight and bias as through `F.linear`: the padded rows' gradients are dropped by the pad's backward.
+    """
+    out_features = weight.shape[0]
+    pad = -out_features % multiple
+    if pad == 0:
+        return F.linear(x, weight, bias)
+    weight = F.pad(weight, (0, 0, 0, pad))  # [out + pad, in]
+    if bias is not None:
+        bias = F.pad(bias, (0, pad))
+    return F.linear(x, weight, bias)[..., :out_features]
+
+
+class AlignedLinear(nn.Linear):
+    """`nn.Linear` (same parameters, same state dict) that pads its weight's rows on CUDA (module docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, self.in_features)
+        if (
+            self.out_features % ALIGN_ROWS == 0
+            or not x.is_cuda
+            or rows < MIN_PADDED_ROWS
+            or hasattr(self.weight, "to_local")  # a DTensor under tensor parallelism
+        ):
+            return super().forward(x)
+        return padded_linear(x, self.weight, self.bias)
