@@ -42,16 +42,20 @@ def padded_linear(
     return F.linear(x, weight, bias)[..., :out_features]
 
 
+def pads(out_features: int, in_features: int, weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether `AlignedLinear` pads for this call: on CUDA, an output width not a multiple of ALIGN_ROWS, at least
+    MIN_PADDED_ROWS input rows, and a plain (not DTensor) weight. The GEMM's dtype is not looked at: under autocast
+    a float32 weight multiplies in bf16, and asking for autocast's state inside a compiled graph is avoided; a float32
+    GEMM padded needlessly costs one copy of the weight."""
+    if not x.is_cuda or hasattr(weight, "to_local"):  # a DTensor under tensor parallelism: the plain path
+        return False
+    return out_features % ALIGN_ROWS != 0 and x.numel() // max(1, in_features) >= MIN_PADDED_ROWS
+
+
 class AlignedLinear(nn.Linear):
     """`nn.Linear` (same parameters, same state dict) that pads its weight's rows on CUDA (module docstring)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(1, self.in_features)
-        if (
-            self.out_features % ALIGN_ROWS == 0
-            or not x.is_cuda
-            or rows < MIN_PADDED_ROWS
-            or hasattr(self.weight, "to_local")  # a DTensor under tensor parallelism
-        ):
-            return super().forward(x)
-        return padded_linear(x, self.weight, self.bias)
+        if pads(self.out_features, self.in_features, self.weight, x):
+            return padded_linear(x, self.weight, self.bias)
+        return super().forward(x)

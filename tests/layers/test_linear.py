@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.modules import linear as linear_module
-from hybridlm.modules.linear import MIN_PADDED_ROWS, AlignedLinear, padded_linear
+from hybridlm.modules.linear import MIN_PADDED_ROWS, AlignedLinear, padded_linear, pads
 from tests.helpers import rel_err
 
 
@@ -41,6 +41,25 @@ def test_aligned_linear_keeps_nn_linear_parameters_and_state_dict():
     aligned.load_state_dict(plain.state_dict())
     x = torch.randn(2, 7, 16)
     torch.testing.assert_close(aligned(x), plain(x), rtol=0, atol=0)  # CPU: the plain path
+
+
+def test_pads_only_plain_cuda_weights_of_odd_width_with_many_rows():
+    """The padding's conditions, on stand-ins for a CUDA input (CPU tests cannot make one): odd width, enough rows,
+    a plain weight; a DTensor weight (tensor parallelism: anything with `to_local`) and CPU inputs take the plain
+    path."""
+    from types import SimpleNamespace
+
+    weight = torch.zeros(2580, 768)
+    sharded = SimpleNamespace(to_local=lambda: weight)
+
+    def cuda_input(rows):
+        return SimpleNamespace(is_cuda=True, numel=lambda: rows * 768)
+
+    assert pads(2580, 768, weight, cuda_input(MIN_PADDED_ROWS))
+    assert not pads(2580, 768, weight, cuda_input(MIN_PADDED_ROWS - 1))  # decoding: few rows
+    assert not pads(2560, 768, weight, cuda_input(4 * MIN_PADDED_ROWS))  # aligned already
+    assert not pads(2580, 768, sharded, cuda_input(4 * MIN_PADDED_ROWS))
+    assert not pads(2580, 768, weight, torch.zeros(4 * MIN_PADDED_ROWS, 768))  # CPU
 
 
 def test_mixers_project_through_aligned_linear():

@@ -31,6 +31,7 @@ import torch
 
 from tests.ops.triton_modes import (  # first: sets the Triton mode
     H200_SHARED_BYTES,
+    HAS_TRITON,
     DEVICE,
     ON_GPU,
     compile_for_sm90,
@@ -144,13 +145,18 @@ SCAN_CASES = [(130, 16, True, True, 16, 24), (63, 16, False, False, 16, 24), (1,
 
 
 @interpret
+@pytest.mark.parametrize("min_programs", [0, 10**6], ids=["fixed-blocks", "narrowed-blocks"])
 @pytest.mark.parametrize("T,chunk_size,read_after,with_S0,K,V", SCAN_CASES,
                          ids=[f"T{c[0]}-C{c[1]}-{'after' if c[2] else 'before'}-{'S0' if c[3] else 'noS0'}-K{c[4]}V{c[5]}"
                               for c in SCAN_CASES])
-def test_state_scan_matches_reference(T, chunk_size, read_after, with_S0, K, V):
+def test_state_scan_matches_reference(T, chunk_size, read_after, with_S0, K, V, min_programs, monkeypatch):
     """The state stages (1) + (2) and (1') + (2') (one kernel, `state_scan_kernel`) give rule 1A's outputs, final
     state and every gradient of the step loop (several key / value blocks with K = 100, V = 40), also when only
-    the outputs or only the final state carry a gradient."""
+    the outputs or only the final state carry a gradient; with the scan's fixed [64, 32] blocks and with the blocks
+    narrowed as far as they go (`chunk_1a.scan_blocks`: 16 x 16, several blocks on both sides at K = 100, V = 40)."""
+    from hybridlm.ops.fast_weight.triton import chunk_1a
+
+    monkeypatch.setattr(chunk_1a, "SCAN_MIN_PROGRAMS", min_programs)
     check_against_reference(2, T, 2, K, V, dtype=torch.float32, chunk_size=chunk_size, read_after=read_after,
                             with_S0=with_S0)
     check_against_reference(1, T, 2, K, V, dtype=torch.float16, chunk_size=chunk_size, read_after=read_after,
@@ -472,6 +478,7 @@ def test_import_without_triton():
 
 
 _SM90_KERNELS = """
+import itertools
 from hybridlm.ops.fast_weight.triton import kernels as k
 
 IO = ("q_ptr", "x_ptr", "y_ptr", "a_ptr", "b_ptr", "do_ptr", "o_ptr", "dq_ptr", "dx_ptr", "dy_ptr")
@@ -492,8 +499,9 @@ for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "iee
         continue
     # Rule 1A stores its per-chunk states (h, dh) in the inputs' dtype; rule 1 reads float32 ones (above).
     b = functools.partial(build, io=io, io_names=IO + ("h_ptr", "dh_ptr"), warps=8)
-    for grad in (False, True):
-        b(k.state_scan_kernel, dict(sequential, READ_AFTER=True, GRAD=grad, HAS_INIT=grad, REVERSE=grad, PREC=prec),
+    for grad, (BK, BV) in itertools.product((False, True), ((64, 32), (32, 32), (16, 32), (32, 16), (16, 16))):
+        scan = dict(sequential, BK=BK, BV=BV)  # chunk_1a.scan_blocks's blocks, fixed and narrowed
+        b(k.state_scan_kernel, dict(scan, READ_AFTER=True, GRAD=grad, HAS_INIT=grad, REVERSE=grad, PREC=prec),
           warps=4)
     b(k.output_kernel, dict(blocks, READ_AFTER=True, PREC=prec))
     b(k.grad_qx_kernel, dict(s, BK=128, BV=32, READ_AFTER=True, PREC=prec))
@@ -515,8 +523,7 @@ def test_kernels_compile_for_sm90():
 def test_rule_1a_keeps_its_chunk_states_in_the_inputs_dtype(monkeypatch, dtype):
     """The three per-chunk state buffers of a forward + backward (entry states, their recomputation, dS_out) are in
     the inputs' dtype for 16-bit inputs (half the bytes of the op's largest buffers; the kernels' matmuls read them
-    in that dtype anyway, and the 16-bit accuracy tests above run through them), float32 for float32 inputs; with
-    `INPUT_DTYPE_STATES` off (the benchmark's float32 column), float32."""
+    in that dtype anyway, and the 16-bit accuracy tests above run through them), float32 for float32 inputs."""
     from hybridlm.ops.fast_weight.triton import chunk_1a
 
     made = []
@@ -533,9 +540,49 @@ def test_rule_1a_keeps_its_chunk_states_in_the_inputs_dtype(monkeypatch, dtype):
     y = torch.randn(1, 40, 2, 8, generator=g).to(DEVICE, dtype).requires_grad_(True)
     eta = torch.rand(1, 40, 2, generator=g).to(DEVICE).requires_grad_(True)
     log_gamma = (-torch.rand(1, 40, 2, generator=g)).to(DEVICE).requires_grad_(True)
-    for input_dtype_states, want in ((True, dtype), (False, torch.float32)):
-        made.clear()
-        monkeypatch.setattr(chunk_1a, "INPUT_DTYPE_STATES", input_dtype_states)
-        o, S = fast_weight_1a_triton(q, x, y, eta, log_gamma, None, read_after=True, chunk_size=16)
-        (o.float().sum() + S.sum()).backward()
-        assert made == [want] * 3 and S.dtype == torch.float32
+    o, S = fast_weight_1a_triton(q, x, y, eta, log_gamma, None, read_after=True, chunk_size=16)
+    (o.float().sum() + S.sum()).backward()
+    assert made == [dtype] * 3 and S.dtype == torch.float32
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (no GPU)")
+def test_scan_blocks_narrow_for_few_states():
+    """The scan keeps [64, 32] blocks when the states give enough programs, and narrows them (the larger side first,
+    not below 16) when few rows x heads would leave SMs idle; 0 programs asked (the default): the fixed blocks."""
+    from hybridlm.ops.fast_weight.triton.chunk_1a import NARROW_SCAN_PROGRAMS, SCAN_MIN_PROGRAMS, scan_blocks
+
+    narrow = NARROW_SCAN_PROGRAMS
+    assert scan_blocks(128, 128, 8 * 16, narrow) == (64, 32)  # the op benchmark's shape: 8 x 4 x 128 programs
+    assert scan_blocks(64, 64, 10, narrow) == (16, 16)  # a 125M hybrid's training row: 1 x 10 heads
+    assert scan_blocks(64, 64, 10, 0) == scan_blocks(64, 64, 10) == (64, 32) and SCAN_MIN_PROGRAMS == 0
+    assert scan_blocks(64, 64, 10, 80) == (16, 32)  # K halved twice: 4 x 2 x 10 = 80 programs
+    for K, V, NH in ((64, 64, 10), (100, 40, 4), (16, 24, 2), (128, 128, 1)):
+        BK, BV = scan_blocks(K, V, NH, narrow)
+        programs = -(-K // BK) * -(-V // BV) * NH
+        assert min(BK, BV) >= 16 and (programs >= narrow or (BK, BV) == (16, 16))
+
+
+@interpret
+def test_rule_1a_scan_launches_with_scan_blocks(monkeypatch):
+    """The forward and backward scans launch with `scan_blocks`' blocks for the call's sizes and SCAN_MIN_PROGRAMS
+    (the narrowed-block tests above rely on it)."""
+    from hybridlm.ops.fast_weight.triton import chunk_1a
+
+    launched = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((grid, kwargs["BK"], kwargs["BV"]))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    real = chunk_1a.kernels.state_scan_kernel
+    monkeypatch.setattr(chunk_1a.kernels, "state_scan_kernel", Spy())
+    monkeypatch.setattr(chunk_1a, "SCAN_MIN_PROGRAMS", 10**6)
+    q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32).requires_grad_(True)
+                                   for t in prepared(1, 40, 2, 64, 48, seed=5))
+    o, S = fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, read_after=True, chunk_size=16)
+    (o.sum() + S.sum()).backward()
+    assert len(launched) == 3  # forward states; backward: recomputed states, then their gradients
+    assert launched == [((4 * 3, 2), 16, 16)] * 3  # K = 64, V = 48 in 16 x 16 blocks; 1 row x 2 heads

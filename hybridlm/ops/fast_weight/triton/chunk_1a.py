@@ -21,9 +21,15 @@ from hybridlm.ops.fast_weight.triton import kernels
 from hybridlm.ops.fast_weight.triton.custom_ops import _interpreting
 
 _MAX_GRID_YZ = 65535  # CUDA's limit on launch grid axes 1 and 2
-# Rule 1A's per-chunk states in the inputs' dtype (`_Plan`); False: float32, as benchmarks/gpu_fast_weight_triton.py
-# times them side by side (not yet timed on a GPU: 2026-11-30).
-INPUT_DTYPE_STATES = True
+# The state scan's programs each walk all the chunks of one state block, so the scan takes one walk's time however
+# many programs run beside it. With few rows x heads (a model's training row: 1 x 10 heads gives 20 programs of
+# [64, 32] blocks) most of the GPU idles and each program moves its block's keys and values alone. Below
+# SCAN_MIN_PROGRAMS programs the blocks shrink (to 16 x 16 at least) so that more SMs share the walk; the value to
+# set is NARROW_SCAN_PROGRAMS, two waves of an H200's 132 SMs. Opt-in until timed on a GPU
+# (benchmarks/gpu_fast_weight_triton.py, column "narrowed scan blocks", at a model's shape: `--B 1 --H 10 --D 64`);
+# 0: the fixed [64, 32] blocks.
+NARROW_SCAN_PROGRAMS = 264
+SCAN_MIN_PROGRAMS = 0
 
 
 def forward(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +56,20 @@ def backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_
 def _block(dim: int, cap: int) -> int:
     """A power-of-two block (>= 16, the smallest tl.dot size) covering dim, at most cap."""
     return min(max(16, triton.next_power_of_2(dim)), cap)
+
+
+def scan_blocks(K: int, V: int, NH: int, min_programs: int | None = None) -> tuple[int, int]:
+    """The state scan's [BK, BV] blocks: [64, 32] (narrower than the other stages': more programs for the sequential
+    walk), halved (the larger side first, down to 16) while fewer than `min_programs` (`SCAN_MIN_PROGRAMS`) programs
+    would cover the N * H states."""
+    min_programs = SCAN_MIN_PROGRAMS if min_programs is None else min_programs
+    BK, BV = _block(K, 64), _block(V, 32)
+    while -(-K // BK) * -(-V // BV) * NH < min_programs and max(BK, BV) > 16:
+        if BK >= BV:
+            BK //= 2
+        else:
+            BV //= 2
+    return BK, BV
 
 
 class ChunkPlan:
@@ -88,8 +108,9 @@ class _Plan(ChunkPlan):
         # The per-chunk states (and their gradients) are stored in the inputs' dtype: every matmul that reads them
         # takes that dtype anyway (kernels.py), so only the exit term of dlog_gamma (<dS_out, S_c>, summed in fp32)
         # sees the rounding, and half the bytes of the buffers, the op's largest, move (flash-linear-attention's
-        # choice too). The carried state, S_0 and the final state stay float32; float32 inputs keep float32 states.
-        self.state_dtype = q.dtype if INPUT_DTYPE_STATES else torch.float32
+        # choice too; 14% off forward + backward on an H200, benchmarks/RESULTS.md). The carried state, S_0 and the
+        # final state stay float32; float32 inputs keep float32 states.
+        self.state_dtype = q.dtype
 
     def state_buffer(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return super().state_buffer(self.state_dtype if dtype is None else dtype)
@@ -109,7 +130,7 @@ class _Plan(ChunkPlan):
 
     def _scan(self, a, b, eta, L, h, init, final, *, grad: bool) -> None:
         """(1) + (2) (or with grad, (1') + (2') in reverse) as one kernel."""
-        BK, BV = self.BK, _block(self.V, 32)  # the pass's blocks: more programs for the sequential walk
+        BK, BV = scan_blocks(self.K, self.V, self.NH)
         kernels.state_scan_kernel[(-(-self.K // BK) * -(-self.V // BV), self.N * self.H)](
             a, b, eta, L, h, h if init is None else init, final, self.T, self.T_pad, self.n_chunks, self.H,
             **self.sizes, BK=BK, BV=BV, HAS_INIT=init is not None, READ_AFTER=self.read_after, GRAD=grad,
