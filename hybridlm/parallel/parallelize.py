@@ -4,7 +4,7 @@
        or mixer parallelism over it                    (config.mixer_parallel "on" | "interleaved":
                                                         apply_mixer_parallel, which also splits the MLP)
     2. activation checkpointing per block              (config.activation_checkpointing)
-    3. torch.compile per block                         (compile=True)
+    3. torch.compile per block                         (compile=True; compile_mode: torch.compile's mode)
     4. FSDP2 `fully_shard` per block, then the root    over data_parallel_mesh(mesh) (HSDP with dp_replicate > 1)
 
 FSDP2 keeps the root module's parameters unsharded after a forward (the backward usually follows): after a
@@ -31,7 +31,9 @@ from hybridlm.parallel.mixer_parallel import apply_mixer_parallel
 from hybridlm.parallel.tensor_parallel import apply_tensor_parallel
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig, *, compile: bool = False) -> nn.Module:
+def parallelize(
+    model: nn.Module, mesh: DeviceMesh, config: ParallelConfig, *, compile: bool = False, compile_mode: str = "default"
+) -> nn.Module:
     """Apply TP -> activation checkpointing -> compile -> FSDP2 to `model` (a HybridForCausalLM or
     HybridModel already on its device) in place; returns it. `mesh` comes from `build_mesh(config)`."""
     if tuple(mesh.mesh.shape) != config.resolved(mesh.size()).shape:
@@ -41,7 +43,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig, *, c
     else:
         apply_mixer_parallel(model, mesh["tp"], mode=config.mixer_parallel, ssm_heads=config.ssm_tensor_parallel)
     layers = _layer_list(model)  # before wrapping: the wrappers are no HybridBlocks
-    wrap_blocks(model, activation_checkpointing=config.activation_checkpointing, compile=compile)
+    wrap_blocks(model, activation_checkpointing=config.activation_checkpointing, compile=compile,
+                compile_mode=compile_mode)
     dp_mesh = data_parallel_mesh(mesh)
     if dp_mesh is not None:
         for block in layers:
@@ -50,9 +53,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig, *, c
     return model
 
 
-def wrap_blocks(model: nn.Module, *, activation_checkpointing: bool, compile: bool) -> nn.ModuleList | None:
+def wrap_blocks(
+    model: nn.Module, *, activation_checkpointing: bool, compile: bool, compile_mode: str = "default"
+) -> nn.ModuleList | None:
     """Steps 2 and 3 on every block in place (also what one process without a mesh applies); returns the list
-    (None when neither is asked for: then any model passes)."""
+    (None when neither is asked for: then any model passes). `compile_mode` is torch.compile's mode ("default",
+    "reduce-overhead": CUDA graphs per block, "max-autotune-no-cudagraphs")."""
     if not (activation_checkpointing or compile):
         return None
     layers = _layer_list(model)
@@ -60,7 +66,7 @@ def wrap_blocks(model: nn.Module, *, activation_checkpointing: bool, compile: bo
         if activation_checkpointing:
             block = checkpoint_wrapper(block)  # recompute the block in backward
         if compile:
-            block.compile()
+            block.compile(mode=None if compile_mode == "default" else compile_mode)
         layers[index] = block
     return layers
 

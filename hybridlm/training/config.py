@@ -22,7 +22,7 @@ Sections (dotted keys address them: `--set batch.micro_batch=4`):
                   dp_shard (the tp and cp ranks of one data-parallel rank share its rows)
     train         steps and / or tokens (the run ends at whichever comes first), out_dir, log_every, eval_every, eval_batches, save_every,
                   keep_last, seed, dtype ("fp32" | "bf16": autocast, fp32 master weights), grad_clip,
-                  max_consecutive_skips, spike_factor, compile, device, progress, samples
+                  max_consecutive_skips, spike_factor, compile, compile_mode, device, progress, samples
     parallel      the device mesh under torchrun (`hybridlm.parallel`): dp_replicate, dp_shard (one of the two
                   may be -1: the ranks left over), cp, tp, mixer_parallel ("off" | "on" | "interleaved"),
                   ssm_tensor_parallel, activation_checkpointing; dp_replicate x dp_shard x cp x tp must be the
@@ -61,6 +61,7 @@ DTYPES = ("fp32", "bf16")
 MIXER_PARALLEL = ("off", "on", "interleaved")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")  # train.compile_mode
 
 
 class ConfigError(ValueError):
@@ -140,6 +141,9 @@ class TrainSection:
     max_consecutive_skips: int = 5
     spike_factor: float | None = None  # skip updates whose loss exceeds this x the recent median
     compile: bool = False
+    # torch.compile's mode for the blocks: "default"; "reduce-overhead" (CUDA graphs: one process, no activation
+    # checkpointing); "max-autotune-no-cudagraphs"
+    compile_mode: str = "default"
     device: str = "auto"
     progress: bool = True
     samples: int = 3  # generated at the end (needs data.tokenizer or the demo); 0: none
@@ -586,6 +590,9 @@ def validate(config: TrainConfig) -> None:
         _positive_int(getattr(t, key), f"train.{key}", 0)
     _choice(t.dtype, "train.dtype", DTYPES)
     _choice(t.device, "train.device", DEVICES)
+    _choice(t.compile_mode, "train.compile_mode", COMPILE_MODES)
+    if t.compile_mode != "default" and not t.compile:
+        raise ConfigError(f"train.compile_mode: {t.compile_mode!r} needs train.compile=true")
     if t.grad_clip is not None:
         _finite(t.grad_clip, "train.grad_clip", low=0.0)
     if t.spike_factor is not None:
@@ -638,6 +645,11 @@ def _validate_parallel(config: TrainConfig, hybrid) -> None:
         if hybrid.attention_dropout:
             raise ConfigError("model.overrides.attention_dropout: must be 0 with parallel.cp > 1 (ring attention "
                               "has no dropout)")
+    if config.train.compile_mode == "reduce-overhead" and (p.activation_checkpointing or p.tp > 1 or p.cp > 1):
+        raise ConfigError("train.compile_mode: 'reduce-overhead' (CUDA graphs per block) runs in one process without "
+                          "activation checkpointing (FSDP2's hooks and the recomputation in backward are untested "
+                          "with CUDA graphs); set parallel.activation_checkpointing=false and tp = cp = 1, or use "
+                          "train.compile_mode=default")
     if config.train.compile and (p.cp > 1 or p.mixer_parallel != "off"):
         raise ConfigError("train.compile: not combined with parallel.cp > 1 or parallel.mixer_parallel yet (their "
                           "hooks and point-to-point transfers are untested under torch.compile); set train.compile=false")

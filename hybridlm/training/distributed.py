@@ -162,9 +162,14 @@ def parallelize(model: nn.Module, config: Any, ctx: DistContext) -> nn.Module:
     from hybridlm.parallel.parallelize import parallelize as parallelize_model
     from hybridlm.parallel.parallelize import wrap_blocks
 
+    mode = config.train.compile_mode
     if ctx.mesh is not None:
-        return parallelize_model(model, ctx.mesh, ctx.parallel, compile=config.train.compile)
-    wrap_blocks(model, activation_checkpointing=config.parallel.activation_checkpointing, compile=config.train.compile)
+        if mode == "reduce-overhead":
+            raise ValueError("train.compile_mode: 'reduce-overhead' (CUDA graphs per block) runs in one process; under "
+                             "torchrun (FSDP2, tensor parallelism) use train.compile_mode=default")
+        return parallelize_model(model, ctx.mesh, ctx.parallel, compile=config.train.compile, compile_mode=mode)
+    wrap_blocks(model, activation_checkpointing=config.parallel.activation_checkpointing, compile=config.train.compile,
+                compile_mode=mode)
     return model
 
 

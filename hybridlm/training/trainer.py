@@ -217,6 +217,7 @@ class Trainer:
         self.canonical_groups = [{k: v for k, v in g.items() if k != "params"} for g in self._param_groups()]
         self.param_names = [n for g in self.canonical_groups for n in g["param_names"]]
         self.model = D.parallelize(self.raw_model, config, self.ctx)
+        self._cuda_graphs = config.train.compile and config.train.compile_mode == "reduce-overhead"
         self.optimizer = torch.optim.AdamW(
             self._local_groups(), lr=config.optim.lr, betas=config.optim.betas, eps=config.optim.eps,
             weight_decay=config.optim.weight_decay,
@@ -427,6 +428,8 @@ class Trainer:
     def compute_loss_sum(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         """Summed next-token cross entropy of one micro-batch over this rank's labels (fp32 scalar); with
         cp > 1, of this rank's chunk (the chunks' sums add up to the rows' sum)."""
+        if self._cuda_graphs:  # a new step of the graphs: the previous forward's outputs are used up
+            torch.compiler.cudagraph_mark_step_begin()
         with self._autocast(), D.context_parallel(model, self.ctx):
             logits = model(batch["input_ids"], position_ids=batch["position_ids"]).logits  # [B, T or T/cp, V]
         return F.cross_entropy(
