@@ -258,3 +258,14 @@ def test_compiled_blocks_train_like_eager(demo_dir, tmp_path, monkeypatch):
 def test_compile_mode_errors(demo_dir, tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         small_config(demo_dir, tmp_path, *overrides)
+
+
+def test_cuda_graph_blocks_are_refused_under_a_device_mesh(demo_dir, tmp_path):
+    """Under torchrun (a device mesh: FSDP2, tensor parallelism) reduce-overhead is refused before any wrapping."""
+    from types import SimpleNamespace
+
+    from hybridlm.training import distributed as D
+
+    config = small_config(demo_dir, tmp_path, "train.compile=true", "train.compile_mode=reduce-overhead")
+    with pytest.raises(ValueError, match="runs in one process"):
+        D.parallelize(torch.nn.Linear(2, 2), config, SimpleNamespace(mesh=object(), parallel=None))
