@@ -55,6 +55,7 @@ signal that counts as one).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -544,7 +545,10 @@ class Trainer:
         # cp ranks, which hold whole parameters, each decode the prompts).
         model = self.model
         model.eval()
-        with self._autocast():
+        # Decoding's growing caches, mutated in place, are no shapes for the blocks' CUDA graphs: a few samples
+        # run eagerly instead.
+        eager = torch.compiler.set_stance("force_eager") if self._cuda_graphs else contextlib.nullcontext()
+        with self._autocast(), eager:
             out = generate(model, torch.tensor(prompts, device=self.ctx.device), max_new_tokens=c.sample_tokens,
                            temperature=c.sample_temperature, eos_token_id=tok.eos_id, seed=c.seed)
         model.train()

@@ -235,10 +235,15 @@ def test_compiled_blocks_train_like_eager(demo_dir, tmp_path, monkeypatch):
     extra = ("train.steps=3", "batch.grad_accum=2", "train.eval_every=3", "train.eval_batches=1")
     eager = Trainer(small_config(demo_dir, tmp_path / "eager", *extra))
     eager.train()
+    stances = []
+    real_stance = torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda stance, **kw: stances.append(stance) or
+                        real_stance(stance, **kw))
     compiled = Trainer(small_config(demo_dir, tmp_path / mode, *extra, "train.compile=true",
-                                    f"train.compile_mode={mode}"))
-    compiled.train()
+                                    f"train.compile_mode={mode}", "train.samples=1", "train.sample_tokens=4"))
+    result = compiled.train()
     assert losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
+    assert len(result.samples) == 1 and stances == ["force_eager"]  # the samples decode eagerly
     held = [read_jsonl(tmp_path / name / "eval.jsonl")[0]["eval_loss"] for name in ("eager", mode)]
     assert held[1] == pytest.approx(held[0], rel=1e-4)
     forwards = 3 * 2 + 1 * 2  # 3 updates of 2 micro-batches, 1 evaluation batch of 2 micro-batches
