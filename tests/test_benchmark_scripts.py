@@ -118,3 +118,12 @@ def test_gpu_model_same_size_variants(preset):
     step = 3 * plain.hidden_size * 64 * plain.num_hidden_layers  # the parameters of 64 more MLP channels
     assert abs(parameters(matched) - parameters(h1)) <= step / 2
     assert parameters(plain) < parameters(h1) - step  # the plain Transformer is the smaller one
+
+
+@pytest.mark.skipif(not HAS_TRITON or importlib.util.find_spec("triton.backends.nvidia") is None,
+                    reason="compiles with triton's CUDA backend and ptxas (no GPU needed)")
+def test_ptxas_spills():
+    out = run("ptxas_spills.py", "--K", "16", "--V", "16", "--chunk", "16", "--configs", "4x1")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| delta_")]
+    assert [row[0] for row in rows] == ["| delta_pass_kernel", "| delta_grad_pass_kernel", "| delta_grad_kernel"]
+    assert all(int(row[3]) > 0 and int(row[4]) >= 0 for row in rows)  # registers, spill stores

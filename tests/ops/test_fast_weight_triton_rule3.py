@@ -363,7 +363,8 @@ for K, BT in ((128, 64), (64, 64), (16, 64)):
               warps=8)
     # Rule 1's kernels that do not take SLOTS, as chunk_1 launches them.
     plain = dict(K=K, V=K, BT=BT, BK=K, PREC32="tf32")
-    b(k.delta_pass_kernel, dict(plain, BV=32 if K > 64 else min(64, max(16, K)), HAS_INIT=True, INTERPRET=False))
+    b(k.delta_pass_kernel, dict(plain, BV=32 if K > 64 else min(64, max(16, K)), HAS_INIT=True, INTERPRET=False),
+      warps=8, stages=2)
     for read_after in (True, False):
         b(k.delta_grad_q_kernel, dict(plain, BV=32 if K > 64 else min(64, max(16, K)), READ_AFTER=read_after),
           warps=8)

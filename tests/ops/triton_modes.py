@@ -41,9 +41,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-def build(kernel, consts, *, io="*fp32", io_names=(), warps=4, types=None):
-    """Compile `kernel` for sm_90: the constexprs in `consts` that it takes, pointers named in io_names of type io,
-    the other pointers *fp32, the other arguments i32 unless `types` names them."""
+def build(kernel, consts, *, io="*fp32", io_names=(), warps=4, stages=3, types=None):
+    """Compile `kernel` for sm_90 with `warps` warps and `stages` pipeline stages: the constexprs in `consts` that it
+    takes, pointers named in io_names of type io, the other pointers *fp32, the other arguments i32 unless `types`
+    names them."""
     fn = kernel.fn if hasattr(kernel, "configs") else kernel  # under the autotuner
     consts = {name: value for name, value in consts.items() if name in fn.arg_names}
     types = types or {}
@@ -51,7 +52,7 @@ def build(kernel, consts, *, io="*fp32", io_names=(), warps=4, types=None):
                                                                 else "i32")
            for n in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps})
+                              options={"num_warps": warps, "num_stages": stages})
     print("built", fn.__name__, compiled.metadata.shared)
 '''
 

@@ -126,8 +126,10 @@ class _Plan(ChunkPlan):
         states = self.state_buffer()
         R = torch.empty(N, T, H, V, **f32)
         final = torch.empty(N, H, K, V, **f32)
+        # (ptxas, sm_90, bf16, C = 64: 8 warps and 2 pipeline stages spill 168 bytes at K = V = 128 and none at 64,
+        # where 4 warps and 3 stages, the earlier launch, spilled 4524 and 416 bytes; not yet timed on a GPU.)
         kernels_delta.delta_pass_kernel[(-(-V // self.BV_pass), NH)](
             x, eta, L, U, W, final if S0 is None else S0, states, R, final, T, self.T_pad, self.n_chunks, H, K=K,
             V=V, BT=BT, BK=self.BK_full, BV=self.BV_pass, HAS_INIT=S0 is not None, INTERPRET=_interpreting(),
-            PREC32=self.prec32, num_warps=4)
+            PREC32=self.prec32, num_warps=8, num_stages=2)
         return states, R, final, tinv

@@ -1,0 +1,82 @@
+"""Registers and spills of rule 1's sequential Triton kernels for sm_90, on any machine with triton (no GPU).
+
+    python benchmarks/ptxas_spills.py                      # K = V = 128, chunk 64, bf16
+    python benchmarks/ptxas_spills.py --K 64 --V 64
+
+Compiles each kernel to PTX with Triton for sm_90 at several (warps, pipeline stages) launch configurations and runs
+Triton's bundled `ptxas -v` on it: registers per thread and the bytes of spill stores / loads per thread. A spill is
+a round trip through local memory inside a latency-bound sequential walk over the chunks, so this is the cheap
+first look before a GPU timing (which decides). `*` marks the configuration `chunk_1.py` launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+import time
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from hybridlm.ops.fast_weight.triton import kernels_delta
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+BF16_POINTERS = ("x_ptr", "q_ptr", "y_ptr", "do_ptr", "dx_ptr", "dq_ptr")
+# chunk_1.py's launches (delta_grad_kernel is autotuned over 4 / 8 warps x 1 / 2 stages: no fixed one)
+LAUNCHED = {"delta_pass_kernel": (8, 2), "delta_grad_pass_kernel": (8, 3)}
+
+
+def ptxas_stats(kernel, constexprs: dict, *, warps: int, stages: int) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) per thread of `kernel` compiled for sm_90 (bf16 inputs)."""
+    fn = kernel.fn if hasattr(kernel, "configs") else kernel  # under the autotuner
+    constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
+    signature = {name: "constexpr" if name in constexprs else "*bf16" if name in BF16_POINTERS
+                 else "*fp32" if name.endswith("_ptr") else "i32" for name in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        result = subprocess.run([PTXAS, "-arch=sm_90a", "-v", ptx, "-o", ptx + ".cubin"], capture_output=True,
+                                text=True, check=True)
+    report = result.stdout + result.stderr
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    if registers is None or spills is None:
+        raise RuntimeError(f"unexpected ptxas output:\n{report}")
+    return int(registers.group(1)), int(spills.group(1)), int(spills.group(2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--K", type=int, default=128)
+    parser.add_argument("--V", type=int, default=128)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--configs", nargs="+", default=["4x3", "8x2", "8x3"], help="WARPSxSTAGES launch configs")
+    args = parser.parse_args()
+    block_k = max(16, triton.next_power_of_2(args.K))
+    pass_v = min(max(16, triton.next_power_of_2(args.V)), 32 if block_k > 64 else 64)  # chunk_1's BV_pass
+    grad_v = min(max(16, triton.next_power_of_2(args.V)), 16 if block_k > 64 else 32)  # chunk_1's BV_x
+    sizes = {"K": args.K, "V": args.V, "BT": args.chunk, "BK": block_k, "PREC32": "tf32", "SLOTS": 1,
+             "READ_AFTER": True, "HAS_INIT": True, "INTERPRET": False}
+    kernels = (("delta_pass_kernel", pass_v), ("delta_grad_pass_kernel", pass_v), ("delta_grad_kernel", grad_v))
+    print(f"# {time.strftime('%Y-%m-%d')} | ptxas sm_90a (triton {triton.__version__}) | K={args.K} V={args.V} "
+          f"chunk={args.chunk} bf16")
+    print("| kernel | BV | warps x stages | registers | spill stores (B) | spill loads (B) |")
+    print("|---|---|---|---|---|---|")
+    for name, block_v in kernels:
+        for config in args.configs:
+            warps, stages = (int(part) for part in config.split("x"))
+            registers, stores, loads = ptxas_stats(getattr(kernels_delta, name), dict(sizes, BV=block_v),
+                                                   warps=warps, stages=stages)
+            mark = " *" if LAUNCHED.get(name) == (warps, stages) else ""
+            print(f"| {name} | {block_v} | {warps} x {stages}{mark} | {registers} | {stores} | {loads} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
