@@ -23,11 +23,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from hybridlm.ops.fast_weight.triton import kernels_delta
+from hybridlm.ops.fast_weight.triton.chunk_1 import GRAD_PASS_LAUNCH, PASS_LAUNCH
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 BF16_POINTERS = ("x_ptr", "q_ptr", "y_ptr", "do_ptr", "dx_ptr", "dq_ptr")
 # chunk_1.py's launches (delta_grad_kernel is autotuned over 4 / 8 warps x 1 / 2 stages: no fixed one)
-LAUNCHED = {"delta_pass_kernel": (8, 2), "delta_grad_pass_kernel": (8, 3)}
+LAUNCHED = {name: (launch["num_warps"], launch["num_stages"])
+            for name, launch in (("delta_pass_kernel", PASS_LAUNCH), ("delta_grad_pass_kernel", GRAD_PASS_LAUNCH))}
 
 
 def ptxas_stats(kernel, constexprs: dict, *, warps: int, stages: int) -> tuple[int, int, int]:

@@ -123,7 +123,11 @@ def test_gpu_model_same_size_variants(preset):
 @pytest.mark.skipif(not HAS_TRITON or importlib.util.find_spec("triton.backends.nvidia") is None,
                     reason="compiles with triton's CUDA backend and ptxas (no GPU needed)")
 def test_ptxas_spills():
-    out = run("ptxas_spills.py", "--K", "16", "--V", "16", "--chunk", "16", "--configs", "4x1")
+    from hybridlm.ops.fast_weight.triton.chunk_1 import PASS_LAUNCH
+
+    launched = "{num_warps}x{num_stages}".format(**PASS_LAUNCH)
+    out = run("ptxas_spills.py", "--K", "16", "--V", "16", "--chunk", "16", "--configs", launched)
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| delta_")]
     assert [row[0] for row in rows] == ["| delta_pass_kernel", "| delta_grad_pass_kernel", "| delta_grad_kernel"]
     assert all(int(row[3]) > 0 and int(row[4]) >= 0 for row in rows)  # registers, spill stores
+    assert rows[0][2].endswith("*")  # the forward pass's launch configuration is marked

@@ -142,7 +142,8 @@ class TrainSection:
     spike_factor: float | None = None  # skip updates whose loss exceeds this x the recent median
     compile: bool = False
     # torch.compile's mode for the blocks: "default"; "reduce-overhead" (CUDA graphs: one process, no activation
-    # checkpointing); "max-autotune-no-cudagraphs"
+    # checkpointing; gradients stay allocated between updates and are zeroed in place, so AdamW also decays a
+    # parameter no forward reaches); "max-autotune-no-cudagraphs"
     compile_mode: str = "default"
     device: str = "auto"
     progress: bool = True

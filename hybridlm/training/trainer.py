@@ -437,6 +437,15 @@ class Trainer:
             logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
 
+    def _keep_grads_outside_graphs(self) -> None:
+        """Give every trainable parameter a zero `.grad` allocated here, outside the CUDA graphs (where a skipped update
+        or the first step left none). Backward then adds each micro-batch's gradient into it. A `.grad` that is
+        itself a graph's output (what autograd keeps when the gradient is None) lives in the graphs' memory pool
+        and is invalid after the next micro-batch's forward, so gradient accumulation would read a dead buffer."""
+        for param in self.model.parameters():
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+
     def _next_batches(self, count: int) -> list[dict]:
         try:
             return [self._prepare(next(self.loader)) for _ in range(count)]
@@ -459,6 +468,8 @@ class Trainer:
         total_count = max(1.0, float(D.row_sum(torch.tensor([float(local_count)]), self.ctx).item()))
 
         self.model.train()
+        if self._cuda_graphs:
+            self._keep_grads_outside_graphs()
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i, batch in enumerate(batches):
             with D.gradient_sync(self.model, enabled=i == accum - 1):
@@ -474,7 +485,7 @@ class Trainer:
             skipped = False
         else:
             skipped = True
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self._cuda_graphs)
         step_tokens = accum * self.rows_per_micro * c.batch.seq_len
         self.step += 1
         self.tokens += step_tokens

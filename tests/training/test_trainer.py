@@ -235,15 +235,25 @@ def test_compiled_blocks_train_like_eager(demo_dir, tmp_path, monkeypatch):
     extra = ("train.steps=3", "batch.grad_accum=2", "train.eval_every=3", "train.eval_batches=1")
     eager = Trainer(small_config(demo_dir, tmp_path / "eager", *extra))
     eager.train()
-    stances = []
-    real_stance = torch.compiler.set_stance
+    stances, modes = [], []
+    real_stance, real_compile = torch.compiler.set_stance, torch.nn.Module.compile
     monkeypatch.setattr(torch.compiler, "set_stance", lambda stance, **kw: stances.append(stance) or
                         real_stance(stance, **kw))
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda module, *a, **kw: modes.append(kw.get("mode")) or
+                        real_compile(module, *a, **kw))
+    kept = []
+    real_keep = Trainer._keep_grads_outside_graphs
+    monkeypatch.setattr(Trainer, "_keep_grads_outside_graphs", lambda self: kept.append(self.step) or real_keep(self))
     compiled = Trainer(small_config(demo_dir, tmp_path / mode, *extra, "train.compile=true",
                                     f"train.compile_mode={mode}", "train.samples=1", "train.sample_tokens=4"))
     result = compiled.train()
+    assert kept == [0, 1, 2]  # before every update's first backward
+    assert modes == [mode] * len(compiled.raw_model.model.layers)  # every block, in the mode asked for
     assert losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
     assert len(result.samples) == 1 and stances == ["force_eager"]  # the samples decode eagerly
+    # Gradients stay allocated outside the graphs and are zeroed in place (a graph-owned .grad dies at the next
+    # micro-batch's graph step): after the run every trainable parameter holds a zero .grad.
+    assert all(p.grad is not None and not p.grad.any() for p in compiled.raw_model.parameters() if p.requires_grad)
     held = [read_jsonl(tmp_path / name / "eval.jsonl")[0]["eval_loss"] for name in ("eager", mode)]
     assert held[1] == pytest.approx(held[0], rel=1e-4)
     forwards = 3 * 2 + 1 * 2  # 3 updates of 2 micro-batches, 1 evaluation batch of 2 micro-batches
@@ -258,6 +268,8 @@ def test_compiled_blocks_train_like_eager(demo_dir, tmp_path, monkeypatch):
         (["train.compile=true", "train.compile_mode=reduce-overhead", "parallel.activation_checkpointing=true"],
          "one process without activation checkpointing"),
         (["train.compile=true", "train.compile_mode=reduce-overhead", "parallel.tp=2"], "tp = cp = 1"),
+        (["train.compile=true", "train.compile_mode=reduce-overhead", "parallel.cp=2", "data.document_boundaries=false"],
+         "tp = cp = 1"),
     ],
 )
 def test_compile_mode_errors(demo_dir, tmp_path, overrides, message):
@@ -274,3 +286,27 @@ def test_cuda_graph_blocks_are_refused_under_a_device_mesh(demo_dir, tmp_path):
     config = small_config(demo_dir, tmp_path, "train.compile=true", "train.compile_mode=reduce-overhead")
     with pytest.raises(ValueError, match="runs in one process"):
         D.parallelize(torch.nn.Linear(2, 2), config, SimpleNamespace(mesh=object(), parallel=None))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+def test_cuda_graph_blocks_accumulate_gradients_like_eager(demo_dir, tmp_path):
+    """On a GPU, reduce-overhead replays every block as a CUDA graph: 2 updates of 2 micro-batches each give eager's
+    losses (a .grad left to the graphs' memory would be overwritten by the second micro-batch's graph step)."""
+    extra = ("train.steps=2", "batch.grad_accum=2", "train.device=cuda")
+    eager = Trainer(small_config(demo_dir, tmp_path / "eager", *extra))
+    eager.train()
+    graphs = Trainer(small_config(demo_dir, tmp_path / "graphs", *extra, "train.compile=true",
+                                  "train.compile_mode=reduce-overhead"))
+    graphs.train()
+    assert losses(graphs) == pytest.approx(losses(eager), rel=1e-3)
+    for (name, a), (_, b) in zip(eager.raw_model.named_parameters(), graphs.raw_model.named_parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_keep_grads_outside_graphs_allocates_missing_gradients_only(demo_dir, tmp_path):
+    trainer = Trainer(small_config(demo_dir, tmp_path, "train.compile=true", "train.compile_mode=reduce-overhead"))
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    kept = params[0].grad = torch.ones_like(params[0])
+    trainer._keep_grads_outside_graphs()
+    assert params[0].grad is kept and kept.eq(1).all()  # an existing gradient is left alone
+    assert all(p.grad is not None and not p.grad.any() for p in params[1:])

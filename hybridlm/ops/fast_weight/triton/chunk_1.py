@@ -30,6 +30,12 @@ from hybridlm.ops.fast_weight.triton import kernels, kernels_delta
 from hybridlm.ops.fast_weight.triton.chunk_1a import ChunkPlan, _block
 from hybridlm.ops.fast_weight.triton.custom_ops import _interpreting
 
+# Launch settings of the two sequential passes (walks over the chunks), from Triton's ptxas for sm_90 at bf16,
+# C = 64 (`benchmarks/ptxas_spills.py`; spill-store bytes per thread): the forward pass spills 168 bytes at K = V = 128
+# and none at 64 with 8 warps and 2 stages, 4524 and 416 with the earlier 4 warps and 3 stages (not yet timed on a
+# GPU); the backward pass 588 with 8 warps (2052 with 4).
+PASS_LAUNCH = {"num_warps": 8, "num_stages": 2}
+GRAD_PASS_LAUNCH = {"num_warps": 8, "num_stages": 3}
 
 def forward(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int,
             slots: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +79,7 @@ def backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_
     kernels_delta.delta_grad_pass_kernel[(-(-p.V // p.BV_pass), p.NH)](
         x, eta, L, tinv, dr, dS0 if init is None else init, dh, dz, dS0, p.T, p.T_pad, p.n_chunks, p.H, **sizes,
         BK=p.BK_full, BV=p.BV_pass, SLOTS=p.slots, HAS_INIT=init is not None, INTERPRET=_interpreting(),
-        PREC32=p.prec32, num_warps=8)  # (ptxas, sm_90, K = 128: 4 warps spill ~1.5 KB, 8 warps ~0.7 KB; not yet timed)
+        PREC32=p.prec32, **GRAD_PASS_LAUNCH)
     # dq (and q_t . dq_t), then dx, d eta, d log_gamma, per chunk.
     # (ptxas, sm_90, K = V = 128, C = 64, bf16, 8 warps: no spill for dq at BV = 32; ~1.2 KB for dx at BV = 16, more
     # at 32; not yet timed on a GPU.)
@@ -126,10 +132,8 @@ class _Plan(ChunkPlan):
         states = self.state_buffer()
         R = torch.empty(N, T, H, V, **f32)
         final = torch.empty(N, H, K, V, **f32)
-        # (ptxas, sm_90, bf16, C = 64: 8 warps and 2 pipeline stages spill 168 bytes at K = V = 128 and none at 64,
-        # where 4 warps and 3 stages, the earlier launch, spilled 4524 and 416 bytes; not yet timed on a GPU.)
         kernels_delta.delta_pass_kernel[(-(-V // self.BV_pass), NH)](
             x, eta, L, U, W, final if S0 is None else S0, states, R, final, T, self.T_pad, self.n_chunks, H, K=K,
             V=V, BT=BT, BK=self.BK_full, BV=self.BV_pass, HAS_INIT=S0 is not None, INTERPRET=_interpreting(),
-            PREC32=self.prec32, num_warps=8, num_stages=2)
+            PREC32=self.prec32, **PASS_LAUNCH)
         return states, R, final, tinv
