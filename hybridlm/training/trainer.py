@@ -470,14 +470,15 @@ class Trainer:
         self.model.train()
         if self._cuda_graphs:
             self._keep_grads_outside_graphs()
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        # summed on the device: a host read per micro-batch would stall the queue (one read per update, below)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         for i, batch in enumerate(batches):
             with D.gradient_sync(self.model, enabled=i == accum - 1):
                 micro = self.compute_loss_sum(self.model, batch)
                 (micro * (dp / total_count)).backward()
-            loss_sum += micro.detach().double().cpu()
+            loss_sum += micro.detach().double()
         D.reduce_context_parallel_grads(self.model, self.ctx)
-        loss = float(D.row_sum(loss_sum.reshape(1), self.ctx).item()) / total_count
+        loss = float(D.row_sum(loss_sum.cpu().reshape(1), self.ctx).item()) / total_count
         max_norm = c.train.grad_clip if c.train.grad_clip is not None else math.inf
         grad_norm = D.clip_grad_norm(self.model, max_norm, self.ctx, names=self.param_names)
         if self.guard.check(loss, grad_norm, optimizer=self.optimizer, step=self.step):
