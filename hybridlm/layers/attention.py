@@ -26,7 +26,7 @@ from hybridlm.modules.boundaries import (
     sequence_ids,
 )
 from hybridlm.modules.rotary import RotaryEmbedding, apply_rotary
-from hybridlm.ops.utils import check_cu_seqlens
+from hybridlm.ops.utils import check_cu_seqlens, host_to_device
 
 
 class Attention(nn.Module):
@@ -66,7 +66,7 @@ class Attention(nn.Module):
         batch, length, _ = hidden.shape
         offsets = None
         if cu_seqlens is not None:
-            offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length).to(hidden.device)
+            offsets = host_to_device(check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length), hidden.device)
             if cache is not None and cache.length:
                 raise ValueError("Attention: a packed prefill (cu_seqlens) needs an empty cache")
         past = cache.length if cache is not None else 0

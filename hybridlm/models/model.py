@@ -35,7 +35,7 @@ from hybridlm.modules.boundaries import has_restarts, local_positions, pack_rows
 from hybridlm.modules.gated_norm import GatedRMSNorm
 from hybridlm.modules.norm import RMSNorm
 from hybridlm.modules.short_conv import ShortConvolution
-from hybridlm.ops.utils import check_cu_seqlens
+from hybridlm.ops.utils import check_cu_seqlens, host_to_device
 
 IGNORE_INDEX = -100
 
@@ -135,11 +135,13 @@ class HybridModel(HybridPreTrainedModel):
         batch, length, width = h.shape
         packed_rows = None
         if cu_seqlens is not None:
-            offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length).to(h.device)
+            # The offsets stay on the host: every layer checks them there (on the device each check would be a
+            # synchronization, several per layer) and copies what it needs without waiting.
+            offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length)
             if cache is not None and cache.seq_len:
                 raise ValueError("a packed prefill (cu_seqlens) needs an empty cache; decode one row per sequence")
             if position_ids is None:
-                position_ids = local_positions(offsets, length).unsqueeze(0)
+                position_ids = host_to_device(local_positions(offsets, length).unsqueeze(0), h.device)
             cu_seqlens = offsets
         elif position_ids is not None and has_restarts(position_ids):
             # Documents packed in rows, marked by position_ids restarting at 0: run as one packed row.
@@ -163,7 +165,7 @@ class HybridModel(HybridPreTrainedModel):
             h = h.reshape(packed_rows, length, width)
         if cache is not None:
             if cu_seqlens is not None:
-                cache.start_rows(cu_seqlens[1:] - cu_seqlens[:-1])  # one cache row per packed sequence
+                cache.start_rows(host_to_device(cu_seqlens[1:] - cu_seqlens[:-1], h.device))  # a row per sequence
             else:
                 cache.advance(length)
         return h

@@ -51,8 +51,10 @@ def sequence_ids(cu_seqlens: torch.Tensor, total_len: int) -> torch.Tensor:
 
 def pack_rows(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows [B, T, ...] whose position_ids [B, T] (or [1, T]) mark documents -> one packed row:
-    (x [1, B*T, ...], cu_seqlens [N + 1], position_ids [1, B*T]). Undo with `y.reshape(B, T, ...)`."""
+    (x [1, B*T, ...], cu_seqlens [N + 1] on the host, position_ids [1, B*T]). Undo with `y.reshape(B, T, ...)`.
+    Finding the documents reads position_ids on the host once; the offsets stay there, where every consumer checks
+    them (`check_cu_seqlens`), so no layer reads the device again."""
     batch, length = x.shape[:2]
     position_ids = position_ids.expand(batch, length)
-    cu_seqlens = cu_seqlens_from_position_ids(position_ids).to(x.device)
+    cu_seqlens = cu_seqlens_from_position_ids(position_ids.cpu())
     return x.reshape(1, batch * length, *x.shape[2:]), cu_seqlens, position_ids.reshape(1, batch * length)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.modules.boundaries import sequence_ids
-from hybridlm.ops.utils import check_cu_seqlens
+from hybridlm.ops.utils import check_cu_seqlens, host_to_device
 
 _ACTIVATIONS = (None, "silu")
 
@@ -40,7 +40,7 @@ def causal_conv1d(
     width = weight.shape[1] - 1  # K - 1: how far back each output looks
     rows = batch
     if cu_seqlens is not None:
-        offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length).to(x.device)
+        offsets = host_to_device(check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length), x.device)
         rows = len(offsets) - 1
     if initial_state is not None and tuple(initial_state.shape) != (rows, width, channels):
         raise ValueError(

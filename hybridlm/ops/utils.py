@@ -19,6 +19,13 @@ def on_tensor_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A small host tensor (packed offsets, gather indices) on `device`, without waiting for the device. A blocking
+    host-to-device copy synchronizes the stream: the host waits for every queued kernel, once per layer and per
+    packed batch. From pageable memory an asynchronous copy is staged at once, so the source may go right after."""
+    return tensor.to(device, non_blocking=True)
+
+
 def check_cu_seqlens(cu_seqlens: torch.Tensor, *, batch_size: int, total_len: int) -> torch.Tensor:
     """Validate packed-sequence offsets `[N + 1]` and return them as a CPU int64 tensor.
 
@@ -65,7 +72,7 @@ def _scatter_index(offsets: torch.Tensor, max_len: int, device: torch.device) ->
     lengths = offsets[1:] - offsets[:-1]
     rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
     index = torch.arange(int(offsets[-1])) - offsets[:-1][rows]
-    return index.to(device), rows.to(device)
+    return host_to_device(index, device), host_to_device(rows, device)
 
 
 def resolve_backend(backend: str, *, available: tuple[str, ...], default: str) -> str:

@@ -56,3 +56,34 @@ def test_cached_steps_have_no_host_sync(monkeypatch):
             cache = model(prompt[:, -1:], cache=cache).cache  # one decoding step
             model(prompt[:, -3:], cache=cache)  # a chunk of 3 tokens on a cache (the positions come from it)
     assert not counter.calls, dict(counter.calls)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.set_sync_debug_mode)")
+@pytest.mark.parametrize("name", ["hybrid-mamba2", "hybrid-fw-3A", "fw-1A", "fw-1"])
+def test_packed_training_step_on_cuda_waits_for_nothing_in_our_code(name):
+    """Packed documents (cu_seqlens on the host, as the model keeps them): no line of hybridlm synchronizes with the
+    device in a forward + backward: the offsets are checked on the host and copied without waiting. (torch's own
+    kernels are not judged: a synchronization inside them is reported against the test's frame.)"""
+    import os
+    import warnings
+
+    import hybridlm
+
+    model = build_model(task_config(name, vocab_size=MODEL_VOCAB_SIZE, size="tiny"), seed=0).cuda()
+    batch = train_batch(np.random.default_rng(0), 4, max_width=6)
+    rows, length = batch["input_ids"].shape
+    packed = {key: batch[key].reshape(1, rows * length).cuda() for key in ("input_ids", "labels")}
+    cu_seqlens = torch.tensor([0, 7, length, 2 * length + 3, rows * length])  # documents across the rows
+    model(**packed, cu_seqlens=cu_seqlens).loss.backward()  # compiles and autotunes the kernels (those wait)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(**packed, cu_seqlens=cu_seqlens).loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    package = os.path.dirname(hybridlm.__file__)
+    ours = [f"{w.filename}:{w.lineno}" for w in caught
+            if "synchroniz" in str(w.message) and w.filename.startswith(package)]
+    assert not ours, ours

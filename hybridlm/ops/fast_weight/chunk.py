@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridlm.ops.fast_weight.state import FastWeightState
-from hybridlm.ops.utils import compute_dtype, packed_to_padded, padded_to_packed
+from hybridlm.ops.utils import compute_dtype, host_to_device, packed_to_padded, padded_to_packed
 
 REGRESSION_RULES = ("1", "2", "3")
 PER_COLUMN_RULES = ("2", "2A")
@@ -68,7 +68,7 @@ def prepare_writes(q, k, v, beta, lam, *, rule, window, pairing, step_size, ridg
         # Packed sequences run as a right-padded batch: padded steps have no pair (eta = 0, gamma = 1),
         # so they leave the state untouched and the final state is the state at each sequence's end.
         q, k, v, beta, lam = (packed_to_padded(t, offsets) for t in (q, k, v, beta, lam))
-        lengths = (offsets[1:] - offsets[:-1]).to(q.device)
+        lengths = host_to_device(offsets[1:] - offsets[:-1], q.device)
     else:
         lengths = torch.full((q.shape[0],), q.shape[1], dtype=torch.int64, device=q.device)
     N, T, H, K = k.shape

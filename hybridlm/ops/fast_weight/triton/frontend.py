@@ -46,7 +46,7 @@ from hybridlm.ops.fast_weight.triton import (
     fast_weight_3_triton,
     supports,
 )
-from hybridlm.ops.utils import compute_dtype, packed_to_padded, padded_to_packed
+from hybridlm.ops.utils import compute_dtype, host_to_device, packed_to_padded, padded_to_packed
 
 # The fused preparation kernel for the rules it covers (FUSED_RULES, window 1); off: chunk.py's prepare_writes.
 FUSED_PREPARATION = os.environ.get("HYBRIDLM_TRITON_FUSED_PREPARATION", "1") == "1"
@@ -185,8 +185,8 @@ def _window_1(q, k, v, beta, lam, *, rule, pairing, read, step_size, ridge_scali
         ends = offsets[1:] - 1                                                             # each sequence's last step
         max_len = int((offsets[1:] - offsets[:-1]).max())
         q_rows = packed_to_padded(q, offsets)
-        last = k[0, ends.to(k.device)] if shifted else None                                # [N, H, K]
-        device_offsets = offsets.to(device=q.device, dtype=torch.int64)
+        last = k[0, host_to_device(ends, k.device)] if shifted else None                   # [N, H, K]
+        device_offsets = host_to_device(offsets.to(torch.int64), q.device)
     else:
         max_len = q.shape[1]
         q_rows = q
