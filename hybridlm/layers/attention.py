@@ -66,7 +66,8 @@ class Attention(nn.Module):
         batch, length, _ = hidden.shape
         offsets = None
         if cu_seqlens is not None:
-            offsets = host_to_device(check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length), hidden.device)
+            host_offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length)
+            offsets = host_to_device(host_offsets, hidden.device)
             if cache is not None and cache.length:
                 raise ValueError("Attention: a packed prefill (cu_seqlens) needs an empty cache")
         past = cache.length if cache is not None else 0
@@ -87,7 +88,7 @@ class Attention(nn.Module):
         pad = None
         if cache is not None:
             if offsets is not None:
-                cache.store_packed_kv(k, v, offsets)  # one row per document; this call attends packed
+                cache.store_packed_kv(k, v, host_offsets)  # one row per document; this call attends packed
             else:
                 k, v = cache.append_kv(k, v)  # [B, S, Hkv, D], S = past + T
                 pad = cache.pad

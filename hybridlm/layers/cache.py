@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from hybridlm.modules.boundaries import local_positions, sequence_ids
+from hybridlm.ops.utils import host_to_device
 
 
 class LayerCache:
@@ -74,13 +75,16 @@ class LayerCache:
 
     def store_packed_kv(self, key: torch.Tensor, value: torch.Tensor, offsets: torch.Tensor) -> None:
         """Fill an empty cache from a packed prefill: key/value [1, total, H_kv, D] of the sequences that
-        `offsets` [N + 1] delimit become N rows, each right-aligned in max(length) slots (left padding)."""
+        `offsets` [N + 1] delimit become N rows, each right-aligned in max(length) slots (left padding). The sizes
+        are read from the offsets on the host (`offsets.cpu()`: a no-op for the host offsets the model passes)."""
         if self.length:
             raise ValueError("a packed prefill (cu_seqlens) needs an empty cache")
         total = key.shape[1]
-        offsets = offsets.to(key.device)
+        host_lengths = offsets.cpu()[1:] - offsets.cpu()[:-1]  # [N]
+        slots = int(host_lengths.max())
+        padded = bool((host_lengths < slots).any())
+        offsets = host_to_device(offsets, key.device)
         lengths = offsets[1:] - offsets[:-1]  # [N]
-        slots = int(lengths.max())
         pad = slots - lengths  # [N]
         seq = sequence_ids(offsets, total)  # [total] row of each token
         where = pad[seq] + local_positions(offsets, total)  # [total] its slot in the row
@@ -89,7 +93,7 @@ class LayerCache:
         rows_key[seq, where] = key[0]
         rows_value[seq, where] = value[0]
         self.append_kv(rows_key, rows_value)
-        self.pad = pad if bool((pad > 0).any()) else None
+        self.pad = pad if padded else None
 
 
 class HybridCache:
@@ -120,12 +124,14 @@ class HybridCache:
         if self.lengths is not None:
             self.lengths = self.lengths + length
 
-    def start_rows(self, lengths: torch.Tensor) -> None:
-        """After a packed prefill into an empty cache: one row per sequence, `lengths` [N] tokens each."""
+    def start_rows(self, lengths: torch.Tensor, *, device: torch.device | str) -> None:
+        """After a packed prefill into an empty cache: one row per sequence, `lengths` [N] tokens each (read on the
+        host; kept on `device`, where the decoding positions are computed)."""
         if self.seq_len:
             raise ValueError("a packed prefill (cu_seqlens) needs an empty cache")
+        lengths = lengths.cpu()
         self.seq_len = int(lengths.max())
-        self.lengths = None if bool((lengths == self.seq_len).all()) else lengths
+        self.lengths = None if bool((lengths == self.seq_len).all()) else host_to_device(lengths, device)
 
 
 class StaticLayerCache(LayerCache):
@@ -200,7 +206,7 @@ class StaticCache(HybridCache):
         self.next_positions.add_(length)
         self.seq_len += length
 
-    def start_rows(self, lengths: torch.Tensor) -> None:
+    def start_rows(self, lengths: torch.Tensor, *, device: torch.device | str) -> None:
         raise ValueError("a static cache continues a filled cache: run the prefill on a HybridCache")
 
 

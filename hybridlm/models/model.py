@@ -31,7 +31,7 @@ from hybridlm.layers.cache import HybridCache
 from hybridlm.layers.fast_weight import FastWeightMixer, initial_lam_bias
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.configuration import HybridLMConfig
-from hybridlm.modules.boundaries import has_restarts, local_positions, pack_rows, sequence_ids
+from hybridlm.modules.boundaries import has_restarts, local_positions, pack_rows
 from hybridlm.modules.gated_norm import GatedRMSNorm
 from hybridlm.modules.norm import RMSNorm
 from hybridlm.modules.short_conv import ShortConvolution
@@ -165,7 +165,7 @@ class HybridModel(HybridPreTrainedModel):
             h = h.reshape(packed_rows, length, width)
         if cache is not None:
             if cu_seqlens is not None:
-                cache.start_rows(host_to_device(cu_seqlens[1:] - cu_seqlens[:-1], h.device))  # a row per sequence
+                cache.start_rows(cu_seqlens[1:] - cu_seqlens[:-1], device=h.device)  # one row per sequence
             else:
                 cache.advance(length)
         return h
@@ -271,9 +271,8 @@ def _next_token_loss(
     if attention_mask is not None:
         targets[~attention_mask[:, :-1].to(torch.bool)] = IGNORE_INDEX
     if cu_seqlens is not None:
-        seq = sequence_ids(cu_seqlens.to(labels.device), length)  # [T]
-        crosses = seq[1:] != seq[:-1]  # target t+1 starts another document
-        targets[:, crosses] = IGNORE_INDEX
+        offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length)  # on the host
+        targets[:, host_to_device(offsets[1:-1] - 1, labels.device)] = IGNORE_INDEX  # target t+1 starts a document
     elif position_ids is not None:
         starts = position_ids.expand(batch, length)[:, 1:] == 0
         targets[starts] = IGNORE_INDEX

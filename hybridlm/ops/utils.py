@@ -41,7 +41,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, *, batch_size: int, total_len: in
         raise ValueError(f"cu_seqlens must be a 1-D tensor [N + 1] with N >= 1, got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
         raise ValueError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
-    offsets = cu_seqlens.detach().to("cpu", torch.int64)
+    offsets = cu_seqlens.detach().to("cpu", torch.int64, copy=True)  # ours: the caller may reuse its (pinned) buffer
     if offsets[0].item() != 0 or offsets[-1].item() != total_len:
         raise ValueError(
             f"cu_seqlens must start at 0 and end at the packed length {total_len}, "
@@ -69,10 +69,14 @@ def padded_to_packed(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 
 
 def _scatter_index(offsets: torch.Tensor, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # Built on the device from the host offsets (N + 1 numbers copied): copying [total] indices from pageable host
+    # memory may wait for the stream while it is staged.
+    total = int(offsets[-1])
+    offsets = host_to_device(offsets, device)
     lengths = offsets[1:] - offsets[:-1]
-    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    index = torch.arange(int(offsets[-1])) - offsets[:-1][rows]
-    return host_to_device(index, device), host_to_device(rows, device)
+    rows = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths, output_size=total)
+    index = torch.arange(total, device=device) - offsets[:-1][rows]
+    return index, rows
 
 
 def resolve_backend(backend: str, *, available: tuple[str, ...], default: str) -> str:
