@@ -415,7 +415,10 @@ class Trainer:
         return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     def _to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.ctx.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        """The batch's tensors on this rank's device, except the document offsets: the model reads those on the
+        host (`_model_inputs`)."""
+        return {k: v.to(self.ctx.device, non_blocking=True) if torch.is_tensor(v) and k != "cu_seqlens" else v
+                for k, v in batch.items()}
 
     def _prepare(self, batch: dict) -> dict:
         """A loader batch on this rank's device, as this rank computes it: without document boundaries the
@@ -432,7 +435,7 @@ class Trainer:
         if self._cuda_graphs:  # a new step of the graphs: the previous forward's outputs are used up
             torch.compiler.cudagraph_mark_step_begin()
         with self._autocast(), D.context_parallel(model, self.ctx):
-            logits = model(batch["input_ids"], position_ids=batch["position_ids"]).logits  # [B, T or T/cp, V]
+            logits = model(**self._model_inputs(batch)).logits  # [B, T or T/cp, V], or [1, B T, V] packed
         return F.cross_entropy(
             logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
@@ -445,6 +448,22 @@ class Trainer:
         for param in self.model.parameters():
             if param.requires_grad and param.grad is None:
                 param.grad = torch.zeros_like(param)
+
+    def _model_inputs(self, batch: dict) -> dict:
+        """The model's arguments for a batch, decided on the host from the loader's document offsets, so the model
+        need not read position_ids back from the device to find the documents (twice per forward):
+        - cp > 1: this rank's chunk with its global positions (no document boundaries with cp); a batch without
+          offsets: its position_ids, as they come;
+        - one document per row, or boundaries not kept: the rows alone (positions 0..T-1 are the default);
+        - documents packed in rows: one packed row with its offsets (`cu_seqlens`, on the host), what the model
+          would make of the restarting position_ids itself."""
+        offsets = batch.get("cu_seqlens")
+        if self.ctx.cp_size > 1 or offsets is None:
+            return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+        if not self.config.data.document_boundaries or len(offsets) - 1 == batch["input_ids"].shape[0]:
+            return {"input_ids": batch["input_ids"]}
+        return {"input_ids": batch["input_ids"].reshape(1, -1), "cu_seqlens": offsets,
+                "position_ids": batch["position_ids"].reshape(1, -1)}
 
     def _next_batches(self, count: int) -> list[dict]:
         try:

@@ -268,7 +268,8 @@ def test_compiled_blocks_train_like_eager(demo_dir, tmp_path, monkeypatch):
         (["train.compile=true", "train.compile_mode=reduce-overhead", "parallel.activation_checkpointing=true"],
          "one process without activation checkpointing"),
         (["train.compile=true", "train.compile_mode=reduce-overhead", "parallel.tp=2"], "tp = cp = 1"),
-        (["train.compile=true", "train.compile_mode=reduce-overhead", "parallel.cp=2", "data.document_boundaries=false"],
+        (["train.compile=true", "train.compile_mode=reduce-overhead", "parallel.cp=2",
+          "data.document_boundaries=false"],
          "tp = cp = 1"),
     ],
 )
@@ -310,3 +311,35 @@ def test_keep_grads_outside_graphs_allocates_missing_gradients_only(demo_dir, tm
     trainer._keep_grads_outside_graphs()
     assert params[0].grad is kept and kept.eq(1).all()  # an existing gradient is left alone
     assert all(p.grad is not None and not p.grad.any() for p in params[1:])
+
+
+@pytest.mark.parametrize("boundaries", [True, False])
+def test_model_inputs_come_from_the_host_offsets_and_give_the_same_loss(demo_dir, tmp_path, boundaries):
+    """The trainer hands the model its documents from the loader's host offsets (a packed row with host cu_seqlens,
+    or plain rows), never restarting position_ids for the model to read back from the device; the loss equals the
+    model's own reading of the position_ids."""
+    import torch.nn.functional as F
+
+    trainer = Trainer(small_config(demo_dir, tmp_path, f"data.document_boundaries={str(boundaries).lower()}"))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 200, (2, 16), generator=g)
+    labels = torch.randint(3, 200, (2, 16), generator=g)
+    documents = {  # a loader batch: documents of 5 + 11 and 16 tokens, then one document per row
+        "packed": (torch.tensor([[0, 1, 2, 3, 4] + list(range(11)), list(range(16))]), torch.tensor([0, 5, 16, 32])),
+        "rows": (torch.arange(16).expand(2, 16), torch.tensor([0, 16, 32])),
+    }
+    for name, (positions, offsets) in documents.items():
+        batch = trainer._prepare({"input_ids": ids, "labels": labels, "position_ids": positions,
+                                  "cu_seqlens": offsets.to(torch.int32), "max_seqlen": 16})
+        inputs = trainer._model_inputs(batch)
+        if name == "packed" and boundaries:
+            assert sorted(inputs) == ["cu_seqlens", "input_ids", "position_ids"]
+            assert inputs["cu_seqlens"].device.type == "cpu" and inputs["input_ids"].shape == (1, 32)
+        else:  # one document per row, or boundaries not kept: positions 0..T-1, the model's default
+            assert sorted(inputs) == ["input_ids"]
+        with torch.no_grad():
+            got = trainer.compute_loss_sum(trainer.model, batch)
+            logits = trainer.model(batch["input_ids"], position_ids=batch["position_ids"]).logits
+            want = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100,
+                                   reduction="sum")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
