@@ -80,7 +80,8 @@ class LayerCache:
         if self.length:
             raise ValueError("a packed prefill (cu_seqlens) needs an empty cache")
         total = key.shape[1]
-        host_lengths = offsets.cpu()[1:] - offsets.cpu()[:-1]  # [N]
+        host = offsets.cpu()
+        host_lengths = host[1:] - host[:-1]  # [N]
         slots = int(host_lengths.max())
         padded = bool((host_lengths < slots).any())
         offsets = host_to_device(offsets, key.device)

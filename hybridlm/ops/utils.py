@@ -57,18 +57,18 @@ def packed_to_padded(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     lengths = (offsets[1:] - offsets[:-1]).tolist()
     max_len = max(lengths)
     out = x.new_zeros((len(lengths), max_len) + tuple(x.shape[2:]))
-    index, rows = _scatter_index(offsets, max_len, x.device)
+    index, rows = _scatter_index(offsets, x.device)
     out = out.index_put((rows, index), x[0])
     return out
 
 
 def padded_to_packed(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """`[N, max_len, ...]` right-padded -> `[1, total, ...]` packed along time (inverse of `packed_to_padded`)."""
-    index, rows = _scatter_index(offsets, x.shape[1], x.device)
+    index, rows = _scatter_index(offsets, x.device)
     return x[rows, index].unsqueeze(0)
 
 
-def _scatter_index(offsets: torch.Tensor, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _scatter_index(offsets: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     # Built on the device from the host offsets (N + 1 numbers copied): copying [total] indices from pageable host
     # memory may wait for the stream while it is staged.
     total = int(offsets[-1])
