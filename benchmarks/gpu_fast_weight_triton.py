@@ -13,9 +13,10 @@ forward and forward+backward of:
 - kernels (1A): `fast_weight_1a_triton` alone on prepared writes (the kernels without the preparation);
 - torch preparation (1A, 1): the triton op again with `frontend.FUSED_PREPARATION` off (the write events from
   chunk.py's torch `prepare_writes` instead of the fused Triton kernel);
-- narrowed scan blocks (1A, 3A): the triton op again with `chunk_1a.SCAN_MIN_PROGRAMS` =
-  `chunk_1a.NARROW_SCAN_PROGRAMS` (the state scan's [64, 32] blocks narrowed when few rows x heads leave SMs idle;
-  the same as "triton" at the default shape: compare at a model's shape, e.g. `--B 1 --H 10 --D 64`).
+- fixed scan blocks (1A, 3A): the triton op again with `chunk_1a.SCAN_MIN_PROGRAMS` = 0 (the state scan's fixed
+  [64, 32] blocks; by default they narrow when fewer than 264 programs would cover the rows x heads, which "triton"
+  times; the same as "triton" at the default shape, where nothing narrows: compare at a model's shape, e.g.
+  `--B 1 --H 10 --D 64`).
 `--profile` then prints, per rule at the longest T, the kernels of one forward + backward of the triton op with their
 GPU time (torch.profiler): which stage to work on. Prints a markdown table with the ratios triton / SDPA and
 chunk / triton, and what the triton op's time means against
@@ -135,7 +136,7 @@ def main() -> None:
     print(f"\n# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | window 3 for 3A")
     print("| rule | T | pass | SDPA (ms) | chunk (ms) | chunk compiled (ms) | triton (ms) | kernels (ms) "
-          "| torch preparation (ms) | narrowed scan blocks (ms) | triton / SDPA | chunk / triton | triton TFLOP/s "
+          "| torch preparation (ms) | fixed scan blocks (ms) | triton / SDPA | chunk / triton | triton TFLOP/s "
           "| triton TB/s (min. bytes) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for T in args.T:
@@ -201,11 +202,11 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
             kernels = "{:.2f}".format(bench(lambda: fast_weight_1a_triton(*prepared, None, read_after=True,
                                                                           chunk_size=chunk_size)[0],
                                             backward=backward, inputs=prepared))
-        narrow_scan = "-"
+        fixed_scan = "-"
         if rule in ("1A", "3A"):
-            with module_settings(chunk_1a, SCAN_MIN_PROGRAMS=chunk_1a.NARROW_SCAN_PROGRAMS):
-                narrow_scan = "{:.2f}".format(bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0],
-                                                    backward=backward, inputs=inputs))
+            with module_settings(chunk_1a, SCAN_MIN_PROGRAMS=0):
+                fixed_scan = "{:.2f}".format(bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0],
+                                                   backward=backward, inputs=inputs))
         try:
             ms["chunk"] = bench(lambda: run_chunk(*inputs, rule=rule, chunk_size=chunk_size)[0], backward=backward,
                                 inputs=inputs)
@@ -225,7 +226,7 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
         flops, nbytes = fast_weight_counts(rule, B=B, T=T, H=H, K=D, V=D, chunk=chunk_size, backward=backward)
         use = utilization(ms=ms["triton"], flops=flops, nbytes=nbytes)
         rows.append(f"| {rule} | {T} | {name} | {ms['sdpa']:.2f} | {chunk_cells[0]} | {compiled} | "
-                    f"{ms['triton']:.2f} | {kernels} | {torch_prep} | {narrow_scan} | "
+                    f"{ms['triton']:.2f} | {kernels} | {torch_prep} | {fixed_scan} | "
                     f"{ms['triton'] / ms['sdpa']:.2f}x | "
                     f"{chunk_cells[1]} | {use['tflops']:.0f} ({100 * use['flop_frac']:.1f}%) | "
                     f"{use['tbps']:.2f} ({100 * use['byte_frac']:.0f}%) |")

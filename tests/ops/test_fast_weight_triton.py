@@ -152,8 +152,9 @@ SCAN_CASES = [(130, 16, True, True, 16, 24), (63, 16, False, False, 16, 24), (1,
 def test_state_scan_matches_reference(T, chunk_size, read_after, with_S0, K, V, min_programs, monkeypatch):
     """The state stages (1) + (2) and (1') + (2') (one kernel, `state_scan_kernel`) give rule 1A's outputs, final
     state and every gradient of the step loop (several key / value blocks with K = 100, V = 40), also when only
-    the outputs or only the final state carry a gradient; with the scan's fixed [64, 32] blocks and with the blocks
-    narrowed as far as they go (`chunk_1a.scan_blocks`: 16 x 16, several blocks on both sides at K = 100, V = 40)."""
+    the outputs or only the final state carry a gradient; with the scan's fixed [64, 32] blocks (SCAN_MIN_PROGRAMS
+    = 0) and with the blocks narrowed as far as they go (`chunk_1a.scan_blocks`: 16 x 16, several blocks on both
+    sides at K = 100, V = 40; the default narrows these few rows x heads that far too)."""
     from hybridlm.ops.fast_weight.triton import chunk_1a
 
     monkeypatch.setattr(chunk_1a, "SCAN_MIN_PROGRAMS", min_programs)
@@ -547,25 +548,30 @@ def test_rule_1a_keeps_its_chunk_states_in_the_inputs_dtype(monkeypatch, dtype):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (no GPU)")
 def test_scan_blocks_narrow_for_few_states():
-    """The scan keeps [64, 32] blocks when the states give enough programs, and narrows them (the larger side first,
-    not below 16) when few rows x heads would leave SMs idle; 0 programs asked (the default): the fixed blocks."""
-    from hybridlm.ops.fast_weight.triton.chunk_1a import NARROW_SCAN_PROGRAMS, SCAN_MIN_PROGRAMS, scan_blocks
+    """By default (SCAN_MIN_PROGRAMS = 264, two waves of an H200's 132 SMs) the scan keeps [64, 32] blocks when the
+    states give enough programs and narrows them (the larger side first, not below 16) when few rows x heads would
+    leave SMs idle; 0 programs asked: the fixed blocks."""
+    from hybridlm.ops.fast_weight.triton.chunk_1a import SCAN_MIN_PROGRAMS, scan_blocks
 
-    narrow = NARROW_SCAN_PROGRAMS
-    assert scan_blocks(128, 128, 8 * 16, narrow) == (64, 32)  # the op benchmark's shape: 8 x 4 x 128 programs
-    assert scan_blocks(64, 64, 10, narrow) == (16, 16)  # a 125M hybrid's training row: 1 x 10 heads
-    assert scan_blocks(64, 64, 10, 0) == scan_blocks(64, 64, 10) == (64, 32) and SCAN_MIN_PROGRAMS == 0
+    assert SCAN_MIN_PROGRAMS == 264
+    assert scan_blocks(128, 128, 8 * 16) == (64, 32)  # the op benchmark's shape: 2 x 4 x 128 = 1024 programs
+    assert scan_blocks(64, 64, 10) == scan_blocks(64, 64, 10, SCAN_MIN_PROGRAMS) == (16, 16)  # a model's row: 1 x 10
+    assert scan_blocks(64, 64, 10, 0) == (64, 32) and scan_blocks(128, 128, 8 * 16, 0) == (64, 32)
     assert scan_blocks(64, 64, 10, 80) == (16, 32)  # K halved twice: 4 x 2 x 10 = 80 programs
-    for K, V, NH in ((64, 64, 10), (100, 40, 4), (16, 24, 2), (128, 128, 1)):
-        BK, BV = scan_blocks(K, V, NH, narrow)
+    for K, V, NH in ((64, 64, 10), (100, 40, 4), (16, 24, 2), (128, 128, 1), (128, 128, 8 * 16), (64, 64, 8 * 16)):
+        BK, BV = scan_blocks(K, V, NH)
         programs = -(-K // BK) * -(-V // BV) * NH
-        assert min(BK, BV) >= 16 and (programs >= narrow or (BK, BV) == (16, 16))
+        assert min(BK, BV) >= 16 and (programs >= SCAN_MIN_PROGRAMS or (BK, BV) == (16, 16))
 
 
 @interpret
-def test_rule_1a_scan_launches_with_scan_blocks(monkeypatch):
+# K = 64, V = 48: 4 x 3 blocks of 16 x 16 (narrowed as far as they go: 1 row x 2 heads), or 1 x 2 of [64, 32]
+@pytest.mark.parametrize("min_programs,blocks", [(None, (4 * 3, 16, 16)), (0, (1 * 2, 64, 32))],
+                         ids=["default-narrowed", "fixed-blocks"])
+def test_rule_1a_scan_launches_with_scan_blocks(monkeypatch, min_programs, blocks):
     """The forward and backward scans launch with `scan_blocks`' blocks for the call's sizes and SCAN_MIN_PROGRAMS
-    (the narrowed-block tests above rely on it)."""
+    (the fixed- and narrowed-block tests above rely on it): by default narrowed for 1 row x 2 heads, with
+    SCAN_MIN_PROGRAMS = 0 the fixed [64, 32] blocks."""
     from hybridlm.ops.fast_weight.triton import chunk_1a
 
     launched = []
@@ -579,10 +585,12 @@ def test_rule_1a_scan_launches_with_scan_blocks(monkeypatch):
 
     real = chunk_1a.kernels.state_scan_kernel
     monkeypatch.setattr(chunk_1a.kernels, "state_scan_kernel", Spy())
-    monkeypatch.setattr(chunk_1a, "SCAN_MIN_PROGRAMS", 10**6)
+    if min_programs is not None:
+        monkeypatch.setattr(chunk_1a, "SCAN_MIN_PROGRAMS", min_programs)
     q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32).requires_grad_(True)
                                    for t in prepared(1, 40, 2, 64, 48, seed=5))
     o, S = fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, read_after=True, chunk_size=16)
     (o.sum() + S.sum()).backward()
+    n_blocks, BK, BV = blocks
     assert len(launched) == 3  # forward states; backward: recomputed states, then their gradients
-    assert launched == [((4 * 3, 2), 16, 16)] * 3  # K = 64, V = 48 in 16 x 16 blocks; 1 row x 2 heads
+    assert launched == [((n_blocks, 2), BK, BV)] * 3

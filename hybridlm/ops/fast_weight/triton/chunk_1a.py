@@ -24,12 +24,12 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on launch grid axes 1 and 2
 # The state scan's programs each walk all the chunks of one state block, so the scan takes one walk's time however
 # many programs run beside it. With few rows x heads (a model's training row: 1 x 10 heads gives 20 programs of
 # [64, 32] blocks) most of the GPU idles and each program moves its block's keys and values alone. Below
-# SCAN_MIN_PROGRAMS programs the blocks shrink (to 16 x 16 at least) so that more SMs share the walk; the value to
-# set is NARROW_SCAN_PROGRAMS, two waves of an H200's 132 SMs. Opt-in until timed on a GPU
-# (benchmarks/gpu_fast_weight_triton.py, column "narrowed scan blocks", at a model's shape: `--B 1 --H 10 --D 64`);
-# 0: the fixed [64, 32] blocks.
-NARROW_SCAN_PROGRAMS = 264
-SCAN_MIN_PROGRAMS = 0
+# SCAN_MIN_PROGRAMS programs the blocks shrink (to 16 x 16 at least) so that more SMs share the walk: 264, two
+# waves of an H200's 132 SMs. Timed on an H200 (2026-11-30, bf16, B=1 H=10 D=64, fixed -> narrowed blocks;
+# benchmarks/gpu_fast_weight_triton.py, column "fixed scan blocks"): 1A forward 1.06 -> 0.51 ms at T=16K, 3A
+# forward + backward 5.94 -> 5.32 ms at T=16K and 4.77 -> 4.58 ms at T=4K, the rest within noise (+-15%); at
+# B=8 H=16 D=128 nothing narrows (1024 programs). 0: the fixed [64, 32] blocks.
+SCAN_MIN_PROGRAMS = 264
 
 
 def forward(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,8 +60,8 @@ def _block(dim: int, cap: int) -> int:
 
 def scan_blocks(K: int, V: int, NH: int, min_programs: int | None = None) -> tuple[int, int]:
     """The state scan's [BK, BV] blocks: [64, 32] (narrower than the other stages': more programs for the sequential
-    walk), halved (the larger side first, down to 16) while fewer than `min_programs` (`SCAN_MIN_PROGRAMS`) programs
-    would cover the N * H states."""
+    walk), halved (the larger side first, down to 16) while fewer than `min_programs` (default `SCAN_MIN_PROGRAMS`,
+    264) programs would cover the N * H states; `min_programs=0` keeps [64, 32]."""
     min_programs = SCAN_MIN_PROGRAMS if min_programs is None else min_programs
     BK, BV = _block(K, 64), _block(V, 32)
     while -(-K // BK) * -(-V // BV) * NH < min_programs and max(BK, BV) > 16:
