@@ -104,7 +104,20 @@ class HybridBlock(nn.Module):
         return mixed + self.mlp(self.mlp_norm(mixed))  # SA_M
 
     def _ssm(self, n: torch.Tensor, mix: dict) -> torch.Tensor:
-        return self.ssm(n * self.ssm_in_multiplier, **mix) * self.ssm_out_multiplier
+        n = n * self.ssm_in_multiplier
+        out = self.ssm(n, **mix) if mix["cu_seqlens"] is None else _packed_mix(self.ssm, n, mix)
+        return out * self.ssm_out_multiplier
 
     def _attn(self, n: torch.Tensor, mix: dict) -> torch.Tensor:
-        return self.attn(n * self.attn_in_multiplier, **mix) * self.attn_out_multiplier
+        n = n * self.attn_in_multiplier
+        out = self.attn(n, **mix) if mix["cu_seqlens"] is None else _packed_mix(self.attn, n, mix)
+        return out * self.attn_out_multiplier
+
+
+@torch.compiler.disable
+def _packed_mix(mixer: nn.Module, hidden: torch.Tensor, mix: dict) -> torch.Tensor:
+    """A mixer on packed documents runs outside torch.compile's graphs. Its shapes follow the documents (each batch
+    pads them to its own [N, max_len], from host offsets read with `.tolist()`): traced, every new batch would be a
+    graph break and a recompilation, and after eight of those the block would fall back to eager for good. The block's
+    norms, MLP and residuals stay compiled; plain rows (no cu_seqlens) compile the mixers too."""
+    return mixer(hidden, **mix)

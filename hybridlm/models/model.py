@@ -272,7 +272,9 @@ def _next_token_loss(
         targets[~attention_mask[:, :-1].to(torch.bool)] = IGNORE_INDEX
     if cu_seqlens is not None:
         offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length)  # on the host
-        targets[:, host_to_device(offsets[1:-1] - 1, labels.device)] = IGNORE_INDEX  # target t+1 starts a document
+        # Target t+1 starts a document. index_fill_ takes the value as a kernel argument: assigning a Python number
+        # through indexing first copies it to the device as a tensor, a blocking copy.
+        targets.index_fill_(1, host_to_device(offsets[1:-1] - 1, labels.device), IGNORE_INDEX)
     elif position_ids is not None:
         starts = position_ids.expand(batch, length)[:, 1:] == 0
         targets[starts] = IGNORE_INDEX

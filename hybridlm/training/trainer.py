@@ -516,6 +516,12 @@ class Trainer:
         }
 
     # ------------------------------------------------------------------------------------------ evaluation
+    def _eager_without_grad(self) -> contextlib.AbstractContextManager:
+        """Forwards under no_grad (evaluation, samples) skip the blocks' CUDA graphs and run eagerly. Without a
+        pending backward, CUDA-graph trees start a new generation at every call of a compiled block, and its replay
+        may reuse the memory of the previous block's output: its own input (seen on an H200, torch 2.11)."""
+        return torch.compiler.set_stance("force_eager") if self._cuda_graphs else contextlib.nullcontext()
+
     @torch.no_grad()
     def evaluate(self, batches: int | None = None) -> float | None:
         """Mean loss per label over the first `eval_batches` global batches (micro_batch x grad_accum x
@@ -533,14 +539,15 @@ class Trainer:
         )
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64)
-        for _ in range((batches or c.train.eval_batches) * c.batch.grad_accum):
-            # every rank of a data-parallel group draws the same rows and stops together (same loader state)
-            try:
-                batch = self._prepare(next(loader))
-            except StopIteration:
-                break
-            totals[0] += float(self.compute_loss_sum(self.model, batch))
-            totals[1] += int((batch["labels"] != IGNORE_INDEX).sum())
+        with self._eager_without_grad():
+            for _ in range((batches or c.train.eval_batches) * c.batch.grad_accum):
+                # every rank of a data-parallel group draws the same rows and stops together (same loader state)
+                try:
+                    batch = self._prepare(next(loader))
+                except StopIteration:
+                    break
+                totals[0] += float(self.compute_loss_sum(self.model, batch))
+                totals[1] += int((batch["labels"] != IGNORE_INDEX).sum())
         self.model.train()
         D.reshard(self.model)  # FSDP2's root stays unsharded after a no_grad forward
         totals = D.row_sum(totals, self.ctx)
@@ -576,10 +583,8 @@ class Trainer:
         # cp ranks, which hold whole parameters, each decode the prompts).
         model = self.model
         model.eval()
-        # Decoding's growing caches, mutated in place, are no shapes for the blocks' CUDA graphs: a few samples
-        # run eagerly instead.
-        eager = torch.compiler.set_stance("force_eager") if self._cuda_graphs else contextlib.nullcontext()
-        with self._autocast(), eager:
+        # Decoding's growing caches, mutated in place, are no shapes for the blocks' CUDA graphs either.
+        with self._autocast(), self._eager_without_grad():
             out = generate(model, torch.tensor(prompts, device=self.ctx.device), max_new_tokens=c.sample_tokens,
                            temperature=c.sample_temperature, eos_token_id=tok.eos_id, seed=c.seed)
         model.train()

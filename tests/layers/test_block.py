@@ -85,3 +85,24 @@ def test_fast_weight_block_runs():
     assert type(block.ssm).__name__ == "FastWeightMixer"
     x = torch.randn(1, 6, 16)
     assert block(x).shape == x.shape
+
+
+@pytest.mark.parametrize("ssm_mixer", ["mamba2", "fast_weight"])
+def test_compiled_block_on_packed_documents_compiles_once(ssm_mixer):
+    """Packed documents change the mixers' padded shapes with every batch. Compiled, a block must neither recompile
+    per layout (each frame compiles once static, once with dynamic offsets; the recompile limit, lowered to 2 and
+    made an error, stops anything more) nor change the output: the mixers on packed documents run outside the
+    graphs, the rest of the block inside them."""
+    import torch._dynamo
+
+    block = make_block(ssm_mixer=ssm_mixer, fw_heads=2, fw_head_dim=8)
+    x = torch.randn(1, 23, 16)
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+            compiled = torch.compile(block, backend="eager")
+            for offsets in ([0, 23], [0, 5, 23], [0, 1, 2, 20, 23], [0, 11, 12, 23], [0, 3, 7, 9, 15, 23]):
+                cu_seqlens = torch.tensor(offsets)
+                torch.testing.assert_close(compiled(x, cu_seqlens=cu_seqlens), block(x, cu_seqlens=cu_seqlens))
+    finally:
+        torch._dynamo.reset()

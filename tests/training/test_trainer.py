@@ -228,7 +228,9 @@ def test_optimizer_groups_follow_the_config(demo_dir, tmp_path):
 def test_compiled_blocks_train_like_eager(demo_dir, tmp_path, monkeypatch):
     """train.compile (torch.compile per block, inductor; the CPU's minute-long compile is paid once, in the
     reduce-overhead mode) gives eager's losses, and starts a new CUDA-graph step before every forward (on the CPU
-    inductor runs without graphs; the GPU replays them). A held-out evaluation runs through the compiled blocks too."""
+    inductor runs without graphs; the GPU replays them). The held-out evaluation and the samples, forwards without a
+    backward, run eagerly (`Trainer._eager_without_grad`). The trainer's packed documents run the mixers outside the
+    graphs (`hybridlm.layers.block._packed_mix`)."""
     mode = "reduce-overhead"
     steps_begun = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps_begun.append(1))
@@ -250,7 +252,7 @@ def test_compiled_blocks_train_like_eager(demo_dir, tmp_path, monkeypatch):
     assert kept == [0, 1, 2]  # before every update's first backward
     assert modes == [mode] * len(compiled.raw_model.model.layers)  # every block, in the mode asked for
     assert losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
-    assert len(result.samples) == 1 and stances == ["force_eager"]  # the samples decode eagerly
+    assert len(result.samples) == 1 and stances == ["force_eager"] * 2  # the evaluation and the samples
     # Gradients stay allocated outside the graphs and are zeroed in place (a graph-owned .grad dies at the next
     # micro-batch's graph step): after the run every trainable parameter holds a zero .grad.
     assert all(p.grad is not None and not p.grad.any() for p in compiled.raw_model.parameters() if p.requires_grad)
