@@ -97,3 +97,36 @@ def test_packed_prefill_needs_an_empty_cache():
     attn(torch.randn(1, 4, 24), cache=cache)
     with pytest.raises(ValueError, match="needs an empty cache"):
         attn(torch.randn(1, 4, 24), cu_seqlens=torch.tensor([0, 2, 4]), cache=cache)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (flash attention's varlen kernel)")
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4)])
+def test_packed_documents_on_cuda_run_flash_varlen_like_the_mask(heads, kv_heads, monkeypatch):
+    """bf16 packed documents on CUDA take flash attention's varlen kernel; its output and gradients match the
+    block-diagonal mask's (the path every other device takes), and each document alone."""
+    import hybridlm.layers.attention as attention
+
+    attn = make_attention(heads, kv_heads, head_dim=64, hidden=96).cuda().to(torch.bfloat16)
+    offsets = [0, 1, 130, 131, 400, 517]
+    cu = torch.tensor(offsets)
+    x = torch.randn(1, offsets[-1], 96, device="cuda", dtype=torch.bfloat16)
+    taken = []
+    kernel = attention._flash_varlen_kernel()
+    assert kernel is not None, "this torch has no torch.nn.attention.varlen"
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: lambda *a: taken.append(1) or kernel(*a))
+
+    def run(module_input):
+        module_input = module_input.detach().requires_grad_()
+        out = attn(module_input, cu_seqlens=cu)
+        grads = torch.autograd.grad(out.float().square().sum(), [module_input, attn.q_proj.weight, attn.k_proj.weight])
+        return out, grads
+
+    out, grads = run(x)
+    assert taken == [1]
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
+    masked, masked_grads = run(x)
+    torch.testing.assert_close(out, masked, rtol=2e-2, atol=2e-2)
+    for got, want in zip(grads, masked_grads):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    alone = torch.cat([attn(x[:, a:b]) for a, b in zip(offsets[:-1], offsets[1:])], dim=1)
+    torch.testing.assert_close(out, alone, rtol=2e-2, atol=2e-2)
