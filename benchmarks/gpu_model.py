@@ -10,8 +10,8 @@
 Variants of one shape (`configs/hybrid-125m.yaml`'s model: d 768, 12 blocks, 12 query / 4 KV heads, SSM 1024
 channels = 16 heads x 64; or `--preset`), each measured in this one process:
     transformer        attention + MLP (ssm_mixer "none")
-    hybrid mamba2      Falcon-H1 block: attention and Mamba-2 side by side (SSD on the torch chunk path, "auto")
-    hybrid mamba2-triton   the same with the SSD Triton kernels (`Mamba2Mixer.backend = "triton"`)
+    hybrid mamba2      Falcon-H1 block: attention and Mamba-2 side by side (SSD Triton kernels on CUDA, "auto")
+    hybrid mamba2-chunk    the same with the SSD torch chunk path (`Mamba2Mixer.backend = "chunk"`)
     hybrid fw-1A       attention and Falcon-1A (Triton on CUDA, "auto")
     hybrid fw-3A       attention and Falcon-3A, window 3
     fw-1A              Falcon-1A alone (no attention)
@@ -19,7 +19,7 @@ and, sized against each other (issue 8 compares a hybrid with a same-size Transf
 the Transformer's attention and MLP and add the SSM half: 143-159M parameters against its 112M):
     h1 fw-1A           Falcon-H1's channel allocation of the shape's width (SSM : attention : MLP = 2 : 1 : 5,
                        `channel_allocation`) with a Falcon-1A SSM half (144M at the 125m shape)
-    h1 mamba2          the same allocation with Mamba-2 (134M); h1 mamba2-triton with the SSD Triton kernels
+    h1 mamba2          the same allocation with Mamba-2 (134M); h1 mamba2-chunk on the SSD torch chunk path
     transformer matched  the Transformer with its MLP widened to "h1 fw-1A"'s parameter count (144M): the baseline
                        of the two "h1" rows' ratio column (the others' is "transformer"; h1 mamba2 is the smaller
                        of the two by 10M, measured against the same 144M baseline)
@@ -67,17 +67,17 @@ SHAPE_125M = dict(vocab_size=32768, hidden_size=768, num_hidden_layers=12, num_a
 VARIANTS = {
     "transformer": dict(ssm_mixer="none"),
     "hybrid mamba2": dict(),
-    "hybrid mamba2-triton": dict(),
+    "hybrid mamba2-chunk": dict(),
     "hybrid fw-1A": dict(ssm_mixer="fast_weight", fw_rule="1A"),
     "hybrid fw-3A": dict(ssm_mixer="fast_weight", fw_rule="3A", fw_window=3),
     "fw-1A": dict(ssm_mixer="fast_weight", fw_rule="1A", use_attention=False),
     "h1 fw-1A": dict(ssm_mixer="fast_weight", fw_rule="1A"),
     "h1 mamba2": dict(),
-    "h1 mamba2-triton": dict(),
+    "h1 mamba2-chunk": dict(),
     "transformer matched": dict(ssm_mixer="none"),
 }
-# Variants whose Mamba-2 mixers run another SSD backend than "auto"'s chunk path.
-SSD_BACKEND = {"hybrid mamba2-triton": "triton", "h1 mamba2-triton": "triton"}
+# Variants whose Mamba-2 mixers run another SSD backend than "auto"'s (the Triton kernels on CUDA).
+SSD_BACKEND = {"hybrid mamba2-chunk": "chunk", "h1 mamba2-chunk": "chunk"}
 FALCON_H1_ALLOCATION = dict(alpha_S=2 / 8, alpha_A=1 / 8, alpha_M=5 / 8)  # the report's SA_M optimum (Figure 2)
 BASELINE = {name: "transformer matched" for name in VARIANTS if name.startswith("h1 ")}  # default: "transformer"
 

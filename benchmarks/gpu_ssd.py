@@ -4,8 +4,9 @@
     python benchmarks/gpu_ssd.py --T 4096 --compiled-chunk           # also the chunk path under torch.compile
     python benchmarks/gpu_ssd.py --cpu --B 1 --H 2 --P 16 --N 16 --T 64   # smoke run: naive vs chunk on the CPU
 
-`ssd(..., backend="auto")` runs the torch chunk path; `backend="triton"` is opt-in until this script shows it
-faster. First checks the Triton backend against the chunk backend at one shape (float32 and bf16: y, the final
+`ssd(..., backend="auto")` runs the Triton kernels on CUDA since this script showed them faster (2026-11-30,
+benchmarks/RESULTS.md).
+First checks the Triton backend against the chunk backend at one shape (float32 and bf16: y, the final
 state and every gradient) and stops if they disagree; with flash-linear-attention installed, also that fla's
 `chunk_simple_gla` computes the same function:
 

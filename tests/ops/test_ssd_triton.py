@@ -338,17 +338,28 @@ def test_rejects_unsupported_calls():
         ssd(**{k: v.to(DEVICE) for k, v in inputs.items()}, backend="triton")
 
 
-def test_auto_never_picks_triton(monkeypatch):
-    """"auto" stays on the chunk path (the Triton kernels have not been checked on a GPU)."""
+def test_auto_picks_triton_only_on_cuda(monkeypatch):
+    """"auto" takes the Triton kernels for CUDA tensors they support and the chunk path for everything else: CPU
+    tensors (even under the interpreter), float64, P > 128."""
     ssd_module = sys.modules["hybridlm.ops.ssd"]  # (hybridlm.ops.ssd, the attribute, is the function)
+    real = ssd_module.ssd_triton
+    called = []
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("auto called the Triton backend")
+    def spy(*args, **kwargs):
+        called.append(args[0].device.type)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(ssd_module, "ssd_triton", refuse)
+    monkeypatch.setattr(ssd_module, "ssd_triton", spy)
     inputs = {k: v.detach().float() for k, v in make_inputs(1, 9, 2, 3, 1, 4).items()}
     y, _ = ssd(**inputs)
     y_chunk, _ = ssd(**inputs, backend="chunk")
-    assert torch.equal(y, y_chunk)
-    with pytest.raises(AssertionError, match="auto called"):
-        ssd(**inputs, backend="triton")  # the patch is where "triton" goes
+    assert torch.equal(y, y_chunk) and called == []
+    if torch.cuda.is_available():
+        on_gpu = {k: v.cuda() for k, v in inputs.items()}
+        y_gpu, _ = ssd(**on_gpu)
+        assert called == ["cuda"]
+        torch.testing.assert_close(y_gpu.cpu(), y_chunk, rtol=1e-4, atol=1e-5)
+        ssd(**{k: v.double() for k, v in on_gpu.items()})  # float64: the chunk path
+        wide = {k: v.detach().float().cuda() for k, v in make_inputs(1, 5, 1, 130, 1, 4).items()}
+        ssd(**wide)  # P = 130 > 128: the chunk path
+        assert called == ["cuda"]
