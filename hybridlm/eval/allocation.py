@@ -160,9 +160,9 @@ def run_allocation(arrangement: str, point: tuple[int, int, int], seed: int, rec
 
         def batch_fn(step: int) -> dict:
             # No position_ids: each row is one sequence that runs across file boundaries (GPT-style packing). With
-            # them the model would run a batch whose rows restart as one packed row of batch x seq_len tokens under
-            # a dense block-diagonal mask (32x the attention work at 32 x 256), reshaped whenever a file starts
-            # mid-row, which a compiled model recompiles for.
+            # them the model would run a batch whose rows restart as one packed row of batch x seq_len tokens, its
+            # mixers outside the compiled graphs (and, off CUDA bf16, under a dense block-diagonal mask: 32x the
+            # attention work at 32 x 256).
             batch = next(loader)
             return {"input_ids": batch["input_ids"], "labels": _aligned_labels(batch)}
 
