@@ -26,6 +26,12 @@ Mixer contract (every sequence mixer, e.g. `Mamba2Mixer`, `Attention`, and the f
                                     # cu_seqlens, so the mixer need not look for them (a host synchronization)
         -> [B, T, D]              # before the output multiplier (the block applies it)
 
+A mixer whose class sets `takes_seq_idx = True` (Mamba-2) also runs packed documents as
+`mixer(hidden, position_ids=..., seq_idx=[B, T] document index per token)`: the same result with the rows'
+shapes. A compiled block calls it that way (given `seq_idx`, which the model computes once per forward), so the
+mixer compiles and replays as a CUDA graph; the other mixers run packed documents outside the compiled graphs
+(`_packed_mix`).
+
 An SSM mixer keeps its decoding state in `cache.ssm` (a dict it owns). The block applies the
 ssm_in/ssm_out and attention_in/attention_out multipliers; mixers apply only their internal ones.
 """
@@ -82,19 +88,20 @@ class HybridBlock(nn.Module):
         position_ids: torch.Tensor | None = None,
         cache: LayerCache | None = None,
         restarts_resolved: bool = False,
+        seq_idx: torch.Tensor | None = None,  # [1, T] with cu_seqlens: each token's document, on the device
     ) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
         mix = dict(cu_seqlens=cu_seqlens, position_ids=position_ids, cache=cache, restarts_resolved=restarts_resolved)
         n = self.norm(x)
         if self.arrangement == "S_A_M":
             h = x
             if self.ssm is not None:
-                h = h + self._ssm(n, mix)
+                h = h + self._ssm(n, mix, seq_idx)
             if self.attn is not None:
                 h = h + self._attn(self.attn_norm(h) if self.attn_norm is not None else n, mix)
             return h + self.mlp(self.mlp_norm(h)) if self.mlp is not None else h
         mixed = x
         if self.ssm is not None:
-            mixed = mixed + self._ssm(n, mix)
+            mixed = mixed + self._ssm(n, mix, seq_idx)
         if self.attn is not None:
             mixed = mixed + self._attn(n, mix)
         if self.mlp is None:
@@ -103,9 +110,15 @@ class HybridBlock(nn.Module):
             return mixed + self.mlp(n)
         return mixed + self.mlp(self.mlp_norm(mixed))  # SA_M
 
-    def _ssm(self, n: torch.Tensor, mix: dict) -> torch.Tensor:
+    def _ssm(self, n: torch.Tensor, mix: dict, seq_idx: torch.Tensor | None) -> torch.Tensor:
         n = n * self.ssm_in_multiplier
-        out = self.ssm(n, **mix) if mix["cu_seqlens"] is None else _packed_mix(self.ssm, n, mix)
+        if mix["cu_seqlens"] is None:
+            out = self.ssm(n, **mix)
+        elif (seq_idx is not None and mix["cache"] is None and getattr(self.ssm, "takes_seq_idx", False)
+              and torch.compiler.is_compiling()):
+            out = self.ssm(n, position_ids=mix["position_ids"], seq_idx=seq_idx)
+        else:
+            out = _packed_mix(self.ssm, n, mix)
         return out * self.ssm_out_multiplier
 
     def _attn(self, n: torch.Tensor, mix: dict) -> torch.Tensor:

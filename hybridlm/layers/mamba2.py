@@ -13,7 +13,9 @@ expand * d, the output norm is optional, and the five multipliers above. The blo
 `ssm_in_multiplier` to the input and `ssm_out_multiplier` to the output. For decoding, a
 `LayerCache` carries the conv tail ("conv", [B, K-1, C]) and the SSM state ("ssm", [B, H, P, N], fp32):
 a prefill runs the chunked SSD, a single token the recurrence step (`ssd(..., backend="naive")` at T == 1).
-With `cu_seqlens` and a cache (a packed prefill) the states have one row per packed sequence.
+With `cu_seqlens` and a cache (a packed prefill) the states have one row per packed sequence. `seq_idx` (a
+document index per token, training only) marks packed documents without changing any shape: the conv's taps and
+the SSD's state restart at each document (the SSD's torch chunk path); the hybrid block uses it when compiled.
 Under tensor parallelism (hybridlm.parallel.tensor_parallel) the head counts here (num_heads, groups, d_ssm,
 conv_channels) are the rank's local ones and the per-head parameters are Shard(0) DTensors read through `local_tensor`.
 """
@@ -34,7 +36,9 @@ from hybridlm.ops.utils import compute_dtype, local_tensor
 
 
 class Mamba2Mixer(nn.Module):
-    """SSM mixer: `forward(hidden [B, T, D], *, cu_seqlens, position_ids, cache) -> [B, T, D]`."""
+    """SSM mixer: `forward(hidden [B, T, D], *, cu_seqlens, position_ids, cache, seq_idx) -> [B, T, D]`."""
+
+    takes_seq_idx = True  # packed documents as a document index per token (the hybrid block's compiled path)
 
     def __init__(self, config, layer_idx: int) -> None:  # config: HybridConfig
         super().__init__()
@@ -82,8 +86,12 @@ class Mamba2Mixer(nn.Module):
         position_ids: torch.Tensor | None = None,  # only their restarts at 0 (document starts) matter here
         cache: LayerCache | None = None,
         restarts_resolved: bool = False,  # the caller (the model) packed any document restarts already
+        seq_idx: torch.Tensor | None = None,  # [B, T] document index per token: the compiled block's packed rows
     ) -> torch.Tensor:
-        if cu_seqlens is None and position_ids is not None and not restarts_resolved and has_restarts(position_ids):
+        if seq_idx is not None and (cu_seqlens is not None or cache is not None):
+            raise ValueError("Mamba2Mixer: seq_idx (documents marked per token) takes neither cu_seqlens nor a cache")
+        resolved = restarts_resolved or seq_idx is not None
+        if cu_seqlens is None and position_ids is not None and not resolved and has_restarts(position_ids):
             if cache is not None:
                 raise ValueError("Mamba2Mixer: a decoding cache cannot be combined with packed documents (restarts)")
             packed, cu_seqlens, _ = pack_rows(hidden, position_ids)  # documents packed inside rows
@@ -103,7 +111,7 @@ class Mamba2Mixer(nn.Module):
         # 2. Short causal conv + SiLU on (x, B, C); the conv tail carries across calls.
         conv_state = cache.ssm.get("conv") if cache is not None else None
         xbc, conv_state = self.conv(
-            xbc, initial_state=conv_state, output_final_state=cache is not None, cu_seqlens=cu_seqlens
+            xbc, initial_state=conv_state, output_final_state=cache is not None, cu_seqlens=cu_seqlens, seq_idx=seq_idx
         )
         x, b, c = xbc.split([self.d_ssm, bc_width, bc_width], dim=-1)
 
@@ -125,6 +133,7 @@ class Mamba2Mixer(nn.Module):
             initial_state=cache.ssm.get("ssm") if cache is not None else None,
             output_final_state=cache is not None,
             cu_seqlens=cu_seqlens,
+            seq_idx=seq_idx,
             backend="naive" if length == 1 else self.backend,  # one decoding step: the recurrence itself
         )
         if cache is not None:

@@ -31,7 +31,7 @@ from hybridlm.layers.cache import HybridCache
 from hybridlm.layers.fast_weight import FastWeightMixer, initial_lam_bias
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.configuration import HybridLMConfig
-from hybridlm.modules.boundaries import has_restarts, local_positions, pack_rows
+from hybridlm.modules.boundaries import has_restarts, local_positions, pack_rows, sequence_ids
 from hybridlm.modules.gated_norm import GatedRMSNorm
 from hybridlm.modules.norm import RMSNorm
 from hybridlm.modules.short_conv import ShortConvolution
@@ -155,11 +155,17 @@ class HybridModel(HybridPreTrainedModel):
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} layers, the model {len(self.layers)}")
 
+        seq_idx = None
+        if cu_seqlens is not None and cache is None:
+            # Each token's document, for the compiled blocks' mixers that take it (HybridBlock): made on the host,
+            # copied once per forward.
+            seq_idx = host_to_device(sequence_ids(cu_seqlens, h.shape[1]).unsqueeze(0), h.device)  # [1, T]
         for i, layer in enumerate(self.layers):
             layer_cache = cache[i] if cache is not None else None
             # Document restarts are resolved above (packed into cu_seqlens, or there are none): the layers need not
             # look again (each look is a host synchronization, which also rules out CUDA-graph capture).
-            h = layer(h, cu_seqlens=cu_seqlens, position_ids=position_ids, cache=layer_cache, restarts_resolved=True)
+            h = layer(h, cu_seqlens=cu_seqlens, position_ids=position_ids, cache=layer_cache, restarts_resolved=True,
+                      seq_idx=seq_idx)
         h = self.norm(h)
         if packed_rows is not None:
             h = h.reshape(packed_rows, length, width)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.modules.boundaries import sequence_ids
-from hybridlm.ops.utils import check_cu_seqlens, host_to_device
+from hybridlm.ops.utils import check_cu_seqlens, host_to_device, seq_idx_segments
 
 _ACTIVATIONS = (None, "silu")
 
@@ -30,8 +30,13 @@ def causal_conv1d(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [B, T, C], weight [C, K], bias [C] -> (y [B, T, C], final_state [B or N, K-1, C] or None)."""
+    """x [B, T, C], weight [C, K], bias [C] -> (y [B, T, C], final_state [B or N, K-1, C] or None).
+
+    seq_idx [B, T] (a document index per step, instead of cu_seqlens): no tap reaches across a change of
+    document; the carried state belongs to the row's first document, and the final state holds only the last
+    document's inputs (zeros before its start). The shapes stay the rows': for compiled training on packed rows."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"causal_conv1d: unknown activation {activation!r}; choose one of {_ACTIVATIONS}")
     batch, length, channels = x.shape
@@ -47,7 +52,21 @@ def causal_conv1d(
             f"causal_conv1d: initial_state must be [{rows}, {width}, {channels}] (one row per sequence, last K-1 "
             f"inputs), got {tuple(initial_state.shape)}"
         )
-    if cu_seqlens is None:
+    if seq_idx is not None:
+        if cu_seqlens is not None:
+            raise ValueError("causal_conv1d: pass either cu_seqlens or seq_idx, not both")
+        segments = seq_idx_segments(seq_idx, (batch, length))  # [B, T]
+        state = initial_state.to(x.dtype) if initial_state is not None else x.new_zeros(batch, width, channels)
+        extended = torch.cat([state, x], dim=1)  # [B, K-1+T, C]
+        # The carried state counts as the first segment's; tap k of output t reads extended[t + k].
+        extended_segments = torch.cat([segments[:, :1].expand(batch, width), segments], dim=1)  # [B, K-1+T]
+        keep = [(extended_segments[:, k : k + length] == segments)[..., None] for k in range(width + 1)]
+        y = _shifted_sum(extended, weight, bias, keep=keep)  # [B, T, C]
+        final = None
+        if output_final_state:
+            tail = extended_segments[:, extended.shape[1] - width :] == segments[:, -1:]  # [B, K-1]
+            final = extended[:, extended.shape[1] - width :] * tail[..., None]
+    elif cu_seqlens is None:
         # 1. Extended input: the carried K-1 inputs, then the new ones.  [B, K-1+T, C]
         state = initial_state.to(x.dtype) if initial_state is not None else x.new_zeros(batch, width, channels)
         extended = torch.cat([state, x], dim=1)
@@ -96,15 +115,19 @@ def _conv1d(extended: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.transpose(1, 2).to(extended.dtype)
 
 
-def _shifted_sum(extended: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """sum_k w[:, k] * extended[:, k : k + L-K+1] (+ bias) in float32 (float64 for float64 inputs)."""
+def _shifted_sum(
+    extended: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, keep: list | None = None
+) -> torch.Tensor:
+    """sum_k w[:, k] * extended[:, k : k + L-K+1] (+ bias) in float32 (float64 for float64 inputs); `keep[k]`
+    ([B, L-K+1, 1] bool) drops tap k where it is False."""
     taps = weight.shape[1]
     length = extended.shape[1] - taps + 1
     dtype = torch.promote_types(torch.promote_types(extended.dtype, weight.dtype), torch.float32)
     w = weight.to(dtype)
-    out = extended[:, :length].to(dtype) * w[:, 0]
-    for k in range(1, taps):
-        out = out + extended[:, k : k + length].to(dtype) * w[:, k]
+    out = 0
+    for k in range(taps):
+        tap = extended[:, k : k + length].to(dtype) * w[:, k]
+        out = out + (tap if keep is None else tap * keep[k])
     if bias is not None:
         out = out + bias.to(dtype)
     return out.to(extended.dtype)
@@ -142,6 +165,7 @@ class ShortConvolution(nn.Module):
         initial_state: torch.Tensor | None = None,
         output_final_state: bool = False,
         cu_seqlens: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return causal_conv1d(
             x,
@@ -151,6 +175,7 @@ class ShortConvolution(nn.Module):
             initial_state=initial_state,
             output_final_state=output_final_state,
             cu_seqlens=cu_seqlens,
+            seq_idx=seq_idx,
         )
 
     def extra_repr(self) -> str:

@@ -52,6 +52,17 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, *, batch_size: int, total_len: in
     return offsets
 
 
+def seq_idx_segments(seq_idx: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """A document index per step, seq_idx [b, T] (any integers), -> segments [b, T] int64 numbered from 0 in each
+    row, +1 at every step whose id differs from the step before (an id that comes back after another document
+    starts a new segment). Checks the shape and dtype only: nothing is read back from the device."""
+    if tuple(seq_idx.shape) != tuple(shape) or seq_idx.dtype.is_floating_point or seq_idx.dtype == torch.bool:
+        raise ValueError(f"seq_idx must be an integer tensor [b, T] = {list(shape)}, got {seq_idx.dtype} "
+                         f"{list(seq_idx.shape)}")
+    changes = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int64)  # [b, T - 1]
+    return torch.cat([changes.new_zeros(changes.shape[0], 1), changes.cumsum(dim=1)], dim=1)
+
+
 def packed_to_padded(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """`[1, total, ...]` packed along time -> `[N, max_len, ...]`, right-padded with zeros."""
     lengths = (offsets[1:] - offsets[:-1]).tolist()

@@ -135,8 +135,8 @@ class MixerParallelBlock(HybridBlock):
         own = super()._attn(_ToMixer.apply(n, self.mixer_pair), mix)
         return _SumOverMixers.apply(own, self.mixer_pair)
 
-    def _ssm(self, n: torch.Tensor, mix: dict) -> torch.Tensor:
-        own = super()._ssm(_ToMixer.apply(n, self.mixer_pair), mix)
+    def _ssm(self, n: torch.Tensor, mix: dict, seq_idx: torch.Tensor | None) -> torch.Tensor:
+        own = super()._ssm(_ToMixer.apply(n, self.mixer_pair), mix, seq_idx)
         return _SumOverMixers.apply(own, self.mixer_pair)
 
     def extra_repr(self) -> str:

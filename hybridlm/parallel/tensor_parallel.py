@@ -280,10 +280,11 @@ class ShardRows(ParallelStyle):
 class _LocalShortConvolution(ShortConvolution):
     """A ShortConvolution whose channel-sharded DTensor parameters are used through their local shards."""
 
-    def forward(self, x, *, initial_state=None, output_final_state=False, cu_seqlens=None):
+    def forward(self, x, *, initial_state=None, output_final_state=False, cu_seqlens=None, seq_idx=None):
         return causal_conv1d(
             x, local_tensor(self.weight), local_tensor(self.bias), activation=self.activation,
             initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+            seq_idx=seq_idx,
         )
 
 

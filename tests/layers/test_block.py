@@ -91,18 +91,35 @@ def test_fast_weight_block_runs():
 def test_compiled_block_on_packed_documents_compiles_once(ssm_mixer):
     """Packed documents change the mixers' padded shapes with every batch. Compiled, a block must neither recompile
     per layout (each frame compiles once static, once with dynamic offsets; the recompile limit, lowered to 2 and
-    made an error, stops anything more) nor change the output: the mixers on packed documents run outside the
-    graphs, the rest of the block inside them."""
+    made an error, stops anything more) nor change the output or the gradients. Given `seq_idx` (as the model
+    passes it) the Mamba-2 mixer runs inside the graphs on the rows' shapes; the fast-weight mixer and attention
+    run packed documents outside them."""
     import torch._dynamo
+
+    from hybridlm.modules.boundaries import sequence_ids
 
     block = make_block(ssm_mixer=ssm_mixer, fw_heads=2, fw_head_dim=8)
     x = torch.randn(1, 23, 16)
     torch._dynamo.reset()
     try:
         with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
-            compiled = torch.compile(block, backend="eager")
+            compiled = torch.compile(block, backend="aot_eager")
             for offsets in ([0, 23], [0, 5, 23], [0, 1, 2, 20, 23], [0, 11, 12, 23], [0, 3, 7, 9, 15, 23]):
                 cu_seqlens = torch.tensor(offsets)
-                torch.testing.assert_close(compiled(x, cu_seqlens=cu_seqlens), block(x, cu_seqlens=cu_seqlens))
+                seq_idx = sequence_ids(cu_seqlens, 23).unsqueeze(0)
+                got_x, want_x = (x.clone().requires_grad_() for _ in range(2))
+                got = compiled(got_x, cu_seqlens=cu_seqlens, seq_idx=seq_idx)
+                want = block(want_x, cu_seqlens=cu_seqlens)
+                torch.testing.assert_close(got, want)
+                weight = block.ssm.in_proj.weight
+                got_grads = torch.autograd.grad(got.square().sum(), [got_x, weight])
+                want_grads = torch.autograd.grad(want.square().sum(), [want_x, weight])
+                for a, b in zip(got_grads, want_grads):
+                    torch.testing.assert_close(a, b)
+        calls = []  # then, apart (dynamo guards on the list a hook appends to): how the compiled block calls the mixer
+        block.ssm.register_forward_pre_hook(lambda module, args, kwargs: calls.append("seq_idx" in kwargs),
+                                            with_kwargs=True)
+        torch.compile(block, backend="eager")(x, cu_seqlens=cu_seqlens, seq_idx=seq_idx)
+        assert calls == [ssm_mixer == "mamba2"]
     finally:
         torch._dynamo.reset()

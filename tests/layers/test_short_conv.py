@@ -128,3 +128,39 @@ def test_bad_state_shape_is_rejected():
         causal_conv1d(x, torch.randn(4, 4), initial_state=torch.zeros(1, 4, 4))
     with pytest.raises(ValueError, match="initial_state"):
         causal_conv1d(x, torch.randn(4, 4), initial_state=torch.zeros(1, 3, 4), cu_seqlens=torch.tensor([0, 2, 6]))
+
+
+@pytest.mark.parametrize("kernel", [1, 2, 4])
+def test_seq_idx_runs_each_document_alone(kernel):
+    """seq_idx: no tap crosses a change of document (rows of documents shorter and longer than the kernel, an id
+    that comes back), the carried state reaches only a row's first document, and the final state is the last
+    document's alone; outputs and gradients (float64) equal each document run on its own."""
+    torch.manual_seed(0)
+    channels = 3
+    rows = [[2, 1, 6], [9]]
+    ids = torch.tensor([[0, 0, 1, 0, 0, 0, 0, 0, 0], [5] * 9])
+    x = torch.randn(2, 9, channels, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(channels, kernel, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(channels, dtype=torch.float64, requires_grad=True)
+    state = torch.randn(2, kernel - 1, channels, dtype=torch.float64, requires_grad=True)
+    y, final = causal_conv1d(x, weight, bias, activation="silu", initial_state=state, output_final_state=True,
+                             seq_idx=ids)
+    ys, finals = [], []
+    for r, lengths in enumerate(rows):
+        start, carried, parts = 0, state[r : r + 1], []
+        for d, length in enumerate(lengths):
+            begin = carried if d == 0 else torch.zeros_like(carried)
+            y_d, carried = causal_conv1d(x[r : r + 1, start : start + length], weight, bias, activation="silu",
+                                         initial_state=begin, output_final_state=True)
+            parts.append(y_d)
+            start += length
+        ys.append(torch.cat(parts, dim=1))
+        finals.append(carried)
+    want_y, want_final = torch.cat(ys), torch.cat(finals)
+    torch.testing.assert_close(y, want_y, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(final, want_final, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(y)
+    got = torch.autograd.grad((y * g).sum() + final.sum(), [x, weight, bias, state])
+    want = torch.autograd.grad((want_y * g).sum() + want_final.sum(), [x, weight, bias, state])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -165,6 +165,47 @@ def test_varlen_matches_loop_over_sequences(backend):
         assert rel_err(a, b) < 1e-10, f"{name}: {rel_err(a, b):.3e}"
 
 
+@pytest.mark.parametrize("chunk_size", [1, 4, 16, 64])
+@pytest.mark.parametrize("backend", ["naive", "chunk"])
+def test_seq_idx_restarts_like_a_loop_over_documents(backend, chunk_size):
+    """seq_idx [b, T]: every document of a row restarts from zero (the row's first continues its initial_state) and
+    the final state is the row's last document's; ids that come back after another document are a new one. Rows of
+    odd lengths, restarts mid-chunk and on chunk boundaries, several in one chunk, a document across chunks."""
+    rows = [[5, 11, 1, 1, 20], [16, 3, 19]]  # both rows 38 steps
+    ids = [[0] * 5 + [1] * 11 + [2] + [7] + [2] * 20, [4] * 16 + [5] * 3 + [4] * 19]
+    seq_idx = torch.tensor(ids)
+    inputs = make_inputs(2, 38, 4, 3, 2, 5, seed=13)
+    got = run(inputs, backend=backend, chunk_size=chunk_size, seq_idx=seq_idx)
+
+    ys, hs = [], []
+    for r, lengths in enumerate(rows):
+        row = {k: (v[r : r + 1] if k != "A" and k != "D" else v) for k, v in inputs.items()}
+        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        y_row, h = [], row["initial_state"]
+        for d, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
+            one = time_slice(row, start, end)
+            one["initial_state"] = h if d == 0 else torch.zeros_like(h)
+            y_d, h = ssd(**one, output_final_state=True, backend="naive")
+            y_row.append(y_d)
+        ys.append(torch.cat(y_row, dim=1))
+        hs.append(h)
+    ref = outputs_and_grads(inputs, torch.cat(ys, dim=0), torch.cat(hs, dim=0))
+    for name, a, b in zip(NAMES, got, ref):
+        assert rel_err(a, b) < 1e-10, f"{name}: {rel_err(a, b):.3e}"
+
+
+def test_seq_idx_errors():
+    inputs = {k: v.detach() for k, v in make_inputs(1, 6, 2, 3, 1, 4).items()}
+    with pytest.raises(ValueError, match="seq_idx must be an integer tensor"):
+        ssd(**inputs, seq_idx=torch.zeros(1, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="seq_idx must be an integer tensor"):
+        ssd(**inputs, seq_idx=torch.zeros(1, 6))
+    with pytest.raises(ValueError, match="either cu_seqlens"):
+        ssd(**inputs, seq_idx=torch.zeros(1, 6, dtype=torch.long), cu_seqlens=torch.tensor([0, 6]))
+    with pytest.raises(ValueError, match="takes cu_seqlens, not seq_idx"):
+        ssd(**inputs, seq_idx=torch.zeros(1, 6, dtype=torch.long), backend="triton")
+
+
 # ------------------------------------------------------------------------------------------ dtypes
 
 

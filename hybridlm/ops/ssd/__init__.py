@@ -17,7 +17,7 @@ from hybridlm.ops.ssd.naive import naive_ssd
 from hybridlm.ops.ssd.triton import is_available as triton_is_available
 from hybridlm.ops.ssd.triton import ssd_triton
 from hybridlm.ops.ssd.triton import supports as triton_supports
-from hybridlm.ops.utils import check_cu_seqlens, compute_dtype, resolve_backend
+from hybridlm.ops.utils import check_cu_seqlens, compute_dtype, resolve_backend, seq_idx_segments
 
 __all__ = ["ssd", "naive_ssd", "chunk_ssd"]
 
@@ -36,6 +36,7 @@ def ssd(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mamba-2 SSD: per head, `h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T` and `y_t = h_t C_t + D x_t`.
@@ -51,6 +52,11 @@ def ssd(
         output_final_state: also return the state after the last step.
         cu_seqlens: `[N_seq + 1]` int offsets of packed sequences (b == 1); each sequence starts from its
             own row of `initial_state` and none sees another.
+        seq_idx: `[b, T]` integer document index of every step: the state restarts from zero wherever it changes
+            from one step to the next (the first step continues `initial_state`); the final state is the last
+            document's. The alternative to `cu_seqlens` for compiled training on packed documents: the shapes stay
+            the rows' (no padding per document, nothing read on the host). Backends "naive" and "chunk" ("auto"
+            takes "chunk").
         backend: "auto", "naive", "chunk" or "triton" (CUDA tensors and triton installed; x, B, C in float32,
             bfloat16 or float16, P <= 128, N <= 256; "auto" takes it whenever those hold, else "chunk").
 
@@ -64,7 +70,11 @@ def ssd(
     N = B.shape[-1]
     xbc_dtype = torch.promote_types(torch.promote_types(x.dtype, B.dtype), C.dtype)
     on_gpu = x.is_cuda and triton_is_available() and triton_supports(P=P, N=N, dtype=xbc_dtype)
-    backend = resolve_backend(backend, available=_BACKENDS, default="triton" if on_gpu else "chunk")
+    backend = resolve_backend(backend, available=_BACKENDS,
+                              default="triton" if on_gpu and seq_idx is None else "chunk")
+    segments = None
+    if seq_idx is not None:
+        segments = _segments(seq_idx, x.shape[:2], cu_seqlens=cu_seqlens, backend=backend)
     offsets = None
     n_states = b
     if cu_seqlens is not None:
@@ -90,7 +100,7 @@ def ssd(
         initial_state = x.new_zeros(n_states, H, P, N, dtype=dtype)
     args = [t.to(dtype) for t in (x, dt, A, B, C)]
     kwargs = dict(D=None if D is None else D.to(dtype), initial_state=initial_state.to(device=x.device, dtype=dtype),
-                  offsets=offsets)
+                  offsets=offsets, segments=segments)
     # The recurrence stays in `dtype` under a caller's bf16 autocast (its einsums would otherwise run in bf16).
     with torch.autocast(x.device.type, enabled=False):
         if backend == "naive":
@@ -98,6 +108,14 @@ def ssd(
         else:
             y, final_state = chunk_ssd(*args, chunk_size=chunk_size, **kwargs)
     return y.to(x.dtype), (final_state if output_final_state else None)
+
+
+def _segments(seq_idx: torch.Tensor, shape: torch.Size, *, cu_seqlens, backend: str) -> torch.Tensor:
+    if cu_seqlens is not None:
+        raise ValueError("pass either cu_seqlens (packed offsets) or seq_idx (a document index per step), not both")
+    if backend == "triton":
+        raise ValueError("the Triton backend takes cu_seqlens, not seq_idx; use backend='chunk' (or 'auto')")
+    return seq_idx_segments(seq_idx, shape)
 
 
 def _check_shapes(x, dt, A, B, C, D, initial_state, chunk_size) -> None:

@@ -33,21 +33,24 @@ def chunk_ssd(
     chunk_size: int,
     initial_state: torch.Tensor,
     offsets: torch.Tensor | None,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return `(y [b, T, H, P], final_state [b or N_seq, H, P, N])`, both in the inputs' dtype.
 
     With `offsets` (checked `cu_seqlens`, b == 1) the packed sequences are right-padded into a batch:
     padded steps have dt = 0, so they are exact no-ops (decay 1, no write) and each row's state after
-    the padding is the sequence's final state.
+    the padding is the sequence's final state. With `segments` ([b, T] int64, 0 at the first step, +1 at every
+    restart; `hybridlm.ops.ssd.ssd`'s `seq_idx`) the state restarts from zero where the segment changes: the
+    decays across a restart are masked to zero, and every shape stays that of the rows.
     """
     if offsets is None:
-        return _chunk_scan(x, dt, A, B, C, D, chunk_size, initial_state)
+        return _chunk_scan(x, dt, A, B, C, D, chunk_size, initial_state, segments)
     pad = lambda t: packed_to_padded(t, offsets)  # noqa: E731  [1, total, ...] -> [N_seq, max_len, ...]
-    y, final_state = _chunk_scan(pad(x), pad(dt), A, pad(B), pad(C), D, chunk_size, initial_state)
+    y, final_state = _chunk_scan(pad(x), pad(dt), A, pad(B), pad(C), D, chunk_size, initial_state, None)
     return padded_to_packed(y, offsets), final_state
 
 
-def _chunk_scan(x, dt, A, B, C, D, L, h0):
+def _chunk_scan(x, dt, A, B, C, D, L, h0, segments):
     b, T, H, P = x.shape
     G, N = B.shape[2:]
     R = H // G  # heads per group: head h = g * R + r reads group g
@@ -59,33 +62,63 @@ def _chunk_scan(x, dt, A, B, C, D, L, h0):
     Cc = F.pad(C, (0, 0, 0, 0, 0, pad)).view(b, n_chunks, L, G, N)  # [b, c, L, G, N]
     dtc = F.pad(dt, (0, 0, 0, pad)).view(b, n_chunks, L, G, R).permute(0, 1, 3, 4, 2)  # [b, c, G, R, L]
 
+    # 0. Restarts (segments): which pairs of steps share a segment. The padding continues the last segment.
+    #    same[i, j]: steps i, j of a chunk in one segment; to_end[j]: j in the segment the chunk ends in;
+    #    from_start[i]: i in the segment that entered the chunk; through[c]: chunk c has no restart at all.
+    same = to_end_kept = from_start = through = None
+    if segments is not None:
+        seg = torch.cat([segments, segments[:, -1:].expand(b, pad)], dim=1).view(b, n_chunks, L)  # [b, c, L]
+        entering = torch.cat([seg[:, :1, 0], seg[:, :-1, -1]], dim=1)  # [b, c]: the step before each chunk
+        same = (seg[..., :, None] == seg[..., None, :])[:, :, None, None]  # [b, c, 1, 1, L, L]
+        to_end_kept = (seg == seg[..., -1:])[:, :, None, None]  # [b, c, 1, 1, L]
+        from_start = (seg == entering[..., None])[:, :, None, None]  # [b, c, 1, 1, L]
+        through = seg[..., -1] == entering  # [b, c]
+
     # 1. Log decays and their cumulative sums inside each chunk: c_i = sum_{k <= i} dt_k A.
     cum = torch.cumsum(dtc * A.view(G, R, 1), dim=-1)  # [b, c, G, R, L]
 
     # 2. Intra-chunk (diagonal blocks): y_i += sum_{j <= i} exp(c_i - c_j) (C_i . B_j) dt_j x_j.
     causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-    segsum = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf"))  # [b, c, G, R, L, L]
+    keep = causal if same is None else causal & same
+    segsum = (cum[..., :, None] - cum[..., None, :]).masked_fill(~keep, float("-inf"))  # [b, c, G, R, L, L]
     CB = torch.einsum("bcign,bcjgn->bcgij", Cc, Bc)  # [b, c, G, L, L]
     scores = CB[:, :, :, None] * torch.exp(segsum) * dtc[..., None, :]  # [b, c, G, R, L, L]
     y = torch.einsum("bcgrij,bcjgrp->bcigrp", scores, xc)  # [b, c, L, G, R, P]
 
     # 3. Chunk states (what each chunk writes, decayed to its end): sum_j exp(c_{L-1} - c_j) dt_j x_j B_j^T.
     to_end = torch.exp(cum[..., -1:] - cum) * dtc  # [b, c, G, R, L]
+    if to_end_kept is not None:
+        to_end = to_end * to_end_kept
     writes = torch.einsum("bcgrj,bcjgrp,bcjgn->bcgrpn", to_end, xc, Bc)  # [b, c, G, R, P, N]
 
-    # 4. Inter-chunk recurrence: h_in[c + 1] = exp(c_{L-1}) h_in[c] + writes[c], from h_in[0] = h0.
-    chunk_decay = torch.exp(cum[..., -1])[..., None, None]  # [b, c, G, R, 1, 1]
-    h = h0.reshape(b, G, R, P, N)  # [b, G, R, P, N]
-    states_in = []
-    for c in range(n_chunks):
-        states_in.append(h)
-        h = chunk_decay[:, c] * h + writes[:, c]
-    h_in = torch.stack(states_in, dim=1) if states_in else writes  # [b, c, G, R, P, N]
+    # 4. Inter-chunk recurrence in closed form: the state entering chunk z is
+    #    sum_{c < z} exp(ld_{c+1} + ... + ld_{z-1}) writes[c] + exp(ld_0 + ... + ld_{z-1}) h0, with ld the chunks'
+    #    log decays (-inf for a chunk with a restart). One product over chunk pairs instead of a loop over chunks:
+    #    a short graph for torch.compile at any length.
+    log_decay = cum[..., -1]  # [b, c, G, R]
+    if through is not None:
+        log_decay = log_decay.masked_fill(~through[..., None, None], float("-inf"))
+    carry = torch.exp(_segsum(F.pad(log_decay.permute(0, 2, 3, 1), (1, 0))))  # [b, G, R, c + 1, c + 1]
+    states = torch.cat([h0.reshape(b, 1, G, R, P, N), writes], dim=1)  # [b, c + 1, G, R, P, N]
+    states = torch.einsum("bgrzc,bcgrpn->bzgrpn", carry, states)  # [b, c + 1, G, R, P, N]
+    h_in, h = states[:, :-1], states[:, -1]  # entering each chunk; after the last
 
     # 5. State to output (off-diagonal blocks): y_i += exp(c_i) h_in C_i.
-    y = y + torch.einsum("bcign,bcgrpn,bcgri->bcigrp", Cc, h_in, torch.exp(cum))
+    from_entry = torch.exp(cum) if from_start is None else torch.exp(cum) * from_start  # [b, c, G, R, L]
+    y = y + torch.einsum("bcign,bcgrpn,bcgri->bcigrp", Cc, h_in, from_entry)
 
     y = y.reshape(b, n_chunks * L, H, P)[:, :T]  # [b, T, H, P]
     if D is not None:
         y = y + D[:, None] * x
     return y, h.reshape(b, H, P, N)
+
+
+def _segsum(v: torch.Tensor) -> torch.Tensor:
+    """v [..., n] -> [..., n, n]: out[z, c] = v[c+1] + ... + v[z] for c <= z (0 on the diagonal), -inf above it.
+    Summed as masked cumulative sums, never as differences of prefix sums: an entry of -inf (a decay of zero)
+    stays -inf in every sum it enters and yields no inf - inf."""
+    n = v.shape[-1]
+    terms = v[..., :, None].expand(*v.shape, n)  # terms[k, c] = v[k]
+    below = torch.ones(n, n, dtype=torch.bool, device=v.device).tril(-1)  # k > c
+    sums = torch.cumsum(terms.masked_fill(~below, 0), dim=-2)  # sums[z, c] = sum_{c < k <= z} v[k]
+    return sums.masked_fill(~below.logical_or(torch.eye(n, dtype=torch.bool, device=v.device)), float("-inf"))

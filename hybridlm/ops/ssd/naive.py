@@ -27,14 +27,16 @@ def naive_ssd(
     D: torch.Tensor | None,
     initial_state: torch.Tensor,
     offsets: torch.Tensor | None,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return `(y [b, T, H, P], final_state [b or N_seq, H, P, N])`, both in the inputs' dtype.
 
     With `offsets` (checked `cu_seqlens`, b == 1) every packed sequence runs on its own from its own
-    row of `initial_state`.
+    row of `initial_state`. With `segments` ([b, T], `ssd`'s `seq_idx` numbered from 0) the state restarts from
+    zero at every step whose segment differs from the step before.
     """
     if offsets is None:
-        return _recurrence(x, dt, A, B, C, D, initial_state)
+        return _recurrence(x, dt, A, B, C, D, initial_state, segments)
     ys, finals = [], []
     for i in range(len(offsets) - 1):
         start, end = int(offsets[i]), int(offsets[i + 1])
@@ -46,7 +48,7 @@ def naive_ssd(
     return torch.cat(ys, dim=1), torch.cat(finals, dim=0)
 
 
-def _recurrence(x, dt, A, B, C, D, h):
+def _recurrence(x, dt, A, B, C, D, h, segments=None):
     b, T, H, P = x.shape
     G = B.shape[2]
     # 0. Every head reads its group's B and C: head h -> group h // (H // G).
@@ -54,8 +56,10 @@ def _recurrence(x, dt, A, B, C, D, h):
     C = C.repeat_interleave(H // G, dim=2)  # [b, T, H, N]
     ys = []
     for t in range(T):
-        # 1. Decay: a_t = exp(dt_t * A), one scalar per (batch, head).
+        # 1. Decay: a_t = exp(dt_t * A), one scalar per (batch, head); 0 where a new segment starts.
         decay = torch.exp(dt[:, t] * A)  # [b, H]
+        if segments is not None and t > 0:
+            decay = decay * (segments[:, t] == segments[:, t - 1])[:, None]
         # 2. Write: the rank-1 update dt_t * x_t B_t^T.
         write = (dt[:, t, :, None] * x[:, t])[..., :, None] * B[:, t, :, None, :]  # [b, H, P, N]
         # 3. State: h_t = a_t h_{t-1} + dt_t x_t B_t^T.
