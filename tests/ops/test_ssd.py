@@ -194,6 +194,29 @@ def test_seq_idx_restarts_like_a_loop_over_documents(backend, chunk_size):
         assert rel_err(a, b) < 1e-10, f"{name}: {rel_err(a, b):.3e}"
 
 
+@pytest.mark.parametrize("n_chunks", [0, 1, 7])
+def test_inter_chunk_closed_form_matches_the_loop(n_chunks):
+    """The compiled form of the chunk recurrence (one product over pairs of chunks) equals the eager loop in float64,
+    values and gradients, also with chunks whose log decay is -inf (a restart inside: nothing passes through)."""
+    from hybridlm.ops.ssd.chunk import inter_chunk
+
+    g = torch.Generator().manual_seed(3)
+    log_decay = -torch.rand(2, n_chunks, 2, 3, generator=g, dtype=torch.float64) * 2
+    if n_chunks > 1:
+        log_decay[0, 1, 0] = float("-inf")
+        log_decay[1, -1] = float("-inf")
+    writes = torch.randn(2, n_chunks, 2, 3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(2, 2, 3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    log_decay.requires_grad_()
+    loop, closed = (inter_chunk(log_decay, writes, h0, closed_form=form) for form in (False, True))
+    assert rel_err(closed, loop) < 1e-12
+    weights = torch.randn(loop.shape, generator=g, dtype=torch.float64)
+    inputs = [log_decay, writes, h0]
+    for a, b in zip(torch.autograd.grad((loop * weights).sum(), inputs, allow_unused=True, materialize_grads=True),
+                    torch.autograd.grad((closed * weights).sum(), inputs, allow_unused=True, materialize_grads=True)):
+        assert torch.isfinite(b).all() and rel_err(b, a) < 1e-12
+
+
 def test_seq_idx_errors():
     inputs = {k: v.detach() for k, v in make_inputs(1, 6, 2, 3, 1, 4).items()}
     with pytest.raises(ValueError, match="seq_idx must be an integer tensor"):

@@ -91,17 +91,13 @@ def _chunk_scan(x, dt, A, B, C, D, L, h0, segments):
         to_end = to_end * to_end_kept
     writes = torch.einsum("bcgrj,bcjgrp,bcjgn->bcgrpn", to_end, xc, Bc)  # [b, c, G, R, P, N]
 
-    # 4. Inter-chunk recurrence in closed form: the state entering chunk z is
-    #    sum_{c < z} exp(ld_{c+1} + ... + ld_{z-1}) writes[c] + exp(ld_0 + ... + ld_{z-1}) h0, with ld the chunks'
-    #    log decays (-inf for a chunk with a restart). One product over chunk pairs instead of a loop over chunks:
-    #    a short graph for torch.compile at any length.
+    # 4. Inter-chunk recurrence: h_in[c + 1] = exp(ld_c) h_in[c] + writes[c], from h_in[0] = h0, with ld_c the
+    #    chunk's log decay (-inf for a chunk with a restart: nothing passes through it).
     log_decay = cum[..., -1]  # [b, c, G, R]
     if through is not None:
         log_decay = log_decay.masked_fill(~through[..., None, None], float("-inf"))
-    carry = torch.exp(_segsum(F.pad(log_decay.permute(0, 2, 3, 1), (1, 0))))  # [b, G, R, c + 1, c + 1]
-    states = torch.cat([h0.reshape(b, 1, G, R, P, N), writes], dim=1)  # [b, c + 1, G, R, P, N]
-    states = torch.einsum("bgrzc,bcgrpn->bzgrpn", carry, states)  # [b, c + 1, G, R, P, N]
-    h_in, h = states[:, :-1], states[:, -1]  # entering each chunk; after the last
+    states = inter_chunk(log_decay, writes, h0.reshape(b, G, R, P, N), closed_form=torch.compiler.is_compiling())
+    h_in, h = states[:, :-1], states[:, -1]  # entering each chunk [b, c, G, R, P, N]; after the last
 
     # 5. State to output (off-diagonal blocks): y_i += exp(c_i) h_in C_i.
     from_entry = torch.exp(cum) if from_start is None else torch.exp(cum) * from_start  # [b, c, G, R, L]
@@ -111,6 +107,25 @@ def _chunk_scan(x, dt, A, B, C, D, L, h0, segments):
     if D is not None:
         y = y + D[:, None] * x
     return y, h.reshape(b, H, P, N)
+
+
+def inter_chunk(log_decay: torch.Tensor, writes: torch.Tensor, h0: torch.Tensor, *, closed_form: bool) -> torch.Tensor:
+    """The states entering every chunk and the final one, [b, c + 1, G, R, P, N], from the chunks' log decays
+    [b, c, G, R], their writes [b, c, G, R, P, N] and h0 [b, G, R, P, N].
+
+    Two forms of one recurrence. Eagerly a loop over chunks (linear in their number). Under torch.compile the closed
+    form h_in[z] = sum_{k < z} exp(ld_{k+1} + ... + ld_{z-1}) writes[k] + exp(ld_0 + ... + ld_{z-1}) h0: one product
+    over pairs of chunks (quadratic in their number, a few GFLOP at T = 16K), whose graph stays short at any length
+    where the loop's unrolls into one step per chunk."""
+    if not closed_form:
+        h, states = h0, [h0]
+        for c in range(writes.shape[1]):
+            h = torch.exp(log_decay[:, c])[..., None, None] * h + writes[:, c]
+            states.append(h)
+        return torch.stack(states, dim=1)
+    carry = torch.exp(_segsum(F.pad(log_decay.permute(0, 2, 3, 1), (1, 0))))  # [b, G, R, c + 1, c + 1]
+    states = torch.cat([h0[:, None], writes], dim=1)  # [b, c + 1, G, R, P, N]
+    return torch.einsum("bgrzc,bcgrpn->bzgrpn", carry, states)
 
 
 def _segsum(v: torch.Tensor) -> torch.Tensor:
