@@ -14,7 +14,7 @@ autocast; the GPU is synchronized at every update, so this is the time of one up
 overlap of the host's launches and the GPU's work) and its ratio to the Transformer's in the same run.
 `--compile` times the updates of `bench addition --compile` (inductor, "reduce-overhead"); the first
 updates, which compile and record the graphs, are left out of the median. `--ssm-backend` sets the op backend of
-every fast-weight and Mamba-2 mixer ("auto": Triton kernels for the rules that have them, the chunk path for SSD).
+every fast-weight and Mamba-2 mixer ("auto": Triton kernels on CUDA for the rules that have them and for 16-bit SSD).
 `--profile` adds, per model, a `torch.profiler` table of 3 updates after the timed ones: the kernels with the most
 GPU time, and the count of kernel launches per update; `--stacks` groups that table by the Python stack that launched
 each operator (eager mode only: under CUDA graphs the kernels belong to the graph's replay).

@@ -8,7 +8,8 @@ Packed batches (`cu_seqlens`, B == 1): tokens attend only inside their own docum
 flash attention's variable-length kernel (`torch.nn.attention.varlen.varlen_attn`: each document's own causal
 attention, nothing computed across documents); elsewhere (CPU, float32, dropout in training, a torch without it) a
 block-diagonal causal mask over the whole packed row (O(T^2) memory and work: a trainer's packed row of 8 x 2048
-tokens costs 8 times the pairs of its rows, and no flash kernel takes the mask). A `LayerCache`
+tokens costs 8 times the pairs of its rows, and no flash kernel takes the mask); also for head dims flash does not
+take (not a multiple of 8, or above 256) and GPUs without it (before sm80). A `LayerCache`
 makes it incremental: new keys/values are appended and queries attend to everything cached. A packed
 prefill into an empty cache stores one row per document, right-aligned (`LayerCache.store_packed_kv`);
 later queries of a row then skip its `pad` leading slots.
@@ -127,24 +128,37 @@ def _varlen_attention(
 ) -> torch.Tensor | None:
     """Causal attention inside each packed document with flash attention's varlen kernel: q [1, T, Hq, D], k, v
     [1, T, Hkv, D], offsets [N + 1] on the device -> [T, Hq, D]; None where the kernel does not apply (the caller
-    then masks)."""
+    then masks): no varlen_attn in this torch, not CUDA, not 16-bit, dropout, a head dim flash does not take, a GPU
+    or a build without flash attention."""
     kernel = _flash_varlen_kernel()
     if (kernel is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or dropout > 0
-            or q.shape[-1] % 8 or q.shape[-1] > 256):
+            or q.shape[-1] % 8 or q.shape[-1] > 256 or not _has_flash(q.device.index)):
         return None
-    cu = offsets.to(torch.int32)
-    return kernel(q[0], k[0], v[0], cu, max_len)
+    return kernel(q[0], k[0], v[0], offsets.to(torch.int32), max_len)
+
+
+@functools.cache
+def _has_flash(device_index: int | None) -> bool:
+    """Flash attention runs on this GPU: built into torch, and an Ampere or newer card (sm80+)."""
+    built = torch.backends.cuda.is_flash_attention_available()
+    return built and torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
 @functools.cache
 def _flash_varlen_kernel() -> Callable | None:
-    """`varlen_attn` bound to causal attention with grouped keys, or None on a torch without it. Its keywords
-    changed between releases: causal is `is_causal=True` in torch 2.10 and `window_size=(-1, 0)` later, and grouped
-    keys (`enable_gqa`) arrived after 2.10; without it the key/value heads are repeated for the query heads."""
+    """torch's `varlen_attn` bound by `bind_varlen`, or None on a torch without it."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
+    return bind_varlen(varlen_attn)
+
+
+def bind_varlen(varlen_attn: Callable) -> Callable | None:
+    """`(q [T, Hq, D], k, v [T, Hkv, D], cu [N + 1] int32, max_len) -> [T, Hq, D]`: `varlen_attn` as causal attention
+    with grouped keys (query head h reads key head h // (Hq / Hkv)), or None if it takes no causal option. Its
+    keywords changed between releases: causal is `is_causal=True` in torch 2.10 and `window_size=(-1, 0)` later, and
+    grouped keys (`enable_gqa`) arrived after 2.10; without it the key/value heads are repeated for the query heads."""
     params = inspect.signature(varlen_attn).parameters
     causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True} if "is_causal" in params \
         else None
@@ -152,7 +166,7 @@ def _flash_varlen_kernel() -> Callable | None:
         return None
     native_gqa = "enable_gqa" in params
 
-    def attend(q, k, v, cu, max_len):  # q [T, Hq, D], k, v [T, Hkv, D]
+    def attend(q, k, v, cu, max_len):
         groups = q.shape[1] // k.shape[1]
         if groups > 1 and not native_gqa:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)

@@ -275,15 +275,14 @@ def _next_token_loss(
     batch, length = labels.shape
     targets = labels[:, 1:].clone()  # [B, T-1]
     if attention_mask is not None:
-        targets[~attention_mask[:, :-1].to(torch.bool)] = IGNORE_INDEX
+        targets.masked_fill_(~attention_mask[:, :-1].to(torch.bool), IGNORE_INDEX)  # no nonzero(): no wait
     if cu_seqlens is not None:
         offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length)  # on the host
         # Target t+1 starts a document. index_fill_ takes the value as a kernel argument: assigning a Python number
         # through indexing first copies it to the device as a tensor, a blocking copy.
         targets.index_fill_(1, host_to_device(offsets[1:-1] - 1, labels.device), IGNORE_INDEX)
     elif position_ids is not None:
-        starts = position_ids.expand(batch, length)[:, 1:] == 0
-        targets[starts] = IGNORE_INDEX
+        targets.masked_fill_(position_ids.expand(batch, length)[:, 1:] == 0, IGNORE_INDEX)
     return F.cross_entropy(
         logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
     )

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import FalconH1Config
 from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Attention, FalconH1RotaryEmbedding
 
@@ -130,3 +131,46 @@ def test_packed_documents_on_cuda_run_flash_varlen_like_the_mask(heads, kv_heads
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     alone = torch.cat([attn(x[:, a:b]) for a, b in zip(offsets[:-1], offsets[1:])], dim=1)
     torch.testing.assert_close(out, alone, rtol=2e-2, atol=2e-2)
+
+
+def _sdpa_per_document(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, window_size=(-1, -1),
+                       enable_gqa=False):
+    """A stand-in for `varlen_attn` on the CPU: causal SDPA over each document ([T, H, D] layout)."""
+    assert is_causal or window_size == (-1, 0), "attention must be asked to be causal"
+    assert enable_gqa or q.shape[1] == k.shape[1], "grouped keys without enable_gqa"
+    outs = []
+    for start, end in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        one = [t[start:end].transpose(0, 1) for t in (q, k, v)]  # [H, len, D]
+        outs.append(F.scaled_dot_product_attention(*one, is_causal=True, enable_gqa=enable_gqa).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _torch_2_10_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    return _sdpa_per_document(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=is_causal)
+
+
+def _torch_2_13_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                       window_size=(-1, -1), enable_gqa=False):
+    return _sdpa_per_document(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window_size,
+                              enable_gqa=enable_gqa)
+
+
+@pytest.mark.parametrize("varlen_attn", [_torch_2_10_varlen, _torch_2_13_varlen], ids=["torch-2.10", "torch-2.13"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4)])
+def test_bind_varlen_takes_either_signature(varlen_attn, heads, kv_heads):
+    """`bind_varlen` asks both releases' keywords for causal attention with grouped keys (the 2.10 form by repeating
+    the key/value heads, query head h reading key head h // (Hq / Hkv)): the block-diagonal mask's result."""
+    from hybridlm.layers.attention import bind_varlen
+
+    attend = bind_varlen(varlen_attn)
+    g = torch.Generator().manual_seed(0)
+    offsets = [0, 3, 4, 11]
+    q = torch.randn(11, heads, 8, generator=g)
+    k, v = (torch.randn(11, kv_heads, 8, generator=g) for _ in range(2))
+    got = attend(q, k, v, torch.tensor(offsets, dtype=torch.int32), 7)
+    seq = torch.repeat_interleave(torch.arange(3), torch.tensor([3, 1, 7]))
+    mask = (seq[:, None] == seq[None, :]) & torch.ones(11, 11, dtype=torch.bool).tril()
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                          enable_gqa=heads != kv_heads).transpose(0, 1)
+    torch.testing.assert_close(got, want)
+    assert bind_varlen(lambda query, key, value, cu_seq_q, cu_seq_k, max_q, max_k: query) is None  # no causal option

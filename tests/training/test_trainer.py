@@ -229,8 +229,7 @@ def test_compiled_blocks_train_like_eager(demo_dir, tmp_path, monkeypatch):
     """train.compile (torch.compile per block, inductor; the CPU's minute-long compile is paid once, in the
     reduce-overhead mode) gives eager's losses, and starts a new CUDA-graph step before every forward (on the CPU
     inductor runs without graphs; the GPU replays them). The held-out evaluation and the samples, forwards without a
-    backward, run eagerly (`Trainer._eager_without_grad`). The trainer's packed documents run the mixers outside the
-    graphs (`hybridlm.layers.block._packed_mix`)."""
+    backward, run eagerly (`Trainer._eager_without_grad`)."""
     mode = "reduce-overhead"
     steps_begun = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps_begun.append(1))
@@ -294,14 +293,18 @@ def test_cuda_graph_blocks_are_refused_under_a_device_mesh(demo_dir, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
 def test_cuda_graph_blocks_accumulate_gradients_like_eager(demo_dir, tmp_path):
     """On a GPU, reduce-overhead replays every block as a CUDA graph: 2 updates of 2 micro-batches each give eager's
-    losses (a .grad left to the graphs' memory would be overwritten by the second micro-batch's graph step)."""
-    extra = ("train.steps=2", "batch.grad_accum=2", "train.device=cuda")
+    losses (a .grad left to the graphs' memory would be overwritten by the second micro-batch's graph step), and the
+    held-out evaluation in between gives eager's loss (replayed as graphs without a backward, each block's replay
+    overwrote the previous block's output: `Trainer._eager_without_grad`)."""
+    extra = ("train.steps=2", "batch.grad_accum=2", "train.device=cuda", "train.eval_every=1", "train.eval_batches=1")
     eager = Trainer(small_config(demo_dir, tmp_path / "eager", *extra))
     eager.train()
     graphs = Trainer(small_config(demo_dir, tmp_path / "graphs", *extra, "train.compile=true",
                                   "train.compile_mode=reduce-overhead"))
     graphs.train()
     assert losses(graphs) == pytest.approx(losses(eager), rel=1e-3)
+    held = [[r["eval_loss"] for r in read_jsonl(tmp_path / name / "eval.jsonl")] for name in ("eager", "graphs")]
+    assert len(held[0]) >= 2 and held[1] == pytest.approx(held[0], rel=1e-3)
     for (name, a), (_, b) in zip(eager.raw_model.named_parameters(), graphs.raw_model.named_parameters()):
         torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4, msg=name)
 

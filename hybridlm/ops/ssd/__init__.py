@@ -2,10 +2,11 @@
 
 Backends: "naive" (loop over time steps, the specification, `naive.py`) and "chunk" (the chunked
 SSD algorithm in plain torch, `chunk.py`) and "triton" (the chunked algorithm in Triton kernels, `triton/`). "auto"
-picks "triton" for CUDA tensors it supports when triton is installed, "chunk" otherwise. On an H200 (2026-11-30,
-bf16, B=8 H=16 P=64 N=128) the Triton kernels' forward + backward took 3.46 ms at T=4K and 13.6 ms at 16K against
-the eager chunk path's 25.7 and 286 ms, and a compiled 144M hybrid trained 15% faster on them than on the compiled
-chunk path (benchmarks/RESULTS.md). The math: README.md in this folder.
+picks "triton" for bf16/fp16 CUDA tensors it supports when triton is installed, "chunk" otherwise (float32 too:
+its kernels spill heavily and were never timed). On an H200 (2026-11-30, bf16, B=8 H=16 P=64 N=128) the Triton
+kernels' forward + backward took 3.46 ms at T=4K and 13.6 ms at 16K against the eager chunk path's 25.7 and 286 ms;
+a compiled 134M hybrid ("h1 mamba2") trained at 0.74x a 144M Transformer's tokens/s on them and 0.64x on the compiled
+chunk path (two calls; benchmarks/RESULTS.md). The math: README.md in this folder.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def ssd(
             the rows' (no padding per document, nothing read on the host). Backends "naive" and "chunk" ("auto"
             takes "chunk").
         backend: "auto", "naive", "chunk" or "triton" (CUDA tensors and triton installed; x, B, C in float32,
-            bfloat16 or float16, P <= 128, N <= 256; "auto" takes it whenever those hold, else "chunk").
+            bfloat16 or float16, P <= 128, N <= 256; "auto" takes it for bf16/fp16 ones, else "chunk").
 
     Returns:
         `(y, final_state)`: y `[b, T, H, P]` in x's dtype; final_state `[b or N_seq, H, P, N]` in float32
@@ -69,7 +70,8 @@ def ssd(
     b, T, H, P = x.shape
     N = B.shape[-1]
     xbc_dtype = torch.promote_types(torch.promote_types(x.dtype, B.dtype), C.dtype)
-    on_gpu = x.is_cuda and triton_is_available() and triton_supports(P=P, N=N, dtype=xbc_dtype)
+    on_gpu = (x.is_cuda and xbc_dtype in (torch.bfloat16, torch.float16) and triton_is_available()
+              and triton_supports(P=P, N=N, dtype=xbc_dtype))
     backend = resolve_backend(backend, available=_BACKENDS,
                               default="triton" if on_gpu and seq_idx is None else "chunk")
     segments = None

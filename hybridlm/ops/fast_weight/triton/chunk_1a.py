@@ -26,9 +26,10 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on launch grid axes 1 and 2
 # [64, 32] blocks) most of the GPU idles and each program moves its block's keys and values alone. Below
 # SCAN_MIN_PROGRAMS programs the blocks shrink (to 16 x 16 at least) so that more SMs share the walk: 264, two
 # waves of an H200's 132 SMs. Timed on an H200 (2026-11-30, bf16, B=1 H=10 D=64, fixed -> narrowed blocks;
-# benchmarks/gpu_fast_weight_triton.py, column "fixed scan blocks"): 1A forward 1.06 -> 0.51 ms at T=16K, 3A
-# forward + backward 5.94 -> 5.32 ms at T=16K and 4.77 -> 4.58 ms at T=4K, the rest within noise (+-15%); at
-# B=8 H=16 D=128 nothing narrows (1024 programs). 0: the fixed [64, 32] blocks.
+# benchmarks/gpu_fast_weight_triton.py, column "fixed scan blocks"): 3A forward + backward 5.94 -> 5.32 ms at
+# T=16K and 4.77 -> 4.58 ms at T=4K, the rest within one run's noise (+-15%; 1A's forward at 16K read 1.06 -> 0.51
+# ms, but below its 4K time, so not counted); at B=8 H=16 D=128 nothing narrows (1024 programs). 0: the fixed
+# [64, 32] blocks.
 SCAN_MIN_PROGRAMS = 264
 
 
