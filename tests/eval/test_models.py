@@ -119,18 +119,22 @@ def test_compiled_training_on_cuda_follows_eager():
     assert losses[True] == pytest.approx(losses[False], rel=2e-2)
 
 
-def test_every_run_of_a_worker_trains_compiled(monkeypatch):
+def test_every_run_of_a_worker_trains_compiled():
     """A worker process trains run after run: each run's model compiles afresh, also past dynamo's recompile limit
-    (set to 1 here; 8 in torch), where a new model's forward would otherwise fall back to eager silently."""
+    (set to 1 here; 8 in torch), where a new model's forward would otherwise fall back to eager silently. (The
+    limit through dynamo's own `config.patch`: pytest's monkeypatch of the old alias `cache_size_limit` is never
+    undone, and the limit of 1 leaked into every later test.)"""
     from torch._dynamo.utils import counters
 
     from hybridlm.eval.models import build_model
 
-    monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 1)
-    for name in ("transformer", "fw-1A", "mamba2"):
-        before = counters["stats"]["unique_graphs"]
-        model = build_model(task_config(name, vocab_size=16, size="tiny"), seed=0)
-        ids = torch.randint(3, 16, (2, 12))
-        train_on_task(model, lambda step: {"input_ids": ids, "labels": ids}, steps=1, lr=1e-3, warmup=0,
-                      device="cpu", compile=True)
-        assert counters["stats"]["unique_graphs"] > before, name
+    limit = torch._dynamo.config.recompile_limit
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for name in ("transformer", "fw-1A", "mamba2"):
+            before = counters["stats"]["unique_graphs"]
+            model = build_model(task_config(name, vocab_size=16, size="tiny"), seed=0)
+            ids = torch.randint(3, 16, (2, 12))
+            train_on_task(model, lambda step: {"input_ids": ids, "labels": ids}, steps=1, lr=1e-3, warmup=0,
+                          device="cpu", compile=True)
+            assert counters["stats"]["unique_graphs"] > before, name
+    assert torch._dynamo.config.recompile_limit == limit
