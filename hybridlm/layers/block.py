@@ -26,7 +26,7 @@ Mixer contract (every sequence mixer, e.g. `Mamba2Mixer`, `Attention`, and the f
                                     # cu_seqlens, so the mixer need not look for them (a host synchronization)
         -> [B, T, D]              # before the output multiplier (the block applies it)
 
-A mixer whose class sets `takes_seq_idx = True` (Mamba-2) also runs packed documents as
+A mixer whose `takes_seq_idx` is True (Mamba-2 on the SSD's torch backends) also runs packed documents as
 `mixer(hidden, position_ids=..., seq_idx=[B, T] document index per token)`: the same result with the rows'
 shapes. A compiled block calls it that way (given `seq_idx`, which the model computes once per forward), so the
 mixer compiles and replays as a CUDA graph; the other mixers run packed documents outside the compiled graphs
@@ -90,6 +90,8 @@ class HybridBlock(nn.Module):
         restarts_resolved: bool = False,
         seq_idx: torch.Tensor | None = None,  # [1, T] with cu_seqlens: each token's document, on the device
     ) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
+        if seq_idx is not None and cu_seqlens is None:
+            raise ValueError("HybridBlock: seq_idx marks the documents of a packed row and needs its cu_seqlens")
         mix = dict(cu_seqlens=cu_seqlens, position_ids=position_ids, cache=cache, restarts_resolved=restarts_resolved)
         n = self.norm(x)
         if self.arrangement == "S_A_M":
@@ -132,5 +134,6 @@ def _packed_mix(mixer: nn.Module, hidden: torch.Tensor, mix: dict) -> torch.Tens
     """A mixer on packed documents runs outside torch.compile's graphs. Its shapes follow the documents (each batch
     pads them to its own [N, max_len], from host offsets read with `.tolist()`): traced, every new batch would be a
     graph break and a recompilation, and after eight of those the block would fall back to eager for good. The block's
-    norms, MLP and residuals stay compiled; plain rows (no cu_seqlens) compile the mixers too."""
+    norms, MLP and residuals stay compiled; plain rows (no cu_seqlens) compile the mixers too, and so do packed
+    documents given `seq_idx` for a mixer that `takes_seq_idx` (Mamba-2)."""
     return mixer(hidden, **mix)

@@ -38,7 +38,11 @@ from hybridlm.ops.utils import compute_dtype, local_tensor
 class Mamba2Mixer(nn.Module):
     """SSM mixer: `forward(hidden [B, T, D], *, cu_seqlens, position_ids, cache, seq_idx) -> [B, T, D]`."""
 
-    takes_seq_idx = True  # packed documents as a document index per token (the hybrid block's compiled path)
+    @property
+    def takes_seq_idx(self) -> bool:
+        """Packed documents as a document index per token (the hybrid block's compiled path): the SSD's torch
+        backends take it; a mixer set to the Triton kernels keeps cu_seqlens."""
+        return self.backend != "triton"
 
     def __init__(self, config, layer_idx: int) -> None:  # config: HybridConfig
         super().__init__()

@@ -59,8 +59,8 @@ def seq_idx_segments(seq_idx: torch.Tensor, shape: tuple[int, int]) -> torch.Ten
     if tuple(seq_idx.shape) != tuple(shape) or seq_idx.dtype.is_floating_point or seq_idx.dtype == torch.bool:
         raise ValueError(f"seq_idx must be an integer tensor [b, T] = {list(shape)}, got {seq_idx.dtype} "
                          f"{list(seq_idx.shape)}")
-    changes = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int64)  # [b, T - 1]
-    return torch.cat([changes.new_zeros(changes.shape[0], 1), changes.cumsum(dim=1)], dim=1)
+    changes = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int64)  # [b, T - 1] (empty for T = 0)
+    return torch.cat([changes.new_zeros(changes.shape[0], 1), changes.cumsum(dim=1)], dim=1)[:, : seq_idx.shape[1]]
 
 
 def packed_to_padded(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -87,6 +87,15 @@ def test_fast_weight_block_runs():
     assert block(x).shape == x.shape
 
 
+def test_seq_idx_needs_cu_seqlens_and_the_torch_ssd():
+    block = make_block()
+    with pytest.raises(ValueError, match="needs its cu_seqlens"):
+        block(torch.randn(1, 5, 16), seq_idx=torch.zeros(1, 5, dtype=torch.long))
+    assert block.ssm.takes_seq_idx
+    block.ssm.backend = "triton"  # its kernels take cu_seqlens only: a compiled block keeps the packed call
+    assert not block.ssm.takes_seq_idx
+
+
 @pytest.mark.parametrize("ssm_mixer", ["mamba2", "fast_weight"])
 def test_compiled_block_on_packed_documents_compiles_once(ssm_mixer):
     """Packed documents change the mixers' padded shapes with every batch. Compiled, a block must neither recompile

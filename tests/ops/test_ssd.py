@@ -166,11 +166,15 @@ def test_varlen_matches_loop_over_sequences(backend):
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 16, 64])
-@pytest.mark.parametrize("backend", ["naive", "chunk"])
-def test_seq_idx_restarts_like_a_loop_over_documents(backend, chunk_size):
+@pytest.mark.parametrize("backend", ["naive", "chunk", "chunk-compiled-form"])
+def test_seq_idx_restarts_like_a_loop_over_documents(backend, chunk_size, monkeypatch):
     """seq_idx [b, T]: every document of a row restarts from zero (the row's first continues its initial_state) and
     the final state is the row's last document's; ids that come back after another document are a new one. Rows of
-    odd lengths, restarts mid-chunk and on chunk boundaries, several in one chunk, a document across chunks."""
+    odd lengths, restarts mid-chunk and on chunk boundaries, several in one chunk, a document across chunks; the
+    chunk path also in the closed inter-chunk form that torch.compile takes."""
+    if backend == "chunk-compiled-form":
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        backend = "chunk"
     rows = [[5, 11, 1, 1, 20], [16, 3, 19]]  # both rows 38 steps
     ids = [[0] * 5 + [1] * 11 + [2] + [7] + [2] * 20, [4] * 16 + [5] * 3 + [4] * 19]
     seq_idx = torch.tensor(ids)
@@ -217,7 +221,10 @@ def test_inter_chunk_closed_form_matches_the_loop(n_chunks):
         assert torch.isfinite(b).all() and rel_err(b, a) < 1e-12
 
 
-def test_seq_idx_errors():
+def test_seq_idx_errors_and_empty_rows():
+    empty = {k: v.detach() for k, v in make_inputs(1, 0, 2, 3, 1, 4).items()}
+    y, h = ssd(**empty, seq_idx=torch.zeros(1, 0, dtype=torch.long), output_final_state=True, chunk_size=4)
+    assert y.shape == (1, 0, 2, 3) and torch.equal(h, empty["initial_state"])
     inputs = {k: v.detach() for k, v in make_inputs(1, 6, 2, 3, 1, 4).items()}
     with pytest.raises(ValueError, match="seq_idx must be an integer tensor"):
         ssd(**inputs, seq_idx=torch.zeros(1, 5, dtype=torch.long))

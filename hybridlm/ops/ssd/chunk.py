@@ -2,9 +2,9 @@
 
 Time is cut into chunks of L steps. Inside a chunk the recurrence is unrolled into a masked,
 decayed attention-like product (quadratic in L); across chunks only the [P, N] state is carried,
-by a short loop over chunks. With the per-step log decay l_t = dt_t * A (<= 0) and its inclusive
-cumulative sum c_i inside the chunk (c_{-1} = 0), for steps i, j of one chunk and its entering
-state h_in:
+by a short loop over chunks (under torch.compile its closed form, `inter_chunk`). With the per-step
+log decay l_t = dt_t * A (<= 0) and its inclusive cumulative sum c_i inside the chunk (c_{-1} = 0),
+for steps i, j of one chunk and its entering state h_in:
 
     y_i = sum_{j <= i} exp(c_i - c_j) (C_i . B_j) dt_j x_j   +   exp(c_i) h_in C_i   (+ D x_i)
     h_out = exp(c_{L-1}) h_in + sum_j exp(c_{L-1} - c_j) dt_j x_j B_j^T
@@ -67,7 +67,9 @@ def _chunk_scan(x, dt, A, B, C, D, L, h0, segments):
     #    from_start[i]: i in the segment that entered the chunk; through[c]: chunk c has no restart at all.
     same = to_end_kept = from_start = through = None
     if segments is not None:
-        seg = torch.cat([segments, segments[:, -1:].expand(b, pad)], dim=1).view(b, n_chunks, L)  # [b, c, L]
+        steps = torch.arange(n_chunks * L, device=segments.device)  # (no branch on the padding's size: with a
+        seg = torch.where(steps < T, F.pad(segments, (0, pad)), segments[:, -1:])  # dynamic T, a guard per value)
+        seg = seg.view(b, n_chunks, L)  # [b, c, L]
         entering = torch.cat([seg[:, :1, 0], seg[:, :-1, -1]], dim=1)  # [b, c]: the step before each chunk
         same = (seg[..., :, None] == seg[..., None, :])[:, :, None, None]  # [b, c, 1, 1, L, L]
         to_end_kept = (seg == seg[..., -1:])[:, :, None, None]  # [b, c, 1, 1, L]
