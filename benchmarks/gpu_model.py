@@ -6,6 +6,8 @@
     python benchmarks/gpu_model.py --lengths --contexts 4096 --profile-decode               # where a step's time goes
     python benchmarks/gpu_model.py --compile --contexts 4096                                 # training through inductor
     python benchmarks/gpu_model.py --compile reduce-overhead --train-rows 4 --contexts       # + CUDA graphs, 4 rows
+    python benchmarks/gpu_model.py --compile reduce-overhead --train-rows 8 --lengths 2048 --documents 4 --contexts
+                                                                  # packed documents, as `hybridlm train` runs them
 
 Variants of one shape (`configs/hybrid-125m.yaml`'s model: d 768, 12 blocks, 12 query / 4 KV heads, SSM 1024
 channels = 16 heads x 64; or `--preset`), each measured in this one process:
@@ -29,6 +31,10 @@ the Transformer's attention and MLP and add the SSM half: 143-159M parameters ag
    training forward through `torch.compile` (inductor; `--compile reduce-overhead` also replays the forward and
    backward as CUDA graphs, which the hybrids need at 4K: their compiled update was host-bound, 69 ms of wall
    time for 21 ms of GPU time; the compiled update is warmed up before timing), every variant alike.
+   `--documents D` packs the rows into one row of rows x T tokens with `cu_seqlens` (each row cut into D documents
+   at fixed random places, the same for every variant), as the trainer runs `data.document_boundaries`; compiled,
+   each block compiles on its own, as in the trainer (`HybridBlock`'s packed-document paths), with a CUDA-graph
+   step begun before each forward under reduce-overhead.
 2. Prefill (no grad, with a decoding cache) of C tokens in each of `--decode-batches` rows, in pieces of at most
    `--prefill-tokens` tokens in all (`hybridlm.inference.prefill`, as `generate(prefill_chunk=...)`: 32 rows of 64K
    tokens at once ran out of the H200's memory), and the median time of one decoding step after it: decode tokens/s
@@ -155,24 +161,47 @@ def profiled(fn, device: torch.device, *, steps: int, rows: int = 12) -> str:
                                                                                             row_limit=rows)
 
 
+def packed_documents(rows: int, length: int, documents: int) -> torch.Tensor:
+    """cu_seqlens [rows x documents + 1] (host) of `rows` rows of `length` tokens, each cut into `documents` pieces
+    at fixed random places (seed 0: every variant trains on the same layout)."""
+    g = torch.Generator().manual_seed(0)
+    offsets = [0]
+    for row in range(rows):
+        cuts = torch.randperm(length - 1, generator=g)[: documents - 1].add(1).sort().values.tolist()
+        offsets += [row * length + c for c in cuts] + [(row + 1) * length]
+    return torch.tensor(offsets)
+
+
 def training(model, *, length: int, device: torch.device, repeats: int, rows: int = 1, compile: str | None = None,
-             profile_label: str | None = None) -> dict:
+             documents: int = 1, profile_label: str | None = None) -> dict:
     """Tokens/s and peak memory of one update on `rows` rows of `length` tokens, the forward through torch.compile
-    in mode `compile` ("default", "reduce-overhead": also CUDA graphs; None: eager); with `profile_label`, also print
+    in mode `compile` ("default", "reduce-overhead": also CUDA graphs; None: eager); `documents` > 1: the rows packed
+    into one row of documents (`packed_documents`), each block compiled on its own; with `profile_label`, also print
     a `profiled` table of one more update under that name."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     ids = torch.randint(0, model.config.vocab_size, (rows, length), device=device)
+    packed = {}
+    if documents > 1:
+        ids = ids.reshape(1, rows * length)
+        packed = {"cu_seqlens": packed_documents(rows, length, documents)}
+    options = {"mode": compile} if device.type == "cuda" else {"backend": "aot_eager"}
+    blocks = model.model.layers
     if compile is None:
         forward = model
-    elif device.type == "cuda":
-        torch._dynamo.reset()  # each variant and length its own graphs, well under the recompile limit
-        forward = torch.compile(model, mode=compile)
     else:
-        forward = torch.compile(model, backend="aot_eager")
+        torch._dynamo.reset()  # each variant and length its own graphs, well under the recompile limit
+        if documents > 1:
+            model.model.layers = torch.nn.ModuleList(torch.compile(block, **options) for block in blocks)
+            forward = model
+        else:
+            forward = torch.compile(model, **options)
+    graph_steps = compile == "reduce-overhead" and documents > 1 and device.type == "cuda"
 
     def update():
+        if graph_steps:  # the blocks' graphs: a new step, the previous update's outputs are used up
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = forward(ids, labels=ids).loss
+            loss = forward(ids, labels=ids, **packed).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -186,6 +215,7 @@ def training(model, *, length: int, device: torch.device, repeats: int, rows: in
             print(f"\n### training profile: {profile_label}, {rows} x T={length}\n"
                   + profiled(update, device, steps=1, rows=30), flush=True)
     finally:
+        model.model.layers = blocks  # decoding runs the blocks themselves
         if compile is not None:
             torch._dynamo.reset()  # frees the CUDA-graph pools of reduce-overhead before decoding runs
     return {"tokens_per_s": rows * length / seconds, "peak_gib": peak}
@@ -250,6 +280,8 @@ def main() -> None:
                         help="decoding contexts (none: no decoding)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--train-rows", type=int, default=1, help="rows of T tokens per training update")
+    parser.add_argument("--documents", type=int, default=1,
+                        help="documents per row, packed into one row with cu_seqlens (1: plain rows)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1], help="rows decoded together")
@@ -269,6 +301,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.train_rows < 1:
         parser.error(f"--train-rows must be >= 1 (got {args.train_rows})")
+    if args.documents < 1 or any(args.documents > length for length in args.lengths):
+        parser.error(f"--documents must be between 1 and the shortest --lengths (got {args.documents})")
     if args.compile_decode and not args.graph:
         parser.error("--compile-decode compiles the step of --graph's decoder: add --graph")
     device = torch.device("cpu" if args.cpu else "cuda")
@@ -295,12 +329,13 @@ def main() -> None:
         for length in args.lengths:
             try:
                 record({"variant": variant, "params": params, "T": length, "rows": args.train_rows,
+                        "documents": args.documents,
                         **training(model, length=length, device=device, repeats=args.repeats,
-                                   rows=args.train_rows, compile=args.compile,
+                                   rows=args.train_rows, compile=args.compile, documents=args.documents,
                                    profile_label=variant if args.profile_train else None)})
             except torch.OutOfMemoryError:
                 record({"variant": variant, "params": params, "T": length, "rows": args.train_rows,
-                        "tokens_per_s": None})
+                        "documents": args.documents, "tokens_per_s": None})
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         for context in args.contexts:
@@ -327,7 +362,8 @@ def main() -> None:
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if r["tokens_per_s"] and base else "-"
         tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "OOM"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
-        print(f"| {variant} | {r['params'] / 1e6:.0f}M | {r['rows']} x {length} | {tps} | {ratio} | {peak} |")
+        shape = f"{r['rows']} x {length}" + (f" ({r['documents']} documents per row)" if r["documents"] > 1 else "")
+        print(f"| {variant} | {r['params'] / 1e6:.0f}M | {shape} | {tps} | {ratio} | {peak} |")
     decode = {(r["variant"], r["context"], r["batch"]): r for r in rows if "context" in r}
     print("\n| model | context | batch | prefill s | decode ms/step | decode tokens/s | / baseline | "
           "cache MiB/row |\n|---|---|---|---|---|---|---|---|")

@@ -58,6 +58,25 @@ def test_gpu_model_on_the_cpu_compiled_and_static_decoding():
     assert "decoding through CUDA graphs of the compiled step" in out  # on the CPU: the static step, aot_eager
 
 
+def test_gpu_model_on_the_cpu_packed_documents_through_compiled_blocks():
+    out = run("gpu_model.py", "--cpu", "--preset", "tiny", "--lengths", "48", "--train-rows", "2", "--documents", "3",
+              "--contexts", "--variants", "transformer", "hybrid mamba2", "--repeats", "1", "--compile")
+    assert len(table_rows(out, "transformer")) == 1 and len(table_rows(out, "hybrid mamba2")) == 1
+    assert "2 x 48 (3 documents per row)" in out
+
+
+def test_packed_documents_layout():
+    sys.path.insert(0, str(BENCHMARKS))
+    import torch
+    from gpu_model import packed_documents
+
+    offsets = packed_documents(3, 10, 4)
+    lengths = offsets.diff()
+    assert offsets[0] == 0 and offsets[-1] == 30 and len(lengths) == 12 and bool((lengths > 0).all())
+    assert {10, 20} <= set(offsets.tolist())  # documents never cross a row
+    assert torch.equal(offsets, packed_documents(3, 10, 4))  # the same layout for every variant
+
+
 @pytest.mark.parametrize("script,args", [
     ("gpu_parallel.py", ["--cpu", "--seq-len", "64", "--steps", "2"]),
     ("gpu_scaling.py", ["--cpu", "--preset", "tiny", "--seq-len", "64", "--set", "num_key_value_heads=2", "--set",
