@@ -26,11 +26,11 @@ Mixer contract (every sequence mixer, e.g. `Mamba2Mixer`, `Attention`, and the f
                                     # cu_seqlens, so the mixer need not look for them (a host synchronization)
         -> [B, T, D]              # before the output multiplier (the block applies it)
 
-A mixer whose `takes_seq_idx` is True (Mamba-2 on the SSD's torch backends) also runs packed documents as
-`mixer(hidden, position_ids=..., seq_idx=[B, T] document index per token)`: the same result with the rows'
-shapes. A compiled block calls it that way (given `seq_idx`, which the model computes once per forward), so the
-mixer compiles and replays as a CUDA graph; the other mixers run packed documents outside the compiled graphs
-(`_packed_mix`).
+A mixer whose `takes_seq_idx` is True (Mamba-2 on the SSD's torch backends, the fast-weight mixer) also takes
+`seq_idx=[1, T]`, each token's document, beside `cu_seqlens`: the same result, with the rows' shapes wherever it
+can (Mamba-2 throughout; the fast-weight mixer all but its op, which steps outside the graphs). A compiled block
+calls it that way (given `seq_idx`, which the model computes once per forward), so the mixer compiles and replays as
+a CUDA graph; the other mixers (attention) run packed documents outside the compiled graphs (`_packed_mix`).
 
 An SSM mixer keeps its decoding state in `cache.ssm` (a dict it owns). The block applies the
 ssm_in/ssm_out and attention_in/attention_out multipliers; mixers apply only their internal ones.
@@ -118,7 +118,8 @@ class HybridBlock(nn.Module):
             out = self.ssm(n, **mix)
         elif (seq_idx is not None and mix["cache"] is None and getattr(self.ssm, "takes_seq_idx", False)
               and torch.compiler.is_compiling()):
-            out = self.ssm(n, position_ids=mix["position_ids"], seq_idx=seq_idx)
+            out = self.ssm(n, cu_seqlens=mix["cu_seqlens"], position_ids=mix["position_ids"], seq_idx=seq_idx,
+                           restarts_resolved=True)
         else:
             out = _packed_mix(self.ssm, n, mix)
         return out * self.ssm_out_multiplier
@@ -135,5 +136,5 @@ def _packed_mix(mixer: nn.Module, hidden: torch.Tensor, mix: dict) -> torch.Tens
     pads them to its own [N, max_len], from host offsets read with `.tolist()`): traced, every new batch would be a
     graph break and a recompilation, and after eight of those the block would fall back to eager for good. The block's
     norms, MLP and residuals stay compiled; plain rows (no cu_seqlens) compile the mixers too, and so do packed
-    documents given `seq_idx` for a mixer that `takes_seq_idx` (Mamba-2)."""
+    documents given `seq_idx` for a mixer that `takes_seq_idx` (Mamba-2, the fast-weight mixer)."""
     return mixer(hidden, **mix)

@@ -34,10 +34,12 @@ Decisions (documented here because they are choices, not the paper's prescriptio
 - No muP multipliers inside: q and k are normalized, and the block applies ssm_in / ssm_out.
 
 Packed documents (`cu_seqlens`, or `position_ids` that restart at 0) reach both the conv and the op, so
-nothing crosses a document boundary. Decoding: `cache.ssm` holds the conv tail ("conv" [B, K-1, C]) and the
-`FastWeightState` fields ("S" [B, H, K, V] fp32, "last_k" [B, H, K], and for the sliding rules "tail_x",
-"tail_v", "tail_len"); a prefill runs the chunk-parallel path, each later token the recurrent step. With
-`cu_seqlens` and a cache (a packed prefill) the states have one row per packed sequence.
+nothing crosses a document boundary. With `seq_idx` as well (the compiled hybrid block's call) the conv takes the
+document index per token, keeping the rows' shapes, and only the op runs outside the compiled graphs.
+Decoding: `cache.ssm` holds the conv tail ("conv" [B, K-1, C]) and the `FastWeightState` fields ("S"
+[B, H, K, V] fp32, "last_k" [B, H, K], and for the sliding rules "tail_x", "tail_v", "tail_len"); a prefill
+runs the chunk-parallel path, each later token the recurrent step. With `cu_seqlens` and a cache (a packed
+prefill) the states have one row per packed sequence.
 Under tensor parallelism (hybridlm.parallel.tensor_parallel) num_heads, width, beta_width and conv_channels
 are the rank's local ones and beta_bias / lam_bias are Shard(0) DTensors read through `local_tensor`.
 """
@@ -67,7 +69,9 @@ _LAM_INIT_RANGE = (1e-3, 1e-1)  # sigmoid(b_lam) over the heads, log-uniform
 
 
 class FastWeightMixer(nn.Module):
-    """SSM mixer: `forward(hidden [B, T, D], *, cu_seqlens, position_ids, cache) -> [B, T, D]`."""
+    """SSM mixer: `forward(hidden [B, T, D], *, cu_seqlens, position_ids, cache, seq_idx) -> [B, T, D]`."""
+
+    takes_seq_idx = True  # the hybrid block's compiled packed path: the conv on seq_idx, the op outside the graphs
 
     def __init__(self, config, layer_idx: int) -> None:  # config: a validated HybridConfig
         super().__init__()
@@ -125,8 +129,11 @@ class FastWeightMixer(nn.Module):
         position_ids: torch.Tensor | None = None,
         cache: LayerCache | None = None,
         restarts_resolved: bool = False,  # the caller (the model) packed any document restarts already
+        seq_idx: torch.Tensor | None = None,  # [1, T] with cu_seqlens: the compiled block's static packed path
     ) -> torch.Tensor:
         batch, length, _ = hidden.shape
+        if seq_idx is not None and (cu_seqlens is None or cache is not None):
+            raise ValueError("FastWeightMixer: seq_idx comes with the packed row's cu_seqlens and without a cache")
         if cu_seqlens is None and position_ids is not None and not restarts_resolved and has_restarts(position_ids):
             # Documents packed inside rows: run the rows end to end as one packed row with offsets.
             if cache is not None:
@@ -144,8 +151,9 @@ class FastWeightMixer(nn.Module):
 
         # 2. Short causal conv + SiLU on (q, k, v); the conv tail carries across calls.
         conv_state = cache.ssm.get("conv") if cache is not None else None
-        qkv, conv_state = self.conv(
-            qkv, initial_state=conv_state, output_final_state=cache is not None, cu_seqlens=cu_seqlens
+        qkv, conv_state = self.conv(  # with seq_idx, the rows' shapes (compiled); else the conv's own packing
+            qkv, initial_state=conv_state, output_final_state=cache is not None,
+            cu_seqlens=cu_seqlens if seq_idx is None else None, seq_idx=seq_idx,
         )
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         v = v.reshape(batch, length, H, V)  # [B, T, H, V], the activation dtype (bf16 under autocast)
@@ -158,7 +166,8 @@ class FastWeightMixer(nn.Module):
         beta, lam = self._gains(beta_logits, lam_logits)
 
         # 4. The fast-weight recurrence (state in float32, or float64 for float64 inputs).
-        o, state = fast_weight_attention(
+        op = fast_weight_attention if seq_idx is None else _packed_op
+        o, state = op(
             q, k, v, beta, lam,
             rule=self.rule, window=self.window, pairing=self.pairing, read=self.read,
             step_size=self.step_size, ridge_scaling=self.ridge_scaling,
@@ -198,6 +207,13 @@ class FastWeightMixer(nn.Module):
             f"step_size={self.step_size!r}, ridge_scaling={self.ridge_scaling}, qk_norm={self.qk_norm!r}, "
             f"heads={self.num_heads}, head_dim={self.head_dim}, lam_scale={self.lam_scale:g}"
         )
+
+
+@torch.compiler.disable
+def _packed_op(*args, **options):
+    """`fast_weight_attention` on packed documents outside torch.compile's graphs (the rest of the mixer stays in
+    them, given seq_idx): its kernels pad every document to the longest, shapes that change with every batch."""
+    return fast_weight_attention(*args, **options)
 
 
 def initial_lam_bias(num_heads: int) -> torch.Tensor:

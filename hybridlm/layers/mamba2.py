@@ -90,10 +90,12 @@ class Mamba2Mixer(nn.Module):
         position_ids: torch.Tensor | None = None,  # only their restarts at 0 (document starts) matter here
         cache: LayerCache | None = None,
         restarts_resolved: bool = False,  # the caller (the model) packed any document restarts already
-        seq_idx: torch.Tensor | None = None,  # [B, T] document index per token: the compiled block's packed rows
+        seq_idx: torch.Tensor | None = None,  # [B, T] document index per token, in place of cu_seqlens
     ) -> torch.Tensor:
-        if seq_idx is not None and (cu_seqlens is not None or cache is not None):
-            raise ValueError("Mamba2Mixer: seq_idx (documents marked per token) takes neither cu_seqlens nor a cache")
+        if seq_idx is not None:
+            if cache is not None:
+                raise ValueError("Mamba2Mixer: seq_idx (documents marked per token) takes no cache")
+            cu_seqlens = None  # seq_idx marks the same documents, keeping the rows' shapes
         resolved = restarts_resolved or seq_idx is not None
         if cu_seqlens is None and position_ids is not None and not resolved and has_restarts(position_ids):
             if cache is not None:

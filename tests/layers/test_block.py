@@ -101,8 +101,8 @@ def test_compiled_block_on_packed_documents_compiles_once(ssm_mixer):
     """Packed documents change the mixers' padded shapes with every batch. Compiled, a block must neither recompile
     per layout (each frame compiles once static, once with dynamic offsets; the recompile limit, lowered to 2 and
     made an error, stops anything more) nor change the output or the gradients. Given `seq_idx` (as the model
-    passes it) the Mamba-2 mixer runs inside the graphs on the rows' shapes; the fast-weight mixer and attention
-    run packed documents outside them."""
+    passes it) the SSM mixers get it: Mamba-2 runs inside the graphs on the rows' shapes, the fast-weight mixer all
+    but its op; attention runs packed documents outside them."""
     import torch._dynamo
 
     from hybridlm.modules.boundaries import sequence_ids
@@ -129,6 +129,27 @@ def test_compiled_block_on_packed_documents_compiles_once(ssm_mixer):
         block.ssm.register_forward_pre_hook(lambda module, args, kwargs: calls.append("seq_idx" in kwargs),
                                             with_kwargs=True)
         torch.compile(block, backend="eager")(x, cu_seqlens=cu_seqlens, seq_idx=seq_idx)
-        assert calls == [ssm_mixer == "mamba2"]
+        assert calls == [True]
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("ssm_mixer", ["mamba2", "fast_weight"])
+def test_ssm_mixers_give_the_same_with_seq_idx(ssm_mixer):
+    """An SSM mixer on packed documents gives the same output and gradients (float64) with the compiled block's
+    seq_idx beside cu_seqlens as with cu_seqlens alone."""
+    from hybridlm.modules.boundaries import sequence_ids
+
+    mixer = make_block(ssm_mixer=ssm_mixer, fw_heads=2, fw_head_dim=8).ssm.double()
+    cu_seqlens = torch.tensor([0, 1, 9, 12, 23])
+    seq_idx = sequence_ids(cu_seqlens, 23).unsqueeze(0)
+    x = torch.randn(1, 23, 16, dtype=torch.float64)
+    outs, grads = [], []
+    for extra in ({}, {"seq_idx": seq_idx}):
+        inp = x.clone().requires_grad_()
+        out = mixer(inp, cu_seqlens=cu_seqlens, **extra)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.square().sum(), [inp, mixer.conv.weight]))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-10, atol=1e-10)
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
