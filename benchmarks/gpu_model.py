@@ -186,15 +186,6 @@ def training(model, *, length: int, device: torch.device, repeats: int, rows: in
         packed = {"cu_seqlens": packed_documents(rows, length, documents)}
     options = {"mode": compile} if device.type == "cuda" else {"backend": "aot_eager"}
     blocks = model.model.layers
-    if compile is None:
-        forward = model
-    else:
-        torch._dynamo.reset()  # each variant and length its own graphs, well under the recompile limit
-        if documents > 1:
-            model.model.layers = torch.nn.ModuleList(torch.compile(block, **options) for block in blocks)
-            forward = model
-        else:
-            forward = torch.compile(model, **options)
     graph_steps = compile == "reduce-overhead" and documents > 1 and device.type == "cuda"
 
     def update():
@@ -209,6 +200,13 @@ def training(model, *, length: int, device: torch.device, repeats: int, rows: in
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
+        forward = model
+        if compile is not None:
+            torch._dynamo.reset()  # each variant and length its own graphs, well under the recompile limit
+            if documents > 1:
+                model.model.layers = torch.nn.ModuleList(torch.compile(block, **options) for block in blocks)
+            else:
+                forward = torch.compile(model, **options)
         seconds = timed(update, device, warmup=2, repeats=repeats)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
         if profile_label is not None:

@@ -60,8 +60,8 @@ def test_gpu_model_on_the_cpu_compiled_and_static_decoding():
 
 def test_gpu_model_on_the_cpu_packed_documents_through_compiled_blocks():
     out = run("gpu_model.py", "--cpu", "--preset", "tiny", "--lengths", "48", "--train-rows", "2", "--documents", "3",
-              "--contexts", "--variants", "transformer", "hybrid mamba2", "--repeats", "1", "--compile")
-    assert len(table_rows(out, "transformer")) == 1 and len(table_rows(out, "hybrid mamba2")) == 1
+              "--contexts", "--variants", "transformer", "hybrid mamba2", "hybrid fw-1A", "--repeats", "1", "--compile")
+    assert all(len(table_rows(out, name)) == 1 for name in ("transformer", "hybrid mamba2", "hybrid fw-1A"))
     assert "2 x 48 (3 documents per row)" in out
 
 

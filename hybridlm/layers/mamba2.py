@@ -90,7 +90,7 @@ class Mamba2Mixer(nn.Module):
         position_ids: torch.Tensor | None = None,  # only their restarts at 0 (document starts) matter here
         cache: LayerCache | None = None,
         restarts_resolved: bool = False,  # the caller (the model) packed any document restarts already
-        seq_idx: torch.Tensor | None = None,  # [B, T] document index per token, in place of cu_seqlens
+        seq_idx: torch.Tensor | None = None,  # [B, T] document index per token; replaces cu_seqlens (then ignored)
     ) -> torch.Tensor:
         if seq_idx is not None:
             if cache is not None:

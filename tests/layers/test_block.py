@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from hybridlm.layers import HybridBlock, Mamba2Mixer, build_ssm_mixer
+from hybridlm.layers import HybridBlock, LayerCache, Mamba2Mixer, build_ssm_mixer
 from hybridlm.models.config import HybridConfig
 
 MULT = dict(ssm_in_multiplier=1.3, ssm_out_multiplier=0.4, attention_in_multiplier=0.8, attention_out_multiplier=1.7)
@@ -91,6 +91,10 @@ def test_seq_idx_needs_cu_seqlens_and_the_torch_ssd():
     block = make_block()
     with pytest.raises(ValueError, match="needs its cu_seqlens"):
         block(torch.randn(1, 5, 16), seq_idx=torch.zeros(1, 5, dtype=torch.long))
+    fw = make_block(ssm_mixer="fast_weight", fw_heads=2, fw_head_dim=8).ssm
+    for extra in ({}, {"cu_seqlens": torch.tensor([0, 5]), "cache": LayerCache()}):
+        with pytest.raises(ValueError, match="comes with the packed row"):
+            fw(torch.randn(1, 5, 16), seq_idx=torch.zeros(1, 5, dtype=torch.long), **extra)
     assert block.ssm.takes_seq_idx
     block.ssm.backend = "triton"  # its kernels take cu_seqlens only: a compiled block keeps the packed call
     assert not block.ssm.takes_seq_idx
@@ -134,13 +138,18 @@ def test_compiled_block_on_packed_documents_compiles_once(ssm_mixer):
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("ssm_mixer", ["mamba2", "fast_weight"])
-def test_ssm_mixers_give_the_same_with_seq_idx(ssm_mixer):
-    """An SSM mixer on packed documents gives the same output and gradients (float64) with the compiled block's
-    seq_idx beside cu_seqlens as with cu_seqlens alone."""
+@pytest.mark.parametrize("ssm_mixer,fw", [
+    ("mamba2", {}),
+    ("fast_weight", {}),
+    ("fast_weight", dict(fw_rule="1A", fw_pairing="same_step")),
+    ("fast_weight", dict(fw_rule="3A", fw_window=3)),
+], ids=["mamba2", "fw-1", "fw-1A-same", "fw-3A"])
+def test_ssm_mixers_give_the_same_with_seq_idx(ssm_mixer, fw):
+    """An SSM mixer on packed documents gives the same output and gradients of every parameter (float64) with the
+    compiled block's seq_idx beside cu_seqlens as with cu_seqlens alone."""
     from hybridlm.modules.boundaries import sequence_ids
 
-    mixer = make_block(ssm_mixer=ssm_mixer, fw_heads=2, fw_head_dim=8).ssm.double()
+    mixer = make_block(ssm_mixer=ssm_mixer, fw_heads=2, fw_head_dim=8, **fw).ssm.double()
     cu_seqlens = torch.tensor([0, 1, 9, 12, 23])
     seq_idx = sequence_ids(cu_seqlens, 23).unsqueeze(0)
     x = torch.randn(1, 23, 16, dtype=torch.float64)
@@ -149,7 +158,7 @@ def test_ssm_mixers_give_the_same_with_seq_idx(ssm_mixer):
         inp = x.clone().requires_grad_()
         out = mixer(inp, cu_seqlens=cu_seqlens, **extra)
         outs.append(out)
-        grads.append(torch.autograd.grad(out.square().sum(), [inp, mixer.conv.weight]))
+        grads.append(torch.autograd.grad(out.square().sum(), [inp, *mixer.parameters()]))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-10, atol=1e-10)
     for a, b in zip(grads[1], grads[0]):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
