@@ -3,9 +3,14 @@
     1. tensor parallelism over mesh["tp"]             (apply_tensor_parallel; the model must be unwrapped),
        or mixer parallelism over it                    (config.mixer_parallel "on" | "interleaved":
                                                         apply_mixer_parallel, which also splits the MLP)
-    2. activation checkpointing per block              (config.activation_checkpointing)
-    3. torch.compile per block                         (compile=True; compile_mode: torch.compile's mode)
+    2. torch.compile per block                         (compile=True; compile_mode: torch.compile's mode)
+    3. activation checkpointing per block, around it   (config.activation_checkpointing)
     4. FSDP2 `fully_shard` per block, then the root    over data_parallel_mesh(mesh) (HSDP with dp_replicate > 1)
+
+Steps 2 and 3 swap torchtitan's order (which compiles the checkpointed block) because a block on packed documents
+breaks its graph around attention and the fast-weight op (`HybridBlock`), and dynamo runs a checkpointed region
+with a graph break inside entirely eagerly (0 graphs for such a block, 4 with the checkpoint outside; checked on the
+CPU). The checkpoint then recomputes the compiled block in the backward.
 
 FSDP2 keeps the root module's parameters unsharded after a forward (the backward usually follows): after a
 forward under torch.no_grad() (an evaluation), call `model.reshard()` before the next training step, or that
@@ -34,7 +39,7 @@ from hybridlm.parallel.tensor_parallel import apply_tensor_parallel
 def parallelize(
     model: nn.Module, mesh: DeviceMesh, config: ParallelConfig, *, compile: bool = False, compile_mode: str = "default"
 ) -> nn.Module:
-    """Apply TP -> activation checkpointing -> compile -> FSDP2 to `model` (a HybridForCausalLM or
+    """Apply TP -> compile -> activation checkpointing -> FSDP2 to `model` (a HybridForCausalLM or
     HybridModel already on its device) in place; returns it. `mesh` comes from `build_mesh(config)`."""
     if tuple(mesh.mesh.shape) != config.resolved(mesh.size()).shape:
         raise ValueError(f"mesh shape {tuple(mesh.mesh.shape)} does not match the config {config}")
@@ -63,10 +68,10 @@ def wrap_blocks(
         return None
     layers = _layer_list(model)
     for index, block in enumerate(list(layers)):
-        if activation_checkpointing:
-            block = checkpoint_wrapper(block)  # recompute the block in backward
         if compile:
             block.compile(mode=None if compile_mode == "default" else compile_mode)
+        if activation_checkpointing:
+            block = checkpoint_wrapper(block)  # recompute the (compiled) block in backward
         layers[index] = block
     return layers
 

@@ -73,3 +73,29 @@ def test_mixer_parallel_errors_name_the_field(overrides, tp, message):
 
 def test_mixer_parallel_halves_of_one_rank_need_no_split():
     check_mixer_parallel(tiny_model(num_key_value_heads=1), 2, mode="on")  # each half: 1 rank, whole mixers
+
+
+def test_checkpointed_compiled_blocks_compile_on_packed_documents():
+    """wrap_blocks puts the checkpoint around the compiled block: on packed documents (graph breaks around attention)
+    the blocks still run compiled graphs, where a compiled checkpointed block would run wholly eager; the losses and
+    gradients are eager's."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from hybridlm.parallel.parallelize import wrap_blocks
+
+    eager, wrapped = tiny_model(), tiny_model()
+    torch._dynamo.reset()
+    counters.clear()
+    wrap_blocks(wrapped, activation_checkpointing=True, compile=True)
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    cu_seqlens = torch.tensor([0, 7, 19, 30])
+    losses = [model(ids, labels=ids, cu_seqlens=cu_seqlens).loss for model in (eager, wrapped)]
+    for loss in losses:
+        loss.backward()
+    assert counters["stats"]["unique_graphs"] > 0
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    for (name, a), b in zip(eager.named_parameters(), wrapped.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
+    torch._dynamo.reset()
