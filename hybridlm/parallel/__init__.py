@@ -2,7 +2,7 @@
 
     config = ParallelConfig(tp=2)                 # dp_shard=-1 takes the rest of the world size
     mesh = build_mesh(config, device_type="cuda")
-    parallelize(model, mesh, config)              # TP -> activation checkpointing -> compile -> FSDP2
+    parallelize(model, mesh, config)              # TP -> compile -> activation checkpointing -> FSDP2
     with context_parallel(model, mesh["cp"].get_group()): ...   # sequence split over the cp ranks
     reduce_context_parallel_grads(model, mesh["cp"].get_group())  # after backward: sum gradients over cp
 

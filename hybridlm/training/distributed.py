@@ -157,8 +157,9 @@ def destroy_distributed(ctx: DistContext) -> None:
 def parallelize(model: nn.Module, config: Any, ctx: DistContext) -> nn.Module:
     """Apply the config's parallelism to `model` (already on `ctx.device`, the same weights on every rank) in
     place and return it: `hybridlm.parallel.parallelize` under torchrun (TP or mixer parallelism ->
-    activation checkpointing -> compile -> FSDP2 over the data-parallel dims). With one process there is no
-    mesh: the same two single-device steps (activation checkpointing, then compile per block) are applied."""
+    compile -> activation checkpointing -> FSDP2 over the data-parallel dims). With one process there is no
+    mesh: the same two single-device steps (compile per block, then activation checkpointing around it) are
+    applied."""
     from hybridlm.parallel.parallelize import parallelize as parallelize_model
     from hybridlm.parallel.parallelize import wrap_blocks
 

@@ -24,7 +24,7 @@ What one update does (step s, 0-based; t = tokens consumed before it):
    steps.
 
 Parallelism (`parallel` section, under torchrun): `hybridlm.parallel.parallelize` in one place (TP or mixer
-parallelism, activation checkpointing, compile, FSDP2); after a forward under no_grad (evaluation, samples)
+parallelism, compile, activation checkpointing, FSDP2); after a forward under no_grad (evaluation, samples)
 FSDP2's root is resharded before the next step.
 
 Run directory (`train.out_dir`): `config.yaml` (resolved config), `metrics.jsonl` (one object per
