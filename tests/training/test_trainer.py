@@ -261,6 +261,25 @@ def test_compiled_blocks_train_like_eager(demo_dir, tmp_path, monkeypatch):
     assert len(steps_begun) == forwards
 
 
+def test_compiled_fast_weight_hybrid_on_packed_documents_trains_like_eager(demo_dir, tmp_path, monkeypatch):
+    """The trainer's packed documents through compiled blocks of a fast-weight hybrid (its conv on seq_idx inside the
+    graphs, its op outside them): eager's losses, and the packed rows really reach the model (spied on outside the
+    compiled blocks)."""
+    from hybridlm.models.model import HybridModel
+
+    extra = ("train.steps=3", "model.overrides.ssm_mixer=fast_weight", "model.overrides.fw_rule=1A")
+    eager = Trainer(small_config(demo_dir, tmp_path / "eager", *extra))
+    eager.train()
+    packed = []
+    real = HybridModel._run
+    monkeypatch.setattr(HybridModel, "_run", lambda self, h, cu_seqlens, *a: packed.append(cu_seqlens is not None)
+                        or real(self, h, cu_seqlens, *a))
+    compiled = Trainer(small_config(demo_dir, tmp_path / "compiled", *extra, "train.compile=true"))
+    compiled.train()
+    assert any(packed)  # the demo corpus packs documents in rows
+    assert losses(compiled) == pytest.approx(losses(eager), rel=1e-4)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
