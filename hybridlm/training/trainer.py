@@ -14,10 +14,10 @@ What one update does (step s, 0-based; t = tokens consumed before it):
    the count (each row once: tp rank 0 counts);
 4. per micro-batch: forward under bf16 autocast (if train.dtype is bf16; weights and AdamW state stay
    fp32; the recurrent states are carried in fp32, the kernels' matmul operands stay 16-bit) inside
-   `context_parallel` when cp > 1, summed cross entropy over this rank's labels (-100 skipped), backward of sum / global count (x dp, since FSDP2
-   averages over the data-parallel ranks): the gradient of the mean loss over every label of the global
-   batch, however it is split into ranks, chunks and micro-batches. Gradients are synchronized on the last
-   micro-batch only, then summed over cp (`reduce_context_parallel_grads`);
+   `context_parallel` when cp > 1, summed cross entropy over this rank's labels (-100 skipped), backward of
+   sum / global count (x dp, since FSDP2 averages over the data-parallel ranks): the gradient of the mean
+   loss over every label of the global batch, however it is split into ranks, chunks and micro-batches.
+   Gradients are synchronized on the last micro-batch only, then summed over cp (`reduce_context_parallel_grads`);
 5. all-reduce the loss; clip the global gradient norm (`train.grad_clip`; `distributed.clip_grad_norm`
    over sharded and replicated gradients); the `StepGuard` skips the update (zeroing the gradients) for a
    non-finite loss or norm and stops the run after `train.max_consecutive_skips` in a row; otherwise AdamW

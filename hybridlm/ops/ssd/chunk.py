@@ -102,7 +102,9 @@ def _chunk_scan(x, dt, A, B, C, D, L, h0, segments):
     h_in, h = states[:, :-1], states[:, -1]  # entering each chunk [b, c, G, R, P, N]; after the last
 
     # 5. State to output (off-diagonal blocks): y_i += exp(c_i) h_in C_i.
-    from_entry = torch.exp(cum) if from_start is None else torch.exp(cum) * from_start  # [b, c, G, R, L]
+    from_entry = torch.exp(cum)  # [b, c, G, R, L]
+    if from_start is not None:
+        from_entry = from_entry * from_start
     y = y + torch.einsum("bcign,bcgrpn,bcgri->bcigrp", Cc, h_in, from_entry)
 
     y = y.reshape(b, n_chunks * L, H, P)[:, :T]  # [b, T, H, P]
