@@ -10,13 +10,15 @@ forward and forward+backward of:
 - chunk: `fast_weight_attention(..., backend="chunk")` (the torch chunk path; window 3 for 3A); with
   `--compiled-chunk` also the same under `torch.compile` (inductor; compiling per shape takes minutes);
 - triton: the same op through the Triton backend (raw q, k, v, beta, lam -> prepared writes -> kernels);
+  with `--compiled-triton` also the same under `torch.compile` (inductor fuses the torch preparation around the
+  kernels' custom ops, as it does in a compiled model: rule 3A's windows, statistic, steps and band coefficients);
 - kernels (1A): `fast_weight_1a_triton` alone on prepared writes (the kernels without the preparation);
 - torch preparation (1A, 1): the triton op again with `frontend.FUSED_PREPARATION` off (the write events from
   chunk.py's torch `prepare_writes` instead of the fused Triton kernel);
 - fixed scan blocks (1A, 3A): the triton op again with `chunk_1a.SCAN_MIN_PROGRAMS` = 0 (the state scan's fixed
   [64, 32] blocks; by default they narrow when fewer than 264 programs would cover the rows x heads, which "triton"
-  times; the same as "triton" at the default shape, where nothing narrows: compare at a model's shape, e.g.
-  `--B 1 --H 10 --D 64`).
+  times). Only timed where the blocks narrow, i.e. not at the default shape: compare at a model's shape, e.g.
+  `--B 1 --H 10 --D 64`.
 `--profile` then prints, per rule at the longest T, the kernels of one forward + backward of the triton op with their
 GPU time (torch.profiler): which stage to work on. Prints a markdown table with the ratios triton / SDPA and
 chunk / triton, and what the triton op's time means against
@@ -129,6 +131,9 @@ def main() -> None:
     parser.add_argument("--D", type=int, default=128)
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--compiled-chunk", action="store_true", help="also time the chunk path under torch.compile")
+    parser.add_argument("--compiled-triton", action="store_true",
+                        help="also time the triton op under torch.compile (its torch preparation fused by inductor)")
+    parser.add_argument("--no-chunk", action="store_true", help="skip the (slow) eager torch chunk path")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU time of the triton op at the longest T")
     args = parser.parse_args()
     for rule in args.rules:
@@ -136,13 +141,14 @@ def main() -> None:
     print(f"\n# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | window 3 for 3A")
     print("| rule | T | pass | SDPA (ms) | chunk (ms) | chunk compiled (ms) | triton (ms) | kernels (ms) "
-          "| torch preparation (ms) | fixed scan blocks (ms) | triton / SDPA | chunk / triton | triton TFLOP/s "
-          "| triton TB/s (min. bytes) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| torch preparation (ms) | fixed scan blocks (ms) | triton compiled (ms) | triton / SDPA "
+          "| triton compiled / SDPA | chunk / triton | triton TFLOP/s | triton TB/s (min. bytes) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for T in args.T:
         for rule in args.rules:
             for line in time_one(rule, args.B, T, args.H, args.D, torch.bfloat16, chunk_size=args.chunk_size,
-                                 compiled_chunk=args.compiled_chunk):
+                                 compiled_chunk=args.compiled_chunk, compiled_triton=args.compiled_triton,
+                                 eager_chunk=not args.no_chunk):
                 print(line, flush=True)
             torch.cuda.empty_cache()
     if args.profile:
@@ -170,9 +176,10 @@ def profile_one(rule, B, T, H, D, *, chunk_size, rows=20) -> str:
     return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows)
 
 
-def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
+def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compiled_triton=False, eager_chunk=True):
     """The table rows (fwd, fwd+bwd) of one rule and sequence length."""
     chunk_compiled = torch.compile(run_chunk) if compiled_chunk else None
+    triton_compiled = torch.compile(run_triton) if compiled_triton else None
     q, k, v, beta, lam = inputs = make_inputs(B, T, H, D, dtype)
     prepared = None
     if rule == "1A":
@@ -185,50 +192,58 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False):
         prepared = [t.detach().clone().requires_grad_(True) for t in (q, x, v, eta, log_gamma)]
     rows = []
     for backward in (False, True):
-        ms = {
-            "sdpa": bench(lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                                 v.transpose(1, 2), is_causal=True),
-                          backward=backward, inputs=(q, k, v)),
-            "triton": bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0], backward=backward,
-                            inputs=inputs),
-        }
-        torch_prep = "-"
-        if rule in frontend.FUSED_RULES:
-            with module_settings(frontend, FUSED_PREPARATION=False):
-                torch_prep = "{:.2f}".format(bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0],
-                                                   backward=backward, inputs=inputs))
-        kernels = "-"
-        if prepared is not None:
-            kernels = "{:.2f}".format(bench(lambda: fast_weight_1a_triton(*prepared, None, read_after=True,
-                                                                          chunk_size=chunk_size)[0],
-                                            backward=backward, inputs=prepared))
-        fixed_scan = "-"
-        if rule in ("1A", "3A"):
-            with module_settings(chunk_1a, SCAN_MIN_PROGRAMS=0):
-                fixed_scan = "{:.2f}".format(bench(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0],
-                                                   backward=backward, inputs=inputs))
-        try:
-            ms["chunk"] = bench(lambda: run_chunk(*inputs, rule=rule, chunk_size=chunk_size)[0], backward=backward,
-                                inputs=inputs)
-            chunk_cells = f"{ms['chunk']:.2f}", f"{ms['chunk'] / ms['triton']:.1f}x"
-        except torch.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            chunk_cells = "out of memory", "-"
-        compiled = "-"
-        if chunk_compiled is not None:
+
+        def timed(fn, inputs=inputs):
+            """bench(fn) in ms, or None when it runs out of memory."""
             try:
-                compiled = "{:.2f}".format(bench(lambda: chunk_compiled(*inputs, rule=rule, chunk_size=chunk_size)[0],
-                                                 backward=backward, inputs=inputs))
+                return bench(fn, backward=backward, inputs=inputs)
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
-                compiled = "out of memory"
+                return None
+
+        def cell(ms):
+            if isinstance(ms, str):
+                return ms
+            return "-" if ms is False else "out of memory" if ms is None else f"{ms:.2f}"
+
+        sdpa = timed(lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                            is_causal=True))
+        triton_ms = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
+        torch_prep = kernels = fixed_scan = chunk = compiled = compiled_t = False
+        if rule in frontend.FUSED_RULES:
+            with module_settings(frontend, FUSED_PREPARATION=False):
+                torch_prep = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
+        if prepared is not None:
+            kernels = timed(lambda: fast_weight_1a_triton(*prepared, None, read_after=True, chunk_size=chunk_size)[0],
+                            inputs=prepared)
+        narrows = chunk_1a.scan_blocks(D, D, B * H) != chunk_1a.scan_blocks(D, D, B * H, min_programs=0)
+        if rule in ("1A", "3A") and narrows:
+            with module_settings(chunk_1a, SCAN_MIN_PROGRAMS=0):
+                fixed_scan = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
+        if eager_chunk:
+            chunk = timed(lambda: run_chunk(*inputs, rule=rule, chunk_size=chunk_size)[0])
+        if chunk_compiled is not None:
+            compiled = timed(lambda: chunk_compiled(*inputs, rule=rule, chunk_size=chunk_size)[0])
+        if triton_compiled is not None:
+            try:  # a compile failure costs this column, not the table
+                if not backward:
+                    with torch.no_grad():
+                        error = rel_err(triton_compiled(*inputs, rule=rule, chunk_size=chunk_size)[0],
+                                        run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
+                    print(f"check {rule} T={T}: triton compiled vs eager, rel err {error:.1e}", flush=True)
+                compiled_t = timed(lambda: triton_compiled(*inputs, rule=rule, chunk_size=chunk_size)[0])
+            except Exception as error:  # noqa: BLE001
+                print(f"triton compiled, {rule} T={T}: {type(error).__name__}: {error}"[:2000], flush=True)
+                compiled_t = "failed"
         name = "fwd+bwd" if backward else "fwd"
         flops, nbytes = fast_weight_counts(rule, B=B, T=T, H=H, K=D, V=D, chunk=chunk_size, backward=backward)
-        use = utilization(ms=ms["triton"], flops=flops, nbytes=nbytes)
-        rows.append(f"| {rule} | {T} | {name} | {ms['sdpa']:.2f} | {chunk_cells[0]} | {compiled} | "
-                    f"{ms['triton']:.2f} | {kernels} | {torch_prep} | {fixed_scan} | "
-                    f"{ms['triton'] / ms['sdpa']:.2f}x | "
-                    f"{chunk_cells[1]} | {use['tflops']:.0f} ({100 * use['flop_frac']:.1f}%) | "
+        use = utilization(ms=triton_ms, flops=flops, nbytes=nbytes)
+        rows.append(f"| {rule} | {T} | {name} | {cell(sdpa)} | {cell(chunk)} | {cell(compiled)} | {cell(triton_ms)} | "
+                    f"{cell(kernels)} | {cell(torch_prep)} | {cell(fixed_scan)} | {cell(compiled_t)} | "
+                    f"{triton_ms / sdpa:.2f}x | "
+                    f"{f'{compiled_t / sdpa:.2f}x' if isinstance(compiled_t, float) else '-'} | "
+                    f"{f'{chunk / triton_ms:.1f}x' if chunk else '-'} | "
+                    f"{use['tflops']:.0f} ({100 * use['flop_frac']:.1f}%) | "
                     f"{use['tbps']:.2f} ({100 * use['byte_frac']:.0f}%) |")
     return rows
 

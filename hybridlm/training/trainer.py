@@ -612,8 +612,10 @@ class Trainer:
         from tqdm.auto import tqdm
 
         c = self.config.train
+        model = self.config.model
+        shape = model.preset + (f" + {len(model.overrides)} overrides" if model.overrides else "")
         self._print(
-            f"training {self.parameters / 1e6:.2f}M parameters ({self.config.model.preset}) on {self.ctx.device}"
+            f"training {self.parameters / 1e6:.2f}M parameters ({shape}) on {self.ctx.device}"
             f" x {self.ctx.world_size} ({self.ctx.describe()}), "
             f"{self.total_steps} updates, {self.total_tokens:,} tokens, dtype {c.dtype} -> {self.out_dir}"
         )
