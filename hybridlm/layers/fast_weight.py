@@ -35,7 +35,9 @@ Decisions (documented here because they are choices, not the paper's prescriptio
 
 Packed documents (`cu_seqlens`, or `position_ids` that restart at 0) reach both the conv and the op, so
 nothing crosses a document boundary. With `seq_idx` as well (the compiled hybrid block's call) the conv takes the
-document index per token, keeping the rows' shapes, and only the op runs outside the compiled graphs.
+document index per token, keeping the rows' shapes; so does the op where its Triton kernels restart documents in
+place (`seq_idx_in_place`: rules 1A and 1 read after the write, rule 1 with shifted pairing), and otherwise it runs
+outside the compiled graphs on `cu_seqlens`.
 Decoding: `cache.ssm` holds the conv tail ("conv" [B, K-1, C]) and the `FastWeightState` fields ("S"
 [B, H, K, V] fp32, "last_k" [B, H, K], and for the sliding rules "tail_x", "tail_v", "tail_len"); a prefill
 runs the chunk-parallel path, each later token the recurrent step. With `cu_seqlens` and a cache (a packed
@@ -60,6 +62,7 @@ from hybridlm.ops.fast_weight import (
     PER_COLUMN_RULES,
     FastWeightState,
     fast_weight_attention,
+    seq_idx_in_place,
 )
 from hybridlm.ops.utils import compute_dtype, local_tensor
 
@@ -71,7 +74,7 @@ _LAM_INIT_RANGE = (1e-3, 1e-1)  # sigmoid(b_lam) over the heads, log-uniform
 class FastWeightMixer(nn.Module):
     """SSM mixer: `forward(hidden [B, T, D], *, cu_seqlens, position_ids, cache, seq_idx) -> [B, T, D]`."""
 
-    takes_seq_idx = True  # the hybrid block's compiled packed path: the conv on seq_idx, the op outside the graphs
+    takes_seq_idx = True  # the hybrid block's compiled packed path: the conv (and where it can, the op) on seq_idx
 
     def __init__(self, config, layer_idx: int) -> None:  # config: a validated HybridConfig
         super().__init__()
@@ -165,14 +168,18 @@ class FastWeightMixer(nn.Module):
         # 3. Gains and ridge in the compute dtype (float32 under autocast).
         beta, lam = self._gains(beta_logits, lam_logits)
 
-        # 4. The fast-weight recurrence (state in float32, or float64 for float64 inputs).
-        op = fast_weight_attention if seq_idx is None else _packed_op
+        # 4. The fast-weight recurrence (state in float32, or float64 for float64 inputs). Given seq_idx, the
+        # Triton kernels restart the documents in place (inside the compiled graphs) where they can; otherwise the
+        # op runs outside the graphs on cu_seqlens.
+        options = dict(rule=self.rule, window=self.window, pairing=self.pairing, read=self.read)
+        op, documents = fast_weight_attention, dict(cu_seqlens=cu_seqlens)
+        if seq_idx is not None:
+            in_place = seq_idx_in_place(q, **options, backend=self.backend)
+            op, documents = (fast_weight_attention, dict(seq_idx=seq_idx)) if in_place else (_packed_op, documents)
         o, state = op(
-            q, k, v, beta, lam,
-            rule=self.rule, window=self.window, pairing=self.pairing, read=self.read,
-            step_size=self.step_size, ridge_scaling=self.ridge_scaling,
-            initial_state=_load_state(cache), output_final_state=cache is not None,
-            cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, backend=self.backend,
+            q, k, v, beta, lam, **options, step_size=self.step_size, ridge_scaling=self.ridge_scaling,
+            initial_state=_load_state(cache), output_final_state=cache is not None, **documents,
+            chunk_size=self.chunk_size, backend=self.backend,
         )  # o [B, T, H, V]
         if cache is not None:
             cache.ssm["conv"] = conv_state

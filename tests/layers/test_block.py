@@ -138,6 +138,18 @@ def test_compiled_block_on_packed_documents_compiles_once(ssm_mixer):
         torch._dynamo.reset()
 
 
+def runs_with_and_without_seq_idx(mixer, x, cu_seqlens, seq_idx):
+    """The mixer's outputs on packed documents, given cu_seqlens alone and then seq_idx beside it, and for each the
+    gradients of (output^2).sum() in its input and every parameter."""
+    outs, grads = [], []
+    for extra in ({}, {"seq_idx": seq_idx}):
+        inp = x.clone().requires_grad_()
+        out = mixer(inp, cu_seqlens=cu_seqlens, **extra)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.square().sum(), [inp, *mixer.parameters()]))
+    return outs, grads
+
+
 @pytest.mark.parametrize("ssm_mixer,fw", [
     ("mamba2", {}),
     ("fast_weight", {}),
@@ -152,13 +164,8 @@ def test_ssm_mixers_give_the_same_with_seq_idx(ssm_mixer, fw):
     mixer = make_block(ssm_mixer=ssm_mixer, fw_heads=2, fw_head_dim=8, **fw).ssm.double()
     cu_seqlens = torch.tensor([0, 1, 9, 12, 23])
     seq_idx = sequence_ids(cu_seqlens, 23).unsqueeze(0)
-    x = torch.randn(1, 23, 16, dtype=torch.float64)
-    outs, grads = [], []
-    for extra in ({}, {"seq_idx": seq_idx}):
-        inp = x.clone().requires_grad_()
-        out = mixer(inp, cu_seqlens=cu_seqlens, **extra)
-        outs.append(out)
-        grads.append(torch.autograd.grad(out.square().sum(), [inp, *mixer.parameters()]))
+    outs, grads = runs_with_and_without_seq_idx(mixer, torch.randn(1, 23, 16, dtype=torch.float64), cu_seqlens,
+                                                seq_idx)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-10, atol=1e-10)
     for a, b in zip(grads[1], grads[0]):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

@@ -49,7 +49,8 @@ def test_opcheck(name):
 @interpret
 def test_opcheck_prepare():
     """The fused preparation op (`hybridlm::fast_weight_prepare_fwd`, rules 1A / 1): shifted with a carried key and
-    packed rows, and same-step over plain rows with direct steps; the backward op without a carried key."""
+    packed rows, same-step over plain rows with direct steps, and shifted with documents restarted in place
+    (`seq_idx`); the backward op without a carried key, with and without `seq_idx`."""
     fwd, bwd = _ops("prepare")
     k = torch.randn(1, 20, 2, 16, device=DEVICE)
     v = torch.randn(1, 20, 2, 8, device=DEVICE)
@@ -57,12 +58,18 @@ def test_opcheck_prepare():
     last_k = torch.randn(3, 2, 16, device=DEVICE)
     offsets = torch.tensor([0, 4, 15, 20], device=DEVICE)
     leaves = [t.requires_grad_(True) for t in (k, v, beta, lam, last_k)]
-    torch.library.opcheck(fwd, (*leaves, offsets, 11, True, True, True, 1e-6, 1e-6), test_utils=OPCHECKS)
-    torch.library.opcheck(fwd, (*leaves[:4], None, None, 20, False, False, False, 1e-6, 1e-6), test_utils=OPCHECKS)
+    torch.library.opcheck(fwd, (*leaves, offsets, None, 11, True, True, True, 1e-6, 1e-6), test_utils=OPCHECKS)
+    torch.library.opcheck(fwd, (*leaves[:4], None, None, None, 20, False, False, False, 1e-6, 1e-6),
+                          test_utils=OPCHECKS)
+    seq_idx = torch.tensor([[0] * 7 + [1] * 9 + [5] * 4], device=DEVICE)  # documents restarted in place
+    torch.library.opcheck(fwd, (*leaves[:4], None, None, seq_idx, 20, True, True, False, 1e-6, 1e-6),
+                          test_utils=OPCHECKS)
     grads = (torch.randn(1, 20, 2, 16, device=DEVICE), torch.randn(1, 20, 2, 8, device=DEVICE),
              torch.randn(1, 20, 2, device=DEVICE), torch.randn(1, 20, 2, device=DEVICE))
     detached = [t.detach() for t in (k, v, beta, lam)]
-    torch.library.opcheck(bwd, (*grads, *detached, None, None, 20, True, True, False, 1e-6, 0.05),
+    torch.library.opcheck(bwd, (*grads, *detached, None, None, None, 20, True, True, False, 1e-6, 0.05),
+                          test_utils=OPCHECKS)
+    torch.library.opcheck(bwd, (*grads, *detached, None, None, seq_idx, 20, True, True, False, 1e-6, 0.05),
                           test_utils=OPCHECKS)
 
 

@@ -184,11 +184,11 @@ from hybridlm.ops.fast_weight.triton import kernels_prepare as kp
 from hybridlm.ops.fast_weight.triton.prepare import BT, NUM_WARPS
 
 HALF = ("k_ptr", "v_ptr", "last_ptr", "x_ptr", "y_ptr", "dx_ptr", "dy_ptr", "dk_ptr", "dv_ptr", "dlast_ptr")
-TYPES = {"offsets_ptr": "*i64", "eps": "fp32", "one_minus_eps_gamma": "fp32"}
+TYPES = {"offsets_ptr": "*i64", "seq_ptr": "*i64", "eps": "fp32", "one_minus_eps_gamma": "fp32"}
 for io, K, V in (("*bf16", 128, 128), ("*fp32", 20, 12)):
-    for on in (True, False):
+    for on, seq in ((True, False), (False, False), (True, True)):
         consts = dict(K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)), BV=max(16, triton.next_power_of_2(V)),
-                      SHIFTED=on, HAS_LAST=on, PACKED=on, NLMS=on, SCALED=on)
+                      SHIFTED=on, HAS_LAST=on, PACKED=on and not seq, NLMS=on, SCALED=on, SEQ=seq)
         for kernel in (kp.prepare_fwd_kernel, kp.prepare_bwd_kernel):
             build(kernel, consts, io=io, io_names=HALF, types=TYPES, warps=NUM_WARPS)
 """
@@ -197,7 +197,7 @@ for io, K, V in (("*bf16", 128, 128), ("*fp32", 20, 12)):
 @needs_cuda_backend
 def test_kernels_compile_for_sm90():
     """Both preparation kernels compile to sm_90 code (bf16 at K = V = 128 and fp32 at odd sizes; every flag on, then
-    off; `triton_modes.compile_for_sm90`)."""
+    off, then on with documents restarted in place (SEQ) instead of packed rows; `triton_modes.compile_for_sm90`)."""
     report = compile_for_sm90(_SM90_KERNELS, modules=("hybridlm.ops.fast_weight.triton.kernels_prepare",))
     assert set(report["built"]) == report["defined"], report  # every kernel of the file
     assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]

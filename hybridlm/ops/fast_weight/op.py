@@ -13,6 +13,7 @@ from hybridlm.ops.fast_weight.state import FastWeightState
 from hybridlm.ops.fast_weight.triton import AUTO_RULES as TRITON_AUTO_RULES
 from hybridlm.ops.fast_weight.triton import fast_weight_triton
 from hybridlm.ops.fast_weight.triton import is_available as triton_available
+from hybridlm.ops.fast_weight.triton import seq_idx_in_place as triton_seq_idx_in_place
 from hybridlm.ops.fast_weight.triton import supports as triton_supports
 from hybridlm.ops.utils import check_cu_seqlens, compute_dtype, resolve_backend
 
@@ -38,6 +39,7 @@ def fast_weight_attention(
     initial_state: FastWeightState | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
     chunk_size: int = 64,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, FastWeightState | None]:
@@ -60,6 +62,12 @@ def fast_weight_attention(
         output_final_state: return the final `FastWeightState` (else None).
         cu_seqlens: `[N + 1]` int offsets of packed sequences (B == 1); each starts fresh or from its row
             of `initial_state`, and nothing crosses a sequence boundary.
+        seq_idx: `[B, T]` integer document index of every step, the alternative to `cu_seqlens` for compiled
+            training on packed documents: a document starts wherever the index changes from one step to the
+            next, from a zero state (no `initial_state` or `output_final_state` with it). The Triton backend runs
+            it in place for rules 1A and 1 (window 1, read "after"; rule 1 with shifted pairing): the rows keep
+            their shapes and nothing is read on the host (`seq_idx_in_place`). Elsewhere it becomes `cu_seqlens`
+            (a host read, shapes per document).
         chunk_size: the chunk length of the chunk-parallel backend (rules "2"/"2A" use at most 16: their
             per-column decays cost O(C^2 V) exponentials per chunk instead of matmuls).
         backend: "auto" | "naive" | "recurrent" | "chunk" | "triton". "recurrent" is the step loop vectorized
@@ -82,6 +90,16 @@ def fast_weight_attention(
                             chunk_size=chunk_size)
     B, T, H, K = q.shape
     V = v.shape[-1]
+    if seq_idx is not None:
+        _check_seq_idx(seq_idx, B=B, T=T, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                       output_final_state=output_final_state)
+        if not seq_idx_in_place(q, rule=rule, window=window, pairing=pairing, read=read, backend=backend):
+            packed = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, beta)]
+            o, _ = fast_weight_attention(
+                *packed, None if lam is None else lam.reshape(1, B * T, H), rule=rule, window=window,
+                pairing=pairing, read=read, step_size=step_size, ridge_scaling=ridge_scaling, eps=eps,
+                eps_gamma=eps_gamma, cu_seqlens=document_offsets(seq_idx), chunk_size=chunk_size, backend=backend)
+            return o.reshape(B, T, H, V), None
     n_rows = B if offsets is None else len(offsets) - 1
     dtype = compute_dtype(q.dtype)
     state = _prepare_state(initial_state, n_rows=n_rows, H=H, K=K, V=V, window=window, pairing=pairing,
@@ -91,18 +109,13 @@ def fast_weight_attention(
         lam = q.new_zeros(B, T, H)
     options = dict(rule=rule, window=window, pairing=pairing, read=read, step_size=step_size,
                    ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=state, offsets=offsets)
-    # A single decoding step runs the step loop (vectorized over rows); longer inputs the chunk path, or on a
-    # GPU the Triton kernels.
-    on_gpu = (q.is_cuda and rule in TRITON_AUTO_RULES and triton_available()
-              and triton_supports(rule=rule, window=window, K=K, V=V, dtype=q.dtype))
-    step_loop = "naive" if offsets is not None else "recurrent"  # decoding: one step, vectorized over rows
-    name = resolve_backend(backend, available=BACKENDS, default=step_loop if T == 1 else "triton" if on_gpu else "chunk")
+    name = _backend(q, v, rule=rule, window=window, packed=offsets is not None, backend=backend)
     if name == "triton":  # q, k, v keep their dtype (bf16 tensor cores); step sizes and decays run in float32
         if not (triton_available() and q.is_cuda) and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend='triton' needs triton installed and the tensors on a CUDA device; "
                              "use backend='chunk' (or 'auto') here")
         with torch.autocast(q.device.type, enabled=False):
-            o, final = fast_weight_triton(q, k, v, beta, lam, chunk_size=chunk_size, **options)
+            o, final = fast_weight_triton(q, k, v, beta, lam, chunk_size=chunk_size, seq_idx=seq_idx, **options)
         return o.to(out_dtype), (final if output_final_state else None)
     q, k, v, beta, lam = (t.to(dtype) for t in (q, k, v, beta, lam))
     # The recurrence stays in `dtype` under a caller's bf16 autocast (its matmuls would otherwise run in bf16).
@@ -114,6 +127,48 @@ def fast_weight_attention(
         else:
             o, final = fast_weight_chunk(q, k, v, beta, lam, chunk_size=chunk_size, **options)
     return o.to(out_dtype), (final if output_final_state else None)
+
+
+def _backend(q, v, *, rule, window, packed, backend) -> str:
+    """The backend a call runs: a single decoding step the step loop (vectorized over rows); longer inputs the chunk
+    path, or on a GPU the Triton kernels."""
+    K, V = q.shape[-1], v.shape[-1]
+    on_gpu = (q.is_cuda and rule in TRITON_AUTO_RULES and triton_available()
+              and triton_supports(rule=rule, window=window, K=K, V=V, dtype=q.dtype))
+    step_loop = "naive" if packed else "recurrent"  # decoding: one step, vectorized over rows
+    default = step_loop if q.shape[1] == 1 else "triton" if on_gpu else "chunk"
+    return resolve_backend(backend, available=BACKENDS, default=default)
+
+
+def seq_idx_in_place(q, *, rule, window=1, pairing="shifted", read="after", backend="auto") -> bool:
+    """Whether `fast_weight_attention(q, ..., seq_idx=...)` restarts the documents in place, on the rows' shapes
+    with nothing read on the host (so it can run inside a compiled graph): the Triton backend, rules 1A and 1 (window
+    1), read "after", rule 1 with shifted pairing only (a same-step write's residual would read the last document's
+    state), and the fused preparation on. Otherwise `seq_idx` becomes `cu_seqlens`."""
+    if _backend(q, q, rule=rule, window=window, packed=False, backend=backend) != "triton":
+        return False
+    return triton_seq_idx_in_place(rule=rule, window=window, pairing=pairing, read=read)
+
+
+def document_offsets(seq_idx: torch.Tensor) -> torch.Tensor:
+    """seq_idx [B, T] -> the `cu_seqlens` of its documents with the rows laid end to end (a document starts at
+    every row's first step and wherever the index changes), int64 on the CPU: reads the tensor on the host."""
+    B, T = seq_idx.shape
+    starts = torch.ones(B, T, dtype=torch.bool, device=seq_idx.device)
+    starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+    first = starts.reshape(-1).nonzero().flatten().cpu()
+    return torch.cat([first, torch.tensor([B * T])]).to(torch.int64)
+
+
+def _check_seq_idx(seq_idx, *, B, T, cu_seqlens, initial_state, output_final_state) -> None:
+    if cu_seqlens is not None:
+        raise ValueError("pass either cu_seqlens (packed offsets) or seq_idx (a document index per step), not both")
+    if tuple(seq_idx.shape) != (B, T) or seq_idx.dtype.is_floating_point or seq_idx.dtype == torch.bool:
+        raise ValueError(f"seq_idx must be an integer tensor [B, T] = {[B, T]}, got {seq_idx.dtype} "
+                         f"{list(seq_idx.shape)}")
+    if initial_state is not None or output_final_state:
+        raise ValueError("with seq_idx every document starts from a zero state and no final state is returned; "
+                         "use cu_seqlens (one state per sequence) to carry states")
 
 
 def _check_inputs(q, k, v, beta, lam, *, rule, window, pairing, read, step_size, eps, eps_gamma, cu_seqlens,

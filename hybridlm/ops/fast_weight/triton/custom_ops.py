@@ -11,8 +11,8 @@
         column: [N, T, H, V]).
     hybridlm::fast_weight_2_fwd / hybridlm::fast_weight_2_bwd: the same for rule 2 (regression, eta and log_gamma
         per value column).
-    hybridlm::fast_weight_prepare_fwd(k, v, beta, lam, last_k?, offsets?, max_len, shifted, nlms, ridge_scaling, eps,
-        eps_gamma) -> (x, y, eta, log_gamma): the fused write preparation of rules 1A / 1 (`prepare.py`);
+    hybridlm::fast_weight_prepare_fwd(k, v, beta, lam, last_k?, offsets?, seq_idx?, max_len, shifted, nlms,
+        ridge_scaling, eps, eps_gamma) -> (x, y, eta, log_gamma): the fused write preparation of rules 1A / 1 (`prepare.py`);
     hybridlm::fast_weight_prepare_bwd(dx, dy, deta, dlog_gamma, <the forward's inputs>) -> (dk, dv, dbeta, dlam,
         dlast_k).
 
@@ -104,7 +104,7 @@ def fast_weight_2_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk
 
 
 def fast_weight_prepare_triton(k, v, beta, lam, last_k, offsets, *, max_len: int, pairing: str, step_size: str,
-                               ridge_scaling: bool, eps: float, eps_gamma: float):
+                               ridge_scaling: bool, eps: float, eps_gamma: float, seq_idx=None):
     """chunk.py's `prepare_writes` for window 1 and a scalar step per head (rules 1A, 1), fused, differentiable in
     k, v, beta, lam and last_k.
 
@@ -113,6 +113,9 @@ def fast_weight_prepare_triton(k, v, beta, lam, last_k, offsets, *, max_len: int
         last_k: `[N, H, K]` the carried last key (shifted pairing) or None (cast to k's dtype, as prepare_writes).
         offsets: `[N + 1]` int64 packed-sequence offsets on k's device (B = 1), or None (N = B, max_len = T).
         max_len: the longest sequence (T without offsets).
+        seq_idx: `[B, T]` integer document index per step (without offsets) or None: a document starts where it
+            changes, with no shifted pair there and a log decay of `kernels_prepare.RESTART_LOG_DECAY` (-100) that
+            ends every earlier write's share of the state (exp(-100) ~ 4e-44); that decay carries no gradient.
 
     Returns:
         x `[N, max_len, H, K]` (k's dtype), y `[N, max_len, H, V]`, eta and log_gamma `[N, max_len, H]` float32: the
@@ -121,7 +124,7 @@ def fast_weight_prepare_triton(k, v, beta, lam, last_k, offsets, *, max_len: int
     shifted = pairing == "shifted"
     last_k = last_k.to(k.dtype) if shifted and last_k is not None else None
     return torch.ops.hybridlm.fast_weight_prepare_fwd(
-        k, v, beta.to(torch.float32), lam.to(torch.float32), last_k, offsets, int(max_len), shifted,
+        k, v, beta.to(torch.float32), lam.to(torch.float32), last_k, offsets, seq_idx, int(max_len), shifted,
         step_size == "nlms", bool(ridge_scaling), float(eps), float(eps_gamma))
 
 
@@ -258,8 +261,8 @@ def _register(rule: str, name: str, options: str = _OPTIONS) -> None:
     fwd.register_autograd(backward, setup_context=setup_context)
 
 
-_PREP_ARGS = "Tensor k, Tensor v, Tensor beta, Tensor lam, Tensor? last_k, Tensor? offsets, int max_len, " \
-             "bool shifted, bool nlms, bool ridge_scaling, float eps, float eps_gamma"
+_PREP_ARGS = "Tensor k, Tensor v, Tensor beta, Tensor lam, Tensor? last_k, Tensor? offsets, Tensor? seq_idx, " \
+             "int max_len, bool shifted, bool nlms, bool ridge_scaling, float eps, float eps_gamma"
 
 
 def _register_prepare() -> None:
@@ -270,17 +273,17 @@ def _register_prepare() -> None:
 
     @torch.library.custom_op("hybridlm::fast_weight_prepare_fwd", mutates_args=(),
                              schema=f"({_PREP_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
-    def fwd(k, v, beta, lam, last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps, eps_gamma):
+    def fwd(k, v, beta, lam, last_k, offsets, seq_idx, max_len, shifted, nlms, ridge_scaling, eps, eps_gamma):
         from hybridlm.ops.fast_weight.triton import prepare
 
         k, v, beta, lam = (t.contiguous() for t in (k, v, beta, lam))
-        last_k = None if last_k is None else last_k.contiguous()
+        last_k, seq_idx = (None if t is None else t.contiguous() for t in (last_k, seq_idx))
         with on_tensor_device(k):
-            return prepare.forward(k, v, beta, lam, last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps,
-                                   eps_gamma)
+            return prepare.forward(k, v, beta, lam, last_k, offsets, seq_idx, max_len, shifted, nlms, ridge_scaling,
+                                   eps, eps_gamma)
 
     @fwd.register_fake
-    def _(k, v, beta, lam, last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps, eps_gamma):
+    def _(k, v, beta, lam, last_k, offsets, seq_idx, max_len, shifted, nlms, ridge_scaling, eps, eps_gamma):
         N, H = rows(k, offsets), k.shape[2]
         eta = beta.new_empty(N, max_len, H, dtype=torch.float32)
         return (k.new_empty(N, max_len, H, k.shape[3]), v.new_empty(N, max_len, H, v.shape[3]), eta,
@@ -289,32 +292,34 @@ def _register_prepare() -> None:
     @torch.library.custom_op("hybridlm::fast_weight_prepare_bwd", mutates_args=(),
                              schema=f"(Tensor dx, Tensor dy, Tensor deta, Tensor dlog_gamma, {_PREP_ARGS}) -> "
                                     "(Tensor, Tensor, Tensor, Tensor, Tensor)")
-    def bwd(dx, dy, deta, dlog_gamma, k, v, beta, lam, last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps,
-            eps_gamma):
+    def bwd(dx, dy, deta, dlog_gamma, k, v, beta, lam, last_k, offsets, seq_idx, max_len, shifted, nlms,
+            ridge_scaling, eps, eps_gamma):
         from hybridlm.ops.fast_weight.triton import prepare
 
         dx, dy, deta, dlog_gamma, k, v, beta, lam = (t.contiguous() for t in (dx, dy, deta, dlog_gamma, k, v, beta,
                                                                                 lam))
-        last_k = None if last_k is None else last_k.contiguous()
+        last_k, seq_idx = (None if t is None else t.contiguous() for t in (last_k, seq_idx))
         with on_tensor_device(k):
             return prepare.backward(dx.to(k.dtype), dy.to(v.dtype), deta.float(), dlog_gamma.float(), k, v, beta,
-                                    lam, last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps, eps_gamma)
+                                    lam, last_k, offsets, seq_idx, max_len, shifted, nlms, ridge_scaling, eps,
+                                    eps_gamma)
 
     @bwd.register_fake
-    def _(dx, dy, deta, dlog_gamma, k, v, beta, lam, last_k, offsets, max_len, shifted, nlms, ridge_scaling, eps,
-          eps_gamma):
+    def _(dx, dy, deta, dlog_gamma, k, v, beta, lam, last_k, offsets, seq_idx, max_len, shifted, nlms, ridge_scaling,
+          eps, eps_gamma):
         return (k.new_empty(k.shape), v.new_empty(v.shape), beta.new_empty(beta.shape), lam.new_empty(lam.shape),
                 k.new_empty(rows(k, offsets), k.shape[2], k.shape[3]))
 
     def setup_context(ctx, inputs, output):
-        k, v, beta, lam, last_k, offsets = inputs[:6]
-        ctx.save_for_backward(k, v, beta, lam, last_k, offsets)
-        ctx.options = inputs[6:]
+        k, v, beta, lam, last_k, offsets, seq_idx = inputs[:7]
+        ctx.save_for_backward(k, v, beta, lam, last_k, offsets, seq_idx)
+        ctx.options = inputs[7:]
 
     def backward(ctx, dx, dy, deta, dlog_gamma):
-        k, v, beta, lam, last_k, offsets = ctx.saved_tensors
-        dk, dv, dbeta, dlam, dlast = bwd(dx, dy, deta, dlog_gamma, k, v, beta, lam, last_k, offsets, *ctx.options)
-        return (dk, dv, dbeta, dlam, None if last_k is None else dlast) + (None,) * 8
+        k, v, beta, lam, last_k, offsets, seq_idx = ctx.saved_tensors
+        dk, dv, dbeta, dlam, dlast = bwd(dx, dy, deta, dlog_gamma, k, v, beta, lam, last_k, offsets, seq_idx,
+                                         *ctx.options)
+        return (dk, dv, dbeta, dlam, None if last_k is None else dlast) + (None,) * 9
 
     fwd.register_autograd(backward, setup_context=setup_context)
 

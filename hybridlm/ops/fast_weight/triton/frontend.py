@@ -75,11 +75,17 @@ def fast_weight_triton(
     initial_state: FastWeightState,
     offsets: torch.Tensor | None,
     chunk_size: int,
+    seq_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, FastWeightState]:
     """Rules 1A / 3A / 1 / 3 / 2A / 2 through the Triton kernels. `chunk_size` is rounded to a power of two in
     [16, 128] (rules 2A and 2: 16, whatever is asked; their intra-chunk work is O(C^2 V) exponentials per chunk, as in
     chunk.py); for rule 3 it counts events (at least one step's slots).
     Rules 1A and 1 take their write events from the fused preparation kernel while FUSED_PREPARATION is on.
+    `seq_idx` ([B, T], a document index per step; only where `seq_idx_in_place`) restarts documents in place: the
+    fused preparation puts no pair across a document start and a log decay of -100 on it (exp(-100) ~ 4e-44), so
+    the scan's state holds nothing of the documents before; each exponent the kernels take is a difference of
+    chunk-local sums that holds that -100 on both sides (one document: exact up to float32 rounding at magnitude
+    100, ~4e-6) or on one (another document: ~0).
 
     Returns o `[B, T, H, V]` in q's dtype and the final state (S float32)."""
     K, V = q.shape[-1], v.shape[-1]
@@ -87,10 +93,15 @@ def fast_weight_triton(
         raise ValueError(f"the Triton backend runs rules 1A, 1, 2A and 2 (window 1), 3A and 3 (window <= 64) "
                          f"with K, V <= 128 in float32/bfloat16/float16; got rule {rule!r}, window {window}, "
                          f"K = {K}, V = {V}, {q.dtype} (use backend='chunk')")
+    if seq_idx is not None and (offsets is not None
+                                or not seq_idx_in_place(rule=rule, window=window, pairing=pairing, read=read)):
+        raise ValueError(f"seq_idx (documents restarted in place) takes rules 1A and 1 with window 1, read 'after', "
+                         f"rule 1 with shifted pairing, no cu_seqlens, and the fused preparation on; got rule "
+                         f"{rule!r}, window {window}, {pairing} pairing, read {read!r} (use cu_seqlens)")
     if FUSED_PREPARATION and rule in FUSED_RULES and window == 1:
         return _window_1(q, k, v, beta, lam, rule=rule, pairing=pairing, read=read, step_size=step_size,
                          ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=initial_state,
-                         offsets=offsets, chunk_size=chunk_size)
+                         offsets=offsets, chunk_size=chunk_size, seq_idx=seq_idx)
     p = prepare_writes(q, k, v, beta, lam, rule=rule, window=window, pairing=pairing, step_size=step_size,
                        ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=initial_state,
                        offsets=offsets)
@@ -175,8 +186,16 @@ def _delayed_window(p, S0: torch.Tensor, *, read_after: bool, chunk_size: int) -
     return o, S
 
 
+def seq_idx_in_place(*, rule: str, window: int, pairing: str, read: str) -> bool:
+    """Documents restart in place (`seq_idx`) through the fused preparation, for a read after the write (a read
+    before it would see the last document's state at a document's first step), and for rule 1 only with shifted
+    pairing (a same-step write's residual would read that state too)."""
+    return (FUSED_PREPARATION and rule in FUSED_RULES and window == 1 and read == "after"
+            and (rule == "1A" or pairing == "shifted"))
+
+
 def _window_1(q, k, v, beta, lam, *, rule, pairing, read, step_size, ridge_scaling, eps, eps_gamma, initial_state,
-              offsets, chunk_size) -> tuple[torch.Tensor, FastWeightState]:
+              offsets, chunk_size, seq_idx=None) -> tuple[torch.Tensor, FastWeightState]:
     """Rules 1A / 1 with the fused preparation: the write events of prepare_writes (window 1) from one kernel."""
     from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_prepare_triton
 
@@ -194,7 +213,7 @@ def _window_1(q, k, v, beta, lam, *, rule, pairing, read, step_size, ridge_scali
         device_offsets = None
     x, y, eta, log_gamma = fast_weight_prepare_triton(
         k, v, beta, lam, initial_state.last_k if shifted else None, device_offsets, max_len=max_len, pairing=pairing,
-        step_size=step_size, ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma)
+        step_size=step_size, ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, seq_idx=seq_idx)
     scan = fast_weight_1_triton if rule == "1" else fast_weight_1a_triton
     chunk = _triton_chunk(chunk_size)
     if rule == "1":

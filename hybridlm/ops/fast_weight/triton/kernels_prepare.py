@@ -22,6 +22,13 @@ a <= m, equality included, and stops it where a > m):
     d x_src = exists (dx + 2 g_E x)  -> dk[src - 1] (shifted; the carried last key at t = 0) | dk[src]
     d v[src] = exists dy
 
+With a document index per step (SEQ: seq_idx [N, T], the rows' layout, never with offsets) a document starts at
+every t >= 1 whose id differs from step t-1's: there no shifted pair exists (k[src - 1] is another document's), and
+lg_t = RESTART_LOG_DECAY (-100: exp(-100) ~ 4e-44, below float32's normal range) so that nothing written before
+reaches the state after it; its gradient is dropped (a constant; step t's own decay multiplies a state that is
+zero within its document). Every later exponent the scan kernels take is a difference of chunk-local sums that
+holds -100 either on both sides (the same document) or on one (another: ~0).
+
 Outputs are padded rows [N, T_pad, H, *] (T_pad = the longest sequence); padded steps hold zeros (eta = 0, lg = 0).
 Divisions are IEEE (`div_rn`; Triton's `/` compiles to the approximate div.full.f32 on NVIDIA GPUs), as torch's.
 """
@@ -32,6 +39,7 @@ import triton
 import triton.language as tl
 
 _SIZES = ["T_pad"]  # runtime: no recompilation per sequence length
+RESTART_LOG_DECAY = tl.constexpr(-100.0)  # a document restart's log decay (SEQ)
 
 
 @triton.jit
@@ -44,10 +52,10 @@ def _log1p(u):
 
 
 @triton.jit
-def _steps(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, T_pad, H, eps, one_minus_eps_gamma,
+def _steps(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, seq_ptr, T_pad, H, eps, one_minus_eps_gamma,
            K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
            SHIFTED: tl.constexpr, HAS_LAST: tl.constexpr, PACKED: tl.constexpr, NLMS: tl.constexpr,
-           SCALED: tl.constexpr):
+           SCALED: tl.constexpr, SEQ: tl.constexpr):
     """The forward quantities of this program's BT steps (shared by both kernels)."""
     i_t, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -60,6 +68,12 @@ def _steps(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, T_pad, H, eps
         length = T_pad
     valid = t < length
     src = start + t                                                                     # flat input rows [BT]
+    if SEQ:  # a document starts at t >= 1 where the id changes (t = 0 continues the carried state)
+        here = tl.load(seq_ptr + src, mask=valid, other=0)
+        before = tl.load(seq_ptr + src - 1, mask=valid & (t >= 1), other=0)
+        restart = valid & (t >= 1) & (here != before)
+    else:
+        restart = t < 0
     ck = tl.arange(0, BK)
     kmask = ck < K
     if SHIFTED:
@@ -69,9 +83,9 @@ def _steps(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, T_pad, H, eps
         if HAS_LAST:
             first = tl.load(last_ptr + (i_n * H + i_h).to(tl.int64) * K + ck, mask=kmask, other=0.0)
             x = tl.where((t == 0)[:, None], first[None, :], x)
-            exists = valid
+            exists = valid & ~restart
         else:
-            exists = valid & (t >= 1)
+            exists = valid & (t >= 1) & ~restart
     else:
         x = tl.load(k_ptr + (src * H + i_h)[:, None] * K + ck[None, :], mask=valid[:, None] & kmask[None, :],
                     other=0.0)
@@ -94,20 +108,21 @@ def _steps(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, T_pad, H, eps
     eta = tl.where(exists, eta, 0.0)
     a = eta * ridge
     alpha = tl.minimum(a, one_minus_eps_gamma)
-    lg = _log1p(-alpha)
-    return i_n, i_h, t, valid, exists, src, ck, kmask, x, xf, E, beta, lam, ridge, denom, eta, a, alpha, lg
+    lg = tl.where(restart, RESTART_LOG_DECAY, _log1p(-alpha))
+    return i_n, i_h, t, valid, exists, restart, src, ck, kmask, x, xf, E, beta, lam, ridge, denom, eta, a, alpha, lg
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def prepare_fwd_kernel(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, x_ptr, y_ptr, eta_ptr, lg_ptr,
-                       T_pad, H, eps, one_minus_eps_gamma, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, SHIFTED: tl.constexpr, HAS_LAST: tl.constexpr,
-                       PACKED: tl.constexpr, NLMS: tl.constexpr, SCALED: tl.constexpr):
+def prepare_fwd_kernel(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, seq_ptr, x_ptr, y_ptr, eta_ptr,
+                       lg_ptr, T_pad, H, eps, one_minus_eps_gamma, K: tl.constexpr, V: tl.constexpr,
+                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SHIFTED: tl.constexpr,
+                       HAS_LAST: tl.constexpr, PACKED: tl.constexpr, NLMS: tl.constexpr, SCALED: tl.constexpr,
+                       SEQ: tl.constexpr):
     """x [N, T_pad, H, K], y [N, T_pad, H, V] (k's / v's dtype), eta and lg [N, T_pad, H] float32.
     Grid (cdiv(T_pad, BT), N * H)."""
-    i_n, i_h, t, _, exists, src, ck, kmask, x, _, _, _, _, _, _, eta, _, _, lg = _steps(
-        k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, T_pad, H, eps, one_minus_eps_gamma, K, V, BT, BK,
-        BV, SHIFTED, HAS_LAST, PACKED, NLMS, SCALED)
+    i_n, i_h, t, _, exists, _, src, ck, kmask, x, _, _, _, _, _, _, eta, _, _, lg = _steps(
+        k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, seq_ptr, T_pad, H, eps, one_minus_eps_gamma, K, V,
+        BT, BK, BV, SHIFTED, HAS_LAST, PACKED, NLMS, SCALED, SEQ)
     cv = tl.arange(0, BV)
     vmask = cv < V
     y = tl.load(v_ptr + (src * H + i_h)[:, None] * V + cv[None, :], mask=exists[:, None] & vmask[None, :], other=0.0)
@@ -120,19 +135,19 @@ def prepare_fwd_kernel(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, x
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def prepare_bwd_kernel(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, dx_ptr, dy_ptr, deta_ptr, dlg_ptr,
-                       dk_ptr, dv_ptr, dbeta_ptr, dlam_ptr, dlast_ptr, T_pad, H, eps, one_minus_eps_gamma,
+def prepare_bwd_kernel(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, seq_ptr, dx_ptr, dy_ptr, deta_ptr,
+                       dlg_ptr, dk_ptr, dv_ptr, dbeta_ptr, dlam_ptr, dlast_ptr, T_pad, H, eps, one_minus_eps_gamma,
                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        SHIFTED: tl.constexpr, HAS_LAST: tl.constexpr, PACKED: tl.constexpr, NLMS: tl.constexpr,
-                       SCALED: tl.constexpr):
+                       SCALED: tl.constexpr, SEQ: tl.constexpr):
     """dk, dv (k's / v's dtype, laid out as k, v), d beta, d lam (float32, as beta, lam) and d last_k [N, H, K] for
     the gradients of x, y, eta, lg (padded rows). dk must be zeros on entry (shifted: each row's last key feeds no
     write here); every other output is written wherever it exists. Grid (cdiv(T_pad, BT), N * H)."""
-    i_n, i_h, t, valid, exists, src, ck, kmask, _, xf, E, beta, _, ridge, denom, eta, a, alpha, _ = _steps(
-        k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, T_pad, H, eps, one_minus_eps_gamma, K, V, BT, BK,
-        BV, SHIFTED, HAS_LAST, PACKED, NLMS, SCALED)
+    i_n, i_h, t, valid, exists, restart, src, ck, kmask, _, xf, E, beta, _, ridge, denom, eta, a, alpha, _ = _steps(
+        k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, seq_ptr, T_pad, H, eps, one_minus_eps_gamma, K, V,
+        BT, BK, BV, SHIFTED, HAS_LAST, PACKED, NLMS, SCALED, SEQ)
     rows = (i_n.to(tl.int64) * T_pad + t) * H + i_h
-    dlg = tl.load(dlg_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+    dlg = tl.load(dlg_ptr + rows, mask=valid & ~restart, other=0.0).to(tl.float32)  # a restart's lg is a constant
     deta = tl.load(deta_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     g_alpha = -tl.math.div_rn(dlg, 1.0 - alpha)                          # d log1p(-alpha) / d alpha = -1 / (1 - alpha)
     g_a = tl.where(a <= one_minus_eps_gamma, g_alpha, 0.0)               # torch.clamp(max=m): passes at a == m

@@ -1,0 +1,168 @@
+"""`fast_weight_attention(..., seq_idx=)`: packed documents given as a document index per step.
+
+In place (the Triton backend, rules 1A and 1: a log decay of -100 and no pair at each document's first step; the
+rows keep their shapes) against the same documents through `cu_seqlens` on the chunk backend, float32, outputs and
+every gradient; the conversion to `cu_seqlens` wherever the in-place form does not apply; `torch.compile(fullgraph)`
+of the in-place form; and the errors.
+
+Where they run (as tests/ops/test_fast_weight_triton.py, whose import sets TRITON_INTERPRET before any kernel loads):
+    GPU:  python -m pytest -q tests/ops/test_fast_weight_seq_idx.py
+    CPU:  HYBRIDLM_TRITON_INTERPRET=1 python -m pytest -q tests/ops/test_fast_weight_seq_idx.py
+(the conversion and error tests run everywhere).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridlm.ops import fast_weight_attention
+from hybridlm.ops.fast_weight.op import document_offsets, seq_idx_in_place
+from hybridlm.ops.fast_weight.state import FastWeightState
+from tests.helpers import rel_err
+from tests.ops.test_fast_weight import make_inputs
+from tests.ops.test_fast_weight_triton import DEVICE, interpret
+
+T = 53  # not a multiple of the chunk (16)
+
+
+def layouts() -> dict[str, torch.Tensor]:
+    """seq_idx [2, T] per case: restarts mid-chunk, on chunk boundaries (16, 32), several inside one chunk
+    (1-token documents included), an id that comes back after another document, and one document per row."""
+    def row(lengths, ids=None):
+        ids = ids or list(range(len(lengths)))
+        return torch.cat([torch.full((n,), i) for n, i in zip(lengths, ids)])
+
+    return {
+        "mid_chunk": torch.stack([row([5, 30, 18]), row([40, 13])]),
+        "chunk_edges": torch.stack([row([16, 16, 21]), row([32, 21])]),
+        "dense": torch.stack([row([1, 2, 1, 3, 1, 45]), row([7, 1, 1, 44])]),
+        "id_returns": torch.stack([row([10, 10, 33], ids=[4, 9, 4]), row([20, 13, 20], ids=[3, 8, 3])]),
+        "single": torch.stack([row([T]), row([T], ids=[7])]),
+    }
+
+
+def run(inputs, seq_idx, *, rule, backend, packed, **options):
+    """The op over seq_idx in place, or over the same documents as cu_seqlens (the rows laid end to end)."""
+    q, k, v, beta, lam = inputs
+    B, _, H, _ = q.shape
+    if not packed:
+        return fast_weight_attention(q, k, v, beta, lam, rule=rule, seq_idx=seq_idx.to(q.device), chunk_size=16,
+                                     backend=backend, **options)[0]
+    o, _ = fast_weight_attention(*(t.reshape(1, B * T, *t.shape[2:]) for t in inputs), rule=rule,
+                                 cu_seqlens=document_offsets(seq_idx), chunk_size=16, backend=backend, **options)
+    return o.reshape(B, T, H, -1)
+
+
+IN_PLACE = [("1A", "shifted", "nlms", False), ("1A", "same_step", "nlms", False), ("1A", "shifted", "direct", True),
+            ("1", "shifted", "nlms", False), ("1", "shifted", "nlms", True)]
+
+
+@interpret
+@pytest.mark.parametrize("layout", sorted(layouts()))
+@pytest.mark.parametrize("rule,pairing,step_size,ridge_scaling", IN_PLACE)
+def test_in_place_matches_documents(layout, rule, pairing, step_size, ridge_scaling):
+    """Triton in place vs chunk over cu_seqlens: o and the gradients of q, k, v, beta, lam (float32, < 1e-4)."""
+    seq_idx = layouts()[layout]
+    options = dict(pairing=pairing, step_size=step_size, ridge_scaling=ridge_scaling)
+    assert seq_idx_in_place(torch.zeros(1, 2, 1, 1, device=DEVICE), rule=rule, pairing=pairing, backend="triton")
+    inputs = [t.to(DEVICE).detach().requires_grad_(True)
+              for t in make_inputs(rule, B=2, T=T, H=2, K=16, V=8, dtype=torch.float32, lam_scale=0.5)]
+    o = run(inputs, seq_idx, rule=rule, backend="triton", packed=False, **options)
+    o_ref = run(inputs, seq_idx, rule=rule, backend="chunk", packed=True, **options)
+    w = torch.randn_like(o_ref)
+    grads = torch.autograd.grad((o * w).sum(), inputs)
+    grads_ref = torch.autograd.grad((o_ref * w).sum(), inputs)
+    assert rel_err(o, o_ref) < 1e-4
+    for name, grad, grad_ref in zip(("q", "k", "v", "beta", "lam"), grads, grads_ref):
+        assert rel_err(grad, grad_ref) < 1e-4, name
+
+
+@interpret
+def test_in_place_compiles_without_graph_breaks():
+    """torch.compile(fullgraph=True, aot_eager) of the in-place form equals eager, gradients included: nothing is
+    read on the host."""
+    seq_idx = layouts()["dense"].to(DEVICE)
+    inputs = [t.to(DEVICE).detach().requires_grad_(True)
+              for t in make_inputs("1A", B=2, T=T, H=2, K=16, V=8, dtype=torch.float32)]
+
+    def fn(q, k, v, beta, lam, seq_idx):
+        return fast_weight_attention(q, k, v, beta, lam, rule="1A", seq_idx=seq_idx, chunk_size=16,
+                                     backend="triton")[0]
+
+    o = fn(*inputs, seq_idx)
+    o_c = torch.compile(fn, fullgraph=True, backend="aot_eager")(*inputs, seq_idx)
+    grads = torch.autograd.grad(o.square().sum(), inputs)
+    grads_c = torch.autograd.grad(o_c.square().sum(), inputs)
+    assert rel_err(o_c, o) < 1e-6
+    for grad, grad_c in zip(grads, grads_c):
+        assert rel_err(grad_c, grad) < 1e-6
+
+
+@pytest.mark.parametrize("rule,window,pairing,read", [("3A", 3, "shifted", "after"), ("1A", 1, "shifted", "before"),
+                                                      ("1", 1, "same_step", "after"), ("2A", 1, "shifted", "after")])
+def test_other_calls_run_as_cu_seqlens(rule, window, pairing, read):
+    """On the chunk backend (and for what the in-place form does not take) seq_idx means the same documents as
+    cu_seqlens: outputs and gradients equal, float64."""
+    seq_idx = layouts()["id_returns"]
+    options = dict(window=window, pairing=pairing, read=read)
+    assert not seq_idx_in_place(torch.zeros(1, 2, 1, 1), rule=rule, **options)
+    inputs = [t.detach().requires_grad_(True)
+              for t in make_inputs(rule, B=2, T=T, H=2, K=6, V=5, dtype=torch.float64)]
+    o = run(inputs, seq_idx, rule=rule, backend="chunk", packed=False, **options)
+    o_ref = run(inputs, seq_idx, rule=rule, backend="naive", packed=True, **options)
+    assert rel_err(o, o_ref) < 1e-10
+    grads = torch.autograd.grad(o.sum(), inputs)
+    grads_ref = torch.autograd.grad(o_ref.sum(), inputs)
+    for grad, grad_ref in zip(grads, grads_ref):
+        assert rel_err(grad, grad_ref) < 1e-10
+
+
+def test_document_offsets():
+    seq_idx = torch.tensor([[3, 3, 5, 5, 3], [1, 1, 1, 1, 1]])
+    assert document_offsets(seq_idx).tolist() == [0, 2, 4, 5, 10]
+
+
+def test_errors():
+    q, k, v, beta, lam = make_inputs("1A", B=1, T=6, H=1, K=4, V=4, dtype=torch.float32)
+    seq_idx = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    with pytest.raises(ValueError, match="not both"):
+        fast_weight_attention(q, k, v, beta, lam, rule="1A", seq_idx=seq_idx, cu_seqlens=torch.tensor([0, 6]))
+    with pytest.raises(ValueError, match=r"integer tensor \[B, T\]"):
+        fast_weight_attention(q, k, v, beta, lam, rule="1A", seq_idx=seq_idx.float())
+    with pytest.raises(ValueError, match=r"integer tensor \[B, T\]"):
+        fast_weight_attention(q, k, v, beta, lam, rule="1A", seq_idx=seq_idx[:, :5])
+    with pytest.raises(ValueError, match="zero state"):
+        fast_weight_attention(q, k, v, beta, lam, rule="1A", seq_idx=seq_idx, output_final_state=True)
+    with pytest.raises(ValueError, match="zero state"):
+        fast_weight_attention(q, k, v, beta, lam, rule="1A", seq_idx=seq_idx,
+                              initial_state=FastWeightState(S=torch.zeros(1, 1, 4, 4)))
+
+
+@interpret
+@pytest.mark.parametrize("fw", [dict(fw_rule="1"), dict(fw_rule="1A", fw_pairing="same_step"),
+                                dict(fw_rule="3A", fw_window=3)], ids=["fw-1", "fw-1A-same", "fw-3A"])
+def test_mixer_restarts_in_place_inside_graphs(monkeypatch, fw):
+    """The fast-weight mixer on the Triton backend given the compiled block's seq_idx: rules 1 and 1A run the op in
+    place (never `_packed_op`, the call outside the graphs; the whole mixer compiles with fullgraph=True), 3A
+    through `_packed_op`; output and every parameter's gradient equal to the mixer on cu_seqlens alone (float32,
+    < 1e-4)."""
+    from hybridlm.layers import fast_weight as layer
+    from hybridlm.modules.boundaries import sequence_ids
+    from tests.layers.test_block import make_block, runs_with_and_without_seq_idx
+
+    mixer = make_block(ssm_mixer="fast_weight", fw_heads=2, fw_head_dim=16, fw_chunk_size=16, **fw).ssm.to(DEVICE)
+    mixer.backend = "triton"
+    outside = []
+    monkeypatch.setattr(layer, "_packed_op", lambda *a, **kw: outside.append(1) or fast_weight_attention(*a, **kw))
+    cu_seqlens = torch.tensor([0, 1, 19, 34, 50])
+    seq_idx = sequence_ids(cu_seqlens, 50).unsqueeze(0).to(DEVICE)
+    x = torch.randn(1, 50, 16, device=DEVICE)
+    outs, grads = runs_with_and_without_seq_idx(mixer, x, cu_seqlens, seq_idx)
+    assert rel_err(outs[1], outs[0]) < 1e-4
+    for a, b in zip(grads[1], grads[0]):
+        assert rel_err(a, b) < 1e-4
+    assert outside == ([1] if fw["fw_rule"] == "3A" else [])
+    if fw["fw_rule"] != "3A":  # the whole mixer traces as one graph
+        compiled = torch.compile(mixer, fullgraph=True, backend="aot_eager")
+        assert rel_err(compiled(x, cu_seqlens=cu_seqlens, seq_idx=seq_idx), outs[1]) < 1e-6
