@@ -28,10 +28,10 @@ Mixer contract (every sequence mixer, e.g. `Mamba2Mixer`, `Attention`, and the f
 
 A mixer whose `takes_seq_idx` is True (Mamba-2 on the SSD's torch backends, the fast-weight mixer) also takes
 `seq_idx=[1, T]`, each token's document, beside `cu_seqlens`: the same result, with the rows' shapes wherever it
-can (Mamba-2 throughout; the fast-weight mixer all but its op, which steps outside the graphs). A compiled block
-calls it that way (given `seq_idx`, which the model computes once per forward), so the mixer compiles and replays as
-CUDA graphs (Mamba-2 whole; the fast-weight mixer all but its op); the other mixers (attention) run packed documents
-outside the compiled graphs (`_packed_mix`).
+can (Mamba-2 throughout; the fast-weight mixer whole where its op restarts documents in place, `seq_idx_in_place`,
+else all but its op, which then steps outside the graphs). A compiled block calls it that way (given `seq_idx`,
+which the model computes once per forward), so the mixer compiles and replays as CUDA graphs; the other mixers
+(attention) run packed documents outside the compiled graphs (`_packed_mix`).
 
 An SSM mixer keeps its decoding state in `cache.ssm` (a dict it owns). The block applies the
 ssm_in/ssm_out and attention_in/attention_out multipliers; mixers apply only their internal ones.
@@ -137,6 +137,6 @@ def _packed_mix(mixer: nn.Module, hidden: torch.Tensor, mix: dict) -> torch.Tens
     pads them to its own [N, max_len], from host offsets read with `.tolist()`): traced, every new batch would be a
     graph break and a recompilation, and after eight of those the block would fall back to eager for good. The block's
     norms, MLP and residuals stay compiled; plain rows (no cu_seqlens) compile the mixers too, and so do packed
-    documents given `seq_idx` for a mixer that `takes_seq_idx` (Mamba-2 whole, the fast-weight mixer all but its
-    op)."""
+    documents given `seq_idx` for a mixer that `takes_seq_idx` (Mamba-2, and the fast-weight mixer whole or all but
+    its op)."""
     return mixer(hidden, **mix)

@@ -35,9 +35,9 @@ Decisions (documented here because they are choices, not the paper's prescriptio
 
 Packed documents (`cu_seqlens`, or `position_ids` that restart at 0) reach both the conv and the op, so
 nothing crosses a document boundary. With `seq_idx` as well (the compiled hybrid block's call) the conv takes the
-document index per token, keeping the rows' shapes; so does the op where its Triton kernels restart documents in
-place (`seq_idx_in_place`: rules 1A and 1 read after the write, rule 1 with shifted pairing), and otherwise it runs
-outside the compiled graphs on `cu_seqlens`.
+document index per token, keeping the rows' shapes; so does the op where it restarts documents in place
+(`seq_idx_in_place`: the chunk and Triton backends, a read after the write, shifted pairing for the regression
+rules), and otherwise it runs outside the compiled graphs on `cu_seqlens`.
 Decoding: `cache.ssm` holds the conv tail ("conv" [B, K-1, C]) and the `FastWeightState` fields ("S"
 [B, H, K, V] fp32, "last_k" [B, H, K], and for the sliding rules "tail_x", "tail_v", "tail_len"); a prefill
 runs the chunk-parallel path, each later token the recurrent step. With `cu_seqlens` and a cache (a packed
@@ -168,9 +168,9 @@ class FastWeightMixer(nn.Module):
         # 3. Gains and ridge in the compute dtype (float32 under autocast).
         beta, lam = self._gains(beta_logits, lam_logits)
 
-        # 4. The fast-weight recurrence (state in float32, or float64 for float64 inputs). Given seq_idx, the
-        # Triton kernels restart the documents in place (inside the compiled graphs) where they can; otherwise the
-        # op runs outside the graphs on cu_seqlens.
+        # 4. The fast-weight recurrence (state in float32, or float64 for float64 inputs). Given seq_idx, the op
+        # restarts the documents in place (inside the compiled graphs) where it can; otherwise it runs outside the
+        # graphs on cu_seqlens.
         options = dict(rule=self.rule, window=self.window, pairing=self.pairing, read=self.read)
         op, documents = fast_weight_attention, dict(cu_seqlens=cu_seqlens)
         if seq_idx is not None:

@@ -6,6 +6,7 @@ import torch
 
 from hybridlm.layers import HybridBlock, LayerCache, Mamba2Mixer, build_ssm_mixer
 from hybridlm.models.config import HybridConfig
+from tests.helpers import rel_err
 
 MULT = dict(ssm_in_multiplier=1.3, ssm_out_multiplier=0.4, attention_in_multiplier=0.8, attention_out_multiplier=1.7)
 
@@ -105,13 +106,20 @@ def test_compiled_block_on_packed_documents_compiles_once(ssm_mixer):
     """Packed documents change the mixers' padded shapes with every batch. Compiled, a block must neither recompile
     per layout (each frame compiles once static, once with dynamic offsets; the recompile limit, lowered to 2 and
     made an error, stops anything more) nor change the output or the gradients. Given `seq_idx` (as the model
-    passes it) the SSM mixers get it: Mamba-2 runs inside the graphs on the rows' shapes, the fast-weight mixer all
-    but its op; attention runs packed documents outside them."""
+    passes it) the SSM mixers get it and run inside the graphs on the rows' shapes; attention runs packed documents
+    outside them. The fast-weight op restarts documents in place there: float32 sums at the restart decay's
+    magnitude (-100) round to ~1e-5 relative (~3e-7 through cu_seqlens), hence its looser tolerance."""
     import torch._dynamo
 
     from hybridlm.modules.boundaries import sequence_ids
 
     block = make_block(ssm_mixer=ssm_mixer, fw_heads=2, fw_head_dim=8)
+
+    def close(a, b):
+        if ssm_mixer == "fast_weight":  # in place: ~1e-5 relative in float32 (the norm of the difference)
+            assert rel_err(a, b) < 1e-4
+        else:
+            torch.testing.assert_close(a, b)
     x = torch.randn(1, 23, 16)
     torch._dynamo.reset()
     try:
@@ -123,12 +131,12 @@ def test_compiled_block_on_packed_documents_compiles_once(ssm_mixer):
                 got_x, want_x = (x.clone().requires_grad_() for _ in range(2))
                 got = compiled(got_x, cu_seqlens=cu_seqlens, seq_idx=seq_idx)
                 want = block(want_x, cu_seqlens=cu_seqlens)
-                torch.testing.assert_close(got, want)
+                close(got, want)
                 weight = block.ssm.in_proj.weight
                 got_grads = torch.autograd.grad(got.square().sum(), [got_x, weight])
                 want_grads = torch.autograd.grad(want.square().sum(), [want_x, weight])
                 for a, b in zip(got_grads, want_grads):
-                    torch.testing.assert_close(a, b)
+                    close(a, b)
         calls = []  # then, apart (dynamo guards on the list a hook appends to): how the compiled block calls the mixer
         block.ssm.register_forward_pre_hook(lambda module, args, kwargs: calls.append("seq_idx" in kwargs),
                                             with_kwargs=True)

@@ -1,14 +1,15 @@
 """`fast_weight_attention(..., seq_idx=)`: packed documents given as a document index per step.
 
-In place (the Triton backend, rules 1A and 1: a log decay of -100 and no pair at each document's first step; the
-rows keep their shapes) against the same documents through `cu_seqlens` on the chunk backend, float32, outputs and
-every gradient; the conversion to `cu_seqlens` wherever the in-place form does not apply; `torch.compile(fullgraph)`
-of the in-place form; and the errors.
+In place (the chunk and Triton backends, a read after the write, shifted pairing for the regression rules: a log
+decay of -100 and no pair at each document's first step, windows kept inside their document; the rows keep their
+shapes) against the same documents through `cu_seqlens` (chunk: float64 against the naive loop; Triton: float32
+against the chunk path), outputs and every gradient; the conversion to `cu_seqlens` wherever the in-place form does
+not apply; `torch.compile(fullgraph)` of the in-place form and of the mixer; and the errors.
 
 Where they run (as tests/ops/test_fast_weight_triton.py, whose import sets TRITON_INTERPRET before any kernel loads):
     GPU:  python -m pytest -q tests/ops/test_fast_weight_seq_idx.py
     CPU:  HYBRIDLM_TRITON_INTERPRET=1 python -m pytest -q tests/ops/test_fast_weight_seq_idx.py
-(the conversion and error tests run everywhere).
+(the chunk, conversion and error tests run everywhere).
 """
 
 from __future__ import annotations
@@ -54,28 +55,49 @@ def run(inputs, seq_idx, *, rule, backend, packed, **options):
     return o.reshape(B, T, H, -1)
 
 
-IN_PLACE = [("1A", "shifted", "nlms", False), ("1A", "same_step", "nlms", False), ("1A", "shifted", "direct", True),
-            ("1", "shifted", "nlms", False), ("1", "shifted", "nlms", True)]
+# (rule, window, pairing, step_size, ridge_scaling): every case the in-place form takes
+IN_PLACE = [("1A", 1, "shifted", "nlms", False), ("1A", 1, "same_step", "nlms", False),
+            ("1A", 1, "shifted", "direct", True), ("1", 1, "shifted", "nlms", False), ("1", 1, "shifted", "nlms", True),
+            ("3A", 3, "shifted", "nlms", False), ("3A", 2, "same_step", "direct", True),
+            ("3", 3, "shifted", "nlms", False), ("2A", 1, "same_step", "nlms", False),
+            ("2", 1, "shifted", "nlms", True)]
+IDS = [f"{r}-w{w}-{p}-{s}{'-ridge' if rs else ''}" for r, w, p, s, rs in IN_PLACE]
+
+
+def compare(seq_idx, case, *, backend, reference_backend, dtype, device, tol):
+    """The op in place on `backend` against the same documents through cu_seqlens on `reference_backend`: o and
+    the gradients of q, k, v, beta, lam."""
+    rule, window, pairing, step_size, ridge_scaling = case
+    options = dict(window=window, pairing=pairing, step_size=step_size, ridge_scaling=ridge_scaling)
+    assert seq_idx_in_place(torch.zeros(1, 2, 1, 1, device=device), rule=rule, window=window, pairing=pairing,
+                            backend=backend)
+    inputs = [t.to(device).detach().requires_grad_(True)
+              for t in make_inputs(rule, B=2, T=T, H=2, K=16, V=8, dtype=dtype, lam_scale=0.5)]
+    o = run(inputs, seq_idx, rule=rule, backend=backend, packed=False, **options)
+    o_ref = run(inputs, seq_idx, rule=rule, backend=reference_backend, packed=True, **options)
+    w = torch.randn_like(o_ref)
+    grads = torch.autograd.grad((o * w).sum(), inputs)
+    grads_ref = torch.autograd.grad((o_ref * w).sum(), inputs)
+    assert rel_err(o, o_ref) < tol
+    for name, grad, grad_ref in zip(("q", "k", "v", "beta", "lam"), grads, grads_ref):
+        assert rel_err(grad, grad_ref) < tol, name
+
+
+@pytest.mark.parametrize("layout", sorted(layouts()))
+@pytest.mark.parametrize("case", IN_PLACE, ids=IDS)
+def test_chunk_in_place_matches_documents(layout, case):
+    """The torch chunk path in place vs the naive step loop over cu_seqlens, float64 (< 1e-10)."""
+    compare(layouts()[layout], case, backend="chunk", reference_backend="naive", dtype=torch.float64, device="cpu",
+            tol=1e-10)
 
 
 @interpret
 @pytest.mark.parametrize("layout", sorted(layouts()))
-@pytest.mark.parametrize("rule,pairing,step_size,ridge_scaling", IN_PLACE)
-def test_in_place_matches_documents(layout, rule, pairing, step_size, ridge_scaling):
-    """Triton in place vs chunk over cu_seqlens: o and the gradients of q, k, v, beta, lam (float32, < 1e-4)."""
-    seq_idx = layouts()[layout]
-    options = dict(pairing=pairing, step_size=step_size, ridge_scaling=ridge_scaling)
-    assert seq_idx_in_place(torch.zeros(1, 2, 1, 1, device=DEVICE), rule=rule, pairing=pairing, backend="triton")
-    inputs = [t.to(DEVICE).detach().requires_grad_(True)
-              for t in make_inputs(rule, B=2, T=T, H=2, K=16, V=8, dtype=torch.float32, lam_scale=0.5)]
-    o = run(inputs, seq_idx, rule=rule, backend="triton", packed=False, **options)
-    o_ref = run(inputs, seq_idx, rule=rule, backend="chunk", packed=True, **options)
-    w = torch.randn_like(o_ref)
-    grads = torch.autograd.grad((o * w).sum(), inputs)
-    grads_ref = torch.autograd.grad((o_ref * w).sum(), inputs)
-    assert rel_err(o, o_ref) < 1e-4
-    for name, grad, grad_ref in zip(("q", "k", "v", "beta", "lam"), grads, grads_ref):
-        assert rel_err(grad, grad_ref) < 1e-4, name
+@pytest.mark.parametrize("case", IN_PLACE, ids=IDS)
+def test_triton_in_place_matches_documents(layout, case):
+    """The Triton kernels in place vs the chunk path over cu_seqlens, float32 (< 1e-4)."""
+    compare(layouts()[layout], case, backend="triton", reference_backend="chunk", dtype=torch.float32,
+            device=DEVICE, tol=1e-4)
 
 
 @interpret
@@ -99,17 +121,19 @@ def test_in_place_compiles_without_graph_breaks():
         assert rel_err(grad_c, grad) < 1e-6
 
 
-@pytest.mark.parametrize("rule,window,pairing,read", [("3A", 3, "shifted", "after"), ("1A", 1, "shifted", "before"),
-                                                      ("1", 1, "same_step", "after"), ("2A", 1, "shifted", "after")])
-def test_other_calls_run_as_cu_seqlens(rule, window, pairing, read):
-    """On the chunk backend (and for what the in-place form does not take) seq_idx means the same documents as
-    cu_seqlens: outputs and gradients equal, float64."""
+@pytest.mark.parametrize("rule,window,pairing,read,backend", [
+    ("1A", 1, "shifted", "before", "chunk"), ("3A", 3, "same_step", "before", "chunk"),
+    ("1", 1, "same_step", "after", "chunk"), ("3", 2, "same_step", "after", "chunk"),
+    ("1A", 1, "shifted", "after", "naive")])
+def test_other_calls_run_as_cu_seqlens(rule, window, pairing, read, backend):
+    """What the in-place form does not take (a read before the write, a same-step regression rule, the naive step
+    loop) runs the same documents as cu_seqlens: outputs and gradients equal, float64."""
     seq_idx = layouts()["id_returns"]
     options = dict(window=window, pairing=pairing, read=read)
-    assert not seq_idx_in_place(torch.zeros(1, 2, 1, 1), rule=rule, **options)
+    assert not seq_idx_in_place(torch.zeros(1, 2, 1, 1), rule=rule, backend=backend, **options)
     inputs = [t.detach().requires_grad_(True)
               for t in make_inputs(rule, B=2, T=T, H=2, K=6, V=5, dtype=torch.float64)]
-    o = run(inputs, seq_idx, rule=rule, backend="chunk", packed=False, **options)
+    o = run(inputs, seq_idx, rule=rule, backend=backend, packed=False, **options)
     o_ref = run(inputs, seq_idx, rule=rule, backend="naive", packed=True, **options)
     assert rel_err(o, o_ref) < 1e-10
     grads = torch.autograd.grad(o.sum(), inputs)
@@ -141,12 +165,13 @@ def test_errors():
 
 @interpret
 @pytest.mark.parametrize("fw", [dict(fw_rule="1"), dict(fw_rule="1A", fw_pairing="same_step"),
-                                dict(fw_rule="3A", fw_window=3)], ids=["fw-1", "fw-1A-same", "fw-3A"])
+                                dict(fw_rule="3A", fw_window=3), dict(fw_rule="1", fw_read="before")],
+                         ids=["fw-1", "fw-1A-same", "fw-3A", "fw-1-read-before"])
 def test_mixer_restarts_in_place_inside_graphs(monkeypatch, fw):
-    """The fast-weight mixer on the Triton backend given the compiled block's seq_idx: rules 1 and 1A run the op in
-    place (never `_packed_op`, the call outside the graphs; the whole mixer compiles with fullgraph=True), 3A
-    through `_packed_op`; output and every parameter's gradient equal to the mixer on cu_seqlens alone (float32,
-    < 1e-4)."""
+    """The fast-weight mixer on the Triton backend given the compiled block's seq_idx: rules 1, 1A and 3A run the op
+    in place (never `_packed_op`, the call outside the graphs; the whole mixer compiles with fullgraph=True), a read
+    before the write through `_packed_op`; output and every parameter's gradient equal to the mixer on cu_seqlens
+    alone (float32, < 1e-4)."""
     from hybridlm.layers import fast_weight as layer
     from hybridlm.modules.boundaries import sequence_ids
     from tests.layers.test_block import make_block, runs_with_and_without_seq_idx
@@ -162,7 +187,8 @@ def test_mixer_restarts_in_place_inside_graphs(monkeypatch, fw):
     assert rel_err(outs[1], outs[0]) < 1e-4
     for a, b in zip(grads[1], grads[0]):
         assert rel_err(a, b) < 1e-4
-    assert outside == ([1] if fw["fw_rule"] == "3A" else [])
-    if fw["fw_rule"] != "3A":  # the whole mixer traces as one graph
+    in_place = fw.get("fw_read", "after") == "after"
+    assert outside == ([] if in_place else [1])
+    if in_place:  # the whole mixer traces as one graph
         compiled = torch.compile(mixer, fullgraph=True, backend="aot_eager")
         assert rel_err(compiled(x, cu_seqlens=cu_seqlens, seq_idx=seq_idx), outs[1]) < 1e-6

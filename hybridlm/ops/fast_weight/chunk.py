@@ -26,14 +26,25 @@ import torch
 import torch.nn.functional as F
 
 from hybridlm.ops.fast_weight.state import FastWeightState
-from hybridlm.ops.utils import compute_dtype, host_to_device, packed_to_padded, padded_to_packed
+from hybridlm.ops.utils import compute_dtype, host_to_device, packed_to_padded, padded_to_packed, seq_idx_segments
 
 REGRESSION_RULES = ("1", "2", "3")
 PER_COLUMN_RULES = ("2", "2A")
 SLIDING_RULES = ("3", "3A")
+# A document's first step under `seq_idx` (documents restarted in place): this log decay ends every earlier write's
+# share of the state (exp(-100) ~ 4e-44, below float32's normal range), while each exponent the chunk forms take,
+# exp(L_a - L_b) with a >= b, holds it on both sides (one document: it cancels) or on one (another document: ~0).
+RESTART_LOG_DECAY = -100.0
 # Per-column decays (rules 2/2A) make every intra-chunk coefficient a [C, C, V] tensor of exponentials rather
 # than a matmul, so their chunks are kept short: the work per step grows with C, the chunk loop shrinks.
 PER_COLUMN_MAX_CHUNK = 16
+
+
+def restarts_in_place(*, rule: str, pairing: str, read: str) -> bool:
+    """Whether `prepare_writes(..., seq_idx=)` (and the fused preparation) restart documents exactly: for a read
+    after the write (a read before it would see the last document's state at a document's first step), and for the
+    regression rules only with shifted pairing (a same-step write's residual there would fit that state)."""
+    return read == "after" and (rule not in REGRESSION_RULES or pairing == "shifted")
 
 
 @dataclass
@@ -45,7 +56,8 @@ class PreparedWrites:
     """
 
     q: torch.Tensor           # [N, T, H, K]
-    X: torch.Tensor           # [N, T, H, W, K] write features of the step's window (zeros where no pair)
+    X: torch.Tensor           # [N, T, H, W, K] write features of the step's window (zeros where no pair; with
+                              # seq_idx, another document's pairs stay: their weights are 0)
     Y: torch.Tensor           # [N, T, H, W, V]
     weights: torch.Tensor     # [N, T, H, W, Dv] (Dv = V for rules 2/2A, else 1), in the statistics dtype
     log_gamma: torch.Tensor   # [N, T, H, Dv]
@@ -57,11 +69,18 @@ class PreparedWrites:
 
 
 def prepare_writes(q, k, v, beta, lam, *, rule, window, pairing, step_size, ridge_scaling, eps, eps_gamma,
-                   initial_state: FastWeightState, offsets: torch.Tensor | None) -> PreparedWrites:
+                   initial_state: FastWeightState, offsets: torch.Tensor | None,
+                   seq_idx: torch.Tensor | None = None) -> PreparedWrites:
     """Steps 1-3 of the chunk form: write pairs, windows, the statistic E_t, step sizes and log decays.
 
     q, k, v keep their dtype (the Triton backend runs bf16 operands); the statistic, step sizes, decays and the
-    carried pairs are computed in `compute_dtype` (float32, or float64 for float64 inputs)."""
+    carried pairs are computed in `compute_dtype` (float32, or float64 for float64 inputs).
+
+    seq_idx ([B, T] integers, without offsets) restarts documents in place, wherever it changes from one step to the
+    next (the first document continues the carried state): no shifted pair crosses a document start, a window holds
+    only its own document's pairs (statistic and weights), and the start's log decay is RESTART_LOG_DECAY (a
+    constant: no gradient). Exact for a read after the write and, for the regression rules, shifted pairing (the op's
+    `seq_idx_in_place`): elsewhere a document's first step would read or fit the last document's state."""
     stat = compute_dtype(k.dtype)
     beta, lam = beta.to(stat), lam.to(stat)
     if offsets is not None:
@@ -75,6 +94,9 @@ def prepare_writes(q, k, v, beta, lam, *, rule, window, pairing, step_size, ridg
     V = v.shape[-1]
     W = window
     valid = torch.arange(T, device=q.device)[None, :] < lengths[:, None]                # [N, T]
+    if seq_idx is not None:  # each step's document, numbered from 0 (the carried state's) in each row
+        segment = seq_idx_segments(seq_idx, (N, T))                                        # [N, T]
+        restart = F.pad(segment[:, 1:] != segment[:, :-1], (1, 0))                          # [N, T]
 
     # 1. Write pairs (x_t, y_t) and whether each exists (C.5: a fresh shifted sequence has none at t = 1).
     if pairing == "shifted":
@@ -83,6 +105,8 @@ def prepare_writes(q, k, v, beta, lam, *, rule, window, pairing, step_size, ridg
         exists = valid.clone()
         if initial_state.last_k is None:
             exists[:, 0] = False
+        if seq_idx is not None:
+            exists = exists & ~restart
     else:
         x, exists = k, valid
     x = x * exists[:, :, None, None].to(x.dtype)
@@ -97,6 +121,9 @@ def prepare_writes(q, k, v, beta, lam, *, rule, window, pairing, step_size, ridg
         Xw = x_ext.unfold(1, W, 1).movedim(-1, 3)                                          # [N, T, H, W, K]
         Yw = y_ext.unfold(1, W, 1).movedim(-1, 3)                                          # [N, T, H, W, V]
         Mw = m_ext.unfold(1, W, 1)                                                         # [N, T, W]
+        if seq_idx is not None:  # the window's pairs of the step's own document (the tail's is document 0)
+            segment_ext = F.pad(segment, (W - 1, 0))                                        # [N, W-1+T]
+            Mw = Mw & (segment_ext.unfold(1, W, 1) == segment[:, :, None])
     else:
         Xw, Yw, Mw = x[:, :, :, None], y[:, :, :, None], exists[:, :, None]
     Mw = Mw.to(stat)
@@ -105,10 +132,17 @@ def prepare_writes(q, k, v, beta, lam, *, rule, window, pairing, step_size, ridg
     # 3. The rule's statistic E_t, step sizes eta_t and log decays log gamma_t.
     if rule == "3":
         Xs = Xw.to(stat)
+        if seq_idx is not None and W > 1:
+            Xs = Xs * Mw[:, :, None, :, None]
         E = _top_eigenvalue(Xs @ Xs.transpose(-1, -2)) / count[:, :, None]                 # mu_t  [N, T, H]
     elif rule == "3A":  # the window's sum of per-pair energies (never a float copy of the [N, T, H, W, K] windows)
         energy = (x_ext if W > 1 else x).to(stat).square().sum(-1)                         # [N, W-1+T, H]
-        E = (energy.unfold(1, W, 1).sum(-1) if W > 1 else energy) / count[:, :, None]      # Ebar_t
+        if W > 1:
+            windows = energy.unfold(1, W, 1)                                               # [N, T, H, W]
+            if seq_idx is not None:
+                windows = windows * Mw[:, :, None, :]
+            energy = windows.sum(-1)
+        E = energy / count[:, :, None]                                                     # Ebar_t
     else:
         E = x.to(stat).square().sum(-1)                                                    # |x_t|^2
     ridge = lam * E.detach() if ridge_scaling else lam                                     # [N, T, H]
@@ -124,6 +158,8 @@ def prepare_writes(q, k, v, beta, lam, *, rule, window, pairing, step_size, ridg
     log_gamma = torch.log1p(-torch.clamp(eta * ridge, max=1.0 - eps_gamma))                # log gamma_t
     if rule not in PER_COLUMN_RULES:
         eta, log_gamma = eta[..., None], log_gamma[..., None]                              # [N, T, H, Dv]
+    if seq_idx is not None:
+        log_gamma = torch.where(restart[:, :, None, None], RESTART_LOG_DECAY, log_gamma)
     weights = eta[:, :, :, None, :] * (Mw / count[..., None])[:, :, None, :, None]         # [N, T, H, W, Dv]
 
     rows = torch.arange(N, device=q.device)
@@ -156,11 +192,13 @@ def fast_weight_chunk(
     initial_state: FastWeightState,
     offsets: torch.Tensor | None,
     chunk_size: int,
+    seq_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, FastWeightState]:
-    """Same contract as `naive.fast_weight_naive` (inputs validated and cast by the front door)."""
+    """Same contract as `naive.fast_weight_naive` (inputs validated and cast by the front door); `seq_idx`
+    restarts documents in place (`prepare_writes`)."""
     p = prepare_writes(q, k, v, beta, lam, rule=rule, window=window, pairing=pairing, step_size=step_size,
                        ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=initial_state,
-                       offsets=offsets)
+                       offsets=offsets, seq_idx=seq_idx)
     # 4. The chunk scan, head-major.
     if rule in PER_COLUMN_RULES:
         chunk_size = min(chunk_size, PER_COLUMN_MAX_CHUNK)

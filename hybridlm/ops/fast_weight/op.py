@@ -6,14 +6,13 @@ import os
 
 import torch
 
-from hybridlm.ops.fast_weight.chunk import PER_COLUMN_RULES, SLIDING_RULES, fast_weight_chunk
+from hybridlm.ops.fast_weight.chunk import PER_COLUMN_RULES, SLIDING_RULES, fast_weight_chunk, restarts_in_place
 from hybridlm.ops.fast_weight.naive import fast_weight_naive
 from hybridlm.ops.fast_weight.recurrent import fast_weight_recurrent
 from hybridlm.ops.fast_weight.state import FastWeightState
 from hybridlm.ops.fast_weight.triton import AUTO_RULES as TRITON_AUTO_RULES
 from hybridlm.ops.fast_weight.triton import fast_weight_triton
 from hybridlm.ops.fast_weight.triton import is_available as triton_available
-from hybridlm.ops.fast_weight.triton import seq_idx_in_place as triton_seq_idx_in_place
 from hybridlm.ops.fast_weight.triton import supports as triton_supports
 from hybridlm.ops.utils import check_cu_seqlens, compute_dtype, resolve_backend
 
@@ -64,10 +63,10 @@ def fast_weight_attention(
             of `initial_state`, and nothing crosses a sequence boundary.
         seq_idx: `[B, T]` integer document index of every step, the alternative to `cu_seqlens` for compiled
             training on packed documents: a document starts wherever the index changes from one step to the
-            next, from a zero state (no `initial_state` or `output_final_state` with it). The Triton backend runs
-            it in place for rules 1A and 1 (window 1, read "after"; rule 1 with shifted pairing): the rows keep
-            their shapes and nothing is read on the host (`seq_idx_in_place`). Elsewhere it becomes `cu_seqlens`
-            (a host read, shapes per document).
+            next, from a zero state (no `initial_state` or `output_final_state` with it). The chunk and Triton
+            backends restart documents in place for a read "after" (the regression rules with shifted pairing):
+            the rows keep their shapes and nothing is read on the host (`seq_idx_in_place`). Elsewhere it becomes
+            `cu_seqlens` (a host read, shapes per document).
         chunk_size: the chunk length of the chunk-parallel backend (rules "2"/"2A" use at most 16: their
             per-column decays cost O(C^2 V) exponentials per chunk instead of matmuls).
         backend: "auto" | "naive" | "recurrent" | "chunk" | "triton". "recurrent" is the step loop vectorized
@@ -125,7 +124,7 @@ def fast_weight_attention(
         elif name == "recurrent":
             o, final = fast_weight_recurrent(q, k, v, beta, lam, **options)
         else:
-            o, final = fast_weight_chunk(q, k, v, beta, lam, chunk_size=chunk_size, **options)
+            o, final = fast_weight_chunk(q, k, v, beta, lam, chunk_size=chunk_size, seq_idx=seq_idx, **options)
     return o.to(out_dtype), (final if output_final_state else None)
 
 
@@ -142,12 +141,11 @@ def _backend(q, v, *, rule, window, packed, backend) -> str:
 
 def seq_idx_in_place(q, *, rule, window=1, pairing="shifted", read="after", backend="auto") -> bool:
     """Whether `fast_weight_attention(q, ..., seq_idx=...)` restarts the documents in place, on the rows' shapes
-    with nothing read on the host (so it can run inside a compiled graph): the Triton backend, rules 1A and 1 (window
-    1), read "after", rule 1 with shifted pairing only (a same-step write's residual would read the last document's
-    state), and the fused preparation on. Otherwise `seq_idx` becomes `cu_seqlens`."""
-    if _backend(q, q, rule=rule, window=window, packed=False, backend=backend) != "triton":
-        return False
-    return triton_seq_idx_in_place(rule=rule, window=window, pairing=pairing, read=read)
+    with nothing read on the host (so it can run inside a compiled graph): the chunk and Triton backends, a read
+    after the write, and shifted pairing for the regression rules 1, 2, 3 (`chunk.restarts_in_place`). Otherwise
+    `seq_idx` becomes `cu_seqlens`."""
+    name = _backend(q, q, rule=rule, window=window, packed=False, backend=backend)
+    return name in ("chunk", "triton") and restarts_in_place(rule=rule, pairing=pairing, read=read)
 
 
 def document_offsets(seq_idx: torch.Tensor) -> torch.Tensor:

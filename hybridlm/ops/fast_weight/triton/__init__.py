@@ -20,8 +20,6 @@ imported on the first call).
   (`supports(...)`: rules 1A, 3A, 3 (window <= 64), and 1, 2A and 2 with window 1), i.e. what
   `fast_weight_attention(..., backend="triton")` runs.
 - `is_available()`: triton importable and a CUDA device present.
-- `seq_idx_in_place(...)`: whether `fast_weight_triton(..., seq_idx=)` restarts packed documents in place (rules 1A
-  and 1 through the fused preparation: a log decay of -100 at each document's first step, no pair across it).
 
 The kernels also run on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set before triton is
 imported): that is how the tests check them without a GPU (`HYBRIDLM_TRITON_INTERPRET=1`).
@@ -101,14 +99,6 @@ def supports(*, rule: str, window: int, K: int, V: int, dtype: torch.dtype) -> b
     return rule in SUPPORTED_RULES and windowed and K <= MAX_HEAD_DIM and V <= MAX_HEAD_DIM and dtype in DTYPES
 
 
-def seq_idx_in_place(*, rule: str, window: int, pairing: str, read: str) -> bool:
-    """Whether `fast_weight_triton(..., seq_idx=)` restarts documents in place (`frontend.py`): the fused
-    preparation's rules 1A and 1 (window 1) reading after the write, rule 1 with shifted pairing only."""
-    from hybridlm.ops.fast_weight.triton import frontend
-
-    return frontend.seq_idx_in_place(rule=rule, window=window, pairing=pairing, read=read)
-
-
 def fast_weight_triton(q, k, v, beta, lam, **options):
     """The op's backend contract (as `chunk.fast_weight_chunk`) on the Triton kernels; see `frontend.py`."""
     from hybridlm.ops.fast_weight.triton.frontend import fast_weight_triton as run
@@ -119,4 +109,4 @@ def fast_weight_triton(q, k, v, beta, lam, **options):
 __all__ = ["AUTO_RULES", "DTYPES", "MAX_DELTA_CHUNK", "MAX_HEAD_DIM", "MAX_RULE_3_WINDOW", "SUPPORTED_RULES",
            "fast_weight_1_triton",
            "fast_weight_1a_triton", "fast_weight_2_triton", "fast_weight_2a_triton", "fast_weight_3_triton",
-           "fast_weight_triton", "is_available", "seq_idx_in_place", "supports"]
+           "fast_weight_triton", "is_available", "supports"]

@@ -35,7 +35,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from hybridlm.ops.fast_weight.chunk import prepare_writes
+from hybridlm.ops.fast_weight.chunk import prepare_writes, restarts_in_place
 from hybridlm.ops.fast_weight.state import FastWeightState
 from hybridlm.ops.fast_weight.triton import (
     MAX_DELTA_CHUNK,
@@ -81,11 +81,12 @@ def fast_weight_triton(
     [16, 128] (rules 2A and 2: 16, whatever is asked; their intra-chunk work is O(C^2 V) exponentials per chunk, as in
     chunk.py); for rule 3 it counts events (at least one step's slots).
     Rules 1A and 1 take their write events from the fused preparation kernel while FUSED_PREPARATION is on.
-    `seq_idx` ([B, T], a document index per step; only where `seq_idx_in_place`) restarts documents in place: the
-    fused preparation puts no pair across a document start and a log decay of -100 on it (exp(-100) ~ 4e-44), so
-    the scan's state holds nothing of the documents before; each exponent the kernels take is a difference of
-    chunk-local sums that holds that -100 on both sides (one document: exact up to float32 rounding at magnitude
-    100, ~4e-6) or on one (another document: ~0).
+    `seq_idx` ([B, T], a document index per step; only where `chunk.restarts_in_place`) restarts documents in place: the
+    preparation (fused, or prepare_writes) puts no pair across a document start, keeps each window inside its
+    document, and puts a log decay of -100 on the start (exp(-100) ~ 4e-44), so the scan's state holds nothing of
+    the documents before; each exponent the kernels take is a difference of chunk-local sums that holds that -100
+    on both sides (one document: exact up to float32 rounding at magnitude 100, ~4e-6) or on one (another
+    document: ~0).
 
     Returns o `[B, T, H, V]` in q's dtype and the final state (S float32)."""
     K, V = q.shape[-1], v.shape[-1]
@@ -93,18 +94,17 @@ def fast_weight_triton(
         raise ValueError(f"the Triton backend runs rules 1A, 1, 2A and 2 (window 1), 3A and 3 (window <= 64) "
                          f"with K, V <= 128 in float32/bfloat16/float16; got rule {rule!r}, window {window}, "
                          f"K = {K}, V = {V}, {q.dtype} (use backend='chunk')")
-    if seq_idx is not None and (offsets is not None
-                                or not seq_idx_in_place(rule=rule, window=window, pairing=pairing, read=read)):
-        raise ValueError(f"seq_idx (documents restarted in place) takes rules 1A and 1 with window 1, read 'after', "
-                         f"rule 1 with shifted pairing, no cu_seqlens, and the fused preparation on; got rule "
-                         f"{rule!r}, window {window}, {pairing} pairing, read {read!r} (use cu_seqlens)")
+    if seq_idx is not None and (offsets is not None or not restarts_in_place(rule=rule, pairing=pairing, read=read)):
+        raise ValueError(f"seq_idx (documents restarted in place) takes a read after the write, shifted pairing for "
+                         f"the regression rules, and no cu_seqlens; got rule {rule!r}, {pairing} pairing, read "
+                         f"{read!r} (use cu_seqlens)")
     if FUSED_PREPARATION and rule in FUSED_RULES and window == 1:
         return _window_1(q, k, v, beta, lam, rule=rule, pairing=pairing, read=read, step_size=step_size,
                          ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=initial_state,
                          offsets=offsets, chunk_size=chunk_size, seq_idx=seq_idx)
     p = prepare_writes(q, k, v, beta, lam, rule=rule, window=window, pairing=pairing, step_size=step_size,
                        ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=initial_state,
-                       offsets=offsets)
+                       offsets=offsets, seq_idx=seq_idx)
     N, T, H, _ = p.q.shape
     W = window
     read_after = read == "after"
@@ -184,14 +184,6 @@ def _delayed_window(p, S0: torch.Tensor, *, read_after: bool, chunk_size: int) -
     o = fast_weight_band_triton(p.q, x_ext, y_ext, band.float().contiguous(), o, read_after=read_after)
     S = S + torch.einsum("nhj,nhjk,nhjv->nhkv", C[:, -1, :, 1:], p.X[:, -1, :, 1:].float(), p.Y[:, -1, :, 1:].float())
     return o, S
-
-
-def seq_idx_in_place(*, rule: str, window: int, pairing: str, read: str) -> bool:
-    """Documents restart in place (`seq_idx`) through the fused preparation, for a read after the write (a read
-    before it would see the last document's state at a document's first step), and for rule 1 only with shifted
-    pairing (a same-step write's residual would read that state too)."""
-    return (FUSED_PREPARATION and rule in FUSED_RULES and window == 1 and read == "after"
-            and (rule == "1A" or pairing == "shifted"))
 
 
 def _window_1(q, k, v, beta, lam, *, rule, pairing, read, step_size, ridge_scaling, eps, eps_gamma, initial_state,

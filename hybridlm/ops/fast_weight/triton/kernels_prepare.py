@@ -38,8 +38,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hybridlm.ops.fast_weight import chunk
+
 _SIZES = ["T_pad"]  # runtime: no recompilation per sequence length
-RESTART_LOG_DECAY = tl.constexpr(-100.0)  # a document restart's log decay (SEQ)
+RESTART_LOG_DECAY = tl.constexpr(chunk.RESTART_LOG_DECAY)  # a document restart's log decay (SEQ)
 
 
 @triton.jit
