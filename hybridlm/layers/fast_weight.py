@@ -174,7 +174,7 @@ class FastWeightMixer(nn.Module):
         options = dict(rule=self.rule, window=self.window, pairing=self.pairing, read=self.read)
         op, documents = fast_weight_attention, dict(cu_seqlens=cu_seqlens)
         if seq_idx is not None:
-            in_place = seq_idx_in_place(q, **options, backend=self.backend)
+            in_place = seq_idx_in_place(q, v, **options, backend=self.backend)
             op, documents = (fast_weight_attention, dict(seq_idx=seq_idx)) if in_place else (_packed_op, documents)
         o, state = op(
             q, k, v, beta, lam, **options, step_size=self.step_size, ridge_scaling=self.ridge_scaling,

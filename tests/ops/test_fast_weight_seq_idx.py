@@ -29,7 +29,8 @@ T = 53  # not a multiple of the chunk (16)
 
 def layouts() -> dict[str, torch.Tensor]:
     """seq_idx [2, T] per case: restarts mid-chunk, on chunk boundaries (16, 32), several inside one chunk
-    (1-token documents included), an id that comes back after another document, and one document per row."""
+    (1-token documents included), an id that comes back after another document, one document per row, and chunks
+    made of 1-token documents (the restart decays add up to -1600 in a chunk: float32's worst case here)."""
     def row(lengths, ids=None):
         ids = ids or list(range(len(lengths)))
         return torch.cat([torch.full((n,), i) for n, i in zip(lengths, ids)])
@@ -40,6 +41,7 @@ def layouts() -> dict[str, torch.Tensor]:
         "dense": torch.stack([row([1, 2, 1, 3, 1, 45]), row([7, 1, 1, 44])]),
         "id_returns": torch.stack([row([10, 10, 33], ids=[4, 9, 4]), row([20, 13, 20], ids=[3, 8, 3])]),
         "single": torch.stack([row([T]), row([T], ids=[7])]),
+        "tiny_docs": torch.stack([row([1] * 32 + [21]), row([1] * 16 + [37])]),  # 16 restarts per chunk of 16
     }
 
 
@@ -142,6 +144,25 @@ def test_other_calls_run_as_cu_seqlens(rule, window, pairing, read, backend):
         assert rel_err(grad, grad_ref) < 1e-10
 
 
+@pytest.mark.parametrize("backend,dtype,scale,tol", [
+    ("chunk", torch.float64, 1e10, 1e-12),
+    pytest.param("triton", torch.float32, 1e6, 1e-5, marks=interpret)])
+def test_nothing_leaks_into_the_next_document(backend, dtype, scale, tol):
+    """Values of the first document scaled by `scale` change nothing in the second: the restart decay (-100) leaves
+    exp(-100) * scale of the first document's state, far below the tolerance (a weak decay, e.g. -12, fails)."""
+    seq_idx = torch.tensor([[0] * 20 + [1] * (T - 20)])
+    device = "cpu" if backend == "chunk" else DEVICE
+    q, k, v, beta, lam = (t.to(device) for t in make_inputs("1A", B=1, T=T, H=2, K=16, V=8, dtype=dtype))
+    outs = []
+    for factor in (1.0, scale):
+        scaled = v.clone()
+        scaled[:, :20] *= factor
+        o, _ = fast_weight_attention(q, k, scaled, beta, lam, rule="1A", seq_idx=seq_idx.to(device), chunk_size=16,
+                                     backend=backend)
+        outs.append(o[:, 20:])
+    assert rel_err(outs[1], outs[0]) < tol
+
+
 def test_document_offsets():
     seq_idx = torch.tensor([[3, 3, 5, 5, 3], [1, 1, 1, 1, 1]])
     assert document_offsets(seq_idx).tolist() == [0, 2, 4, 5, 10]
@@ -158,6 +179,8 @@ def test_errors():
         fast_weight_attention(q, k, v, beta, lam, rule="1A", seq_idx=seq_idx[:, :5])
     with pytest.raises(ValueError, match="zero state"):
         fast_weight_attention(q, k, v, beta, lam, rule="1A", seq_idx=seq_idx, output_final_state=True)
+    with pytest.raises(ValueError, match="move seq_idx"):
+        fast_weight_attention(q, k, v, beta, lam, rule="1A", seq_idx=seq_idx.to("meta"))
     with pytest.raises(ValueError, match="zero state"):
         fast_weight_attention(q, k, v, beta, lam, rule="1A", seq_idx=seq_idx,
                               initial_state=FastWeightState(S=torch.zeros(1, 1, 4, 4)))

@@ -90,9 +90,9 @@ def fast_weight_attention(
     B, T, H, K = q.shape
     V = v.shape[-1]
     if seq_idx is not None:
-        _check_seq_idx(seq_idx, B=B, T=T, cu_seqlens=cu_seqlens, initial_state=initial_state,
+        _check_seq_idx(seq_idx, B=B, T=T, device=q.device, cu_seqlens=cu_seqlens, initial_state=initial_state,
                        output_final_state=output_final_state)
-        if not seq_idx_in_place(q, rule=rule, window=window, pairing=pairing, read=read, backend=backend):
+        if not seq_idx_in_place(q, v, rule=rule, window=window, pairing=pairing, read=read, backend=backend):
             packed = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, beta)]
             o, _ = fast_weight_attention(
                 *packed, None if lam is None else lam.reshape(1, B * T, H), rule=rule, window=window,
@@ -109,6 +109,8 @@ def fast_weight_attention(
     options = dict(rule=rule, window=window, pairing=pairing, read=read, step_size=step_size,
                    ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=state, offsets=offsets)
     name = _backend(q, v, rule=rule, window=window, packed=offsets is not None, backend=backend)
+    if seq_idx is not None and name not in ("chunk", "triton"):  # seq_idx_in_place sent it to one of those
+        raise AssertionError(f"seq_idx reached the {name!r} backend, which cannot restart documents in place")
     if name == "triton":  # q, k, v keep their dtype (bf16 tensor cores); step sizes and decays run in float32
         if not (triton_available() and q.is_cuda) and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend='triton' needs triton installed and the tensors on a CUDA device; "
@@ -139,12 +141,12 @@ def _backend(q, v, *, rule, window, packed, backend) -> str:
     return resolve_backend(backend, available=BACKENDS, default=default)
 
 
-def seq_idx_in_place(q, *, rule, window=1, pairing="shifted", read="after", backend="auto") -> bool:
-    """Whether `fast_weight_attention(q, ..., seq_idx=...)` restarts the documents in place, on the rows' shapes
-    with nothing read on the host (so it can run inside a compiled graph): the chunk and Triton backends, a read
-    after the write, and shifted pairing for the regression rules 1, 2, 3 (`chunk.restarts_in_place`). Otherwise
-    `seq_idx` becomes `cu_seqlens`."""
-    name = _backend(q, q, rule=rule, window=window, packed=False, backend=backend)
+def seq_idx_in_place(q, v=None, *, rule, window=1, pairing="shifted", read="after", backend="auto") -> bool:
+    """Whether `fast_weight_attention(q, k, v, ..., seq_idx=...)` restarts the documents in place, on the rows'
+    shapes with nothing read on the host (so it can run inside a compiled graph): the chunk and Triton backends, a
+    read after the write, and shifted pairing for the regression rules 1, 2, 3 (`chunk.restarts_in_place`).
+    Otherwise `seq_idx` becomes `cu_seqlens`. v: the values (None: V = K)."""
+    name = _backend(q, q if v is None else v, rule=rule, window=window, packed=False, backend=backend)
     return name in ("chunk", "triton") and restarts_in_place(rule=rule, pairing=pairing, read=read)
 
 
@@ -158,12 +160,14 @@ def document_offsets(seq_idx: torch.Tensor) -> torch.Tensor:
     return torch.cat([first, torch.tensor([B * T])]).to(torch.int64)
 
 
-def _check_seq_idx(seq_idx, *, B, T, cu_seqlens, initial_state, output_final_state) -> None:
+def _check_seq_idx(seq_idx, *, B, T, device, cu_seqlens, initial_state, output_final_state) -> None:
     if cu_seqlens is not None:
         raise ValueError("pass either cu_seqlens (packed offsets) or seq_idx (a document index per step), not both")
     if tuple(seq_idx.shape) != (B, T) or seq_idx.dtype.is_floating_point or seq_idx.dtype == torch.bool:
         raise ValueError(f"seq_idx must be an integer tensor [B, T] = {[B, T]}, got {seq_idx.dtype} "
                          f"{list(seq_idx.shape)}")
+    if seq_idx.device != device:
+        raise ValueError(f"seq_idx is on {seq_idx.device} and q on {device}; move seq_idx to q's device")
     if initial_state is not None or output_final_state:
         raise ValueError("with seq_idx every document starts from a zero state and no final state is returned; "
                          "use cu_seqlens (one state per sequence) to carry states")

@@ -319,7 +319,7 @@ def _register_prepare() -> None:
         k, v, beta, lam, last_k, offsets, seq_idx = ctx.saved_tensors
         dk, dv, dbeta, dlam, dlast = bwd(dx, dy, deta, dlog_gamma, k, v, beta, lam, last_k, offsets, seq_idx,
                                          *ctx.options)
-        return (dk, dv, dbeta, dlam, None if last_k is None else dlast) + (None,) * 9
+        return (dk, dv, dbeta, dlam, None if last_k is None else dlast) + (None,) * 8  # offsets .. eps_gamma
 
     fwd.register_autograd(backward, setup_context=setup_context)
 

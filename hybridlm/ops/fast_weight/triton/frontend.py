@@ -85,8 +85,8 @@ def fast_weight_triton(
     preparation (fused, or prepare_writes) puts no pair across a document start, keeps each window inside its
     document, and puts a log decay of -100 on the start (exp(-100) ~ 4e-44), so the scan's state holds nothing of
     the documents before; each exponent the kernels take is a difference of chunk-local sums that holds that -100
-    on both sides (one document: exact up to float32 rounding at magnitude 100, ~4e-6) or on one (another
-    document: ~0).
+    on both sides (one document: exact up to float32 rounding at magnitude 100 x the restarts so far in the chunk;
+    README.md, "Packed documents in place") or on one (another document: ~0).
 
     Returns o `[B, T, H, V]` in q's dtype and the final state (S float32)."""
     K, V = q.shape[-1], v.shape[-1]
