@@ -79,8 +79,8 @@ def prepare_writes(q, k, v, beta, lam, *, rule, window, pairing, step_size, ridg
     seq_idx ([B, T] integers, without offsets) restarts documents in place, wherever it changes from one step to the
     next (the first document continues the carried state): no shifted pair crosses a document start, a window holds
     only its own document's pairs (statistic and weights), and the start's log decay is RESTART_LOG_DECAY (a
-    constant: no gradient). Exact for a read after the write and, for the regression rules, shifted pairing (the op's
-    `seq_idx_in_place`): elsewhere a document's first step would read or fit the last document's state."""
+    constant: no gradient). Right for a read after the write and, for the regression rules, shifted pairing
+    (`restarts_in_place`): elsewhere a document's first step would read or fit the last document's state."""
     stat = compute_dtype(k.dtype)
     beta, lam = beta.to(stat), lam.to(stat)
     if offsets is not None:
