@@ -107,8 +107,8 @@ def test_compiled_block_on_packed_documents_compiles_once(ssm_mixer):
     per layout (each frame compiles once static, once with dynamic offsets; the recompile limit, lowered to 2 and
     made an error, stops anything more) nor change the output or the gradients. Given `seq_idx` (as the model
     passes it) the SSM mixers get it and run inside the graphs on the rows' shapes; attention runs packed documents
-    outside them. The fast-weight op restarts documents in place there: float32 sums at the restart decay's
-    magnitude (-100) round to ~1e-5 relative (~3e-7 through cu_seqlens), hence its looser tolerance."""
+    outside them. The fast-weight op restarts documents in place there, with float32 sums in another order than
+    per document, hence its tolerance on the norm of the difference."""
     import torch._dynamo
 
     from hybridlm.modules.boundaries import sequence_ids
@@ -116,8 +116,8 @@ def test_compiled_block_on_packed_documents_compiles_once(ssm_mixer):
     block = make_block(ssm_mixer=ssm_mixer, fw_heads=2, fw_head_dim=8)
 
     def close(a, b):
-        if ssm_mixer == "fast_weight":  # in place: ~1e-5 relative in float32 (the norm of the difference)
-            assert rel_err(a, b) < 1e-4
+        if ssm_mixer == "fast_weight":  # in place: float32 sums in another order (the norm of the difference)
+            assert rel_err(a, b) < 1e-5
         else:
             torch.testing.assert_close(a, b)
     x = torch.randn(1, 23, 16)

@@ -48,7 +48,7 @@ def layouts() -> dict[str, torch.Tensor]:
 def run(inputs, seq_idx, *, rule, backend, packed, **options):
     """The op over seq_idx in place, or over the same documents as cu_seqlens (the rows laid end to end)."""
     q, k, v, beta, lam = inputs
-    B, _, H, _ = q.shape
+    B, T, H, _ = q.shape
     if not packed:
         return fast_weight_attention(q, k, v, beta, lam, rule=rule, seq_idx=seq_idx.to(q.device), chunk_size=16,
                                      backend=backend, **options)[0]
@@ -85,12 +85,43 @@ def compare(seq_idx, case, *, backend, reference_backend, dtype, device, tol):
         assert rel_err(grad, grad_ref) < tol, name
 
 
+# The chunk path (fast on the CPU) also takes wider windows and direct steps for rules 3 and 2A
+CHUNK_ONLY = [("3A", 4, "same_step", "nlms", False), ("3A", 5, "shifted", "direct", False),
+              ("3", 5, "shifted", "direct", True), ("2A", 1, "shifted", "direct", False)]
+
+
 @pytest.mark.parametrize("layout", sorted(layouts()))
-@pytest.mark.parametrize("case", IN_PLACE, ids=IDS)
+@pytest.mark.parametrize("case", IN_PLACE + CHUNK_ONLY, ids=IDS + [f"{r}-w{w}-{p}-{s}" for r, w, p, s, _ in CHUNK_ONLY])
 def test_chunk_in_place_matches_documents(layout, case):
     """The torch chunk path in place vs the naive step loop over cu_seqlens, float64 (< 1e-10)."""
     compare(layouts()[layout], case, backend="chunk", reference_backend="naive", dtype=torch.float64, device="cpu",
             tol=1e-10)
+
+
+@pytest.mark.parametrize("rule,window", [("1A", 1), ("3A", 3), ("1", 1)])
+def test_chunk_in_place_float32_with_many_restarts_per_chunk(rule, window):
+    """100 one-token documents and a long one in a chunk of 128 (restart decays summing to -10^4): the chunk path
+    takes its log decays in float64 there, so float32 stays within 2e-6 of float64 through cu_seqlens (float32
+    sums: ~2e-4)."""
+    seq_idx = torch.cat([torch.arange(100), torch.full((156,), 100)])[None]
+    inputs = make_inputs(rule, B=1, T=256, H=2, K=16, V=8)
+    o_ref = fast_weight_attention(*inputs, rule=rule, window=window, cu_seqlens=document_offsets(seq_idx),
+                                  chunk_size=128, backend="chunk")[0]
+    o = fast_weight_attention(*(t.float() for t in inputs), rule=rule, window=window, seq_idx=seq_idx,
+                              chunk_size=128, backend="chunk")[0]
+    assert rel_err(o, o_ref) < 2e-6
+
+
+@pytest.mark.parametrize("rule,window", [("3A", 5), ("3", 4)])
+def test_chunk_in_place_rows_shorter_than_the_window(rule, window):
+    """T = 3 < W, one row of three 1-token documents, one of a single document: float64 against the naive loop."""
+    seq_idx = torch.tensor([[0, 1, 2], [5, 5, 5]])
+    inputs = [t.detach().requires_grad_(True) for t in make_inputs(rule, B=2, T=3, H=2, K=4, V=3)]
+    o = run(inputs, seq_idx, rule=rule, window=window, backend="chunk", packed=False)
+    o_ref = run(inputs, seq_idx, rule=rule, window=window, backend="naive", packed=True)
+    assert rel_err(o, o_ref) < 1e-12
+    for grad, grad_ref in zip(torch.autograd.grad(o.sum(), inputs), torch.autograd.grad(o_ref.sum(), inputs)):
+        assert rel_err(grad, grad_ref) < 1e-12
 
 
 @interpret
@@ -102,17 +133,19 @@ def test_triton_in_place_matches_documents(layout, case):
             device=DEVICE, tol=1e-4)
 
 
-@interpret
-def test_in_place_compiles_without_graph_breaks():
+@pytest.mark.parametrize("rule,window,backend", [pytest.param("1A", 1, "triton", marks=interpret),
+                                                 ("3A", 3, "chunk"), ("3", 2, "chunk")])
+def test_in_place_compiles_without_graph_breaks(rule, window, backend):
     """torch.compile(fullgraph=True, aot_eager) of the in-place form equals eager, gradients included: nothing is
     read on the host."""
-    seq_idx = layouts()["dense"].to(DEVICE)
-    inputs = [t.to(DEVICE).detach().requires_grad_(True)
-              for t in make_inputs("1A", B=2, T=T, H=2, K=16, V=8, dtype=torch.float32)]
+    device = DEVICE if backend == "triton" else "cpu"
+    seq_idx = layouts()["dense"].to(device)
+    inputs = [t.to(device).detach().requires_grad_(True)
+              for t in make_inputs(rule, B=2, T=T, H=2, K=16, V=8, dtype=torch.float32)]
 
     def fn(q, k, v, beta, lam, seq_idx):
-        return fast_weight_attention(q, k, v, beta, lam, rule="1A", seq_idx=seq_idx, chunk_size=16,
-                                     backend="triton")[0]
+        return fast_weight_attention(q, k, v, beta, lam, rule=rule, window=window, seq_idx=seq_idx, chunk_size=16,
+                                     backend=backend)[0]
 
     o = fn(*inputs, seq_idx)
     o_c = torch.compile(fn, fullgraph=True, backend="aot_eager")(*inputs, seq_idx)

@@ -206,6 +206,7 @@ def fast_weight_chunk(
         p.q.transpose(1, 2), p.X.transpose(1, 2), p.Y.transpose(1, 2), p.weights.transpose(1, 2),
         p.log_gamma.transpose(1, 2), initial_state.S,
         regression=rule in REGRESSION_RULES, read_after=read == "after", chunk_size=chunk_size,
+        wide_exponents=seq_idx is not None,
     )
     o = o.transpose(1, 2)                                                                  # [N, T, H, V]
     if offsets is not None:
@@ -233,9 +234,12 @@ def _pad_steps(t: torch.Tensor, pad: int, dims_after: int) -> torch.Tensor:
     return F.pad(t, (0, 0) * dims_after + (0, pad)) if pad else t
 
 
-def _chunk_scan(q, X, Y, w, log_gamma, S, *, regression, read_after, chunk_size):
+def _chunk_scan(q, X, Y, w, log_gamma, S, *, regression, read_after, chunk_size, wide_exponents=False):
     """The event scan. q [N, H, T, K]; X [N, H, T, W, K]; Y [N, H, T, W, V]; w [N, H, T, W, Dv];
     log_gamma [N, H, T, Dv]; S [N, H, K, V] the entry state. Returns o [N, H, T, V] and the final state.
+    `wide_exponents`: the chunk-local log decays and their differences in float64 (documents restarted in place
+    put -100 per restart into them, which float32 would round at that magnitude); the exponentials come back in
+    the scan's dtype.
 
     Three phases: everything that does not depend on the carried state is computed for all chunks at once
     (decays, Gram and attention matrices, and for scalar-decay regression the WY factors U, W with
@@ -254,20 +258,23 @@ def _chunk_scan(q, X, Y, w, log_gamma, S, *, regression, read_after, chunk_size)
     Yc = _pad_steps(Y, pad, 2).reshape(N, H, n_chunks, n, V)
     wc = _pad_steps(w, pad, 2).reshape(N, H, n_chunks, n, Dv)
     lg = _pad_steps(log_gamma, pad, 1).reshape(N, H, n_chunks, C, Dv)
+    dtype = lg.dtype
+    if wide_exponents:
+        lg = lg.to(torch.float64)
     L = torch.cumsum(lg, dim=3)                                                            # log c_t (chunk-local)
     L_prev = L - lg                                                                        # log c_{t-1}
     step = torch.arange(C, device=q.device).repeat_interleave(W)                           # s_e  [n]
     L_event = L[:, :, :, step]                                                             # [N, H, c, n, Dv]
-    carry = torch.exp(L[:, :, :, -1])                                                      # chunk decay [N, H, c, Dv]
-    coef = torch.exp(L[:, :, :, -1:] - L_event) * wc                                       # to the chunk end
+    carry = torch.exp(L[:, :, :, -1]).to(dtype)                                            # chunk decay [N, H, c, Dv]
+    coef = torch.exp(L[:, :, :, -1:] - L_event).to(dtype) * wc                             # to the chunk end
 
     # Phase 1: the regression residuals' triangular systems (r + A r = y - exp(L_{s-1}) X S_in).
     if regression:
         L_event_prev = L_prev[:, :, :, step]
         earlier = (step[:, None] > step[None, :])[:, :, None]                              # s_e' < s_e  [n, n, 1]
-        decay = _masked_exp(L_event_prev[..., :, None, :] - L_event[..., None, :, :], earlier)
+        decay = _masked_exp(L_event_prev[..., :, None, :] - L_event[..., None, :, :], earlier).to(dtype)
         A = (decay * wc[..., None, :, :] * (Xc @ Xc.transpose(-1, -2))[..., None]).movedim(-1, 3)  # [N,H,c,Dv,n,n]
-        start = torch.exp(L_event_prev)                                                    # [N, H, c, n, Dv]
+        start = torch.exp(L_event_prev).to(dtype)                                          # [N, H, c, n, Dv]
         if Dv == 1:  # WY form: r = U - W S_in with U = (I + A)^-1 Y, W = (I + A)^-1 diag(start) X
             U = _solve_unit_lower(A, Yc)
             W_wy = _solve_unit_lower(A, start * Xc)
@@ -291,9 +298,10 @@ def _chunk_scan(q, X, Y, w, log_gamma, S, *, regression, read_after, chunk_size)
     L_read = L if read_after else L_prev
     t_idx = torch.arange(C, device=q.device)
     seen = (step[None, :] <= t_idx[:, None]) if read_after else (step[None, :] < t_idx[:, None])
-    D = _masked_exp(L_read[..., :, None, :] - L_event[..., None, :, :], seen[:, :, None]) * wc[..., None, :, :]
+    D = _masked_exp(L_read[..., :, None, :] - L_event[..., None, :, :], seen[:, :, None]).to(dtype)
+    D = D * wc[..., None, :, :]
     P = Qc @ Xc.transpose(-1, -2)                                                          # q_t . x_e  [N,H,c,C,n]
-    o = torch.exp(L_read) * (Qc @ S_in)
+    o = torch.exp(L_read).to(dtype) * (Qc @ S_in)
     if Dv == 1:
         o = o + (P * D[..., 0]) @ R
     else:
