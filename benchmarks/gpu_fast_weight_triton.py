@@ -19,6 +19,9 @@ forward and forward+backward of:
   [64, 32] blocks; by default they narrow when fewer than 264 programs would cover the rows x heads, which "triton"
   times). Only timed where the blocks narrow, i.e. not at the default shape: compare at a model's shape, e.g.
   `--B 1 --H 10 --D 64`.
+`--documents D` then times packed documents (D per row, equal lengths), forward + backward of the triton op: the
+documents restarted in place (`seq_idx`, the rows' shapes, what a compiled model runs) against the same documents
+through `cu_seqlens` (the rows laid end to end, then padded per document by the backend).
 `--profile` then prints, per rule at the longest T, the kernels of one forward + backward of the triton op with their
 GPU time (torch.profiler): which stage to work on. Prints a markdown table with the ratios triton / SDPA and
 chunk / triton, and what the triton op's time means against
@@ -134,6 +137,8 @@ def main() -> None:
     parser.add_argument("--compiled-triton", action="store_true",
                         help="also time the triton op under torch.compile (its torch preparation fused by inductor)")
     parser.add_argument("--no-chunk", action="store_true", help="skip the (slow) eager torch chunk path")
+    parser.add_argument("--documents", type=int, default=0,
+                        help="also time D packed documents per row: seq_idx in place vs cu_seqlens")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU time of the triton op at the longest T")
     args = parser.parse_args()
     for rule in args.rules:
@@ -151,6 +156,14 @@ def main() -> None:
                                  eager_chunk=not args.no_chunk):
                 print(line, flush=True)
             torch.cuda.empty_cache()
+    if args.documents:
+        print("\n| rule | T | documents per row | seq_idx in place (ms) | cu_seqlens (ms) | in place / cu_seqlens |")
+        print("|---|---|---|---|---|---|")
+        for T in args.T:
+            for rule in args.rules:
+                print(time_documents(rule, args.B, T, args.H, args.D, args.documents, chunk_size=args.chunk_size),
+                      flush=True)
+                torch.cuda.empty_cache()
     if args.profile:
         for rule in args.rules:
             print(f"\n### {rule}, T={max(args.T)}: kernels of one forward + backward (FUSED_PREPARATION="
@@ -174,6 +187,31 @@ def profile_one(rule, B, T, H, D, *, chunk_size, rows=20) -> str:
         step()
         torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows)
+
+
+def time_documents(rule, B, T, H, D, documents, *, chunk_size) -> str:
+    """One table row: forward + backward (bf16) of `documents` equal documents per row, restarted in place
+    (seq_idx) and through cu_seqlens; checks the two outputs agree first."""
+    from hybridlm.ops.fast_weight.op import document_offsets
+
+    inputs = make_inputs(B, T, H, D, torch.bfloat16)
+    seq_idx = (torch.arange(T, device=inputs[0].device) * documents // T).expand(B, T).contiguous()
+    offsets = document_offsets(seq_idx)
+    options = dict(rule=rule, window=WINDOW[rule], chunk_size=chunk_size, backend="triton")
+
+    def in_place():
+        return fast_weight_attention(*inputs, seq_idx=seq_idx, **options)[0]
+
+    def packed():
+        rows = [t.reshape(1, B * T, *t.shape[2:]) for t in inputs]
+        return fast_weight_attention(*rows, cu_seqlens=offsets, **options)[0].reshape(B, T, H, -1)
+
+    error = rel_err(in_place(), packed())
+    if not error < 2e-2:
+        raise SystemExit(f"{rule}: seq_idx in place and cu_seqlens disagree (rel err {error:.1e}); not timing")
+    ms_in_place, ms_packed = (bench(fn, backward=True, inputs=inputs) for fn in (in_place, packed))
+    return (f"| {rule} | {T} | {documents} | {ms_in_place:.2f} | {ms_packed:.2f} | "
+            f"{ms_in_place / ms_packed:.2f}x |")
 
 
 def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compiled_triton=False, eager_chunk=True):

@@ -111,6 +111,24 @@ gpu_ssd.check(device=torch.device("cpu"), chunk_size=16, B=1, T=40, H=2, P=16, N
     assert result.returncode != 0 and "disagrees with the chunk path in torch.float32" in result.stderr
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="runs the Triton kernels under the interpreter (needs triton)")
+def test_gpu_fast_weight_triton_times_documents_in_place():
+    """`gpu_fast_weight_triton.py --documents`'s row (on the CPU under Triton's interpreter, a stand-in timer): both
+    forms run, agree, and land in the table."""
+    code = """
+import torch, gpu_fast_weight_triton as g
+g.make_inputs = lambda B, T, H, D, dtype: [t.requires_grad_(True) for t in (
+    torch.randn(B, T, H, D), torch.nn.functional.normalize(torch.randn(B, T, H, D), dim=-1), torch.randn(B, T, H, D),
+    torch.rand(B, T, H), 0.1 * torch.rand(B, T, H))]
+g.bench = lambda fn, backward, inputs: (fn().float().sum().backward(), 1.0)[1]
+print(g.time_documents("1A", 2, 40, 2, 16, 3, chunk_size=16))
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=BENCHMARKS, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"}, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "| 1A | 40 | 3 | 1.00 | 1.00 | 1.00x |" in result.stdout
+
+
 @pytest.mark.parametrize("script", ["gpu_ops.py", "gpu_train_step.py", "gpu_fla_compare.py", "gpu_short_conv.py",
                                     "gpu_fast_weight_triton.py", "gpu_ssd.py"])
 def test_gpu_scripts_parse_their_command_line(script):
