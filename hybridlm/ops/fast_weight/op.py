@@ -193,7 +193,8 @@ def _check_inputs(q, k, v, beta, lam, *, rule, window, pairing, read, step_size,
     if not 0 < eps_gamma <= 1:
         raise ValueError(f"eps_gamma must be in (0, 1], got {eps_gamma}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be [B, T, H, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(f"q, k, v must be [B, T, H, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
     if q.shape != k.shape:
         raise ValueError(f"q and k must have the same shape [B, T, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
     B, T, H, _ = q.shape
