@@ -109,8 +109,6 @@ def fast_weight_attention(
     options = dict(rule=rule, window=window, pairing=pairing, read=read, step_size=step_size,
                    ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=state, offsets=offsets)
     name = _backend(q, v, rule=rule, window=window, packed=offsets is not None, backend=backend)
-    if seq_idx is not None and name not in ("chunk", "triton"):  # seq_idx_in_place sent it to one of those
-        raise AssertionError(f"seq_idx reached the {name!r} backend, which cannot restart documents in place")
     if name == "triton":  # q, k, v keep their dtype (bf16 tensor cores); step sizes and decays run in float32
         if not (triton_available() and q.is_cuda) and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend='triton' needs triton installed and the tensors on a CUDA device; "
