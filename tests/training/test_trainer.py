@@ -85,8 +85,9 @@ def test_short_run_loss_falls_and_writes_its_outputs(demo_dir, tmp_path):
     # The exported model loads with from_pretrained and gives the trained model's logits.
     from hybridlm.models.hf import load_model
 
-    exported = load_model(out / "final")
-    probe = torch.randint(0, 256, (1, 16))
+    device = next(trainer.raw_model.parameters()).device  # "auto" trains on the GPU where there is one
+    exported = load_model(out / "final").to(device)
+    probe = torch.randint(0, 256, (1, 16), device=device)
     with torch.no_grad():
         assert torch.allclose(exported(probe).logits, trainer.raw_model(probe).logits, atol=1e-5)
     assert (out / "final" / "tokenizer.json").is_file()
