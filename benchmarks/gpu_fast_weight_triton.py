@@ -19,9 +19,10 @@ forward and forward+backward of:
   [64, 32] blocks; by default they narrow when fewer than 264 programs would cover the rows x heads, which "triton"
   times). Only timed where the blocks narrow, i.e. not at the default shape: compare at a model's shape, e.g.
   `--B 1 --H 10 --D 64`.
-`--documents D` then times packed documents (D per row, equal lengths), forward + backward of the triton op: the
+`--documents D` times packed documents instead (D per row, equal lengths), forward + backward of the triton op: the
 documents restarted in place (`seq_idx`, the rows' shapes, what a compiled model runs) against the same documents
-through `cu_seqlens` (the rows laid end to end, then padded per document by the backend).
+through `cu_seqlens` (the rows laid end to end, then padded per document by the backend). It skips the main table,
+whose rule-1 rows alone take minutes.
 `--profile` then prints, per rule at the longest T, the kernels of one forward + backward of the triton op with their
 GPU time (torch.profiler): which stage to work on. Prints a markdown table with the ratios triton / SDPA and
 chunk / triton, and what the triton op's time means against
@@ -138,25 +139,26 @@ def main() -> None:
                         help="also time the triton op under torch.compile (its torch preparation fused by inductor)")
     parser.add_argument("--no-chunk", action="store_true", help="skip the (slow) eager torch chunk path")
     parser.add_argument("--documents", type=int, default=0,
-                        help="also time D packed documents per row: seq_idx in place vs cu_seqlens")
+                        help="time D packed documents per row instead: seq_idx in place vs cu_seqlens")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU time of the triton op at the longest T")
     args = parser.parse_args()
     for rule in args.rules:
         check(rule, chunk_size=args.chunk_size)
     print(f"\n# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | window 3 for 3A")
-    print("| rule | T | pass | SDPA (ms) | chunk (ms) | chunk compiled (ms) | triton (ms) | kernels (ms) "
-          "| torch preparation (ms) | fixed scan blocks (ms) | triton compiled (ms) | triton / SDPA "
-          "| triton compiled / SDPA | chunk / triton | triton TFLOP/s | triton TB/s (min. bytes) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for T in args.T:
-        for rule in args.rules:
-            for line in time_one(rule, args.B, T, args.H, args.D, torch.bfloat16, chunk_size=args.chunk_size,
-                                 compiled_chunk=args.compiled_chunk, compiled_triton=args.compiled_triton,
-                                 eager_chunk=not args.no_chunk):
-                print(line, flush=True)
-            torch.cuda.empty_cache()
-    if args.documents:
+    if not args.documents:
+        print("| rule | T | pass | SDPA (ms) | chunk (ms) | chunk compiled (ms) | triton (ms) | kernels (ms) "
+              "| torch preparation (ms) | fixed scan blocks (ms) | triton compiled (ms) | triton / SDPA "
+              "| triton compiled / SDPA | chunk / triton | triton TFLOP/s | triton TB/s (min. bytes) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for T in args.T:
+            for rule in args.rules:
+                for line in time_one(rule, args.B, T, args.H, args.D, torch.bfloat16, chunk_size=args.chunk_size,
+                                     compiled_chunk=args.compiled_chunk, compiled_triton=args.compiled_triton,
+                                     eager_chunk=not args.no_chunk):
+                    print(line, flush=True)
+                torch.cuda.empty_cache()
+    else:
         print("\n| rule | T | documents per row | seq_idx in place (ms) | cu_seqlens (ms) | in place / cu_seqlens |")
         print("|---|---|---|---|---|---|")
         for T in args.T:
