@@ -444,9 +444,35 @@ def load_manifest(directory: str | Path) -> dict:
         manifest = json.loads((d / MANIFEST).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{d / MANIFEST} is damaged ({e}); {_rerun_hint(d)}") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION or not manifest.get("complete"):
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION \
+            or not manifest.get("complete"):
         raise DataError(f"{d / MANIFEST}: not a complete {FORMAT} v{VERSION} manifest; {_rerun_hint(d)}")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise DataError(f"{d / MANIFEST} is damaged ({problem}); {_rerun_hint(d)}")
     return manifest
+
+
+_SHARD_FIELDS = {"name": str, "index": str, "sha256": str, "index_sha256": str, "tokens": int, "index_docs": int}
+_MANIFEST_FIELDS = {"dtype": str, "num_tokens": int, "num_docs": int, "vocab_size": int, "shards": list}
+
+
+def _manifest_problem(manifest: dict) -> str:
+    """What is wrong with a manifest's structure (a field missing or of the wrong type), "" if nothing."""
+    for key, kind in _MANIFEST_FIELDS.items():
+        if not isinstance(manifest.get(key), kind):
+            return f"{key!r} missing or not {kind.__name__}"
+    try:
+        np.dtype(manifest["dtype"])
+    except TypeError:
+        return f"dtype {manifest['dtype']!r} is not a numpy dtype"
+    for i, shard in enumerate(manifest["shards"]):
+        if not isinstance(shard, dict):
+            return f"shards[{i}] is not an object"
+        for key, kind in _SHARD_FIELDS.items():
+            if not isinstance(shard.get(key), kind):
+                return f"shards[{i}].{key} missing or not {kind.__name__}"
+    return ""
 
 
 class TokenDataset:

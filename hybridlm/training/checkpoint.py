@@ -218,6 +218,10 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         files = manifest["files"]
         if manifest.get("format") != FORMAT or not isinstance(files, dict):
             raise ValueError(f"format {manifest.get('format')!r}")
+        for name, entry in files.items():
+            if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int)
+                    and isinstance(entry.get("sha256"), str)):
+                raise ValueError(f"the entry of {name!r} needs 'bytes' and 'sha256'")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{manifest_path} is unreadable or not a {FORMAT} manifest ({err}); " + _previous_hint(path)) from err
     if manifest.get("version") != VERSION:

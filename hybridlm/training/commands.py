@@ -23,6 +23,7 @@ Wire into the CLI with `add_commands(subparsers)`.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def _resolve_config(args: argparse.Namespace):
     overrides = list(args.overrides)
     config_path = args.config
     if args.out is not None:
-        overrides.append(f"train.out_dir={args.out}")
+        overrides.append(f"train.out_dir={json.dumps(str(args.out))}")  # quoted: a path is not YAML ("#", "2024")
     if config_path is None and args.resume:
         # continue the run with its own settings (the --out dir's, else the demo's default out dir)
         out = args.out
@@ -82,6 +83,7 @@ def _resolve_config(args: argparse.Namespace):
 def run_train(args: argparse.Namespace) -> int:
     import logging
 
+    from hybridlm.data.errors import DataError
     from hybridlm.training.checkpoint import CheckpointError
     from hybridlm.training.config import ConfigError, dump_config
     from hybridlm.training.guard import TrainingDivergedError
@@ -104,7 +106,7 @@ def run_train(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    except (TrainingDivergedError, CheckpointError, RuntimeError) as err:
+    except (TrainingDivergedError, CheckpointError, DataError, RuntimeError) as err:
         print(f"training failed: {err}", file=sys.stderr)
         return 1
     finally:

@@ -73,6 +73,7 @@ import torch.nn.functional as F
 from hybridlm.fileio import write_atomic
 from hybridlm.training import distributed as D
 from hybridlm.training.checkpoint import (
+    CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -292,8 +293,24 @@ class Trainer:
             )
         except Exception as err:  # DataError, ValueError: name the section
             raise ConfigError(f"data.sources: {err}") from err
+        if eval_sources:  # opened now, so a wrong held-out source fails before training, not at the first evaluation
+            try:
+                self._eval_loader(eval_sources)
+            except Exception as err:
+                raise ConfigError(f"data.eval_sources: {err}") from err
         vocab = max(int(load_manifest(s.path)["vocab_size"]) for s in sources)
         return _Data(loader, eval_sources, tokenizer_dir, vocab)
+
+    def _eval_loader(self, eval_sources: list):
+        """The held-out rows, in order: the same rows at every evaluation and for any split into ranks."""
+        from hybridlm.data.loader import PackedLoader
+
+        c = self.config
+        return PackedLoader(
+            eval_sources, batch_size=c.batch.micro_batch, seq_len=c.batch.seq_len, seed=c.train.seed,
+            shuffle=False, cross_doc_labels=c.data.cross_doc_labels, rank=self.ctx.dp_rank,
+            world_size=self.ctx.dp_size, verify="size",
+        )
 
     def _param_groups(self) -> list[dict]:
         """The AdamW groups of the unparallelized model (call before `parallelize`)."""
@@ -345,36 +362,51 @@ class Trainer:
         return path
 
     def _resume(self) -> None:
+        import yaml
+
         path = latest_checkpoint(self.checkpoint_dir)
+        found = list_checkpoints(self.checkpoint_dir)
+        if path is None and found:  # never start over (and truncate the metrics) past checkpoints that are there
+            raise CheckpointError(
+                f"--resume: no checkpoint in {self.checkpoint_dir} is complete ({', '.join(p.name for p in found)}: "
+                "a file missing or of the wrong size); remove them to start this run over, or restore them"
+            )
         if path is None:
-            self._print(f"--resume: no complete checkpoint in {self.checkpoint_dir}; starting from scratch")
+            self._print(f"--resume: no checkpoint in {self.checkpoint_dir}; starting from scratch")
             if self.ctx.is_main:
                 for name in (METRICS_FILE, EVAL_FILE):
                     self._truncate_jsonl(self.out_dir / name, 0)
             return
+        skipped = [p.name for p in found if p.name > path.name]
+        if skipped:
+            self._print(f"--resume: skipping incomplete newer checkpoint(s) {', '.join(skipped)}")
         model_state = _ModelState()
         # fresh base lr / wd: the config given now wins over the saved groups' values
         fresh = [{k: g[k] for k in ("base_lr", "base_weight_decay")} for g in self.optimizer.param_groups]
         optim_state = _OptimizerState(self.canonical_groups)
         loaded = load_checkpoint(path, model=model_state, optimizer=optim_state, restore_rng=True)
-        D.load_full_state_dicts(self.model, self.optimizer, model_state.loaded, optim_state.loaded, self.ctx,
-                                groups=self.canonical_groups)
-        for group, values in zip(self.optimizer.param_groups, fresh):
-            group.update(values)
         state = loaded.train_state
-        self.step, self.tokens = loaded.step, int(state["tokens"])
+        changes = diff_configs(yaml.safe_load(state.get("config", "{}")) or {}, config_to_dict(self.config))
+        changes = [c for c in changes if not c.startswith("train.out_dir")]
         loader_state = json.loads(json.dumps(state["loader"]))
         # The stream position does not depend on how many rows each rank takes per batch.
         loader_state["config"]["batch_size"] = self.loader.batch_size
         loader_state["config"]["world_size"] = self.loader.world_size
-        self.loader.load_state_dict(loader_state)
+        try:
+            D.load_full_state_dicts(self.model, self.optimizer, model_state.loaded, optim_state.loaded, self.ctx,
+                                    groups=self.canonical_groups)
+            self.loader.load_state_dict(loader_state)
+        except ValueError as err:
+            raise ConfigError(
+                f"--resume: {path} does not fit this configuration ({err}). Settings changed since it was saved: "
+                + ("; ".join(changes) or "none") + ". Resume with the run's own settings, or train into a new --out"
+            ) from err
+        for group, values in zip(self.optimizer.param_groups, fresh):
+            group.update(values)
+        self.step, self.tokens = loaded.step, int(state["tokens"])
         self.guard.load_state_dict(state["guard"])
         self.resumed_from = path
         self._last_saved_step = self.step
-        import yaml
-
-        changes = diff_configs(yaml.safe_load(state.get("config", "{}")) or {}, config_to_dict(self.config))
-        changes = [c for c in changes if not c.startswith("train.out_dir")]
         self._print(f"resumed from {path} (step {self.step}, {self.tokens:,} tokens)"
                     + ("; settings changed since: " + "; ".join(changes) if changes else ""))
         if self.ctx.is_main:
@@ -529,14 +561,8 @@ class Trainer:
         global batch into ranks, chunks and micro-batches. None without held-out data."""
         if not self.data.eval_sources:
             return None
-        from hybridlm.data.loader import PackedLoader
-
         c = self.config
-        loader = PackedLoader(
-            self.data.eval_sources, batch_size=c.batch.micro_batch, seq_len=c.batch.seq_len, seed=c.train.seed,
-            shuffle=False, cross_doc_labels=c.data.cross_doc_labels, rank=self.ctx.dp_rank,
-            world_size=self.ctx.dp_size, verify="size",
-        )
+        loader = self._eval_loader(self.data.eval_sources)
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64)
         with self._eager_without_grad():
@@ -641,6 +667,8 @@ class Trainer:
                     if self.step % c.log_every == 0 or last:
                         last_loss = self._log_interval(interval, began)
                         interval = []
+                    if last:  # saved before the final evaluation and samples: a failure there loses no training
+                        self.save()
                     if (c.eval_every and self.step % c.eval_every == 0) or last:
                         eval_loss = self._log_eval()
                     if c.save_every and self.step % c.save_every == 0 and not last:

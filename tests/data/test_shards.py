@@ -204,6 +204,21 @@ def test_open_rejects_non_datasets(tmp_path):
         TokenDataset(tmp_path)
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.pop("shards"), "'shards' missing"),
+    (lambda m: m.update(dtype="blah"), "dtype 'blah' is not a numpy dtype"),
+    (lambda m: m["shards"][0].pop("sha256"), r"shards\[0\]\.sha256 missing"),
+    (lambda m: m["shards"].__setitem__(0, "x"), r"shards\[0\] is not an object"),
+])
+def test_open_rejects_a_hand_edited_manifest(corpus, tokenizer_dir, tmp_path, edit, message):
+    _run(corpus[0], tokenizer_dir, tmp_path / "out")
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    edit(manifest)
+    (tmp_path / "out" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=f"damaged \\({message}"):
+        TokenDataset(tmp_path / "out")
+
+
 def test_parquet_input(tmp_path, tokenizer_dir, tokenizer):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")

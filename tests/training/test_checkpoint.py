@@ -150,6 +150,11 @@ def test_corrupted_file_is_refused_with_a_clear_error(tmp_path: Path) -> None:
     (newest / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"model\.safetensors is listed in the manifest but missing"):
         verify_checkpoint(newest)
+    manifest = json.loads((newest / MANIFEST_FILE).read_text())
+    del next(iter(manifest["files"].values()))["bytes"]
+    (newest / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"not a .* manifest \(the entry of .* needs 'bytes' and 'sha256'\)"):
+        verify_checkpoint(newest)
     (newest / MANIFEST_FILE).unlink()
     with pytest.raises(CheckpointError, match="manifest.json is missing: the checkpoint is incomplete"):
         verify_checkpoint(newest)

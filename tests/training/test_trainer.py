@@ -95,7 +95,8 @@ def test_short_run_loss_falls_and_writes_its_outputs(demo_dir, tmp_path):
 
 def test_resume_continues_exactly(demo_dir, tmp_path):
     """2N updates in one go == N updates, stop, resume, N more: identical losses, weights, loader position."""
-    extra = ("batch.grad_accum=2", "schedule.decay_fraction=0.5")  # accumulation, a decaying lr
+    # accumulation, a decaying lr, and dropout: training draws random numbers, so the RNG's restore is checked
+    extra = ("batch.grad_accum=2", "schedule.decay_fraction=0.5", "model.overrides.attention_dropout=0.1")
     whole = Trainer(small_config(demo_dir, tmp_path / "whole", *extra))
     whole.train()
 
@@ -208,6 +209,60 @@ def test_refuses_a_corrupt_checkpoint_and_an_existing_run(demo_dir, tmp_path):
     model_file.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="checksum"):
         Trainer(small_config(demo_dir, out, "train.steps=4"), resume=True)
+
+
+def test_resume_refuses_when_no_checkpoint_is_complete_and_keeps_the_metrics(demo_dir, tmp_path):
+    out = tmp_path / "truncated"
+    Trainer(small_config(demo_dir, out, "train.steps=2")).train()
+    metrics = (out / "metrics.jsonl").read_text()
+    only = latest_checkpoint(out / "checkpoints")
+    model_file = only / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"no checkpoint .* is complete \(step_00000002"):
+        Trainer(small_config(demo_dir, out, "train.steps=4"), resume=True)
+    assert (out / "metrics.jsonl").read_text() == metrics and model_file.is_file()
+
+
+def test_resume_with_a_different_shape_names_the_changed_settings(demo_dir, tmp_path):
+    out = tmp_path / "changed"
+    Trainer(small_config(demo_dir, out, "train.steps=2")).train()
+    config = (out / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"does not fit this configuration .*batch\.seq_len"):
+        Trainer(small_config(demo_dir, out, "train.steps=4", "batch.seq_len=64"), resume=True)
+    with pytest.raises(ConfigError, match=r"does not fit this configuration .*intermediate_size"):
+        Trainer(small_config(demo_dir, out, "train.steps=4", "model.overrides.intermediate_size=96"), resume=True)
+    assert (out / "config.yaml").read_text() == config
+
+
+def test_a_wrong_held_out_source_fails_before_training(demo_dir, tmp_path):
+    overrides = ("data.demo=false", f"data.sources=[{{name: d, path: {demo_dir / 'train'}}}]",
+                 f"data.eval_sources=[{{name: ho, path: {tmp_path / 'no_such_dir'}}}]")
+    with pytest.raises(ConfigError, match=r"data\.eval_sources: .*no_such_dir"):
+        Trainer(small_config(demo_dir, tmp_path / "ho", *overrides))
+
+
+def test_the_final_checkpoint_is_saved_before_the_final_evaluation(demo_dir, tmp_path, monkeypatch):
+    out = tmp_path / "final_eval"
+    trainer = Trainer(small_config(demo_dir, out, "train.steps=3"))
+
+    def failing_eval(*args, **kwargs):
+        raise RuntimeError("evaluation failed")
+
+    monkeypatch.setattr(trainer, "evaluate", failing_eval)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        trainer.train()
+    assert latest_checkpoint(out / "checkpoints").name == "step_00000003"
+
+
+def test_out_is_a_path_not_yaml(demo_dir, tmp_path):
+    from hybridlm.cli import main
+
+    out = tmp_path / "exp #3"
+    assert main(["train", "--out", str(out), "--set", f"data.demo_dir={demo_dir}", "--set", "train.steps=1",
+                 "--set", "batch.micro_batch=2", "--set", "batch.seq_len=32", "--set", "train.samples=0",
+                 "--set", "train.progress=false", "--set", "data.demo_max_bytes=400000", "--set",
+                 "data.demo_heldout_every=4", "--set", "train.eval_every=0"]) == 0
+    assert (out / "checkpoints" / "step_00000001").is_dir()
 
 
 def test_data_vocabulary_must_fit_the_model(demo_dir, tmp_path):
