@@ -5,7 +5,8 @@
 A job is one training run (a model and a seed, or one allocation) described by a JSON-able `spec`
 holding everything that determines its result (task, model, seed, recipe). `run_jobs` writes each
 finished run to `out_dir/runs/<key>.json` as soon as it ends, with its spec; a later call with the same
-`out_dir` reuses every run whose stored spec equals the job's spec and runs only the rest. So an
+`out_dir` reuses every run whose stored spec equals the job's spec and runs only the rest (a finished run
+stored under a job's key for another spec stops the command before anything runs: it is never overwritten). So an
 interrupted benchmark continues where it stopped, and a long one can be split over several commands
 (`time_budget`: start no new run after that many seconds; the tables are then written from the runs
 that exist, the missing ones listed).
@@ -150,6 +151,35 @@ def load_run(out_dir: Path, job: Job) -> dict | None:
     if not isinstance(stored, dict) or not isinstance(stored.get("result"), dict):
         return None
     return stored["result"] if stored.get("spec") == job.spec else None
+
+
+def _refuse_another_specs_run(out_dir: Path, job: Job) -> None:
+    """A finished run stored under the job's key for another spec (another recipe in the same --out) is never
+    overwritten: running would lose it."""
+    path = _run_path(out_dir, job.key)
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):  # none, or unreadable (the run trains again and rewrites it)
+        return
+    spec = stored.get("spec") if isinstance(stored, dict) else None
+    if isinstance(spec, dict) and spec != job.spec:
+        changed = sorted(_differences(spec, job.spec))
+        raise ValueError(
+            f"{path} holds a finished run of another recipe (differs in {', '.join(changed)}); write this one to "
+            "another --out, or move that file away to replace it"
+        )
+
+
+def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two nested dicts."""
+    keys = []
+    for key in sorted(set(a) | set(b), key=str):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            keys += _differences(x, y, f"{prefix}{key}.")
+        elif x != y:
+            keys.append(f"{prefix}{key}")
+    return keys
 
 
 def _call(job: Job, device: str, out_dir: Path, should_stop: Callable[[], bool] | None = None) -> dict:
@@ -305,6 +335,8 @@ def run_jobs(
         raise ValueError("job keys must be unique")
     results = JobResults()
     todo: list[Job] = []
+    for job in jobs:
+        _refuse_another_specs_run(out_dir, job)
     for job in jobs:
         stored = load_run(out_dir, job)
         if stored is not None:
@@ -495,9 +527,11 @@ def write_outputs(out_dir: Path, *, lines: list[str], payload: dict, missing: Se
                          f"{', '.join(missing)}", ""]
     out_dir.mkdir(parents=True, exist_ok=True)
     md, js, image = out_dir / "results.md", out_dir / "results.json", out_dir / png
-    md.write_text("\n".join(lines), encoding="utf-8")
+    write_atomic(md, "\n".join(lines).encode("utf-8"))
     write_json(js, {**payload, "command": command_line(), "missing": list(missing)})
-    plot(image)
+    drawing = image.with_name(f".{image.stem}.tmp{image.suffix}")  # the suffix tells matplotlib the format
+    plot(drawing)
+    os.replace(drawing, image)
     return [str(md), str(js), str(image)]
 
 

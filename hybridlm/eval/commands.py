@@ -240,8 +240,10 @@ def _eval_ppl(args: argparse.Namespace) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
+        if args.json and not Path(args.json).parent.is_dir():  # found now, not after the evaluation
+            raise ValueError(f"--json {args.json}: no directory {Path(args.json).parent}")
         data = TokenDataset(args.data)
-        tokenizer_dir = find_tokenizer(args.tokenizer, args.model)
+        tokenizer_dir = find_tokenizer(args.tokenizer) if args.tokenizer else find_tokenizer(args.model)
         if args.tokenizer is not None and tokenizer_dir is None:
             raise ValueError(f"{args.tokenizer}: no tokenizer.json")
         byte_lengths = None

@@ -23,7 +23,6 @@ each was the argmax).
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -54,18 +53,18 @@ def export_for_lm_eval(model_dir: str | Path, *, tokenizer_dir: str | Path | Non
     if config.get("model_type") != "hybridlm":
         raise ValueError(f"{model_dir}: model_type {config.get('model_type')!r}; only 'hybridlm' checkpoints need "
                          "this (official falcon_h1 checkpoints load in lm_eval as they are)")
+    # every input checked before the directory changes
+    if tokenizer_dir is not None and not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{tokenizer_dir}: no tokenizer.json")
+    if tokenizer_dir is None and not (model_dir / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: no tokenizer files; pass the tokenizer directory (lm_eval needs one)")
+    if tokenizer_dir is not None and Path(tokenizer_dir).resolve() != model_dir.resolve():
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                write_atomic(model_dir / name, (Path(tokenizer_dir) / name).read_bytes())
     write_atomic(model_dir / STUB, _STUB_TEXT.encode("utf-8"))
     config["auto_map"] = dict(AUTO_MAP)
     write_atomic(config_path, (json.dumps(config, indent=2) + "\n").encode("utf-8"))
-    if tokenizer_dir is not None:
-        tokenizer_dir = Path(tokenizer_dir)
-        if not (tokenizer_dir / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"{tokenizer_dir}: no tokenizer.json")
-        for name in TOKENIZER_FILES:
-            if (tokenizer_dir / name).is_file() and tokenizer_dir.resolve() != model_dir.resolve():
-                shutil.copyfile(tokenizer_dir / name, model_dir / name)
-    elif not (model_dir / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{model_dir}: no tokenizer files; pass the tokenizer directory (lm_eval needs one)")
     return model_dir
 
 

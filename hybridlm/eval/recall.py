@@ -274,7 +274,9 @@ def training_batch(recipe: RecallRecipe, tasks: RecallTasks, rng: np.random.Gene
 
 def check_recipe(recipe: RecallRecipe, tasks: RecallTasks) -> None:
     """Clear errors for recipes that cannot run: unknown tasks, lengths too short for a task, a curriculum that
-    would not end before training does."""
+    would not end before training does, evaluation lengths and counts that cannot be evaluated."""
+    from hybridlm.eval.models import SIZES
+
     for task in recipe.tasks:
         if task not in TASKS:
             raise ValueError(f"unknown recall task {task!r}; choose from {TASKS}")
@@ -292,6 +294,18 @@ def check_recipe(recipe: RecallRecipe, tasks: RecallTasks) -> None:
     if recipe.curriculum_steps >= recipe.steps > 1:
         raise ValueError(f"the length curriculum ({recipe.curriculum_steps} steps) must end before training does "
                          f"({recipe.steps} steps); lower --curriculum-steps (0 turns it off)")
+    # evaluated with all mqar_pairs pairs at every length (training's short sequences hold fewer)
+    for length in recipe.eval_lens:
+        for task in recipe.tasks:
+            need = 4 * tasks.mqar_pairs + 1 if task == "mqar" else tasks.shortest(task)
+            if length < need:
+                raise ValueError(f"--eval-lens {length} is too short for {task} (at least {need} tokens): drop it "
+                                 "or lower --mqar-pairs / --needles")
+    for name in ("steps", "batch_size", "eval_count", "val_count"):
+        if getattr(recipe, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(recipe, name)}")
+    if recipe.size not in SIZES:
+        raise ValueError(f"unknown size {recipe.size!r}; choose one of {', '.join(SIZES)}")
 
 
 def run_recall(model_name: str, seed: int, recipe: RecallRecipe, *, device: str = "cpu", log_fn=None,

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from hybridlm.models.falcon_h1 import load_falcon_h1
 from hybridlm.models.model import HybridForCausalLM
@@ -22,10 +23,17 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridF
     config_file = path / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{path}: no config.json")
-    model_type = json.loads(config_file.read_text()).get("model_type")
-    if model_type == "falcon_h1":
-        return load_falcon_h1(path, dtype=dtype)
-    if model_type == "hybridlm":
+    try:
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{config_file} is not valid JSON ({err})") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type not in ("falcon_h1", "hybridlm"):
+        raise ValueError(f"{path}: unsupported model_type {model_type!r}; expected 'hybridlm' or 'falcon_h1'")
+    try:
+        if model_type == "falcon_h1":
+            return load_falcon_h1(path, dtype=dtype)
         kwargs = {"dtype": dtype} if dtype is not None else {}
         return HybridForCausalLM.from_pretrained(str(path), **kwargs).eval()
-    raise ValueError(f"{path}: unsupported model_type {model_type!r}; expected 'hybridlm' or 'falcon_h1'")
+    except SafetensorError as err:  # a truncated or overwritten weights file
+        raise ValueError(f"{path}: a weights file is damaged ({err}); copy or export the checkpoint again") from None

@@ -103,9 +103,21 @@ def test_eval_sets_are_fixed_and_summarized_like_table_3():
     assert s["acc_at_33"] == 0.33 and s["acc_at_48"] == 0.48 and s["val_exact"] == 0.5
 
 
-def test_a_curriculum_that_outlasts_training_is_refused():
-    with pytest.raises(ValueError, match="curriculum"):
-        A.run_addition("transformer", 0, A.AdditionRecipe(steps=100, curriculum_steps=100, size="tiny"))
+@pytest.mark.parametrize("changes, message", [
+    (dict(steps=100, curriculum_steps=100), "curriculum"),
+    (dict(eval_per_width=0), "--eval-per-width must be >= 1"),
+    (dict(val_per_width=0), "--val-per-width must be >= 1"),
+    (dict(batch_size=0), "--batch-size must be >= 1"),
+    (dict(size="bogus"), "unknown size 'bogus'"),
+    (dict(train_max_width=48), "train_max_width < eval_max_width"),
+])
+def test_recipes_that_cannot_run_are_refused_before_training(changes, message, tmp_path):
+    recipe = A.AdditionRecipe(**{"size": "tiny", **changes})
+    with pytest.raises(ValueError, match=message):
+        A.run_addition("transformer", 0, recipe)
+    with pytest.raises(ValueError, match=message):  # the benchmark: before any run starts
+        A.bench_addition(["transformer"], [0], recipe, tmp_path)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_width_curriculum_grows_the_cap_then_stays_at_the_maximum():

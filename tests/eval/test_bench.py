@@ -40,8 +40,14 @@ def test_reuse_rerun_and_failures(tmp_path):
     assert results.missing(["a", "b", "c"]) == ["b (failed: see runs/b.log)"]
 
     lines.clear()
+    # c's spec changed: its finished run is another recipe's, kept; nothing runs until it is moved away
+    with pytest.raises(ValueError, match=r"c\.json holds a finished run of another recipe \(differs in x, y\)"):
+        run_jobs([Job("a", RUNNER, {"x": 1}), Job("c", RUNNER, {"x": 30, "y": {"z": 1}})], tmp_path,
+                 echo=lines.append)
+    assert json.loads((tmp_path / "runs" / "c.json").read_text())["result"]["value"] == 6 and not lines
+    (tmp_path / "runs" / "c.json").rename(tmp_path / "c_x3.json")
     again = run_jobs([Job("a", RUNNER, {"x": 1}), Job("c", RUNNER, {"x": 30})], tmp_path, echo=lines.append)
-    assert lines[0].startswith("reusing 1 finished run")  # a is reused, c's spec changed: it runs again
+    assert lines[0].startswith("reusing 1 finished run")  # a is reused, c runs again
     assert again["a"]["value"] == 2 and again["c"]["value"] == 60
 
 

@@ -89,5 +89,9 @@ def test_fresh_process_loads_and_scores_a_two_choice_task(exported, tokenizer_di
 def test_export_refuses_a_dir_without_tokenizer(tmp_path):
     model = build_model(task_config("transformer", vocab_size=32, size="tiny"), seed=0)
     model.save_pretrained(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     with pytest.raises(FileNotFoundError, match="tokenizer"):
         export_for_lm_eval(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        export_for_lm_eval(tmp_path, tokenizer_dir=tmp_path / "nowhere")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # refused before anything changed

@@ -136,6 +136,15 @@ def test_eval_ppl_command(model_dir, shards_dir, tokenizer_dir, tmp_path, capsys
     assert main(["eval", "ppl", "--model", str(model_dir), "--data", str(shards_dir), "--tokenizer", str(other),
                  "--device", "cpu"]) == 1
     assert "not the tokenizer" in capsys.readouterr().err
+    # a --tokenizer without tokenizer.json is refused, not replaced by the model dir's; a --json with no directory
+    # is found before the evaluation
+    assert main(["eval", "ppl", "--model", str(model_dir), "--data", str(shards_dir), "--tokenizer",
+                 str(tmp_path), "--device", "cpu"]) == 1
+    assert "no tokenizer.json" in capsys.readouterr().err
+    assert main(["eval", "ppl", "--model", str(model_dir), "--data", str(shards_dir), "--device", "cpu", "--json",
+                 str(tmp_path / "nowhere" / "ppl.json")]) == 1
+    captured = capsys.readouterr()
+    assert "no directory" in captured.err and "perplexity" not in captured.out
 
 
 def test_eval_ppl_refuses_data_with_more_ids_than_the_model(shards_dir, tmp_path, capsys):

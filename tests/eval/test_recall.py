@@ -166,6 +166,11 @@ def test_short_curriculum_sequences_hold_as_many_mqar_pairs_as_fit(length, pairs
     (dict(train_min_len=10, curriculum_steps=0), "too short for the tasks"),
     (dict(train_max_len=60, train_min_len=40), "too short for 16 MQAR pairs"),
     (dict(tasks=("mqar", "copy")), "unknown recall task"),
+    (dict(tasks=("mqar",), eval_lens=(512, 12)), r"--eval-lens 12 is too short for mqar \(at least 65"),
+    (dict(tasks=("multi_needle",), eval_lens=(20,)), r"--eval-lens 20 is too short for multi_needle \(at least 26"),
+    (dict(eval_count=0), "--eval-count must be >= 1"),
+    (dict(batch_size=0), "--batch-size must be >= 1"),
+    (dict(size="bogus"), "unknown size 'bogus'"),
 ])
 def test_recipes_that_cannot_run_are_refused(changes, message):
     from hybridlm.eval.recall import RecallRecipe, check_recipe

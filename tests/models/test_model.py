@@ -136,6 +136,22 @@ def test_save_and_load_our_format(tmp_path, tied):
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
 
 
+def test_load_model_names_a_damaged_checkpoint(tmp_path):
+    make_model(seed=5).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[:5])
+    with pytest.raises(ValueError, match="a weights file is damaged"):
+        hybridlm.load_model(tmp_path)
+    weights.write_bytes(intact)
+    (tmp_path / "config.json").write_text("{\n model_type: hybridlm}")
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        hybridlm.load_model(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
+        hybridlm.load_model(tmp_path)
+
+
 def test_bad_inputs(tmp_path):
     model = make_model()
     with pytest.raises(ValueError, match="cu_seqlens"):
