@@ -164,6 +164,13 @@ class _OptimizerState:
         self.loaded = state
 
 
+_INTERVAL_KEYS = ("loss", "lr", "wd", "grad_norm", "step_tokens", "seconds", "skipped")  # what _log_interval reads
+
+
+def _finite_or_not_float(value: Any) -> bool:
+    return not isinstance(value, float) or math.isfinite(value)
+
+
 def _mean(values: list[float]) -> float | None:
     finite = [v for v in values if math.isfinite(v)]
     return sum(finite) / len(finite) if finite else None
@@ -187,6 +194,8 @@ class Trainer:
         self._stop = StopRequest(on_signal=lambda name: self._print(
             f"{name}: finishing this update, then saving a checkpoint (send it again to abort at once)"))
         self.history: list[dict] = []  # every update's record (this session), for tests and tools
+        # the updates since the last metrics record: saved with checkpoints, so a resumed run logs the same records
+        self._interval: list[dict] = []
         self._prepare_out_dir(resume)
         self._seed(config.train.seed)
 
@@ -345,6 +354,9 @@ class Trainer:
             "data_parallel_size": self.ctx.dp_size,
             "mesh": self.ctx.describe(),
             "config": dump_config(self.config),
+            # JSON has no NaN / inf (a skipped update's loss): None, read back as NaN, which _mean leaves out
+            "interval": [{k: r[k] if _finite_or_not_float(r[k]) else None for k in _INTERVAL_KEYS}
+                         for r in self._interval],
         }
 
     def save(self) -> Path | None:
@@ -405,13 +417,14 @@ class Trainer:
             group.update(values)
         self.step, self.tokens = loaded.step, int(state["tokens"])
         self.guard.load_state_dict(state["guard"])
+        self._interval = [{k: math.nan if v is None else v for k, v in r.items()} for r in state.get("interval", [])]
         self.resumed_from = path
         self._last_saved_step = self.step
         self._print(f"resumed from {path} (step {self.step}, {self.tokens:,} tokens)"
                     + ("; settings changed since: " + "; ".join(changes) if changes else ""))
-        if self.ctx.is_main:
-            for name in (METRICS_FILE, EVAL_FILE):
-                self._truncate_jsonl(self.out_dir / name, self.step)
+        if self.ctx.is_main:  # the records after the checkpoint, and a partial one its open interval replaces
+            self._truncate_jsonl(self.out_dir / METRICS_FILE, self.step - len(self._interval))
+            self._truncate_jsonl(self.out_dir / EVAL_FILE, self.step)
 
     @staticmethod
     def _truncate_jsonl(path: Path, step: int) -> None:
@@ -647,7 +660,6 @@ class Trainer:
         )
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (c.progress and self.ctx.is_main))
-        interval: list[dict] = []
         status, last_loss, eval_loss = "completed", None, None
         began = time.perf_counter()
         try:
@@ -658,15 +670,15 @@ class Trainer:
                         break
                     record = self._train_step()
                     self.history.append(record)
-                    interval.append(record)
+                    self._interval.append(record)
                     bar.update(1)
                     tps = record["step_tokens"] / max(record["seconds"], 1e-9)
                     bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{tps:,.0f}",
                                     refresh=False)
                     last = self.step == self.total_steps
                     if self.step % c.log_every == 0 or last:
-                        last_loss = self._log_interval(interval, began)
-                        interval = []
+                        last_loss = self._log_interval(self._interval, began)
+                        self._interval = []
                     if last:  # saved before the final evaluation and samples: a failure there loses no training
                         self.save()
                     if (c.eval_every and self.step % c.eval_every == 0) or last:
@@ -677,13 +689,13 @@ class Trainer:
                         callback(self, record)
         finally:
             bar.close()
-        if interval:
-            last_loss = self._log_interval(interval, began)
         checkpoint = None
         if self._last_saved_step != self.step or latest_checkpoint(self.checkpoint_dir) is None:
-            checkpoint = self.save()
+            checkpoint = self.save()  # (with the interval still open: a resumed run completes it)
         else:
             checkpoint = latest_checkpoint(self.checkpoint_dir)
+        if self._interval:  # stopped between records: this one covers fewer updates; a resumed run replaces it
+            last_loss = self._log_interval(self._interval, began)
         if status == "interrupted":
             self._print(f"stopped ({self._stop.reason}) at update {self.step}; checkpoint {checkpoint}; continue "
                         f"with `hybridlm train --resume --out {self.out_dir}`")

@@ -117,6 +117,30 @@ def test_resume_continues_exactly(demo_dir, tmp_path):
     assert logged == list(range(1, 9))
 
 
+def test_a_resumed_run_logs_the_metrics_of_an_uninterrupted_one(demo_dir, tmp_path):
+    """Stopped between two records (log_every 4, stop at 3; a crash after a save at 6): the resumed run's
+    metrics.jsonl holds the same records, each averaging the same updates."""
+    extra = ("train.log_every=4", "train.save_every=6")
+    Trainer(small_config(demo_dir, tmp_path / "whole", *extra)).train()
+    first = Trainer(small_config(demo_dir, tmp_path / "split", *extra), callbacks=[stop_at(3)])
+    assert first.train().status == "interrupted"
+    assert [m["step"] for m in read_jsonl(tmp_path / "split" / "metrics.jsonl")] == [3]  # a partial record
+    second = Trainer(small_config(demo_dir, tmp_path / "split", *extra), resume=True)
+    second.train()
+    # a crash right after the save at update 6 (records at 4 and 8; the checkpoint's interval holds 5 and 6)
+    (tmp_path / "split" / "checkpoints" / "step_00000008").rename(tmp_path / "crashed")
+    third = Trainer(small_config(demo_dir, tmp_path / "split", *extra), resume=True)
+    assert third.step == 6
+    third.train()
+
+    def comparable(name):
+        return [{k: m[k] for k in ("step", "tokens", "loss", "lr", "wd", "grad_norm", "skipped")}
+                for m in read_jsonl(tmp_path / name / "metrics.jsonl")]
+
+    assert [m["step"] for m in comparable("split")] == [4, 8]
+    assert comparable("split") == comparable("whole")
+
+
 def test_resume_with_more_steps_through_the_cli(demo_dir, tmp_path):
     from hybridlm.cli import main
 
