@@ -38,6 +38,7 @@ import torch
 from hybridlm.inference.graphed import GraphedDecoder
 from hybridlm.inference.sampling import check_sampling, sample_next
 from hybridlm.layers.cache import HybridCache
+from hybridlm.models.model import left_padding_mask
 
 
 @dataclass
@@ -138,7 +139,9 @@ def prefill(model, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | No
     cache = model.new_cache()
     if chunk is None:
         return cache, model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1]
-    padding = 0 if attention_mask is None else int((attention_mask == 0).sum(1).max())
+    # the whole mask checked here: the pieces after the first run without one
+    keep = None if attention_mask is None else left_padding_mask(attention_mask, input_ids.shape)
+    padding = 0 if keep is None else int((~keep).sum(1).max())
     first = max(chunk, padding + 1)  # all the (left) padding and a token of every row are in the first piece
     first_mask = None if attention_mask is None else attention_mask[:, :first]
     logits = model(input_ids[:, :first], attention_mask=first_mask, cache=cache, logits_to_keep=1).logits[:, -1]

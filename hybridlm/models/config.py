@@ -178,6 +178,11 @@ class HybridConfig:
             value = getattr(self, name)
             if value is not None:
                 _require_int(name, value, minimum=0)
+        eos = self.eos_token_id
+        if isinstance(eos, (list, tuple)) and not eos:
+            raise ValueError("eos_token_id must be an id, a non-empty list of ids, or None; got []")
+        for value in eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]:
+            _require_int("eos_token_id", value, minimum=0)
         # fast-weight options
         _require_choice("fw_rule", self.fw_rule, RULES)
         _require_choice("fw_pairing", self.fw_pairing, FW_PAIRINGS)
@@ -198,6 +203,11 @@ class HybridConfig:
             value = getattr(self, name)
             if value is not None:
                 _require_int(name, value, minimum=1)
+        if self.ssm_mixer == "fast_weight" and self.fw_head_dim is None:  # the head width is derived: exactly
+            heads = self.fw_heads or self.mamba_n_heads
+            if self.mamba_d_ssm % heads:
+                raise ValueError(f"fast_weight: mamba_d_ssm={self.mamba_d_ssm} must be a multiple of the head count "
+                                 f"{heads} (fw_heads, else mamba_n_heads), or set fw_head_dim")
 
     # ------------------------------------------------------------------ views
     @staticmethod

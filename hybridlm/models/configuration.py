@@ -7,6 +7,7 @@ The model code itself only reads `config.to_hybrid()`.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -19,6 +20,12 @@ class HybridLMConfig(PretrainedConfig):
 
     def __init__(self, **kwargs: Any) -> None:
         names = set(HybridConfig.field_names())
+        # Other keys go to transformers (its bookkeeping, and what other tools add: auto_map, use_cache, ...);
+        # one that reads like a misspelt model field is refused: it would silently leave that field at its default.
+        for key in kwargs:
+            near = difflib.get_close_matches(key, names, n=1, cutoff=0.8) if key not in names else []
+            if near:
+                raise ValueError(f"unknown config key {key!r} (did you mean {near[0]!r}?)")
         hybrid = HybridConfig.from_dict({key: kwargs.pop(key) for key in list(kwargs) if key in names})
         for key, value in hybrid.to_dict().items():
             object.__setattr__(self, key, value)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -150,13 +151,17 @@ def _conv_from_falcon(key: str, value: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- files
 def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint dir: `model.safetensors`, or the shards its index names."""
+    """All tensors of a checkpoint dir: `model.safetensors`, else the shards its index names (transformers'
+    order: a single file wins over a stale index left beside it)."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").exists():
+    if (path / "model.safetensors").exists():
         shards = ["model.safetensors"]
+    elif index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in shards if not (path / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are not there: {', '.join(missing)}")
     else:
         raise FileNotFoundError(
             f"{path}: no model.safetensors or model.safetensors.index.json (pickled weights are not read)"
@@ -205,4 +210,13 @@ def save_falcon_h1(model, path: str | Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     falcon.save_pretrained(str(path))
     tensors = {key: value.detach().to("cpu").contiguous().clone() for key, value in state.items()}
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    staged = path / "model.safetensors.tmp"
+    save_file(tensors, str(staged), metadata={"format": "pt"})
+    os.replace(staged, path / "model.safetensors")
+    # the weights of an earlier sharded checkpoint in this dir would otherwise be what a sharded reader loads
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        for name in set(json.loads(index.read_text()).get("weight_map", {}).values()):
+            if Path(name).name == name and name.endswith(".safetensors") and name != "model.safetensors":
+                (path / name).unlink(missing_ok=True)
+        index.unlink()

@@ -34,6 +34,27 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridF
         if model_type == "falcon_h1":
             return load_falcon_h1(path, dtype=dtype)
         kwargs = {"dtype": dtype} if dtype is not None else {}
-        return HybridForCausalLM.from_pretrained(str(path), **kwargs).eval()
+        model, info = HybridForCausalLM.from_pretrained(str(path), output_loading_info=True, **kwargs)
     except SafetensorError as err:  # a truncated or overwritten weights file
         raise ValueError(f"{path}: a weights file is damaged ({err}); copy or export the checkpoint again") from None
+    except (OSError, RuntimeError) as err:  # no weights file, a shard missing, weights that do not fit the config
+        raise ValueError(f"{path}: the weights do not load ({err})") from None
+    # Only the fast-weight gate biases may be missing (older checkpoints): the mixer initializes them.
+    missing = [k for k in info.get("missing_keys", ()) if not k.endswith(_OPTIONAL_WEIGHTS)]
+    unexpected = list(info.get("unexpected_keys", ()))
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: the weights do not fit its config.json ("
+            + "; ".join(part for part in (f"missing {_listed(missing)}" if missing else "",
+                                         f"unexpected {_listed(unexpected)}" if unexpected else "") if part)
+            + "); the checkpoint is incomplete or the config was edited"
+        )
+    return model.eval()
+
+
+_OPTIONAL_WEIGHTS = (".ssm.beta_bias", ".ssm.lam_bias")
+
+
+def _listed(names: list[str], shown: int = 4) -> str:
+    names = sorted(names)
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")

@@ -113,7 +113,7 @@ class HybridModel(HybridPreTrainedModel):
             raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         h = h * self.embedding_multiplier  # [B, T, D]
-        keep = _left_padding(attention_mask, h.shape[:2]) if attention_mask is not None else None
+        keep = left_padding_mask(attention_mask, h.shape[:2]) if attention_mask is not None else None
         if keep is None:
             return self._run(h, cu_seqlens, position_ids, cache)
         if cu_seqlens is not None or position_ids is not None:
@@ -246,7 +246,7 @@ class HybridForCausalLM(HybridPreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
 
-def _left_padding(attention_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+def left_padding_mask(attention_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
     """attention_mask [B, T] (1 = token) -> the boolean mask, or None when nothing is padded.
     Only left padding is accepted (each row: zeros, then ones), with at least one token per row."""
     if tuple(attention_mask.shape) != tuple(shape):

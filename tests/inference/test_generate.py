@@ -451,6 +451,15 @@ def test_prefill_in_pieces_refuses_bad_sizes():
             generate(model, ids(1, 5), max_new_tokens=2, prefill_chunk=bad)
 
 
+@pytest.mark.parametrize("piece", [None, 2])
+def test_right_or_inner_padding_is_refused_with_or_without_pieces(piece):
+    model = make_model()
+    for row in ([1, 1, 1, 1, 0, 0], [1, 1, 0, 1, 1, 1]):  # right padding; a gap inside the prompt
+        mask = torch.tensor([[1] * 6, row])
+        with pytest.raises(ValueError, match="LEFT padding"):
+            generate(model, ids(2, 6), attention_mask=mask, max_new_tokens=2, prefill_chunk=piece)
+
+
 def test_prefill_function_feeds_pieces_and_fills_the_whole_prompts_cache():
     """`prefill(chunk=8)` of 23 tokens: the model sees pieces of 8, 8 and 7 tokens and ends with the cache of one
     whole prefill (the decoding step after either gives the same logits), and the same last-position logits."""

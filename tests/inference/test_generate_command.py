@@ -124,3 +124,10 @@ def test_errors_are_one_line(word_model, tmp_path, capsys):
     save_model(bare, len(WORDS))
     code, _, err = run(capsys, "--model", bare, "--prompt", "w1")
     assert code == 1 and f"no tokenizer in {bare}" in err and "--tokenizer" in err
+    for device in ("cuda:7", "bogus"):
+        code, _, err = run(capsys, "--model", path, "--prompt", "w1", "--device", device)
+        assert code == 1 and err.startswith(f"hybridlm generate: --device {device}: ") and err.count("\n") == 1
+    (path / "model.safetensors").rename(tmp_path / "weights")  # a directory without its weights
+    code, _, err = run(capsys, "--model", path, "--prompt", "w1")
+    (tmp_path / "weights").rename(path / "model.safetensors")
+    assert code == 1 and "the weights do not load" in err and err.count("\n") == 1

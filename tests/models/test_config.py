@@ -64,6 +64,10 @@ def test_unknown_keys_are_named():
         (dict(fw_lam_scale=0.0), "fw_lam_scale"),
         (dict(fw_lam_scale="1"), "fw_lam_scale"),
         (dict(fw_chunk_size=0), "fw_chunk_size"),
+        (dict(ssm_mixer="fast_weight", mamba_d_ssm=30, mamba_n_heads=4, mamba_d_head=8), "multiple of the head"),
+        (dict(eos_token_id=-1), "eos_token_id"),
+        (dict(eos_token_id=[]), "eos_token_id"),
+        (dict(eos_token_id=[2, "3"]), "eos_token_id"),
     ],
 )
 def test_inconsistent_values_name_the_field(changes, field):

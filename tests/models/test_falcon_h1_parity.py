@@ -59,6 +59,21 @@ def test_sharded_checkpoint(tmp_path):
         assert max_diff(ours(ids).logits, reference(ids).logits) < TOL
 
 
+def test_writing_back_into_a_sharded_checkpoint_dir_replaces_its_shards(tmp_path):
+    """Load an official sharded dir, change the model, save it back there: both loaders read the new weights."""
+    random_falcon(seed=3, **CASES["rmsnorm-g2-mup"]).save_pretrained(tmp_path, max_shard_size="20KB")
+    ours = hybridlm.load_model(tmp_path)
+    with torch.no_grad():
+        ours.lm_head.weight.mul_(3.0)
+    ours.save_pretrained(tmp_path, format="falcon_h1")
+    assert not (tmp_path / "model.safetensors.index.json").exists() and not list(tmp_path.glob("model-*"))
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = ours(ids).logits
+        assert max_diff(hybridlm.load_model(tmp_path)(ids).logits, expected) < TOL
+        assert max_diff(FalconH1ForCausalLM.from_pretrained(tmp_path).eval()(ids).logits, expected) < TOL
+
+
 def test_config_round_trip_keeps_every_falcon_field():
     reference = random_falcon(seed=0, **CASES["rmsnorm-g2-mup"]).config
     config = config_from_falcon_h1(reference)

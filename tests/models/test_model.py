@@ -1,6 +1,8 @@
 """The whole model: packed documents == each alone, cached decoding == full forward, our checkpoint format,
 the Auto classes, the loss at document boundaries."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,12 +145,31 @@ def test_load_model_names_a_damaged_checkpoint(tmp_path):
     weights.write_bytes(intact[:5])
     with pytest.raises(ValueError, match="a weights file is damaged"):
         hybridlm.load_model(tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    weights.write_bytes(intact)
+    partial = {k: v for k, v in load_file(str(weights)).items() if "q_proj" not in k}
+    save_file(partial, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"do not fit its config\.json \(missing model\.layers\.0\.attn\.q_proj"):
+        hybridlm.load_model(tmp_path)
+    weights.unlink()
+    with pytest.raises(ValueError, match="the weights do not load"):
+        hybridlm.load_model(tmp_path)
     weights.write_bytes(intact)
     (tmp_path / "config.json").write_text("{\n model_type: hybridlm}")
     with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
         hybridlm.load_model(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
+        hybridlm.load_model(tmp_path)
+
+
+def test_a_misspelt_config_key_is_refused(tmp_path):
+    make_model().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["fw_windw"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unknown config key 'fw_windw' \\(did you mean 'fw_window'\\?\\)"):
         hybridlm.load_model(tmp_path)
 
 
