@@ -40,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 0 if args.command is None else 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except OSError as err:  # a path that is a file where a directory goes, or the reverse; no permission; disk full
+        print(f"hybridlm {args.command}: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -475,6 +475,18 @@ def _manifest_problem(manifest: dict) -> str:
     return ""
 
 
+def check_tokenizer_matches(tokenizer_dir: str | Path, directory: str | Path) -> None:
+    """DataError unless `tokenizer_dir` holds the tokenizer.json the shards in `directory` were prepared with."""
+    file = Path(tokenizer_dir) / "tokenizer.json"
+    if not file.is_file():
+        raise DataError(f"{tokenizer_dir} holds no tokenizer.json")
+    expected = load_manifest(directory).get("settings", {}).get("tokenizer_sha256")
+    actual = sha256_file(file)
+    if expected and actual != expected:
+        raise DataError(f"{file} is not the tokenizer {directory} was prepared with (sha256 {actual[:12]}... vs the "
+                        f"manifest's {expected[:12]}...); pass that tokenizer's directory")
+
+
 class TokenDataset:
     """A prepared directory, memory-mapped; documents addressed by number.
 

@@ -62,7 +62,10 @@ def parse_points(text: str) -> list[tuple[int, int, int]]:
     """"2,1,5;3,1,4" -> [(2, 1, 5), (3, 1, 4)], each checked to be on the grid."""
     points = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
-        point = tuple(int(x) for x in part.split(","))
+        try:
+            point = tuple(int(x) for x in part.split(","))
+        except ValueError:
+            raise ValueError(f"--points: {part!r} is not three integers like 2,1,5") from None
         if point not in allocation_grid():
             raise ValueError(f"allocation {part!r} is not on the grid: three eighths >= 1 that sum to 8")
         points.append(point)
@@ -234,8 +237,18 @@ def bench_allocation(points: Sequence[tuple[str, tuple[int, int, int]]], seeds: 
     """Train every (arrangement, allocation) with every seed and write the report; `run_options` go to
     `bench.run_jobs` (devices, per_device, time_budget). Finished runs in out_dir/runs are reused. The
     stdlib corpus is prepared in `data_cache` (default out_dir/stdlib_data)."""
+    from hybridlm.data.errors import DataError
+    from hybridlm.data.shards import load_manifest
     from hybridlm.eval import bench
+    from hybridlm.eval.models import ssm_fields
 
+    ssm_fields(recipe.ssm)  # a wrong name: one error before any run starts, not one per run
+    if recipe.data == "shards":
+        for flag, directory in (("--data", recipe.data_dir), ("--val-data", recipe.val_dir)):
+            try:
+                load_manifest(directory)
+            except DataError as err:
+                raise ValueError(f"{flag}: {err}") from None
     # the stdlib corpus is prepared once, here; runs get its paths outside their spec
     if recipe.data == "stdlib":
         context = prepare_stdlib(recipe, Path(data_cache) if data_cache else Path(out_dir) / "stdlib_data")

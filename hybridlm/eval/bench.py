@@ -78,9 +78,12 @@ def parse_devices(text: str) -> list[str]:
             raise ValueError("--device cuda, but torch sees no GPU")
         return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     for name in names:
-        torch.device(name)  # raises on a malformed name
-        if name.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {name}, but torch sees no GPU")
+        try:
+            device = torch.device(name)
+        except RuntimeError as err:
+            raise ValueError(f"--device {name}: {err}") from None
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}, but torch sees {torch.cuda.device_count()} GPU(s)")
     return names
 
 

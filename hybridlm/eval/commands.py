@@ -96,9 +96,11 @@ def add_commands(subparsers) -> None:
                             ("val-max-tokens", int, "held-out tokens scored on prepared data (default 2^20)")])
     p.set_defaults(func=_bench_allocation)
 
-    ev = subparsers.add_parser("eval", help="evaluate a saved model (perplexity) or export it for lm_eval")
+    text = "evaluate a saved model (perplexity) or export it for lm_eval"
+    ev = subparsers.add_parser("eval", help=text, description=text)
     ev_sub = ev.add_subparsers(dest="eval_command", metavar="ACTION", required=True)
-    p = ev_sub.add_parser("ppl", help="token-weighted NLL, perplexity and bits per byte on prepared shards")
+    text = "token-weighted NLL, perplexity and bits per byte on prepared shards"
+    p = ev_sub.add_parser("ppl", help=text, description=text)
     p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint dir (save_pretrained / falcon_h1)")
     p.add_argument("--data", required=True, metavar="DIR", help="a directory written by `hybridlm data prepare`")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
@@ -111,7 +113,8 @@ def add_commands(subparsers) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="also write the numbers to this JSON file")
     p.set_defaults(func=_eval_ppl)
 
-    p = ev_sub.add_parser("export-hf", help="make a checkpoint dir loadable by `lm_eval --model hf`")
+    text = "make a checkpoint dir loadable by `lm_eval --model hf`"
+    p = ev_sub.add_parser("export-hf", help=text, description=text)
     p.add_argument("--model", required=True, metavar="DIR", help="a dir saved by HybridForCausalLM.save_pretrained")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer dir to copy in (lm_eval needs one)")
     p.set_defaults(func=_eval_export)
@@ -190,7 +193,10 @@ def _bench_recall(args: argparse.Namespace) -> int:
     try:
         models = parse_model_list(args.models)
         tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip()) if args.tasks else None
-        lens = tuple(int(n) for n in args.eval_lens.split(",") if n.strip()) if args.eval_lens else None
+        try:
+            lens = tuple(int(n) for n in args.eval_lens.split(",") if n.strip()) if args.eval_lens else None
+        except ValueError:
+            raise ValueError(f"--eval-lens {args.eval_lens!r}: a comma-separated list of integers") from None
         recipe = _recipe(RecallRecipe, args, tasks=tasks, eval_lens=lens)
         report = bench_recall(models, list(range(args.seeds)), recipe, args.out, **_run_options(args))
     except ValueError as err:
@@ -229,28 +235,33 @@ def _eval_ppl(args: argparse.Namespace) -> int:
     import torch
 
     from hybridlm.data.errors import DataError
-    from hybridlm.data.shards import TokenDataset
+    from hybridlm.data.shards import TokenDataset, check_tokenizer_matches
+    from hybridlm.eval.bench import parse_devices
     from hybridlm.eval.perplexity import (
-        check_tokenizer_matches,
         evaluate_perplexity,
         find_tokenizer,
         token_byte_lengths,
     )
     from hybridlm.models.hf import load_model
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        if args.json and not Path(args.json).parent.is_dir():  # found now, not after the evaluation
-            raise ValueError(f"--json {args.json}: no directory {Path(args.json).parent}")
+        device = parse_devices(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))[0]
+        if args.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+        if args.json and (not Path(args.json).parent.is_dir() or Path(args.json).is_dir()):  # not after the run
+            raise ValueError(f"--json {args.json}: needs a file name in an existing directory")
         data = TokenDataset(args.data)
         tokenizer_dir = find_tokenizer(args.tokenizer) if args.tokenizer else find_tokenizer(args.model)
         if args.tokenizer is not None and tokenizer_dir is None:
             raise ValueError(f"{args.tokenizer}: no tokenizer.json")
         byte_lengths = None
         if tokenizer_dir is not None:
-            check_tokenizer_matches(tokenizer_dir, data)
+            check_tokenizer_matches(tokenizer_dir, args.data)
             byte_lengths = token_byte_lengths(tokenizer_dir)
         model = load_model(args.model).to(device)
+        if args.seq_len > model.config.max_position_embeddings:
+            raise ValueError(f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings "
+                             f"{model.config.max_position_embeddings}")
         data_vocab = int(data.manifest["vocab_size"])
         if data_vocab > model.config.vocab_size:
             raise ValueError(f"{args.data} was tokenized with {data_vocab:,} ids but the model has "

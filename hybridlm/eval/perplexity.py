@@ -34,7 +34,6 @@ import torch
 from hybridlm.data.shards import TokenDataset
 from hybridlm.eval import scoring
 from hybridlm.eval.scoring import IGNORE_INDEX
-from hybridlm.fileio import sha256_file
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -59,15 +58,6 @@ def find_tokenizer(*candidates: str | Path | None) -> Path | None:
         if c is not None and (Path(c) / TOKENIZER_FILE).is_file():
             return Path(c)
     return None
-
-
-def check_tokenizer_matches(tokenizer_dir: Path, data: TokenDataset) -> None:
-    """Raise ValueError when the tokenizer is not the one the shards were prepared with."""
-    expected = data.tokenizer_sha256
-    actual = sha256_file(tokenizer_dir / TOKENIZER_FILE)
-    if expected and actual != expected:
-        raise ValueError(f"{tokenizer_dir / TOKENIZER_FILE} is not the tokenizer {data.directory} was prepared with "
-                         f"(sha256 {actual[:12]}... vs the manifest's {expected[:12]}...); pass the right --tokenizer")
 
 
 def windows(data: TokenDataset, *, seq_len: int, max_tokens: int | None = None) -> Iterator[np.ndarray]:

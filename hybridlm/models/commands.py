@@ -11,7 +11,8 @@ import argparse
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("models", help="list model presets with parameter counts")
+    text = "list model presets with parameter counts"
+    parser = subparsers.add_parser("models", help=text, description=text)
     parser.set_defaults(func=run_models)
 
 

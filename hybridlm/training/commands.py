@@ -32,7 +32,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser(
         "train",
         help="train a hybrid LM (no --config: the built-in demo on the Python standard library)",
-        description=__doc__.split("\n\n")[1],
+        description="\n\n".join(__doc__.split("\n\n")[1:3]),  # the examples, `--set`, `--resume`, exit status
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", type=Path, help="YAML run config (see configs/); default: the built-in demo")

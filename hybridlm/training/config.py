@@ -263,6 +263,8 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
     if hint is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, int) and not isinstance(value, bool):  # YAML reads fw_rule=1 or out_dir=2024 as ints
+            return str(value)
         raise _fail(path, f"expected a string, got {value!r}")
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):

@@ -274,8 +274,9 @@ class Trainer:
         D.barrier(self.ctx)
 
     def _build_data(self) -> _Data:
+        from hybridlm.data.errors import DataError
         from hybridlm.data.loader import PackedLoader, Source
-        from hybridlm.data.shards import load_manifest
+        from hybridlm.data.shards import check_tokenizer_matches, load_manifest
 
         c = self.config
         if c.data.demo:
@@ -307,6 +308,12 @@ class Trainer:
                 self._eval_loader(eval_sources)
             except Exception as err:
                 raise ConfigError(f"data.eval_sources: {err}") from err
+        if tokenizer_dir is not None and not c.data.demo:  # checked now: it is used after training (samples, final/)
+            try:
+                for source in sources:
+                    check_tokenizer_matches(tokenizer_dir, source.path)
+            except DataError as err:
+                raise ConfigError(f"data.tokenizer: {err}") from err
         vocab = max(int(load_manifest(s.path)["vocab_size"]) for s in sources)
         return _Data(loader, eval_sources, tokenizer_dir, vocab)
 

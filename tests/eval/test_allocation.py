@@ -24,8 +24,10 @@ def test_grid_has_the_21_admissible_triplets():
     assert {p for a, p in points if a != "SA_M"} == {p for p in grid if p[1] == 1}
     assert parse_points("2,1,5; 3,1,4") == [(2, 1, 5), (3, 1, 4)]
     for bad in ("2,1,4", "0,2,6", "7,1"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="not on the grid"):
             parse_points(bad)
+    with pytest.raises(ValueError, match="--points: 'a,b' is not three integers"):
+        parse_points("a,b")
 
 
 def test_allocations_follow_the_alphas_at_about_equal_parameters():
@@ -71,6 +73,18 @@ def test_allocation_run_on_prepared_shards(shards_dir):
         AllocationRecipe(data="shards")
     with pytest.raises(ValueError, match="unknown data source"):
         AllocationRecipe(data="web")
+
+
+def test_wrong_data_dirs_and_ssm_names_are_refused_before_any_run(shards_dir, tmp_path):
+    from hybridlm.eval.allocation import bench_allocation
+
+    point = [("SA_M", (2, 1, 5))]
+    wrong_dir = AllocationRecipe(data="shards", data_dir=str(tmp_path / "nodir"), val_dir=str(shards_dir))
+    with pytest.raises(ValueError, match="--data: .*nodir: no manifest.json"):
+        bench_allocation(point, [0], wrong_dir, tmp_path / "out")
+    with pytest.raises(ValueError, match="unknown model name 'fw-9'"):
+        bench_allocation(point, [0], AllocationRecipe(data="synthetic", ssm="fw-9"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_machine_without_stdlib_sources_gets_a_clear_error(tmp_path, monkeypatch):

@@ -113,3 +113,15 @@ def test_bad_arguments_fail_cleanly(tmp_path, capsys):
     assert main(["bench", "addition", "--models", "fw-9", "--out", str(tmp_path), "--device", "cpu"]) == 1
     assert "unknown model name" in capsys.readouterr().err
     assert main(["bench", "allocation", "--points", "4,4,0", "--out", str(tmp_path), "--device", "cpu"]) == 1
+    capsys.readouterr()
+    for args in (["addition", "--models", "fw-1A", "--device", "tpu"], ["recall", "--eval-lens", "64,abc"],
+                 ["allocation", "--points", "a,b"]):
+        assert main(["bench", *args, "--out", str(tmp_path / "x")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "file").write_text("")  # an --out that is a file: one line, no traceback
+    assert main(["bench", "addition", "--models", "fw-1A", "--device", "cpu", "--steps", "1", "--size", "tiny",
+                 "--out", str(tmp_path / "file")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hybridlm bench: ") and err.count("\n") == 1, err

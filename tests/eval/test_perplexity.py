@@ -144,7 +144,12 @@ def test_eval_ppl_command(model_dir, shards_dir, tokenizer_dir, tmp_path, capsys
     assert main(["eval", "ppl", "--model", str(model_dir), "--data", str(shards_dir), "--device", "cpu", "--json",
                  str(tmp_path / "nowhere" / "ppl.json")]) == 1
     captured = capsys.readouterr()
-    assert "no directory" in captured.err and "perplexity" not in captured.out
+    assert "needs a file name in an existing directory" in captured.err and "perplexity" not in captured.out
+    for option, message in ((["--seq-len", "100000"], "longer than the model's max_position_embeddings"),
+                            (["--batch-size", "0"], "--batch-size must be >= 1"),
+                            (["--device", "tpu"], "--device tpu")):
+        assert main(["eval", "ppl", "--model", str(model_dir), "--data", str(shards_dir), *option]) == 1
+        assert message in capsys.readouterr().err
 
 
 def test_eval_ppl_refuses_data_with_more_ids_than_the_model(shards_dir, tmp_path, capsys):

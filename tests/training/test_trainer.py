@@ -265,6 +265,20 @@ def test_a_wrong_held_out_source_fails_before_training(demo_dir, tmp_path):
         Trainer(small_config(demo_dir, tmp_path / "ho", *overrides))
 
 
+def test_a_wrong_tokenizer_fails_before_training(demo_dir, tmp_path):
+    import shutil
+
+    data = ("data.demo=false", f"data.sources=[{{name: d, path: {demo_dir / 'train'}}}]")
+    with pytest.raises(ConfigError, match="data.tokenizer: .*nowhere holds no tokenizer.json"):
+        Trainer(small_config(demo_dir, tmp_path / "a", *data, f"data.tokenizer={tmp_path / 'nowhere'}"))
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(demo_dir / "tokenizer", other)
+    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text() + " ")
+    with pytest.raises(ConfigError, match="data.tokenizer: .*is not the tokenizer .* was prepared with"):
+        Trainer(small_config(demo_dir, tmp_path / "b", *data, f"data.tokenizer={other}"))
+    Trainer(small_config(demo_dir, tmp_path / "c", *data, f"data.tokenizer={demo_dir / 'tokenizer'}"))  # the right one
+
+
 def test_the_final_checkpoint_is_saved_before_the_final_evaluation(demo_dir, tmp_path, monkeypatch):
     out = tmp_path / "final_eval"
     trainer = Trainer(small_config(demo_dir, out, "train.steps=3"))

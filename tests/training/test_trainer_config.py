@@ -70,6 +70,10 @@ train: {steps: 20, tokens: 1e6}
     assert hybrid.ssm_multiplier_dt == 0.5  # dt attenuation reaches the model
     assert hybrid.time_step_limit == (0.0, 4.0)  # positive-dt clip
     assert hybrid.hidden_size == 192
+    # a rule named by a number: YAML reads `1` as an int, the field takes it as the string "1"
+    ruled = load_config(None, ["model.overrides.ssm_mixer=fast_weight", "model.overrides.fw_rule=1",
+                               "train.out_dir=2024"])
+    assert build_model_config(ruled).fw_rule == "1" and ruled.train.out_dir == "2024"
 
 
 def test_resolved_config_round_trips(tmp_path):
