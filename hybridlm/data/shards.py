@@ -283,6 +283,8 @@ def prepare(
     """
     if shard_tokens < 1:
         raise DataError(f"shard_tokens must be positive, got {shard_tokens}")
+    if workers is not None and workers < 1:
+        raise DataError(f"workers must be >= 1, got {workers}")
     workers = (os.cpu_count() or 1) if workers is None else workers
     tokenizer_dir = Path(tokenizer_dir)
     tok = HybridTokenizer.load(tokenizer_dir)

@@ -127,6 +127,8 @@ def prepare_stdlib(recipe: AllocationRecipe, directory: Path) -> dict[str, str]:
     except (FileNotFoundError, DataError) as err:
         raise ValueError(f"the stdlib corpus cannot be prepared here ({err}); use --data synthetic, or prepared "
                          "shards with --data DIR --val-data DIR") from err
+    except ValueError as err:  # too few files for a held-out one
+        raise ValueError(f"--data-bytes: {err}") from err
     return {"data_dir": str(demo.train_dir), "val_dir": str(demo.heldout_dir)}
 
 

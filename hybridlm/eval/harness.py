@@ -49,7 +49,10 @@ def export_for_lm_eval(model_dir: str | Path, *, tokenizer_dir: str | Path | Non
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json (save the model with save_pretrained first)")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{config_path} is not valid JSON ({err})") from None
     if config.get("model_type") != "hybridlm":
         raise ValueError(f"{model_dir}: model_type {config.get('model_type')!r}; only 'hybridlm' checkpoints need "
                          "this (official falcon_h1 checkpoints load in lm_eval as they are)")

@@ -137,6 +137,9 @@ def prepare_demo(
     directory = Path(directory)
     root = stdlib_root() if root is None else Path(root)
     files = stdlib_sources(max_bytes, root)
+    if len(files) < heldout_every:  # every heldout_every-th file is held out: none would be
+        raise ValueError(f"the demo corpus's {max_bytes:,} bytes hold {len(files)} files, fewer than one held-out "
+                         f"file per {heldout_every}: raise the byte limit")
     tok_dir, text_dir = directory / "tokenizer", directory / "text"
     tok_dir.mkdir(parents=True, exist_ok=True)
     text_dir.mkdir(parents=True, exist_ok=True)

@@ -285,7 +285,11 @@ class Trainer:
             directory = Path(c.data.demo_dir) if c.data.demo_dir else self.out_dir / "demo_data"
             if self.ctx.is_main:
                 self._print(f"preparing the built-in demo corpus (the Python standard library) in {directory}")
-                demo = prepare_demo(directory, max_bytes=c.data.demo_max_bytes, heldout_every=c.data.demo_heldout_every)
+                try:
+                    demo = prepare_demo(directory, max_bytes=c.data.demo_max_bytes,
+                                        heldout_every=c.data.demo_heldout_every)
+                except ValueError as err:
+                    raise ConfigError(f"data.demo_max_bytes: {err}") from err
                 self._print(f"demo corpus: {demo.train_files} training files, {demo.heldout_files} held out")
             D.barrier(self.ctx)
             sources = [Source("stdlib", directory / "train")]

@@ -191,6 +191,12 @@ def test_bad_record_stops_before_anything_is_published(tmp_path, tokenizer_dir):
     assert result.manifest["counts"]["missing_field"] == 1 and result.manifest["num_docs"] == 30
 
 
+def test_bad_settings_are_refused(corpus, tokenizer_dir, tmp_path):
+    for options, message in ((dict(workers=0), "workers must be >= 1"), (dict(shard_tokens=0), "shard_tokens")):
+        with pytest.raises(DataError, match=message):
+            prepare([corpus[0]], tokenizer_dir, tmp_path / "out", progress=False, **options)
+
+
 def test_token_dtype_by_vocab_size():
     assert token_dtype(1800) == np.uint16 and token_dtype(65536) == np.uint16
     assert token_dtype(65537) == np.uint32 and token_dtype(262144) == np.uint32

@@ -265,6 +265,12 @@ def test_a_wrong_held_out_source_fails_before_training(demo_dir, tmp_path):
         Trainer(small_config(demo_dir, tmp_path / "ho", *overrides))
 
 
+def test_a_demo_corpus_too_small_for_a_held_out_file_says_so(demo_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"data\.demo_max_bytes: .* fewer than one held-out file per 20"):
+        Trainer(small_config(demo_dir, tmp_path / "run", f"data.demo_dir={tmp_path / 'small_demo'}",
+                             "data.demo_max_bytes=50000", "data.demo_heldout_every=20"))
+
+
 def test_a_wrong_tokenizer_fails_before_training(demo_dir, tmp_path):
     import shutil
 
