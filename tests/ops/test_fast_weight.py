@@ -369,9 +369,18 @@ def test_bad_input_raises_clear_errors():
         call(q, k, v, beta, rule="1", cu_seqlens=torch.tensor([0, 5]))
     with pytest.raises(ValueError, match="initial_state.S must be"):
         call(q, k, v, beta, rule="1", initial_state=FastWeightState(S=torch.zeros(2, 3, 5, 7)))
-    with pytest.raises(ValueError, match="another window"):
-        _, s = run((q, k, v, beta, lam), "chunk", rule="3", window=3)
+    _, s = run((q, k, v, beta, lam), "chunk", rule="3", window=3)
+    with pytest.raises(ValueError, match=r"tail must hold window - 1 = 3 pairs.*got \[1, 3, 2, 5\]"):
         call(q, k, v, beta, rule="3", window=4, initial_state=s)
+    for bad in (torch.tensor([5]), torch.tensor([-1]), torch.tensor([1.0])):
+        s.tail_len = bad
+        for backend in ("naive", "chunk", "recurrent"):
+            with pytest.raises(ValueError, match="initial_state.tail_len must"):
+                call(q, k, v, beta, rule="3", window=3, initial_state=s, backend=backend)
+    with pytest.raises(ValueError, match="k is on meta, q on cpu"):
+        call(q, k.to("meta"), v, beta, rule="1")
+    with pytest.raises(ValueError, match="recurrent backend does not take packed sequences \\(cu_seqlens or seq_idx"):
+        call(q, k, v, beta, rule="1", seq_idx=torch.zeros(1, 8, dtype=torch.int64), backend="recurrent")
 
 
 @pytest.mark.parametrize("backend", ["naive", "chunk"])

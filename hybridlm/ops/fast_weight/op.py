@@ -215,6 +215,8 @@ def _check_inputs(q, k, v, beta, lam, *, rule, window, pairing, read, step_size,
     for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("lam", lam)):
         if t is not None and not t.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: put every input on one device")
     if cu_seqlens is None:
         return None
     return check_cu_seqlens(cu_seqlens, batch_size=B, total_len=T)
@@ -239,9 +241,18 @@ def _prepare_state(state, *, n_rows, H, K, V, window, pairing, dtype, device) ->
         if (tuple(state.tail_x.shape) != (n_rows, H, window - 1, K) or state.tail_v is None
                 or tuple(state.tail_v.shape) != (n_rows, H, window - 1, V) or state.tail_len is None
                 or tuple(state.tail_len.shape) != (n_rows,)):
+            got = [None if t is None else list(t.shape) for t in (state.tail_x, state.tail_v, state.tail_len)]
             raise ValueError(f"initial_state's tail must hold window - 1 = {window - 1} pairs: tail_x "
                              f"{[n_rows, H, window - 1, K]}, tail_v {[n_rows, H, window - 1, V]}, tail_len "
-                             f"[{n_rows}]; got tail_x {list(state.tail_x.shape)} (was it made with another window?)")
+                             f"[{n_rows}]; got {got[0]}, {got[1]}, {got[2]}")
+        if state.tail_len.dtype.is_floating_point or state.tail_len.dtype == torch.bool:
+            raise ValueError(f"initial_state.tail_len must hold integers, got {state.tail_len.dtype}")
+        message = f"initial_state.tail_len must be in [0, window - 1 = {window - 1}] (pairs held in the tail)"
+        fits = ((state.tail_len >= 0) & (state.tail_len <= window - 1)).all()
+        if state.tail_len.is_cuda and not _tracing():  # a device-side assert: no host sync
+            torch._assert_async(fits, message)
+        elif not _tracing() and not bool(fits):
+            raise ValueError(message)
         tail_x = state.tail_x.to(device=device, dtype=dtype)
         tail_v = state.tail_v.to(device=device, dtype=dtype)
         tail_len = state.tail_len.to(device)

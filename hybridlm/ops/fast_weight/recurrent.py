@@ -36,7 +36,8 @@ def fast_weight_recurrent(
 ) -> tuple[torch.Tensor, FastWeightState]:
     """Same contract as `fast_weight_naive` (inputs validated and cast by the front door), without offsets."""
     if offsets is not None:
-        raise ValueError("the recurrent backend does not take packed sequences (cu_seqlens); use 'naive' or 'chunk'")
+        raise ValueError("the recurrent backend does not take packed sequences (cu_seqlens or seq_idx); use 'naive' "
+                         "or 'chunk'")
     N, T, H, K = q.shape
     V = v.shape[-1]
     S = initial_state.S                                             # [N, H, K, V]

@@ -125,6 +125,8 @@ def _check_shapes(x, dt, A, B, C, D, initial_state, chunk_size) -> None:
     for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("initial_state", initial_state)):
         if t is not None and not t.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}: put every input on one device")
     if x.dim() != 4:
         raise ValueError(f"x must be [b, T, H, P], got shape {list(x.shape)}")
     b, T, H, P = x.shape
@@ -132,6 +134,8 @@ def _check_shapes(x, dt, A, B, C, D, initial_state, chunk_size) -> None:
         raise ValueError(f"dt must be [b, T, H] = {[b, T, H]} (matching x), got {list(dt.shape)}")
     if tuple(A.shape) != (H,):
         raise ValueError(f"A must be [H] = [{H}], got {list(A.shape)}")
+    if not A.is_cuda and not torch.compiler.is_compiling() and not bool((A <= 0).all()):  # [H]: a cheap check
+        raise ValueError("A must be <= 0 (a log decay per unit dt, -exp(A_log)); a positive A makes the state grow")
     if D is not None and tuple(D.shape) != (H,):
         raise ValueError(f"D must be None or [H] = [{H}], got {list(D.shape)}")
     if B.dim() != 4 or tuple(B.shape[:2]) != (b, T):
