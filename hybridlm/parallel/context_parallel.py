@@ -131,12 +131,22 @@ def reduce_context_parallel_grads(model: nn.Module, group: dist.ProcessGroup | N
     the full gradient is the sum of the ranks' gradients. FSDP2-sharded gradients (DTensor) are reduced shard
     by shard (after FSDP's own reduce-scatter over dp, which averages over the data-parallel ranks).
 
-    Every cp rank must hold gradients for the same parameters (they run the same graph). One all-reduce per
-    dtype and device (the gradients flattened into one buffer)."""
+    A parameter can have a gradient on some cp ranks only: a fast-weight mixer's gates get none from a one-token
+    chunk at a sequence's start (no write pair there). Such a gradient is a zero on the ranks without one, so every
+    rank's buffers line up; a parameter no rank has a gradient for keeps None. One all-reduce of which ones have
+    gradients, then one per dtype and device (the gradients flattened into one buffer)."""
     if dist.get_world_size(group) == 1:
         return
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return
+    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+    dist.all_reduce(has_grad, group=group)  # a sum: > 0 where any rank has one
+    for param, anywhere in zip(params, has_grad.tolist()):
+        if param.grad is None and anywhere:
+            param.grad = torch.zeros_like(param)
     buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for param in model.parameters():
+    for param in params:
         if param.grad is None:
             continue
         grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad

@@ -54,6 +54,7 @@ class DistContext:
     backend: str | None = None  # None: no process group (one process)
     parallel: Any = None  # hybridlm.parallel.ParallelConfig (resolved); None with one process
     mesh: Any = None  # torch DeviceMesh; None with one process
+    owns_group: bool = False  # this context created the process group (one it found, e.g. a harness's, stays)
 
     @property
     def distributed(self) -> bool:
@@ -133,20 +134,22 @@ def init_distributed(config: Any, *, device: str = "auto", timeout_s: float = 18
         raise RuntimeError("distributed.backend nccl needs CUDA devices; use gloo on the CPU")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         kwargs = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     from hybridlm.parallel import build_mesh
 
     mesh = build_mesh(parallel, device_type=dev.type)
-    return DistContext(rank, world, local_rank, dev, dist.get_backend(), parallel, mesh)
+    return DistContext(rank, world, local_rank, dev, dist.get_backend(), parallel, mesh, owns_group)
 
 
 def destroy_distributed(ctx: DistContext) -> None:
-    """Leave together, then tear the process group down. Without the barrier a rank could destroy its group while
+    """Leave together, then tear the process group down (only one this process's `init_distributed` created: a group
+    it found, e.g. a test harness's, is its owner's to destroy). Without the barrier a rank could destroy its group while
     another still finishes its last save (seen on 2 gloo CPU processes: "terminate called without an active
     exception", SIGABRT at exit). A barrier that fails (a peer already gone) does not stop the teardown."""
-    if ctx.distributed and dist.is_initialized():
+    if ctx.distributed and ctx.owns_group and dist.is_initialized():
         # A peer that exited first (DistBackendError, a RuntimeError) reports its own error through the launcher.
         with contextlib.suppress(RuntimeError):
             dist.barrier()

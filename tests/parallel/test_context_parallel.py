@@ -52,9 +52,9 @@ VARIANTS = {
 }
 
 
-def _ids(rows: int = 2) -> torch.Tensor:
+def _ids(rows: int = 2, length: int = LENGTH) -> torch.Tensor:
     torch.manual_seed(2)
-    return torch.randint(0, 128, (rows, LENGTH))
+    return torch.randint(0, 128, (rows, length))
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -62,13 +62,13 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
-def _compare(group, overrides: dict, attention: str, dtype: torch.dtype) -> dict:
+def _compare(group, overrides: dict, attention: str, dtype: torch.dtype, length: int = LENGTH) -> dict:
     """One variant in one dtype: forward + backward under cp against the same model in one process."""
     model = tiny_model(**overrides).to(dtype)
     reference = copy.deepcopy(model)
-    ids = _ids()
+    ids = _ids(length=length)
     torch.manual_seed(3)
-    weights = torch.randn(2, LENGTH, 128, dtype=dtype)  # a loss that reads every logit
+    weights = torch.randn(2, length, 128, dtype=dtype)  # a loss that reads every logit
     embeds = reference.model.embed_tokens(ids).detach().requires_grad_(True)  # [B, T, D]
     want = reference(inputs_embeds=embeds).logits
     (want * weights).sum().backward()
@@ -86,7 +86,7 @@ def _compare(group, overrides: dict, attention: str, dtype: torch.dtype) -> dict
     got = gather_sequence(logits.detach(), group)
     # the embedding table gets no gradient here: the embeddings are the input
     pairs = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None]
-    half = LENGTH // 2
+    half = length // 2
     return {
         "logits": _relative(got, want),
         "embed_grads": _relative(gather_sequence(local.grad, group), embeds.grad),
@@ -100,10 +100,14 @@ def _compare(group, overrides: dict, attention: str, dtype: torch.dtype) -> dict
 
 def _all_variants(rank: int, world: int) -> dict:
     group = build_mesh(ParallelConfig(dp_shard=1, cp=world))["cp"].get_group()
-    return {
+    results = {
         name: {str(dtype): _compare(group, overrides, attention, dtype) for dtype in (torch.float32, torch.float64)}
         for name, (overrides, attention) in VARIANTS.items()
     }
+    # one token per rank: the first rank's chunk makes no shifted write, so its gates get no gradient there
+    results["one-token-chunks"] = _compare(group, {"ssm_mixer": "fast_weight", "fw_rule": "1A", "use_attention": False},
+                                           "ring", torch.float64, length=world)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +123,11 @@ def test_cp2_forward_and_gradients_match_one_process(cp2_results, variant):
     assert double["each_param_grad"] < 1e-10, double  # exact: every parameter's gradient, float64
     assert double["logits"] < 1e-12 and double["embed_grads"] < 1e-10, double
     assert single["second_half_alone"] > 1e-3, single
+
+
+def test_cp2_with_one_token_per_rank_reduces_gradients_only_some_ranks_have(cp2_results):
+    double = cp2_results["one-token-chunks"]
+    assert double["each_param_grad"] < 1e-10 and double["logits"] < 1e-12, double
 
 
 def _labels(ids: torch.Tensor) -> torch.Tensor:

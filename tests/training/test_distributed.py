@@ -108,3 +108,20 @@ def test_checkpoints_move_between_one_process_and_fsdp(demo_dir, reference, tmp_
     assert _close(chained, reference["losses"]) < TOL, (chained, reference["losses"])
     evals = [json.loads(line)["eval_loss"] for line in (out / "eval.jsonl").read_text().splitlines()]
     assert _close(evals, reference["evals"]) < TOL  # step 3 evaluated under FSDP, step 6 in one process
+
+
+def _leaves_a_group_it_found(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from hybridlm.training.distributed import destroy_distributed, init_distributed
+
+    ctx = init_distributed(load_config(None, []), device="cpu")  # the harness's group: reused, not owned
+    destroy_distributed(ctx)
+    return {"owned": ctx.owns_group, "still_initialized": dist.is_initialized()}
+
+
+def test_close_leaves_a_process_group_it_did_not_create():
+    """A trainer inside a harness that set up the process group (a test, a notebook) must not tear it down."""
+    from tests.parallel.harness import run_ranks
+
+    assert run_ranks(_leaves_a_group_it_found) == {"owned": False, "still_initialized": True}
