@@ -43,8 +43,9 @@ not stopped (tested: 2N steps == N + resume + N on CPU in fp32). Checkpoints hol
 layout, so a run saved under one mesh (tp=2 x dp_shard=2, mixer parallelism, ...) resumes under another or in
 one process (`hybridlm.parallel.checkpoint`). The config given at resume time wins
 (e.g. a larger train.steps, or a new lr: the groups' base lr / wd are taken from it), and its differences
-from the saved one are printed; the schedule is recomputed for the new length, so extending a run whose
-WSD decay has finished warms the lr back up. The loader state is moved to the current data-parallel size, so a run
+from the saved one are printed; the schedule is recomputed for the new length (a pure function of the progress), so
+extending a run whose WSD decay has finished puts the lr straight back at the new schedule's value there, the
+peak for a run still short of the new decay: no second warmup. The loader state is moved to the current data-parallel size, so a run
 saved under 2 ranks resumes under 1 with the same stream of tokens (keep the global batch the same for exactness).
 
 Stopping: SIGINT or SIGTERM (or `request_stop()` from a callback) finishes the current update, saves
