@@ -42,7 +42,7 @@ import torch
 
 from hybridlm.eval import scoring
 from hybridlm.eval.scoring import IGNORE_INDEX
-from hybridlm.eval.train_task import TrainRecipe
+from hybridlm.eval.train_task import TrainRecipe, check_counts_and_size
 
 PAD, BOS, EOS, DIGIT0, PLUS, EQUALS = 0, 1, 2, 3, 13, 14
 VOCAB = ("<pad>", "<bos>", "<eos>", *"0123456789", "+", "=")
@@ -299,19 +299,13 @@ class AdditionRecipe(TrainRecipe):
 
 def check_recipe(recipe: AdditionRecipe) -> None:
     """Clear errors, before any training, for recipes that cannot run or cannot be evaluated."""
-    from hybridlm.eval.models import SIZES
-
     if not 1 <= recipe.min_width <= recipe.train_max_width < recipe.eval_max_width:
         raise ValueError("need 1 <= min_width <= train_max_width < eval_max_width")
     if recipe.curriculum_steps >= recipe.steps > 1:
         raise ValueError(f"the width curriculum ({recipe.curriculum_steps} steps) must end before training does "
                          f"({recipe.steps} steps), or the model never sees the widest operands; lower "
                          "--curriculum-steps (0 turns it off)")
-    for name in ("steps", "batch_size", "eval_per_width", "val_per_width", "eval_batch_size"):
-        if getattr(recipe, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(recipe, name)}")
-    if recipe.size not in SIZES:
-        raise ValueError(f"unknown size {recipe.size!r}; choose one of {', '.join(SIZES)}")
+    check_counts_and_size(recipe, "steps", "batch_size", "eval_per_width", "val_per_width", "eval_batch_size")
 
 
 def run_addition(model_name: str, seed: int, recipe: AdditionRecipe, *, device: str = "cpu",

@@ -68,25 +68,6 @@ def safe_key(*parts: object) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in text)
 
 
-def parse_devices(text: str) -> list[str]:
-    """"cuda" -> every visible GPU ("cuda:0", ...), "cpu", or an explicit list "cuda:0,cuda:1"."""
-    import torch
-
-    names = [d.strip() for d in text.split(",") if d.strip()]
-    if names == ["cuda"]:
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda, but torch sees no GPU")
-        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    for name in names:
-        try:
-            device = torch.device(name)
-        except RuntimeError as err:
-            raise ValueError(f"--device {name}: {err}") from None
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}, but torch sees {torch.cuda.device_count()} GPU(s)")
-    return names
-
-
 def _run_path(out_dir: Path, key: str) -> Path:
     return out_dir / RUNS / f"{key}.json"
 

@@ -157,7 +157,7 @@ def _recipe(cls, args: argparse.Namespace, **extra):
 def _devices(args: argparse.Namespace) -> list[str]:
     import torch
 
-    from hybridlm.eval.bench import parse_devices
+    from hybridlm.devices import parse_devices
 
     return parse_devices(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -236,7 +236,7 @@ def _eval_ppl(args: argparse.Namespace) -> int:
 
     from hybridlm.data.errors import DataError
     from hybridlm.data.shards import TokenDataset, check_tokenizer_matches
-    from hybridlm.eval.bench import parse_devices
+    from hybridlm.devices import parse_device
     from hybridlm.eval.perplexity import (
         evaluate_perplexity,
         find_tokenizer,
@@ -245,7 +245,7 @@ def _eval_ppl(args: argparse.Namespace) -> int:
     from hybridlm.models.hf import load_model
 
     try:
-        device = parse_devices(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))[0]
+        device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if args.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
         if args.json and (not Path(args.json).parent.is_dir() or Path(args.json).is_dir()):  # not after the run

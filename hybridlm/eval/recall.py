@@ -44,7 +44,7 @@ import torch
 
 from hybridlm.eval import scoring
 from hybridlm.eval.scoring import IGNORE_INDEX
-from hybridlm.eval.train_task import TrainRecipe
+from hybridlm.eval.train_task import TrainRecipe, check_counts_and_size
 
 TASKS = ("mqar", "needle", "multi_needle")
 PAD, BOS, EOS, BLANK, NEEDLE, QUERY = 0, 1, 2, 3, 4, 5
@@ -148,6 +148,10 @@ class RecallTasks:
         if task == "mqar":
             return 5
         return 6 * (1 if task == "needle" else self.needles) + 2  # <bos>, haystack >= the needles, the queries, <eos>
+
+    def full_length(self, task: str) -> int:
+        """The shortest sequence `task` can be laid out in at full size (MQAR: all `mqar_pairs` and their queries)."""
+        return 4 * self.mqar_pairs + 1 if task == "mqar" else self.shortest(task)
 
     def for_length(self, length: int) -> RecallTasks:
         """These tasks with as many MQAR pairs as a `length`-token sequence holds with room for their queries
@@ -275,8 +279,6 @@ def training_batch(recipe: RecallRecipe, tasks: RecallTasks, rng: np.random.Gene
 def check_recipe(recipe: RecallRecipe, tasks: RecallTasks) -> None:
     """Clear errors for recipes that cannot run: unknown tasks, lengths too short for a task, a curriculum that
     would not end before training does, evaluation lengths and counts that cannot be evaluated."""
-    from hybridlm.eval.models import SIZES
-
     for task in recipe.tasks:
         if task not in TASKS:
             raise ValueError(f"unknown recall task {task!r}; choose from {TASKS}")
@@ -288,24 +290,18 @@ def check_recipe(recipe: RecallRecipe, tasks: RecallTasks) -> None:
         raise ValueError(f"training sequences of {first} tokens are too short for the tasks {list(recipe.tasks)} "
                          f"(at least {shortest}): raise --train-min-len"
                          + (" / --curriculum-start-len" if recipe.curriculum_steps > 0 else ""))
-    if recipe.train_max_len < 4 * tasks.mqar_pairs + 1 and "mqar" in recipe.tasks:
+    if "mqar" in recipe.tasks and recipe.train_max_len < tasks.full_length("mqar"):
         raise ValueError(f"--train-max-len {recipe.train_max_len} is too short for {tasks.mqar_pairs} MQAR pairs and "
-                         f"their queries (at least {4 * tasks.mqar_pairs + 1}): raise it or lower --mqar-pairs")
+                         f"their queries (at least {tasks.full_length('mqar')}): raise it or lower --mqar-pairs")
     if recipe.curriculum_steps >= recipe.steps > 1:
         raise ValueError(f"the length curriculum ({recipe.curriculum_steps} steps) must end before training does "
                          f"({recipe.steps} steps); lower --curriculum-steps (0 turns it off)")
-    # evaluated with all mqar_pairs pairs at every length (training's short sequences hold fewer)
-    for length in recipe.eval_lens:
+    for length in recipe.eval_lens:  # evaluation lays every task out at full size
         for task in recipe.tasks:
-            need = 4 * tasks.mqar_pairs + 1 if task == "mqar" else tasks.shortest(task)
-            if length < need:
-                raise ValueError(f"--eval-lens {length} is too short for {task} (at least {need} tokens): drop it "
-                                 "or lower --mqar-pairs / --needles")
-    for name in ("steps", "batch_size", "eval_count", "val_count"):
-        if getattr(recipe, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(recipe, name)}")
-    if recipe.size not in SIZES:
-        raise ValueError(f"unknown size {recipe.size!r}; choose one of {', '.join(SIZES)}")
+            if length < tasks.full_length(task):
+                raise ValueError(f"--eval-lens {length} is too short for {task} (at least {tasks.full_length(task)} "
+                                 "tokens): drop it or lower --mqar-pairs / --needles")
+    check_counts_and_size(recipe, "steps", "batch_size", "eval_count", "val_count")
 
 
 def run_recall(model_name: str, seed: int, recipe: RecallRecipe, *, device: str = "cpu", log_fn=None,

@@ -99,6 +99,17 @@ class TrainRecipe:
         return asdict(self)
 
 
+def check_counts_and_size(recipe: TrainRecipe, *counts: str) -> None:
+    """ValueError, named as the command-line option, for a count field below 1 or an unknown `recipe.size`."""
+    from hybridlm.eval.models import SIZES
+
+    for name in counts:
+        if getattr(recipe, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(recipe, name)}")
+    if recipe.size not in SIZES:
+        raise ValueError(f"unknown size {recipe.size!r}; choose one of {', '.join(SIZES)}")
+
+
 @dataclass
 class TrainResult:
     steps: int

@@ -72,6 +72,7 @@ def generate_texts(args: argparse.Namespace) -> list[str]:
     import torch
 
     import hybridlm
+    from hybridlm.devices import parse_device
     from hybridlm.inference.generate import generate
 
     model_dir = Path(args.model)
@@ -80,12 +81,7 @@ def generate_texts(args: argparse.Namespace) -> list[str]:
     if not (model_dir / "config.json").is_file():
         raise CommandError(f"{model_dir} has no config.json; not a checkpoint directory")
     tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else model_dir)
-    try:
-        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    except RuntimeError as error:
-        raise CommandError(f"--device {args.device}: {error}") from None
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise CommandError(f"--device {args.device}: torch sees {torch.cuda.device_count()} CUDA device(s) here")
+    device = parse_device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     model = hybridlm.load_model(model_dir, dtype=getattr(torch, args.dtype)).to(device)
     config = model.config
 
