@@ -23,6 +23,7 @@ shards over the data-parallel dims only).
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
@@ -67,6 +68,10 @@ def wrap_blocks(
     if not (activation_checkpointing or compile):
         return None
     layers = _layer_list(model)
+    if compile and activation_checkpointing and torch.cuda.is_available():
+        # The first compilation starts CUDA even for a CPU model; inside a checkpointed forward that is an error
+        # ("device state was initialized in the forward pass of a Checkpoint"), so start it before.
+        torch.cuda.init()
     for index, block in enumerate(list(layers)):
         if compile:
             block.compile(mode=None if compile_mode == "default" else compile_mode)
