@@ -38,7 +38,8 @@ def add_commands(subparsers) -> None:
     _add_run_options(p, default_seeds=3)
     p.add_argument("--models", default=DEFAULT_MODELS, metavar="LIST",
                    help=f"comma-separated model names (default {DEFAULT_MODELS})")
-    _add_recipe_options(p, [("size", str, "model size: small (the GPU recipe), medium, or tiny (smoke tests)"),
+    _add_recipe_options(p, [("size", str,
+                             "model size: small (the GPU recipe), medium, base (the paper's LM shape), tiny (smoke)"),
                             ("batch-size", int, "examples per step"), ("lr", float, "peak learning rate"),
                             ("warmup", int, "warmup steps (default: 10%% of --steps when --steps is given)"),
                             ("curriculum-steps", int, "grow the widest training width from --curriculum-start to "

@@ -25,6 +25,9 @@ Sizes (`SIZES`):
              the GPU recipe of the benchmarks
     "medium" d_model 512, 8 blocks, MLP 1536; attention 8 heads x 64; SSM 1024 channels = 16 heads x 64
              (about 8x "small"): for tasks the small size does not learn
+    "base"   d_model 768, 12 blocks, MLP 2304; attention 12 heads x 64; SSM 1536 channels = 24 heads x 64
+             (92M parameters for the transformer, 108M Mamba-2, 135M a fast-weight model): the depth and width of the
+             fast-weight paper's 124M-130M language models, whose names its addition table (Table 3) reuses
     "tiny"   d_model 32, 2 blocks: CPU smoke tests only
 """
 
@@ -44,6 +47,10 @@ SIZES: dict[str, dict[str, Any]] = {
     "medium": dict(
         hidden_size=512, num_hidden_layers=8, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=8,
         head_dim=64, mamba_d_ssm=1024, mamba_n_heads=16, mamba_d_head=64, mamba_d_state=64, mamba_chunk_size=64,
+    ),
+    "base": dict(
+        hidden_size=768, num_hidden_layers=12, intermediate_size=2304, num_attention_heads=12, num_key_value_heads=12,
+        head_dim=64, mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_head=64, mamba_d_state=64, mamba_chunk_size=64,
     ),
     "tiny": dict(
         hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,

@@ -87,6 +87,15 @@ def test_medium_size_is_wider_and_deeper_than_small():
     assert medium.mamba_n_heads * medium.mamba_d_head == medium.mamba_d_ssm
 
 
+@pytest.mark.parametrize("name", ["transformer", "mamba2", "fw-1A", "fw-3A-same", "hybrid-fw-1"])
+def test_base_size_has_the_paper_language_models_shape(name):
+    """`base` is the fast-weight paper's 124M-130M LM shape (d_model 768, 12 blocks, heads of 64) for every model."""
+    config = task_config(name, vocab_size=16, size="base")
+    assert (config.hidden_size, config.num_hidden_layers) == (768, 12)
+    assert config.num_attention_heads * config.head_dim == config.hidden_size
+    assert config.mamba_n_heads * config.mamba_d_head == config.mamba_d_ssm == 2 * config.hidden_size
+
+
 @pytest.mark.parametrize("name", ["hybrid-fw-1A", "mamba2"])
 def test_compiled_training_matches_eager(name):
     from hybridlm.eval.addition import MODEL_VOCAB_SIZE, train_batch
