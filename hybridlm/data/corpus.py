@@ -10,6 +10,10 @@ Bad input is handled so that a long run never dies late on something it could ha
 - empty documents (nothing but whitespace) are skipped and counted; a file that yields no document at
   all is logged as a warning and counted in `empty_files`;
 - invalid UTF-8 is replaced by U+FFFD, counted per document and per byte, and logged once per file;
+  a lone UTF-16 surrogate escaped in a .jsonl string ("\\ud83d" without its pair) has no UTF-8 form and
+  is treated the same: its 3 surrogate bytes count as invalid and become U+FFFD, as they would in a .txt;
+- a UTF-8 byte order mark at the start of a .txt or .jsonl file is dropped;
+- a .parquet file whose data cannot be read (damaged page, truncated file) is an error naming the file;
 - a .jsonl line that is not a JSON object, or a text value that is not a string, is an error naming the
   file and line;
 - a missing text field (or null) is an error naming the file and line, unless `skip_missing_field=True`,
@@ -128,6 +132,21 @@ def decode_utf8(data: bytes) -> tuple[str, int]:
     return text, _bad_bytes.n
 
 
+def replace_lone_surrogates(text: str) -> tuple[str, int]:
+    """Make `text` encodable as UTF-8; returns (text, number of invalid bytes replaced).
+
+    A lone surrogate (U+D800..U+DFFF without its pair, which `json.loads` makes from an escape such as
+    "\\ud83d") has no UTF-8 encoding, so the tokenizer cannot take it. It is written out as the 3 bytes
+    a surrogate-passing encoder gives and decoded like any invalid UTF-8: each byte becomes U+FFFD and
+    counts, exactly as those bytes would in a .txt file. Text without surrogates is returned as is.
+    """
+    try:
+        text.encode("utf-8")
+        return text, 0
+    except UnicodeEncodeError:
+        return decode_utf8(text.encode("utf-8", "surrogatepass"))
+
+
 # --- readers: each yields (line or row number, raw value) ------------------------------------------
 
 def _missing(path: str, where: str, text_field: str, detail: str, skip: bool, stats: ReadStats) -> None:
@@ -151,6 +170,8 @@ def _read_txt(path: str, text_field: str, skip: bool, stats: ReadStats) -> Itera
 def _read_jsonl(path: str, text_field: str, skip: bool, stats: ReadStats) -> Iterator[str | bytes]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
+            if lineno == 1:  # a byte order mark, written by some Windows tools, is not JSON
+                raw = raw.removeprefix(codecs.BOM_UTF8)
             if not raw.strip():
                 continue
             line, bad = decode_utf8(raw)
@@ -171,6 +192,10 @@ def _read_jsonl(path: str, text_field: str, skip: bool, stats: ReadStats) -> Ite
                 continue
             if not isinstance(value, str):
                 raise DataError(f"{path}:{lineno}: field {text_field!r} is a {type(value).__name__}, not a string")
+            value, lone = replace_lone_surrogates(value)
+            if lone:  # a "\ud83d" escape without its pair: invalid text, like an invalid byte
+                stats.invalid_utf8_bytes += lone
+                stats.invalid_utf8_docs += 0 if bad else 1  # the line is one document, counted once
             yield value
 
 
@@ -190,8 +215,8 @@ def _read_parquet(path: str, text_field: str, skip: bool, stats: ReadStats) -> I
             _missing(path, f"row {row + 1}", text_field, detail, skip, stats)
         return
     row = 0
-    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-        for value in batch.column(0).to_pylist():
+    for values in _parquet_batches(path, pf, text_field):
+        for value in values:
             row += 1
             if value is None:
                 _missing(path, f"row {row}", text_field, f"null {text_field!r}", skip, stats)
@@ -199,6 +224,33 @@ def _read_parquet(path: str, text_field: str, skip: bool, stats: ReadStats) -> I
             if not isinstance(value, (str, bytes)):
                 raise DataError(f"{path}:row {row}: column {text_field!r} holds {type(value).__name__}, not text")
             yield value
+
+
+def _parquet_batches(path: str, pf, column: str) -> Iterator[list]:
+    """The column's values, a batch at a time; pyarrow's errors for damaged data become a DataError naming the file.
+
+    pyarrow reads pages lazily, so a damaged page shows up only here, as an OSError ("Unexpected end of
+    stream", "Corrupt snappy compressed data") or an ArrowException that names neither file nor row.
+    """
+    import pyarrow as pa
+
+    batches = pf.iter_batches(columns=[column], batch_size=1024)
+    rows = 0  # yielded so far; the consumer has read them all when it asks for the next batch
+    while True:
+        try:
+            batch = next(batches, None)
+            if batch is None:
+                return
+            array = batch.column(0)
+            try:
+                values = array.to_pylist()
+            except UnicodeDecodeError:  # a string column holding invalid UTF-8 (not checked on read): as bytes,
+                values = array.cast(pa.large_binary()).to_pylist()  # which iter_documents replaces and counts
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{path}: damaged parquet data, in row {rows + 1} or a later one ({e}); write or download "
+                            "the file again, or leave it out of --input") from None
+        rows += len(values)
+        yield values
 
 
 _READERS = {"txt": _read_txt, "jsonl": _read_jsonl, "parquet": _read_parquet}
@@ -229,7 +281,7 @@ def iter_documents(
             stats.bytes += len(value.encode("utf-8"))
             yield file_index, value
         if stats.invalid_utf8_bytes > bad_before:
-            log.warning("%s: %d invalid UTF-8 bytes replaced with U+FFFD",
+            log.warning("%s: %d invalid UTF-8 bytes (lone surrogates count 3 each) replaced with U+FFFD",
                         source.path, stats.invalid_utf8_bytes - bad_before)
         if stats.docs == docs_before:
             stats.empty_files += 1

@@ -5,7 +5,7 @@
     ds.doc(0)                                # np.int64 token ids of document 0, ending with EOS
 
 Layout of a prepared directory (see README.md in this folder):
-    shard_00000.bin   token ids, little-endian uint16 (vocab <= 65,536) or uint32, no header; every
+    shard_00000.bin   token ids, little-endian uint16 (all ids < 65,536) or uint32, no header; every
                       shard holds exactly `shard_tokens` tokens except the last; documents run on
                       across shard boundaries; every document ends with EOS
     shard_00000.idx   little-endian uint64: the global token offset of every document that starts in
@@ -16,8 +16,12 @@ Layout of a prepared directory (see README.md in this folder):
 
 Every file is written under a temporary name and renamed into place (os.replace), so a crash leaves
 whole files or none. Re-running `prepare` with the same inputs and settings: with a complete, intact
-manifest it does nothing; otherwise it keeps the longest prefix of intact shards, re-reads the inputs
-(skipping the documents already written, without tokenizing them) and continues from there.
+manifest it does nothing; otherwise it keeps the longest prefix of intact shards (checked against the
+sizes and sha256 that manifest.json or progress.json lists), re-reads the inputs (skipping the
+documents already written, without tokenizing them) and continues from there. Before it deletes
+anything (a stale manifest, shards past the intact prefix) it writes progress.json for the kept
+prefix, so a run interrupted at any point loses at most the shards it has not finished. A manifest
+that is not even JSON has lost its checksums: nothing can be verified, so every shard is rebuilt.
 """
 
 from __future__ import annotations
@@ -59,13 +63,22 @@ def index_name(i: int) -> str:
     return f"shard_{i:05d}.idx"
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 holds ids 0..65535, so any vocabulary of at most 65,536 tokens; uint32 beyond."""
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+def token_dtype(id_limit: int) -> np.dtype:
+    """The shard dtype for ids 0..id_limit-1: uint16 holds ids up to 65,535, uint32 beyond.
+
+    Size it from the largest id + 1 (`HybridTokenizer.id_limit`), not from the number of tokens: a
+    vocabulary with gaps in its ids has ids past its size.
+    """
+    return np.dtype("<u2") if id_limit <= 1 << 16 else np.dtype("<u4")
 
 
 def _write_json(path: Path, obj: dict) -> None:
     write_atomic(path, json.dumps(obj, indent=2).encode("utf-8"))
+
+
+def _write_progress(out: Path, settings: dict, shards: list[dict]) -> None:
+    _write_json(out / PROGRESS, {"format": FORMAT, "version": VERSION, "complete": False,
+                                 "settings": settings, "shards": shards})
 
 
 def _rerun_hint(directory: Path) -> str:
@@ -135,6 +148,12 @@ class _ShardWriter:
         starts = [s for s in self.starts if s < limit]
         self.starts = self.starts[len(starts):]
         index = np.asarray(starts, dtype=INDEX_DTYPE)
+        # numpy's cast wraps silently (70000 -> 4464 in uint16); a wrong id in a shard is never detected later.
+        largest = int(tokens.max()) if len(tokens) else 0
+        if largest > np.iinfo(self.dtype).max:
+            raise DataError(f"token id {largest} does not fit {self.out}'s shard dtype {self.dtype.name} (ids up to "
+                            f"{np.iinfo(self.dtype).max}): the tokenizer produced an id past the largest in its "
+                            "vocabulary; check its tokenizer.json, or train it again")
         data = np.ascontiguousarray(tokens, dtype=self.dtype)
         entry = {
             "name": shard_name(i),
@@ -232,13 +251,32 @@ def _settings(files: Sequence[SourceFile], tokenizer_sha: str, text_field: str, 
 
 
 def _read_json(path: Path) -> dict | None:
+    """The JSON object in `path`; None if the file is missing, unreadable or not an object."""
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        obj = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
-        log.warning("%s is unreadable; ignoring it", path)
         return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _well_formed(shards) -> tuple[int, str]:
+    """The number of leading shard entries with every field `prepare` relies on, and what is wrong with the next."""
+    if not isinstance(shards, list):
+        return 0, "its 'shards' is not a list"
+    for i, entry in enumerate(shards):
+        if not isinstance(entry, dict):
+            return i, f"its shards[{i}] is not an object"
+        for key, kind in _SHARD_FIELDS.items():
+            if not isinstance(entry.get(key), kind):
+                return i, f"its shards[{i}].{key} is missing or not {kind.__name__}"
+        end = entry.get("end")
+        if not (isinstance(end, dict) and isinstance(end.get("doc"), int) and isinstance(end.get("offset"), int)):
+            return i, f"its shards[{i}].end is missing or not {{doc, offset}}"
+        if (entry["name"], entry["index"]) != (shard_name(i), index_name(i)):
+            return i, f"its shards[{i}] names {entry['name']}, expected {shard_name(i)}"
+    return len(shards), ""
 
 
 def _our_files(out: Path) -> list[Path]:
@@ -291,7 +329,7 @@ def prepare(
     files = find_files(inputs)
     settings = _settings(files, sha256_file(tokenizer_dir / TOKENIZER_FILE), text_field, skip_missing_field,
                          shard_tokens)
-    dtype = token_dtype(tok.vocab_size)
+    dtype = token_dtype(tok.id_limit)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with _lock(out):
@@ -299,24 +337,42 @@ def prepare(
             stray.unlink()
         manifest = _read_json(out / MANIFEST)
         earlier = manifest or _read_json(out / PROGRESS)
+        for name in (MANIFEST, PROGRESS) if earlier is None else ():
+            if (out / name).is_file():  # there but unreadable: its checksums are lost
+                log.warning("%s is not readable JSON, so the shards it listed cannot be verified; preparing "
+                            "every shard again", out / name)
         if earlier is not None and earlier.get("settings") != settings:
             if not overwrite:
-                differ = sorted(k for k in settings if earlier.get("settings", {}).get(k) != settings[k])
+                old = earlier["settings"] if isinstance(earlier.get("settings"), dict) else {}
+                differ = sorted(k for k in settings if old.get(k) != settings[k])
                 raise DataError(
                     f"{out} already holds a dataset prepared from other inputs or settings (differs in: "
                     f"{', '.join(differ) or 'format'}); use another --out, or pass --overwrite to replace it")
             earlier = manifest = None
             for p in _our_files(out):
                 p.unlink()
-        shards = list(earlier["shards"]) if earlier else []
-        n_good, problem = check_shards(out, shards, dtype)
-        if manifest is not None and manifest.get("complete") and n_good == len(shards):
+        shards = earlier.get("shards") if earlier else []
+        n_formed, problem = _well_formed(shards)
+        if problem:
+            problem = f"{out / (MANIFEST if manifest else PROGRESS)} is damaged ({problem})"
+            shards = shards if isinstance(shards, list) else []
+        n_good, bad_file = check_shards(out, shards[:n_formed], dtype)
+        problem = bad_file or problem
+        whole = manifest is not None and manifest.get("complete") and manifest.get("format") == FORMAT \
+            and manifest.get("version") == VERSION and not _manifest_problem(manifest)
+        if whole and n_good == len(shards):
             log.info("%s is up to date (%d tokens in %d shards)", out, manifest["num_tokens"], len(shards))
             return PrepareResult(manifest, "up_to_date", len(shards))
         if problem:
-            log.warning("%s; rebuilding from shard %d", problem, n_good)
+            log.warning("%s; keeping the %d intact shards before it and rebuilding from there", problem, n_good)
+        elif manifest is not None:
+            log.warning("%s is damaged or incomplete; keeping its %d intact shards and writing it again",
+                        out / MANIFEST, n_good)
         shards = shards[:n_good]
-        keep = {s["name"] for s in shards} | {s["index"] for s in shards}
+        # Record the kept prefix before deleting anything (the manifest, an old progress file, shards past
+        # the prefix): a run interrupted from here on resumes from these shards instead of losing them.
+        _write_progress(out, settings, shards)
+        keep = {PROGRESS} | {s["name"] for s in shards} | {s["index"] for s in shards}
         for p in _our_files(out):
             if p.name not in keep:
                 p.unlink()
@@ -335,11 +391,8 @@ def _run(files, tok, tokenizer_dir, out, settings, dtype, shards, cursor, worker
     file_docs = [0] * len(files)
     eos = np.array([tok.eos_id], dtype=np.uint32)
 
-    def save_progress(entries: list[dict]) -> None:
-        _write_json(out / PROGRESS, {"format": FORMAT, "version": VERSION, "complete": False,
-                                     "settings": settings, "shards": entries})
-
-    writer = _ShardWriter(out, dtype, settings["shard_tokens"], shards, save_progress)
+    writer = _ShardWriter(out, dtype, settings["shard_tokens"], shards,
+                          lambda entries: _write_progress(out, settings, entries))
 
     def numbered_docs() -> Iterator[tuple[int, str]]:
         """All documents with their global number; those before the cursor are read but not returned."""
@@ -420,7 +473,7 @@ def _manifest(out, settings, dtype, tok, shards, stats, files, file_docs) -> dic
         "complete": True,
         "dtype": dtype.name,
         "byte_order": "little",
-        "vocab_size": tok.vocab_size,
+        "vocab_size": tok.id_limit,  # the ids a model must embed (> the token count if the ids have gaps)
         "eos_id": tok.eos_id,
         "special_tokens": tok.special_ids,
         "num_tokens": num_tokens,
@@ -445,7 +498,9 @@ def load_manifest(directory: str | Path) -> dict:
     try:
         manifest = json.loads((d / MANIFEST).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{d / MANIFEST} is damaged ({e}); {_rerun_hint(d)}") from None
+        # Not _rerun_hint: with the checksums gone, prepare cannot verify (so cannot keep) any shard.
+        raise DataError(f"{d / MANIFEST} is damaged ({e}) and its shard checksums are lost; re-run `hybridlm data "
+                        f"prepare` with the same inputs and --out {d} to prepare every shard again") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION \
             or not manifest.get("complete"):
         raise DataError(f"{d / MANIFEST}: not a complete {FORMAT} v{VERSION} manifest; {_rerun_hint(d)}")

@@ -7,7 +7,9 @@
 
 Design (Falcon-H1 report, "Tokenizer Design"; the choices are ours where it leaves them open):
 - Byte-level BPE: every byte has a token, so any Unicode string encodes and decodes back exactly
-  (no normalizer, no unknown token).
+  (no normalizer, no unknown token). A Python str holding a lone UTF-16 surrogate ("\\ud800") is not
+  Unicode text (it has no UTF-8 form), so `encode` refuses it with a ValueError rather than change it
+  silently; the corpus readers replace such surrogates with U+FFFD (and count them) before encoding.
 - Pre-tokenizer: a GPT-4o / Llama-3 style splitting regex (case-aware letter runs, whitespace runs,
   newline runs) changed in two ways the report found to help downstream code and math:
   every digit is its own pre-token (so "2024" is always 4 tokens), and punctuation/symbols are never
@@ -16,7 +18,9 @@ Design (Falcon-H1 report, "Tokenizer Design"; the choices are ours where it leav
   can still merge with itself ("...", "}{", "。」").
 - LaTeX: common commands (\\frac, \\sqrt, Greek letters, relations, \\begin{equation}, ...) are added
   tokens, matched before pre-tokenization (longest match first, so "\\infty" beats "\\in"; a command
-  that merely starts with a listed one, like "\\input", becomes "\\in" + "put").
+  that merely starts with a listed one, like "\\input", becomes "\\in" + "put"). Training cuts the
+  texts at the same matches first, so BPE learns its merges from the text between commands, the only
+  text encoding ever gives it (the trainer itself does not apply added tokens).
 - Ids are stable in every tokenizer we train: the named special tokens first (pad 0, bos 1, eos 2, chat
   roles, FIM and section sentinels), then 1,024 reserved special tokens, then the LaTeX tokens, then
   the 256 bytes and the learned merges. `vocab_size` is the total size, all of these included.
@@ -25,6 +29,22 @@ A tokenizer directory holds `tokenizer.json` (loads with `tokenizers.Tokenizer.f
 `transformers.PreTrainedTokenizerFast(tokenizer_file=...)`), `tokenizer_config.json` (so
 `AutoTokenizer.from_pretrained(dir)` knows bos/eos/pad and a chat template) and `hybridlm_tokenizer.json`
 (our metadata: special ids, training inputs, settings).
+
+Special-token strings in text, ours vs Hugging Face. `HybridTokenizer.encode` treats its input as raw
+text: "<|end_of_text|>" typed in a document is a few ordinary tokens, never id 2; training data is
+tokenized this way, and so is `hybridlm generate`'s prompt. A tokenizer that HF loads from the same
+files (`tokenizers.Tokenizer.from_file`, `PreTrainedTokenizerFast`, `AutoTokenizer`) follows the HF
+default instead and matches the named and reserved special tokens inside text:
+`auto.encode("a <|end_of_text|> b", add_special_tokens=False)` gives [.., 2, ..]. We keep that default
+on purpose: `apply_chat_template(...)` (tokenize=True is its default) renders the chat to a string and
+encodes it, so its role tokens must be matched in text; with `split_special_tokens: true` in
+tokenizer_config.json every chat prompt would silently lose them. To get our ids from HF, pass
+`split_special_tokens=True` per call (`auto.encode(text, add_special_tokens=False,
+split_special_tokens=True) == tok.encode(text)`; with `tokenizers` directly, set
+`raw.encode_special_tokens = True`, as `HybridTokenizer` does). For chats whose messages may hold such
+strings, `apply_chat_template(..., sanitize_control_tokens=True)` (in recent transformers, e.g. 5.24)
+keeps the template's tokens special and encodes the messages as text. LaTeX tokens are not special
+and are matched the same way by both.
 """
 
 from __future__ import annotations
@@ -32,6 +52,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -133,6 +154,28 @@ CHAT_TEMPLATE = (
 )
 
 
+def _latex_splitter() -> re.Pattern:
+    """Matches any LaTeX token; alternatives longest first, so at each position the longest one wins,
+    as the added-token matcher of `tokenizers` does (leftmost, then longest)."""
+    commands = sorted((t[1:] for t in latex_tokens()), key=len, reverse=True)  # every one starts with "\\"
+    return re.compile(r"\\(?:" + "|".join(map(re.escape, commands)) + ")")
+
+
+def split_at_latex(texts: Iterable[str]) -> Iterable[str]:
+    """The pieces of each text between LaTeX tokens, in order (empty pieces dropped).
+
+    Encoding cuts the text at the added LaTeX tokens before pre-tokenization, but the BPE trainer sees the
+    whole text: without this cut it spends merges on command names ("frac", "mathbb") and on the pieces
+    that straddle a command, which encoding never produces.
+    """
+    splitter = _latex_splitter()
+    for text in texts:
+        if "\\" not in text:  # the common case costs one substring search
+            yield text
+            continue
+        yield from (piece for piece in splitter.split(text) if piece)
+
+
 def build_pipeline(pattern: str = SPLIT_PATTERN) -> Tokenizer:
     """An untrained byte-level BPE with our pre-tokenizer and decoder."""
     tok = Tokenizer(models.BPE())
@@ -174,7 +217,7 @@ def train_from_texts(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=progress,
     )
-    tok.train_from_iterator(texts, trainer)
+    tok.train_from_iterator(split_at_latex(texts), trainer)
     # LaTeX tokens are ordinary text: mark them non-special so decoding never drops them.
     spec = json.loads(tok.to_str())
     latex = set(latex_tokens())
@@ -189,7 +232,11 @@ def train_from_texts(
 
 
 class HybridTokenizer:
-    """A trained tokenizer plus our metadata; `encode` treats its input as raw text."""
+    """A trained tokenizer plus our metadata; `encode` treats its input as raw text.
+
+    Raw text means special-token strings in it stay text, which is not what a HF tokenizer loaded from
+    the same files does by default (see "Special-token strings in text" in the module docstring).
+    """
 
     def __init__(self, tokenizer: Tokenizer, meta: dict):
         self.tokenizer = tokenizer
@@ -200,6 +247,12 @@ class HybridTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def id_limit(self) -> int:
+        """One more than the largest id: the ids a model must embed. Equals `vocab_size` for every tokenizer we
+        train; a tokenizer whose ids have gaps has more."""
+        return max(self.tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     @property
     def eos_id(self) -> int:
@@ -214,11 +267,21 @@ class HybridTokenizer:
         return self.special_ids["pad"]
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Token ids of raw text (no BOS/EOS added). ValueError if `text` holds a lone surrogate."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        except TypeError:  # what `tokenizers` raises for a str it cannot convert to UTF-8
+            _check_encodable([text])
+            raise
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)  # fast: no offsets
-        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
+        texts = list(texts)
+        try:
+            return [e.ids for e in encode(texts, add_special_tokens=False)]
+        except TypeError:
+            _check_encodable(texts)
+            raise
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -251,6 +314,21 @@ class HybridTokenizer:
         except Exception as e:  # damaged JSON from either library
             raise DataError(f"{d}: cannot read the tokenizer ({e}); train it again") from None
         return cls(tok, meta)
+
+
+def _check_encodable(texts: Sequence[str]) -> None:
+    """ValueError naming the first text with a lone surrogate, which no tokenizer can take (no UTF-8 form)."""
+    for n, text in enumerate(texts):
+        if not isinstance(text, str):
+            return  # the caller's TypeError says what is wrong
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"text {n} holds a lone UTF-16 surrogate U+{ord(text[e.start]):04X} at index {e.start}, which has no "
+                "UTF-8 form and cannot be tokenized; replace it first, e.g. with "
+                "hybridlm.data.corpus.replace_lone_surrogates(text) or "
+                "text.encode('utf-8', 'surrogatepass').decode('utf-8', 'replace')") from None
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -357,5 +435,7 @@ def stats(tokenizer_dir: str | Path, inputs: Sequence[str | Path], *, text_field
     files = find_files(inputs)
     out = text_stats(tok, (t for _, t in iter_documents(files, text_field=text_field,
                                                         skip_missing_field=skip_missing_field)))
+    if out["docs"] == 0:  # else fertility and bytes per token would be NaN
+        raise DataError(f"no text found in {', '.join(map(str, inputs))}")
     out["vocab_size"] = tok.vocab_size
     return out

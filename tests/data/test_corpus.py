@@ -133,3 +133,50 @@ def test_parquet_rows_nulls_and_missing_column(tmp_path):
     (tmp_path / "broken.parquet").write_bytes(b"not parquet")
     with pytest.raises(DataError, match="broken.parquet: not a readable parquet file"):
         _read([tmp_path / "broken.parquet"])
+
+
+def test_lone_surrogates_in_jsonl_are_replaced_counted_and_reported(tmp_path, caplog):
+    """json.loads turns an unpaired "\\ud83d" escape into a str no tokenizer can take; it becomes U+FFFD."""
+    path = tmp_path / "s.jsonl"
+    path.write_bytes(b'{"text": "hello \\ud83d world"}\n'
+                     b'{"text": "pair \\ud83d\\ude00 ok"}\n'  # a valid pair is one character, not an error
+                     b'{"text": "low \\udfff and \xff"}\n')  # a surrogate and a bad byte: one document, counted once
+    with caplog.at_level(logging.WARNING):
+        docs, stats = _read([path])
+    assert docs == ["hello \ufffd\ufffd\ufffd world", "pair \U0001f600 ok", "low \ufffd\ufffd\ufffd and \ufffd"]
+    assert (stats.invalid_utf8_docs, stats.invalid_utf8_bytes) == (2, 3 + 3 + 1)  # as the bytes would count in .txt
+    assert stats.bytes == sum(len(d.encode("utf-8")) for d in docs)
+    assert "s.jsonl: 7 invalid UTF-8 bytes" in caplog.text
+
+
+def test_utf8_bom_is_dropped_from_jsonl(tmp_path):
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n')
+    assert _read([tmp_path])[0] == ["first", "second"]
+
+
+def _damage_middle(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = b"\xff" * 64
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_parquet_data_names_the_file_and_row(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    texts = [f"document {i} " + "alpha beta gamma delta " * 5 for i in range(3000)]
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": texts}), path, compression="snappy", row_group_size=1000, data_page_size=4096)
+    _damage_middle(path)  # the footer is intact, so the file opens and fails only when that page is read
+    with pytest.raises(DataError, match=r"d\.parquet: damaged parquet data, in row \d+ or a later one \(.+\); "
+                                        r"write or download the file again"):
+        _read([path])
+
+
+def test_parquet_string_column_with_invalid_utf8_is_replaced_and_counted(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    raw = pa.array([b"ok", b"bad \xff x"], type=pa.binary())
+    # A string column whose bytes are not UTF-8 (another writer's bug); pyarrow does not check it on read.
+    pq.write_table(pa.table({"text": pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())}), tmp_path / "d.parquet")
+    docs, stats = _read([tmp_path / "d.parquet"])
+    assert docs == ["ok", "bad \ufffd x"] and (stats.invalid_utf8_docs, stats.invalid_utf8_bytes) == (1, 1)

@@ -86,3 +86,26 @@ def test_errors_exit_1_with_a_message(tmp_path, tokenizer_dir, capsys):
     assert "no manifest.json" in capsys.readouterr().err
     assert _call(["tokenizer", "train", "--input", str(bad), "--vocab-size", "500", "--out", str(tmp_path / "t")]) == 1
     assert "too small" in capsys.readouterr().err
+
+
+def test_lone_surrogates_are_counted_not_a_crash(tmp_path, tokenizer_dir, capsys):
+    """A "\\ud83d" escape without its pair: every command replaces and counts it instead of a traceback."""
+    corpus = tmp_path / "s.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents(seed=5, n_docs=30))
+                      + '{"text": "hello \\ud83d world"}\n')
+    assert _call(["data", "prepare", "--input", str(corpus), "--tokenizer", str(tokenizer_dir),
+                  "--out", str(tmp_path / "data"), "--workers", "1", "--no-progress"]) == 0
+    assert "invalid UTF-8: 1 documents (3 bytes replaced)" in capsys.readouterr().out
+    assert _call(["tokenizer", "stats", "--tokenizer", str(tokenizer_dir), "--input", str(corpus), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["docs"] == 31
+    assert _call(["tokenizer", "train", "--input", str(corpus), "--vocab-size", str(VOCAB_SIZE),
+                  "--out", str(tmp_path / "tok"), "--no-progress"]) == 0
+    assert "31 documents" in capsys.readouterr().out
+
+
+def test_stats_of_an_empty_input_exits_1(tmp_path, tokenizer_dir, capsys):
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    rc = _call(["tokenizer", "stats", "--tokenizer", str(tokenizer_dir), "--input", str(tmp_path / "empty.jsonl"),
+                "--json"])
+    captured = capsys.readouterr()
+    assert rc == 1 and captured.out == "" and "no text found in" in captured.err and "empty.jsonl" in captured.err

@@ -235,3 +235,143 @@ def test_parquet_input(tmp_path, tokenizer_dir, tokenizer):
     ds = TokenDataset(tmp_path / "out")
     assert result.manifest["sources"][0]["format"] == "parquet"
     assert [tokenizer.decode(ds.doc(i)[:-1]) for i in range(ds.num_docs)] == docs
+
+
+def _interrupt_at_shard(monkeypatch, n: int) -> list:
+    """Make the n-th shard write of the next run raise KeyboardInterrupt (Ctrl-C); returns the ends seen."""
+    real_write, calls = shards._ShardWriter._write, []
+
+    def write(self, tokens, end):
+        calls.append(end)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        real_write(self, tokens, end)
+
+    monkeypatch.setattr(shards._ShardWriter, "_write", write)
+    return calls
+
+
+def _progress_shards(out) -> list[str]:
+    return [s["name"] for s in json.loads((out / PROGRESS).read_text())["shards"]]
+
+
+def test_interrupted_resume_keeps_the_earlier_shards(corpus, tokenizer_dir, tmp_path, monkeypatch):
+    """A resume killed before its first new shard must not forget the shards of the run before it."""
+    corpus_dir, _ = corpus
+    _run(corpus_dir, tokenizer_dir, tmp_path / "whole")
+    out = tmp_path / "out"
+    _interrupt_at_shard(monkeypatch, 4)
+    with pytest.raises(KeyboardInterrupt):
+        _run(corpus_dir, tokenizer_dir, out)
+    _interrupt_at_shard(monkeypatch, 1)
+    with pytest.raises(KeyboardInterrupt):
+        _run(corpus_dir, tokenizer_dir, out)
+    assert _progress_shards(out) == [f"shard_0000{i}.bin" for i in range(3)]
+    monkeypatch.undo()
+    result = _run(corpus_dir, tokenizer_dir, out)
+    assert (result.status, result.kept_shards) == ("resumed", 3)
+    assert _files(out) == _files(tmp_path / "whole")
+
+
+def test_interrupted_repair_keeps_the_intact_shards(corpus, tokenizer_dir, tmp_path, monkeypatch):
+    """Repairing a complete dataset removes its manifest; progress.json must hold the intact prefix first."""
+    corpus_dir, _ = corpus
+    out = tmp_path / "out"
+    _run(corpus_dir, tokenizer_dir, out)
+    good = _files(out)
+    victim = out / "shard_00002.bin"
+    victim.write_bytes(b"\x00\x00" + victim.read_bytes()[2:])
+    _interrupt_at_shard(monkeypatch, 1)
+    with pytest.raises(KeyboardInterrupt):
+        _run(corpus_dir, tokenizer_dir, out)
+    assert not (out / MANIFEST).exists() and not victim.exists()
+    assert _progress_shards(out) == ["shard_00000.bin", "shard_00001.bin"]
+    monkeypatch.undo()
+    result = _run(corpus_dir, tokenizer_dir, out)
+    assert (result.status, result.kept_shards) == ("resumed", 2)
+    assert _files(out) == good
+
+
+@pytest.mark.parametrize("edit", [lambda m: m.pop("num_docs"), lambda m: m.update(complete=False)],
+                         ids=["num_docs_missing", "marked_incomplete"])
+def test_damaged_manifest_fields_are_rewritten_keeping_every_shard(corpus, tokenizer_dir, tmp_path, monkeypatch,
+                                                                    edit):
+    corpus_dir, _ = corpus
+    out = tmp_path / "out"
+    whole = _run(corpus_dir, tokenizer_dir, out).manifest
+    good = _files(out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    edit(manifest)
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"re-run `hybridlm data prepare`.*keeps the intact shards"):
+        TokenDataset(out)
+
+    def no_tokenizing(texts):
+        raise AssertionError("intact shards were tokenized again")
+
+    monkeypatch.setattr(shards, "_encode", no_tokenizing)
+    result = _run(corpus_dir, tokenizer_dir, out)
+    assert (result.status, result.kept_shards) == ("resumed", len(whole["shards"]))
+    assert result.manifest == whole and _files(out) == good
+    TokenDataset(out)
+
+
+def test_damaged_shard_entry_keeps_the_shards_before_it(corpus, tokenizer_dir, tmp_path):
+    corpus_dir, _ = corpus
+    out = tmp_path / "out"
+    whole = _run(corpus_dir, tokenizer_dir, out).manifest
+    good = _files(out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    del manifest["shards"][3]["sha256"]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"shards\[3\]\.sha256 missing.*keeps the intact shards"):
+        TokenDataset(out)
+    result = _run(corpus_dir, tokenizer_dir, out)
+    assert (result.status, result.kept_shards) == ("resumed", 3)
+    assert result.manifest == whole and _files(out) == good
+
+
+def test_unreadable_manifest_says_every_shard_is_prepared_again(corpus, tokenizer_dir, tmp_path, caplog):
+    corpus_dir, _ = corpus
+    out = tmp_path / "out"
+    _run(corpus_dir, tokenizer_dir, out)
+    good = _files(out)
+    (out / MANIFEST).write_text('{"format": "hybridlm-sha')  # cut off: the checksums are gone
+    with pytest.raises(DataError, match=r"checksums are lost; re-run .* to prepare every shard again"):
+        TokenDataset(out)
+    with caplog.at_level("WARNING"):
+        result = _run(corpus_dir, tokenizer_dir, out)
+    assert "manifest.json is not readable JSON" in caplog.text and "preparing every shard again" in caplog.text
+    assert (result.status, result.kept_shards) == ("created", 0)
+    assert _files(out) == good
+
+
+def _gapped_tokenizer(directory):
+    """A word-level tokenizer whose ids have a gap: 6 tokens, the largest id 70,000 (past uint16)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from hybridlm.data.tokenizer import HybridTokenizer
+
+    vocab = {"<|pad|>": 0, "<|begin_of_text|>": 1, "<|end_of_text|>": 2, "<unk>": 3, "a": 4, "far": 70_000}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = HybridTokenizer(raw, {"special_tokens": {"pad": 0, "bos": 1, "eos": 2}})
+    tok.save(directory)
+    return tok
+
+
+def test_ids_past_the_vocabulary_size_get_a_wide_enough_dtype(tmp_path):
+    tok = _gapped_tokenizer(tmp_path / "tok")
+    assert (tok.vocab_size, tok.id_limit) == (6, 70_001)
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"text": "a far a"}) + "\n")
+    result = prepare([path], tmp_path / "tok", tmp_path / "out", shard_tokens=SHARD, workers=1, progress=False)
+    assert result.manifest["dtype"] == "uint32" and result.manifest["vocab_size"] == 70_001
+    assert TokenDataset(tmp_path / "out").doc(0).tolist() == [4, 70_000, 4, 2]
+
+
+def test_writer_refuses_an_id_its_dtype_cannot_hold(tmp_path):
+    writer = shards._ShardWriter(tmp_path, np.dtype("<u2"), 4, [], lambda entries: None)
+    with pytest.raises(DataError, match=r"token id 70000 does not fit .* uint16 \(ids up to 65535\)"):
+        writer.add(0, np.array([5, 70_000, 2, 9], dtype=np.uint32), 4, is_start=True)
+    assert not list(tmp_path.iterdir())  # nothing wrapped was written

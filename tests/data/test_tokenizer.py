@@ -181,3 +181,57 @@ def test_stats_improve_with_vocab_size(tmp_path, train_texts):
 def test_load_rejects_a_directory_without_tokenizer(tmp_path):
     with pytest.raises(DataError, match="not a tokenizer directory"):
         HybridTokenizer.load(tmp_path)
+
+
+def test_encode_refuses_lone_surrogates_with_a_clear_error(tokenizer):
+    with pytest.raises(ValueError, match=r"text 0 holds a lone UTF-16 surrogate U\+D800 at index 0.*replace_lone_surrogates"):
+        tokenizer.encode("\ud800")
+    with pytest.raises(ValueError, match=r"text 1 holds a lone UTF-16 surrogate U\+DFFF at index 2"):
+        tokenizer.encode_batch(["fine", "ab\udfff"])
+    with pytest.raises(TypeError):  # not a string at all: the library's own error stands
+        tokenizer.encode(5)
+
+
+_SPECIAL_TEXTS = ["a <|end_of_text|> b", "<|begin_of_text|>hi", "x <|reserved_5|> y", "<|user|>hello<|end_of_turn|>",
+                  "\\frac{1}{2} <|pad|>\\alpha"]
+
+
+def test_hf_tokenizer_on_special_token_strings_in_text(tokenizer, tokenizer_dir):
+    """The documented difference: HF matches special-token strings in text (its chat template needs that);
+    with split_special_tokens=True per call it gives exactly our raw-text ids."""
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    raw = Tokenizer.from_file(str(tokenizer_dir / TOKENIZER_FILE))
+    raw.encode_special_tokens = True
+    for text in _SPECIAL_TEXTS:
+        ours = tokenizer.encode(text)
+        assert not set(ours) & set(range(len(SPECIAL_TOKENS) + NUM_RESERVED)), text
+        assert auto.encode(text, add_special_tokens=False, split_special_tokens=True) == ours
+        assert auto(text, split_special_tokens=True)["input_ids"] == ours
+        assert raw.encode(text, add_special_tokens=False).ids == ours
+        assert auto.decode(ours) == text
+    assert 2 in auto.encode("a <|end_of_text|> b", add_special_tokens=False)  # HF's default: matched as EOS
+    chat = auto.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    chat = chat["input_ids"] if isinstance(chat, dict) or hasattr(chat, "keys") else chat
+    assert chat == [1, 4, *tokenizer.encode("hi"), 7, 5]  # bos user hi end_of_turn assistant, built from ids
+
+
+def test_stats_of_no_text_is_an_error(tokenizer_dir, tmp_path):
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    (tmp_path / "blank.jsonl").write_text('{"text": "  "}\n')
+    with pytest.raises(DataError, match=r"no text found in .*empty\.jsonl, .*blank\.jsonl"):
+        stats(tokenizer_dir, [tmp_path / "empty.jsonl", tmp_path / "blank.jsonl"])
+
+
+def test_training_learns_no_merges_inside_latex_commands():
+    """Encoding cuts LaTeX tokens out before BPE sees the text, so merges learned inside them are wasted."""
+    rng = random.Random(0)
+    commands = [r"\frac{a}{b}", r"\mathbb{R}", r"\alpha", r"\partial", r"\sqrt{x}", r"\infty", r"\begin{align}"]
+    words = ["".join(rng.choice("aeioubcdfghklmnprst") for _ in range(rng.randint(2, 7))) for _ in range(300)]
+    texts = [" ".join(rng.choice(commands) if rng.random() < 0.4 else rng.choice(words) for _ in range(60))
+             for _ in range(400)]
+    tok = train_from_texts(texts, VOCAB_SIZE)
+    names = ["frac", "mathbb", "alpha", "partial", "sqrt", "infty", "align"]
+    assert all(name not in " ".join(words) for name in names)  # these letters occur only inside commands
+    assert [t for t in _learned_token_texts(tok) if any(name in t for name in names)] == []
