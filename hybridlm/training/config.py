@@ -39,8 +39,11 @@ mixer). Both are ordinary `model.overrides`.
 Typing: every value is parsed into the declared type of its field (ints, floats, bools, str, optional,
 tuples, lists, dicts, nested sections); YAML's `3e-4` (a string to PyYAML) is read as a float where a
 float is expected. Errors are `ConfigError`s that name the dotted key: an unknown key lists the valid
-keys of its section, a wrong type says what was expected, an impossible combination (warmup longer than
-the run, rampup batches that are not multiples of the micro batch, ...) names the keys involved.
+keys of its section, a wrong type says what was expected, an impossible combination (a decay longer than
+the run, rampup batches that are not multiples of the micro batch, ...) names the keys involved, and so does a
+setting that would have no effect (a batch.rampup_tokens without batch.rampup_start, schedule.power_t0 with
+kind wsd, ...). What depends on the number of data-parallel ranks (the run's tokens under train.steps, its
+updates under train.tokens) is checked by the trainer, through `schedule_config`.
 """
 
 from __future__ import annotations
@@ -121,7 +124,9 @@ class BatchSection:
     seq_len: int = 256
     grad_accum: int = 1  # micro-steps per update (the final value when rampup is on)
     rampup_start: int | None = None  # rows (per rank) at the start of the rampup; None: no rampup
-    rampup_tokens: int = 0  # (global) tokens over which the batch grows linearly to micro_batch x grad_accum
+    # (global) tokens over which the batch grows linearly to micro_batch x grad_accum: > 0 with rampup_start (0
+    # without); one not shorter than the run is kept, with a note from the trainer
+    rampup_tokens: int = 0
     ref_batch: int | None = None  # rows (per rank) the lr was tuned at (sqrt lr scaling); None: the target
 
 
@@ -557,11 +562,20 @@ def validate(config: TrainConfig) -> None:
                 kind = "matrix" if roles is MATRIX_ROLES else "vector"
                 raise ConfigError(f"unknown key '{key}.{role}'; valid keys of {key} (the {kind} roles): {', '.join(roles)}")
             _finite(value, f"{key}.{role}", low=0.0, strict=key != "optim.vector_lr")
+    if hybrid.tie_word_embeddings:  # lm_head is embed_tokens: one "embedding" group, no "unembedding" one
+        for key, table in (("optim.elr", o.elr), ("optim.ewd", o.ewd)):
+            if table.get("unembedding", 1.0) != 1.0:
+                raise ConfigError(
+                    f"{key}.unembedding: has no effect: the model ties its embeddings (tie_word_embeddings, from "
+                    f"model.preset or model.overrides), so lm_head is embed_tokens and there is no unembedding group; "
+                    f"set {key}.embedding instead, or untie (model.overrides.tie_word_embeddings=false)"
+                )
     # batch
     b = config.batch
     _positive_int(b.micro_batch, "batch.micro_batch")
     _positive_int(b.seq_len, "batch.seq_len", 2)
     _positive_int(b.grad_accum, "batch.grad_accum")
+    _positive_int(b.rampup_tokens, "batch.rampup_tokens", 0)
     if b.rampup_start is not None:
         _positive_int(b.rampup_start, "batch.rampup_start")
         target = b.micro_batch * b.grad_accum  # rows per rank, like rampup_start
@@ -571,7 +585,14 @@ def validate(config: TrainConfig) -> None:
         if b.rampup_start > target:
             raise ConfigError(f"batch.rampup_start: {b.rampup_start} exceeds the target batch "
                               f"batch.micro_batch x batch.grad_accum = {target}")
-        _positive_int(b.rampup_tokens, "batch.rampup_tokens", 0)
+        if b.rampup_tokens == 0:
+            raise ConfigError("batch.rampup_tokens: must be > 0 with batch.rampup_start set (the global tokens over "
+                              "which the batch grows to batch.micro_batch x batch.grad_accum); with 0 the run would "
+                              "start at the target batch: set the rampup's length, or unset batch.rampup_start")
+    elif b.rampup_tokens:
+        raise ConfigError(f"batch.rampup_tokens: {b.rampup_tokens} has no effect without batch.rampup_start (the rows "
+                          "per rank the rampup starts from); set batch.rampup_start, or batch.rampup_tokens=0 for no "
+                          "rampup")
     if b.ref_batch is not None:
         _positive_int(b.ref_batch, "batch.ref_batch")
         if b.rampup_start is None:
@@ -607,11 +628,10 @@ def validate(config: TrainConfig) -> None:
     _validate_parallel(config, hybrid)
     # distributed
     _choice(config.distributed.backend, "distributed.backend", BACKENDS)
-    # schedule: the stages must fit in the run (world size 1 here; the trainer checks again with its own)
-    try:
-        schedule_config(config, world_size=1)
-    except ValueError as err:
-        raise ConfigError(f"schedule: {err}") from err
+    # the run's length: only what holds at any number of data-parallel ranks is checked here; the rest (the run's
+    # tokens under train.steps, its updates under train.tokens) `schedule_config` checks with the trainer's number
+    if config.schedule.unit == "steps" and t.tokens is None:  # train.steps updates whatever the number of ranks
+        _check_decay_fits(config.schedule, t.steps, ": train.steps")
 
 
 def _validate_parallel(config: TrainConfig, hybrid) -> None:
@@ -743,21 +763,38 @@ def schedule_config(config: TrainConfig, world_size: int) -> tuple[ScheduleConfi
 
     A warmup that does not fit (warmup + decay > total, e.g. `--set train.steps=12` on a config written
     for thousands of steps) is shortened to total - decay, with a note saying so, so that any config runs
-    at any length; a decay longer than the whole run is an error (ValueError).
+    at any length; a batch rampup not shorter than the run is kept, with a note that the batch never
+    reaches its target. A decay longer than the whole run is a ConfigError naming the keys and the
+    number of data-parallel ranks (the run's tokens, or its updates under a token budget, depend on it:
+    `validate` checks only what holds at any number).
     """
-    _, _, total = schedule_total(config, world_size)
+    steps, tokens, total = schedule_total(config, world_size)
     schedule = config.schedule
-    note = None
+    notes = []
+    ranks = f" at {world_size} data-parallel rank{'s' if world_size > 1 else ''}"
+    _check_decay_fits(schedule, total, ranks if schedule.unit == "steps" else f": {steps} updates{ranks}")
     decay = schedule.decay_length(total)
-    if decay > total:
-        raise ValueError(f"the decay ({decay:g}) is longer than the whole run ({total:g} {schedule.unit}); "
-                         "shorten schedule.decay or train longer")
     if schedule.warmup + decay > total:
         warmup = total - decay
-        note = (f"schedule.warmup {schedule.warmup:g} + decay {decay:g} exceed the run's {total:g} {schedule.unit}; "
-                f"warmup shortened to {warmup:g}")
+        notes.append(f"schedule.warmup {schedule.warmup:g} + decay {decay:g} exceed the run's {total:g} "
+                     f"{schedule.unit}; warmup shortened to {warmup:g}")
         schedule = dataclasses.replace(schedule, warmup=warmup)
-    return dataclasses.replace(schedule, rampup=rampup_of(config, world_size)), total, note
+    if config.batch.rampup_start is not None:
+        budget = tokens if config.train.tokens is None else min(tokens, config.train.tokens)
+        if config.batch.rampup_tokens >= budget:
+            notes.append(f"batch.rampup_tokens {config.batch.rampup_tokens:,} is not shorter than the run's {budget:,} "
+                         f"tokens ({steps} updates{ranks}): the batch never reaches batch.micro_batch x "
+                         "batch.grad_accum and the lr stays scaled by sqrt(batch / ref_batch)")
+    return dataclasses.replace(schedule, rampup=rampup_of(config, world_size)), total, "; ".join(notes) or None
+
+
+def _check_decay_fits(schedule: ScheduleConfig, total: float, run: str) -> None:
+    """ConfigError if the decay stage is longer than the run (`total` in the schedule's unit; `run`, appended to
+    it, says what fixed that length)."""
+    decay = schedule.decay_length(total)
+    if decay > total:
+        raise ConfigError(f"schedule.decay: the decay ({decay:g} {schedule.unit}) is longer than the whole run "
+                          f"({total:g} {schedule.unit}{run}); shorten schedule.decay or train longer")
 
 
 def plan_steps(config: TrainConfig, world_size: int) -> tuple[int, int]:

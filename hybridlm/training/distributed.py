@@ -375,6 +375,8 @@ def load_full_state_dicts(
 ) -> None:
     """Load `full_state_dicts` output (read on every rank) into this rank's part of the model and optimizer.
 
+    As torch's `Optimizer.load_state_dict`, the saved groups' hyperparameters (lr, betas, eps, base_lr, ...)
+    replace the optimizer's; a caller whose current settings should win (the trainer's --resume) puts them back.
     Raises RuntimeError when the checkpoint does not fit the model (missing or unexpected names)."""
     from hybridlm.parallel.checkpoint import (
         load_full_model_state_dict,

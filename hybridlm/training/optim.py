@@ -30,7 +30,10 @@ Solving for (eta_j, lambda_j):
     divide:   eta_j^2 = elr^2 / ewd^2 * eta^2    ->  eta_j = eta * elr / ewd
 
 so elr scales (eta, lambda) together (the report's ELR micro-sweep) and ewd moves them apart (its EWD
-sweep). Vector roles get eta_j = eta * m_j and lambda_j = 0.
+sweep). Direction: `ewd = p` gives (eta / p, lambda * p) (a larger ewd: a larger lambda_eff, smaller norms),
+while the report writes its EWD sweep as (p * eta, lambda / p), which is `ewd = 1/p` here: invert EWD values
+imported from it (elr = p is its ELR sweep's (p * eta, p * lambda) as written). Vector roles get eta_j = eta * m_j
+and lambda_j = 0.
 
 Each group stores `base_lr` and `base_weight_decay` (the values above); `apply_schedule` sets
 `lr = base_lr * lr_factor` and `weight_decay = base_weight_decay * wd_factor`, so schedules never compound.

@@ -37,6 +37,10 @@ Full schedule (kinds with a stable stage):
     g(u): "linear" 1 - (1 - r) u;  "cosine" r + (1 - r)(1 + cos(pi u)) / 2;  "exponential" r^u
     (geometric; r > 0), e.g. r = 1/8 for the report's SFT decay to eta / 8.
 
+    The last update runs at t = T, u = 1: at lr = r x s_lr(D0). With r = 0 (linear or cosine decay, and the
+    "cosine" kind) that update has lr 0 and changes nothing but AdamW's moments: one update of the run is
+    spent. Kept as written (the report's curves end at r); a small r > 0 makes every update count.
+
 Choices the report leaves open (it prescribes only the stable stage), made here:
 - wd is not warmed up: AdamW's per-step decay lr * wd already ramps with lr; ramping wd too would make the
   effective decay quadratic in t. During warmup wd follows the stable curve (= 1 unless t0 < W).
@@ -66,6 +70,7 @@ DECAY_SHAPES = ("linear", "cosine", "exponential")
 UNITS = ("steps", "tokens")
 _POWER_KINDS = ("power", "effective_power")
 _DECAYING_KINDS = ("wsd", "power", "effective_power")
+_DEFAULT_POWER_EXPONENT = 0.5  # the report's b = 1/2
 
 
 def _is_number(value: Any) -> bool:
@@ -137,6 +142,13 @@ class ScheduleConfig:
     Durations (`warmup`, `decay`, `power_t0`) count in `unit`. For "wsd", "power" and "effective_power"
     give exactly one of `decay` (a length) or `decay_fraction` (of total); "constant" and "cosine" take
     neither. See the module docstring for the exact formulas.
+
+    Settings a kind does not use are refused when they differ from their defaults (a value that would be
+    silently ignored): `power_t0` / `power_exponent` outside "power" / "effective_power", `decay_shape` /
+    `min_lr_ratio` with "constant", `decay_shape` "exponential" with "cosine" (always a cosine).
+
+    `min_lr_ratio` r: the decay ends at r x its starting lr, and the last update runs at that lr; r = 0 makes
+    the last update one at lr 0 (a spent update, see the module docstring).
     """
 
     kind: str = "wsd"
@@ -145,9 +157,9 @@ class ScheduleConfig:
     decay: float | None = None
     decay_fraction: float | None = None
     decay_shape: str = "linear"
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = 0.0  # lr at the end of the decay / at its start; 0: the last update runs at lr 0
     power_t0: float | None = None
-    power_exponent: float = 0.5  # b of eta ~ t^-b ("power"); "effective_power" uses b/2 on lr and wd
+    power_exponent: float = _DEFAULT_POWER_EXPONENT  # b of eta ~ t^-b ("power"); "effective_power": b/2 on lr and wd
     rampup: BatchRampup | None = None
 
     def __post_init__(self) -> None:
@@ -190,8 +202,31 @@ class ScheduleConfig:
                 )
         if not _is_number(self.power_exponent) or self.power_exponent < 0:
             raise ValueError(f"ScheduleConfig.power_exponent must be a finite number >= 0, got {self.power_exponent!r}")
+        self._refuse_unused()
         if self.rampup is not None and not isinstance(self.rampup, BatchRampup):
             raise ValueError(f"ScheduleConfig.rampup must be a BatchRampup or None, got {type(self.rampup).__name__}")
+
+    def _refuse_unused(self) -> None:
+        """ValueError naming a setting this kind ignores, when it differs from its default."""
+        ignored: list[tuple[str, str]] = []  # (setting, why it has no effect)
+        if self.kind not in _POWER_KINDS:
+            why = "it shapes only the stable stage of the kinds 'power' and 'effective_power'"
+            if self.power_t0 is not None:
+                ignored.append((f"power_t0={self.power_t0!r}", why))
+            if self.power_exponent != _DEFAULT_POWER_EXPONENT:
+                ignored.append((f"power_exponent={self.power_exponent!r}", why))
+        if self.kind == "constant":
+            why = "'constant' has no decay"
+            if self.decay_shape != "linear":
+                ignored.append((f"decay_shape={self.decay_shape!r}", why))
+            if self.min_lr_ratio != 0.0:
+                ignored.append((f"min_lr_ratio={self.min_lr_ratio!r}", why))
+        if self.kind == "cosine" and self.decay_shape == "exponential":
+            ignored.append(("decay_shape='exponential'", "'cosine' always decays along a cosine, to min_lr_ratio"))
+        if ignored:
+            setting, why = ignored[0]
+            raise ValueError(f"ScheduleConfig(kind={self.kind!r}): {setting} has no effect ({why}); leave it at its "
+                             "default, or choose a kind that uses it")
 
     def decay_length(self, total: float) -> float:
         """Td: the length of the final decay stage for a run of `total` (0 for "constant"/"cosine")."""

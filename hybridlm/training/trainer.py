@@ -42,7 +42,8 @@ metrics files are cut back to its step; with the same config the run continues e
 not stopped (tested: 2N steps == N + resume + N on CPU in fp32). Checkpoints hold the unparallelized
 layout, so a run saved under one mesh (tp=2 x dp_shard=2, mixer parallelism, ...) resumes under another or in
 one process (`hybridlm.parallel.checkpoint`). The config given at resume time wins
-(e.g. a larger train.steps, or a new lr: the groups' base lr / wd are taken from it), and its differences
+(e.g. a larger train.steps, or a new lr or betas: the AdamW groups' hyperparameters are all taken from it, only
+the moments and step counts from the checkpoint), and its differences
 from the saved one are printed; the schedule is recomputed for the new length (a pure function of the progress), so
 extending a run whose WSD decay has finished puts the lr straight back at the new schedule's value there, the
 peak for a run still short of the new decay: no second warmup. The loader state is moved to the current data-parallel size, so a run
@@ -204,6 +205,8 @@ class Trainer:
         dp = self.ctx.dp_size
         self.hybrid = build_model_config(config)
         self.total_steps, self.total_tokens = plan_steps(config, dp)
+        # ConfigError (the CLI's one-line config error) if the decay does not fit the run at dp; notes for a shortened
+        # warmup or a rampup the run outlasts
         self.schedule, self.schedule_total, note = schedule_config(config, dp)
         if note:
             self._print(note)
@@ -405,8 +408,10 @@ class Trainer:
         if skipped:
             self._print(f"--resume: skipping incomplete newer checkpoint(s) {', '.join(skipped)}")
         model_state = _ModelState()
-        # fresh base lr / wd: the config given now wins over the saved groups' values
-        fresh = [{k: g[k] for k in ("base_lr", "base_weight_decay")} for g in self.optimizer.param_groups]
+        # The config given now wins: every group's hyperparameters (base lr / wd for the schedule, betas, eps and
+        # torch's own options) stay those of the fresh groups; the checkpoint gives only the per-parameter state
+        # (moments, step counts). `load_full_state_dicts` copies the saved groups' values, as torch's loader does.
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         optim_state = _OptimizerState(self.canonical_groups)
         loaded = load_checkpoint(path, model=model_state, optimizer=optim_state, restore_rng=True)
         state = loaded.train_state
@@ -426,7 +431,9 @@ class Trainer:
                 + ("; ".join(changes) or "none") + ". Resume with the run's own settings, or train into a new --out"
             ) from err
         for group, values in zip(self.optimizer.param_groups, fresh):
-            group.update(values)
+            params = group["params"]
+            group.clear()
+            group.update(values, params=params)
         self.step, self.tokens = loaded.step, int(state["tokens"])
         self.guard.load_state_dict(state["guard"])
         self._interval = [{k: math.nan if v is None else v for k, v in r.items()} for r in state.get("interval", [])]

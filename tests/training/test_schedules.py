@@ -132,6 +132,12 @@ def test_warmup_is_continuous_when_t0_is_inside_it() -> None:
         (dict(kind="wsd", decay=5, min_lr_ratio=1.5), "min_lr_ratio"),
         (dict(kind="wsd", decay=-1), "decay must be"),
         (dict(kind="wsd", decay=1, unit="epochs"), "unit"),
+        # settings the kind ignores, set to other than their defaults
+        (dict(kind="wsd", decay=5, power_t0=100), r"power_t0=100 has no effect"),
+        (dict(kind="cosine", power_exponent=0.25), r"power_exponent=0.25 has no effect"),
+        (dict(kind="constant", min_lr_ratio=0.1), r"min_lr_ratio=0.1 has no effect \('constant' has no decay\)"),
+        (dict(kind="constant", decay_shape="cosine"), r"decay_shape='cosine' has no effect"),
+        (dict(kind="cosine", decay_shape="exponential", min_lr_ratio=0.1), r"decay_shape='exponential' has no effect"),
     ],
 )
 def test_config_validation(kwargs: dict, message: str) -> None:

@@ -117,6 +117,83 @@ def test_resume_continues_exactly(demo_dir, tmp_path):
     assert logged == list(range(1, 9))
 
 
+def test_resume_mid_rampup_with_a_schedule_in_tokens_continues_exactly(demo_dir, tmp_path):
+    """A batch rampup (2 -> 8 rows over 1024 tokens) under an effective-power schedule counted in tokens, stopped
+    mid-rampup and resumed: the same batches, lr, wd, losses and weights as one uninterrupted run, bit for bit."""
+    extra = ("batch.grad_accum=4", "batch.rampup_start=2", "batch.rampup_tokens=1024", "train.steps=12",
+             "schedule.kind=effective_power", "schedule.unit=tokens", "schedule.warmup=256", "schedule.power_t0=512",
+             "schedule.decay_fraction=0.3", "schedule.decay_shape=exponential", "schedule.min_lr_ratio=0.125",
+             "model.overrides.num_hidden_layers=1", "train.eval_batches=1")
+    whole = Trainer(small_config(demo_dir, tmp_path / "whole", *extra))
+    whole.train()
+    first = Trainer(small_config(demo_dir, tmp_path / "split", *extra), callbacks=[stop_at(5)])
+    assert first.train().status == "interrupted" and first.tokens < 1024  # stopped inside the rampup
+    torch.manual_seed(99)
+    second = Trainer(small_config(demo_dir, tmp_path / "split", *extra), resume=True)
+    second.train()
+
+    def seen(records):
+        return [(r["step_tokens"], r["lr"], r["wd"], r["loss"]) for r in records]
+
+    assert seen(first.history + second.history) == seen(whole.history)  # exact, not approximate
+    batches = [r["step_tokens"] // 32 for r in whole.history]  # rows per update
+    assert batches == sorted(batches) and {2, 4, 6, 8} <= set(batches)  # the batch grows to 8 rows inside the run
+    assert len({r["wd"] for r in whole.history}) > 3  # EPS moves the weight decay too
+    for (name, a), (_, b) in zip(whole.raw_model.state_dict().items(), second.raw_model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_resume_takes_every_optimizer_hyperparameter_from_the_new_config(demo_dir, tmp_path):
+    """--resume with new betas, eps, lr, wd and a multiplier: the AdamW groups hold the new values (those of a fresh
+    run), not the checkpoint's, and an update equals a fresh AdamW's with the new values and the saved moments."""
+    from hybridlm.training.optim import apply_schedule
+
+    Trainer(small_config(demo_dir, tmp_path / "run", "train.steps=2")).train()
+    new = ("train.steps=4", "optim.betas=[0.5, 0.6]", "optim.eps=1e-6", "optim.lr=1e-2", "optim.weight_decay=0.05",
+           "optim.elr.mlp_up=2.0")
+    resumed = Trainer(small_config(demo_dir, tmp_path / "run", *new), resume=True)
+    fresh = Trainer(small_config(demo_dir, tmp_path / "fresh", *new))
+
+    def hyperparameters(group):
+        return {k: v for k, v in group.items() if k != "params"}
+
+    assert [hyperparameters(g) for g in resumed.optimizer.param_groups] == \
+        [hyperparameters(g) for g in fresh.optimizer.param_groups]
+    assert {g["betas"] for g in resumed.optimizer.param_groups} == {(0.5, 0.6)}
+    # one update against a fresh AdamW with the new settings, given the checkpoint's moments and step counts
+    params = [p for g in resumed.optimizer.param_groups for p in g["params"]]
+    assert all(int(resumed.optimizer.state[p]["step"]) == 2 for p in params)
+    clones = iter([p.detach().clone().requires_grad_() for p in params])
+    reference = torch.optim.AdamW([{**hyperparameters(g), "params": [next(clones) for _ in g["params"]]}
+                                   for g in fresh.optimizer.param_groups])
+    generator = torch.Generator().manual_seed(0)
+    for p, c in zip(params, [c for g in reference.param_groups for c in g["params"]]):
+        reference.state[c] = {k: v.clone() for k, v in resumed.optimizer.state[p].items()}
+        p.grad = torch.randn(p.shape, generator=generator).to(p.device)
+        c.grad = p.grad.clone()
+    for optimizer in (resumed.optimizer, reference):
+        apply_schedule(optimizer, 0.5, 0.5)
+        optimizer.step()
+    for p, c in zip(params, [c for g in reference.param_groups for c in g["params"]]):
+        assert torch.equal(p, c)
+
+
+def test_a_run_length_the_ranks_do_not_fit_is_a_config_error_of_the_cli(demo_dir, tmp_path, capsys):
+    """A token budget with a decay in steps: the number of updates depends on the ranks, so load_config leaves the
+    check to the trainer (here 1 rank: 640 tokens = 10 updates of 2 x 32), whose ConfigError the CLI reports in one
+    line with exit status 2 (no traceback)."""
+    from hybridlm.cli import main
+
+    sets = [f"data.demo_dir={demo_dir}", "data.demo_max_bytes=400000", "data.demo_heldout_every=4",
+            "batch.micro_batch=2", "batch.seq_len=32", "train.steps=null", "train.tokens=640",
+            "schedule.decay_fraction=null", "schedule.decay=20", "train.progress=false"]
+    assert main(["train", "--out", str(tmp_path / "cli"), *[a for s in sets for a in ("--set", s)]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: schedule.decay: the decay (20 steps) is longer than the whole run (10 steps "
+                          "at 1 data-parallel rank)"), err
+    assert err.count("\n") == 1
+
+
 def test_a_resumed_run_logs_the_metrics_of_an_uninterrupted_one(demo_dir, tmp_path):
     """Stopped between two records (log_every 4, stop at 3; a crash after a save at 6): the resumed run's
     metrics.jsonl holds the same records, each averaging the same updates."""

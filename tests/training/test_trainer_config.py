@@ -37,8 +37,10 @@ def test_every_shipped_config_loads_and_takes_a_short_run():
         config = load_config(path, ["train.steps=12"])  # works on any config (the issue's promise)
         steps, _ = plan_steps(config, world_size=1)
         assert steps == 12, path.name
-        schedule, total, _ = schedule_config(config, world_size=1)
+        schedule, total, note = schedule_config(config, world_size=1)
         assert schedule.warmup + schedule.decay_length(total) <= total
+        if config.batch.rampup_start is not None:  # a rampup longer than 12 updates: kept, and the note says so
+            assert "batch.rampup_tokens" in note and "never reaches" in note, note
 
 
 def test_125m_config_is_about_125m():
@@ -114,6 +116,13 @@ def test_mup_base_width_transfers_the_multipliers():
         ("schedule.decay=5000", ["schedule", "decay"]),  # decay and decay_fraction both set
         ("schedule.rampup=1", ["schedule.rampup", "batch.rampup_start"]),
         ("batch.rampup_start=3", ["batch.rampup_start", "multiple"]),
+        # rampup settings that would do nothing
+        ("batch.rampup_tokens=-5", ["batch.rampup_tokens", ">= 0"]),
+        ("batch.rampup_tokens=100000", ["batch.rampup_tokens", "no effect without batch.rampup_start"]),
+        ("batch.rampup_start=8", ["batch.rampup_tokens", "must be > 0 with batch.rampup_start"]),
+        # schedule settings the kind ignores (set to other than their defaults)
+        ("schedule.power_t0=100", ["schedule", "power_t0=100", "no effect", "'power'"]),
+        ("schedule.power_exponent=0.3", ["schedule", "power_exponent=0.3", "no effect"]),
         ("train.steps", ["key=value"]),
         ("train.steps=null", ["train.steps", "train.tokens"]),
         ("data.demo=false", ["data", "sources"]),
@@ -128,8 +137,8 @@ def test_errors_name_the_key(override, names):
 
 
 def test_decay_longer_than_the_run_is_an_error_but_a_long_warmup_is_shortened():
-    with pytest.raises(ConfigError, match="schedule"):
-        load_config(None, ["schedule.decay_fraction=null", "schedule.decay=500"])  # 300 steps
+    with pytest.raises(ConfigError, match=r"schedule\.decay: .*300 steps: train\.steps"):
+        load_config(None, ["schedule.decay_fraction=null", "schedule.decay=500"])  # 300 steps at any number of ranks
     config = load_config(None, ["train.steps=10"])  # warmup 30 > 10 steps
     schedule, total, note = schedule_config(config, world_size=1)
     assert total == 10 and schedule.warmup == pytest.approx(8.0) and "warmup shortened" in note
@@ -163,3 +172,73 @@ def test_rampup_and_token_budget_plan():
     steps, tokens = plan_steps(config, world_size=2)
     assert tokens >= 20000 and tokens - 16 * 64 < 20000  # stops at the first update past the budget
     assert steps > 20000 // (16 * 64)  # smaller batches at the start need more updates
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (["schedule.kind=constant", "schedule.decay_fraction=null", "schedule.min_lr_ratio=0.5"],
+         ["min_lr_ratio=0.5", "'constant' has no decay"]),
+        (["schedule.kind=constant", "schedule.decay_fraction=null", "schedule.decay_shape=cosine"],
+         ["decay_shape='cosine'", "'constant' has no decay"]),
+        (["schedule.kind=cosine", "schedule.decay_fraction=null", "schedule.decay_shape=exponential",
+          "schedule.min_lr_ratio=0.1"], ["decay_shape='exponential'", "always decays along a cosine"]),
+        (["model.overrides.tie_word_embeddings=true", "optim.elr.unembedding=4.0"],
+         ["optim.elr.unembedding", "no unembedding group", "optim.elr.embedding"]),
+        (["model.overrides.tie_word_embeddings=true", "optim.ewd.unembedding=0.5"],
+         ["optim.ewd.unembedding", "tie_word_embeddings"]),
+    ],
+)
+def test_settings_that_would_be_ignored_are_refused(overrides, names):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    for name in names:
+        assert name in str(info.value), (name, str(info.value))
+
+
+def test_ignored_settings_at_their_defaults_are_accepted():
+    """What a saved config.yaml spells out (every key, at its default) loads for every kind."""
+    constant = load_config(None, ["schedule.kind=constant", "schedule.decay_fraction=null",
+                                  "schedule.decay_shape=linear", "schedule.min_lr_ratio=0.0",
+                                  "schedule.power_t0=null", "schedule.power_exponent=0.5"])
+    assert constant.schedule.kind == "constant"
+    load_config(None, ["schedule.kind=cosine", "schedule.decay_fraction=null", "schedule.decay_shape=cosine"])
+    load_config(None, ["schedule.kind=power", "schedule.power_t0=100", "schedule.power_exponent=0.3"])
+    tied = load_config(None, ["model.overrides.tie_word_embeddings=true", "optim.elr.unembedding=1.0",
+                              "optim.elr.embedding=2.0"])
+    assert tied.optim.elr == {"unembedding": 1.0, "embedding": 2.0}
+    load_config(None, ["optim.elr.unembedding=4.0"])  # untied: the unembedding group exists
+
+
+def test_rampup_longer_than_the_run_runs_with_a_note():
+    """A rampup that outlasts the run is kept (a short test run of a long config is legitimate), and the trainer's
+    note says the batch never reaches its target; the run's tokens, so the note, depend on the ranks."""
+    rampup = ["batch.micro_batch=2", "batch.grad_accum=4", "batch.rampup_start=2", "batch.seq_len=64"]
+    budget = load_config(None, [*rampup, "batch.rampup_tokens=20000", "train.steps=null", "train.tokens=20000"])
+    note = schedule_config(budget, world_size=1)[2]
+    assert "batch.rampup_tokens 20,000 is not shorter than the run's 20,000 tokens" in note, note
+    config = load_config(None, [*rampup, "batch.rampup_tokens=2000", "train.steps=10"])
+    steps, tokens = plan_steps(config, world_size=1)  # 10 updates of 2 rows (ramping to 4): < 2000 tokens
+    assert steps == 10 and tokens < 2000 < plan_steps(config, world_size=2)[1]
+    schedule, _, note = schedule_config(config, world_size=1)
+    assert schedule.rampup.rampup_tokens == 2000 and "10 updates at 1 data-parallel rank" in note, note
+    assert "batch.rampup_tokens" not in (schedule_config(config, world_size=2)[2] or "")
+
+
+def test_run_length_checks_that_depend_on_the_ranks_wait_for_the_trainer():
+    """A decay in tokens under train.steps, or in steps under train.tokens: whether it fits depends on the number
+    of data-parallel ranks, so load_config accepts it and schedule_config (called by the trainer with its own
+    number) refuses it with a ConfigError (the CLI's one-line config error), not a bare ValueError."""
+    sizes = ["batch.micro_batch=8", "batch.seq_len=256", "schedule.decay_fraction=null"]  # 2048 tokens per rank
+    # 100 updates: 204,800 tokens at 1 rank, 409,600 at 2; a 300,000-token decay fits only the second
+    config = load_config(None, [*sizes, "train.steps=100", "schedule.unit=tokens", "schedule.warmup=1000",
+                                "schedule.decay=300000"])
+    schedule, total, _ = schedule_config(config, world_size=2)
+    assert total == 409_600 and schedule.decay == 300_000
+    with pytest.raises(ConfigError, match=r"schedule\.decay: .*204800 tokens: 100 updates at 1 data-parallel rank\)"):
+        schedule_config(config, world_size=1)
+    # 204,800 tokens: 100 updates at 1 rank, 50 at 2; a 60-update decay fits only the first
+    config = load_config(None, [*sizes, "train.steps=null", "train.tokens=204800", "schedule.decay=60"])
+    assert schedule_config(config, world_size=1)[1] == 100
+    with pytest.raises(ConfigError, match=r"schedule\.decay: .*\(50 steps at 2 data-parallel ranks\)"):
+        schedule_config(config, world_size=2)
