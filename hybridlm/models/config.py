@@ -12,7 +12,8 @@ Ours on top: `ssm_mixer` (which SSM channels: "mamba2" | "fast_weight" | "none")
 
 Derived sizes left as None are resolved in `__post_init__` (head_dim = hidden_size / heads,
 mamba_d_ssm = mamba_expand * hidden_size, mamba_d_head = mamba_d_ssm / mamba_n_heads,
-num_key_value_heads = num_attention_heads). Every error is a ValueError that names the field.
+num_key_value_heads = num_attention_heads), and float fields given as ints become floats (time_step_limit's
+entries too). Every error is a ValueError that names the field.
 """
 
 from __future__ import annotations
@@ -107,8 +108,12 @@ class HybridConfig:
 
     # ------------------------------------------------------------------ derived sizes
     def _resolve(self) -> None:
-        if isinstance(self.time_step_limit, list):
-            self.time_step_limit = tuple(self.time_step_limit)
+        # Float fields given as ints (5 for 5.0: legal here, refused by transformers' strict FalconH1Config) become
+        # floats, so that a saved config is typed one way; anything else is left for _validate to name.
+        for name in FLOAT_FIELDS:
+            setattr(self, name, _as_float(name, getattr(self, name)))
+        if isinstance(self.time_step_limit, (list, tuple)):
+            self.time_step_limit = tuple(_as_float("time_step_limit", v) for v in self.time_step_limit)
         if isinstance(self.fw_qk_norm, bool):  # the older boolean spelling
             self.fw_qk_norm = "rms" if self.fw_qk_norm else "none"
         if self.num_key_value_heads is None:
@@ -253,6 +258,20 @@ class HybridConfig:
         if unknown:
             raise ValueError(f"unknown HybridConfig field(s): {', '.join(unknown)}")
         return dataclasses.replace(self, **changes)
+
+
+# The scalar float fields (time_step_limit, a pair of floats, is resolved beside them).
+FLOAT_FIELDS = tuple(f.name for f in fields(HybridConfig) if f.type in ("float", "float | None"))
+
+
+def _as_float(name: str, value: Any) -> Any:
+    """An int (not a bool) as a float; any other value unchanged."""
+    if not _is_int(value):
+        return value
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number, got {value!r}") from None
 
 
 def _is_int(value: Any) -> bool:

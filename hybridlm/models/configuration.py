@@ -2,7 +2,8 @@
 
 It carries every `HybridConfig` field as an attribute (validated through `HybridConfig`), plus the
 usual transformers bookkeeping keys, so `save_pretrained` / `from_pretrained` / `AutoConfig` work.
-The model code itself only reads `config.to_hybrid()`.
+The model code itself only reads `config.to_hybrid()`. A config of another model_type is refused (an official
+`falcon_h1` one with a pointer to `hybridlm.load_model`, which converts it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,16 @@ class HybridLMConfig(PretrainedConfig):
     model_type = "hybridlm"
 
     def __init__(self, **kwargs: Any) -> None:
+        # A config.json of another model (from_pretrained on its dir) would otherwise fail on its first foreign key.
+        model_type = kwargs.get("model_type", self.model_type)
+        if model_type == "falcon_h1":
+            raise ValueError(
+                "this is an official falcon_h1 config (model_type 'falcon_h1'), which HybridLMConfig and "
+                "HybridForCausalLM.from_pretrained do not read: load the checkpoint dir with "
+                "hybridlm.load_model(path), which converts it (its weights included)"
+            )
+        if model_type != self.model_type:
+            raise ValueError(f"model_type {model_type!r} is not a hybridlm config (model_type {self.model_type!r})")
         names = set(HybridConfig.field_names())
         # Other keys go to transformers (its bookkeeping, and what other tools add: auto_map, use_cache, ...);
         # one that reads like a misspelt model field is refused: it would silently leave that field at its default.

@@ -25,6 +25,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import FalconH1Config
 
@@ -154,27 +155,56 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint dir: `model.safetensors`, else the shards its index names (transformers'
     order: a single file wins over a stale index left beside it)."""
     path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if (path / "model.safetensors").exists():
-        shards = ["model.safetensors"]
-    elif index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [name for name in shards if not (path / name).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index} names shards that are not there: {', '.join(missing)}")
-    else:
-        raise FileNotFoundError(
-            f"{path}: no model.safetensors or model.safetensors.index.json (pickled weights are not read)"
-        )
     state: dict[str, torch.Tensor] = {}
-    for shard in shards:
+    for shard in _weight_files(path):
         state.update(load_file(str(path / shard)))
     return state
 
 
+def _weight_files(path: Path) -> list[str]:
+    """The safetensors files `read_safetensors_dir` reads, by name."""
+    index = path / "model.safetensors.index.json"
+    if (path / "model.safetensors").exists():
+        return ["model.safetensors"]
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in shards if not (path / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are not there: {', '.join(missing)}")
+        return shards
+    raise FileNotFoundError(
+        f"{path}: no model.safetensors or model.safetensors.index.json (pickled weights are not read)"
+    )
+
+
+def _file_holding(path: Path, key: str) -> Path:
+    """The weights file of the dir that holds tensor `key` (reads the files' headers only)."""
+    for name in _weight_files(path):
+        with safe_open(str(path / name), framework="pt") as f:
+            names = f.keys()  # (a safe_open handle has no `in`)
+        if key in names:
+            return path / name
+    raise KeyError(key)
+
+
+def mismatch_error(path: Path, *, missing=(), unexpected=(), wrong_shapes=()) -> ValueError:
+    """The error for weights that do not fit a checkpoint's config.json; names as the checkpoint spells them."""
+    parts = [f"missing {_listed(missing)}" if missing else "",
+             f"unexpected {_listed(unexpected)}" if unexpected else "",
+             f"wrong shape {_listed(wrong_shapes)}" if wrong_shapes else ""]
+    return ValueError(f"{path}: the weights do not fit its config.json ({'; '.join(p for p in parts if p)}); "
+                      "the checkpoint is incomplete or the config was edited")
+
+
+def _listed(names, shown: int = 4) -> str:
+    names = sorted(names)
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 def load_falcon_h1(path: str | Path, *, dtype: torch.dtype | None = None):
     """A `HybridForCausalLM` from an official falcon_h1 dir (config.json + safetensors, sharded or not).
-    dtype: the parameters' dtype (default: the checkpoint's)."""
+    dtype: the parameters' dtype (default: the checkpoint's). Every error names the dir or file and the
+    checkpoint's own weight names."""
     from hybridlm.models.configuration import HybridLMConfig
     from hybridlm.models.model import HybridForCausalLM
 
@@ -183,19 +213,48 @@ def load_falcon_h1(path: str | Path, *, dtype: torch.dtype | None = None):
     if model_type != "falcon_h1":
         raise ValueError(f"{path}: model_type is {model_type!r}, not 'falcon_h1'")
     config = config_from_falcon_h1(FalconH1Config.from_json_file(str(path / "config.json")))
-    state = state_dict_from_falcon_h1(read_safetensors_dir(path))
-    if config.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    elif "lm_head.weight" not in state:
-        raise ValueError(f"{path}: lm_head.weight is missing and tie_word_embeddings is false")
-    if dtype is None:
-        dtype = state["model.embed_tokens.weight"].dtype
+    try:
+        state = state_dict_from_falcon_h1(read_safetensors_dir(path))
+    except ValueError as err:  # a weight with no mapping, a conv weight of the wrong rank
+        raise ValueError(f"{path}: {err}") from None
     with torch.device("meta"):
         model = HybridForCausalLM(HybridLMConfig.from_hybrid(config))
+    needed = model.state_dict()  # meta tensors: names and shapes
+    if config.tie_word_embeddings:
+        _check_tied_head(path, state)
+        state.pop("lm_head.weight", None)
+        needed.pop("lm_head.weight")
+    elif "lm_head.weight" not in state:
+        raise ValueError(f"{path}: lm_head.weight is missing and tie_word_embeddings is false")
+    falcon_shape = lambda key, shape: list(_conv_to_falcon(key, torch.empty(shape, device="meta")).shape)
+    wrong = [f"{_rename(key, to_falcon=True)} {falcon_shape(key, state[key].shape)} (config: "
+             f"{falcon_shape(key, needed[key].shape)})"
+             for key in sorted(needed.keys() & state.keys()) if state[key].shape != needed[key].shape]
+    missing, unexpected = needed.keys() - state.keys(), state.keys() - needed.keys()
+    if missing or unexpected or wrong:
+        raise mismatch_error(path, missing=[_rename(key, to_falcon=True) for key in missing],
+                             unexpected=[_rename(key, to_falcon=True) for key in unexpected], wrong_shapes=wrong)
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    if dtype is None:
+        dtype = state["model.embed_tokens.weight"].dtype
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+def _check_tied_head(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """A tied checkpoint may also hold lm_head.weight, but only as a copy of the embeddings: tying would
+    otherwise drop a head the file holds (transformers keeps it, with a warning)."""
+    head, embeddings = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
+    if head is None or embeddings is None or torch.equal(head, embeddings):
+        return
+    raise ValueError(
+        f"{_file_holding(path, 'lm_head.weight')}: config.json has tie_word_embeddings=true, but this file's "
+        "lm_head.weight differs from model.embed_tokens.weight, and tying would drop it. To keep the file's head, "
+        f'set "tie_word_embeddings": false in {path / "config.json"}; to tie, remove lm_head.weight from the file'
+    )
 
 
 def save_falcon_h1(model, path: str | Path) -> None:

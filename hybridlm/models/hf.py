@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from hybridlm.models.falcon_h1 import load_falcon_h1
+from hybridlm.models.falcon_h1 import load_falcon_h1, mismatch_error
 from hybridlm.models.model import HybridForCausalLM
 
 
@@ -43,18 +43,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridF
     missing = [k for k in info.get("missing_keys", ()) if not k.endswith(_OPTIONAL_WEIGHTS)]
     unexpected = list(info.get("unexpected_keys", ()))
     if missing or unexpected:
-        raise ValueError(
-            f"{path}: the weights do not fit its config.json ("
-            + "; ".join(part for part in (f"missing {_listed(missing)}" if missing else "",
-                                         f"unexpected {_listed(unexpected)}" if unexpected else "") if part)
-            + "); the checkpoint is incomplete or the config was edited"
-        )
+        raise mismatch_error(path, missing=missing, unexpected=unexpected)
     return model.eval()
 
 
 _OPTIONAL_WEIGHTS = (".ssm.beta_bias", ".ssm.lam_bias")
-
-
-def _listed(names: list[str], shown: int = 4) -> str:
-    names = sorted(names)
-    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")

@@ -3,7 +3,8 @@
 Notable features:
 - Falcon-H1 blocks (attention and Mamba-2 heads side by side, `SA_M`), other arrangements and a
   pluggable SSM half (`ssm_mixer`), all described by one validated `HybridConfig`;
-- muP forward multipliers: embeddings x `embedding_multiplier`, logits x `lm_head_multiplier`,
+- muP forward multipliers: looked-up embeddings x `embedding_multiplier` (not `inputs_embeds`, as in
+  transformers), logits x `lm_head_multiplier`,
   the block and mixer multipliers of Falcon-H1;
 - packed documents without padding: `cu_seqlens` (B == 1) or `position_ids` restarting at 0; no
   token attends to, convolves over or carries state from another document, and the loss skips the
@@ -105,14 +106,19 @@ class HybridModel(HybridPreTrainedModel):
     ) -> torch.Tensor:
         """-> hidden states [B, T, D].
 
+        inputs_embeds [B, T, D] replaces input_ids and enters the blocks as given: `embedding_multiplier` scales
+        only the embeddings looked up here from input_ids (as in transformers' Falcon-H1), so the input
+        equivalent to input_ids is `embed_tokens(input_ids) * embedding_multiplier`.
         attention_mask [B, T] (1 = token, 0 = padding) admits a LEFT-padded batch: the rows' tokens run
         as one packed row (`cu_seqlens`), so no pad position enters attention, a conv or a recurrent
         state; a cache then gets one row per prompt (`HybridCache.lengths`). Pad positions return zeros.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        h = h * self.embedding_multiplier  # [B, T, D]
+        if inputs_embeds is None:
+            h = self.embed_tokens(input_ids) * self.embedding_multiplier  # [B, T, D]
+        else:
+            h = inputs_embeds  # already scaled as the caller wants (docstring)
         keep = left_padding_mask(attention_mask, h.shape[:2]) if attention_mask is not None else None
         if keep is None:
             return self._run(h, cu_seqlens, position_ids, cache)
@@ -210,6 +216,8 @@ class HybridForCausalLM(HybridPreTrainedModel):
     ) -> HybridCausalLMOutput:
         """labels [B, T] are the input ids (shifted here); IGNORE_INDEX (-100) targets are skipped, and so
         are the targets of pad positions of a left-padded `attention_mask` [B, T].
+        `inputs_embeds` [B, T, D] instead of input_ids are used as given, not scaled by `embedding_multiplier`
+        (`HybridModel.forward`).
         `logits_to_keep=n > 0` computes logits for the last n positions only (decoding)."""
         hidden = self.model(
             input_ids, cu_seqlens, position_ids, cache, attention_mask=attention_mask, inputs_embeds=inputs_embeds

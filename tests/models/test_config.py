@@ -25,6 +25,21 @@ def test_dict_round_trip():
     assert config.to_dict()["time_step_limit"] == [0.0, 0.5]
 
 
+def test_float_fields_given_as_ints_become_floats():
+    # (transformers' strict FalconH1Config refuses ints in these fields; a saved config is typed one way)
+    config = HybridConfig(embedding_multiplier=5, ssm_multiplier_B=2, rms_norm_eps=1, rope_theta=10000,
+                          time_step_limit=[0, 10], fw_lam_scale=3)
+    for name in ("embedding_multiplier", "ssm_multiplier_B", "rms_norm_eps", "rope_theta", "fw_lam_scale"):
+        assert type(getattr(config, name)) is float, name
+    assert config.time_step_limit == (0.0, 10.0) and all(type(v) is float for v in config.time_step_limit)
+    assert all(type(v) is float for v in config.ssm_multipliers + config.mlp_multipliers)
+    assert type(HybridLMConfig.from_hybrid(config).to_dict()["embedding_multiplier"]) is float
+    with pytest.raises(ValueError, match="key_multiplier"):
+        HybridConfig(key_multiplier=True)  # a bool is not a number here
+    with pytest.raises(ValueError, match="rms_norm_eps"):
+        HybridConfig(rms_norm_eps=10**400)
+
+
 def test_unknown_keys_are_named():
     with pytest.raises(ValueError, match="ssm_multipliers, typo_field"):
         HybridConfig.from_dict({"typo_field": 1, "ssm_multipliers": [1, 1, 1, 1, 1]})

@@ -69,7 +69,8 @@ def _compare(group, overrides: dict, attention: str, dtype: torch.dtype, length:
     ids = _ids(length=length)
     torch.manual_seed(3)
     weights = torch.randn(2, length, 128, dtype=dtype)  # a loss that reads every logit
-    embeds = reference.model.embed_tokens(ids).detach().requires_grad_(True)  # [B, T, D]
+    # [B, T, D]: what the model makes of ids (inputs_embeds are not scaled by embedding_multiplier)
+    embeds = (reference.model.embed_tokens(ids) * reference.model.embedding_multiplier).detach().requires_grad_(True)
     want = reference(inputs_embeds=embeds).logits
     (want * weights).sum().backward()
     want = want.detach()

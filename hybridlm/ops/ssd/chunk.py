@@ -9,8 +9,10 @@ for steps i, j of one chunk and its entering state h_in:
     y_i = sum_{j <= i} exp(c_i - c_j) (C_i . B_j) dt_j x_j   +   exp(c_i) h_in C_i   (+ D x_i)
     h_out = exp(c_{L-1}) h_in + sum_j exp(c_{L-1} - c_j) dt_j x_j B_j^T
 
-Every exponent is <= 0 (the non-causal entries are set to -inf before the exp), so nothing
-overflows and the gradients stay finite. The math with shapes: README.md beside this file.
+The in-chunk exponents c_i - c_j are summed as l_{j+1} + ... + l_i (`_segsum`), never as a difference of the
+prefix sums, which would lose eps |c_i| to cancellation. Every exponent is <= 0 (the non-causal ones are 0 and their
+terms masked through C_i . B_j), so nothing overflows and the gradients stay finite. The math with shapes:
+README.md beside this file.
 Inputs reach this function already checked and cast to the compute dtype by `hybridlm.ops.ssd.ssd`.
 """
 
@@ -71,24 +73,29 @@ def _chunk_scan(x, dt, A, B, C, D, L, h0, segments):
         seg = torch.where(steps < T, F.pad(segments, (0, pad)), segments[:, -1:])  # dynamic T, a guard per value)
         seg = seg.view(b, n_chunks, L)  # [b, c, L]
         entering = torch.cat([seg[:, :1, 0], seg[:, :-1, -1]], dim=1)  # [b, c]: the step before each chunk
-        same = (seg[..., :, None] == seg[..., None, :])[:, :, None, None]  # [b, c, 1, 1, L, L]
+        same = (seg[..., :, None] == seg[..., None, :])[:, :, None]  # [b, c, 1, L, L]
         to_end_kept = (seg == seg[..., -1:])[:, :, None, None]  # [b, c, 1, 1, L]
         from_start = (seg == entering[..., None])[:, :, None, None]  # [b, c, 1, 1, L]
         through = seg[..., -1] == entering  # [b, c]
 
-    # 1. Log decays and their cumulative sums inside each chunk: c_i = sum_{k <= i} dt_k A.
-    cum = torch.cumsum(dtc * A.view(G, R, 1), dim=-1)  # [b, c, G, R, L]
+    # 1. Log decays l_i = dt_i A, their cumulative sums inside each chunk c_i = l_0 + ... + l_i, and the segment sums
+    #    S[i, j] = c_i - c_j = l_{j+1} + ... + l_i (j < i) summed as such (`_segsum`): as a difference of prefix sums
+    #    it would lose eps |c_i| to cancellation, 1e-3 relative in float32 once strong decays make |c| ~ 1e4.
+    log_a = dtc * A.view(G, R, 1)  # [b, c, G, R, L]
+    cum = torch.cumsum(log_a, dim=-1)  # [b, c, G, R, L]
+    segsum = _segsum(log_a, masked=False)  # [b, c, G, R, L, L]; 0 (not -inf) for j >= i: masked through CB below
 
-    # 2. Intra-chunk (diagonal blocks): y_i += sum_{j <= i} exp(c_i - c_j) (C_i . B_j) dt_j x_j.
-    causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-    keep = causal if same is None else causal & same
-    segsum = (cum[..., :, None] - cum[..., None, :]).masked_fill(~keep, float("-inf"))  # [b, c, G, R, L, L]
-    CB = torch.einsum("bcign,bcjgn->bcgij", Cc, Bc)  # [b, c, G, L, L]
+    # 2. Intra-chunk (diagonal blocks): y_i += sum_{j <= i} exp(S[i, j]) (C_i . B_j) dt_j x_j. The causal (and
+    #    segment) mask zeroes C_i . B_j, R times smaller than exp(S); exp(S) is 1 above the diagonal, never inf.
+    keep = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+    if same is not None:
+        keep = keep & same  # [b, c, 1, L, L]
+    CB = torch.einsum("bcign,bcjgn->bcgij", Cc, Bc).masked_fill(~keep, 0)  # [b, c, G, L, L]
     scores = CB[:, :, :, None] * torch.exp(segsum) * dtc[..., None, :]  # [b, c, G, R, L, L]
     y = torch.einsum("bcgrij,bcjgrp->bcigrp", scores, xc)  # [b, c, L, G, R, P]
 
-    # 3. Chunk states (what each chunk writes, decayed to its end): sum_j exp(c_{L-1} - c_j) dt_j x_j B_j^T.
-    to_end = torch.exp(cum[..., -1:] - cum) * dtc  # [b, c, G, R, L]
+    # 3. Chunk states (what each chunk writes, decayed to its end): sum_j exp(S[L-1, j]) dt_j x_j B_j^T.
+    to_end = torch.exp(segsum[..., -1, :]) * dtc  # [b, c, G, R, L]
     if to_end_kept is not None:
         to_end = to_end * to_end_kept
     writes = torch.einsum("bcgrj,bcjgrp,bcjgn->bcgrpn", to_end, xc, Bc)  # [b, c, G, R, P, N]
@@ -132,12 +139,17 @@ def inter_chunk(log_decay: torch.Tensor, writes: torch.Tensor, h0: torch.Tensor,
     return torch.einsum("bgrzc,bcgrpn->bzgrpn", carry, states)
 
 
-def _segsum(v: torch.Tensor) -> torch.Tensor:
-    """v [..., n] -> [..., n, n]: out[z, c] = v[c+1] + ... + v[z] for c <= z (0 on the diagonal), -inf above it.
-    Summed as masked cumulative sums, never as differences of prefix sums: an entry of -inf (a decay of zero)
-    stays -inf in every sum it enters and yields no inf - inf."""
+def _segsum(v: torch.Tensor, *, masked: bool = True) -> torch.Tensor:
+    """v [..., n] -> [..., n, n]: out[z, c] = v[c+1] + ... + v[z] for c <= z (0 on the diagonal); above it -inf,
+    or 0 with `masked=False` (for a caller that masks exp(out) itself).
+    Summed as masked cumulative sums, never as differences of prefix sums: each entry is a sum of terms of one sign
+    (no cancellation, exact to a few eps of itself), and an entry of -inf (a decay of zero) stays -inf in every sum
+    it enters and yields no inf - inf. (Computed transposed, out[c, z], so that the sum runs over the contiguous
+    last dim; the result is a transposed view.)"""
     n = v.shape[-1]
-    terms = v[..., :, None].expand(*v.shape, n)  # terms[k, c] = v[k]
-    below = torch.ones(n, n, dtype=torch.bool, device=v.device).tril(-1)  # k > c
-    sums = torch.cumsum(terms.masked_fill(~below, 0), dim=-2)  # sums[z, c] = sum_{c < k <= z} v[k]
-    return sums.masked_fill(~below.logical_or(torch.eye(n, dtype=torch.bool, device=v.device)), float("-inf"))
+    after = torch.ones(n, n, dtype=torch.bool, device=v.device).triu(1)  # [c, k]: k > c
+    terms = v[..., None, :].expand(*v.shape[:-1], n, n).masked_fill(~after, 0)  # terms[c, k] = v[k] for k > c
+    sums = torch.cumsum(terms, dim=-1).transpose(-1, -2)  # sums[z, c] = sum_{c < k <= z} v[k] (0 for z <= c)
+    if not masked:
+        return sums
+    return sums.masked_fill(~after.T.logical_or(torch.eye(n, dtype=torch.bool, device=v.device)), float("-inf"))
