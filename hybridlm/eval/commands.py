@@ -4,7 +4,7 @@
     hybridlm bench recall --models fw-3A,mamba2,transformer --seeds 1 --out runs/recall --device cuda
     hybridlm bench allocation --out runs/alloc --device cuda --per-device 4
     hybridlm eval ppl --model runs/my-model --data data/val --tokenizer tok/
-    hybridlm eval export-hf --model runs/my-model --tokenizer tok/      # then lm_eval --model hf ...
+    hybridlm eval export-hf --model runs/my-model --tokenizer tok/      # prints the lm_eval command
 
 Bench commands are resumable (finished runs in OUT/runs/ are reused when their settings match; a run
 stopped half way by SIGTERM, SIGINT or the time budget saved a checkpoint in OUT/runs/ and continues
@@ -281,11 +281,12 @@ def _eval_ppl(args: argparse.Namespace) -> int:
 
 
 def _eval_export(args: argparse.Namespace) -> int:
-    from hybridlm.eval.harness import export_for_lm_eval
+    from hybridlm.eval.harness import export_for_lm_eval, lm_eval_model_args
 
     try:
         path = export_for_lm_eval(args.model, tokenizer_dir=args.tokenizer)
+        model_args = lm_eval_model_args(path)
     except (ValueError, FileNotFoundError) as err:
         return _fail(str(err))
-    print(f"{path} is ready: lm_eval --model hf --model_args pretrained={path},trust_remote_code=True --tasks ...")
+    print(f"{path} is ready: lm_eval --model hf --model_args {model_args} --tasks ...")
     return 0

@@ -2,7 +2,8 @@
 loglikelihood computation its multiple-choice tasks use (for tests and quick local checks).
 
     export_for_lm_eval("runs/my-model", tokenizer_dir="tok/")     # or: hybridlm eval export-hf ...
-    # lm_eval --model hf --model_args pretrained=runs/my-model,trust_remote_code=True --tasks piqa
+    lm_eval_model_args("runs/my-model")  # 'pretrained=runs/my-model,trust_remote_code=True,prefix_token_id=2'
+    # lm_eval --model hf --model_args pretrained=runs/my-model,trust_remote_code=True,prefix_token_id=2 --tasks piqa
 
 Our classes register with transformers' Auto classes when `hybridlm.models.model` is imported, but
 lm_eval's HF backend imports only transformers. `export_for_lm_eval` therefore adds to the directory
@@ -15,9 +16,17 @@ a fresh process. `hybridlm` must be installed where lm_eval runs.
 `loglikelihood` mirrors what lm_eval's HF backend computes for a (context, continuation) request:
 trailing spaces of the context move to the continuation; the continuation's tokens are those of
 encode(context + continuation) after encode(context)'s tokens (no special tokens added; an empty
-context is replaced by the EOS id); the model reads (context + continuation)[:-1], at most
+context is replaced by one prefix token, `prefix_id`); the model reads (context + continuation)[:-1], at most
 `max_length` tokens, left-truncated; the result is (sum of the continuation tokens' log-probs, whether
 each was the argmax).
+
+The prefix token. lm_eval conditions an empty context (and the first window of `loglikelihood_rolling`, the
+perplexity tasks such as wikitext) on `prefix_token_id`, by default the tokenizer's BOS. Our training data never
+holds BOS: `hybridlm data prepare` ends every document with EOS and adds nothing in front, so the token before a
+document's first token is always the previous document's EOS and BOS's embedding is never trained (on a tiny
+trained model: 8.84 nats for a document's first token after BOS, 4.90 after EOS). So a hybridlm checkpoint is
+evaluated with `prefix_token_id=<eos id>` in lm_eval's `--model_args` (`lm_eval_model_args` writes them), and
+`loglikelihood` prefixes the EOS unless told otherwise. Official falcon_h1 checkpoints keep lm_eval's default.
 """
 
 from __future__ import annotations
@@ -71,10 +80,28 @@ def export_for_lm_eval(model_dir: str | Path, *, tokenizer_dir: str | Path | Non
     return model_dir
 
 
+def lm_eval_model_args(model_dir: str | Path) -> str:
+    """`--model_args` for `lm_eval --model hf` on a dir `export_for_lm_eval` made: the path, trust_remote_code and
+    prefix_token_id = the config's EOS id (the first when it is a list), which our documents start after (module
+    docstring). Add dtype=..., max_length=... to taste."""
+    config_path = Path(model_dir) / "config.json"
+    try:
+        eos = json.loads(config_path.read_text()).get("eos_token_id")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{config_path}: cannot read the config ({err})") from None
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    if type(eos) is not int or eos < 0:  # (JSON: a bool is not an id)
+        raise ValueError(f"{config_path}: eos_token_id is {eos!r}, not a token id; lm_eval needs prefix_token_id=<the "
+                         "id that ends the training documents>")
+    if "," in str(model_dir):
+        raise ValueError(f"{model_dir}: lm_eval splits --model_args at commas; use a path without one")
+    return f"pretrained={model_dir},trust_remote_code=True,prefix_token_id={eos}"
+
+
 def encode_request(tokenizer, context: str, continuation: str, *, prefix_id: int | None = None) -> tuple[list[int], list[int]]:
     """(context ids, continuation ids) split the way lm_eval's HF backend splits them."""
     if not context:
-        prefix = tokenizer.eos_token_id if prefix_id is None else prefix_id
+        prefix = _prefix(tokenizer, prefix_id)
         return [prefix], tokenizer.encode(continuation, add_special_tokens=False)
     spaces = len(context) - len(context.rstrip())
     if spaces:
@@ -86,13 +113,19 @@ def encode_request(tokenizer, context: str, continuation: str, *, prefix_id: int
 
 @torch.no_grad()
 def loglikelihood(model, tokenizer, requests: Sequence[tuple[str, str]], *, max_length: int | None = None,
-                  device: str | torch.device | None = None) -> list[tuple[float, bool]]:
-    """[(log p(continuation | context), greedy)] for each (context, continuation) request."""
+                  device: str | torch.device | None = None, prefix_id: int | None = None) -> list[tuple[float, bool]]:
+    """[(log p(continuation | context), greedy)] for each (context, continuation) request.
+
+    prefix_id: the token an empty context becomes. None (default): the tokenizer's EOS, because our training
+    documents start after an EOS and never after a BOS (module docstring); this equals lm_eval run with
+    `prefix_token_id=<eos id>`, as our docs run it. lm_eval's own default is the tokenizer's BOS (its EOS when there
+    is no BOS): pass `prefix_id=tokenizer.bos_token_id` to reproduce an lm_eval run without prefix_token_id."""
     device = device or next(model.parameters()).device
     max_length = max_length or getattr(model.config, "max_position_embeddings", 2048)
+    prefix_id = _prefix(tokenizer, prefix_id)
     out = []
     for context, continuation in requests:
-        context_ids, continuation_ids = encode_request(tokenizer, context, continuation)
+        context_ids, continuation_ids = encode_request(tokenizer, context, continuation, prefix_id=prefix_id)
         if not continuation_ids:
             raise ValueError(f"continuation {continuation!r} encodes to no token")
         window = (context_ids + continuation_ids)[-(max_length + 1):][:-1]
@@ -103,3 +136,13 @@ def loglikelihood(model, tokenizer, requests: Sequence[tuple[str, str]], *, max_
         greedy = bool((scored.argmax(-1) == target).all())
         out.append((logprob, greedy))
     return out
+
+
+def _prefix(tokenizer, prefix_id: int | None) -> int:
+    """The given prefix id, else the tokenizer's EOS (checked: an id >= 0)."""
+    prefix = tokenizer.eos_token_id if prefix_id is None else prefix_id
+    if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
+        where = "prefix_id" if prefix_id is not None else "the tokenizer's eos_token_id (the default prefix_id)"
+        raise ValueError(f"{where} must be a token id >= 0, got {prefix!r}; pass prefix_id=<the id documents start "
+                         "after>")
+    return prefix

@@ -24,13 +24,26 @@ whole prompt's (a batch of 32 prompts of 64K tokens is 2M tokens at once otherwi
 first piece is the packed prefill of every row's padding and at least one of its tokens (so it is longer than n when
 some row's padding is), and the pieces after it hold no padding.
 
-Stopping: a row is finished once it produces one of `eos_token_id`; its later positions hold
-`pad_token_id` (or the first eos id when no pad id is known) and decoding ends when every row is done
-or after `max_new_tokens`.
+Stopping: a row is finished once it produces one of `eos_token_id`, or once the `stop` callback says so (called
+after every new token with the sequences so far, the way transformers calls a `StoppingCriteriaList`); its later
+positions hold `pad_token_id` (or the first eos id when no pad id is known) and decoding ends when every row is done
+or after `max_new_tokens`. Nothing stops at an eos that is not asked for: `eos_token_id=None` (the default) decodes
+`max_new_tokens` tokens whatever the model's config says, so that a caller always gets what it asked for (`hybridlm
+generate` passes the tokenizer's and the config's eos). `HybridForCausalLM.generate`, the transformers-style entry
+point, defaults to the config's `eos_token_id` instead, as transformers does.
+
+Length: the prompt + `max_new_tokens` may run past the config's `max_position_embeddings`; nothing is refused. The
+field is informational (`hybridlm.models.config`): RoPE angles are computed from the positions on every call (no table
+to run off), the SSM states and caches have no length limit, and the decoded tokens past it are exactly what a full
+forward over the longer sequence gives. What the field marks is the length the model was trained for, beyond which
+quality is the model's own question (long-context extrapolation is something one measures with this function).
+The front ends that take a length from a user refuse one past it: `hybridlm generate`, `hybridlm eval ppl`, the
+training config.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +78,7 @@ def generate(
     output_logits: bool = False,
     graph: bool = False,
     prefill_chunk: int | None = None,
+    stop: Callable[[torch.Tensor, torch.Tensor], bool | torch.Tensor] | None = None,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens after each prompt of `input_ids` [B, T].
 
@@ -73,13 +87,22 @@ def generate(
         attention_mask: [B, T], 1 = token, 0 = left padding; None = no padding.
         temperature: 0 = greedy (argmax); > 0 samples from softmax(logits / temperature).
         top_k, top_p: sampling filters (None = off), applied after the temperature.
-        eos_token_id: one id or a list; a row stops after producing any of them. None: never stop early.
+        eos_token_id: one id or a list; a row stops after producing any of them. None (default): no eos stops a row,
+            not even the model config's (`HybridForCausalLM.generate` defaults to the config's; module docstring).
         pad_token_id: what finished rows get after their eos (default: the model config's pad id).
         generator / seed: the random source of sampling (give at most one); a seed makes a fresh
             `torch.Generator` on the ids' device, so the same seed gives the same tokens.
         output_logits: also return the raw logits of every generated position.
         graph: decode through a `GraphedDecoder` (a CUDA graph of the step; see the module docstring).
         prefill_chunk: prefill in pieces of this many tokens per row (None: the whole prompt at once).
+        stop: called after every new token as `stop(sequences, logits)`: the sequences so far [B, T + i] (prompt,
+            padding and the i new tokens, finished rows' filler included) and the logits [B, V] the last token was
+            chosen from (read them during the call: the next step may overwrite them). It returns a bool (True: every
+            row is done) or a bool tensor [B] (True: that row is done). A transformers `StoppingCriteriaList` (the
+            stop strings of lm_eval's `generate_until`) is such a callable. A done row keeps its tokens so far, the
+            one just chosen included, and gets filler after it.
+
+    The prompt + max_new_tokens may pass the config's max_position_embeddings (module docstring, "Length").
     """
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [B, T] with T >= 1, got shape {list(input_ids.shape)}")
@@ -100,7 +123,13 @@ def generate(
                                       or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk must be an int >= 1 (tokens per row per piece), got {prefill_chunk!r}")
 
-    new_tokens, new_mask, step_logits = [], [], []
+    if stop is not None and not callable(stop):
+        raise ValueError(f"stop must be a callable stop(sequences, logits) -> bool or [B] bool tensor, got {stop!r}")
+
+    # the prompt then the new tokens, written in place: `stop` reads the sequences so far without a copy per step
+    tokens = torch.cat([input_ids, input_ids.new_full((batch, max_new_tokens), filler)], dim=1)  # [B, T + n]
+    length = input_ids.shape[1]
+    new_mask, step_logits = [], []
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     if max_new_tokens > 0:
         cache, logits = prefill(model, input_ids, attention_mask=attention_mask, chunk=prefill_chunk)
@@ -114,17 +143,20 @@ def generate(
             token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
             new_mask.append(~done)
             token = torch.where(done, torch.full_like(token, filler), token)
-            new_tokens.append(token)
+            tokens[:, length] = token
+            length += 1
             if eos is not None:
                 done = done | torch.isin(token, eos)
-                if bool(done.all()):
-                    break
+            if stop is not None:
+                done = done | _stopped(stop(tokens[:, :length], logits), batch, input_ids.device)
+            if (eos is not None or stop is not None) and bool(done.all()):
+                break
             if step + 1 < max_new_tokens and decoder is not None:
                 logits = decoder.step(token)  # [B, V]
             elif step + 1 < max_new_tokens:
                 logits = model(token[:, None], cache=cache, logits_to_keep=1).logits[:, -1]  # [B, V]
 
-    sequences = torch.cat([input_ids, *[t[:, None] for t in new_tokens]], dim=1)
+    sequences = tokens[:, :length].contiguous()  # a copy only when decoding ended early
     out_mask = torch.cat([mask, *[m[:, None].to(mask.dtype) for m in new_mask]], dim=1)
     logits_out = torch.stack(step_logits, dim=1) if output_logits and step_logits else None
     return GenerationOutput(sequences=sequences, attention_mask=out_mask, logits=logits_out)
@@ -148,6 +180,21 @@ def prefill(model, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | No
     for start in range(first, input_ids.shape[1], chunk):
         logits = model(input_ids[:, start:start + chunk], cache=cache, logits_to_keep=1).logits[:, -1]
     return cache, logits
+
+
+def _stopped(result, batch: int, device: torch.device) -> torch.Tensor:
+    """What a `stop` callback returned -> the rows it says are done, [B] bool."""
+    try:
+        done = torch.as_tensor(result, device=device)
+    except (TypeError, RuntimeError, ValueError):
+        done = None
+    if done is None or done.dtype != torch.bool or done.shape not in ((), (1,), (batch,)):
+        what = type(result).__name__
+        if isinstance(result, torch.Tensor):
+            what += f" of dtype {result.dtype} and shape {list(result.shape)}"
+        raise ValueError(f"stop(sequences, logits) must return a bool (every row) or a bool tensor of shape [{batch}] "
+                         f"(one per row), got {what}")
+    return done.expand(batch)
 
 
 def _eos_ids(eos_token_id, device: torch.device) -> torch.Tensor | None:

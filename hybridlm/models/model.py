@@ -234,12 +234,83 @@ class HybridForCausalLM(HybridPreTrainedModel):
         return HybridCausalLMOutput(loss=loss, logits=logits, cache=cache)
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, **options) -> torch.Tensor:
-        """Cached decoding: prompt ids [B, T] -> [B, T + n]; see `hybridlm.inference.generate` for the
-        options (attention_mask for left-padded prompts, max_new_tokens, temperature, top_k, top_p,
-        eos_token_id, pad_token_id, generator / seed). Greedy by default."""
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        max_length: int | None = None,
+        do_sample: bool | None = None,
+        stopping_criteria=None,
+        num_beams: int = 1,
+        use_cache: bool = True,
+        **options,
+    ) -> torch.Tensor:
+        """Cached decoding with transformers' calling conventions: prompt ids [B, T] -> [B, T + n].
+
+        `options` are those of `hybridlm.inference.generate` (attention_mask for left-padded prompts,
+        max_new_tokens (default 20), temperature, top_k, top_p, eos_token_id, pad_token_id, generator / seed, graph,
+        prefill_chunk, stop), plus the transformers keywords that lm_eval's `generate_until` and typical callers pass:
+        - max_length: prompt + new tokens (T counts the left padding); max_new_tokens = max_length - T. Giving both
+          is an error unless they agree.
+        - do_sample: False -> greedy whatever the temperature (as transformers); True -> sampling at `temperature`,
+          1.0 when not given (temperature 0 with do_sample=True is refused, as transformers refuses it); not given:
+          the temperature decides (0, the default, is greedy). temperature=None means not given, top_k=0 means no
+          top-k filter (transformers' conventions; `hybridlm.inference.generate` wants None for both). Unlike
+          transformers, no default top_k=50 is applied.
+        - stopping_criteria: a transformers `StoppingCriteriaList` (lm_eval's stop strings) or any callable
+          (input_ids, scores) -> bool or [B] bool tensor, called after every new token; rows it marks done get
+          filler after their last token and decoding ends when every row is done (`generate`'s `stop`).
+        - use_cache: accepted and ignored (decoding always uses the cache); num_beams: 1 only (no beam search).
+        Any other keyword is a TypeError that lists these.
+
+        Stopping at eos differs from `hybridlm.inference.generate`: here eos_token_id defaults to the model config's
+        (transformers stops at config.eos_token_id); pass eos_token_id=None to decode every requested token. The
+        function's own default is None (never stop at an eos not asked for). Greedy by default."""
+        import inspect
+
         from hybridlm.inference.generate import generate
 
+        supported = [name for name, p in inspect.signature(generate).parameters.items() if p.kind == p.KEYWORD_ONLY]
+        unknown = sorted(set(options) - set(supported))
+        if unknown:
+            raise TypeError(
+                f"generate() got unsupported keyword(s) {', '.join(unknown)}; supported: "
+                f"{', '.join(supported + ['max_length', 'do_sample', 'stopping_criteria', 'num_beams', 'use_cache'])}"
+            )
+        if options.get("max_new_tokens", 0) is None:
+            del options["max_new_tokens"]  # transformers' "not given"
+        if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
+            raise ValueError(f"num_beams must be an int >= 1, got {num_beams!r}")
+        if num_beams > 1:
+            raise NotImplementedError(f"beam search (num_beams={num_beams}) is not implemented: generation is greedy "
+                                      "or sampled; pass num_beams=1")
+        if max_length is not None:
+            if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < input_ids.shape[-1]:
+                raise ValueError(f"max_length counts the prompt's {input_ids.shape[-1]} tokens and the new ones, so it "
+                                 f"must be an int >= {input_ids.shape[-1]}, got {max_length!r}; or pass max_new_tokens")
+            new = max_length - input_ids.shape[-1]
+            if options.get("max_new_tokens", new) != new:
+                raise ValueError(f"max_length={max_length} (a prompt of {input_ids.shape[-1]} + {new} new tokens) and "
+                                 f"max_new_tokens={options['max_new_tokens']} disagree; pass one of them")
+            options["max_new_tokens"] = new
+        if options.get("temperature", 0.0) is None:
+            del options["temperature"]
+        if type(options.get("top_k")) is int and options["top_k"] == 0:
+            options["top_k"] = None  # transformers' "no top-k filter"
+        if do_sample is not None and not isinstance(do_sample, bool):
+            raise ValueError(f"do_sample must be True, False or None, got {do_sample!r}")
+        if do_sample is False:
+            options["temperature"] = 0.0
+        elif do_sample:
+            options.setdefault("temperature", 1.0)
+            if options["temperature"] == 0:
+                raise ValueError("do_sample=True needs a temperature > 0 (1.0 when not given); for greedy decoding "
+                                 "pass do_sample=False")
+        if stopping_criteria is not None:
+            if options.get("stop") is not None:
+                raise ValueError("pass stopping_criteria or stop, not both")
+            options["stop"] = stopping_criteria
+        options.setdefault("eos_token_id", self.config.eos_token_id)
         return generate(self, input_ids, **options).sequences
 
     def save_pretrained(self, save_directory, *args, format: str = "hybridlm", **kwargs):  # noqa: A002

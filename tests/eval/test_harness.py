@@ -1,6 +1,7 @@
 """The lm-evaluation-harness path: an exported checkpoint loads through the Auto classes with
-trust_remote_code in a fresh process (as `lm_eval --model hf` loads it), and its loglikelihoods of a
-2-choice task equal a direct computation."""
+trust_remote_code in a fresh process (as `lm_eval --model hf` loads it), its loglikelihoods of a
+2-choice task equal a direct computation, an empty context is conditioned on the prefix token (EOS by default), and
+the lm_eval arguments name that prefix. (lm_eval itself: test_harness_lm_eval.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from hybridlm.data.tokenizer import HybridTokenizer
-from hybridlm.eval.harness import AUTO_MAP, export_for_lm_eval
+from hybridlm.eval.harness import AUTO_MAP, export_for_lm_eval, lm_eval_model_args, loglikelihood
 from hybridlm.eval.models import build_model, task_config
 
 # (context, continuation): two choices per question; the second question's context ends in a space,
@@ -95,3 +96,55 @@ def test_export_refuses_a_dir_without_tokenizer(tmp_path):
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         export_for_lm_eval(tmp_path, tokenizer_dir=tmp_path / "nowhere")
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # refused before anything changed
+
+
+def test_an_empty_context_is_conditioned_on_the_prefix(exported):
+    """lm_eval replaces an empty context by one prefix token; ours is EOS unless prefix_id says otherwise (our documents
+    start after an EOS, never a BOS: harness.py's docstring). Non-empty contexts do not use it."""
+    from transformers import AutoTokenizer
+
+    from hybridlm.models.hf import load_model
+
+    model, tok = load_model(exported), AutoTokenizer.from_pretrained(exported)
+    continuation = " The model reads"
+    ids = tok.encode(continuation, add_special_tokens=False)
+
+    def direct(prefix: int) -> float:
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([[prefix] + ids])).logits[0].double(), -1)
+        return sum(logp[t, ids[t]].item() for t in range(len(ids)))
+
+    eos, bos = tok.eos_token_id, tok.bos_token_id
+    assert eos != bos
+    (default, _), = loglikelihood(model, tok, [("", continuation)])
+    assert default == pytest.approx(direct(eos), abs=1e-4)
+    for prefix in (bos, eos, 7):
+        (logprob, _), = loglikelihood(model, tok, [("", continuation)], prefix_id=prefix)
+        assert logprob == pytest.approx(direct(prefix), abs=1e-4)
+    (with_bos, _), = loglikelihood(model, tok, [("", continuation)], prefix_id=bos)
+    assert abs(with_bos - default) > 1e-3  # the prefix matters
+    request = [("The model", " reads the")]
+    assert loglikelihood(model, tok, request, prefix_id=7) == loglikelihood(model, tok, request)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="prefix_id must be a token id"):
+            loglikelihood(model, tok, [("", continuation)], prefix_id=bad)
+
+
+def test_lm_eval_model_args_name_the_eos_prefix(exported, tmp_path):
+    eos = json.loads((exported / "config.json").read_text())["eos_token_id"]
+    assert lm_eval_model_args(exported) == f"pretrained={exported},trust_remote_code=True,prefix_token_id={eos}"
+    config = {"model_type": "hybridlm", "eos_token_id": [5, 9]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert lm_eval_model_args(tmp_path).endswith(",prefix_token_id=5")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": None}))
+    with pytest.raises(ValueError, match="eos_token_id is None"):
+        lm_eval_model_args(tmp_path)
+    with pytest.raises(ValueError, match="cannot read the config"):
+        lm_eval_model_args(tmp_path / "nowhere")
+
+
+def test_export_command_prints_the_lm_eval_command_with_the_eos_prefix(exported, tokenizer_dir, capsys):
+    from hybridlm.cli import main
+
+    assert main(["eval", "export-hf", "--model", str(exported), "--tokenizer", str(tokenizer_dir)]) == 0
+    assert f"--model_args {lm_eval_model_args(exported)} --tasks" in capsys.readouterr().out

@@ -1,5 +1,6 @@
 """Cached generation: cached logits == full forward for every SSM mixer and rule, a left-padded batch ==
-each prompt alone (tokens, logits and recurrent states), per-row eos, seeded sampling, the sampling filters."""
+each prompt alone (tokens, logits and recurrent states), per-row eos and stop callbacks, seeded sampling, the sampling
+filters and their checks, decoding past max_position_embeddings."""
 
 from __future__ import annotations
 
@@ -164,6 +165,63 @@ def test_rows_stop_at_their_own_eos():
     assert short.sequences.shape[1] == prompts[0].shape[1] + 2
 
 
+def test_stop_callback_ends_the_rows_it_marks_done():
+    """`stop(sequences, logits)` after every token: row r says done after r + 1 new tokens; each row keeps its tokens
+    up to then (the same as decoding freely) and gets filler after, and decoding ends when the last row is done."""
+    model = make_model(seed=6)
+    _, batch, mask = padded_batch(seed=7)
+    free = generate(model, batch, attention_mask=mask, max_new_tokens=8, output_logits=True)
+    calls = []
+
+    def stop(sequences, logits):
+        calls.append((sequences.clone(), logits.clone()))
+        made = sequences.shape[1] - 8
+        return torch.tensor([made >= row + 1 for row in range(4)])
+
+    out = generate(model, batch, attention_mask=mask, max_new_tokens=8, pad_token_id=0, stop=stop)
+    assert out.sequences.shape == (4, 8 + 4)  # not 8 + 8: every row was done after 4 tokens
+    for row in range(4):
+        kept = 8 + row + 1
+        assert torch.equal(out.sequences[row, :kept], free.sequences[row, :kept])
+        assert out.sequences[row, kept:].eq(0).all()
+        assert out.attention_mask[row, 8:].tolist() == [1] * (row + 1) + [0] * (3 - row)
+    # the callback saw the sequences so far (filler of done rows included) and the logits of the token just chosen
+    assert [c[0].shape[1] for c in calls] == [9, 10, 11, 12]
+    for i, (sequences, logits) in enumerate(calls):
+        assert torch.equal(sequences, out.sequences[:, : 9 + i])
+        assert max_diff(logits[i:], free.logits[i:, i]) < TOL  # (rows before i read filler: other logits)
+    # a plain bool: every row at once
+    out = generate(model, batch, attention_mask=mask, max_new_tokens=8, stop=lambda seqs, logits: seqs.shape[1] >= 11)
+    assert torch.equal(out.sequences, free.sequences[:, :11])
+    assert torch.equal(generate(model, batch, attention_mask=mask, max_new_tokens=8,
+                                stop=lambda seqs, logits: False).sequences, free.sequences)
+
+
+@pytest.mark.parametrize(
+    "answer", [[True, False], torch.tensor([1, 0, 0, 1]), torch.ones(3, dtype=torch.bool), "no", None]
+)
+def test_stop_callback_answers_are_checked(answer):
+    model = make_model()
+    with pytest.raises(ValueError, match=r"stop\(sequences, logits\) must return a bool"):
+        generate(model, ids(4, 3), max_new_tokens=3, stop=lambda seqs, logits: answer)
+    with pytest.raises(ValueError, match="stop must be a callable"):
+        generate(model, ids(4, 3), max_new_tokens=3, stop=True)
+
+
+def test_decoding_past_max_position_embeddings_equals_the_full_forward():
+    """max_position_embeddings is informational (RoPE has no table; generate.py's "Length"): a 10-token prompt and 6 new
+    tokens on a model configured for 8 positions decode exactly as the full forward over the 16 tokens reads them."""
+    model = make_model(seed=4, max_position_embeddings=8)
+    prompt = ids(2, 10, seed=4)
+    for graph in (False, True):
+        out = generate(model, prompt, max_new_tokens=6, output_logits=True, graph=graph)
+        assert out.sequences.shape == (2, 16)
+        with torch.no_grad():
+            full = model(out.sequences).logits[:, 9:15]  # the positions that chose the 6 new tokens
+        assert max_diff(out.logits, full) < TOL
+        assert torch.equal(out.sequences[:, 10:], full.argmax(-1))
+
+
 def test_sampling_is_reproducible_and_top_k_1_is_greedy():
     model = make_model(seed=8, **MIXERS["fast_weight-1A"])
     _, batch, mask = padded_batch(seed=9)
@@ -177,7 +235,7 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy():
     assert not torch.equal(first, greedy)
     top1 = generate(model, batch, seed=5, top_k=1, **options).sequences
     assert torch.equal(top1, greedy)
-    assert torch.equal(model.generate(batch, attention_mask=mask, max_new_tokens=10), greedy)
+    assert torch.equal(model.generate(batch, attention_mask=mask, max_new_tokens=10, eos_token_id=None), greedy)
 
 
 def test_temperature_scales_the_sampled_distribution():
@@ -205,6 +263,56 @@ def test_top_k_and_top_p_filters():
     g = torch.Generator().manual_seed(1)
     draws = sample_next(logits.expand(2000, 4), temperature=1.0, top_p=0.79, generator=g)
     assert set(draws.tolist()) == {1, 3}
+
+
+@pytest.mark.parametrize("top_k", [0, -1, 2.5, True])
+def test_sample_next_and_top_k_filter_check_top_k(top_k):
+    """top_k=0 is an error here, as in generate() (None turns the filter off; transformers' 0 is mapped to None by
+    `HybridForCausalLM.generate` only)."""
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    with pytest.raises(ValueError, match="top_k must be an int >= 1, or None"):
+        sample_next(logits, temperature=1.0, top_k=top_k)
+    with pytest.raises(ValueError, match="top_k"):
+        sample_next(logits, temperature=0.0, top_k=top_k)  # checked when greedy too
+    with pytest.raises(ValueError, match="top_k"):
+        top_k_filter(logits, top_k)
+
+
+@pytest.mark.parametrize("top_p", [0, 0.0, -0.5, 1.5, float("nan"), True])
+def test_sample_next_and_top_p_filter_check_top_p(top_p):
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        sample_next(logits, temperature=1.0, top_p=top_p)
+    with pytest.raises(ValueError, match="top_p"):
+        top_p_filter(logits, top_p)
+    for temperature in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature"):
+            sample_next(logits, temperature=temperature)
+
+
+@pytest.mark.parametrize("vocab", [3, 7, 10, 20, 100])
+def test_top_p_keeps_exact_boundaries(vocab):
+    """Equal probabilities 1/V: top_p = i/V is reached by exactly i tokens (float32 sums kept 7 of 10 at p = 0.6;
+    float64 sums without the tolerance 9 of 10 at p = 0.8)."""
+    logits = torch.zeros(1, vocab)
+    for i in range(1, vocab):
+        assert int(torch.isfinite(top_p_filter(logits, i / vocab)).sum()) == i, (vocab, i)
+    if vocab == 10:
+        g = torch.Generator().manual_seed(0)
+        draws = sample_next(logits.expand(4000, vocab), temperature=1.0, top_p=0.6, generator=g)
+        assert set(draws.tolist()) == set(range(6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_temperatures_sample_the_argmax_without_nan(dtype):
+    """logits / 1e-30 overflowed float32 (inf - inf = NaN in the softmax, and multinomial failed): the row's largest
+    logit is subtracted first, so a tiny temperature draws the argmax, or one of tied maxima."""
+    logits = torch.tensor([[1.0, 2.0, 3.0], [5.0, 5.0, 1.0]], dtype=dtype).repeat(200, 1)
+    g = torch.Generator().manual_seed(0)
+    for temperature in (1e-30, 1e-45, 1e-300, 5e-324):
+        draws = sample_next(logits, temperature=temperature, generator=g)
+        assert draws[0::2].eq(2).all(), temperature
+        assert set(draws[1::2].tolist()) == {0, 1}, temperature  # the two tied maxima, both drawn
 
 
 @pytest.mark.parametrize(

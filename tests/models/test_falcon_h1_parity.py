@@ -206,7 +206,7 @@ def test_greedy_generate_matches_transformers(tmp_path):
     with torch.no_grad():
         expected = reference.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
                                       do_sample=False, pad_token_id=0, eos_token_id=None)
-    got = ours.generate(prompt, max_new_tokens=12)
+    got = ours.generate(prompt, max_new_tokens=12, eos_token_id=None)  # as the reference
     assert got.shape == expected.shape == (2, 19)
     assert torch.equal(got, expected)
 
@@ -226,6 +226,6 @@ def test_left_padded_greedy_generate_matches_transformers(tmp_path):
     with torch.no_grad():
         expected = reference.generate(batch, attention_mask=mask, max_new_tokens=10, do_sample=False,
                                       pad_token_id=0, eos_token_id=None)
-    got = ours.generate(batch, attention_mask=mask, max_new_tokens=10)
+    got = ours.generate(batch, attention_mask=mask, max_new_tokens=10, eos_token_id=None)
     assert torch.equal(got, expected)
-    assert not torch.equal(got[1:2, 7:], ours.generate(batch[1:2], max_new_tokens=10)[:, 7:])  # pads matter
+    assert not torch.equal(got[1:2, 7:], ours.generate(batch[1:2], max_new_tokens=10, eos_token_id=None)[:, 7:])  # pads matter

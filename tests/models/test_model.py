@@ -1,5 +1,5 @@
-"""The whole model: packed documents == each alone, cached decoding == full forward, our checkpoint format,
-the Auto classes, the loss at document boundaries."""
+"""The whole model: packed documents == each alone, cached decoding == full forward, `generate` with transformers'
+keywords and eos default, our checkpoint format, the Auto classes, the loss at document boundaries."""
 
 import json
 
@@ -87,7 +87,7 @@ def test_cached_decoding_equals_full_forward(variant):
 def test_generate_continues_the_cached_logits():
     model = make_model(seed=2)
     prompt = ids(1, 4, seed=2)
-    out = model.generate(prompt, max_new_tokens=6)
+    out = model.generate(prompt, max_new_tokens=6, eos_token_id=None)
     with torch.no_grad():
         for t in range(4, 10):  # every generated token is the argmax of the full forward at its position
             assert out[0, t] == model(out[:, :t]).logits[0, -1].argmax()
@@ -95,6 +95,95 @@ def test_generate_continues_the_cached_logits():
     first = 4 + out[0, 4:].tolist().index(eos)  # decoding stops right after the first eos
     short = model.generate(prompt, max_new_tokens=6, eos_token_id=eos)
     assert torch.equal(short, out[:, : first + 1])
+
+
+def test_generate_stops_at_the_config_eos_like_transformers():
+    """`HybridForCausalLM.generate` (transformers' entry point) stops at config.eos_token_id unless told otherwise;
+    `hybridlm.inference.generate` stops only at an eos it is given."""
+    from hybridlm.inference import generate
+
+    model = make_model(seed=6)
+    prompt = ids(1, 4, seed=6)
+    free = generate(model, prompt, max_new_tokens=6).sequences
+    eos = int(free[0, 5])  # the second new token, not the first
+    assert eos != int(free[0, 4])
+    model.config.eos_token_id = eos
+    assert torch.equal(model.generate(prompt, max_new_tokens=6), free[:, :6])
+    assert torch.equal(model.generate(prompt, max_new_tokens=6, eos_token_id=None), free)
+    assert torch.equal(generate(model, prompt, max_new_tokens=6).sequences, free)
+    model.config.eos_token_id = [VOCAB + 3, eos]  # a list of ids too
+    assert torch.equal(model.generate(prompt, max_new_tokens=6), free[:, :6])
+
+
+class _StopAfter:
+    """A fake stopping criterion, called the way transformers calls one: (input_ids, scores) -> [B] bool."""
+
+    def __init__(self, prompt_len: int, counts: list[int]) -> None:
+        self.prompt_len, self.counts, self.calls = prompt_len, torch.tensor(counts), 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        return input_ids.shape[1] - self.prompt_len >= self.counts
+
+
+def test_generate_takes_transformers_keywords():
+    """What lm_eval's generate_until passes (max_length, stopping_criteria, pad_token_id, use_cache, do_sample) and
+    what other transformers callers do (num_beams=1, temperature=None, top_k=0)."""
+    from transformers import StoppingCriteriaList
+
+    from hybridlm.inference import generate
+
+    model = make_model(seed=5)
+    batch, mask = ids(3, 6, seed=5), torch.ones(3, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    greedy = generate(model, batch, attention_mask=mask, max_new_tokens=5, eos_token_id=None).sequences
+    plain = dict(attention_mask=mask, eos_token_id=None)
+    assert torch.equal(model.generate(batch, max_length=11, **plain), greedy)
+    assert torch.equal(model.generate(batch, max_length=11, max_new_tokens=5, **plain), greedy)  # agreeing
+    assert torch.equal(model.generate(batch, max_length=11, max_new_tokens=None, **plain), greedy)
+    assert torch.equal(model.generate(batch, max_length=6, **plain), batch)
+    assert torch.equal(model.generate(batch, max_new_tokens=5, do_sample=False, temperature=0.8, top_k=0, **plain),
+                       greedy)
+    assert torch.equal(model.generate(batch, max_new_tokens=5, temperature=None, use_cache=False, num_beams=1, **plain),
+                       greedy)
+    sampled = generate(model, batch, attention_mask=mask, max_new_tokens=5, temperature=1.0, seed=3).sequences
+    assert not torch.equal(sampled, greedy)
+    assert torch.equal(model.generate(batch, max_new_tokens=5, do_sample=True, seed=3, **plain), sampled)
+    assert torch.equal(model.generate(batch, max_new_tokens=5, do_sample=True, top_k=0, seed=3, **plain), sampled)
+
+    # lm_eval's call: rows stop when its criteria say so (here after 1, 3 and 2 new tokens), filler after
+    criterion = _StopAfter(6, [1, 3, 2])
+    out = model.generate(input_ids=batch, attention_mask=mask, max_length=11,
+                         stopping_criteria=StoppingCriteriaList([criterion]), pad_token_id=0, use_cache=True,
+                         do_sample=False)
+    assert out.shape == (3, 9) and criterion.calls == 3
+    for row, count in enumerate((1, 3, 2)):
+        assert torch.equal(out[row, : 6 + count], greedy[row, : 6 + count])
+        assert out[row, 6 + count :].eq(0).all()
+    # any callable works as a criterion, a plain bool answer stops every row
+    out = model.generate(batch, max_new_tokens=5, stopping_criteria=lambda input_ids, scores: input_ids.shape[1] >= 8,
+                         **plain)
+    assert torch.equal(out, greedy[:, :8])
+
+
+@pytest.mark.parametrize(
+    "options,error,message",
+    [
+        (dict(max_length=9, max_new_tokens=3), ValueError, r"max_length=9 \(a prompt of 5 \+ 4 .*=3 disagree"),
+        (dict(max_length=3), ValueError, "max_length counts the prompt"),
+        (dict(do_sample=True, temperature=0.0), ValueError, "do_sample=True needs a temperature > 0"),
+        (dict(do_sample="yes"), ValueError, "do_sample"),
+        (dict(num_beams=4), NotImplementedError, "beam search"),
+        (dict(num_beams=0), ValueError, "num_beams"),
+        (dict(stopping_criteria=lambda ids, scores: False, stop=lambda ids, logits: False), ValueError, "not both"),
+        (dict(repetition_penalty=1.2), TypeError, "repetition_penalty; supported: .*max_new_tokens.*max_length"),
+        (dict(return_dict_in_generate=True, output_scores=True), TypeError, "output_scores, return_dict_in_generate"),
+    ],
+)
+def test_generate_refuses_what_it_cannot_do(options, error, message):
+    model = make_model()
+    with pytest.raises(error, match=message):
+        model.generate(ids(2, 5), **options)
 
 
 def test_loss_skips_targets_across_documents():
