@@ -79,7 +79,7 @@ def test_matches_the_direct_computation(model_dir, shards_dir, tokenizer_dir, se
         logp = torch.log_softmax(model(stream[None]).logits[0].double(), -1)
     starts = {data.doc_start(i) for i in range(data.num_docs)}
     joined = -sum(logp[t - 1, stream[t]].item() for t in range(1, len(stream)) if t not in starts)
-    assert abs(joined - nll) > 1e-3 * abs(nll)
+    assert abs(joined - nll) > 20 * 2e-5 * abs(nll)  # far outside the tolerance the match above is held to
 
 
 def test_manifest_average_without_tokenizer_and_max_tokens(model_dir, shards_dir):
