@@ -9,17 +9,21 @@ config.json in a public repository or model page, and consistent with transforme
 - 0.5B: every field below, muP multipliers included, from a copy of Falcon-H1-0.5B's config.json
   (NVIDIA Megatron-Bridge's FalconH1 bridge test, `FALCON_H1_500M_CONFIG`; the same values on the model
   pages MerlinSafety/HybridIntelligence-0.5B and wmere/falcon_moe_0.5Base_test, which copy that config);
+- 1.5B-Deep, 7B, 34B: MLP width, context, vocab, groups, SSM output norm (on) and the muP multipliers from
+  Megatron-Bridge's FalconH1 model providers, whose per-size classes copy the released config.json files; the
+  lm_head multipliers follow the report's d^-1 rule (1.5B-Deep's 2^-5 at d = 1280 is quoted in the report).
+  SSD chunk: 128 (1.5B-Deep, 34B); for 7B the sources disagree (256 there, 128 in a sizing tool's copy of its
+  config): 128 here, which changes only the kernels' tiling, not the math. 7B's vocab: 130049 there (130048 in
+  the sizing tool's copy, which also drops the +1 of the 65537-token tokenizer for 3B);
 - 1.5B: MLP width 4608, vocab 65537, d_ssm 3072, groups 1, d_conv 4 from a copy of Falcon-H1-1.5B's config
-  (a memory-planning tool's test fixture `FALCON_H1`); its muP multipliers were NOT found: left at 1.0;
-- 7B: MLP width 12288, vocab 130048, d_ssm 3072, groups 1, chunk 128, max positions 262144, untied embeddings
-  from a copy of Falcon-H1-7B's config (`FALCON_H1_7B_HF` in a model-sizing tool's tests; the same shapes
-  quoted from mlx-community/Falcon-H1-7B-Instruct-4bit's config.json); muP multipliers NOT found: 1.0;
-- 1.5B-Deep, 3B, 34B: beyond the doc table (MLP width, vocab, groups = 2 for 34B) NOT verified here; the
-  parameter counts they give match the released totals within 1% (tests/models/test_presets.py). muP
-  multipliers NOT found: 1.0.
-A checkpoint loaded with `hybridlm.load_model` always carries its own multipliers; the 1.0 defaults only
-matter when training from a preset. Attention biases, MLP biases and the SSM output norm are off, as
-released; RoPE base 1e11.
+  (a memory-planning tool's test fixture `FALCON_H1`), its 128K context from the doc table; its muP multipliers
+  and SSM output norm were NOT found (multipliers 1.0, norm off);
+- 3B: chunk 128 and 128K context from a sizing tool's copy of its config; MLP width and vocab NOT verified;
+  multipliers NOT found (1.0); SSM output norm on, since only with it does the parameter count round to the
+  released 3,149.4M;
+- eos 11 (`<|end_of_text|>`) in every size: read in the 0.5B config and in a shrunken copy of the 34B one.
+A checkpoint loaded with `hybridlm.load_model` always carries its own config; these values only matter when
+training from a preset. Attention and MLP biases are off, as released; RoPE base 1e11.
 
     config = get_preset("falcon-h1-0.5b")                 # a HybridConfig
     config = get_preset("tiny", ssm_mixer="fast_weight")  # with overrides
@@ -60,6 +64,21 @@ _FALCON_0_5B_MUP: dict[str, Any] = dict(
     mlp_multiplier_gate=0.8838834764831844, mlp_multiplier_down=0.5859375,
 )
 
+
+
+def _mup(lm_head, key, attention_out, ssm_in, ssm_out, mlp_gate, mlp_down) -> dict[str, Any]:
+    """Falcon-H1's tuned muP multipliers of one size (the values shared by the 1.5B-Deep, 7B and 34B configs fixed)."""
+    return dict(
+        embedding_multiplier=5.656854249492381, lm_head_multiplier=lm_head, key_multiplier=key,
+        attention_in_multiplier=1.0, attention_out_multiplier=attention_out, ssm_in_multiplier=ssm_in,
+        ssm_out_multiplier=ssm_out, mlp_multiplier_gate=mlp_gate, mlp_multiplier_down=mlp_down,
+        ssm_multiplier_z=0.3535533905932738, ssm_multiplier_x=0.25, ssm_multiplier_B=0.1767766952966369,
+        ssm_multiplier_C=0.5, ssm_multiplier_dt=0.3535533905932738,
+    )
+
+
+_RELEASED = dict(eos_token_id=11, mamba_rms_norm=True)  # every size above 0.5B that was checked
+
 PRESETS: dict[str, tuple[float, dict[str, Any]]] = {
     "tiny": (
         1.25e6,
@@ -74,17 +93,28 @@ PRESETS: dict[str, tuple[float, dict[str, Any]]] = {
     "falcon-h1-0.5b": (0.5e9, _falcon(36, 1024, 8, 2, 64, 24, 64, 128, 2048, 32784, mamba_chunk_size=128,
                                       max_position_embeddings=16384, pad_token_id=0, bos_token_id=1,
                                       eos_token_id=11, **_FALCON_0_5B_MUP)),
-    # verified: shapes; unverified: muP multipliers (1.0)
-    "falcon-h1-1.5b": (1.5e9, _falcon(24, 2048, 8, 2, 128, 48, 64, 256, 4608, 65537)),
-    # verified: the doc-table shapes; unverified: MLP width, vocab, muP multipliers
-    "falcon-h1-1.5b-deep": (1.5e9, _falcon(66, 1280, 6, 2, 128, 24, 64, 256, 3072, 65537)),
-    # verified: the doc-table shapes; unverified: MLP width, vocab, muP multipliers
-    "falcon-h1-3b": (3e9, _falcon(32, 2560, 10, 2, 128, 32, 128, 256, 6144, 65537)),
-    # verified: shapes, chunk, context; unverified: muP multipliers (1.0). 7.59B parameters as released.
-    "falcon-h1-7b": (7e9, _falcon(44, 3072, 12, 2, 128, 24, 128, 256, 12288, 130048, mamba_chunk_size=128,
-                                  max_position_embeddings=262144)),
-    # verified: the doc-table shapes; unverified: MLP width, vocab, groups = 2, muP multipliers
-    "falcon-h1-34b": (34e9, _falcon(72, 5120, 20, 4, 128, 32, 128, 256, 21504, 261120, mamba_n_groups=2)),
+    # verified: shapes; unverified: muP multipliers (1.0), SSM output norm (off)
+    "falcon-h1-1.5b": (1.5e9, _falcon(24, 2048, 8, 2, 128, 48, 64, 256, 4608, 65537, eos_token_id=11,
+                                      max_position_embeddings=131072)),
+    # verified: every field (muP included)
+    "falcon-h1-1.5b-deep": (1.5e9, _falcon(66, 1280, 6, 2, 128, 24, 64, 256, 3072, 65537, mamba_chunk_size=128,
+                                           max_position_embeddings=131072, **_RELEASED,
+                                           **_mup(0.03125, 0.17677669529663687, 0.5, 1.0, 0.23570226039551587,
+                                                  0.7071067811865476, 0.3125))),
+    # verified: the doc-table shapes; unverified: MLP width, vocab, muP multipliers (1.0); norm from the count
+    "falcon-h1-3b": (3e9, _falcon(32, 2560, 10, 2, 128, 32, 128, 256, 6144, 65537, mamba_chunk_size=128,
+                                  max_position_embeddings=131072, **_RELEASED)),
+    # verified: every field (muP included; chunk: sources disagree). 7.59B parameters as released.
+    "falcon-h1-7b": (7e9, _falcon(44, 3072, 12, 2, 128, 24, 128, 256, 12288, 130049, mamba_chunk_size=128,
+                                  max_position_embeddings=262144, **_RELEASED,
+                                  **_mup(0.013020833333333334, 0.030690398488999456, 0.10416666666666667,
+                                         0.4166666666666667, 0.11785113019775793, 0.2946278254943948,
+                                         0.032552083333333336))),
+    # verified: every field (muP included)
+    "falcon-h1-34b": (34e9, _falcon(72, 5120, 20, 4, 128, 32, 128, 256, 21504, 261120, mamba_n_groups=2,
+                                    mamba_chunk_size=128, max_position_embeddings=262144, **_RELEASED,
+                                    **_mup(0.0078125, 0.011048543456039804, 0.0375, 0.25, 0.08838834764831845,
+                                           0.1767766952966369, 0.011160714285714284))),
     # Not a release: the ~1B hybrid of issue 7's scaling run (Falcon-H1-1.5B's trunk, d_model 2048 x 24 SA_M
     # blocks, resized so that tp=8 and mixer parallelism over tp=8 split every head count: 16 query / 8 KV
     # heads of 128, 32 Mamba-2 heads of 64 (d_ssm 2048) in 8 B/C groups, MLP 2048). 1.14B parameters, 1.01B

@@ -75,3 +75,15 @@ def test_overrides_and_unknown_names():
         get_preset("falcon-h1-2b")
     with pytest.raises(ValueError, match="not_a_field"):
         get_preset("tiny", not_a_field=1)
+
+
+def test_tuned_falcon_presets_follow_the_report_mup_rules():
+    """The presets with tuned muP multipliers (0.5B, 1.5B-Deep, 7B, 34B, copied from the released configs) agree
+    with the report's rules: embeddings x 2^2.5 and an unembedding multiplier proportional to 1 / d_model (40 / d);
+    every size above 0.5B that was checked has the SSM output norm on."""
+    for name in ("falcon-h1-0.5b", "falcon-h1-1.5b-deep", "falcon-h1-7b", "falcon-h1-34b"):
+        config = get_preset(name)
+        assert config.embedding_multiplier == pytest.approx(2 ** 2.5), name
+        assert config.lm_head_multiplier * config.hidden_size == pytest.approx(40.0), name
+        assert config.mamba_rms_norm == (name != "falcon-h1-0.5b"), name
+        assert config.eos_token_id == 11, name
