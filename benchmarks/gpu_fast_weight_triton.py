@@ -39,7 +39,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from gpu_ops import bench  # benchmarks/ is on the path when this script runs
+from gpu_ops import bench, causal_sdpa  # benchmarks/ is on the path when this script runs
 from roofline import fast_weight_counts, utilization
 
 from hybridlm.ops import FastWeightState, fast_weight_attention
@@ -246,8 +246,7 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compi
                 return ms
             return "-" if ms is False else "out of memory" if ms is None else f"{ms:.2f}"
 
-        sdpa = timed(lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                            is_causal=True))
+        sdpa = timed(lambda: causal_sdpa(q, k, v))
         triton_ms = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
         torch_prep = kernels = fixed_scan = chunk = compiled = compiled_t = False
         if rule in frontend.FUSED_RULES:
