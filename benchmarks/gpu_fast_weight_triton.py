@@ -218,8 +218,8 @@ def time_documents(rule, B, T, H, D, documents, *, chunk_size) -> str:
 
 def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compiled_triton=False, eager_chunk=True):
     """The table rows (fwd, fwd+bwd) of one rule and sequence length."""
-    chunk_compiled = torch.compile(run_chunk) if compiled_chunk else None
-    triton_compiled = torch.compile(run_triton) if compiled_triton else None
+    chunk_compiled = torch.compile(run_chunk, dynamic=False) if compiled_chunk else None
+    triton_compiled = torch.compile(run_triton, dynamic=False) if compiled_triton else None
     q, k, v, beta, lam = inputs = make_inputs(B, T, H, D, dtype)
     prepared = None
     if rule == "1A":
