@@ -25,7 +25,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from hybridlm.layers.cache import LayerCache, StaticLayerCache
 from hybridlm.modules.boundaries import (
@@ -184,9 +183,7 @@ def _attention_mask(
 
     Packed documents: [T, T] block-diagonal causal. Left-padded cache rows (`pad` [B] leading empty slots):
     [B, 1, T, past + T]. Otherwise [T, past + T] causal with the cache in front, or None when SDPA's own
-    causal flag (no cache) or no mask at all (one query after the cache) suffices. The causal mask with the cache in
-    front is torch's `causal_lower_right` bias rather than a boolean tensor: SDPA's fused kernels take it (a boolean
-    mask keeps flash attention out), which is what a prompt prefilled in pieces runs through after its first piece."""
+    causal flag (no cache) or no mask at all (one query after the cache) suffices."""
     if offsets is not None:
         seq = sequence_ids(offsets, length)  # [T]
         causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
@@ -196,10 +193,10 @@ def _attention_mask(
             return None, bool(length > 1)  # a Python bool even for a symbolic length (SDPA's flag)
         if length == 1:
             return None, False  # one new query sees the whole cache
-    if pad is None:
-        return causal_lower_right(length, past + length), False  # query i sees keys 0 .. past + i
     rows = torch.arange(length, device=device)[:, None] + past
     cols = torch.arange(past + length, device=device)[None, :]
     causal = cols <= rows  # [T, S]
+    if pad is None:
+        return causal, False
     filled = cols >= pad.to(device)[:, None]  # [B, S]
     return (causal[None] & filled[:, None, :]).unsqueeze(1), False  # [B, 1, T, S]
