@@ -132,12 +132,6 @@ def strong_decay_inputs(T=300, seed=11):
 STRONG_DECAY_TOL = {"y": 2e-7, "dA": 5e-6}  # else 1e-6
 
 
-def assert_precise_under_strong_decay(out, ref):
-    for name, a, b in zip(NAMES, out, ref):
-        err = rel_err(a.double(), b)
-        assert err < STRONG_DECAY_TOL.get(name, 1e-6), f"{name}: {err:.3e}"
-
-
 @pytest.mark.parametrize("chunk_size", [128, 256], ids=lambda c: f"L{c}")
 def test_chunk_float32_is_precise_under_strong_decay(chunk_size):
     # An in-chunk exponent formed as the difference c_i - c_j of two prefix sums of ~1e4 loses eps * 1e4 to
@@ -147,7 +141,9 @@ def test_chunk_float32_is_precise_under_strong_decay(chunk_size):
     ref = run(inputs, backend="naive")
     out = run({k: v.detach().float().requires_grad_() for k, v in inputs.items()}, backend="chunk",
               chunk_size=chunk_size)
-    assert_precise_under_strong_decay(out, ref)
+    for name, a, b in zip(NAMES, out, ref):
+        err = rel_err(a.double(), b)
+        assert err < STRONG_DECAY_TOL.get(name, 1e-6), f"{name}: {err:.3e}"
 
 
 def test_defaults_auto_backend_and_no_final_state():
