@@ -22,12 +22,14 @@ small beside them), as the chunked algorithms compute them (full C x C blocks, m
   forward + backward counts 3x the forward;
 - causal SDPA, head dim D: forward 2 T^2 D (QK^T and PV, each 2 T^2 D, half of them masked), backward 2.5x.
 
-Bytes: the unavoidable traffic only, each input read once and each output written once (an ideal kernel that
-keeps every intermediate on chip): forward reads q, k, v (and beta, lam for the fast-weight rules: one value per
-step and head; rules 2 / 2A take beta per value column, V - 1 more per step, not counted) and writes o;
-forward + backward reads those and dO and writes o and the gradient of every input. Chunked algorithms also move
-their per-chunk states (N * H * T / C * K * V floats per pass), which this lower bound leaves out on purpose: it
-is the part an implementation chooses.
+Bytes: the unavoidable traffic only, each input read once per pass and each output written once (an ideal kernel
+that keeps every intermediate of a pass on chip): forward reads q, k, v (and beta, lam for the fast-weight rules: one
+value per step and head; rules 2 / 2A take beta per value column, V - 1 more per step, not counted) and writes o.
+The backward is a separate pass (autograd runs it after the whole forward), so it reads the inputs again, reads dO
+(SDPA's also reads o, for the softmax's row sums of dO * o) and writes the gradient of every input: forward +
+backward moves 3x the inputs and 2x the output (SDPA: 12 [B, H, T, D] tensors). Chunked algorithms also move their
+per-chunk states (N * H * T / C * K * V floats per pass), which this lower bound leaves out on purpose: it is the
+part an implementation chooses.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def fast_weight_counts(rule: str, *, B: int, T: int, H: int, K: int, V: int, chu
     flops = B * H * T * W * per_token * (3 if backward else 1)
     inputs = B * T * H * (2 * K + V + 2) * bytes_per_element  # q, k, v, beta, lam
     output = B * T * H * V * bytes_per_element
-    nbytes = inputs + output + ((inputs + output) if backward else 0)  # dO in, every gradient out
+    nbytes = inputs + output + ((2 * inputs + output) if backward else 0)  # inputs again and dO in, gradients out
     return float(flops), float(nbytes)
 
 
@@ -60,7 +62,8 @@ def sdpa_counts(*, B: int, T: int, H: int, D: int, backward: bool, bytes_per_ele
     """(matmul FLOPs, minimal bytes) of causal scaled-dot-product attention over [B, H, T, D] q, k, v."""
     forward = 2.0 * B * H * T * T * D
     io = 4 * B * H * T * D * bytes_per_element  # q, k, v in, o out
-    return forward * (3.5 if backward else 1.0), float(io * (2 if backward else 1))
+    # backward: q, k, v, o, dO in and dq, dk, dv out, twice the forward's traffic
+    return forward * (3.5 if backward else 1.0), float(io * (3 if backward else 1))
 
 
 def utilization(*, ms: float, flops: float, nbytes: float) -> dict[str, float]:

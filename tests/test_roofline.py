@@ -17,7 +17,9 @@ def test_rule_1a_counts_by_hand():
     assert flops == 8 * 64
     assert nbytes == 8 * (2 * 2 + 3 + 2) * 2 + 8 * 3 * 2  # q, k, v, beta, lam in; o out (2 bytes each)
     flops_bwd, nbytes_bwd = fast_weight_counts("1A", B=1, T=8, H=1, K=2, V=3, chunk=4, backward=True)
-    assert flops_bwd == 3 * flops and nbytes_bwd == 2 * nbytes
+    inputs, output = 8 * (2 * 2 + 3 + 2) * 2, 8 * 3 * 2
+    assert flops_bwd == 3 * flops
+    assert nbytes_bwd == nbytes + 2 * inputs + output  # the backward re-reads the inputs, reads dO, writes gradients
 
 
 def test_windows_and_regression_rules_cost_more():
@@ -34,5 +36,7 @@ def test_windows_and_regression_rules_cost_more():
 def test_sdpa_and_utilization():
     flops, nbytes = sdpa_counts(B=1, T=10, H=2, D=4, backward=False)
     assert flops == 2 * 2 * 100 * 4 and nbytes == 4 * 2 * 10 * 4 * 2
+    flops_bwd, nbytes_bwd = sdpa_counts(B=1, T=10, H=2, D=4, backward=True)
+    assert flops_bwd == 3.5 * flops and nbytes_bwd == 12 * 2 * 10 * 4 * 2  # + q, k, v, o, dO in, dq, dk, dv out
     use = utilization(ms=1.0, flops=BF16_TFLOPS * 1e9, nbytes=COPY_TBPS * 1e9)
     assert use["flop_frac"] == pytest.approx(1.0) and use["byte_frac"] == pytest.approx(1.0)
