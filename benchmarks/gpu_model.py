@@ -1,6 +1,7 @@
 """Whole models on one GPU: training tokens/s at long context, prefill time and per-token decoding vs context.
 
-    python benchmarks/gpu_model.py                                 # ~125M shape, T 4096 16384, bf16 autocast
+    python benchmarks/gpu_model.py       # ~125M shape: training at T 4096 16384, decoding 4K-128K at batch 1 and 32
+    python benchmarks/gpu_model.py --rounds 3 --contexts --variants transformer "h1 fw-1A"   # training only, A B A B
     python benchmarks/gpu_model.py --lengths 4096 --contexts 1024 8192 32768 --json out.json
     python benchmarks/gpu_model.py --cpu --preset tiny --lengths 256 --contexts 128 512   # smoke run
     python benchmarks/gpu_model.py --lengths --contexts 4096 --profile-decode               # where a step's time goes
@@ -31,6 +32,9 @@ the Transformer's attention and MLP and add the SSM half: 143-159M parameters ag
    training forward through `torch.compile` (inductor; `--compile reduce-overhead` also replays the forward and
    backward as CUDA graphs, which the hybrids need at 4K: their compiled update was host-bound, 69 ms of wall
    time for 21 ms of GPU time; the compiled update is warmed up before timing), every variant alike.
+   `--rounds R` measures every training row R times with the variants interleaved (A B A B ...: a shared host's
+   drift lands on baseline and variant alike) and reports the median tokens/s and the median of the per-round
+   ratios with their range.
    `--documents D` packs the rows into one row of rows x T tokens with `cu_seqlens` (each row cut into D documents
    at fixed random places, the same for every variant), as the trainer runs `data.document_boundaries`; compiled,
    each block compiles on its own, as in the trainer (`HybridBlock`'s packed-document paths), with a CUDA-graph
@@ -69,7 +73,7 @@ from hybridlm.models.presets import get_preset
 SHAPE_125M = dict(vocab_size=32768, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=4, head_dim=64, mamba_d_ssm=1024, mamba_n_heads=16, mamba_d_head=64,
                   mamba_d_state=64, mamba_n_groups=2, mamba_chunk_size=128, intermediate_size=1536,
-                  max_position_embeddings=65536)
+                  max_position_embeddings=131072)
 VARIANTS = {
     "transformer": dict(ssm_mixer="none"),
     "hybrid mamba2": dict(),
@@ -270,19 +274,50 @@ def decoding(model, *, context: int, device: torch.device, steps: int, batch: in
             "cache_mib_per_row": state_bytes / batch / 2**20}
 
 
+def print_training_table(rows: list[dict]) -> None:
+    """The training table: per variant and T the median tokens/s over the rounds, and the median (and range) of the
+    per-round ratios to the baseline measured in the same round."""
+    by_key: dict[tuple[str, int], dict[int, dict]] = {}
+    for r in rows:
+        by_key.setdefault((r["variant"], r["T"]), {})[r["round"]] = r
+    print("\n| model | params | rows x T | tokens/s | / baseline | rounds | peak GiB |\n|---|---|---|---|---|---|---|")
+    for (variant, length), rounds in by_key.items():
+        first = next(iter(rounds.values()))
+        shape = f"{first['rows']} x {length}" + (f" ({first['documents']} documents per row)"
+                                                 if first["documents"] > 1 else "")
+        measured = [r["tokens_per_s"] for r in rounds.values() if r["tokens_per_s"]]
+        if not measured:
+            print(f"| {variant} | {first['params'] / 1e6:.0f}M | {shape} | OOM | - | {len(rounds)} | - |")
+            continue
+        base_rounds = by_key.get((BASELINE.get(variant, "transformer"), length), {})
+        ratios = [r["tokens_per_s"] / base_rounds[k]["tokens_per_s"] for k, r in rounds.items()
+                  if r["tokens_per_s"] and base_rounds.get(k, {}).get("tokens_per_s")]
+        ratio = "-"
+        if ratios:
+            ratio = f"{statistics.median(ratios):.2f}x"
+            if len(ratios) > 1:
+                ratio += f" ({min(ratios):.2f}-{max(ratios):.2f})"
+        peaks = [r["peak_gib"] for r in rounds.values() if r.get("peak_gib")]
+        peak = f"{max(peaks):.1f}" if peaks else "-"
+        print(f"| {variant} | {first['params'] / 1e6:.0f}M | {shape} | {statistics.median(measured):.0f} | {ratio} "
+              f"| {len(rounds)} | {peak} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="125m", help="'125m' (the shape above) or any preset name")
     parser.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384], help="training tokens per row")
-    parser.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096, 16384, 32768],
-                        help="decoding contexts (none: no decoding)")
+    parser.add_argument("--contexts", type=int, nargs="*", default=[4096, 16384, 65536, 131072],
+                        help="decoding contexts (none: no decoding); the default is issue 8's grid")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--train-rows", type=int, default=1, help="rows of T tokens per training update")
     parser.add_argument("--documents", type=int, default=1,
                         help="documents per row, packed into one row with cu_seqlens (1: plain rows)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure training this many times, the variants interleaved (A B A B ...)")
     parser.add_argument("--decode-steps", type=int, default=16)
-    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1], help="rows decoded together")
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 32], help="rows decoded together")
     parser.add_argument("--prefill-tokens", type=int, default=1 << 18,
                         help="tokens (all rows together) per prefill call; longer prompts are prefilled in pieces")
     parser.add_argument("--profile-decode", action="store_true", help="print a profile of decoding steps per variant")
@@ -299,6 +334,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.train_rows < 1:
         parser.error(f"--train-rows must be >= 1 (got {args.train_rows})")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1 (got {args.rounds})")
     if args.documents < 1 or any(args.documents > length for length in args.lengths):
         parser.error(f"--documents must be between 1 and the shortest --lengths (got {args.documents})")
     if args.compile_decode and not args.graph:
@@ -321,21 +358,24 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump({"device": name, "preset": args.preset, "rows": rows}, f, indent=1)
 
+    models = {variant: build(args.preset, variant, device) for variant in args.variants}
+    params = {variant: sum(p.numel() for p in model.parameters()) for variant, model in models.items()}
+    for round_ in range(args.rounds):
+        for variant, model in models.items():
+            for length in args.lengths:
+                row = {"variant": variant, "params": params[variant], "T": length, "rows": args.train_rows,
+                       "documents": args.documents, "round": round_}
+                try:
+                    record({**row, **training(model, length=length, device=device, repeats=args.repeats,
+                                              rows=args.train_rows, compile=args.compile, documents=args.documents,
+                                              profile_label=variant if args.profile_train and round_ == 0 else None)})
+                except torch.OutOfMemoryError:
+                    record({**row, "tokens_per_s": None})
+                model.zero_grad(set_to_none=True)  # the other variants' turns need the memory
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     for variant in args.variants:
-        model = build(args.preset, variant, device)
-        params = sum(p.numel() for p in model.parameters())
-        for length in args.lengths:
-            try:
-                record({"variant": variant, "params": params, "T": length, "rows": args.train_rows,
-                        "documents": args.documents,
-                        **training(model, length=length, device=device, repeats=args.repeats,
-                                   rows=args.train_rows, compile=args.compile, documents=args.documents,
-                                   profile_label=variant if args.profile_train else None)})
-            except torch.OutOfMemoryError:
-                record({"variant": variant, "params": params, "T": length, "rows": args.train_rows,
-                        "documents": args.documents, "tokens_per_s": None})
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        model = models.pop(variant)
         for context in args.contexts:
             for batch in args.decode_batches:
                 try:
@@ -353,15 +393,7 @@ def main() -> None:
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    train = {(r["variant"], r["T"]): r for r in rows if "T" in r}
-    print("\n| model | params | rows x T | tokens/s | / baseline | peak GiB |\n|---|---|---|---|---|---|")
-    for (variant, length), r in train.items():
-        base = train.get((BASELINE.get(variant, "transformer"), length), {}).get("tokens_per_s")
-        ratio = f"{r['tokens_per_s'] / base:.2f}x" if r["tokens_per_s"] and base else "-"
-        tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "OOM"
-        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
-        shape = f"{r['rows']} x {length}" + (f" ({r['documents']} documents per row)" if r["documents"] > 1 else "")
-        print(f"| {variant} | {r['params'] / 1e6:.0f}M | {shape} | {tps} | {ratio} | {peak} |")
+    print_training_table([r for r in rows if "T" in r])
     decode = {(r["variant"], r["context"], r["batch"]): r for r in rows if "context" in r}
     print("\n| model | context | batch | prefill s | decode ms/step | decode tokens/s | / baseline | "
           "cache MiB/row |\n|---|---|---|---|---|---|---|---|")

@@ -5,6 +5,7 @@ script that a refactor broke is."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -44,7 +45,8 @@ def test_model_cpu():
 
 def test_gpu_model_on_the_cpu_with_decoding_and_training_profiles():
     out = run("gpu_model.py", "--cpu", "--preset", "tiny", "--lengths", "64", "--contexts", "32", "--variants",
-              "transformer", "fw-1A", "--repeats", "1", "--decode-steps", "2", "--profile-decode", "--profile-train")
+              "transformer", "fw-1A", "--repeats", "1", "--decode-steps", "2", "--decode-batches", "1",
+              "--profile-decode", "--profile-train")
     assert len(table_rows(out, "transformer")) == 2 and len(table_rows(out, "fw-1A")) == 2  # training, decoding
     assert out.count("### decoding profile") == 2 and out.count("### training profile") == 2
     assert out.count("kernel launches per call") == 4
@@ -63,6 +65,22 @@ def test_gpu_model_on_the_cpu_packed_documents_through_compiled_blocks():
               "--contexts", "--variants", "transformer", "hybrid mamba2", "hybrid fw-1A", "--repeats", "1", "--compile")
     assert all(len(table_rows(out, name)) == 1 for name in ("transformer", "hybrid mamba2", "hybrid fw-1A"))
     assert "2 x 48 (3 documents per row)" in out
+
+
+def test_gpu_model_on_the_cpu_interleaved_rounds(tmp_path):
+    out = run("gpu_model.py", "--cpu", "--preset", "tiny", "--lengths", "32", "48", "--contexts", "--variants",
+              "transformer", "fw-1A", "--repeats", "1", "--rounds", "2", "--json", str(tmp_path / "rows.json"))
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    # A B A B: every round measures every variant and length before the next round starts
+    assert [(r["round"], r["variant"], r["T"]) for r in rows] == [
+        (k, v, t) for k in (0, 1) for v in ("transformer", "fw-1A") for t in (32, 48)]
+    table = table_rows(out, "fw-1A")
+    assert len(table) == 2 and all("| 2 |" in line for line in table)
+    for line, length in zip(table, (32, 48)):  # the median of the two rounds' ratios, then their range
+        ratios = sorted(r["tokens_per_s"] / b["tokens_per_s"] for r in rows for b in rows
+                        if r["variant"] == "fw-1A" and b["variant"] == "transformer" and r["T"] == b["T"] == length
+                        and r["round"] == b["round"])
+        assert f"| {sum(ratios) / 2:.2f}x ({ratios[0]:.2f}-{ratios[1]:.2f}) |" in line
 
 
 def test_packed_documents_layout():
