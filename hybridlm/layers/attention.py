@@ -62,7 +62,7 @@ class Attention(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: LayerCache | None = None,
-        restarts_resolved: bool = False,  # the caller (the model) packed any document restarts already
+        restarts_resolved: bool = False,  # the caller (the model) packed any document restarts and numbered tokens
     ) -> torch.Tensor:
         if cu_seqlens is None and position_ids is not None and not restarts_resolved and has_restarts(position_ids):
             if cache is not None:
@@ -78,6 +78,11 @@ class Attention(nn.Module):
             offsets = host_to_device(host_offsets, hidden.device)
             if cache is not None and cache.length:
                 raise ValueError("Attention: a packed prefill (cu_seqlens) needs an empty cache")
+            if cache is not None and position_ids is not None and not restarts_resolved:
+                # the cache continues each document at its own length: other positions here would rotate the stored
+                # keys against every later query's
+                raise ValueError("Attention: a packed prefill into a cache numbers each document from 0 itself; "
+                                 "leave position_ids out")
         past = cache.length if cache is not None else 0
         if position_ids is None:
             if offsets is not None:
@@ -98,7 +103,7 @@ class Attention(nn.Module):
             if offsets is not None:
                 cache.store_packed_kv(k, v, host_offsets)  # one row per document; this call attends packed
             else:
-                k, v = cache.append_kv(k, v)  # [B, S, Hkv, D], S = past + T
+                k, v = cache.append_kv(k, v, saved_for_backward=q.requires_grad)  # [B, S, Hkv, D], S = past + T
                 pad = cache.pad
 
         if offsets is not None and not isinstance(cache, StaticLayerCache):

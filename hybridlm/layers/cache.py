@@ -6,7 +6,7 @@
 
 Each mixer owns its fields of `LayerCache`: attention appends to the keys/values ([B, S, H_kv, D]);
 an SSM mixer keeps its tensors in the `ssm` dict under names it chooses (Mamba-2: "conv" [B, K-1, C]
-and "ssm" [B, H, P, N] float32). The model advances the cache after every call, so positions of later
+and "ssm" [B, H, P, N] float32, float64 for a float64 model). The model advances the cache after every call, so positions of later
 tokens continue where the cache stopped.
 
 Rows of different lengths (a left-padded batch of prompts) enter the cache through a packed prefill:
@@ -48,14 +48,23 @@ class LayerCache:
     def value(self) -> torch.Tensor | None:
         return None if self._value is None else self._value[:, : self.length]
 
-    def append_kv(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append_kv(self, key: torch.Tensor, value: torch.Tensor, *,
+                  saved_for_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Append [B, T, H_kv, D] keys/values; return every cached key/value [B, S + T, H_kv, D].
 
         The storage grows geometrically, so a decoding step writes only its own token instead of copying
-        the whole cache. When gradients flow into the new keys, it is reallocated instead (no in-place
-        write into a tensor autograd saved)."""
+        the whole cache. When autograd may save the returned keys/values (gradients flow into the new keys, or
+        `saved_for_backward`: the caller's query needs gradients, so attention saves them even with frozen key and
+        value projections), it is reallocated instead: no in-place write into a tensor autograd saved."""
+        if self._key is not None and (key.shape[0] != self._key.shape[0] or key.shape[2:] != self._key.shape[2:]
+                                      or value.shape[:2] != key.shape[:2] or value.shape[2:] != self._value.shape[2:]):
+            raise ValueError(
+                f"keys {tuple(key.shape)} / values {tuple(value.shape)} do not fit this cache's rows "
+                f"{tuple(self._key.shape[:1]) + tuple(self._key.shape[2:])} (batch, heads, head dim): a cache holds one "
+                "batch of sequences; decode with the batch size of its prefill"
+            )
         needed = self.length + key.shape[1]
-        grad = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
+        grad = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad or saved_for_backward)
         if self._key is None or needed > self._key.shape[1] or grad:
             capacity = needed if (grad or self._key is None) else max(needed, 2 * self._key.shape[1])
             self._key = _grow(self._key, self.length, key, capacity)
@@ -153,7 +162,11 @@ class StaticLayerCache(LayerCache):
             self._value[:, source.length :] = 0
             self._slots = torch.arange(capacity, device=slot.device)  # [S]
 
-    def append_kv(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append_kv(self, key: torch.Tensor, value: torch.Tensor, *,
+                  saved_for_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad or saved_for_backward):
+            raise ValueError("a static cache decodes without gradients (its storage is written in place): run the "
+                             "steps under torch.no_grad()")
         if key.shape[1] != 1:
             raise ValueError(f"a static cache takes one token per call, got {key.shape[1]}")
         if self._key is None:

@@ -146,6 +146,11 @@ class HybridModel(HybridPreTrainedModel):
             offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length)
             if cache is not None and cache.seq_len:
                 raise ValueError("a packed prefill (cu_seqlens) needs an empty cache; decode one row per sequence")
+            if cache is not None and position_ids is not None:
+                # later tokens continue each document at its own length (`HybridCache.lengths`): other positions
+                # here would rotate the cached keys against every later query's, silently
+                raise ValueError("a packed prefill into a cache numbers each document from 0 itself; leave "
+                                 "position_ids out")
             if position_ids is None:
                 position_ids = host_to_device(local_positions(offsets, length).unsqueeze(0), h.device)
             cu_seqlens = offsets

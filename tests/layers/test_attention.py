@@ -100,6 +100,44 @@ def test_packed_prefill_needs_an_empty_cache():
         attn(torch.randn(1, 4, 24), cu_seqlens=torch.tensor([0, 2, 4]), cache=cache)
 
 
+def test_gradients_through_cached_steps_with_frozen_key_and_value_projections():
+    """Only the query needs gradients (a q-only adapter): attention still saves the cached keys/values for
+    backward, so the next step may not write into their storage; the gradients equal the full forward's."""
+    attn = make_attention(heads=4, kv_heads=2).double()
+    for p in (*attn.k_proj.parameters(), *attn.v_proj.parameters()):
+        p.requires_grad_(False)
+    x = torch.randn(2, 6, 24, dtype=torch.float64)
+    cache = LayerCache()
+    stepped = torch.cat([attn(x[:, :3], cache=cache)] + [attn(x[:, t : t + 1], cache=cache) for t in range(3, 6)], 1)
+    grad_out = torch.randn_like(stepped)
+    stepped.backward(grad_out)
+    cached_grad = attn.q_proj.weight.grad.clone()
+    attn.q_proj.weight.grad = None
+    attn(x).backward(grad_out)
+    torch.testing.assert_close(cached_grad, attn.q_proj.weight.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_a_step_of_another_batch_size_is_refused_and_leaves_the_cache_intact():
+    attn = make_attention(heads=6, kv_heads=2)
+    cache = LayerCache()
+    with torch.no_grad():
+        attn(torch.randn(3, 4, 24), cache=cache)
+        attn(torch.randn(3, 1, 24), cache=cache)
+        key, length = cache.key.clone(), cache.length  # the filled slots (the rest of the storage is uninitialized)
+        with pytest.raises(ValueError, match="batch size of its prefill"):
+            attn(torch.randn(1, 1, 24), cache=cache)
+    assert cache.length == length == 5 and torch.equal(cache.key, key)
+
+
+def test_packed_prefill_into_a_cache_refuses_position_ids():
+    """Later tokens continue each document at its own length: a global numbering in the prefill would rotate the
+    cached keys against them (every decoded token wrong, the prefill's own output unchanged)."""
+    attn = make_attention()
+    with pytest.raises(ValueError, match="leave position_ids out"):
+        attn(torch.randn(1, 8, 24), cu_seqlens=torch.tensor([0, 3, 8]), position_ids=torch.arange(8)[None],
+             cache=LayerCache())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (flash attention's varlen kernel)")
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4)])
 def test_packed_documents_on_cuda_run_flash_varlen_like_the_mask(heads, kv_heads, monkeypatch):

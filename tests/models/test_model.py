@@ -270,6 +270,9 @@ def test_bad_inputs(tmp_path):
     model(ids(1, 3), cache=cache)
     with pytest.raises(ValueError, match="needs an empty cache"):
         model(ids(1, 6), cu_seqlens=torch.tensor([0, 3, 6]), cache=cache)
+    with pytest.raises(ValueError, match="leave position_ids out"):
+        model(ids(1, 6), cu_seqlens=torch.tensor([0, 3, 6]), position_ids=torch.arange(6)[None],
+              cache=model.new_cache())
     with pytest.raises(ValueError, match="cache has 3 layers"):
         model(ids(1, 6), cache=HybridCache(3))
     with pytest.raises(ValueError, match="LEFT padding"):
