@@ -59,6 +59,7 @@ def test_s_a_m():
 
 @pytest.mark.parametrize("arrangement", ["SA_M", "SAM", "S_A_M"])
 def test_either_half_can_be_off(arrangement):
+    """Each block with one half off against the formula of its arrangement with that term removed."""
     x = torch.randn(1, 5, 16)
     no_attn = make_block(block_arrangement=arrangement, use_attention=False)
     no_ssm = make_block(block_arrangement=arrangement, ssm_mixer="none")
@@ -66,12 +67,27 @@ def test_either_half_can_be_off(arrangement):
     assert no_attn.attn is None and isinstance(no_attn.ssm, Mamba2Mixer)
     assert no_ssm.ssm is None and no_ssm.attn is not None
     assert no_mlp.mlp is None and no_mlp.mlp_norm is None
-    for block in (no_attn, no_ssm, no_mlp):
-        assert block(x).shape == x.shape
+    # S_A_M keeps its second norm N_A only while both mixers run; with one of them off the other reads N(x).
+    assert no_attn.attn_norm is None and no_ssm.attn_norm is None
+    assert (no_mlp.attn_norm is not None) == (arrangement == "S_A_M")
+
+    n = no_attn.norm(x)
+    h = x + ssm(no_attn, n)
+    expected = h + no_attn.mlp(no_attn.mlp_norm(h)) if arrangement != "SAM" else h + no_attn.mlp(n)
+    torch.testing.assert_close(no_attn(x), expected)
+
     n = no_ssm.norm(x)
     h = x + attn(no_ssm, n)
     expected = h + no_ssm.mlp(no_ssm.mlp_norm(h)) if arrangement != "SAM" else h + no_ssm.mlp(n)
     torch.testing.assert_close(no_ssm(x), expected)
+
+    n = no_mlp.norm(x)
+    if arrangement == "S_A_M":
+        h1 = x + ssm(no_mlp, n)
+        expected = h1 + attn(no_mlp, no_mlp.attn_norm(h1))
+    else:  # SA_M and SAM differ only in where the MLP reads from
+        expected = x + ssm(no_mlp, n) + attn(no_mlp, n)
+    torch.testing.assert_close(no_mlp(x), expected)
 
 
 def test_factory():
