@@ -47,3 +47,13 @@ def write_atomic(path: Path, data: bytes | memoryview) -> str:
         raise
     fsync_dir(path.parent)
     return hashlib.sha256(data).hexdigest()
+
+
+def save_figure_atomic(fig, path: Path, **savefig_options) -> None:
+    """Save a matplotlib figure as a PNG at `path` through a temporary name and os.replace: a crash or interrupt
+    mid-write never leaves a truncated image where a previous good one was."""
+    import io
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", **savefig_options)
+    write_atomic(Path(path), buffer.getbuffer())
