@@ -2,7 +2,11 @@
 
     q = W_q h,   k = m_key W_k h,   v = W_v h          (heads: q [B, T, Hq, D], k, v [B, T, Hkv, D])
     q, k = RoPE(q), RoPE(k) at position_ids
-    o = W_o softmax(q k^T / sqrt(D) + causal mask) v
+    o = W_o softmax(q k^T / sqrt(D) + mask) v
+
+    mask[p, j] = 0 where key j may be read by query p, else -inf: j <= p (causal), and with a sliding window
+    (`attention_window` W) also p - j < W, so query p reads keys p - W + 1 .. p (itself and the W - 1 before it);
+    W >= the sequence length is full causal attention. Always inside the query's own document.
 
 Packed batches (`cu_seqlens`, B == 1): tokens attend only inside their own document. On CUDA in bf16/fp16 this runs
 flash attention's variable-length kernel (`torch.nn.attention.varlen.varlen_attn`: each document's own causal
@@ -10,9 +14,12 @@ attention, nothing computed across documents); elsewhere (CPU, float32, dropout 
 block-diagonal causal mask over the whole packed row (O(T^2) memory and work: a trainer's packed row of 8 x 2048
 tokens costs 8 times the pairs of its rows, and no flash kernel takes the mask); also for head dims flash does not
 take (not a multiple of 8, or above 256) and GPUs without it (before sm80). A `LayerCache`
-makes it incremental: new keys/values are appended and queries attend to everything cached. A packed
+makes it incremental: new keys/values are appended and queries attend to everything cached (with a window: to the
+last W - 1 cached slots, which is all the cache keeps, at most 2 (W - 1) + T slots; `hybridlm.layers.cache`). A packed
 prefill into an empty cache stores one row per document, right-aligned (`LayerCache.store_packed_kv`);
 later queries of a row then skip its `pad` leading slots.
+A window outside the varlen kernel is a banded mask [T, S] (O(T S) memory like the causal one: no kernel skips the
+band's outside); the flash varlen kernel takes it as `window_size=(W - 1, 0)` where this torch has that keyword.
 The input multiplier (`attention_in_multiplier`) and output multiplier live in the block.
 """
 
@@ -48,6 +55,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.key_multiplier = config.key_multiplier
         self.dropout = config.attention_dropout
+        self.window = config.attention_window  # None: full causal attention
         width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, width, bias=config.attention_bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
@@ -76,21 +84,20 @@ class Attention(nn.Module):
         if cu_seqlens is not None:
             host_offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length)
             offsets = host_to_device(host_offsets, hidden.device)
-            if cache is not None and cache.length:
+            if cache is not None and cache.length:  # (a window keeps slots filled: after a call, length > 0)
                 raise ValueError("Attention: a packed prefill (cu_seqlens) needs an empty cache")
             if cache is not None and position_ids is not None and not restarts_resolved:
                 # the cache continues each document at its own length: other positions here would rotate the stored
                 # keys against every later query's
                 raise ValueError("Attention: a packed prefill into a cache numbers each document from 0 itself; "
                                  "leave position_ids out")
-        past = cache.length if cache is not None else 0
         if position_ids is None:
             if offsets is not None:
                 position_ids = local_positions(offsets, length).unsqueeze(0)  # [1, T]
+            elif cache is not None:
+                position_ids = cache.positions(length, hidden.device)  # [1, T], or [B, T] for left-padded rows
             else:
-                position_ids = torch.arange(past, past + length, device=hidden.device).unsqueeze(0)  # [1, T]
-                if cache is not None and cache.pad is not None:
-                    position_ids = position_ids - cache.pad.to(hidden.device)[:, None]  # [B, T]: own positions
+                position_ids = torch.arange(length, device=hidden.device).unsqueeze(0)  # [1, T]
 
         q = self.q_proj(hidden).view(batch, length, self.num_heads, self.head_dim)  # [B, T, Hq, D]
         k = self.k_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim) * self.key_multiplier
@@ -101,20 +108,22 @@ class Attention(nn.Module):
         pad = None
         if cache is not None:
             if offsets is not None:
-                cache.store_packed_kv(k, v, host_offsets)  # one row per document; this call attends packed
+                cache.store_packed_kv(k, v, host_offsets, window=self.window)  # one row per document; attends packed
             else:
-                k, v = cache.append_kv(k, v, saved_for_backward=q.requires_grad)  # [B, S, Hkv, D], S = past + T
+                # [B, S, Hkv, D], S = past + T: the earlier slots kept (all of them, or those the window reaches)
+                k, v = cache.append_kv(k, v, saved_for_backward=q.requires_grad, window=self.window)
                 pad = cache.pad
 
         if offsets is not None and not isinstance(cache, StaticLayerCache):
             out = _varlen_attention(q, k, v, offsets, max_len=int((host_offsets[1:] - host_offsets[:-1]).max()),
-                                    dropout=self.dropout if self.training else 0.0)
+                                    dropout=self.dropout if self.training else 0.0, window=self.window)
             if out is not None:
                 return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
         if isinstance(cache, StaticLayerCache):
             mask, is_causal = cache.static_mask(), False  # the whole storage, its empty slots masked
         else:
-            mask, is_causal = _attention_mask(offsets, length=length, past=past, pad=pad, device=hidden.device)
+            mask, is_causal = _attention_mask(offsets, length=length, past=k.shape[1] - length, pad=pad,
+                                              window=self.window, device=hidden.device)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),  # [B, Hq, T, D]
             k.transpose(1, 2),  # [B, Hkv, S, D]
@@ -129,13 +138,14 @@ class Attention(nn.Module):
 
 
 def _varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, *, max_len: int, dropout: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, *, max_len: int, dropout: float,
+    window: int | None = None,
 ) -> torch.Tensor | None:
-    """Causal attention inside each packed document with flash attention's varlen kernel: q [1, T, Hq, D], k, v
-    [1, T, Hkv, D], offsets [N + 1] on the device -> [T, Hq, D]; None where the kernel does not apply (the caller
-    then masks): no varlen_attn in this torch, not CUDA, not 16-bit, dropout, a head dim flash does not take, a GPU
-    or a build without flash attention."""
-    kernel = _flash_varlen_kernel()
+    """Causal attention (within `window`, if given) inside each packed document with flash attention's varlen kernel:
+    q [1, T, Hq, D], k, v [1, T, Hkv, D], offsets [N + 1] on the device -> [T, Hq, D]; None where the kernel does not
+    apply (the caller then masks): no varlen_attn in this torch (or, with a window, none that takes one), not CUDA,
+    not 16-bit, dropout, a head dim flash does not take, a GPU or a build without flash attention."""
+    kernel = _flash_varlen_kernel() if window is None else _flash_window_kernel(window)
     if (kernel is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or dropout > 0
             or q.shape[-1] % 8 or q.shape[-1] > 256 or not _has_flash(q.device.index)):
         return None
@@ -149,25 +159,42 @@ def _has_flash(device_index: int | None) -> bool:
     return built and torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
-@functools.cache
-def _flash_varlen_kernel() -> Callable | None:
-    """torch's `varlen_attn` bound by `bind_varlen`, or None on a torch without it."""
+def _varlen_attn() -> Callable | None:
+    """torch's `varlen_attn`, or None on a torch without it."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return bind_varlen(varlen_attn)
+    return varlen_attn
 
 
-def bind_varlen(varlen_attn: Callable) -> Callable | None:
+@functools.cache
+def _flash_varlen_kernel() -> Callable | None:
+    """torch's `varlen_attn` bound by `bind_varlen` (causal), or None on a torch without it."""
+    varlen_attn = _varlen_attn()
+    return None if varlen_attn is None else bind_varlen(varlen_attn)
+
+
+@functools.cache
+def _flash_window_kernel(window: int) -> Callable | None:
+    """`_flash_varlen_kernel` within a sliding window, or None on a torch whose `varlen_attn` takes no window."""
+    varlen_attn = _varlen_attn()
+    return None if varlen_attn is None else bind_varlen(varlen_attn, window=window)
+
+
+def bind_varlen(varlen_attn: Callable, *, window: int | None = None) -> Callable | None:
     """`(q [T, Hq, D], k, v [T, Hkv, D], cu [N + 1] int32, max_len) -> [T, Hq, D]`: `varlen_attn` as causal attention
     with grouped keys (query head h reads key head h // (Hq / Hkv)), or None if it takes no causal option. Its
     keywords changed between releases: causal is `is_causal=True` in torch 2.10 and `window_size=(-1, 0)` later, and
-    grouped keys (`enable_gqa`) arrived after 2.10; without it the key/value heads are repeated for the query heads."""
+    grouped keys (`enable_gqa`) arrived after 2.10; without it the key/value heads are repeated for the query heads.
+    `window` W: query p reads keys p - W + 1 .. p only, `window_size=(W - 1, 0)` (keys to the left, to the right);
+    None (the caller masks) where `varlen_attn` has no `window_size` (torch 2.10's `is_causal` form)."""
     params = inspect.signature(varlen_attn).parameters
-    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True} if "is_causal" in params \
-        else None
-    if causal is None:
+    if "window_size" in params:
+        causal = {"window_size": (-1 if window is None else window - 1, 0)}
+    elif "is_causal" in params and window is None:
+        causal = {"is_causal": True}
+    else:
         return None
     native_gqa = "enable_gqa" in params
 
@@ -182,26 +209,32 @@ def bind_varlen(varlen_attn: Callable) -> Callable | None:
 
 
 def _attention_mask(
-    offsets: torch.Tensor | None, *, length: int, past: int, pad: torch.Tensor | None, device: torch.device
+    offsets: torch.Tensor | None, *, length: int, past: int, pad: torch.Tensor | None, device: torch.device,
+    window: int | None = None,
 ) -> tuple[torch.Tensor | None, bool]:
-    """(boolean mask where True = may attend, or None; is_causal flag for SDPA).
+    """(boolean mask where True = may attend, or None; is_causal flag for SDPA). `past`: the key slots in front of
+    this call's T (the cache's), so key j sits `past + i - j` slots before query i.
 
     Packed documents: [T, T] block-diagonal causal. Left-padded cache rows (`pad` [B] leading empty slots):
     [B, 1, T, past + T]. Otherwise [T, past + T] causal with the cache in front, or None when SDPA's own
-    causal flag (no cache) or no mask at all (one query after the cache) suffices."""
+    causal flag (no cache) or no mask at all (one query after the cache) suffices. A `window` keeps only the keys
+    less than `window` slots back (the band), and needs a mask unless it cuts nothing."""
     if offsets is not None:
         seq = sequence_ids(offsets, length)  # [T]
-        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-        return (seq[:, None] == seq[None, :]) & causal, False
-    if pad is None:
+        return (seq[:, None] == seq[None, :]) & _band(length, past=0, window=window, device=device), False
+    if pad is None and (window is None or window >= past + length):  # no key is out of the window's reach
         if past == 0:
             return None, bool(length > 1)  # a Python bool even for a symbolic length (SDPA's flag)
         if length == 1:
             return None, False  # one new query sees the whole cache
-    rows = torch.arange(length, device=device)[:, None] + past
-    cols = torch.arange(past + length, device=device)[None, :]
-    causal = cols <= rows  # [T, S]
+    allowed = _band(length, past=past, window=window, device=device)  # [T, S]
     if pad is None:
-        return causal, False
-    filled = cols >= pad.to(device)[:, None]  # [B, S]
-    return (causal[None] & filled[:, None, :]).unsqueeze(1), False  # [B, 1, T, S]
+        return allowed, False
+    filled = torch.arange(past + length, device=device)[None, :] >= pad.to(device)[:, None]  # [B, S]
+    return (allowed[None] & filled[:, None, :]).unsqueeze(1), False  # [B, 1, T, S]
+
+
+def _band(length: int, *, past: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[T, past + T] True where key j may be read by query i (at slot past + i): causal, and within `window`."""
+    back = torch.arange(length, device=device)[:, None] + past - torch.arange(past + length, device=device)[None, :]
+    return (back >= 0) & (back < window) if window is not None else back >= 0

@@ -15,10 +15,18 @@ prompt (padding never reaches a recurrent state), and attention stores each prom
 in a row of `seq_len` slots, the `pad` leading slots of a shorter row masked out for every later query.
 `HybridCache.lengths` then holds each row's own token count, from which its next positions follow.
 
+Sliding-window attention (`attention_window` W): no later query reaches further back than W - 1 slots, so a layer
+keeps only those. When a call finds more than 2 (W - 1) slots filled, it moves the last W - 1 to the front of the
+storage (one copy of W - 1 slots per W or more tokens: O(1) per token) and counts the others in `dropped`; the storage
+holds at most 2 (W - 1) + T slots (T: the call's tokens). Positions keep counting every slot (`seen`), and the left
+padding `pad` shrinks by the dropped slots.
+
 `StaticCache` (built from a filled cache) is the form a CUDA graph of the decoding step needs
 (`hybridlm.inference.graphed`): attention keys/values in storage of a fixed capacity written at a slot that is a
 device tensor, masks over the whole capacity, positions from device tensors. One token per call; every tensor a
-step reads stays at one address (the SSM states are copied back into their buffers by the decoder).
+step reads stays at one address (the SSM states are copied back into their buffers by the decoder). With a window
+W smaller than the capacity the storage is a ring of W slots instead (slot s written at s mod W), so its memory does
+not depend on the capacity.
 """
 
 from __future__ import annotations
@@ -38,6 +46,22 @@ class LayerCache:
         self._key: torch.Tensor | None = None  # [B, capacity, H_kv, D] storage; slots [0, length) are filled
         self._value: torch.Tensor | None = None
         self.length = 0  # filled key/value slots
+        self.window: int | None = None  # the attention window the keys were appended under (None: full attention)
+        self.dropped = 0  # leading slots the window dropped: storage slot i holds slot dropped + i of every row
+        # [B] slot of each row's first token, counted from the rows' start (its left padding; None: none): `pad` is
+        # this minus `dropped` (floor 0), kept so that positions stay right once the window dropped the padding.
+        self._first: torch.Tensor | None = None
+        self._pad_bound = 0  # max(pad) as known on the host: trimming past it clears `pad` without reading the device
+
+    @property
+    def seen(self) -> int:
+        """Key slots this cache has been given: the filled ones and those the window dropped."""
+        return self.dropped + self.length
+
+    def positions(self, length: int, device: torch.device) -> torch.Tensor:
+        """Positions of the next `length` tokens: [1, T], or [B, T] with left-padded rows (each its own count)."""
+        positions = torch.arange(self.seen, self.seen + length, device=device).unsqueeze(0)
+        return positions if self._first is None else positions - self._first.to(device)[:, None]
 
     @property
     def key(self) -> torch.Tensor | None:
@@ -48,14 +72,16 @@ class LayerCache:
     def value(self) -> torch.Tensor | None:
         return None if self._value is None else self._value[:, : self.length]
 
-    def append_kv(self, key: torch.Tensor, value: torch.Tensor, *,
-                  saved_for_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def append_kv(self, key: torch.Tensor, value: torch.Tensor, *, saved_for_backward: bool = False,
+                  window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Append [B, T, H_kv, D] keys/values; return every cached key/value [B, S + T, H_kv, D].
 
         The storage grows geometrically, so a decoding step writes only its own token instead of copying
         the whole cache. When autograd may save the returned keys/values (gradients flow into the new keys, or
         `saved_for_backward`: the caller's query needs gradients, so attention saves them even with frozen key and
-        value projections), it is reallocated instead: no in-place write into a tensor autograd saved."""
+        value projections), it is reallocated instead: no in-place write into a tensor autograd saved.
+        `window` (the layer's `attention_window`): first drop the slots no query of this call or a later one can
+        reach (the module docstring); S is then at most 2 (window - 1)."""
         if self._key is not None and (key.shape[0] != self._key.shape[0] or key.shape[2:] != self._key.shape[2:]
                                       or value.shape[:2] != key.shape[:2] or value.shape[2:] != self._value.shape[2:]):
             raise ValueError(
@@ -63,16 +89,44 @@ class LayerCache:
                 f"{tuple(self._key.shape[:1]) + tuple(self._key.shape[2:])} (batch, heads, head dim): a cache holds one "
                 "batch of sequences; decode with the batch size of its prefill"
             )
-        needed = self.length + key.shape[1]
+        if self._key is not None and window != self.window:
+            raise ValueError(f"this cache was filled with attention_window={self.window}, this call has {window}")
+        self.window = window
+        incoming = key.shape[1]
+        # With a window, the first `start` filled slots are out of reach of every query from now on (trimmed only past
+        # 2 (window - 1) filled slots, so that the copy of the kept ones is paid once per window - 1 tokens or more).
+        start = self.length - (window - 1) if window is not None and self.length > 2 * (window - 1) else 0
+        kept = self.length - start
+        needed = kept + incoming
+        # At most this much storage with a window: a long prompt's (or a longer call's) is given back at the next call.
+        limit = None if window is None else 2 * (window - 1) + incoming
         grad = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad or saved_for_backward)
-        if self._key is None or needed > self._key.shape[1] or grad:
-            capacity = needed if (grad or self._key is None) else max(needed, 2 * self._key.shape[1])
-            self._key = _grow(self._key, self.length, key, capacity)
-            self._value = _grow(self._value, self.length, value, capacity)
-        self._key[:, self.length : needed] = key
-        self._value[:, self.length : needed] = value
+        capacity = 0 if self._key is None else self._key.shape[1]
+        if self._key is None or needed > capacity or grad or (limit is not None and capacity > limit):
+            if grad or self._key is None:
+                capacity = needed
+            else:
+                capacity = max(needed, 2 * capacity if limit is None else min(2 * capacity, limit))
+            self._key = _grow(self._key, kept, key, capacity, start=start)
+            self._value = _grow(self._value, kept, value, capacity, start=start)
+        elif start:
+            # disjoint ranges (start > kept: trimmed only past 2 kept filled slots), so one plain copy
+            self._key[:, :kept] = self._key[:, start : self.length]
+            self._value[:, :kept] = self._value[:, start : self.length]
+        if start:
+            self._drop(start)
+        self._key[:, kept:needed] = key
+        self._value[:, kept:needed] = value
         self.length = needed
         return self.key, self.value
+
+    def _drop(self, count: int) -> None:
+        """Count `count` more leading slots as dropped (the storage already moved); shrink the left padding."""
+        self.dropped += count
+        self.length -= count
+        if self._first is not None:
+            self._pad_bound = max(0, self._pad_bound - count)
+            self.pad = (self._first - self.dropped).clamp_min(0) if self._pad_bound else None
 
     def state_bytes(self) -> int:
         """Bytes of memory this layer's cache keeps alive: the key/value storage (its whole capacity) and the SSM
@@ -82,11 +136,13 @@ class LayerCache:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         return sum(storages.values())
 
-    def store_packed_kv(self, key: torch.Tensor, value: torch.Tensor, offsets: torch.Tensor) -> None:
+    def store_packed_kv(self, key: torch.Tensor, value: torch.Tensor, offsets: torch.Tensor, *,
+                        window: int | None = None) -> None:
         """Fill an empty cache from a packed prefill: key/value [1, total, H_kv, D] of the sequences that
         `offsets` [N + 1] delimit become N rows, each right-aligned in max(length) slots (left padding). The sizes
-        are read from the offsets on the host (`offsets.cpu()`: a no-op for the host offsets the model passes)."""
-        if self.length:
+        are read from the offsets on the host (`offsets.cpu()`: a no-op for the host offsets the model passes).
+        `window`: the layer's attention window (`append_kv`)."""
+        if self.seen:
             raise ValueError("a packed prefill (cu_seqlens) needs an empty cache")
         total = key.shape[1]
         host = offsets.cpu()
@@ -102,8 +158,9 @@ class LayerCache:
         rows_value = value.new_zeros(len(lengths), slots, *value.shape[2:])
         rows_key[seq, where] = key[0]
         rows_value[seq, where] = value[0]
-        self.append_kv(rows_key, rows_value)
-        self.pad = pad if padded else None
+        self.append_kv(rows_key, rows_value, window=window)
+        self.pad = self._first = pad if padded else None
+        self._pad_bound = int(slots - host_lengths.min())
 
 
 class HybridCache:
@@ -147,23 +204,44 @@ class HybridCache:
 class StaticLayerCache(LayerCache):
     """A layer's cache with key/value storage of `capacity` slots and the write slot `slot` (a device scalar shared
     by the layers): `append_kv` writes one token there and returns the whole storage; `static_mask` says which
-    slots hold a token (the filled ones and the one being written, minus each row's left padding)."""
+    slots hold a token (the filled ones and the one being written, minus each row's left padding).
+
+    With an attention window W < capacity (`source.window`) the storage is a ring of W slots: slot s goes to ring
+    index s mod W, and index i then holds slot `slot - ((slot - i) mod W)`: the one being written and the W - 1
+    before it, exactly what the window lets the new query see. Built from the last min(filled, W - 1) slots of
+    `source`. `length` counts every slot seen (with a ring, more than it holds)."""
 
     def __init__(self, source: LayerCache, *, capacity: int, slot: torch.Tensor) -> None:
         super().__init__()
         self.ssm = {name: t.clone() for name, t in source.ssm.items()}
-        self.pad = source.pad
-        self.length = source.length
+        self.window = source.window
+        # Slots here are counted from the rows' start (nothing is dropped), so the left padding is the rows' first.
+        self.pad = self._first = source._first
+        self.length = source.seen
         self._slot = slot
-        if source._key is not None:
+        # A window at least the capacity cuts nothing any query here can reach (distances stay below the capacity).
+        self._ring = source.window is not None and source.window < capacity
+        if source._key is None:
+            return
+        if self._ring:
+            keep = min(source.length, self.window - 1)
+            where = torch.arange(source.seen - keep, source.seen) % self.window  # ring index of each kept slot
+            self._key = source._key.new_zeros(source._key.shape[0], self.window, *source._key.shape[2:])
+            self._value = source._value.new_zeros(source._value.shape[0], self.window, *source._value.shape[2:])
+            self._key[:, where.to(self._key.device)] = source._key[:, source.length - keep : source.length]
+            self._value[:, where.to(self._value.device)] = source._value[:, source.length - keep : source.length]
+        else:
+            if source.dropped:  # cannot happen: a drop needs over 2 (window - 1) slots seen, the capacity exceeds them
+                raise ValueError(f"a static cache of capacity {capacity} cannot hold a cache whose window dropped "
+                                 f"slots (attention_window={source.window})")
             self._key = _grow(source._key, source.length, source._key, capacity)
             self._value = _grow(source._value, source.length, source._value, capacity)
             self._key[:, source.length :] = 0  # never attended (masked), but no stale NaN/inf can reach a product
             self._value[:, source.length :] = 0
-            self._slots = torch.arange(capacity, device=slot.device)  # [S]
+        self._slots = torch.arange(self._key.shape[1], device=slot.device)  # [S] storage indices
 
-    def append_kv(self, key: torch.Tensor, value: torch.Tensor, *,
-                  saved_for_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def append_kv(self, key: torch.Tensor, value: torch.Tensor, *, saved_for_backward: bool = False,
+                  window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad or saved_for_backward):
             raise ValueError("a static cache decodes without gradients (its storage is written in place): run the "
                              "steps under torch.no_grad()")
@@ -171,18 +249,25 @@ class StaticLayerCache(LayerCache):
             raise ValueError(f"a static cache takes one token per call, got {key.shape[1]}")
         if self._key is None:
             raise ValueError("a static cache is built from a filled cache (run the prefill first)")
-        index = self._slot.view(1)
+        if window != self.window:
+            raise ValueError(f"this cache was filled with attention_window={self.window}, this call has {window}")
+        index = (torch.remainder(self._slot, self.window) if self._ring else self._slot).view(1)
         self._key.index_copy_(1, index, key)
         self._value.index_copy_(1, index, value)
         self.length += 1
         return self._key, self._value
 
     def static_mask(self) -> torch.Tensor:
-        """[B or 1, 1, 1, S] True where the new query may attend."""
-        valid = self._slots <= self._slot  # [S]
-        if self.pad is None:
+        """[B or 1, 1, 1, S] True where the new query may attend (from device tensors only: no host read)."""
+        if self._ring:
+            held = self._slot - torch.remainder(self._slot - self._slots, self.window)  # [W] slot each index holds
+            valid = held >= 0  # before the ring came round, some indices hold nothing yet
+        else:
+            held = self._slots
+            valid = held <= self._slot  # [S]
+        if self._first is None:
             return valid.view(1, 1, 1, -1)
-        return (valid[None] & (self._slots[None] >= self.pad.to(valid.device)[:, None]))[:, None, None]
+        return (valid[None] & (held[None] >= self._first.to(valid.device)[:, None]))[:, None, None]
 
 
 class StaticCache(HybridCache):
@@ -224,9 +309,10 @@ class StaticCache(HybridCache):
         raise ValueError("a static cache continues a filled cache: run the prefill on a HybridCache")
 
 
-def _grow(storage: torch.Tensor | None, filled: int, like: torch.Tensor, capacity: int) -> torch.Tensor:
-    """New storage [B, capacity, ...] holding the first `filled` slots of the old one."""
+def _grow(storage: torch.Tensor | None, filled: int, like: torch.Tensor, capacity: int, *,
+          start: int = 0) -> torch.Tensor:
+    """New storage [B, capacity, ...] holding the `filled` slots of the old one from `start` at its front."""
     out = like.new_empty(like.shape[0], capacity, *like.shape[2:])
     if storage is not None and filled:
-        out[:, :filled] = storage[:, :filled]
+        out[:, :filled] = storage[:, start : start + filled]
     return out

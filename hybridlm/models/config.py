@@ -7,7 +7,8 @@ key_multiplier, ...) so official checkpoints map onto it field by field. Two dif
   `mlp_multipliers = [gate, down]` -> mlp_multiplier_gate, _down (`hybridlm.models.falcon_h1` converts);
 - `rope_theta` is a plain field (transformers 5 nests it in `rope_parameters`).
 Ours on top: `ssm_mixer` (which SSM channels: "mamba2" | "fast_weight" | "none"), `use_attention`,
-`block_arrangement` ("SA_M" | "SAM" | "S_A_M") and the fast-weight options `fw_*`, read by
+`block_arrangement` ("SA_M" | "SAM" | "S_A_M"), `attention_window` (sliding-window attention, read by
+`hybridlm.layers.attention`; not expressible as Falcon-H1) and the fast-weight options `fw_*`, read by
 `hybridlm.layers.fast_weight`.
 
 Derived sizes left as None are resolved in `__post_init__` (head_dim = hidden_size / heads,
@@ -88,6 +89,11 @@ class HybridConfig:
     ssm_mixer: str = "mamba2"
     use_attention: bool = True
     block_arrangement: str = "SA_M"
+    # Sliding-window attention: a query at position p attends to keys p - W + 1 .. p of its own document (itself and
+    # the W - 1 before it). None: full causal attention. With a window the decoding cache keeps O(W) keys per layer
+    # instead of the whole context, so a hybrid's memory per sequence is constant (the SSM half carries the long
+    # range), as Samba-style hybrids do. Falcon-H1 has no such option: such a model does not export to falcon_h1.
+    attention_window: int | None = None
     # --- fast-weight SSM channels (read by hybridlm.layers.fast_weight) ---
     fw_rule: str = "1"
     fw_window: int = 1
@@ -136,6 +142,14 @@ class HybridConfig:
         _require_bool("use_attention", self.use_attention)
         if not self.use_attention and self.ssm_mixer == "none":
             raise ValueError("use_attention=False with ssm_mixer='none' leaves no sequence mixer; enable one of them")
+        if self.attention_window is not None:
+            if not _is_int(self.attention_window) or self.attention_window < 1:
+                raise ValueError(f"attention_window must be None (full causal attention) or an int >= 1, got "
+                                 f"{self.attention_window!r}")
+            if not self.use_attention:
+                # a window that nothing reads would be silently saved with the model
+                raise ValueError(f"attention_window={self.attention_window} needs use_attention=True (this model has "
+                                 "no attention heads)")
         for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "projectors_bias", "mamba_conv_bias",
                      "mamba_proj_bias", "mamba_rms_norm", "mamba_norm_before_gate", "fw_ridge_scaling"):
             _require_bool(name, getattr(self, name))

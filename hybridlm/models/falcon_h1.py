@@ -3,7 +3,7 @@
 Config: FalconH1Config fields map one to one onto HybridConfig, except the positional multiplier
 lists (`ssm_multipliers` [z, x, B, C, dt], `mlp_multipliers` [gate, down]) that become named fields,
 and `rope_parameters["rope_theta"]` that becomes `rope_theta`. Only what Falcon-H1 can express is
-exported: Mamba-2 SSM channels, attention on, SA_M blocks, an MLP.
+exported: Mamba-2 SSM channels, attention on (full, no `attention_window`), SA_M blocks, an MLP.
 
 Weights (ours <-> falcon_h1, per layer i; everything else has the same name):
 
@@ -95,6 +95,10 @@ def config_to_falcon_h1(config: HybridConfig) -> FalconH1Config:
             raise ValueError(f"the falcon_h1 format needs {name}={needed!r}, this model has {getattr(config, name)!r}")
     if config.intermediate_size == 0:
         raise ValueError("the falcon_h1 format needs an MLP: intermediate_size must be > 0")
+    if config.attention_window is not None:
+        # FalconH1Config has no sliding window: its attention would read the whole context, another model
+        raise ValueError(f"the falcon_h1 format has no sliding-window attention: this model has attention_window="
+                         f"{config.attention_window} (falcon_h1 needs attention_window=None)")
     values = {name: getattr(config, name) for name in SHARED_FIELDS}
     return FalconH1Config(
         **values,

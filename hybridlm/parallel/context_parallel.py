@@ -33,9 +33,10 @@ once per forward made with gradients enabled (the same grad mode on every rank),
 checkpointing of blocks (the recomputation would repeat the state transfers in backward).
 
 Requirements: every rank holds the same chunk length Q; no packed documents (`cu_seqlens` / position
-restarts), no decoding cache, no attention dropout; position_ids are the global positions (`shard_sequence`
-returns them). Parameters are replicated over the cp ranks: after backward, sum their gradients over the cp
-group (`reduce_context_parallel_grads`) before the optimizer step; data parallelism then averages over dp.
+restarts), no decoding cache, no attention dropout, no sliding-window attention (`attention_window`);
+position_ids are the global positions (`shard_sequence` returns them). Parameters are replicated over the cp
+ranks: after backward, sum their gradients over the cp group (`reduce_context_parallel_grads`) before the
+optimizer step; data parallelism then averages over dp.
 """
 
 from __future__ import annotations
@@ -101,6 +102,12 @@ def context_parallel(
             "context_parallel: activation checkpointing is not supported (recomputing a block in backward would "
             "repeat its state transfers and ring exchanges out of order); build the model without it"
         )
+    windowed = sorted({m.window for m in model.modules() if isinstance(m, Attention) and m.window is not None})
+    if windowed:
+        # Ring attention and the all-gather both attend causally over the whole sequence: a window would be ignored
+        # on the other ranks' keys (refused even on one rank, so a config fails the same way at any scale).
+        raise ValueError(f"context_parallel: sliding-window attention (attention_window={windowed[0]}) is not "
+                         "supported; train it without context parallelism or with attention_window=None")
     if dist.get_world_size(group) == 1:
         yield model
         return
@@ -389,7 +396,10 @@ class _EarlierKeys:
     def __init__(self, group: dist.ProcessGroup | None, past: int) -> None:
         self.group, self.length = group, past
 
-    def append_kv(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append_kv(self, key: torch.Tensor, value: torch.Tensor, *, saved_for_backward: bool = False,
+                  window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # LayerCache's keywords: the gathered keys are new tensors (nothing written in place that autograd saved), and
+        # a window never reaches here (`context_parallel` refuses one)
         keep = self.length + key.shape[1]  # [B, j Q + Q, Hkv, D]
         keys = _AllGatherTime.apply(key.contiguous(), self.group)[:, :keep]
         values = _AllGatherTime.apply(value.contiguous(), self.group)[:, :keep]
