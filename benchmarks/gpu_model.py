@@ -23,6 +23,10 @@ the Transformer's attention and MLP and add the SSM half: 143-159M parameters ag
     h1 fw-1A           Falcon-H1's channel allocation of the shape's width (SSM : attention : MLP = 2 : 1 : 5,
                        `channel_allocation`) with a Falcon-1A SSM half (144M at the 125m shape)
     h1 mamba2          the same allocation with Mamba-2 (134M); h1 mamba2-chunk on the SSD torch chunk path
+    h1 swa fw-1A       "h1 fw-1A" with sliding-window attention (`attention_window`, `--window`, default 2048): its
+                       decoding cache stays at 2 (W - 1) keys per layer at any context, so its memory per sequence is
+                       constant (issue 8's decode target; the Falcon-H1 hybrid keeps every key); "hybrid swa fw-1A"
+                       the same for "hybrid fw-1A"
     transformer matched  the Transformer with its MLP widened to "h1 fw-1A"'s parameter count (144M): the baseline
                        of the two "h1" rows' ratio column (the others' is "transformer"; h1 mamba2 is the smaller
                        of the two by 10M, measured against the same 144M baseline)
@@ -84,6 +88,8 @@ VARIANTS = {
     "h1 fw-1A": dict(ssm_mixer="fast_weight", fw_rule="1A"),
     "h1 mamba2": dict(),
     "h1 mamba2-chunk": dict(),
+    "h1 swa fw-1A": dict(ssm_mixer="fast_weight", fw_rule="1A", attention_window=None),  # --window fills it in
+    "hybrid swa fw-1A": dict(ssm_mixer="fast_weight", fw_rule="1A", attention_window=None),
     "transformer matched": dict(ssm_mixer="none"),
 }
 # Variants whose Mamba-2 mixers run another SSD backend than "auto"'s (the Triton kernels on CUDA).
@@ -92,10 +98,12 @@ FALCON_H1_ALLOCATION = dict(alpha_S=2 / 8, alpha_A=1 / 8, alpha_M=5 / 8)  # the 
 BASELINE = {name: "transformer matched" for name in VARIANTS if name.startswith("h1 ")}  # default: "transformer"
 
 
-def config_of(preset: str, variant: str):
-    """The HybridConfig of `variant` at `preset` (module docstring)."""
+def config_of(preset: str, variant: str, *, window: int = 2048):
+    """The HybridConfig of `variant` at `preset` (module docstring); `window`: the "swa" variants' attention window."""
     base = SHAPE_125M if preset == "125m" else {}
     fields = {**base, **VARIANTS[variant]}
+    if "attention_window" in fields:
+        fields["attention_window"] = window
 
     def config(**changes):
         return get_preset("tiny" if preset == "125m" else preset, **{**fields, **changes})
@@ -119,8 +127,8 @@ def parameters(config) -> int:
         return sum(p.numel() for p in HybridForCausalLM(HybridLMConfig.from_hybrid(config)).parameters())
 
 
-def build(preset: str, variant: str, device: torch.device) -> HybridForCausalLM:
-    config = config_of(preset, variant)
+def build(preset: str, variant: str, device: torch.device, *, window: int = 2048) -> HybridForCausalLM:
+    config = config_of(preset, variant, window=window)
     torch.manual_seed(0)
     model = HybridForCausalLM(HybridLMConfig.from_hybrid(config)).to(device)
     for module in model.modules():
@@ -311,6 +319,7 @@ def main() -> None:
                         help="decoding contexts (none: no decoding); the default is issue 8's grid")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--train-rows", type=int, default=1, help="rows of T tokens per training update")
+    parser.add_argument("--window", type=int, default=2048, help="the attention window of the 'swa' variants")
     parser.add_argument("--documents", type=int, default=1,
                         help="documents per row, packed into one row with cu_seqlens (1: plain rows)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -358,7 +367,7 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump({"device": name, "preset": args.preset, "rows": rows}, f, indent=1)
 
-    models = {variant: build(args.preset, variant, device) for variant in args.variants}
+    models = {variant: build(args.preset, variant, device, window=args.window) for variant in args.variants}
     params = {variant: sum(p.numel() for p in model.parameters()) for variant, model in models.items()}
     for round_ in range(args.rounds):
         for variant, model in models.items():

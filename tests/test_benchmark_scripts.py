@@ -83,6 +83,17 @@ def test_gpu_model_on_the_cpu_interleaved_rounds(tmp_path):
         assert f"| {sum(ratios) / 2:.2f}x ({ratios[0]:.2f}-{ratios[1]:.2f}) |" in line
 
 
+def test_gpu_model_on_the_cpu_sliding_window_hybrid_keeps_constant_cache(tmp_path):
+    out = run("gpu_model.py", "--cpu", "--preset", "tiny", "--lengths", "--contexts", "32", "96", "--variants",
+              "transformer", "hybrid swa fw-1A", "--window", "8", "--decode-batches", "1", "--decode-steps", "2",
+              "--json", str(tmp_path / "rows.json"))
+    assert len(table_rows(out, "hybrid swa fw-1A")) == 2
+    cache = {(r["variant"], r["context"]): r["cache_mib_per_row"]
+             for r in json.loads((tmp_path / "rows.json").read_text())["rows"]}
+    assert cache[("hybrid swa fw-1A", 32)] == cache[("hybrid swa fw-1A", 96)]  # O(window) keys at any context
+    assert cache[("transformer", 96)] > 2 * cache[("transformer", 32)]  # every key kept
+
+
 def test_packed_documents_layout():
     sys.path.insert(0, str(BENCHMARKS))
     import torch
