@@ -20,7 +20,8 @@ restored, no graph kept) instead of compiling inside it or capturing an uncompil
 
 On the CPU (or with `use_graph=False`) the same static step runs eagerly: that is what the CPU tests check against
 the dynamic cache. Attention then reads all `capacity` slots every step (the empty ones masked), so keep the
-capacity at what the generation needs. Capture happens on the first `step` (after one eager warm-up step on a side
+capacity at what the generation needs; with sliding-window attention (`attention_window` W < capacity) it reads
+a ring of W slots instead, whatever the capacity. Capture happens on the first `step` (after one eager warm-up step on a side
 stream whose effect on the states is undone); `step` refuses to run past the capacity. Under a caller's autocast
 the capture runs with autocast's weight-cast cache off: a cast cached before the capture would be read by every
 replay from memory the cache frees when its context ends, so the graph recomputes the casts itself.
