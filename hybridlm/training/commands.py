@@ -12,8 +12,11 @@
 
 `--set key=value` (repeatable) addresses nested config keys with dots (train.steps, batch.micro_batch,
 model.overrides.hidden_size, optim.elr.ssm_in, ...); values are YAML (numbers, true/false, null,
-[lists]) and are checked against the key's type. `--resume` without `--config` continues with the
-run's own `config.yaml`. Exit status: 0 done, 1 training failed (diverged, data ran out, bad
+[lists]) and are checked against the key's type; a `--set` of schedule.kind (to cosine or constant),
+schedule.decay or schedule.decay_fraction drops the other decay key inherited from the config file. `--resume`
+without `--config` continues with the run's own `config.yaml`. An output directory that holds a run
+(checkpoints/, final/, metrics.jsonl, config.yaml, ...) is refused unless `--resume` continues it or
+`--overwrite` replaces it. Exit status: 0 done, 1 training failed (diverged, data ran out, bad
 checkpoint), 2 configuration error (reported before anything runs), 128 + signal number when stopped
 by SIGINT / SIGTERM (a checkpoint was saved).
 
@@ -38,8 +41,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--config", type=Path, help="YAML run config (see configs/); default: the built-in demo")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override one config value, e.g. --set train.steps=12 (repeatable)")
-    train.add_argument("--resume", action="store_true",
+    start = train.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true",
                        help="continue from the newest complete checkpoint in the output directory")
+    start.add_argument("--overwrite", action="store_true",
+                       help="start a new run even if the output directory holds one: deletes its checkpoints/, "
+                       "final/, metrics, config.yaml, loss.png and samples.txt first (without it, that is refused)")
     train.add_argument("--out", type=Path, help="output directory (sets train.out_dir)")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.set_defaults(func=run_train)
@@ -54,8 +61,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     mup.add_argument("--base-width", type=int, default=128, help="width the multipliers were tuned at")
     mup.add_argument("--steps", type=int, default=6, help="AdamW updates per width")
     mup.add_argument("--lr", type=float, default=1e-2, help="the same lr for every width")
-    mup.add_argument("--layers", type=int, default=2)
-    mup.add_argument("--seed", type=int, default=0)
+    mup.add_argument("--layers", type=int, default=2,
+                     help="decoder layers of every model (num_hidden_layers; the RMS is combined over them)")
+    mup.add_argument("--seed", type=int, default=0,
+                     help="seed of the initialization and of the random token batch (the same for every width)")
     mup.add_argument("--no-scale", action="store_true",
                      help="leave the multipliers at 1 (standard parametrization): the control that should blow up")
     mup.add_argument("--out", type=Path, required=True, help="directory for mup_check.png and mup_check.json")
@@ -101,7 +110,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     trainer = None
     try:
-        trainer = Trainer(config, resume=args.resume)
+        trainer = Trainer(config, resume=args.resume, overwrite=args.overwrite)
         result = trainer.train()
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
@@ -116,7 +125,7 @@ def run_train(args: argparse.Namespace) -> int:
         loss = f"{result.loss:.4f}" if result.loss is not None else "n/a"
         held = f", held-out loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""
         print(f"{result.status}: {result.step} updates, {result.tokens:,} tokens, loss {loss}{held}; "
-              f"outputs in {result.out_dir} (metrics.jsonl, loss.png, checkpoints/, final/)")
+              f"outputs in {result.out_dir} ({', '.join(_outputs(result.out_dir)) or 'none'})")
     if result.status == "interrupted":
         import signal
 
@@ -125,11 +134,42 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _outputs(out_dir: Path) -> list[str]:
+    """The run outputs that exist in `out_dir` (an interrupted run has no final/, a run without matplotlib no
+    loss.png), as the summary line lists them."""
+    names = ("metrics.jsonl", "eval.jsonl", "loss.png", "samples.txt", "checkpoints", "final")
+    return [name + ("/" if (out_dir / name).is_dir() else "") for name in names if (out_dir / name).exists()]
+
+
+def _mup_check_argument_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with mup-check's arguments, or None; checked before any model is built or file written
+    (a negative --steps or a NaN --lr would otherwise fail inside matplotlib, after mup_check.json is written)."""
+    import math
+
+    from hybridlm.training.mup_check import HEAD_DIM
+
+    bad = [w for w in args.widths if w < HEAD_DIM or w % HEAD_DIM]
+    if bad:
+        return f"--widths: every width must be a positive multiple of {HEAD_DIM} (the head dim), got {bad}"
+    if args.base_width not in args.widths:
+        return f"--base-width {args.base_width} must be one of --widths {args.widths}"
+    if args.steps < 1:
+        return f"--steps: must be >= 1 (AdamW updates per width), got {args.steps}"
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        return f"--lr: must be a finite number > 0, got {args.lr}"
+    if args.layers < 1:
+        return f"--layers: must be >= 1, got {args.layers}"
+    if args.seed < 0:
+        return f"--seed: must be >= 0, got {args.seed}"
+    return None
+
+
 def run_mup_check(args: argparse.Namespace) -> int:
     from hybridlm.training.mup_check import coordinate_check, spread, write_report
 
-    if args.base_width not in args.widths:
-        print(f"--base-width {args.base_width} must be one of --widths {args.widths}", file=sys.stderr)
+    problem = _mup_check_argument_error(args)
+    if problem:
+        print(f"mup-check: {problem}", file=sys.stderr)
         return 2
     try:
         result = coordinate_check(args.widths, base_width=args.base_width, steps=args.steps, lr=args.lr,

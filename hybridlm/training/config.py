@@ -15,7 +15,9 @@ Sections (dotted keys address them: `--set batch.micro_batch=4`):
                   document_boundaries (false: one position run per row, documents not kept apart; for cp)
     optim         AdamW lr, weight_decay, betas, eps; per-role multipliers: elr / ewd (matrix roles,
                   `training.optim`), vector_lr (vector roles)
-    schedule      `training.schedules.ScheduleConfig` (kind, unit, warmup, decay, ...; not rampup)
+    schedule      `training.schedules.ScheduleConfig` (kind, unit, warmup, decay, ...; not rampup). An override
+                  of kind (to cosine or constant), decay or decay_fraction drops the other decay key the file
+                  or demo gave (`--set schedule.kind=cosine` on the demo, whose decay_fraction is 0.2, just works)
     batch         micro_batch (rows per rank per micro-step), seq_len, grad_accum; batch-size rampup:
                   rampup_start (rows at the start; None: off), rampup_tokens, ref_batch. Batch sizes count
                   rows per data-parallel rank: the global batch is micro_batch x grad_accum x dp_replicate x
@@ -43,13 +45,15 @@ keys of its section, a wrong type says what was expected, an impossible combinat
 the run, rampup batches that are not multiples of the micro batch, ...) names the keys involved, and so does a
 setting that would have no effect (a batch.rampup_tokens without batch.rampup_start, schedule.power_t0 with
 kind wsd, ...). What depends on the number of data-parallel ranks (the run's tokens under train.steps, its
-updates under train.tokens) is checked by the trainer, through `schedule_config`.
+updates under train.tokens) is checked by the trainer, through `schedule_config`. A config file must be UTF-8
+YAML without a key given twice in one mapping (YAML would silently keep the last).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -58,7 +62,7 @@ from typing import Any
 
 import yaml
 
-from hybridlm.training.schedules import ScheduleConfig
+from hybridlm.training.schedules import ScheduleConfig, has_decay_stage
 
 DTYPES = ("fp32", "bf16")
 MIXER_PARALLEL = ("off", "on", "interleaved")
@@ -202,6 +206,34 @@ def demo_config() -> TrainConfig:
 
 
 # ------------------------------------------------------------------------------------------------ parsing
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, but a key given twice in one mapping is a ConfigError: plain YAML keeps the last
+    one, so `train: {steps: 10}` further down a file would silently replace a whole `train:` section."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden, as YAML says
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    seen = key in first_line
+                except TypeError:  # an unhashable key: SafeLoader's own error says so
+                    continue
+                line = key_node.start_mark.line + 1
+                if seen:
+                    raise ConfigError(f"duplicate key {key!r} at line {line} (first at line {first_line[key]}): a "
+                                      "mapping takes each key once (YAML would keep only the last); delete one of them")
+                first_line[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str) -> Any:
+    """YAML text -> Python values (safe: no Python objects), refusing duplicate keys (ConfigError)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 _HIDDEN_KEYS: dict[type, dict[str, str]] = {
     ScheduleConfig: {"rampup": "the batch rampup is set under batch.rampup_start / batch.rampup_tokens / batch.ref_batch"},
 }
@@ -337,10 +369,50 @@ def _build(cls: type, raw: Any, path: str) -> Any:
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
         raise _fail(path, f"missing required key(s): {', '.join(missing)}")
+    if cls is ScheduleConfig:
+        _check_schedule_decay(kwargs, path)
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as err:
-        raise _fail(path, str(err)) from err
+        # The section's own messages speak of `ScheduleConfig.decay` or `ScheduleConfig(kind='power')`: name the
+        # config keys instead (schedule.decay, schedule.kind='power'), which is what the user types.
+        message = str(err)
+        if path:
+            message = re.sub(rf"\b{cls.__name__}\((\w+=[^)]*)\)", rf"{path}.\1", message)
+            message = message.replace(f"{cls.__name__}.", f"{path}.")
+        if path and message.startswith(f"{path}."):
+            raise ConfigError(message) from err
+        raise _fail(path, message) from err
+
+
+def _check_schedule_decay(kwargs: dict[str, Any], path: str) -> None:
+    """The decay keys against schedule.kind, with the keys to type (ScheduleConfig checks the same, in terms of its
+    fields): a kind with a decay stage needs exactly one of decay / decay_fraction, the others take neither."""
+    kind = kwargs.get("kind", ScheduleConfig.kind)
+    unit = kwargs.get("unit", ScheduleConfig.unit)
+    given = {k: kwargs[k] for k in ("decay", "decay_fraction") if kwargs.get(k) is not None}
+    if not isinstance(kind, str):
+        return  # ScheduleConfig names the wrong kind
+    if has_decay_stage(kind):
+        if not given:
+            raise ConfigError(
+                f"{path}.decay / {path}.decay_fraction: kind {kind!r} ends with a decay stage and needs its length: "
+                f"{path}.decay (in {unit}) or {path}.decay_fraction (of the run), e.g. --set {path}.decay_fraction=0.2"
+            )
+        if len(given) == 2:
+            raise ConfigError(
+                f"{path}.decay / {path}.decay_fraction: give only one of them (got decay={given['decay']!r}, "
+                f"decay_fraction={given['decay_fraction']!r}); unset the other, e.g. --set {path}.decay_fraction=null"
+            )
+    elif given:
+        settings = " and ".join(f"{path}.{k}={v!r}" for k, v in given.items())
+        flags = " ".join(f"--set {path}.{k}=null" for k in given)
+        lines = ", ".join(f"`{k}: null`" for k in given)
+        raise ConfigError(
+            f"{settings}: {path}.kind={kind!r} has no separate decay stage, so this would have no effect; unset it "
+            f"with {flags} (in a config file: {lines}), or choose a kind with a decay stage (wsd, power, "
+            "effective_power)"
+        )
 
 
 def _valid_keys(cls: type) -> list[str]:
@@ -392,7 +464,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not p for p in parts):
         raise ConfigError(f"--set {text!r}: {key!r} is not a dotted key like train.steps")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _load_yaml(raw) if raw.strip() else ""
+    except ConfigError as err:  # a duplicate key in a {mapping}
+        raise ConfigError(f"--set {text!r}: {err}") from err
     except yaml.YAMLError:
         value = raw  # not YAML (e.g. an unbalanced bracket in a path): keep the string; the type check decides
     return parts, value
@@ -434,15 +508,48 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raw = config_to_dict(demo_config())
     else:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"--config {path}: is a directory; give a YAML file (e.g. configs/demo.yaml)")
         if not path.is_file():
             raise ConfigError(f"--config {path}: no such file")
         try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path}: not a UTF-8 text file (byte {err.start} cannot be decoded); a config is "
+                              "YAML text, e.g. configs/demo.yaml") from err
+        try:
+            raw = _load_yaml(text) or {}
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err}") from err
         except yaml.YAMLError as err:
             raise ConfigError(f"{path} is not valid YAML: {err}") from err
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(_valid_keys(TrainConfig))})")
-    return config_from_dict(apply_overrides(raw, list(overrides)))
+    merged = apply_overrides(raw, list(overrides))
+    _drop_inherited_decay(merged, {".".join(parse_override(text)[0]) for text in overrides})
+    return config_from_dict(merged)
+
+
+_OTHER_DECAY_KEY = {"decay": "decay_fraction", "decay_fraction": "decay"}
+
+
+def _drop_inherited_decay(raw: dict[str, Any], set_keys: set[str]) -> None:
+    """A `--set` that chooses the decay replaces the config file's choice instead of clashing with it: setting
+    schedule.kind to a kind without a decay stage (cosine, constant) drops the file's schedule.decay and
+    schedule.decay_fraction; setting one of those two drops the other. A key set in the same command is kept
+    (and a clash among the command's own keys stays an error)."""
+    schedule = raw.get("schedule")
+    if not isinstance(schedule, dict) or "schedule" in set_keys:
+        return
+    inherited = [k for k in ("decay", "decay_fraction") if f"schedule.{k}" not in set_keys]
+    if "schedule.kind" in set_keys and isinstance(schedule.get("kind"), str) and not has_decay_stage(schedule["kind"]):
+        drop = inherited
+    else:
+        drop = [k for k in inherited if schedule.get(_OTHER_DECAY_KEY[k]) is not None
+                and f"schedule.{_OTHER_DECAY_KEY[k]}" in set_keys]
+    for key in drop:
+        if key in schedule:
+            schedule[key] = None
 
 
 def config_to_dict(config: Any) -> Any:
@@ -621,7 +728,7 @@ def validate(config: TrainConfig) -> None:
         _finite(t.grad_clip, "train.grad_clip", low=0.0)
     if t.spike_factor is not None:
         _finite(t.spike_factor, "train.spike_factor", low=1.0)
-    _finite(t.sample_temperature, "train.sample_temperature", low=0.0)
+    _finite(t.sample_temperature, "train.sample_temperature", low=0.0, strict=False)  # 0: greedy, as in generate
     if not t.out_dir:
         raise ConfigError("train.out_dir: must not be empty")
     # parallel (sizes against the world size: `resolve_parallel`, called by the trainer)

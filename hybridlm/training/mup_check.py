@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from hybridlm.fileio import save_figure_atomic, write_atomic
+
 LAYER_TYPES = ("embedding", "attention", "ssm", "mlp", "block", "logits")
 HEAD_DIM = 64
 
@@ -177,7 +179,7 @@ def write_report(result: dict[str, Any], out_dir: str | Path) -> tuple[Path, Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     report = dict(result, spread={"rms": spread(result, "rms"), "delta_rms": spread(result, "delta_rms")})
     json_path = out_dir / "mup_check.json"
-    json_path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    write_atomic(json_path, (json.dumps(report, indent=1) + "\n").encode("utf-8"))
 
     kinds = list(result["rms"])
     widths = result["widths"]
@@ -202,6 +204,8 @@ def write_report(result: dict[str, Any], out_dir: str | Path) -> tuple[Path, Pat
     fig.suptitle(f"coordinate check ({mode}, base width {result['base_width']}, lr {result['lr']:g})")
     fig.tight_layout()
     png_path = out_dir / "mup_check.png"
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
+    try:
+        save_figure_atomic(fig, png_path, dpi=100)  # a crash mid-write keeps the previous report's image
+    finally:
+        plt.close(fig)
     return json_path, png_path

@@ -65,11 +65,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from hybridlm.fileio import save_figure_atomic
+
 KINDS = ("constant", "wsd", "cosine", "power", "effective_power")
 DECAY_SHAPES = ("linear", "cosine", "exponential")
 UNITS = ("steps", "tokens")
 _POWER_KINDS = ("power", "effective_power")
 _DECAYING_KINDS = ("wsd", "power", "effective_power")
+# why the other kinds take no decay length (their error messages say it)
+_NO_DECAY_STAGE = {
+    "constant": "the lr stays at its peak after the warmup",
+    "cosine": "it decays along a cosine over the whole post-warmup range",
+}
+
+
+def has_decay_stage(kind: str) -> bool:
+    """Whether `kind` ends with a separate decay stage, whose length is `decay` or `decay_fraction`."""
+    return kind in _DECAYING_KINDS
 _DEFAULT_POWER_EXPONENT = 0.5  # the report's b = 1/2
 
 
@@ -191,9 +203,12 @@ class ScheduleConfig:
                     "from 1 to min_lr_ratio), e.g. 0.125 for a decay to lr / 8"
                 )
         elif self.decay is not None or self.decay_fraction is not None:
+            given = ", ".join(f"{k}={v!r}" for k, v in (("decay", self.decay), ("decay_fraction", self.decay_fraction))
+                              if v is not None)
             raise ValueError(
-                f"ScheduleConfig(kind={self.kind!r}) has no separate decay stage; leave decay and decay_fraction "
-                "unset (cosine decays over the whole post-warmup range)"
+                f"ScheduleConfig(kind={self.kind!r}) has no separate decay stage ({_NO_DECAY_STAGE[self.kind]}), "
+                f"but {given} is set; set decay and decay_fraction to None, or choose a kind with a decay stage "
+                f"({', '.join(_DECAYING_KINDS)})"
             )
         if self.kind in _POWER_KINDS:
             if self.power_t0 is None or not _is_number(self.power_t0) or self.power_t0 <= 0:
@@ -409,6 +424,8 @@ def plot_schedule(
     axes[-1].set_xlabel("update")
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, format="png", dpi=100)
-    plt.close(fig)
+    try:
+        save_figure_atomic(fig, path, dpi=100)  # a crash mid-write keeps the previous plot
+    finally:
+        plt.close(fig)
     return path

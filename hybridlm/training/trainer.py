@@ -48,6 +48,12 @@ from the saved one are printed; the schedule is recomputed for the new length (a
 extending a run whose WSD decay has finished puts the lr straight back at the new schedule's value there, the
 peak for a run still short of the new decay: no second warmup. The loader state is moved to the current data-parallel size, so a run
 saved under 2 ranks resumes under 1 with the same stream of tokens (keep the global batch the same for exactness).
+A train.steps below the checkpoint's step is a ConfigError (a run is not shortened after the fact); a run resumed at
+its full length with final/ written is "already complete": nothing is trained or rewritten.
+
+A new run (resume=False) into an out_dir that holds one (checkpoints, final/, metrics.jsonl, config.yaml, ...) is
+a ConfigError unless `overwrite=True`, which deletes those outputs first; resume=True with no checkpoint but a
+final/ is refused as well (the run looks finished: starting it over would replace its outputs).
 
 Stopping: SIGINT or SIGTERM (or `request_stop()` from a callback) finishes the current update, saves
 a checkpoint and returns status "interrupted"; a second signal more than 2 s later raises KeyboardInterrupt at once
@@ -72,7 +78,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridlm.fileio import write_atomic
+from hybridlm.fileio import save_figure_atomic, write_atomic
 from hybridlm.training import distributed as D
 from hybridlm.training.checkpoint import (
     CheckpointError,
@@ -111,11 +117,13 @@ CHECKPOINT_DIR = "checkpoints"
 LOSS_PLOT = "loss.png"
 SAMPLES_FILE = "samples.txt"
 FINAL_DIR = "final"
+# What a run writes into its out_dir (demo_data/ aside: the corpus is reusable): any of them means a run is there.
+_RUN_OUTPUTS = (CHECKPOINT_DIR, FINAL_DIR, METRICS_FILE, EVAL_FILE, CONFIG_FILE, LOSS_PLOT, SAMPLES_FILE)
 
 
 @dataclass
 class TrainResult:
-    status: str  # "completed" | "interrupted"
+    status: str  # "completed" | "interrupted" | "already complete" (resumed a finished run: nothing done)
     step: int
     tokens: int
     loss: float | None  # mean training loss of the last logged interval
@@ -186,10 +194,15 @@ class Trainer:
         config: TrainConfig,
         *,
         resume: bool = False,
+        overwrite: bool = False,
         callbacks: Sequence[Callable[[Trainer, dict], None]] = (),
     ) -> None:
         self.config = config
         self.callbacks = list(callbacks)
+        if config.train.device == "cuda" and not torch.cuda.is_available():
+            # a setting this machine cannot honour: a configuration error (exit 2), not a failed run
+            raise ConfigError("train.device: 'cuda' but CUDA is not available on this machine (no GPU, or a CPU-only "
+                              "PyTorch); use train.device=auto (the GPU where there is one) or train.device=cpu")
         self.ctx = D.init_distributed(config, device=config.train.device)
         self.out_dir = Path(config.train.out_dir)
         self.checkpoint_dir = self.out_dir / CHECKPOINT_DIR
@@ -198,7 +211,7 @@ class Trainer:
         self.history: list[dict] = []  # every update's record (this session), for tests and tools
         # the updates since the last metrics record: saved with checkpoints, so a resumed run logs the same records
         self._interval: list[dict] = []
-        self._prepare_out_dir(resume)
+        self._prepare_out_dir(resume, overwrite)
         self._seed(config.train.seed)
 
         # sizes and schedule: batch sizes count rows per data-parallel rank
@@ -242,9 +255,12 @@ class Trainer:
         self.tokens = 0
         self.resumed_from: Path | None = None
         self._last_saved_step: int | None = None
+        # True when --resume found the run finished (its last checkpoint at the planned length and final/ written):
+        # train() then changes nothing
+        self.already_complete = False
         if resume:
             self._resume()
-        if self.ctx.is_main:
+        if self.ctx.is_main and not self.already_complete:
             save_config(config, self.out_dir / CONFIG_FILE)
 
     # ------------------------------------------------------------------------------------------ setup
@@ -263,18 +279,39 @@ class Trainer:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
-    def _prepare_out_dir(self, resume: bool) -> None:
+    def _prepare_out_dir(self, resume: bool, overwrite: bool) -> None:
+        """Refuse to start a new run over an existing one unless `overwrite` (then its outputs are removed first):
+        a finished run whose checkpoints were deleted still has final/, metrics.jsonl and config.yaml to lose."""
+        if resume and overwrite:
+            raise ConfigError("--resume and --overwrite contradict each other: --resume continues the run in "
+                              f"{self.out_dir}, --overwrite replaces it; pass one of them")
         existing = list_checkpoints(self.checkpoint_dir)
-        if existing and not resume:
+        # (checkpoints/ counts through `existing`: an empty one, or one with only a .tmp save, holds no run)
+        outputs = [name for name in _RUN_OUTPUTS if name != CHECKPOINT_DIR and (self.out_dir / name).exists()]
+        if resume and not existing and FINAL_DIR in outputs:
+            # Starting from scratch here would truncate the metrics and replace final/ of a finished run.
             raise ConfigError(
-                f"train.out_dir: {self.out_dir} already holds a run ({existing[-1].name}); pass --resume to "
-                "continue it, or choose another --out"
+                f"--resume: {self.out_dir} has no checkpoint but holds {FINAL_DIR}/: the run looks finished (its "
+                "checkpoints were removed), so there is nothing to continue; to train it again from scratch pass "
+                "--overwrite instead of --resume (replaces its outputs), or choose another --out"
+            )
+        if not resume and not overwrite and (existing or outputs):
+            found = ", ".join(([f"{CHECKPOINT_DIR}/{existing[-1].name}"] if existing else [])
+                              + [f"{n}/" if n == FINAL_DIR else n for n in outputs])
+            advice = "pass --resume to continue it, " if existing else ""
+            raise ConfigError(
+                f"train.out_dir: {self.out_dir} already holds a run ({found}); {advice}pass --overwrite to replace "
+                "it (deletes its outputs), or choose another --out"
             )
         if self.ctx.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            if not resume:
-                for name in (METRICS_FILE, EVAL_FILE):
-                    (self.out_dir / name).unlink(missing_ok=True)
+            if overwrite:
+                for name in _RUN_OUTPUTS:
+                    path = self.out_dir / name
+                    if path.is_dir():
+                        shutil.rmtree(path)
+                    else:
+                        path.unlink(missing_ok=True)
         D.barrier(self.ctx)
 
     def _build_data(self) -> _Data:
@@ -414,6 +451,7 @@ class Trainer:
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         optim_state = _OptimizerState(self.canonical_groups)
         loaded = load_checkpoint(path, model=model_state, optimizer=optim_state, restore_rng=True)
+        self._check_resume_length(loaded.step)
         state = loaded.train_state
         changes = diff_configs(yaml.safe_load(state.get("config", "{}")) or {}, config_to_dict(self.config))
         changes = [c for c in changes if not c.startswith("train.out_dir")]
@@ -439,11 +477,34 @@ class Trainer:
         self._interval = [{k: math.nan if v is None else v for k, v in r.items()} for r in state.get("interval", [])]
         self.resumed_from = path
         self._last_saved_step = self.step
+        if self.step == self.total_steps and (self.out_dir / FINAL_DIR).is_dir():
+            # finished, exported too: nothing to train, and nothing to rewrite (metrics, config.yaml, final/)
+            self.already_complete = True
+            self._print(f"--resume: the run in {self.out_dir} is already complete ({self.step} of {self.total_steps} "
+                        f"updates, {FINAL_DIR}/ written); nothing to do. To train it longer, resume with a larger "
+                        f"train.steps (e.g. --set train.steps={2 * self.step})")
+            return
         self._print(f"resumed from {path} (step {self.step}, {self.tokens:,} tokens)"
                     + ("; settings changed since: " + "; ".join(changes) if changes else ""))
         if self.ctx.is_main:  # the records after the checkpoint, and a partial one its open interval replaces
             self._truncate_jsonl(self.out_dir / METRICS_FILE, self.step - len(self._interval))
             self._truncate_jsonl(self.out_dir / EVAL_FILE, self.step)
+
+    def _check_resume_length(self, step: int) -> None:
+        """ConfigError if the configured run ends before the checkpoint's step: it cannot be shortened after the
+        fact (training would do nothing, then overwrite final/ and config.yaml with the shorter length)."""
+        if self.total_steps >= step:
+            return
+        t = self.config.train
+        if t.steps is not None and t.steps < step:
+            problem = f"train.steps: {t.steps} is below the checkpoint's step {step}"
+        else:
+            problem = (f"train.tokens: {t.tokens:,} tokens end the run after {self.total_steps} updates, below the "
+                       f"checkpoint's step {step}")
+        raise ConfigError(
+            f"{problem} (a run cannot be shortened by resuming it); resume with train.steps >= {step}, or start a "
+            "shorter run in another --out"
+        )
 
     @staticmethod
     def _truncate_jsonl(path: Path, step: int) -> None:
@@ -654,8 +715,9 @@ class Trainer:
         if self.ctx.is_main:
             sep = "\n" + "-" * 72 + "\n"
             body = sep.join(f"[prompt: {tok.decode(p)!r}]\n{t}" for p, t in zip(prompts, texts))
-            (self.out_dir / SAMPLES_FILE).write_text(body + "\n", encoding="utf-8")
-            self._print(f"samples (temperature {c.sample_temperature}) after {self.step} updates:{sep}{body}{sep}")
+            write_atomic(self.out_dir / SAMPLES_FILE, (body + "\n").encode("utf-8"))
+            how = f"temperature {c.sample_temperature}" if c.sample_temperature > 0 else "greedy"
+            self._print(f"samples ({how}) after {self.step} updates:{sep}{body}{sep}")
         return texts
 
     # ------------------------------------------------------------------------------------------ logging
@@ -670,6 +732,10 @@ class Trainer:
         from tqdm.auto import tqdm
 
         c = self.config.train
+        if self.already_complete:  # (said so when resuming) the outputs stay as they are
+            last_loss, eval_loss = self._logged_losses()
+            return TrainResult("already complete", self.step, self.tokens, last_loss, eval_loss, self.resumed_from,
+                               self.out_dir)
         model = self.config.model
         shape = model.preset + (f" + {len(model.overrides)} overrides" if model.overrides else "")
         self._print(
@@ -715,6 +781,8 @@ class Trainer:
             checkpoint = latest_checkpoint(self.checkpoint_dir)
         if self._interval:  # stopped between records: this one covers fewer updates; a resumed run replaces it
             last_loss = self._log_interval(self._interval, began)
+        if not self.history:  # no update this session (resumed at its last step, final/ missing): the logged losses
+            last_loss, eval_loss = self._logged_losses()
         if status == "interrupted":
             self._print(f"stopped ({self._stop.reason}) at update {self.step}; checkpoint {checkpoint}; continue "
                         f"with `hybridlm train --resume --out {self.out_dir}`")
@@ -769,6 +837,12 @@ class Trainer:
         self._append_jsonl(METRICS_FILE, record)
         return record["loss"]
 
+    def _logged_losses(self) -> tuple[float | None, float | None]:
+        """(training loss, held-out loss) of the last records in metrics.jsonl / eval.jsonl, None where absent."""
+        train = [r["loss"] for r in read_jsonl(self.out_dir / METRICS_FILE) if r.get("loss") is not None]
+        held = [r["eval_loss"] for r in read_jsonl(self.out_dir / EVAL_FILE) if r.get("eval_loss") is not None]
+        return (train[-1] if train else None), (held[-1] if held else None)
+
     def _log_eval(self) -> float | None:
         value = self.evaluate()
         if value is not None:
@@ -813,6 +887,8 @@ def plot_losses(out_dir: str | Path) -> Path | None:
     ax.legend()
     fig.tight_layout()
     path = out_dir / LOSS_PLOT
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        save_figure_atomic(fig, path, dpi=100)  # a crash mid-write keeps the previous curve
+    finally:
+        plt.close(fig)
     return path

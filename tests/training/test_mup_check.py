@@ -67,3 +67,54 @@ def test_cli(tmp_path, capsys):
     assert (tmp_path / "mup_check.png").is_file() and (tmp_path / "mup_check.json").is_file()
     assert "max factor vs base width" in capsys.readouterr().out
     assert main(["mup-check", "--widths", "64", "256", "--out", str(tmp_path)]) == 2  # base 128 not listed
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--steps", "-1"], "--steps: must be >= 1"),
+        (["--steps", "0"], "--steps: must be >= 1"),
+        (["--lr", "nan"], "--lr: must be a finite number > 0"),
+        (["--lr", "inf"], "--lr: must be a finite number > 0"),
+        (["--lr", "-1"], "--lr: must be a finite number > 0"),
+        (["--widths", "0", "128"], "--widths: every width must be a positive multiple of 64"),
+        (["--widths", "100", "128"], "--widths: every width must be a positive multiple of 64"),
+        (["--layers", "0"], "--layers: must be >= 1"),
+        (["--seed", "-3"], "--seed: must be >= 0"),
+    ],
+)
+def test_cli_refuses_bad_arguments_before_writing_anything(tmp_path, capsys, args, message):
+    """Once a traceback from inside matplotlib (after mup_check.json was written), or accepted (--lr -1)."""
+    from hybridlm.cli import main
+
+    out = tmp_path / "report"
+    assert main(["mup-check", "--widths", "64", "128", "--steps", "2", "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mup-check: {message}") and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_cli_help_describes_every_option(capsys):
+    from hybridlm.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["mup-check", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--layers LAYERS decoder layers" in text and "--seed SEED seed of" in text, text
+
+
+def test_report_files_keep_the_previous_report_when_a_write_fails(mup, tmp_path, monkeypatch):
+    """Written through temporary names: a failed write (here fsync, as on a full disk) leaves the old files."""
+    import os
+
+    json_path, png_path = write_report(mup, tmp_path)
+    before = {p.name: p.read_bytes() for p in (json_path, png_path)}
+    changed = dict(mup, lr=0.5)  # another report: different bytes in both files
+
+    def failing_fsync(fd):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="no space"):
+        write_report(changed, tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # unchanged, no temporary files

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import pytest
@@ -214,3 +215,29 @@ def test_plot_schedule_writes_png(tmp_path) -> None:
                             decay_shape="exponential", rampup=ramp)
     path = plot_schedule(config, 100, tmp_path / "schedule.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("kind, why", [("constant", "the lr stays at its peak"), ("cosine", "decays along a cosine")])
+def test_a_decay_on_a_kind_without_a_decay_stage_names_the_kind_and_the_setting(kind: str, why: str) -> None:
+    with pytest.raises(ValueError) as info:
+        ScheduleConfig(kind=kind, decay_fraction=0.2)
+    message = str(info.value)
+    assert f"kind={kind!r}" in message and why in message and "decay_fraction=0.2 is set" in message, message
+    if kind == "constant":
+        assert "cosine" not in message, message  # it once explained cosine's decay for every kind
+
+
+def test_plot_schedule_keeps_the_previous_png_when_the_write_fails(monkeypatch, tmp_path) -> None:
+    """Written through a temporary name: a write that fails (here fsync, as on a full disk) leaves the old plot."""
+    pytest.importorskip("matplotlib")
+    path = plot_schedule(ScheduleConfig(**WSD), 100, tmp_path / "schedule.png")
+    before = path.read_bytes()
+
+    def failing_fsync(fd):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="no space"):
+        plot_schedule(ScheduleConfig(kind="cosine", warmup=50), 100, path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["schedule.png"]  # no temporary file left

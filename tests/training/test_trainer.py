@@ -233,6 +233,167 @@ def test_resume_with_more_steps_through_the_cli(demo_dir, tmp_path):
     assert load_config(out / "config.yaml").train.steps == 5
 
 
+def cli_sets(demo_dir: Path, *overrides: str) -> list[str]:
+    """`--set` arguments for a tiny demo run through the CLI (as small_config, without the out dir)."""
+    sets = [f"data.demo_dir={demo_dir}", "data.demo_max_bytes=400000", "data.demo_heldout_every=4",
+            "batch.micro_batch=2", "batch.seq_len=32", "train.samples=0", "train.progress=false",
+            "train.eval_every=0", "schedule.warmup=1", *overrides]
+    return [a for s in sets for a in ("--set", s)]
+
+
+def snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under a run directory (demo data aside): content and modification time."""
+    return {str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(out.rglob("*"))
+            if p.is_file() and "demo_data" not in p.parts}
+
+
+def test_a_finished_run_is_never_replaced_without_overwrite(demo_dir, tmp_path, capsys):
+    """Its checkpoints deleted, a finished run still has final/, metrics.jsonl and config.yaml: a new run into
+    the directory (with or without --resume) once replaced them silently; now only --overwrite does."""
+    from hybridlm.cli import main
+
+    out = tmp_path / "finished"
+    assert main(["train", "--out", str(out), *cli_sets(demo_dir, "train.steps=3")]) == 0
+    import shutil
+
+    shutil.rmtree(out / "checkpoints")
+    before = snapshot(out)
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), *cli_sets(demo_dir, "train.steps=2")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: train.out_dir: {out} already holds a run (final/, metrics.jsonl, "
+                          "eval.jsonl, config.yaml, loss.png)") and "--overwrite" in err, err
+    assert main(["train", "--resume", "--out", str(out), *cli_sets(demo_dir, "train.steps=2")]) == 2
+    err = capsys.readouterr().err
+    assert "has no checkpoint but holds final/: the run looks finished" in err and "--overwrite" in err, err
+    assert snapshot(out) == before
+    with pytest.raises(SystemExit):  # argparse: the two contradict each other
+        main(["train", "--resume", "--overwrite", "--out", str(out)])
+    capsys.readouterr()
+    assert main(["train", "--overwrite", "--out", str(out), *cli_sets(demo_dir, "train.steps=2")]) == 0
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [2]  # the new run's only record
+    assert load_config(out / "config.yaml").train.steps == 2
+
+
+def test_overwrite_removes_the_previous_runs_checkpoints(demo_dir, tmp_path):
+    out = tmp_path / "again"
+    Trainer(small_config(demo_dir, out, "train.steps=3")).train()
+    with pytest.raises(ConfigError, match=r"already holds a run \(checkpoints/step_00000003, final/.*--resume.*"
+                                          r"--overwrite"):
+        Trainer(small_config(demo_dir, out, "train.steps=2"))
+    trainer = Trainer(small_config(demo_dir, out, "train.steps=2"), overwrite=True)
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == []  # the old run's step 3 would win a resume
+    trainer.train()
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_00000002"]
+
+
+def test_resume_refuses_fewer_steps_than_the_checkpoint_and_a_complete_run_is_left_alone(demo_dir, tmp_path, capsys):
+    from hybridlm.cli import main
+
+    out = tmp_path / "done"
+    assert main(["train", "--out", str(out), *cli_sets(demo_dir, "train.steps=4")]) == 0
+    before = snapshot(out)
+    capsys.readouterr()
+    # shorter than the checkpoint: once "training 2 updates", then "completed: 4 updates, loss n/a", final/ and
+    # config.yaml rewritten with steps 2
+    assert main(["train", "--resume", "--out", str(out), "--set", "train.steps=2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("config error: train.steps: 2 is below the checkpoint's step 4"), captured.err
+    assert not any(line.startswith("training ") for line in captured.out.splitlines()), captured.out
+    assert snapshot(out) == before
+    # the same length (here with another lr): already complete, nothing rewritten
+    assert main(["train", "--resume", "--out", str(out), "--set", "optim.lr=1e-4"]) == 0
+    captured = capsys.readouterr()
+    assert "already complete" in captured.out and "n/a" not in captured.out, captured.out
+    assert snapshot(out) == before
+    loss = read_jsonl(out / "metrics.jsonl")[-1]["loss"]
+    assert f"already complete: 4 updates, 256 tokens, loss {loss:.4f}" in captured.out, captured.out
+
+
+def test_resume_at_the_last_step_without_final_finishes_the_export(demo_dir, tmp_path):
+    """A run that died after its last checkpoint, before final/ was written: resuming writes final/ (and reports
+    the logged loss, not "n/a")."""
+    import shutil
+
+    out = tmp_path / "export"
+    Trainer(small_config(demo_dir, out, "train.steps=2")).train()
+    shutil.rmtree(out / "final")
+    trainer = Trainer(small_config(demo_dir, out, "train.steps=2"), resume=True)
+    result = trainer.train()
+    assert result.status == "completed" and (out / "final" / "model.safetensors").is_file()
+    assert result.loss == read_jsonl(out / "metrics.jsonl")[-1]["loss"]
+
+
+def test_the_summary_after_sigint_lists_only_outputs_that_exist(demo_dir, tmp_path, capsys, monkeypatch):
+    from hybridlm.cli import main
+
+    step = Trainer._train_step
+
+    def interrupt_at_2(self):
+        record = step(self)
+        if record["step"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # a real signal, handled in this (main) thread
+        return record
+
+    monkeypatch.setattr(Trainer, "_train_step", interrupt_at_2)
+    out = tmp_path / "sigint"
+    assert main(["train", "--out", str(out), *cli_sets(demo_dir, "train.steps=5")]) == 128 + signal.SIGINT
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.startswith("interrupted: 2 updates"), summary
+    assert summary.endswith(f"outputs in {out} (metrics.jsonl, loss.png, checkpoints/)"), summary
+    assert not (out / "final").exists()
+
+
+def test_train_device_cuda_without_cuda_is_a_config_error(demo_dir, tmp_path, capsys, monkeypatch):
+    from hybridlm.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "nocuda"
+    assert main(["train", "--out", str(out), *cli_sets(demo_dir, "train.steps=2", "train.device=cuda")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: train.device: 'cuda' but CUDA is not available") and "train.device=cpu" in err
+    assert not out.exists()
+
+
+def test_samples_at_temperature_zero_are_greedy_and_written_atomically(demo_dir, tmp_path, monkeypatch):
+    out = tmp_path / "greedy"
+    trainer = Trainer(small_config(demo_dir, out, "train.steps=1", "train.samples=1", "train.sample_tokens=6",
+                                   "train.sample_temperature=0"))
+    first = trainer._write_samples()
+    torch.manual_seed(99)
+    assert trainer._write_samples() == first and len(first) == 1  # greedy: no randomness
+    written = (out / "samples.txt").read_bytes()
+
+    def failing_fsync(fd):
+        raise OSError("no space left on device")
+
+    trainer.config.train.sample_tokens = 12  # other samples, so other bytes
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="no space"):
+        trainer._write_samples()
+    assert (out / "samples.txt").read_bytes() == written  # a failed write keeps the previous samples
+
+
+def test_the_loss_plot_is_replaced_atomically(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from hybridlm.training.trainer import plot_losses
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "tokens": 64 * s, "loss": 5.0 / s}) + "\n"
+                                                    for s in (1, 2, 3)))
+    before = plot_losses(tmp_path).read_bytes()
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write(json.dumps({"step": 4, "tokens": 256, "loss": 0.5}) + "\n")
+
+    def failing_fsync(fd):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="no space"):
+        plot_losses(tmp_path)
+    assert (tmp_path / "loss.png").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "metrics.jsonl"]  # no temporary file left
+
+
 def test_sigterm_saves_a_checkpoint_and_restores_the_handler(demo_dir, tmp_path):
     def send_sigterm(trainer: Trainer, record: dict) -> None:
         if record["step"] == 3:

@@ -113,7 +113,8 @@ def test_mup_base_width_transfers_the_multipliers():
         ("batch.seq_len=100000", ["batch.seq_len", "max_position_embeddings"]),
         ("model.overrides.hidden_size=0", ["model.overrides", "hidden_size"]),
         ("model.preset=huge", ["model.preset", "tiny"]),
-        ("schedule.decay=5000", ["schedule", "decay"]),  # decay and decay_fraction both set
+        # the demo's decay_fraction gives way to the decay set here, which is longer than the run
+        ("schedule.decay=5000", ["schedule.decay", "longer than the whole run"]),
         ("schedule.rampup=1", ["schedule.rampup", "batch.rampup_start"]),
         ("batch.rampup_start=3", ["batch.rampup_start", "multiple"]),
         # rampup settings that would do nothing
@@ -153,6 +154,75 @@ def test_file_errors(tmp_path):
         load_config(_write(tmp_path / "typo.yaml", "data: {demo: true}\ntrainer: {steps: 3}\n"))
     with pytest.raises(ConfigError, match=r"data.sources\[0\]: missing required key\(s\): path"):
         load_config(_write(tmp_path / "src.yaml", "data: {sources: [{name: web}]}\n"))
+
+
+def test_a_config_that_is_not_a_utf8_file_says_so(tmp_path):
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe bad")
+    with pytest.raises(ConfigError, match=r"bin\.yaml: not a UTF-8 text file"):
+        load_config(binary)
+    with pytest.raises(ConfigError, match="is a directory") as info:
+        load_config(tmp_path)
+    assert "no such file" not in str(info.value)
+
+
+def test_duplicate_yaml_keys_are_refused_with_the_key_named(tmp_path):
+    top = _write(tmp_path / "top.yaml", "data: {demo: true}\ntrain: {steps: 10}\nschedule: {warmup: 2}\n"
+                                       "train: {log_every: 5}\n")
+    with pytest.raises(ConfigError, match=r"top\.yaml: duplicate key 'train' at line 4 \(first at line 2\)"):
+        load_config(top)
+    nested = _write(tmp_path / "nested.yaml", "data:\n  demo: true\ntrain:\n  steps: 10\n  steps: 20\n")
+    with pytest.raises(ConfigError, match="duplicate key 'steps' at line 5"):
+        load_config(nested)
+    with pytest.raises(ConfigError, match="--set .*duplicate key 'ssm_in'"):
+        load_config(None, ["optim.elr={ssm_in: 2, ssm_in: 3}"])
+    # a merge key's entries may be overridden: that is what `<<` is for
+    assert load_config(None, ["train={<<: {steps: 4, log_every: 2}, steps: 3}"]).train.steps == 3
+
+
+def test_schedule_errors_name_the_config_key_and_the_way_out(tmp_path):
+    """A decay key with a kind that has no decay stage: the message names schedule.<key>, the kind really set, and
+    the --set that unsets it (it once said `cosine` for kind constant and named no key)."""
+    for kind in ("constant", "cosine"):
+        path = _write(tmp_path / f"{kind}.yaml", f"data: {{demo: true}}\nschedule: {{kind: {kind}, decay_fraction: 0.2}}\n")
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        message = str(info.value)
+        assert message.startswith("schedule.decay_fraction=0.2: schedule.kind=" + repr(kind)), message
+        assert "--set schedule.decay_fraction=null" in message and "ScheduleConfig" not in message
+        assert ("cosine" in message) == (kind == "cosine"), message  # the kind that was set, not another
+    with pytest.raises(ConfigError, match=r"schedule\.decay / schedule\.decay_fraction: kind 'wsd' .*needs its length"):
+        load_config(None, ["schedule.decay_fraction=null"])
+    with pytest.raises(ConfigError, match=r"give only one of them .*--set schedule\.decay_fraction=null"):
+        load_config(None, ["schedule.decay=20", "schedule.decay_fraction=0.1"])  # both in one command: a clash
+    with pytest.raises(ConfigError, match=r"^schedule\.kind='power' needs power_t0"):
+        load_config(None, ["schedule.kind=power"])
+    with pytest.raises(ConfigError, match=r"^schedule\.warmup must be"):
+        load_config(None, ["schedule.warmup=-1"])
+
+
+def test_a_set_that_chooses_the_decay_replaces_the_inherited_one(tmp_path):
+    """`--set schedule.kind=cosine` on the demo (whose decay_fraction is 0.2) just works; so does `--set
+    schedule.decay=N` on a file with a decay_fraction, and the reverse."""
+    for kind in ("cosine", "constant"):
+        schedule = load_config(None, [f"schedule.kind={kind}"]).schedule
+        assert (schedule.kind, schedule.decay, schedule.decay_fraction) == (kind, None, None)
+    schedule = load_config(None, ["schedule.decay=20"]).schedule
+    assert (schedule.decay, schedule.decay_fraction) == (20, None)
+    by_length = _write(tmp_path / "length.yaml", "data: {demo: true}\nschedule: {kind: wsd, warmup: 5, decay: 30}\n")
+    schedule = load_config(by_length, ["schedule.decay_fraction=0.1"]).schedule
+    assert (schedule.decay, schedule.decay_fraction, schedule.warmup) == (None, 0.1, 5)
+    assert load_config(by_length, ["schedule.kind=cosine"]).schedule.decay is None
+    assert load_config(by_length, ["schedule.kind=power", "schedule.power_t0=10"]).schedule.decay == 30  # still decays
+    # what the command itself sets is never dropped: the clash is reported
+    with pytest.raises(ConfigError, match="schedule.decay_fraction=0.3: schedule.kind='cosine'"):
+        load_config(None, ["schedule.kind=cosine", "schedule.decay_fraction=0.3"])
+
+
+def test_sample_temperature_zero_means_greedy():
+    assert load_config(None, ["train.sample_temperature=0"]).train.sample_temperature == 0.0
+    with pytest.raises(ConfigError, match="train.sample_temperature: must be >= 0"):
+        load_config(None, ["train.sample_temperature=-0.5"])
 
 
 def test_parse_override_reads_yaml_values():
