@@ -775,6 +775,10 @@ def _validate_parallel(config: TrainConfig, hybrid) -> None:
         if hybrid.attention_dropout:
             raise ConfigError("model.overrides.attention_dropout: must be 0 with parallel.cp > 1 (ring attention "
                               "has no dropout)")
+        if hybrid.attention_window is not None:
+            raise ConfigError(f"model.overrides.attention_window: {hybrid.attention_window} cannot run with "
+                              "parallel.cp > 1 (ring attention attends over the whole sequence); set it to null or "
+                              "parallel.cp=1")
     if config.train.compile_mode == "reduce-overhead" and (p.activation_checkpointing or p.tp > 1 or p.cp > 1):
         raise ConfigError("train.compile_mode: 'reduce-overhead' (CUDA graphs per block) runs in one process without "
                           "activation checkpointing (FSDP2's hooks and the recomputation in backward are untested "

@@ -189,6 +189,8 @@ def test_head_split_checkpoint_resumes_in_one_process(demo_dir, reference, chain
         (["parallel.cp=2", "data.document_boundaries=false", "parallel.activation_checkpointing=true"], 2,
          ["parallel.activation_checkpointing", "cp"]),
         (["parallel.cp=3", "data.document_boundaries=false", "batch.seq_len=32"], 3, ["batch.seq_len", "divisible"]),
+        (["parallel.cp=2", "data.document_boundaries=false", "model.overrides.attention_window=16"], 2,
+         ["model.overrides.attention_window", "parallel.cp"]),
         (["parallel.tp=3", "parallel.mixer_parallel=on"], 3, ["parallel.mixer_parallel", "even"]),
         (["parallel.mixer_parallel=sideways"], 1, ["parallel.mixer_parallel", "interleaved"]),
         (["parallel.tp=2", "parallel.mixer_parallel=on", "train.compile=true"], 2, ["train.compile", "mixer_parallel"]),
