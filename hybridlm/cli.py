@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from pathlib import Path
 
 # Each module registers its command group with `add_commands(subparsers)`; imports stay lazy inside them.
 COMMAND_MODULES = (
@@ -42,9 +44,31 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.command is None else 2
     try:
         return int(args.func(args) or 0)
-    except OSError as err:  # a path that is a file where a directory goes, or the reverse; no permission; disk full
+    except (FileExistsError, NotADirectoryError) as err:
+        # mkdir of an existing file, or a path through one: "[Errno 17] File exists" does not say which option is
+        # wrong, the path does. A usage error: the same command fails until the option changes.
+        in_the_way = _file_in_the_way(err.filename)
+        if in_the_way is None:
+            print(f"hybridlm {args.command}: {err}", file=sys.stderr)
+            return 1
+        print(f"hybridlm {args.command}: {in_the_way} is a file, not a directory; give a directory path "
+              "(or move the file away)", file=sys.stderr)
+        return 2
+    except OSError as err:  # a directory where a file goes; no permission; disk full
         print(f"hybridlm {args.command}: {err}", file=sys.stderr)
         return 1
+
+
+def _file_in_the_way(path) -> str | None:
+    """The first of `path` and its parents that exists as something other than a directory (None: none does, e.g. a
+    FileExistsError of a name that is a directory)."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return None
+    path = Path(os.fsdecode(path))
+    for candidate in (path, *path.parents):
+        if os.path.lexists(candidate):
+            return None if candidate.is_dir() else str(candidate)
+    return None
 
 
 if __name__ == "__main__":

@@ -36,8 +36,10 @@ def add_commands(subparsers) -> None:
     _add_text_options(p)
     p.add_argument("--min-frequency", type=int, default=2, metavar="K",
                    help="merge only pairs seen at least K times (default 2)")
-    p.add_argument("--max-bytes", type=int, default=None, metavar="B",
-                   help="train on at most about B bytes of text (default: all)")
+    p.add_argument("--max-bytes", type=_positive_int, default=None, metavar="B",
+                   help="train on at most about B bytes of text, B >= 1 (default: all)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a tokenizer already in --out (data prepared with it will no longer match)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_tokenizer_train)
 
@@ -78,6 +80,17 @@ def add_commands(subparsers) -> None:
     p.set_defaults(func=_data_verify)
 
 
+def _positive_int(text: str) -> int:
+    """argparse type of a count >= 1: a bad value is a usage error (exit 2) before any work starts."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _add_text_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-field", default="text", metavar="F",
                    help="field (.jsonl) or column (.parquet) holding the text (default: text)")
@@ -99,7 +112,7 @@ def _tokenizer_train(args) -> int:
     def run(a):
         tok = train_tokenizer(a.input, a.vocab_size, a.out, text_field=a.text_field,
                               skip_missing_field=a.skip_missing_field, min_frequency=a.min_frequency,
-                              max_bytes=a.max_bytes, progress=not a.no_progress)
+                              max_bytes=a.max_bytes, progress=not a.no_progress, overwrite=a.overwrite)
         t = tok.meta["training"]
         print(f"trained a {tok.vocab_size}-token tokenizer on {t['docs']} documents ({t['bytes']} bytes) -> {a.out}")
         return 0

@@ -49,6 +49,7 @@ and are matched the same way by both.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -337,6 +338,19 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _check_out_dir(out: Path, *, overwrite: bool) -> None:
+    """Refuse, before hours of training, an `out` that cannot take the result: a file where the directory (or one of
+    its parents) goes, or a tokenizer already there (without `overwrite`)."""
+    for candidate in (out, *out.parents):
+        if os.path.lexists(candidate):
+            if not candidate.is_dir():  # the CLI reports it as "<path> is a file, not a directory"
+                raise NotADirectoryError(errno.ENOTDIR, f"{candidate} is a file, not a directory", str(candidate))
+            break
+    if not overwrite and any((out / name).exists() for name in (TOKENIZER_FILE, META_FILE)):
+        raise DataError(f"{out} already holds a tokenizer; data prepared with it would no longer match a new one. "
+                        "Use another --out, or pass --overwrite to replace it")
+
+
 def train_tokenizer(
     inputs: Sequence[str | Path],
     vocab_size: int,
@@ -348,8 +362,16 @@ def train_tokenizer(
     max_bytes: int | None = None,
     num_reserved: int = NUM_RESERVED,
     progress: bool = False,
+    overwrite: bool = False,
 ) -> HybridTokenizer:
-    """Train on .txt / .jsonl / .parquet inputs (at most `max_bytes` of text) and save to `out_dir`."""
+    """Train on .txt / .jsonl / .parquet inputs (at most `max_bytes` of text) and save to `out_dir`.
+
+    An `out_dir` that already holds a tokenizer is a DataError unless `overwrite=True`: data prepared with the old
+    one would silently stop matching. Checked, like `max_bytes`, before any training."""
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"max_bytes must be >= 1 (None: all the text), got {max_bytes}")
+    out = Path(out_dir)
+    _check_out_dir(out, overwrite=overwrite)
     files = find_files(inputs)
     stats = ReadStats()
 
@@ -392,7 +414,7 @@ def train_tokenizer(
         "tokenizers_version": tokenizers.__version__,
     }
     hybrid = HybridTokenizer(tok, meta)
-    hybrid.save(out_dir)
+    hybrid.save(out)
     return hybrid
 
 

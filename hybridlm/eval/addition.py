@@ -42,7 +42,7 @@ import torch
 
 from hybridlm.eval import scoring
 from hybridlm.eval.scoring import IGNORE_INDEX
-from hybridlm.eval.train_task import TrainRecipe, check_counts_and_size
+from hybridlm.eval.train_task import TrainRecipe, check_counts_and_size, check_non_negative
 
 PAD, BOS, EOS, DIGIT0, PLUS, EQUALS = 0, 1, 2, 3, 13, 14
 VOCAB = ("<pad>", "<bos>", "<eos>", *"0123456789", "+", "=")
@@ -305,7 +305,9 @@ def check_recipe(recipe: AdditionRecipe) -> None:
         raise ValueError(f"the width curriculum ({recipe.curriculum_steps} steps) must end before training does "
                          f"({recipe.steps} steps), or the model never sees the widest operands; lower "
                          "--curriculum-steps (0 turns it off)")
-    check_counts_and_size(recipe, "steps", "batch_size", "eval_per_width", "val_per_width", "eval_batch_size")
+    check_non_negative(recipe, "eval_every", "curriculum_steps")  # 0: validate only at the end / no curriculum
+    check_counts_and_size(recipe, "steps", "batch_size", "eval_per_width", "val_per_width", "eval_batch_size",
+                          "curriculum_start")
 
 
 def run_addition(model_name: str, seed: int, recipe: AdditionRecipe, *, device: str = "cpu",
@@ -455,6 +457,7 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
 def plot_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
     from hybridlm.eval.bench import plot_percent_with_std, pyplot
     from hybridlm.eval.models import describe
+    from hybridlm.fileio import save_figure_atomic
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -473,5 +476,7 @@ def plot_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
     if ax.get_legend_handles_labels()[0]:  # no finished run yet: no legend
         ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure_atomic(fig, path, dpi=110)  # a crash mid-write keeps the previous PNG
+    finally:
+        plt.close(fig)

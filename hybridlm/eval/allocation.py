@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridlm.eval.train_task import TrainRecipe
+from hybridlm.eval.train_task import TrainRecipe, check_train_recipe
 
 ARRANGEMENTS = ("SA_M", "SAM", "S_A_M")
 DATA_SOURCES = ("stdlib", "synthetic", "shards")
@@ -114,6 +114,18 @@ class AllocationRecipe(TrainRecipe):
         return HybridConfig.from_dict(fields)
 
 
+def check_recipe(recipe: AllocationRecipe, points: Sequence[tuple[str, tuple[int, int, int]]] = ()) -> None:
+    """Clear errors, before any training, for recipes that cannot run: optimizer settings and sizes
+    (`check_train_recipe`), an unknown SSM name, and a model that cannot be built at any of `points`."""
+    from hybridlm.eval.models import ssm_fields
+
+    check_train_recipe(recipe, "batch_size", "hidden_size", "layers", "head_dim", "ssm_head_dim", "kv_heads",
+                       "mlp_multiple", "d_state", "seq_len", "data_bytes", "val_docs", "val_max_tokens")
+    ssm_fields(recipe.ssm)
+    for arrangement, point in points:  # a config only (no weights): milliseconds for the whole sweep
+        recipe.config(arrangement, point, vocab_size=256)
+
+
 def prepare_stdlib(recipe: AllocationRecipe, directory: Path) -> dict[str, str]:
     """Prepare (or find up to date) the built-in standard-library corpus: {"data_dir", "val_dir"}."""
     try:
@@ -143,6 +155,7 @@ def run_allocation(arrangement: str, point: tuple[int, int, int], seed: int, rec
     from hybridlm.eval.models import build_model, parameter_count
     from hybridlm.eval.train_task import autocast_for, generator_state, train_on_task
 
+    check_recipe(recipe)
     data_dir, val_dir = data_dir or recipe.data_dir, val_dir or recipe.val_dir
     if recipe.data != "synthetic" and (data_dir is None or val_dir is None):
         raise ValueError(f"data {recipe.data!r}: pass data_dir and val_dir (prepared shards)")
@@ -242,9 +255,8 @@ def bench_allocation(points: Sequence[tuple[str, tuple[int, int, int]]], seeds: 
     from hybridlm.data.errors import DataError
     from hybridlm.data.shards import load_manifest
     from hybridlm.eval import bench
-    from hybridlm.eval.models import ssm_fields
 
-    ssm_fields(recipe.ssm)  # a wrong name: one error before any run starts, not one per run
+    check_recipe(recipe, points)  # before any run starts: one clear error, not one per run
     if recipe.data == "shards":
         for flag, directory in (("--data", recipe.data_dir), ("--val-data", recipe.val_dir)):
             try:
@@ -264,7 +276,7 @@ def bench_allocation(points: Sequence[tuple[str, tuple[int, int, int]]], seeds: 
     groups = {(a, p): [runs[j.key] for j in jobs if j.spec["arrangement"] == a and tuple(j.spec["alphas"]) == p
                        and j.key in runs] for a, p in points}
     report = write_report(groups, recipe, Path(out_dir), missing=runs.missing([j.key for j in jobs]))
-    echo(f"wrote {report['files']}")
+    echo(bench.wrote_files(report["files"]))
     return {**report, "exit_status": runs.exit_status()}
 
 
@@ -321,6 +333,7 @@ def _plot(table: list[dict], path: Path) -> None:
     """Left: SA_M loss on the (alpha_S, alpha_A) triangle (alpha_M = the rest). Right: loss vs alpha_S at
     alpha_A = 1/8 per arrangement."""
     from hybridlm.eval.bench import pyplot
+    from hybridlm.fileio import save_figure_atomic
 
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
@@ -349,5 +362,7 @@ def _plot(table: list[dict], path: Path) -> None:
     if right.lines:
         right.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure_atomic(fig, path, dpi=110)  # a crash mid-write keeps the previous PNG
+    finally:
+        plt.close(fig)

@@ -462,7 +462,7 @@ def bench_model_seeds(
             if done:
                 by_model[m].append(merge(done) if merge is not None else done[0])
     result = report(by_model, Path(out_dir), runs.missing([j.key for j in jobs]))
-    echo(f"wrote {result['files']}")
+    echo(wrote_files(result["files"]))
     return {**result, "exit_status": runs.exit_status()}
 
 
@@ -502,10 +502,16 @@ def write_json(path: Path, obj: dict) -> None:
     write_atomic(path, json.dumps(obj, indent=1, allow_nan=True).encode())
 
 
+def wrote_files(paths: Sequence[str]) -> str:
+    """The closing line of a bench: the report's paths, comma-separated (not a Python list's repr)."""
+    return f"wrote {', '.join(map(str, paths))}"
+
+
 def write_outputs(out_dir: Path, *, lines: list[str], payload: dict, missing: Sequence[str], png: str,
                   plot: Callable[[Path], None]) -> list[str]:
     """results.md (`lines`, plus the missing runs), results.json (`payload` + command + missing) and the PNG
-    drawn by `plot(path)`; returns the three paths."""
+    drawn by `plot(path)` (which writes it atomically: `hybridlm.fileio.save_figure_atomic`); returns the three
+    paths."""
     if missing:
         lines = [*lines, f"Missing runs (run the same command to continue; read a failed run's log first): "
                          f"{', '.join(missing)}", ""]
@@ -513,9 +519,7 @@ def write_outputs(out_dir: Path, *, lines: list[str], payload: dict, missing: Se
     md, js, image = out_dir / "results.md", out_dir / "results.json", out_dir / png
     write_atomic(md, "\n".join(lines).encode("utf-8"))
     write_json(js, {**payload, "command": command_line(), "missing": list(missing)})
-    drawing = image.with_name(f".{image.stem}.tmp{image.suffix}")  # the suffix tells matplotlib the format
-    plot(drawing)
-    os.replace(drawing, image)
+    plot(image)
     return [str(md), str(js), str(image)]
 
 

@@ -11,13 +11,15 @@ stopped half way by SIGTERM, SIGINT or the time budget saved a checkpoint in OUT
 from it) and take `--device cuda` (every GPU), `--per-device K` (runs side by side on each device) and
 `--time-budget SECONDS` (stop there, checkpointing the runs in progress; run the same command again to
 continue).
-Exit status: 0 done, 1 a bad input (message on stderr) or a failed run, 2 a usage error, 75 (bench: runs stopped or
-not started, by a signal or --time-budget; the same command continues them). See hybridlm/eval/README.md.
+Exit status: 0 done, 1 a bad input (message on stderr) or a failed run, 2 a usage error (bench: also a recipe value
+that cannot train, e.g. --lr -1, found before any run starts), 75 (bench: runs stopped or not started, by a signal
+or --time-budget; the same command continues them). See hybridlm/eval/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -34,7 +36,12 @@ def add_commands(subparsers) -> None:
                                               "writes results.md, results.json and a PNG to --out.")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
 
-    p = sub.add_parser("addition", help="variable-digit addition, length generalization (fast-weight paper Table 3)")
+    p = sub.add_parser("addition", help="variable-digit addition, length generalization (fast-weight paper Table 3)",
+                       description="Train each model of --models on reversed-digit addition of up to "
+                                   "--train-max-width digits with each seed, evaluate every width up to "
+                                   "--eval-max-width, and write results.md, results.json and accuracy_vs_width.png "
+                                   "to --out. Example: hybridlm bench addition --models fw-3A,transformer "
+                                   "--seeds 3 --out runs/addition --device cuda")
     _add_run_options(p, default_seeds=3)
     p.add_argument("--models", default=DEFAULT_MODELS, metavar="LIST",
                    help=f"comma-separated model names (default {DEFAULT_MODELS})")
@@ -54,7 +61,11 @@ def add_commands(subparsers) -> None:
                             ("eval-max-width", int, "widest evaluated operands (default 48)")])
     p.set_defaults(func=_bench_addition)
 
-    p = sub.add_parser("recall", help="MQAR and needle retrieval at long context")
+    p = sub.add_parser("recall", help="MQAR and needle retrieval at long context",
+                       description="Train each model of --models on the recall tasks (MQAR, needle, multi-needle) "
+                                   "with each seed, evaluate them at every --eval-lens context length, and write "
+                                   "results.md, results.json and accuracy_vs_length.png to --out. Example: hybridlm "
+                                   "bench recall --models fw-3A,mamba2,transformer --out runs/recall --device cuda")
     _add_run_options(p, default_seeds=1)
     p.add_argument("--models", default=DEFAULT_MODELS, metavar="LIST", help="comma-separated model names")
     p.add_argument("--tasks", default=None, metavar="LIST", help="mqar,needle,multi_needle (default all)")
@@ -76,7 +87,11 @@ def add_commands(subparsers) -> None:
                             ("curriculum-start-len", int, "longest training length at step 0 (default 32)")])
     p.set_defaults(func=_bench_recall)
 
-    p = sub.add_parser("allocation", help="channel-allocation sweep of hybrid blocks (Falcon-H1 Figure 2)")
+    p = sub.add_parser("allocation", help="channel-allocation sweep of hybrid blocks (Falcon-H1 Figure 2)",
+                       description="Train a small hybrid language model at every SSM / attention / MLP channel "
+                                   "allocation of --arrangements with each seed, score its held-out loss, and write "
+                                   "results.md, results.json and allocation.png to --out. Example: hybridlm bench "
+                                   "allocation --out runs/alloc --device cuda --per-device 4")
     _add_run_options(p, default_seeds=1)
     p.add_argument("--arrangements", default="SA_M,SAM,S_A_M", metavar="LIST",
                    help="block arrangements (SA_M over all 21 allocations, the others at alpha_A = 1/8)")
@@ -112,6 +127,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=None, metavar="N", help="evaluate the first N tokens' documents")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the numbers to this JSON file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: one on stderr, in tok/s)")
     p.set_defaults(func=_eval_ppl)
 
     text = "make a checkpoint dir loadable by `lm_eval --model hf`"
@@ -148,7 +164,7 @@ def _recipe(cls, args: argparse.Namespace, **extra):
     changes = {name: value for name, value in vars(args).items() if name in fields and value is not None}
     changes.update({k: v for k, v in extra.items() if v is not None})
     if args.steps is not None and getattr(args, "warmup", None) is None and "warmup" in fields:
-        changes["warmup"] = max(1, args.steps // 10)
+        changes["warmup"] = min(max(1, args.steps // 10), args.steps - 1)  # below --steps: a 1-step run has none
     if args.steps is not None and getattr(args, "curriculum_steps", None) is None and "curriculum_steps" in fields:
         default = cls()  # the default recipe's share of its steps (addition: 2000 of 8000; recall: none)
         changes["curriculum_steps"] = args.steps * default.curriculum_steps // max(default.steps, 1)
@@ -163,9 +179,22 @@ def _devices(args: argparse.Namespace) -> list[str]:
     return parse_devices(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def _fail(message: str) -> int:
+class _RecipeError(ValueError):
+    """A recipe option's value that cannot train (`--lr -1`): a usage error, exit status 2."""
+
+
+def _check(check, *args) -> None:
+    """Run a bench's recipe check up front: a bad value stops the command before any run starts, instead of failing
+    every run with the cause only in its log."""
+    try:
+        check(*args)
+    except ValueError as err:
+        raise _RecipeError(str(err)) from None
+
+
+def _fail(message: str, status: int = 1) -> int:
     print(f"error: {message}", file=sys.stderr)
-    return 1
+    return status
 
 
 def _run_options(args: argparse.Namespace) -> dict:
@@ -175,13 +204,16 @@ def _run_options(args: argparse.Namespace) -> dict:
 
 
 def _bench_addition(args: argparse.Namespace) -> int:
-    from hybridlm.eval.addition import AdditionRecipe, bench_addition
+    from hybridlm.eval.addition import AdditionRecipe, bench_addition, check_recipe
     from hybridlm.eval.models import parse_model_list
 
     try:
         models = parse_model_list(args.models)
         recipe = _recipe(AdditionRecipe, args)
+        _check(check_recipe, recipe)
         report = bench_addition(models, list(range(args.seeds)), recipe, args.out, **_run_options(args))
+    except _RecipeError as err:
+        return _fail(str(err), status=2)
     except ValueError as err:
         return _fail(str(err))
     return report["exit_status"]
@@ -189,7 +221,7 @@ def _bench_addition(args: argparse.Namespace) -> int:
 
 def _bench_recall(args: argparse.Namespace) -> int:
     from hybridlm.eval.models import parse_model_list
-    from hybridlm.eval.recall import RecallRecipe, bench_recall
+    from hybridlm.eval.recall import RecallRecipe, bench_recall, check_recipe
 
     try:
         models = parse_model_list(args.models)
@@ -199,7 +231,10 @@ def _bench_recall(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--eval-lens {args.eval_lens!r}: a comma-separated list of integers") from None
         recipe = _recipe(RecallRecipe, args, tasks=tasks, eval_lens=lens)
+        _check(check_recipe, recipe, recipe.task_params())
         report = bench_recall(models, list(range(args.seeds)), recipe, args.out, **_run_options(args))
+    except _RecipeError as err:
+        return _fail(str(err), status=2)
     except ValueError as err:
         return _fail(str(err))
     return report["exit_status"]
@@ -209,6 +244,7 @@ def _bench_allocation(args: argparse.Namespace) -> int:
     from hybridlm.eval.allocation import (
         AllocationRecipe,
         bench_allocation,
+        check_recipe,
         parse_points,
         sweep_points,
     )
@@ -225,11 +261,29 @@ def _bench_allocation(args: argparse.Namespace) -> int:
             raise ValueError("no allocation left to run (check --points against --arrangements)")
         recipe = _recipe(AllocationRecipe, args, data=args.data if named else "shards",
                          data_dir=None if named else args.data, val_dir=args.val_data)
+        _check(check_recipe, recipe, points)
         report = bench_allocation(points, list(range(args.seeds)), recipe, args.out, data_cache=args.data_cache,
                                   **_run_options(args))
+    except _RecipeError as err:
+        return _fail(str(err), status=2)
     except ValueError as err:
         return _fail(str(err))
     return report["exit_status"]
+
+
+@contextlib.contextmanager
+def _hf_progress_bars(enabled: bool):
+    """Turn transformers' own progress bars off inside (`--no-progress` means none), restoring the setting after."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled and not enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _eval_ppl(args: argparse.Namespace) -> int:
@@ -259,7 +313,8 @@ def _eval_ppl(args: argparse.Namespace) -> int:
         if tokenizer_dir is not None:
             check_tokenizer_matches(tokenizer_dir, args.data)
             byte_lengths = token_byte_lengths(tokenizer_dir)
-        model = load_model(args.model).to(device)
+        with _hf_progress_bars(not args.no_progress):  # transformers' "Loading weights" bar
+            model = load_model(args.model).to(device)
         if args.seq_len > model.config.max_position_embeddings:
             raise ValueError(f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings "
                              f"{model.config.max_position_embeddings}")
@@ -268,7 +323,8 @@ def _eval_ppl(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.data} was tokenized with {data_vocab:,} ids but the model has "
                              f"{model.config.vocab_size:,}; prepare the data with the model's tokenizer")
         result = evaluate_perplexity(model, data, seq_len=args.seq_len, batch_size=args.batch_size,
-                                     max_tokens=args.max_tokens, byte_lengths=byte_lengths, device=device)
+                                     max_tokens=args.max_tokens, byte_lengths=byte_lengths, device=device,
+                                     progress=not args.no_progress)
     except (ValueError, DataError, FileNotFoundError) as err:
         return _fail(str(err))
     result["model"] = args.model

@@ -127,8 +127,12 @@ def evaluate_perplexity(
     max_tokens: int | None = None,
     byte_lengths: np.ndarray | None = None,
     device: str | torch.device = "cpu",
+    progress: bool = False,
 ) -> dict:
-    """Token-weighted NLL, perplexity and bits per byte; see the module docstring."""
+    """Token-weighted NLL, perplexity and bits per byte; see the module docstring. `progress`: a tqdm bar on stderr
+    counting scored tokens (rate in tok/s, running loss)."""
+    from tqdm.auto import tqdm
+
     from hybridlm.eval.train_task import autocast_for
 
     model.eval()
@@ -136,19 +140,29 @@ def evaluate_perplexity(
     target_bytes = 0
     non_eos_targets = 0
     eos = data.eos_id
-    for batch in packed_batches(windows(data, seq_len=seq_len, max_tokens=max_tokens), seq_len=seq_len,
-                                batch_size=batch_size):
-        batch = {k: v.to(device) for k, v in batch.items()}
-        with autocast_for(device):
-            logits = model(batch["input_ids"], position_ids=batch["position_ids"]).logits
-        for row in range(logits.shape[0]):  # one row at a time: float32 [T, V] logits stay small
-            total = scoring.accumulate(total, scoring.target_scores(logits[row:row + 1], batch["labels"][row:row + 1]))
-        targets = batch["labels"][batch["labels"] != IGNORE_INDEX].cpu().numpy()
-        non_eos_targets += int((targets != eos).sum())
-        if byte_lengths is not None:
-            if targets.size and targets.max() >= len(byte_lengths):
-                raise ValueError(f"token id {targets.max()} is outside the tokenizer's {len(byte_lengths)} ids")
-            target_bytes += int(byte_lengths[targets].sum())
+    # Every token but each document's first is scored once; with max_tokens the documents read are not known ahead.
+    bar = tqdm(total=None if max_tokens is not None else data.num_tokens - data.num_docs, desc="eval ppl",
+               unit="tok", unit_scale=True, dynamic_ncols=True, disable=not progress)
+    try:
+        for batch in packed_batches(windows(data, seq_len=seq_len, max_tokens=max_tokens), seq_len=seq_len,
+                                    batch_size=batch_size):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with autocast_for(device):
+                logits = model(batch["input_ids"], position_ids=batch["position_ids"]).logits
+            for row in range(logits.shape[0]):  # one row at a time: float32 [T, V] logits stay small
+                total = scoring.accumulate(total, scoring.target_scores(logits[row:row + 1],
+                                                                        batch["labels"][row:row + 1]))
+            targets = batch["labels"][batch["labels"] != IGNORE_INDEX].cpu().numpy()
+            non_eos_targets += int((targets != eos).sum())
+            if byte_lengths is not None:
+                if targets.size and targets.max() >= len(byte_lengths):
+                    raise ValueError(f"token id {targets.max()} is outside the tokenizer's {len(byte_lengths)} ids")
+                target_bytes += int(byte_lengths[targets].sum())
+            bar.update(targets.size)
+            if total is not None and total["count"]:
+                bar.set_postfix(loss=f"{total['nll'] / total['count']:.4f}", refresh=False)
+    finally:
+        bar.close()
     if total is None or total["count"] == 0:
         raise ValueError(f"{data.directory}: no token to score (documents of one token, or max_tokens too small)")
     if byte_lengths is not None:

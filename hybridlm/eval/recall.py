@@ -44,7 +44,7 @@ import torch
 
 from hybridlm.eval import scoring
 from hybridlm.eval.scoring import IGNORE_INDEX
-from hybridlm.eval.train_task import TrainRecipe, check_counts_and_size
+from hybridlm.eval.train_task import TrainRecipe, check_counts_and_size, check_non_negative
 
 TASKS = ("mqar", "needle", "multi_needle")
 PAD, BOS, EOS, BLANK, NEEDLE, QUERY = 0, 1, 2, 3, 4, 5
@@ -282,6 +282,11 @@ def check_recipe(recipe: RecallRecipe, tasks: RecallTasks) -> None:
     for task in recipe.tasks:
         if task not in TASKS:
             raise ValueError(f"unknown recall task {task!r}; choose from {TASKS}")
+    for name, task in (("mqar_pairs", "mqar"), ("needles", "multi_needle")):  # each needs that many distinct keys
+        n = getattr(recipe, name)
+        if task in recipe.tasks and not 1 <= n <= tasks.vocab.keys:
+            raise ValueError(f"--{name.replace('_', '-')} must be between 1 and {tasks.vocab.keys} (the distinct keys "
+                             f"of the vocabulary), got {n}")
     if not 1 <= recipe.train_min_len <= recipe.train_max_len:
         raise ValueError(f"need 1 <= train_min_len ({recipe.train_min_len}) <= train_max_len ({recipe.train_max_len})")
     shortest = max(tasks.shortest(t) for t in recipe.tasks)
@@ -301,7 +306,8 @@ def check_recipe(recipe: RecallRecipe, tasks: RecallTasks) -> None:
             if length < tasks.full_length(task):
                 raise ValueError(f"--eval-lens {length} is too short for {task} (at least {tasks.full_length(task)} "
                                  "tokens): drop it or lower --mqar-pairs / --needles")
-    check_counts_and_size(recipe, "steps", "batch_size", "eval_count", "val_count")
+    check_non_negative(recipe, "eval_every", "curriculum_steps")  # 0: validate only at the end / no curriculum
+    check_counts_and_size(recipe, "steps", "batch_size", "eval_count", "val_count", "eval_tokens_per_batch")
 
 
 def run_recall(model_name: str, seed: int, recipe: RecallRecipe, *, device: str = "cpu", log_fn=None,
@@ -436,6 +442,7 @@ def write_report(by_model: dict[str, list[dict]], recipe: RecallRecipe, out_dir:
 def _plot(stats: dict, recipe: RecallRecipe, path: Path) -> None:
     from hybridlm.eval.bench import plot_percent_with_std, pyplot
     from hybridlm.eval.models import describe
+    from hybridlm.fileio import save_figure_atomic
 
     plt = pyplot()
     fig, axes = plt.subplots(1, len(recipe.tasks), figsize=(4.5 * len(recipe.tasks), 4), squeeze=False)
@@ -456,5 +463,7 @@ def _plot(stats: dict, recipe: RecallRecipe, path: Path) -> None:
     if any(s["seeds"] for s in stats.values()):
         axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure_atomic(fig, path, dpi=110)  # a crash mid-write keeps the previous PNG
+    finally:
+        plt.close(fig)

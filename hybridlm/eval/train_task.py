@@ -99,13 +99,41 @@ class TrainRecipe:
         return asdict(self)
 
 
+def _option(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def check_train_recipe(recipe: TrainRecipe, *counts: str) -> None:
+    """ValueError, named as the command-line option, for an optimizer setting that cannot train (checked before any
+    run starts: inside a run it would surface only as "run failed", the cause in that run's log) or a count field
+    below 1. `warmup` must end before the last step, or the cosine decay never happens."""
+    for name in ("steps", *counts):
+        if getattr(recipe, name) < 1:
+            raise ValueError(f"{_option(name)} must be >= 1, got {getattr(recipe, name)}")
+    if not (math.isfinite(recipe.lr) and recipe.lr > 0):
+        raise ValueError(f"--lr must be a finite number > 0, got {recipe.lr}")
+    if not (math.isfinite(recipe.weight_decay) and recipe.weight_decay >= 0):
+        raise ValueError(f"--weight-decay must be a finite number >= 0, got {recipe.weight_decay}")
+    if not 0 <= recipe.warmup < recipe.steps:
+        raise ValueError(f"--warmup must be >= 0 and below --steps ({recipe.steps}), got {recipe.warmup}")
+    if not 0 <= recipe.min_lr_ratio <= 1:
+        raise ValueError(f"--min-lr-ratio must be in [0, 1], got {recipe.min_lr_ratio}")
+    if not (math.isfinite(recipe.grad_clip) and recipe.grad_clip >= 0):
+        raise ValueError(f"--grad-clip must be a finite number >= 0 (0: no clipping), got {recipe.grad_clip}")
+
+
+def check_non_negative(recipe: TrainRecipe, *names: str) -> None:
+    """ValueError, named as the command-line option, for a field below 0 (step counts where 0 turns a feature off)."""
+    for name in names:
+        if getattr(recipe, name) < 0:
+            raise ValueError(f"{_option(name)} must be >= 0, got {getattr(recipe, name)}")
+
+
 def check_counts_and_size(recipe: TrainRecipe, *counts: str) -> None:
-    """ValueError, named as the command-line option, for a count field below 1 or an unknown `recipe.size`."""
+    """`check_train_recipe`, then a ValueError for an unknown `recipe.size`."""
     from hybridlm.eval.models import SIZES
 
-    for name in counts:
-        if getattr(recipe, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(recipe, name)}")
+    check_train_recipe(recipe, *counts)
     if recipe.size not in SIZES:
         raise ValueError(f"unknown size {recipe.size!r}; choose one of {', '.join(SIZES)}")
 

@@ -109,3 +109,65 @@ def test_stats_of_an_empty_input_exits_1(tmp_path, tokenizer_dir, capsys):
                 "--json"])
     captured = capsys.readouterr()
     assert rc == 1 and captured.out == "" and "no text found in" in captured.err and "empty.jsonl" in captured.err
+
+
+def test_tokenizer_train_refuses_to_replace_a_tokenizer_without_overwrite(tmp_path, capsys, monkeypatch):
+    """Shards prepared with the old tokenizer would silently stop matching a new one: refused before any training."""
+    import hybridlm.data.tokenizer as T
+
+    tok = tmp_path / "tok"
+    first = write_jsonl(tmp_path / "a.jsonl", documents(seed=6, n_docs=40))
+    assert _call(["tokenizer", "train", "--input", str(first), "--vocab-size", str(VOCAB_SIZE), "--out", str(tok),
+                  "--no-progress"]) == 0
+    kept = (tok / "tokenizer.json").read_bytes()
+    capsys.readouterr()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained before checking --out")
+
+    second = write_jsonl(tmp_path / "b.jsonl", documents(seed=7, n_docs=40))
+    argv = ["tokenizer", "train", "--input", str(second), "--vocab-size", str(VOCAB_SIZE), "--out", str(tok),
+            "--no-progress"]
+    with monkeypatch.context() as m:
+        m.setattr(T, "train_from_texts", no_training)
+        assert _call(argv) == 1
+    err = capsys.readouterr().err
+    assert f"{tok} already holds a tokenizer" in err and "--overwrite" in err and "Traceback" not in err
+    assert (tok / "tokenizer.json").read_bytes() == kept
+    assert _call([*argv, "--overwrite"]) == 0
+    assert json.loads((tok / "hybridlm_tokenizer.json").read_text())["training"]["files"] == [str(second)]
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "ten"])
+def test_tokenizer_train_max_bytes_below_1_is_a_usage_error(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args(["tokenizer", "train", "--input", "x", "--vocab-size", "1600", "--out", str(tmp_path),
+                              "--max-bytes", value])
+    assert exit_info.value.code == 2
+    assert "--max-bytes" in capsys.readouterr().err
+    from hybridlm.data.tokenizer import train_tokenizer
+
+    with pytest.raises(ValueError, match="max_bytes must be >= 1"):  # the library: not "no limit" either
+        train_tokenizer([tmp_path], 1600, tmp_path / "tok", max_bytes=0)
+
+
+def test_an_out_that_is_a_file_is_a_usage_error(tmp_path, tokenizer_dir, capsys, monkeypatch):
+    """`--out FILE` (or a path through one): the file named, exit 2, no "[Errno 17]", and no training first."""
+    import hybridlm.data.tokenizer as T
+    from hybridlm.cli import main
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", documents(seed=8, n_docs=20))
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    monkeypatch.setattr(T, "train_from_texts", lambda *a, **k: pytest.fail("trained before checking --out"))
+    for out in (a_file, a_file / "tok"):
+        assert main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", str(VOCAB_SIZE), "--out", str(out),
+                     "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err == f"hybridlm tokenizer: {a_file} is a file, not a directory; give a directory path (or move the " \
+                      "file away)\n", err
+    for out in (a_file, a_file / "data"):
+        assert main(["data", "prepare", "--input", str(corpus), "--tokenizer", str(tokenizer_dir), "--out", str(out),
+                     "--workers", "1", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert f": {a_file} is a file, not a directory" in err and "Errno" not in err, err

@@ -103,6 +103,10 @@ def test_eval_sets_are_fixed_and_summarized_like_table_3():
     assert s["acc_at_33"] == 0.33 and s["acc_at_48"] == 0.48 and s["val_exact"] == 0.5
 
 
+# A two-step recipe: a check that went missing fails the test in seconds, not after a full default training.
+_FAST = dict(steps=2, warmup=1, batch_size=2, curriculum_steps=0, eval_per_width=1, val_per_width=1, eval_every=1)
+
+
 @pytest.mark.parametrize("changes, message", [
     (dict(steps=100, curriculum_steps=100), "curriculum"),
     (dict(eval_per_width=0), "--eval-per-width must be >= 1"),
@@ -110,6 +114,12 @@ def test_eval_sets_are_fixed_and_summarized_like_table_3():
     (dict(batch_size=0), "--batch-size must be >= 1"),
     (dict(size="bogus"), "unknown size 'bogus'"),
     (dict(train_max_width=48), "train_max_width < eval_max_width"),
+    (dict(_FAST, lr=-1.0), "--lr must be a finite number > 0"),
+    (dict(_FAST, weight_decay=-0.1), "--weight-decay must be a finite number >= 0"),
+    (dict(_FAST, warmup=2), r"--warmup must be >= 0 and below --steps \(2\)"),
+    (dict(_FAST, min_lr_ratio=2.0), r"--min-lr-ratio must be in \[0, 1\]"),
+    (dict(_FAST, grad_clip=float("nan")), "--grad-clip must be a finite number >= 0"),
+    (dict(_FAST, curriculum_steps=-1), "--curriculum-steps must be >= 0"),
 ])
 def test_recipes_that_cannot_run_are_refused_before_training(changes, message, tmp_path):
     recipe = A.AdditionRecipe(**{"size": "tiny", **changes})

@@ -64,7 +64,7 @@ def test_synthetic_language_is_seeded_and_has_its_structure():
 def test_allocation_run_on_prepared_shards(shards_dir):
     from hybridlm.eval.allocation import run_allocation
 
-    recipe = AllocationRecipe(hidden_size=64, layers=1, steps=2, batch_size=2, seq_len=32, data="shards",
+    recipe = AllocationRecipe(hidden_size=64, layers=1, steps=2, warmup=1, batch_size=2, seq_len=32, data="shards",
                               data_dir=str(shards_dir), val_dir=str(shards_dir), val_max_tokens=200)
     result = run_allocation("SA_M", (2, 1, 5), 0, recipe)
     assert result["alphas"] == [2, 1, 5] and result["widths"]["attention"] > 0
@@ -84,6 +84,13 @@ def test_wrong_data_dirs_and_ssm_names_are_refused_before_any_run(shards_dir, tm
         bench_allocation(point, [0], wrong_dir, tmp_path / "out")
     with pytest.raises(ValueError, match="unknown model name 'fw-9'"):
         bench_allocation(point, [0], AllocationRecipe(data="synthetic", ssm="fw-9"), tmp_path / "out")
+    tiny = dict(data="synthetic", hidden_size=64, layers=1, steps=2, warmup=1, batch_size=2, seq_len=32, val_docs=2)
+    for changes, message in ((dict(lr=float("inf")), "--lr must be a finite number > 0"),
+                             (dict(weight_decay=-1.0), "--weight-decay must be a finite number >= 0"),
+                             (dict(warmup=2), r"--warmup must be >= 0 and below --steps \(2\)"),
+                             (dict(seq_len=0), "--seq-len must be >= 1")):
+        with pytest.raises(ValueError, match=message):
+            bench_allocation(point, [0], AllocationRecipe(**{**tiny, **changes}), tmp_path / "out", devices=["cpu"])
     assert not (tmp_path / "out").exists()
 
 

@@ -110,3 +110,31 @@ def test_mean_std_and_formatting():
     assert stat["n"] == 2 and stat["mean"] == pytest.approx(0.6) and stat["std"] == pytest.approx(math.sqrt(0.02))
     assert pm(stat) == "60.0 ± 14.1"
     assert pm(mean_std([0.25])) == "25.0" and pm(mean_std([])) == "–"
+
+
+def test_bench_plots_replace_the_png_atomically(tmp_path, monkeypatch):
+    """A crash mid-write (disk full, a kill) leaves the previous PNG, not a truncated one, at the report's path."""
+    from matplotlib.figure import Figure
+
+    from hybridlm.eval import addition, allocation, recall
+
+    def write_half_then_fail(self, target, **options):
+        if isinstance(target, (str, os.PathLike)):
+            with open(target, "wb") as handle:
+                handle.write(b"\x89PNG\r\n\x1a\n half")
+        else:
+            target.write(b"\x89PNG\r\n\x1a\n half")
+        raise OSError("No space left on device")
+
+    previous = b"\x89PNG\r\n\x1a\n the previous report's image"
+    plots = {"addition": lambda path: addition.plot_accuracy({}, addition.AdditionRecipe(), path),
+             "recall": lambda path: recall._plot({}, recall.RecallRecipe(), path),
+             "allocation": lambda path: allocation._plot([], path)}
+    monkeypatch.setattr(Figure, "savefig", write_half_then_fail)
+    for name, plot in plots.items():
+        path = tmp_path / f"{name}.png"
+        path.write_bytes(previous)
+        with pytest.raises(OSError, match="No space left"):
+            plot(path)
+        assert path.read_bytes() == previous, name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["addition.png", "allocation.png", "recall.png"]

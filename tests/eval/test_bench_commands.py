@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from hybridlm.cli import main
 
 COMMON = ["--steps", "2", "--device", "cpu"]
@@ -24,6 +26,9 @@ def test_bench_addition_smoke_and_resume(tmp_path, capsys):
             "--batch-size", "4", "--eval-per-width", "2", "--val-per-width", "1", "--eval-every", "1",
             "--out", str(out), *COMMON]
     assert main(args) == 0
+    # the closing line: the report's paths, not a Python list's repr
+    assert capsys.readouterr().out.splitlines()[-1] == (f"wrote {out / 'results.md'}, {out / 'results.json'}, "
+                                                        f"{out / 'accuracy_vs_width.png'}")
     md = (out / "results.md").read_text()
     for name in ("`fw-1A`", "`fw-3A-same`", "`transformer`"):
         assert len(_rows(md, name)) == 3  # Table 3 layout, exact match, per-width
@@ -88,10 +93,12 @@ def test_bench_recall_mixed_tasks_trains_one_model_on_every_task(tmp_path):
 SMALL_ALLOCATION = ["--hidden-size", "64", "--layers", "1", "--batch-size", "2", "--seq-len", "48"]
 
 
-def test_bench_allocation_smoke(tmp_path):
+def test_bench_allocation_smoke(tmp_path, capsys):
     out = tmp_path / "alloc"
     assert main(["bench", "allocation", "--points", "2,1,5;1,6,1", "--arrangements", "SA_M,S_A_M", "--data",
                  "synthetic", "--val-docs", "4", "--out", str(out), *SMALL_ALLOCATION, *COMMON]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (f"wrote {out / 'results.md'}, {out / 'results.json'}, "
+                                                        f"{out / 'allocation.png'}")
     md = (out / "results.md").read_text()
     assert len(_rows(md, "| SA_M |")) == 2 and len(_rows(md, "| S_A_M |")) == 1  # S_A_M only at alpha_A = 1/8
     assert _png(out / "allocation.png")
@@ -120,8 +127,51 @@ def test_bad_arguments_fail_cleanly(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1, err
     assert not (tmp_path / "x").exists()
-    (tmp_path / "file").write_text("")  # an --out that is a file: one line, no traceback
+    (tmp_path / "file").write_text("")  # an --out that is a file: a usage error naming it, no "[Errno 17]"
     assert main(["bench", "addition", "--models", "fw-1A", "--device", "cpu", "--steps", "1", "--size", "tiny",
-                 "--out", str(tmp_path / "file")]) == 1
+                 "--out", str(tmp_path / "file")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("hybridlm bench: ") and err.count("\n") == 1, err
+    assert err.startswith(f"hybridlm bench: {tmp_path / 'file'} is a file, not a directory"), err
+    assert err.count("\n") == 1 and "Errno" not in err, err
+
+
+@pytest.mark.parametrize("bench, options, message", [
+    ("addition", ["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
+    ("addition", ["--lr", "nan"], "--lr must be a finite number > 0"),
+    ("addition", ["--warmup", "-1"], "--warmup must be >= 0"),
+    ("addition", ["--curriculum-steps", "-1"], "--curriculum-steps must be >= 0"),
+    ("addition", ["--eval-every", "-2"], "--eval-every must be >= 0"),
+    ("recall", ["--warmup", "5", "--steps", "5"], "--warmup must be >= 0 and below --steps (5), got 5"),
+    ("recall", ["--lr", "inf"], "--lr must be a finite number > 0"),
+    ("recall", ["--mqar-pairs", "0"], "--mqar-pairs must be between 1 and 128"),
+    ("allocation", ["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+    ("allocation", ["--warmup", "3", "--steps", "2"], "--warmup must be >= 0 and below --steps (2)"),
+    ("allocation", ["--hidden-size", "0"], "--hidden-size must be >= 1"),
+    ("allocation", ["--steps", "0"], "--steps must be >= 1"),
+])
+def test_recipe_values_that_cannot_train_are_usage_errors_before_any_run(tmp_path, capsys, bench, options, message):
+    """Found up front (exit 2, the option named), not as "1 run(s) failed" with the cause only in a run's log."""
+    tiny = {"addition": ["--models", "fw-1A", "--size", "tiny", "--batch-size", "2", "--eval-per-width", "1",
+                         "--val-per-width", "1"],
+            "recall": ["--models", "fw-1A", "--tasks", "mqar", "--size", "tiny", "--batch-size", "2",
+                       "--train-min-len", "40", "--train-max-len", "48", "--eval-lens", "48", "--eval-count", "1",
+                       "--val-count", "1", "--mqar-pairs", "4"],
+            "allocation": ["--points", "2,1,5", "--arrangements", "SA_M", "--data", "synthetic", "--val-docs", "2",
+                           *SMALL_ALLOCATION]}[bench]  # were the check missing, the runs would fail fast, not train
+    steps = [] if "--steps" in options else ["--steps", "3"]
+    out = tmp_path / "out"
+    assert main(["bench", bench, *tiny, *steps, "--device", "cpu", "--out", str(out), *options]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("bench, example", [("addition", "hybridlm bench addition --models"),
+                                            ("recall", "hybridlm bench recall --models"),
+                                            ("allocation", "hybridlm bench allocation --out")])
+def test_bench_help_describes_the_benchmark_with_an_example(capsys, bench, example):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", bench, "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the description
+    assert "results.md, results.json and" in text and f"Example: {example}" in text

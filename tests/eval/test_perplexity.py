@@ -152,6 +152,17 @@ def test_eval_ppl_command(model_dir, shards_dir, tokenizer_dir, tmp_path, capsys
         assert message in capsys.readouterr().err
 
 
+def test_eval_ppl_shows_progress_on_stderr_unless_told_not_to(model_dir, shards_dir, capsys):
+    argv = ["eval", "ppl", "--model", str(model_dir), "--data", str(shards_dir), "--seq-len", "17", "--device", "cpu"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "eval ppl" in captured.err and "tok/s" in captured.err  # the bar, with its rate
+    assert captured.out.startswith("tokens ") and captured.out.count("\n") == 1 and "tok/s" not in captured.out
+    assert main([*argv, "--no-progress"]) == 0
+    quiet = capsys.readouterr()
+    assert quiet.err == "" and quiet.out == captured.out
+
+
 def test_eval_ppl_refuses_data_with_more_ids_than_the_model(shards_dir, tmp_path, capsys):
     small = build_model(task_config("hybrid-mamba2", vocab_size=64, size="tiny"), seed=0)
     small.save_pretrained(tmp_path / "small")

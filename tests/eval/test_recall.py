@@ -171,6 +171,11 @@ def test_short_curriculum_sequences_hold_as_many_mqar_pairs_as_fit(length, pairs
     (dict(eval_count=0), "--eval-count must be >= 1"),
     (dict(batch_size=0), "--batch-size must be >= 1"),
     (dict(size="bogus"), "unknown size 'bogus'"),
+    (dict(lr=0.0), "--lr must be a finite number > 0"),
+    (dict(warmup=4000), r"--warmup must be >= 0 and below --steps \(4000\)"),
+    (dict(eval_every=-1), "--eval-every must be >= 0"),
+    (dict(mqar_pairs=0), "--mqar-pairs must be between 1 and 128"),
+    (dict(needles=200), "--needles must be between 1 and 128"),
 ])
 def test_recipes_that_cannot_run_are_refused(changes, message):
     from hybridlm.eval.recall import RecallRecipe, check_recipe
