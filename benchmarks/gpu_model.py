@@ -24,7 +24,7 @@ the Transformer's attention and MLP and add the SSM half: 143-159M parameters ag
                        `channel_allocation`) with a Falcon-1A SSM half (144M at the 125m shape)
     h1 mamba2          the same allocation with Mamba-2 (134M); h1 mamba2-chunk on the SSD torch chunk path
     h1 swa fw-1A       "h1 fw-1A" with sliding-window attention (`attention_window`, `--window`, default 2048): its
-                       decoding cache stays at 2 (W - 1) keys per layer at any context, so its memory per sequence is
+                       decoding cache stays at 2W - 1 key slots per layer at any context, so its memory per sequence is
                        constant (issue 8's decode target; the Falcon-H1 hybrid keeps every key); "hybrid swa fw-1A"
                        the same for "hybrid fw-1A"
     transformer matched  the Transformer with its MLP widened to "h1 fw-1A"'s parameter count (144M): the baseline

@@ -119,6 +119,17 @@ class Attention(nn.Module):
                                     dropout=self.dropout if self.training else 0.0, window=self.window)
             if out is not None:
                 return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
+        elif (self.window is not None and offsets is None and pad is None and k.shape[1] == length
+              and not isinstance(cache, StaticLayerCache)):
+            # Rows with no cache in front (training, a first prefill) under a window: SDPA's causal flag has no band
+            # and a [T, T] mask keeps flash out (16 GiB at T = 128K), so the rows go to the varlen kernel as
+            # documents of T tokens each.
+            rows = torch.arange(0, (batch + 1) * length, length, device=hidden.device)  # [B + 1]
+            out = _varlen_attention(*(t.reshape(1, batch * length, *t.shape[2:]) for t in (q, k, v)), rows,
+                                    max_len=length, dropout=self.dropout if self.training else 0.0,
+                                    window=self.window)
+            if out is not None:
+                return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
         if isinstance(cache, StaticLayerCache):
             mask, is_causal = cache.static_mask(), False  # the whole storage, its empty slots masked
         else:

@@ -299,3 +299,63 @@ def test_bind_varlen_passes_the_window(window):
         causal = bind_varlen(_windowed_varlen)(q, k, v, torch.tensor(offsets, dtype=torch.int32), 7)
         assert rel_err(got, causal) > 1e-3
     assert (bind_varlen(_torch_2_10_varlen, window=window) is None) == (window is not None)
+
+
+@pytest.mark.parametrize("with_cache", [False, True], ids=["training", "first-prefill"])
+def test_windowed_rows_go_to_the_varlen_kernel_as_one_document_each(with_cache, monkeypatch):
+    """Rows with no cache in front are handed to the varlen kernel (where it runs: CUDA, 16-bit) as documents of T
+    tokens with the window, not masked with a [T, T] band (16 GiB at 128K). Here a stand-in kernel computes each
+    document by the per-query loop's rule; the rows' result equals the loop's, and the kernel saw the rows' offsets."""
+    import hybridlm.layers.attention as attention
+
+    window, x = 3, inputs(3, T, seed=5)
+    attn = make_attention(window)
+    calls = []
+
+    def stand_in(q, k, v, offsets, *, max_len, dropout, window):
+        calls.append((offsets.tolist(), max_len, window, q.shape))
+        groups = q.shape[2] // k.shape[2]
+        out = torch.empty_like(q[0])
+        for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+            qd, kd, vd = (t[0, start:end].transpose(0, 1) for t in (q, k, v))  # [H, n, D]
+            kd, vd = kd.repeat_interleave(groups, 0), vd.repeat_interleave(groups, 0)
+            back = torch.arange(end - start)[:, None] - torch.arange(end - start)[None, :]
+            out[start:end] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=(back >= 0) & (back < window)
+                                                            ).transpose(0, 1)
+        return out
+
+    monkeypatch.setattr(attention, "_varlen_attention", stand_in)
+    got = attn(x, cache=LayerCache() if with_cache else None)
+    assert calls == [([0, T, 2 * T, 3 * T], T, window, torch.Size([1, 3 * T, 6, 8]))]
+    assert rel_err(got, reference(attn, x, window)) < TOL
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (flash attention's varlen kernel)")
+@pytest.mark.parametrize("window", [1, 64, 200])
+def test_windowed_flash_varlen_on_cuda_matches_the_band_mask(window, monkeypatch):
+    """bf16 on CUDA: flash's window (window_size=(W - 1, 0)) gives the band mask's output and gradients, for plain rows
+    and for packed documents (torch documents the argument loosely: this pins its meaning on the real kernel)."""
+    import hybridlm.layers.attention as attention
+
+    torch.manual_seed(0)
+    config = HybridConfig(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=1e4,
+                          mamba_n_heads=4, attention_window=window)
+    attn = Attention(config, layer_idx=0).cuda().to(torch.bfloat16)
+    if attention._flash_window_kernel(window) is None:
+        pytest.skip("this torch's varlen_attn takes no window_size")
+    x = torch.randn(2, 300, 96, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 1, 130, 300])
+
+    def run(**kwargs):
+        rows = x[:1] if "cu_seqlens" in kwargs else x
+        rows = rows.detach().requires_grad_()
+        out = attn(rows, **kwargs)
+        return out, torch.autograd.grad(out.float().square().sum(), [rows, attn.q_proj.weight, attn.k_proj.weight])
+
+    flash = [run(), run(cu_seqlens=cu)]
+    monkeypatch.setattr(attention, "_varlen_attention", lambda *a, **k: None)
+    masked = [run(), run(cu_seqlens=cu)]
+    for (out, grads), (want, want_grads) in zip(flash, masked):
+        torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+        for got, expected in zip(grads, want_grads):
+            torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
