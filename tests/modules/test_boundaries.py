@@ -18,9 +18,9 @@ FOUR_DOCS_LOCAL = torch.tensor([0, 1, 2, 0, 0, 1, 0, 1, 2, 3])
 FOUR_DOCS_IDS = torch.tensor([0, 0, 0, 1, 2, 2, 3, 3, 3, 3])
 
 
-def assert_equal(got: torch.Tensor, expected: torch.Tensor) -> None:
-    """Same values, same dtype and shape (offsets and indices are integers: no tolerance)."""
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+def same(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Same values, dtype and shape (offsets and indices are integers: no tolerance)."""
+    return got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
 
 
 # --- cu_seqlens_from_position_ids --------------------------------------------------------------------------------
@@ -36,15 +36,15 @@ def assert_equal(got: torch.Tensor, expected: torch.Tensor) -> None:
     (torch.tensor([[0, 1, 2], [0, 1, 2]]), [0, 3, 6]),  # rows without restarts: one document per row
 ], ids=["four-docs", "single-doc", "all-1-token", "1-token-last", "two-rows", "rows-no-restarts"])
 def test_cu_seqlens_from_position_ids(position_ids, expected):
-    assert_equal(cu_seqlens_from_position_ids(position_ids), torch.tensor(expected, dtype=torch.int64))
+    assert same(cu_seqlens_from_position_ids(position_ids), torch.tensor(expected, dtype=torch.int64))
 
 
 def test_cu_seqlens_from_1d_int32_position_ids_are_int64():
     """A 1-D row counts as [1, T]; the offsets come back int64 whatever the positions' integer type, and the row
     start opens a document even when its position is not 0."""
     position_ids = torch.tensor([3, 4, 0, 1, 0], dtype=torch.int32)
-    assert_equal(cu_seqlens_from_position_ids(position_ids), torch.tensor([0, 2, 4, 5]))
-    assert_equal(position_ids, torch.tensor([3, 4, 0, 1, 0], dtype=torch.int32))  # the input is left as it was
+    assert same(cu_seqlens_from_position_ids(position_ids), torch.tensor([0, 2, 4, 5]))
+    assert same(position_ids, torch.tensor([3, 4, 0, 1, 0], dtype=torch.int32))  # the input is left as it was
 
 
 # --- has_restarts ---------------------------------------------------------------------------------------------------
@@ -80,16 +80,16 @@ def test_has_restarts(position_ids, expected):
 def test_local_positions_and_sequence_ids(cu_seqlens, local, doc_ids, offset_dtype):
     offsets = cu_seqlens.to(offset_dtype)
     total_len = int(cu_seqlens[-1])
-    assert_equal(local_positions(offsets, total_len), local)  # int64 whatever the offsets' integer type
-    assert_equal(sequence_ids(offsets, total_len), doc_ids)
+    assert same(local_positions(offsets, total_len), local)  # int64 whatever the offsets' integer type
+    assert same(sequence_ids(offsets, total_len), doc_ids)
 
 
 def test_local_positions_invert_cu_seqlens_from_position_ids():
     """position_ids -> offsets -> local positions gives the position_ids back, for rows that start at 0."""
     position_ids = torch.tensor([[0, 1, 0, 0, 1, 2], [0, 1, 2, 3, 0, 1]])
     offsets = cu_seqlens_from_position_ids(position_ids)
-    assert_equal(local_positions(offsets, position_ids.numel()), position_ids.reshape(-1))
-    assert_equal(sequence_ids(offsets, position_ids.numel()), torch.tensor([0, 0, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4]))
+    assert same(local_positions(offsets, position_ids.numel()), position_ids.reshape(-1))
+    assert same(sequence_ids(offsets, position_ids.numel()), torch.tensor([0, 0, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4]))
 
 
 # --- pack_rows -------------------------------------------------------------------------------------------------------
@@ -100,10 +100,10 @@ def test_pack_rows_with_restarts_in_several_rows():
     x = torch.arange(3 * 5 * 2, dtype=torch.float32).reshape(3, 5, 2)
     packed, cu_seqlens, packed_positions = pack_rows(x, position_ids)
     # Row after row: [0, 1], [2, 3], ... [28, 29] in one row.
-    assert_equal(packed, torch.arange(30, dtype=torch.float32).reshape(1, 15, 2))
-    assert_equal(cu_seqlens, torch.tensor([0, 3, 5, 6, 10, 15]))
+    assert same(packed, torch.arange(30, dtype=torch.float32).reshape(1, 15, 2))
+    assert same(cu_seqlens, torch.tensor([0, 3, 5, 6, 10, 15]))
     assert cu_seqlens.device.type == "cpu"
-    assert_equal(packed_positions, torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3, 0, 1, 2, 3, 4]]))
+    assert same(packed_positions, torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3, 0, 1, 2, 3, 4]]))
 
 
 def test_pack_rows_shares_one_position_row_among_all_rows():
@@ -111,16 +111,16 @@ def test_pack_rows_shares_one_position_row_among_all_rows():
     position_ids = torch.tensor([[0, 1, 0, 1, 2]])
     x = torch.randn(2, 5, 3)
     packed, cu_seqlens, packed_positions = pack_rows(x, position_ids)
-    assert_equal(packed, torch.cat([x[0], x[1]]).unsqueeze(0))
-    assert_equal(cu_seqlens, torch.tensor([0, 2, 5, 7, 10]))
-    assert_equal(packed_positions, torch.tensor([[0, 1, 0, 1, 2, 0, 1, 0, 1, 2]]))
+    assert same(packed, torch.cat([x[0], x[1]]).unsqueeze(0))
+    assert same(cu_seqlens, torch.tensor([0, 2, 5, 7, 10]))
+    assert same(packed_positions, torch.tensor([[0, 1, 0, 1, 2, 0, 1, 0, 1, 2]]))
 
 
 def test_pack_rows_without_restarts_gives_one_document_per_row():
     x = torch.randn(2, 4, 3)
     _, cu_seqlens, packed_positions = pack_rows(x, torch.arange(4).unsqueeze(0))
-    assert_equal(cu_seqlens, torch.tensor([0, 4, 8]))
-    assert_equal(packed_positions, torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]))
+    assert same(cu_seqlens, torch.tensor([0, 4, 8]))
+    assert same(packed_positions, torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]))
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 4), (2, 5, 3, 4), (1, 5, 4)], ids=["BTD", "BTHD", "B1"])
@@ -131,12 +131,12 @@ def test_pack_rows_round_trips_the_hidden_states(shape):
     x = torch.randn(shape)
     packed, _, _ = pack_rows(x, position_ids)
     assert packed.shape == (1, shape[0] * shape[1], *shape[2:])
-    assert_equal(packed.reshape(shape), x)
+    assert same(packed.reshape(shape), x)
     last = shape[0] - 1  # row b, step t is token b * T + t of the packed row
-    assert_equal(packed[0, last * shape[1] + 3], x[last, 3])
+    assert same(packed[0, last * shape[1] + 3], x[last, 3])
     transposed = torch.randn(shape[1], shape[0], *shape[2:]).transpose(0, 1)  # [B, T, ...], not contiguous
     packed, _, _ = pack_rows(transposed, position_ids)
-    assert_equal(packed.reshape(shape), transposed)
+    assert same(packed.reshape(shape), transposed)
 
 
 @pytest.mark.parametrize("position_ids", [
