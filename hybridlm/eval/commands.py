@@ -179,17 +179,14 @@ def _devices(args: argparse.Namespace) -> list[str]:
     return parse_devices(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-class _RecipeError(ValueError):
-    """A recipe option's value that cannot train (`--lr -1`): a usage error, exit status 2."""
-
-
-def _check(check, *args) -> None:
-    """Run a bench's recipe check up front: a bad value stops the command before any run starts, instead of failing
-    every run with the cause only in its log."""
+def _recipe_problem(check, *args) -> str | None:
+    """A bench's recipe check run up front (a bad value, e.g. `--lr -1`, is a usage error before any run starts,
+    instead of failing every run with the cause only in its log): its message, or None."""
     try:
         check(*args)
     except ValueError as err:
-        raise _RecipeError(str(err)) from None
+        return str(err)
+    return None
 
 
 def _fail(message: str, status: int = 1) -> int:
@@ -210,10 +207,9 @@ def _bench_addition(args: argparse.Namespace) -> int:
     try:
         models = parse_model_list(args.models)
         recipe = _recipe(AdditionRecipe, args)
-        _check(check_recipe, recipe)
+        if problem := _recipe_problem(check_recipe, recipe):
+            return _fail(problem, status=2)
         report = bench_addition(models, list(range(args.seeds)), recipe, args.out, **_run_options(args))
-    except _RecipeError as err:
-        return _fail(str(err), status=2)
     except ValueError as err:
         return _fail(str(err))
     return report["exit_status"]
@@ -231,10 +227,9 @@ def _bench_recall(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--eval-lens {args.eval_lens!r}: a comma-separated list of integers") from None
         recipe = _recipe(RecallRecipe, args, tasks=tasks, eval_lens=lens)
-        _check(check_recipe, recipe, recipe.task_params())
+        if problem := _recipe_problem(check_recipe, recipe, recipe.task_params()):
+            return _fail(problem, status=2)
         report = bench_recall(models, list(range(args.seeds)), recipe, args.out, **_run_options(args))
-    except _RecipeError as err:
-        return _fail(str(err), status=2)
     except ValueError as err:
         return _fail(str(err))
     return report["exit_status"]
@@ -261,11 +256,10 @@ def _bench_allocation(args: argparse.Namespace) -> int:
             raise ValueError("no allocation left to run (check --points against --arrangements)")
         recipe = _recipe(AllocationRecipe, args, data=args.data if named else "shards",
                          data_dir=None if named else args.data, val_dir=args.val_data)
-        _check(check_recipe, recipe, points)
+        if problem := _recipe_problem(check_recipe, recipe, points):
+            return _fail(problem, status=2)
         report = bench_allocation(points, list(range(args.seeds)), recipe, args.out, data_cache=args.data_cache,
                                   **_run_options(args))
-    except _RecipeError as err:
-        return _fail(str(err), status=2)
     except ValueError as err:
         return _fail(str(err))
     return report["exit_status"]
