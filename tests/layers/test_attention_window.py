@@ -357,5 +357,10 @@ def test_windowed_flash_varlen_on_cuda_matches_the_band_mask(window, monkeypatch
     masked = [run(), run(cu_seqlens=cu)]
     for (out, grads), (want, want_grads) in zip(flash, masked):
         torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+        # The tolerance scales with the largest gradient: at W = 1 each query sees only its own key, the softmax is
+        # one-hot and the key projection's gradient is zero in exact arithmetic (both sides give bf16 noise).
+        scale = max(g.abs().max().item() for g in want_grads)
         for got, expected in zip(grads, want_grads):
-            torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+            torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * scale)
+        if window == 1:
+            assert grads[2].abs().max().item() < 1e-4 * scale
