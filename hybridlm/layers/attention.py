@@ -25,7 +25,6 @@ The input multiplier (`attention_in_multiplier`) and output multiplier live in t
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 
@@ -163,9 +162,10 @@ def _varlen_attention(
     return kernel(q[0], k[0], v[0], offsets.to(torch.int32), max_len)
 
 
-@functools.cache
 def _has_flash(device_index: int | None) -> bool:
-    """Flash attention runs on this GPU: built into torch, and an Ampere or newer card (sm80+)."""
+    """Flash attention runs on this GPU: built into torch, and an Ampere or newer card (sm80+). Not memoized: a
+    `functools.cache` wrapper makes torch.compile warn at every trace (it traces through it), and both queries are
+    cached by torch itself."""
     built = torch.backends.cuda.is_flash_attention_available()
     return built and torch.cuda.get_device_capability(device_index) >= (8, 0)
 
@@ -179,28 +179,36 @@ def _varlen_attn() -> Callable | None:
     return varlen_attn
 
 
-@functools.cache
+# Resolved once at import: binding reads `varlen_attn`'s signature (~50 us), too slow for every call, and
+# torch.compile warns when it traces through a memoizing wrapper; with the keywords known, a binding is a closure.
+_VARLEN_ATTN = _varlen_attn()
+_VARLEN_KEYWORDS = frozenset(inspect.signature(_VARLEN_ATTN).parameters) if _VARLEN_ATTN is not None else frozenset()
+
+
 def _flash_varlen_kernel() -> Callable | None:
     """torch's `varlen_attn` bound by `bind_varlen` (causal), or None on a torch without it."""
-    varlen_attn = _varlen_attn()
-    return None if varlen_attn is None else bind_varlen(varlen_attn)
+    return _flash_window_kernel(None)
 
 
-@functools.cache
-def _flash_window_kernel(window: int) -> Callable | None:
-    """`_flash_varlen_kernel` within a sliding window, or None on a torch whose `varlen_attn` takes no window."""
-    varlen_attn = _varlen_attn()
-    return None if varlen_attn is None else bind_varlen(varlen_attn, window=window)
+def _flash_window_kernel(window: int | None) -> Callable | None:
+    """`_flash_varlen_kernel` within a sliding window (None: none), or None on a torch whose `varlen_attn` takes no
+    window."""
+    if _VARLEN_ATTN is None:
+        return None
+    return bind_varlen(_VARLEN_ATTN, window=window, keywords=_VARLEN_KEYWORDS)
 
 
-def bind_varlen(varlen_attn: Callable, *, window: int | None = None) -> Callable | None:
+def bind_varlen(
+    varlen_attn: Callable, *, window: int | None = None, keywords: frozenset[str] | None = None,
+) -> Callable | None:
     """`(q [T, Hq, D], k, v [T, Hkv, D], cu [N + 1] int32, max_len) -> [T, Hq, D]`: `varlen_attn` as causal attention
     with grouped keys (query head h reads key head h // (Hq / Hkv)), or None if it takes no causal option. Its
     keywords changed between releases: causal is `is_causal=True` in torch 2.10 and `window_size=(-1, 0)` later, and
     grouped keys (`enable_gqa`) arrived after 2.10; without it the key/value heads are repeated for the query heads.
     `window` W: query p reads keys p - W + 1 .. p only, `window_size=(W - 1, 0)` (keys to the left, to the right);
-    None (the caller masks) where `varlen_attn` has no `window_size` (torch 2.10's `is_causal` form)."""
-    params = inspect.signature(varlen_attn).parameters
+    None (the caller masks) where `varlen_attn` has no `window_size` (torch 2.10's `is_causal` form). `keywords`:
+    `varlen_attn`'s parameter names, if already known (else read from its signature)."""
+    params = keywords if keywords is not None else frozenset(inspect.signature(varlen_attn).parameters)
     if "window_size" in params:
         causal = {"window_size": (-1 if window is None else window - 1, 0)}
     elif "is_causal" in params and window is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import warnings
 
 import pytest
 import torch
@@ -364,3 +365,18 @@ def test_windowed_flash_varlen_on_cuda_matches_the_band_mask(window, monkeypatch
             torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * scale)
         if window == 1:
             assert grads[2].abs().max().item() < 1e-4 * scale
+
+
+def test_compiling_a_windowed_attention_warns_of_nothing():
+    """torch.compile traces the flash kernel lookup (on every device: the lookup comes before the device check) without
+    warnings; a memoizing wrapper there made dynamo warn of possible silent incorrectness at every trace."""
+    config = HybridConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=1e4,
+                          mamba_n_heads=2, attention_window=4)
+    attn = Attention(config, layer_idx=0)
+    x = torch.randn(2, 9, 32)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(attn, backend="eager", fullgraph=True)(x)
+    assert [str(w.message) for w in caught if "dynamo" in str(w.message).lower()] == []
+    assert rel_err(out, attn(x)) < TOL
