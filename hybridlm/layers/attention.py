@@ -20,6 +20,8 @@ prefill into an empty cache stores one row per document, right-aligned (`LayerCa
 later queries of a row then skip its `pad` leading slots.
 A window outside the varlen kernel is a banded mask [T, S] (O(T S) memory like the causal one: no kernel skips the
 band's outside); the flash varlen kernel takes it as `window_size=(W - 1, 0)` where this torch has that keyword.
+A prefill piece after a filled cache (rows without left padding) also goes to the varlen kernel, each row a document
+whose queries are its last keys; left-padded rows and decoding steps (one query) are masked.
 The input multiplier (`attention_in_multiplier`) and output multiplier live in the block.
 """
 
@@ -118,15 +120,20 @@ class Attention(nn.Module):
                                     dropout=self.dropout if self.training else 0.0, window=self.window)
             if out is not None:
                 return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
-        elif (self.window is not None and offsets is None and pad is None and k.shape[1] == length
-              and not isinstance(cache, StaticLayerCache)):
-            # Rows with no cache in front (training, a first prefill) under a window: SDPA's causal flag has no band
-            # and a [T, T] mask keeps flash out (16 GiB at T = 128K), so the rows go to the varlen kernel as
-            # documents of T tokens each.
+        elif (offsets is None and pad is None and not isinstance(cache, StaticLayerCache)
+              and (k.shape[1] > length > 1 or (self.window is not None and k.shape[1] == length))):
+            # Rows that SDPA's causal flag cannot express: a window with no cache in front (training, a first
+            # prefill; a [T, T] band mask keeps flash out, 16 GiB at T = 128K), or a prefill piece after a filled
+            # cache (the flag aligns causality to the first key, not the last; a [T, S] mask). The varlen kernel
+            # takes each row as a document whose T queries are its last T key slots: flash aligns causal attention
+            # and the window to the end of the keys, so query i reads slot S - T + i and the W - 1 before it.
+            keys = k.shape[1]  # S = past + T
             rows = torch.arange(0, (batch + 1) * length, length, device=hidden.device)  # [B + 1]
-            out = _varlen_attention(*(t.reshape(1, batch * length, *t.shape[2:]) for t in (q, k, v)), rows,
-                                    max_len=length, dropout=self.dropout if self.training else 0.0,
-                                    window=self.window)
+            key_rows = rows if keys == length else torch.arange(0, (batch + 1) * keys, keys, device=hidden.device)
+            out = _varlen_attention(q.reshape(1, batch * length, *q.shape[2:]),
+                                    *(t.reshape(1, batch * keys, *t.shape[2:]) for t in (k, v)), rows,
+                                    max_len=length, key_offsets=key_rows, max_key_len=keys,
+                                    dropout=self.dropout if self.training else 0.0, window=self.window)
             if out is not None:
                 return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
         if isinstance(cache, StaticLayerCache):
@@ -149,17 +156,22 @@ class Attention(nn.Module):
 
 def _varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, *, max_len: int, dropout: float,
-    window: int | None = None,
+    window: int | None = None, key_offsets: torch.Tensor | None = None, max_key_len: int | None = None,
 ) -> torch.Tensor | None:
     """Causal attention (within `window`, if given) inside each packed document with flash attention's varlen kernel:
-    q [1, T, Hq, D], k, v [1, T, Hkv, D], offsets [N + 1] on the device -> [T, Hq, D]; None where the kernel does not
+    q [1, T, Hq, D], k, v [1, S, Hkv, D], offsets [N + 1] on the device -> [T, Hq, D]; None where the kernel does not
     apply (the caller then masks): no varlen_attn in this torch (or, with a window, none that takes one), not CUDA,
-    not 16-bit, dropout, a head dim flash does not take, a GPU or a build without flash attention."""
+    not 16-bit, dropout, a head dim flash does not take, a GPU or a build without flash attention. `key_offsets`
+    (default `offsets`) and `max_key_len`: documents with more keys than queries, whose queries are their last keys
+    (flash aligns the causal mask and the window to the end of each document's keys)."""
     kernel = _flash_varlen_kernel() if window is None else _flash_window_kernel(window)
     if (kernel is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or dropout > 0
             or q.shape[-1] % 8 or q.shape[-1] > 256 or not _has_flash(q.device.index)):
         return None
-    return kernel(q[0], k[0], v[0], offsets.to(torch.int32), max_len)
+    offsets = offsets.to(torch.int32)
+    if key_offsets is None:
+        return kernel(q[0], k[0], v[0], offsets, max_len)
+    return kernel(q[0], k[0], v[0], offsets, max_len, key_offsets.to(torch.int32), max_key_len)
 
 
 def _has_flash(device_index: int | None) -> bool:
@@ -201,8 +213,9 @@ def _flash_window_kernel(window: int | None) -> Callable | None:
 def bind_varlen(
     varlen_attn: Callable, *, window: int | None = None, keywords: frozenset[str] | None = None,
 ) -> Callable | None:
-    """`(q [T, Hq, D], k, v [T, Hkv, D], cu [N + 1] int32, max_len) -> [T, Hq, D]`: `varlen_attn` as causal attention
-    with grouped keys (query head h reads key head h // (Hq / Hkv)), or None if it takes no causal option. Its
+    """`(q [T, Hq, D], k, v [S, Hkv, D], cu [N + 1] int32, max_len, cu_k = cu, max_len_k = max_len) -> [T, Hq, D]`:
+    `varlen_attn` as causal attention with grouped keys (query head h reads key head h // (Hq / Hkv)), or None if it
+    takes no causal option (a document with more keys than queries: its queries are its last keys). Its
     keywords changed between releases: causal is `is_causal=True` in torch 2.10 and `window_size=(-1, 0)` later, and
     grouped keys (`enable_gqa`) arrived after 2.10; without it the key/value heads are repeated for the query heads.
     `window` W: query p reads keys p - W + 1 .. p only, `window_size=(W - 1, 0)` (keys to the left, to the right);
@@ -217,12 +230,13 @@ def bind_varlen(
         return None
     native_gqa = "enable_gqa" in params
 
-    def attend(q, k, v, cu, max_len):
+    def attend(q, k, v, cu, max_len, cu_k=None, max_len_k=None):
         groups = q.shape[1] // k.shape[1]
         if groups > 1 and not native_gqa:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         extra = {"enable_gqa": True} if groups > 1 and native_gqa else {}
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **causal, **extra)
+        cu_k, max_len_k = (cu, max_len) if cu_k is None else (cu_k, max_len_k)
+        return varlen_attn(q, k, v, cu, cu_k, max_len, max_len_k, **causal, **extra)
 
     return attend
 

@@ -302,6 +302,28 @@ def test_bind_varlen_passes_the_window(window):
     assert (bind_varlen(_torch_2_10_varlen, window=window) is None) == (window is not None)
 
 
+def recording_varlen(calls: list):
+    """A stand-in for `_varlen_attention` on the CPU that records its documents and computes each by the per-query
+    rule, its queries being the document's last keys: query i of n reads key slots up to S - n + i (and, with a
+    window, the W - 1 before it), the alignment of flash's causal mask when a document has more keys than queries."""
+
+    def stand_in(q, k, v, offsets, *, max_len, dropout, window, key_offsets=None, max_key_len=None):
+        key_offsets = offsets if key_offsets is None else key_offsets
+        calls.append((offsets.tolist(), key_offsets.tolist(), max_len, max_key_len, window))
+        groups = q.shape[2] // k.shape[2]
+        out = torch.empty_like(q[0])
+        for (qa, qb), (ka, kb) in zip(zip(offsets[:-1].tolist(), offsets[1:].tolist()),
+                                      zip(key_offsets[:-1].tolist(), key_offsets[1:].tolist())):
+            qd = q[0, qa:qb].transpose(0, 1)  # [H, n, D]
+            kd, vd = (t[0, ka:kb].transpose(0, 1).repeat_interleave(groups, 0) for t in (k, v))  # [H, S, D]
+            back = torch.arange(kb - ka - (qb - qa), kb - ka)[:, None] - torch.arange(kb - ka)[None, :]
+            allowed = (back >= 0) & (back < window) if window is not None else back >= 0
+            out[qa:qb] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=allowed).transpose(0, 1)
+        return out
+
+    return stand_in
+
+
 @pytest.mark.parametrize("with_cache", [False, True], ids=["training", "first-prefill"])
 def test_windowed_rows_go_to_the_varlen_kernel_as_one_document_each(with_cache, monkeypatch):
     """Rows with no cache in front are handed to the varlen kernel (where it runs: CUDA, 16-bit) as documents of T
@@ -312,23 +334,34 @@ def test_windowed_rows_go_to_the_varlen_kernel_as_one_document_each(with_cache, 
     window, x = 3, inputs(3, T, seed=5)
     attn = make_attention(window)
     calls = []
-
-    def stand_in(q, k, v, offsets, *, max_len, dropout, window):
-        calls.append((offsets.tolist(), max_len, window, q.shape))
-        groups = q.shape[2] // k.shape[2]
-        out = torch.empty_like(q[0])
-        for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-            qd, kd, vd = (t[0, start:end].transpose(0, 1) for t in (q, k, v))  # [H, n, D]
-            kd, vd = kd.repeat_interleave(groups, 0), vd.repeat_interleave(groups, 0)
-            back = torch.arange(end - start)[:, None] - torch.arange(end - start)[None, :]
-            out[start:end] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=(back >= 0) & (back < window)
-                                                            ).transpose(0, 1)
-        return out
-
-    monkeypatch.setattr(attention, "_varlen_attention", stand_in)
+    monkeypatch.setattr(attention, "_varlen_attention", recording_varlen(calls))
     got = attn(x, cache=LayerCache() if with_cache else None)
-    assert calls == [([0, T, 2 * T, 3 * T], T, window, torch.Size([1, 3 * T, 6, 8]))]
+    rows = [0, T, 2 * T, 3 * T]
+    assert calls == [(rows, rows, T, T, window)]
     assert rel_err(got, reference(attn, x, window)) < TOL
+
+
+@pytest.mark.parametrize("window", [None, 3, 6, T + 5], ids=lambda w: f"W{w}")
+def test_prefill_pieces_after_a_filled_cache_go_to_the_varlen_kernel(window, monkeypatch):
+    """A prefill piece after a filled cache: each row a document whose queries are its last keys (flash aligns the
+    causal mask and the window to the end of the keys), not a [T, S] mask. Pieces of 4, 5, 3 and 1 tokens through the
+    stand-in kernel equal the per-query loop over the whole sequence; the kernel saw each row's S cached + new keys
+    (at W = 3 the third piece finds the cache trimmed to its last W - 1 = 2 slots), and the decoding step (one
+    query) was masked, not sent to it."""
+    import hybridlm.layers.attention as attention
+
+    x = inputs(2, 13, seed=6)
+    attn = make_attention(window)
+    calls = []
+    monkeypatch.setattr(attention, "_varlen_attention", recording_varlen(calls))
+    cache = LayerCache()
+    with torch.no_grad():
+        got = torch.cat([attn(x[:, a:b], cache=cache) for a, b in ((0, 4), (4, 9), (9, 12), (12, 13))], dim=1)
+    assert rel_err(got, reference(attn, x, window)) < TOL
+    first = [([0, 4, 8], [0, 4, 8], 4, 4, window)] if window is not None else []  # else SDPA's causal flag
+    third_keys = 2 + 3 if window == 3 else 12
+    assert calls == first + [([0, 5, 10], [0, 9, 18], 5, 9, window),
+                             ([0, 3, 6], [0, third_keys, 2 * third_keys], 3, third_keys, window)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (flash attention's varlen kernel)")
@@ -380,3 +413,41 @@ def test_compiling_a_windowed_attention_warns_of_nothing():
         out = torch.compile(attn, backend="eager", fullgraph=True)(x)
     assert [str(w.message) for w in caught if "dynamo" in str(w.message).lower()] == []
     assert rel_err(out, attn(x)) < TOL
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (flash attention's varlen kernel)")
+@pytest.mark.parametrize("window", [None, 64])
+def test_prefill_pieces_on_cuda_match_the_mask(window, monkeypatch):
+    """bf16 on CUDA: a prompt prefilled in pieces of 100, 130 and 70 tokens, the later pieces through flash's varlen
+    kernel with more keys than queries (the causal mask and the window aligned to the end of each row's keys: this
+    pins that on the real kernel), gives the masked path's outputs and the one-call forward's."""
+    import hybridlm.layers.attention as attention
+
+    torch.manual_seed(0)
+    config = HybridConfig(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=1e4,
+                          mamba_n_heads=4, attention_window=window)
+    attn = Attention(config, layer_idx=0).cuda().to(torch.bfloat16)
+    x = torch.randn(2, 300, 96, device="cuda", dtype=torch.bfloat16)
+    cuts = (0, 100, 230, 300)
+
+    def pieces():
+        cache = LayerCache()
+        with torch.no_grad():
+            return torch.cat([attn(x[:, a:b], cache=cache) for a, b in zip(cuts[:-1], cuts[1:])], dim=1)
+
+    real, ran = attention._varlen_attention, []
+
+    def watched(*args, **kwargs):
+        out = real(*args, **kwargs)
+        ran.append(out is not None and (kwargs.get("max_key_len") or 0) > kwargs["max_len"])
+        return out
+
+    monkeypatch.setattr(attention, "_varlen_attention", watched)
+    flash = pieces()
+    assert sum(ran) == 2, "the later pieces did not run flash's varlen kernel"
+    monkeypatch.setattr(attention, "_varlen_attention", lambda *a, **k: None)
+    masked = pieces()
+    with torch.no_grad():
+        whole = attn(x)
+    torch.testing.assert_close(flash, masked, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(flash, whole, rtol=2e-2, atol=2e-2)
