@@ -27,6 +27,7 @@ from typing import Any
 from hybridlm.ops.fast_weight import RULES, SLIDING_RULES
 
 SSM_MIXERS = ("mamba2", "fast_weight", "none")
+MAMBA_INITS = ("falcon_h1", "mamba2")
 BLOCK_ARRANGEMENTS = ("SA_M", "SAM", "S_A_M")
 FW_PAIRINGS = ("shifted", "same_step")
 FW_STEP_SIZES = ("nlms", "direct")
@@ -94,6 +95,12 @@ class HybridConfig:
     # instead of the whole context, so a hybrid's memory per sequence is constant (the SSM half carries the long
     # range), as Samba-style hybrids do. Falcon-H1 has no such option: such a model does not export to falcon_h1.
     attention_window: int | None = None
+    # How a new model's Mamba-2 mixers start (loaded weights replace it): "falcon_h1", Falcon-H1's release (A = -(1, 2,
+    # ..., H), dt_bias = 1: dt = softplus(1) = 1.31 in every head, a state that keeps e^-1.31 = 27% per step in its
+    # slowest head and e^-(1.31 H) in its fastest); "mamba2", Mamba-2's reference init (mamba_ssm, transformers'
+    # Mamba2): A = -U[1, 16] per head, dt log-uniform in [1e-3, 1e-1], dt_bias = softplus^-1(dt), so the heads start
+    # with memories from ~10 to ~10^4 tokens. Both set D = 1. Only initialisation reads it (falcon_h1 exports it away).
+    mamba_init: str = "falcon_h1"
     # --- fast-weight SSM channels (read by hybridlm.layers.fast_weight) ---
     fw_rule: str = "1"
     fw_window: int = 1
@@ -139,6 +146,7 @@ class HybridConfig:
         _require_choice("hidden_act", self.hidden_act, ("silu",))
         _require_choice("ssm_mixer", self.ssm_mixer, SSM_MIXERS)
         _require_choice("block_arrangement", self.block_arrangement, BLOCK_ARRANGEMENTS)
+        _require_choice("mamba_init", self.mamba_init, MAMBA_INITS)
         _require_bool("use_attention", self.use_attention)
         if not self.use_attention and self.ssm_mixer == "none":
             raise ValueError("use_attention=False with ssm_mixer='none' leaves no sequence mixer; enable one of them")

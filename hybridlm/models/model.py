@@ -18,6 +18,7 @@ Notable features:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -71,11 +72,16 @@ class HybridPreTrainedModel(PreTrainedModel):
             if module.bias is not None:
                 init.uniform_(module.bias, -bound, bound)
         elif isinstance(module, Mamba2Mixer):
-            # Falcon-H1's init: A = -(1, 2, ..., H), D = 1, dt_bias = 1.
-            heads = torch.arange(1, module.num_heads + 1, dtype=torch.float32, device=module.A_log.device)
-            init.copy_(module.A_log, torch.log(heads))
             init.ones_(module.D)
-            init.ones_(module.dt_bias)
+            if self.config.mamba_init == "mamba2":  # Mamba-2's reference init (HybridConfig.mamba_init)
+                # (init.* leave loaded weights alone: the values are drawn aside, then copied through init.copy_)
+                init.copy_(module.A_log, torch.log(torch.empty_like(module.A_log).uniform_(1.0, 16.0)))
+                dt = torch.exp(torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)))
+                init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+            else:  # Falcon-H1's: A = -(1, 2, ..., H), dt_bias = 1
+                heads = torch.arange(1, module.num_heads + 1, dtype=torch.float32, device=module.A_log.device)
+                init.copy_(module.A_log, torch.log(heads))
+                init.ones_(module.dt_bias)
         elif isinstance(module, FastWeightMixer):
             # The mixer's gate init (hybridlm.layers.fast_weight): beta near 1, lam spread over the heads.
             init.zeros_(module.beta_bias)
