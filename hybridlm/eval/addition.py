@@ -300,7 +300,8 @@ class AdditionRecipe(TrainRecipe):
 def check_recipe(recipe: AdditionRecipe) -> None:
     """Clear errors, before any training, for recipes that cannot run or cannot be evaluated."""
     if not 1 <= recipe.min_width <= recipe.train_max_width < recipe.eval_max_width:
-        raise ValueError("need 1 <= min_width <= train_max_width < eval_max_width")
+        raise ValueError(f"need 1 <= min_width ({recipe.min_width}) <= --train-max-width ({recipe.train_max_width}) "
+                         f"< --eval-max-width ({recipe.eval_max_width})")
     if recipe.curriculum_steps >= recipe.steps > 1:
         raise ValueError(f"the width curriculum ({recipe.curriculum_steps} steps) must end before training does "
                          f"({recipe.steps} steps), or the model never sees the widest operands; lower "

@@ -29,7 +29,7 @@ compare with: attention's share matters most and 1/8 is best; SA_M is best at (2
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -124,6 +124,30 @@ def check_recipe(recipe: AllocationRecipe, points: Sequence[tuple[str, tuple[int
     ssm_fields(recipe.ssm)
     for arrangement, point in points:  # a config only (no weights): milliseconds for the whole sweep
         recipe.config(arrangement, point, vocab_size=256)
+
+
+def check_data(recipe: AllocationRecipe) -> None:
+    """Clear errors, before anything is written, for data options that cannot work: a --data / --val-data dir
+    that is not a prepared dataset, a stdlib --data-bytes too small for a held-out file. (A machine without the
+    standard library's sources fails later, in `prepare_stdlib`: not an option's fault.)"""
+    if recipe.data == "shards":
+        from hybridlm.data.errors import DataError
+        from hybridlm.data.shards import load_manifest
+
+        for flag, directory in (("--data", recipe.data_dir), ("--val-data", recipe.val_dir)):
+            try:
+                load_manifest(directory)
+            except DataError as err:
+                raise ValueError(f"{flag}: {err}") from None
+    elif recipe.data == "stdlib":
+        from hybridlm.training.demo import demo_sources
+
+        try:
+            demo_sources(recipe.data_bytes)
+        except FileNotFoundError:
+            return
+        except ValueError as err:  # too few files for a held-out one
+            raise ValueError(f"--data-bytes: {err}") from None
 
 
 def prepare_stdlib(recipe: AllocationRecipe, directory: Path) -> dict[str, str]:
@@ -252,26 +276,19 @@ def bench_allocation(points: Sequence[tuple[str, tuple[int, int, int]]], seeds: 
     """Train every (arrangement, allocation) with every seed and write the report; `run_options` go to
     `bench.run_jobs` (devices, per_device, time_budget). Finished runs in out_dir/runs are reused. The
     stdlib corpus is prepared in `data_cache` (default out_dir/stdlib_data)."""
-    from hybridlm.data.errors import DataError
-    from hybridlm.data.shards import load_manifest
     from hybridlm.eval import bench
 
     check_recipe(recipe, points)  # before any run starts: one clear error, not one per run
-    if recipe.data == "shards":
-        for flag, directory in (("--data", recipe.data_dir), ("--val-data", recipe.val_dir)):
-            try:
-                load_manifest(directory)
-            except DataError as err:
-                raise ValueError(f"{flag}: {err}") from None
+    check_data(recipe)
+    jobs = [bench.Job(bench.safe_key(a, "".join(map(str, p)), f"seed{s}"), RUNNER,
+                      {"task": "allocation", "arrangement": a, "alphas": list(p), "seed": s,
+                       "recipe": recipe.to_dict()}, resumable=True)
+            for a, p in points for s in seeds]
+    bench.refuse_other_recipes(out_dir, jobs)  # before the corpus is prepared in out_dir
     # the stdlib corpus is prepared once, here; runs get its paths outside their spec
     if recipe.data == "stdlib":
         context = prepare_stdlib(recipe, Path(data_cache) if data_cache else Path(out_dir) / "stdlib_data")
-    else:
-        context = {}
-    jobs = [bench.Job(bench.safe_key(a, "".join(map(str, p)), f"seed{s}"), RUNNER,
-                      {"task": "allocation", "arrangement": a, "alphas": list(p), "seed": s,
-                       "recipe": recipe.to_dict()}, context, resumable=True)
-            for a, p in points for s in seeds]
+        jobs = [replace(job, context=context) for job in jobs]
     runs = bench.run_jobs(jobs, out_dir, echo=echo, **run_options)
     groups = {(a, p): [runs[j.key] for j in jobs if j.spec["arrangement"] == a and tuple(j.spec["alphas"]) == p
                        and j.key in runs] for a, p in points}

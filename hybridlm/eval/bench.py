@@ -137,6 +137,18 @@ def load_run(out_dir: Path, job: Job) -> dict | None:
     return stored["result"] if stored.get("spec") == job.spec else None
 
 
+class RunConflict(ValueError):
+    """A finished run of another spec (another recipe in the same --out) is stored under a job's key: running would
+    overwrite it. A usage error: another --out (or moving the file away) is the way out."""
+
+
+def refuse_other_recipes(out_dir: str | Path, jobs: Sequence[Job]) -> None:
+    """`RunConflict` when a job's key holds a finished run of another spec (`run_jobs` checks it too; a caller
+    that writes in out_dir before `run_jobs`, e.g. a corpus, checks first). Writes nothing."""
+    for job in jobs:
+        _refuse_another_specs_run(Path(out_dir), job)
+
+
 def _refuse_another_specs_run(out_dir: Path, job: Job) -> None:
     """A finished run stored under the job's key for another spec (another recipe in the same --out) is never
     overwritten: running would lose it."""
@@ -148,7 +160,7 @@ def _refuse_another_specs_run(out_dir: Path, job: Job) -> None:
     spec = stored.get("spec") if isinstance(stored, dict) else None
     if isinstance(spec, dict) and spec != job.spec:
         changed = sorted(_differences(spec, job.spec))
-        raise ValueError(
+        raise RunConflict(
             f"{path} holds a finished run of another recipe (differs in {', '.join(changed)}); write this one to "
             "another --out, or move that file away to replace it"
         )
@@ -314,13 +326,12 @@ def run_jobs(
     SIGTERM / SIGINT (handled while this runs) and the end of `time_budget` start no further run and stop
     the resumable runs in progress at their next update, saving their checkpoints."""
     out_dir = Path(out_dir)
-    (out_dir / RUNS).mkdir(parents=True, exist_ok=True)
     if len({j.key for j in jobs}) != len(jobs):
         raise ValueError("job keys must be unique")
+    refuse_other_recipes(out_dir, jobs)
+    (out_dir / RUNS).mkdir(parents=True, exist_ok=True)
     results = JobResults()
     todo: list[Job] = []
-    for job in jobs:
-        _refuse_another_specs_run(out_dir, job)
     for job in jobs:
         stored = load_run(out_dir, job)
         if stored is not None:

@@ -11,9 +11,11 @@ stopped half way by SIGTERM, SIGINT or the time budget saved a checkpoint in OUT
 from it) and take `--device cuda` (every GPU), `--per-device K` (runs side by side on each device) and
 `--time-budget SECONDS` (stop there, checkpointing the runs in progress; run the same command again to
 continue).
-Exit status: 0 done, 1 a bad input (message on stderr) or a failed run, 2 a usage error (bench: also a recipe value
-that cannot train, e.g. --lr -1, found before any run starts), 75 (bench: runs stopped or not started, by a signal
-or --time-budget; the same command continues them). See hybridlm/eval/README.md.
+Exit status: 0 done, 1 a bad input (message on stderr) or a failed run, 2 a usage error (bench: any bad argument,
+e.g. an unknown model, a GPU this machine lacks, --seeds 0 or a recipe value that cannot train such as --lr -1, and
+another recipe's finished run in --out; all found before any run starts or anything is written to --out), 75
+(bench: runs stopped or not started, by a signal or --time-budget; the same command continues them). See
+hybridlm/eval/README.md.
 """
 
 from __future__ import annotations
@@ -179,40 +181,51 @@ def _devices(args: argparse.Namespace) -> list[str]:
     return parse_devices(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def _recipe_problem(check, *args) -> str | None:
-    """A bench's recipe check run up front (a bad value, e.g. `--lr -1`, is a usage error before any run starts,
-    instead of failing every run with the cause only in its log): its message, or None."""
-    try:
-        check(*args)
-    except ValueError as err:
-        return str(err)
-    return None
-
-
 def _fail(message: str, status: int = 1) -> int:
     print(f"error: {message}", file=sys.stderr)
     return status
 
 
 def _run_options(args: argparse.Namespace) -> dict:
-    if args.seeds < 1 or args.per_device < 1:
-        raise ValueError("--seeds and --per-device must be >= 1")
+    """The options every bench shares, checked (ValueError naming the option): run_jobs' keywords."""
+    for flag, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--per-device", args.per_device)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.time_budget is not None and not args.time_budget > 0:  # NaN too: it would never stop anything
+        raise ValueError(f"--time-budget must be a number of seconds > 0, got {args.time_budget}")
     return {"devices": _devices(args), "per_device": args.per_device, "time_budget": args.time_budget}
 
+
+def _run_bench(bench, *args, **kwargs) -> int:
+    """Run a bench whose arguments were checked: its exit status; 2 when --out holds another recipe's finished run,
+    1 when it stops on another problem (e.g. the stdlib corpus cannot be prepared here)."""
+    from hybridlm.eval.bench import RunConflict
+
+    try:
+        report = bench(*args, **kwargs)
+    except RunConflict as err:  # found before any run starts or anything is written: the same as a bad argument
+        return _fail(str(err), status=2)
+    except ValueError as err:
+        return _fail(str(err))
+    return report["exit_status"]
+
+
+# Each bench checks every argument before any run starts or anything is written to --out: a bad one (an unknown
+# model, a device this machine lacks, --seeds 0, a recipe value that cannot train, e.g. --lr -1) is a usage error,
+# exit status 2 with one line naming the option, instead of a failed run with the cause only in its log.
 
 def _bench_addition(args: argparse.Namespace) -> int:
     from hybridlm.eval.addition import AdditionRecipe, bench_addition, check_recipe
     from hybridlm.eval.models import parse_model_list
 
     try:
+        run_options = _run_options(args)
         models = parse_model_list(args.models)
         recipe = _recipe(AdditionRecipe, args)
-        if problem := _recipe_problem(check_recipe, recipe):
-            return _fail(problem, status=2)
-        report = bench_addition(models, list(range(args.seeds)), recipe, args.out, **_run_options(args))
+        check_recipe(recipe)
     except ValueError as err:
-        return _fail(str(err))
-    return report["exit_status"]
+        return _fail(str(err), status=2)
+    return _run_bench(bench_addition, models, list(range(args.seeds)), recipe, args.out, **run_options)
 
 
 def _bench_recall(args: argparse.Namespace) -> int:
@@ -220,6 +233,7 @@ def _bench_recall(args: argparse.Namespace) -> int:
     from hybridlm.eval.recall import RecallRecipe, bench_recall, check_recipe
 
     try:
+        run_options = _run_options(args)
         models = parse_model_list(args.models)
         tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip()) if args.tasks else None
         try:
@@ -227,24 +241,24 @@ def _bench_recall(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--eval-lens {args.eval_lens!r}: a comma-separated list of integers") from None
         recipe = _recipe(RecallRecipe, args, tasks=tasks, eval_lens=lens)
-        if problem := _recipe_problem(check_recipe, recipe, recipe.task_params()):
-            return _fail(problem, status=2)
-        report = bench_recall(models, list(range(args.seeds)), recipe, args.out, **_run_options(args))
+        check_recipe(recipe, recipe.task_params())
     except ValueError as err:
-        return _fail(str(err))
-    return report["exit_status"]
+        return _fail(str(err), status=2)
+    return _run_bench(bench_recall, models, list(range(args.seeds)), recipe, args.out, **run_options)
 
 
 def _bench_allocation(args: argparse.Namespace) -> int:
     from hybridlm.eval.allocation import (
         AllocationRecipe,
         bench_allocation,
+        check_data,
         check_recipe,
         parse_points,
         sweep_points,
     )
 
     try:
+        run_options = _run_options(args)
         named = args.data in ("stdlib", "synthetic")
         if named == (args.val_data is not None):
             raise ValueError("--val-data goes with --data DIR (prepared training and held-out shards), and only there")
@@ -256,13 +270,12 @@ def _bench_allocation(args: argparse.Namespace) -> int:
             raise ValueError("no allocation left to run (check --points against --arrangements)")
         recipe = _recipe(AllocationRecipe, args, data=args.data if named else "shards",
                          data_dir=None if named else args.data, val_dir=args.val_data)
-        if problem := _recipe_problem(check_recipe, recipe, points):
-            return _fail(problem, status=2)
-        report = bench_allocation(points, list(range(args.seeds)), recipe, args.out, data_cache=args.data_cache,
-                                  **_run_options(args))
+        check_recipe(recipe, points)
+        check_data(recipe)
     except ValueError as err:
-        return _fail(str(err))
-    return report["exit_status"]
+        return _fail(str(err), status=2)
+    return _run_bench(bench_allocation, points, list(range(args.seeds)), recipe, args.out,
+                      data_cache=args.data_cache, **run_options)
 
 
 @contextlib.contextmanager

@@ -79,6 +79,8 @@ def ssm_fields(name: str) -> dict[str, Any]:
     for option in filter(None, match["opts"].split("-")):
         if re.fullmatch(r"w\d+", option):
             fields["fw_window"] = int(option[1:])
+            if fields["fw_window"] < 1:
+                raise ValueError(f"model {name!r}: the window of -w<B> must be >= 1, got {option!r}")
         elif option in ("same", "shifted"):
             fields["fw_pairing"] = "same_step" if option == "same" else "shifted"
         elif option in ("eta", "nlms"):
@@ -140,12 +142,18 @@ def parameter_count(model) -> int:
 
 
 def parse_model_list(text: str) -> list[str]:
-    """"fw-1A,fw-3A mamba2" -> names (commas or spaces), each checked; duplicates raise."""
+    """"fw-1A,fw-3A mamba2" -> names (commas or spaces), each checked; duplicates raise (also "hybrid:X" with
+    "hybrid-X": one model, whose runs would share their names)."""
     names = [n for n in re.split(r"[,\s]+", text.strip()) if n]
     if not names:
-        raise ValueError("the model list is empty")
+        raise ValueError("the model list is empty; give --models names, e.g. fw-3A,transformer")
     for n in names:
         model_fields(n)
-    if len(set(names)) != len(names):
-        raise ValueError(f"the model list repeats a name: {names}")
+    seen: dict[str, str] = {}  # "hybrid-X" -> the name as written
+    for n in names:
+        key = n.replace("hybrid:", "hybrid-", 1)
+        if key in seen:
+            twice = n if seen[key] == n else f"{seen[key]} and {n} (one model)"
+            raise ValueError(f"the model list repeats a name: {twice}; give each model once")
+        seen[key] = n
     return names

@@ -276,19 +276,33 @@ def training_batch(recipe: RecallRecipe, tasks: RecallTasks, rng: np.random.Gene
     return tasks.for_length(length).batch(task, rng, recipe.batch_size, length, pad_to=recipe.train_max_len)
 
 
+def _check_once(flag: str, what: str, values: Sequence) -> None:
+    """A list option that names an item twice (a task trained twice, an evaluation column twice): a ValueError."""
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise ValueError(f"{flag} repeats a {what}: {', '.join(map(str, repeated))}; give each once")
+
+
 def check_recipe(recipe: RecallRecipe, tasks: RecallTasks) -> None:
     """Clear errors for recipes that cannot run: unknown tasks, lengths too short for a task, a curriculum that
     would not end before training does, evaluation lengths and counts that cannot be evaluated."""
+    if not recipe.tasks:
+        raise ValueError(f"--tasks names no task; give some of {','.join(TASKS)}, comma-separated")
     for task in recipe.tasks:
         if task not in TASKS:
             raise ValueError(f"unknown recall task {task!r}; choose from {TASKS}")
+    _check_once("--tasks", "task", recipe.tasks)
+    if not recipe.eval_lens:
+        raise ValueError("--eval-lens names no length; give context lengths, comma-separated, e.g. 512,1024")
+    _check_once("--eval-lens", "length", recipe.eval_lens)
     for name, task in (("mqar_pairs", "mqar"), ("needles", "multi_needle")):  # each needs that many distinct keys
         n = getattr(recipe, name)
         if task in recipe.tasks and not 1 <= n <= tasks.vocab.keys:
             raise ValueError(f"--{name.replace('_', '-')} must be between 1 and {tasks.vocab.keys} (the distinct keys "
                              f"of the vocabulary), got {n}")
     if not 1 <= recipe.train_min_len <= recipe.train_max_len:
-        raise ValueError(f"need 1 <= train_min_len ({recipe.train_min_len}) <= train_max_len ({recipe.train_max_len})")
+        raise ValueError(f"need 1 <= --train-min-len ({recipe.train_min_len}) <= --train-max-len "
+                         f"({recipe.train_max_len})")
     shortest = max(tasks.shortest(t) for t in recipe.tasks)
     first = recipe.lengths_at(0)[0]
     if first < shortest:

@@ -81,6 +81,16 @@ def stdlib_sources(max_bytes: int, root: Path | None = None) -> list[Path]:
     return out
 
 
+def demo_sources(max_bytes: int, *, heldout_every: int = 20, root: Path | None = None) -> list[Path]:
+    """The files of a demo corpus of `max_bytes` (`stdlib_sources`), checked without reading or writing any:
+    ValueError when they are too few for one held-out file per `heldout_every`."""
+    files = stdlib_sources(max_bytes, root)
+    if len(files) < heldout_every:  # every heldout_every-th file is held out: none would be
+        raise ValueError(f"the demo corpus's {max_bytes:,} bytes hold {len(files)} files, fewer than one held-out "
+                         f"file per {heldout_every}: raise the byte limit")
+    return files
+
+
 def _byte_symbols() -> list[str]:
     """The character the ByteLevel pre-tokenizer uses for each byte 0..255 (printable Latin-1 bytes map to
     themselves, the other 68 to U+0100 onwards, in byte order)."""
@@ -136,10 +146,7 @@ def prepare_demo(
 
     directory = Path(directory)
     root = stdlib_root() if root is None else Path(root)
-    files = stdlib_sources(max_bytes, root)
-    if len(files) < heldout_every:  # every heldout_every-th file is held out: none would be
-        raise ValueError(f"the demo corpus's {max_bytes:,} bytes hold {len(files)} files, fewer than one held-out "
-                         f"file per {heldout_every}: raise the byte limit")
+    files = demo_sources(max_bytes, heldout_every=heldout_every, root=root)
     tok_dir, text_dir = directory / "tokenizer", directory / "text"
     tok_dir.mkdir(parents=True, exist_ok=True)
     text_dir.mkdir(parents=True, exist_ok=True)

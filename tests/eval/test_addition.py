@@ -113,7 +113,7 @@ _FAST = dict(steps=2, warmup=1, batch_size=2, curriculum_steps=0, eval_per_width
     (dict(val_per_width=0), "--val-per-width must be >= 1"),
     (dict(batch_size=0), "--batch-size must be >= 1"),
     (dict(size="bogus"), "unknown size 'bogus'"),
-    (dict(train_max_width=48), "train_max_width < eval_max_width"),
+    (dict(train_max_width=48), r"--train-max-width \(48\) < --eval-max-width \(48\)"),
     (dict(_FAST, lr=-1.0), "--lr must be a finite number > 0"),
     (dict(_FAST, weight_decay=-0.1), "--weight-decay must be a finite number >= 0"),
     (dict(_FAST, warmup=2), r"--warmup must be >= 0 and below --steps \(2\)"),

@@ -116,14 +116,33 @@ def test_bench_allocation_on_the_stdlib_corpus(tmp_path):
     assert 4.0 < run["result"]["val_loss"] < 6.5  # byte tokens: about ln(259) = 5.56 after two steps
 
 
+# Small settings of each bench (were a check missing, the runs would fail fast or train a few steps of a tiny model).
+TINY = {"addition": ["--models", "fw-1A", "--size", "tiny", "--batch-size", "2", "--eval-per-width", "1",
+                     "--val-per-width", "1"],
+        "recall": ["--models", "fw-1A", "--tasks", "mqar", "--size", "tiny", "--batch-size", "2",
+                   "--train-min-len", "40", "--train-max-len", "48", "--eval-lens", "48", "--eval-count", "1",
+                   "--val-count", "1", "--mqar-pairs", "4"],
+        "allocation": ["--points", "2,1,5", "--arrangements", "SA_M", "--data", "synthetic", "--val-docs", "2",
+                       *SMALL_ALLOCATION]}
+GIVE_A_DEVICE = "; give cpu, cuda or cuda:N"
+
+
+def _assert_usage_error(capsys, message: str) -> None:
+    """One line on stderr, "error: " + `message`; "..." in `message` stands for text of torch's (its wording)."""
+    err = capsys.readouterr().err
+    head, *rest = message.split("...")
+    assert err.startswith(f"error: {head}") and err.count("\n") == 1, err
+    assert not rest or err.endswith(f"{rest[-1]}\n"), err
+
+
 def test_bad_arguments_fail_cleanly(tmp_path, capsys):
-    assert main(["bench", "addition", "--models", "fw-9", "--out", str(tmp_path), "--device", "cpu"]) == 1
+    assert main(["bench", "addition", "--models", "fw-9", "--out", str(tmp_path), "--device", "cpu"]) == 2
     assert "unknown model name" in capsys.readouterr().err
-    assert main(["bench", "allocation", "--points", "4,4,0", "--out", str(tmp_path), "--device", "cpu"]) == 1
+    assert main(["bench", "allocation", "--points", "4,4,0", "--out", str(tmp_path), "--device", "cpu"]) == 2
     capsys.readouterr()
     for args in (["addition", "--models", "fw-1A", "--device", "tpu"], ["recall", "--eval-lens", "64,abc"],
                  ["allocation", "--points", "a,b"]):
-        assert main(["bench", *args, "--out", str(tmp_path / "x")]) == 1
+        assert main(["bench", *args, "--out", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1, err
     assert not (tmp_path / "x").exists()
@@ -151,19 +170,114 @@ def test_bad_arguments_fail_cleanly(tmp_path, capsys):
 ])
 def test_recipe_values_that_cannot_train_are_usage_errors_before_any_run(tmp_path, capsys, bench, options, message):
     """Found up front (exit 2, the option named), not as "1 run(s) failed" with the cause only in a run's log."""
-    tiny = {"addition": ["--models", "fw-1A", "--size", "tiny", "--batch-size", "2", "--eval-per-width", "1",
-                         "--val-per-width", "1"],
-            "recall": ["--models", "fw-1A", "--tasks", "mqar", "--size", "tiny", "--batch-size", "2",
-                       "--train-min-len", "40", "--train-max-len", "48", "--eval-lens", "48", "--eval-count", "1",
-                       "--val-count", "1", "--mqar-pairs", "4"],
-            "allocation": ["--points", "2,1,5", "--arrangements", "SA_M", "--data", "synthetic", "--val-docs", "2",
-                           *SMALL_ALLOCATION]}[bench]  # were the check missing, the runs would fail fast, not train
     steps = [] if "--steps" in options else ["--steps", "3"]
     out = tmp_path / "out"
-    assert main(["bench", bench, *tiny, *steps, "--device", "cpu", "--out", str(out), *options]) == 2
+    assert main(["bench", bench, *TINY[bench], *steps, "--device", "cpu", "--out", str(out), *options]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("bench, options, message", [
+    # model lists
+    ("addition", ["--models", "nope"], "unknown model name 'nope'; use transformer, mamba2, fw-<rule>"),
+    ("recall", ["--models", "fw-9"], "unknown model name 'fw-9'; use transformer, mamba2, fw-<rule>"),
+    ("addition", ["--models", ","], "the model list is empty; give --models names, e.g. fw-3A,transformer"),
+    ("recall", ["--models", " "], "the model list is empty; give --models names, e.g. fw-3A,transformer"),
+    ("addition", ["--models", "fw-1A,fw-1A"], "the model list repeats a name: fw-1A; give each model once"),
+    ("recall", ["--models", "hybrid-mamba2,hybrid:mamba2"],  # one model: their runs' names would collide
+     "the model list repeats a name: hybrid-mamba2 and hybrid:mamba2 (one model); give each model once"),
+    ("addition", ["--models", "fw-1A-xx"], "model 'fw-1A-xx': unknown option 'xx' (w<B>, same, shifted, eta, nlms)"),
+    ("addition", ["--models", "fw-1A-w2"], "model 'fw-1A-w2': a window needs a sliding rule (3 or 3A), not 1A"),
+    ("addition", ["--models", "fw-3A-w0"], "model 'fw-3A-w0': the window of -w<B> must be >= 1, got 'w0'"),
+    ("allocation", ["--ssm", "fw-3A-w0"], "model 'fw-3A-w0': the window of -w<B> must be >= 1, got 'w0'"),
+    # --device
+    ("addition", ["--device", "tpu"], "--device tpu: ..." + GIVE_A_DEVICE),
+    ("recall", ["--device", "cuda:-1"], "--device cuda:-1: ..." + GIVE_A_DEVICE),
+    ("allocation", ["--device", "meta"], "--device meta: torch has no meta device here" + GIVE_A_DEVICE),
+    ("addition", ["--device", ","], "--device ',' names no device; give cpu, cuda or a list cuda:0,cuda:1"),
+    # counts and the time budget
+    ("addition", ["--seeds", "0"], "--seeds must be >= 1, got 0"),
+    ("allocation", ["--seeds", "-1"], "--seeds must be >= 1, got -1"),
+    ("recall", ["--per-device", "0"], "--per-device must be >= 1, got 0"),
+    ("addition", ["--steps", "-5"], "--steps must be >= 1, got -5"),  # not the --curriculum-steps derived from it
+    ("addition", ["--time-budget", "0"], "--time-budget must be a number of seconds > 0, got 0.0"),
+    ("recall", ["--time-budget", "-1"], "--time-budget must be a number of seconds > 0, got -1.0"),
+    ("allocation", ["--time-budget", "nan"], "--time-budget must be a number of seconds > 0, got nan"),
+    # widths and lengths
+    ("addition", ["--train-max-width", "48"],
+     "need 1 <= min_width (1) <= --train-max-width (48) < --eval-max-width (48)"),
+    ("recall", ["--train-min-len", "50"], "need 1 <= --train-min-len (50) <= --train-max-len (48)"),
+    # recall's tasks and lengths
+    ("recall", ["--tasks", ","], "--tasks names no task; give some of mqar,needle,multi_needle, comma-separated"),
+    ("recall", ["--tasks", "mqar,mqar"], "--tasks repeats a task: mqar; give each once"),
+    ("recall", ["--eval-lens", "48,x"], "--eval-lens '48,x': a comma-separated list of integers"),
+    ("recall", ["--eval-lens", ","],
+     "--eval-lens names no length; give context lengths, comma-separated, e.g. 512,1024"),
+    ("recall", ["--eval-lens", "48,48"], "--eval-lens repeats a length: 48; give each once"),
+    # allocation's points and data
+    ("allocation", ["--points", "a,b"], "--points: 'a,b' is not three integers like 2,1,5"),
+    ("allocation", ["--points", "4,4,0"], "allocation '4,4,0' is not on the grid: three eighths >= 1 that sum to 8"),
+    ("allocation", ["--points", ";"], "no allocation left to run (check --points against --arrangements)"),
+    ("allocation", ["--points", "2,2,4", "--arrangements", "SAM"],
+     "no allocation left to run (check --points against --arrangements)"),
+    ("allocation", ["--arrangements", "XX"], "unknown block arrangement 'XX'; choose from ('SA_M', 'SAM', 'S_A_M')"),
+    ("allocation", ["--val-data", "/nonexistent/val"],
+     "--val-data goes with --data DIR (prepared training and held-out shards), and only there"),
+    ("allocation", ["--data", "/nonexistent/train", "--val-data", "/nonexistent/val"],
+     "--data: /nonexistent/train: no manifest.json; not a dataset written by `hybridlm data prepare`"),
+    ("allocation", ["--data", "stdlib", "--data-bytes", "10"],
+     "--data-bytes: the demo corpus's 10 bytes hold 1 files, fewer than one held-out file per 20: raise the byte "
+     "limit"),
+])
+def test_bad_arguments_are_usage_errors_before_any_run(tmp_path, capsys, bench, options, message):
+    """Every bad argument: exit 2 and one line naming it and the way out, before any run starts or --out is written
+    (not exit 1, not a run per model failing with the cause in its log, not a report of nothing)."""
+    out = tmp_path / "out"
+    assert main(["bench", bench, *TINY[bench], "--steps", "3", "--device", "cpu", "--out", str(out), *options]) == 2
+    _assert_usage_error(capsys, message)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("bench", ["addition", "recall", "allocation"])
+@pytest.mark.parametrize("gpus, device, message", [
+    (0, "cuda", "--device cuda, but torch sees no GPU; use --device cpu"),
+    (0, "cuda:7", "--device cuda:7: torch sees 0 GPU(s) here; use --device cpu"),
+    (2, "cuda:7", "--device cuda:7: torch sees 2 GPU(s) here; use cuda:0 to cuda:1, or cuda for all of them"),
+    (1, "cuda:0,cuda:1", "--device cuda:1: torch sees 1 GPU(s) here; use --device cuda:0"),
+])
+def test_devices_this_machine_lacks_are_usage_errors(tmp_path, capsys, monkeypatch, bench, gpus, device, message):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)  # the same answer on any machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    out = tmp_path / "out"
+    assert main(["bench", bench, *TINY[bench], "--steps", "3", "--device", device, "--out", str(out)]) == 2
+    _assert_usage_error(capsys, message)
+    assert not out.exists()
+
+
+def _tree(path) -> dict:
+    return {str(p.relative_to(path)): (p.stat().st_mtime_ns, p.is_file() and p.read_bytes())
+            for p in sorted(path.rglob("*"))}
+
+
+@pytest.mark.parametrize("bench, key, options", [
+    ("addition", "fw-1A_seed0", []),
+    ("recall", "fw-1A_seed0", []),
+    ("allocation", "SA_M_215_seed0", ["--data", "stdlib", "--data-bytes", "1000000"]),  # not prepared in --out first
+])
+def test_another_recipes_finished_run_in_out_is_a_usage_error(tmp_path, capsys, bench, key, options):
+    """A finished run of another recipe where this one's would go: exit 2 before anything is written to --out."""
+    out = tmp_path / "out"
+    (out / "runs").mkdir(parents=True)
+    stored = out / "runs" / f"{key}.json"
+    stored.write_text(json.dumps({"spec": {"task": bench, "seed": 0, "recipe": {"steps": 999}}, "result": {}}))
+    before = _tree(out)
+    assert main(["bench", bench, *TINY[bench], "--steps", "3", "--device", "cpu", "--out", str(out), *options]) == 2
+    _assert_usage_error(capsys, f"{stored} holds a finished run of another recipe (differs in ...); write this one to "
+                                "another --out, or move that file away to replace it")
+    assert _tree(out) == before
 
 
 @pytest.mark.parametrize("bench, example", [("addition", "hybridlm bench addition --models"),

@@ -32,7 +32,8 @@ def test_model_names(name, expected):
     assert describe(name)
 
 
-@pytest.mark.parametrize("name", ["fw-4A", "fw-1A-w3", "fw-1A-fast", "hybrid-transformer", "gpt", "fw-3A-w"])
+@pytest.mark.parametrize("name", ["fw-4A", "fw-1A-w3", "fw-1A-fast", "hybrid-transformer", "gpt", "fw-3A-w",
+                                  "fw-3A-w0", "hybrid-fw-3-w0"])
 def test_bad_model_names_raise(name):
     with pytest.raises(ValueError):
         model_fields(name)
@@ -42,6 +43,9 @@ def test_model_list_parsing():
     assert parse_model_list("fw-1A, fw-3A\nmamba2") == ["fw-1A", "fw-3A", "mamba2"]
     with pytest.raises(ValueError, match="repeats"):
         parse_model_list("fw-1A,fw-1A")
+    with pytest.raises(ValueError, match="repeats a name: hybrid:fw-1A and hybrid-fw-1A"):  # one run name
+        parse_model_list("hybrid:fw-1A hybrid-fw-1A")
+    assert parse_model_list("hybrid:fw-1A,fw-1A") == ["hybrid:fw-1A", "fw-1A"]
 
 
 class _Toy(torch.nn.Module):
