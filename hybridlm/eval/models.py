@@ -6,7 +6,9 @@
 Grammar (case of the rule as written: "1A", "3A"; "-" or ":" after "hybrid"):
 
     transformer                      attention (RoPE, theta 1e4) + MLP, no SSM
-    mamba2                           Mamba-2 + MLP, no attention
+    mamba2                           Mamba-2 + MLP, no attention (Falcon-H1's Mamba-2 init: A = -(1..H), dt = 1.31)
+    mamba2-ref                       the same with Mamba-2's reference init (A = -U[1, 16], dt log-uniform in
+                                     [1e-3, 1e-1]: `HybridConfig.mamba_init`), the paper baselines' Mamba-2
     fw-<rule>[-w<B>][-same|-shifted][-eta|-nlms]
                                      Falcon fast-weight rule 1 | 2 | 3 | 1A | 2A | 3A + MLP, no attention;
                                      window B (default 3 for the sliding rules 3 / 3A, else 1); pairing
@@ -65,12 +67,12 @@ _FW = re.compile(r"^fw-(?P<rule>1A|2A|3A|1|2|3)(?P<opts>(-[a-z0-9]+)*)$")
 
 def ssm_fields(name: str) -> dict[str, Any]:
     """HybridConfig fields of an SSM name without "hybrid": "mamba2" or "fw-..." (see the module docstring)."""
-    if name == "mamba2":
-        return {"ssm_mixer": "mamba2"}
+    if name in ("mamba2", "mamba2-ref"):
+        return {"ssm_mixer": "mamba2", "mamba_init": "mamba2" if name == "mamba2-ref" else "falcon_h1"}
     match = _FW.match(name)
     if match is None:
         raise ValueError(
-            f"unknown model name {name!r}; use transformer, mamba2, fw-<rule>[-w<B>][-same|-shifted][-eta|-nlms] "
+            f"unknown model name {name!r}; use transformer, mamba2, mamba2-ref, fw-<rule>[-w<B>][-same|-shifted][-eta|-nlms] "
             f"(rule in {', '.join(FW_RULES)}) or hybrid-<one of those SSMs>"
         )
     rule = match["rule"]
@@ -117,7 +119,7 @@ def describe(name: str) -> str:
     if fields["ssm_mixer"] == "none":
         return "Transformer (RoPE)"
     if fields["ssm_mixer"] == "mamba2":
-        ssm = "Mamba-2"
+        ssm = "Mamba-2" if fields["mamba_init"] == "falcon_h1" else "Mamba-2 (reference init)"
     else:
         window = f"B={fields['fw_window']}, " if fields["fw_window"] > 1 else ""
         pairing = "shifted" if fields["fw_pairing"] == "shifted" else "same-step"

@@ -14,7 +14,9 @@ from hybridlm.eval.train_task import train_on_task
     "name, expected",
     [
         ("transformer", dict(ssm_mixer="none", use_attention=True)),
-        ("mamba2", dict(ssm_mixer="mamba2", use_attention=False)),
+        ("mamba2", dict(ssm_mixer="mamba2", mamba_init="falcon_h1", use_attention=False)),
+        ("mamba2-ref", dict(ssm_mixer="mamba2", mamba_init="mamba2", use_attention=False)),
+        ("hybrid-mamba2-ref", dict(ssm_mixer="mamba2", mamba_init="mamba2", use_attention=True)),
         ("fw-1A", dict(ssm_mixer="fast_weight", fw_rule="1A", fw_window=1, fw_pairing="shifted", use_attention=False)),
         ("fw-3A", dict(fw_rule="3A", fw_window=3, fw_pairing="shifted")),
         ("fw-3A-w5-same", dict(fw_rule="3A", fw_window=5, fw_pairing="same_step")),
@@ -33,10 +35,30 @@ def test_model_names(name, expected):
 
 
 @pytest.mark.parametrize("name", ["fw-4A", "fw-1A-w3", "fw-1A-fast", "hybrid-transformer", "gpt", "fw-3A-w",
-                                  "fw-3A-w0", "hybrid-fw-3-w0"])
+                                  "fw-3A-w0", "hybrid-fw-3-w0", "mamba2-fast"])
 def test_bad_model_names_raise(name):
     with pytest.raises(ValueError):
         model_fields(name)
+
+
+def test_mamba2_ref_starts_from_the_reference_init():
+    """"mamba2-ref" builds its Mamba-2 mixers with dt = softplus(dt_bias) spread over [1e-3, 1e-1] and A in [1, 16];
+    "mamba2" with Falcon-H1's dt_bias = 1 in every head."""
+    import torch.nn.functional as F
+
+    from hybridlm.eval.models import build_model
+    from hybridlm.layers.mamba2 import Mamba2Mixer
+
+    def mixers(name):
+        model = build_model(task_config(name, vocab_size=16, size="small"), seed=0)
+        return [m for m in model.modules() if isinstance(m, Mamba2Mixer)]
+
+    for mixer in mixers("mamba2-ref"):
+        dt, a = F.softplus(mixer.dt_bias.detach()), mixer.A_log.detach().exp()
+        assert 1e-3 * 0.999 <= dt.min() < dt.max() <= 1e-1 * 1.001
+        assert 1.0 <= a.min() < a.max() <= 16.0
+    assert all(bool((m.dt_bias == 1).all()) for m in mixers("mamba2"))
+    assert describe("mamba2-ref") == "Mamba-2 (reference init)"
 
 
 def test_model_list_parsing():
