@@ -254,14 +254,21 @@ def test_context_parallelism_refuses_a_window():
 def _windowed_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                      window_size=(-1, -1), enable_gqa=False):
     """A CPU stand-in for torch >= 2.11's `varlen_attn`: each document's attention with keys window_size[0] to the
-    left and window_size[1] to the right of the query (-1: unbounded), [T, H, D] layout."""
+    left and window_size[1] to the right of the query (-1: unbounded), [T, H, D] layout. As FlashAttention-2, a
+    document with more keys than queries aligns its queries to its last keys (query i of n reads around key slot
+    S - n + i); the maximum lengths must cover every document (flash reads them as such)."""
     left, right = window_size
     outs = []
-    for start, end in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
-        one = [t[start:end].transpose(0, 1) for t in (query, key, value)]  # [H, len, D]
-        back = torch.arange(end - start)[:, None] - torch.arange(end - start)[None, :]
+    for (qa, qb), (ka, kb) in zip(zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()),
+                                  zip(cu_seq_k[:-1].tolist(), cu_seq_k[1:].tolist())):
+        n, keys = qb - qa, kb - ka
+        assert n <= max_q and keys <= max_k, "max_q / max_k shorter than a document"
+        qd = query[qa:qb].transpose(0, 1)  # [H, n, D]
+        kd, vd = (t[ka:kb].transpose(0, 1) for t in (key, value))  # [Hkv, S, D]
+        back = torch.arange(keys - n, keys)[:, None] - torch.arange(keys)[None, :]
         allowed = (back >= -right if right >= 0 else True) & (back <= left if left >= 0 else True)
-        outs.append(F.scaled_dot_product_attention(*one, attn_mask=allowed, enable_gqa=enable_gqa).transpose(0, 1))
+        outs.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=allowed, enable_gqa=enable_gqa
+                                                   ).transpose(0, 1))
     return torch.cat(outs)
 
 
@@ -300,6 +307,59 @@ def test_bind_varlen_passes_the_window(window):
         causal = bind_varlen(_windowed_varlen)(q, k, v, torch.tensor(offsets, dtype=torch.int32), 7)
         assert rel_err(got, causal) > 1e-3
     assert (bind_varlen(_torch_2_10_varlen, window=window) is None) == (window is not None)
+
+
+@pytest.mark.parametrize("window", [2, 4, None])
+def test_bind_varlen_passes_key_offsets_for_documents_with_more_keys(window):
+    """attend(q, k, v, cu, max_len, cu_k, max_len_k): the key offsets and the longest key document reach
+    `varlen_attn` (as cu_seq_k, max_k), and each document's queries read as its last keys (the stand-in aligns them
+    as flash does): documents of 2 queries / 6 keys and 5 / 5, against a loop over the queries."""
+    from hybridlm.layers.attention import bind_varlen
+
+    asked = []
+
+    def recording(*args, **kwargs):
+        asked.append((args[4].tolist(), args[5], args[6]))
+        return _windowed_varlen(*args, **kwargs)
+
+    recording.__signature__ = inspect.signature(_windowed_varlen)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(7, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(11, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    got = bind_varlen(recording, window=window)(q, k, v, torch.tensor([0, 2, 7], dtype=torch.int32), 5,
+                                                torch.tensor([0, 6, 11], dtype=torch.int32), 6)
+    assert asked == [([0, 6, 11], 5, 6)]
+    kq, vq = (t.repeat_interleave(2, dim=1) for t in (k, v))  # query head h reads key head h // 2
+    want = torch.empty_like(q)
+    for (qa, qb), (ka, kb) in (((0, 2), (0, 6)), ((2, 7), (6, 11))):
+        for i in range(qb - qa):
+            slot = (kb - ka) - (qb - qa) + i  # the query's own key slot in its document
+            first = 0 if window is None else max(0, slot - window + 1)
+            scores = torch.einsum("hd,nhd->hn", q[qa + i], kq[ka + first : ka + slot + 1]) / 8**0.5
+            want[qa + i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), vq[ka + first : ka + slot + 1])
+    assert rel_err(got, want) < TOL
+
+
+def test_a_piece_after_left_padded_rows_is_masked_not_sent_to_the_kernel(monkeypatch):
+    """Rows of 9 and 6 tokens prefilled packed into a cache (the second row left-padded by 3) then a piece of 4 tokens
+    each: with padding in the cache the piece is masked (the varlen kernel's rows would read the padding slots as
+    keys), and each row equals the row alone."""
+    import hybridlm.layers.attention as attention
+
+    attn = make_attention(None)
+    lengths, piece = [9, 6], 4
+    docs = [inputs(1, n + piece, seed=20 + i) for i, n in enumerate(lengths)]
+    calls = []
+    monkeypatch.setattr(attention, "_varlen_attention", recording_varlen(calls))
+    cache = LayerCache()
+    with torch.no_grad():
+        attn(torch.cat([d[:, :n] for d, n in zip(docs, lengths)], dim=1),
+             cu_seqlens=torch.tensor([0, 9, 15]), cache=cache)
+        assert cache.pad.tolist() == [0, 3]
+        out = attn(torch.cat([d[:, n:] for d, n in zip(docs, lengths)]), cache=cache)
+    assert [c[2] for c in calls] == [9]  # the packed prefill only (as documents); not the piece
+    for row, (doc, n) in enumerate(zip(docs, lengths)):
+        assert rel_err(out[row], reference(attn, doc, None)[0, n:]) < TOL
 
 
 def recording_varlen(calls: list):
@@ -427,13 +487,20 @@ def test_prefill_pieces_on_cuda_match_the_mask(window, monkeypatch):
     config = HybridConfig(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=1e4,
                           mamba_n_heads=4, attention_window=window)
     attn = Attention(config, layer_idx=0).cuda().to(torch.bfloat16)
+    if attention._flash_window_kernel(window) is None or not attention._has_flash(0):
+        pytest.skip("no flash varlen kernel for this window here")
     x = torch.randn(2, 300, 96, device="cuda", dtype=torch.bfloat16)
     cuts = (0, 100, 230, 300)
 
     def pieces():
+        """The pieces' outputs, and the gradients of the last piece (its input, the query and key projections)."""
         cache = LayerCache()
         with torch.no_grad():
-            return torch.cat([attn(x[:, a:b], cache=cache) for a, b in zip(cuts[:-1], cuts[1:])], dim=1)
+            outs = [attn(x[:, a:b], cache=cache) for a, b in zip(cuts[:-2], cuts[1:-1])]
+        last = x[:, cuts[-2]:].detach().requires_grad_()
+        outs.append(attn(last, cache=cache))
+        grads = torch.autograd.grad(outs[-1].float().square().sum(), [last, attn.q_proj.weight, attn.k_proj.weight])
+        return torch.cat(outs, dim=1).detach(), grads
 
     real, ran = attention._varlen_attention, []
 
@@ -443,11 +510,14 @@ def test_prefill_pieces_on_cuda_match_the_mask(window, monkeypatch):
         return out
 
     monkeypatch.setattr(attention, "_varlen_attention", watched)
-    flash = pieces()
+    flash, flash_grads = pieces()
     assert sum(ran) == 2, "the later pieces did not run flash's varlen kernel"
     monkeypatch.setattr(attention, "_varlen_attention", lambda *a, **k: None)
-    masked = pieces()
+    masked, masked_grads = pieces()
     with torch.no_grad():
         whole = attn(x)
     torch.testing.assert_close(flash, masked, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(flash, whole, rtol=2e-2, atol=2e-2)
+    scale = max(g.abs().max().item() for g in masked_grads)
+    for got, want in zip(flash_grads, masked_grads):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * scale)
