@@ -338,7 +338,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _check_out_dir(out: Path, *, overwrite: bool) -> None:
+def check_out_dir(out: Path, *, overwrite: bool) -> None:
     """Refuse, before hours of training, an `out` that cannot take the result: a file where the directory (or one of
     its parents) goes, or a tokenizer already there (without `overwrite`)."""
     for candidate in (out, *out.parents):
@@ -371,7 +371,7 @@ def train_tokenizer(
     if max_bytes is not None and max_bytes < 1:
         raise ValueError(f"max_bytes must be >= 1 (None: all the text), got {max_bytes}")
     out = Path(out_dir)
-    _check_out_dir(out, overwrite=overwrite)
+    check_out_dir(out, overwrite=overwrite)
     files = find_files(inputs)
     stats = ReadStats()
 

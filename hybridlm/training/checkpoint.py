@@ -17,7 +17,8 @@ A crash leaves at most a `.tmp` directory, which `latest_checkpoint` ignores and
 step removes. `keep_last=K` then deletes all but the K newest step directories.
 
 Loading verifies the manifest and every checksum before touching the model and raises `CheckpointError`
-naming the bad file and saying what to do (remove the directory to fall back to the previous one).
+naming the bad file and saying what to do (remove the directory to fall back to the previous one); an intact
+checkpoint saved for another model or optimizer raises its subclass `CheckpointMismatchError`.
 Resuming exactly: save after an update and before the next draws any random number; restoring then
 continues the same random streams (`restore_rng=True`).
 """
@@ -54,6 +55,11 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be written or loaded; the message names the file and says what to do."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """An intact checkpoint saved for another model or optimizer (other parameter names, groups or shapes): the
+    settings changed since the save, the files are fine (a caller may report it as a configuration error)."""
 
 
 class LoadedCheckpoint(NamedTuple):
@@ -259,14 +265,14 @@ def _read_tree(path: Path, tensor_file: str, json_file: str) -> Any:
 def _check_param_names(saved: dict[str, Any], optimizer: torch.optim.Optimizer, path: Path) -> None:
     saved_groups = saved.get("param_groups", [])
     if len(saved_groups) != len(optimizer.param_groups):
-        raise CheckpointError(
+        raise CheckpointMismatchError(
             f"{path / OPTIMIZER_JSON} has {len(saved_groups)} parameter groups, the optimizer has "
             f"{len(optimizer.param_groups)}: build the optimizer the way the saved run did"
         )
     for index, (old, new) in enumerate(zip(saved_groups, optimizer.param_groups)):
         if "param_names" in old and "param_names" in new and list(old["param_names"]) != list(new["param_names"]):
             diff = next((a, b) for a, b in zip(old["param_names"] + [None], new["param_names"] + [None]) if a != b)
-            raise CheckpointError(
+            raise CheckpointMismatchError(
                 f"{path / OPTIMIZER_JSON}: parameter group {index} ({old.get('role', '?')}) was saved for other "
                 f"parameters (first difference: saved {diff[0]!r}, now {diff[1]!r}); the model changed since the save"
             )
@@ -310,10 +316,12 @@ def load_checkpoint(
 
     try:
         missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False)
-    except (OSError, RuntimeError, SafetensorError) as err:
-        raise CheckpointError(f"{path / MODEL_FILE} does not fit the model: {err}") from err
+    except RuntimeError as err:  # shapes that differ
+        raise CheckpointMismatchError(f"{path / MODEL_FILE} does not fit the model: {err}") from err
+    except (OSError, SafetensorError) as err:
+        raise CheckpointError(f"{path / MODEL_FILE} cannot be read: {err}") from err
     if missing or unexpected:
-        raise CheckpointError(
+        raise CheckpointMismatchError(
             f"{path / MODEL_FILE} does not fit the model: missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}; build the model with the saved configuration"
         )
@@ -321,7 +329,7 @@ def load_checkpoint(
         try:
             optimizer.load_state_dict(saved_optimizer)
         except (ValueError, KeyError, RuntimeError) as err:
-            raise CheckpointError(f"{path / OPTIMIZER_JSON} does not fit the optimizer: {err}") from err
+            raise CheckpointMismatchError(f"{path / OPTIMIZER_JSON} does not fit the optimizer: {err}") from err
     if saved_rng is not None:
         restore_rng_state(saved_rng)
     return loaded

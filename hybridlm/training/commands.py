@@ -15,10 +15,13 @@ model.overrides.hidden_size, optim.elr.ssm_in, ...); values are YAML (numbers, t
 [lists]) and are checked against the key's type; a `--set` of schedule.kind (to cosine or constant),
 schedule.decay or schedule.decay_fraction drops the other decay key inherited from the config file. `--resume`
 without `--config` continues with the run's own `config.yaml`. An output directory that holds a run
-(checkpoints/, final/, metrics.jsonl, config.yaml, ...) is refused unless `--resume` continues it or
-`--overwrite` replaces it. Exit status: 0 done, 1 training failed (diverged, data ran out, bad
-checkpoint), 2 configuration error (reported before anything runs), 128 + signal number when stopped
-by SIGINT / SIGTERM (a checkpoint was saved).
+(checkpoints/, final/, metrics.jsonl, ...) is refused unless `--resume` continues it or `--overwrite`
+replaces it (only once every check has passed), and so is one another `train` is running in. Keep your
+own config files outside the output directory: the run writes its resolved config to <out>/config.yaml,
+so `--config <out>/config.yaml` is refused except with `--resume` of a run with a checkpoint. Exit status:
+0 done, 1 training failed (diverged, data ran out, bad checkpoint), 2 configuration error (reported
+before anything runs or is deleted), 128 + signal number when stopped by SIGINT / SIGTERM (a checkpoint
+was saved after the first signal; a second one, or one while writing samples or final/, stops at once).
 
 Wire into the CLI with `add_commands(subparsers)`.
 """
@@ -72,6 +75,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _resolve_config(args: argparse.Namespace):
+    """(the config, the file it was read from or None for the built-in demo)."""
     from hybridlm.training.config import load_config
 
     overrides = list(args.overrides)
@@ -86,7 +90,7 @@ def _resolve_config(args: argparse.Namespace):
         saved = Path(out) / "config.yaml"
         if saved.is_file():
             config_path = saved
-    return load_config(config_path, overrides)
+    return load_config(config_path, overrides), config_path
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -99,7 +103,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        config = _resolve_config(args)
+        config, config_path = _resolve_config(args)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -110,7 +114,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     trainer = None
     try:
-        trainer = Trainer(config, resume=args.resume, overwrite=args.overwrite)
+        trainer = Trainer(config, resume=args.resume, overwrite=args.overwrite, config_path=config_path)
         result = trainer.train()
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
@@ -118,6 +122,8 @@ def run_train(args: argparse.Namespace) -> int:
     except (TrainingDivergedError, CheckpointError, DataError, RuntimeError) as err:
         print(f"training failed: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as err:  # a second signal, or one outside the training loop (samples, final/)
+        return _stopped_at_once(err, trainer)
     finally:
         if trainer is not None:
             trainer.close()
@@ -132,6 +138,25 @@ def run_train(args: argparse.Namespace) -> int:
         reason = trainer.stop_reason or ""
         return 128 + int(getattr(signal, reason)) if reason in ("SIGINT", "SIGTERM") else 1
     return 0
+
+
+def _stopped_at_once(err: KeyboardInterrupt, trainer) -> int:
+    """One line instead of a traceback for a run stopped at once (unsaved); 128 + the signal's number."""
+    import signal
+
+    from hybridlm.training.checkpoint import latest_checkpoint
+
+    signum = getattr(err, "signum", signal.SIGINT)  # hybridlm.training.stop.SecondSignal, or Ctrl-C's default
+    name = signal.Signals(signum).name
+    if trainer is None:
+        print(f"stopped ({name}) before training started; nothing was trained", file=sys.stderr)
+    elif trainer.ctx.is_main:
+        out = trainer.out_dir
+        latest = latest_checkpoint(trainer.checkpoint_dir)
+        saved = (f"the newest checkpoint is {latest.name} (continue with `hybridlm train --resume --out {out}`)"
+                 if latest is not None else "no checkpoint was saved")
+        print(f"stopped at once ({name}) at update {trainer.step}; {saved}", file=sys.stderr)
+    return 128 + int(signum)
 
 
 def _outputs(out_dir: Path) -> list[str]:

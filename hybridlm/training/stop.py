@@ -12,11 +12,23 @@ import time
 from collections.abc import Callable
 
 
+class SecondSignal(KeyboardInterrupt):
+    """A second SIGINT / SIGTERM: stop at once, unsaved. A KeyboardInterrupt that knows its signal (`signum`),
+    so a command can exit with 128 + its number and say so in one line."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = int(signum)
+        super().__init__(f"second {signal.Signals(signum).name}: stopping without saving")
+
+    def __reduce__(self):  # (pickled by its signal, e.g. across processes)
+        return type(self), (self.signum,)
+
+
 class StopRequest:
     """Set by SIGTERM / SIGINT (`handle_signals`) or by hand; runs check it after every update.
 
-    A second signal more than `REPEAT_WINDOW` seconds after the first raises KeyboardInterrupt (stop at
-    once, unsaved). Signals closer together count as one: `timeout` sends its signal to the command and
+    A second signal more than `REPEAT_WINDOW` seconds after the first raises `SecondSignal` (a KeyboardInterrupt:
+    stop at once, unsaved). Signals closer together count as one: `timeout` sends its signal to the command and
     then to the command's whole process group, so the command gets it twice at once."""
 
     REPEAT_WINDOW = 2.0
@@ -40,7 +52,7 @@ class StopRequest:
             if self._on_first is not None:
                 self._on_first(name)
         elif now - self._first_signal > self.REPEAT_WINDOW:
-            raise KeyboardInterrupt(f"second {name}: stopping without saving")
+            raise SecondSignal(signum)
         self.request(name)  # only a flag: the training loop saves, between two updates
 
     @contextlib.contextmanager

@@ -33,8 +33,8 @@ schedule factor), tokens_per_s, skipped (updates skipped in the interval), elaps
 (step, tokens, eval_loss on the held-out data), `checkpoints/step_XXXXXXXX/` (`training.checkpoint`:
 model, optimizer, RNG, and train_state = tokens, loader position, guard, schedule, config), `loss.png`,
 `samples.txt` (`hybridlm.inference.generate` continuing the first tokens of held-out documents), `final/`
-(the trained model as a `from_pretrained` directory with the tokenizer: `hybridlm generate --model
-<out_dir>/final --prompt ...`). Only rank 0 writes.
+(the trained model as a `from_pretrained` directory with the tokenizer's own files: `hybridlm generate --model
+<out_dir>/final --prompt ...`), `.train.lock` (see below). Only rank 0 writes.
 
 Resuming (`resume=True`): the newest complete checkpoint in `<out_dir>/checkpoints` is verified and
 loaded (model, AdamW state, RNG streams, step, tokens, data-loader position, guard counters); the
@@ -51,25 +51,38 @@ saved under 2 ranks resumes under 1 with the same stream of tokens (keep the glo
 A train.steps below the checkpoint's step is a ConfigError (a run is not shortened after the fact); a run resumed at
 its full length with final/ written is "already complete": nothing is trained or rewritten.
 
-A new run (resume=False) into an out_dir that holds one (checkpoints, final/, metrics.jsonl, config.yaml, ...) is
-a ConfigError unless `overwrite=True`, which deletes those outputs first; resume=True with no checkpoint but a
-final/ is refused as well (the run looks finished: starting it over would replace its outputs).
+A new run (resume=False) into an out_dir that holds one (checkpoints, final/, metrics.jsonl, ...) is a ConfigError
+unless `overwrite=True`, which deletes those outputs (and config.yaml; links are unlinked, their targets left alone)
+only after every check (config, data, model, the directory itself) has passed, just before config.yaml is written:
+a bad setting leaves the previous run as it was. resume=True with no checkpoint but a final/ is refused as well (the
+run looks finished: starting it over would replace its outputs). config.yaml alone does not make a run (it may be
+the user's config), but is not replaced without `overwrite`; and the file the config was read from (`config_path`)
+is never deleted or replaced, unless it is the config.yaml of the run being resumed from a checkpoint (that run's
+own record, rewritten with the settings given now): `--config <out_dir>/config.yaml` is refused for a new run, with
+--overwrite, and for --resume without a checkpoint. Keep your own configs outside the output directory.
+
+One run per directory: rank 0 holds an exclusive lock (flock) on `<out_dir>/.train.lock` from the start until
+`train()` returns (or `close()`; the system releases it if the process dies); a second Trainer on the directory, in
+this or another process (a job started twice), is a ConfigError at once. The lock file itself is never deleted.
 
 Stopping: SIGINT or SIGTERM (or `request_stop()` from a callback) finishes the current update, saves
 a checkpoint and returns status "interrupted"; a second signal more than 2 s later raises KeyboardInterrupt at once
-(`hybridlm.training.stop.StopRequest`: `timeout` signals the command and then its process group, a double
-signal that counts as one).
+(`hybridlm.training.stop.StopRequest`, `SecondSignal`: `timeout` signals the command and then its process group, a
+double signal that counts as one). After the loop (samples, final/) SIGINT raises KeyboardInterrupt at once: the
+last checkpoint is saved, and --resume writes final/. The CLI reports either in one line (exit 128 + signal).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
 import os
 import shutil
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,7 +94,9 @@ import torch.nn.functional as F
 from hybridlm.fileio import save_figure_atomic, write_atomic
 from hybridlm.training import distributed as D
 from hybridlm.training.checkpoint import (
+    TRAIN_STATE_FILE,
     CheckpointError,
+    CheckpointMismatchError,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -107,6 +122,11 @@ from hybridlm.training.optim import (
 from hybridlm.training.schedules import schedule_factors
 from hybridlm.training.stop import StopRequest
 
+try:
+    import fcntl
+except ImportError:  # Windows: no lock on the run directory (two runs there are not kept apart)
+    fcntl = None
+
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
@@ -117,8 +137,15 @@ CHECKPOINT_DIR = "checkpoints"
 LOSS_PLOT = "loss.png"
 SAMPLES_FILE = "samples.txt"
 FINAL_DIR = "final"
-# What a run writes into its out_dir (demo_data/ aside: the corpus is reusable): any of them means a run is there.
+# Held (flock) by the running process's rank 0: a second `train` into the same out_dir is refused. Never deleted.
+LOCK_FILE = ".train.lock"
+# What a run writes into its out_dir (demo_data/ aside: the corpus is reusable): --overwrite removes these. Any of
+# them but config.yaml means a run is there (config.yaml alone may be the user's own config).
 _RUN_OUTPUTS = (CHECKPOINT_DIR, FINAL_DIR, METRICS_FILE, EVAL_FILE, CONFIG_FILE, LOSS_PLOT, SAMPLES_FILE)
+# What export() copies from data.tokenizer into final/: the files `HybridTokenizer.save` writes (tokenizer.json,
+# tokenizer_config.json, hybridlm_tokenizer.json) and these HF ones where present; never a model's config.json or
+# weights (data.tokenizer may well be an earlier run's final/).
+_TOKENIZER_EXTRA_FILES = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
 
 
 @dataclass
@@ -196,8 +223,13 @@ class Trainer:
         resume: bool = False,
         overwrite: bool = False,
         callbacks: Sequence[Callable[[Trainer, dict], None]] = (),
+        config_path: str | Path | None = None,
     ) -> None:
+        """`config_path`: the file `config` was read from (the CLI's --config, or the run's config.yaml that --resume
+        reads), if any: never deleted or replaced unless it is the config.yaml of the run being resumed."""
         self.config = config
+        self.config_path = Path(config_path) if config_path is not None else None
+        self._unlock: weakref.finalize | None = None  # releases the run directory's lock (rank 0, while held)
         self.callbacks = list(callbacks)
         if config.train.device == "cuda" and not torch.cuda.is_available():
             # a setting this machine cannot honour: a configuration error (exit 2), not a failed run
@@ -211,7 +243,16 @@ class Trainer:
         self.history: list[dict] = []  # every update's record (this session), for tests and tools
         # the updates since the last metrics record: saved with checkpoints, so a resumed run logs the same records
         self._interval: list[dict] = []
-        self._prepare_out_dir(resume, overwrite)
+        try:
+            self._prepare_out_dir(resume, overwrite)
+            self._build(config, resume, overwrite)
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _build(self, config: TrainConfig, resume: bool, overwrite: bool) -> None:
+        """Everything after the output directory's checks: data, model, optimizer, resume; then (every check
+        passed) --overwrite's removal of the previous run and the first write, config.yaml."""
         self._seed(config.train.seed)
 
         # sizes and schedule: batch sizes count rows per data-parallel rank
@@ -260,6 +301,8 @@ class Trainer:
         self.already_complete = False
         if resume:
             self._resume()
+        if overwrite:  # only now, every check passed: a bad setting leaves the previous run as it was
+            self._remove_previous_run()
         if self.ctx.is_main and not self.already_complete:
             save_config(config, self.out_dir / CONFIG_FILE)
 
@@ -280,38 +323,156 @@ class Trainer:
         torch.manual_seed(seed)
 
     def _prepare_out_dir(self, resume: bool, overwrite: bool) -> None:
-        """Refuse to start a new run over an existing one unless `overwrite` (then its outputs are removed first):
-        a finished run whose checkpoints were deleted still has final/, metrics.jsonl and config.yaml to lose."""
+        """Check the output directory before anything is built or written (ConfigError naming what to do); rank 0
+        creates it and takes its lock. Nothing is deleted here: `overwrite` removes the previous run's outputs in
+        `_remove_previous_run`, once every other check has passed.
+
+        Refused: a new run over an existing one unless `overwrite` (a finished run whose checkpoints were deleted
+        still has final/, metrics.jsonl, ... to lose); a directory another process trains into (its lock); a file
+        where checkpoints/ or final/ go, or a link there to nothing (without `overwrite`); replacing the config
+        file the run reads (`config_path`) unless it is the config.yaml of the run being resumed, so
+        `--config <out>/config.yaml` is refused for a new run, with --overwrite and for --resume without a
+        checkpoint: keep your own config outside the output directory; replacing a config.yaml that is alone in
+        the directory (no other run output: the user's, not a run's) without `overwrite`; and with `overwrite`,
+        a config, tokenizer or dataset inside an output that would be deleted."""
+        out = self.out_dir
         if resume and overwrite:
             raise ConfigError("--resume and --overwrite contradict each other: --resume continues the run in "
-                              f"{self.out_dir}, --overwrite replaces it; pass one of them")
+                              f"{out}, --overwrite replaces it; pass one of them")
+        if os.path.lexists(out) and not out.is_dir():
+            raise ConfigError(f"train.out_dir: {out} is a file, not a directory; give a directory path (or move the "
+                              "file away)")
+        self._lock_out_dir()
+        for name, what in ((CHECKPOINT_DIR, "its checkpoints"), (FINAL_DIR, "the trained model")):
+            path = out / name
+            if path.is_symlink() and not path.exists():
+                if not overwrite:
+                    raise ConfigError(
+                        f"train.out_dir: {path} is a symbolic link to {os.readlink(path)}, which does not exist (the "
+                        f"run writes {what} there); create its target, remove the link, or pass --overwrite"
+                    )
+            elif os.path.lexists(path) and not path.is_dir():
+                raise ConfigError(f"train.out_dir: {path} is a file, not a directory (the run writes {what} "
+                                  "there); move it away or choose another --out")
         existing = list_checkpoints(self.checkpoint_dir)
         # (checkpoints/ counts through `existing`: an empty one, or one with only a .tmp save, holds no run)
-        outputs = [name for name in _RUN_OUTPUTS if name != CHECKPOINT_DIR and (self.out_dir / name).exists()]
+        outputs = [name for name in _RUN_OUTPUTS if name not in (CHECKPOINT_DIR, CONFIG_FILE)
+                   and os.path.lexists(out / name)]
+        config_yaml = out / CONFIG_FILE
+        has_config = os.path.lexists(config_yaml)
         if resume and not existing and FINAL_DIR in outputs:
             # Starting from scratch here would truncate the metrics and replace final/ of a finished run.
             raise ConfigError(
-                f"--resume: {self.out_dir} has no checkpoint but holds {FINAL_DIR}/: the run looks finished (its "
+                f"--resume: {out} has no checkpoint but holds {FINAL_DIR}/: the run looks finished (its "
                 "checkpoints were removed), so there is nothing to continue; to train it again from scratch pass "
                 "--overwrite instead of --resume (replaces its outputs), or choose another --out"
             )
         if not resume and not overwrite and (existing or outputs):
+            names = [n for n in _RUN_OUTPUTS if n != CHECKPOINT_DIR and (n in outputs or (n == CONFIG_FILE
+                                                                                           and has_config))]
             found = ", ".join(([f"{CHECKPOINT_DIR}/{existing[-1].name}"] if existing else [])
-                              + [f"{n}/" if n == FINAL_DIR else n for n in outputs])
+                              + [f"{n}/" if n == FINAL_DIR else n for n in names])
             advice = "pass --resume to continue it, " if existing else ""
             raise ConfigError(
-                f"train.out_dir: {self.out_dir} already holds a run ({found}); {advice}pass --overwrite to replace "
+                f"train.out_dir: {out} already holds a run ({found}); {advice}pass --overwrite to replace "
                 "it (deletes its outputs), or choose another --out"
             )
+        continuing = resume and bool(existing)  # config.yaml is then the resumed run's own record: rewritten
+        if has_config and not continuing:
+            if self.config_path is not None and _same_file(self.config_path, config_yaml):
+                if resume:  # (the CLI's --resume reads <out>/config.yaml when no --config is given)
+                    raise ConfigError(
+                        f"--resume: {out} holds no checkpoint to continue, and starting from scratch would replace "
+                        f"{config_yaml}, the config this run reads, with its resolved config; keep your config "
+                        "outside the output directory (move it elsewhere and pass it to --config, without --resume)"
+                    )
+                raise ConfigError(
+                    f"--config {self.config_path} is {out}'s config.yaml, which this run would "
+                    f"{'delete and ' if overwrite else ''}replace with its resolved config; keep your config outside "
+                    "the output directory (copy it elsewhere and pass the copy to --config)"
+                )
+            if not existing and not outputs and not overwrite:
+                raise ConfigError(
+                    f"train.out_dir: {config_yaml} is there without any other run output (a config of yours, or a "
+                    "run that stopped before its first record) and this run would replace it with its resolved "
+                    f"config; move it out of {out} (and pass it to --config if it is this run's config), or pass "
+                    f"--overwrite{' instead of --resume' if resume else ''} to replace it"
+                )
+        if overwrite:
+            self._check_nothing_needed_is_deleted()
+
+    def _lock_out_dir(self) -> None:
+        """Rank 0 creates the output directory and takes an exclusive lock on its LOCK_FILE, held until the run ends
+        (`_release_lock`; the system releases it when the process dies): a second `train` into the directory (a
+        job started twice) is refused at once instead of mixing its checkpoints and metrics with the first's.
+        Where the file system has no flock (some network file systems) or on Windows, the run goes unlocked."""
+        problem = None
         if self.ctx.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            if overwrite:
-                for name in _RUN_OUTPUTS:
-                    path = self.out_dir / name
-                    if path.is_dir():
-                        shutil.rmtree(path)
-                    else:
-                        path.unlink(missing_ok=True)
+            try:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                if self._unlock is None and fcntl is not None:
+                    problem = self._take_lock(self.out_dir / LOCK_FILE)
+            except OSError as err:
+                problem = f"train.out_dir: {self.out_dir}: {err}"
+        problem = D.broadcast_object(problem, self.ctx)
+        if problem:
+            raise ConfigError(problem)
+
+    def _take_lock(self, path: Path) -> str | None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                return (f"train.out_dir: another `hybridlm train` is running in {self.out_dir} (it holds "
+                        f"{path.name}); wait for it to end or stop it, or choose another --out")
+            log.warning("cannot lock %s (%s): this run is not protected from a second one in %s", path, err,
+                        self.out_dir)
+            return None
+        self._unlock = weakref.finalize(self, _unlock_fd, fd)
+        return None
+
+    def _release_lock(self) -> None:
+        """Let another run into the output directory (at the end of `train`, in `close`, after a failed start)."""
+        if self._unlock is not None:
+            self._unlock()
+            self._unlock = None
+
+    def _check_nothing_needed_is_deleted(self) -> None:
+        """--overwrite: a file the run reads (config, tokenizer, data) inside an output it would delete is a
+        ConfigError (a link is removed, not what it points to)."""
+        c = self.config.data
+        needed = [("--config", self.config_path), ("data.tokenizer", c.tokenizer), ("data.demo_dir", c.demo_dir)]
+        needed += [("data.sources", s.path) for s in c.sources] + [("data.eval_sources", s.path)
+                                                                      for s in c.eval_sources]
+        for name in _RUN_OUTPUTS:
+            target = self.out_dir / name
+            if target.is_symlink() or not target.exists():
+                continue
+            target = target.resolve()
+            for what, path in needed:
+                if path is None:
+                    continue
+                path = Path(path).resolve()
+                if path == target or target in path.parents:
+                    raise ConfigError(f"{what}: {path} is inside {self.out_dir / name}, which --overwrite deletes; "
+                                      f"copy it out of {self.out_dir} first and point {what} at the copy")
+
+    def _remove_previous_run(self) -> None:
+        """--overwrite, after every check: rank 0 removes the previous run's outputs (a symbolic link is unlinked;
+        what it points to is left alone). The lock file and demo_data/ stay."""
+        if self.ctx.is_main:
+            for name in _RUN_OUTPUTS:
+                path = self.out_dir / name
+                if path.is_symlink():
+                    self._print(f"--overwrite: removed the link {path} (to {os.readlink(path)}; its target is left "
+                                "as it is)")
+                try:
+                    _remove(path)
+                except OSError as err:
+                    raise ConfigError(f"--overwrite: cannot remove {path} ({err}); remove it yourself or choose "
+                                      "another --out") from err
         D.barrier(self.ctx)
 
     def _build_data(self) -> _Data:
@@ -426,8 +587,6 @@ class Trainer:
         return path
 
     def _resume(self) -> None:
-        import yaml
-
         path = latest_checkpoint(self.checkpoint_dir)
         found = list_checkpoints(self.checkpoint_dir)
         if path is None and found:  # never start over (and truncate the metrics) past checkpoints that are there
@@ -450,11 +609,13 @@ class Trainer:
         # (moments, step counts). `load_full_state_dicts` copies the saved groups' values, as torch's loader does.
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         optim_state = _OptimizerState(self.canonical_groups)
-        loaded = load_checkpoint(path, model=model_state, optimizer=optim_state, restore_rng=True)
+        try:
+            loaded = load_checkpoint(path, model=model_state, optimizer=optim_state, restore_rng=True)
+        except CheckpointMismatchError as err:  # e.g. another layer count or preset: other parameter names
+            raise self._misfit(path, err, self._changes_since(path)) from err
         self._check_resume_length(loaded.step)
         state = loaded.train_state
-        changes = diff_configs(yaml.safe_load(state.get("config", "{}")) or {}, config_to_dict(self.config))
-        changes = [c for c in changes if not c.startswith("train.out_dir")]
+        changes = self._config_changes(state)
         loader_state = json.loads(json.dumps(state["loader"]))
         # The stream position does not depend on how many rows each rank takes per batch.
         loader_state["config"]["batch_size"] = self.loader.batch_size
@@ -464,10 +625,7 @@ class Trainer:
                                     groups=self.canonical_groups)
             self.loader.load_state_dict(loader_state)
         except ValueError as err:
-            raise ConfigError(
-                f"--resume: {path} does not fit this configuration ({err}). Settings changed since it was saved: "
-                + ("; ".join(changes) or "none") + ". Resume with the run's own settings, or train into a new --out"
-            ) from err
+            raise self._misfit(path, err, changes) from err
         for group, values in zip(self.optimizer.param_groups, fresh):
             params = group["params"]
             group.clear()
@@ -489,6 +647,28 @@ class Trainer:
         if self.ctx.is_main:  # the records after the checkpoint, and a partial one its open interval replaces
             self._truncate_jsonl(self.out_dir / METRICS_FILE, self.step - len(self._interval))
             self._truncate_jsonl(self.out_dir / EVAL_FILE, self.step)
+
+    def _config_changes(self, train_state: dict) -> list[str]:
+        """The settings that differ between a checkpoint's config and this one ("key: old -> new")."""
+        import yaml
+
+        changes = diff_configs(yaml.safe_load(train_state.get("config", "{}")) or {}, config_to_dict(self.config))
+        return [c for c in changes if not c.startswith("train.out_dir")]
+
+    def _changes_since(self, path: Path) -> list[str]:
+        """`_config_changes` of the checkpoint at `path`, read from its train_state.json ([] if unreadable)."""
+        try:
+            record = json.loads((path / TRAIN_STATE_FILE).read_text(encoding="utf-8"))
+            return self._config_changes(record["train_state"])
+        except Exception:  # noqa: BLE001 - only for the message: the load itself reported what is wrong
+            return []
+
+    @staticmethod
+    def _misfit(path: Path, err: Exception, changes: list[str]) -> ConfigError:
+        return ConfigError(
+            f"--resume: {path} does not fit this configuration ({err}). Settings changed since it was saved: "
+            + ("; ".join(changes) or "none") + ". Resume with the run's own settings, or train into a new --out"
+        )
 
     def _check_resume_length(self, step: int) -> None:
         """ConfigError if the configured run ends before the checkpoint's step: it cannot be shortened after the
@@ -728,7 +908,15 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ the loop
     def train(self) -> TrainResult:
-        """Train to `total_steps` (or until stopped); see the module docstring."""
+        """Train to `total_steps` (or until stopped); see the module docstring. The output directory's lock is
+        released when it returns (or raises)."""
+        self._lock_out_dir()  # (held since __init__; taken again by a second call)
+        try:
+            return self._train()
+        finally:
+            self._release_lock()
+
+    def _train(self) -> TrainResult:
         from tqdm.auto import tqdm
 
         c = self.config.train
@@ -805,19 +993,25 @@ class Trainer:
         final = self.out_dir / FINAL_DIR
         if self.ctx.is_main:
             tmp = self.out_dir / f"{FINAL_DIR}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove(tmp)
             self.raw_model.save_pretrained(tmp, state_dict=model_sd, safe_serialization=True)
             if self.data.tokenizer_dir is not None:
-                for item in Path(self.data.tokenizer_dir).iterdir():
-                    if item.is_file():
-                        shutil.copy2(item, tmp / item.name)
+                from hybridlm.data.tokenizer import HF_CONFIG_FILE, META_FILE, TOKENIZER_FILE
+
+                # The tokenizer's files only, and none the model wrote: data.tokenizer may be an earlier run's
+                # final/, whose config.json and weights must not replace this model's.
+                for name in (TOKENIZER_FILE, HF_CONFIG_FILE, META_FILE, *_TOKENIZER_EXTRA_FILES):
+                    source = Path(self.data.tokenizer_dir) / name
+                    if source.is_file() and not os.path.lexists(tmp / name):
+                        shutil.copy2(source, tmp / name)
             # Move the previous export aside before the new one takes its name: a crash leaves one of them.
             old = self.out_dir / f"{FINAL_DIR}.old.tmp"
-            shutil.rmtree(old, ignore_errors=True)
-            if final.exists():
+            _remove(old)
+            if os.path.lexists(final):  # (a link named final is moved aside and unlinked, its target left alone)
                 os.replace(final, old)
             os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                _remove(old)
         D.barrier(self.ctx)
         return final if self.ctx.is_main else None
 
@@ -851,7 +1045,32 @@ class Trainer:
         return value
 
     def close(self) -> None:
+        self._release_lock()
         D.destroy_distributed(self.ctx)
+
+
+def _unlock_fd(fd: int) -> None:
+    """Release the run directory's lock (explicitly: a forked child may hold a copy of the descriptor) and close it."""
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (links and relative paths resolved)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return Path(a).resolve() == Path(b).resolve()
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, a directory tree or a symbolic link (the link only, never what it points to)."""
+    if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
+        path.unlink(missing_ok=True)
+    elif path.is_dir():
+        shutil.rmtree(path)
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

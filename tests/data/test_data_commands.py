@@ -112,7 +112,8 @@ def test_stats_of_an_empty_input_exits_1(tmp_path, tokenizer_dir, capsys):
 
 
 def test_tokenizer_train_refuses_to_replace_a_tokenizer_without_overwrite(tmp_path, capsys, monkeypatch):
-    """Shards prepared with the old tokenizer would silently stop matching a new one: refused before any training."""
+    """Shards prepared with the old tokenizer would silently stop matching a new one: refused before any training, as a
+    usage error (exit 2, as `hybridlm train` refuses an existing run), not as a failure (1)."""
     import hybridlm.data.tokenizer as T
 
     tok = tmp_path / "tok"
@@ -130,9 +131,9 @@ def test_tokenizer_train_refuses_to_replace_a_tokenizer_without_overwrite(tmp_pa
             "--no-progress"]
     with monkeypatch.context() as m:
         m.setattr(T, "train_from_texts", no_training)
-        assert _call(argv) == 1
+        assert _call(argv) == 2
     err = capsys.readouterr().err
-    assert f"{tok} already holds a tokenizer" in err and "--overwrite" in err and "Traceback" not in err
+    assert err.startswith(f"error: {tok} already holds a tokenizer") and "--overwrite" in err and err.count("\n") == 1
     assert (tok / "tokenizer.json").read_bytes() == kept
     assert _call([*argv, "--overwrite"]) == 0
     assert json.loads((tok / "hybridlm_tokenizer.json").read_text())["training"]["files"] == [str(second)]

@@ -14,6 +14,7 @@ import torch
 from hybridlm.training.checkpoint import (
     MANIFEST_FILE,
     CheckpointError,
+    CheckpointMismatchError,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -203,14 +204,14 @@ def test_keep_last_and_overwrite(tmp_path: Path) -> None:
 def test_mismatched_model_is_refused(tmp_path: Path) -> None:
     run, (path, _) = small_run_dir(tmp_path)
     other = ToyLM(VOCAB, 8)
-    with pytest.raises(CheckpointError, match=r"model\.safetensors does not fit the model"):
+    with pytest.raises(CheckpointMismatchError, match=r"model\.safetensors does not fit the model"):
         load_checkpoint(path, model=other, restore_rng=False)
     # same model, optimizer built with other groups
     optimizer = torch.optim.AdamW(
         build_param_groups(run.model.named_parameters(), lr=1e-3, weight_decay=0.1,
                            classifier={r"(proj|lm_head|embed_tokens)\.weight$": "mlp_up", r".": "bias"})
     )
-    with pytest.raises(CheckpointError, match="parameter groups"):
+    with pytest.raises(CheckpointMismatchError, match="parameter groups"):
         load_checkpoint(path, model=run.model, optimizer=optimizer, restore_rng=False)
     # same number of groups, other members: caught by the saved param_names
     def two_groups(head_role: str) -> torch.optim.Optimizer:
@@ -218,7 +219,7 @@ def test_mismatched_model_is_refused(tmp_path: Path) -> None:
         return torch.optim.AdamW(build_param_groups(run.model.named_parameters(), lr=1e-3, weight_decay=0.1,
                                                     classifier=classifier))
     saved = save_checkpoint(tmp_path / "other", 0, model=run.model, optimizer=two_groups("mlp_up"))
-    with pytest.raises(CheckpointError, match=r"group 0 \(mlp_up\) was saved for other parameters.*'lm_head\.weight'"):
+    with pytest.raises(CheckpointMismatchError, match=r"group 0 \(mlp_up\) was saved for other parameters.*'lm_head\.weight'"):
         load_checkpoint(saved, model=run.model, optimizer=two_groups("bias"), restore_rng=False)
 
 
