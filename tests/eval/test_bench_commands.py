@@ -180,8 +180,8 @@ def test_recipe_values_that_cannot_train_are_usage_errors_before_any_run(tmp_pat
 
 @pytest.mark.parametrize("bench, options, message", [
     # model lists
-    ("addition", ["--models", "nope"], "unknown model name 'nope'; use transformer, mamba2, fw-<rule>"),
-    ("recall", ["--models", "fw-9"], "unknown model name 'fw-9'; use transformer, mamba2, fw-<rule>"),
+    ("addition", ["--models", "nope"], "unknown model name 'nope'; use transformer, mamba2, mamba2-ref, fw-<rule>"),
+    ("recall", ["--models", "fw-9"], "unknown model name 'fw-9'; use transformer, mamba2, mamba2-ref, fw-<rule>"),
     ("addition", ["--models", ","], "the model list is empty; give --models names, e.g. fw-3A,transformer"),
     ("recall", ["--models", " "], "the model list is empty; give --models names, e.g. fw-3A,transformer"),
     ("addition", ["--models", "fw-1A,fw-1A"], "the model list repeats a name: fw-1A; give each model once"),
