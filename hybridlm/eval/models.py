@@ -72,7 +72,8 @@ def ssm_fields(name: str) -> dict[str, Any]:
     match = _FW.match(name)
     if match is None:
         raise ValueError(
-            f"unknown model name {name!r}; use transformer, mamba2, mamba2-ref, fw-<rule>[-w<B>][-same|-shifted][-eta|-nlms] "
+            f"unknown model name {name!r}; use transformer, mamba2, mamba2-ref, "
+            "fw-<rule>[-w<B>][-same|-shifted][-eta|-nlms] "
             f"(rule in {', '.join(FW_RULES)}) or hybrid-<one of those SSMs>"
         )
     rule = match["rule"]

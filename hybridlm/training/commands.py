@@ -17,8 +17,8 @@ schedule.decay or schedule.decay_fraction drops the other decay key inherited fr
 without `--config` continues with the run's own `config.yaml`. An output directory that holds a run
 (checkpoints/, final/, metrics.jsonl, ...) is refused unless `--resume` continues it or `--overwrite`
 replaces it (only once every check has passed), and so is one another `train` is running in. Keep your
-own config files outside the output directory: the run writes its resolved config to <out>/config.yaml,
-so `--config <out>/config.yaml` is refused except with `--resume` of a run with a checkpoint. Exit status:
+own config files outside the output directory: the run writes its resolved config to <out>/config.yaml
+(marked by its first line), and a config.yaml there that a run did not write is refused, never replaced. Exit status:
 0 done, 1 training failed (diverged, data ran out, bad checkpoint), 2 configuration error (reported
 before anything runs or is deleted), 128 + signal number when stopped by SIGINT / SIGTERM (a checkpoint
 was saved after the first signal; a second one, or one while writing samples or final/, stops at once).

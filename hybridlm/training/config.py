@@ -569,13 +569,28 @@ def dump_config(config: TrainConfig) -> str:
     return yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=None)
 
 
+# The first line of a run's own config.yaml (`save_config`): it tells a run's record, which the trainer may rewrite
+# or delete, from a config file of the user's that happens to sit in the output directory.
+RUN_CONFIG_HEADER = "# hybridlm train: the resolved config of the run in this directory (rewritten by the run)\n"
+
+
 def save_config(config: TrainConfig, path: str | Path) -> Path:
+    """Write the resolved config (atomically), marked as a run's record by its first line (`RUN_CONFIG_HEADER`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(dump_config(config), encoding="utf-8")
+    tmp.write_text(RUN_CONFIG_HEADER + dump_config(config), encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def is_run_config(path: str | Path) -> bool:
+    """Whether the file at `path` is a config.yaml that `save_config` wrote (a run's record)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline() == RUN_CONFIG_HEADER
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def diff_configs(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:

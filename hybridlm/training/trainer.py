@@ -51,15 +51,13 @@ saved under 2 ranks resumes under 1 with the same stream of tokens (keep the glo
 A train.steps below the checkpoint's step is a ConfigError (a run is not shortened after the fact); a run resumed at
 its full length with final/ written is "already complete": nothing is trained or rewritten.
 
-A new run (resume=False) into an out_dir that holds one (checkpoints, final/, metrics.jsonl, ...) is a ConfigError
-unless `overwrite=True`, which deletes those outputs (and config.yaml; links are unlinked, their targets left alone)
+A new run (resume=False) into an out_dir that holds one (checkpoints, final/, metrics.jsonl, its config.yaml, ...) is
+a ConfigError unless `overwrite=True`, which deletes those outputs (links are unlinked, their targets left alone)
 only after every check (config, data, model, the directory itself) has passed, just before config.yaml is written:
-a bad setting leaves the previous run as it was. resume=True with no checkpoint but a final/ is refused as well (the
-run looks finished: starting it over would replace its outputs). config.yaml alone does not make a run (it may be
-the user's config), but is not replaced without `overwrite`; and the file the config was read from (`config_path`)
-is never deleted or replaced, unless it is the config.yaml of the run being resumed from a checkpoint (that run's
-own record, rewritten with the settings given now): `--config <out_dir>/config.yaml` is refused for a new run, with
---overwrite, and for --resume without a checkpoint. Keep your own configs outside the output directory.
+a bad setting leaves the previous run as it was. resume=True with no checkpoint starts the run (a preemptible job can
+always pass --resume), but with a final/ and no checkpoint it is refused (the run looks finished: starting it over
+would replace its outputs). The run's config.yaml starts with `RUN_CONFIG_HEADER`; a config.yaml without it, and
+with no other run output beside it, is the user's file: never replaced or deleted (a ConfigError says to move it).
 
 One run per directory: rank 0 holds an exclusive lock (flock) on `<out_dir>/.train.lock` from the start until
 `train()` returns (or `close()`; the system releases it if the process dies); a second Trainer on the directory, in
@@ -109,6 +107,7 @@ from hybridlm.training.config import (
     config_to_dict,
     diff_configs,
     dump_config,
+    is_run_config,
     plan_steps,
     save_config,
     schedule_config,
@@ -226,7 +225,8 @@ class Trainer:
         config_path: str | Path | None = None,
     ) -> None:
         """`config_path`: the file `config` was read from (the CLI's --config, or the run's config.yaml that --resume
-        reads), if any: never deleted or replaced unless it is the config.yaml of the run being resumed."""
+        reads), if any: --overwrite refuses to delete it inside the outputs, unless it is the run's own config.yaml
+        (read already, and rewritten)."""
         self.config = config
         self.config_path = Path(config_path) if config_path is not None else None
         self._unlock: weakref.finalize | None = None  # releases the run directory's lock (rank 0, while held)
@@ -329,12 +329,9 @@ class Trainer:
 
         Refused: a new run over an existing one unless `overwrite` (a finished run whose checkpoints were deleted
         still has final/, metrics.jsonl, ... to lose); a directory another process trains into (its lock); a file
-        where checkpoints/ or final/ go, or a link there to nothing (without `overwrite`); replacing the config
-        file the run reads (`config_path`) unless it is the config.yaml of the run being resumed, so
-        `--config <out>/config.yaml` is refused for a new run, with --overwrite and for --resume without a
-        checkpoint: keep your own config outside the output directory; replacing a config.yaml that is alone in
-        the directory (no other run output: the user's, not a run's) without `overwrite`; and with `overwrite`,
-        a config, tokenizer or dataset inside an output that would be deleted."""
+        where checkpoints/ or final/ go, or a link there to nothing (without `overwrite`); a config.yaml that is not
+        a run's record (the user's); and with `overwrite`, a config, tokenizer or dataset inside an output that
+        would be deleted."""
         out = self.out_dir
         if resume and overwrite:
             raise ConfigError("--resume and --overwrite contradict each other: --resume continues the run in "
@@ -359,7 +356,16 @@ class Trainer:
         outputs = [name for name in _RUN_OUTPUTS if name not in (CHECKPOINT_DIR, CONFIG_FILE)
                    and os.path.lexists(out / name)]
         config_yaml = out / CONFIG_FILE
-        has_config = os.path.lexists(config_yaml)
+        if os.path.lexists(config_yaml):
+            # A run's record (its first line says so, or other outputs of a run lie beside it) is the run's to
+            # rewrite or delete; any other config.yaml is the user's, never replaced or deleted.
+            if not (is_run_config(config_yaml) or existing or outputs):
+                raise ConfigError(
+                    f"train.out_dir: {config_yaml} is not a run's record (a config of yours?) and the run writes its "
+                    f"resolved config there; move it out of {out} (pass it to --config from there), or choose "
+                    "another --out"
+                )
+            outputs = [name for name in _RUN_OUTPUTS if name != CHECKPOINT_DIR and os.path.lexists(out / name)]
         if resume and not existing and FINAL_DIR in outputs:
             # Starting from scratch here would truncate the metrics and replace final/ of a finished run.
             raise ConfigError(
@@ -368,36 +374,13 @@ class Trainer:
                 "--overwrite instead of --resume (replaces its outputs), or choose another --out"
             )
         if not resume and not overwrite and (existing or outputs):
-            names = [n for n in _RUN_OUTPUTS if n != CHECKPOINT_DIR and (n in outputs or (n == CONFIG_FILE
-                                                                                           and has_config))]
             found = ", ".join(([f"{CHECKPOINT_DIR}/{existing[-1].name}"] if existing else [])
-                              + [f"{n}/" if n == FINAL_DIR else n for n in names])
+                              + [f"{n}/" if n == FINAL_DIR else n for n in outputs])
             advice = "pass --resume to continue it, " if existing else ""
             raise ConfigError(
                 f"train.out_dir: {out} already holds a run ({found}); {advice}pass --overwrite to replace "
                 "it (deletes its outputs), or choose another --out"
             )
-        continuing = resume and bool(existing)  # config.yaml is then the resumed run's own record: rewritten
-        if has_config and not continuing:
-            if self.config_path is not None and _same_file(self.config_path, config_yaml):
-                if resume:  # (the CLI's --resume reads <out>/config.yaml when no --config is given)
-                    raise ConfigError(
-                        f"--resume: {out} holds no checkpoint to continue, and starting from scratch would replace "
-                        f"{config_yaml}, the config this run reads, with its resolved config; keep your config "
-                        "outside the output directory (move it elsewhere and pass it to --config, without --resume)"
-                    )
-                raise ConfigError(
-                    f"--config {self.config_path} is {out}'s config.yaml, which this run would "
-                    f"{'delete and ' if overwrite else ''}replace with its resolved config; keep your config outside "
-                    "the output directory (copy it elsewhere and pass the copy to --config)"
-                )
-            if not existing and not outputs and not overwrite:
-                raise ConfigError(
-                    f"train.out_dir: {config_yaml} is there without any other run output (a config of yours, or a "
-                    "run that stopped before its first record) and this run would replace it with its resolved "
-                    f"config; move it out of {out} (and pass it to --config if it is this run's config), or pass "
-                    f"--overwrite{' instead of --resume' if resume else ''} to replace it"
-                )
         if overwrite:
             self._check_nothing_needed_is_deleted()
 
@@ -426,7 +409,8 @@ class Trainer:
             os.close(fd)
             if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
                 return (f"train.out_dir: another `hybridlm train` is running in {self.out_dir} (it holds "
-                        f"{path.name}); wait for it to end or stop it, or choose another --out")
+                        f"{path.name}); wait for it to end or stop it, or choose another --out (in Python: close() "
+                        "a Trainer of this process that will not train)")
             log.warning("cannot lock %s (%s): this run is not protected from a second one in %s", path, err,
                         self.out_dir)
             return None
@@ -443,7 +427,10 @@ class Trainer:
         """--overwrite: a file the run reads (config, tokenizer, data) inside an output it would delete is a
         ConfigError (a link is removed, not what it points to)."""
         c = self.config.data
-        needed = [("--config", self.config_path), ("data.tokenizer", c.tokenizer), ("data.demo_dir", c.demo_dir)]
+        # (the run's own config.yaml as --config is read already, and rewritten: not needed)
+        own = self.config_path is not None and _same_file(self.config_path, self.out_dir / CONFIG_FILE)
+        needed = [("--config", None if own else self.config_path), ("data.tokenizer", c.tokenizer),
+                  ("data.demo_dir", c.demo_dir)]
         needed += [("data.sources", s.path) for s in c.sources] + [("data.eval_sources", s.path)
                                                                       for s in c.eval_sources]
         for name in _RUN_OUTPUTS:
@@ -462,6 +449,7 @@ class Trainer:
     def _remove_previous_run(self) -> None:
         """--overwrite, after every check: rank 0 removes the previous run's outputs (a symbolic link is unlinked;
         what it points to is left alone). The lock file and demo_data/ stay."""
+        problem = None
         if self.ctx.is_main:
             for name in _RUN_OUTPUTS:
                 path = self.out_dir / name
@@ -471,9 +459,12 @@ class Trainer:
                 try:
                     _remove(path)
                 except OSError as err:
-                    raise ConfigError(f"--overwrite: cannot remove {path} ({err}); remove it yourself or choose "
-                                      "another --out") from err
-        D.barrier(self.ctx)
+                    problem = f"--overwrite: cannot remove {path} ({err}); remove it yourself or choose another --out"
+                    break
+        # every rank raises (a rank-0-only error would leave the others waiting in a barrier)
+        problem = D.broadcast_object(problem, self.ctx)
+        if problem:
+            raise ConfigError(problem)
 
     def _build_data(self) -> _Data:
         from hybridlm.data.errors import DataError

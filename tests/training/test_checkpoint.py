@@ -219,7 +219,8 @@ def test_mismatched_model_is_refused(tmp_path: Path) -> None:
         return torch.optim.AdamW(build_param_groups(run.model.named_parameters(), lr=1e-3, weight_decay=0.1,
                                                     classifier=classifier))
     saved = save_checkpoint(tmp_path / "other", 0, model=run.model, optimizer=two_groups("mlp_up"))
-    with pytest.raises(CheckpointMismatchError, match=r"group 0 \(mlp_up\) was saved for other parameters.*'lm_head\.weight'"):
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"group 0 \(mlp_up\) was saved for other parameters.*'lm_head\.weight'"):
         load_checkpoint(saved, model=run.model, optimizer=two_groups("bias"), restore_rng=False)
 
 

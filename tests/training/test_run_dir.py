@@ -1,5 +1,5 @@
-"""The output directory of `hybridlm train`: what --overwrite deletes and when, the run lock, links, a user's config.yaml,
-final/'s files, a changed model on --resume, stopping at once, and the exit statuses of these refusals."""
+"""The output directory of `hybridlm train`: what --overwrite deletes and when, the run lock, links, a user's
+config.yaml, final/'s files, a changed model on --resume, stopping at once, and the exit statuses of these refusals."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridlm.training.checkpoint import latest_checkpoint, list_checkpoints
-from hybridlm.training.config import ConfigError
+from hybridlm.training.config import ConfigError, is_run_config
 from hybridlm.training.trainer import LOCK_FILE, Trainer, read_jsonl
 from tests.training.test_trainer import cli_sets, small_config, snapshot
 
@@ -48,24 +48,21 @@ def test_overwrite_with_a_bad_setting_keeps_the_previous_run(demo_dir, finished,
     assert snapshot(finished) == before  # checkpoints/, final/, metrics, config.yaml: all still there
 
 
-def test_overwrite_never_deletes_the_config_it_reads(demo_dir, finished, tmp_path, capsys):
+def test_overwrite_reruns_from_the_runs_own_config_and_keeps_a_users_config(demo_dir, finished, capsys):
+    """The run's own config.yaml as --config with --overwrite (read already, then rewritten) starts the run over; a
+    config of the user's inside an output --overwrite deletes is refused, nothing deleted."""
     config = finished / "config.yaml"
+    assert is_run_config(config)
+    mine = finished / "final" / "mine.yaml"
+    mine.write_text("# my copy\n" + config.read_text())
     before = snapshot(finished)
-    assert train_cli(finished, "--overwrite", "--config", str(config)) == 2
+    assert train_cli(finished, "--overwrite", "--config", str(mine)) == 2
     err = capsys.readouterr().err
-    assert "is " + f"{finished}'s config.yaml" in err and "keep your config outside the output directory" in err, err
+    assert f"--config: {mine.resolve()} is inside {finished / 'final'}, which --overwrite deletes" in err, err
     assert snapshot(finished) == before
-    # the same file through another spelling of the path
-    relative = os.path.relpath(config)
-    assert train_cli(finished, "--overwrite", "--config", relative) == 2
-    assert snapshot(finished) == before
-    # a copy elsewhere: the run is replaced
-    copy = tmp_path / "mine.yaml"
-    shutil.copy(config, copy)
-    kept = copy.read_bytes()
-    assert train_cli(finished, "--overwrite", "--config", str(copy), "--set", "train.steps=1") == 0
-    assert [m["step"] for m in read_jsonl(finished / "metrics.jsonl")] == [1]
-    assert copy.read_bytes() == kept
+    assert train_cli(finished, "--overwrite", "--config", os.path.relpath(config), "--set", "train.steps=1") == 0
+    assert [m["step"] for m in read_jsonl(finished / "metrics.jsonl")] == [1] and is_run_config(config)
+    assert "steps: 1" in config.read_text()
 
 
 def test_overwrite_keeps_a_tokenizer_inside_the_outputs_it_would_delete(demo_dir, finished, tmp_path, capsys):
@@ -141,7 +138,8 @@ def test_a_second_run_in_a_busy_directory_is_refused_at_once(demo_dir, finished,
             assert train_cli(finished, *args, *cli_sets(demo_dir, "train.steps=4")) == 2
             err = capsys.readouterr().err
             assert err == f"config error: train.out_dir: another `hybridlm train` is running in {finished} (it holds " \
-                          f"{LOCK_FILE}); wait for it to end or stop it, or choose another --out\n", err
+                          f"{LOCK_FILE}); wait for it to end or stop it, or choose another --out (in Python: " \
+                          "close() a Trainer of this process that will not train)\n", err
         assert snapshot(finished) == before and (finished / LOCK_FILE).is_file()  # --overwrite left the lock alone
         assert not lock_is_free(finished)
     finally:
@@ -203,28 +201,43 @@ def test_a_dangling_link_or_a_file_where_a_directory_goes_is_refused_before_trai
 
 
 # ------------------------------------------------------------------------------------ 5. the user's config.yaml
-def test_a_config_yaml_alone_is_not_a_run_and_is_never_replaced(demo_dir, tmp_path, capsys):
+def test_a_users_config_yaml_in_the_output_directory_is_never_replaced(demo_dir, tmp_path, capsys):
+    """A config.yaml the trainer did not write (no header line), with no run output beside it, is the user's: every
+    way of starting a run there is refused and leaves it as it was; moved elsewhere, as the message says, it runs."""
     out = tmp_path / "mine"
     out.mkdir()
     mine = out / "config.yaml"
     text = "# my experiment: keep these comments\n" + (Path(__file__).parents[2] / "configs" / "demo.yaml").read_text()
     mine.write_text(text)
-    sets = cli_sets(demo_dir, "train.steps=1")
-    for args in (["--config", str(mine)], ["--config", str(mine), "--overwrite"], ["--resume"],
-                 ["--config", str(mine), "--resume"]):
-        assert train_cli(out, *args, *sets) == 2, args
-        err = capsys.readouterr().err
-        assert "already holds a run" not in err and "keep your config outside the output directory" in err, err
-        assert mine.read_text() == text and sorted(p.name for p in out.iterdir()) == [LOCK_FILE, "config.yaml"]
     other = tmp_path / "other.yaml"
     other.write_text(text)
-    assert train_cli(out, "--config", str(other), *sets) == 2  # would replace it, though it is not the run's config
-    err = capsys.readouterr().err
-    assert f"{mine} is there without any other run output" in err and "--overwrite" in err, err
-    assert mine.read_text() == text
+    sets = cli_sets(demo_dir, "train.steps=1")
+    for args in (["--config", str(mine)], ["--config", str(mine), "--overwrite"], ["--resume"],
+                 ["--config", str(mine), "--resume"], ["--config", str(other)],
+                 ["--config", str(other), "--overwrite"]):
+        assert train_cli(out, *args, *sets) == 2, args
+        err = capsys.readouterr().err
+        assert f"{mine} is not a run's record (a config of yours?)" in err and err.count("\n") == 1, err
+        assert mine.read_text() == text and sorted(p.name for p in out.iterdir()) == [LOCK_FILE, "config.yaml"]
     shutil.move(mine, other)  # kept elsewhere, as the message says
     assert train_cli(out, "--config", str(other), *sets) == 0
-    assert other.read_text() == text and "# my experiment" not in mine.read_text()
+    assert other.read_text() == text and is_run_config(mine)
+
+
+def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it(demo_dir, tmp_path, capsys):
+    """A run killed after writing its config.yaml (and a metrics record) but before its first checkpoint: --resume
+    starts it from scratch, as a preemptible job that always passes --resume needs; without --resume the directory
+    holds a run."""
+    out = tmp_path / "killed"
+    trainer = Trainer(small_config(demo_dir, out, "train.steps=2"))  # writes config.yaml, as a start does
+    trainer.close()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 6.0}\n')
+    assert is_run_config(out / "config.yaml")
+    assert train_cli(out, *cli_sets(demo_dir, "train.steps=2")) == 2
+    assert "already holds a run (metrics.jsonl, config.yaml)" in capsys.readouterr().err
+    assert train_cli(out, "--resume") == 0
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+    assert list_checkpoints(out / "checkpoints")
 
 
 def test_resume_from_a_checkpoint_still_rewrites_the_runs_own_config(demo_dir, finished):
