@@ -2,8 +2,9 @@
 
 The CLI owner calls `add_commands(subparsers)` with what `ArgumentParser.add_subparsers()` returned;
 each command's `func(args)` returns an exit status (0 ok, 1 a DataError: bad input or output,
-explained on stderr without a traceback; 2 a usage error: `tokenizer train` into an --out that holds a
-tokenizer, without --overwrite, as `hybridlm train` refuses an existing run).
+explained on stderr without a traceback; 2 a usage error: `tokenizer train` or `data prepare` into an --out
+that holds a tokenizer or a dataset from other inputs, without --overwrite, as `hybridlm train` refuses an
+existing run).
 
     hybridlm tokenizer train --input corpus/ --vocab-size 32768 --out tok/
     hybridlm tokenizer stats --tokenizer tok/ --input heldout.jsonl
@@ -17,7 +18,7 @@ import argparse
 import json
 import sys
 
-from hybridlm.data.errors import DataError
+from hybridlm.data.errors import DataError, OutputExistsError
 
 
 def add_commands(subparsers) -> None:
@@ -104,19 +105,11 @@ def _run(fn, args) -> int:
         return fn(args)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, OutputExistsError) else 1
 
 
 def _tokenizer_train(args) -> int:
-    from pathlib import Path
-
-    from hybridlm.data.tokenizer import check_out_dir, train_tokenizer
-
-    try:  # checked here too, so that refusing to replace a tokenizer is a usage error (exit 2), not a failure
-        check_out_dir(Path(args.out), overwrite=args.overwrite)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    from hybridlm.data.tokenizer import train_tokenizer
 
     def run(a):
         tok = train_tokenizer(a.input, a.vocab_size, a.out, text_field=a.text_field,

@@ -40,7 +40,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from hybridlm.data.corpus import ReadStats, SourceFile, find_files, iter_documents
-from hybridlm.data.errors import DataError
+from hybridlm.data.errors import DataError, OutputExistsError
 from hybridlm.data.tokenizer import TOKENIZER_FILE, HybridTokenizer
 from hybridlm.fileio import sha256_file, write_atomic
 
@@ -345,7 +345,7 @@ def prepare(
             if not overwrite:
                 old = earlier["settings"] if isinstance(earlier.get("settings"), dict) else {}
                 differ = sorted(k for k in settings if old.get(k) != settings[k])
-                raise DataError(
+                raise OutputExistsError(
                     f"{out} already holds a dataset prepared from other inputs or settings (differs in: "
                     f"{', '.join(differ) or 'format'}); use another --out, or pass --overwrite to replace it")
             earlier = manifest = None

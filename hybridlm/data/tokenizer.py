@@ -61,7 +61,7 @@ import tokenizers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hybridlm.data.corpus import ReadStats, find_files, iter_documents
-from hybridlm.data.errors import DataError
+from hybridlm.data.errors import DataError, OutputExistsError
 
 log = logging.getLogger(__name__)
 
@@ -347,8 +347,8 @@ def check_out_dir(out: Path, *, overwrite: bool) -> None:
                 raise NotADirectoryError(errno.ENOTDIR, f"{candidate} is a file, not a directory", str(candidate))
             break
     if not overwrite and any((out / name).exists() for name in (TOKENIZER_FILE, META_FILE)):
-        raise DataError(f"{out} already holds a tokenizer; data prepared with it would no longer match a new one. "
-                        "Use another --out, or pass --overwrite to replace it")
+        raise OutputExistsError(f"{out} already holds a tokenizer; data prepared with it would no longer match a new "
+                                "one. Use another --out, or pass --overwrite to replace it")
 
 
 def train_tokenizer(

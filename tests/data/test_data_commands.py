@@ -73,6 +73,14 @@ def test_train_stats_prepare_verify(tmp_path, capsys):
     assert capsys.readouterr().out.startswith(f"ok: {manifest['num_tokens']} tokens")
     TokenDataset(out)
 
+    # other settings into the same --out: a usage error (exit 2) that leaves the dataset as it was
+    kept = (out / MANIFEST).read_bytes()
+    assert _call([*argv[:-3], "--shard-tokens", "500", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {out} already holds a dataset prepared from other inputs or settings (differs in: "
+                          "shard_tokens)") and err.count("\n") == 1, err
+    assert (out / MANIFEST).read_bytes() == kept
+
 
 def test_errors_exit_1_with_a_message(tmp_path, tokenizer_dir, capsys):
     bad = tmp_path / "bad.jsonl"
