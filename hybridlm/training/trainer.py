@@ -213,7 +213,9 @@ def _mean(values: list[float]) -> float | None:
 
 
 class Trainer:
-    """See the module docstring. `callbacks` are called as `fn(trainer, record)` after every update."""
+    """See the module docstring. `callbacks` are called as `fn(trainer, record)` after every update. A context
+    manager: `with Trainer(config) as trainer: trainer.train()` closes it (the directory's lock, the process group)
+    on the way out, also when the trainer is built and never trained."""
 
     def __init__(
         self,
@@ -410,7 +412,7 @@ class Trainer:
             if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
                 return (f"train.out_dir: another `hybridlm train` is running in {self.out_dir} (it holds "
                         f"{path.name}); wait for it to end or stop it, or choose another --out (in Python: close() "
-                        "a Trainer of this process that will not train)")
+                        "a Trainer of this process that will not train, or build it in a with statement)")
             log.warning("cannot lock %s (%s): this run is not protected from a second one in %s", path, err,
                         self.out_dir)
             return None
@@ -1038,6 +1040,12 @@ class Trainer:
     def close(self) -> None:
         self._release_lock()
         D.destroy_distributed(self.ctx)
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 def _unlock_fd(fd: int) -> None:

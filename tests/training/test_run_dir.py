@@ -139,7 +139,8 @@ def test_a_second_run_in_a_busy_directory_is_refused_at_once(demo_dir, finished,
             err = capsys.readouterr().err
             assert err == f"config error: train.out_dir: another `hybridlm train` is running in {finished} (it holds " \
                           f"{LOCK_FILE}); wait for it to end or stop it, or choose another --out (in Python: " \
-                          "close() a Trainer of this process that will not train)\n", err
+                          "close() a Trainer of this process that will not train, or build it in a with " \
+                          "statement)\n", err
         assert snapshot(finished) == before and (finished / LOCK_FILE).is_file()  # --overwrite left the lock alone
         assert not lock_is_free(finished)
     finally:
@@ -163,6 +164,9 @@ def test_the_lock_is_held_from_the_start_to_the_end_of_train(demo_dir, tmp_path)
         Trainer(small_config(demo_dir, out, "train.steps=2"))
     assert lock_is_free(out)
     Trainer(small_config(demo_dir, out, "train.steps=3"), resume=True).train()  # one after the other: fine
+    assert lock_is_free(out)
+    with Trainer(small_config(demo_dir, out, "train.steps=3"), resume=True) as idle:  # built, never trained
+        assert not lock_is_free(out) and idle.already_complete
     assert lock_is_free(out)
 
 
