@@ -355,19 +355,16 @@ class Trainer:
                                   "there); move it away or choose another --out")
         existing = list_checkpoints(self.checkpoint_dir)
         # (checkpoints/ counts through `existing`: an empty one, or one with only a .tmp save, holds no run)
-        outputs = [name for name in _RUN_OUTPUTS if name not in (CHECKPOINT_DIR, CONFIG_FILE)
-                   and os.path.lexists(out / name)]
+        outputs = [name for name in _RUN_OUTPUTS if name != CHECKPOINT_DIR and os.path.lexists(out / name)]
         config_yaml = out / CONFIG_FILE
-        if os.path.lexists(config_yaml):
-            # A run's record (its first line says so, or other outputs of a run lie beside it) is the run's to
-            # rewrite or delete; any other config.yaml is the user's, never replaced or deleted.
-            if not (is_run_config(config_yaml) or existing or outputs):
-                raise ConfigError(
-                    f"train.out_dir: {config_yaml} is not a run's record (a config of yours?) and the run writes its "
-                    f"resolved config there; move it out of {out} (pass it to --config from there), or choose "
-                    "another --out"
-                )
-            outputs = [name for name in _RUN_OUTPUTS if name != CHECKPOINT_DIR and os.path.lexists(out / name)]
+        # A run's record (its first line says so, or other outputs of a run lie beside it) is the run's to rewrite or
+        # delete; any other config.yaml is the user's, never replaced or deleted.
+        if outputs == [CONFIG_FILE] and not existing and not is_run_config(config_yaml):
+            raise ConfigError(
+                f"train.out_dir: {config_yaml} is not a run's record (a config of yours?) and the run writes its "
+                f"resolved config there; move it out of {out} (pass it to --config from there), or choose "
+                "another --out"
+            )
         if resume and not existing and FINAL_DIR in outputs:
             # Starting from scratch here would truncate the metrics and replace final/ of a finished run.
             raise ConfigError(

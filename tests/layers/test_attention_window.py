@@ -363,23 +363,14 @@ def test_a_piece_after_left_padded_rows_is_masked_not_sent_to_the_kernel(monkeyp
 
 
 def recording_varlen(calls: list):
-    """A stand-in for `_varlen_attention` on the CPU that records its documents and computes each by the per-query
-    rule, its queries being the document's last keys: query i of n reads key slots up to S - n + i (and, with a
-    window, the W - 1 before it), the alignment of flash's causal mask when a document has more keys than queries."""
+    """A stand-in for `_varlen_attention` on the CPU that records its documents and computes them with
+    `_windowed_varlen` (queries aligned to each document's last keys, as flash does)."""
 
     def stand_in(q, k, v, offsets, *, max_len, dropout, window, key_offsets=None, max_key_len=None):
         key_offsets = offsets if key_offsets is None else key_offsets
         calls.append((offsets.tolist(), key_offsets.tolist(), max_len, max_key_len, window))
-        groups = q.shape[2] // k.shape[2]
-        out = torch.empty_like(q[0])
-        for (qa, qb), (ka, kb) in zip(zip(offsets[:-1].tolist(), offsets[1:].tolist()),
-                                      zip(key_offsets[:-1].tolist(), key_offsets[1:].tolist())):
-            qd = q[0, qa:qb].transpose(0, 1)  # [H, n, D]
-            kd, vd = (t[0, ka:kb].transpose(0, 1).repeat_interleave(groups, 0) for t in (k, v))  # [H, S, D]
-            back = torch.arange(kb - ka - (qb - qa), kb - ka)[:, None] - torch.arange(kb - ka)[None, :]
-            allowed = (back >= 0) & (back < window) if window is not None else back >= 0
-            out[qa:qb] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=allowed).transpose(0, 1)
-        return out
+        return _windowed_varlen(q[0], k[0], v[0], offsets, key_offsets, max_len, max_key_len or max_len,
+                                window_size=(-1 if window is None else window - 1, 0), enable_gqa=True)
 
     return stand_in
 
