@@ -63,21 +63,23 @@ def main() -> None:
     args = parser.parse_args()
     block_k = max(16, triton.next_power_of_2(args.K))
     pass_v = min(max(16, triton.next_power_of_2(args.V)), 32 if block_k > 64 else 64)  # chunk_1's BV_pass
-    grad_v = min(max(16, triton.next_power_of_2(args.V)), 16 if block_k > 64 else 32)  # chunk_1's BV_x
+    block_64 = min(64, block_k), min(64, max(16, triton.next_power_of_2(args.V)))  # chunk_1's gradient blocks
     sizes = {"K": args.K, "V": args.V, "BT": args.chunk, "BK": block_k, "PREC32": "tf32", "SLOTS": 1,
-             "READ_AFTER": True, "HAS_INIT": True, "INTERPRET": False}
-    kernels = (("delta_pass_kernel", pass_v), ("delta_grad_pass_kernel", pass_v), ("delta_grad_kernel", grad_v))
+             "READ_AFTER": True, "HAS_INIT": True, "INTERPRET": False, "N_PARTS": -(-block_k // 64)}
+    kernels = (("delta_pass_kernel", {"BV": pass_v}), ("delta_grad_pass_kernel", {"BV": pass_v}),
+               ("delta_grad_state_kernel", {"BK": block_64[0], "BV": block_64[1]}),
+               ("delta_grad_kernel", {"BK": block_64[0], "BV": block_64[1]}))
     print(f"# {time.strftime('%Y-%m-%d')} | ptxas sm_90a (triton {triton.__version__}) | K={args.K} V={args.V} "
           f"chunk={args.chunk} bf16")
     print("| kernel | BV | warps x stages | registers | spill stores (B) | spill loads (B) |")
     print("|---|---|---|---|---|---|")
-    for name, block_v in kernels:
+    for name, blocks in kernels:
         for config in args.configs:
             warps, stages = (int(part) for part in config.split("x"))
-            registers, stores, loads = ptxas_stats(getattr(kernels_delta, name), dict(sizes, BV=block_v),
+            registers, stores, loads = ptxas_stats(getattr(kernels_delta, name), dict(sizes, **blocks),
                                                    warps=warps, stages=stages)
             mark = " *" if LAUNCHED.get(name) == (warps, stages) else ""
-            print(f"| {name} | {block_v} | {warps} x {stages}{mark} | {registers} | {stores} | {loads} |", flush=True)
+            print(f"| {name} | {blocks['BV']} | {warps} x {stages}{mark} | {registers} | {stores} | {loads} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ HYBRIDLM_TRITON_INTERPRET=1, ~1 min; everything on a GPU).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -358,8 +357,9 @@ for K, BT in ((128, 64), (64, 64), (16, 64)):
         b(k.wy_kernel, dict(sizes, BV=min(64, max(16, K)), STORE_TINV=True), warps=4)
         b(k.delta_grad_pass_kernel, dict(sizes, BV=32 if K > 64 else min(64, max(16, K)), HAS_INIT=True,
                                          INTERPRET=False), warps=8)
+        b(k.delta_grad_state_kernel, dict(sizes, BK=min(64, K), BV=min(64, K)), warps=8)
         for read_after in (True, False):
-            b(k.delta_grad_kernel, dict(sizes, BV=16 if K > 64 else min(32, max(16, K)), READ_AFTER=read_after),
+            b(k.delta_grad_kernel, dict(sizes, BK=min(64, K), BV=min(64, K), READ_AFTER=read_after, N_PARTS=-(-K // 64)),
               warps=8)
     # Rule 1's kernels that do not take SLOTS, as chunk_1 launches them.
     plain = dict(K=K, V=K, BT=BT, BK=K, PREC32="tf32")

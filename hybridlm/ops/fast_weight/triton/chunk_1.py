@@ -80,21 +80,27 @@ def backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_
         x, eta, L, tinv, dr, dS0 if init is None else init, dh, dz, dS0, p.T, p.T_pad, p.n_chunks, p.H, **sizes,
         BK=p.BK_full, BV=p.BV_pass, SLOTS=p.slots, HAS_INIT=init is not None, INTERPRET=_interpreting(),
         PREC32=p.prec32, **GRAD_PASS_LAUNCH)
-    # dq (and q_t . dq_t), then dx, d eta, d log_gamma, per chunk.
-    # (ptxas, sm_90, K = V = 128, C = 64, bf16, 8 warps: no spill for dq at BV = 32; ~1.2 KB for dx at BV = 16, more
-    # at 32; not yet timed on a GPU.)
-    BV_q, BV_x = (_block(p.V, 32), _block(p.V, 16)) if p.BK_full > 64 else (_block(p.V, 64), _block(p.V, 32))
+    # dq (and q_t . dq_t), per chunk (ptxas, sm_90, K = V = 128, C = 64, bf16, 8 warps: no spill at BV = 32).
+    BV_q = _block(p.V, 32) if p.BK_full > 64 else _block(p.V, 64)
     dq = torch.empty_like(q)
     qdq = torch.empty(p.N, p.T, p.H, dtype=torch.float32, device=p.device)
     kernels_delta.delta_grad_q_kernel[(p.n_chunks, p.NH)](
         q, x, R, eta, L, do, states, dq, qdq, p.T, p.T_pad, p.n_chunks, p.H, **sizes, BK=p.BK_full, BV=BV_q,
         READ_AFTER=read_after, PREC32=p.prec32)
+    # The state terms of dx, d eta and d log_gamma, over column blocks of the states; then the rest, per chunk.
+    BK_s, BV_s = _block(p.K, 64), _block(p.V, 64)
+    n_parts = -(-p.K // BK_s)
+    dxs = torch.empty(p.N, p.T, p.H, p.K, dtype=torch.float32, device=p.device)
+    parts = torch.empty(n_parts, 3, p.NH, p.T_pad, dtype=torch.float32, device=p.device)
+    kernels_delta.delta_grad_state_kernel[(n_parts, p.n_chunks, p.NH)](
+        x, R, eta, L, states, dh, dz, dxs, parts, p.T, p.T_pad, p.n_chunks, p.H, **sizes, BK=BK_s, BV=BV_s,
+        SLOTS=p.slots, PREC32=p.prec32)
     dx = torch.empty_like(x)
     deta = torch.empty_like(eta)
     dlg = torch.empty_like(log_gamma)
     kernels_delta.delta_grad_kernel[(p.n_chunks, p.NH)](
-        q, x, R, eta, L, do, states, dh, dz, qdq, dx, deta, dlg, p.T, p.T_pad, p.n_chunks, p.H, **sizes,
-        BK=p.BK_full, BV=BV_x, READ_AFTER=read_after, SLOTS=p.slots, PREC32=p.prec32)
+        q, x, R, eta, L, do, dz, qdq, dxs, parts, dx, deta, dlg, p.T, p.T_pad, p.n_chunks, p.H, **sizes,
+        BK=BK_s, BV=BV_s, READ_AFTER=read_after, SLOTS=p.slots, N_PARTS=n_parts, PREC32=p.prec32)
     return dq, dx, dz.to(y.dtype), deta, dlg, dS0
 
 

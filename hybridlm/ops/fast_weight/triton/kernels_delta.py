@@ -316,61 +316,115 @@ def delta_grad_q_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dq_p
     tl.store(qdq_ptr + (i_n.to(tl.int64) * T + t) * H + i_h, tl.sum(qf * dq, axis=1), mask=t < T)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "BT", "READ_AFTER", "SLOTS"])
+@triton.autotune(configs=_configs(), key=["K", "V", "BT", "SLOTS"])
 @triton.jit(do_not_specialize=_SIZES)
-def delta_grad_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr, dz_ptr, qdq_ptr,
+def delta_grad_state_kernel(x_ptr, r_ptr, eta_ptr, L_ptr, h_ptr, dh_ptr, dz_ptr, dxs_ptr, part_ptr, T, T_pad,
+                            n_chunks, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                            BV: tl.constexpr, SLOTS: tl.constexpr, PREC32: tl.constexpr):
+    """The terms of B5-B7 that read the chunk's states, for one [BT, BK] column block of dx: with S = h[c] (entry
+    state) and dS' = dh[c],
+
+        dxs_s = exp(L_last - L_s) eta_s dS' r_s - exp(Lp_s) S dZ_s                    (B5's F4 and F3 terms)
+
+    into dxs (float32, the layout of x), and the block's parts of the sums over K that B6/B7 need: x_s . (dS' r_s),
+    x_s^T S dZ_s [BT] and <dS', S> (one number per chunk, in the chunk's first row), into part
+    [nK, 3, N * H, T_pad]. Grid (nK, n_chunks, N * H): the states' rows are split over programs, so that no program
+    holds a [BT, K] accumulator beside the [BT, BT] ones of `delta_grad_kernel` (spills, RESULTS.md)."""
+    i_k, i_c, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    t = i_c * BT + tl.arange(0, BT)
+    rk = i_k * BK + tl.arange(0, BK)
+    dSr = tl.zeros([BT, BK], dtype=tl.float32)                                              # dS' r_s  (rows s)
+    SdZ = tl.zeros([BT, BK], dtype=tl.float32)                                              # S dZ_s
+    s_dot = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        rv = i_v * BV + tl.arange(0, BV)
+        r = _load_rows(r_ptr, i_n, i_h, t, T, H, V, rv)                                     # [BT, BV] fp32
+        dz = _load_rows(dz_ptr, i_n, i_h, t, T, H, V, rv)
+        offs, mask = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
+        S = tl.load(h_ptr + offs, mask=mask, other=0.0)                                     # [BK, BV] fp32
+        dS = tl.load(dh_ptr + offs, mask=mask, other=0.0)
+        dSr += tl.dot(r, tl.trans(dS), input_precision=PREC32)
+        SdZ += tl.dot(dz, tl.trans(S), input_precision=PREC32)
+        s_dot += tl.sum(S * dS, axis=1)
+    eta = _load_steps(eta_ptr, i_n, i_h, t, T, H)
+    L, Lp, L_last = _residual_decays(L_ptr, i_nh, i_c, T_pad, BT, SLOTS)
+    dxs = (tl.exp(L_last - L) * eta)[:, None] * dSr - tl.exp(Lp)[:, None] * SdZ
+    _store_rows(dxs_ptr, dxs, i_n, i_h, t, T, H, K, rk)
+    xf = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk).to(tl.float32)                        # [BT, BK]
+    NH = tl.num_programs(2)
+    tl.store(_part_row(part_ptr, i_k, 0, NH, i_nh, T_pad) + t, tl.sum(xf * dSr, axis=1))
+    tl.store(_part_row(part_ptr, i_k, 1, NH, i_nh, T_pad) + t, tl.sum(xf * SdZ, axis=1))
+    tl.store(_part_row(part_ptr, i_k, 2, NH, i_nh, T_pad) + t,
+             tl.where(tl.arange(0, BT) == 0, tl.sum(s_dot, axis=0), 0.0))
+
+
+@triton.jit
+def _part_row(part_ptr, i_k, j, NH, i_nh, T_pad):
+    """Row (i_k, j, i_nh) of the [nK, 3, N * H, T_pad] buffer of `delta_grad_state_kernel`'s parts."""
+    return part_ptr + ((i_k * 3 + j) * NH + i_nh).to(tl.int64) * T_pad
+
+
+@triton.autotune(configs=_configs(), key=["K", "V", "BT", "READ_AFTER", "SLOTS", "N_PARTS"])
+@triton.jit(do_not_specialize=_SIZES)
+def delta_grad_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, dz_ptr, qdq_ptr, dxs_ptr, part_ptr,
                       dx_ptr, deta_ptr, dlg_ptr, T, T_pad, n_chunks, H,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      READ_AFTER: tl.constexpr, SLOTS: tl.constexpr, PREC32: tl.constexpr):
-    """(B2's dA, B5-B7) dx, d eta and d log_gamma of one chunk, from S = h[c] (entry state), dS' = dh[c], the
-    residuals r, dZ and q_t . dq_t (float32; `delta_grad_q_kernel`). BK covers all of K. Grid (n_chunks, N * H)."""
+                      READ_AFTER: tl.constexpr, SLOTS: tl.constexpr, N_PARTS: tl.constexpr,
+                      PREC32: tl.constexpr):
+    """(B2's dA, B5-B7) dx, d eta and d log_gamma of one chunk, from the residuals r, dZ, q_t . dq_t
+    (`delta_grad_q_kernel`) and the state terms that `delta_grad_state_kernel` wrote (dxs, and its N_PARTS column
+    blocks' parts of x_s . (dS' r_s), x_s^T S dZ_s and <dS', S>). BK: the column block of K (N_PARTS of them
+    cover K), as the state kernel's. Grid (n_chunks, N * H)."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     t = i_c * BT + tl.arange(0, BT)
-    rk = tl.arange(0, BK)
-    xf = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk).to(tl.float32)                        # [BT, BK]
-    eta = _load_steps(eta_ptr, i_n, i_h, t, T, H)
-    L, Lr, L_last = _decays(L_ptr, i_nh, i_c, T_pad, BT, READ_AFTER)
-    _, Lp, _ = _residual_decays(L_ptr, i_nh, i_c, T_pad, BT, SLOTS)
-    out_decay = tl.exp(L_last - L)                                                          # [BT]
-    start = tl.exp(Lp)
     dOr = tl.zeros([BT, BT], dtype=tl.float32)                                              # dO_t . r_s
     dZr = tl.zeros([BT, BT], dtype=tl.float32)                                              # dZ_s . r_s'
-    dx = tl.zeros([BT, BK], dtype=tl.float32)                                               # F4 + F3 terms
-    x_dSr = tl.zeros([BT], dtype=tl.float32)                                                # x_s . (dS' r_s)
-    x_SdZ = tl.zeros([BT], dtype=tl.float32)                                                # x_s^T S dZ_s
-    s_dot = 0.0                                                                             # <dS', S>
     for i_v in range(tl.cdiv(V, BV)):
         rv = i_v * BV + tl.arange(0, BV)
         do = _load_rows(do_ptr, i_n, i_h, t, T, H, V, rv).to(tl.float32)                    # [BT, BV]
         r = _load_rows(r_ptr, i_n, i_h, t, T, H, V, rv)                                     # fp32
         dz = _load_rows(dz_ptr, i_n, i_h, t, T, H, V, rv)                                   # fp32
-        offs, mask = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
-        S = tl.load(h_ptr + offs, mask=mask, other=0.0)                                     # [BK, BV] fp32
-        dS = tl.load(dh_ptr + offs, mask=mask, other=0.0)
         dOr += tl.dot(do, tl.trans(r), input_precision=PREC32)
         dZr += tl.dot(dz, tl.trans(r), input_precision=PREC32)
-        dx += tl.dot(r * (out_decay * eta)[:, None], tl.trans(dS), input_precision=PREC32) \
-            - tl.dot(dz * start[:, None], tl.trans(S), input_precision=PREC32)
-        x_dSr += tl.sum(r * tl.dot(xf, dS, input_precision=PREC32), axis=1)
-        x_SdZ += tl.sum(dz * tl.dot(xf, S, input_precision=PREC32), axis=1)
-        s_dot += tl.sum(tl.sum(S * dS, axis=1), axis=0)
-    # Rule 1A's part of B5/B6 (dxt = sum_t G[t, s] q_t + exp(L_last - L_s) dS' r_s).
+    eta = _load_steps(eta_ptr, i_n, i_h, t, T, H)
+    L, Lr, L_last = _decays(L_ptr, i_nh, i_c, T_pad, BT, READ_AFTER)
+    _, Lp, _ = _residual_decays(L_ptr, i_nh, i_c, T_pad, BT, SLOTS)
+    out_decay = tl.exp(L_last - L)                                                          # [BT]
+    start = tl.exp(Lp)
     G = dOr * _causal_decay(L, Lr, BT, READ_AFTER)                                          # [BT(t), BT(s)]
-    qf = _load_rows(q_ptr, i_n, i_h, t, T, H, K, rk).to(tl.float32)                        # [BT, BK]
-    dxt_attn = tl.dot(tl.trans(G), qf, input_precision=PREC32)                              # sum_t G[t, s] q_t
-    deta = tl.sum(xf * dxt_attn, axis=1) + out_decay * x_dSr
-    x_dx = eta * deta                                                                       # x_s . (eta_s dxt_s)
-    exit_term = tl.exp(L_last) * s_dot + tl.sum(out_decay * eta * x_dSr, axis=0)           # <dS', S_{c+1}>
-    dx += dxt_attn * eta[:, None]
-    # B2's dA and its F1 terms of B5/B6/B7.
     earlier = _earlier_steps(BT, SLOTS)                                                     # st(s') < st(s)
     decay = tl.exp(tl.where(earlier, Lp[:, None] - L[None, :], float("-inf")))
-    gram = tl.dot(xf, tl.trans(xf), input_precision=PREC32)                                 # x_s . x_s'
-    dA_decay = -dZr * decay                                                                 # dA exp(Lp_s - L_s')
+    dA_decay = -dZr * decay                                                                 # B2's dA exp(Lp_s - L_s')
     dGr = dA_decay * eta[None, :]
-    dx += tl.dot(dGr + tl.trans(dGr), xf, input_precision=PREC32)
-    deta += tl.sum(dA_decay * gram, axis=0)
+    dGr_sym = dGr + tl.trans(dGr)
+    # Over column blocks of K (BK = delta_grad_state_kernel's, whose parts are summed here): dx of rule 1A's part
+    # of B5 (eta_s dxt_s, dxt_s = sum_t G[t, s] q_t + exp(L_last - L_s) dS' r_s, the second term in dxs) plus its
+    # F1 term; the sums over K of x_s . dxt_s and of the Gram matrix x_s . x_s'.
+    x_dxt = tl.zeros([BT], dtype=tl.float32)                                                # x_s . sum_t G q_t
+    x_dSr = tl.zeros([BT], dtype=tl.float32)                                                # x_s . (dS' r_s)
+    x_SdZ = tl.zeros([BT], dtype=tl.float32)                                                # x_s^T S dZ_s
+    s_dot = 0.0                                                                             # <dS', S>
+    gram = tl.zeros([BT, BT], dtype=tl.float32)                                             # x_s . x_s'
+    NH = tl.num_programs(1)
+    for i_k in tl.static_range(N_PARTS):
+        x_dSr += tl.load(_part_row(part_ptr, i_k, 0, NH, i_nh, T_pad) + t)
+        x_SdZ += tl.load(_part_row(part_ptr, i_k, 1, NH, i_nh, T_pad) + t)
+        s_dot += tl.load(_part_row(part_ptr, i_k, 2, NH, i_nh, T_pad) + i_c * BT)
+        rk = i_k * BK + tl.arange(0, BK)
+        xf = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk).to(tl.float32)                    # [BT, BK]
+        qf = _load_rows(q_ptr, i_n, i_h, t, T, H, K, rk).to(tl.float32)
+        dxt_attn = tl.dot(tl.trans(G), qf, input_precision=PREC32)                          # sum_t G[t, s] q_t
+        x_dxt += tl.sum(xf * dxt_attn, axis=1)
+        gram += tl.dot(xf, tl.trans(xf), input_precision=PREC32)
+        dx = _load_rows(dxs_ptr, i_n, i_h, t, T, H, K, rk) + dxt_attn * eta[:, None] \
+            + tl.dot(dGr_sym, xf, input_precision=PREC32)
+        _store_rows(dx_ptr, dx, i_n, i_h, t, T, H, K, rk)
+    deta = x_dxt + out_decay * x_dSr                                                        # x_s . dxt_s
+    x_dx = eta * deta                                                                       # x_s . (eta_s dxt_s)
+    exit_term = tl.exp(L_last) * s_dot + tl.sum(out_decay * eta * x_dSr, axis=0)           # <dS', S_{c+1}>
+    deta += tl.sum(dA_decay * gram, axis=0)                                                 # (B6)
     E = dGr * gram                                                                          # dA * A
     # B7.
     q_dq = _load_steps(qdq_ptr, i_n, i_h, t, T, H)
@@ -387,7 +441,6 @@ def delta_grad_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr
             + exit_term
         if not READ_AFTER:  # Lr_t = L_{t-1}
             dlg += tl.cumsum(q_dq, axis=0, reverse=True) - q_dq
-    _store_rows(dx_ptr, dx, i_n, i_h, t, T, H, K, rk)
     scalar_offs = (i_n.to(tl.int64) * T + t) * H + i_h
     tl.store(deta_ptr + scalar_offs, deta.to(deta_ptr.dtype.element_ty), mask=t < T)
     tl.store(dlg_ptr + scalar_offs, dlg.to(dlg_ptr.dtype.element_ty), mask=t < T)
