@@ -19,7 +19,8 @@ Backward (`kernels_delta.py` derives it): the forward's first three stages again
 for the entry states and residuals -> sum_t exp(Lr_t) q_t dO_t^T per chunk (`kernels.chunk_outer_kernel`) and the
 chunk-local part of dL/dr (`kernels.grad_y_kernel`), all chunks in parallel -> the reverse sequential pass for
 dL/dS at every chunk exit, dZ = dL/dy and dL/dS_0 (`kernels_delta.delta_grad_pass_kernel`) -> dq, then dx, d eta and
-d log_gamma, of all chunks in parallel (`kernels_delta.delta_grad_q_kernel`, `kernels_delta.delta_grad_kernel`).
+d log_gamma, of all chunks in parallel (`kernels_delta.delta_grad_q_kernel`; the terms that read the states,
+`kernels_delta.delta_grad_state_kernel`; the rest, `kernels_delta.delta_grad_kernel`).
 """
 
 from __future__ import annotations

@@ -51,9 +51,12 @@ cumulative sum over the chunk: dlg_r = sum_{t>=r} (dL/dL_t + dL/dLp_t) - dL/dLp_
 
 Stages: `delta_grad_pass_kernel` runs B1 (its dS' term; the chunk-local term comes from `kernels.grad_y_kernel`),
 B2's dZ and B3, sequentially from the last chunk; then, for all chunks in parallel, `delta_grad_q_kernel` runs B4
-(and q_t . dq_t) and `delta_grad_kernel` B2's dA and B5-B7 (two kernels: one [BT, K] accumulator each).
+(and q_t . dq_t), `delta_grad_state_kernel` the terms of B5-B7 that read S and dS' (over 64-column blocks of the
+states: dS' r_s, S dZ_s and their dot products with x_s), and `delta_grad_kernel` the rest of B5-B7 with B2's dA,
+walking K in 64-column blocks. No program holds a [BT, K] accumulator beside [BT, BT] ones: they spilled (RESULTS.md).
 Buffers: U [N * H, T_pad, V], W [N * H, T_pad, K] and Tinv [N * H, T_pad, BT] float32; residuals r, dr and dZ
-[N, T, H, V] float32 (the layout of y); per-chunk states [N * H, n_chunks, K, V] float32.
+[N, T, H, V] float32 (the layout of y); the state terms of dx [N, T, H, K] float32; per-chunk states
+[N * H, n_chunks, K, V] float32.
 """
 
 from __future__ import annotations
