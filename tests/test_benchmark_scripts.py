@@ -194,6 +194,7 @@ def test_ptxas_spills():
     launched = "{num_warps}x{num_stages}".format(**PASS_LAUNCH)
     out = run("ptxas_spills.py", "--K", "16", "--V", "16", "--chunk", "16", "--configs", launched)
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| delta_")]
-    assert [row[0] for row in rows] == ["| delta_pass_kernel", "| delta_grad_pass_kernel", "| delta_grad_kernel"]
+    assert [row[0] for row in rows] == ["| delta_pass_kernel", "| delta_grad_pass_kernel", "| delta_grad_state_kernel",
+                                        "| delta_grad_kernel"]
     assert all(int(row[3]) > 0 and int(row[4]) >= 0 for row in rows)  # registers, spill stores
     assert rows[0][2].endswith("*")  # the forward pass's launch configuration is marked
