@@ -18,7 +18,9 @@ forward and forward+backward of:
 - fixed scan blocks (1A, 3A): the triton op again with `chunk_1a.SCAN_MIN_PROGRAMS` = 0 (the state scan's fixed
   [64, 32] blocks; by default they narrow when fewer than 264 programs would cover the rows x heads, which "triton"
   times). Only timed where the blocks narrow, i.e. not at the default shape: compare at a model's shape, e.g.
-  `--B 1 --H 10 --D 64`.
+  `--B 1 --H 10 --D 64`;
+- bf16 passes (1): the triton op again with `chunk_1.BF16_PASSES` on (the sequential passes on bfloat16-rounded
+  factors, W and U stored in bfloat16; opt-in until timed).
 `--documents D` times packed documents instead (D per row, equal lengths), forward + backward of the triton op: the
 documents restarted in place (`seq_idx`, the rows' shapes, what a compiled model runs) against the same documents
 through `cu_seqlens` (the rows laid end to end, then padded per document by the backend). It skips the main table,
@@ -43,7 +45,7 @@ from gpu_ops import bench, causal_sdpa  # benchmarks/ is on the path when this s
 from roofline import fast_weight_counts, utilization
 
 from hybridlm.ops import FastWeightState, fast_weight_attention
-from hybridlm.ops.fast_weight.triton import chunk_1a, fast_weight_1a_triton, fast_weight_triton, frontend
+from hybridlm.ops.fast_weight.triton import chunk_1, chunk_1a, fast_weight_1a_triton, fast_weight_triton, frontend
 
 WINDOW = {"1A": 1, "3A": 3, "1": 1}
 
@@ -75,8 +77,8 @@ def make_inputs(B, T, H, D, dtype, *, seed=0):
 
 @contextlib.contextmanager
 def module_settings(module, **settings):
-    """Module settings (`frontend.FUSED_PREPARATION`, `chunk_1a.SCAN_MIN_PROGRAMS`) changed for the block, then
-    put back."""
+    """Module settings (`frontend.FUSED_PREPARATION`, `chunk_1a.SCAN_MIN_PROGRAMS`, `chunk_1.BF16_PASSES`) changed
+    for the block, then put back."""
     previous = {name: getattr(module, name) for name in settings}
     try:
         for name, value in settings.items():
@@ -108,12 +110,15 @@ def check(rule, *, B=2, T=1000, H=4, D=128, chunk_size=64) -> None:
     variants = [("", {})]  # (label, frontend settings)
     if rule in frontend.FUSED_RULES:
         variants = [("", {"FUSED_PREPARATION": False}), (" fused preparation", {"FUSED_PREPARATION": True})]
-    for (dtype, tol), (variant, settings) in itertools.product(((torch.float32, 1e-4), (torch.bfloat16, 2e-2)),
-                                                               variants):
+    cases = list(itertools.product(((torch.float32, 1e-4), (torch.bfloat16, 2e-2)), variants))
+    if rule == "1":
+        cases.append(((torch.bfloat16, 2e-2), (" bf16 passes", {"BF16_PASSES": True})))
+    for (dtype, tol), (variant, settings) in cases:
         ins = [t.detach().to(dtype).requires_grad_(True) for t in ref_in]
         start = state.detach()
         start.S.requires_grad_(True)
-        with module_settings(frontend, **settings):
+        module = chunk_1 if "BF16_PASSES" in settings else frontend
+        with module_settings(module, **settings):
             o, s = run_triton(*ins, rule=rule, chunk_size=chunk_size, initial_state=start, output_final_state=True)
             grads = torch.autograd.grad((o.float() * w_o).sum() + (s.S * w_s).sum(), ins + [start.S])
         errors = {"o": rel_err(o, o_ref), "S": rel_err(s.S, s_ref.S)}
@@ -148,9 +153,9 @@ def main() -> None:
           f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | window 3 for 3A")
     if not args.documents:
         print("| rule | T | pass | SDPA (ms) | chunk (ms) | chunk compiled (ms) | triton (ms) | kernels (ms) "
-              "| torch preparation (ms) | fixed scan blocks (ms) | triton compiled (ms) | triton / SDPA "
-              "| triton compiled / SDPA | chunk / triton | triton TFLOP/s | triton TB/s (min. bytes) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "| torch preparation (ms) | fixed scan blocks (ms) | bf16 passes (ms) | triton compiled (ms) "
+              "| triton / SDPA | triton compiled / SDPA | chunk / triton | triton TFLOP/s | triton TB/s (min. bytes) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for T in args.T:
             for rule in args.rules:
                 for line in time_one(rule, args.B, T, args.H, args.D, torch.bfloat16, chunk_size=args.chunk_size,
@@ -248,7 +253,7 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compi
 
         sdpa = timed(lambda: causal_sdpa(q, k, v))
         triton_ms = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
-        torch_prep = kernels = fixed_scan = chunk = compiled = compiled_t = False
+        torch_prep = kernels = fixed_scan = bf16_passes = chunk = compiled = compiled_t = False
         if rule in frontend.FUSED_RULES:
             with module_settings(frontend, FUSED_PREPARATION=False):
                 torch_prep = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
@@ -259,6 +264,9 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compi
         if rule in ("1A", "3A") and narrows:
             with module_settings(chunk_1a, SCAN_MIN_PROGRAMS=0):
                 fixed_scan = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
+        if rule == "1":
+            with module_settings(chunk_1, BF16_PASSES=True):
+                bf16_passes = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
         if eager_chunk:
             chunk = timed(lambda: run_chunk(*inputs, rule=rule, chunk_size=chunk_size)[0])
         if chunk_compiled is not None:
@@ -278,7 +286,8 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compi
         flops, nbytes = fast_weight_counts(rule, B=B, T=T, H=H, K=D, V=D, chunk=chunk_size, backward=backward)
         use = utilization(ms=triton_ms, flops=flops, nbytes=nbytes)
         rows.append(f"| {rule} | {T} | {name} | {cell(sdpa)} | {cell(chunk)} | {cell(compiled)} | {cell(triton_ms)} | "
-                    f"{cell(kernels)} | {cell(torch_prep)} | {cell(fixed_scan)} | {cell(compiled_t)} | "
+                    f"{cell(kernels)} | {cell(torch_prep)} | {cell(fixed_scan)} | {cell(bf16_passes)} | "
+                    f"{cell(compiled_t)} | "
                     f"{triton_ms / sdpa:.2f}x | "
                     f"{f'{compiled_t / sdpa:.2f}x' if isinstance(compiled_t, float) else '-'} | "
                     f"{f'{chunk / triton_ms:.1f}x' if chunk else '-'} | "

@@ -32,11 +32,12 @@ LAUNCHED = {name: (launch["num_warps"], launch["num_stages"])
             for name, launch in (("delta_pass_kernel", PASS_LAUNCH), ("delta_grad_pass_kernel", GRAD_PASS_LAUNCH))}
 
 
-def ptxas_stats(kernel, constexprs: dict, *, warps: int, stages: int) -> tuple[int, int, int]:
+def ptxas_stats(kernel, constexprs: dict, *, warps: int, stages: int,
+                bf16_pointers: tuple[str, ...] = BF16_POINTERS) -> tuple[int, int, int]:
     """(registers, spill store bytes, spill load bytes) per thread of `kernel` compiled for sm_90 (bf16 inputs)."""
     fn = kernel.fn if hasattr(kernel, "configs") else kernel  # under the autotuner
     constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
-    signature = {name: "constexpr" if name in constexprs else "*bf16" if name in BF16_POINTERS
+    signature = {name: "constexpr" if name in constexprs else "*bf16" if name in bf16_pointers
                  else "*fp32" if name.endswith("_ptr") else "i32" for name in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages})
@@ -60,24 +61,28 @@ def main() -> None:
     parser.add_argument("--V", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--configs", nargs="+", default=["4x3", "8x2", "8x3"], help="WARPSxSTAGES launch configs")
+    parser.add_argument("--bf16-passes", action="store_true",
+                        help="the sequential passes as chunk_1.BF16_PASSES compiles them (bfloat16 factors)")
     args = parser.parse_args()
     block_k = max(16, triton.next_power_of_2(args.K))
     pass_v = min(max(16, triton.next_power_of_2(args.V)), 32 if block_k > 64 else 64)  # chunk_1's BV_pass
     block_64 = min(64, block_k), min(64, max(16, triton.next_power_of_2(args.V)))  # chunk_1's gradient blocks
     sizes = {"K": args.K, "V": args.V, "BT": args.chunk, "BK": block_k, "PREC32": "tf32", "SLOTS": 1,
-             "READ_AFTER": True, "HAS_INIT": True, "INTERPRET": False, "N_PARTS": -(-block_k // 64)}
+             "READ_AFTER": True, "HAS_INIT": True, "INTERPRET": False, "N_PARTS": -(-block_k // 64),
+             "BF16": args.bf16_passes}
+    pointers = BF16_POINTERS + ("u_ptr", "w_ptr") * args.bf16_passes  # W, U stored in bfloat16 there
     kernels = (("delta_pass_kernel", {"BV": pass_v}), ("delta_grad_pass_kernel", {"BV": pass_v}),
                ("delta_grad_state_kernel", {"BK": block_64[0], "BV": block_64[1]}),
                ("delta_grad_kernel", {"BK": block_64[0], "BV": block_64[1]}))
     print(f"# {time.strftime('%Y-%m-%d')} | ptxas sm_90a (triton {triton.__version__}) | K={args.K} V={args.V} "
-          f"chunk={args.chunk} bf16")
+          f"chunk={args.chunk} bf16{' | bf16 passes' if args.bf16_passes else ''}")
     print("| kernel | BV | warps x stages | registers | spill stores (B) | spill loads (B) |")
     print("|---|---|---|---|---|---|")
     for name, blocks in kernels:
         for config in args.configs:
             warps, stages = (int(part) for part in config.split("x"))
             registers, stores, loads = ptxas_stats(getattr(kernels_delta, name), dict(sizes, **blocks),
-                                                   warps=warps, stages=stages)
+                                                   warps=warps, stages=stages, bf16_pointers=pointers)
             mark = " *" if LAUNCHED.get(name) == (warps, stages) else ""
             print(f"| {name} | {blocks['BV']} | {warps} x {stages}{mark} | {registers} | {stores} | {loads} |", flush=True)
 

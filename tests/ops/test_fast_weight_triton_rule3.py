@@ -111,6 +111,19 @@ def test_op_float16():
     check_op(1, 11, 2, 16, 24, slots=4, chunk_size=16, read_after=True, dtype=torch.float16)
 
 
+@interpret
+@pytest.mark.parametrize("slots", [1, 4])
+def test_bf16_passes_match_reference(slots, monkeypatch):
+    """`chunk_1.BF16_PASSES` (opt-in): the sequential passes on bfloat16-rounded factors, W and U stored in bfloat16,
+    stay within the 16-bit tolerance for the outputs, the final state and every gradient (float16 inputs under the
+    interpreter, whose products of the rounded values in fp32 are the tensor cores' products; bfloat16 on a GPU)."""
+    from hybridlm.ops.fast_weight.triton import chunk_1
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float16
+    monkeypatch.setattr(chunk_1, "BF16_PASSES", True)
+    check_op(1, 40, 2, 80, 48, slots=slots, chunk_size=32, read_after=slots == 1, dtype=dtype)
+
+
 def wy_inverse_reference(x, eta, log_gamma, chunk_size, slots):
     """(I + A)^-1 of every chunk (float64, [N * H, T_pad, chunk_size], the layout of `wy_kernel`'s buffer), A as
     kernels_delta.py's F1: A[s, s'] = [st(s') < st(s)] exp(Lp_s - L_s') eta_s' (x_s . x_s'), st(s) = s // slots."""
@@ -355,16 +368,18 @@ for K, BT in ((128, 64), (64, 64), (16, 64)):
     for slots in (1, 4):
         sizes = dict(K=K, V=K, BT=BT, BK=K, PREC="tf32", PREC32="tf32", SLOTS=slots)
         b(k.wy_kernel, dict(sizes, BV=min(64, max(16, K)), STORE_TINV=True), warps=4)
-        b(k.delta_grad_pass_kernel, dict(sizes, BV=32 if K > 64 else min(64, max(16, K)), HAS_INIT=True,
-                                         INTERPRET=False), warps=8)
+        for bf16 in (False, True):
+            b(k.delta_grad_pass_kernel, dict(sizes, BV=32 if K > 64 else min(64, max(16, K)), HAS_INIT=True,
+                                             BF16=bf16, INTERPRET=False), warps=8)
         b(k.delta_grad_state_kernel, dict(sizes, BK=min(64, K), BV=min(64, K)), warps=8)
         for read_after in (True, False):
             b(k.delta_grad_kernel, dict(sizes, BK=min(64, K), BV=min(64, K), READ_AFTER=read_after, N_PARTS=-(-K // 64)),
               warps=8)
     # Rule 1's kernels that do not take SLOTS, as chunk_1 launches them.
     plain = dict(K=K, V=K, BT=BT, BK=K, PREC32="tf32")
-    b(k.delta_pass_kernel, dict(plain, BV=32 if K > 64 else min(64, max(16, K)), HAS_INIT=True, INTERPRET=False),
-      warps=8, stages=2)
+    for bf16 in (False, True):
+        b(k.delta_pass_kernel, dict(plain, BV=32 if K > 64 else min(64, max(16, K)), HAS_INIT=True, BF16=bf16,
+                                    INTERPRET=False), warps=8, stages=2)
     for read_after in (True, False):
         b(k.delta_grad_q_kernel, dict(plain, BV=32 if K > 64 else min(64, max(16, K)), READ_AFTER=read_after),
           warps=8)
@@ -374,7 +389,8 @@ for K, BT in ((128, 64), (64, 64), (16, 64)):
 @needs_cuda_backend
 def test_kernels_compile_for_sm90():
     """Every kernel of kernels_delta.py (rules 1 and 3) compiles to PTX for sm_90 at the largest chunk (64; bf16,
-    K = V = 128, 64 and 16; SLOTS = 1 and 4 where the kernel takes it), within an H200's shared memory."""
+    K = V = 128, 64 and 16; SLOTS = 1 and 4 where the kernel takes it; the passes with and without BF16), within an
+    H200's shared memory."""
     report = compile_for_sm90(_SM90_KERNELS, modules=("hybridlm.ops.fast_weight.triton.kernels_delta",))
     assert set(report["built"]) == report["defined"], report  # every kernel of the file
     assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]

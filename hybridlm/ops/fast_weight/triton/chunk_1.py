@@ -25,6 +25,8 @@ d log_gamma, of all chunks in parallel (`kernels_delta.delta_grad_q_kernel`; the
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hybridlm.ops.fast_weight.triton import kernels, kernels_delta
@@ -37,6 +39,10 @@ from hybridlm.ops.fast_weight.triton.custom_ops import _interpreting
 # GPU); the backward pass 588 with 8 warps (2052 with 4).
 PASS_LAUNCH = {"num_warps": 8, "num_stages": 2}
 GRAD_PASS_LAUNCH = {"num_warps": 8, "num_stages": 3}
+# 16-bit inputs: the two sequential passes multiply bfloat16-rounded factors (fp32 accumulation, fp32 states) and
+# the WY factors W, U are stored in bfloat16, as flash-linear-attention does; off (the default): TF32 products of
+# float32 factors. Opt-in (HYBRIDLM_TRITON_BF16_PASSES=1) until it is timed against the default on an H200.
+BF16_PASSES = os.environ.get("HYBRIDLM_TRITON_BF16_PASSES", "0") == "1"
 
 def forward(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int,
             slots: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +85,8 @@ def backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_
     init = None if dS_final is None else dS_final.to(torch.float32).contiguous()
     kernels_delta.delta_grad_pass_kernel[(-(-p.V // p.BV_pass), p.NH)](
         x, eta, L, tinv, dr, dS0 if init is None else init, dh, dz, dS0, p.T, p.T_pad, p.n_chunks, p.H, **sizes,
-        BK=p.BK_full, BV=p.BV_pass, SLOTS=p.slots, HAS_INIT=init is not None, INTERPRET=_interpreting(),
-        PREC32=p.prec32, **GRAD_PASS_LAUNCH)
+        BK=p.BK_full, BV=p.BV_pass, SLOTS=p.slots, HAS_INIT=init is not None, BF16=p.bf16,
+        INTERPRET=_interpreting(), PREC32=p.prec32, **GRAD_PASS_LAUNCH)
     # dq (and q_t . dq_t), per chunk (ptxas, sm_90, K = V = 128, C = 64, bf16, 8 warps: no spill at BV = 32).
     BV_q = _block(p.V, 32) if p.BK_full > 64 else _block(p.V, 64)
     dq = torch.empty_like(q)
@@ -115,6 +121,7 @@ class _Plan(ChunkPlan):
                              f"got {slots}")
         self.slots = slots
         self.prec32 = self.prec  # products of fp32 factors, states, gradients: as exact as the inputs' products
+        self.bf16 = BF16_PASSES and q.dtype != torch.float32
         self.BK_full = _block(self.K, 128)  # the WY, pass and gradient kernels hold all of K
         self.BV_pass = _block(self.V, 32 if self.BK_full > 64 else 64)
 
@@ -129,8 +136,9 @@ class _Plan(ChunkPlan):
         [N * H, T_pad, BT] (else None)."""
         N, T, H, K, V, NH, BT = self.N, self.T, self.H, self.K, self.V, self.NH, self.BT
         f32 = {"dtype": torch.float32, "device": self.device}
-        U = torch.empty(NH, self.T_pad, V, **f32)
-        W = torch.empty(NH, self.T_pad, K, **f32)
+        wu = {"dtype": torch.bfloat16 if self.bf16 else torch.float32, "device": self.device}
+        U = torch.empty(NH, self.T_pad, V, **wu)
+        W = torch.empty(NH, self.T_pad, K, **wu)
         tinv = torch.empty(NH, self.T_pad, BT, **f32) if keep_tinv else None
         kernels_delta.wy_kernel[(self.n_chunks, NH)](
             x, y, eta, L, U, W, U if tinv is None else tinv, T, self.T_pad, self.n_chunks, H, K=K, V=V, BT=BT,
@@ -141,6 +149,6 @@ class _Plan(ChunkPlan):
         final = torch.empty(N, H, K, V, **f32)
         kernels_delta.delta_pass_kernel[(-(-V // self.BV_pass), NH)](
             x, eta, L, U, W, final if S0 is None else S0, states, R, final, T, self.T_pad, self.n_chunks, H, K=K,
-            V=V, BT=BT, BK=self.BK_full, BV=self.BV_pass, HAS_INIT=S0 is not None, INTERPRET=_interpreting(),
-            PREC32=self.prec32, **PASS_LAUNCH)
+            V=V, BT=BT, BK=self.BK_full, BV=self.BV_pass, HAS_INIT=S0 is not None, BF16=self.bf16,
+            INTERPRET=_interpreting(), PREC32=self.prec32, **PASS_LAUNCH)
         return states, R, final, tinv

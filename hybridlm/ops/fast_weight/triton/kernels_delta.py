@@ -54,7 +54,8 @@ B2's dZ and B3, sequentially from the last chunk; then, for all chunks in parall
 (and q_t . dq_t), `delta_grad_state_kernel` the terms of B5-B7 that read S and dS' (over 64-column blocks of the
 states: dS' r_s, S dZ_s and their dot products with x_s), and `delta_grad_kernel` the rest of B5-B7 with B2's dA,
 walking K in 64-column blocks. No program holds a [BT, K] accumulator beside [BT, BT] ones: they spilled (RESULTS.md).
-Buffers: U [N * H, T_pad, V], W [N * H, T_pad, K] and Tinv [N * H, T_pad, BT] float32; residuals r, dr and dZ
+Buffers: U [N * H, T_pad, V], W [N * H, T_pad, K] (float32, or bfloat16 with BF16: `chunk_1.BF16_PASSES`) and
+Tinv [N * H, T_pad, BT] float32; residuals r, dr and dZ
 [N, T, H, V] float32 (the layout of y); the state terms of dx [N, T, H, K] float32; per-chunk states
 [N * H, n_chunks, K, V] float32.
 """
@@ -101,6 +102,18 @@ def _earlier_steps(BT: tl.constexpr, SLOTS: tl.constexpr):
     """[BT, BT] st(s') < st(s) (rows s, columns s'): the pairs of events that F1 couples (s' < s for SLOTS = 1)."""
     i = tl.arange(0, BT)
     return (i[:, None] // SLOTS) > (i[None, :] // SLOTS)
+
+
+@triton.jit
+def _mm(a, b, BF16: tl.constexpr, INTERPRET: tl.constexpr, PREC32: tl.constexpr):
+    """a @ b accumulated in fp32: from fp32 factors at PREC32, or with BF16 from both rounded to bfloat16 (tensor
+    cores at their bf16 rate, flash-linear-attention's precision). The interpreter multiplies the rounded values in
+    fp32 (numpy has no bfloat16 product): the same products, summed in another order."""
+    if BF16:
+        a, b = a.to(tl.bfloat16), b.to(tl.bfloat16)
+        if INTERPRET:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PREC32)
 
 
 @triton.jit
@@ -157,7 +170,8 @@ def _double_blocks(inv, A, BT: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr
 def wy_kernel(x_ptr, y_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, tinv_ptr, T, T_pad, n_chunks, H,
               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
               SLOTS: tl.constexpr, STORE_TINV: tl.constexpr, PREC: tl.constexpr, PREC32: tl.constexpr):
-    """(F1, F2) One chunk's WY factors U = (I + A)^-1 Y and W = (I + A)^-1 diag(exp Lp) X (float32), and with
+    """(F1, F2) One chunk's WY factors U = (I + A)^-1 Y and W = (I + A)^-1 diag(exp Lp) X (computed in float32,
+    stored in the buffers' dtype: float32, or bfloat16 for `delta_pass_kernel`'s BF16), and with
     STORE_TINV (the backward) (I + A)^-1 itself (`_unit_lower_inverse`); A couples only events of earlier steps
     (SLOTS events per step; its same-step entries are zeros). BK covers all of K. Grid (n_chunks, N * H)."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
@@ -177,42 +191,45 @@ def wy_kernel(x_ptr, y_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, tinv_ptr, T, T_pad, n_
     xs = x.to(tl.float32) * tl.exp(Lp)[:, None]
     w = tl.dot(tinv, xs, input_precision=PREC32)                                            # [BT, BK]
     offs, mask = _buffer_offsets(i_nh, t, T_pad, K, rk)
-    tl.store(w_ptr + offs, w, mask=mask)
+    tl.store(w_ptr + offs, w.to(w_ptr.dtype.element_ty), mask=mask)
     for i_v in range(tl.cdiv(V, BV)):  # (new names: a variable assigned before a compiled loop is loop-carried)
         rv = i_v * BV + tl.arange(0, BV)
         y = _load_rows(y_ptr, i_n, i_h, t, T, H, V, rv).to(tl.float32)                     # [BT, BV]
         u = tl.dot(tinv, y, input_precision=PREC32)
         u_offs, u_mask = _buffer_offsets(i_nh, t, T_pad, V, rv)
-        tl.store(u_ptr + u_offs, u, mask=u_mask)
+        tl.store(u_ptr + u_offs, u.to(u_ptr.dtype.element_ty), mask=u_mask)
 
 
 @triton.jit
 def _delta_step(x_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, h_ptr, r_ptr, S, i_c, i_n, i_h, i_nh, T, T_pad, n_chunks, H,
-                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, rk, rv, PREC32: tl.constexpr):
+                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, rk, rv, BF16: tl.constexpr,
+                INTERPRET: tl.constexpr, PREC32: tl.constexpr):
     """(F3, F4) One chunk: record the entry state S, r = U - W S (stored), return exp(L_last) S + X^T (coef r)."""
     offs, mask = _state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
     tl.store(h_ptr + offs, S, mask=mask)
     t = i_c * BT + tl.arange(0, BT)
     w_offs, w_mask = _buffer_offsets(i_nh, t, T_pad, K, rk)
     u_offs, u_mask = _buffer_offsets(i_nh, t, T_pad, V, rv)
-    w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)                                     # [BT, BK] fp32
-    u = tl.load(u_ptr + u_offs, mask=u_mask, other=0.0)                                     # [BT, BV] fp32
-    r = u - tl.dot(w, S, input_precision=PREC32)
+    w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)                                     # [BT, BK]
+    u = tl.load(u_ptr + u_offs, mask=u_mask, other=0.0).to(tl.float32)                      # [BT, BV]
+    r = u - _mm(w, S, BF16, INTERPRET, PREC32)
     _store_rows(r_ptr, r, i_n, i_h, t, T, H, V, rv)
     x = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk).to(tl.float32)                         # [BT, BK]
     eta = _load_steps(eta_ptr, i_n, i_h, t, T, H)
     L, _, L_last = _decays(L_ptr, i_nh, i_c, T_pad, BT, True)
     coef = tl.exp(L_last - L) * eta
-    return tl.exp(L_last) * S + tl.dot(tl.trans(x * coef[:, None]), r, input_precision=PREC32)
+    return tl.exp(L_last) * S + _mm(tl.trans(x * coef[:, None]), r, BF16, INTERPRET, PREC32)
 
 
 @triton.jit(do_not_specialize=_SIZES)
 def delta_pass_kernel(x_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, init_ptr, h_ptr, r_ptr, final_ptr, T, T_pad, n_chunks,
                       H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      HAS_INIT: tl.constexpr, INTERPRET: tl.constexpr, PREC32: tl.constexpr):
+                      HAS_INIT: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr,
+                      PREC32: tl.constexpr):
     """The sequential pass over chunks for one [K, BV] column block of the state (BK covers all of K, since
     r = U - W S needs every row of S): entry states into h, residuals into r, the final state into final.
-    Grid (nV, N * H); float32 throughout. INTERPRET: a while loop (see `kernels.state_scan_kernel`)."""
+    Grid (nV, N * H); states and residuals float32, the products' factors float32 or with BF16 bfloat16 (`_mm`).
+    INTERPRET: a while loop (see `kernels.state_scan_kernel`)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     rk, rv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
@@ -225,19 +242,19 @@ def delta_pass_kernel(x_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, init_ptr, h_ptr, r_pt
         i_c = 0
         while i_c < n_chunks:
             S = _delta_step(x_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, h_ptr, r_ptr, S, i_c, i_n, i_h, i_nh, T, T_pad,
-                            n_chunks, H, K, V, BT, rk, rv, PREC32)
+                            n_chunks, H, K, V, BT, rk, rv, BF16, INTERPRET, PREC32)
             i_c += 1
     else:
         for i_c in range(n_chunks):
             S = _delta_step(x_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, h_ptr, r_ptr, S, i_c, i_n, i_h, i_nh, T, T_pad,
-                            n_chunks, H, K, V, BT, rk, rv, PREC32)
+                            n_chunks, H, K, V, BT, rk, rv, BF16, INTERPRET, PREC32)
     tl.store(final_ptr + offs0, S, mask=mask)
 
 
 @triton.jit
 def _delta_grad_step(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, dh_ptr, dz_ptr, dS, i, i_n, i_h, i_nh, T, T_pad,
                      n_chunks, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SLOTS: tl.constexpr, rk, rv,
-                     PREC32: tl.constexpr):
+                     BF16: tl.constexpr, INTERPRET: tl.constexpr, PREC32: tl.constexpr):
     """One chunk of the reverse pass, dS = dS' = dL/dS_{c+1} on entry: swap h[c] (sum_t exp(Lr_t) q_t dO_t^T) for
     dS', finish dr (B1), store dZ = Tinv^T dr (B2) and return dS_c (B3)."""
     i_c = n_chunks - 1 - i
@@ -249,24 +266,25 @@ def _delta_grad_step(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, dh_ptr, dz_ptr, dS
     eta = _load_steps(eta_ptr, i_n, i_h, t, T, H)
     L, Lp, L_last = _residual_decays(L_ptr, i_nh, i_c, T_pad, BT, SLOTS)
     dr = _load_rows(dr_ptr, i_n, i_h, t, T, H, V, rv) \
-        + (tl.exp(L_last - L) * eta)[:, None] * tl.dot(x, dS, input_precision=PREC32)       # (B1) [BT, BV]
+        + (tl.exp(L_last - L) * eta)[:, None] * _mm(x, dS, BF16, INTERPRET, PREC32)         # (B1) [BT, BV]
     tinv_offs, tinv_mask = _buffer_offsets(i_nh, t, T_pad, BT, tl.arange(0, BT))
     tinv = tl.load(tinv_ptr + tinv_offs, mask=tinv_mask, other=0.0)                         # [BT, BT]
-    dz = tl.dot(tl.trans(tinv), dr, input_precision=PREC32)                                 # (B2)
+    dz = _mm(tl.trans(tinv), dr, BF16, INTERPRET, PREC32)                                   # (B2)
     _store_rows(dz_ptr, dz, i_n, i_h, t, T, H, V, rv)
     xs = x * tl.exp(Lp)[:, None]
-    return tl.exp(L_last) * dS + dcontrib - tl.dot(tl.trans(xs), dz, input_precision=PREC32)  # (B3)
+    return tl.exp(L_last) * dS + dcontrib - _mm(tl.trans(xs), dz, BF16, INTERPRET, PREC32)  # (B3)
 
 
 @triton.jit(do_not_specialize=_SIZES)
 def delta_grad_pass_kernel(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, init_ptr, dh_ptr, dz_ptr, final_ptr, T, T_pad,
                            n_chunks, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                           BV: tl.constexpr, SLOTS: tl.constexpr, HAS_INIT: tl.constexpr, INTERPRET: tl.constexpr,
-                           PREC32: tl.constexpr):
+                           BV: tl.constexpr, SLOTS: tl.constexpr, HAS_INIT: tl.constexpr, BF16: tl.constexpr,
+                           INTERPRET: tl.constexpr, PREC32: tl.constexpr):
     """The reverse pass over chunks for one [K, BV] column block of dS (B3 acts on the rows of dS, so column blocks
     are independent; BK covers all of K). On entry dh[c] = sum_t exp(Lr_t) q_t dO_t^T and dr holds the chunk-local
     part of B1; on exit dh[c] = dL/dS_{c+1}, dz = dZ (B2), final = dL/dS_0. init: dL/dS_final (HAS_INIT) or zeros.
-    Grid (nV, N * H); float32 throughout. INTERPRET: a while loop (see `kernels.state_scan_kernel`)."""
+    Grid (nV, N * H); float32 buffers, the products' factors float32 or with BF16 bfloat16 (`_mm`). INTERPRET: a
+    while loop (see `kernels.state_scan_kernel`)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     rk, rv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
@@ -279,12 +297,12 @@ def delta_grad_pass_kernel(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, init_ptr, dh
         i = 0
         while i < n_chunks:
             dS = _delta_grad_step(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, dh_ptr, dz_ptr, dS, i, i_n, i_h, i_nh, T,
-                                  T_pad, n_chunks, H, K, V, BT, SLOTS, rk, rv, PREC32)
+                                  T_pad, n_chunks, H, K, V, BT, SLOTS, rk, rv, BF16, INTERPRET, PREC32)
             i += 1
     else:
         for i in range(n_chunks):
             dS = _delta_grad_step(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, dh_ptr, dz_ptr, dS, i, i_n, i_h, i_nh, T,
-                                  T_pad, n_chunks, H, K, V, BT, SLOTS, rk, rv, PREC32)
+                                  T_pad, n_chunks, H, K, V, BT, SLOTS, rk, rv, BF16, INTERPRET, PREC32)
     tl.store(final_ptr + offs0, dS, mask=mask)
 
 
