@@ -105,6 +105,24 @@ def test_op_matches_reference(slots, steps, chunk_size, read_after, with_S0):
     check_op(2, steps, 2, 16, 24, slots=slots, chunk_size=chunk_size, read_after=read_after, with_S0=with_S0)
 
 
+WIDE_CASES = [  # slots, steps, K, V, read_after, dtype
+    (4, 9, 100, 40, True, torch.float32), (2, 13, 72, 24, False, torch.float32), (1, 40, 80, 20, False, torch.float32),
+    (4, 9, 100, 40, False, torch.float16),
+]
+
+
+@interpret
+@pytest.mark.parametrize("slots,steps,K,V,read_after,dtype", WIDE_CASES,
+                         ids=[f"P{p}-K{k}-V{v}-{'after' if a else 'before'}-{str(d)[6:]}"
+                              for p, _, k, v, a, d in WIDE_CASES])
+def test_op_wide_heads(slots, steps, K, V, read_after, dtype):
+    """K > 64: the gradient kernels split the states into 64-column blocks (the last one partial here) whose parts
+    delta_grad_kernel sums; several rows and heads, rule 1 (one slot) and rule 3, 16-bit inputs."""
+    if dtype == torch.float16 and torch.cuda.is_available():
+        dtype = torch.bfloat16
+    check_op(2, steps, 2, K, V, slots=slots, chunk_size=16, read_after=read_after, dtype=dtype)
+
+
 @interpret
 def test_op_float16():
     """The 16-bit path (float16 under the interpreter; bfloat16 on a GPU in `test_large_shape`)."""

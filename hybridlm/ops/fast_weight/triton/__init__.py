@@ -42,7 +42,8 @@ AUTO_RULES = ("1A", "3A", "1")
 MAX_HEAD_DIM = 128  # K and V
 # Rules 1 and 3 take chunks of at most 64: at 128 rule 1's gradient kernels ask for more shared memory than an H200
 # block has (227 KiB; ptxas for sm_90, bf16: `delta_grad_pass_kernel` 330 KB at K = V = 64, 265 KB at 32, 232.5 KB at
-# 16; `delta_grad_kernel` 256 KB at K = V = 128), while chunks of 64 need at most 114 KB.
+# 16), while chunks of 64 need at most 114 KB (the split gradient kernels of session 15: 82-99 KB at chunk 64,
+# 164 KB at 128).
 MAX_DELTA_CHUNK = 64
 # Rule 3 lays each step out on the next power of two >= window slots; a chunk holds whole steps.
 MAX_RULE_3_WINDOW = MAX_DELTA_CHUNK

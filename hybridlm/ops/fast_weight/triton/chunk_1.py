@@ -122,7 +122,7 @@ class _Plan(ChunkPlan):
         self.slots = slots
         self.prec32 = self.prec  # products of fp32 factors, states, gradients: as exact as the inputs' products
         self.bf16 = BF16_PASSES and q.dtype != torch.float32
-        self.BK_full = _block(self.K, 128)  # the WY, pass and gradient kernels hold all of K
+        self.BK_full = _block(self.K, 128)  # the WY, pass and dq kernels hold all of K
         self.BV_pass = _block(self.V, 32 if self.BK_full > 64 else 64)
 
     def cumsum(self, log_gamma):

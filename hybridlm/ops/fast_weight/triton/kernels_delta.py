@@ -53,11 +53,12 @@ Stages: `delta_grad_pass_kernel` runs B1 (its dS' term; the chunk-local term com
 B2's dZ and B3, sequentially from the last chunk; then, for all chunks in parallel, `delta_grad_q_kernel` runs B4
 (and q_t . dq_t), `delta_grad_state_kernel` the terms of B5-B7 that read S and dS' (over 64-column blocks of the
 states: dS' r_s, S dZ_s and their dot products with x_s), and `delta_grad_kernel` the rest of B5-B7 with B2's dA,
-walking K in 64-column blocks. No program holds a [BT, K] accumulator beside [BT, BT] ones: they spilled (RESULTS.md).
+walking K in 64-column blocks. Neither of these two holds a [BT, K] accumulator beside [BT, BT] ones: together they
+spilled (RESULTS.md).
 Buffers: U [N * H, T_pad, V], W [N * H, T_pad, K] (float32, or bfloat16 with BF16: `chunk_1.BF16_PASSES`) and
 Tinv [N * H, T_pad, BT] float32; residuals r, dr and dZ
-[N, T, H, V] float32 (the layout of y); the state terms of dx [N, T, H, K] float32; per-chunk states
-[N * H, n_chunks, K, V] float32.
+[N, T, H, V] float32 (the layout of y); the state terms of dx [N, T, H, K] float32 and their column blocks' parts
+[nK, 3, N * H, T_pad] float32; per-chunk states [N * H, n_chunks, K, V] float32.
 """
 
 from __future__ import annotations
@@ -376,8 +377,8 @@ def delta_grad_state_kernel(x_ptr, r_ptr, eta_ptr, L_ptr, h_ptr, dh_ptr, dz_ptr,
     NH = tl.num_programs(2)
     tl.store(_part_row(part_ptr, i_k, 0, NH, i_nh, T_pad) + t, tl.sum(xf * dSr, axis=1))
     tl.store(_part_row(part_ptr, i_k, 1, NH, i_nh, T_pad) + t, tl.sum(xf * SdZ, axis=1))
-    tl.store(_part_row(part_ptr, i_k, 2, NH, i_nh, T_pad) + t,
-             tl.where(tl.arange(0, BT) == 0, tl.sum(s_dot, axis=0), 0.0))
+    tl.store(_part_row(part_ptr, i_k, 2, NH, i_nh, T_pad) + t, tl.sum(s_dot, axis=0) + tl.zeros([BT], tl.float32),
+             mask=tl.arange(0, BT) == 0)  # one number per chunk, in its first row (the only one read)
 
 
 @triton.jit
