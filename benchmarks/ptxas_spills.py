@@ -27,7 +27,8 @@ from hybridlm.ops.fast_weight.triton.chunk_1 import GRAD_PASS_LAUNCH, PASS_LAUNC
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 BF16_POINTERS = ("x_ptr", "q_ptr", "y_ptr", "do_ptr", "dx_ptr", "dq_ptr")
-# chunk_1.py's launches (delta_grad_kernel is autotuned over 4 / 8 warps x 1 / 2 stages: no fixed one)
+# chunk_1.py's launches (the two per-chunk gradient kernels are autotuned over 4 / 8 warps x 1 / 2 stages: no fixed
+# one)
 LAUNCHED = {name: (launch["num_warps"], launch["num_stages"])
             for name, launch in (("delta_pass_kernel", PASS_LAUNCH), ("delta_grad_pass_kernel", GRAD_PASS_LAUNCH))}
 
@@ -66,14 +67,14 @@ def main() -> None:
     args = parser.parse_args()
     block_k = max(16, triton.next_power_of_2(args.K))
     pass_v = min(max(16, triton.next_power_of_2(args.V)), 32 if block_k > 64 else 64)  # chunk_1's BV_pass
-    block_64 = min(64, block_k), min(64, max(16, triton.next_power_of_2(args.V)))  # chunk_1's gradient blocks
+    grad_blocks = min(64, block_k), min(64, max(16, triton.next_power_of_2(args.V)))  # chunk_1's gradient blocks
     sizes = {"K": args.K, "V": args.V, "BT": args.chunk, "BK": block_k, "PREC32": "tf32", "SLOTS": 1,
              "READ_AFTER": True, "HAS_INIT": True, "INTERPRET": False, "N_PARTS": -(-block_k // 64),
              "BF16": args.bf16_passes}
-    pointers = BF16_POINTERS + ("u_ptr", "w_ptr") * args.bf16_passes  # W, U stored in bfloat16 there
+    pointers = BF16_POINTERS + (("u_ptr", "w_ptr") if args.bf16_passes else ())  # W, U stored in bfloat16 there
     kernels = (("delta_pass_kernel", {"BV": pass_v}), ("delta_grad_pass_kernel", {"BV": pass_v}),
-               ("delta_grad_state_kernel", {"BK": block_64[0], "BV": block_64[1]}),
-               ("delta_grad_kernel", {"BK": block_64[0], "BV": block_64[1]}))
+               ("delta_grad_state_kernel", {"BK": grad_blocks[0], "BV": grad_blocks[1]}),
+               ("delta_grad_kernel", {"BK": grad_blocks[0], "BV": grad_blocks[1]}))
     print(f"# {time.strftime('%Y-%m-%d')} | ptxas sm_90a (triton {triton.__version__}) | K={args.K} V={args.V} "
           f"chunk={args.chunk} bf16{' | bf16 passes' if args.bf16_passes else ''}")
     print("| kernel | BV | warps x stages | registers | spill stores (B) | spill loads (B) |")
@@ -84,7 +85,8 @@ def main() -> None:
             registers, stores, loads = ptxas_stats(getattr(kernels_delta, name), dict(sizes, **blocks),
                                                    warps=warps, stages=stages, bf16_pointers=pointers)
             mark = " *" if LAUNCHED.get(name) == (warps, stages) else ""
-            print(f"| {name} | {blocks['BV']} | {warps} x {stages}{mark} | {registers} | {stores} | {loads} |", flush=True)
+            print(f"| {name} | {blocks['BV']} | {warps} x {stages}{mark} | {registers} | {stores} | {loads} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -391,8 +391,8 @@ for K, BT in ((128, 64), (64, 64), (16, 64)):
                                              BF16=bf16, INTERPRET=False), warps=8)
         b(k.delta_grad_state_kernel, dict(sizes, BK=min(64, K), BV=min(64, K)), warps=8)
         for read_after in (True, False):
-            b(k.delta_grad_kernel, dict(sizes, BK=min(64, K), BV=min(64, K), READ_AFTER=read_after, N_PARTS=-(-K // 64)),
-              warps=8)
+            b(k.delta_grad_kernel, dict(sizes, BK=min(64, K), BV=min(64, K), READ_AFTER=read_after,
+                                        N_PARTS=-(-K // 64)), warps=8)
     # Rule 1's kernels that do not take SLOTS, as chunk_1 launches them.
     plain = dict(K=K, V=K, BT=BT, BK=K, PREC32="tf32")
     for bf16 in (False, True):
