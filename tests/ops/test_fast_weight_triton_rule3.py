@@ -42,7 +42,7 @@ from tests.ops.test_fast_weight_triton import (  # its import sets TRITON_INTERP
     prepared,
     projection,
 )
-from tests.ops.triton_modes import H200_SHARED_BYTES, compile_for_sm90, needs_cuda_backend
+from tests.ops.triton_modes import H200_SHARED_BYTES, ON_GPU, compile_for_sm90, needs_cuda_backend
 
 
 def reference(q, x, y, eta, log_gamma, S0, *, read_after, slots):
@@ -118,7 +118,7 @@ WIDE_CASES = [  # slots, steps, K, V, read_after, dtype
 def test_op_wide_heads(slots, steps, K, V, read_after, dtype):
     """K > 64: the gradient kernels split the states into 64-column blocks (the last one partial here) whose parts
     delta_grad_kernel sums; several rows and heads, rule 1 (one slot) and rule 3, 16-bit inputs."""
-    if dtype == torch.float16 and torch.cuda.is_available():
+    if dtype == torch.float16 and ON_GPU:
         dtype = torch.bfloat16
     check_op(2, steps, 2, K, V, slots=slots, chunk_size=16, read_after=read_after, dtype=dtype)
 
@@ -131,14 +131,12 @@ def test_op_float16():
 
 @interpret
 @pytest.mark.parametrize("slots", [1, 4])
-def test_bf16_passes_match_reference(slots, monkeypatch):
-    """`chunk_1.BF16_PASSES` (opt-in): the sequential passes on bfloat16-rounded factors, W and U stored in bfloat16,
-    stay within the 16-bit tolerance for the outputs, the final state and every gradient (float16 inputs under the
-    interpreter, whose products of the rounded values in fp32 are the tensor cores' products; bfloat16 on a GPU)."""
-    from hybridlm.ops.fast_weight.triton import chunk_1
-
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float16
-    monkeypatch.setattr(chunk_1, "BF16_PASSES", True)
+def test_bf16_factors_match_reference(slots):
+    """16-bit inputs: the sequential passes on bfloat16-rounded factors, W and U stored in bfloat16 (`chunk_1.py`),
+    stay within the 16-bit tolerance for the outputs, the final state and every gradient, over many chunks with
+    K > 64 (float16 inputs under the interpreter, which multiplies the rounded values in fp32: the tensor cores'
+    products, `kernels_delta._mm`; bfloat16 on a GPU)."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
     check_op(1, 40, 2, 80, 48, slots=slots, chunk_size=32, read_after=slots == 1, dtype=dtype)
 
 
@@ -379,25 +377,38 @@ def test_rejects_bad_slots():
 
 _SM90_KERNELS = """
 from hybridlm.ops.fast_weight.triton import kernels_delta as k
+from hybridlm.ops.fast_weight.triton.chunk_1 import GRAD_PASS_LAUNCH, PASS_LAUNCH
 
-b = functools.partial(build, io="*bf16", io_names=("x_ptr", "y_ptr", "q_ptr", "do_ptr", "dx_ptr"))
+IO = ("x_ptr", "y_ptr", "q_ptr", "do_ptr", "dx_ptr")
+b = functools.partial(build, io="*bf16", io_names=IO)
+# The two sequential passes as chunk_1 launches them: 16-bit inputs with bfloat16 factors (W and U in bfloat16),
+# float32 inputs with float32 factors multiplied exactly; each with its launch (warps, stages).
+PASS_VARIANTS = (("*bf16", True, dict(BF16=True, INTERPRET=False, PREC32="tf32")),
+                 ("*fp32", False, dict(BF16=False, INTERPRET=False, PREC32="ieee")))
+
+
+def launch(settings):
+    return {"warps": settings["num_warps"], "stages": settings["num_stages"]}
+
+
 # The largest chunk (MAX_DELTA_CHUNK = 64) at three head sizes, rule 1 and rule 3.
 for K, BT in ((128, 64), (64, 64), (16, 64)):
     for slots in (1, 4):
         sizes = dict(K=K, V=K, BT=BT, BK=K, PREC="tf32", PREC32="tf32", SLOTS=slots)
-        b(k.wy_kernel, dict(sizes, BV=min(64, max(16, K)), STORE_TINV=True), warps=4)
-        for bf16 in (False, True):
+        b(k.wy_kernel, dict(sizes, BV=min(64, max(16, K)), STORE_TINV=True), io_names=IO + ("u_ptr", "w_ptr"),
+          warps=4)
+        for io, bf16, factors in PASS_VARIANTS:
             b(k.delta_grad_pass_kernel, dict(sizes, BV=32 if K > 64 else min(64, max(16, K)), HAS_INIT=True,
-                                             BF16=bf16, INTERPRET=False), warps=8)
+                                             **factors), io=io, **launch(GRAD_PASS_LAUNCH[bf16]))
         b(k.delta_grad_state_kernel, dict(sizes, BK=min(64, K), BV=min(64, K)), warps=8)
         for read_after in (True, False):
             b(k.delta_grad_kernel, dict(sizes, BK=min(64, K), BV=min(64, K), READ_AFTER=read_after,
                                         N_PARTS=-(-K // 64)), warps=8)
     # Rule 1's kernels that do not take SLOTS, as chunk_1 launches them.
     plain = dict(K=K, V=K, BT=BT, BK=K, PREC32="tf32")
-    for bf16 in (False, True):
-        b(k.delta_pass_kernel, dict(plain, BV=32 if K > 64 else min(64, max(16, K)), HAS_INIT=True, BF16=bf16,
-                                    INTERPRET=False), warps=8, stages=2)
+    for io, bf16, factors in PASS_VARIANTS:
+        b(k.delta_pass_kernel, dict(plain, BV=32 if K > 64 else min(64, max(16, K)), HAS_INIT=True, **factors),
+          io=io, io_names=IO + ("u_ptr", "w_ptr"), **launch(PASS_LAUNCH[bf16]))
     for read_after in (True, False):
         b(k.delta_grad_q_kernel, dict(plain, BV=32 if K > 64 else min(64, max(16, K)), READ_AFTER=read_after),
           warps=8)
@@ -407,8 +418,8 @@ for K, BT in ((128, 64), (64, 64), (16, 64)):
 @needs_cuda_backend
 def test_kernels_compile_for_sm90():
     """Every kernel of kernels_delta.py (rules 1 and 3) compiles to PTX for sm_90 at the largest chunk (64; bf16,
-    K = V = 128, 64 and 16; SLOTS = 1 and 4 where the kernel takes it; the passes with and without BF16), within an
-    H200's shared memory."""
+    K = V = 128, 64 and 16; SLOTS = 1 and 4 where the kernel takes it; the passes also as float32 inputs launch them),
+    within an H200's shared memory."""
     report = compile_for_sm90(_SM90_KERNELS, modules=("hybridlm.ops.fast_weight.triton.kernels_delta",))
     assert set(report["built"]) == report["defined"], report  # every kernel of the file
     assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
