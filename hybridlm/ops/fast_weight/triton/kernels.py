@@ -22,17 +22,16 @@ masked decay entries are set to -inf before the exponential, never exponentiated
 
 from __future__ import annotations
 
-import os
+import functools
 
 import triton
 import triton.language as tl
 
+from hybridlm.ops.triton_autotune import autotune
 
-def _configs() -> list[triton.Config]:
-    """Launch configurations to tune over (one under the CPU interpreter, or with HYBRIDLM_TRITON_AUTOTUNE=0)."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("HYBRIDLM_TRITON_AUTOTUNE") == "0":
-        return [triton.Config({}, num_warps=8, num_stages=2)]
-    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)]
+# With HYBRIDLM_TRITON_AUTOTUNE=0 the fast-weight kernels launch with 8 warps: the fixed launch of the A/B timings in
+# benchmarks/RESULTS.md.
+_autotune = functools.partial(autotune, fixed_warps=8)
 
 
 _KEY = ["K", "V", "BT", "READ_AFTER"]
@@ -119,7 +118,7 @@ def _contribution(a_ptr, b_ptr, eta_ptr, L_ptr, i_nh, i_c, T, T_pad, H, K: tl.co
     return tl.dot(tl.trans((a * coef[:, None]).to(a.dtype)), b, input_precision=PREC), L_last
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@_autotune(_KEY)
 @triton.jit(do_not_specialize=_SIZES)
 def chunk_outer_kernel(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, T, T_pad, n_chunks, H,
                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -214,7 +213,7 @@ def _scores_and_read(q_ptr, x_ptr, h_ptr, i_n, i_h, i_nh, i_c, t, T, n_chunks, H
     return qx, o_inter
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@_autotune(_KEY)
 @triton.jit(do_not_specialize=_SIZES)
 def output_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, h_ptr, o_ptr, T, T_pad, n_chunks, H,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -235,7 +234,7 @@ def output_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, h_ptr, o_ptr, T, T_pad, n
     _store_rows(o_ptr, o, i_n, i_h, t, T, H, V, rv)
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@_autotune(_KEY)
 @triton.jit(do_not_specialize=_SIZES)
 def grad_qx_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr,
                    dq_ptr, dx_ptr, deta_ptr, dlg_ptr, T, T_pad, n_chunks, H,
@@ -296,7 +295,7 @@ def grad_qx_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr,
     tl.store(dlg_ptr + scalar_offs, dlg.to(dlg_ptr.dtype.element_ty), mask=t < T)
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@_autotune(_KEY)
 @triton.jit(do_not_specialize=_SIZES)
 def grad_y_kernel(q_ptr, x_ptr, eta_ptr, L_ptr, do_ptr, dh_ptr, dy_ptr, T, T_pad, n_chunks, H,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,

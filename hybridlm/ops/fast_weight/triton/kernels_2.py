@@ -55,8 +55,8 @@ import triton.language as tl
 
 from hybridlm.ops.fast_weight.triton.kernels import (
     _SIZES,
+    _autotune,
     _carried_block,
-    _configs,
     _load_rows,
     _state_offsets,
     _store_rows,
@@ -180,7 +180,7 @@ def delta2_grad_pass_kernel(q_ptr, x_ptr, eta_ptr, L_ptr, do_ptr, init_ptr, dh_p
     tl.store(final_ptr + offs0, dS, mask=mask)
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@_autotune(_KEY)
 @triton.jit(do_not_specialize=_SIZES)
 def grad_v_2_kernel(q_ptr, x_ptr, y_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr, dz_ptr, dy_ptr, deta_ptr,
                     dlg_ptr, T, T_pad, n_chunks, H,
@@ -236,7 +236,7 @@ def grad_v_2_kernel(q_ptr, x_ptr, y_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, d
     _store_rows(dlg_ptr, dlg, i_n, i_h, t, T, H, V, rv)
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@_autotune(_KEY)
 @triton.jit(do_not_specialize=_SIZES)
 def grad_qx_2_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr, dz_ptr, dq_ptr, dx_ptr,
                      T, T_pad, n_chunks, H,

@@ -46,8 +46,8 @@ import triton.language as tl
 
 from hybridlm.ops.fast_weight.triton.kernels import (
     _SIZES,
+    _autotune,
     _carried_block,
-    _configs,
     _load_rows,
     _scores_and_read,
     _state_offsets,
@@ -96,7 +96,7 @@ def _causal_decay_3d(L, Lr, BT: tl.constexpr, READ_AFTER: tl.constexpr):
     return tl.exp(tl.where(seen[:, :, None], Lr[:, None, :] - L[None, :, :], float("-inf")))
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@_autotune(_KEY)
 @triton.jit(do_not_specialize=_SIZES)
 def outer_2a_kernel(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, T, T_pad, n_chunks, H,
                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -158,7 +158,7 @@ def pass_2a_kernel(h_ptr, init_ptr, final_ptr, L_ptr, T_pad, n_chunks,
     tl.store(final_ptr + offs0, S, mask=mask)
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@_autotune(_KEY)
 @triton.jit(do_not_specialize=_SIZES)
 def output_2a_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, h_ptr, o_ptr, T, T_pad, n_chunks, H,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -179,7 +179,7 @@ def output_2a_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, h_ptr, o_ptr, T, T_pad
     _store_rows(o_ptr, o, i_n, i_h, t, T, H, V, rv)
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@_autotune(_KEY)
 @triton.jit(do_not_specialize=_SIZES)
 def grad_v_2a_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr, dy_ptr, deta_ptr, dlg_ptr,
                      T, T_pad, n_chunks, H,
@@ -226,7 +226,7 @@ def grad_v_2a_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr,
     _store_rows(dlg_ptr, dlg, i_n, i_h, t, T, H, V, rv)
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@_autotune(_KEY)
 @triton.jit(do_not_specialize=_SIZES)
 def grad_qx_2a_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr, dq_ptr, dx_ptr,
                       T, T_pad, n_chunks, H,

@@ -68,8 +68,8 @@ import triton.language as tl
 
 from hybridlm.ops.fast_weight.triton.kernels import (
     _SIZES,
+    _autotune,
     _causal_decay,
-    _configs,
     _decays,
     _load_rows,
     _load_steps,
@@ -166,7 +166,7 @@ def _double_blocks(inv, A, BT: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr
     return inv - tl.dot(inv, tl.dot(off, inv, input_precision=PREC), input_precision=PREC)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "BT", "SLOTS"])
+@_autotune(["K", "V", "BT", "SLOTS"])
 @triton.jit(do_not_specialize=_SIZES)
 def wy_kernel(x_ptr, y_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, tinv_ptr, T, T_pad, n_chunks, H,
               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -307,7 +307,7 @@ def delta_grad_pass_kernel(x_ptr, eta_ptr, L_ptr, tinv_ptr, dr_ptr, init_ptr, dh
     tl.store(final_ptr + offs0, dS, mask=mask)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "BT", "READ_AFTER"])
+@_autotune(["K", "V", "BT", "READ_AFTER"])
 @triton.jit(do_not_specialize=_SIZES)
 def delta_grad_q_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dq_ptr, qdq_ptr, T, T_pad, n_chunks, H,
                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -338,7 +338,7 @@ def delta_grad_q_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dq_p
     tl.store(qdq_ptr + (i_n.to(tl.int64) * T + t) * H + i_h, tl.sum(qf * dq, axis=1), mask=t < T)
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "BT", "SLOTS"])
+@_autotune(["K", "V", "BT", "SLOTS"])
 @triton.jit(do_not_specialize=_SIZES)
 def delta_grad_state_kernel(x_ptr, r_ptr, eta_ptr, L_ptr, h_ptr, dh_ptr, dz_ptr, dxs_ptr, part_ptr, T, T_pad,
                             n_chunks, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -387,7 +387,7 @@ def _part_row(part_ptr, i_k, j, NH, i_nh, T_pad):
     return part_ptr + ((i_k * 3 + j) * NH + i_nh).to(tl.int64) * T_pad
 
 
-@triton.autotune(configs=_configs(), key=["K", "V", "BT", "READ_AFTER", "SLOTS", "N_PARTS"])
+@_autotune(["K", "V", "BT", "READ_AFTER", "SLOTS", "N_PARTS"])
 @triton.jit(do_not_specialize=_SIZES)
 def delta_grad_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, dz_ptr, qdq_ptr, dxs_ptr, part_ptr,
                       dx_ptr, deta_ptr, dlg_ptr, T, T_pad, n_chunks, H,

@@ -21,17 +21,14 @@ exponential, so every exponent is <= 0 and nothing overflows.
 
 from __future__ import annotations
 
-import os
+import functools
 
 import triton
 import triton.language as tl
 
+from hybridlm.ops.triton_autotune import autotune
 
-def _configs() -> list[triton.Config]:
-    """Launch configurations to tune over (one under the CPU interpreter, or with HYBRIDLM_TRITON_AUTOTUNE=0)."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("HYBRIDLM_TRITON_AUTOTUNE") == "0":
-        return [triton.Config({}, num_warps=4, num_stages=2)]
-    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)]
+_autotune = functools.partial(autotune, fixed_warps=4)
 
 
 _KEY = ["P", "N", "BT"]
@@ -96,7 +93,7 @@ def chunk_cumsum_kernel(dt_ptr, A_ptr, cum_ptr, T, T_pad, H, BT: tl.constexpr):
     tl.store(cum_ptr + i_bh.to(tl.int64) * T_pad + t, tl.cumsum(l, axis=0))
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@_autotune(_KEY)
 @triton.jit(do_not_specialize=_SIZES)
 def chunk_state_kernel(a_ptr, w_ptr, dt_ptr, cum_ptr, out_ptr, T, T_pad, n_chunks, H, G,
                        P: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
@@ -167,7 +164,7 @@ def state_pass_kernel(h_ptr, init_ptr, final_ptr, cum_ptr, T_pad, n_chunks,
     tl.store(final_ptr + offs0, S, mask=mask)
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@_autotune(_KEY)
 @triton.jit(do_not_specialize=_SIZES)
 def output_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, D_ptr, cum_ptr, h_ptr, y_ptr, T, T_pad, n_chunks, H, G,
                   P: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
@@ -202,7 +199,7 @@ def output_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, D_ptr, cum_ptr, h_ptr, y_ptr, T, 
 # -------------------------------------------------------------------------------------------------- backward
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@_autotune(_KEY)
 @triton.jit(do_not_specialize=_SIZES)
 def grad_x_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, A_ptr, D_ptr, cum_ptr, h_ptr, dh_ptr, dy_ptr,
                   dx_ptr, ddt_ptr, dl_ptr, dD_ptr, T, T_pad, n_chunks, H, G,
@@ -266,7 +263,7 @@ def grad_x_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, A_ptr, D_ptr, cum_ptr, h_ptr, dh_
     tl.store(dD_ptr + i_bh.to(tl.int64) * n_chunks + i_c, tl.sum(tl.sum(xf * dyf, axis=1), axis=0))
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@_autotune(_KEY)
 @triton.jit(do_not_specialize=_SIZES)
 def grad_bc_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, cum_ptr, h_ptr, dh_ptr, dy_ptr, dB_ptr, dC_ptr,
                    T, T_pad, n_chunks, H, G,
