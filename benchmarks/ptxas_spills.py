@@ -3,11 +3,10 @@
     python benchmarks/ptxas_spills.py                      # K = V = 128, chunk 64, bf16
     python benchmarks/ptxas_spills.py --K 64 --V 64
 
-Compiles each kernel to PTX with Triton for sm_90 as `chunk_1.py` launches it for bf16 inputs (the sequential passes
-on bfloat16 factors, W and U in bfloat16) at several (warps, pipeline stages) launch configurations and runs Triton's
-bundled `ptxas -v` on it: registers per thread and the bytes of spill stores / loads per thread. A spill is a round
-trip through local memory inside a latency-bound sequential walk over the chunks, so this is the cheap first look
-before a GPU timing (which decides). `*` marks the configuration `chunk_1.py` launches.
+Compiles each kernel to PTX with Triton for sm_90 at several (warps, pipeline stages) launch configurations and runs
+Triton's bundled `ptxas -v` on it: registers per thread and the bytes of spill stores / loads per thread. A spill is
+a round trip through local memory inside a latency-bound sequential walk over the chunks, so this is the cheap
+first look before a GPU timing (which decides). `*` marks the configuration `chunk_1.py` launches.
 """
 
 from __future__ import annotations
@@ -27,19 +26,22 @@ from hybridlm.ops.fast_weight.triton import kernels_delta
 from hybridlm.ops.fast_weight.triton.chunk_1 import GRAD_PASS_LAUNCH, PASS_LAUNCH
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-# bf16 inputs, and W, U (`u_ptr`, `w_ptr`), which chunk_1.py stores in bfloat16 for them
-BF16_POINTERS = ("x_ptr", "q_ptr", "y_ptr", "do_ptr", "dx_ptr", "dq_ptr", "u_ptr", "w_ptr")
-# chunk_1.py's launches for bfloat16 factors (the two per-chunk gradient kernels are autotuned over 4 / 8 warps x
-# 1 / 2 stages: no fixed one)
-LAUNCHED = {name: (launch[True]["num_warps"], launch[True]["num_stages"])
+BF16_POINTERS = ("x_ptr", "q_ptr", "y_ptr", "do_ptr", "dx_ptr", "dq_ptr")
+
+
+def launched(bf16_passes: bool) -> dict[str, tuple[int, int]]:
+    """chunk_1.py's (warps, stages) of the two passes for these factors (the two per-chunk gradient kernels are
+    autotuned over 4 / 8 warps x 1 / 2 stages: no fixed one)."""
+    return {name: (launch[bf16_passes]["num_warps"], launch[bf16_passes]["num_stages"])
             for name, launch in (("delta_pass_kernel", PASS_LAUNCH), ("delta_grad_pass_kernel", GRAD_PASS_LAUNCH))}
 
 
-def ptxas_stats(kernel, constexprs: dict, *, warps: int, stages: int) -> tuple[int, int, int]:
+def ptxas_stats(kernel, constexprs: dict, *, warps: int, stages: int,
+                bf16_pointers: tuple[str, ...] = BF16_POINTERS) -> tuple[int, int, int]:
     """(registers, spill store bytes, spill load bytes) per thread of `kernel` compiled for sm_90 (bf16 inputs)."""
     fn = kernel.fn if hasattr(kernel, "configs") else kernel  # under the autotuner
     constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
-    signature = {name: "constexpr" if name in constexprs else "*bf16" if name in BF16_POINTERS
+    signature = {name: "constexpr" if name in constexprs else "*bf16" if name in bf16_pointers
                  else "*fp32" if name.endswith("_ptr") else "i32" for name in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages})
@@ -62,27 +64,31 @@ def main() -> None:
     parser.add_argument("--K", type=int, default=128)
     parser.add_argument("--V", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=64)
-    parser.add_argument("--configs", nargs="+", default=["4x2", "4x3", "8x2", "8x3"], help="WARPSxSTAGES launch configs")
+    parser.add_argument("--configs", nargs="+", default=["4x2", "4x3", "8x2", "8x3"],
+                        help="WARPSxSTAGES launch configs")
+    parser.add_argument("--bf16-passes", action="store_true",
+                        help="the sequential passes as chunk_1.BF16_PASSES compiles them (bfloat16 factors)")
     args = parser.parse_args()
     block_k = max(16, triton.next_power_of_2(args.K))
     pass_v = min(max(16, triton.next_power_of_2(args.V)), 32 if block_k > 64 else 64)  # chunk_1's BV_pass
     grad_blocks = min(64, block_k), min(64, max(16, triton.next_power_of_2(args.V)))  # chunk_1's gradient blocks
     sizes = {"K": args.K, "V": args.V, "BT": args.chunk, "BK": block_k, "PREC32": "tf32", "SLOTS": 1,
              "READ_AFTER": True, "HAS_INIT": True, "INTERPRET": False, "N_PARTS": -(-block_k // 64),
-             "BF16": True}
+             "BF16": args.bf16_passes}
+    pointers = BF16_POINTERS + (("u_ptr", "w_ptr") if args.bf16_passes else ())  # W, U stored in bfloat16 there
     kernels = (("delta_pass_kernel", {"BV": pass_v}), ("delta_grad_pass_kernel", {"BV": pass_v}),
                ("delta_grad_state_kernel", {"BK": grad_blocks[0], "BV": grad_blocks[1]}),
                ("delta_grad_kernel", {"BK": grad_blocks[0], "BV": grad_blocks[1]}))
     print(f"# {time.strftime('%Y-%m-%d')} | ptxas sm_90a (triton {triton.__version__}) | K={args.K} V={args.V} "
-          f"chunk={args.chunk} bf16")
+          f"chunk={args.chunk} bf16{' | bf16 passes' if args.bf16_passes else ''}")
     print("| kernel | BV | warps x stages | registers | spill stores (B) | spill loads (B) |")
     print("|---|---|---|---|---|---|")
     for name, blocks in kernels:
         for config in args.configs:
             warps, stages = (int(part) for part in config.split("x"))
             registers, stores, loads = ptxas_stats(getattr(kernels_delta, name), dict(sizes, **blocks),
-                                                   warps=warps, stages=stages)
-            mark = " *" if LAUNCHED.get(name) == (warps, stages) else ""
+                                                   warps=warps, stages=stages, bf16_pointers=pointers)
+            mark = " *" if launched(args.bf16_passes).get(name) == (warps, stages) else ""
             print(f"| {name} | {blocks['BV']} | {warps} x {stages}{mark} | {registers} | {stores} | {loads} |",
                   flush=True)
 

@@ -3,12 +3,15 @@
 Imported only by the kernel modules, which load where triton is installed.
 
 Tuning results are cached on disk (`cache_results=True`, in Triton's cache directory, `TRITON_CACHE_DIR`, by default
-`~/.triton/cache`), keyed by Triton's version, the GPU, the kernel's source, the configurations and the tuning key's
-values: a second process on the same machine and software skips the search. Without the cache every new process
-(each training run, each resume of a preempted job) times every configuration of every kernel again before its
-first step: more than 150 s for rule 1's kernels alone on an H200 (benchmarks/RESULTS.md, session 15). The cache
-holds timings, never results: a stale entry can only pick a slower launch, never a wrong output. To tune afresh,
-delete the `*.autotune.json` files there.
+`~/.triton/cache`), keyed by Triton's version, the compiler target (ptxas and compute capability: an H100 and an
+H200 share entries), the kernel's source, the configurations and the tuning key (the `key` arguments' values and
+the tensors' dtypes): a second process on the same machine and software skips the search. Without the cache every
+new process (each training run, each resume of a preempted job) times every configuration of every kernel again
+before its first step: more than 150 s for rule 1's kernels alone on an H200 (benchmarks/RESULTS.md, session 15).
+The key holds no sequence length or batch: the first shape to reach a key (a short evaluation, a test) picks the
+launch for every later process too, as it did for the rest of one process before. The cache holds timings, never
+results: a stale entry can only pick a slower launch, never a wrong output. To tune afresh, delete the
+`*.autotune.json` files there.
 """
 
 from __future__ import annotations

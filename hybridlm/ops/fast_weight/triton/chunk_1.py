@@ -25,32 +25,27 @@ d log_gamma, of all chunks in parallel (`kernels_delta.delta_grad_q_kernel`; the
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hybridlm.ops.fast_weight.triton import kernels, kernels_delta
 from hybridlm.ops.fast_weight.triton.chunk_1a import ChunkPlan, _block
 from hybridlm.ops.fast_weight.triton.custom_ops import _interpreting
 
-# Launch settings of the two sequential passes (walks over the chunks), keyed by their factors' precision (bfloat16
-# for 16-bit inputs, below). bfloat16 factors: timed on an H200 (2026-12-01, B=8 H=16 D=128, rule 1 fwd+bwd; forward
-# pass / reverse pass (warps, stages)): (4, 3) / (4, 2) 7.67 ms at T = 4096 and 30.53 at 16384, against 8.63 and 34.29
-# with the float32 factors' (8, 2) / (8, 3); (4, 2) / (4, 2) 7.80, (4, 3) / (4, 3) 7.69, (4, 4) / (4, 2) 7.80.
-# ptxas counts more spills at 4 warps (708 and 1376 B per thread against 0 and 136 at 8), yet 4 warps run faster
-# (hidden by a second program per SM, likely; fast_weight/triton/README.md).
-# float32 factors: from Triton's ptxas for sm_90, C = 64, K = V = 128 (`benchmarks/ptxas_spills.py`, spill-store
-# bytes per thread): the forward pass spills 168 with 8 warps and 2 stages against 4524 with 4 warps and 3 stages; the
-# reverse pass 588 with 8 warps and 3 stages against 2052 with 4 warps.
+# Precision of the two sequential passes' products (r = U - W S, the state update, and their gradients). Default:
+# float32 factors (TF32 products for 16-bit inputs, "ieee" for float32). Opt-in for 16-bit inputs
+# (HYBRIDLM_TRITON_BF16_PASSES=1 or `BF16_PASSES = True`): bfloat16-rounded factors and W, U stored in bfloat16,
+# flash-linear-attention's precision. It is faster (H200, B=8 H=16 D=128: rule 1 fwd+bwd 0.80x the default's time
+# at T = 4K and 16K with its launch below), but not exact enough for the 16-bit tolerance (2e-2): r is a small
+# difference of two large terms, so rounding U and W S to 8 bits costs up to 2.4e-2 in a gradient at T = 640 with
+# the layer's RMS-normalised keys, against 5e-4 with float32 factors (fast_weight/triton/README.md, "Precision").
+BF16_PASSES = os.environ.get("HYBRIDLM_TRITON_BF16_PASSES", "0") == "1"
+# Launches (warps, stages) of the passes, keyed by bfloat16 factors. Those of bfloat16 factors were timed on an H200
+# (4 warps: 0.89x the time of 8 at B=8 H=16 D=128, though ptxas counts more spills; the README's launch table); those
+# of float32 factors come from ptxas spill counts (8 warps: 168 / 588 B per thread against 4524 / 2052 at 4).
 PASS_LAUNCH = {True: {"num_warps": 4, "num_stages": 3}, False: {"num_warps": 8, "num_stages": 2}}
 GRAD_PASS_LAUNCH = {True: {"num_warps": 4, "num_stages": 2}, False: {"num_warps": 8, "num_stages": 3}}
-# 16-bit inputs: the two sequential passes multiply bfloat16-rounded factors (fp32 accumulation, fp32 states) and
-# `wy_kernel` stores W and U in bfloat16, the precision flash-linear-attention's delta-rule kernels use: tensor cores
-# at their bf16 rate, half the bytes of W and U, fewer registers in the passes. On an H200 (2026-12-01, B=8 H=16
-# D=128 bf16, fixed launch) that took 0.90x the time of float32 factors (TF32 products), forward and forward +
-# backward at T = 4096 and 16384 (fwd+bwd 9.60 -> 8.67 ms and 38.14 -> 34.39 ms; at T = 4096 the forward pass
-# 0.87 -> 0.67 ms per launch, the reverse pass 1.60 -> 1.19 ms), for a max rel. error against the chunk backend of
-# 5.2e-3 instead of 4.6e-3 (B=2 T=1000 H=4: o, S and every gradient).
-# float16 inputs take bfloat16 factors too: the float32 states' range needs bfloat16's 8 exponent bits, not float16's 5.
-# float32 inputs keep float32 factors, multiplied exactly ("ieee", as every product of theirs).
 
 
 def forward(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int,
@@ -130,7 +125,7 @@ class _Plan(ChunkPlan):
                              f"got {slots}")
         self.slots = slots
         self.prec32 = self.prec  # products of fp32 factors, states, gradients: as exact as the inputs' products
-        self.bf16 = q.dtype != torch.float32  # bfloat16 factors in the passes, W and U in bfloat16
+        self.bf16 = BF16_PASSES and q.dtype != torch.float32  # bfloat16 factors, W and U in bfloat16
         self.BK_full = _block(self.K, 128)  # the WY, pass and dq kernels hold all of K
         self.BV_pass = _block(self.V, 32 if self.BK_full > 64 else 64)
 

@@ -55,10 +55,10 @@ B2's dZ and B3, sequentially from the last chunk; then, for all chunks in parall
 states: dS' r_s, S dZ_s and their dot products with x_s), and `delta_grad_kernel` the rest of B5-B7 with B2's dA,
 walking K in 64-column blocks. Neither of these two holds a [BT, K] accumulator beside [BT, BT] ones: together they
 spilled (RESULTS.md).
-Buffers: U [N * H, T_pad, V], W [N * H, T_pad, K] (bfloat16 for 16-bit inputs, whose passes run with BF16, `_mm`:
-0.90x the time of float32 factors on an H200, `chunk_1.py`; float32 for float32 inputs) and Tinv [N * H, T_pad, BT]
-float32; residuals r, dr and dZ [N, T, H, V] float32 (the layout of y); the state terms of dx [N, T, H, K] float32
-and their column blocks' parts [nK, 3, N * H, T_pad] float32; per-chunk states [N * H, n_chunks, K, V] float32.
+Buffers: U [N * H, T_pad, V], W [N * H, T_pad, K] (float32, or bfloat16 with BF16: the opt-in
+`chunk_1.BF16_PASSES`, faster but less exact, chunk_1.py) and Tinv [N * H, T_pad, BT] float32; residuals r, dr and
+dZ [N, T, H, V] float32 (the layout of y); the state terms of dx [N, T, H, K] float32 and their column blocks' parts
+[nK, 3, N * H, T_pad] float32; per-chunk states [N * H, n_chunks, K, V] float32.
 """
 
 from __future__ import annotations
