@@ -1,4 +1,5 @@
-"""Registers and spills of rule 1's sequential Triton kernels for sm_90, on any machine with triton (no GPU).
+"""Registers and spills of rule 1's Triton kernels (WY factors, passes, per-chunk gradients) for sm_90, on any
+machine with triton (no GPU).
 
     python benchmarks/ptxas_spills.py                      # K = V = 128, chunk 64, bf16
     python benchmarks/ptxas_spills.py --K 64 --V 64
@@ -72,16 +73,17 @@ def main() -> None:
     block_k = max(16, triton.next_power_of_2(args.K))
     pass_v = min(max(16, triton.next_power_of_2(args.V)), 32 if block_k > 64 else 64)  # chunk_1's BV_pass
     grad_blocks = min(64, block_k), min(64, max(16, triton.next_power_of_2(args.V)))  # chunk_1's gradient blocks
-    sizes = {"K": args.K, "V": args.V, "BT": args.chunk, "BK": block_k, "PREC32": "tf32", "SLOTS": 1,
-             "READ_AFTER": True, "HAS_INIT": True, "INTERPRET": False, "N_PARTS": -(-block_k // 64),
+    sizes = {"K": args.K, "V": args.V, "BT": args.chunk, "BK": block_k, "PREC": "tf32", "PREC32": "tf32",
+             "SLOTS": 1, "READ_AFTER": True, "HAS_INIT": True, "INTERPRET": False, "N_PARTS": -(-block_k // 64),
              "BF16": args.bf16_passes}
     pointers = BF16_POINTERS + (("u_ptr", "w_ptr") if args.bf16_passes else ())  # W, U stored in bfloat16 there
-    kernels = (("delta_pass_kernel", {"BV": pass_v}), ("delta_grad_pass_kernel", {"BV": pass_v}),
+    kernels = (("tinv_kernel", {"BK": grad_blocks[0]}), ("wu_kernel", {"BD": max(grad_blocks)}),
+               ("delta_pass_kernel", {"BV": pass_v}), ("delta_grad_pass_kernel", {"BV": pass_v}),
                ("delta_grad_state_kernel", {"BK": grad_blocks[0], "BV": grad_blocks[1]}),
                ("delta_grad_kernel", {"BK": grad_blocks[0], "BV": grad_blocks[1]}))
     print(f"# {time.strftime('%Y-%m-%d')} | ptxas sm_90a (triton {triton.__version__}) | K={args.K} V={args.V} "
           f"chunk={args.chunk} bf16{' | bf16 passes' if args.bf16_passes else ''}")
-    print("| kernel | BV | warps x stages | registers | spill stores (B) | spill loads (B) |")
+    print("| kernel | blocks | warps x stages | registers | spill stores (B) | spill loads (B) |")
     print("|---|---|---|---|---|---|")
     for name, blocks in kernels:
         for config in args.configs:
@@ -89,7 +91,8 @@ def main() -> None:
             registers, stores, loads = ptxas_stats(getattr(kernels_delta, name), dict(sizes, **blocks),
                                                    warps=warps, stages=stages, bf16_pointers=pointers)
             mark = " *" if launched(args.bf16_passes).get(name) == (warps, stages) else ""
-            print(f"| {name} | {blocks['BV']} | {warps} x {stages}{mark} | {registers} | {stores} | {loads} |",
+            shown = " ".join(f"{block}={size}" for block, size in blocks.items())
+            print(f"| {name} | {shown} | {warps} x {stages}{mark} | {registers} | {stores} | {loads} |",
                   flush=True)
 
 

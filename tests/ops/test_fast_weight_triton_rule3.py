@@ -10,7 +10,7 @@ a power of two of slots, the step's decay on slot 0).
   beta, lam and of every tensor of the initial state; windows 1-5 (3 and 5 padded to 4 and 8 slots), shifted and
   same-step pairing, read after / before, nlms and direct steps, with and without a carried state, packed sequences,
   T = 1, carry-over.
-- `wy_kernel`'s blocked (I + A)^-1 against float64 at chunks of 16, 32 and 64 events, one slot and several.
+- `tinv_kernel`'s blocked (I + A)^-1 against float64 at chunks of 16, 32 and 64 events, one slot and several.
 - The custom ops (`torch.library.opcheck`) and torch.compile of the front door; the kernels with SLOTS > 1 compile
   for sm_90 (no GPU needed).
 
@@ -177,7 +177,7 @@ def test_long_16bit_rows_match_float64(rule, window):
 
 
 def wy_inverse_reference(x, eta, log_gamma, chunk_size, slots):
-    """(I + A)^-1 of every chunk (float64, [N * H, T_pad, chunk_size], the layout of `wy_kernel`'s buffer), A as
+    """(I + A)^-1 of every chunk (float64, [N * H, T_pad, chunk_size], the layout of `tinv_kernel`'s buffer), A as
     kernels_delta.py's F1: A[s, s'] = [st(s') < st(s)] exp(Lp_s - L_s') eta_s' (x_s . x_s'), st(s) = s // slots."""
     N, T, H, _ = x.shape
     T_pad = -(-T // chunk_size) * chunk_size
@@ -199,7 +199,7 @@ WY_CASES = [(16, 1), (16, 4), (16, 16), (32, 2), (32, 8), (32, 32), (64, 1), (64
 @interpret
 @pytest.mark.parametrize("chunk_size,slots", WY_CASES, ids=[f"C{c}-P{p}" for c, p in WY_CASES])
 def test_wy_inverse_matches_float64(chunk_size, slots):
-    """`wy_kernel`'s blocked (I + A)^-1 (16 x 16 diagonal blocks by substitution, then block products) against
+    """`tinv_kernel`'s blocked (I + A)^-1 (16 x 16 diagonal blocks by substitution, then block products) against
     torch.linalg.inv in float64, in every chunk (2 to 5 per row; the last one padded where T is not a multiple of
     the chunk): chunks of 16, 32 and 64 events; one slot (rule 1), steps of 2 to 8 slots (inside a 16-event block),
     of 16 (a whole block: no substitution) and of 32 (two blocks: no first doubling)."""
@@ -208,7 +208,7 @@ def test_wy_inverse_matches_float64(chunk_size, slots):
     q, x, y, eta, log_gamma, _ = (t.to(DEVICE, torch.float32)
                                   for t in prepared(2, 2 * chunk_size + 3 * slots, 2, 16, 8, seed=chunk_size + slots))
     plan = chunk_1._Plan(q, y, chunk_size, True, slots)
-    tinv = plan.scan(x, y, eta, plan.cumsum(log_gamma), None, keep_tinv=True)[3]
+    tinv = plan.scan(x, y, eta, plan.cumsum(log_gamma), None)[3]
     assert rel_err(tinv.cpu(), wy_inverse_reference(x.cpu(), eta.cpu(), log_gamma.cpu(), chunk_size, slots)) < 2e-6
 
 
@@ -434,8 +434,10 @@ def launch(settings):
 for K, BT in ((128, 64), (64, 64), (16, 64)):
     for slots in (1, 4):
         sizes = dict(K=K, V=K, BT=BT, BK=K, PREC="tf32", PREC32="tf32", SLOTS=slots)
+        b(k.tinv_kernel, dict(K=K, BT=BT, BK=min(64, K), SLOTS=slots, PREC="tf32", PREC32="tf32"), warps=4)
         for wu in ((), WU):
-            b(k.wy_kernel, dict(sizes, BV=min(64, max(16, K)), STORE_TINV=True), io_names=IO + wu, warps=4)
+            b(k.wu_kernel, dict(K=K, V=K, BT=BT, BD=min(64, max(16, K)), SLOTS=slots, PREC32="tf32"),
+              io_names=IO + wu, warps=8)
         for io, bf16, factors in PASS_VARIANTS:
             b(k.delta_grad_pass_kernel, dict(sizes, BV=32 if K > 64 else min(64, max(16, K)), HAS_INIT=True,
                                              **factors), io=io, **launch(GRAD_PASS_LAUNCH[bf16]))

@@ -9,14 +9,14 @@ first event, y_t - S_{before step}^T x_t, so the events of one step do not see e
 (`kernels_delta.py`, constexpr SLOTS). Rule 1 is slots = 1.
 
 Forward: chunk-local cumulative decays (`kernels.chunk_cumsum_kernel`) -> the WY factors of every chunk,
-U = (I + A)^-1 Y and W = (I + A)^-1 diag(exp Lp_s) X (Lp_s = L_{s-1}; for rule 3 the end of the step before),
-all chunks in parallel (`kernels_delta.wy_kernel`) ->
+(I + A)^-1 (`kernels_delta.tinv_kernel`), then U = (I + A)^-1 Y and W = (I + A)^-1 diag(exp Lp_s) X (Lp_s = L_{s-1};
+for rule 3 the end of the step before; `kernels_delta.wu_kernel`), all chunks in parallel ->
 the sequential pass r_c = U_c - W_c S_c, S_{c+1} = exp(L_last) S_c + X_c^T diag(exp(L_last - L_s) eta_s) r_c
 (`kernels_delta.delta_pass_kernel`) -> the outputs, which are rule 1A's with y replaced by the residuals r
 (`kernels.output_kernel`).
 
-Backward (`kernels_delta.py` derives it): the forward's first three stages again (keeping (I + A)^-1 of every chunk)
-for the entry states and residuals -> sum_t exp(Lr_t) q_t dO_t^T per chunk (`kernels.chunk_outer_kernel`) and the
+Backward (`kernels_delta.py` derives it): the forward's first three stages again (the entry states, residuals and
+(I + A)^-1 of every chunk) -> sum_t exp(Lr_t) q_t dO_t^T per chunk (`kernels.chunk_outer_kernel`) and the
 chunk-local part of dL/dr (`kernels.grad_y_kernel`), all chunks in parallel -> the reverse sequential pass for
 dL/dS at every chunk exit, dZ = dL/dy and dL/dS_0 (`kernels_delta.delta_grad_pass_kernel`) -> dq, then dx, d eta and
 d log_gamma, of all chunks in parallel (`kernels_delta.delta_grad_q_kernel`; the terms that read the states,
@@ -54,7 +54,7 @@ def forward(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int,
     (`custom_ops._check`); S0 None for zeros. slots: events per step (rule 3; a power of two dividing chunk_size)."""
     p = _Plan(q, y, chunk_size, read_after, slots)
     L = p.cumsum(log_gamma)
-    states, R, final, _ = p.scan(x, y, eta, L, S0, keep_tinv=False)
+    states, R, final, _ = p.scan(x, y, eta, L, S0)
     # Outputs: rule 1A's output kernel with the (float32) residuals in place of y.
     o = torch.empty(p.N, p.T, p.H, p.V, dtype=q.dtype, device=p.device)
     BK, BV = _block(p.K, 64), _block(p.V, 64)
@@ -69,7 +69,7 @@ def backward(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_
     dL/dS_final (float32 or None). The entry states, residuals and (I + A)^-1 are recomputed."""
     p = _Plan(q, y, chunk_size, read_after, slots)
     L = p.cumsum(log_gamma)
-    states, R, _, tinv = p.scan(x, y, eta, L, S0, keep_tinv=True)
+    states, R, _, tinv = p.scan(x, y, eta, L, S0)
     BK, BV = _block(p.K, 64), _block(p.V, 64)
     sizes = {"K": p.K, "V": p.V, "BT": p.BT}
 
@@ -126,7 +126,7 @@ class _Plan(ChunkPlan):
         self.slots = slots
         self.prec32 = self.prec  # products of fp32 factors, states, gradients: as exact as the inputs' products
         self.bf16 = BF16_PASSES and q.dtype != torch.float32  # bfloat16 factors, W and U in bfloat16
-        self.BK_full = _block(self.K, 128)  # the WY, pass and dq kernels hold all of K
+        self.BK_full = _block(self.K, 128)  # the pass and dq kernels hold all of K
         self.BV_pass = _block(self.V, 32 if self.BK_full > 64 else 64)
 
     def cumsum(self, log_gamma):
@@ -134,19 +134,22 @@ class _Plan(ChunkPlan):
         kernels.chunk_cumsum_kernel[(self.n_chunks, self.NH)](log_gamma, L, self.T, self.T_pad, self.H, BT=self.BT)
         return L
 
-    def scan(self, x, y, eta, L, S0, *, keep_tinv: bool):
+    def scan(self, x, y, eta, L, S0):
         """The WY factors and the sequential pass: every chunk's entry state [N * H, n_chunks, K, V], the residuals
-        r [N, T, H, V], the final state [N, H, K, V] (all float32), and with keep_tinv (I + A)^-1 of every chunk
-        [N * H, T_pad, BT] (else None)."""
+        r [N, T, H, V], the final state [N, H, K, V] and (I + A)^-1 of every chunk [N * H, T_pad, BT] (all
+        float32)."""
         N, T, H, K, V, NH, BT = self.N, self.T, self.H, self.K, self.V, self.NH, self.BT
         f32 = {"dtype": torch.float32, "device": self.device}
         wu = {"dtype": torch.bfloat16 if self.bf16 else torch.float32, "device": self.device}
+        tinv = torch.empty(NH, self.T_pad, BT, **f32)
+        kernels_delta.tinv_kernel[(self.n_chunks, NH)](
+            x, eta, L, tinv, T, self.T_pad, self.n_chunks, H, K=K, BT=BT, BK=_block(K, 64), SLOTS=self.slots,
+            PREC=self.prec, PREC32=self.prec32)
         U = torch.empty(NH, self.T_pad, V, **wu)
         W = torch.empty(NH, self.T_pad, K, **wu)
-        tinv = torch.empty(NH, self.T_pad, BT, **f32) if keep_tinv else None
-        kernels_delta.wy_kernel[(self.n_chunks, NH)](
-            x, y, eta, L, U, W, U if tinv is None else tinv, T, self.T_pad, self.n_chunks, H, K=K, V=V, BT=BT,
-            BK=self.BK_full, BV=_block(V, 64), SLOTS=self.slots, STORE_TINV=keep_tinv, PREC=self.prec,
+        BD = _block(max(K, V), 64)
+        kernels_delta.wu_kernel[(-(-K // BD) + -(-V // BD), self.n_chunks, NH)](
+            x, y, L, tinv, U, W, T, self.T_pad, self.n_chunks, H, K=K, V=V, BT=BT, BD=BD, SLOTS=self.slots,
             PREC32=self.prec32)
         states = self.state_buffer()
         R = torch.empty(N, T, H, V, **f32)

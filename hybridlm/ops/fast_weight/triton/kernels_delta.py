@@ -76,6 +76,7 @@ from hybridlm.ops.fast_weight.triton.kernels import (
     _state_offsets,
     _store_rows,
 )
+from hybridlm.ops.triton_autotune import autotune
 
 
 @triton.jit
@@ -132,7 +133,7 @@ def _unit_lower_inverse(A, BT: tl.constexpr, SLOTS: tl.constexpr, PREC: tl.const
     PREC. They are full tiles because register tensors cannot be sliced into blocks: their zero blocks cost
     tensor-core work (at BT = 64, four 64^3 products where explicit 16 x 16 blocks would need ~16 16^3 ones), but no
     per-block register tensors, no round trip through a global scratch with barriers, and every product is one
-    M = BT tile. With fp32 inputs ("ieee", no tensor cores) that waste makes `wy_kernel` ~5% slower than the
+    M = BT tile. With fp32 inputs ("ieee", no tensor cores) that waste made the WY kernel ~5% slower than the
     sequential substitution it replaced (H200, README.md). Blocks inside one step of SLOTS events are zero in A
     (`_earlier_steps`), so the substitution (SLOTS >= 16) and the doublings within a step (2s <= SLOTS) are skipped."""
     tl.static_assert(BT >= 16 and BT <= 128)
@@ -166,39 +167,57 @@ def _double_blocks(inv, A, BT: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr
     return inv - tl.dot(inv, tl.dot(off, inv, input_precision=PREC), input_precision=PREC)
 
 
-@_autotune(["K", "V", "BT", "SLOTS"])
+@autotune(["K", "BT", "SLOTS"], fixed_warps=4)
 @triton.jit(do_not_specialize=_SIZES)
-def wy_kernel(x_ptr, y_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, tinv_ptr, T, T_pad, n_chunks, H,
-              K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              SLOTS: tl.constexpr, STORE_TINV: tl.constexpr, PREC: tl.constexpr, PREC32: tl.constexpr):
-    """(F1, F2) One chunk's WY factors U = (I + A)^-1 Y and W = (I + A)^-1 diag(exp Lp) X (computed in float32,
-    stored in the buffers' dtype: float32, or bfloat16 for `delta_pass_kernel`'s BF16), and with
-    STORE_TINV (the backward) (I + A)^-1 itself (`_unit_lower_inverse`); A couples only events of earlier steps
-    (SLOTS events per step; its same-step entries are zeros). BK covers all of K. Grid (n_chunks, N * H)."""
+def tinv_kernel(x_ptr, eta_ptr, L_ptr, tinv_ptr, T, T_pad, n_chunks, H, K: tl.constexpr, BT: tl.constexpr,
+                BK: tl.constexpr, SLOTS: tl.constexpr, PREC: tl.constexpr, PREC32: tl.constexpr):
+    """(F1, F2's inverse) (I + A)^-1 of one chunk (`_unit_lower_inverse`), float32 into tinv; the Gram matrix summed
+    over BK-column blocks of x. A couples only events of earlier steps (SLOTS events per step; its same-step entries
+    are zeros). Grid (n_chunks, N * H). Apart from `wu_kernel` so that this latency-bound program is small (4 warps
+    by default: several per SM) and the products with X and Y, which are bandwidth-bound, spread over column
+    blocks."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     t = i_c * BT + tl.arange(0, BT)
-    rk = tl.arange(0, BK)
-    x = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk)                                         # [BT, BK]
-    gram = tl.dot(x, tl.trans(x), input_precision=PREC)                                     # [BT, BT] fp32
+    gram = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        rk = i_k * BK + tl.arange(0, BK)
+        x = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk)                                     # [BT, BK]
+        gram += tl.dot(x, tl.trans(x), input_precision=PREC)                                # [BT, BT] fp32
     eta = _load_steps(eta_ptr, i_n, i_h, t, T, H)
     L, Lp, _ = _residual_decays(L_ptr, i_nh, i_c, T_pad, BT, SLOTS)
-    i = tl.arange(0, BT)
     decay = tl.exp(tl.where(_earlier_steps(BT, SLOTS), Lp[:, None] - L[None, :], float("-inf")))
-    tinv = _unit_lower_inverse(decay * eta[None, :] * gram, BT, SLOTS, PREC32)              # (I + A)^-1
-    if STORE_TINV:
-        tinv_offs, tinv_mask = _buffer_offsets(i_nh, t, T_pad, BT, i)
-        tl.store(tinv_ptr + tinv_offs, tinv, mask=tinv_mask)
-    xs = x.to(tl.float32) * tl.exp(Lp)[:, None]
-    w = tl.dot(tinv, xs, input_precision=PREC32)                                            # [BT, BK]
-    offs, mask = _buffer_offsets(i_nh, t, T_pad, K, rk)
-    tl.store(w_ptr + offs, w.to(w_ptr.dtype.element_ty), mask=mask)
-    for i_v in range(tl.cdiv(V, BV)):  # (new names: a variable assigned before a compiled loop is loop-carried)
-        rv = i_v * BV + tl.arange(0, BV)
-        y = _load_rows(y_ptr, i_n, i_h, t, T, H, V, rv).to(tl.float32)                     # [BT, BV]
+    tinv = _unit_lower_inverse(decay * eta[None, :] * gram, BT, SLOTS, PREC32)
+    offs, mask = _buffer_offsets(i_nh, t, T_pad, BT, tl.arange(0, BT))
+    tl.store(tinv_ptr + offs, tinv, mask=mask)
+
+
+@_autotune(["K", "V", "BT", "SLOTS"])
+@triton.jit(do_not_specialize=_SIZES)
+def wu_kernel(x_ptr, y_ptr, L_ptr, tinv_ptr, u_ptr, w_ptr, T, T_pad, n_chunks, H, K: tl.constexpr,
+              V: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SLOTS: tl.constexpr, PREC32: tl.constexpr):
+    """(F2) One [BT, BD] column block of W = (I + A)^-1 diag(exp Lp) X (the first cdiv(K, BD) programs of axis 0) or
+    of U = (I + A)^-1 Y (the rest), computed in float32 from `tinv_kernel`'s inverse and stored in the buffers'
+    dtype (float32, or bfloat16 for `delta_pass_kernel`'s BF16). Grid (nK + nV, n_chunks, N * H)."""
+    i_b, i_c, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    t = i_c * BT + tl.arange(0, BT)
+    tinv_offs, tinv_mask = _buffer_offsets(i_nh, t, T_pad, BT, tl.arange(0, BT))
+    tinv = tl.load(tinv_ptr + tinv_offs, mask=tinv_mask, other=0.0)                         # [BT, BT] fp32
+    n_k = tl.cdiv(K, BD)
+    if i_b < n_k:
+        rk = i_b * BD + tl.arange(0, BD)
+        _, Lp, _ = _residual_decays(L_ptr, i_nh, i_c, T_pad, BT, SLOTS)
+        xs = _load_rows(x_ptr, i_n, i_h, t, T, H, K, rk).to(tl.float32) * tl.exp(Lp)[:, None]
+        w = tl.dot(tinv, xs, input_precision=PREC32)                                        # [BT, BD]
+        offs, mask = _buffer_offsets(i_nh, t, T_pad, K, rk)
+        tl.store(w_ptr + offs, w.to(w_ptr.dtype.element_ty), mask=mask)
+    else:
+        rv = (i_b - n_k) * BD + tl.arange(0, BD)
+        y = _load_rows(y_ptr, i_n, i_h, t, T, H, V, rv).to(tl.float32)                     # [BT, BD]
         u = tl.dot(tinv, y, input_precision=PREC32)
-        u_offs, u_mask = _buffer_offsets(i_nh, t, T_pad, V, rv)
-        tl.store(u_ptr + u_offs, u.to(u_ptr.dtype.element_ty), mask=u_mask)
+        offs, mask = _buffer_offsets(i_nh, t, T_pad, V, rv)
+        tl.store(u_ptr + offs, u.to(u_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
