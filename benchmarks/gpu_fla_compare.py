@@ -3,6 +3,7 @@
     pip install --no-deps einops fla-core==0.6.0 flash-linear-attention==0.6.0   # pure-Python wheels
     python benchmarks/gpu_fla_compare.py                       # B=8 H=16 D=128 bf16, T in 2048 4096 16384
     python benchmarks/gpu_fla_compare.py --T 4096 --passes fwd+bwd --no-agreement   # one row, less autotuning
+    python benchmarks/gpu_fla_compare.py --T 4096 16384 --passes fwd+bwd --no-agreement --only "fla delta" "ours 1"
 
 Both sides compute the same function: our op as the model runs it (shifted pairing, NLMS steps, ridge as decay,
 read after), and fla fed through the issue's exact correspondences, computed inside fla's timed call from the same
@@ -22,7 +23,8 @@ nothing is written), gamma_t = 1 - min(eta_t lam_t, 1 - eps_gamma):
    refuses its gated backward kernels on Hopper with Triton >= 3.4 and < 3.7.1 (fla issue #640: wrong results
    there), so on an H200 with Triton 3.6 the forward + backward rows of simple GLA and the gated delta rule print
    "refused". Each timing is printed as soon as it is measured: fla autotunes every kernel again for each dtype and
-   shape (minutes per row on an H200), so a run stopped by a time limit still reports what it measured.
+   shape (minutes per row on an H200), so a run stopped by a time limit still reports what it measured; `--only`
+   times the named columns alone, in the order given (the others print "-").
 """
 
 from __future__ import annotations
@@ -110,8 +112,12 @@ def agreement(B: int, T: int, H: int, D: int) -> dict[str, float]:
     return out
 
 
-def timings(B: int, T: int, H: int, D: int, *, backward: bool) -> dict[str, float]:
-    """Median ms per call; NaN where fla refuses the call (a RuntimeError raised before any kernel runs)."""
+COLUMNS = ["SDPA", "ours 1A", "ours 1", "fla simple GLA", "fla gated delta", "fla delta"]
+
+
+def timings(B: int, T: int, H: int, D: int, *, backward: bool, only: list[str]) -> dict[str, float]:
+    """Median ms per call of the columns in `only`, in that order; NaN where fla refuses the call (a RuntimeError
+    raised before any kernel runs)."""
     from fla.ops.delta_rule import chunk_delta_rule
 
     x = inputs(B, T, H, D, torch.bfloat16)
@@ -128,7 +134,8 @@ def timings(B: int, T: int, H: int, D: int, *, backward: bool) -> dict[str, floa
         "fla delta": lambda: chunk_delta_rule(q, _shift(k), v, beta=beta.to(q.dtype), scale=1.0)[0],
     }
     out = {}
-    for name, fn in calls.items():
+    for name in only:
+        fn = calls[name]
         try:
             out[name] = bench(fn, backward=backward, inputs=leaves)
             print(f"  measured T={T} {'fwd+bwd' if backward else 'fwd'} {name}: {out[name]:.3f} ms", flush=True)
@@ -140,7 +147,10 @@ def timings(B: int, T: int, H: int, D: int, *, backward: bool) -> dict[str, floa
     return out
 
 
-def cell(value: float, digits: int = 2, suffix: str = "") -> str:
+def cell(value: float | None, digits: int = 2, suffix: str = "") -> str:
+    """A table cell: "-" for a column not timed, "refused" for a call fla refused."""
+    if value is None:
+        return "-"
     return "refused" if math.isnan(value) else f"{value:.{digits}f}{suffix}"
 
 
@@ -151,6 +161,8 @@ def main() -> None:
     parser.add_argument("--H", type=int, default=16)
     parser.add_argument("--D", type=int, default=128)
     parser.add_argument("--passes", nargs="+", choices=["fwd", "fwd+bwd"], default=["fwd", "fwd+bwd"])
+    parser.add_argument("--only", nargs="+", choices=COLUMNS, default=COLUMNS, metavar="COLUMN",
+                        help=f"time only these columns, in this order (of: {', '.join(COLUMNS)})")
     parser.add_argument("--no-agreement", action="store_true",
                         help="skip the float32 agreement check (it autotunes fla's float32 kernels: minutes)")
     args = parser.parse_args()
@@ -163,15 +175,16 @@ def main() -> None:
         if max((e for e in errors.values() if not math.isnan(e)), default=0.0) > 1e-2:
             raise SystemExit("ours and fla disagree: fix that before timing anything")
     print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · B={args.B} H={args.H} D={args.D} bf16, ms")
-    names = ["SDPA", "ours 1A", "ours 1", "fla simple GLA", "fla gated delta", "fla delta"]
+    names = COLUMNS
     ratios = [("ours 1A", "fla simple GLA"), ("ours 1", "fla gated delta"), ("ours 1", "fla delta")]
     print("| T | pass | " + " | ".join(names) + " | ours 1A / fla GLA | ours 1 / fla GDN | ours 1 / fla delta |")
     print("|---|---|" + "---|" * (len(names) + len(ratios)))
     for T in args.T:
         for backward in [p == "fwd+bwd" for p in args.passes]:
-            ms = timings(args.B, T, args.H, args.D, backward=backward)
-            row = " | ".join(cell(ms[n]) for n in names)
-            ratio_cells = " | ".join(cell(ms[a] / ms[b], suffix="x") for a, b in ratios)
+            ms = timings(args.B, T, args.H, args.D, backward=backward, only=args.only)
+            row = " | ".join(cell(ms.get(n)) for n in names)
+            ratio_cells = " | ".join(cell(ms[a] / ms[b] if a in ms and b in ms else None, suffix="x")
+                                     for a, b in ratios)
             print(f"| {T} | {'fwd+bwd' if backward else 'fwd'} | {row} | {ratio_cells} |", flush=True)
 
 
