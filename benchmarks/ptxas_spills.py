@@ -5,7 +5,7 @@ machine with triton (no GPU).
     python benchmarks/ptxas_spills.py --K 64 --V 64
 
 Compiles each kernel to PTX with Triton for sm_90 at several (warps, pipeline stages) launch configurations and runs
-Triton's bundled `ptxas -v` on it: registers per thread and the bytes of spill stores / loads per thread. A spill is
+the `ptxas -v` that Triton uses for sm_90 on it: registers per thread and the bytes of spill stores / loads per thread. A spill is
 a round trip through local memory inside a latency-bound sequential walk over the chunks, so this is the cheap
 first look before a GPU timing (which decides). `*` marks the configuration `chunk_1.py` launches.
 """
@@ -26,7 +26,18 @@ from triton.compiler import ASTSource
 from hybridlm.ops.fast_weight.triton import kernels_delta
 from hybridlm.ops.fast_weight.triton.chunk_1 import GRAD_PASS_LAUNCH, PASS_LAUNCH
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+def sm90_ptxas() -> str:
+    """The ptxas that Triton itself runs for sm_90: its PTX version must match (Triton 3.9 emits PTX 9.4 for sm_90 and
+    runs its bundled CUDA 13 `ptxas-blackwell` on it; the plain bundled `ptxas` of CUDA 12.9 refuses that PTX)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+    except ImportError:  # a Triton without the per-architecture lookup bundles one ptxas
+        return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return get_ptxas(90).path
+
+
+PTXAS = sm90_ptxas()
 BF16_POINTERS = ("x_ptr", "q_ptr", "y_ptr", "do_ptr", "dx_ptr", "dq_ptr")
 
 
