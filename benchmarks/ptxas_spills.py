@@ -5,9 +5,9 @@ machine with triton (no GPU).
     python benchmarks/ptxas_spills.py --K 64 --V 64
 
 Compiles each kernel to PTX with Triton for sm_90 at several (warps, pipeline stages) launch configurations and runs
-the `ptxas -v` that Triton uses for sm_90 on it: registers per thread and the bytes of spill stores / loads per thread. A spill is
-a round trip through local memory inside a latency-bound sequential walk over the chunks, so this is the cheap
-first look before a GPU timing (which decides). `*` marks the configuration `chunk_1.py` launches.
+the `ptxas -v` that Triton uses for sm_90 on it: registers per thread and the bytes of spill stores / loads per
+thread. A spill is a round trip through local memory inside a latency-bound sequential walk over the chunks, so this
+is the cheap first look before a GPU timing (which decides). `*` marks the configuration `chunk_1.py` launches.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ checkpoint after its current update and stop (`TrainingInterrupted`); the next c
 
 Runs execute in this process when there is one worker on the CPU (tests), else in spawned worker
 processes, `per_device` of them on each device (side by side they share the GPU: on an H200 they did not
-raise the updates per second, hybridlm/eval/README.md). Workers run in a process group of their own, so that a signal to the
-command's group (`timeout`, Ctrl-C) reaches only this process, which stops them through an Event (a
+raise the updates per second, hybridlm/eval/README.md). Workers run in a process group of their own, so that a
+signal to the command's group (`timeout`, Ctrl-C) reaches only this process, which stops them through an Event (a
 signal to the whole group would also kill torch.compile's compiler subprocesses mid-compilation).
 Each run logs to `out_dir/runs/<key>.log`.
 """
