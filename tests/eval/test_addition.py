@@ -103,6 +103,20 @@ def test_eval_sets_are_fixed_and_summarized_like_table_3():
     assert s["acc_at_33"] == 0.33 and s["acc_at_48"] == 0.48 and s["val_exact"] == 0.5
 
 
+
+def test_solved_width_is_the_widest_prefix_of_widths_at_99_percent():
+    def runs(accs):
+        return {str(w): {"token_acc": a, "exact_match": 0.0} for w, a in enumerate(accs, start=1)}
+
+    assert A.solved_width(runs([1.0, 1.0, 0.995, 0.98, 1.0])) == 3  # width 5 at 100% does not count past 4
+    assert A.solved_width(runs([0.5, 1.0])) == 0
+    assert A.solved_width(runs([1.0] * 48)) == 48
+    assert A.solved_width(runs([1.0, 0.9]), threshold=0.8) == 2
+    recipe = A.AdditionRecipe(size="tiny")
+    results = [{"seed": s, "parameters": 1, "best_step": 1, "summary": {"val_acc": 1.0},
+                "per_width": runs([1.0] * n + [0.5] * (48 - n))} for s, n in ((0, 32), (1, 19), (2, 0))]
+    assert A.aggregate(results, recipe)["solved_width"] == [32, 19, 0]  # per seed, in seed order
+
 # A two-step recipe: a check that went missing fails the test in seconds, not after a full default training.
 _FAST = dict(steps=2, warmup=1, batch_size=2, curriculum_steps=0, eval_per_width=1, val_per_width=1, eval_every=1)
 

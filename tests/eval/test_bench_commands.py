@@ -32,7 +32,8 @@ def test_bench_addition_smoke_and_resume(tmp_path, capsys):
     md = (out / "results.md").read_text()
     for name in ("`fw-1A`", "`fw-3A-same`", "`transformer`"):
         assert len(_rows(md, name)) == 3  # Table 3 layout, exact match, per-width
-    assert "Acc@d33/d48" in md and _png(out / "accuracy_vs_width.png")
+    assert "Acc@d33/d48" in md and "Solved 1..n (token acc. ≥ 99% at every width), per seed" in md
+    assert _png(out / "accuracy_vs_width.png")
     result = json.loads((out / "results.json").read_text())
     for runs in result["runs"].values():
         assert [r["seed"] for r in runs] == [0, 1]
