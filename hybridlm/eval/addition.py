@@ -454,7 +454,7 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
         bench.markdown_table(["Model", "Params", "Best step", "Val. acc.", f"Mean acc. ({lo}–{hi})",
                               f"Acc@d{lo}/d{hi}", "Seeds"], rows),
         "",
-        "## Exact match (all n+1 digits right, teacher-forced)",
+        "## Exact match (all n+1 digits right, teacher-forced) and the widths solved",
         "",
         bench.markdown_table(["Model", f"Val. (1–{recipe.train_max_width})", f"Mean ({lo}–{hi})",
                               f"Solved 1..n (token acc. ≥ {SOLVED_ACCURACY:.0%} at every width), per seed"],
