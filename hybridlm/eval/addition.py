@@ -36,6 +36,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -223,21 +224,27 @@ def eval_sets(widths: Sequence[int], per_width: int, *, seed: int = _EVAL_SEED) 
 
 @torch.no_grad()
 def evaluate(model, sets: Sequence[EvalSet], *, device, batch_size: int = 512) -> dict[int, dict[str, float]]:
-    """Per width: token accuracy, exact match, loss per digit, counts (teacher-forced, model in eval mode)."""
+    """Per width: token accuracy, exact match, loss per digit, counts (teacher-forced, model in eval mode), and
+    "digit_acc": the accuracy of each of the n+1 sum digits in the order they are emitted (least significant
+    first), which tells a model that gets the first k digits right and guesses the rest from one whose errors
+    spread over all positions, where the width's token accuracy (their mean) cannot."""
     from hybridlm.eval.train_task import autocast_for
 
     was_training = model.training
     model.eval()
     results = {}
     for s in sets:
-        total = None
+        total, digit_hits = None, torch.zeros(s.width + 1, dtype=torch.float64)
+        first = 2 * s.width + 3  # position of the first sum digit, predicted from the logits at first - 1
         for start in range(0, len(s.input_ids), batch_size):
             ids = s.input_ids[start:start + batch_size].to(device)
             labels = s.labels[start:start + batch_size].to(device)
             with autocast_for(device):
                 logits = model(ids).logits
             total = scoring.accumulate(total, scoring.target_scores(logits, labels))
-        results[s.width] = scoring.finish(total)
+            pred = logits[:, first - 1:first + s.width].argmax(-1)  # [N, n + 1]
+            digit_hits += (pred == ids[:, first:first + s.width + 1]).sum(0).cpu().double()
+        results[s.width] = {**scoring.finish(total), "digit_acc": (digit_hits / len(s.input_ids)).tolist()}
     model.train(was_training)
     return results
 
@@ -274,6 +281,16 @@ def solved_width(per_width: dict[str, dict[str, float]], *, threshold: float = S
     while str(n + 1) in per_width and per_width[str(n + 1)]["token_acc"] >= threshold:
         n += 1
     return n
+
+
+def leading_digits_solved(digit_acc: Sequence[float], *, threshold: float = SOLVED_ACCURACY) -> int:
+    """How many sum digits, counted from the first one emitted, all reach `threshold` accuracy: at a width past
+    the training widths it says whether the digits a model computes at the trained positions survive the longer
+    input."""
+    k = 0
+    while k < len(digit_acc) and digit_acc[k] >= threshold:
+        k += 1
+    return k
 
 
 # --- one run ---------------------------------------------------------------------------------------
@@ -406,7 +423,26 @@ def aggregate(results: Sequence[dict], recipe: AdditionRecipe) -> dict:
         "token_acc": {w: mean_std([r["per_width"][str(w)]["token_acc"] for r in results]) for w in widths},
         "exact_match": {w: mean_std([r["per_width"][str(w)]["exact_match"] for r in results]) for w in widths},
         "solved_width": [solved_width(r["per_width"]) for r in results],
+        "digit_acc": _digit_stats(results, recipe),
     }
+
+
+def digit_widths(recipe: AdditionRecipe) -> tuple[int, ...]:
+    """The widths whose per-digit accuracy the report shows: the widest trained, the next, the widest evaluated."""
+    return tuple(sorted({recipe.train_max_width, recipe.train_max_width + 1, recipe.eval_max_width}))
+
+
+def _digit_stats(results: Sequence[dict], recipe: AdditionRecipe) -> dict | None:
+    """Per shown width: mean ± std over seeds of each digit's accuracy and each seed's leading digits solved;
+    None when a run predates per-digit scoring (its JSON has no "digit_acc")."""
+    from hybridlm.eval.bench import mean_std
+
+    widths = digit_widths(recipe)
+    if not results or any("digit_acc" not in r["per_width"][str(w)] for r in results for w in widths):
+        return None
+    return {w: {"acc": [mean_std(list(col)) for col in zip(*(r["per_width"][str(w)]["digit_acc"] for r in results))],
+                "leading_solved": [leading_digits_solved(r["per_width"][str(w)]["digit_acc"]) for r in results]}
+            for w in widths}
 
 
 def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_dir, *, missing=()) -> dict:
@@ -415,6 +451,7 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
     from hybridlm.eval.models import describe
 
     lo, hi = recipe.train_max_width + 1, recipe.eval_max_width
+    shown = digit_widths(recipe)
     stats = {m: aggregate(rs, recipe) for m, rs in by_model.items()}
     rows, exact_rows = [], []
     for m, s in stats.items():
@@ -430,8 +467,11 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
             bench.pm(summary["ood_mean"]),
             f"{bench.pm(summary[f'acc_at_{lo}'])} / {bench.pm(summary[f'acc_at_{hi}'])}", str(len(s["seeds"])),
         ])
+        digits = s["digit_acc"]
+        leading = "–" if digits is None else ", ".join(
+            "/".join(str(digits[w]["leading_solved"][i]) for w in shown) for i in range(len(s["seeds"])))
         exact_rows.append([label, bench.pm(summary["val_exact"]), bench.pm(summary["ood_exact"]),
-                           ", ".join(map(str, s["solved_width"]))])
+                           ", ".join(map(str, s["solved_width"])), leading])
     marks = sorted({1, recipe.train_max_width // 2, recipe.train_max_width, lo, (lo + hi) // 2, hi})
     width_rows = [[f"`{m}`", *(bench.pm(s["token_acc"][w]) if s["seeds"] else "–" for w in marks)]
                   for m, s in stats.items()]
@@ -457,8 +497,15 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
         "## Exact match (all n+1 digits right, teacher-forced) and the widths solved",
         "",
         bench.markdown_table(["Model", f"Val. (1–{recipe.train_max_width})", f"Mean ({lo}–{hi})",
-                              f"Solved 1..n (token acc. ≥ {SOLVED_ACCURACY:.0%} at every width), per seed"],
+                              f"Solved 1..n (token acc. ≥ {SOLVED_ACCURACY:.0%} at every width), per seed",
+                              f"Leading sum digits ≥ {SOLVED_ACCURACY:.0%} at n={'/'.join(map(str, shown))}, "
+                              "per seed"],
                              exact_rows),
+        "",
+        ("The last column counts the sum digits, in the order they are emitted (least significant first), that all "
+         f"reach {SOLVED_ACCURACY:.0%} at that width (`accuracy_by_digit.png` plots every digit; \"–\": runs from "
+         "before per-digit scoring). Equal counts at the three widths mean that a longer input leaves the digits "
+         "computed at the trained positions intact and the model fails only at positions it never emitted."),
         "",
         "## Token accuracy at selected widths",
         "",
@@ -470,6 +517,9 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
         payload={"task": "addition", "recipe": recipe.to_dict(), "aggregate": stats, "runs": by_model},
         plot=lambda path: plot_accuracy(stats, recipe, path),
     )
+    if any(s["digit_acc"] for s in stats.values()):
+        files.append(str(Path(out_dir) / "accuracy_by_digit.png"))
+        plot_digit_accuracy(stats, recipe, Path(files[-1]))
     return {"files": files, "aggregate": stats}
 
 
@@ -497,5 +547,37 @@ def plot_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
     fig.tight_layout()
     try:
         save_figure_atomic(fig, path, dpi=110)  # a crash mid-write keeps the previous PNG
+    finally:
+        plt.close(fig)
+
+
+def plot_digit_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
+    """One panel per width of `digit_widths`: each sum digit's accuracy (mean ± std over seeds) by position."""
+    from hybridlm.eval.bench import plot_percent_with_std, pyplot
+    from hybridlm.eval.models import describe
+    from hybridlm.fileio import save_figure_atomic
+
+    plt = pyplot()
+    widths = digit_widths(recipe)
+    fig, axes = plt.subplots(1, len(widths), figsize=(4.2 * len(widths), 4), sharey=True, squeeze=False)
+    for ax, width in zip(axes[0], widths):
+        positions = np.arange(1, width + 2)
+        for m, s in stats.items():
+            if s["digit_acc"] is None:
+                continue
+            acc = s["digit_acc"][width]["acc"]
+            plot_percent_with_std(ax, positions, np.array([a["mean"] for a in acc]) * 100,
+                                  np.array([a["std"] for a in acc]) * 100, label=describe(m), linewidth=1.3)
+        if width + 1 > recipe.train_max_width + 1:  # digits no training example had
+            ax.axvspan(recipe.train_max_width + 1.5, width + 1.5, color="0.9", zorder=0)
+        ax.set_title(f"n = {width} digits")
+        ax.set_xlabel("sum digit (1 = least significant, emitted first)")
+        ax.set_xlim(1, width + 1)
+    axes[0][0].set_ylabel("teacher-forced accuracy (%)")
+    if axes[0][0].get_legend_handles_labels()[0]:
+        axes[0][0].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    try:
+        save_figure_atomic(fig, path, dpi=110)
     finally:
         plt.close(fig)

@@ -117,6 +117,46 @@ def test_solved_width_is_the_widest_prefix_of_widths_at_99_percent():
                 "per_width": runs([1.0] * n + [0.5] * (48 - n))} for s, n in ((0, 32), (1, 19), (2, 0))]
     assert A.aggregate(results, recipe)["solved_width"] == [32, 19, 0]  # per seed, in seed order
 
+
+def test_leading_digits_solved_counts_from_the_first_digit_emitted():
+    assert A.leading_digits_solved([1.0, 0.995, 0.5, 1.0]) == 2  # digit 4 at 100% does not count past digit 3
+    assert A.leading_digits_solved([0.2, 1.0]) == 0
+    assert A.leading_digits_solved([1.0] * 5) == 5
+    assert A.leading_digits_solved([1.0, 0.9], threshold=0.8) == 2
+
+
+def _run_with_digits(seed: int, known: dict[int, int] | None) -> dict:
+    """A run whose widths 32, 33, 48 are right on their first known[w] digits (no per-digit scores if None)."""
+    per_width = {}
+    for w in range(1, 49):
+        entry = {"token_acc": 0.5, "exact_match": 0.0}
+        if known is not None:
+            entry["digit_acc"] = [1.0] * known.get(w, w + 1) + [0.1] * (w + 1 - known.get(w, w + 1))
+        per_width[str(w)] = entry
+    summary = {k: 0.5 for k in ("val_acc", "ood_mean", "acc_at_33", "acc_at_48", "val_exact", "ood_exact")}
+    return {"seed": seed, "parameters": 10, "best_step": 2, "summary": summary, "per_width": per_width}
+
+
+def test_report_gives_per_digit_columns_and_figure_for_runs_that_have_them(tmp_path):
+    recipe = A.AdditionRecipe(size="tiny")
+    assert A.digit_widths(recipe) == (32, 33, 48)
+    new = [_run_with_digits(0, {32: 17, 33: 17, 48: 16}), _run_with_digits(1, {32: 33, 33: 20, 48: 3})]
+    by_model = {"fw-3A": new, "fw-1A": [_run_with_digits(0, None), _run_with_digits(1, {})]}
+    report = A.write_report(by_model, recipe, tmp_path)
+    stats = report["aggregate"]
+    assert stats["fw-1A"]["digit_acc"] is None  # one run predates per-digit scoring: no mixed mean
+    digits = stats["fw-3A"]["digit_acc"]
+    assert digits[48]["leading_solved"] == [16, 3]
+    assert [a["mean"] for a in digits[33]["acc"][16:21]] == pytest.approx([1.0, 0.55, 0.55, 0.55, 0.1])
+    md = (tmp_path / "results.md").read_text()
+    row = next(line for line in md.splitlines() if "`fw-3A`" in line and "17/17/16, 33/20/3" in line)
+    assert row.endswith("| 17/17/16, 33/20/3 |")
+    assert next(line for line in md.splitlines() if "`fw-1A`" in line and "Solved" not in line
+                and line.count("|") == 6).endswith("| – |")
+    assert "Leading sum digits ≥ 99% at n=32/33/48, per seed" in md
+    assert (tmp_path / "accuracy_by_digit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(tmp_path / "accuracy_by_digit.png") in report["files"]
+
 # A two-step recipe: a check that went missing fails the test in seconds, not after a full default training.
 _FAST = dict(steps=2, warmup=1, batch_size=2, curriculum_steps=0, eval_per_width=1, val_per_width=1, eval_every=1)
 

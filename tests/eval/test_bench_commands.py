@@ -28,12 +28,14 @@ def test_bench_addition_smoke_and_resume(tmp_path, capsys):
     assert main(args) == 0
     # the closing line: the report's paths, not a Python list's repr
     assert capsys.readouterr().out.splitlines()[-1] == (f"wrote {out / 'results.md'}, {out / 'results.json'}, "
-                                                        f"{out / 'accuracy_vs_width.png'}")
+                                                        f"{out / 'accuracy_vs_width.png'}, "
+                                                        f"{out / 'accuracy_by_digit.png'}")
     md = (out / "results.md").read_text()
     for name in ("`fw-1A`", "`fw-3A-same`", "`transformer`"):
         assert len(_rows(md, name)) == 3  # Table 3 layout, exact match, per-width
     assert "Acc@d33/d48" in md and "Solved 1..n (token acc. ≥ 99% at every width), per seed" in md
-    assert _png(out / "accuracy_vs_width.png")
+    assert "Leading sum digits ≥ 99% at n=32/33/48, per seed" in md
+    assert _png(out / "accuracy_vs_width.png") and _png(out / "accuracy_by_digit.png")
     result = json.loads((out / "results.json").read_text())
     for runs in result["runs"].values():
         assert [r["seed"] for r in runs] == [0, 1]
@@ -41,6 +43,7 @@ def test_bench_addition_smoke_and_resume(tmp_path, capsys):
             assert sorted(map(int, r["per_width"])) == list(range(1, 49))
             for v in r["per_width"].values():
                 assert 0.0 <= v["token_acc"] <= 1.0 and 0.0 <= v["exact_match"] <= 1.0
+                assert math.isclose(sum(v["digit_acc"]) / len(v["digit_acc"]), v["token_acc"], abs_tol=1e-12)
             assert all(0.0 <= r["summary"][k] <= 1.0 for k in ("val_acc", "ood_mean", "acc_at_33", "acc_at_48"))
             assert r["best_step"] in (1, 2)
     assert result["recipe"]["curriculum_steps"] == 0 and result["recipe"]["warmup"] == 1  # scaled to --steps 2

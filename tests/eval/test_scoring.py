@@ -70,4 +70,37 @@ def test_addition_evaluate_counts_digits_only():
     assert flawed[2]["token_acc"] == 1.0
     assert flawed[3]["token_acc"] == pytest.approx(3 / 4)  # one of four digits wrong in every row
     assert flawed[3]["exact_match"] == 0.0
+    # per digit, in emission order: only sum digit 1 (the second emitted) is wrong, at every width-3 row
+    assert flawed[3]["digit_acc"] == [1.0, 0.0, 1.0, 1.0] and flawed[2]["digit_acc"] == [1.0] * 3
+    assert perfect[3]["digit_acc"] == [1.0] * 4
     assert np.isfinite(flawed[3]["loss"]) and flawed[3]["loss"] > perfect[3]["loss"]
+
+
+class _Guesser(torch.nn.Module):
+    """Right on the first `known` sum digits of every row, a fixed digit on the rest (right ~1 time in 10)."""
+
+    def __init__(self, known: int):
+        super().__init__()
+        self.known = known
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, ids):
+        logits = torch.zeros(*ids.shape, A.MODEL_VOCAB_SIZE)
+        logits.scatter_(2, torch.roll(ids, -1, dims=1)[..., None], 10.0)
+        width = (ids.shape[1] - 5) // 3
+        first = 2 * width + 3
+        logits[:, first - 1 + self.known:first + width] = 0
+        logits[:, first - 1 + self.known:first + width, A.DIGIT0 + 7] = 10.0
+        return type("Out", (), {"logits": logits})()
+
+
+def test_addition_digit_accuracy_averages_to_token_accuracy_and_shows_the_known_prefix():
+    sets = A.eval_sets([5, 12], 64)
+    result = A.evaluate(_Guesser(known=4), sets, device="cpu", batch_size=24)
+    for s in sets:
+        r, digits = result[s.width], s.input_ids[:, 2 * s.width + 3:3 * s.width + 4] - A.DIGIT0  # [N, n + 1]
+        assert len(r["digit_acc"]) == s.width + 1
+        assert np.mean(r["digit_acc"]) == pytest.approx(r["token_acc"], abs=1e-12)  # every digit has N targets
+        assert r["digit_acc"][:4] == [1.0] * 4
+        assert r["digit_acc"][4:] == pytest.approx((digits[:, 4:] == 7).double().mean(0).tolist())
+        assert A.leading_digits_solved(r["digit_acc"]) == 4
