@@ -574,9 +574,11 @@ def plot_digit_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
         ax.set_xlabel("sum digit (1 = least significant, emitted first)")
         ax.set_xlim(1, width + 1)
     axes[0][0].set_ylabel("teacher-forced accuracy (%)")
-    if axes[0][0].get_legend_handles_labels()[0]:
-        axes[0][0].legend(fontsize=7, loc="best")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    rows = -(-len(labels) // 3)  # the legend goes below the panels: the curves span the whole height
+    fig.tight_layout(rect=(0, 0.035 * rows + 0.02, 1, 1))
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=7, frameon=False)
     try:
         save_figure_atomic(fig, path, dpi=110)
     finally:
