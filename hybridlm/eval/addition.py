@@ -386,7 +386,7 @@ def run_addition(model_name: str, seed: int, recipe: AdditionRecipe, *, device: 
     }
 
 
-# --- the benchmark: models x seeds -> results.md / results.json / accuracy_vs_width.png --------------
+# --- the benchmark: models x seeds -> results.md / results.json / the two PNGs ----------------------
 
 RUNNER = "hybridlm.eval.addition:run_job"
 
@@ -446,7 +446,8 @@ def _digit_stats(results: Sequence[dict], recipe: AdditionRecipe) -> dict | None
 
 
 def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_dir, *, missing=()) -> dict:
-    """results.json, results.md (Table 3 layout, mean ± std over seeds) and accuracy_vs_width.png."""
+    """results.json, results.md (Table 3 layout, mean ± std over seeds), accuracy_vs_width.png and, when a run has
+    per-digit scores, accuracy_by_digit.png."""
     from hybridlm.eval import bench
     from hybridlm.eval.models import describe
 
