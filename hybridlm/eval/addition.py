@@ -506,8 +506,8 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
         ("The last column counts the sum digits, in the order they are emitted (least significant first), that all "
          f"reach {SOLVED_ACCURACY:.0%} at that width (`accuracy_by_digit.png` plots every digit; \"–\": runs from "
          "before per-digit scoring). Equal counts at the three widths mean that a longer input leaves the leading "
-         "digits intact; a count that falls from the first width to the second means that one more digit of input breaks "
-         "digits the model gets right at the widest trained width."),
+         "digits intact; a count that falls from the first width to the second means that one more digit of input "
+         "breaks digits the model gets right at the widest trained width."),
         "",
         "## Token accuracy at selected widths",
         "",
