@@ -283,14 +283,19 @@ def solved_width(per_width: dict[str, dict[str, float]], *, threshold: float = S
     return n
 
 
-def leading_digits_solved(digit_acc: Sequence[float], *, threshold: float = SOLVED_ACCURACY) -> int:
-    """How many sum digits, counted from the first one emitted, all reach `threshold` accuracy: at a width past
-    the training widths it says whether the digits a model computes at the trained positions survive the longer
-    input."""
-    k = 0
-    while k < len(digit_acc) and digit_acc[k] >= threshold:
-        k += 1
-    return k
+def end_digits_solved(digit_acc: Sequence[float], *, threshold: float = SOLVED_ACCURACY) -> tuple[int, int]:
+    """(low, high): how many sum digits from each end of the sum all reach `threshold` accuracy. `low` counts from
+    the first digit emitted (the least significant), `high` from the last (the most significant) and stops where
+    `low` stopped, so low + high <= n + 1 and a sum right at every digit is (n + 1, 0). A model can be right at
+    both ends and at chance in between; past the training widths the pair says which of the digits it computes
+    survive the longer input."""
+    low = 0
+    while low < len(digit_acc) and digit_acc[low] >= threshold:
+        low += 1
+    high = 0
+    while high < len(digit_acc) - low and digit_acc[-1 - high] >= threshold:
+        high += 1
+    return low, high
 
 
 # --- one run ---------------------------------------------------------------------------------------
@@ -433,16 +438,22 @@ def digit_widths(recipe: AdditionRecipe) -> tuple[int, ...]:
 
 
 def _digit_stats(results: Sequence[dict], recipe: AdditionRecipe) -> dict | None:
-    """Per shown width: mean ± std over seeds of each digit's accuracy and each seed's leading digits solved;
-    None when a run predates per-digit scoring (its JSON has no "digit_acc")."""
+    """{"runs": how many runs have per-digit scores (runs from before per-digit scoring have no "digit_acc" in
+    their JSON), "widths": {w: ...} per shown width}: "acc", the mean ± std over those runs of each digit's
+    accuracy, and "end_solved", each seed's (low, high) digits solved, None for a seed without scores. None when
+    no run has them."""
     from hybridlm.eval.bench import mean_std
 
     widths = digit_widths(recipe)
-    if not results or any("digit_acc" not in r["per_width"][str(w)] for r in results for w in widths):
+    scored = [all("digit_acc" in r["per_width"][str(w)] for w in widths) for r in results]
+    if not any(scored):
         return None
-    return {w: {"acc": [mean_std(list(col)) for col in zip(*(r["per_width"][str(w)]["digit_acc"] for r in results))],
-                "leading_solved": [leading_digits_solved(r["per_width"][str(w)]["digit_acc"]) for r in results]}
-            for w in widths}
+    digits = {w: [r["per_width"][str(w)]["digit_acc"] for r, ok in zip(results, scored) if ok] for w in widths}
+    return {"runs": sum(scored),
+            "widths": {w: {"acc": [mean_std(list(col)) for col in zip(*digits[w])],
+                           "end_solved": [end_digits_solved(r["per_width"][str(w)]["digit_acc"]) if ok else None
+                                          for r, ok in zip(results, scored)]}
+                       for w in widths}}
 
 
 def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_dir, *, missing=()) -> dict:
@@ -468,11 +479,13 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
             bench.pm(summary["ood_mean"]),
             f"{bench.pm(summary[f'acc_at_{lo}'])} / {bench.pm(summary[f'acc_at_{hi}'])}", str(len(s["seeds"])),
         ])
-        digits = s["digit_acc"]
-        leading = "–" if digits is None else ", ".join(
-            "/".join(str(digits[w]["leading_solved"][i]) for w in shown) for i in range(len(s["seeds"])))
+        digits = s["digit_acc"] and s["digit_acc"]["widths"]
+        ends = "–" if digits is None else "; ".join(
+            "–" if digits[shown[0]]["end_solved"][i] is None
+            else " / ".join("+".join(map(str, digits[w]["end_solved"][i])) for w in shown)
+            for i in range(len(s["seeds"])))
         exact_rows.append([label, bench.pm(summary["val_exact"]), bench.pm(summary["ood_exact"]),
-                           ", ".join(map(str, s["solved_width"])), leading])
+                           ", ".join(map(str, s["solved_width"])), ends])
     marks = sorted({1, recipe.train_max_width // 2, recipe.train_max_width, lo, (lo + hi) // 2, hi})
     width_rows = [[f"`{m}`", *(bench.pm(s["token_acc"][w]) if s["seeds"] else "–" for w in marks)]
                   for m, s in stats.items()]
@@ -499,15 +512,17 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
         "",
         bench.markdown_table(["Model", f"Val. (1–{recipe.train_max_width})", f"Mean ({lo}–{hi})",
                               f"Solved 1..n (token acc. ≥ {SOLVED_ACCURACY:.0%} at every width), per seed",
-                              f"Leading sum digits ≥ {SOLVED_ACCURACY:.0%} at n={'/'.join(map(str, shown))}, "
-                              "per seed"],
+                              f"Sum digits ≥ {SOLVED_ACCURACY:.0%}, least + most significant end, at "
+                              f"n={' / '.join(map(str, shown))}, per seed"],
                              exact_rows),
         "",
-        ("The last column counts the sum digits, in the order they are emitted (least significant first), that all "
-         f"reach {SOLVED_ACCURACY:.0%} at that width (`accuracy_by_digit.png` plots every digit; \"–\": runs from "
-         "before per-digit scoring). Equal counts at the three widths mean that a longer input leaves the leading "
-         "digits intact; a count that falls from the first width to the second means that one more digit of input "
-         "breaks digits the model gets right at the widest trained width."),
+        ("The last column counts the sum digits that all reach "
+         f"{SOLVED_ACCURACY:.0%} at that width from each end of the sum: from the least significant (emitted first) "
+         "and from the most significant (emitted last), the second count stopping where the first stopped "
+         f"(`accuracy_by_digit.png` plots every digit; \"–\": runs from before per-digit scoring). A sum right at "
+         f"every digit reads {recipe.train_max_width + 1}+0 at n = {recipe.train_max_width}. Counts that stay from the first width to the next mean that one more digit of "
+         "input leaves those digits intact; counts that fall mean that it breaks digits the model gets right at the "
+         "widest trained width."),
         "",
         "## Token accuracy at selected widths",
         "",
@@ -554,7 +569,8 @@ def plot_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
 
 
 def plot_digit_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
-    """One panel per width of `digit_widths`: each sum digit's accuracy (mean ± std over seeds) by position."""
+    """One panel per width of `digit_widths`: each sum digit's accuracy (mean ± std over the seeds that have
+    per-digit scores) by position."""
     from hybridlm.eval.bench import plot_percent_with_std, pyplot
     from hybridlm.eval.models import describe
     from hybridlm.fileio import save_figure_atomic
@@ -567,9 +583,10 @@ def plot_digit_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
         for m, s in stats.items():
             if s["digit_acc"] is None:
                 continue
-            acc = s["digit_acc"][width]["acc"]
+            acc, scored = s["digit_acc"]["widths"][width]["acc"], s["digit_acc"]["runs"]
+            label = describe(m) + (f" ({scored} of {len(s['seeds'])} seeds)" if scored < len(s["seeds"]) else "")
             plot_percent_with_std(ax, positions, np.array([a["mean"] for a in acc]) * 100,
-                                  np.array([a["std"] for a in acc]) * 100, label=describe(m), linewidth=1.3)
+                                  np.array([a["std"] for a in acc]) * 100, label=label, linewidth=1.3)
         if width + 1 > recipe.train_max_width + 1:  # digits no training example had
             ax.axvspan(recipe.train_max_width + 1.5, width + 1.5, color="0.9", zorder=0)
         ax.set_title(f"n = {width} digits")

@@ -118,20 +118,23 @@ def test_solved_width_is_the_widest_prefix_of_widths_at_99_percent():
     assert A.aggregate(results, recipe)["solved_width"] == [32, 19, 0]  # per seed, in seed order
 
 
-def test_leading_digits_solved_counts_from_the_first_digit_emitted():
-    assert A.leading_digits_solved([1.0, 0.995, 0.5, 1.0]) == 2  # digit 4 at 100% does not count past digit 3
-    assert A.leading_digits_solved([0.2, 1.0]) == 0
-    assert A.leading_digits_solved([1.0] * 5) == 5
-    assert A.leading_digits_solved([1.0, 0.9], threshold=0.8) == 2
+def test_end_digits_solved_counts_from_each_end_of_the_sum():
+    assert A.end_digits_solved([1.0, 0.995, 0.5, 1.0]) == (2, 1)  # the most significant digit counts apart
+    assert A.end_digits_solved([0.2, 1.0, 0.3, 1.0, 1.0]) == (0, 2)  # digit 2 at 100% is in neither run
+    assert A.end_digits_solved([1.0] * 5) == (5, 0)  # every digit in the low run, none counted twice
+    assert A.end_digits_solved([0.5] * 3) == (0, 0)
+    assert A.end_digits_solved([1.0, 0.9], threshold=0.8) == (2, 0)
 
 
-def _run_with_digits(seed: int, known: dict[int, int] | None) -> dict:
-    """A run whose widths 32, 33, 48 are right on their first known[w] digits (no per-digit scores if None)."""
+def _run_with_digits(seed: int, known: dict[int, tuple[int, int]] | None) -> dict:
+    """A run whose widths in `known` are right on their lowest low and highest high sum digits and at 10% on the
+    rest, every other width right everywhere (no per-digit scores if None)."""
     per_width = {}
     for w in range(1, 49):
         entry = {"token_acc": 0.5, "exact_match": 0.0}
         if known is not None:
-            entry["digit_acc"] = [1.0] * known.get(w, w + 1) + [0.1] * (w + 1 - known.get(w, w + 1))
+            low, high = known.get(w, (w + 1, 0))
+            entry["digit_acc"] = [1.0] * low + [0.1] * (w + 1 - low - high) + [1.0] * high
         per_width[str(w)] = entry
     summary = {k: 0.5 for k in ("val_acc", "ood_mean", "acc_at_33", "acc_at_48", "val_exact", "ood_exact")}
     return {"seed": seed, "parameters": 10, "best_step": 2, "summary": summary, "per_width": per_width}
@@ -140,20 +143,29 @@ def _run_with_digits(seed: int, known: dict[int, int] | None) -> dict:
 def test_report_gives_per_digit_columns_and_figure_for_runs_that_have_them(tmp_path):
     recipe = A.AdditionRecipe(size="tiny")
     assert A.digit_widths(recipe) == (32, 33, 48)
-    new = [_run_with_digits(0, {32: 17, 33: 17, 48: 16}), _run_with_digits(1, {32: 33, 33: 20, 48: 3})]
-    by_model = {"fw-3A": new, "fw-1A": [_run_with_digits(0, None), _run_with_digits(1, {})]}
+    new = [_run_with_digits(0, {32: (4, 15), 33: (4, 15), 48: (1, 0)}),
+           _run_with_digits(1, {33: (20, 2), 48: (3, 0)})]
+    by_model = {"fw-3A": new, "fw-1A": [_run_with_digits(0, None), _run_with_digits(1, {48: (40, 2)})],
+                "mamba2": [_run_with_digits(0, None)]}
     report = A.write_report(by_model, recipe, tmp_path)
     stats = report["aggregate"]
-    assert stats["fw-1A"]["digit_acc"] is None  # one run predates per-digit scoring: no mixed mean
-    digits = stats["fw-3A"]["digit_acc"]
-    assert digits[48]["leading_solved"] == [16, 3]
-    assert [a["mean"] for a in digits[33]["acc"][16:21]] == pytest.approx([1.0, 0.55, 0.55, 0.55, 0.1])
+    assert stats["mamba2"]["digit_acc"] is None  # its only run predates per-digit scoring
+    assert stats["fw-1A"]["digit_acc"]["runs"] == 1  # one run of two predates it: the means are over the other alone
+    older = stats["fw-1A"]["digit_acc"]["widths"]
+    assert older[48]["end_solved"] == [None, (40, 2)]
+    assert [a["mean"] for a in older[48]["acc"][39:42]] == pytest.approx([1.0, 0.1, 0.1])
+    digits = stats["fw-3A"]["digit_acc"]["widths"]
+    assert digits[48]["end_solved"] == [(1, 0), (3, 0)]
+    assert [a["mean"] for a in digits[33]["acc"][3:5]] == pytest.approx([1.0, 0.55])
+    assert [a["mean"] for a in digits[33]["acc"][18:22]] == pytest.approx([0.55, 1.0, 0.55, 0.55])
     md = (tmp_path / "results.md").read_text()
-    row = next(line for line in md.splitlines() if "`fw-3A`" in line and "17/17/16, 33/20/3" in line)
-    assert row.endswith("| 17/17/16, 33/20/3 |")
-    assert next(line for line in md.splitlines() if "`fw-1A`" in line and "Solved" not in line
-                and line.count("|") == 6).endswith("| – |")
-    assert "Leading sum digits ≥ 99% at n=32/33/48, per seed" in md
+    cells = "4+15 / 4+15 / 1+0; 33+0 / 20+2 / 3+0"
+    assert next(line for line in md.splitlines() if "`fw-3A`" in line and cells in line).endswith(f"| {cells} |")
+    exact_row = {m: next(line for line in md.splitlines() if f"`{m}`" in line and line.count("|") == 6)
+                 for m in ("fw-1A", "mamba2")}
+    assert exact_row["fw-1A"].endswith("| –; 33+0 / 34+0 / 40+2 |")
+    assert exact_row["mamba2"].endswith("| – |")
+    assert "Sum digits ≥ 99%, least + most significant end, at n=32 / 33 / 48, per seed" in md
     assert (tmp_path / "accuracy_by_digit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert str(tmp_path / "accuracy_by_digit.png") in report["files"]
 

@@ -34,7 +34,7 @@ def test_bench_addition_smoke_and_resume(tmp_path, capsys):
     for name in ("`fw-1A`", "`fw-3A-same`", "`transformer`"):
         assert len(_rows(md, name)) == 3  # Table 3 layout, exact match, per-width
     assert "Acc@d33/d48" in md and "Solved 1..n (token acc. ≥ 99% at every width), per seed" in md
-    assert "Leading sum digits ≥ 99% at n=32/33/48, per seed" in md
+    assert "Sum digits ≥ 99%, least + most significant end, at n=32 / 33 / 48, per seed" in md
     assert _png(out / "accuracy_vs_width.png") and _png(out / "accuracy_by_digit.png")
     result = json.loads((out / "results.json").read_text())
     for runs in result["runs"].values():

@@ -103,4 +103,4 @@ def test_addition_digit_accuracy_averages_to_token_accuracy_and_shows_the_known_
         assert np.mean(r["digit_acc"]) == pytest.approx(r["token_acc"], abs=1e-12)  # every digit has N targets
         assert r["digit_acc"][:4] == [1.0] * 4
         assert r["digit_acc"][4:] == pytest.approx((digits[:, 4:] == 7).double().mean(0).tolist())
-        assert A.leading_digits_solved(r["digit_acc"]) == 4
+        assert A.end_digits_solved(r["digit_acc"]) == (4, 0)  # the guess 7 is never the carry digit (0 or 1)
