@@ -458,7 +458,7 @@ def _digit_stats(results: Sequence[dict], recipe: AdditionRecipe) -> dict | None
 
 def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_dir, *, missing=()) -> dict:
     """results.json, results.md (Table 3 layout, mean ± std over seeds), accuracy_vs_width.png and, when a run has
-    per-digit scores, accuracy_by_digit.png."""
+    per-digit scores, accuracy_by_digit.png and digit_map.png."""
     from hybridlm.eval import bench
     from hybridlm.eval.models import describe
 
@@ -519,10 +519,11 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
         ("The last column counts the sum digits that all reach "
          f"{SOLVED_ACCURACY:.0%} at that width from each end of the sum: from the least significant (emitted first) "
          "and from the most significant (emitted last), the second count stopping where the first stopped "
-         f"(`accuracy_by_digit.png` plots every digit; \"–\": runs from before per-digit scoring). A sum right at "
-         f"every digit reads {recipe.train_max_width + 1}+0 at n = {recipe.train_max_width}. Counts that stay from the first width to the next mean that one more digit of "
-         "input leaves those digits intact; counts that fall mean that it breaks digits the model gets right at the "
-         "widest trained width."),
+         "(`accuracy_by_digit.png` plots every digit at these widths, `digit_map.png` at every width; \"–\": runs "
+         f"from before per-digit scoring). A sum right at every digit reads {recipe.train_max_width + 1}+0 at "
+         f"n = {recipe.train_max_width}. Counts that stay from the first width to the next mean that one more digit "
+         "of input leaves those digits intact; counts that fall mean that it breaks digits the model gets right at "
+         "the widest trained width."),
         "",
         "## Token accuracy at selected widths",
         "",
@@ -537,7 +538,29 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
     if any(s["digit_acc"] for s in stats.values()):
         files.append(str(Path(out_dir) / "accuracy_by_digit.png"))
         plot_digit_accuracy(stats, recipe, Path(files[-1]))
+    panels = {}
+    for m, rs in by_model.items():
+        if (scored := digit_map(rs, recipe)) is not None:
+            grid, runs = scored
+            panels[f"{describe(m)} ({runs} of {len(rs)} seeds)" if runs < len(rs) else describe(m)] = grid
+    if panels:
+        files.append(str(Path(out_dir) / "digit_map.png"))
+        plot_digit_map(panels, recipe, Path(files[-1]))
     return {"files": files, "aggregate": stats}
+
+
+def digit_map(results: Sequence[dict], recipe: AdditionRecipe) -> tuple[np.ndarray, int] | None:
+    """(grid, runs): grid [W, W + 1] (W = eval_max_width), row n - 1 each sum digit's accuracy at width n, the
+    mean over the `runs` runs with per-digit scores at every width, NaN past digit n + 1; None when no run has
+    them."""
+    widths = range(1, recipe.eval_max_width + 1)
+    scored = [r for r in results if all("digit_acc" in r["per_width"][str(w)] for w in widths)]
+    if not scored:
+        return None
+    grid = np.full((len(widths), len(widths) + 1), np.nan)
+    for w in widths:
+        grid[w - 1, :w + 1] = np.mean([r["per_width"][str(w)]["digit_acc"] for r in scored], axis=0)
+    return grid, len(scored)
 
 
 def plot_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
@@ -598,6 +621,35 @@ def plot_digit_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
     fig.tight_layout(rect=(0, 0.035 * rows + 0.02, 1, 1))
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=7, frameon=False)
+    try:
+        save_figure_atomic(fig, path, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def plot_digit_map(panels: dict[str, np.ndarray], recipe: AdditionRecipe, path) -> None:
+    """One panel per title: a model's accuracy by width (rows) and sum digit (columns), `digit_map`'s grid.
+    Digits learned at a fixed place show as bright columns (counted from the least significant end) or diagonals
+    (from the most significant end) that stay bright as the width grows."""
+    from hybridlm.eval.bench import pyplot
+    from hybridlm.fileio import save_figure_atomic
+
+    plt = pyplot()
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 4.2 * rows), squeeze=False)
+    hi = recipe.eval_max_width
+    for ax, (title, grid) in zip(axes.flat, panels.items()):
+        image = ax.imshow(grid * 100, origin="lower", aspect="auto", cmap="viridis", vmin=0, vmax=100,
+                          extent=(0.5, hi + 1.5, 0.5, hi + 0.5), interpolation="nearest")
+        ax.axhline(recipe.train_max_width + 0.5, color="white", linewidth=0.8, linestyle="--")
+        ax.set_title(title, fontsize=8)
+        ax.set_xlabel("sum digit (1 = least significant)")
+        ax.set_ylabel("digits n (dashed: widest trained)")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout(rect=(0, 0, 0.88, 1))
+    fig.colorbar(image, cax=fig.add_axes((0.9, 0.15, 0.015, 0.7)), label="teacher-forced accuracy (%)")
     try:
         save_figure_atomic(fig, path, dpi=110)
     finally:

@@ -41,8 +41,9 @@ def add_commands(subparsers) -> None:
     p = sub.add_parser("addition", help="variable-digit addition, length generalization (fast-weight paper Table 3)",
                        description="Train each model of --models on reversed-digit addition of up to "
                                    "--train-max-width digits with each seed, evaluate every width up to "
-                                   "--eval-max-width, and write results.md, results.json and two PNGs "
-                                   "(accuracy_vs_width.png; accuracy_by_digit.png, each sum digit's accuracy) to "
+                                   "--eval-max-width, and write results.md, results.json and three PNGs "
+                                   "(accuracy_vs_width.png; accuracy_by_digit.png and digit_map.png: each sum "
+                                   "digit's accuracy at three widths and at every width) to "
                                    "--out. Example: hybridlm bench addition --models fw-3A,transformer --seeds 3 "
                                    "--out runs/addition --device cuda")
     _add_run_options(p, default_seeds=3)

@@ -166,8 +166,22 @@ def test_report_gives_per_digit_columns_and_figure_for_runs_that_have_them(tmp_p
     assert exact_row["fw-1A"].endswith("| –; 33+0 / 34+0 / 40+2 |")
     assert exact_row["mamba2"].endswith("| – |")
     assert "Sum digits ≥ 99%, least + most significant end, at n=32 / 33 / 48, per seed" in md
-    assert (tmp_path / "accuracy_by_digit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert str(tmp_path / "accuracy_by_digit.png") in report["files"]
+    for png in ("accuracy_by_digit.png", "digit_map.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert str(tmp_path / png) in report["files"]
+
+
+def test_digit_map_averages_the_scored_runs_by_width_and_digit():
+    recipe = A.AdditionRecipe(size="tiny")
+    runs = [_run_with_digits(0, {33: (20, 2)}), _run_with_digits(1, {33: (4, 15), 5: (1, 1)}),
+            _run_with_digits(2, None)]
+    grid, scored = A.digit_map(runs, recipe)
+    assert scored == 2 and grid.shape == (48, 49)
+    assert np.isnan(grid[4, 6:]).all() and not np.isnan(grid[4, :6]).any()  # width 5 has 6 sum digits
+    assert grid[4, :6].tolist() == pytest.approx([1.0, 0.55, 0.55, 0.55, 0.55, 1.0])
+    assert grid[32, :34].tolist() == pytest.approx(
+        [1.0] * 4 + [0.55] * 15 + [1.0] + [0.55] * 12 + [1.0] * 2)
+    assert A.digit_map(runs[2:], recipe) is None
 
 # A two-step recipe: a check that went missing fails the test in seconds, not after a full default training.
 _FAST = dict(steps=2, warmup=1, batch_size=2, curriculum_steps=0, eval_per_width=1, val_per_width=1, eval_every=1)

@@ -29,13 +29,13 @@ def test_bench_addition_smoke_and_resume(tmp_path, capsys):
     # the closing line: the report's paths, not a Python list's repr
     assert capsys.readouterr().out.splitlines()[-1] == (f"wrote {out / 'results.md'}, {out / 'results.json'}, "
                                                         f"{out / 'accuracy_vs_width.png'}, "
-                                                        f"{out / 'accuracy_by_digit.png'}")
+                                                        f"{out / 'accuracy_by_digit.png'}, {out / 'digit_map.png'}")
     md = (out / "results.md").read_text()
     for name in ("`fw-1A`", "`fw-3A-same`", "`transformer`"):
         assert len(_rows(md, name)) == 3  # Table 3 layout, exact match, per-width
     assert "Acc@d33/d48" in md and "Solved 1..n (token acc. ≥ 99% at every width), per seed" in md
     assert "Sum digits ≥ 99%, least + most significant end, at n=32 / 33 / 48, per seed" in md
-    assert _png(out / "accuracy_vs_width.png") and _png(out / "accuracy_by_digit.png")
+    assert all(_png(out / png) for png in ("accuracy_vs_width.png", "accuracy_by_digit.png", "digit_map.png"))
     result = json.loads((out / "results.json").read_text())
     for runs in result["runs"].values():
         assert [r["seed"] for r in runs] == [0, 1]
