@@ -542,11 +542,18 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
     for m, rs in by_model.items():
         if (scored := digit_map(rs, recipe)) is not None:
             grid, runs = scored
-            panels[f"{describe(m)} ({runs} of {len(rs)} seeds)" if runs < len(rs) else describe(m)] = grid
+            panels[_scored_label(m, runs, len(rs))] = grid
     if panels:
         files.append(str(Path(out_dir) / "digit_map.png"))
         plot_digit_map(panels, recipe, Path(files[-1]))
     return {"files": files, "aggregate": stats}
+
+
+def _scored_label(model: str, scored: int, runs: int) -> str:
+    """A per-digit figure's name for a model, saying how many of its runs have per-digit scores if not all."""
+    from hybridlm.eval.models import describe
+
+    return describe(model) + (f" ({scored} of {runs} seeds)" if scored < runs else "")
 
 
 def digit_map(results: Sequence[dict], recipe: AdditionRecipe) -> tuple[np.ndarray, int] | None:
@@ -595,7 +602,6 @@ def plot_digit_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
     """One panel per width of `digit_widths`: each sum digit's accuracy (mean ± std over the seeds that have
     per-digit scores) by position."""
     from hybridlm.eval.bench import plot_percent_with_std, pyplot
-    from hybridlm.eval.models import describe
     from hybridlm.fileio import save_figure_atomic
 
     plt = pyplot()
@@ -606,10 +612,10 @@ def plot_digit_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
         for m, s in stats.items():
             if s["digit_acc"] is None:
                 continue
-            acc, scored = s["digit_acc"]["widths"][width]["acc"], s["digit_acc"]["runs"]
-            label = describe(m) + (f" ({scored} of {len(s['seeds'])} seeds)" if scored < len(s["seeds"]) else "")
+            acc = s["digit_acc"]["widths"][width]["acc"]
             plot_percent_with_std(ax, positions, np.array([a["mean"] for a in acc]) * 100,
-                                  np.array([a["std"] for a in acc]) * 100, label=label, linewidth=1.3)
+                                  np.array([a["std"] for a in acc]) * 100,
+                                  label=_scored_label(m, s["digit_acc"]["runs"], len(s["seeds"])), linewidth=1.3)
         if width + 1 > recipe.train_max_width + 1:  # digits no training example had
             ax.axvspan(recipe.train_max_width + 1.5, width + 1.5, color="0.9", zorder=0)
         ax.set_title(f"n = {width} digits")
