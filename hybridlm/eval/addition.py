@@ -479,7 +479,7 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
             bench.pm(summary["ood_mean"]),
             f"{bench.pm(summary[f'acc_at_{lo}'])} / {bench.pm(summary[f'acc_at_{hi}'])}", str(len(s["seeds"])),
         ])
-        digits = s["digit_acc"] and s["digit_acc"]["widths"]
+        digits = None if s["digit_acc"] is None else s["digit_acc"]["widths"]
         ends = "–" if digits is None else "; ".join(
             "–" if digits[shown[0]]["end_solved"][i] is None
             else " / ".join("+".join(map(str, digits[w]["end_solved"][i])) for w in shown)

@@ -103,7 +103,6 @@ def test_eval_sets_are_fixed_and_summarized_like_table_3():
     assert s["acc_at_33"] == 0.33 and s["acc_at_48"] == 0.48 and s["val_exact"] == 0.5
 
 
-
 def test_solved_width_is_the_widest_prefix_of_widths_at_99_percent():
     def runs(accs):
         return {str(w): {"token_acc": a, "exact_match": 0.0} for w, a in enumerate(accs, start=1)}
@@ -182,6 +181,7 @@ def test_digit_map_averages_the_scored_runs_by_width_and_digit():
     assert grid[32, :34].tolist() == pytest.approx(
         [1.0] * 4 + [0.55] * 15 + [1.0] + [0.55] * 12 + [1.0] * 2)
     assert A.digit_map(runs[2:], recipe) is None
+
 
 # A two-step recipe: a check that went missing fails the test in seconds, not after a full default training.
 _FAST = dict(steps=2, warmup=1, batch_size=2, curriculum_steps=0, eval_per_width=1, val_per_width=1, eval_every=1)
