@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from hybridlm.fileio import write_atomic
+from hybridlm.training.rng import deterministic_kernels
 from hybridlm.training.stop import StopRequest
 
 RUNS = "runs"
@@ -178,9 +179,10 @@ def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
     return keys
 
 
-def _call(job: Job, device: str, out_dir: Path, should_stop: Callable[[], bool] | None = None) -> dict:
-    """Run `job`, write runs/<key>.json, remove its checkpoint. A resumable job stopped by `should_stop`
-    raises `TrainingInterrupted` (its checkpoint saved)."""
+def _call(job: Job, device: str, out_dir: Path, should_stop: Callable[[], bool] | None = None, *,
+          deterministic: bool = False) -> dict:
+    """Run `job` (under `deterministic_kernels` when `deterministic`), write runs/<key>.json, remove its
+    checkpoint. A resumable job stopped by `should_stop` raises `TrainingInterrupted` (its checkpoint saved)."""
     module, function = job.runner.split(":")
     fn: Callable = getattr(importlib.import_module(module), function)
     log_path = out_dir / RUNS / f"{job.key}.log"
@@ -192,10 +194,11 @@ def _call(job: Job, device: str, out_dir: Path, should_stop: Callable[[], bool] 
             log.write(f"{time.strftime('%H:%M:%S')} {line}\n")
             log.flush()
 
-        log_fn(f"start {job.key} on {device}")
+        log_fn(f"start {job.key} on {device}" + (" (deterministic kernels)" if deterministic else ""))
         start = time.perf_counter()
         try:
-            result = fn(job.spec, device=device, log_fn=log_fn, **job.context, **extra)
+            with deterministic_kernels(deterministic):
+                result = fn(job.spec, device=device, log_fn=log_fn, **job.context, **extra)
         except Exception as err:
             if _is_interrupted(err):
                 log_fn(f"{err}; run the same command again to continue")
@@ -204,6 +207,7 @@ def _call(job: Job, device: str, out_dir: Path, should_stop: Callable[[], bool] 
             raise
         result["seconds"] = time.perf_counter() - start  # this call's (a resumed run's training time: train.seconds)
         result["device"] = device
+        result["deterministic"] = deterministic
         log_fn(f"done in {result['seconds']:.1f}s")
         write_atomic(_run_path(out_dir, job.key), json.dumps({"spec": job.spec, "result": result}, indent=1).encode())
         if job.resumable:
@@ -299,12 +303,13 @@ def _worker_should_stop() -> bool:
             or os.getppid() != _worker_parent)
 
 
-def _worker_call(job: Job, out_dir: str) -> tuple[str, dict | None, str, bool]:
+def _worker_call(job: Job, out_dir: str, deterministic: bool) -> tuple[str, dict | None, str, bool]:
     """(key, result or None, error text, interrupted). A signal sent to this process during the run stops it as
     the parent's stop does (saving its checkpoint)."""
     try:
         with _worker_stop.handle_signals():
-            return job.key, _call(job, _worker_device, Path(out_dir), _worker_should_stop), "", False
+            return job.key, _call(job, _worker_device, Path(out_dir), _worker_should_stop,
+                                  deterministic=deterministic), "", False
     except Exception as err:  # noqa: BLE001  (reported by the parent; the other runs go on)
         if _is_interrupted(err):
             return job.key, None, str(err), True
@@ -318,10 +323,13 @@ def run_jobs(
     devices: Sequence[str] = ("cpu",),
     per_device: int = 1,
     time_budget: float | None = None,
+    deterministic: bool = False,
     echo: Callable[[str], None] = print,
 ) -> JobResults:
     """Run (or reuse) every job; returns key -> result for the runs that exist at the end (with the keys of the
-    failed, stopped and not started ones: `JobResults`).
+    failed, stopped and not started ones: `JobResults`). `deterministic`: each run under
+    `hybridlm.training.rng.deterministic_kernels` (not part of the spec: a reused run is reused as it is; its
+    result says "deterministic").
 
     SIGTERM / SIGINT (handled while this runs) and the end of `time_budget` start no further run and stop
     the resumable runs in progress at their next update, saving their checkpoints."""
@@ -342,6 +350,10 @@ def run_jobs(
             todo.append(job)
     if results:
         echo(f"reusing {len(results)} finished run(s) from {out_dir / RUNS}")
+        plain = [key for key, result in results.items() if not result.get("deterministic")]
+        if deterministic and plain:
+            echo(f"  {len(plain)} of them trained without deterministic kernels ({', '.join(plain)}): move their "
+                 f"runs/<key>.json away to train them again deterministically")
     start = time.monotonic()
     stop = StopRequest()
 
@@ -377,7 +389,7 @@ def run_jobs(
                     break
                 echo(f"run {job.key} on {devices[0]}")
                 try:
-                    result = _call(job, devices[0], out_dir, should_stop)
+                    result = _call(job, devices[0], out_dir, should_stop, deterministic=deterministic)
                 except Exception as err:  # noqa: BLE001  (e.g. a diverged run: report it, go on with the others)
                     interrupted = _is_interrupted(err)
                     report(job.key, None, str(err) if interrupted else traceback.format_exc(), interrupted, "")
@@ -401,7 +413,7 @@ def run_jobs(
                     while pending and len(running) < workers and not should_stop():
                         job = pending.pop()
                         with _signals_blocked():  # submit spawns the workers
-                            running[pool.submit(_worker_call, job, str(out_dir))] = job.key
+                            running[pool.submit(_worker_call, job, str(out_dir), deterministic)] = job.key
                         echo(f"run {job.key}")
                     if not running:
                         break

@@ -155,6 +155,9 @@ def _add_run_options(p: argparse.ArgumentParser, *, default_seeds: int) -> None:
                         "checkpoints; the report covers the runs done so far, the same command continues")
     p.add_argument("--compile", action="store_const", const=True, default=None,
                    help="train through torch.compile (inductor + CUDA graphs on GPUs; part of the recipe)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels (torch.use_deterministic_algorithms), so that a rerun on the same "
+                        "GPU and software repeats a run bit for bit; slower; not part of the recipe")
 
 
 def _add_recipe_options(p: argparse.ArgumentParser, options: list[tuple[str, type, str]]) -> None:
@@ -195,7 +198,8 @@ def _run_options(args: argparse.Namespace) -> dict:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.time_budget is not None and not args.time_budget > 0:  # NaN too: it would never stop anything
         raise ValueError(f"--time-budget must be a number of seconds > 0, got {args.time_budget}")
-    return {"devices": _devices(args), "per_device": args.per_device, "time_budget": args.time_budget}
+    return {"devices": _devices(args), "per_device": args.per_device, "time_budget": args.time_budget,
+            "deterministic": args.deterministic}
 
 
 def _run_bench(bench, *args, **kwargs) -> int:

@@ -24,7 +24,7 @@ Sections (dotted keys address them: `--set batch.micro_batch=4`):
                   dp_shard (the tp and cp ranks of one data-parallel rank share its rows)
     train         steps and / or tokens (the run ends at whichever comes first), out_dir, log_every, eval_every, eval_batches, save_every,
                   keep_last, seed, dtype ("fp32" | "bf16": autocast, fp32 master weights), grad_clip,
-                  max_consecutive_skips, spike_factor, compile, compile_mode, device, progress, samples
+                  max_consecutive_skips, spike_factor, compile, compile_mode, deterministic, device, progress, samples
     parallel      the device mesh under torchrun (`hybridlm.parallel`): dp_replicate, dp_shard (one of the two
                   may be -1: the ranks left over), cp, tp, mixer_parallel ("off" | "on" | "interleaved"),
                   ssm_tensor_parallel, activation_checkpointing; dp_replicate x dp_shard x cp x tp must be the
@@ -154,6 +154,9 @@ class TrainSection:
     # checkpointing; gradients stay allocated between updates and are zeroed in place, so AdamW also decays a
     # parameter no forward reaches); "max-autotune-no-cudagraphs"
     compile_mode: str = "default"
+    # deterministic kernels (`training.rng.deterministic_kernels`): a rerun on the same hardware and software repeats
+    # the run bit for bit; slower
+    deterministic: bool = False
     device: str = "auto"
     progress: bool = True
     samples: int = 3  # generated at the end (needs data.tokenizer or the demo); 0: none

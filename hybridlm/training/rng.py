@@ -4,12 +4,22 @@ Covered: torch's CPU generator, every CUDA device's generator (when CUDA is avai
 global RandomState (`np.random.*`; `np.random.default_rng()` generators are objects the caller owns), and
 Python's `random`. The state is a nested dict of tensors and JSON values (`hybridlm.training.tensor_tree`
 stores it without pickle); restoring it makes every later draw identical to the run that saved it.
+
+Equal draws are not enough on a GPU: kernels whose order of summation changes from call to call (atomic adds,
+cuBLAS workspaces shared by streams) round differently each time, so two runs with one seed can part after a few
+updates (a same-seed rerun of the addition Transformer did by update 100, benchmarks/RESULTS.md, session 22).
+`deterministic_kernels()` makes torch pick deterministic kernels for the code inside it (`train.deterministic`,
+`bench ... --deterministic`); an op that has none raises torch's RuntimeError naming it. It costs speed and is
+for runs that must repeat bit for bit on the same hardware and software, not for every run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -65,3 +75,34 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     )
     python_state = state["python"]
     random.setstate((python_state["version"], tuple(python_state["internal"]), python_state["gauss_next"]))
+
+
+# cuBLAS needs a fixed workspace per stream to be deterministic (CUDA's docs; torch raises without it in
+# deterministic mode); kept if the user set one.
+CUBLAS_WORKSPACE_VARIABLE = "CUBLAS_WORKSPACE_CONFIG"
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+
+
+@contextlib.contextmanager
+def deterministic_kernels(enabled: bool = True) -> Iterator[None]:
+    """Inside: `torch.use_deterministic_algorithms(True)`, cuDNN deterministic without autotuning, and the cuBLAS
+    workspace it needs; on leaving, the previous settings (so a test or a library caller is left as it was).
+    `enabled=False` changes nothing, for callers that pass a config flag."""
+    if not enabled:
+        yield
+        return
+    cudnn = torch.backends.cudnn
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              cudnn.deterministic, cudnn.benchmark, os.environ.get(CUBLAS_WORKSPACE_VARIABLE))
+    os.environ.setdefault(CUBLAS_WORKSPACE_VARIABLE, CUBLAS_DETERMINISTIC_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
+    cudnn.deterministic, cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        mode, warn_only, cudnn.deterministic, cudnn.benchmark, workspace = before
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+        if workspace is None:
+            os.environ.pop(CUBLAS_WORKSPACE_VARIABLE, None)
+        else:
+            os.environ[CUBLAS_WORKSPACE_VARIABLE] = workspace

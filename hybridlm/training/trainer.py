@@ -118,6 +118,7 @@ from hybridlm.training.optim import (
     apply_schedule,
     build_param_groups,
 )
+from hybridlm.training.rng import deterministic_kernels
 from hybridlm.training.schedules import schedule_factors
 from hybridlm.training.stop import StopRequest
 
@@ -902,7 +903,8 @@ class Trainer:
         released when it returns (or raises)."""
         self._lock_out_dir()  # (held since __init__; taken again by a second call)
         try:
-            return self._train()
+            with deterministic_kernels(self.config.train.deterministic):
+                return self._train()
         finally:
             self._release_lock()
 

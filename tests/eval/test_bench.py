@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hybridlm.eval.bench import EXIT_INCOMPLETE, Job, mean_std, pm, run_jobs
 from hybridlm.eval.task_checkpoint import CHECKPOINT_FORMAT
@@ -23,7 +24,7 @@ def toy_runner(spec: dict, *, device: str, log_fn) -> dict:
         raise RuntimeError("diverged")
     if spec.get("die"):
         os._exit(9)  # as a worker killed by the kernel's OOM killer would vanish
-    return {"value": spec["x"] * 2}
+    return {"value": spec["x"] * 2, "kernels_deterministic": torch.are_deterministic_algorithms_enabled()}
 
 
 def test_reuse_rerun_and_failures(tmp_path):
@@ -103,6 +104,31 @@ def test_a_worker_that_dies_fails_its_run_and_the_command_goes_on(tmp_path):
     results = run_jobs(jobs, tmp_path, devices=["cpu", "cpu"], echo=lines.append)
     assert "a" in results.failed and results.exit_status() == 1
     assert any("FAILED a" in line and "worker process died" in line for line in lines)
+
+
+def test_deterministic_runs_train_under_deterministic_kernels_and_say_so(tmp_path):
+    """In this process and in spawned workers; the process's own setting is back after the runs."""
+    lines = []
+    results = run_jobs([Job("a", RUNNER, {"x": 1}), Job("b", RUNNER, {"x": 2})], tmp_path, deterministic=True,
+                       echo=lines.append)
+    spawned = run_jobs([Job("c", RUNNER, {"x": 3}), Job("d", RUNNER, {"x": 4})], tmp_path, devices=["cpu", "cpu"],
+                       deterministic=True, echo=lines.append)
+    plain = run_jobs([Job("e", RUNNER, {"x": 5})], tmp_path, echo=lines.append)
+    lines.clear()
+    again = run_jobs([Job("a", RUNNER, {"x": 1}), Job("e", RUNNER, {"x": 5})], tmp_path, deterministic=True,
+                     echo=lines.append)
+    assert again["e"]["deterministic"] is False  # reused as it is, and named
+    assert lines == [f"reusing 2 finished run(s) from {tmp_path / 'runs'}",
+                     "  1 of them trained without deterministic kernels (e): move their runs/<key>.json away to "
+                     "train them again deterministically"]
+    assert not torch.are_deterministic_algorithms_enabled()
+    for key in "abcd":
+        run = {**results, **spawned}[key]
+        assert run["kernels_deterministic"] is True and run["deterministic"] is True
+        assert "on cpu (deterministic kernels)" in (tmp_path / "runs" / f"{key}.log").read_text()
+    assert plain["e"]["kernels_deterministic"] is False and plain["e"]["deterministic"] is False
+    stored = json.loads((tmp_path / "runs" / "c.json").read_text())
+    assert stored["spec"] == {"x": 3} and stored["result"]["deterministic"] is True  # a result, not the spec
 
 
 def test_mean_std_and_formatting():

@@ -100,7 +100,10 @@ SMALL_ALLOCATION = ["--hidden-size", "64", "--layers", "1", "--batch-size", "2",
 def test_bench_allocation_smoke(tmp_path, capsys):
     out = tmp_path / "alloc"
     assert main(["bench", "allocation", "--points", "2,1,5;1,6,1", "--arrangements", "SA_M,S_A_M", "--data",
-                 "synthetic", "--val-docs", "4", "--out", str(out), *SMALL_ALLOCATION, *COMMON]) == 0
+                 "synthetic", "--val-docs", "4", "--deterministic", "--out", str(out), *SMALL_ALLOCATION,
+                 *COMMON]) == 0
+    runs = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
+    assert len(runs) == 3 and all(run["result"]["deterministic"] is True for run in runs)
     assert capsys.readouterr().out.splitlines()[-1] == (f"wrote {out / 'results.md'}, {out / 'results.json'}, "
                                                         f"{out / 'allocation.png'}")
     md = (out / "results.md").read_text()

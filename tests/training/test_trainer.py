@@ -705,3 +705,20 @@ def test_model_inputs_come_from_the_host_offsets_and_give_the_same_loss(demo_dir
             want = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100,
                                    reduction="sum")
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_train_deterministic_trains_under_deterministic_kernels_only(demo_dir, tmp_path):
+    """train.deterministic=true: every update under torch's deterministic mode, the process's setting back after;
+    the losses are those of the default run (on the CPU both are deterministic)."""
+    seen = []
+
+    def record_mode(trainer: Trainer, record: dict) -> None:
+        seen.append(torch.are_deterministic_algorithms_enabled())
+
+    plain = Trainer(small_config(demo_dir, tmp_path / "plain", "train.steps=3"), callbacks=[record_mode])
+    plain.train()
+    deterministic = Trainer(small_config(demo_dir, tmp_path / "det", "train.steps=3", "train.deterministic=true"),
+                            callbacks=[record_mode])
+    deterministic.train()
+    assert seen == [False] * 3 + [True] * 3 and not torch.are_deterministic_algorithms_enabled()
+    assert losses(deterministic) == losses(plain)
