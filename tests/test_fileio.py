@@ -86,10 +86,9 @@ def test_file_lock_is_released_when_its_holder_is_collected_or_its_process_dies(
     gc.collect()
     assert FileLock(path).acquire()
 
-    child = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from hybridlm.fileio import FileLock; "
-         "lock = FileLock(sys.argv[1]); assert lock.acquire(); print('held', flush=True); time.sleep(60)", str(tmp_path / "b")],
-        stdout=subprocess.PIPE, text=True)
+    holder = ("import sys, time; from hybridlm.fileio import FileLock; lock = FileLock(sys.argv[1]); "
+              "assert lock.acquire(); print('held', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path / "b")], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline() == "held\n"
         assert not FileLock(tmp_path / "b").acquire()

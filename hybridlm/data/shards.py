@@ -42,7 +42,7 @@ import numpy as np
 from hybridlm.data.corpus import ReadStats, SourceFile, find_files, iter_documents
 from hybridlm.data.errors import DataError, OutputExistsError
 from hybridlm.data.tokenizer import TOKENIZER_FILE, HybridTokenizer
-from hybridlm.fileio import sha256_file, write_atomic
+from hybridlm.fileio import FileLock, sha256_file, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -284,21 +284,6 @@ def _our_files(out: Path) -> list[Path]:
             or (p.name.startswith("shard_") and p.suffix in (".bin", ".idx"))]
 
 
-@contextlib.contextmanager
-def _lock(out: Path):
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock, the user must not run two prepares on one directory
-        yield
-        return
-    with open(out / LOCK, "a") as f:  # "a": taking the lock does not touch the file
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise DataError(f"another `prepare` is writing to {out}; wait for it to finish") from None
-        yield
-
-
 def prepare(
     inputs: Sequence[str | Path],
     tokenizer_dir: str | Path,
@@ -332,7 +317,10 @@ def prepare(
     dtype = token_dtype(tok.id_limit)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with _lock(out):
+    lock = FileLock(out / LOCK)
+    if not lock.acquire():
+        raise DataError(f"another `prepare` is writing to {out}; wait for it to finish")
+    with lock:
         for stray in out.glob("*.tmp-*"):  # left by a run that was killed mid-write
             stray.unlink()
         manifest = _read_json(out / MANIFEST)

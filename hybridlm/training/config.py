@@ -62,6 +62,7 @@ from typing import Any
 
 import yaml
 
+from hybridlm.fileio import diff_nested
 from hybridlm.training.schedules import ScheduleConfig, has_decay_stage
 
 DTYPES = ("fp32", "bf16")
@@ -596,17 +597,9 @@ def is_run_config(path: str | Path) -> bool:
         return False
 
 
-def diff_configs(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two config dicts ("key: old -> new")."""
-    out = []
-    for key in sorted(set(old) | set(new), key=str):
-        a, b = old.get(key), new.get(key)
-        where = f"{prefix}{key}"
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += diff_configs(a, b, where + ".")
-        elif a != b:
-            out.append(f"{where}: {a!r} -> {b!r}")
-    return out
+def diff_configs(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ between two config dicts ("key: old -> new"; an absent key reads as None)."""
+    return [f"{d.key}: {d.old!r} -> {d.new!r}" for d in diff_nested(old, new)]
 
 
 # ------------------------------------------------------------------------------------------------ validation
