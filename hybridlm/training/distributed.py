@@ -116,7 +116,7 @@ def init_distributed(config: Any, *, device: str = "auto", timeout_s: float = 18
     device mesh of the config's `parallel` section (its sizes checked against the world size: ConfigError).
 
     An already initialized default group (e.g. created by a test harness) is reused."""
-    from hybridlm.training.config import resolve_parallel
+    from hybridlm.training.plan import resolve_parallel
 
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)

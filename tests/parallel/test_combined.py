@@ -183,7 +183,8 @@ def test_each_rank_holds_its_split():
 
 def test_training_config_accepts_mixer_parallelism_with_cp():
     """`hybridlm train`'s config: mixer parallelism with cp > 1 passes validation and resolves on 4 ranks."""
-    from hybridlm.training.config import load_config, resolve_parallel
+    from hybridlm.training.config import load_config
+    from hybridlm.training.plan import resolve_parallel
 
     config = load_config(None, ["parallel.cp=2", "parallel.tp=2", "parallel.mixer_parallel=interleaved",
                                 "data.document_boundaries=false", "model.overrides.num_key_value_heads=2",

@@ -31,7 +31,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors import safe_open
 
-from hybridlm.training.config import ConfigError, load_config, resolve_parallel
+from hybridlm.training.config import ConfigError, load_config
+from hybridlm.training.plan import resolve_parallel
 from hybridlm.training.trainer import Trainer
 from tests.helpers import free_port
 
