@@ -13,7 +13,6 @@ _EXPORTS = {
     "channel_allocation": "hybridlm.models.allocation",
     "get_preset": "hybridlm.models.presets",
     "list_presets": "hybridlm.models.presets",
-    "HybridLMConfig": "hybridlm.models.configuration",
     "HybridModel": "hybridlm.models.model",
     "HybridForCausalLM": "hybridlm.models.model",
     "HybridCache": "hybridlm.layers.cache",

@@ -1,14 +1,18 @@
 """Inference: cached generation (greedy and sampled, batched left-padded prompts; decoding steps as a CUDA graph)
-and its CLI.
+and the `hybridlm generate` command.
 
-The decoding cache itself lives in `hybridlm.layers.cache` (the mixers read and write it); it is
-re-exported here.
+    from hybridlm.inference import generate
+    out = generate(model, ids, max_new_tokens=32).sequences
+
+The decoding loop is part of the model's contract (`HybridForCausalLM.generate` runs it), so it lives beside the
+model in `hybridlm.models.generation` (with `sampling` and `graphed`); the decoding cache lives in
+`hybridlm.layers.cache`, which the mixers read and write. This package is their public front door.
 """
 
-from hybridlm.inference.generate import GenerationOutput, generate, prefill
-from hybridlm.inference.graphed import GraphedDecoder
-from hybridlm.inference.sampling import sample_next, top_k_filter, top_p_filter
 from hybridlm.layers.cache import HybridCache, LayerCache, StaticCache
+from hybridlm.models.generation import GenerationOutput, generate, prefill
+from hybridlm.models.graphed import GraphedDecoder
+from hybridlm.models.sampling import sample_next, top_k_filter, top_p_filter
 
 __all__ = [
     "GenerationOutput",

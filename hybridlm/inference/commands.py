@@ -50,7 +50,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prefill in pieces of N tokens per prompt (bounds memory on long prompts)")
     p.add_argument("--graph", action="store_true",
-                   help="decode through a CUDA graph of the step (hybridlm/inference/graphed.py; eager on the CPU)")
+                   help="decode through a CUDA graph of the step (hybridlm/models/graphed.py; eager on the CPU)")
     p.set_defaults(func=run_generate)
 
 
@@ -71,18 +71,21 @@ def generate_texts(args: argparse.Namespace) -> list[str]:
     """Each prompt followed by its continuation."""
     import torch
 
-    import hybridlm
     from hybridlm.devices import parse_device
-    from hybridlm.inference.generate import generate
+    from hybridlm.inference import generate
+    from hybridlm.models.hf import load_model
 
     model_dir = Path(args.model)
+    if model_dir.is_file():
+        raise CommandError(f"--model takes the checkpoint directory (the folder holding config.json), not the file "
+                           f"{model_dir}: pass --model {model_dir.parent}")
     if not model_dir.is_dir():
         raise CommandError(f"model directory {model_dir} does not exist")
     if not (model_dir / "config.json").is_file():
         raise CommandError(f"{model_dir} has no config.json; not a checkpoint directory")
     tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else model_dir)
     device = parse_device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    model = hybridlm.load_model(model_dir, dtype=getattr(torch, args.dtype)).to(device)
+    model = load_model(model_dir, dtype=getattr(torch, args.dtype)).to(device)
     config = model.config
 
     prompts = [tokenizer.encode(text) for text in args.prompt]

@@ -22,7 +22,7 @@ holds at most 2 (W - 1) + T slots (T: the call's tokens). Positions keep countin
 padding `pad` shrinks by the dropped slots.
 
 `StaticCache` (built from a filled cache) is the form a CUDA graph of the decoding step needs
-(`hybridlm.inference.graphed`): attention keys/values in storage of a fixed capacity written at a slot that is a
+(`hybridlm.models.graphed`): attention keys/values in storage of a fixed capacity written at a slot that is a
 device tensor, masks over the whole capacity, positions from device tensors. One token per call; every tensor a
 step reads stays at one address (the SSM states are copied back into their buffers by the decoder). With a window
 W smaller than the capacity the storage is a ring of W slots instead (slot s written at s mod W), so its memory does

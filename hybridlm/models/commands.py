@@ -20,11 +20,10 @@ def count_parameters(config) -> int:
     """Parameters of a HybridForCausalLM built from `config` (a HybridConfig) on the meta device."""
     import torch
 
-    from hybridlm.models.configuration import HybridLMConfig
     from hybridlm.models.model import HybridForCausalLM
 
     with torch.device("meta"):
-        model = HybridForCausalLM(HybridLMConfig.from_hybrid(config))
+        model = HybridForCausalLM(config)
     return sum(p.numel() for p in model.parameters())
 
 

@@ -1,9 +1,11 @@
-"""`HybridLMConfig`: the transformers `PretrainedConfig` face of `HybridConfig` (model_type "hybridlm").
+"""`HybridTransformersConfig`: the transformers `PretrainedConfig` face of `HybridConfig` (model_type "hybridlm").
 
-It carries every `HybridConfig` field as an attribute (validated through `HybridConfig`), plus the
-usual transformers bookkeeping keys, so `save_pretrained` / `from_pretrained` / `AutoConfig` work.
-The model code itself only reads `config.to_hybrid()`. A config of another model_type is refused (an official
-`falcon_h1` one with a pointer to `hybridlm.load_model`, which converts it).
+`HybridConfig` is the one description of a model; this class exists because transformers' machinery
+(`save_pretrained` / `from_pretrained`, `AutoConfig`, `model.config`) needs a `PretrainedConfig`. It carries
+every `HybridConfig` field as an attribute (validated through `HybridConfig`), plus the usual transformers
+bookkeeping keys. Users build models from a `HybridConfig` (`HybridForCausalLM(HybridConfig(...))`, which
+converts it here) and read it back with `model.config.to_hybrid()`. A config of another model_type is refused
+(an official `falcon_h1` one with a pointer to `hybridlm.load_model`, which converts it).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from transformers import PretrainedConfig
 from hybridlm.models.config import HybridConfig
 
 
-class HybridLMConfig(PretrainedConfig):
+class HybridTransformersConfig(PretrainedConfig):
     model_type = "hybridlm"
 
     def __init__(self, **kwargs: Any) -> None:
@@ -24,8 +26,8 @@ class HybridLMConfig(PretrainedConfig):
         model_type = kwargs.get("model_type", self.model_type)
         if model_type == "falcon_h1":
             raise ValueError(
-                "this is an official falcon_h1 config (model_type 'falcon_h1'), which HybridLMConfig and "
-                "HybridForCausalLM.from_pretrained do not read: load the checkpoint dir with "
+                "this is an official falcon_h1 config (model_type 'falcon_h1'), which "
+                "HybridForCausalLM.from_pretrained does not read: load the checkpoint dir with "
                 "hybridlm.load_model(path), which converts it (its weights included)"
             )
         if model_type != self.model_type:
@@ -43,7 +45,7 @@ class HybridLMConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
     @classmethod
-    def from_hybrid(cls, config: HybridConfig, **kwargs: Any) -> HybridLMConfig:
+    def from_hybrid(cls, config: HybridConfig, **kwargs: Any) -> HybridTransformersConfig:
         return cls(**config.to_dict(), **kwargs)
 
     def to_hybrid(self) -> HybridConfig:
@@ -54,3 +56,22 @@ class HybridLMConfig(PretrainedConfig):
         out = super().to_diff_dict()
         out.update(self.to_hybrid().to_dict())
         return out
+
+
+def transformers_config(config: HybridConfig | HybridTransformersConfig, *, model: str) -> HybridTransformersConfig:
+    """The transformers face a model class is built on: a `HybridConfig` converted, its face as it is.
+    `model` names the class being built, for the error on any other type."""
+    if isinstance(config, HybridTransformersConfig):
+        return config
+    if isinstance(config, HybridConfig):
+        return HybridTransformersConfig.from_hybrid(config)
+    if isinstance(config, PretrainedConfig) and config.model_type == "falcon_h1":
+        raise TypeError(
+            f"{model} takes a HybridConfig, got an official falcon_h1 config: convert it with "
+            "hybridlm.models.falcon_h1.config_from_falcon_h1(config), or load the checkpoint dir with "
+            "hybridlm.load_model(path)"
+        )
+    raise TypeError(
+        f"{model} takes a HybridConfig, got {type(config).__name__}: build one with HybridConfig(**fields) or "
+        "hybridlm.get_preset(name), or load a checkpoint dir with hybridlm.load_model(path)"
+    )

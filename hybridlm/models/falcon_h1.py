@@ -205,26 +205,27 @@ def _listed(names, shown: int = 4) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
-def load_falcon_h1(path: str | Path, *, dtype: torch.dtype | None = None):
-    """A `HybridForCausalLM` from an official falcon_h1 dir (config.json + safetensors, sharded or not).
-    dtype: the parameters' dtype (default: the checkpoint's). Every error names the dir or file and the
-    checkpoint's own weight names."""
-    from hybridlm.models.configuration import HybridLMConfig
-    from hybridlm.models.model import HybridForCausalLM
-
+def read_falcon_h1_config(path: str | Path) -> HybridConfig:
+    """The HybridConfig of an official falcon_h1 checkpoint dir (its config.json)."""
     path = Path(path)
     model_type = json.loads((path / "config.json").read_text()).get("model_type")
     if model_type != "falcon_h1":
         raise ValueError(f"{path}: model_type is {model_type!r}, not 'falcon_h1'")
-    config = config_from_falcon_h1(FalconH1Config.from_json_file(str(path / "config.json")))
+    return config_from_falcon_h1(FalconH1Config.from_json_file(str(path / "config.json")))
+
+
+def load_falcon_h1_weights(model: torch.nn.Module, path: str | Path, *, dtype: torch.dtype | None = None) -> None:
+    """Fill `model` (a HybridForCausalLM of `read_falcon_h1_config(path)`, on the meta device) with the weights of the
+    official falcon_h1 dir `path` (safetensors, sharded or not). dtype: the parameters' dtype (default: the
+    checkpoint's). Every error names the dir or file and the checkpoint's own weight names."""
+    path = Path(path)
+    tied = model.config.tie_word_embeddings
     try:
         state = state_dict_from_falcon_h1(read_safetensors_dir(path))
     except ValueError as err:  # a weight with no mapping, a conv weight of the wrong rank
         raise ValueError(f"{path}: {err}") from None
-    with torch.device("meta"):
-        model = HybridForCausalLM(HybridLMConfig.from_hybrid(config))
     needed = model.state_dict()  # meta tensors: names and shapes
-    if config.tie_word_embeddings:
+    if tied:
         _check_tied_head(path, state)
         state.pop("lm_head.weight", None)
         needed.pop("lm_head.weight")
@@ -238,14 +239,13 @@ def load_falcon_h1(path: str | Path, *, dtype: torch.dtype | None = None):
     if missing or unexpected or wrong:
         raise mismatch_error(path, missing=[_rename(key, to_falcon=True) for key in missing],
                              unexpected=[_rename(key, to_falcon=True) for key in unexpected], wrong_shapes=wrong)
-    if config.tie_word_embeddings:
+    if tied:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     if dtype is None:
         dtype = state["model.embed_tokens.weight"].dtype
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
-    if config.tie_word_embeddings:
+    if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
 
 
 def _check_tied_head(path: Path, state: dict[str, torch.Tensor]) -> None:

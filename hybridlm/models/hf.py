@@ -13,12 +13,14 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from hybridlm.models.falcon_h1 import load_falcon_h1, mismatch_error
+from hybridlm.models.falcon_h1 import load_falcon_h1_weights, mismatch_error, read_falcon_h1_config
 from hybridlm.models.model import HybridForCausalLM
+from hybridlm.models.progress import transformers_progress_bars
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridForCausalLM:
-    """Load a local checkpoint dir by its config.json model_type; returns the model in eval mode."""
+    """Load a local checkpoint dir by its config.json model_type; returns the model in eval mode (without
+    transformers' progress bar)."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
@@ -34,7 +36,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridF
         if model_type == "falcon_h1":
             return load_falcon_h1(path, dtype=dtype)
         kwargs = {"dtype": dtype} if dtype is not None else {}
-        model, info = HybridForCausalLM.from_pretrained(str(path), output_loading_info=True, **kwargs)
+        with transformers_progress_bars(False):
+            model, info = HybridForCausalLM.from_pretrained(str(path), output_loading_info=True, **kwargs)
     except SafetensorError as err:  # a truncated or overwritten weights file
         raise ValueError(f"{path}: a weights file is damaged ({err}); copy or export the checkpoint again") from None
     except (OSError, RuntimeError) as err:  # no weights file, a shard missing, weights that do not fit the config
@@ -48,3 +51,13 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridF
 
 
 _OPTIONAL_WEIGHTS = (".ssm.beta_bias", ".ssm.lam_bias")
+
+
+def load_falcon_h1(path: Path, *, dtype: torch.dtype | None = None) -> HybridForCausalLM:
+    """A `HybridForCausalLM` from an official falcon_h1 dir (config.json + safetensors, sharded or not), in eval
+    mode. dtype: the parameters' dtype (default: the checkpoint's)."""
+    config = read_falcon_h1_config(path)
+    with torch.device("meta"):
+        model = HybridForCausalLM(config)
+    load_falcon_h1_weights(model, path, dtype=dtype)
+    return model.eval()

@@ -11,13 +11,14 @@ Notable features:
   targets that cross a boundary;
 - incremental decoding through `HybridCache` (KV + conv tail + SSM state per layer), left-padded
   prompt batches prefilled as packed sequences so that padding never enters a state; sampling and
-  the decoding loop live in `hybridlm.inference`;
+  the decoding loop live in `hybridlm.models.generation` (public as `hybridlm.inference.generate`);
 - registered with `AutoConfig` / `AutoModel` / `AutoModelForCausalLM` as model_type "hybridlm";
   `save_pretrained(dir, format="falcon_h1")` writes a checkpoint `FalconH1ForCausalLM` loads.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -32,8 +33,12 @@ from hybridlm.layers.block import HybridBlock
 from hybridlm.layers.cache import HybridCache
 from hybridlm.layers.fast_weight import FastWeightMixer, initial_lam_bias
 from hybridlm.layers.mamba2 import Mamba2Mixer
-from hybridlm.models.configuration import HybridLMConfig
-from hybridlm.modules.boundaries import has_restarts, local_positions, pack_rows, sequence_ids
+from hybridlm.models.config import HybridConfig
+from hybridlm.models.configuration import HybridTransformersConfig, transformers_config
+from hybridlm.models.falcon_h1 import save_falcon_h1
+from hybridlm.models.generation import generate
+from hybridlm.models.progress import transformers_progress_bars
+from hybridlm.modules.boundaries import has_restarts, left_padding_mask, local_positions, pack_rows, sequence_ids
 from hybridlm.modules.gated_norm import GatedRMSNorm
 from hybridlm.modules.norm import RMSNorm
 from hybridlm.modules.short_conv import ShortConvolution
@@ -50,11 +55,17 @@ class HybridCausalLMOutput(ModelOutput):
 
 
 class HybridPreTrainedModel(PreTrainedModel):
-    config_class = HybridLMConfig
+    """Built from a `HybridConfig`; `self.config` is its transformers face (what transformers' machinery reads), and
+    `self.config.to_hybrid()` gives the `HybridConfig` back."""
+
+    config_class = HybridTransformersConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _no_split_modules = ["HybridBlock"]
     _supports_sdpa = True
+
+    def __init__(self, config: HybridConfig | HybridTransformersConfig, *inputs, **kwargs) -> None:
+        super().__init__(transformers_config(config, model=type(self).__name__), *inputs, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
@@ -91,9 +102,9 @@ class HybridPreTrainedModel(PreTrainedModel):
 class HybridModel(HybridPreTrainedModel):
     """Embeddings -> hybrid blocks -> final RMSNorm; returns hidden states [B, T, D]."""
 
-    def __init__(self, config: HybridLMConfig) -> None:
+    def __init__(self, config: HybridConfig | HybridTransformersConfig) -> None:
         super().__init__(config)
-        hybrid = config.to_hybrid()
+        hybrid = self.config.to_hybrid()
         self.embed_tokens = nn.Embedding(hybrid.vocab_size, hybrid.hidden_size)
         self.layers = nn.ModuleList(HybridBlock(hybrid, i) for i in range(hybrid.num_hidden_layers))
         self.norm = RMSNorm(hybrid.hidden_size, eps=hybrid.rms_norm_eps)
@@ -199,10 +210,10 @@ class HybridForCausalLM(HybridPreTrainedModel):
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
-    def __init__(self, config: HybridLMConfig) -> None:
+    def __init__(self, config: HybridConfig | HybridTransformersConfig) -> None:
         super().__init__(config)
-        hybrid = config.to_hybrid()
-        self.model = HybridModel(config)
+        hybrid = self.config.to_hybrid()
+        self.model = HybridModel(self.config)
         self.lm_head = nn.Linear(hybrid.hidden_size, hybrid.vocab_size, bias=False)
         self.lm_head_multiplier = hybrid.lm_head_multiplier
         self.post_init()
@@ -277,10 +288,6 @@ class HybridForCausalLM(HybridPreTrainedModel):
         Stopping at eos differs from `hybridlm.inference.generate`: here eos_token_id defaults to the model config's
         (transformers stops at config.eos_token_id); pass eos_token_id=None to decode every requested token. The
         function's own default is None (never stop at an eos not asked for). Greedy by default."""
-        import inspect
-
-        from hybridlm.inference.generate import generate
-
         supported = [name for name, p in inspect.signature(generate).parameters.items() if p.kind == p.KEYWORD_ONLY]
         unknown = sorted(set(options) - set(supported))
         if unknown:
@@ -326,30 +333,14 @@ class HybridForCausalLM(HybridPreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, format: str = "hybridlm", **kwargs):  # noqa: A002
         """`format="hybridlm"` (default): our config + safetensors. `format="falcon_h1"`: an official
-        `falcon_h1` checkpoint (needs ssm_mixer="mamba2", attention on, SA_M blocks, an MLP)."""
+        `falcon_h1` checkpoint (needs ssm_mixer="mamba2", attention on, SA_M blocks, an MLP). Without transformers'
+        progress bar."""
         if format == "falcon_h1":
-            from hybridlm.models.falcon_h1 import save_falcon_h1
-
             return save_falcon_h1(self, save_directory)
         if format != "hybridlm":
             raise ValueError(f"unknown checkpoint format {format!r}; choose 'hybridlm' or 'falcon_h1'")
-        return super().save_pretrained(save_directory, *args, **kwargs)
-
-
-def left_padding_mask(attention_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
-    """attention_mask [B, T] (1 = token) -> the boolean mask, or None when nothing is padded.
-    Only left padding is accepted (each row: zeros, then ones), with at least one token per row."""
-    if tuple(attention_mask.shape) != tuple(shape):
-        raise ValueError(f"attention_mask must be [B, T] = {list(shape)}, got {list(attention_mask.shape)}")
-    keep = attention_mask.to(torch.bool)
-    if bool(keep.all()):
-        return None
-    if not bool(keep[:, -1].all()) or bool((keep[:, :-1] & ~keep[:, 1:]).any()):
-        raise ValueError(
-            "attention_mask must be LEFT padding (each row: zeros, then ones, ending on a token); "
-            "right or inner padding is not supported"
-        )
-    return keep
+        with transformers_progress_bars(False):
+            return super().save_pretrained(save_directory, *args, **kwargs)
 
 
 def _next_token_loss(
@@ -378,6 +369,6 @@ def _next_token_loss(
     )
 
 
-AutoConfig.register("hybridlm", HybridLMConfig, exist_ok=True)
-AutoModel.register(HybridLMConfig, HybridModel, exist_ok=True)
-AutoModelForCausalLM.register(HybridLMConfig, HybridForCausalLM, exist_ok=True)
+AutoConfig.register("hybridlm", HybridTransformersConfig, exist_ok=True)
+AutoModel.register(HybridTransformersConfig, HybridModel, exist_ok=True)
+AutoModelForCausalLM.register(HybridTransformersConfig, HybridForCausalLM, exist_ok=True)

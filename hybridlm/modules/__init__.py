@@ -3,6 +3,7 @@
 from hybridlm.modules.boundaries import (
     cu_seqlens_from_position_ids,
     has_restarts,
+    left_padding_mask,
     local_positions,
     pack_rows,
     sequence_ids,
@@ -22,6 +23,7 @@ __all__ = [
     "cu_seqlens_from_position_ids",
     "gated_rms_norm",
     "has_restarts",
+    "left_padding_mask",
     "local_positions",
     "pack_rows",
     "rms_norm",

@@ -49,6 +49,22 @@ def sequence_ids(cu_seqlens: torch.Tensor, total_len: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths), device=offsets.device), lengths, output_size=total_len)
 
 
+def left_padding_mask(attention_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+    """attention_mask [B, T] (1 = token) -> the boolean mask, or None when nothing is padded.
+    Only left padding is accepted (each row: zeros, then ones), with at least one token per row."""
+    if tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask must be [B, T] = {list(shape)}, got {list(attention_mask.shape)}")
+    keep = attention_mask.to(torch.bool)
+    if bool(keep.all()):
+        return None
+    if not bool(keep[:, -1].all()) or bool((keep[:, :-1] & ~keep[:, 1:]).any()):
+        raise ValueError(
+            "attention_mask must be LEFT padding (each row: zeros, then ones, ending on a token); "
+            "right or inner padding is not supported"
+        )
+    return keep
+
+
 def pack_rows(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows [B, T, ...] whose position_ids [B, T] (or [1, T]) mark documents -> one packed row:
     (x [1, B*T, ...], cu_seqlens [N + 1] on the host, position_ids [1, B*T]). Undo with `y.reshape(B, T, ...)`.

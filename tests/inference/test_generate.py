@@ -571,7 +571,7 @@ def test_right_or_inner_padding_is_refused_with_or_without_pieces(piece):
 def test_prefill_function_feeds_pieces_and_fills_the_whole_prompts_cache():
     """`prefill(chunk=8)` of 23 tokens: the model sees pieces of 8, 8 and 7 tokens and ends with the cache of one
     whole prefill (the decoding step after either gives the same logits), and the same last-position logits."""
-    from hybridlm.eval.models import build_model, task_config
+    from hybridlm.experiments.models import build_model, task_config
     from hybridlm.inference import prefill
 
     model = build_model(task_config("hybrid-fw-1A", vocab_size=40, size="tiny"), seed=0).double().eval()

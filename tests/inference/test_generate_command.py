@@ -11,7 +11,6 @@ import torch
 from hybridlm.cli import main
 from hybridlm.inference import generate
 from hybridlm.models.config import HybridConfig
-from hybridlm.models.configuration import HybridLMConfig
 from hybridlm.models.model import HybridForCausalLM
 from tests.inference.test_generate import count_decoder_steps
 from tests.models.falcon_reference import randomize_
@@ -25,7 +24,7 @@ def save_model(path: Path, vocab_size: int, **changes) -> HybridForCausalLM:
                   mamba_d_state=6, mamba_chunk_size=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     fields.update(changes)
     torch.manual_seed(0)
-    model = HybridForCausalLM(HybridLMConfig.from_hybrid(HybridConfig(**fields))).eval()
+    model = HybridForCausalLM(HybridConfig(**fields)).eval()
     randomize_(model, 0)
     model.save_pretrained(path)
     return model
@@ -112,6 +111,10 @@ def test_errors_are_one_line(word_model, tmp_path, capsys):
     path, _ = word_model
     code, out, err = run(capsys, "--model", tmp_path / "missing", "--prompt", "w1")
     assert code == 1 and out == "" and err == f"hybridlm generate: model directory {tmp_path / 'missing'} does not exist\n"
+    code, out, err = run(capsys, "--model", path / "model.safetensors", "--prompt", "w1")
+    assert code == 1 and out == "" and err == (
+        f"hybridlm generate: --model takes the checkpoint directory (the folder holding config.json), not the file "
+        f"{path / 'model.safetensors'}: pass --model {path}\n")
     long_prompt = " ".join(f"w{i}" for i in range(13))
     code, _, err = run(capsys, "--model", path, "--prompt", long_prompt)
     assert code == 1 and "has 13 tokens, more than the model's max_position_embeddings 12" in err

@@ -212,27 +212,27 @@ def test_config_refuses_a_window_without_attention():
 
 
 def test_config_window_round_trips_through_save_pretrained(tmp_path):
-    from hybridlm.models.configuration import HybridLMConfig
+    from hybridlm.models.configuration import HybridTransformersConfig
 
     assert HybridConfig().attention_window is None and HybridConfig(attention_window=1).attention_window == 1
-    HybridLMConfig.from_hybrid(HybridConfig(attention_window=7)).save_pretrained(tmp_path)
+    HybridTransformersConfig.from_hybrid(HybridConfig(attention_window=7)).save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["attention_window"] == 7
-    assert HybridLMConfig.from_pretrained(tmp_path).to_hybrid().attention_window == 7
-    HybridLMConfig.from_hybrid(HybridConfig()).save_pretrained(tmp_path)
-    assert HybridLMConfig.from_pretrained(tmp_path).to_hybrid().attention_window is None
+    assert HybridTransformersConfig.from_pretrained(tmp_path).to_hybrid().attention_window == 7
+    HybridTransformersConfig.from_hybrid(HybridConfig()).save_pretrained(tmp_path)
+    assert HybridTransformersConfig.from_pretrained(tmp_path).to_hybrid().attention_window is None
 
 
 def test_falcon_h1_export_refuses_a_window(tmp_path):
-    from hybridlm.models.configuration import HybridLMConfig
+    from hybridlm.models.configuration import HybridTransformersConfig
     from hybridlm.models.falcon_h1 import config_to_falcon_h1
     from hybridlm.models.model import HybridForCausalLM
 
     config_to_falcon_h1(HybridConfig(hidden_size=32, mamba_n_heads=4))  # the same config without a window exports
     with pytest.raises(ValueError, match="attention_window=8"):
         config_to_falcon_h1(HybridConfig(hidden_size=32, mamba_n_heads=4, attention_window=8))
-    model = HybridForCausalLM(HybridLMConfig.from_hybrid(HybridConfig(
+    model = HybridForCausalLM(HybridConfig(
         vocab_size=32, hidden_size=32, intermediate_size=16, num_hidden_layers=1, mamba_n_heads=4, mamba_d_state=4,
-        attention_window=8)))
+        attention_window=8))
     with pytest.raises(ValueError, match="no sliding-window attention"):
         model.save_pretrained(tmp_path / "falcon", format="falcon_h1")
     assert not (tmp_path / "falcon" / "config.json").exists()

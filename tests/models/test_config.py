@@ -6,7 +6,7 @@ import pytest
 
 from hybridlm.models.allocation import channel_allocation
 from hybridlm.models.config import HybridConfig
-from hybridlm.models.configuration import HybridLMConfig
+from hybridlm.models.configuration import HybridTransformersConfig
 
 
 def test_defaults_resolve_derived_sizes():
@@ -33,7 +33,7 @@ def test_float_fields_given_as_ints_become_floats():
         assert type(getattr(config, name)) is float, name
     assert config.time_step_limit == (0.0, 10.0) and all(type(v) is float for v in config.time_step_limit)
     assert all(type(v) is float for v in config.ssm_multipliers + config.mlp_multipliers)
-    assert type(HybridLMConfig.from_hybrid(config).to_dict()["embedding_multiplier"]) is float
+    assert type(HybridTransformersConfig.from_hybrid(config).to_dict()["embedding_multiplier"]) is float
     with pytest.raises(ValueError, match="key_multiplier"):
         HybridConfig(key_multiplier=True)  # a bool is not a number here
     with pytest.raises(ValueError, match="rms_norm_eps"):
@@ -103,13 +103,14 @@ def test_mamba_sizes_are_free_without_mamba():
 
 
 def test_transformers_config_round_trip(tmp_path):
-    config = HybridLMConfig.from_hybrid(HybridConfig(hidden_size=64, num_attention_heads=2, ssm_multiplier_x=0.5))
+    config = HybridTransformersConfig.from_hybrid(HybridConfig(hidden_size=64, num_attention_heads=2,
+                                                               ssm_multiplier_x=0.5))
     config.save_pretrained(tmp_path)
-    loaded = HybridLMConfig.from_pretrained(tmp_path)
+    loaded = HybridTransformersConfig.from_pretrained(tmp_path)
     assert loaded.to_hybrid() == config.to_hybrid()
     assert math.isinf(loaded.time_step_limit[1])
     with pytest.raises(ValueError, match="mamba_d_state"):
-        HybridLMConfig(mamba_d_state=-1)
+        HybridTransformersConfig(mamba_d_state=-1)
 
 
 def test_channel_allocation_follows_the_report():

@@ -8,7 +8,7 @@ import torch
 from transformers import FalconH1ForCausalLM
 
 import hybridlm
-from hybridlm.models.configuration import HybridLMConfig
+from hybridlm.models.configuration import HybridTransformersConfig
 from hybridlm.models.falcon_h1 import config_from_falcon_h1, config_to_falcon_h1
 from hybridlm.models.model import HybridForCausalLM
 from tests.models.falcon_reference import CASES, VOCAB, random_falcon, randomize_
@@ -39,7 +39,7 @@ def test_official_checkpoint_loads_with_identical_logits(case, tmp_path):
 def test_our_model_exports_to_falcon_h1(case, tmp_path):
     config = config_from_falcon_h1(random_falcon(seed=0, **CASES[case]).config)
     torch.manual_seed(2)
-    ours = HybridForCausalLM(HybridLMConfig.from_hybrid(config)).eval()
+    ours = HybridForCausalLM(config).eval()
     randomize_(ours, seed=2)
     ours.save_pretrained(tmp_path, format="falcon_h1")
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "falcon_h1"
@@ -57,7 +57,7 @@ def test_float_fields_given_as_ints_export(tmp_path):
             "attention_dropout": 0}
     config = config_from_falcon_h1(random_falcon(seed=0).config).replace(**ints)
     torch.manual_seed(2)
-    ours = HybridForCausalLM(HybridLMConfig.from_hybrid(config)).eval()
+    ours = HybridForCausalLM(config).eval()
     randomize_(ours, seed=2)
     ours.save_pretrained(tmp_path, format="falcon_h1")
     saved = json.loads((tmp_path / "config.json").read_text())
@@ -114,11 +114,11 @@ def test_our_from_pretrained_on_a_falcon_h1_dir_points_to_load_model(tmp_path):
     with pytest.raises(ValueError, match=r"official falcon_h1 config .*hybridlm\.load_model\(path\)"):
         HybridForCausalLM.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="falcon_h1.*hybridlm.load_model"):
-        HybridLMConfig.from_pretrained(tmp_path)
+        HybridTransformersConfig.from_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     with pytest.raises(ValueError, match="model_type 'llama' is not a hybridlm config"):
-        HybridLMConfig.from_pretrained(tmp_path)
+        HybridTransformersConfig.from_pretrained(tmp_path)
 
 
 def _edit_weights(path, edit):

@@ -4,7 +4,6 @@ every head count splits over tp=8, over mixer parallelism's halves of tp=8 and o
 import pytest
 import torch
 
-from hybridlm.models.configuration import HybridLMConfig
 from hybridlm.models.model import HybridForCausalLM
 from hybridlm.models.presets import get_preset
 from hybridlm.parallel import check_mixer_parallel, check_tensor_parallel
@@ -13,7 +12,7 @@ from hybridlm.parallel import check_mixer_parallel, check_tensor_parallel
 @pytest.fixture(scope="module")
 def meta_model() -> HybridForCausalLM:
     with torch.device("meta"):
-        return HybridForCausalLM(HybridLMConfig.from_hybrid(get_preset("hybrid-1b")))
+        return HybridForCausalLM(get_preset("hybrid-1b"))
 
 
 def test_about_one_billion_parameters(meta_model):

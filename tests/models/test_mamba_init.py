@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.config import HybridConfig
-from hybridlm.models.configuration import HybridLMConfig
 from hybridlm.models.model import HybridForCausalLM
 
 HEADS = 64  # per layer: enough draws to see the ranges filled, not just respected
@@ -19,7 +18,7 @@ def new_model(seed: int = 0, **changes) -> HybridForCausalLM:
                   head_dim=8, mamba_d_ssm=256, mamba_n_heads=HEADS, mamba_d_state=4, mamba_n_groups=1)
     fields.update(changes)
     torch.manual_seed(seed)
-    return HybridForCausalLM(HybridLMConfig.from_hybrid(HybridConfig(**fields)))
+    return HybridForCausalLM(HybridConfig(**fields))
 
 
 def mixers(model: HybridForCausalLM) -> list[Mamba2Mixer]:

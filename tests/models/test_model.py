@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import hybridlm
 from hybridlm.layers.cache import HybridCache
 from hybridlm.models.config import HybridConfig
-from hybridlm.models.configuration import HybridLMConfig
+from hybridlm.models.configuration import HybridTransformersConfig
 from hybridlm.models.model import HybridForCausalLM
 from tests.models.falcon_reference import randomize_
 
@@ -28,7 +28,7 @@ def make_model(seed: int = 0, **changes) -> HybridForCausalLM:
     )
     fields.update(changes)
     torch.manual_seed(seed)
-    model = HybridForCausalLM(HybridLMConfig.from_hybrid(HybridConfig(**fields))).eval()
+    model = HybridForCausalLM(HybridConfig(**fields)).eval()
     randomize_(model, seed)
     return model
 
@@ -208,6 +208,39 @@ def test_gradients_reach_every_parameter():
     assert missing == []
 
 
+def test_a_model_builds_from_a_hybrid_config(tmp_path):
+    """`HybridForCausalLM(HybridConfig(...))` builds the model its transformers face builds (same seed: the same
+    weights and logits), keeps that face as `model.config` with the HybridConfig one call away, and round-trips
+    through save_pretrained / from_pretrained; any other config type is a TypeError that says what to pass."""
+    from transformers import FalconH1Config
+
+    config = HybridConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=32, mamba_n_heads=4,
+                          mamba_d_state=6, mamba_chunk_size=4, embedding_multiplier=2.0)
+    torch.manual_seed(7)
+    direct = hybridlm.HybridForCausalLM(config).eval()
+    torch.manual_seed(7)
+    via_face = HybridForCausalLM(HybridTransformersConfig.from_hybrid(config)).eval()
+    assert isinstance(direct.config, HybridTransformersConfig) and direct.config.to_hybrid() == config
+    state, face_state = direct.state_dict(), via_face.state_dict()
+    assert state.keys() == face_state.keys() and all(torch.equal(state[k], face_state[k]) for k in state)
+    tokens = ids(2, 9, seed=7)
+    with torch.no_grad():
+        expected = via_face(tokens).logits
+        assert torch.equal(direct(tokens).logits, expected)
+        torch.manual_seed(7)
+        assert hybridlm.HybridModel(config)(tokens).shape == (2, 9, 32)
+    direct.save_pretrained(tmp_path)
+    loaded = HybridForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.to_hybrid() == config
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, expected)
+    with pytest.raises(TypeError, match="HybridForCausalLM takes a HybridConfig, got dict"):
+        HybridForCausalLM(config.to_dict())
+    with pytest.raises(TypeError, match="official falcon_h1 config: convert it with"):
+        hybridlm.HybridModel(FalconH1Config())
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_save_and_load_our_format(tmp_path, tied):
     model = make_model(seed=5, tie_word_embeddings=tied, time_step_limit=(0.0, 2.0))
@@ -225,6 +258,25 @@ def test_save_and_load_our_format(tmp_path, tied):
         torch.testing.assert_close(loaded(tokens).logits, expected, rtol=0, atol=0)
         torch.testing.assert_close(auto(tokens).logits, expected, rtol=0, atol=0)
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
+
+
+@pytest.mark.parametrize("bars_on", [True, False])
+def test_our_saves_and_loads_print_no_progress_bar(tmp_path, capfd, bars_on):
+    """transformers' "Writing model shards" and "Loading weights" bars stay off around save_pretrained and
+    load_model, and the caller's setting is what it was after them."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if bars_on else hf_logging.disable_progress_bar)()
+    try:
+        make_model().save_pretrained(tmp_path)
+        assert hf_logging.is_progress_bar_enabled() == bars_on
+        hybridlm.load_model(tmp_path)
+        assert hf_logging.is_progress_bar_enabled() == bars_on
+    finally:
+        (hf_logging.enable_progress_bar if was_on else hf_logging.disable_progress_bar)()
+    err = capfd.readouterr().err
+    assert "Writing model shards" not in err and "Loading weights" not in err
 
 
 def test_load_model_names_a_damaged_checkpoint(tmp_path):

@@ -12,8 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hybridlm.ops.fast_weight.op as fast_weight_op
-from hybridlm.eval.addition import MODEL_VOCAB_SIZE, train_batch
-from hybridlm.eval.models import build_model, task_config
+from hybridlm.experiments.addition import MODEL_VOCAB_SIZE, train_batch
+from hybridlm.experiments.models import build_model, task_config
 
 SYNCING_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.equal")
 

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from hybridlm.models.commands import count_parameters
-from hybridlm.models.configuration import HybridLMConfig
 from hybridlm.models.model import HybridForCausalLM
 from hybridlm.models.presets import get_preset, list_presets, nominal_parameters
 
@@ -56,14 +55,14 @@ def test_parameter_count_matches_the_release(name):
 
 def test_meta_build_allocates_nothing():
     with torch.device("meta"):
-        model = HybridForCausalLM(HybridLMConfig.from_hybrid(get_preset("falcon-h1-34b")))
+        model = HybridForCausalLM(get_preset("falcon-h1-34b"))
     assert all(p.device.type == "meta" for p in model.parameters())
     assert model.model.layers[0].ssm.groups == 2
 
 
 def test_tiny_runs_on_cpu():
     torch.manual_seed(0)
-    model = HybridForCausalLM(HybridLMConfig.from_hybrid(get_preset("tiny"))).eval()
+    model = HybridForCausalLM(get_preset("tiny")).eval()
     ids = torch.randint(0, 512, (2, 33))
     out = model(ids, labels=ids)
     assert out.logits.shape == (2, 33, 512) and torch.isfinite(out.loss)

@@ -12,7 +12,7 @@ restart at each prompt, and the SSD / fast-weight states of a row are exactly th
 prompt, to float rounding). The cache then holds one row per prompt and every row continues from its own
 length; see `hybridlm.layers.cache`.
 
-`graph=True` runs the decoding steps through `GraphedDecoder` (hybridlm/inference/graphed.py): one replayed CUDA
+`graph=True` runs the decoding steps through `GraphedDecoder` (hybridlm/models/graphed.py): one replayed CUDA
 graph per token on a GPU, the same fixed-shape step run eagerly on the CPU; the same tokens and logits in float32 (in
 bf16 the two paths round differently, so a near-tie between two tokens can go either way). Its attention reads the
 prompt length + max_new_tokens slots at every step, whether or not an eos ends the rows early: ask for the tokens
@@ -48,10 +48,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridlm.inference.graphed import GraphedDecoder
-from hybridlm.inference.sampling import check_sampling, sample_next
 from hybridlm.layers.cache import HybridCache
-from hybridlm.models.model import left_padding_mask
+from hybridlm.models.graphed import GraphedDecoder
+from hybridlm.models.sampling import check_sampling, sample_next
+from hybridlm.modules.boundaries import left_padding_mask
 
 
 @dataclass
