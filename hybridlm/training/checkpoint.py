@@ -14,7 +14,9 @@ Layout of `<directory>/step_XXXXXXXX/` (8 digits, more past 10^8 steps):
 Atomicity: everything is written into `step_XXXXXXXX.tmp/`, each file fsynced, the manifest (with the
 sha256 of every other file) last; then the directory is renamed to `step_XXXXXXXX/` with `os.replace`.
 A crash leaves at most a `.tmp` directory, which `latest_checkpoint` ignores and the next save of that
-step removes. `keep_last=K` then deletes all but the K newest step directories.
+step removes. `keep_last=K` then deletes the checkpoints older than the K newest verified ones (every checksum
+checked): a step directory that cannot be read, or a checkpoint that fails its checksums, never counts, so no good
+checkpoint is deleted for it; a step directory without a readable manifest is never deleted.
 
 Loading verifies the manifest and every checksum before touching the model and raises `CheckpointError`
 naming the bad file and saying what to do (remove the directory to fall back to the previous one); an intact
@@ -146,8 +148,8 @@ def save_checkpoint(
     """Write `<directory>/step_XXXXXXXX/` atomically and return its path.
 
     `train_state` is the caller's JSON dict (tokens, schedule config, data-loader position, ...).
-    `keep_last=K` keeps only the K newest step directories afterwards. An existing directory for this
-    step raises CheckpointError unless `overwrite=True`.
+    `keep_last=K` afterwards deletes the checkpoints older than the K newest verified ones (see the module
+    docstring). An existing directory for this step raises CheckpointError unless `overwrite=True`.
     """
     if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
         raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
@@ -195,12 +197,58 @@ def save_checkpoint(
     else:
         os.replace(tmp, final)
     fsync_dir(directory)
+    _VERIFIED[final] = _signature(final)  # its checksums were just computed from the files
 
     if keep_last is not None:
-        for stale in list_checkpoints(directory)[:-keep_last]:
-            if stale != final:
-                shutil.rmtree(stale)
+        _rotate(directory, keep_last, final)
     return final
+
+
+# Checkpoints whose checksums this process has verified (or computed), with the signature they had then: rotation
+# checks each kept checkpoint once per process, not at every save.
+_VERIFIED: dict[Path, tuple | None] = {}
+
+
+def _signature(path: Path) -> tuple | None:
+    """The manifest's text and every listed file's (name, size, mtime, inode); None if it cannot be read."""
+    try:
+        text = (path / MANIFEST_FILE).read_text(encoding="utf-8")
+        stats = [(name, (path / name).stat()) for name in sorted(json.loads(text)["files"])]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return text, tuple((name, st.st_size, st.st_mtime_ns, st.st_ino) for name, st in stats)
+
+
+def _is_verified(path: Path) -> bool:
+    """Whether every checksum of the checkpoint at `path` matches its manifest (remembered while it is unchanged)."""
+    signature = _signature(path)
+    if signature is not None and _VERIFIED.get(path) == signature:
+        return True
+    try:
+        verify_checkpoint(path)
+    except CheckpointError:
+        return False
+    _VERIFIED[path] = signature
+    return True
+
+
+def _rotate(directory: Path, keep_last: int, saved: Path) -> None:
+    """Delete the checkpoints older than the `keep_last` newest verified ones; `saved`, just written, is never
+    deleted. A directory that does not look like a complete checkpoint (no readable manifest, a listed file missing
+    or of another size) is never deleted and, like one that fails its checksums, never counts."""
+    found = list_checkpoints(directory)
+    kept = 0
+    for index in range(len(found) - 1, -1, -1):
+        if _looks_complete(found[index]) and _is_verified(found[index]):
+            kept += 1
+            if kept == keep_last:
+                break
+    else:
+        return
+    for stale in found[:index]:
+        if stale != saved and _looks_complete(stale):
+            _VERIFIED.pop(stale, None)
+            shutil.rmtree(stale)
 
 
 # ---------------------------------------------------------------------------------------------- load

@@ -201,6 +201,66 @@ def test_keep_last_and_overwrite(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004", "step_00000005"]
 
 
+def test_keep_last_counts_only_verified_checkpoints(tmp_path: Path) -> None:
+    """A newer step directory that cannot be read (garbage, no manifest) is skipped on resume: it must not count
+    toward keep_last either, or rotation deletes the good checkpoint the run resumed from and keeps the garbage."""
+    run = Run(seed=3)
+    run.train(2)
+    good = run.save(tmp_path, keep_last=2)
+    garbage = tmp_path / "step_00000099"
+    garbage.mkdir()
+    (garbage / "notes.txt").write_text("not a checkpoint")
+    assert latest_checkpoint(tmp_path) == good  # what a resume picks
+    run.train(2)
+    second = run.save(tmp_path, keep_last=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004", "step_00000099"]
+    assert (garbage / "notes.txt").is_file()  # never counted, never deleted
+    run.train(2)
+    run.save(tmp_path, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004", "step_00000006", "step_00000099"]
+    verify_checkpoint(second)
+
+
+def test_keep_last_never_deletes_for_a_checkpoint_that_fails_its_checksum(tmp_path: Path) -> None:
+    """A complete-looking checkpoint whose file is corrupt (same size, other bytes) would fail the resume: it does
+    not count toward keep_last, so the older intact one it would have replaced is kept."""
+    run = Run(seed=4)
+    run.train(1)
+    first = run.save(tmp_path)
+    run.train(1)
+    corrupt = run.save(tmp_path)
+    target = corrupt / "model.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 0xFF
+    target.write_bytes(bytes(data))
+    run.train(1)
+    newest = run.save(tmp_path, keep_last=2)
+    assert list_checkpoints(tmp_path) == [first, corrupt, newest]  # first and newest are the two verified
+    run.train(1)
+    latest = run.save(tmp_path, keep_last=2)
+    assert list_checkpoints(tmp_path) == [newest, latest]  # the corrupt one, older than both, goes with first
+    for path in (newest, latest):
+        verify_checkpoint(path)
+
+
+def test_rotation_verifies_a_kept_checkpoint_once(tmp_path: Path, monkeypatch) -> None:
+    """The checkpoints a process saves count as verified (their checksums were just computed); one it did not
+    write (copied in: another process's) is verified when it first counts toward keep_last, then remembered."""
+    import hybridlm.training.checkpoint as checkpoint
+
+    run = Run(seed=5)
+    run.train(1)
+    shutil.copytree(run.save(tmp_path / "elsewhere"), tmp_path / "run" / "step_00000001")
+    verified = []
+    monkeypatch.setattr(checkpoint, "verify_checkpoint",
+                        lambda path: verified.append(Path(path).name) or verify_checkpoint(path))
+    for _ in range(3):
+        run.train(1)
+        run.save(tmp_path / "run", keep_last=4)
+    assert verified == ["step_00000001"]
+    assert len(list_checkpoints(tmp_path / "run")) == 4
+
+
 def test_mismatched_model_is_refused(tmp_path: Path) -> None:
     run, (path, _) = small_run_dir(tmp_path)
     other = ToyLM(VOCAB, 8)
