@@ -16,7 +16,7 @@ pipeline's tokenizer), then byte b -> 3 + b. The tokenizer is a `hybridlm.data.t
 directory (an HF `tokenizers` BPE with no merges over the ByteLevel alphabet), so the ordinary
 pipeline applies: the texts go to `.jsonl` files and `hybridlm.data.shards.prepare` turns them into
 verified shards that `PackedLoader` reads. Preparing is idempotent: a second run with the same stdlib
-finds everything up to date (~1 s to re-verify checksums).
+finds everything up to date (it only re-verifies the checksums).
 
     demo = prepare_demo("runs/demo/demo_data")
     demo.train_dir, demo.heldout_dir, demo.tokenizer_dir     # prepared dataset dirs, tokenizer dir

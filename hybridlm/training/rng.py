@@ -7,7 +7,7 @@ stores it without pickle); restoring it makes every later draw identical to the 
 
 Equal draws are not enough on a GPU: kernels whose order of summation changes from call to call (atomic adds,
 cuBLAS workspaces shared by streams) round differently each time, so two runs with one seed can part after a few
-updates (a same-seed rerun of the addition Transformer did by update 50, benchmarks/RESULTS.md, session 22).
+updates (benchmarks/RESULTS.md records such a same-seed rerun).
 `deterministic_kernels()` makes torch pick deterministic kernels for the code inside it (`train.deterministic`,
 `bench ... --deterministic`); an op that has none raises torch's RuntimeError naming it. It costs speed and is
 for runs that must repeat bit for bit on the same hardware and software, not for every run.

@@ -1,6 +1,7 @@
 """`StopRequest`: a stop flag set by SIGTERM / SIGINT or by hand, for loops that save between two updates.
 
-Shared by the corpus trainer (`hybridlm.training.trainer`) and the benchmark runs (`hybridlm.eval.bench`).
+Shared by the corpus trainer (`hybridlm.training.trainer`) and the papers' experiment runs
+(`hybridlm.experiments.bench`).
 """
 
 from __future__ import annotations

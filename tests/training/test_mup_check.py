@@ -37,7 +37,7 @@ def test_width_config_transfers_the_multipliers():
 
 def test_activations_stay_within_a_factor_of_the_base_width(mup):
     """After 5 updates at one lr, every layer type's RMS is within 3.5x of the base width's, at every
-    width (2.2x measured; the width-independent init std leaves a d^-1/2 term at small widths)."""
+    width (not 1x: the width-independent init std leaves a d^-1/2 term at small widths)."""
     for view in ("rms", "delta_rms"):
         for kind, factor in spread(mup, view).items():
             assert factor < 3.5, (view, kind, factor, mup[view][kind])
@@ -84,7 +84,8 @@ def test_cli(tmp_path, capsys):
     ],
 )
 def test_cli_refuses_bad_arguments_before_writing_anything(tmp_path, capsys, args, message):
-    """Once a traceback from inside matplotlib (after mup_check.json was written), or accepted (--lr -1)."""
+    """Each bad argument is a clear error before any file is written (not a traceback from inside matplotlib after
+    mup_check.json, and not accepted: --lr -1)."""
     from hybridlm.cli import main
 
     out = tmp_path / "report"

@@ -224,7 +224,7 @@ def test_a_decay_on_a_kind_without_a_decay_stage_names_the_kind_and_the_setting(
     message = str(info.value)
     assert f"kind={kind!r}" in message and why in message and "decay_fraction=0.2 is set" in message, message
     if kind == "constant":
-        assert "cosine" not in message, message  # it once explained cosine's decay for every kind
+        assert "cosine" not in message, message  # the message explains the kind that was set, not cosine's decay
 
 
 def test_plot_schedule_keeps_the_previous_png_when_the_write_fails(monkeypatch, tmp_path) -> None:
