@@ -1,6 +1,6 @@
 """`hybridlm tokenizer ...` and `hybridlm data ...`: command-line front ends of the data layer.
 
-The CLI owner calls `add_commands(subparsers)` with what `ArgumentParser.add_subparsers()` returned;
+`hybridlm/cli.py` calls `add_commands(subparsers)` with what `ArgumentParser.add_subparsers()` returned;
 each command's `func(args)` returns an exit status (0 ok, 1 a DataError: bad input or output,
 explained on stderr without a traceback; 2 a usage error: `tokenizer train` or `data prepare` into an --out
 that holds a tokenizer or a dataset from other inputs, without --overwrite, as `hybridlm train` refuses an

@@ -11,6 +11,7 @@ import pytest
 from hybridlm.data import shards
 from hybridlm.data.errors import DataError
 from hybridlm.data.shards import MANIFEST, PROGRESS, TokenDataset, prepare, token_dtype
+from hybridlm.fileio import FileLock
 from tests.data.corpora import documents, write_jsonl, write_txt_tree
 
 SHARD = 397  # small and odd, so documents cross shard boundaries
@@ -375,3 +376,17 @@ def test_writer_refuses_an_id_its_dtype_cannot_hold(tmp_path):
     with pytest.raises(DataError, match=r"token id 70000 does not fit .* uint16 \(ids up to 65535\)"):
         writer.add(0, np.array([5, 70_000, 2, 9], dtype=np.uint32), 4, is_start=True)
     assert not list(tmp_path.iterdir())  # nothing wrapped was written
+
+
+def test_a_second_prepare_into_a_directory_being_written_is_refused(corpus, tokenizer_dir, tmp_path):
+    corpus_dir, _ = corpus
+    out = tmp_path / "out"
+    out.mkdir()
+    held = FileLock(out / shards.LOCK)  # what a running `prepare` in another process holds
+    assert held.acquire()
+    with pytest.raises(DataError, match=r"another `prepare` is writing to .*out; wait for it to finish"):
+        _run(corpus_dir, tokenizer_dir, out)
+    assert sorted(p.name for p in out.iterdir()) == [shards.LOCK]  # nothing written
+    held.release()
+    assert _run(corpus_dir, tokenizer_dir, out).status == "created"
+    assert FileLock(out / shards.LOCK).acquire()  # released when prepare returns
