@@ -32,9 +32,9 @@ import numpy as np
 import torch
 from gpu_ops import kernel_launches  # benchmarks/ is on the path when this script runs
 
-from hybridlm.eval.addition import MODEL_VOCAB_SIZE, train_batch
-from hybridlm.eval.models import build_model, task_config
-from hybridlm.eval.train_task import train_on_task
+from hybridlm.experiments.addition import MODEL_VOCAB_SIZE, train_batch
+from hybridlm.experiments.models import build_model, task_config
+from hybridlm.experiments.train import train_on_task
 from hybridlm.layers.fast_weight import FastWeightMixer
 from hybridlm.layers.mamba2 import Mamba2Mixer
 

@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "hybridlm.models.commands",
     "hybridlm.data.commands",
     "hybridlm.training.commands",
+    "hybridlm.experiments.commands",
     "hybridlm.eval.commands",
     "hybridlm.inference.commands",
 )

@@ -1,16 +1,11 @@
-"""Evaluation and the papers' experiments (README.md in this folder has the commands and the choices).
+"""Evaluating a given model (README.md in this folder has the commands and what each number counts).
 
-    addition.py     variable-digit addition, length generalization (fast-weight paper 5.2, Table 3)
-    recall.py       MQAR and single / multi-needle retrieval at long context
     perplexity.py   token-weighted NLL, perplexity, bits per byte on prepared shards
-    allocation.py   channel-allocation sweep of hybrid blocks (Falcon-H1 Figure 2)
-    harness.py      lm-evaluation-harness adapter (export for `lm_eval --model hf`, loglikelihood)
-    corpus.py       a built-in synthetic language for the allocation sweep
-    models.py       model names ("fw-3A", "hybrid-mamba2", ...) -> small HybridConfigs
-    train_task.py   `train_on_task`: the small training loop of the synthetic benchmarks (resumable)
+    recall.py       MQAR and single / multi-needle retrieval tasks, answer accuracy of a model on them
     scoring.py      teacher-forced hits / NLL of target tokens
-    bench.py        resumable runs over devices, mean ± std, markdown tables
-    commands.py     `hybridlm bench ...` and `hybridlm eval ...`
+    harness.py      lm-evaluation-harness adapter (export for `lm_eval --model hf`, loglikelihood)
+    commands.py     `hybridlm eval ...`
 
+The papers' experiments, which train models and then score them, are `hybridlm.experiments`.
 Nothing is imported here, so `import hybridlm.eval` stays cheap.
 """

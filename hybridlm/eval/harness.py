@@ -41,11 +41,11 @@ from hybridlm.fileio import write_atomic
 
 STUB = "hybridlm_auto.py"
 _STUB_TEXT = '''"""Loads hybridlm's model classes for transformers' trust_remote_code path (written by hybridlm eval export-hf)."""
-from hybridlm.models.configuration import HybridLMConfig  # noqa: F401
+from hybridlm.models.configuration import HybridTransformersConfig  # noqa: F401
 from hybridlm.models.model import HybridForCausalLM, HybridModel  # noqa: F401
 '''
 AUTO_MAP = {
-    "AutoConfig": "hybridlm_auto.HybridLMConfig",
+    "AutoConfig": "hybridlm_auto.HybridTransformersConfig",
     "AutoModel": "hybridlm_auto.HybridModel",
     "AutoModelForCausalLM": "hybridlm_auto.HybridForCausalLM",
 }

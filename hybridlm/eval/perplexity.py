@@ -133,8 +133,6 @@ def evaluate_perplexity(
     counting scored tokens (rate in tok/s, running loss)."""
     from tqdm.auto import tqdm
 
-    from hybridlm.eval.train_task import autocast_for
-
     model.eval()
     total = None
     target_bytes = 0
@@ -147,7 +145,7 @@ def evaluate_perplexity(
         for batch in packed_batches(windows(data, seq_len=seq_len, max_tokens=max_tokens), seq_len=seq_len,
                                     batch_size=batch_size):
             batch = {k: v.to(device) for k, v in batch.items()}
-            with autocast_for(device):
+            with scoring.autocast_for(device):
                 logits = model(batch["input_ids"], position_ids=batch["position_ids"]).logits
             for row in range(logits.shape[0]):  # one row at a time: float32 [T, V] logits stay small
                 total = scoring.accumulate(total, scoring.target_scores(logits[row:row + 1],

@@ -6,10 +6,20 @@ inputs), scored from the logits at t - 1; -100 marks positions that are not targ
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+
+
+def autocast_for(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """The precision a forward runs in: bf16 autocast on CUDA, nothing on the CPU (float32 there)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def target_scores(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -43,7 +43,7 @@ import torch
 
 from hybridlm.eval import scoring
 from hybridlm.eval.scoring import IGNORE_INDEX
-from hybridlm.eval.train_task import TrainRecipe, check_counts_and_size, check_non_negative
+from hybridlm.experiments.train import TrainRecipe, check_counts_and_size, check_non_negative
 
 PAD, BOS, EOS, DIGIT0, PLUS, EQUALS = 0, 1, 2, 3, 13, 14
 VOCAB = ("<pad>", "<bos>", "<eos>", *"0123456789", "+", "=")
@@ -228,8 +228,6 @@ def evaluate(model, sets: Sequence[EvalSet], *, device, batch_size: int = 512) -
     "digit_acc": the accuracy of each of the n+1 sum digits in the order they are emitted (least significant
     first), which tells a model that gets the first k digits right and guesses the rest from one whose errors
     spread over all positions, where the width's token accuracy (their mean) cannot."""
-    from hybridlm.eval.train_task import autocast_for
-
     was_training = model.training
     model.eval()
     results = {}
@@ -239,7 +237,7 @@ def evaluate(model, sets: Sequence[EvalSet], *, device, batch_size: int = 512) -
         for start in range(0, len(s.input_ids), batch_size):
             ids = s.input_ids[start:start + batch_size].to(device)
             labels = s.labels[start:start + batch_size].to(device)
-            with autocast_for(device):
+            with scoring.autocast_for(device):
                 logits = model(ids).logits
             total = scoring.accumulate(total, scoring.target_scores(logits, labels))
             pred = logits[:, first - 1:first + s.width].argmax(-1)  # [N, n + 1]
@@ -353,8 +351,8 @@ def run_addition(model_name: str, seed: int, recipe: AdditionRecipe, *, device: 
 
     `checkpoint` (a path stem) and `should_stop` go to `train_on_task`: the run saves there, resumes from
     there, and stops (raising `TrainingInterrupted`) when `should_stop()` turns true."""
-    from hybridlm.eval.models import build_model, parameter_count, task_config
-    from hybridlm.eval.train_task import generator_state, train_on_task
+    from hybridlm.experiments.models import build_model, parameter_count, task_config
+    from hybridlm.experiments.train import generator_state, train_on_task
 
     check_recipe(recipe)
     config = task_config(model_name, vocab_size=MODEL_VOCAB_SIZE, size=recipe.size)
@@ -393,7 +391,7 @@ def run_addition(model_name: str, seed: int, recipe: AdditionRecipe, *, device: 
 
 # --- the benchmark: models x seeds -> results.md / results.json / the two PNGs ----------------------
 
-RUNNER = "hybridlm.eval.addition:run_job"
+RUNNER = "hybridlm.experiments.addition:run_job"
 
 
 def run_job(spec: dict, *, device: str, log_fn=None, checkpoint=None, should_stop=None) -> dict:
@@ -405,7 +403,7 @@ def run_job(spec: dict, *, device: str, log_fn=None, checkpoint=None, should_sto
 def bench_addition(models: Sequence[str], seeds: Sequence[int], recipe: AdditionRecipe, out_dir, **run_options) -> dict:
     """Train every model with every seed and write the report; `run_options` go to `bench.run_jobs`
     (devices, per_device, time_budget, echo). Finished runs in out_dir/runs are reused."""
-    from hybridlm.eval import bench
+    from hybridlm.experiments import bench
 
     check_recipe(recipe)  # before any worker starts: one clear error, not one per run after its training
     return bench.bench_model_seeds(
@@ -416,7 +414,7 @@ def bench_addition(models: Sequence[str], seeds: Sequence[int], recipe: Addition
 
 def aggregate(results: Sequence[dict], recipe: AdditionRecipe) -> dict:
     """Mean ± std over seeds of the summary numbers and of each width's token accuracy / exact match."""
-    from hybridlm.eval.bench import mean_std
+    from hybridlm.experiments.bench import mean_std
 
     keys = results[0]["summary"].keys() if results else []
     widths = range(1, recipe.eval_max_width + 1)
@@ -442,7 +440,7 @@ def _digit_stats(results: Sequence[dict], recipe: AdditionRecipe) -> dict | None
     their JSON), "widths": {w: ...} per shown width}: "acc", the mean ± std over those runs of each digit's
     accuracy, and "end_solved", each seed's (low, high) digits solved, None for a seed without scores. None when
     no run has them."""
-    from hybridlm.eval.bench import mean_std
+    from hybridlm.experiments.bench import mean_std
 
     widths = digit_widths(recipe)
     scored = [all("digit_acc" in r["per_width"][str(w)] for w in widths) for r in results]
@@ -459,8 +457,8 @@ def _digit_stats(results: Sequence[dict], recipe: AdditionRecipe) -> dict | None
 def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_dir, *, missing=()) -> dict:
     """results.json, results.md (Table 3 layout, mean ± std over seeds), accuracy_vs_width.png and, when a run has
     per-digit scores, accuracy_by_digit.png and digit_map.png."""
-    from hybridlm.eval import bench
-    from hybridlm.eval.models import describe
+    from hybridlm.experiments import bench
+    from hybridlm.experiments.models import describe
 
     lo, hi = recipe.train_max_width + 1, recipe.eval_max_width
     shown = digit_widths(recipe)
@@ -551,7 +549,7 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
 
 def _scored_label(model: str, scored: int, runs: int) -> str:
     """A per-digit figure's name for a model, saying how many of its runs have per-digit scores if not all."""
-    from hybridlm.eval.models import describe
+    from hybridlm.experiments.models import describe
 
     return describe(model) + (f" ({scored} of {runs} seeds)" if scored < runs else "")
 
@@ -571,8 +569,8 @@ def digit_map(results: Sequence[dict], recipe: AdditionRecipe) -> tuple[np.ndarr
 
 
 def plot_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
-    from hybridlm.eval.bench import plot_percent_with_std, pyplot
-    from hybridlm.eval.models import describe
+    from hybridlm.experiments.bench import plot_percent_with_std, pyplot
+    from hybridlm.experiments.models import describe
     from hybridlm.fileio import save_figure_atomic
 
     plt = pyplot()
@@ -601,7 +599,7 @@ def plot_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
 def plot_digit_accuracy(stats: dict, recipe: AdditionRecipe, path) -> None:
     """One panel per width of `digit_widths`: each sum digit's accuracy (mean ± std over the seeds that have
     per-digit scores) by position."""
-    from hybridlm.eval.bench import plot_percent_with_std, pyplot
+    from hybridlm.experiments.bench import plot_percent_with_std, pyplot
     from hybridlm.fileio import save_figure_atomic
 
     plt = pyplot()
@@ -637,7 +635,7 @@ def plot_digit_map(panels: dict[str, np.ndarray], recipe: AdditionRecipe, path) 
     """One panel per title: a model's accuracy by width (rows) and sum digit (columns), `digit_map`'s grid.
     Digits learned at a fixed place show as bright columns (counted from the least significant end) or diagonals
     (from the most significant end) that stay bright as the width grows."""
-    from hybridlm.eval.bench import pyplot
+    from hybridlm.experiments.bench import pyplot
     from hybridlm.fileio import save_figure_atomic
 
     plt = pyplot()

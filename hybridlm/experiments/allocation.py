@@ -13,7 +13,7 @@ loss.
 Data (`AllocationRecipe.data`): "stdlib" (default), the built-in corpus `hybridlm train` uses too
 (`hybridlm.training.demo`: the Python standard library's .py sources as byte tokens, one file in 20
 held out; prepared once under out_dir/stdlib_data); "synthetic", the generated language of
-`hybridlm.eval.corpus` (held-out documents from another seed); or "shards", prepared `data_dir` /
+`hybridlm.experiments.corpus` (held-out documents from another seed); or "shards", prepared `data_dir` /
 `val_dir`. Prepared data trains through `PackedLoader` (documents packed into rows that run across their
 boundaries, the first token of each document unscored) and is scored by `hybridlm.eval.perplexity` (whole
 held-out documents, up to `val_max_tokens`).
@@ -22,7 +22,7 @@ Model: `AllocationRecipe` (d_model 256, 4 blocks, 32-channel heads, one KV head,
 default: one eighth is 3.2 SSM heads, 4.8 attention heads or 3.8 x 32 MLP channels; 2.83-3.16M parameters over the 33
 points (the report's ratio of widths per eighth makes an MLP eighth ~19% more parameters than an SSM or attention
 one; with `ssm="fw-3A"` 3.0-4.1M), so compare neighbouring points with the table's parameter column in view;
-`ssm` takes any SSM name of `hybridlm.eval.models`, e.g. "fw-3A"). The report's finding to
+`ssm` takes any SSM name of `hybridlm.experiments.models`, e.g. "fw-3A"). The report's finding to
 compare with: attention's share matters most and 1/8 is best; SA_M is best at (2/8, 1/8, 5/8).
 """
 
@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridlm.eval.train_task import TrainRecipe, check_train_recipe
+from hybridlm.experiments.train import TrainRecipe, check_train_recipe
 
 ARRANGEMENTS = ("SA_M", "SAM", "S_A_M")
 DATA_SOURCES = ("stdlib", "synthetic", "shards")
@@ -98,7 +98,7 @@ class AllocationRecipe(TrainRecipe):
             raise ValueError("data='shards' needs data_dir and val_dir (and only it takes them)")
 
     def config(self, arrangement: str, point: tuple[int, int, int], vocab_size: int):
-        from hybridlm.eval.models import COMMON, ssm_fields
+        from hybridlm.experiments.models import COMMON, ssm_fields
         from hybridlm.models.allocation import channel_allocation
         from hybridlm.models.config import HybridConfig
 
@@ -117,7 +117,7 @@ class AllocationRecipe(TrainRecipe):
 def check_recipe(recipe: AllocationRecipe, points: Sequence[tuple[str, tuple[int, int, int]]] = ()) -> None:
     """Clear errors, before any training, for recipes that cannot run: optimizer settings and sizes
     (`check_train_recipe`), an unknown SSM name, and a model that cannot be built at any of `points`."""
-    from hybridlm.eval.models import ssm_fields
+    from hybridlm.experiments.models import ssm_fields
 
     check_train_recipe(recipe, "batch_size", "hidden_size", "layers", "head_dim", "ssm_head_dim", "kv_heads",
                        "mlp_multiple", "d_state", "seq_len", "data_bytes", "val_docs", "val_max_tokens")
@@ -175,9 +175,9 @@ def run_allocation(arrangement: str, point: tuple[int, int, int], seed: int, rec
     Prepared data ("stdlib", "shards") is read from `data_dir` / `val_dir` (default: the recipe's).
     `checkpoint` and `should_stop`: resumable training, as in `addition.run_addition` (the loader's position
     is saved with it)."""
-    from hybridlm.eval.corpus import SyntheticLanguage
-    from hybridlm.eval.models import build_model, parameter_count
-    from hybridlm.eval.train_task import autocast_for, generator_state, train_on_task
+    from hybridlm.experiments.corpus import SyntheticLanguage
+    from hybridlm.experiments.models import build_model, parameter_count
+    from hybridlm.experiments.train import generator_state, train_on_task
 
     check_recipe(recipe)
     data_dir, val_dir = data_dir or recipe.data_dir, val_dir or recipe.val_dir
@@ -233,7 +233,7 @@ def run_allocation(arrangement: str, point: tuple[int, int, int], seed: int, rec
             for start in range(0, recipe.val_docs, recipe.batch_size):
                 ids = held_out["input_ids"][start:start + recipe.batch_size].to(device)
                 labels = held_out["labels"][start:start + recipe.batch_size].to(device)
-                with autocast_for(device):
+                with scoring.autocast_for(device):
                     total = scoring.accumulate(total, scoring.target_scores(model(ids).logits, labels))
         val_loss = scoring.finish(total)["loss"]
     fields = config.to_dict()
@@ -261,7 +261,7 @@ def _aligned_labels(batch: dict) -> torch.Tensor:
 
 # --- the sweep -------------------------------------------------------------------------------------
 
-RUNNER = "hybridlm.eval.allocation:run_job"
+RUNNER = "hybridlm.experiments.allocation:run_job"
 
 
 def run_job(spec: dict, *, device: str, log_fn=None, data_dir: str | None = None, val_dir: str | None = None,
@@ -276,7 +276,7 @@ def bench_allocation(points: Sequence[tuple[str, tuple[int, int, int]]], seeds: 
     """Train every (arrangement, allocation) with every seed and write the report; `run_options` go to
     `bench.run_jobs` (devices, per_device, time_budget). Finished runs in out_dir/runs are reused. The
     stdlib corpus is prepared in `data_cache` (default out_dir/stdlib_data)."""
-    from hybridlm.eval import bench
+    from hybridlm.experiments import bench
 
     check_recipe(recipe, points)  # before any run starts: one clear error, not one per run
     check_data(recipe)
@@ -299,7 +299,7 @@ def bench_allocation(points: Sequence[tuple[str, tuple[int, int, int]]], seeds: 
 
 def write_report(groups: dict, recipe: AllocationRecipe, out_dir: Path, *, missing=()) -> dict:
     """results.md (one row per allocation), results.json and allocation.png (SA_M triangle + arrangements)."""
-    from hybridlm.eval import bench
+    from hybridlm.experiments import bench
 
     rows, table = [], []
     for (arrangement, point), runs in groups.items():
@@ -349,7 +349,7 @@ def write_report(groups: dict, recipe: AllocationRecipe, out_dir: Path, *, missi
 def _plot(table: list[dict], path: Path) -> None:
     """Left: SA_M loss on the (alpha_S, alpha_A) triangle (alpha_M = the rest). Right: loss vs alpha_S at
     alpha_A = 1/8 per arrangement."""
-    from hybridlm.eval.bench import pyplot
+    from hybridlm.experiments.bench import pyplot
     from hybridlm.fileio import save_figure_atomic
 
     plt = pyplot()

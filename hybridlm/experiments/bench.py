@@ -13,7 +13,7 @@ that exist, the missing ones listed).
 
 Resumable jobs (`Job.resumable`: the model-seed benchmarks and the allocation sweep) also continue a run
 that was stopped half way: their runner gets `checkpoint=out_dir/runs/<key>.ckpt` (a path stem, see
-`hybridlm.eval.train_task`) and `should_stop`. SIGTERM or SIGINT (once; a second one more than 2 s
+`hybridlm.experiments.train`) and `should_stop`. SIGTERM or SIGINT (once; a second one more than 2 s
 later raises KeyboardInterrupt at once) and the end of `time_budget` make every running resumable run save its
 checkpoint after its current update and stop (`TrainingInterrupted`); the next call with the same
 `out_dir` resumes it from there. The checkpoint is removed once runs/<key>.json is written.
@@ -216,13 +216,13 @@ def _call(job: Job, device: str, out_dir: Path, should_stop: Callable[[], bool] 
 
 
 def _is_interrupted(err: BaseException) -> bool:
-    from hybridlm.eval.train_task import TrainingInterrupted
+    from hybridlm.experiments.train import TrainingInterrupted
 
     return isinstance(err, TrainingInterrupted)
 
 
 def _remove_checkpoint(out_dir: Path, key: str) -> None:
-    from hybridlm.eval.task_checkpoint import remove_checkpoint
+    from hybridlm.experiments.task_checkpoint import remove_checkpoint
 
     remove_checkpoint(checkpoint_path(out_dir, key))
 
@@ -230,7 +230,7 @@ def _remove_checkpoint(out_dir: Path, key: str) -> None:
 def _leftover_checkpoint(out_dir: Path, job: Job, echo: Callable[[str], None]) -> None:
     """A finished run reused: its own checkpoint (left by a kill between the result's write and the checkpoint's
     removal) goes; one saved for another spec under the same key (another recipe's half-done run) stays."""
-    from hybridlm.eval.task_checkpoint import json_of, saved_fingerprint
+    from hybridlm.experiments.task_checkpoint import json_of, saved_fingerprint
 
     stem = checkpoint_path(out_dir, job.key)
     if json_of(stem).is_file() and saved_fingerprint(stem) != job.spec:

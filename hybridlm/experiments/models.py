@@ -133,11 +133,10 @@ def build_model(config: HybridConfig, *, seed: int):
     """A freshly initialized `HybridForCausalLM` (torch seeded with `seed` first)."""
     import torch
 
-    from hybridlm.models.configuration import HybridLMConfig
     from hybridlm.models.model import HybridForCausalLM
 
     torch.manual_seed(seed)
-    return HybridForCausalLM(HybridLMConfig.from_hybrid(config))
+    return HybridForCausalLM(config)
 
 
 def parameter_count(model) -> int:

@@ -55,7 +55,6 @@ the loop saves and raises `TrainingInterrupted` (the bench runner sets it on SIG
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -66,7 +65,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridlm.eval import task_checkpoint as C
+from hybridlm.eval.scoring import autocast_for
+from hybridlm.experiments import task_checkpoint as C
 from hybridlm.training.checkpoint import CheckpointError
 from hybridlm.training.optim import apply_schedule, build_param_groups
 from hybridlm.training.schedules import ScheduleConfig, schedule_factors
@@ -131,7 +131,7 @@ def check_non_negative(recipe: TrainRecipe, *names: str) -> None:
 
 def check_counts_and_size(recipe: TrainRecipe, *counts: str) -> None:
     """`check_train_recipe`, then a ValueError for an unknown `recipe.size`."""
-    from hybridlm.eval.models import SIZES
+    from hybridlm.experiments.models import SIZES
 
     check_train_recipe(recipe, *counts)
     if recipe.size not in SIZES:
@@ -151,14 +151,6 @@ class TrainResult:
     def to_dict(self) -> dict:
         return {"steps": self.steps, "seconds": self.seconds, "losses": self.losses, "evals": self.evals,
                 "best_step": self.best_step, "best_score": self.best_score, "best_loss": self.best_loss}
-
-
-def autocast_for(device: torch.device | str):
-    """bf16 autocast on CUDA, nothing on CPU (float32 there)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 class TrainingInterrupted(Exception):

@@ -15,7 +15,7 @@ import torch
 
 from hybridlm.data.tokenizer import HybridTokenizer
 from hybridlm.eval.harness import AUTO_MAP, export_for_lm_eval, lm_eval_model_args, loglikelihood
-from hybridlm.eval.models import build_model, task_config
+from hybridlm.experiments.models import build_model, task_config
 
 # (context, continuation): two choices per question; the second question's context ends in a space,
 # which the harness moves into the continuation
@@ -71,7 +71,7 @@ def test_fresh_process_loads_and_scores_a_two_choice_task(exported, tokenizer_di
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert loaded["config"] == "HybridLMConfig" and loaded["model"] == "HybridForCausalLM"
+    assert loaded["config"] == "HybridTransformersConfig" and loaded["model"] == "HybridForCausalLM"
 
     from hybridlm.models.hf import load_model
 

@@ -14,7 +14,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
 from hybridlm.eval.harness import loglikelihood  # noqa: E402
-from hybridlm.eval.models import build_model, task_config  # noqa: E402
+from hybridlm.experiments.models import build_model, task_config  # noqa: E402
 from hybridlm.inference import generate  # noqa: E402
 
 

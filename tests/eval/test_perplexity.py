@@ -12,7 +12,7 @@ import torch
 from hybridlm.cli import main
 from hybridlm.data.shards import TokenDataset
 from hybridlm.data.tokenizer import HybridTokenizer
-from hybridlm.eval.models import build_model, task_config
+from hybridlm.experiments.models import build_model, task_config
 from hybridlm.eval.perplexity import (
     evaluate_perplexity,
     packed_batches,

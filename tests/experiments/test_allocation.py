@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridlm.eval.allocation import (
+from hybridlm.experiments.allocation import (
     AllocationRecipe,
     allocation_grid,
     parse_points,
     sweep_points,
 )
-from hybridlm.eval.corpus import BOS, SyntheticLanguage
+from hybridlm.experiments.corpus import BOS, SyntheticLanguage
 from hybridlm.models.commands import count_parameters
 
 
@@ -62,7 +62,7 @@ def test_synthetic_language_is_seeded_and_has_its_structure():
 
 
 def test_allocation_run_on_prepared_shards(shards_dir):
-    from hybridlm.eval.allocation import run_allocation
+    from hybridlm.experiments.allocation import run_allocation
 
     recipe = AllocationRecipe(hidden_size=64, layers=1, steps=2, warmup=1, batch_size=2, seq_len=32, data="shards",
                               data_dir=str(shards_dir), val_dir=str(shards_dir), val_max_tokens=200)
@@ -76,7 +76,7 @@ def test_allocation_run_on_prepared_shards(shards_dir):
 
 
 def test_wrong_data_dirs_and_ssm_names_are_refused_before_any_run(shards_dir, tmp_path):
-    from hybridlm.eval.allocation import bench_allocation
+    from hybridlm.experiments.allocation import bench_allocation
 
     point = [("SA_M", (2, 1, 5))]
     wrong_dir = AllocationRecipe(data="shards", data_dir=str(tmp_path / "nodir"), val_dir=str(shards_dir))
@@ -97,7 +97,7 @@ def test_wrong_data_dirs_and_ssm_names_are_refused_before_any_run(shards_dir, tm
 def test_a_machine_without_stdlib_sources_gets_a_clear_error(tmp_path, monkeypatch):
     """No standard-library .py files (a slim image): a ValueError that names the way out, not a traceback."""
     import hybridlm.training.demo as demo
-    from hybridlm.eval.allocation import AllocationRecipe, prepare_stdlib
+    from hybridlm.experiments.allocation import AllocationRecipe, prepare_stdlib
 
     monkeypatch.setattr(demo, "stdlib_root", lambda: tmp_path / "no-stdlib")
     with pytest.raises(ValueError, match="use --data synthetic"):
@@ -105,7 +105,7 @@ def test_a_machine_without_stdlib_sources_gets_a_clear_error(tmp_path, monkeypat
 
 
 def test_report_counts_finished_points_and_names_diverged_runs(tmp_path):
-    from hybridlm.eval.allocation import AllocationRecipe, write_report
+    from hybridlm.experiments.allocation import AllocationRecipe, write_report
 
     def run(loss):
         return {"val_loss": loss, "parameters": 3_000_000, "widths": {"ssm": 64, "attention": 32, "mlp": 96}}

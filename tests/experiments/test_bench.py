@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from hybridlm.eval.bench import EXIT_INCOMPLETE, Job, mean_std, pm, run_jobs
-from hybridlm.eval.task_checkpoint import CHECKPOINT_FORMAT
+from hybridlm.experiments.bench import EXIT_INCOMPLETE, Job, mean_std, pm, run_jobs
+from hybridlm.experiments.task_checkpoint import CHECKPOINT_FORMAT
 
 RUNNER = "tests.eval.test_bench:toy_runner"
 
@@ -142,7 +142,7 @@ def test_bench_plots_replace_the_png_atomically(tmp_path, monkeypatch):
     """A crash mid-write (disk full, a kill) leaves the previous PNG, not a truncated one, at the report's path."""
     from matplotlib.figure import Figure
 
-    from hybridlm.eval import addition, allocation, recall
+    from hybridlm.experiments import addition, allocation, recall
 
     def write_half_then_fail(self, target, **options):
         if isinstance(target, (str, os.PathLike)):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridlm.eval.models import describe, model_fields, parse_model_list, task_config
-from hybridlm.eval.train_task import train_on_task
+from hybridlm.experiments.models import describe, model_fields, parse_model_list, task_config
+from hybridlm.experiments.train import train_on_task
 
 
 @pytest.mark.parametrize(
@@ -46,7 +46,7 @@ def test_mamba2_ref_starts_from_the_reference_init():
     "mamba2" with Falcon-H1's dt_bias = 1 in every head."""
     import torch.nn.functional as F
 
-    from hybridlm.eval.models import build_model
+    from hybridlm.experiments.models import build_model
     from hybridlm.layers.mamba2 import Mamba2Mixer
 
     def mixers(name):
@@ -124,8 +124,8 @@ def test_base_size_has_the_paper_language_models_shape(name):
 
 @pytest.mark.parametrize("name", ["hybrid-fw-1A", "mamba2"])
 def test_compiled_training_matches_eager(name):
-    from hybridlm.eval.addition import MODEL_VOCAB_SIZE, train_batch
-    from hybridlm.eval.models import build_model
+    from hybridlm.experiments.addition import MODEL_VOCAB_SIZE, train_batch
+    from hybridlm.experiments.models import build_model
 
     batches = [train_batch(np.random.default_rng(s), 4, max_width=5) for s in range(3)]
     losses = {}
@@ -140,8 +140,8 @@ def test_compiled_training_matches_eager(name):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (inductor with CUDA graphs)")
 def test_compiled_training_on_cuda_follows_eager():
-    from hybridlm.eval.addition import MODEL_VOCAB_SIZE, train_batch
-    from hybridlm.eval.models import build_model
+    from hybridlm.experiments.addition import MODEL_VOCAB_SIZE, train_batch
+    from hybridlm.experiments.models import build_model
 
     batches = [train_batch(np.random.default_rng(s), 64, max_width=8) for s in range(20)]
     losses = {}
@@ -161,7 +161,7 @@ def test_every_run_of_a_worker_trains_compiled():
     undone, and the limit of 1 leaked into every later test.)"""
     from torch._dynamo.utils import counters
 
-    from hybridlm.eval.models import build_model
+    from hybridlm.experiments.models import build_model
 
     limit = torch._dynamo.config.recompile_limit
     with torch._dynamo.config.patch(recompile_limit=1):

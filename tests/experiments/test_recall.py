@@ -1,99 +1,13 @@
-"""Recall tasks: every scored answer is the value bound to its key earlier in the same sequence."""
+"""The recall experiment's recipe: the length curriculum, specs, a model per task, the report."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from hybridlm.eval.recall import BLANK, BOS, EOS, NEEDLE, QUERY, RecallTasks, eval_set
-from hybridlm.eval.scoring import IGNORE_INDEX
-
-TASKS = RecallTasks(mqar_pairs=8, needles=3)
-V = TASKS.vocab
-
-
-def _is_key(t):
-    return V.key0 <= t < V.value0
-
-
-def _is_value(t):
-    return V.value0 <= t < V.word0
-
-
-@pytest.mark.parametrize("length", [40, 97, 300])
-def test_mqar_layout_and_answers(length):
-    rng = np.random.default_rng(length)
-    tokens, labels = TASKS.example("mqar", rng, length)
-    assert tokens.shape == labels.shape == (length,) and tokens[0] == BOS
-    pairs = tokens[1:1 + 2 * 8].reshape(8, 2)
-    assert all(_is_key(k) and _is_value(v) for k, v in pairs)
-    binding = {int(k): int(v) for k, v in pairs}
-    assert len(binding) == 8  # distinct keys
-    answers = np.nonzero(labels != IGNORE_INDEX)[0]
-    assert len(answers) == 8
-    assert sorted(int(tokens[a - 1]) for a in answers) == sorted(binding)  # each key queried once
-    for a in answers:
-        assert a > 2 * 8 and labels[a] == tokens[a] == binding[int(tokens[a - 1])]
-    rest = np.ones(length, bool)
-    rest[:1 + 16] = False
-    rest[answers] = rest[answers - 1] = False
-    assert (tokens[rest] == BLANK).all()
-
-
-@pytest.mark.parametrize("task, needles", [("needle", 1), ("multi_needle", 3)])
-def test_needles_are_queried_at_the_end(task, needles):
-    rng = np.random.default_rng(7)
-    for length in (30, 128, 513):
-        tokens, labels = TASKS.example(task, rng, length)
-        assert len(tokens) == length and tokens[0] == BOS and tokens[-1] == EOS
-        marks = np.nonzero(tokens == NEEDLE)[0]
-        assert len(marks) == needles
-        binding = {int(tokens[m + 1]): int(tokens[m + 2]) for m in marks}
-        queries = np.nonzero(tokens == QUERY)[0]
-        assert len(queries) == needles and queries.min() > marks.max()
-        assert sorted(int(tokens[q + 1]) for q in queries) == sorted(binding)
-        answers = np.nonzero(labels != IGNORE_INDEX)[0]
-        assert answers.tolist() == sorted((queries + 2).tolist())
-        assert all(labels[a] == binding[int(tokens[a - 1])] for a in answers)
-        hay = np.ones(length, bool)
-        hay[[0, length - 1]] = False
-        for m in (*marks, *queries):
-            hay[m:m + 3] = False
-        assert (tokens[hay] >= V.word0).all()
-
-
-def test_eval_sets_are_fixed_and_too_short_lengths_raise():
-    a = eval_set(TASKS, "mqar", 64, 3)
-    b = eval_set(TASKS, "mqar", 64, 3)
-    assert (a["input_ids"] == b["input_ids"]).all()
-    shorter, longer = eval_set(TASKS, "needle", 64, 3)["input_ids"], eval_set(TASKS, "needle", 65, 3)["input_ids"]
-    assert not (shorter == longer[:, :64]).all()
-    with pytest.raises(ValueError, match="too short"):
-        TASKS.example("mqar", np.random.default_rng(0), 30)
-
-
-@pytest.mark.parametrize("task", ["mqar", "needle", "multi_needle"])
-def test_validation_and_test_sequences_differ(task):
-    """The best checkpoint is picked on a validation stream that shares no sequence with the reported test set."""
-    test = eval_set(TASKS, task, 128, 32)["input_ids"]
-    val = eval_set(TASKS, task, 128, 32, split="val")["input_ids"]
-    assert not (test[:, None, :] == val[None, :, :]).all(-1).any()
-    with pytest.raises(ValueError, match="unknown split"):
-        eval_set(TASKS, task, 128, 2, split="train")
-
-
-def test_training_batches_pad_after_the_example_to_one_shape():
-    rng_a, rng_b = np.random.default_rng(3), np.random.default_rng(3)
-    plain = TASKS.batch("mqar", rng_a, 4, 100)
-    padded = TASKS.batch("mqar", rng_b, 4, 100, pad_to=160)
-    assert padded["input_ids"].shape == (4, 160)
-    assert (padded["input_ids"][:, :100] == plain["input_ids"]).all()
-    assert (padded["labels"][:, :100] == plain["labels"]).all()
-    assert (padded["input_ids"][:, 100:] == 0).all() and (padded["labels"][:, 100:] == IGNORE_INDEX).all()
-
 
 def test_length_curriculum_grows_the_cap_then_stays_at_the_maximum():
-    from hybridlm.eval.recall import RecallRecipe
+    from hybridlm.experiments.recall import RecallRecipe
 
     assert {RecallRecipe().lengths_at(s) for s in (0, 10, 10_000)} == {(128, 512)}  # off by default
     recipe = RecallRecipe(curriculum_steps=100, curriculum_start_len=32, train_min_len=128, train_max_len=512)
@@ -106,7 +20,8 @@ def test_length_curriculum_grows_the_cap_then_stays_at_the_maximum():
 def test_training_batches_follow_the_curriculum():
     """The lengths `training_batch` draws (non-pad tokens per row) stay within the curriculum's range at each step,
     below the cap while it grows and across [train_min_len, train_max_len] after; every batch has one shape."""
-    from hybridlm.eval.recall import PAD, RecallRecipe, training_batch
+    from hybridlm.eval.recall import PAD
+    from hybridlm.experiments.recall import RecallRecipe, training_batch
 
     recipe = RecallRecipe(curriculum_steps=60, curriculum_start_len=32, train_min_len=64, train_max_len=160,
                           batch_size=2, steps=200)
@@ -123,7 +38,7 @@ def test_training_batches_follow_the_curriculum():
 
 def test_recipe_specs_without_a_curriculum_keep_their_earlier_form():
     """Runs saved before the curriculum existed are reused: its fields stay out of the spec while it is off."""
-    from hybridlm.eval.recall import RecallRecipe
+    from hybridlm.experiments.recall import RecallRecipe
 
     plain = RecallRecipe().to_dict()
     assert "curriculum_steps" not in plain and RecallRecipe.from_dict(plain) == RecallRecipe()
@@ -134,9 +49,9 @@ def test_recipe_specs_without_a_curriculum_keep_their_earlier_form():
 def test_command_line_curriculum_scales_with_the_default_share():
     import argparse
 
-    from hybridlm.eval.addition import AdditionRecipe
-    from hybridlm.eval.commands import _recipe
-    from hybridlm.eval.recall import RecallRecipe
+    from hybridlm.experiments.addition import AdditionRecipe
+    from hybridlm.experiments.commands import _recipe
+    from hybridlm.experiments.recall import RecallRecipe
 
     args = argparse.Namespace(steps=400, curriculum_steps=None, warmup=None)
     assert _recipe(RecallRecipe, args).curriculum_steps == 0  # recall has none by default
@@ -144,20 +59,11 @@ def test_command_line_curriculum_scales_with_the_default_share():
 
 
 def test_bench_recall_refuses_a_bad_recipe_before_any_run(tmp_path):
-    from hybridlm.eval.recall import RecallRecipe, bench_recall
+    from hybridlm.experiments.recall import RecallRecipe, bench_recall
 
     with pytest.raises(ValueError, match="curriculum"):
         bench_recall(["fw-1A"], [0], RecallRecipe(steps=5, curriculum_steps=5), tmp_path / "out", devices=["cpu"])
     assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.parametrize("length,pairs", [(9, 2), (32, 7), (33, 8), (300, 8)])
-def test_short_curriculum_sequences_hold_as_many_mqar_pairs_as_fit(length, pairs):
-    tasks = TASKS.for_length(length)
-    assert tasks.mqar_pairs == pairs and tasks.needles == TASKS.needles
-    tokens, labels = tasks.example("mqar", np.random.default_rng(length), length)
-    assert (labels != IGNORE_INDEX).sum() == pairs and len(tokens) == length
-    assert TASKS.for_length(10_000) is TASKS
 
 
 @pytest.mark.parametrize("changes,message", [
@@ -178,7 +84,7 @@ def test_short_curriculum_sequences_hold_as_many_mqar_pairs_as_fit(length, pairs
     (dict(needles=200), "--needles must be between 1 and 128"),
 ])
 def test_recipes_that_cannot_run_are_refused(changes, message):
-    from hybridlm.eval.recall import RecallRecipe, check_recipe
+    from hybridlm.experiments.recall import RecallRecipe, check_recipe
 
     recipe = RecallRecipe(**changes)
     with pytest.raises(ValueError, match=message):
@@ -187,7 +93,7 @@ def test_recipes_that_cannot_run_are_refused(changes, message):
 
 
 def test_a_model_per_task_unless_mixed():
-    from hybridlm.eval.recall import RecallRecipe
+    from hybridlm.experiments.recall import RecallRecipe
 
     recipe = RecallRecipe(tasks=("mqar", "needle"))
     assert {t: r.tasks for t, r in recipe.per_task().items()} == {"mqar": ("mqar",), "needle": ("needle",)}
@@ -207,7 +113,7 @@ def _task_run(model, seed, task, acc):
 
 
 def test_task_runs_merge_and_a_missing_one_leaves_a_gap(tmp_path):
-    from hybridlm.eval.recall import RecallRecipe, merge_task_runs, write_report
+    from hybridlm.experiments.recall import RecallRecipe, merge_task_runs, write_report
 
     merged = merge_task_runs([_task_run("fw-1A", 0, "mqar", 1.0), _task_run("fw-1A", 0, "needle", 0.25)])
     assert sorted(merged["results"]) == ["mqar", "needle"] and merged["train"]["needle"] == {"steps": 1}

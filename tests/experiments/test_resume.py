@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from hybridlm.eval import addition as A
-from hybridlm.eval import bench
-from hybridlm.eval.models import build_model, task_config
-from hybridlm.eval.task_checkpoint import checkpoint_files, remove_checkpoint
-from hybridlm.eval.train_task import TrainingInterrupted, generator_state, train_on_task
+from hybridlm.experiments import addition as A
+from hybridlm.experiments import bench
+from hybridlm.experiments.models import build_model, task_config
+from hybridlm.experiments.task_checkpoint import checkpoint_files, remove_checkpoint
+from hybridlm.experiments.train import TrainingInterrupted, generator_state, train_on_task
 from hybridlm.training.checkpoint import CheckpointError
 from hybridlm.training.stop import StopRequest
 
@@ -260,7 +260,7 @@ def _waiting_runner(spec: dict, *, device: str, log_fn, checkpoint, should_stop)
 
 def test_time_budget_stops_runs_in_worker_processes(tmp_path):
     lines = []
-    jobs = [bench.Job(k, "tests.eval.test_resume:_waiting_runner", {"x": k}, resumable=True) for k in "ab"]
+    jobs = [bench.Job(k, "tests.experiments.test_resume:_waiting_runner", {"x": k}, resumable=True) for k in "ab"]
     started = time.monotonic()
     results = bench.run_jobs(jobs, tmp_path, devices=["cpu", "cpu"], time_budget=0.5, echo=lines.append)
     assert results == {} and time.monotonic() - started < 60
@@ -270,7 +270,7 @@ def test_time_budget_stops_runs_in_worker_processes(tmp_path):
 @pytest.mark.parametrize("data", ["synthetic", "shards"])
 def test_allocation_runs_resume_exactly(tmp_path, shards_dir, data):
     """The sweep resumes too: a Generator's state (synthetic language) or the packed loader's position (shards)."""
-    from hybridlm.eval.allocation import AllocationRecipe, run_allocation
+    from hybridlm.experiments.allocation import AllocationRecipe, run_allocation
 
     fields = {"data_dir": str(shards_dir), "val_dir": str(shards_dir), "val_max_tokens": 200} if data == "shards" else {}
     recipe = AllocationRecipe(hidden_size=64, layers=1, steps=6, warmup=1, batch_size=2, seq_len=32, data=data,
@@ -310,8 +310,8 @@ def test_timeout_stops_worker_runs_through_the_parent_and_spares_their_subproces
     """`timeout` signals the command and then its whole process group. The workers have groups of their
     own, so only the parent is hit; it stops them through its Event, and their subprocesses live on."""
     code = (
-        "from hybridlm.eval import bench\n"
-        f"jobs = [bench.Job(k, 'tests.eval.test_resume:_runner_with_a_child', {{'x': k, 'out': {str(tmp_path)!r}}}, "
+        "from hybridlm.experiments import bench\n"
+        f"jobs = [bench.Job(k, 'tests.experiments.test_resume:_runner_with_a_child', {{'x': k, 'out': {str(tmp_path)!r}}}, "
         "resumable=True) for k in 'ab']\n"
         f"bench.run_jobs(jobs, {str(tmp_path / 'bench')!r}, devices=['cpu', 'cpu'])\n"
         "print('run_jobs returned')\n"
