@@ -6,8 +6,8 @@
 
 Each mixer owns its fields of `LayerCache`: attention appends to the keys/values ([B, S, H_kv, D]);
 an SSM mixer keeps its tensors in the `ssm` dict under names it chooses (Mamba-2: "conv" [B, K-1, C]
-and "ssm" [B, H, P, N] float32, float64 for a float64 model). The model advances the cache after every call, so positions of later
-tokens continue where the cache stopped.
+and "ssm" [B, H, P, N] float32, float64 for a float64 model). The model advances the cache after every call, so
+positions of later tokens continue where the cache stopped.
 
 Rows of different lengths (a left-padded batch of prompts) enter the cache through a packed prefill:
 the prompts run end to end as one packed row with `cu_seqlens`, every SSM mixer stores one state per

@@ -17,7 +17,7 @@ Shapes: heads H = fw_heads, K = V = fw_head_dim; beta is [B, T, H] ([B, T, H, V]
 Decisions (documented here because they are choices, not the paper's prescriptions):
 - QK norm "rms" has no learned scale: the paper's RMSNorm operator (4.1) has none, and the NLMS step is
   invariant to a uniform rescaling of the key anyway (C.1). `fw_qk_norm` is "rms" | "l2" | "none" (the
-  config reads an older bool as True -> "rms", False -> "none"). E0 for "none" is a nominal value only
+  config also reads a bool: True -> "rms", False -> "none"). E0 for "none" is a nominal value only
   (unnormalized keys have no fixed energy).
 - "direct" step sizes are sigmoid-scaled, eta = (2 / E0) sigmoid(.), so eta E0 covers (0, 2) like the NLMS
   gain does: the regression rules stay stable for keys of nominal energy, without the live normalizer.

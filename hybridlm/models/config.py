@@ -127,7 +127,7 @@ class HybridConfig:
             setattr(self, name, _as_float(name, getattr(self, name)))
         if isinstance(self.time_step_limit, (list, tuple)):
             self.time_step_limit = tuple(_as_float("time_step_limit", v) for v in self.time_step_limit)
-        if isinstance(self.fw_qk_norm, bool):  # the older boolean spelling
+        if isinstance(self.fw_qk_norm, bool):  # True / False: the norm on ("rms") or off
             self.fw_qk_norm = "rms" if self.fw_qk_norm else "none"
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads

@@ -3,28 +3,29 @@
     decoder = GraphedDecoder(model, cache, capacity=prompt_len + max_new_tokens)   # after a prefill into `cache`
     logits = decoder.step(token)                # token [B] -> logits [B, V] of the next position
 
-A decoding step of these models is a few hundred small kernels whose launches, not their math, set its time on a
-GPU (benchmarks/RESULTS.md: 733 launches per step for the ~125M Transformer, 1597 for the fw-1A hybrid, at
-22-79 ms per token). Capturing the step once and replaying it needs every step to run the same kernels on the same
-addresses: the decoder converts the filled cache into a `StaticCache` (attention keys/values in storage of fixed
-capacity written at a device-side slot, masks over the whole storage, positions from device tensors), feeds the
-token through a static input buffer, and after the model's step copies every new SSM state (conv tails, SSD and
-fast-weight states, carried keys) back into the buffers the step reads. The copies are part of the graph.
+A decoding step of these models is hundreds of small kernels whose launches, not their math, set its time on a GPU
+(launch counts per step: benchmarks/RESULTS.md). Capturing the step once and replaying it needs every step to run the
+same kernels on the same addresses: the decoder converts the filled cache into a `StaticCache` (attention keys/values
+in storage of fixed capacity written at a device-side slot, masks over the whole storage, positions from device
+tensors), feeds the token through a static input buffer, and after the model's step copies every new SSM state (conv
+tails, SSD and fast-weight states, carried keys) back into the buffers the step reads. The copies are part of the
+graph.
 
-`compile_step="inductor"` runs the model's step through torch.compile before the capture, so the graph holds inductor's
-fused kernels instead of one kernel per operator (a step is mostly small elementwise work: norms, gates, casts); the
-same logits as the plain step (checked with "aot_eager" on the CPU, and the inductor capture by the GPU tests on an
-H200, where it cut fw-1A's batch-32 step at 64K context from 3.13 to 1.24 ms: benchmarks/RESULTS.md). The warm-up step compiles; the capture then runs the same call with the same host counts (restored), so it
-must not compile again: it runs with dynamo's `error_on_recompile`, and a guard miss fails the capture (states
-restored, no graph kept) instead of compiling inside it or capturing an uncompiled step.
+`compile_step="inductor"` runs the model's step through torch.compile before the capture, so the graph holds
+inductor's fused kernels instead of one kernel per operator (a step is mostly small elementwise work: norms, gates,
+casts); the same logits as the plain step (checked with "aot_eager" on the CPU, and the inductor capture by the GPU
+tests; its speed-up: benchmarks/RESULTS.md). The warm-up step compiles; the capture then runs the same call with the
+same host counts (restored), so it must not compile again: it runs with dynamo's `error_on_recompile`, and a guard
+miss fails the capture (states restored, no graph kept) instead of compiling inside it or capturing an uncompiled
+step.
 
 On the CPU (or with `use_graph=False`) the same static step runs eagerly: that is what the CPU tests check against
-the dynamic cache. Attention then reads all `capacity` slots every step (the empty ones masked), so keep the
-capacity at what the generation needs; with sliding-window attention (`attention_window` W < capacity) it reads
-a ring of W slots instead, whatever the capacity. Capture happens on the first `step` (after one eager warm-up step on a side
-stream whose effect on the states is undone); `step` refuses to run past the capacity. Under a caller's autocast
-the capture runs with autocast's weight-cast cache off: a cast cached before the capture would be read by every
-replay from memory the cache frees when its context ends, so the graph recomputes the casts itself.
+the dynamic cache. Attention then reads all `capacity` slots every step (the empty ones masked), so keep the capacity
+at what the generation needs; with sliding-window attention (`attention_window` W < capacity) it reads a ring of W
+slots instead, whatever the capacity. Capture happens on the first `step` (after one eager warm-up step on a side
+stream whose effect on the states is undone); `step` refuses to run past the capacity. Under a caller's autocast the
+capture runs with autocast's weight-cast cache off: a cast cached before the capture would be read by every replay
+from memory the cache frees when its context ends, so the graph recomputes the casts itself.
 """
 
 from __future__ import annotations

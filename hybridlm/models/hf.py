@@ -42,7 +42,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridF
         raise ValueError(f"{path}: a weights file is damaged ({err}); copy or export the checkpoint again") from None
     except (OSError, RuntimeError) as err:  # no weights file, a shard missing, weights that do not fit the config
         raise ValueError(f"{path}: the weights do not load ({err})") from None
-    # Only the fast-weight gate biases may be missing (older checkpoints): the mixer initializes them.
+    # Only the fast-weight gate biases may be missing (a checkpoint written without them): the mixer initializes them.
     missing = [k for k in info.get("missing_keys", ()) if not k.endswith(_OPTIONAL_WEIGHTS)]
     unexpected = list(info.get("unexpected_keys", ()))
     if missing or unexpected:

@@ -1,9 +1,9 @@
 """Named model shapes: `tiny` (CPU seconds), the released Falcon-H1 family and `hybrid-1b` (a ~1B Falcon-H1-like
 hybrid whose head counts split over 8 tensor-parallel ranks: the long-context scaling runs).
 
-Where each Falcon-H1 value comes from (searched 2026; the released `tiiuae/Falcon-H1-*` config.json files
-themselves were not reachable from here, so "verified" means: read from a verbatim copy of the released
-config.json in a public repository or model page, and consistent with transformers' FalconH1 doc table):
+Where each Falcon-H1 value comes from ("verified" means: read from a verbatim copy of the released
+`tiiuae/Falcon-H1-*` config.json in a public repository or model page, and consistent with transformers' FalconH1
+doc table):
 - the doc table of transformers' FalconH1 (huggingface.co/docs/transformers/model_doc/falcon_h1) gives, for
   every size, layers, d_model, attention heads / KV heads, SSM heads, attention / SSM head dims, d_state;
 - 0.5B: every field below, muP multipliers included, from a copy of Falcon-H1-0.5B's config.json
@@ -16,11 +16,11 @@ config.json in a public repository or model page, and consistent with transforme
   config): 128 here, which changes only the kernels' tiling, not the math. 7B's vocab: 130049 there (130048 in
   the sizing tool's copy, which also drops the +1 of the 65537-token tokenizer for 3B);
 - 1.5B: MLP width 4608, vocab 65537, d_ssm 3072, groups 1, d_conv 4 from a copy of Falcon-H1-1.5B's config
-  (a memory-planning tool's test fixture `FALCON_H1`), its 128K context from the doc table; its muP multipliers
-  and SSM output norm were NOT found (multipliers 1.0, norm off);
-- 3B: chunk 128 and 128K context from a sizing tool's copy of its config; MLP width and vocab NOT verified;
-  multipliers NOT found (1.0); SSM output norm on, since only with it does the parameter count round to the
-  released 3,149.4M;
+  (a memory-planning tool's test fixture `FALCON_H1`), its 128K context from the doc table; no copy gives its
+  muP multipliers or SSM output norm (multipliers 1.0, norm off here);
+- 3B: chunk 128 and 128K context from a sizing tool's copy of its config; MLP width and vocab unverified; no
+  copy gives its multipliers (1.0 here); SSM output norm on, since only with it does the parameter count round to
+  the released 3,149.4M;
 - eos 11 (`<|end_of_text|>`) in every size: read in the 0.5B config and in a shrunken copy of the 34B one.
 A checkpoint loaded with `hybridlm.load_model` always carries its own config; these values only matter when
 training from a preset. Attention and MLP biases are off, as released; RoPE base 1e11.
@@ -77,7 +77,7 @@ def _mup(lm_head, key, attention_out, ssm_in, ssm_out, mlp_gate, mlp_down) -> di
     )
 
 
-_RELEASED = dict(eos_token_id=11, mamba_rms_norm=True)  # every size above 0.5B that was checked
+_RELEASED = dict(eos_token_id=11, mamba_rms_norm=True)  # every size above 0.5B whose config has a known copy
 
 PRESETS: dict[str, tuple[float, dict[str, Any]]] = {
     "tiny": (
@@ -115,7 +115,7 @@ PRESETS: dict[str, tuple[float, dict[str, Any]]] = {
                                     mamba_chunk_size=128, max_position_embeddings=262144, **_RELEASED,
                                     **_mup(0.0078125, 0.011048543456039804, 0.0375, 0.25, 0.08838834764831845,
                                            0.1767766952966369, 0.011160714285714284))),
-    # Not a release: the ~1B hybrid of issue 7's scaling run (Falcon-H1-1.5B's trunk, d_model 2048 x 24 SA_M
+    # Not a release: the ~1B hybrid of the long-context scaling runs (Falcon-H1-1.5B's trunk, d_model 2048 x 24 SA_M
     # blocks, resized so that tp=8 and mixer parallelism over tp=8 split every head count: 16 query / 8 KV
     # heads of 128, 32 Mamba-2 heads of 64 (d_ssm 2048) in 8 B/C groups, MLP 2048). 1.14B parameters, 1.01B
     # without the (untied) embeddings; 32K context, SSD chunk 128.

@@ -2,10 +2,9 @@
 
 The mixers' fused input projections have widths like 2580 (fast-weight: q, k, v, z, then H beta and H lam logits)
 or 1546 (Mamba-2: z, x, B, C, then H dt). A bf16 row of 2580 elements is not a multiple of 16 bytes, and cuBLAS
-then leaves its sm90 kernels for slower ones. Measured on an H200 (benchmarks/RESULTS.md, 2026-11-30), forward +
-backward of a 768-wide input at 16384 rows: width 2580 0.836 ms against 0.280 ms at 2560; width 1546 0.587 ms
-against 0.250 ms at 1536. Under `torch.compile` (inductor) the padding measured no change in a 144M hybrid's training
-throughput (195.4K against 194.5K tokens/s at 16K), so the gain is for eager runs.
+then leaves its sm90 kernels for slower ones: the GEMMs of such widths run several times slower than those of the
+aligned width below them (benchmarks/RESULTS.md). Under `torch.compile` (inductor) the padding leaves a hybrid's
+training throughput unchanged, so the gain is for eager runs.
 
 `AlignedLinear` keeps the checkpoint layout (`weight [out, in]`, `bias [out]`, the same names), and on CUDA with
 many rows it multiplies by the weight padded with zero rows to a multiple of `ALIGN_ROWS`, then drops the extra

@@ -11,8 +11,8 @@ from hybridlm.ops.utils import compute_dtype
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
     """Normalize the last dim of `x` [..., D] by its root mean square, then scale by `weight` [D].
 
-    The statistics run in float32 (float64 stays float64); the normalized tensor goes back to `x.dtype` before the scale,
-    so a float32 `weight` returns float32 (Falcon-H1's RMSNorm does the same).
+    The statistics run in float32 (float64 stays float64); the normalized tensor goes back to `x.dtype` before the
+    scale, so a float32 `weight` returns float32 (Falcon-H1's RMSNorm does the same).
     """
     x32 = x.to(compute_dtype(x.dtype))
     inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]

@@ -100,10 +100,9 @@ def causal_conv1d(
 def _depthwise(extended: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Valid depthwise conv along time: [B, L, C] -> [B, L-K+1, C].
 
-    Two forms of one sum, chosen by speed on an H200 (benchmarks/gpu_short_conv.py, RESULTS.md 2026-11-30): under
-    torch.compile K shifted multiply-adds, which inductor fuses with their neighbours (forward + backward 2.8x faster
-    than conv1d at the addition models' shape, 1.5x at a 125M model's at 4K); in eager mode `F.conv1d`'s depthwise
-    kernels (1.5x faster there than K separate elementwise kernels)."""
+    Two forms of one sum, each the faster on a GPU where it is used (benchmarks/gpu_short_conv.py,
+    benchmarks/RESULTS.md): under torch.compile K shifted multiply-adds, which inductor fuses with their neighbours;
+    in eager mode `F.conv1d`'s depthwise kernels, one kernel where the shifted form would launch K."""
     if torch.compiler.is_compiling():
         return _shifted_sum(extended, weight, bias)
     return _conv1d(extended, weight, bias)

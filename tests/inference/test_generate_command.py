@@ -12,7 +12,7 @@ from hybridlm.cli import main
 from hybridlm.inference import generate
 from hybridlm.models.config import HybridConfig
 from hybridlm.models.model import HybridForCausalLM
-from tests.inference.test_generate import count_decoder_steps
+from tests.inference.helpers import count_decoder_steps
 from tests.models.falcon_reference import randomize_
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(44)]

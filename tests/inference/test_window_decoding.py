@@ -9,7 +9,7 @@ import torch
 
 from hybridlm.inference import GraphedDecoder, generate
 from tests.helpers import rel_err
-from tests.inference.test_generate import MIXERS, ids, make_model
+from tests.inference.helpers import MIXERS, ids, make_model
 
 WINDOW = 3
 TOL = 1e-6  # relative: a float64 model, whose generated logits come back as float32

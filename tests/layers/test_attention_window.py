@@ -223,7 +223,6 @@ def test_config_window_round_trips_through_save_pretrained(tmp_path):
 
 
 def test_falcon_h1_export_refuses_a_window(tmp_path):
-    from hybridlm.models.configuration import HybridTransformersConfig
     from hybridlm.models.falcon_h1 import config_to_falcon_h1
     from hybridlm.models.model import HybridForCausalLM
 
@@ -453,7 +452,8 @@ def test_windowed_flash_varlen_on_cuda_matches_the_band_mask(window, monkeypatch
 
 def test_compiling_a_windowed_attention_warns_of_nothing():
     """torch.compile traces the flash kernel lookup (on every device: the lookup comes before the device check) without
-    warnings; a memoizing wrapper there made dynamo warn of possible silent incorrectness at every trace."""
+    warnings (a memoizing wrapper around it would make dynamo warn of possible silent incorrectness at every
+    trace)."""
     config = HybridConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=1e4,
                           mamba_n_heads=2, attention_window=4)
     attn = Attention(config, layer_idx=0)

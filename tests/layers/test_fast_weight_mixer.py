@@ -183,7 +183,7 @@ def test_qk_norms():
     assert rms.qk_norm == "rms"
     assert torch.allclose(rms._normalize(u).pow(2).mean(-1), torch.ones(3, 4, H), atol=1e-4)
     assert torch.equal(make_mixer(make_config("1", fw_qk_norm="none"))._normalize(u), u)
-    # The older boolean spelling still reads.
+    # A bool reads as the norm it switches on or off.
     assert make_config("1", fw_qk_norm=True).fw_qk_norm == "rms"
     assert make_config("1", fw_qk_norm=False).fw_qk_norm == "none"
 

@@ -199,9 +199,9 @@ def test_export_refuses_what_falcon_h1_cannot_express(changes, field):
 
 
 def test_greedy_generate_matches_transformers(tmp_path):
-    """Our cached generation against the reference's uncached one (a full forward per token): transformers 5.17's
-    own cached FalconH1 generation departs from its full forwards (seen on an H200 image, 2026-11-30), 5.24's
-    does not; the uncached path is the reference's math in every version."""
+    """Our cached generation against the reference's uncached one (a full forward per token): some transformers
+    versions' own cached FalconH1 generation departs from their full forwards; the uncached path is the reference's
+    math in every version."""
     reference = random_falcon(seed=4, **CASES["rmsnorm-g2-mup"])
     reference.save_pretrained(tmp_path)
     ours = hybridlm.load_model(tmp_path)

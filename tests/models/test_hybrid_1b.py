@@ -1,4 +1,4 @@
-"""The `hybrid-1b` preset (issue 7's scaling run): ~1B parameters, built on the meta device (no memory), and
+"""The `hybrid-1b` preset (the long-context scaling runs): ~1B parameters, built on the meta device (no memory), and
 every head count splits over tp=8, over mixer parallelism's halves of tp=8 and over the smaller tp sizes."""
 
 import pytest

@@ -13,25 +13,9 @@ from hybridlm.layers.cache import HybridCache
 from hybridlm.models.config import HybridConfig
 from hybridlm.models.configuration import HybridTransformersConfig
 from hybridlm.models.model import HybridForCausalLM
-from tests.models.falcon_reference import randomize_
+from tests.models.helpers import VOCAB, make_model
 
-VOCAB = 61
 ATOL = 1e-5
-
-
-def make_model(seed: int = 0, **changes) -> HybridForCausalLM:
-    fields = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_state=6, mamba_n_groups=2,
-        mamba_chunk_size=4, mamba_rms_norm=True, rope_theta=1e4, embedding_multiplier=2.0, key_multiplier=0.5,
-        ssm_out_multiplier=0.5, lm_head_multiplier=0.5,
-    )
-    fields.update(changes)
-    torch.manual_seed(seed)
-    model = HybridForCausalLM(HybridConfig(**fields)).eval()
-    randomize_(model, seed)
-    return model
-
 
 VARIANTS = {
     "falcon-h1": dict(),
@@ -339,7 +323,7 @@ def test_bad_inputs(tmp_path):
 
 
 def test_missing_fast_weight_gates_are_initialized_on_load(tmp_path):
-    """A checkpoint without the fast-weight gate biases (e.g. from an older layout) loads with the mixer's
+    """A checkpoint that lacks the fast-weight gate biases loads with the mixer's
     init: b_beta = 0, b_lam = initial_lam_bias(heads), not whatever memory the meta-device build left."""
     from safetensors.torch import load_file, save_file
 

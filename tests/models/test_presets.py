@@ -79,7 +79,7 @@ def test_overrides_and_unknown_names():
 def test_tuned_falcon_presets_follow_the_report_mup_rules():
     """The presets with tuned muP multipliers (0.5B, 1.5B-Deep, 7B, 34B, copied from the released configs) agree
     with the report's rules: embeddings x 2^2.5 and an unembedding multiplier proportional to 1 / d_model (40 / d);
-    every size above 0.5B that was checked has the SSM output norm on."""
+    every size above 0.5B whose config has a known copy has the SSM output norm on."""
     for name in ("falcon-h1-0.5b", "falcon-h1-1.5b-deep", "falcon-h1-7b", "falcon-h1-34b"):
         config = get_preset(name)
         assert config.embedding_multiplier == pytest.approx(2 ** 2.5), name
