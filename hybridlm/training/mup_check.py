@@ -109,7 +109,6 @@ def coordinate_check(
     scale: bool = True,
 ) -> dict[str, Any]:
     """Activation RMS per layer type, per width, at steps 0..steps (see the module docstring)."""
-    from hybridlm.models.configuration import HybridLMConfig
     from hybridlm.models.model import HybridForCausalLM
     from hybridlm.training.optim import build_param_groups
 
@@ -125,7 +124,7 @@ def coordinate_check(
         torch.manual_seed(seed)
         config = width_config(width, base_width, layers=layers, vocab_size=vocab, scale=scale)
         multipliers[str(width)] = {n: getattr(config, n) for n in config.multiplier_names()}
-        model = HybridForCausalLM(HybridLMConfig.from_hybrid(config))
+        model = HybridForCausalLM(config)
         optimizer = torch.optim.AdamW(build_param_groups(model.named_parameters(), lr=lr, weight_decay=0.0),
                                       betas=(0.9, 0.95))
         recorder = _Recorder(model)

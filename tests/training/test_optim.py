@@ -132,11 +132,11 @@ def test_custom_regex_classifier_and_frozen_parameters() -> None:
 
 
 def test_default_classifier_on_the_real_model() -> None:
-    from hybridlm.models.configuration import HybridLMConfig
+    from hybridlm.models.config import HybridConfig
     from hybridlm.models.model import HybridForCausalLM
 
     for mixer, arrangement in (("mamba2", "SA_M"), ("fast_weight", "S_A_M")):
-        config = HybridLMConfig(
+        config = HybridConfig(
             vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
             mamba_n_heads=4, mamba_d_state=8, ssm_mixer=mixer, block_arrangement=arrangement,
             mamba_rms_norm=True, attention_bias=True,
