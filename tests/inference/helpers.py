@@ -44,7 +44,8 @@ class StepCount:
 
 
 def count_decoder_steps(monkeypatch: pytest.MonkeyPatch) -> StepCount:
-    """Count `GraphedDecoder.step` calls, so a test knows the static path ran (the dynamic one gives the same output)."""
+    """Count `GraphedDecoder.step` calls, so a test knows the static path ran (the dynamic one gives the same
+    output)."""
     counter, step = StepCount(), GraphedDecoder.step
 
     def counted(self, token):
