@@ -1,4 +1,6 @@
-"""Model configs, presets, the transformers-compatible model classes and checkpoint conversion.
+"""The model: its config (`HybridConfig`, the one description of a model), presets, the transformers-compatible
+model classes (`model.py`, built from a HybridConfig), their decoding loop (`generation.py`, with `sampling.py` and
+`graphed.py`), checkpoint loading (`hf.py`) and the falcon_h1 conversion.
 
 Importing `hybridlm.models.model` (or `hybridlm.models.hf`) registers model_type "hybridlm" with
 transformers' AutoConfig / AutoModel / AutoModelForCausalLM.
