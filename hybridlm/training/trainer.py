@@ -1,40 +1,35 @@
-"""`Trainer`: one training run of a hybrid LM from a `TrainConfig`, on one process or under torchrun.
+"""`Trainer`: one pretraining run of a hybrid LM from a `TrainConfig`, on one process or under torchrun.
 
     trainer = Trainer(load_config("configs/demo.yaml", ["train.steps=50"]), resume=False)
     result = trainer.train()          # TrainResult(status, step, tokens, loss, eval_loss, checkpoint)
 
-What one update does (step s, 0-based; t = tokens consumed before it):
-1. agree across ranks whether to stop (SIGINT / SIGTERM / `request_stop`): if so, save and return;
-2. schedule factors for (s, t) (`training.schedules.schedule_factors`: warmup / WSD / power / EPS and
-   the batch rampup with sqrt lr scaling) -> every group's lr and wd (`training.optim.apply_schedule`);
-3. draw the step's micro-batches from the packing loader (grad_accum of them, or global batch /
-   (micro_batch x dp) during a rampup; the loader's rank / world are the data-parallel rank / size, so the
-   tp and cp ranks of one data-parallel rank get the same rows); with cp > 1 cut every row's input_ids and
-   labels (the next tokens: shifted before the cut) to this rank's chunk; count the labels and all-reduce
-   the count (each row once: tp rank 0 counts);
-4. per micro-batch: forward under bf16 autocast (if train.dtype is bf16; weights and AdamW state stay
-   fp32; the recurrent states are carried in fp32, the kernels' matmul operands stay 16-bit) inside
-   `context_parallel` when cp > 1, summed cross entropy over this rank's labels (-100 skipped), backward of
-   sum / global count (x dp, since FSDP2 averages over the data-parallel ranks): the gradient of the mean
-   loss over every label of the global batch, however it is split into ranks, chunks and micro-batches.
-   Gradients are synchronized on the last micro-batch only, then summed over cp (`reduce_context_parallel_grads`);
-5. all-reduce the loss; clip the global gradient norm (`train.grad_clip`; `distributed.clip_grad_norm`
-   over sharded and replicated gradients); the `StepGuard` skips the update (zeroing the gradients) for a
-   non-finite loss or norm and stops the run after `train.max_consecutive_skips` in a row; otherwise AdamW
-   steps.
+The Trainer builds the parts of a run and trains through `hybridlm.training.loop.TrainLoop`; its output directory
+(config.yaml, metrics, checkpoints, final/, --overwrite, the lock) is a `hybridlm.training.run_dir.RunDirectory`.
+What it plugs into the loop (update s, 0-based; t = tokens consumed before it):
+- plan: the schedule's factors for (s, t) (`training.schedules.schedule_factors`: warmup / WSD / power / EPS and the
+  batch rampup with sqrt lr scaling) and the micro-batch count: grad_accum, or global batch / (micro_batch x dp)
+  during a rampup;
+- data: the packing loader, whose rank / world are the data-parallel rank / size (the tp and cp ranks of one
+  data-parallel rank get the same rows); each batch on this rank's device, with cp > 1 every row's input_ids and
+  labels (the next tokens: shifted before the cut) cut to this rank's chunk, and the model's inputs decided on the
+  host from the loader's document offsets (`_model_inputs`);
+- loss: `TokenCrossEntropy`, the forward under bf16 autocast (if train.dtype is bf16; weights and AdamW state stay
+  fp32; the recurrent states are carried in fp32, the kernels' matmul operands stay 16-bit) inside
+  `context_parallel` when cp > 1; labels are counted once per row (tp rank 0) over every rank: the gradient is
+  that of the mean loss over every label of the global batch, however it is split into ranks, chunks and
+  micro-batches;
+- clip: `distributed.clip_grad_norm` to `train.grad_clip` over sharded and replicated gradients; guard: the
+  `StepGuard` skips the update for a non-finite loss or norm and stops the run after `train.max_consecutive_skips`
+  in a row.
+Before every update the ranks agree whether to stop (SIGINT / SIGTERM / `request_stop`); after it the Trainer
+logs, evaluates, saves and calls its callbacks.
 
 Parallelism (`parallel` section, under torchrun): `hybridlm.parallel.parallelize` in one place (TP or mixer
 parallelism, compile, activation checkpointing, FSDP2); after a forward under no_grad (evaluation, samples)
 FSDP2's root is resharded before the next step.
 
-Run directory (`train.out_dir`): `config.yaml` (resolved config), `metrics.jsonl` (one object per
-`log_every` steps: step, tokens, loss and grad_norm (means over the interval), lr and wd (base value x
-schedule factor), tokens_per_s, skipped (updates skipped in the interval), elapsed_s), `eval.jsonl`
-(step, tokens, eval_loss on the held-out data), `checkpoints/step_XXXXXXXX/` (`training.checkpoint`:
-model, optimizer, RNG, and train_state = tokens, loader position, guard, schedule, config), `loss.png`,
-`samples.txt` (`hybridlm.inference.generate` continuing the first tokens of held-out documents), `final/`
-(the trained model as a `from_pretrained` directory with the tokenizer's own files: `hybridlm generate --model
-<out_dir>/final --prompt ...`), `.train.lock` (see below). Only rank 0 writes.
+After the last update: a checkpoint, the held-out loss, `samples.txt` (`hybridlm.inference.generate` continuing the
+first tokens of held-out documents), `final/` (the trained model and the tokenizer's files) and `loss.png`.
 
 Resuming (`resume=True`): the newest complete checkpoint in `<out_dir>/checkpoints` is verified and
 loaded (model, AdamW state, RNG streams, step, tokens, data-loader position, guard counters); the
@@ -51,18 +46,6 @@ saved under 2 ranks resumes under 1 with the same stream of tokens (keep the glo
 A train.steps below the checkpoint's step is a ConfigError (a run is not shortened after the fact); a run resumed at
 its full length with final/ written is "already complete": nothing is trained or rewritten.
 
-A new run (resume=False) into an out_dir that holds one (checkpoints, final/, metrics.jsonl, its config.yaml, ...) is
-a ConfigError unless `overwrite=True`, which deletes those outputs (links are unlinked, their targets left alone)
-only after every check (config, data, model, the directory itself) has passed, just before config.yaml is written:
-a bad setting leaves the previous run as it was. resume=True with no checkpoint starts the run (a preemptible job can
-always pass --resume), but with a final/ and no checkpoint it is refused (the run looks finished: starting it over
-would replace its outputs). The run's config.yaml starts with `RUN_CONFIG_HEADER`; a config.yaml without it, and
-with no other run output beside it, is the user's file: never replaced or deleted (a ConfigError says to move it).
-
-One run per directory: rank 0 holds an exclusive lock (flock) on `<out_dir>/.train.lock` from the start until
-`train()` returns (or `close()`; the system releases it if the process dies); a second Trainer on the directory, in
-this or another process (a job started twice), is a ConfigError at once. The lock file itself is never deleted.
-
 Stopping: SIGINT or SIGTERM (or `request_stop()` from a callback) finishes the current update, saves
 a checkpoint and returns status "interrupted"; a second signal more than 2 s later raises KeyboardInterrupt at once
 (`hybridlm.training.stop.StopRequest`, `SecondSignal`: `timeout` signals the command and then its process group, a
@@ -73,23 +56,16 @@ last checkpoint is saved, and --resume writes final/. The CLI reports either in 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
-import logging
 import math
-import os
-import shutil
 import time
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from hybridlm.fileio import save_figure_atomic, write_atomic
 from hybridlm.training import distributed as D
 from hybridlm.training.checkpoint import (
     TRAIN_STATE_FILE,
@@ -103,49 +79,26 @@ from hybridlm.training.checkpoint import (
 from hybridlm.training.config import (
     ConfigError,
     TrainConfig,
-    build_model_config,
     config_to_dict,
     diff_configs,
     dump_config,
-    is_run_config,
-    plan_steps,
-    save_config,
-    schedule_config,
 )
 from hybridlm.training.guard import StepGuard
-from hybridlm.training.optim import (
-    MatrixMultipliers,
-    apply_schedule,
-    build_param_groups,
-)
+from hybridlm.training.loop import Batch, TokenCrossEntropy, TrainLoop, UpdateOutput, UpdatePlan
+from hybridlm.training.optim import MatrixMultipliers, build_param_groups
+from hybridlm.training.plan import plan_steps, schedule_config
 from hybridlm.training.rng import deterministic_kernels
+from hybridlm.training.run_dir import (
+    CONFIG_FILE,
+    EVAL_FILE,
+    FINAL_DIR,
+    METRICS_FILE,
+    RunDirectory,
+    same_file,
+)
 from hybridlm.training.schedules import schedule_factors
 from hybridlm.training.stop import StopRequest
-
-try:
-    import fcntl
-except ImportError:  # Windows: no lock on the run directory (two runs there are not kept apart)
-    fcntl = None
-
-log = logging.getLogger(__name__)
-
-IGNORE_INDEX = -100
-METRICS_FILE = "metrics.jsonl"
-EVAL_FILE = "eval.jsonl"
-CONFIG_FILE = "config.yaml"
-CHECKPOINT_DIR = "checkpoints"
-LOSS_PLOT = "loss.png"
-SAMPLES_FILE = "samples.txt"
-FINAL_DIR = "final"
-# Held (flock) by the running process's rank 0: a second `train` into the same out_dir is refused. Never deleted.
-LOCK_FILE = ".train.lock"
-# What a run writes into its out_dir (demo_data/ aside: the corpus is reusable): --overwrite removes these. Any of
-# them but config.yaml means a run is there (config.yaml alone may be the user's own config).
-_RUN_OUTPUTS = (CHECKPOINT_DIR, FINAL_DIR, METRICS_FILE, EVAL_FILE, CONFIG_FILE, LOSS_PLOT, SAMPLES_FILE)
-# What export() copies from data.tokenizer into final/: the files `HybridTokenizer.save` writes (tokenizer.json,
-# tokenizer_config.json, hybridlm_tokenizer.json) and these HF ones where present; never a model's config.json or
-# weights (data.tokenizer may well be an earlier run's final/).
-_TOKENIZER_EXTRA_FILES = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+from hybridlm.training.validate import build_model_config
 
 
 @dataclass
@@ -166,6 +119,31 @@ class _Data:
     eval_sources: list  # hybridlm.data.loader.Source
     tokenizer_dir: Path | None
     vocab_size: int
+
+
+@dataclass
+class PackedRows:
+    """The pretraining `DataSource`: the packing loader's batches, each made into this rank's micro-batch by
+    `prepare`. `tokens()` (consumed so far) is only for the message when the data runs out."""
+
+    loader: Any  # hybridlm.data.loader.PackedLoader
+    prepare: Callable[[Batch], Batch]
+    tokens: Callable[[], int]
+
+    def next_micro_batches(self, step: int, count: int) -> list[Batch]:
+        try:
+            return [self.prepare(next(self.loader)) for _ in range(count)]
+        except StopIteration:
+            raise RuntimeError(
+                f"the training data ran out at update {step} ({self.tokens():,} tokens): every source reached "
+                "its max_epochs; lower train.steps / train.tokens or allow more epochs"
+            ) from None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
 
 
 class _ModelState(torch.nn.Module):
@@ -232,7 +210,6 @@ class Trainer:
         (read already, and rewritten)."""
         self.config = config
         self.config_path = Path(config_path) if config_path is not None else None
-        self._unlock: weakref.finalize | None = None  # releases the run directory's lock (rank 0, while held)
         self.callbacks = list(callbacks)
         if config.train.device == "cuda" and not torch.cuda.is_available():
             # a setting this machine cannot honour: a configuration error (exit 2), not a failed run
@@ -240,17 +217,18 @@ class Trainer:
                               "PyTorch); use train.device=auto (the GPU where there is one) or train.device=cpu")
         self.ctx = D.init_distributed(config, device=config.train.device)
         self.out_dir = Path(config.train.out_dir)
-        self.checkpoint_dir = self.out_dir / CHECKPOINT_DIR
+        self.run_dir = RunDirectory(self.out_dir, self.ctx, say=self._print)
+        self.checkpoint_dir = self.run_dir.checkpoints
         self._stop = StopRequest(on_signal=lambda name: self._print(
             f"{name}: finishing this update, then saving a checkpoint (send it again to abort at once)"))
         self.history: list[dict] = []  # every update's record (this session), for tests and tools
         # the updates since the last metrics record: saved with checkpoints, so a resumed run logs the same records
         self._interval: list[dict] = []
         try:
-            self._prepare_out_dir(resume, overwrite)
+            self.run_dir.prepare(resume=resume, overwrite=overwrite, needed=self._needed_files())
             self._build(config, resume, overwrite)
         except BaseException:
-            self._release_lock()
+            self.run_dir.release()
             raise
 
     def _build(self, config: TrainConfig, resume: bool, overwrite: bool) -> None:
@@ -279,10 +257,9 @@ class Trainer:
                 f"vocabulary is {self.hybrid.vocab_size}; set model.overrides.vocab_size >= {self.data.vocab_size}"
             )
         self.loader = self.data.loader
-        from hybridlm.models.configuration import HybridLMConfig
         from hybridlm.models.model import HybridForCausalLM
 
-        self.raw_model = HybridForCausalLM(HybridLMConfig.from_hybrid(self.hybrid)).to(self.ctx.device)
+        self.raw_model = HybridForCausalLM(self.hybrid).to(self.ctx.device)
         self.parameters = sum(p.numel() for p in self.raw_model.parameters())
         # The groups of the unparallelized model, by name: checkpoints and the gradient norm use them (a
         # mixer-parallel rank holds only some of the parameters); each rank's optimizer holds its share.
@@ -295,7 +272,13 @@ class Trainer:
             weight_decay=config.optim.weight_decay,
         )
         self.guard = StepGuard(config.train.max_consecutive_skips, spike_factor=config.train.spike_factor)
-        self.step = 0
+        self.loss = TokenCrossEntropy(context=self._forward_context)
+        max_norm = config.train.grad_clip if config.train.grad_clip is not None else math.inf
+        self.loop = TrainLoop(
+            self.model, self.optimizer, data=PackedRows(self.loader, self._micro_batch, lambda: self.tokens),
+            loss=self.loss, plan=self._plan, guard=self.guard, ctx=self.ctx, grads_in_place=self._cuda_graphs,
+            clip=lambda model: D.clip_grad_norm(model, max_norm, self.ctx, names=self.param_names),
+        )
         self.tokens = 0
         self.resumed_from: Path | None = None
         self._last_saved_step: int | None = None
@@ -305,9 +288,14 @@ class Trainer:
         if resume:
             self._resume()
         if overwrite:  # only now, every check passed: a bad setting leaves the previous run as it was
-            self._remove_previous_run()
-        if self.ctx.is_main and not self.already_complete:
-            save_config(config, self.out_dir / CONFIG_FILE)
+            self.run_dir.remove_previous_run()
+        if not self.already_complete:
+            self.run_dir.write_config(config)
+
+    @property
+    def step(self) -> int:
+        """Updates done (counting those before a resume)."""
+        return self.loop.step
 
     # ------------------------------------------------------------------------------------------ setup
     def _print(self, message: str) -> None:
@@ -325,146 +313,15 @@ class Trainer:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
-    def _prepare_out_dir(self, resume: bool, overwrite: bool) -> None:
-        """Check the output directory before anything is built or written (ConfigError naming what to do); rank 0
-        creates it and takes its lock. Nothing is deleted here: `overwrite` removes the previous run's outputs in
-        `_remove_previous_run`, once every other check has passed.
-
-        Refused: a new run over an existing one unless `overwrite` (a finished run whose checkpoints were deleted
-        still has final/, metrics.jsonl, ... to lose); a directory another process trains into (its lock); a file
-        where checkpoints/ or final/ go, or a link there to nothing (without `overwrite`); a config.yaml that is not
-        a run's record (the user's); and with `overwrite`, a config, tokenizer or dataset inside an output that
-        would be deleted."""
-        out = self.out_dir
-        if resume and overwrite:
-            raise ConfigError("--resume and --overwrite contradict each other: --resume continues the run in "
-                              f"{out}, --overwrite replaces it; pass one of them")
-        if os.path.lexists(out) and not out.is_dir():
-            raise ConfigError(f"train.out_dir: {out} is a file, not a directory; give a directory path (or move the "
-                              "file away)")
-        self._lock_out_dir()
-        for name, what in ((CHECKPOINT_DIR, "its checkpoints"), (FINAL_DIR, "the trained model")):
-            path = out / name
-            if path.is_symlink() and not path.exists():
-                if not overwrite:
-                    raise ConfigError(
-                        f"train.out_dir: {path} is a symbolic link to {os.readlink(path)}, which does not exist (the "
-                        f"run writes {what} there); create its target, remove the link, or pass --overwrite"
-                    )
-            elif os.path.lexists(path) and not path.is_dir():
-                raise ConfigError(f"train.out_dir: {path} is a file, not a directory (the run writes {what} "
-                                  "there); move it away or choose another --out")
-        existing = list_checkpoints(self.checkpoint_dir)
-        # (checkpoints/ counts through `existing`: an empty one, or one with only a .tmp save, holds no run)
-        outputs = [name for name in _RUN_OUTPUTS if name != CHECKPOINT_DIR and os.path.lexists(out / name)]
-        config_yaml = out / CONFIG_FILE
-        # A run's record (its first line says so, or other outputs of a run lie beside it) is the run's to rewrite or
-        # delete; any other config.yaml is the user's, never replaced or deleted.
-        if outputs == [CONFIG_FILE] and not existing and not is_run_config(config_yaml):
-            raise ConfigError(
-                f"train.out_dir: {config_yaml} is not a run's record (a config of yours?) and the run writes its "
-                f"resolved config there; move it out of {out} (pass it to --config from there), or choose "
-                "another --out"
-            )
-        if resume and not existing and FINAL_DIR in outputs:
-            # Starting from scratch here would truncate the metrics and replace final/ of a finished run.
-            raise ConfigError(
-                f"--resume: {out} has no checkpoint but holds {FINAL_DIR}/: the run looks finished (its "
-                "checkpoints were removed), so there is nothing to continue; to train it again from scratch pass "
-                "--overwrite instead of --resume (replaces its outputs), or choose another --out"
-            )
-        if not resume and not overwrite and (existing or outputs):
-            found = ", ".join(([f"{CHECKPOINT_DIR}/{existing[-1].name}"] if existing else [])
-                              + [f"{n}/" if n == FINAL_DIR else n for n in outputs])
-            advice = "pass --resume to continue it, " if existing else ""
-            raise ConfigError(
-                f"train.out_dir: {out} already holds a run ({found}); {advice}pass --overwrite to replace "
-                "it (deletes its outputs), or choose another --out"
-            )
-        if overwrite:
-            self._check_nothing_needed_is_deleted()
-
-    def _lock_out_dir(self) -> None:
-        """Rank 0 creates the output directory and takes an exclusive lock on its LOCK_FILE, held until the run ends
-        (`_release_lock`; the system releases it when the process dies): a second `train` into the directory (a
-        job started twice) is refused at once instead of mixing its checkpoints and metrics with the first's.
-        Where the file system has no flock (some network file systems) or on Windows, the run goes unlocked."""
-        problem = None
-        if self.ctx.is_main:
-            try:
-                self.out_dir.mkdir(parents=True, exist_ok=True)
-                if self._unlock is None and fcntl is not None:
-                    problem = self._take_lock(self.out_dir / LOCK_FILE)
-            except OSError as err:
-                problem = f"train.out_dir: {self.out_dir}: {err}"
-        problem = D.broadcast_object(problem, self.ctx)
-        if problem:
-            raise ConfigError(problem)
-
-    def _take_lock(self, path: Path) -> str | None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            os.close(fd)
-            if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
-                return (f"train.out_dir: another `hybridlm train` is running in {self.out_dir} (it holds "
-                        f"{path.name}); wait for it to end or stop it, or choose another --out (in Python: close() "
-                        "a Trainer of this process that will not train, or build it in a with statement)")
-            log.warning("cannot lock %s (%s): this run is not protected from a second one in %s", path, err,
-                        self.out_dir)
-            return None
-        self._unlock = weakref.finalize(self, _unlock_fd, fd)
-        return None
-
-    def _release_lock(self) -> None:
-        """Let another run into the output directory (at the end of `train`, in `close`, after a failed start)."""
-        if self._unlock is not None:
-            self._unlock()
-            self._unlock = None
-
-    def _check_nothing_needed_is_deleted(self) -> None:
-        """--overwrite: a file the run reads (config, tokenizer, data) inside an output it would delete is a
-        ConfigError (a link is removed, not what it points to)."""
+    def _needed_files(self) -> list[tuple[str, Path | None]]:
+        """What the run reads ((setting, path) pairs), which --overwrite must not delete. The run's own config.yaml
+        as --config is read already, and rewritten: not needed."""
         c = self.config.data
-        # (the run's own config.yaml as --config is read already, and rewritten: not needed)
-        own = self.config_path is not None and _same_file(self.config_path, self.out_dir / CONFIG_FILE)
+        own = self.config_path is not None and same_file(self.config_path, self.out_dir / CONFIG_FILE)
         needed = [("--config", None if own else self.config_path), ("data.tokenizer", c.tokenizer),
                   ("data.demo_dir", c.demo_dir)]
-        needed += [("data.sources", s.path) for s in c.sources] + [("data.eval_sources", s.path)
-                                                                      for s in c.eval_sources]
-        for name in _RUN_OUTPUTS:
-            target = self.out_dir / name
-            if target.is_symlink() or not target.exists():
-                continue
-            target = target.resolve()
-            for what, path in needed:
-                if path is None:
-                    continue
-                path = Path(path).resolve()
-                if path == target or target in path.parents:
-                    raise ConfigError(f"{what}: {path} is inside {self.out_dir / name}, which --overwrite deletes; "
-                                      f"copy it out of {self.out_dir} first and point {what} at the copy")
-
-    def _remove_previous_run(self) -> None:
-        """--overwrite, after every check: rank 0 removes the previous run's outputs (a symbolic link is unlinked;
-        what it points to is left alone). The lock file and demo_data/ stay."""
-        problem = None
-        if self.ctx.is_main:
-            for name in _RUN_OUTPUTS:
-                path = self.out_dir / name
-                if path.is_symlink():
-                    self._print(f"--overwrite: removed the link {path} (to {os.readlink(path)}; its target is left "
-                                "as it is)")
-                try:
-                    _remove(path)
-                except OSError as err:
-                    problem = f"--overwrite: cannot remove {path} ({err}); remove it yourself or choose another --out"
-                    break
-        # every rank raises (a rank-0-only error would leave the others waiting in a barrier)
-        problem = D.broadcast_object(problem, self.ctx)
-        if problem:
-            raise ConfigError(problem)
+        return (needed + [("data.sources", s.path) for s in c.sources]
+                + [("data.eval_sources", s.path) for s in c.eval_sources])
 
     def _build_data(self) -> _Data:
         from hybridlm.data.errors import DataError
@@ -587,9 +444,8 @@ class Trainer:
             )
         if path is None:
             self._print(f"--resume: no checkpoint in {self.checkpoint_dir}; starting from scratch")
-            if self.ctx.is_main:
-                for name in (METRICS_FILE, EVAL_FILE):
-                    self._truncate_jsonl(self.out_dir / name, 0)
+            for name in (METRICS_FILE, EVAL_FILE):
+                self.run_dir.truncate(name, 0)
             return
         skipped = [p.name for p in found if p.name > path.name]
         if skipped:
@@ -621,7 +477,7 @@ class Trainer:
             params = group["params"]
             group.clear()
             group.update(values, params=params)
-        self.step, self.tokens = loaded.step, int(state["tokens"])
+        self.loop.step, self.tokens = loaded.step, int(state["tokens"])
         self.guard.load_state_dict(state["guard"])
         self._interval = [{k: math.nan if v is None else v for k, v in r.items()} for r in state.get("interval", [])]
         self.resumed_from = path
@@ -635,9 +491,9 @@ class Trainer:
             return
         self._print(f"resumed from {path} (step {self.step}, {self.tokens:,} tokens)"
                     + ("; settings changed since: " + "; ".join(changes) if changes else ""))
-        if self.ctx.is_main:  # the records after the checkpoint, and a partial one its open interval replaces
-            self._truncate_jsonl(self.out_dir / METRICS_FILE, self.step - len(self._interval))
-            self._truncate_jsonl(self.out_dir / EVAL_FILE, self.step)
+        # the records after the checkpoint, and a partial one its open interval replaces
+        self.run_dir.truncate(METRICS_FILE, self.step - len(self._interval))
+        self.run_dir.truncate(EVAL_FILE, self.step)
 
     def _config_changes(self, train_state: dict) -> list[str]:
         """The settings that differ between a checkpoint's config and this one ("key: old -> new")."""
@@ -677,20 +533,6 @@ class Trainer:
             "shorter run in another --out"
         )
 
-    @staticmethod
-    def _truncate_jsonl(path: Path, step: int) -> None:
-        """Drop records logged after `step` (by a run that died before its next checkpoint)."""
-        if not path.is_file():
-            return
-        keep = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                if json.loads(line)["step"] <= step:
-                    keep.append(line)
-            except (ValueError, KeyError, TypeError):
-                continue
-        write_atomic(path, "".join(line + "\n" for line in keep).encode("utf-8"))
-
     # ------------------------------------------------------------------------------------------ stopping
     def request_stop(self, reason: str = "stop requested") -> None:
         """Stop before the next update: save a checkpoint and return status "interrupted"."""
@@ -705,10 +547,27 @@ class Trainer:
         flag = torch.tensor([1.0 if self._stop.reason else 0.0])
         return bool(D.all_reduce_sum(flag, self.ctx).item() > 0)
 
-    # ------------------------------------------------------------------------------------------ the update
+    # ------------------------------------------------------------------------------------------ the loop's parts
+    def _plan(self, step: int) -> UpdatePlan:
+        """The schedule's factors for update `step` after `self.tokens` tokens, and its micro-batch count."""
+        factors = schedule_factors(self.schedule, total=self.schedule_total, step=step, tokens=self.tokens,
+                                   batch_tokens=self.tokens_per_update)
+        accum = (self.config.batch.grad_accum if factors.batch_size is None
+                 else factors.batch_size // self.rows_per_micro)
+        return UpdatePlan(factors.lr, factors.wd, accum)
+
     def _autocast(self):
         enabled = self.config.train.dtype == "bf16"
         return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    @contextlib.contextmanager
+    def _forward_context(self, model: torch.nn.Module) -> Iterator[None]:
+        """Around every forward of the loss: a new step of the blocks' CUDA graphs (the previous forward's outputs
+        are used up), autocast, and this rank's context-parallel chunk (cp > 1)."""
+        if self._cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with self._autocast(), D.context_parallel(model, self.ctx):
+            yield
 
     def _to_device(self, batch: dict) -> dict:
         """The batch's tensors on this rank's device, except the document offsets: the model reads those on the
@@ -725,29 +584,9 @@ class Trainer:
             batch["position_ids"] = torch.arange(length, device=self.ctx.device).unsqueeze(0).expand(rows, -1)
         return D.shard_rows(batch, self.ctx)
 
-    def compute_loss_sum(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
-        """Summed next-token cross entropy of one micro-batch over this rank's labels (fp32 scalar); with
-        cp > 1, of this rank's chunk (the chunks' sums add up to the rows' sum)."""
-        if self._cuda_graphs:  # a new step of the graphs: the previous forward's outputs are used up
-            torch.compiler.cudagraph_mark_step_begin()
-        with self._autocast(), D.context_parallel(model, self.ctx):
-            logits = model(**self._model_inputs(batch)).logits  # [B, T or T/cp, V], or [1, B T, V] packed
-        return F.cross_entropy(
-            logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-
-    def _keep_grads_outside_graphs(self) -> None:
-        """Give every trainable parameter a zero `.grad` allocated here, outside the CUDA graphs (where a skipped update
-        or the first step left none). Backward then adds each micro-batch's gradient into it. A `.grad` that is
-        itself a graph's output (what autograd keeps when the gradient is None) lives in the graphs' memory pool
-        and is invalid after the next micro-batch's forward, so gradient accumulation would read a dead buffer."""
-        for param in self.model.parameters():
-            if param.requires_grad and param.grad is None:
-                param.grad = torch.zeros_like(param)
-
     def _model_inputs(self, batch: dict) -> dict:
-        """The model's arguments for a batch, decided on the host from the loader's document offsets, so the model
-        need not read position_ids back from the device to find the documents (twice per forward):
+        """The model's arguments for a prepared batch, decided on the host from the loader's document offsets, so the
+        model need not read position_ids back from the device to find the documents (twice per forward):
         - cp > 1: this rank's chunk with its global positions (no document boundaries with cp); a batch without
           offsets: its position_ids, as they come;
         - one document per row, or boundaries not kept: the rows alone (positions 0..T-1 are the default);
@@ -761,55 +600,10 @@ class Trainer:
         return {"input_ids": batch["input_ids"].reshape(1, -1), "cu_seqlens": offsets,
                 "position_ids": batch["position_ids"].reshape(1, -1)}
 
-    def _next_batches(self, count: int) -> list[dict]:
-        try:
-            return [self._prepare(next(self.loader)) for _ in range(count)]
-        except StopIteration:
-            raise RuntimeError(
-                f"the training data ran out at update {self.step} ({self.tokens:,} tokens): every source reached "
-                "its max_epochs; lower train.steps / train.tokens or allow more epochs"
-            ) from None
-
-    def _train_step(self) -> dict:
-        c = self.config
-        dp = self.ctx.dp_size
-        started = time.perf_counter()
-        factors = schedule_factors(self.schedule, total=self.schedule_total, step=self.step, tokens=self.tokens,
-                                   batch_tokens=self.tokens_per_update)
-        apply_schedule(self.optimizer, factors.lr, factors.wd)
-        accum = c.batch.grad_accum if factors.batch_size is None else factors.batch_size // self.rows_per_micro
-        batches = self._next_batches(accum)
-        local_count = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
-        total_count = max(1.0, float(D.row_sum(torch.tensor([float(local_count)]), self.ctx).item()))
-
-        self.model.train()
-        if self._cuda_graphs:
-            self._keep_grads_outside_graphs()
-        # summed on the device: a host read per micro-batch would stall the queue (one read per update, below)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        for i, batch in enumerate(batches):
-            with D.gradient_sync(self.model, enabled=i == accum - 1):
-                micro = self.compute_loss_sum(self.model, batch)
-                (micro * (dp / total_count)).backward()
-            loss_sum += micro.detach().double()
-        D.reduce_context_parallel_grads(self.model, self.ctx)
-        loss = float(D.row_sum(loss_sum.cpu().reshape(1), self.ctx).item()) / total_count
-        max_norm = c.train.grad_clip if c.train.grad_clip is not None else math.inf
-        grad_norm = D.clip_grad_norm(self.model, max_norm, self.ctx, names=self.param_names)
-        if self.guard.check(loss, grad_norm, optimizer=self.optimizer, step=self.step):
-            self.optimizer.step()
-            skipped = False
-        else:
-            skipped = True
-        self.optimizer.zero_grad(set_to_none=not self._cuda_graphs)
-        step_tokens = accum * self.rows_per_micro * c.batch.seq_len
-        self.step += 1
-        self.tokens += step_tokens
-        return {
-            "step": self.step, "tokens": self.tokens, "loss": loss, "grad_norm": grad_norm,
-            "lr": c.optim.lr * factors.lr, "wd": c.optim.weight_decay * factors.wd, "skipped": skipped,
-            "step_tokens": step_tokens, "seconds": time.perf_counter() - started,
-        }
+    def _micro_batch(self, batch: dict) -> Batch:
+        """A loader batch as `self.loss` takes it: the model's inputs for this rank and the labels [B, T]."""
+        batch = self._prepare(batch)
+        return {**self._model_inputs(batch), "labels": batch["labels"]}
 
     # ------------------------------------------------------------------------------------------ evaluation
     def _eager_without_grad(self) -> contextlib.AbstractContextManager:
@@ -833,11 +627,11 @@ class Trainer:
             for _ in range((batches or c.train.eval_batches) * c.batch.grad_accum):
                 # every rank of a data-parallel group draws the same rows and stops together (same loader state)
                 try:
-                    batch = self._prepare(next(loader))
+                    batch = self._micro_batch(next(loader))
                 except StopIteration:
                     break
-                totals[0] += float(self.compute_loss_sum(self.model, batch))
-                totals[1] += int((batch["labels"] != IGNORE_INDEX).sum())
+                totals[0] += float(self.loss(self.model, batch))
+                totals[1] += self.loss.count(batch)
         self.model.train()
         D.reshard(self.model)  # FSDP2's root stays unsharded after a no_grad forward
         totals = D.row_sum(totals, self.ctx)
@@ -867,7 +661,7 @@ class Trainer:
                 break
         if not prompts:
             return []
-        from hybridlm.inference.generate import generate
+        from hybridlm.inference import generate
 
         # Every rank runs the forward (FSDP2 gathers, TP splits); no context parallelism while decoding (the
         # cp ranks, which hold whole parameters, each decode the prompts).
@@ -886,34 +680,28 @@ class Trainer:
         if self.ctx.is_main:
             sep = "\n" + "-" * 72 + "\n"
             body = sep.join(f"[prompt: {tok.decode(p)!r}]\n{t}" for p, t in zip(prompts, texts))
-            write_atomic(self.out_dir / SAMPLES_FILE, (body + "\n").encode("utf-8"))
+            self.run_dir.write_samples(body + "\n")
             how = f"temperature {c.sample_temperature}" if c.sample_temperature > 0 else "greedy"
             self._print(f"samples ({how}) after {self.step} updates:{sep}{body}{sep}")
         return texts
 
-    # ------------------------------------------------------------------------------------------ logging
-    def _append_jsonl(self, name: str, record: dict) -> None:
-        if self.ctx.is_main:
-            with open(self.out_dir / name, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(record) + "\n")
-
-    # ------------------------------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------------------------------ training
     def train(self) -> TrainResult:
         """Train to `total_steps` (or until stopped); see the module docstring. The output directory's lock is
         released when it returns (or raises)."""
-        self._lock_out_dir()  # (held since __init__; taken again by a second call)
+        self.run_dir.lock()  # (held since __init__; taken again by a second call)
         try:
             with deterministic_kernels(self.config.train.deterministic):
                 return self._train()
         finally:
-            self._release_lock()
+            self.run_dir.release()
 
     def _train(self) -> TrainResult:
         from tqdm.auto import tqdm
 
         c = self.config.train
         if self.already_complete:  # (said so when resuming) the outputs stay as they are
-            last_loss, eval_loss = self._logged_losses()
+            last_loss, eval_loss = self.run_dir.logged_losses()
             return TrainResult("already complete", self.step, self.tokens, last_loss, eval_loss, self.resumed_from,
                                self.out_dir)
         model = self.config.model
@@ -923,46 +711,26 @@ class Trainer:
             f" x {self.ctx.world_size} ({self.ctx.describe()}), "
             f"{self.total_steps} updates, {self.total_tokens:,} tokens, dtype {c.dtype} -> {self.out_dir}"
         )
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not (c.progress and self.ctx.is_main))
-        status, last_loss, eval_loss = "completed", None, None
-        began = time.perf_counter()
+        self._bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                         disable=not (c.progress and self.ctx.is_main))
+        self._last_loss: float | None = None
+        self._eval_loss: float | None = None
+        self._began = time.perf_counter()
         try:
             with self._stop.handle_signals():
-                while self.step < self.total_steps:
-                    if self._agree_stop():
-                        status = "interrupted"
-                        break
-                    record = self._train_step()
-                    self.history.append(record)
-                    self._interval.append(record)
-                    bar.update(1)
-                    tps = record["step_tokens"] / max(record["seconds"], 1e-9)
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{tps:,.0f}",
-                                    refresh=False)
-                    last = self.step == self.total_steps
-                    if self.step % c.log_every == 0 or last:
-                        last_loss = self._log_interval(self._interval, began)
-                        self._interval = []
-                    if last:  # saved before the final evaluation and samples: a failure there loses no training
-                        self.save()
-                    if (c.eval_every and self.step % c.eval_every == 0) or last:
-                        eval_loss = self._log_eval()
-                    if c.save_every and self.step % c.save_every == 0 and not last:
-                        self.save()
-                    for callback in self.callbacks:
-                        callback(self, record)
+                completed = self.loop.run(self.total_steps, should_stop=self._agree_stop, hooks=[self._after_update])
         finally:
-            bar.close()
-        checkpoint = None
+            self._bar.close()
+        status = "completed" if completed else "interrupted"
+        last_loss, eval_loss = self._last_loss, self._eval_loss
         if self._last_saved_step != self.step or latest_checkpoint(self.checkpoint_dir) is None:
             checkpoint = self.save()  # (with the interval still open: a resumed run completes it)
         else:
             checkpoint = latest_checkpoint(self.checkpoint_dir)
         if self._interval:  # stopped between records: this one covers fewer updates; a resumed run replaces it
-            last_loss = self._log_interval(self._interval, began)
+            last_loss = self._log_interval(self._interval)
         if not self.history:  # no update this session (resumed at its last step, final/ missing): the logged losses
-            last_loss, eval_loss = self._logged_losses()
+            last_loss, eval_loss = self.run_dir.logged_losses()
         if status == "interrupted":
             self._print(f"stopped ({self._stop.reason}) at update {self.step}; checkpoint {checkpoint}; continue "
                         f"with `hybridlm train --resume --out {self.out_dir}`")
@@ -970,44 +738,48 @@ class Trainer:
         else:
             samples = self._write_samples()
             self.export()
-        if self.ctx.is_main:
-            plot_losses(self.out_dir)
+        self.run_dir.plot()
         return TrainResult(status, self.step, self.tokens, last_loss, eval_loss,
                            Path(checkpoint) if checkpoint else None, self.out_dir, samples)
+
+    def _after_update(self, loop: TrainLoop, out: UpdateOutput) -> None:
+        """The loop's hook: the update's record, the progress bar, metrics, checkpoints, evaluation, callbacks."""
+        c = self.config
+        step_tokens = out.plan.micro_batches * self.rows_per_micro * c.batch.seq_len
+        self.tokens += step_tokens
+        record = {
+            "step": self.step, "tokens": self.tokens, "loss": out.loss, "grad_norm": out.grad_norm,
+            "lr": c.optim.lr * out.plan.lr, "wd": c.optim.weight_decay * out.plan.wd, "skipped": out.skipped,
+            "step_tokens": step_tokens, "seconds": out.seconds,
+        }
+        self.history.append(record)
+        self._interval.append(record)
+        self._bar.update(1)
+        tps = step_tokens / max(out.seconds, 1e-9)
+        self._bar.set_postfix(loss=f"{out.loss:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{tps:,.0f}", refresh=False)
+        t = c.train
+        last = self.step == self.total_steps
+        if self.step % t.log_every == 0 or last:
+            self._last_loss = self._log_interval(self._interval)
+            self._interval = []
+        if last:  # saved before the final evaluation and samples: a failure there loses no training
+            self.save()
+        if (t.eval_every and self.step % t.eval_every == 0) or last:
+            self._eval_loss = self._log_eval()
+        if t.save_every and self.step % t.save_every == 0 and not last:
+            self.save()
+        for callback in self.callbacks:
+            callback(self, record)
 
     def export(self) -> Path | None:
         """`<out_dir>/final/`: the trained model as a `from_pretrained` directory (safetensors) with the run's
         tokenizer beside it, ready for `hybridlm generate --model <out_dir>/final`. Every rank calls it (FSDP
-        gathers); rank 0 writes, through a temporary directory renamed into place."""
+        gathers); rank 0 writes (`RunDirectory.export`)."""
         from hybridlm.parallel.checkpoint import full_model_state_dict
 
-        model_sd = full_model_state_dict(self.model)
-        final = self.out_dir / FINAL_DIR
-        if self.ctx.is_main:
-            tmp = self.out_dir / f"{FINAL_DIR}.tmp"
-            _remove(tmp)
-            self.raw_model.save_pretrained(tmp, state_dict=model_sd, safe_serialization=True)
-            if self.data.tokenizer_dir is not None:
-                from hybridlm.data.tokenizer import HF_CONFIG_FILE, META_FILE, TOKENIZER_FILE
+        return self.run_dir.export(self.raw_model, full_model_state_dict(self.model), self.data.tokenizer_dir)
 
-                # The tokenizer's files only, and none the model wrote: data.tokenizer may be an earlier run's
-                # final/, whose config.json and weights must not replace this model's.
-                for name in (TOKENIZER_FILE, HF_CONFIG_FILE, META_FILE, *_TOKENIZER_EXTRA_FILES):
-                    source = Path(self.data.tokenizer_dir) / name
-                    if source.is_file() and not os.path.lexists(tmp / name):
-                        shutil.copy2(source, tmp / name)
-            # Move the previous export aside before the new one takes its name: a crash leaves one of them.
-            old = self.out_dir / f"{FINAL_DIR}.old.tmp"
-            _remove(old)
-            if os.path.lexists(final):  # (a link named final is moved aside and unlinked, its target left alone)
-                os.replace(final, old)
-            os.replace(tmp, final)
-            with contextlib.suppress(OSError):
-                _remove(old)
-        D.barrier(self.ctx)
-        return final if self.ctx.is_main else None
-
-    def _log_interval(self, interval: list[dict], began: float) -> float | None:
+    def _log_interval(self, interval: list[dict]) -> float | None:
         seconds = sum(r["seconds"] for r in interval)
         record = {
             "step": self.step,
@@ -1018,26 +790,20 @@ class Trainer:
             "grad_norm": _mean([r["grad_norm"] for r in interval]),
             "tokens_per_s": sum(r["step_tokens"] for r in interval) / max(seconds, 1e-9),
             "skipped": sum(r["skipped"] for r in interval),
-            "elapsed_s": time.perf_counter() - began,
+            "elapsed_s": time.perf_counter() - self._began,
         }
-        self._append_jsonl(METRICS_FILE, record)
+        self.run_dir.append(METRICS_FILE, record)
         return record["loss"]
-
-    def _logged_losses(self) -> tuple[float | None, float | None]:
-        """(training loss, held-out loss) of the last records in metrics.jsonl / eval.jsonl, None where absent."""
-        train = [r["loss"] for r in read_jsonl(self.out_dir / METRICS_FILE) if r.get("loss") is not None]
-        held = [r["eval_loss"] for r in read_jsonl(self.out_dir / EVAL_FILE) if r.get("eval_loss") is not None]
-        return (train[-1] if train else None), (held[-1] if held else None)
 
     def _log_eval(self) -> float | None:
         value = self.evaluate()
         if value is not None:
-            self._append_jsonl(EVAL_FILE, {"step": self.step, "tokens": self.tokens, "eval_loss": value})
+            self.run_dir.append(EVAL_FILE, {"step": self.step, "tokens": self.tokens, "eval_loss": value})
             self._print(f"update {self.step}: held-out loss {value:.4f}")
         return value
 
     def close(self) -> None:
-        self._release_lock()
+        self.run_dir.release()
         D.destroy_distributed(self.ctx)
 
     def __enter__(self) -> Trainer:
@@ -1045,67 +811,3 @@ class Trainer:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-
-def _unlock_fd(fd: int) -> None:
-    """Release the run directory's lock (explicitly: a forked child may hold a copy of the descriptor) and close it."""
-    with contextlib.suppress(OSError):
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    """Whether two paths name one file (links and relative paths resolved)."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return Path(a).resolve() == Path(b).resolve()
-
-
-def _remove(path: Path) -> None:
-    """Remove a file, a directory tree or a symbolic link (the link only, never what it points to)."""
-    if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
-        path.unlink(missing_ok=True)
-    elif path.is_dir():
-        shutil.rmtree(path)
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    path = Path(path)
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def plot_losses(out_dir: str | Path) -> Path | None:
-    """`<out_dir>/loss.png`: training loss (and held-out loss) against tokens; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no loss curve (pip install matplotlib)")
-        return None
-    out_dir = Path(out_dir)
-    train = [r for r in read_jsonl(out_dir / METRICS_FILE) if r.get("loss") is not None]
-    held = read_jsonl(out_dir / EVAL_FILE)
-    if not train:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], label="train")
-    if held:
-        ax.plot([r["tokens"] for r in held], [r["eval_loss"] for r in held], "o-", label="held-out")
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("loss (nats per token)")
-    ax.set_title(f"{out_dir.name}: loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path = out_dir / LOSS_PLOT
-    try:
-        save_figure_atomic(fig, path, dpi=100)  # a crash mid-write keeps the previous curve
-    finally:
-        plt.close(fig)
-    return path

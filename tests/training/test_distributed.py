@@ -20,18 +20,15 @@ from hybridlm.training.checkpoint import latest_checkpoint
 from hybridlm.training.config import load_config
 from hybridlm.training.trainer import Trainer
 from tests.helpers import free_port
+from tests.training.toys import small_config
 
 STEPS = 6
 TOL = 1e-5
 
 
 def _config(demo_dir: Path, out: Path, *overrides: str):
-    return load_config(None, [
-        f"data.demo_dir={demo_dir}", f"train.out_dir={out}", "data.demo_max_bytes=400000",
-        "data.demo_heldout_every=4", "batch.seq_len=32", f"train.steps={STEPS}", "train.log_every=1",
-        "train.eval_every=3", "train.eval_batches=2", "train.save_every=0", "train.samples=0",
-        "train.progress=false", "schedule.warmup=2", "optim.lr=3e-3", *overrides,
-    ])
+    return small_config(demo_dir, out, f"train.steps={STEPS}", "train.eval_every=3", "train.eval_batches=2",
+                        *overrides)
 
 
 def _worker(rank: int, world: int, port: int, demo_dir: str, out: str, overrides: list, stop_at: int | None,

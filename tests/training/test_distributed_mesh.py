@@ -35,6 +35,7 @@ from hybridlm.training.config import ConfigError, load_config
 from hybridlm.training.plan import resolve_parallel
 from hybridlm.training.trainer import Trainer
 from tests.helpers import free_port
+from tests.training.toys import small_config
 
 TOL = 1e-5
 STEPS = 8
@@ -54,12 +55,8 @@ STAGES = (  # (name, overrides, last update)
 
 
 def _config(demo_dir: Path, out: Path, *overrides: str):
-    return load_config(None, [
-        f"data.demo_dir={demo_dir}", f"train.out_dir={out}", "data.demo_max_bytes=400000",
-        "data.demo_heldout_every=4", "batch.seq_len=32", f"train.steps={STEPS}", "train.log_every=1",
-        "train.eval_every=1", "train.eval_batches=1", "train.save_every=2", "train.keep_last=8",
-        "train.samples=0", "train.progress=false", "schedule.warmup=2", "optim.lr=3e-3", *MODEL, *overrides,
-    ])
+    return small_config(demo_dir, out, f"train.steps={STEPS}", "train.eval_every=1", "train.eval_batches=1",
+                        "train.save_every=2", "train.keep_last=8", *MODEL, *overrides)
 
 
 def _record(trainer: Trainer) -> dict:

@@ -13,8 +13,10 @@ import torch
 
 from hybridlm.training.checkpoint import latest_checkpoint, list_checkpoints
 from hybridlm.training.config import ConfigError, is_run_config
-from hybridlm.training.trainer import LOCK_FILE, Trainer, read_jsonl
-from tests.training.test_trainer import cli_sets, small_config, snapshot
+from hybridlm.training.loop import TrainLoop
+from hybridlm.training.run_dir import LOCK_FILE, read_jsonl
+from hybridlm.training.trainer import Trainer
+from tests.training.toys import cli_sets, small_config, snapshot
 
 
 def train_cli(out: Path, *args: str) -> int:
@@ -104,6 +106,17 @@ def test_final_holds_this_runs_model_when_the_tokenizer_is_an_earlier_runs_final
     assert {p.name for p in (b / "final").iterdir()} - model_files == \
         {"hybridlm_tokenizer.json", "tokenizer.json", "tokenizer_config.json"}  # the tokenizer's files, nothing else
     assert HybridTokenizer.load(b / "final").vocab_size == HybridTokenizer.load(a / "final").vocab_size
+
+
+def test_writing_final_prints_no_progress_bar_and_keeps_the_setting(demo_dir, tmp_path, capfd):
+    """train.progress=false: nothing of transformers' "Writing model shards" bar, and its global setting as it was."""
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
+    Trainer(small_config(demo_dir, tmp_path / "quiet", "train.steps=1")).train()
+    captured = capfd.readouterr()
+    assert "Writing model shards" not in captured.err + captured.out, captured.err
+    assert (tmp_path / "quiet" / "final" / "model.safetensors").is_file() and hf_logging.is_progress_bar_enabled()
 
 
 # ------------------------------------------------------------------------------------ 3. one run per directory
@@ -271,16 +284,16 @@ def test_a_second_signal_stops_at_once_in_one_line(demo_dir, tmp_path, capsys, m
     from hybridlm.training.stop import StopRequest
 
     monkeypatch.setattr(StopRequest, "REPEAT_WINDOW", -1.0)  # the second signal counts as "more than 2 s later"
-    step = Trainer._train_step
+    update = TrainLoop.update
 
     def signal_twice_at_2(self):
-        record = step(self)
-        if record["step"] == 2:
+        output = update(self)
+        if output.step == 2:
             os.kill(os.getpid(), sig)  # a real signal, handled in this (main) thread: finish, then save
             os.kill(os.getpid(), sig)  # again: stop at once
-        return record
+        return output
 
-    monkeypatch.setattr(Trainer, "_train_step", signal_twice_at_2)
+    monkeypatch.setattr(TrainLoop, "update", signal_twice_at_2)
     out = tmp_path / "twice"
     assert train_cli(out, *cli_sets(demo_dir, "train.steps=5", "train.save_every=1")) == 128 + sig
     err = capsys.readouterr().err

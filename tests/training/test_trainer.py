@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-from pathlib import Path
-from typing import ClassVar
-
 import pytest
 import torch
 
@@ -18,17 +15,10 @@ from hybridlm.training.checkpoint import (
 )
 from hybridlm.training.config import ConfigError, load_config
 from hybridlm.training.guard import TrainingDivergedError
-from hybridlm.training.trainer import Trainer, read_jsonl
-
-
-def small_config(demo_dir: Path, out: Path, *overrides: str):
-    """Tiny preset, 2 x 32-token rows per micro-batch, no samples / bar / periodic eval or saves."""
-    return load_config(None, [
-        f"data.demo_dir={demo_dir}", f"train.out_dir={out}", "data.demo_max_bytes=400000",
-        "data.demo_heldout_every=4", "batch.micro_batch=2", "batch.seq_len=32", "train.steps=8",
-        "train.log_every=1", "train.eval_every=0", "train.save_every=0", "train.samples=0", "train.progress=false",
-        "schedule.warmup=2", "optim.lr=3e-3", *overrides,
-    ])
+from hybridlm.training.loop import TrainLoop, allocate_missing_grads
+from hybridlm.training.run_dir import read_jsonl
+from hybridlm.training.trainer import Trainer
+from tests.training.toys import cli_sets, small_config, snapshot
 
 
 def losses(trainer: Trainer) -> list[float]:
@@ -233,20 +223,6 @@ def test_resume_with_more_steps_through_the_cli(demo_dir, tmp_path):
     assert load_config(out / "config.yaml").train.steps == 5
 
 
-def cli_sets(demo_dir: Path, *overrides: str) -> list[str]:
-    """`--set` arguments for a tiny demo run through the CLI (as small_config, without the out dir)."""
-    sets = [f"data.demo_dir={demo_dir}", "data.demo_max_bytes=400000", "data.demo_heldout_every=4",
-            "batch.micro_batch=2", "batch.seq_len=32", "train.samples=0", "train.progress=false",
-            "train.eval_every=0", "schedule.warmup=1", *overrides]
-    return [a for s in sets for a in ("--set", s)]
-
-
-def snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
-    """Every file under a run directory (demo data aside): content and modification time."""
-    return {str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(out.rglob("*"))
-            if p.is_file() and "demo_data" not in p.parts}
-
-
 def test_a_finished_run_is_never_replaced_without_overwrite(demo_dir, tmp_path, capsys):
     """Its checkpoints deleted, a finished run still has final/, metrics.jsonl and config.yaml: a new run into
     the directory (with or without --resume) once replaced them silently; now only --overwrite does."""
@@ -327,15 +303,15 @@ def test_resume_at_the_last_step_without_final_finishes_the_export(demo_dir, tmp
 def test_the_summary_after_sigint_lists_only_outputs_that_exist(demo_dir, tmp_path, capsys, monkeypatch):
     from hybridlm.cli import main
 
-    step = Trainer._train_step
+    update = TrainLoop.update
 
     def interrupt_at_2(self):
-        record = step(self)
-        if record["step"] == 2:
+        output = update(self)
+        if output.step == 2:
             os.kill(os.getpid(), signal.SIGINT)  # a real signal, handled in this (main) thread
-        return record
+        return output
 
-    monkeypatch.setattr(Trainer, "_train_step", interrupt_at_2)
+    monkeypatch.setattr(TrainLoop, "update", interrupt_at_2)
     out = tmp_path / "sigint"
     assert main(["train", "--out", str(out), *cli_sets(demo_dir, "train.steps=5")]) == 128 + signal.SIGINT
     summary = capsys.readouterr().out.strip().splitlines()[-1]
@@ -376,7 +352,7 @@ def test_samples_at_temperature_zero_are_greedy_and_written_atomically(demo_dir,
 
 def test_the_loss_plot_is_replaced_atomically(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    from hybridlm.training.trainer import plot_losses
+    from hybridlm.training.run_dir import plot_losses
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "tokens": 64 * s, "loss": 5.0 / s}) + "\n"
                                                     for s in (1, 2, 3)))
@@ -411,26 +387,29 @@ def test_sigterm_saves_a_checkpoint_and_restores_the_handler(demo_dir, tmp_path)
     assert resumed.step == 3
 
 
-class NaNAt(Trainer):
-    """Makes the loss of the given (0-based) updates non-finite."""
+def nan_loss_at(trainer: Trainer, bad_steps: set[int]) -> Trainer:
+    """Make the training loss of the given (0-based) updates non-finite."""
+    loss = trainer.loop.loss
 
-    bad_steps: ClassVar[set[int]] = set()
+    class NaNAt:
+        count = staticmethod(loss.count)
 
-    def compute_loss_sum(self, model, batch):
-        loss = super().compute_loss_sum(model, batch)
-        return loss * float("nan") if self.step in self.bad_steps else loss
+        def __call__(self, model, batch):
+            value = loss(model, batch)
+            return value * float("nan") if trainer.step in bad_steps else value
+
+    trainer.loop.loss = NaNAt()
+    return trainer
 
 
 def test_non_finite_loss_skips_the_update(demo_dir, tmp_path):
-    class Trainer2(NaNAt):
-        bad_steps: ClassVar[set[int]] = {2}
-
     snapshots = {}
 
     def snapshot(trainer, record):
         snapshots[record["step"]] = [p.detach().clone() for p in trainer.raw_model.parameters()]
 
-    trainer = Trainer2(small_config(demo_dir, tmp_path / "nan", "train.log_every=4"), callbacks=[snapshot])
+    trainer = nan_loss_at(Trainer(small_config(demo_dir, tmp_path / "nan", "train.log_every=4"),
+                                  callbacks=[snapshot]), {2})
     result = trainer.train()
     assert result.status == "completed"
     assert [r["skipped"] for r in trainer.history] == [False, False, True, False, False, False, False, False]
@@ -443,10 +422,8 @@ def test_non_finite_loss_skips_the_update(demo_dir, tmp_path):
 
 
 def test_consecutive_non_finite_losses_stop_the_run(demo_dir, tmp_path):
-    class Trainer2(NaNAt):
-        bad_steps: ClassVar[set[int]] = {1, 2, 3, 4, 5}
-
-    trainer = Trainer2(small_config(demo_dir, tmp_path / "div", "train.max_consecutive_skips=3"))
+    trainer = nan_loss_at(Trainer(small_config(demo_dir, tmp_path / "div", "train.max_consecutive_skips=3")),
+                          {1, 2, 3, 4, 5})
     with pytest.raises(TrainingDivergedError, match="3 consecutive optimizer updates skipped"):
         trainer.train()
     assert trainer.step == 3  # updates 1 and 2 (0-based) were skipped, the third skip (update 3) raised
@@ -581,8 +558,10 @@ def test_compiled_blocks_train_like_eager(demo_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.nn.Module, "compile", lambda module, *a, **kw: modes.append(kw.get("mode")) or
                         real_compile(module, *a, **kw))
     kept = []
-    real_keep = Trainer._keep_grads_outside_graphs
-    monkeypatch.setattr(Trainer, "_keep_grads_outside_graphs", lambda self: kept.append(self.step) or real_keep(self))
+    from hybridlm.training import loop
+
+    monkeypatch.setattr(loop, "allocate_missing_grads", lambda model: kept.append(compiled.step)
+                        or allocate_missing_grads(model))
     compiled = Trainer(small_config(demo_dir, tmp_path / mode, *extra, "train.compile=true",
                                     f"train.compile_mode={mode}", "train.samples=1", "train.sample_tokens=4"))
     result = compiled.train()
@@ -666,11 +645,11 @@ def test_cuda_graph_blocks_accumulate_gradients_like_eager(demo_dir, tmp_path):
         torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4, msg=name)
 
 
-def test_keep_grads_outside_graphs_allocates_missing_gradients_only(demo_dir, tmp_path):
+def test_allocate_missing_grads_allocates_missing_gradients_only(demo_dir, tmp_path):
     trainer = Trainer(small_config(demo_dir, tmp_path, "train.compile=true", "train.compile_mode=reduce-overhead"))
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     kept = params[0].grad = torch.ones_like(params[0])
-    trainer._keep_grads_outside_graphs()
+    allocate_missing_grads(trainer.model)
     assert params[0].grad is kept and kept.eq(1).all()  # an existing gradient is left alone
     assert all(p.grad is not None and not p.grad.any() for p in params[1:])
 
@@ -691,8 +670,9 @@ def test_model_inputs_come_from_the_host_offsets_and_give_the_same_loss(demo_dir
         "rows": (torch.arange(16).expand(2, 16), torch.tensor([0, 16, 32])),
     }
     for name, (positions, offsets) in documents.items():
-        batch = trainer._prepare({"input_ids": ids, "labels": labels, "position_ids": positions,
-                                  "cu_seqlens": offsets.to(torch.int32), "max_seqlen": 16})
+        raw = {"input_ids": ids, "labels": labels, "position_ids": positions, "cu_seqlens": offsets.to(torch.int32),
+               "max_seqlen": 16}
+        batch = trainer._prepare(raw)
         inputs = trainer._model_inputs(batch)
         if name == "packed" and boundaries:
             assert sorted(inputs) == ["cu_seqlens", "input_ids", "position_ids"]
@@ -700,7 +680,7 @@ def test_model_inputs_come_from_the_host_offsets_and_give_the_same_loss(demo_dir
         else:  # one document per row, or boundaries not kept: positions 0..T-1, the model's default
             assert sorted(inputs) == ["input_ids"]
         with torch.no_grad():
-            got = trainer.compute_loss_sum(trainer.model, batch)
+            got = trainer.loss(trainer.model, trainer._micro_batch(raw))
             logits = trainer.model(batch["input_ids"], position_ids=batch["position_ids"]).logits
             want = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100,
                                    reduction="sum")

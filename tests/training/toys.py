@@ -1,9 +1,38 @@
-"""Small modules for the training tests, with the parameter names of hybridlm's models (no model import)."""
+"""What the training tests share: tiny runs of the demo corpus (configs, `--set` arguments, a directory snapshot),
+and small modules with the parameter names of hybridlm's models (no model import)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
+
+from hybridlm.training.config import TrainConfig, load_config
+
+
+def small_config(demo_dir: Path, out: Path, *overrides: str) -> TrainConfig:
+    """Tiny preset, 2 x 32-token rows per micro-batch, 8 updates, no samples / bar / periodic eval or saves."""
+    return load_config(None, [
+        f"data.demo_dir={demo_dir}", f"train.out_dir={out}", "data.demo_max_bytes=400000",
+        "data.demo_heldout_every=4", "batch.micro_batch=2", "batch.seq_len=32", "train.steps=8",
+        "train.log_every=1", "train.eval_every=0", "train.save_every=0", "train.samples=0", "train.progress=false",
+        "schedule.warmup=2", "optim.lr=3e-3", *overrides,
+    ])
+
+
+def cli_sets(demo_dir: Path, *overrides: str) -> list[str]:
+    """`--set` arguments for a tiny demo run through the CLI (as small_config, without the out dir)."""
+    sets = [f"data.demo_dir={demo_dir}", "data.demo_max_bytes=400000", "data.demo_heldout_every=4",
+            "batch.micro_batch=2", "batch.seq_len=32", "train.samples=0", "train.progress=false",
+            "train.eval_every=0", "schedule.warmup=1", *overrides]
+    return [a for s in sets for a in ("--set", s)]
+
+
+def snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under a run directory (demo data aside): content and modification time."""
+    return {str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(out.rglob("*"))
+            if p.is_file() and "demo_data" not in p.parts}
 
 
 class ToyNorm(nn.Module):
