@@ -9,8 +9,9 @@ Runs (import them from their modules; they pull in the model classes):
 - `config`: the run config's sections, loaded from YAML + `--set` overrides (`typed_yaml`: the generic typing
   underneath), checked by `validate`; `plan`: what the run is at a world size (mesh sizes, length, schedule,
   batch rampup); `loop`: `TrainLoop`, the one training loop (its data source and loss are parts); `trainer`:
-  `Trainer`, pretraining through it; `run_dir`: the run's output directory; `distributed`: torchrun, the device mesh and `hybridlm.parallel` (FSDP2 /
-  HSDP, tp, cp, mixer parallelism), full checkpoints; `demo`: the built-in Python-stdlib byte corpus;
+  `Trainer`, pretraining through it; `run_dir`: the run's output directory; `distributed`: torchrun, the device
+  mesh and `hybridlm.parallel` (FSDP2 / HSDP, tp, cp, mixer parallelism), full checkpoints; `demo`: the built-in
+  Python-stdlib byte corpus;
   `mup_check`: the coordinate check; `commands`: `hybridlm train` and `hybridlm mup-check`
 """
 
