@@ -11,8 +11,8 @@ Runs (import them from their modules; they pull in the model classes):
   batch rampup); `loop`: `TrainLoop`, the one training loop (its data source and loss are parts); `trainer`:
   `Trainer`, pretraining through it; `run_dir`: the run's output directory; `distributed`: torchrun, the device
   mesh and `hybridlm.parallel` (FSDP2 / HSDP, tp, cp, mixer parallelism), full checkpoints; `demo`: the built-in
-  Python-stdlib byte corpus;
-  `mup_check`: the coordinate check; `commands`: `hybridlm train` and `hybridlm mup-check`
+  Python-stdlib byte corpus; `mup_check`: the coordinate check; `commands`: `hybridlm train` and
+  `hybridlm mup-check`
 """
 
 from __future__ import annotations
