@@ -12,17 +12,19 @@ interrupted benchmark continues where it stopped, and a long one can be split ov
 that exist, the missing ones listed).
 
 Resumable jobs (`Job.resumable`: the model-seed benchmarks and the allocation sweep) also continue a run
-that was stopped half way: their runner gets `checkpoint=out_dir/runs/<key>.ckpt` (a path stem, see
-`hybridlm.experiments.train`) and `should_stop`. SIGTERM or SIGINT (once; a second one more than 2 s
-later raises KeyboardInterrupt at once) and the end of `time_budget` make every running resumable run save its
+that was stopped half way: their runner gets `checkpoint=out_dir/runs/<key>.ckpt` (a directory of step
+checkpoints, see `hybridlm.experiments.train`) and `should_stop`. SIGTERM or SIGINT (once; a second one more than
+2 s later raises KeyboardInterrupt at once) and the end of `time_budget` make every running resumable run save its
 checkpoint after its current update and stop (`TrainingInterrupted`); the next call with the same
-`out_dir` resumes it from there. The checkpoint is removed once runs/<key>.json is written.
+`out_dir` resumes it from there. The checkpoint is removed once runs/<key>.json is written. A run's checkpoint in
+the format of earlier hybridlm versions (runs/<key>.ckpt.json with runs/<key>.ckpt.stepNNNNNNNN.safetensors) cannot
+be resumed: `run_jobs` stops before any run starts and names the files to delete.
 
 Runs execute in this process when there is one worker on the CPU (tests), else in spawned worker
-processes, `per_device` of them on each device (side by side they share the GPU: on an H200 they did not
-raise the updates per second, hybridlm/eval/README.md). Workers run in a process group of their own, so that a
-signal to the command's group (`timeout`, Ctrl-C) reaches only this process, which stops them through an Event (a
-signal to the whole group would also kill torch.compile's compiler subprocesses mid-compilation).
+processes, `per_device` of them on each device (side by side they share the device). Workers run in a process
+group of their own, so that a signal to the command's group (`timeout`, Ctrl-C) reaches only this process, which
+stops them through an Event (a signal to the whole group would also kill torch.compile's compiler subprocesses
+mid-compilation).
 Each run logs to `out_dir/runs/<key>.log`.
 """
 
@@ -33,6 +35,7 @@ import importlib
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import sys
@@ -47,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridlm.fileio import write_atomic
+from hybridlm.fileio import FileLock, diff_nested, write_atomic
 from hybridlm.training.rng import deterministic_kernels
 from hybridlm.training.stop import StopRequest
 
@@ -101,27 +104,34 @@ class RunBusy(RuntimeError):
 @contextlib.contextmanager
 def _run_lock(out_dir: Path, key: str):
     """An exclusive lock on runs/<key>.lock while the run trains, so two commands sharing an out_dir never train
-    (and checkpoint) the same run at once. No-op where fcntl does not exist."""
+    (and checkpoint) the same run at once."""
+    lock = FileLock(out_dir / RUNS / f"{key}.lock")
+    if not lock.acquire():
+        raise RunBusy(f"run {key} is being trained by another command on {out_dir}: run this one again when that "
+                      "one ends")
     try:
-        import fcntl
-    except ImportError:
         yield
-        return
-    with open(out_dir / RUNS / f"{key}.lock", "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as err:
-            raise RunBusy(f"run {key} is being trained by another command on {out_dir}: run this one again when "
-                          "that one ends") from err
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    finally:
+        lock.release()
 
 
 def checkpoint_path(out_dir: str | Path, key: str) -> Path:
-    """The checkpoint stem of a resumable run: files <stem>.json and <stem>.stepNNNNNNNN.safetensors."""
+    """The checkpoint directory of a resumable run (its step directories: `hybridlm.experiments.train`)."""
     return Path(out_dir) / RUNS / f"{key}.ckpt"
+
+
+def old_format_checkpoint(out_dir: str | Path, key: str) -> list[Path]:
+    """The files of a run's checkpoint in the format of earlier hybridlm versions (runs/<key>.ckpt.json, its
+    runs/<key>.ckpt.stepNNNNNNNN.safetensors and their temporaries), which this version cannot resume."""
+    runs = Path(out_dir) / RUNS
+    if not runs.is_dir():
+        return []
+    pattern = re.compile(re.escape(key) + r"\.ckpt(\.json|\.step\d+\.safetensors)(\.tmp-\d+)?")
+    return sorted(p for p in runs.iterdir() if pattern.fullmatch(p.name))
+
+
+class OldCheckpointFormat(ValueError):
+    """A run to train has an in-progress checkpoint in the format of earlier hybridlm versions."""
 
 
 def load_run(out_dir: Path, job: Job) -> dict | None:
@@ -160,23 +170,21 @@ def _refuse_another_specs_run(out_dir: Path, job: Job) -> None:
         return
     spec = stored.get("spec") if isinstance(stored, dict) else None
     if isinstance(spec, dict) and spec != job.spec:
-        changed = sorted(_differences(spec, job.spec))
+        changed = [d.key for d in diff_nested(spec, job.spec)]
         raise RunConflict(
             f"{path} holds a finished run of another recipe (differs in {', '.join(changed)}); write this one to "
             "another --out, or move that file away to replace it"
         )
 
 
-def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
-    """The dotted keys whose values differ between two nested dicts."""
-    keys = []
-    for key in sorted(set(a) | set(b), key=str):
-        x, y = a.get(key), b.get(key)
-        if isinstance(x, dict) and isinstance(y, dict):
-            keys += _differences(x, y, f"{prefix}{key}.")
-        elif x != y:
-            keys.append(f"{prefix}{key}")
-    return keys
+def _refuse_old_checkpoints(out_dir: Path, jobs: Sequence[Job]) -> None:
+    """`OldCheckpointFormat`, before any run starts, when a run to train has a checkpoint of an earlier version."""
+    old = [path for job in jobs for path in old_format_checkpoint(out_dir, job.key)]
+    if old:
+        raise OldCheckpointFormat(
+            f"{', '.join(map(str, old))}: in-progress checkpoint(s) in the format of an earlier hybridlm version, "
+            "which this version cannot resume; delete these files to train those runs from their start (or finish "
+            "them with the version that saved them)")
 
 
 def _call(job: Job, device: str, out_dir: Path, should_stop: Callable[[], bool] | None = None, *,
@@ -222,21 +230,25 @@ def _is_interrupted(err: BaseException) -> bool:
 
 
 def _remove_checkpoint(out_dir: Path, key: str) -> None:
-    from hybridlm.experiments.task_checkpoint import remove_checkpoint
+    from hybridlm.experiments.train import remove_checkpoint
 
     remove_checkpoint(checkpoint_path(out_dir, key))
 
 
 def _leftover_checkpoint(out_dir: Path, job: Job, echo: Callable[[str], None]) -> None:
     """A finished run reused: its own checkpoint (left by a kill between the result's write and the checkpoint's
-    removal) goes; one saved for another spec under the same key (another recipe's half-done run) stays."""
-    from hybridlm.experiments.task_checkpoint import json_of, saved_fingerprint
+    removal) goes; one saved for another spec under the same key (another recipe's half-done run) stays, as do
+    the files of an earlier version's checkpoint (named, to delete)."""
+    from hybridlm.experiments.train import saved_fingerprint
+    from hybridlm.training.checkpoint import list_checkpoints
 
-    stem = checkpoint_path(out_dir, job.key)
-    if json_of(stem).is_file() and saved_fingerprint(stem) != job.spec:
-        echo(f"kept {json_of(stem)}: a checkpoint saved for another spec under the same run name")
+    directory = checkpoint_path(out_dir, job.key)
+    if list_checkpoints(directory) and saved_fingerprint(directory) != job.spec:
+        echo(f"kept {directory}: a checkpoint saved for another spec under the same run name")
     else:  # its own, or only the temporaries of an interrupted first save
         _remove_checkpoint(out_dir, job.key)
+    if old := old_format_checkpoint(out_dir, job.key):
+        echo(f"kept {', '.join(map(str, old))}: left by an earlier hybridlm version; delete them")
 
 
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
@@ -337,17 +349,16 @@ def run_jobs(
     if len({j.key for j in jobs}) != len(jobs):
         raise ValueError("job keys must be unique")
     refuse_other_recipes(out_dir, jobs)
+    stored = {job.key: load_run(out_dir, job) for job in jobs}
+    todo = [job for job in jobs if stored[job.key] is None]
+    _refuse_old_checkpoints(out_dir, [job for job in todo if job.resumable])
     (out_dir / RUNS).mkdir(parents=True, exist_ok=True)
     results = JobResults()
-    todo: list[Job] = []
     for job in jobs:
-        stored = load_run(out_dir, job)
-        if stored is not None:
-            results[job.key] = stored
+        if stored[job.key] is not None:
+            results[job.key] = stored[job.key]
             if job.resumable:  # a run killed between writing its result and removing its checkpoint
                 _leftover_checkpoint(out_dir, job, echo)
-        else:
-            todo.append(job)
     if results:
         echo(f"reusing {len(results)} finished run(s) from {out_dir / RUNS}")
         plain = [key for key, result in results.items() if not result.get("deterministic")]

@@ -1,61 +1,55 @@
-"""`train_on_task`: a small training loop for synthetic tasks (addition, recall, the allocation sweep).
+"""`train_on_task`: the training run of the papers' experiments (addition, recall, the allocation sweep), on
+`hybridlm.training`'s loop and checkpoint format.
 
-    result = train_on_task(model, batch_fn, steps=3000, lr=1e-3, device="cuda",
-                           eval_fn=val_accuracy, eval_every=250)
+    result = train_on_task(model, batch_fn, steps=3000, lr=1e-3, device="cuda", eval_fn=val_accuracy,
+                           eval_every=250, checkpoint="runs/fw-3A_seed0.ckpt")
     result.best_step, result.best_score       # the model is left holding the best weights
 
-Built from the library's training pieces, not the corpus Trainer: AdamW over
-`hybridlm.training.optim.build_param_groups` (matrices decayed, norms / biases / convs / SSM scalars
-not), the lr factor from `hybridlm.training.schedules` (linear warmup, cosine down to
-`min_lr_ratio`), gradient clipping, bf16 autocast on CUDA. `batch_fn(step)` returns a dict with
-`input_ids` and `labels` [B, T] (labels aligned with the inputs, -100 where nothing is scored; the
-model shifts them) and optionally `position_ids`; it runs on the CPU and the batch is moved here.
+The update is `hybridlm.training.loop.TrainLoop`'s with the parts of a small model on a synthetic task: `batch_fn(step)`
+as the data source (`BatchFunction`: a dict with `input_ids` and `labels` [B, T], labels aligned with the inputs,
+-100 where nothing is scored, the model shifts them; optionally `position_ids`; made on the CPU, moved to the device
+there), the model's own mean loss (`ModelLoss`) under bf16 autocast on CUDA, one micro-batch per update, AdamW over
+`hybridlm.training.optim.build_param_groups` (matrices decayed; norms, biases, convs and SSM scalars not), linear
+warmup then cosine down to `min_lr_ratio` (`hybridlm.training.schedules`), gradient clipping to `grad_clip`.
 
-With `eval_fn(model) -> (score, loss)` every `eval_every` steps (and after the last), the weights of the
-best evaluation are restored at the end: highest score, ties to the lower loss, then the later step.
-Selecting on an in-distribution validation set is what Table 3's "best step" column reports.
+With `eval_fn(model) -> (score, loss)` every `eval_every` updates (and after the last), the weights of the best
+evaluation are restored at the end: highest score, ties to the lower loss, then the later step. The mean training
+loss since the last line is recorded every `log_every` updates (a non-finite one raises FloatingPointError).
 
-`compile=True` runs the training forward through `torch.compile`: inductor with CUDA graphs
-("reduce-overhead") on a GPU, where these few-million-parameter models are bound by kernel launches and
-elementwise traffic; "aot_eager" on the CPU (traces the same graph, compiles in seconds; for tests).
-Evaluation runs the plain module (its shapes vary per width; the compiled one would recompile).
+`compile=True` runs the training forward through `torch.compile`: inductor with CUDA graphs ("reduce-overhead") on a
+GPU, where these few-million-parameter models are bound by kernel launches and elementwise traffic; "aot_eager" on
+the CPU (traces the same graph, compiles in seconds; for tests). Evaluation runs the plain module (its shapes vary;
+the compiled one would recompile).
 
-Checkpoints and resuming (`checkpoint=STEM`). Every `checkpoint_every` updates (default 1000: one save of a
-6M-parameter model took 0.4 s on an H200, ~30% of 250 compiled Transformer updates at batch 256), when
-`should_stop()` turns true, and after the last update, the loop saves
-everything that continuing needs, so that an interrupted run that is started again with the same
-arguments ends bit for bit where an uninterrupted one would (tested on the CPU in float32):
+Checkpoints (`checkpoint=DIR`) are `hybridlm.training.checkpoint`'s step directories, `DIR/step_XXXXXXXX/`, saved
+every `checkpoint_every` updates, when `should_stop()` turns true after an update, and after the last update. A save
+is atomic and removes the previous checkpoint once it is complete (`keep_last=1`), so a kill at any moment leaves the
+previous checkpoint or the new one. Besides the optimizer and the global random generators, a step directory holds
 
-    STEM.stepNNNNNNNN.safetensors  tensors: the model ("/model/<name>"), AdamW's state ("/optimizer/state/
-                                   <i>/exp_avg", ...), the best evaluation's weights so far ("/best/<name>"),
-                                   torch's CPU and (on CUDA) device RNG states ("/torch_rng/..."), the
-                                   running loss sum since the last log line ("/running_loss")
-    STEM.json                      the step reached, `steps`, `lr`, the caller's `fingerprint` (the bench
-                                   runners pass task, model, seed and recipe), the TrainResult so far
-                                   (losses, evals, best step / score / loss), `batch_state`'s state, the
-                                   seconds trained, the tensor file's name, size and sha256, and the layout
-                                   of the non-tensor parts (`hybridlm.training.tensor_tree`)
+    model.safetensors    the model under "model." and, once there is one, the best evaluation's weights under "best."
+    train_state.json     the run's settings and the caller's `fingerprint` (the bench runners pass task, model, seed
+                         and recipe), the TrainResult so far, the running loss sum since the last loss line, the
+                         state `batch_state` gives, the seconds trained, the training device's CUDA generator state
 
-The tensor file is written first (a temporary name, fsync, os.replace: `hybridlm.fileio.write_atomic`),
-then the JSON the same way: the JSON marks the checkpoint complete and names its tensor file, and older
-tensor files are removed only after it, so a kill at any moment leaves the previous checkpoint or the
-new one, never a mix. Nothing is pickled. If STEM.json exists when `train_on_task` starts, it is checked
-(format, tensor file size and sha256, `steps`, `lr`, `fingerprint`, parameter names and shapes) and the
-loop continues from its step; a corrupt or mismatched checkpoint raises `CheckpointError` naming the file
-and saying what to do (delete STEM.* to start the run over). It is never overwritten silently.
+If DIR holds a checkpoint when `train_on_task` starts, its newest is verified (checksums; settings and fingerprint
+equal to this call's; parameter names and shapes) and training continues from its step, ending bit for bit where an
+uninterrupted run would (same batches, AdamW state, evaluations and best step; tested on the CPU in float32). A
+corrupt or mismatched checkpoint raises `CheckpointError` naming the file and saying what to do; it is never
+overwritten. A finished run leaves its final checkpoint (a second call returns the result without training); whoever
+records the result removes it with `remove_checkpoint(DIR)` (the bench runner does, right after writing
+runs/<key>.json). When `should_stop()` is true after an update, the run saves and raises `TrainingInterrupted` (the
+bench runner sets it on SIGTERM / SIGINT and at `--time-budget`).
 
-`batch_fn` must be a function of the step and of state that `batch_state=(get, set)` captures: the
-random generator it draws from (`generator_state(rng)`), or a data loader's `state_dict` /
-`load_state_dict`. A finished run leaves its final checkpoint (step == `steps`, a second call returns the
-result without training); whoever records the result removes it with `task_checkpoint.remove_checkpoint(STEM)` (the
-bench runner does, right after writing runs/<key>.json). When `should_stop()` is true after an update,
-the loop saves and raises `TrainingInterrupted` (the bench runner sets it on SIGTERM / SIGINT and at the
-`--time-budget`).
+`batch_fn` must be a function of the step and of state that `batch_state=(get, set)` captures: the random generator
+it draws from (`generator_state(rng)`), or a data loader's `state_dict` / `load_state_dict`.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import math
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -66,15 +60,26 @@ import torch
 from torch import nn
 
 from hybridlm.eval.scoring import autocast_for
-from hybridlm.experiments import task_checkpoint as C
-from hybridlm.training.checkpoint import CheckpointError
-from hybridlm.training.optim import apply_schedule, build_param_groups
-from hybridlm.training.schedules import ScheduleConfig, schedule_factors
+from hybridlm.fileio import diff_nested
+from hybridlm.training.checkpoint import (
+    TRAIN_STATE_FILE,
+    CheckpointError,
+    CheckpointMismatchError,
+    checkpoint_dir_name,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from hybridlm.training.loop import BatchFunction, ModelLoss, TrainLoop, UpdateOutput, local_grad_clip, schedule_plan
+from hybridlm.training.optim import build_param_groups
+from hybridlm.training.schedules import ScheduleConfig
 
 Batch = dict[str, torch.Tensor]
 StateAccess = tuple[Callable[[], Any], Callable[[Any], None]]  # (get, set) of a JSON-able state
 
 DEFAULT_CHECKPOINT_EVERY = 1000
+STATE_KIND = "hybridlm-train-on-task"  # train_state.json's "kind": a checkpoint that `train_on_task` saved
 
 
 @dataclass(frozen=True)
@@ -154,11 +159,11 @@ class TrainResult:
 
 
 class TrainingInterrupted(Exception):
-    """`should_stop()` turned true: training stopped after `step` of `steps` updates, its state saved to the
-    checkpoint at `checkpoint` (a STEM; None when no checkpoint was asked for). Call again to continue."""
+    """`should_stop()` turned true: training stopped after `step` of `steps` updates, its state saved to the step
+    directory `checkpoint` (None when no checkpoint was asked for). Call again to continue."""
 
     def __init__(self, step: int, steps: int, checkpoint: Path | None):
-        where = f"state saved to {C.json_of(checkpoint)}" if checkpoint is not None else "nothing saved (no checkpoint)"
+        where = f"state saved to {checkpoint}" if checkpoint is not None else "nothing saved (no checkpoint)"
         super().__init__(f"stopped after {step}/{steps} updates; {where}")
         self.step, self.steps, self.checkpoint = step, steps, checkpoint
 
@@ -201,138 +206,255 @@ def train_on_task(
 ) -> TrainResult:
     """Train `model` in place for `steps` updates; see the module docstring. `warmup` defaults to 10%.
 
-    `checkpoint`: a path STEM (files STEM.json, STEM.stepNNNNNNNN.safetensors) to save to and resume from;
-    `checkpoint_every` updates between saves (default 1000; 0: only when stopping and at
-    the end); `batch_state`: (get, set) of the state `batch_fn` draws from; `fingerprint`: a JSON-able
-    description of the run, compared on resuming; `should_stop()`: checked after every update, true ->
-    save and raise `TrainingInterrupted`."""
+    `checkpoint`: a directory to save step directories to and resume from; `checkpoint_every` updates between saves
+    (default 1000; 0: only when stopping and at the end); `batch_state`: (get, set) of the state `batch_fn` draws
+    from; `fingerprint`: a JSON-able description of the run, compared on resuming; `should_stop()`: checked after
+    every update but the last, true -> save and raise `TrainingInterrupted`."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    device = torch.device(device)
-    model.to(device).train()
-    forward = _compiled(model, device) if compile else model
-    groups = build_param_groups(model.named_parameters(), lr=lr, weight_decay=weight_decay)
-    fused = device.type == "cuda"
-    optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused)
-    warmup = max(1, steps // 10) if warmup is None else warmup
-    schedule = ScheduleConfig(kind="cosine", warmup=min(warmup, steps), min_lr_ratio=min_lr_ratio)
-    if checkpoint_every is None:
-        checkpoint_every = DEFAULT_CHECKPOINT_EVERY
+    checkpoint_every = DEFAULT_CHECKPOINT_EVERY if checkpoint_every is None else checkpoint_every
     if checkpoint_every < 0:
         raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
-    result = TrainResult(steps=steps, seconds=0.0)
-    best_state = None
-    best_key = None
-    running, counted = 0.0, 0
-    first_step, seconds_before = 0, 0.0
-    stem = C.stem_of(checkpoint) if checkpoint is not None else None
-    settings = C.jsonable({"steps": steps, "lr": lr, "weight_decay": weight_decay, "betas": betas, "warmup": warmup,
+    device = torch.device(device)
+    model.to(device).train()
+    forward = _compiled(model, device) if compile else None
+    groups = build_param_groups(model.named_parameters(), lr=lr, weight_decay=weight_decay)
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay, fused=device.type == "cuda")
+    warmup = max(1, steps // 10) if warmup is None else warmup
+    schedule = ScheduleConfig(kind="cosine", warmup=min(warmup, steps), min_lr_ratio=min_lr_ratio)
+    settings = _jsonable({"steps": steps, "lr": lr, "weight_decay": weight_decay, "betas": betas, "warmup": warmup,
                           "min_lr_ratio": min_lr_ratio, "grad_clip": grad_clip, "eval": eval_fn is not None,
                           "eval_every": eval_every, "log_every": log_every, "compile": compile,
                           "batch_state": batch_state is not None}, "the train settings")
-    fingerprint = C.jsonable(fingerprint, "fingerprint")
-    last_saved = None
-    if stem is not None:
-        loaded = C.load(stem, settings=settings, fingerprint=fingerprint, model=model)
-        if loaded is not None:
-            record, tree = loaded
-            model.load_state_dict(tree["model"])
-            try:
-                optimizer.load_state_dict(tree["optimizer"])
-            except (ValueError, KeyError, RuntimeError) as err:
-                raise CheckpointError(f"{C.json_of(stem)}: the saved AdamW state does not fit this model's optimizer "
-                                      f"({err}); {C.fix_hint(stem)}") from err
-            try:
-                C.set_torch_rng(tree.get("torch_rng", {}), device)
-                if batch_state is not None:
-                    batch_state[1](record["batch_state"])
-                saved = record["result"]
-                result.losses = [(int(s), float(v)) for s, v in saved["losses"]]
-                result.evals = list(saved["evals"])
-                result.best_step, result.best_score, result.best_loss = (saved["best_step"], saved["best_score"],
-                                                                        saved["best_loss"])
-                if "best" in tree:
-                    best_state = {k: v.to(device) for k, v in tree["best"].items()}
-                    best_key = _best_key(result.best_score, result.best_loss, result.best_step)
-                counted = int(record["running_count"])
-                running = tree["running_loss"].to(device) if counted else 0.0
-                first_step = last_saved = int(record["step"])
-                seconds_before = float(record["seconds"])
-            except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as err:
-                raise CheckpointError(f"{C.json_of(stem)}: its saved training state cannot be restored "
-                                      f"({type(err).__name__}: {err}); {C.fix_hint(stem)}") from err
-            if log_fn is not None:
-                log_fn(f"resumed from {C.json_of(stem)} at step {first_step}/{steps}")
-    start = time.perf_counter()
+    run = _Run(model, optimizer, BatchFunction(batch_fn, device, state=batch_state), TrainResult(steps, 0.0),
+               settings, _jsonable(fingerprint, "fingerprint"), device, eval_fn, log_fn,
+               Path(checkpoint) if checkpoint is not None else None)
+    first_step = run.resume()
+    run.start = time.perf_counter()
+    loop = TrainLoop(model, optimizer, data=run.data, loss=ModelLoss(forward, lambda _: autocast_for(device)),
+                     plan=schedule_plan(schedule, steps), clip=local_grad_clip(grad_clip), step=first_step)
 
-    def evaluate(step: int) -> None:
-        nonlocal best_state, best_key
-        model.eval()
-        score, loss = eval_fn(model)
-        model.train()
-        result.evals.append({"step": step, "score": score, "loss": loss})
-        key = _best_key(score, loss, step)
-        if best_key is None or key > best_key:
-            best_key = key
-            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            result.best_step, result.best_score, result.best_loss = step, score, loss
-        if log_fn is not None:
-            log_fn(f"step {step}: eval score {score:.4f} loss {loss:.4f}")
-
-    def save(step: int) -> None:
-        nonlocal last_saved
-        tree = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "torch_rng": C.torch_rng(device)}
-        if best_state is not None:
-            tree["best"] = best_state
-        if counted:
-            tree["running_loss"] = running
-        record = {"step": step, "settings": settings, "fingerprint": fingerprint,
-                  "result": {**result.to_dict(), "seconds": None}, "running_count": counted,
-                  "batch_state": C.jsonable(batch_state[0](), "batch_state") if batch_state is not None else None,
-                  "seconds": seconds_before + time.perf_counter() - start, "device": str(device)}
-        C.save(stem, tree, record)
-        last_saved = step
-        if log_fn is not None:
-            log_fn(f"step {step}: checkpoint saved to {C.json_of(stem)}")
-
-    for step in range(first_step, steps):
-        factors = schedule_factors(schedule, total=steps, step=step)
-        apply_schedule(optimizer, factors.lr, factors.wd)
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch_fn(step).items()}
-        with autocast_for(device):
-            loss = forward(**batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if grad_clip > 0:
-            nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        optimizer.step()
-        running = running + loss.detach()  # summed on the device: no sync per step
-        counted += 1
-        if (step + 1) % log_every == 0 or step + 1 == steps:
-            mean = float(running) / counted
-            if not math.isfinite(mean):
-                raise FloatingPointError(f"non-finite training loss by step {step + 1}: {mean}")
-            result.losses.append((step + 1, mean))
-            running, counted = 0.0, 0
-            if log_fn is not None:
-                log_fn(f"step {step + 1}/{steps}: loss {result.losses[-1][1]:.4f}")
-        if eval_fn is not None and ((eval_every and (step + 1) % eval_every == 0) or step + 1 == steps):
-            evaluate(step + 1)
-        if step + 1 < steps:
-            if stem is not None and checkpoint_every and (step + 1) % checkpoint_every == 0:
-                save(step + 1)
+    def after_update(loop: TrainLoop, out: UpdateOutput) -> None:
+        step = loop.step
+        run.running = run.running + out.losses[0]  # summed on the device: no sync per update
+        run.counted += 1
+        if step % log_every == 0 or step == steps:
+            run.log_loss(step)
+        if eval_fn is not None and ((eval_every and step % eval_every == 0) or step == steps):
+            run.evaluate(step)
+        if step < steps:
+            if run.directory is not None and checkpoint_every and step % checkpoint_every == 0:
+                run.save(step)
             if should_stop is not None and should_stop():
-                if stem is not None and last_saved != step + 1:
-                    save(step + 1)
-                raise TrainingInterrupted(step + 1, steps, stem)
+                if run.directory is not None and run.last_saved != step:
+                    run.save(step)
+                raise TrainingInterrupted(step, steps, run.saved_path(step))
 
-    if stem is not None and last_saved != steps:
-        save(steps)  # kept until the caller has recorded the result (remove_checkpoint)
-    if best_state is not None:
-        model.load_state_dict(best_state)
+    loop.run(steps, hooks=[after_update])
+    if run.directory is not None and run.last_saved != steps:
+        run.save(steps)  # kept until the caller has recorded the result (remove_checkpoint)
+    if run.best is not None:
+        model.load_state_dict(run.best.state_dict())
     model.eval()
-    result.seconds = seconds_before + time.perf_counter() - start
-    return result
+    run.result.seconds = run.seconds()
+    return run.result
+
+
+@dataclass
+class _Run:
+    """What `train_on_task` carries from update to update besides the model and AdamW (the result so far, the best
+    weights, the running loss sum), and its checkpoints of all of it."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    data: BatchFunction
+    result: TrainResult
+    settings: dict
+    fingerprint: Any
+    device: torch.device
+    eval_fn: Callable[[nn.Module], tuple[float, float]] | None
+    log_fn: Callable[[str], None] | None
+    directory: Path | None
+    best: nn.Module | None = None  # a copy of the model holding the best evaluation's weights
+    best_key: tuple | None = None
+    running: float | torch.Tensor = 0.0  # the training losses summed since the last loss line (on the device)
+    counted: int = 0
+    seconds_before: float = 0.0  # trained before this call (a resumed run)
+    last_saved: int | None = None
+    start: float = 0.0  # time.perf_counter() when this call's training began
+
+    def log(self, line: str) -> None:
+        if self.log_fn is not None:
+            self.log_fn(line)
+
+    def seconds(self) -> float:
+        return self.seconds_before + time.perf_counter() - self.start
+
+    def log_loss(self, step: int) -> None:
+        mean = float(self.running) / self.counted
+        if not math.isfinite(mean):
+            raise FloatingPointError(f"non-finite training loss by step {step}: {mean}")
+        self.result.losses.append((step, mean))
+        self.running, self.counted = 0.0, 0
+        self.log(f"step {step}/{self.result.steps}: loss {mean:.4f}")
+
+    def evaluate(self, step: int) -> None:
+        self.model.eval()
+        score, loss = self.eval_fn(self.model)
+        self.model.train()
+        self.result.evals.append({"step": step, "score": score, "loss": loss})
+        key = _best_key(score, loss, step)
+        if self.best_key is None or key > self.best_key:
+            self.best_key = key
+            if self.best is None:
+                self.best = _detached_copy(self.model)
+            else:
+                self.best.load_state_dict(self.model.state_dict())
+            self.result.best_step, self.result.best_score, self.result.best_loss = step, score, loss
+        self.log(f"step {step}: eval score {score:.4f} loss {loss:.4f}")
+
+    def saved_path(self, step: int) -> Path | None:
+        """The step directory of this run's checkpoint at `step` (None without a checkpoint directory)."""
+        return self.directory / checkpoint_dir_name(step) if self.directory is not None else None
+
+    def save(self, step: int) -> None:
+        running = None
+        if self.counted:
+            running = {"sum": float(self.running).hex(), "dtype": str(self.running.dtype).removeprefix("torch."),
+                       "count": self.counted}
+        state = {
+            "kind": STATE_KIND, "settings": self.settings, "fingerprint": self.fingerprint,
+            "result": _finite_json({**self.result.to_dict(), "seconds": None}), "running": running,
+            "data": self.data.state_dict(), "seconds": self.seconds(), "device": str(self.device),
+            "device_rng": torch.cuda.get_rng_state(self.device).tolist() if self.device.type == "cuda" else None,
+            "best": self.best is not None,
+        }
+        path = save_checkpoint(self.directory, step, model=_weights(self.model, self.best), optimizer=self.optimizer,
+                               train_state=state, keep_last=1)
+        self.last_saved = step
+        self.log(f"step {step}: checkpoint saved to {path}")
+
+    def resume(self) -> int:
+        """Load the newest checkpoint in `directory`, verified against this run: the step to continue from (0 when
+        there is none)."""
+        found = list_checkpoints(self.directory) if self.directory is not None else []
+        if not found:
+            return 0
+        path = found[-1]
+        state = _train_state(path)
+        if state is None:
+            verify_checkpoint(path)  # a corrupt file: its own error
+            raise CheckpointError(f"{path / TRAIN_STATE_FILE} is not a train_on_task checkpoint's state; "
+                                  + fix_hint(self.directory))
+        mismatches = _mismatches(state.get("settings"), self.settings) + _mismatches(
+            state.get("fingerprint"), self.fingerprint, "fingerprint")
+        if mismatches:
+            raise CheckpointError(f"{path} was saved by a different run ({'; '.join(mismatches[:8])}): resume with the "
+                                  "settings it was saved with, or " + fix_hint(self.directory))
+        if state.get("best"):
+            self.best = _detached_copy(self.model)
+        try:
+            loaded = load_checkpoint(path, model=_weights(self.model, self.best), optimizer=self.optimizer)
+        except CheckpointMismatchError as err:
+            raise CheckpointMismatchError(f"{err}; the checkpoint was saved for another model: "
+                                          + fix_hint(self.directory)) from err
+        try:
+            self._restore(loaded.train_state)
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as err:
+            raise CheckpointError(f"{path / TRAIN_STATE_FILE}: its saved training state cannot be restored "
+                                  f"({type(err).__name__}: {err}); {fix_hint(self.directory)}") from err
+        self.last_saved = loaded.step
+        self.log(f"resumed from {path} at step {loaded.step}/{self.result.steps}")
+        return loaded.step
+
+    def _restore(self, state: dict) -> None:
+        saved = state["result"]
+        self.result.losses = [(int(s), float(v)) for s, v in saved["losses"]]
+        self.result.evals = [{**e, "score": float(e["score"]), "loss": float(e["loss"])} for e in saved["evals"]]
+        best = saved["best_step"]
+        if best is not None:
+            self.result.best_step, self.result.best_score, self.result.best_loss = (
+                int(best), float(saved["best_score"]), float(saved["best_loss"]))
+            self.best_key = _best_key(self.result.best_score, self.result.best_loss, self.result.best_step)
+        running = state["running"]
+        if running is not None:
+            self.running = torch.tensor(float.fromhex(running["sum"]), dtype=getattr(torch, running["dtype"]),
+                                        device=self.device)
+            self.counted = int(running["count"])
+        self.data.load_state_dict(state["data"])
+        if self.device.type == "cuda" and state["device_rng"] is not None:
+            torch.cuda.set_rng_state(torch.tensor(state["device_rng"], dtype=torch.uint8), self.device)
+        self.seconds_before = float(state["seconds"])
+
+
+def fix_hint(directory: Path) -> str:
+    return f"delete {directory} (the run's checkpoint) to start this run over"
+
+
+def remove_checkpoint(checkpoint: str | Path) -> bool:
+    """Delete the checkpoint directory of a run (its step directories and the temporaries of interrupted saves).
+    Returns whether there was one."""
+    directory = Path(checkpoint)
+    if not directory.is_dir():
+        return False
+    shutil.rmtree(directory)
+    return True
+
+
+def saved_fingerprint(checkpoint: str | Path) -> Any:
+    """The fingerprint the newest checkpoint in `checkpoint` records (None when it has no readable one)."""
+    found = list_checkpoints(checkpoint)
+    state = _train_state(found[-1]) if found else None
+    return state.get("fingerprint") if state is not None else None
+
+
+def _train_state(path: Path) -> dict | None:
+    """The `train_on_task` state in a step directory's train_state.json, unverified (None when unreadable)."""
+    try:
+        state = json.loads((path / TRAIN_STATE_FILE).read_text(encoding="utf-8"))["train_state"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return state if isinstance(state, dict) and state.get("kind") == STATE_KIND else None
+
+
+def _weights(model: nn.Module, best: nn.Module | None) -> nn.Module:
+    """What a checkpoint's model.safetensors holds: the model under "model.", the best weights under "best."."""
+    return nn.ModuleDict({"model": model} if best is None else {"model": model, "best": best})
+
+
+def _detached_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` to hold weights: no gradients, nothing trains it."""
+    copied = copy.deepcopy(model)
+    for param in copied.parameters():
+        param.grad = None
+        param.requires_grad_(False)
+    return copied
+
+
+def _mismatches(saved: Any, now: Any, prefix: str = "") -> list[str]:
+    """"key: saved X, now Y" for every differing leaf of two nested dicts ("(absent)" for a missing key)."""
+    return [f"{'.'.join(filter(None, (prefix, d.key))) or 'value'}: saved {d.old!r}, now {d.new!r}"
+            for d in diff_nested(saved, now, missing="(absent)", sort_keys=False)]
+
+
+def _jsonable(value: Any, what: str) -> Any:
+    """`value` as it comes back from JSON (tuples -> lists); TypeError when it is not JSON-able."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=True))
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"{what} must be JSON-serializable: {err}") from err
+
+
+def _finite_json(value: Any) -> Any:
+    """`value` with every non-finite float written as its name ("nan", "inf", "-inf"; float() reads them back):
+    checkpoint JSON holds finite numbers only, and an evaluation may score NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_json(v) for v in value]
+    return value
 
 
 def _best_key(score: float, loss: float, step: int) -> tuple:

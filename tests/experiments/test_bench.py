@@ -12,13 +12,15 @@ import sys
 import pytest
 import torch
 
-from hybridlm.experiments.bench import EXIT_INCOMPLETE, Job, mean_std, pm, run_jobs
-from hybridlm.experiments.task_checkpoint import CHECKPOINT_FORMAT
+from hybridlm.experiments.bench import EXIT_INCOMPLETE, Job, OldCheckpointFormat, mean_std, pm, run_jobs
+from hybridlm.experiments.train import STATE_KIND
+from hybridlm.training.checkpoint import save_checkpoint
 
-RUNNER = "tests.eval.test_bench:toy_runner"
+RUNNER = "tests.experiments.test_bench:toy_runner"
 
 
-def toy_runner(spec: dict, *, device: str, log_fn) -> dict:
+def toy_runner(spec: dict, *, device: str, log_fn, checkpoint=None, should_stop=None) -> dict:
+    """A run that doubles spec["x"] (resumable jobs' checkpoint and should_stop are taken and not used)."""
     log_fn(f"toy {spec}")
     if spec.get("fail"):
         raise RuntimeError("diverged")
@@ -86,14 +88,42 @@ def test_a_reused_run_removes_only_its_own_leftover_checkpoint(tmp_path):
     runs = tmp_path / "runs"
     run_jobs([Job("a", RUNNER, {"x": 1}, resumable=False)], tmp_path, echo=lambda line: None)
     for fingerprint, kept in (({"x": 2}, True), ({"x": 1}, False)):
-        record = {"format": CHECKPOINT_FORMAT, "fingerprint": fingerprint, "step": 1}
-        (runs / "a.ckpt.json").write_text(json.dumps(record))
-        (runs / "a.ckpt.step00000001.safetensors").write_bytes(b"tensors")
+        save_checkpoint(runs / "a.ckpt", 1, model=torch.nn.Linear(2, 2), save_rng=False,
+                        train_state={"kind": STATE_KIND, "fingerprint": fingerprint}, overwrite=True)
         lines = []
         run_jobs([Job("a", RUNNER, {"x": 1}, resumable=True)], tmp_path, echo=lines.append)
-        assert (runs / "a.ckpt.json").exists() == kept
-        assert (runs / "a.ckpt.step00000001.safetensors").exists() == kept
+        assert (runs / "a.ckpt" / "step_00000001" / "model.safetensors").exists() == kept
         assert any("saved for another spec" in line for line in lines) == kept
+    (runs / "a.ckpt" / "step_00000002.tmp").mkdir(parents=True)  # only an interrupted first save: removed
+    run_jobs([Job("a", RUNNER, {"x": 1}, resumable=True)], tmp_path, echo=lambda line: None)
+    assert not (runs / "a.ckpt").exists()
+
+
+def _old_format_checkpoint(runs, key: str) -> list[str]:
+    """The files an earlier hybridlm version left for a run stopped half way."""
+    runs.mkdir(parents=True, exist_ok=True)
+    names = [f"{key}.ckpt.json", f"{key}.ckpt.step00000004.safetensors"]
+    (runs / names[0]).write_text(json.dumps({"format": "hybridlm-task-checkpoint", "step": 4}))
+    (runs / names[1]).write_bytes(b"tensors")
+    return names
+
+
+def test_an_earlier_versions_checkpoint_stops_the_command_before_any_run_with_the_files_to_delete(tmp_path):
+    runs = tmp_path / "runs"
+    names = _old_format_checkpoint(runs, "b")
+    jobs = [Job("a", RUNNER, {"x": 1}, resumable=True), Job("b", RUNNER, {"x": 2}, resumable=True)]
+    with pytest.raises(OldCheckpointFormat, match=r"b\.ckpt\.json, .*b\.ckpt\.step00000004\.safetensors: .*earlier "
+                                                  r"hybridlm version.*cannot resume; delete these files"):
+        run_jobs(jobs, tmp_path, echo=lambda line: None)
+    assert sorted(p.name for p in runs.iterdir()) == names  # nothing ran, nothing was written
+    for name in names:
+        (runs / name).unlink()
+    assert run_jobs(jobs, tmp_path, echo=lambda line: None)["b"]["value"] == 4
+    _old_format_checkpoint(runs, "b")  # beside a finished run: kept and named
+    lines = []
+    run_jobs(jobs, tmp_path, echo=lines.append)
+    assert any("b.ckpt.json" in line and "left by an earlier hybridlm version; delete them" in line for line in lines)
+    assert all((runs / name).exists() for name in names)
 
 
 def test_a_worker_that_dies_fails_its_run_and_the_command_goes_on(tmp_path):

@@ -1,4 +1,4 @@
-"""Resumable synthetic-task training: `train_on_task(checkpoint=...)` continues bit for bit, refuses corrupt or
+"""Resumable experiment training: `train_on_task(checkpoint=...)` continues bit for bit, refuses corrupt or
 foreign checkpoints, and `hybridlm bench addition` stopped by SIGTERM or its time budget finishes when re-run."""
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import torch
 from hybridlm.experiments import addition as A
 from hybridlm.experiments import bench
 from hybridlm.experiments.models import build_model, task_config
-from hybridlm.experiments.task_checkpoint import checkpoint_files, remove_checkpoint
-from hybridlm.experiments.train import TrainingInterrupted, generator_state, train_on_task
-from hybridlm.training.checkpoint import CheckpointError
+from hybridlm.experiments.train import TrainingInterrupted, generator_state, remove_checkpoint, train_on_task
+from hybridlm.training.checkpoint import CheckpointError, CheckpointMismatchError, list_checkpoints
 from hybridlm.training.stop import StopRequest
 
 STEPS = 8
@@ -74,14 +73,14 @@ def _same_result(a, b) -> None:
 
 def test_interrupted_and_resumed_training_equals_an_uninterrupted_run(tmp_path):
     straight_model, straight = _train()
-    stem = tmp_path / "run.ckpt"
+    directory = tmp_path / "run.ckpt"
     # stop after 3 updates (mid log interval: a partial loss sum is carried), resume, stop again after 5, resume
     for stop_at in (3, 5):
         with pytest.raises(TrainingInterrupted) as stopped:
-            _train(stem, stop_at=(stop_at,))
-        assert stopped.value.step == stop_at and (tmp_path / "run.ckpt.json").is_file()
-        assert [p.name for p in checkpoint_files(stem)] == ["run.ckpt.json", f"run.ckpt.step{stop_at:08d}.safetensors"]
-    resumed_model, resumed = _train(stem)
+            _train(directory, stop_at=(stop_at,))
+        assert stopped.value.step == stop_at and stopped.value.checkpoint == directory / f"step_{stop_at:08d}"
+        assert list_checkpoints(directory) == [stopped.value.checkpoint]  # the previous one is gone
+    resumed_model, resumed = _train(directory)
     _same_result(resumed, straight)
     assert [e["step"] for e in resumed.evals] == [2, 4, 6, 8] and [s for s, _ in resumed.losses] == [2, 4, 6, 8]
     straight_state, resumed_state = straight_model.state_dict(), resumed_model.state_dict()
@@ -89,10 +88,11 @@ def test_interrupted_and_resumed_training_equals_an_uninterrupted_run(tmp_path):
     for key, value in straight_state.items():  # the best evaluation's weights, restored at the end: exactly equal
         assert torch.equal(value, resumed_state[key]), key
     # the finished state stays until the result is recorded; a second call returns it without training
-    assert json.loads((tmp_path / "run.ckpt.json").read_text())["step"] == STEPS
-    _, again = _train(stem, stop_at=tuple(range(STEPS + 1)))
+    assert [p.name for p in list_checkpoints(directory)] == [f"step_{STEPS:08d}"]
+    assert json.loads((directory / f"step_{STEPS:08d}" / "train_state.json").read_text())["step"] == STEPS
+    _, again = _train(directory, stop_at=tuple(range(STEPS + 1)))
     _same_result(again, straight)
-    assert remove_checkpoint(stem) and checkpoint_files(stem) == []
+    assert remove_checkpoint(directory) and not directory.exists() and not remove_checkpoint(directory)
 
 
 def test_a_best_evaluation_before_the_stop_survives_the_resume(tmp_path):
@@ -100,52 +100,49 @@ def test_a_best_evaluation_before_the_stop_survives_the_resume(tmp_path):
     and reports step 2 as its best, as the uninterrupted run does."""
     straight_model, straight = _train(falling_scores=True)
     assert straight.best_step == 2
-    stem = tmp_path / "run.ckpt"
+    directory = tmp_path / "run.ckpt"
     with pytest.raises(TrainingInterrupted):
-        _train(stem, stop_at=(3,), falling_scores=True)
-    resumed_model, resumed = _train(stem, falling_scores=True)
+        _train(directory, stop_at=(3,), falling_scores=True)
+    resumed_model, resumed = _train(directory, falling_scores=True)
     _same_result(resumed, straight)
     for key, value in straight_model.state_dict().items():
         assert torch.equal(value, resumed_model.state_dict()[key]), key
 
 
-def _interrupted(stem) -> dict:
-    with pytest.raises(TrainingInterrupted):
-        _train(stem, stop_at=(2,))
-    return {p.name: p.read_bytes() for p in checkpoint_files(stem)}
-
-
-def _unchanged(stem, before: dict) -> bool:
-    return {p.name: p.read_bytes() for p in checkpoint_files(stem)} == before
+def _files(directory) -> dict:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def test_corrupt_or_foreign_checkpoints_raise_and_are_kept(tmp_path):
-    stem = tmp_path / "run.ckpt"
-    before = _interrupted(stem)
-    tensors = tmp_path / "run.ckpt.step00000002.safetensors"
-    meta = tmp_path / "run.ckpt.json"
+    directory = tmp_path / "run.ckpt"
+    with pytest.raises(TrainingInterrupted):
+        _train(directory, stop_at=(2,))
+    before = _files(directory)
+    step = directory / "step_00000002"
+    weights, state, manifest = step / "model.safetensors", step / "train_state.json", step / "manifest.json"
 
-    tensors.write_bytes(before[tensors.name][:-100])  # truncated
-    with pytest.raises(CheckpointError, match=r"run\.ckpt\.step00000002\.safetensors has .* bytes.*truncated.*delete"):
-        _train(stem)
-    tensors.write_bytes(before[tensors.name][:-1] + bytes([before[tensors.name][-1] ^ 1]))  # one bit flipped
-    with pytest.raises(CheckpointError, match="fails its checksum"):
-        _train(stem)
-    tensors.write_bytes(before[tensors.name])
-    meta.write_text(before[meta.name].decode()[:200])  # a cut JSON
-    with pytest.raises(CheckpointError, match=r"run\.ckpt\.json is not a readable checkpoint.*start this run over"):
-        _train(stem)
-    meta.write_bytes(before[meta.name])
-    assert _unchanged(stem, before)  # nothing was overwritten by the failed attempts
+    def damaged(path, data: bytes, message: str) -> None:
+        path.write_bytes(data)
+        with pytest.raises(CheckpointError, match=message):
+            _train(directory)
+        path.write_bytes(before[str(path.relative_to(directory))])
 
-    with pytest.raises(CheckpointError, match=r"saved by a different run \(lr: saved 0\.003, now 0\.001"):
-        _train(stem, lr=1e-3)
+    data = before["step_00000002/model.safetensors"]
+    damaged(weights, data[:-100], r"model\.safetensors has .* bytes.*truncated.*remove .*step_00000002")
+    damaged(weights, data[:-1] + bytes([data[-1] ^ 1]), "model.safetensors fails its checksum")  # one bit flipped
+    damaged(state, before["step_00000002/train_state.json"][:200], r"train_state\.json has .* bytes.*truncated")
+    damaged(manifest, before["step_00000002/manifest.json"][:100], r"manifest\.json is unreadable")
+    assert _files(directory) == before  # nothing was overwritten by the failed attempts
+
+    with pytest.raises(CheckpointError, match=r"saved by a different run \(lr: saved 0\.003, now 0\.001.*delete "
+                                              r".*run\.ckpt .*to start this run over"):
+        _train(directory, lr=1e-3)
     with pytest.raises(CheckpointError, match=r"fingerprint\.seed: saved 0, now 1"):
-        _train(stem, fingerprint={"task": "test", "seed": 1})
-    with pytest.raises(CheckpointError, match="does not fit the model"):
-        _train(stem, model_name="hybrid-mamba2")
-    assert _unchanged(stem, before)
-    _, result = _train(stem)  # the intact checkpoint still resumes
+        _train(directory, fingerprint={"task": "test", "seed": 1})
+    with pytest.raises(CheckpointMismatchError, match=r"saved for another model: delete .*run\.ckpt"):
+        _train(directory, model_name="hybrid-mamba2")
+    assert _files(directory) == before
+    _, result = _train(directory)  # the intact checkpoint still resumes
     assert result.evals[-1]["step"] == STEPS
 
 
@@ -209,8 +206,8 @@ def test_bench_stopped_by_sigterm_finishes_when_run_again(tmp_path, monkeypatch,
     assert signal.getsignal(signal.SIGTERM) is handler  # the bench's handler is gone with the run
     runs = out / "runs"
     assert not (runs / "transformer_seed0.json").exists()
-    assert sorted(p.name for p in runs.glob("*.ckpt*")) == ["transformer_seed0.ckpt.json",
-                                                            "transformer_seed0.ckpt.step00000004.safetensors"]
+    assert [p.name for p in runs.glob("*.ckpt*")] == ["transformer_seed0.ckpt"]
+    assert [p.name for p in list_checkpoints(runs / "transformer_seed0.ckpt")] == ["step_00000004"]
     assert "continue; read a failed run's log first): transformer_seed0, transformer_seed1" in (out / "results.md").read_text()
 
     assert main([*ARGS, "--out", str(out)]) == 0
@@ -245,7 +242,7 @@ def test_bench_stopped_by_its_time_budget_finishes_when_run_again(tmp_path, monk
         patch.setattr(A, "train_batch", lambda *a, **k: (tick(), real(*a, **k))[1])
         assert main([*ARGS, "--time-budget", "250", "--out", str(out)]) == bench.EXIT_INCOMPLETE
     assert "stopped after 3/6 updates" in capsys.readouterr().out
-    assert (out / "runs" / "transformer_seed0.ckpt.json").is_file()
+    assert [p.name for p in list_checkpoints(out / "runs" / "transformer_seed0.ckpt")] == ["step_00000003"]
     assert main([*ARGS, "--out", str(out)]) == 0
     assert _runs(out) == uninterrupted
     assert list((out / "runs").glob("*.ckpt*")) == []
@@ -282,10 +279,10 @@ def test_allocation_runs_resume_exactly(tmp_path, shards_dir, data):
         calls[0] += 1
         return calls[0] == 3
 
-    stem = tmp_path / "alloc.ckpt"
+    directory = tmp_path / "alloc.ckpt"
     with pytest.raises(TrainingInterrupted):
-        run_allocation("SA_M", (2, 1, 5), 0, recipe, checkpoint=stem, should_stop=should_stop)
-    resumed = run_allocation("SA_M", (2, 1, 5), 0, recipe, checkpoint=stem)
+        run_allocation("SA_M", (2, 1, 5), 0, recipe, checkpoint=directory, should_stop=should_stop)
+    resumed = run_allocation("SA_M", (2, 1, 5), 0, recipe, checkpoint=directory)
     for result in (straight, resumed):
         result["train"].pop("seconds")
     assert resumed == straight
