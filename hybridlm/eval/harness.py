@@ -23,10 +23,9 @@ each was the argmax).
 The prefix token. lm_eval conditions an empty context (and the first window of `loglikelihood_rolling`, the
 perplexity tasks such as wikitext) on `prefix_token_id`, by default the tokenizer's BOS. Our training data never
 holds BOS: `hybridlm data prepare` ends every document with EOS and adds nothing in front, so the token before a
-document's first token is always the previous document's EOS and BOS's embedding is never trained (on a tiny
-trained model: 8.84 nats for a document's first token after BOS, 4.90 after EOS). So a hybridlm checkpoint is
-evaluated with `prefix_token_id=<eos id>` in lm_eval's `--model_args` (`lm_eval_model_args` writes them), and
-`loglikelihood` prefixes the EOS unless told otherwise. Official falcon_h1 checkpoints keep lm_eval's default.
+document's first token is always the previous document's EOS and BOS's embedding is never trained. So a hybridlm
+checkpoint is evaluated with `prefix_token_id=<eos id>` in lm_eval's `--model_args` (`lm_eval_model_args` writes
+them), and `loglikelihood` prefixes the EOS unless told otherwise. Official falcon_h1 checkpoints keep lm_eval's default.
 """
 
 from __future__ import annotations

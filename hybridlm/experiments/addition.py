@@ -267,7 +267,7 @@ def summarize(per_width: dict[int, dict[str, float]], *, train_max_width: int = 
     }
 
 
-SOLVED_ACCURACY = 0.99  # issue 6's bar for "learns the in-distribution task"
+SOLVED_ACCURACY = 0.99  # the bar for "learns the in-distribution task"
 
 
 def solved_width(per_width: dict[str, dict[str, float]], *, threshold: float = SOLVED_ACCURACY) -> int:
@@ -302,10 +302,9 @@ def end_digits_solved(digit_acc: Sequence[float], *, threshold: float = SOLVED_A
 class AdditionRecipe(TrainRecipe):
     """The shared training recipe of `hybridlm bench addition` (README.md in this folder explains it).
 
-    Defaults: the recipe calibrated on an H200 (benchmarks/RESULTS.md, 2026-11-30): size "small", 8000 updates of
-    1024 examples, AdamW lr 1e-3 with 800 warmup steps, and a width curriculum over the first 2000 updates. With
-    the paper's uniform 1..32 from the first step every model tried stalled near 35-38% validation accuracy
-    (`curriculum_steps=0` restores it)."""
+    Defaults: size "small", 8000 updates of 1024 examples, AdamW lr 1e-3 with 800 warmup steps, and a width
+    curriculum over the first 2000 updates (the paper samples widths 1..32 uniformly from the first step:
+    `curriculum_steps=0`). Results: benchmarks/RESULTS.md."""
 
     steps: int = 8000
     batch_size: int = 1024
@@ -436,8 +435,7 @@ def digit_widths(recipe: AdditionRecipe) -> tuple[int, ...]:
 
 
 def _digit_stats(results: Sequence[dict], recipe: AdditionRecipe) -> dict | None:
-    """{"runs": how many runs have per-digit scores (runs from before per-digit scoring have no "digit_acc" in
-    their JSON), "widths": {w: ...} per shown width}: "acc", the mean ± std over those runs of each digit's
+    """{"runs": how many runs have per-digit scores (a run's JSON without "digit_acc" has none), "widths": {w: ...} per shown width}: "acc", the mean ± std over those runs of each digit's
     accuracy, and "end_solved", each seed's (low, high) digits solved, None for a seed without scores. None when
     no run has them."""
     from hybridlm.experiments.bench import mean_std
@@ -518,7 +516,7 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
          f"{SOLVED_ACCURACY:.0%} at that width from each end of the sum: from the least significant (emitted first) "
          "and from the most significant (emitted last), the second count stopping where the first stopped "
          "(`accuracy_by_digit.png` plots every digit at these widths, `digit_map.png` at every width; \"–\": runs "
-         f"from before per-digit scoring). A sum right at every digit reads {recipe.train_max_width + 1}+0 at "
+         f"recorded without per-digit scores). A sum right at every digit reads {recipe.train_max_width + 1}+0 at "
          f"n = {recipe.train_max_width}. Counts that stay from the first width to the next mean that one more digit "
          "of input leaves those digits intact; counts that fall mean that it breaks digits the model gets right at "
          "the widest trained width."),

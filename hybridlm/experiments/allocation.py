@@ -284,7 +284,7 @@ def bench_allocation(points: Sequence[tuple[str, tuple[int, int, int]]], seeds: 
                       {"task": "allocation", "arrangement": a, "alphas": list(p), "seed": s,
                        "recipe": recipe.to_dict()}, resumable=True)
             for a, p in points for s in seeds]
-    bench.refuse_other_recipes(out_dir, jobs)  # before the corpus is prepared in out_dir
+    bench.check_out_dir(out_dir, jobs)  # before the corpus is prepared in out_dir
     # the stdlib corpus is prepared once, here; runs get its paths outside their spec
     if recipe.data == "stdlib":
         context = prepare_stdlib(recipe, Path(data_cache) if data_cache else Path(out_dir) / "stdlib_data")

@@ -153,11 +153,21 @@ class RunConflict(ValueError):
     overwrite it. A usage error: another --out (or moving the file away) is the way out."""
 
 
-def refuse_other_recipes(out_dir: str | Path, jobs: Sequence[Job]) -> None:
-    """`RunConflict` when a job's key holds a finished run of another spec (`run_jobs` checks it too; a caller
-    that writes in out_dir before `run_jobs`, e.g. a corpus, checks first). Writes nothing."""
+def check_out_dir(out_dir: str | Path, jobs: Sequence[Job]) -> None:
+    """What stops a command before any run starts (`run_jobs` checks it; a caller that writes in out_dir before
+    `run_jobs`, e.g. a corpus, checks first). Writes nothing. `RunConflict` when a job's key holds a finished run of
+    another spec; `OldCheckpointFormat` when a resumable run still to train has a checkpoint of an earlier
+    hybridlm version."""
+    out_dir = Path(out_dir)
     for job in jobs:
-        _refuse_another_specs_run(Path(out_dir), job)
+        _refuse_another_specs_run(out_dir, job)
+    old = [path for job in jobs if job.resumable and load_run(out_dir, job) is None
+           for path in old_format_checkpoint(out_dir, job.key)]
+    if old:
+        raise OldCheckpointFormat(
+            f"{', '.join(map(str, old))}: in-progress checkpoint(s) in the format of an earlier hybridlm version, "
+            "which this version cannot resume; delete these files to train those runs from their start (or finish "
+            "them with the version that saved them)")
 
 
 def _refuse_another_specs_run(out_dir: Path, job: Job) -> None:
@@ -175,16 +185,6 @@ def _refuse_another_specs_run(out_dir: Path, job: Job) -> None:
             f"{path} holds a finished run of another recipe (differs in {', '.join(changed)}); write this one to "
             "another --out, or move that file away to replace it"
         )
-
-
-def _refuse_old_checkpoints(out_dir: Path, jobs: Sequence[Job]) -> None:
-    """`OldCheckpointFormat`, before any run starts, when a run to train has a checkpoint of an earlier version."""
-    old = [path for job in jobs for path in old_format_checkpoint(out_dir, job.key)]
-    if old:
-        raise OldCheckpointFormat(
-            f"{', '.join(map(str, old))}: in-progress checkpoint(s) in the format of an earlier hybridlm version, "
-            "which this version cannot resume; delete these files to train those runs from their start (or finish "
-            "them with the version that saved them)")
 
 
 def _call(job: Job, device: str, out_dir: Path, should_stop: Callable[[], bool] | None = None, *,
@@ -287,8 +287,8 @@ def _init_worker(queue, threads: int, stop_event=None) -> None:
 
     global _worker_device, _worker_event, _worker_parent
     # A process group of its own: `timeout` and Ctrl-C signal the whole foreground group, which would
-    # also kill torch.compile's compiler subprocesses and leave a compiling run waiting for them forever
-    # (seen on an H200). The parent alone gets the signal and relays it through `stop_event`.
+    # also kill torch.compile's compiler subprocesses and leave a compiling run waiting for them forever.
+    # The parent alone gets the signal and relays it through `stop_event`.
     # The parent spawned this process with SIGTERM / SIGINT blocked (`_signals_blocked`), so a signal to the
     # command's group before this point could not kill it (the parent relays it through `stop_event`). Out of the
     # group, the pending ones are discarded (ignored while unblocked) and the defaults come back: an idle, orphaned
@@ -348,17 +348,18 @@ def run_jobs(
     out_dir = Path(out_dir)
     if len({j.key for j in jobs}) != len(jobs):
         raise ValueError("job keys must be unique")
-    refuse_other_recipes(out_dir, jobs)
-    stored = {job.key: load_run(out_dir, job) for job in jobs}
-    todo = [job for job in jobs if stored[job.key] is None]
-    _refuse_old_checkpoints(out_dir, [job for job in todo if job.resumable])
+    check_out_dir(out_dir, jobs)
     (out_dir / RUNS).mkdir(parents=True, exist_ok=True)
     results = JobResults()
+    todo: list[Job] = []
     for job in jobs:
-        if stored[job.key] is not None:
-            results[job.key] = stored[job.key]
+        stored = load_run(out_dir, job)
+        if stored is not None:
+            results[job.key] = stored
             if job.resumable:  # a run killed between writing its result and removing its checkpoint
                 _leftover_checkpoint(out_dir, job, echo)
+        else:
+            todo.append(job)
     if results:
         echo(f"reusing {len(results)} finished run(s) from {out_dir / RUNS}")
         plain = [key for key, result in results.items() if not result.get("deterministic")]

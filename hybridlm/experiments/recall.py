@@ -65,9 +65,9 @@ class RecallRecipe(TrainRecipe):
     def to_dict(self) -> dict:
         d = super().to_dict()
         d["tasks"], d["eval_lens"] = list(self.tasks), list(self.eval_lens)
-        if self.curriculum_steps == 0:  # without a curriculum, the spec its earlier runs were saved under
+        if self.curriculum_steps == 0:  # its fields stay out of the spec while it is off: stored runs stay reusable
             del d["curriculum_steps"], d["curriculum_start_len"]
-        if not self.separate_tasks:  # likewise for the tasks trained together (the earlier recipe)
+        if not self.separate_tasks:  # likewise for the tasks trained together
             del d["separate_tasks"]
         return d
 

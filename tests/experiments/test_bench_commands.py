@@ -296,3 +296,18 @@ def test_bench_help_describes_the_benchmark_with_an_example(capsys, bench, examp
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the description
     assert "results.md, results.json and" in text and f"Example: {example}" in text
+
+
+@pytest.mark.parametrize("bench", ["addition", "allocation"])
+def test_an_earlier_versions_checkpoint_in_out_stops_the_bench_with_the_files_to_delete(tmp_path, capsys, bench):
+    """One line naming the files, exit status 1, before any run trains or the corpus is prepared."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    key = "fw-1A_seed0" if bench == "addition" else "SA_M_215_seed0"
+    (runs / f"{key}.ckpt.json").write_text("{}")
+    (runs / f"{key}.ckpt.step00000002.safetensors").write_bytes(b"tensors")
+    assert main(["bench", bench, *TINY[bench], "--steps", "2", "--device", "cpu", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {runs / key}.ckpt.json, {runs / key}.ckpt.step00000002.safetensors: in-progress "
+                          "checkpoint(s) in the format of an earlier hybridlm version") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"] and len(list(runs.iterdir())) == 2

@@ -36,8 +36,9 @@ def test_training_batches_follow_the_curriculum():
     assert max(lengths[s] for s in lengths if s < 10) <= 51 < 64 <= min(lengths[s] for s in lengths if s >= 60)
 
 
-def test_recipe_specs_without_a_curriculum_keep_their_earlier_form():
-    """Runs saved before the curriculum existed are reused: its fields stay out of the spec while it is off."""
+def test_recipe_specs_without_a_curriculum_leave_its_fields_out():
+    """Runs stored with a spec without curriculum fields are reused: the fields stay out of the spec while it is
+    off."""
     from hybridlm.experiments.recall import RecallRecipe
 
     plain = RecallRecipe().to_dict()
@@ -99,7 +100,7 @@ def test_a_model_per_task_unless_mixed():
     assert {t: r.tasks for t, r in recipe.per_task().items()} == {"mqar": ("mqar",), "needle": ("needle",)}
     mixed = RecallRecipe(tasks=("mqar", "needle"), separate_tasks=False)
     assert mixed.per_task() == {"": mixed}
-    assert "separate_tasks" not in mixed.to_dict()  # the earlier recipe's spec: its stored runs stay reusable
+    assert "separate_tasks" not in mixed.to_dict()  # the spec stored runs of tasks trained together have
     for r in (recipe, mixed):
         assert RecallRecipe.from_dict(r.to_dict()) == r
     alone = RecallRecipe(tasks=("mqar",))  # one task trains alone either way: the mixed form's spec and run name
