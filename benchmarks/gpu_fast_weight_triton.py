@@ -13,15 +13,12 @@ forward and forward+backward of:
   with `--compiled-triton` also the same under `torch.compile` (inductor fuses the torch preparation around the
   kernels' custom ops, as it does in a compiled model: rule 3A's windows, statistic, steps and band coefficients);
 - kernels (1A): `fast_weight_1a_triton` alone on prepared writes (the kernels without the preparation);
-- torch preparation (1A, 1): the triton op again with `frontend.FUSED_PREPARATION` off (the write events from
-  chunk.py's torch `prepare_writes` instead of the fused Triton kernel);
-- fixed scan blocks (1A, 3A): the triton op again with `chunk_1a.SCAN_MIN_PROGRAMS` = 0 (the state scan's fixed
+- torch preparation (1A, 1): the triton op again with `fused_preparation=False` (the write events from chunk.py's
+  torch `prepare_writes` instead of the fused Triton kernel);
+- fixed scan blocks (1A, 3A): the triton op again with `inner_product.SCAN_MIN_PROGRAMS` = 0 (the state scan's fixed
   [64, 32] blocks; by default they narrow when fewer than 264 programs would cover the rows x heads, which "triton"
   times). Only timed where the blocks narrow, i.e. not at the default shape: compare at a model's shape, e.g.
-  `--B 1 --H 10 --D 64`;
-- bf16 passes (1): the triton op again with `chunk_1.BF16_PASSES` on (the sequential passes on bfloat16-rounded
-  factors, W and U stored in bfloat16, at their own launch: faster, but less exact than the 16-bit tolerance on
-  long rows, hence opt-in; hybridlm/ops/fast_weight/triton/README.md, "Precision").
+  `--B 1 --H 10 --D 64`.
 `--documents D` times packed documents instead (D per row, equal lengths), forward + backward of the triton op: the
 documents restarted in place (`seq_idx`, the rows' shapes, what a compiled model runs) against the same documents
 through `cu_seqlens` (the rows laid end to end, then padded per document by the backend). It skips the main table,
@@ -46,18 +43,20 @@ from gpu_ops import bench, causal_sdpa  # benchmarks/ is on the path when this s
 from roofline import fast_weight_counts, utilization
 
 from hybridlm.ops import FastWeightState, fast_weight_attention
-from hybridlm.ops.fast_weight.triton import chunk_1, chunk_1a, fast_weight_1a_triton, fast_weight_triton, frontend
+from hybridlm.ops.fast_weight import FastWeightOptions
+from hybridlm.ops.fast_weight.triton import backend, fast_weight_1a_triton, fast_weight_triton, inner_product
 
 WINDOW = {"1A": 1, "3A": 3, "1": 1}
 
 
-def run_triton(q, k, v, beta, lam, *, rule, chunk_size, initial_state=None, output_final_state=False):
+def run_triton(q, k, v, beta, lam, *, rule, chunk_size, initial_state=None, output_final_state=False,
+               fused_preparation=True):
     """The rule through the Triton backend with the op's defaults (what backend="triton" will run)."""
     B, _, H, K = q.shape
     state = initial_state or FastWeightState(S=q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32))
-    o, final = fast_weight_triton(q, k, v, beta, lam, rule=rule, window=WINDOW[rule], pairing="shifted",
-                                  read="after", step_size="nlms", ridge_scaling=False, eps=1e-6, eps_gamma=1e-6,
-                                  initial_state=state, offsets=None, chunk_size=chunk_size)
+    options = FastWeightOptions(rule=rule, window=WINDOW[rule], chunk_size=chunk_size)
+    o, final = fast_weight_triton(q, k, v, beta, lam, options, initial_state=state, offsets=None,
+                                  fused_preparation=fused_preparation)
     return o, (final if output_final_state else None)
 
 
@@ -78,8 +77,7 @@ def make_inputs(B, T, H, D, dtype, *, seed=0):
 
 @contextlib.contextmanager
 def module_settings(module, **settings):
-    """Module settings (`frontend.FUSED_PREPARATION`, `chunk_1a.SCAN_MIN_PROGRAMS`, `chunk_1.BF16_PASSES`) changed
-    for the block, then put back."""
+    """Module settings (`inner_product.SCAN_MIN_PROGRAMS`) changed for the block, then put back."""
     previous = {name: getattr(module, name) for name in settings}
     try:
         for name, value in settings.items():
@@ -95,10 +93,9 @@ def rel_err(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def check(rule, *, B=2, T=1000, H=4, D=128, chunk_size=64) -> bool:
-    """Triton vs chunk backend: float32 (< 1e-4) and bf16 against the float32 chunk path (< 2e-2). Stops the run
-    when the op disagrees; returns whether the opt-in bf16 passes (rule 1) agree too (True where they do not
-    apply), so that a failing opt-in costs its column, not the table."""
+def check(rule, *, B=2, T=1000, H=4, D=128, chunk_size=64) -> None:
+    """Triton vs chunk backend: float32 (< 1e-4) and bf16 against the float32 chunk path (< 2e-2), with the fused
+    preparation and (rules 1A, 1) with the torch one. Stops the run when the op disagrees."""
     W = WINDOW[rule]
     ref_in = make_inputs(B, T, H, D, torch.float32)
     state = FastWeightState(S=0.3 * torch.randn(B, H, D, D, device="cuda"), last_k=torch.randn(B, H, D, device="cuda"))
@@ -110,21 +107,17 @@ def check(rule, *, B=2, T=1000, H=4, D=128, chunk_size=64) -> bool:
     o_ref, s_ref = run_chunk(*ref_in, rule=rule, chunk_size=chunk_size, initial_state=state, output_final_state=True)
     w_o, w_s = torch.randn_like(o_ref), torch.randn_like(s_ref.S)
     g_ref = torch.autograd.grad((o_ref * w_o).sum() + (s_ref.S * w_s).sum(), ref_in + [state.S])
-    variants = [("", frontend, {})]  # (label, module, its settings)
-    if rule in frontend.FUSED_RULES:
-        variants = [("", frontend, {"FUSED_PREPARATION": False}),
-                    (" fused preparation", frontend, {"FUSED_PREPARATION": True})]
+    variants = [("", True)]  # (label, fused_preparation)
+    if rule in backend.FUSED_RULES:
+        variants = [("", False), (" fused preparation", True)]
     cases = list(itertools.product(((torch.float32, 1e-4), (torch.bfloat16, 2e-2)), variants))
-    opt_in = (" bf16 passes", chunk_1, {"BF16_PASSES": True})
-    if rule == "1":
-        cases.append(((torch.bfloat16, 2e-2), opt_in))
-    for (dtype, tol), (variant, module, settings) in cases:
+    for (dtype, tol), (variant, fused) in cases:
         ins = [t.detach().to(dtype).requires_grad_(True) for t in ref_in]
         start = state.detach()
         start.S.requires_grad_(True)
-        with module_settings(module, **settings):
-            o, s = run_triton(*ins, rule=rule, chunk_size=chunk_size, initial_state=start, output_final_state=True)
-            grads = torch.autograd.grad((o.float() * w_o).sum() + (s.S * w_s).sum(), ins + [start.S])
+        o, s = run_triton(*ins, rule=rule, chunk_size=chunk_size, initial_state=start, output_final_state=True,
+                          fused_preparation=fused)
+        grads = torch.autograd.grad((o.float() * w_o).sum() + (s.S * w_s).sum(), ins + [start.S])
         errors = {"o": rel_err(o, o_ref), "S": rel_err(s.S, s_ref.S)}
         errors.update({f"d{n}": rel_err(a, b) for n, a, b in zip(("q", "k", "v", "beta", "lam", "S0"), grads, g_ref)})
         worst = max(errors.values())
@@ -132,11 +125,7 @@ def check(rule, *, B=2, T=1000, H=4, D=128, chunk_size=64) -> bool:
         print(f"check {label} B={B} T={T} H={H} D={D}: max rel err {worst:.1e} "
               f"({', '.join(f'{k} {v:.1e}' for k, v in errors.items())})", flush=True)
         if not worst < tol:
-            if variant == opt_in[0]:
-                print(f"the opt-in{variant} disagree (tolerance {tol}): their column is not timed", flush=True)
-                return False
             raise SystemExit(f"Triton and chunk backends disagree for {rule} in {dtype} (tolerance {tol}); not timing")
-    return True
 
 
 def main() -> None:
@@ -155,19 +144,20 @@ def main() -> None:
                         help="time D packed documents per row instead: seq_idx in place vs cu_seqlens")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU time of the triton op at the longest T")
     args = parser.parse_args()
-    opt_in_agrees = {rule: check(rule, chunk_size=args.chunk_size) for rule in args.rules}
+    for rule in args.rules:
+        check(rule, chunk_size=args.chunk_size)
     print(f"\n# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | window 3 for 3A")
     if not args.documents:
         print("| rule | T | pass | SDPA (ms) | chunk (ms) | chunk compiled (ms) | triton (ms) | kernels (ms) "
-              "| torch preparation (ms) | fixed scan blocks (ms) | bf16 passes (ms) | triton compiled (ms) "
+              "| torch preparation (ms) | fixed scan blocks (ms) | triton compiled (ms) "
               "| triton / SDPA | triton compiled / SDPA | chunk / triton | triton TFLOP/s | triton TB/s (min. bytes) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for T in args.T:
             for rule in args.rules:
                 for line in time_one(rule, args.B, T, args.H, args.D, torch.bfloat16, chunk_size=args.chunk_size,
                                      compiled_chunk=args.compiled_chunk, compiled_triton=args.compiled_triton,
-                                     eager_chunk=not args.no_chunk, bf16_passes=opt_in_agrees[rule]):
+                                     eager_chunk=not args.no_chunk):
                     print(line, flush=True)
                 torch.cuda.empty_cache()
     else:
@@ -180,9 +170,8 @@ def main() -> None:
                 torch.cuda.empty_cache()
     if args.profile:
         for rule in args.rules:
-            print(f"\n### {rule}, T={max(args.T)}: kernels of one forward + backward (FUSED_PREPARATION="
-                  f"{frontend.FUSED_PREPARATION})\n" + profile_one(rule, args.B, max(args.T), args.H, args.D,
-                                                              chunk_size=args.chunk_size), flush=True)
+            print(f"\n### {rule}, T={max(args.T)}: kernels of one forward + backward\n"
+                  + profile_one(rule, args.B, max(args.T), args.H, args.D, chunk_size=args.chunk_size), flush=True)
 
 
 def profile_one(rule, B, T, H, D, *, chunk_size, rows=20) -> str:
@@ -228,9 +217,8 @@ def time_documents(rule, B, T, H, D, documents, *, chunk_size) -> str:
             f"{ms_in_place / ms_packed:.2f}x |")
 
 
-def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compiled_triton=False, eager_chunk=True,
-             bf16_passes=True):
-    """The table rows (fwd, fwd+bwd) of one rule and sequence length; bf16_passes: time rule 1's opt-in column."""
+def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compiled_triton=False, eager_chunk=True):
+    """The table rows (fwd, fwd+bwd) of one rule and sequence length."""
     chunk_compiled = torch.compile(run_chunk, dynamic=False) if compiled_chunk else None
     triton_compiled = torch.compile(run_triton, dynamic=False) if compiled_triton else None
     q, k, v, beta, lam = inputs = make_inputs(B, T, H, D, dtype)
@@ -261,26 +249,17 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compi
 
         sdpa = timed(lambda: causal_sdpa(q, k, v))
         triton_ms = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
-        torch_prep = kernels = fixed_scan = bf16_ms = chunk = compiled = compiled_t = False
-        if rule in frontend.FUSED_RULES:
-            with module_settings(frontend, FUSED_PREPARATION=False):
-                torch_prep = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
+        torch_prep = kernels = fixed_scan = chunk = compiled = compiled_t = False
+        if rule in backend.FUSED_RULES:
+            torch_prep = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size,
+                                                  fused_preparation=False)[0])
         if prepared is not None:
             kernels = timed(lambda: fast_weight_1a_triton(*prepared, None, read_after=True, chunk_size=chunk_size)[0],
                             inputs=prepared)
-        narrows = chunk_1a.scan_blocks(D, D, B * H) != chunk_1a.scan_blocks(D, D, B * H, min_programs=0)
+        narrows = inner_product.scan_blocks(D, D, B * H) != inner_product.scan_blocks(D, D, B * H, min_programs=0)
         if rule in ("1A", "3A") and narrows:
-            with module_settings(chunk_1a, SCAN_MIN_PROGRAMS=0):
+            with module_settings(inner_product, SCAN_MIN_PROGRAMS=0):
                 fixed_scan = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
-        if rule == "1" and not bf16_passes:
-            bf16_ms = "check failed"
-        elif rule == "1":
-            try:  # an opt-in variant's failure costs its column, not the table
-                with module_settings(chunk_1, BF16_PASSES=True):
-                    bf16_ms = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
-            except Exception as error:  # noqa: BLE001
-                print(f"bf16 passes, {rule} T={T}: {type(error).__name__}: {error}"[:2000], flush=True)
-                bf16_ms = "failed"
         if eager_chunk:
             chunk = timed(lambda: run_chunk(*inputs, rule=rule, chunk_size=chunk_size)[0])
         if chunk_compiled is not None:
@@ -300,7 +279,7 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compi
         flops, nbytes = fast_weight_counts(rule, B=B, T=T, H=H, K=D, V=D, chunk=chunk_size, backward=backward)
         use = utilization(ms=triton_ms, flops=flops, nbytes=nbytes)
         rows.append(f"| {rule} | {T} | {name} | {cell(sdpa)} | {cell(chunk)} | {cell(compiled)} | {cell(triton_ms)} | "
-                    f"{cell(kernels)} | {cell(torch_prep)} | {cell(fixed_scan)} | {cell(bf16_ms)} | "
+                    f"{cell(kernels)} | {cell(torch_prep)} | {cell(fixed_scan)} | "
                     f"{cell(compiled_t)} | "
                     f"{triton_ms / sdpa:.2f}x | "
                     f"{f'{compiled_t / sdpa:.2f}x' if isinstance(compiled_t, float) else '-'} | "

@@ -6,7 +6,7 @@
     python benchmarks/gpu_fla_compare.py --T 4096 16384 --passes fwd+bwd --no-agreement --only "fla delta" "ours 1"
 
 Both sides compute the same function: our op as the model runs it (shifted pairing, NLMS steps, ridge as decay,
-read after), and fla fed through the issue's exact correspondences, computed inside fla's timed call from the same
+read after), and fla fed through these exact correspondences, computed inside fla's timed call from the same
 raw q, k, v, beta, lam (so fla pays for its input mapping as ours pays for its write preparation, and gradients
 reach the same leaves). With x_t = k_{t-1} (x_1 = 0), eta_t = beta_t / (|x_t|^2 + lam_t + eps) (0 at t = 1, where
 nothing is written), gamma_t = 1 - min(eta_t lam_t, 1 - eps_gamma):

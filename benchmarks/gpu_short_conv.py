@@ -5,7 +5,7 @@
 
 Times (median of `triton.testing.do_bench`) forward and forward + backward of `causal_conv1d` (K = 4, SiLU, bias,
 bf16 activations, float32 weights under bf16 autocast, as in training) against the same conv through `F.conv1d` on a
-[B, C, T] view (the depthwise kernels the library used before 2026-11-30), eager and under `torch.compile`
+[B, C, T] view (torch's depthwise conv kernels), eager and under `torch.compile`
 (inductor; the shifted sum fuses with the SiLU, conv1d stays a library kernel). Prints a markdown table with the
 ratio conv1d / shifted sum.
 """

@@ -4,8 +4,8 @@
     python benchmarks/gpu_ssd.py --T 4096 --compiled-chunk           # also the chunk path under torch.compile
     python benchmarks/gpu_ssd.py --cpu --B 1 --H 2 --P 16 --N 16 --T 64   # smoke run: naive vs chunk on the CPU
 
-`ssd(..., backend="auto")` runs the Triton kernels on CUDA since this script showed them faster (2026-11-30,
-benchmarks/RESULTS.md).
+`ssd(..., backend="auto")` runs the Triton kernels on CUDA because this script shows them faster
+(benchmarks/RESULTS.md).
 First checks the Triton backend against the chunk backend at one shape (float32 and bf16: y, the final
 state and every gradient) and stops if they disagree; with flash-linear-attention installed, also that fla's
 `chunk_simple_gla` computes the same function:
@@ -18,9 +18,8 @@ state and every gradient) and stops if they disagree; with flash-linear-attentio
 dim; cuDNN or flash, `gpu_ops.causal_sdpa`), `ssd` through "chunk" (and, with `--compiled-chunk`, the same under
 torch.compile) and "triton", and fla's simple GLA on the same math, its input mapping (B, C broadcast to the heads,
 dt B, dt A) inside the timed call and its gradients reaching the same leaves as ours (its gated backward is refused
-on Hopper with Triton 3.6: "refused"). Prints a markdown table with the ratios triton / SDPA, chunk / triton and
-triton / fla. (Before 2026-11-30, session 12, fla's mapping ran outside its timing: the earlier triton / fla ratios
-favour fla by roughly 0.4 ms at 16K, a byte estimate.)
+on Hopper with Triton >= 3.4 and < 3.7.1, fla issue #640: "refused"). Prints a markdown table with the ratios
+triton / SDPA, chunk / triton and triton / fla.
 """
 
 from __future__ import annotations
@@ -97,8 +96,8 @@ def check(*, device, chunk_size, B=2, T=1000, H=4, P=64, N=128, G=2, half=torch.
         # fla's state is [B, H, K = N, V = P]; ours [B, H, P, N]
         errors = {"y": rel_err(o, y), "state": rel_err(fla_state.transpose(-1, -2), state)}
     lines.append(f"check fla simple GLA vs chunk (float32): y {errors['y']:.1e}, state {errors['state']:.1e}")
-    # fla's kernels multiply float32 inputs in TF32 (10-bit mantissa): on an H200 they agree with the chunk path to
-    # 1.5e-3 (y) and 7.8e-4 (state) (2026-11-30); a different function would be off by O(1).
+    # fla's kernels multiply float32 inputs in TF32 (10-bit mantissa): they agree with the chunk path to ~1e-3;
+    # a different function would be off by O(1).
     if max(errors.values()) > 5e-3:
         raise SystemExit(f"fla's simple GLA is not the same function here: {errors}")
     return lines

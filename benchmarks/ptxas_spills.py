@@ -7,7 +7,7 @@ machine with triton (no GPU).
 Compiles each kernel to PTX with Triton for sm_90 at several (warps, pipeline stages) launch configurations and runs
 the `ptxas -v` that Triton uses for sm_90 on it: registers per thread and the bytes of spill stores / loads per
 thread. A spill is a round trip through local memory inside a latency-bound sequential walk over the chunks, so this
-is the cheap first look before a GPU timing (which decides). `*` marks the configuration `chunk_1.py` launches.
+is the cheap first look before a GPU timing (which decides). `*` marks the configuration `regression.py` launches.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hybridlm.ops.fast_weight.triton import kernels_delta
-from hybridlm.ops.fast_weight.triton.chunk_1 import GRAD_PASS_LAUNCH, PASS_LAUNCH
+from hybridlm.ops.fast_weight.triton import regression_kernels, wy
+from hybridlm.ops.fast_weight.triton.regression import GRAD_PASS_LAUNCH, PASS_LAUNCH
 
 
 def sm90_ptxas() -> str:
@@ -41,10 +41,10 @@ PTXAS = sm90_ptxas()
 BF16_POINTERS = ("x_ptr", "q_ptr", "y_ptr", "do_ptr", "dx_ptr", "dq_ptr")
 
 
-def launched(bf16_passes: bool) -> dict[str, tuple[int, int]]:
-    """chunk_1.py's (warps, stages) of the two passes for these factors (the two per-chunk gradient kernels are
-    autotuned over 4 / 8 warps x 1 / 2 stages: no fixed one)."""
-    return {name: (launch[bf16_passes]["num_warps"], launch[bf16_passes]["num_stages"])
+def launched() -> dict[str, tuple[int, int]]:
+    """regression.py's (warps, stages) of the two passes (the per-chunk gradient kernels are autotuned over 4 / 8
+    warps x 1 / 2 stages: no fixed one)."""
+    return {name: (launch["num_warps"], launch["num_stages"])
             for name, launch in (("delta_pass_kernel", PASS_LAUNCH), ("delta_grad_pass_kernel", GRAD_PASS_LAUNCH))}
 
 
@@ -78,30 +78,27 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--configs", nargs="+", default=["4x2", "4x3", "8x2", "8x3"],
                         help="WARPSxSTAGES launch configs")
-    parser.add_argument("--bf16-passes", action="store_true",
-                        help="the sequential passes as chunk_1.BF16_PASSES compiles them (bfloat16 factors)")
     args = parser.parse_args()
     block_k = max(16, triton.next_power_of_2(args.K))
-    pass_v = min(max(16, triton.next_power_of_2(args.V)), 32 if block_k > 64 else 64)  # chunk_1's BV_pass
-    grad_blocks = min(64, block_k), min(64, max(16, triton.next_power_of_2(args.V)))  # chunk_1's gradient blocks
+    pass_v = min(max(16, triton.next_power_of_2(args.V)), 32 if block_k > 64 else 64)  # EventPlan.BV_pass
+    grad_blocks = min(64, block_k), min(64, max(16, triton.next_power_of_2(args.V)))  # regression's gradient blocks
     sizes = {"K": args.K, "V": args.V, "BT": args.chunk, "BK": block_k, "PREC": "tf32", "PREC32": "tf32",
-             "SLOTS": 1, "READ_AFTER": True, "HAS_INIT": True, "INTERPRET": False, "N_PARTS": -(-block_k // 64),
-             "BF16": args.bf16_passes}
-    pointers = BF16_POINTERS + (("u_ptr", "w_ptr") if args.bf16_passes else ())  # W, U stored in bfloat16 there
-    kernels = (("tinv_kernel", {"BK": grad_blocks[0]}), ("wu_kernel", {"BD": max(grad_blocks)}),
-               ("delta_pass_kernel", {"BV": pass_v}), ("delta_grad_pass_kernel", {"BV": pass_v}),
-               ("delta_grad_state_kernel", {"BK": grad_blocks[0], "BV": grad_blocks[1]}),
-               ("delta_grad_kernel", {"BK": grad_blocks[0], "BV": grad_blocks[1]}))
+             "SLOTS": 1, "READ_AFTER": True, "HAS_INIT": True, "INTERPRET": False, "N_PARTS": -(-block_k // 64)}
+    kernels = ((wy, "tinv_kernel", {"BK": grad_blocks[0]}), (wy, "wu_kernel", {"BD": max(grad_blocks)}),
+               (regression_kernels, "delta_pass_kernel", {"BV": pass_v}),
+               (regression_kernels, "delta_grad_pass_kernel", {"BV": pass_v}),
+               (regression_kernels, "delta_grad_state_kernel", {"BK": grad_blocks[0], "BV": grad_blocks[1]}),
+               (regression_kernels, "delta_grad_kernel", {"BK": grad_blocks[0], "BV": grad_blocks[1]}))
     print(f"# {time.strftime('%Y-%m-%d')} | ptxas sm_90a (triton {triton.__version__}) | K={args.K} V={args.V} "
-          f"chunk={args.chunk} bf16{' | bf16 passes' if args.bf16_passes else ''}")
+          f"chunk={args.chunk} bf16")
     print("| kernel | blocks | warps x stages | registers | spill stores (B) | spill loads (B) |")
     print("|---|---|---|---|---|---|")
-    for name, blocks in kernels:
+    for module, name, blocks in kernels:
         for config in args.configs:
             warps, stages = (int(part) for part in config.split("x"))
-            registers, stores, loads = ptxas_stats(getattr(kernels_delta, name), dict(sizes, **blocks),
-                                                   warps=warps, stages=stages, bf16_pointers=pointers)
-            mark = " *" if launched(args.bf16_passes).get(name) == (warps, stages) else ""
+            registers, stores, loads = ptxas_stats(getattr(module, name), dict(sizes, **blocks), warps=warps,
+                                                   stages=stages)
+            mark = " *" if launched().get(name) == (warps, stages) else ""
             shown = " ".join(f"{block}={size}" for block, size in blocks.items())
             print(f"| {name} | {shown} | {warps} x {stages}{mark} | {registers} | {stores} | {loads} |",
                   flush=True)

@@ -4,7 +4,7 @@
     flops, nbytes = fast_weight_counts("1A", B=8, T=4096, H=16, K=128, V=128, chunk=64, backward=True)
     utilization(ms=8.08, flops=flops, nbytes=nbytes)   # {"tflops": ..., "flop_frac": ..., "tbps": ..., ...}
 
-Ceilings (measured on the H200 machines of this project, issue 8): a device copy at ~4.3 TB/s and a large bf16
+Ceilings (measured on an H200; benchmarks/RESULTS.md): a device copy at ~4.3 TB/s and a large bf16
 matmul at ~716 TFLOP/s. A kernel is near its roof when one of the two fractions is near 1.
 
 Counts (per (batch row, head); multiply by B * H), matmul FLOPs only (the exponentials and elementwise work are

@@ -191,9 +191,9 @@ def test_gpu_model_same_size_variants(preset):
 @pytest.mark.skipif(not HAS_TRITON or importlib.util.find_spec("triton.backends.nvidia") is None,
                     reason="compiles with triton's CUDA backend and ptxas (no GPU needed)")
 def test_ptxas_spills():
-    from hybridlm.ops.fast_weight.triton.chunk_1 import PASS_LAUNCH
+    from hybridlm.ops.fast_weight.triton.regression import PASS_LAUNCH
 
-    launched = "{num_warps}x{num_stages}".format(**PASS_LAUNCH[False])  # the default float32 factors' launch
+    launched = "{num_warps}x{num_stages}".format(**PASS_LAUNCH)  # the forward pass's launch
     out = run("ptxas_spills.py", "--K", "16", "--V", "16", "--chunk", "16", "--configs", launched)
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "_kernel |" in line]
     assert [row[0] for row in rows] == ["| tinv_kernel", "| wu_kernel", "| delta_pass_kernel",

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
 
 import torch
+
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None  # looked up once: torch.compile cannot trace it
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -88,6 +92,30 @@ def _scatter_index(offsets: torch.Tensor, device: torch.device) -> tuple[torch.T
     rows = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths, output_size=total)
     index = torch.arange(total, device=device) - offsets[:-1][rows]
     return index, rows
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton's CPU interpreter runs the kernels (`TRITON_INTERPRET=1`, Triton's own switch, read at each
+    call): the kernels then take CPU tensors, and the sequential kernels loop with `while` (the interpreter cannot
+    `range` over a runtime int with numpy >= 2.4)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_available() -> bool:
+    """True when the Triton kernels can run here: triton is importable and a CUDA device is present."""
+    return _TRITON_FOUND and torch.cuda.is_available()
+
+
+def triton_runs_on(tensor: torch.Tensor) -> bool:
+    """Whether the Triton kernels can take `tensor`: triton installed and the tensor on a CUDA device, or any tensor
+    under Triton's interpreter."""
+    return (_TRITON_FOUND and tensor.is_cuda) or triton_interpreting()
+
+
+def triton_chunk_size(chunk_size: int, *, cap: int) -> int:
+    """The Triton kernels' chunk for a requested chunk length: the nearest power of two >= chunk_size, clamped to
+    [16, cap] (tl.dot needs >= 16 rows). The chunk length changes the cost only, never the result."""
+    return min(cap, max(16, 1 << (max(chunk_size, 1) - 1).bit_length()))
 
 
 def resolve_backend(backend: str, *, available: tuple[str, ...], default: str) -> str:

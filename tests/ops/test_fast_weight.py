@@ -11,38 +11,7 @@ from hypothesis import strategies as st
 
 from hybridlm.ops import FastWeightState, fast_weight_attention
 from tests.helpers import rel_err
-
-RULES = ("1", "2", "3", "1A", "2A", "3A")
-SLIDING = ("3", "3A")
-PER_COLUMN = ("2", "2A")
-
-
-def make_inputs(rule, *, B=2, T=63, H=3, K=5, V=7, dtype=torch.float64, seed=0, lam_scale=0.5, requires_grad=False):
-    """Random inputs: RMS-normalized keys/queries (as the layer feeds them), gains in (0, 2), ridge >= 0."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, H, K, generator=g, dtype=torch.float64)
-    k = torch.randn(B, T, H, K, generator=g, dtype=torch.float64)
-    k = k / k.pow(2).mean(-1, keepdim=True).sqrt()
-    v = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
-    beta_shape = (B, T, H, V) if rule in PER_COLUMN else (B, T, H)
-    beta = 0.05 + 1.9 * torch.rand(beta_shape, generator=g, dtype=torch.float64)
-    lam = lam_scale * torch.rand(B, T, H, generator=g, dtype=torch.float64)
-    tensors = [t.to(dtype).requires_grad_(requires_grad) for t in (q, k, v, beta, lam)]
-    return tensors
-
-
-def random_state(n, H, K, V, *, window, tail_len=None, dtype=torch.float64, seed=1, requires_grad=False):
-    g = torch.Generator().manual_seed(seed)
-    S = (0.3 * torch.randn(n, H, K, V, generator=g, dtype=torch.float64)).to(dtype).requires_grad_(requires_grad)
-    last_k = torch.randn(n, H, K, generator=g, dtype=torch.float64).to(dtype)
-    state = FastWeightState(S=S, last_k=last_k)
-    if window > 1:
-        state.tail_x = torch.randn(n, H, window - 1, K, generator=g, dtype=torch.float64).to(dtype)
-        state.tail_v = torch.randn(n, H, window - 1, V, generator=g, dtype=torch.float64).to(dtype)
-        if tail_len is None:
-            tail_len = torch.randint(0, window, (n,), generator=g)
-        state.tail_len = torch.as_tensor(tail_len, dtype=torch.int64)
-    return state
+from tests.ops.fast_weight_helpers import RULES, SLIDING, make_inputs, random_state
 
 
 def run(inputs, backend, **kwargs):

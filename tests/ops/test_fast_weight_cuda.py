@@ -12,7 +12,7 @@ import torch
 
 from hybridlm.ops import fast_weight_attention
 from tests.helpers import rel_err
-from tests.ops.test_fast_weight import RULES, SLIDING, make_inputs, random_state
+from tests.ops.fast_weight_helpers import RULES, SLIDING, make_inputs, random_state
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -14,7 +14,7 @@ import torch
 
 from hybridlm.ops import fast_weight_attention
 from tests.helpers import rel_err
-from tests.ops.test_fast_weight import SLIDING, make_inputs
+from tests.ops.fast_weight_helpers import SLIDING, make_inputs
 
 
 def paper_loop(q, k, v, beta, lam, *, rule, window, pairing, read, step_size, ridge_scaling, eps=1e-6, eps_gamma=1e-6):

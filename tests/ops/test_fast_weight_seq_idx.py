@@ -6,7 +6,7 @@ shapes) against the same documents through `cu_seqlens` (chunk: float64 against 
 against the chunk path), outputs and every gradient; the conversion to `cu_seqlens` wherever the in-place form does
 not apply; `torch.compile(fullgraph)` of the in-place form and of the mixer; and the errors.
 
-Where they run (as tests/ops/test_fast_weight_triton.py, whose import sets TRITON_INTERPRET before any kernel loads):
+Where they run (as the Triton tests: tests/ops/conftest.py sets TRITON_INTERPRET before any kernel loads):
     GPU:  python -m pytest -q tests/ops/test_fast_weight_seq_idx.py
     CPU:  HYBRIDLM_TRITON_INTERPRET=1 python -m pytest -q tests/ops/test_fast_weight_seq_idx.py
 (the chunk, conversion and error tests run everywhere).
@@ -21,8 +21,8 @@ from hybridlm.ops import fast_weight_attention
 from hybridlm.ops.fast_weight.op import document_offsets, seq_idx_in_place
 from hybridlm.ops.fast_weight.state import FastWeightState
 from tests.helpers import rel_err
-from tests.ops.test_fast_weight import make_inputs
-from tests.ops.test_fast_weight_triton import DEVICE, interpret
+from tests.ops.fast_weight_helpers import make_inputs
+from tests.ops.triton_modes import DEVICE, interpret
 
 T = 53  # not a multiple of the chunk (16)
 
@@ -233,7 +233,7 @@ def test_mixer_restarts_in_place_inside_graphs(monkeypatch, fw):
     alone (float32, < 1e-4)."""
     from hybridlm.layers import fast_weight as layer
     from hybridlm.modules.boundaries import sequence_ids
-    from tests.layers.test_block import make_block, runs_with_and_without_seq_idx
+    from tests.layers.block_helpers import make_block, runs_with_and_without_seq_idx
 
     mixer = make_block(ssm_mixer="fast_weight", fw_heads=2, fw_head_dim=16, fw_chunk_size=16, **fw).ssm.to(DEVICE)
     mixer.backend = "triton"

@@ -38,7 +38,7 @@ from tests.ops.triton_modes import (  # sets the mode
 
 from hybridlm.ops.ssd import ssd
 from tests.helpers import rel_err
-from tests.ops.test_ssd import NAMES, make_inputs, outputs_and_grads, time_slice
+from tests.ops.ssd_helpers import NAMES, make_inputs, outputs_and_grads, time_slice
 
 
 TOL = 1e-4  # float32 against float32 references

@@ -1,8 +1,9 @@
 """Where the Triton tests run: on a GPU, or under Triton's CPU interpreter with HYBRIDLM_TRITON_INTERPRET=1.
 
-Import this module before anything imports triton's kernels: it sets TRITON_INTERPRET for the interpreter
-mode, and one launch configuration (HYBRIDLM_TRITON_AUTOTUNE=0) instead of autotuning, since the many test
-shapes would each tune (compile time) over configurations that differ only in warps/stages.
+Imported before anything imports triton's kernels (tests/ops/conftest.py imports it first): it sets
+TRITON_INTERPRET for the interpreter mode, and one launch configuration (HYBRIDLM_TRITON_AUTOTUNE=0) instead of
+autotuning, since the many test shapes would each tune (compile time) over configurations that differ only in
+warps/stages. Also the harness that compiles kernels for sm_90 without a GPU (`compile_for_sm90`).
 """
 
 from __future__ import annotations

@@ -25,12 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridlm.ops.fast_weight.options import FastWeightOptions
 from hybridlm.ops.fast_weight.state import FastWeightState
 from hybridlm.ops.utils import compute_dtype, host_to_device, packed_to_padded, padded_to_packed, seq_idx_segments
 
-REGRESSION_RULES = ("1", "2", "3")
-PER_COLUMN_RULES = ("2", "2A")
-SLIDING_RULES = ("3", "3A")
 # A document's first step under `seq_idx` (documents restarted in place): this log decay ends every earlier write's
 # share of the state (exp(-100) ~ 4e-44, below float32's normal range), while each exponent the chunk forms take,
 # exp(L_a - L_b) with a >= b, holds it on both sides (one document: it cancels) or on one (another document: ~0).
@@ -38,13 +36,6 @@ RESTART_LOG_DECAY = -100.0
 # Per-column decays (rules 2/2A) make every intra-chunk coefficient a [C, C, V] tensor of exponentials rather
 # than a matmul, so their chunks are kept short: the work per step grows with C, the chunk loop shrinks.
 PER_COLUMN_MAX_CHUNK = 16
-
-
-def restarts_in_place(*, rule: str, pairing: str, read: str) -> bool:
-    """Whether `prepare_writes(..., seq_idx=)` (and the fused preparation) restart documents exactly: for a read
-    after the write (a read before it would see the last document's state at a document's first step), and for the
-    regression rules only with shifted pairing (a same-step write's residual there would fit that state)."""
-    return read == "after" and (rule not in REGRESSION_RULES or pairing == "shifted")
 
 
 @dataclass
@@ -68,9 +59,8 @@ class PreparedWrites:
     y_ext: torch.Tensor | None = None
 
 
-def prepare_writes(q, k, v, beta, lam, *, rule, window, pairing, step_size, ridge_scaling, eps, eps_gamma,
-                   initial_state: FastWeightState, offsets: torch.Tensor | None,
-                   seq_idx: torch.Tensor | None = None) -> PreparedWrites:
+def prepare_writes(q, k, v, beta, lam, options: FastWeightOptions, *, initial_state: FastWeightState,
+                   offsets: torch.Tensor | None, seq_idx: torch.Tensor | None = None) -> PreparedWrites:
     """Steps 1-3 of the chunk form: write pairs, windows, the statistic E_t, step sizes and log decays.
 
     q, k, v keep their dtype (the Triton backend runs bf16 operands); the statistic, step sizes, decays and the
@@ -80,7 +70,8 @@ def prepare_writes(q, k, v, beta, lam, *, rule, window, pairing, step_size, ridg
     next (the first document continues the carried state): no shifted pair crosses a document start, a window holds
     only its own document's pairs (statistic and weights), and the start's log decay is RESTART_LOG_DECAY (a
     constant: no gradient). Right for a read after the write and, for the regression rules, shifted pairing
-    (`restarts_in_place`): elsewhere a document's first step would read or fit the last document's state."""
+    (`options.restarts_in_place`): elsewhere a document's first step would read or fit the last document's state."""
+    rule, eps = options.rule, options.eps
     stat = compute_dtype(k.dtype)
     beta, lam = beta.to(stat), lam.to(stat)
     if offsets is not None:
@@ -92,14 +83,14 @@ def prepare_writes(q, k, v, beta, lam, *, rule, window, pairing, step_size, ridg
         lengths = torch.full((q.shape[0],), q.shape[1], dtype=torch.int64, device=q.device)
     N, T, H, K = k.shape
     V = v.shape[-1]
-    W = window
+    W = options.window
     valid = torch.arange(T, device=q.device)[None, :] < lengths[:, None]                # [N, T]
     if seq_idx is not None:  # each step's document, numbered from 0 (the carried state's) in each row
         segment = seq_idx_segments(seq_idx, (N, T))                                        # [N, T]
         restart = F.pad(segment[:, 1:] != segment[:, :-1], (1, 0))                          # [N, T]
 
     # 1. Write pairs (x_t, y_t) and whether each exists (C.5: a fresh shifted sequence has none at t = 1).
-    if pairing == "shifted":
+    if options.shifted:
         first = initial_state.last_k if initial_state.last_k is not None else k.new_zeros(N, H, K)
         x = torch.cat([first[:, None].to(k.dtype), k[:, :-1]], dim=1)                      # [N, T, H, K]
         exists = valid.clone()
@@ -145,18 +136,18 @@ def prepare_writes(q, k, v, beta, lam, *, rule, window, pairing, step_size, ridg
         E = energy / count[:, :, None]                                                     # Ebar_t
     else:
         E = x.to(stat).square().sum(-1)                                                    # |x_t|^2
-    ridge = lam * E.detach() if ridge_scaling else lam                                     # [N, T, H]
+    ridge = lam * E.detach() if options.ridge_scaling else lam                             # [N, T, H]
     active = exists[:, :, None]                                                            # [N, T, 1]
-    if step_size == "nlms":
+    if options.step_size == "nlms":
         denom = torch.where(active, E + ridge + eps, 1.0)                                  # [N, T, H]
-        eta = beta / (denom[..., None] if rule in PER_COLUMN_RULES else denom)
+        eta = beta / (denom[..., None] if options.per_column else denom)
     else:
         eta = beta
-    if rule in PER_COLUMN_RULES:                                                           # eta [N, T, H, V]
+    if options.per_column:                                                                 # eta [N, T, H, V]
         ridge, active = ridge[..., None], active[..., None]
     eta = torch.where(active, eta, 0.0)
-    log_gamma = torch.log1p(-torch.clamp(eta * ridge, max=1.0 - eps_gamma))                # log gamma_t
-    if rule not in PER_COLUMN_RULES:
+    log_gamma = torch.log1p(-torch.clamp(eta * ridge, max=1.0 - options.eps_gamma))        # log gamma_t
+    if not options.per_column:
         eta, log_gamma = eta[..., None], log_gamma[..., None]                              # [N, T, H, Dv]
     if seq_idx is not None:
         log_gamma = torch.where(restart[:, :, None, None], RESTART_LOG_DECAY, log_gamma)
@@ -164,7 +155,7 @@ def prepare_writes(q, k, v, beta, lam, *, rule, window, pairing, step_size, ridg
 
     rows = torch.arange(N, device=q.device)
     final = FastWeightState(S=initial_state.S,
-                            last_k=k[rows, lengths - 1].to(stat) if pairing == "shifted" else None)
+                            last_k=k[rows, lengths - 1].to(stat) if options.shifted else None)
     if W > 1:
         index = lengths[:, None] + torch.arange(W - 1, device=q.device)[None, :]           # ext slots [N, W-1]
         final.tail_x = x_ext[rows[:, None], index].transpose(1, 2).to(stat)                # [N, H, W-1, K]
@@ -180,32 +171,23 @@ def fast_weight_chunk(
     v: torch.Tensor,
     beta: torch.Tensor,
     lam: torch.Tensor,
+    options: FastWeightOptions,
     *,
-    rule: str,
-    window: int,
-    pairing: str,
-    read: str,
-    step_size: str,
-    ridge_scaling: bool,
-    eps: float,
-    eps_gamma: float,
     initial_state: FastWeightState,
     offsets: torch.Tensor | None,
-    chunk_size: int,
     seq_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, FastWeightState]:
     """Same contract as `naive.fast_weight_naive` (inputs validated and cast by the front door); `seq_idx`
     restarts documents in place (`prepare_writes`)."""
-    p = prepare_writes(q, k, v, beta, lam, rule=rule, window=window, pairing=pairing, step_size=step_size,
-                       ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=initial_state,
-                       offsets=offsets, seq_idx=seq_idx)
+    p = prepare_writes(q, k, v, beta, lam, options, initial_state=initial_state, offsets=offsets, seq_idx=seq_idx)
     # 4. The chunk scan, head-major.
-    if rule in PER_COLUMN_RULES:
+    chunk_size = options.chunk_size
+    if options.per_column:
         chunk_size = min(chunk_size, PER_COLUMN_MAX_CHUNK)
     o, S = _chunk_scan(
         p.q.transpose(1, 2), p.X.transpose(1, 2), p.Y.transpose(1, 2), p.weights.transpose(1, 2),
         p.log_gamma.transpose(1, 2), initial_state.S,
-        regression=rule in REGRESSION_RULES, read_after=read == "after", chunk_size=chunk_size,
+        regression=options.regression, read_after=options.read_after, chunk_size=chunk_size,
         wide_exponents=seq_idx is not None,
     )
     o = o.transpose(1, 2)                                                                  # [N, T, H, V]

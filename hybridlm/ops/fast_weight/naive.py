@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridlm.ops.fast_weight.options import FastWeightOptions
 from hybridlm.ops.fast_weight.state import FastWeightState
 
 
@@ -36,15 +37,8 @@ def fast_weight_naive(
     v: torch.Tensor,
     beta: torch.Tensor,
     lam: torch.Tensor,
+    options: FastWeightOptions,
     *,
-    rule: str,
-    window: int,
-    pairing: str,
-    read: str,
-    step_size: str,
-    ridge_scaling: bool,
-    eps: float,
-    eps_gamma: float,
     initial_state: FastWeightState,
     offsets: torch.Tensor | None,
 ) -> tuple[torch.Tensor, FastWeightState]:
@@ -61,10 +55,8 @@ def fast_weight_naive(
     outputs, finals = [], []
     for n, (b, start, end) in enumerate(spans):
         o, final = _run_sequence(
-            q[b, start:end], k[b, start:end], v[b, start:end], beta[b, start:end], lam[b, start:end],
+            q[b, start:end], k[b, start:end], v[b, start:end], beta[b, start:end], lam[b, start:end], options,
             state=_row(initial_state, n),
-            rule=rule, window=window, pairing=pairing, read=read, step_size=step_size,
-            ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma,
         )
         outputs.append(o)
         finals.append(final)
@@ -72,18 +64,19 @@ def fast_weight_naive(
         o = torch.stack(outputs)
     else:
         o = torch.cat(outputs).unsqueeze(0)
-    return o, _stack_rows(finals, window=window, head_dims=(k.shape[2], k.shape[3], v.shape[3]))
+    return o, _stack_rows(finals, window=options.window, head_dims=(k.shape[2], k.shape[3], v.shape[3]))
 
 
-def _run_sequence(q, k, v, beta, lam, *, state, rule, window, pairing, read, step_size, ridge_scaling, eps, eps_gamma):
+def _run_sequence(q, k, v, beta, lam, options: FastWeightOptions, *, state):
     """One sequence: q, k [T, H, K], v [T, H, V], beta [T, H] or [T, H, V], lam [T, H]."""
+    window = options.window
     S = state["S"]                                              # [H, K, V]
     prev_k = state["last_k"]                                    # [H, K] or None (fresh sequence)
     pairs = list(state["tail"])                                 # the last window - 1 pairs (x [H, K], y [H, V])
     outputs = []
     for t in range(q.shape[0]):
         # The write pair (x_t, y_t): shifted (k_{t-1}, v_t) or same-step (k_t, v_t).
-        if pairing == "shifted":
+        if options.shifted:
             x, prev_k = prev_k, k[t]
         else:
             x = k[t]
@@ -91,16 +84,16 @@ def _run_sequence(q, k, v, beta, lam, *, state, rule, window, pairing, read, ste
         S_prev = S
         if x is not None:  # x is None only at the first step of a fresh shifted sequence: S_1 = S_0
             pairs = (pairs + [(x, y)])[-window:]
-            S = _write(S, x, y, pairs, beta[t], lam[t], rule=rule, step_size=step_size,
-                       ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma)
-        read_state = S if read == "after" else S_prev
+            S = _write(S, x, y, pairs, beta[t], lam[t], options)
+        read_state = S if options.read_after else S_prev
         outputs.append(torch.einsum("hkv,hk->hv", read_state, q[t]))  # o_t = S^T q_t   [H, V]
     tail = pairs[-(window - 1):] if window > 1 else []
-    return torch.stack(outputs), {"S": S, "last_k": prev_k if pairing == "shifted" else None, "tail": tail}
+    return torch.stack(outputs), {"S": S, "last_k": prev_k if options.shifted else None, "tail": tail}
 
 
-def _write(S, x, y, pairs, beta, lam, *, rule, step_size, ridge_scaling, eps, eps_gamma):
+def _write(S, x, y, pairs, beta, lam, options: FastWeightOptions):
     """One step of the rule table. S [H, K, V] is S_{t-1}; x [H, K], y [H, V]; pairs hold I_t (newest last)."""
+    rule, eps = options.rule, options.eps
     X = torch.stack([p[0] for p in pairs], dim=1)               # [H, B_t, K]
     Y = torch.stack([p[1] for p in pairs], dim=1)               # [H, B_t, V]
     B_t = X.shape[1]
@@ -112,14 +105,14 @@ def _write(S, x, y, pairs, beta, lam, *, rule, step_size, ridge_scaling, eps, ep
         E = (X * X).sum(dim=(1, 2)) / B_t                       # Ebar_t  [H]
     else:
         E = (x * x).sum(-1)                                     # |x_t|^2  [H]
-    ridge = lam * E.detach() if ridge_scaling else lam          # the actual ridge  [H]
-    per_column = rule in ("2", "2A")
+    ridge = lam * E.detach() if options.ridge_scaling else lam  # the actual ridge  [H]
+    per_column = options.per_column
     denom = E + ridge + eps
-    if step_size == "nlms":
+    if options.step_size == "nlms":
         eta = beta / (denom[:, None] if per_column else denom)  # [H] or [H, V]
     else:
         eta = beta
-    alpha = torch.clamp(eta * (ridge[:, None] if per_column else ridge), max=1.0 - eps_gamma)
+    alpha = torch.clamp(eta * (ridge[:, None] if per_column else ridge), max=1.0 - options.eps_gamma)
     gamma = 1.0 - alpha                                         # carry  [H] or [H, V]
     if rule == "1":
         residual = y - torch.einsum("hkv,hk->hv", S, x)         # y - S^T x  [H, V]

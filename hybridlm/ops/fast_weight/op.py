@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from hybridlm.ops.fast_weight.chunk import PER_COLUMN_RULES, SLIDING_RULES, fast_weight_chunk, restarts_in_place
+from hybridlm.ops.fast_weight.chunk import fast_weight_chunk
 from hybridlm.ops.fast_weight.naive import fast_weight_naive
+from hybridlm.ops.fast_weight.options import FastWeightOptions, restarts_in_place
 from hybridlm.ops.fast_weight.recurrent import fast_weight_recurrent
 from hybridlm.ops.fast_weight.state import FastWeightState
 from hybridlm.ops.fast_weight.triton import AUTO_RULES as TRITON_AUTO_RULES
 from hybridlm.ops.fast_weight.triton import fast_weight_triton
-from hybridlm.ops.fast_weight.triton import is_available as triton_available
 from hybridlm.ops.fast_weight.triton import supports as triton_supports
-from hybridlm.ops.utils import check_cu_seqlens, compute_dtype, resolve_backend
+from hybridlm.ops.utils import check_cu_seqlens, compute_dtype, resolve_backend, triton_available, triton_runs_on
 
-RULES = ("1", "2", "3", "1A", "2A", "3A")
 BACKENDS = ("naive", "recurrent", "chunk", "triton")
 
 
@@ -71,11 +68,9 @@ def fast_weight_attention(
             per-column decays cost O(C^2 V) exponentials per chunk instead of matmuls).
         backend: "auto" | "naive" | "recurrent" | "chunk" | "triton". "recurrent" is the step loop vectorized
             over rows (no cu_seqlens). "auto" takes it for T == 1 (decoding; naive with cu_seqlens), the
-            Triton kernels on CUDA for the rules checked and timed on a GPU (1A, 3A, 1; K, V <= 128;
-            float32/bf16/fp16) when triton is installed, and the chunk path otherwise. "triton" also runs rule 2A
-            (forward and backward kernels, checked on an H200, not yet timed: benchmarks/RESULTS.md), rule 3
-            (window <= 64, on rule 1's kernels over write events) and rule 2 (both checked under Triton's
-            interpreter only).
+            Triton kernels on CUDA for the rules timed against the chunk path on a GPU (1A, 3A, 1; K, V <= 128;
+            float32/bf16/fp16; benchmarks/RESULTS.md) when triton is installed, and the chunk path otherwise.
+            "triton" also runs rules 2A, 2 and 3 (window <= 64, on rule 1's kernels over write events).
 
     Returns:
         o `[B, T, H, V]` in q's dtype, and the final state (float32; float64 for float64 inputs) or None.
@@ -84,9 +79,9 @@ def fast_weight_attention(
         >>> q = k = torch.randn(2, 16, 4, 8); v = torch.randn(2, 16, 4, 8); beta = torch.rand(2, 16, 4)
         >>> o, state = fast_weight_attention(q, k, v, beta, rule="1A", output_final_state=True)
     """
-    offsets = _check_inputs(q, k, v, beta, lam, rule=rule, window=window, pairing=pairing, read=read,
-                            step_size=step_size, eps=eps, eps_gamma=eps_gamma, cu_seqlens=cu_seqlens,
-                            chunk_size=chunk_size)
+    options = FastWeightOptions(rule=rule, window=window, pairing=pairing, read=read, step_size=step_size,
+                                ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, chunk_size=chunk_size)
+    offsets = _check_inputs(q, k, v, beta, lam, options, cu_seqlens=cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if seq_idx is not None:
@@ -106,25 +101,25 @@ def fast_weight_attention(
     out_dtype = q.dtype
     if lam is None:
         lam = q.new_zeros(B, T, H)
-    options = dict(rule=rule, window=window, pairing=pairing, read=read, step_size=step_size,
-                   ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=state, offsets=offsets)
     name = _backend(q, v, rule=rule, window=window, packed=offsets is not None, backend=backend)
     if name == "triton":  # q, k, v keep their dtype (bf16 tensor cores); step sizes and decays run in float32
-        if not (triton_available() and q.is_cuda) and os.environ.get("TRITON_INTERPRET") != "1":
+        if not triton_runs_on(q):
             raise ValueError("backend='triton' needs triton installed and the tensors on a CUDA device; "
                              "use backend='chunk' (or 'auto') here")
         with torch.autocast(q.device.type, enabled=False):
-            o, final = fast_weight_triton(q, k, v, beta, lam, chunk_size=chunk_size, seq_idx=seq_idx, **options)
+            o, final = fast_weight_triton(q, k, v, beta, lam, options, initial_state=state, offsets=offsets,
+                                          seq_idx=seq_idx)
         return o.to(out_dtype), (final if output_final_state else None)
     q, k, v, beta, lam = (t.to(dtype) for t in (q, k, v, beta, lam))
     # The recurrence stays in `dtype` under a caller's bf16 autocast (its matmuls would otherwise run in bf16).
     with torch.autocast(q.device.type, enabled=False):
         if name == "naive":
-            o, final = fast_weight_naive(q, k, v, beta, lam, **options)
+            o, final = fast_weight_naive(q, k, v, beta, lam, options, initial_state=state, offsets=offsets)
         elif name == "recurrent":
-            o, final = fast_weight_recurrent(q, k, v, beta, lam, **options)
+            o, final = fast_weight_recurrent(q, k, v, beta, lam, options, initial_state=state, offsets=offsets)
         else:
-            o, final = fast_weight_chunk(q, k, v, beta, lam, chunk_size=chunk_size, seq_idx=seq_idx, **options)
+            o, final = fast_weight_chunk(q, k, v, beta, lam, options, initial_state=state, offsets=offsets,
+                                         seq_idx=seq_idx)
     return o.to(out_dtype), (final if output_final_state else None)
 
 
@@ -142,7 +137,7 @@ def _backend(q, v, *, rule, window, packed, backend) -> str:
 def seq_idx_in_place(q, v=None, *, rule, window=1, pairing="shifted", read="after", backend="auto") -> bool:
     """Whether `fast_weight_attention(q, k, v, ..., seq_idx=...)` restarts the documents in place, on the rows'
     shapes with nothing read on the host (so it can run inside a compiled graph): the chunk and Triton backends, a
-    read after the write, and shifted pairing for the regression rules 1, 2, 3 (`chunk.restarts_in_place`).
+    read after the write, and shifted pairing for the regression rules 1, 2, 3 (`options.restarts_in_place`).
     Otherwise `seq_idx` becomes `cu_seqlens`. v: the values (None: V = K)."""
     name = _backend(q, q if v is None else v, rule=rule, window=window, packed=False, backend=backend)
     return name in ("chunk", "triton") and restarts_in_place(rule=rule, pairing=pairing, read=read)
@@ -171,25 +166,9 @@ def _check_seq_idx(seq_idx, *, B, T, device, cu_seqlens, initial_state, output_f
                          "use cu_seqlens (one state per sequence) to carry states")
 
 
-def _check_inputs(q, k, v, beta, lam, *, rule, window, pairing, read, step_size, eps, eps_gamma, cu_seqlens,
-                  chunk_size) -> torch.Tensor | None:
-    """Raise a ValueError that says what is wrong; return the packed offsets (or None)."""
-    if rule not in RULES:
-        raise ValueError(f"unknown rule {rule!r}; choose one of {RULES}")
-    for name, value, choices in (("pairing", pairing, ("shifted", "same_step")), ("read", read, ("after", "before")),
-                                 ("step_size", step_size, ("nlms", "direct"))):
-        if value not in choices:
-            raise ValueError(f"unknown {name} {value!r}; choose one of {choices}")
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an integer >= 1, got {window!r}")
-    if window > 1 and rule not in SLIDING_RULES:
-        raise ValueError(f"window = {window} only applies to the sliding rules {SLIDING_RULES}; rule {rule!r} needs 1")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-    if not 0 < eps_gamma <= 1:
-        raise ValueError(f"eps_gamma must be in (0, 1], got {eps_gamma}")
+def _check_inputs(q, k, v, beta, lam, options: FastWeightOptions, *, cu_seqlens) -> torch.Tensor | None:
+    """Raise a ValueError that says what is wrong with a tensor (the options checked themselves); return the
+    packed offsets (or None)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [B, T, H, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
@@ -200,10 +179,10 @@ def _check_inputs(q, k, v, beta, lam, *, rule, window, pairing, read, step_size,
         raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
     if T < 1:
         raise ValueError("the sequence is empty (T = 0)")
-    want_beta = (B, T, H, v.shape[3]) if rule in PER_COLUMN_RULES else (B, T, H)
+    want_beta = (B, T, H, v.shape[3]) if options.per_column else (B, T, H)
     if tuple(beta.shape) != want_beta:
-        what = "one gain per value column, [B, T, H, V]" if rule in PER_COLUMN_RULES else "[B, T, H]"
-        raise ValueError(f"rule {rule!r} takes beta as {what} = {list(want_beta)}; got {list(beta.shape)}")
+        what = "one gain per value column, [B, T, H, V]" if options.per_column else "[B, T, H]"
+        raise ValueError(f"rule {options.rule!r} takes beta as {what} = {list(want_beta)}; got {list(beta.shape)}")
     if lam is not None:
         if tuple(lam.shape) != (B, T, H):
             raise ValueError(f"lam must be [B, T, H] = {[B, T, H]}; got {list(lam.shape)}")

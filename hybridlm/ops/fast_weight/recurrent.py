@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridlm.ops.fast_weight.options import FastWeightOptions
 from hybridlm.ops.fast_weight.state import FastWeightState
 
 
@@ -22,15 +23,8 @@ def fast_weight_recurrent(
     v: torch.Tensor,
     beta: torch.Tensor,
     lam: torch.Tensor,
+    options: FastWeightOptions,
     *,
-    rule: str,
-    window: int,
-    pairing: str,
-    read: str,
-    step_size: str,
-    ridge_scaling: bool,
-    eps: float,
-    eps_gamma: float,
     initial_state: FastWeightState,
     offsets: torch.Tensor | None,
 ) -> tuple[torch.Tensor, FastWeightState]:
@@ -40,8 +34,9 @@ def fast_weight_recurrent(
                          "or 'chunk'")
     N, T, H, K = q.shape
     V = v.shape[-1]
+    window = options.window
     S = initial_state.S                                             # [N, H, K, V]
-    last_k = initial_state.last_k if pairing == "shifted" else None  # [N, H, K] or None (fresh rows)
+    last_k = initial_state.last_k if options.shifted else None      # [N, H, K] or None (fresh rows)
     slots = window - 1
     if window > 1:  # (window 1 allocates nothing per call: a decoding step's kernel launches)
         if initial_state.tail_x is not None:
@@ -53,25 +48,23 @@ def fast_weight_recurrent(
     outputs = []
     for t in range(T):
         # The write pair (x_t, y_t): shifted (k_{t-1}, v_t) or same-step (k_t, v_t).
-        if pairing == "shifted":
+        if options.shifted:
             x, last_k = last_k, k[:, t]
         else:
             x = k[:, t]
         y = v[:, t]                                                 # [N, H, V]
         S_prev = S
         if x is not None and window == 1:  # one pair, no tail: views, no window arithmetic (a decoding step's ops)
-            S = _write(S, x, y, x[:, :, None], y[:, :, None], None, beta[:, t], lam[:, t], rule=rule,
-                       step_size=step_size, ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma)
+            S = _write(S, x, y, x[:, :, None], y[:, :, None], None, beta[:, t], lam[:, t], options)
         elif x is not None:  # None only at the first step of fresh shifted rows: S_1 = S_0, no write
             count = (tail_len + 1).clamp(max=window)                # B_t  [N]
             valid = (positions >= window - count[:, None]).to(S.dtype)[:, None, :, None]  # [N, 1, W, 1]
             X = torch.cat([tail_x, x[:, :, None]], dim=2) * valid   # I_t's keys  [N, H, W, K]
             Y = torch.cat([tail_v, y[:, :, None]], dim=2) * valid   # I_t's values  [N, H, W, V]
-            S = _write(S, x, y, X, Y, count, beta[:, t], lam[:, t], rule=rule, step_size=step_size,
-                       ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma)
+            S = _write(S, x, y, X, Y, count, beta[:, t], lam[:, t], options)
             tail_x, tail_v = X[:, :, 1:], Y[:, :, 1:]
             tail_len = count.clamp(max=slots)
-        read_state = S if read == "after" else S_prev
+        read_state = S if options.read_after else S_prev
         outputs.append(torch.einsum("nhkv,nhk->nhv", read_state, q[:, t]))  # o_t = S^T q_t  [N, H, V]
     final = FastWeightState(S=S, last_k=last_k)
     if window > 1:
@@ -79,10 +72,11 @@ def fast_weight_recurrent(
     return torch.stack(outputs, dim=1), final
 
 
-def _write(S, x, y, X, Y, count, beta, lam, *, rule, step_size, ridge_scaling, eps, eps_gamma):
+def _write(S, x, y, X, Y, count, beta, lam, options: FastWeightOptions):
     """naive._write for all rows: S [N, H, K, V] is S_{t-1}; x [N, H, K], y [N, H, V]; X, Y the window
     [N, H, W, ...] with invalid slots zeroed; count = B_t [N] (None: window 1, B_t = 1); beta [N, H] (rules 2/2A:
     [N, H, V]); lam [N, H]."""
+    rule, eps = options.rule, options.eps
     if rule == "3":
         gram = X @ X.transpose(-1, -2)                              # [N, H, W, W]: zero rows add zero eigenvalues
         E = _per_pair(torch.linalg.eigvalsh(gram)[..., -1], count)  # mu_t  [N, H]
@@ -90,14 +84,14 @@ def _write(S, x, y, X, Y, count, beta, lam, *, rule, step_size, ridge_scaling, e
         E = _per_pair((X * X).sum(dim=(-2, -1)), count)             # Ebar_t  [N, H]
     else:
         E = (x * x).sum(-1)                                         # |x_t|^2  [N, H]
-    ridge = lam * E.detach() if ridge_scaling else lam              # [N, H]
-    per_column = rule in ("2", "2A")
+    ridge = lam * E.detach() if options.ridge_scaling else lam      # [N, H]
+    per_column = options.per_column
     denom = E + ridge + eps
-    if step_size == "nlms":
+    if options.step_size == "nlms":
         eta = beta / (denom[..., None] if per_column else denom)    # [N, H] or [N, H, V]
     else:
         eta = beta
-    alpha = torch.clamp(eta * (ridge[..., None] if per_column else ridge), max=1.0 - eps_gamma)
+    alpha = torch.clamp(eta * (ridge[..., None] if per_column else ridge), max=1.0 - options.eps_gamma)
     gamma = 1.0 - alpha
     if rule == "1":
         residual = y - torch.einsum("nhkv,nhk->nhv", S, x)         # y - S^T x  [N, H, V]

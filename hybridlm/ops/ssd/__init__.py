@@ -3,11 +3,8 @@
 Backends: "naive" (loop over time steps, the specification, `naive.py`), "chunk" (the chunked SSD algorithm in
 plain torch, `chunk.py`) and "triton" (the chunked algorithm in Triton kernels, `triton/`). "auto" picks "triton"
 for bf16/fp16 CUDA tensors it supports when triton is installed, "chunk" otherwise: for float32 (its kernels spill
-heavily and were never timed) and with `seq_idx` (only the torch backends take it). On an H200 (2026-11-30, bf16,
-B=8 H=16 P=64 N=128) the Triton kernels' forward + backward took 3.46 ms at T=4K and 13.6 ms at 16K against the
-eager chunk path's 25.7 and 286 ms; a compiled 134M hybrid ("h1 mamba2") trained at 0.74x a 144M Transformer's
-tokens/s on them and 0.64x on the compiled chunk path (two calls; benchmarks/RESULTS.md).
-The math: README.md in this folder.
+registers and are not the timed path) and with `seq_idx` (only the torch backends take it). benchmarks/RESULTS.md
+times the Triton kernels against the chunk path. The math: README.md in this folder.
 """
 
 from __future__ import annotations

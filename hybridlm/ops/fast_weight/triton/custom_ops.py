@@ -12,7 +12,8 @@
     hybridlm::fast_weight_2_fwd / hybridlm::fast_weight_2_bwd: the same for rule 2 (regression, eta and log_gamma
         per value column).
     hybridlm::fast_weight_prepare_fwd(k, v, beta, lam, last_k?, offsets?, seq_idx?, max_len, shifted, nlms,
-        ridge_scaling, eps, eps_gamma) -> (x, y, eta, log_gamma): the fused write preparation of rules 1A / 1 (`prepare.py`);
+        ridge_scaling, eps, eps_gamma) -> (x, y, eta, log_gamma): the fused write preparation of rules 1A / 1
+        (`prepare.py`);
     hybridlm::fast_weight_prepare_bwd(dx, dy, deta, dlog_gamma, <the forward's inputs>) -> (dk, dv, dbeta, dlam,
         dlast_k).
 
@@ -20,19 +21,17 @@
     hybridlm::fast_weight_band_bwd(do, q, x_ext, y_ext, c, shift) -> (dq, dx_ext, dy_ext, dc): rule 3A's band of the
         pairs still being written (`band.py`), added to the 1A scan's output (base; d base = do).
 
-Rule 3A runs as rule 1A over delayed writes plus the band (`frontend.py`), so it goes through the 1A ops and the band
+Rule 3A runs as rule 1A over delayed writes plus the band (`backend.py`), so it goes through the 1A ops and the band
 ops; rule 3's events differ from rule 1's rows (the events of one step do not see each other's writes), hence its own
-ops on rule 1's kernels. The implementations (`chunk_1a.py`, `chunk_1.py`, `chunk_2a.py`, `chunk_2.py`, `prepare.py`,
-`band.py`, which need triton) are imported on the first call; this file imports only torch.
+ops on rule 1's kernels. The implementations (`inner_product.py`, `regression.py`, `prepare.py`, `band.py`, which
+need triton) are imported on the first call; this file imports only torch.
 dS0 is always computed (the backward pass ends on it); the autograd formula drops it when S0 is None.
 """
 
-import os
-
 import torch
 
-from hybridlm.ops.fast_weight.triton import DTYPES, MAX_DELTA_CHUNK, MAX_HEAD_DIM
-from hybridlm.ops.utils import on_tensor_device
+from hybridlm.ops.fast_weight.triton.limits import DTYPES, MAX_DELTA_CHUNK, MAX_HEAD_DIM, MAX_RULE_2_CHUNK
+from hybridlm.ops.utils import on_tensor_device, triton_interpreting
 
 # The scans' options (after S0), passed through to the implementations' forward/backward; rule 3 adds `slots`.
 _OPTIONS = "bool read_after, int chunk_size"
@@ -61,7 +60,7 @@ def fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chun
 
 def fast_weight_1_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 64):
     """Rule 1 (regression, S_t = exp(lg_t) S_{t-1} + eta_t x_t (y_t - S_{t-1}^T x_t)^T) on prepared quantities; the
-    same contract as `fast_weight_1a_triton`, with chunk_size at most `MAX_DELTA_CHUNK` (64)."""
+    same contract as `fast_weight_1a_triton`, with chunk_size at most `limits.MAX_DELTA_CHUNK` (64)."""
     _check(q, x, y, eta, log_gamma, S0, chunk_size)
     _check_delta_chunk(chunk_size)
     return torch.ops.hybridlm.fast_weight_1_fwd(q, x, y, eta, log_gamma, S0, bool(read_after), int(chunk_size))
@@ -72,7 +71,7 @@ def fast_weight_3_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk
     (a power of two dividing T and chunk_size). Event e decays the state by exp(log_gamma_e) and writes
     eta_e x_e (y_e - S_{s-1}^T x_e)^T, where S_{s-1} is the state before the first event of e's step s (before its
     decay): the events of one step do not see each other's writes. Otherwise the contract of `fast_weight_1_triton`
-    (`frontend.py` lays the windows out, the step's decay on its first slot)."""
+    (`backend.py` lays the windows out, the step's decay on its first slot)."""
     _check(q, x, y, eta, log_gamma, S0, chunk_size)
     _check_delta_chunk(chunk_size)
     T = q.shape[1]
@@ -86,7 +85,7 @@ def fast_weight_3_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk
 def fast_weight_2a_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 16):
     """Rule 2A (S_t = S_{t-1} Diag(exp(log_gamma_t)) + x_t (eta_t * y_t)^T, decays and step sizes per value column)
     on prepared quantities; the contract of `fast_weight_1a_triton` except that eta and log_gamma are `[N, T, H, V]`
-    (float32). The intra-chunk work is O(C^2 V) exponentials per chunk: the front door uses chunk_size 16."""
+    (float32). The intra-chunk work is O(C^2 V) exponentials per chunk: the backend uses chunk_size 16."""
     _check(q, x, y, eta, log_gamma, S0, chunk_size, per_column=True)
     return torch.ops.hybridlm.fast_weight_2a_fwd(q, x, y, eta, log_gamma, S0, bool(read_after), int(chunk_size))
 
@@ -94,10 +93,10 @@ def fast_weight_2a_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chun
 def fast_weight_2_triton(q, x, y, eta, log_gamma, S0, *, read_after: bool, chunk_size: int = 16):
     """Rule 2 (regression with eta and log_gamma per value column: S_t = S_{t-1} Diag(exp(log_gamma_t))
     + x_t (eta_t * (y_t - S_{t-1}^T x_t))^T) on prepared quantities; the contract of `fast_weight_2a_triton`
-    (eta, log_gamma `[N, T, H, V]`; the intra-chunk work is O(C^2 V) per chunk: the front door uses chunk_size 16;
+    (eta, log_gamma `[N, T, H, V]`; the intra-chunk work is O(C^2 V) per chunk: the backend uses chunk_size 16;
     chunks of 16 and 32 are the ones built and tested)."""
     _check(q, x, y, eta, log_gamma, S0, chunk_size, per_column=True)
-    if chunk_size > 32:
+    if chunk_size > MAX_RULE_2_CHUNK:
         raise ValueError(f"rule 2's kernels take chunks of 16 or 32 (their [C, C, BV] float32 work grows with C^2); "
                          f"got chunk_size {chunk_size}")
     return torch.ops.hybridlm.fast_weight_2_fwd(q, x, y, eta, log_gamma, S0, bool(read_after), int(chunk_size))
@@ -114,7 +113,7 @@ def fast_weight_prepare_triton(k, v, beta, lam, last_k, offsets, *, max_len: int
         offsets: `[N + 1]` int64 packed-sequence offsets on k's device (B = 1), or None (N = B, max_len = T).
         max_len: the longest sequence (T without offsets).
         seq_idx: `[B, T]` integer document index per step (without offsets) or None: a document starts where it
-            changes, with no shifted pair there and a log decay of `kernels_prepare.RESTART_LOG_DECAY` (-100) that
+            changes, with no shifted pair there and a log decay of `prepare.RESTART_LOG_DECAY` (-100) that
             ends every earlier write's share of the state (exp(-100) ~ 4e-44); that decay carries no gradient.
 
     Returns:
@@ -129,7 +128,7 @@ def fast_weight_prepare_triton(k, v, beta, lam, last_k, offsets, *, max_len: int
 
 
 def fast_weight_band_triton(q, x_ext, y_ext, c, base, *, read_after: bool) -> torch.Tensor:
-    """Rule 3A's band (`kernels_band.py`) added to `base`: o_t = base_t + sum_{j=1..W-1} c_(t,j) (q_t . x_e) y_e with
+    """Rule 3A's band (`band.py`) added to `base`: o_t = base_t + sum_{j=1..W-1} c_(t,j) (q_t . x_e) y_e with
     e = t + j (read after) or t + j - 1 (read before: the caller puts step t-1's coefficients in row t),
     differentiable in every input.
 
@@ -155,13 +154,9 @@ def fast_weight_band_triton(q, x_ext, y_ext, c, base, *, read_after: bool) -> to
                          f"{q.dtype}, {x_ext.dtype}, {y_ext.dtype}, {base.dtype}, {c.dtype}")
     if K > MAX_HEAD_DIM or y_ext.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"the Triton kernels take K, V <= {MAX_HEAD_DIM}; got {K}, {y_ext.shape[-1]}")
-    if q.device.type != "cuda" and not _interpreting():
+    if q.device.type != "cuda" and not triton_interpreting():
         raise ValueError(f"the Triton kernels need CUDA tensors (got {q.device})")
     return torch.ops.hybridlm.fast_weight_band_fwd(q, x_ext, y_ext, c, base, 0 if read_after else 1)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _check_delta_chunk(chunk_size) -> None:
@@ -195,21 +190,19 @@ def _check(q, x, y, eta, log_gamma, S0, chunk_size, per_column: bool = False) ->
     devices = {t.device for t in (q, x, y, eta, log_gamma, S0) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device; got {sorted(map(str, devices))}")
-    if q.device.type != "cuda" and not _interpreting():
+    if q.device.type != "cuda" and not triton_interpreting():
         raise ValueError(f"the Triton kernels need CUDA tensors (got {q.device}; on a CPU set TRITON_INTERPRET=1 "
                          "before triton is imported to run them under the interpreter)")
 
 
 def _implementation(rule: str):
-    if rule in ("1", "3"):
-        from hybridlm.ops.fast_weight.triton import chunk_1 as module
-    elif rule == "2A":
-        from hybridlm.ops.fast_weight.triton import chunk_2a as module
-    elif rule == "2":
-        from hybridlm.ops.fast_weight.triton import chunk_2 as module
+    """The launchers (forward, backward) of `rule`'s scan, imported on the first call (they need triton)."""
+    if rule in ("1A", "2A"):
+        from hybridlm.ops.fast_weight.triton import inner_product as module
     else:
-        from hybridlm.ops.fast_weight.triton import chunk_1a as module
-    return module
+        from hybridlm.ops.fast_weight.triton import regression as module
+    suffix = {"1A": "1a", "2A": "2a", "1": "1", "3": "1", "2": "2"}[rule]  # rule 3 runs rule 1's launchers
+    return getattr(module, f"forward_{suffix}"), getattr(module, f"backward_{suffix}")
 
 
 def _register(rule: str, name: str, options: str = _OPTIONS) -> None:
@@ -223,7 +216,7 @@ def _register(rule: str, name: str, options: str = _OPTIONS) -> None:
         q, x, y, eta, log_gamma = (t.contiguous() for t in (q, x, y, eta, log_gamma))
         S0 = None if S0 is None else S0.contiguous()
         with on_tensor_device(q):
-            return _implementation(rule).forward(q, x, y, eta, log_gamma, S0, *options)
+            return _implementation(rule)[0](q, x, y, eta, log_gamma, S0, *options)
 
     @fwd.register_fake
     def _(q, x, y, eta, log_gamma, S0, *options):
@@ -238,7 +231,7 @@ def _register(rule: str, name: str, options: str = _OPTIONS) -> None:
         S0 = None if S0 is None else S0.contiguous()
         dS_final = None if dS_final is None else dS_final.float().contiguous()
         with on_tensor_device(q):
-            return _implementation(rule).backward(do, dS_final, q, x, y, eta, log_gamma, S0, *options)
+            return _implementation(rule)[1](do, dS_final, q, x, y, eta, log_gamma, S0, *options)
 
     @bwd.register_fake
     def _(do, dS_final, q, x, y, eta, log_gamma, S0, *options):

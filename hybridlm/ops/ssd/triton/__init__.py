@@ -1,13 +1,13 @@
 """Triton (GPU) kernels of the chunked Mamba-2 SSD scan, forward and backward. Importing this package never needs
-triton (`chunk.py` and `kernels.py`, which do, are imported on the first call).
+triton (`scan.py` and `kernels.py`, which do, are imported on the first call).
 
 - `ssd_chunk_triton(x, dt, A, B, C, D, h0, *, chunk_size)`: the scan on prepared inputs (x, B, C in one dtype; dt,
   A, D, h0 float32), differentiable in every tensor; a `torch.library` custom op (`hybridlm::ssd_fwd` / `_bwd`,
   `custom_ops.py`, registered on the first call), so `torch.compile` traces it.
 - `ssd_triton(...)`: the same contract as `chunk.chunk_ssd` (packed sequences included), i.e. what
-  `ssd(..., backend="triton")` runs; `frontend.py`.
+  `ssd(..., backend="triton")` runs; `backend.py`.
 - `is_available()`: triton importable and a CUDA device present; `supports(...)`: the shapes and dtypes the kernels
-  take (else use the chunk backend).
+  take (else use the chunk backend; `limits.py`).
 
 The kernels also run on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set before triton is
 imported): that is how the tests check them without a GPU (`HYBRIDLM_TRITON_INTERPRET=1`). The math: README.md.
@@ -15,25 +15,8 @@ imported): that is how the tests check them without a GPU (`HYBRIDLM_TRITON_INTE
 
 from __future__ import annotations
 
-import importlib.util
-
-import torch
-
-MAX_HEAD_DIM = 128  # P: the backward kernels hold a whole head's [chunk, P] block
-MAX_D_STATE = 256  # N: looped over in blocks of 64
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of x, B, C (float64 stays on the torch backends)
-
-_TRITON_FOUND = importlib.util.find_spec("triton") is not None  # looked up once: torch.compile cannot trace it
-
-
-def is_available() -> bool:
-    """True when the Triton kernels can run here: triton is importable and a CUDA device is present."""
-    return _TRITON_FOUND and torch.cuda.is_available()
-
-
-def supports(*, P: int, N: int, dtype: torch.dtype) -> bool:
-    """Whether `ssd_triton` handles inputs of head dim P, state dim N and (promoted) dtype `dtype`."""
-    return P <= MAX_HEAD_DIM and N <= MAX_D_STATE and dtype in DTYPES
+from hybridlm.ops.ssd.triton.limits import DTYPES, MAX_D_STATE, MAX_HEAD_DIM, supports
+from hybridlm.ops.utils import triton_available as is_available
 
 
 def ssd_chunk_triton(x, dt, A, B, C, D, h0, *, chunk_size: int = 64):
@@ -44,8 +27,8 @@ def ssd_chunk_triton(x, dt, A, B, C, D, h0, *, chunk_size: int = 64):
 
 
 def ssd_triton(x, dt, A, B, C, **options):
-    """The backend contract (as `chunk.chunk_ssd`) on the Triton kernels; see `frontend.py`."""
-    from hybridlm.ops.ssd.triton.frontend import ssd_triton as run
+    """The backend contract (as `chunk.chunk_ssd`) on the Triton kernels; see `backend.py`."""
+    from hybridlm.ops.ssd.triton.backend import ssd_triton as run
 
     return run(x, dt, A, B, C, **options)
 

@@ -4,17 +4,15 @@ implementations give the output shapes; autograd is registered on the forward op
     hybridlm::ssd_fwd(x, dt, A, B, C, D?, h0?, chunk_size) -> (y, h_final)
     hybridlm::ssd_bwd(dy, dh_final?, x, dt, A, B, C, D?, h0?, chunk_size) -> (dx, ddt, dA, dB, dC, dD, dh0)
 
-The implementation (`chunk.py`, which needs triton) is imported on the first call; this file imports only torch.
+The implementation (`scan.py`, which needs triton) is imported on the first call; this file imports only torch.
 dD and dh0 are always computed (dh0 is where the reverse pass ends); the autograd formula drops them when D / h0 is
 None.
 """
 
-import os
-
 import torch
 
-from hybridlm.ops.ssd.triton import DTYPES, MAX_D_STATE, MAX_HEAD_DIM
-from hybridlm.ops.utils import on_tensor_device
+from hybridlm.ops.ssd.triton.limits import DTYPES, MAX_D_STATE, MAX_HEAD_DIM
+from hybridlm.ops.utils import on_tensor_device, triton_interpreting
 
 _FWD_SCHEMA = "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? h0, int chunk_size) " \
               "-> (Tensor, Tensor)"
@@ -36,10 +34,6 @@ def ssd_chunk_triton(x, dt, A, B, C, D, h0, *, chunk_size: int = 64) -> tuple[to
     """
     _check(x, dt, A, B, C, D, h0, chunk_size)
     return torch.ops.hybridlm.ssd_fwd(x, dt, A, B, C, D, h0, int(chunk_size))
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _check(x, dt, A, B, C, D, h0, chunk_size) -> None:
@@ -65,15 +59,16 @@ def _check(x, dt, A, B, C, D, h0, chunk_size) -> None:
     devices = {t.device for t in (x, dt, A, B, C, D, h0) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device; got {sorted(map(str, devices))}")
-    if x.device.type != "cuda" and not _interpreting():
+    if x.device.type != "cuda" and not triton_interpreting():
         raise ValueError(f"the Triton kernels need CUDA tensors (got {x.device}; on a CPU set TRITON_INTERPRET=1 "
                          "before triton is imported to run them under the interpreter)")
 
 
 def _implementation():
-    from hybridlm.ops.ssd.triton import chunk
+    """The launchers (`scan.py`), imported on the first call (they need triton)."""
+    from hybridlm.ops.ssd.triton import scan
 
-    return chunk
+    return scan
 
 
 def _contiguous(*tensors):

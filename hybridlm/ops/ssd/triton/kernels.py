@@ -1,6 +1,6 @@
 """Triton kernels of the chunked Mamba-2 SSD scan, forward and backward.
 
-Imported only by `chunk.py` (of this folder), which is itself imported lazily: this file needs triton at import
+Imported only by `scan.py` (of this folder), which is itself imported lazily: this file needs triton at import
 time. The math (README.md of this folder, equation numbers (F1)-(F4), (B1)-(B6)), per (b, h) and per chunk of BT
 steps, with i, j steps inside the chunk, l_t = dt_t A_h (<= 0), c_i = l_0 + ... + l_i (chunk-local, inclusive),
 M[i, j] = [j <= i], u_j = dt_j x_j, h_in / h_out the state entering / leaving the chunk ([P, N]):
@@ -26,7 +26,7 @@ import functools
 import triton
 import triton.language as tl
 
-from hybridlm.ops.triton_autotune import autotune
+from hybridlm.ops.triton_utils import autotune, load_rows, load_steps, state_offsets, store_rows
 
 _autotune = functools.partial(autotune, fixed_warps=4)
 
@@ -36,34 +36,6 @@ _SIZES = ["T", "T_pad", "n_chunks"]  # runtime sizes: no recompilation per seque
 
 
 # --------------------------------------------------------------------------------------------------- helpers
-
-
-@triton.jit
-def _load_rows(ptr, i_b, i_h, t, T, H, D: tl.constexpr, cols):
-    """Rows t (< T), columns `cols` (< D) of head i_h of a [b, T, H, D] tensor -> [len(t), len(cols)], zeros
-    outside. B and C are read with H = G and i_h = the group."""
-    offs = ((i_b.to(tl.int64) * T + t[:, None]) * H + i_h) * D + cols[None, :]
-    return tl.load(ptr + offs, mask=(t[:, None] < T) & (cols[None, :] < D), other=0.0)
-
-
-@triton.jit
-def _store_rows(ptr, value, i_b, i_h, t, T, H, D: tl.constexpr, cols):
-    offs = ((i_b.to(tl.int64) * T + t[:, None]) * H + i_h) * D + cols[None, :]
-    tl.store(ptr + offs, value.to(ptr.dtype.element_ty), mask=(t[:, None] < T) & (cols[None, :] < D))
-
-
-@triton.jit
-def _load_steps(ptr, i_b, i_h, t, T, H):
-    """Steps t (< T) of head i_h of a [b, T, H] tensor, in float32 (zeros outside)."""
-    return tl.load(ptr + (i_b.to(tl.int64) * T + t) * H + i_h, mask=t < T, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _state_offsets(i_bh, i_c, n_chunks, P: tl.constexpr, N: tl.constexpr, rows, cols):
-    """Offsets and mask of the block (rows of P, cols of N) of chunk i_c's state in a [b * H, n_chunks, P, N]
-    buffer (n_chunks = 1 and i_c = 0: a [b * H, P, N] state)."""
-    offs = ((i_bh.to(tl.int64) * n_chunks + i_c) * P + rows[:, None]) * N + cols[None, :]
-    return offs, (rows[:, None] < P) & (cols[None, :] < N)
 
 
 @triton.jit
@@ -89,7 +61,7 @@ def chunk_cumsum_kernel(dt_ptr, A_ptr, cum_ptr, T, T_pad, H, BT: tl.constexpr):
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t = i_c * BT + tl.arange(0, BT)
-    l = _load_steps(dt_ptr, i_b, i_h, t, T, H) * tl.load(A_ptr + i_h)
+    l = load_steps(dt_ptr, i_b, i_h, t, T, H) * tl.load(A_ptr + i_h)
     tl.store(cum_ptr + i_bh.to(tl.int64) * T_pad + t, tl.cumsum(l, axis=0))
 
 
@@ -108,15 +80,15 @@ def chunk_state_kernel(a_ptr, w_ptr, dt_ptr, cum_ptr, out_ptr, T, T_pad, n_chunk
     i_g = i_h // (H // G)
     t = i_c * BT + tl.arange(0, BT)
     rp, rn = i_p * BP + tl.arange(0, BP), i_n * BN + tl.arange(0, BN)
-    a = _load_rows(a_ptr, i_b, i_h, t, T, H, P, rp)                                          # [BT, BP]
-    w = _load_rows(w_ptr, i_b, i_g, t, T, G, N, rn)                                          # [BT, BN]
+    a = load_rows(a_ptr, i_b, i_h, t, T, H, P, rp)                                          # [BT, BP]
+    w = load_rows(w_ptr, i_b, i_g, t, T, G, N, rn)                                          # [BT, BN]
     c, c_last = _chunk_cum(cum_ptr, i_bh, i_c, T_pad, BT)
     if GRAD:
         coef = tl.exp(c)
     else:
-        coef = tl.exp(c_last - c) * _load_steps(dt_ptr, i_b, i_h, t, T, H)                   # [BT]
+        coef = tl.exp(c_last - c) * load_steps(dt_ptr, i_b, i_h, t, T, H)                   # [BT]
     out = tl.dot(tl.trans((a * coef[:, None]).to(a.dtype)), w, input_precision=PREC)        # [BP, BN] fp32
-    offs, mask = _state_offsets(i_bh, i_c, n_chunks, P, N, rp, rn)
+    offs, mask = state_offsets(i_bh, i_c, n_chunks, P, N, rp, rn)
     tl.store(out_ptr + offs, out, mask=mask)
 
 
@@ -128,7 +100,7 @@ def _pass_step(h_ptr, cum_ptr, S, k, i_bh, T_pad, n_chunks, P: tl.constexpr, N: 
         i_c = n_chunks - 1 - k
     else:
         i_c = k
-    offs, _ = _state_offsets(i_bh, i_c, n_chunks, P, N, rp, rn)
+    offs, _ = state_offsets(i_bh, i_c, n_chunks, P, N, rp, rn)
     term = tl.load(h_ptr + offs, mask=mask, other=0.0)
     tl.store(h_ptr + offs, S, mask=mask)
     decay = tl.exp(tl.load(cum_ptr + i_bh.to(tl.int64) * T_pad + i_c * BT + BT - 1))
@@ -148,7 +120,7 @@ def state_pass_kernel(h_ptr, init_ptr, final_ptr, cum_ptr, T_pad, n_chunks,
     i_pn, i_bh = tl.program_id(0), tl.program_id(1)
     i_p, i_n = i_pn // tl.cdiv(N, BN), i_pn % tl.cdiv(N, BN)
     rp, rn = i_p * BP + tl.arange(0, BP), i_n * BN + tl.arange(0, BN)
-    offs0, mask = _state_offsets(i_bh, 0, 1, P, N, rp, rn)                                  # [P, N] of row bh
+    offs0, mask = state_offsets(i_bh, 0, 1, P, N, rp, rn)                                  # [P, N] of row bh
     if HAS_INIT:
         S = tl.load(init_ptr + offs0, mask=mask, other=0.0).to(tl.float32)
     else:
@@ -180,20 +152,20 @@ def output_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, D_ptr, cum_ptr, h_ptr, y_ptr, T, 
     y_inter = tl.zeros([BT, BP], dtype=tl.float32)                                          # h_in C_i
     for i_n in range(tl.cdiv(N, BN)):
         rn = i_n * BN + tl.arange(0, BN)
-        Cb = _load_rows(C_ptr, i_b, i_g, t, T, G, N, rn)                                    # [BT, BN]
-        Bb = _load_rows(B_ptr, i_b, i_g, t, T, G, N, rn)
-        offs, mask = _state_offsets(i_bh, i_c, n_chunks, P, N, rp, rn)
+        Cb = load_rows(C_ptr, i_b, i_g, t, T, G, N, rn)                                    # [BT, BN]
+        Bb = load_rows(B_ptr, i_b, i_g, t, T, G, N, rn)
+        offs, mask = state_offsets(i_bh, i_c, n_chunks, P, N, rp, rn)
         S = tl.load(h_ptr + offs, mask=mask, other=0.0)                                     # [BP, BN] fp32
         CB += tl.dot(Cb, tl.trans(Bb), input_precision=PREC)
         y_inter += tl.dot(Cb, tl.trans(S).to(Cb.dtype), input_precision=PREC)
     c, _ = _chunk_cum(cum_ptr, i_bh, i_c, T_pad, BT)
-    dt = _load_steps(dt_ptr, i_b, i_h, t, T, H)
-    x = _load_rows(x_ptr, i_b, i_h, t, T, H, P, rp)                                          # [BT, BP]
+    dt = load_steps(dt_ptr, i_b, i_h, t, T, H)
+    x = load_rows(x_ptr, i_b, i_h, t, T, H, P, rp)                                          # [BT, BP]
     scores = CB * _segsum_decay(c, BT) * dt[None, :]                                        # [BT(i), BT(j)]
     y = y_inter * tl.exp(c)[:, None] + tl.dot(scores.to(x.dtype), x, input_precision=PREC)
     if HAS_D:
         y += tl.load(D_ptr + i_h) * x.to(tl.float32)
-    _store_rows(y_ptr, y, i_b, i_h, t, T, H, P, rp)
+    store_rows(y_ptr, y, i_b, i_h, t, T, H, P, rp)
 
 
 # -------------------------------------------------------------------------------------------------- backward
@@ -226,9 +198,9 @@ def grad_x_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, A_ptr, D_ptr, cum_ptr, h_ptr, dh_
     s_dot = 0.0                                                                             # <dS, h_in>
     for i_n in range(tl.cdiv(N, BN)):
         rn = i_n * BN + tl.arange(0, BN)
-        Cb = _load_rows(C_ptr, i_b, i_g, t, T, G, N, rn)                                    # [BT, BN]
-        Bb = _load_rows(B_ptr, i_b, i_g, t, T, G, N, rn)
-        offs, mask = _state_offsets(i_bh, i_c, n_chunks, P, N, rp, rn)
+        Cb = load_rows(C_ptr, i_b, i_g, t, T, G, N, rn)                                    # [BT, BN]
+        Bb = load_rows(B_ptr, i_b, i_g, t, T, G, N, rn)
+        offs, mask = state_offsets(i_bh, i_c, n_chunks, P, N, rp, rn)
         S = tl.load(h_ptr + offs, mask=mask, other=0.0)                                     # [BP, BN] fp32
         dS = tl.load(dh_ptr + offs, mask=mask, other=0.0)
         CB += tl.dot(Cb, tl.trans(Bb), input_precision=PREC)
@@ -236,9 +208,9 @@ def grad_x_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, A_ptr, D_ptr, cum_ptr, h_ptr, dh_
         dSB += tl.dot(Bb, tl.trans(dS).to(Bb.dtype), input_precision=PREC)
         s_dot += tl.sum(tl.sum(S * dS, axis=1), axis=0)
     c, c_last = _chunk_cum(cum_ptr, i_bh, i_c, T_pad, BT)
-    dt = _load_steps(dt_ptr, i_b, i_h, t, T, H)
-    x = _load_rows(x_ptr, i_b, i_h, t, T, H, P, rp)                                          # [BT, BP]
-    dy = _load_rows(dy_ptr, i_b, i_h, t, T, H, P, rp)
+    dt = load_steps(dt_ptr, i_b, i_h, t, T, H)
+    x = load_rows(x_ptr, i_b, i_h, t, T, H, P, rp)                                          # [BT, BP]
+    dy = load_rows(dy_ptr, i_b, i_h, t, T, H, P, rp)
     xf, dyf = x.to(tl.float32), dy.to(tl.float32)
     K = CB * _segsum_decay(c, BT)                                                           # [BT(i), BT(j)]
     to_end = tl.exp(c_last - c)                                                             # [BT]
@@ -256,7 +228,7 @@ def grad_x_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, A_ptr, D_ptr, cum_ptr, h_ptr, dh_
     exit_term = tl.exp(c_last) * s_dot + tl.sum(to_end * dt * tl.sum(xf * dSB, axis=1), axis=0)
     dl = tl.cumsum(dc, axis=0, reverse=True) + exit_term
     ddt = x_du + tl.load(A_ptr + i_h) * dl
-    _store_rows(dx_ptr, dx, i_b, i_h, t, T, H, P, rp)
+    store_rows(dx_ptr, dx, i_b, i_h, t, T, H, P, rp)
     step_offs = (i_b.to(tl.int64) * T + t) * H + i_h
     tl.store(ddt_ptr + step_offs, ddt, mask=t < T)
     tl.store(dl_ptr + step_offs, dl, mask=t < T)
@@ -280,24 +252,24 @@ def grad_bc_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, cum_ptr, h_ptr, dh_ptr, dy_ptr, 
     i_b, i_g = i_bg // G, i_bg % G
     t = i_c * BT + tl.arange(0, BT)
     rp, rn = tl.arange(0, BP), i_n * BN + tl.arange(0, BN)
-    Cb = _load_rows(C_ptr, i_b, i_g, t, T, G, N, rn)                                        # [BT, BN]
-    Bb = _load_rows(B_ptr, i_b, i_g, t, T, G, N, rn)
+    Cb = load_rows(C_ptr, i_b, i_g, t, T, G, N, rn)                                        # [BT, BN]
+    Bb = load_rows(B_ptr, i_b, i_g, t, T, G, N, rn)
     dC = tl.zeros([BT, BN], dtype=tl.float32)
     dB = tl.zeros([BT, BN], dtype=tl.float32)
     for r in range(R):  # the heads of the group (R is a compile-time constant)
         i_h = i_g * R + r
         i_bh = i_b * H + i_h
-        x = _load_rows(x_ptr, i_b, i_h, t, T, H, P, rp)                                      # [BT, BP]
-        dy = _load_rows(dy_ptr, i_b, i_h, t, T, H, P, rp)
-        offs, mask = _state_offsets(i_bh, i_c, n_chunks, P, N, rp, rn)
+        x = load_rows(x_ptr, i_b, i_h, t, T, H, P, rp)                                      # [BT, BP]
+        dy = load_rows(dy_ptr, i_b, i_h, t, T, H, P, rp)
+        offs, mask = state_offsets(i_bh, i_c, n_chunks, P, N, rp, rn)
         S = tl.load(h_ptr + offs, mask=mask, other=0.0)                                     # [BP, BN] fp32
         dS = tl.load(dh_ptr + offs, mask=mask, other=0.0)
         c, c_last = _chunk_cum(cum_ptr, i_bh, i_c, T_pad, BT)
-        dt = _load_steps(dt_ptr, i_b, i_h, t, T, H)
+        dt = load_steps(dt_ptr, i_b, i_h, t, T, H)
         Gm = tl.dot(dy, tl.trans(x), input_precision=PREC) * _segsum_decay(c, BT) * dt[None, :]  # [BT(i), BT(j)]
         dC += tl.dot(dy, S.to(dy.dtype), input_precision=PREC) * tl.exp(c)[:, None] \
             + tl.dot(Gm.to(Bb.dtype), Bb, input_precision=PREC)
         dB += tl.dot(tl.trans(Gm).to(Cb.dtype), Cb, input_precision=PREC) \
             + tl.dot(x, dS.to(x.dtype), input_precision=PREC) * (tl.exp(c_last - c) * dt)[:, None]
-    _store_rows(dC_ptr, dC, i_b, i_g, t, T, G, N, rn)
-    _store_rows(dB_ptr, dB, i_b, i_g, t, T, G, N, rn)
+    store_rows(dC_ptr, dC, i_b, i_g, t, T, G, N, rn)
+    store_rows(dB_ptr, dB, i_b, i_g, t, T, G, N, rn)

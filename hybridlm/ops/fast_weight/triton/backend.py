@@ -1,60 +1,51 @@
 """The op's backend contract on the Triton kernels: raw (q, k, v, beta, lam) -> prepared writes -> kernels.
 
 Same contract as `chunk.fast_weight_chunk` (inputs validated by the front door), for the rules and options of
-`supports(...)`: rules 1A and 1 (window 1; `chunk_1.py`), 2A and 2 (decays and step sizes per value column;
-`chunk_2a.py`, `chunk_2.py`, chunks of 16), rule 3A on 1A's kernels plus a band kernel and rule 3 as 1 over write
-events. Unlike the torch backends it keeps q, k, v in their dtype (bf16/fp16 run on tensor cores); the statistic
-E_t, the step sizes and the log decays are in float32.
+`limits.supports(...)`: rules 1A and 1 (window 1), 2A and 2 (decays and step sizes per value column, chunks of 16),
+rule 3A on 1A's kernels plus a band kernel and rule 3 as 1 over write events. Unlike the torch backends it keeps
+q, k, v in their dtype (bf16/fp16 run on tensor cores); the statistic E_t, the step sizes and the log decays are in
+float32.
 
 Rule 3A (window W > 1) as delayed writes (README.md, "Rule 3A as delayed writes"; `_delayed_window`): one 1A scan
-in which each pair enters the state once, with the sum of all its W writes, plus a band kernel for the W-1 pairs still
-being written when a step reads. On an H200 it is 1.24-1.29x faster forward + backward than the earlier form, W write
-events per step through the 1A kernels (benchmarks/RESULTS.md, 2026-11-30, fourth run), which it replaced.
+in which each pair enters the state once, with the sum of all its W writes, plus a band kernel for the W-1 pairs
+still being written when a step reads.
 
 Rule 3 over write events: step t's W writes laid out in time as (t, slot 0), ..., (t, slot W-1), the step's decay
 on slot 0, its read on the last slot (read "after") or the first (read "before"), through rule 1's kernels. Every
 event of step t writes w_(t,j) x_j (y_j - S_{t-1}^T x_j)^T against the state before the step's decay, so the events
 of one step must not see each other's writes: rule 1's kernels take the number of slots per step and mask same-step
-pairs out of the residuals' triangular system (`kernels_delta.py`, SLOTS). And no step may straddle a chunk boundary
-(the next chunk's entry state would hold part of a step's writes), so each step is laid out on P = the next power of
-two >= W slots, slots W..P-1 events that write nothing (zero features and weights), with chunks of at least P events
-(powers of two: they hold whole steps).
-The cost is P times rule 1's.
+pairs out of the residuals' triangular system (`regression_kernels.py`, SLOTS). And no step may straddle a chunk
+boundary (the next chunk's entry state would hold part of a step's writes), so each step is laid out on P = the next
+power of two >= W slots, slots W..P-1 events that write nothing (zero features and weights), with chunks of at least
+P events (powers of two: they hold whole steps). The cost is P times rule 1's.
 
 The preparation (pairs, windows, statistic, step sizes, decays) is chunk.py's `prepare_writes`, except for rules 1A
 and 1 (window 1, one step size per head): there one fused Triton kernel computes the same write events, forward and
-backward (`prepare.py`, the custom op `hybridlm::fast_weight_prepare_fwd`). On an H200 it made the whole op 1.1x
-(rule 1) to 1.8x (rule 1A) faster, forward + backward (benchmarks/RESULTS.md, 2026-11-30), so it is on by default;
-`HYBRIDLM_TRITON_FUSED_PREPARATION=0` (or `FUSED_PREPARATION = False`) goes back to prepare_writes.
+backward (`prepare.py`, the custom op `hybridlm::fast_weight_prepare_fwd`), unless `fused_preparation=False` asks
+for prepare_writes (the tests compare the two; benchmarks/gpu_fast_weight_triton.py times them).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from hybridlm.ops.fast_weight.chunk import prepare_writes, restarts_in_place
+from hybridlm.ops.fast_weight.chunk import PreparedWrites, prepare_writes
+from hybridlm.ops.fast_weight.options import FastWeightOptions
 from hybridlm.ops.fast_weight.state import FastWeightState
-from hybridlm.ops.fast_weight.triton import (
-    MAX_DELTA_CHUNK,
+from hybridlm.ops.fast_weight.triton.custom_ops import (
     fast_weight_1_triton,
     fast_weight_1a_triton,
     fast_weight_2_triton,
     fast_weight_2a_triton,
     fast_weight_3_triton,
-    supports,
+    fast_weight_band_triton,
+    fast_weight_prepare_triton,
 )
-from hybridlm.ops.utils import compute_dtype, host_to_device, packed_to_padded, padded_to_packed
+from hybridlm.ops.fast_weight.triton.limits import MAX_DELTA_CHUNK, PER_COLUMN_CHUNK, supports
+from hybridlm.ops.utils import compute_dtype, host_to_device, packed_to_padded, padded_to_packed, triton_chunk_size
 
-# The fused preparation kernel for the rules it covers (FUSED_RULES, window 1); off: chunk.py's prepare_writes.
-FUSED_PREPARATION = os.environ.get("HYBRIDLM_TRITON_FUSED_PREPARATION", "1") == "1"
 FUSED_RULES = ("1A", "1")  # window 1, scalar step per head (2A's steps are per value column; 3A has a window)
-
-# Rules 2A and 2's chunk length: their intra-chunk decays form a [C, C, V] tensor of exponentials (kernels_2a.py,
-# kernels_2.py), so their chunks are kept short, as chunk.py's PER_COLUMN_MAX_CHUNK.
-PER_COLUMN_CHUNK = 16
 
 
 def fast_weight_triton(
@@ -63,51 +54,41 @@ def fast_weight_triton(
     v: torch.Tensor,
     beta: torch.Tensor,
     lam: torch.Tensor,
+    options: FastWeightOptions,
     *,
-    rule: str,
-    window: int,
-    pairing: str,
-    read: str,
-    step_size: str,
-    ridge_scaling: bool,
-    eps: float,
-    eps_gamma: float,
     initial_state: FastWeightState,
     offsets: torch.Tensor | None,
-    chunk_size: int,
     seq_idx: torch.Tensor | None = None,
+    fused_preparation: bool = True,
 ) -> tuple[torch.Tensor, FastWeightState]:
-    """Rules 1A / 3A / 1 / 3 / 2A / 2 through the Triton kernels. `chunk_size` is rounded to a power of two in
-    [16, 128] (rules 2A and 2: 16, whatever is asked; their intra-chunk work is O(C^2 V) exponentials per chunk, as in
-    chunk.py); for rule 3 it counts events (at least one step's slots).
-    Rules 1A and 1 take their write events from the fused preparation kernel while FUSED_PREPARATION is on.
-    `seq_idx` ([B, T], a document index per step; only where `chunk.restarts_in_place`) restarts documents in place: the
-    preparation (fused, or prepare_writes) puts no pair across a document start, keeps each window inside its
-    document, and puts a log decay of -100 on the start (exp(-100) ~ 4e-44), so the scan's state holds nothing of
+    """Rules 1A / 3A / 1 / 3 / 2A / 2 through the Triton kernels. `options.chunk_size` is rounded to a power of two
+    in [16, 128] (rules 2A and 2: 16, whatever is asked; their intra-chunk work is O(C^2 V) exponentials per chunk, as
+    in chunk.py); for rule 3 it counts events (at least one step's slots).
+    Rules 1A and 1 take their write events from the fused preparation kernel (`fused_preparation`; False: from
+    chunk.py's prepare_writes, the same events computed in torch).
+    `seq_idx` ([B, T], a document index per step; only where `options.restarts_in_place`) restarts documents in
+    place: the preparation (fused, or prepare_writes) puts no pair across a document start, keeps each window inside
+    its document, and puts a log decay of -100 on the start (exp(-100) ~ 4e-44), so the scan's state holds nothing of
     the documents before; each exponent the kernels take is a difference of chunk-local sums that holds that -100
     on both sides (one document: exact up to float32 rounding at magnitude 100 x the restarts so far in the chunk;
     README.md, "Packed documents in place") or on one (another document: ~0).
 
     Returns o `[B, T, H, V]` in q's dtype and the final state (S float32)."""
+    rule, window, chunk_size, read_after = options.rule, options.window, options.chunk_size, options.read_after
     K, V = q.shape[-1], v.shape[-1]
     if not supports(rule=rule, window=window, K=K, V=V, dtype=q.dtype):
         raise ValueError(f"the Triton backend runs rules 1A, 1, 2A and 2 (window 1), 3A and 3 (window <= 64) "
                          f"with K, V <= 128 in float32/bfloat16/float16; got rule {rule!r}, window {window}, "
                          f"K = {K}, V = {V}, {q.dtype} (use backend='chunk')")
-    if seq_idx is not None and (offsets is not None or not restarts_in_place(rule=rule, pairing=pairing, read=read)):
+    if seq_idx is not None and (offsets is not None or not options.restarts_in_place):
         raise ValueError(f"seq_idx (documents restarted in place) takes a read after the write, shifted pairing for "
-                         f"the regression rules, and no cu_seqlens; got rule {rule!r}, {pairing} pairing, read "
-                         f"{read!r} (use cu_seqlens)")
-    if FUSED_PREPARATION and rule in FUSED_RULES and window == 1:
-        return _window_1(q, k, v, beta, lam, rule=rule, pairing=pairing, read=read, step_size=step_size,
-                         ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=initial_state,
-                         offsets=offsets, chunk_size=chunk_size, seq_idx=seq_idx)
-    p = prepare_writes(q, k, v, beta, lam, rule=rule, window=window, pairing=pairing, step_size=step_size,
-                       ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, initial_state=initial_state,
-                       offsets=offsets, seq_idx=seq_idx)
+                         f"the regression rules, and no cu_seqlens; got rule {rule!r}, {options.pairing} pairing, "
+                         f"read {options.read!r} (use cu_seqlens)")
+    if fused_preparation and rule in FUSED_RULES and window == 1:
+        return _window_1(q, k, v, beta, lam, options, initial_state=initial_state, offsets=offsets, seq_idx=seq_idx)
+    p = prepare_writes(q, k, v, beta, lam, options, initial_state=initial_state, offsets=offsets, seq_idx=seq_idx)
     N, T, H, _ = p.q.shape
     W = window
-    read_after = read == "after"
     if rule in ("2A", "2"):  # one write per step, eta, log gamma per value column: X [N, T, H, 1, K] -> [N, T, H, K]
         scan = fast_weight_2a_triton if rule == "2A" else fast_weight_2_triton
         o, S = scan(
@@ -119,7 +100,8 @@ def fast_weight_triton(
         return o, p.final
 
     if rule == "3A" and window > 1:
-        o, S = _delayed_window(p, initial_state.S.float(), read_after=read_after, chunk_size=_triton_chunk(chunk_size))
+        o, S = _delayed_window(p, initial_state.S.float(), read_after=read_after,
+                               chunk_size=triton_chunk_size(chunk_size, cap=128))
         if offsets is not None:
             o = padded_to_packed(o, offsets)
         p.final.S = S
@@ -143,13 +125,13 @@ def fast_weight_triton(
               Y.reshape(N, T * P, H, V).to(q.dtype), weights.reshape(N, T * P, H), lg_e.reshape(N, T * P, H),
               initial_state.S.float())
     if rule == "3":  # chunks of whole steps (P <= 128: supports)
-        chunk = max(min(_triton_chunk(chunk_size), MAX_DELTA_CHUNK), P)
+        chunk = max(triton_chunk_size(chunk_size, cap=MAX_DELTA_CHUNK), P)
         o, S = fast_weight_3_triton(*inputs, read_after=read_after, chunk_size=chunk, slots=P)
     elif rule == "1":  # window 1 (supports)
         o, S = fast_weight_1_triton(*inputs, read_after=read_after,
-                                    chunk_size=min(_triton_chunk(chunk_size), MAX_DELTA_CHUNK))
+                                    chunk_size=triton_chunk_size(chunk_size, cap=MAX_DELTA_CHUNK))
     else:
-        o, S = fast_weight_1a_triton(*inputs, read_after=read_after, chunk_size=_triton_chunk(chunk_size))
+        o, S = fast_weight_1a_triton(*inputs, read_after=read_after, chunk_size=triton_chunk_size(chunk_size, cap=128))
     o = o.view(N, T, P, H, V)[:, :, slot]                                                  # [N, T, H, V]
     if offsets is not None:
         o = padded_to_packed(o, offsets)
@@ -157,15 +139,14 @@ def fast_weight_triton(
     return o, p.final
 
 
-def _delayed_window(p, S0: torch.Tensor, *, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _delayed_window(p: PreparedWrites, S0: torch.Tensor, *, read_after: bool,
+                    chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rule 3A (window W > 1) on prepare_writes' windows as 1A over delayed writes plus the band of the W-1 pairs
     still being written (README.md, "Rule 3A as delayed writes"). p.x_ext / p.y_ext [N, W-1+T, H, *] are the pairs
     with the carried tail in front (ext row e = pair e-W+1, so slot j of step t is ext row t + j; p.X / p.Y are their
     windows), p.weights [N, T, H, W, 1] the weight w_(t,j) of slot j at step t. Returns o [N, T, H, V] in q's dtype
     and the final state [N, H, K, V] float32 (at the padded end of every row: padded steps write nothing and do not
     decay)."""
-    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_band_triton
-
     T, W = p.X.shape[1], p.X.shape[3]
     w = p.weights[..., 0]                                                                  # [N, T, H, W]
     lg = p.log_gamma[..., 0]                                                               # [N, T, H]
@@ -186,12 +167,10 @@ def _delayed_window(p, S0: torch.Tensor, *, read_after: bool, chunk_size: int) -
     return o, S
 
 
-def _window_1(q, k, v, beta, lam, *, rule, pairing, read, step_size, ridge_scaling, eps, eps_gamma, initial_state,
-              offsets, chunk_size, seq_idx=None) -> tuple[torch.Tensor, FastWeightState]:
+def _window_1(q, k, v, beta, lam, options: FastWeightOptions, *, initial_state, offsets,
+              seq_idx=None) -> tuple[torch.Tensor, FastWeightState]:
     """Rules 1A / 1 with the fused preparation: the write events of prepare_writes (window 1) from one kernel."""
-    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_prepare_triton
-
-    shifted = pairing == "shifted"
+    shifted = options.shifted
     if offsets is not None:
         ends = offsets[1:] - 1                                                             # each sequence's last step
         max_len = int((offsets[1:] - offsets[:-1]).max())
@@ -204,19 +183,15 @@ def _window_1(q, k, v, beta, lam, *, rule, pairing, read, step_size, ridge_scali
         last = k[:, -1] if shifted else None
         device_offsets = None
     x, y, eta, log_gamma = fast_weight_prepare_triton(
-        k, v, beta, lam, initial_state.last_k if shifted else None, device_offsets, max_len=max_len, pairing=pairing,
-        step_size=step_size, ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, seq_idx=seq_idx)
-    scan = fast_weight_1_triton if rule == "1" else fast_weight_1a_triton
-    chunk = _triton_chunk(chunk_size)
-    if rule == "1":
-        chunk = min(chunk, MAX_DELTA_CHUNK)
+        k, v, beta, lam, initial_state.last_k if shifted else None, device_offsets, max_len=max_len,
+        pairing=options.pairing, step_size=options.step_size, ridge_scaling=options.ridge_scaling, eps=options.eps,
+        eps_gamma=options.eps_gamma, seq_idx=seq_idx)
+    regression = options.rule == "1"
+    scan = fast_weight_1_triton if regression else fast_weight_1a_triton
+    chunk = triton_chunk_size(options.chunk_size, cap=MAX_DELTA_CHUNK if regression else 128)
     o, S = scan(q_rows, x.to(q.dtype), y.to(q.dtype), eta, log_gamma, initial_state.S.float(),
-                read_after=read == "after", chunk_size=chunk)
+                read_after=options.read_after, chunk_size=chunk)
     if offsets is not None:
         o = padded_to_packed(o, offsets)
     return o, FastWeightState(S=S, last_k=None if last is None else last.to(compute_dtype(k.dtype)))
 
-
-def _triton_chunk(chunk_size: int) -> int:
-    """The nearest power of two >= chunk_size, clamped to [16, 128] (tl.dot needs >= 16 rows)."""
-    return min(128, max(16, 1 << (max(chunk_size, 1) - 1).bit_length()))

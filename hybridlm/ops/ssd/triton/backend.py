@@ -9,19 +9,11 @@ steps are exact no-ops, so each row's state after its padding is its sequence's 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from hybridlm.ops.ssd.triton import (
-    _TRITON_FOUND,
-    DTYPES,
-    MAX_D_STATE,
-    MAX_HEAD_DIM,
-    ssd_chunk_triton,
-    supports,
-)
-from hybridlm.ops.utils import packed_to_padded, padded_to_packed
+from hybridlm.ops.ssd.triton.custom_ops import ssd_chunk_triton
+from hybridlm.ops.ssd.triton.limits import DTYPES, MAX_CHUNK, MAX_D_STATE, MAX_HEAD_DIM, supports
+from hybridlm.ops.utils import packed_to_padded, padded_to_packed, triton_chunk_size, triton_runs_on
 
 
 def ssd_triton(
@@ -37,8 +29,9 @@ def ssd_triton(
     offsets: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(y [b, T, H, P] in x's dtype, final_state [b or N_seq, H, P, N] float32)`. `chunk_size` is rounded to a
-    power of two in [16, 64]; initial_state None means zeros."""
-    if not (_TRITON_FOUND and x.is_cuda) and os.environ.get("TRITON_INTERPRET") != "1":
+    power of two in [16, 64] (`limits.MAX_CHUNK`: the op's default 256 would spill registers); initial_state None
+    means zeros."""
+    if not triton_runs_on(x):
         raise ValueError("backend='triton' needs triton installed and the tensors on a CUDA device; "
                          "use backend='chunk' (or set TRITON_INTERPRET=1 to run the kernels on CPU tensors)")
     dtype = torch.promote_types(torch.promote_types(x.dtype, B.dtype), C.dtype)
@@ -54,14 +47,8 @@ def ssd_triton(
     if T == 0:  # nothing to scan: the state passes through
         final = h0.clone() if h0 is not None else x.new_zeros(b, H, P, N, dtype=torch.float32)
         return x.new_zeros(x.shape), final
-    y, final = ssd_chunk_triton(x_, dt_, A_, B_, C_, D_, h0, chunk_size=_triton_chunk(chunk_size))
+    y, final = ssd_chunk_triton(x_, dt_, A_, B_, C_, D_, h0, chunk_size=triton_chunk_size(chunk_size, cap=MAX_CHUNK))
     if offsets is not None:
         y = padded_to_packed(y, offsets)
     return y.to(x.dtype), final
 
-
-def _triton_chunk(chunk_size: int) -> int:
-    """The nearest power of two >= chunk_size, clamped to [16, 64]: tl.dot needs >= 16 rows, and the backward
-    kernels hold several [chunk, chunk] and [chunk, P] fp32 tiles (the op's default 256 would spill registers).
-    The chunk length changes the cost only, never the result."""
-    return min(64, max(16, 1 << (max(chunk_size, 1) - 1).bit_length()))

@@ -1,26 +1,28 @@
 """The fused write preparation of rules 1A / 1 (`triton/prepare.py`, the custom op hybridlm::fast_weight_prepare_fwd)
 against chunk.py's `prepare_writes` (window 1), outputs and every gradient (k, v, beta, lam, the carried last key),
-and the Triton front door with it against backend="chunk".
+and the Triton front door with it against backend="chunk" and against the Triton backend on prepare_writes.
 
-Where they run (as tests/ops/test_fast_weight_triton.py, whose import sets TRITON_INTERPRET before any kernel loads):
-    GPU:  python -m pytest -q tests/ops/test_fast_weight_triton_prepare.py
-    CPU:  HYBRIDLM_TRITON_INTERPRET=1 python -m pytest -q tests/ops/test_fast_weight_triton_prepare.py
+Where they run (as the other Triton tests; tests/ops/conftest.py sets TRITON_INTERPRET before any kernel loads):
+    GPU:  python -m pytest -q tests/ops/test_triton_prepare.py
+    CPU:  HYBRIDLM_TRITON_INTERPRET=1 python -m pytest -q tests/ops/test_triton_prepare.py
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
 import torch
 
 from hybridlm.ops import fast_weight_attention
+from hybridlm.ops.fast_weight import op
 from hybridlm.ops.fast_weight.chunk import prepare_writes
+from hybridlm.ops.fast_weight.options import FastWeightOptions
 from hybridlm.ops.fast_weight.state import FastWeightState
 from tests.helpers import rel_err
-from tests.ops.test_fast_weight import make_inputs, random_state
-from tests.ops.test_fast_weight_triton import DEVICE, interpret, projection
-from tests.ops.triton_modes import H200_SHARED_BYTES, compile_for_sm90, needs_cuda_backend
+from tests.ops.fast_weight_helpers import make_inputs, projection, random_state
+from tests.ops.triton_modes import DEVICE, interpret
 
 OFFSETS = torch.tensor([0, 5, 40, 41, 70])  # packed: lengths 5, 35, 1, 29
 
@@ -36,8 +38,8 @@ def fused(k, v, beta, lam, last_k, offsets, **options):
 def reference(q, k, v, beta, lam, last_k, offsets, **options):
     """prepare_writes' window-1 write events: x, y [N, T, H, *], eta, log_gamma [N, T, H]."""
     S = q.new_zeros(1)  # unused by the preparation
-    p = prepare_writes(q, k, v, beta, lam, rule="1A", window=1, initial_state=FastWeightState(S=S, last_k=last_k),
-                       offsets=offsets, **options)
+    p = prepare_writes(q, k, v, beta, lam, FastWeightOptions(rule="1A", **options),
+                       initial_state=FastWeightState(S=S, last_k=last_k), offsets=offsets)
     return p.X[:, :, :, 0], p.Y[:, :, :, 0], p.weights[..., 0, 0], p.log_gamma[..., 0]
 
 
@@ -135,7 +137,7 @@ def test_front_door_fused_matches_chunk(monkeypatch, rule, pairing, read, step_s
     """backend="triton" with the fused preparation against backend="chunk" (rel. < 1e-4) and against the Triton
     backend on prepare_writes (the same scan kernels; rel. < 1e-5): outputs, the final state (S, last key) and every
     gradient (q, k, v, beta, lam, S0, the carried last key)."""
-    from hybridlm.ops.fast_weight.triton import frontend
+    from hybridlm.ops.fast_weight.triton import backend as triton_backend
 
     B, T, H, K, V = (1, 70, 2, 16, 24) if packed else (2, 45, 2, 16, 24)
     offsets = OFFSETS if packed else None
@@ -149,7 +151,8 @@ def test_front_door_fused_matches_chunk(monkeypatch, rule, pairing, read, step_s
                "cu_seqlens": offsets}
 
     def run(backend, device, fused_preparation):
-        monkeypatch.setattr(frontend, "FUSED_PREPARATION", fused_preparation)
+        monkeypatch.setattr(op, "fast_weight_triton", functools.partial(triton_backend.fast_weight_triton,
+                                                                        fused_preparation=fused_preparation))
         leaves = [t.to(device).requires_grad_(True) for t in inputs]
         init = None
         if stateful:
@@ -177,27 +180,3 @@ def test_front_door_fused_matches_chunk(monkeypatch, rule, pairing, read, step_s
               zip(names, [o, final[0]] + grads, [o_ref, final_ref[0]] + grads_ref, [o_pw, final_pw[0]] + grads_pw)}
     shown = {name: "vs chunk {:.1e}, vs prepare_writes {:.1e}".format(*e) for name, e in errors.items()}
     assert all(e_chunk < 1e-4 and e_pw < 1e-5 for e_chunk, e_pw in errors.values()), shown
-
-
-_SM90_KERNELS = """
-from hybridlm.ops.fast_weight.triton import kernels_prepare as kp
-from hybridlm.ops.fast_weight.triton.prepare import BT, NUM_WARPS
-
-HALF = ("k_ptr", "v_ptr", "last_ptr", "x_ptr", "y_ptr", "dx_ptr", "dy_ptr", "dk_ptr", "dv_ptr", "dlast_ptr")
-TYPES = {"offsets_ptr": "*i64", "seq_ptr": "*i64", "eps": "fp32", "one_minus_eps_gamma": "fp32"}
-for io, K, V in (("*bf16", 128, 128), ("*fp32", 20, 12)):
-    for on, seq in ((True, False), (False, False), (True, True)):
-        consts = dict(K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)), BV=max(16, triton.next_power_of_2(V)),
-                      SHIFTED=on, HAS_LAST=on, PACKED=on and not seq, NLMS=on, SCALED=on, SEQ=seq)
-        for kernel in (kp.prepare_fwd_kernel, kp.prepare_bwd_kernel):
-            build(kernel, consts, io=io, io_names=HALF, types=TYPES, warps=NUM_WARPS)
-"""
-
-
-@needs_cuda_backend
-def test_kernels_compile_for_sm90():
-    """Both preparation kernels compile to sm_90 code (bf16 at K = V = 128 and fp32 at odd sizes; every flag on, then
-    off, then on with documents restarted in place (SEQ) instead of packed rows; `triton_modes.compile_for_sm90`)."""
-    report = compile_for_sm90(_SM90_KERNELS, modules=("hybridlm.ops.fast_weight.triton.kernels_prepare",))
-    assert set(report["built"]) == report["defined"], report  # every kernel of the file
-    assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]

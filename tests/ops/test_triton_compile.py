@@ -3,8 +3,8 @@
 (schema, fake tensors, autograd registration, AOT dispatch with dynamic shapes) and `torch.compile(fullgraph=True)`
 of the front door with backend="triton" against eager.
 
-Runs where tests/ops/test_fast_weight_triton.py's `interpret` tests run (a GPU, or the CPU interpreter with
-HYBRIDLM_TRITON_INTERPRET=1; ~20 s there). torch.compile uses the "aot_eager" backend everywhere (dynamo + AOT
+Runs where the other Triton tests' `interpret` tests run (a GPU, or the CPU interpreter with
+HYBRIDLM_TRITON_INTERPRET=1). torch.compile uses the "aot_eager" backend everywhere (dynamo + AOT
 autograd, the part that must see through the custom ops; no C compiler needed) and also "inductor" on a GPU.
 """
 
@@ -16,15 +16,8 @@ import torch
 from hybridlm.ops import fast_weight_attention
 from hybridlm.ops.fast_weight.state import FastWeightState
 from tests.helpers import rel_err
-from tests.ops.test_fast_weight import make_inputs
-from tests.ops.test_fast_weight_triton import (  # its import sets TRITON_INTERPRET before any kernel loads
-    DEVICE,
-    gpu_only,
-    interpret,
-    prepared,
-)
-
-OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+from tests.ops.fast_weight_helpers import OPCHECKS, make_inputs, prepared
+from tests.ops.triton_modes import DEVICE, gpu_only, interpret
 
 
 def _ops(name):

@@ -1,6 +1,8 @@
-"""Rule 3 (sliding-window regression) in Triton: rule 1's kernels over write events, `slots` per step, in which the
-events of one step do not see each other's writes (`fast_weight_3_triton`; frontend.py lays each step's window out on
-a power of two of slots, the step's decay on slot 0).
+"""Rules 3 and 3A in Triton (the sliding windows).
+
+Rule 3 (sliding-window regression): rule 1's kernels over write events, `slots` per step, in which the events of one
+step do not see each other's writes (`fast_weight_3_triton`; backend.py lays each step's window out on a power of two
+of slots, the step's decay on slot 0).
 
 - The op against a float64 loop over events where every residual of a step reads the state before the step, with a
   decay on every event (so d log_gamma is checked on every slot, not only slot 0): one step and odd numbers of steps,
@@ -11,11 +13,14 @@ a power of two of slots, the step's decay on slot 0).
   same-step pairing, read after / before, nlms and direct steps, with and without a carried state, packed sequences,
   T = 1, carry-over.
 - `tinv_kernel`'s blocked (I + A)^-1 against float64 at chunks of 16, 32 and 64 events, one slot and several.
-- The custom ops (`torch.library.opcheck`) and torch.compile of the front door; the kernels with SLOTS > 1 compile
-  for sm_90 (no GPU needed).
+- The custom ops (`torch.library.opcheck`) and torch.compile of the front door.
 
-Where they run: as tests/ops/test_fast_weight_triton.py (the `interpret` tests on the CPU under
-HYBRIDLM_TRITON_INTERPRET=1, ~1 min; everything on a GPU).
+Rule 3A (sliding-window inner product): rule 1A's scan over delayed writes plus the band of the pairs still being
+written: the band kernel against a float64 loop, and the front door against the chunk backend (windows up to 9,
+longer than some packed documents; calls shorter than the window).
+
+Where they run: as tests/ops/test_triton_rule1.py (the `interpret` tests on the CPU under
+HYBRIDLM_TRITON_INTERPRET=1; everything on a GPU).
 """
 
 from __future__ import annotations
@@ -32,17 +37,17 @@ from hybridlm.ops.fast_weight.triton import (
     supports,
 )
 from tests.helpers import rel_err
-from tests.ops.test_fast_weight import make_inputs, random_state
-from tests.ops.test_fast_weight_triton import (  # its import sets TRITON_INTERPRET before any kernel loads
-    DEVICE,
+from tests.ops.fast_weight_helpers import (
     NAMES,
+    OPCHECKS,
     TOL,
-    gpu_only,
-    interpret,
+    front_door_errors,
+    make_inputs,
     prepared,
     projection,
+    random_state,
 )
-from tests.ops.triton_modes import H200_SHARED_BYTES, ON_GPU, compile_for_sm90, needs_cuda_backend
+from tests.ops.triton_modes import DEVICE, ON_GPU, gpu_only, interpret
 
 
 def reference(q, x, y, eta, log_gamma, S0, *, read_after, slots):
@@ -129,20 +134,6 @@ def test_op_float16():
     check_op(1, 11, 2, 16, 24, slots=4, chunk_size=16, read_after=True, dtype=torch.float16)
 
 
-@interpret
-@pytest.mark.parametrize("slots", [1, 4])
-def test_bf16_passes_match_reference(slots, monkeypatch):
-    """`chunk_1.BF16_PASSES` (opt-in): the sequential passes on bfloat16-rounded factors, W and U stored in bfloat16,
-    run and stay within the 16-bit tolerance on a short case with K > 64 (float16 inputs under the interpreter, which
-    multiplies the rounded values in fp32: the tensor cores' products, `kernels_delta._mm`; bfloat16 on a GPU).
-    Longer sequences leave that tolerance: `test_long_16bit_rows_match_float64`."""
-    from hybridlm.ops.fast_weight.triton import chunk_1
-
-    monkeypatch.setattr(chunk_1, "BF16_PASSES", True)
-    dtype = torch.bfloat16 if ON_GPU else torch.float16
-    check_op(1, 40, 2, 80, 48, slots=slots, chunk_size=32, read_after=slots == 1, dtype=dtype)
-
-
 def long_16bit_errors(rule: str, window: int) -> dict[str, float]:
     """Relative errors of the Triton front door on 16-bit inputs against the float64 chunk backend on the same
     rounded values: one row of T = 640 (ten chunks of 64), K = V = 128, the layer's RMS-normalised keys."""
@@ -160,25 +151,25 @@ def long_16bit_errors(rule: str, window: int) -> dict[str, float]:
     o, s = fast_weight_attention(*dev, backend="triton", **options)
     grads = torch.autograd.grad((o.double() * w_o.to(DEVICE)).sum() + (s.S.double() * w_S.to(DEVICE)).sum(), dev)
     errors = {"o": rel_err(o.cpu().double(), o_ref), "S": rel_err(s.S.cpu().double(), s_ref.S)}
-    errors.update({f"d{n}": rel_err(g.cpu().double(), r) for n, g, r in zip(("q", "k", "v", "beta", "lam"), grads, grads_ref)})
+    errors.update({f"d{n}": rel_err(g.cpu().double(), r)
+                   for n, g, r in zip(("q", "k", "v", "beta", "lam"), grads, grads_ref)})
     return errors
 
 
 @interpret
 @pytest.mark.parametrize("rule,window", [("1", 1), ("3", 3)])
 def test_long_16bit_rows_match_float64(rule, window):
-    """The default (float32 factors in the passes) stays far inside the 16-bit tolerance over ten chunks: the
-    kernels' own error, the inputs' rounding taken out (about 5e-4 measured; the opt-in bfloat16 factors reach
-    2e-2 - 2.4e-2 here, which is why they are opt-in)."""
+    """The passes' float32 factors keep 16-bit inputs far inside the 16-bit tolerance over ten chunks: the kernels'
+    own error, the inputs' rounding taken out (bfloat16 factors would reach the 2e-2 tolerance here: r is a small
+    difference of two large terms)."""
     errors = long_16bit_errors(rule, window)
     assert set(errors) == {"o", "S", "dq", "dk", "dv", "dbeta", "dlam"}
     assert all(error < 5e-3 for error in errors.values()), errors  # a NaN fails too
 
 
-
 def wy_inverse_reference(x, eta, log_gamma, chunk_size, slots):
     """(I + A)^-1 of every chunk (float64, [N * H, T_pad, chunk_size], the layout of `tinv_kernel`'s buffer), A as
-    kernels_delta.py's F1: A[s, s'] = [st(s') < st(s)] exp(Lp_s - L_s') eta_s' (x_s . x_s'), st(s) = s // slots."""
+    wy.py's F1: A[s, s'] = [st(s') < st(s)] exp(Lp_s - L_s') eta_s' (x_s . x_s'), st(s) = s // slots."""
     N, T, H, _ = x.shape
     T_pad = -(-T // chunk_size) * chunk_size
     x, eta, log_gamma = (torch.nn.functional.pad(t.double().transpose(1, 2), (0, 0) * (t.dim() - 3) + (0, T_pad - T))
@@ -203,12 +194,13 @@ def test_wy_inverse_matches_float64(chunk_size, slots):
     torch.linalg.inv in float64, in every chunk (2 to 5 per row; the last one padded where T is not a multiple of
     the chunk): chunks of 16, 32 and 64 events; one slot (rule 1), steps of 2 to 8 slots (inside a 16-event block),
     of 16 (a whole block: no substitution) and of 32 (two blocks: no first doubling)."""
-    from hybridlm.ops.fast_weight.triton import chunk_1  # (imports triton: not at the module's import)
+    from hybridlm.ops.fast_weight.triton.decays import chunk_cumsum  # (imports triton: not at the module's import)
+    from hybridlm.ops.fast_weight.triton.regression import EventPlan
 
     q, x, y, eta, log_gamma, _ = (t.to(DEVICE, torch.float32)
                                   for t in prepared(2, 2 * chunk_size + 3 * slots, 2, 16, 8, seed=chunk_size + slots))
-    plan = chunk_1._Plan(q, y, chunk_size, True, slots)
-    tinv = plan.scan(x, y, eta, plan.cumsum(log_gamma), None)[3]
+    plan = EventPlan(q, y, chunk_size, True, slots)
+    tinv = plan.scan(x, y, eta, chunk_cumsum(plan, log_gamma), None)[3]
     assert rel_err(tinv.cpu(), wy_inverse_reference(x.cpu(), eta.cpu(), log_gamma.cpu(), chunk_size, slots)) < 2e-6
 
 
@@ -355,14 +347,13 @@ def test_opcheck():
     """The rule-3 ops (`hybridlm::fast_weight_3_{fwd,bwd}`): schema, fake tensors, autograd, AOT dispatch."""
     import hybridlm.ops.fast_weight.triton.custom_ops  # noqa: F401  (registers the ops)
 
-    checks = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32).requires_grad_(True) for t in prepared(1, 24, 2, 16, 8))
     torch.library.opcheck(torch.ops.hybridlm.fast_weight_3_fwd, (q, x, y, eta, log_gamma, S0, True, 16, 4),
-                          test_utils=checks)
+                          test_utils=OPCHECKS)
     do = torch.randn(1, 24, 2, 8, device=DEVICE)
     detached = [t.detach() for t in (q, x, y, eta, log_gamma)]
     torch.library.opcheck(torch.ops.hybridlm.fast_weight_3_bwd, (do, None, *detached, None, False, 16, 2),
-                          test_utils=checks)
+                          test_utils=OPCHECKS)
 
 
 @interpret
@@ -411,63 +402,93 @@ def test_rejects_bad_slots():
         fast_weight_3_triton(*ins, read_after=True, chunk_size=16, slots=32)  # more than a chunk
 
 
-_SM90_KERNELS = """
-from hybridlm.ops.fast_weight.triton import kernels_delta as k
-from hybridlm.ops.fast_weight.triton.chunk_1 import GRAD_PASS_LAUNCH, PASS_LAUNCH
-
-IO = ("x_ptr", "y_ptr", "q_ptr", "do_ptr", "dx_ptr")
-b = functools.partial(build, io="*bf16", io_names=IO)
-# The two sequential passes as chunk_1 launches them: 16-bit inputs with float32 factors (TF32 products; the
-# default) and with bfloat16 factors (W and U in bfloat16; chunk_1.BF16_PASSES), float32 inputs with float32 factors
-# multiplied exactly; each with its launch (warps, stages).
-PASS_VARIANTS = (("*bf16", False, dict(BF16=False, INTERPRET=False, PREC32="tf32")),
-                 ("*bf16", True, dict(BF16=True, INTERPRET=False, PREC32="tf32")),
-                 ("*fp32", False, dict(BF16=False, INTERPRET=False, PREC32="ieee")))
-WU = ("u_ptr", "w_ptr")  # in bfloat16 with bfloat16 factors
-
-
-def launch(settings):
-    return {"warps": settings["num_warps"], "stages": settings["num_stages"]}
-
-
-# The largest chunk (MAX_DELTA_CHUNK = 64) at three head sizes, rule 1 and rule 3.
-for K, BT in ((128, 64), (64, 64), (16, 64)):
-    for slots in (1, 4):
-        sizes = dict(K=K, V=K, BT=BT, BK=K, PREC="tf32", PREC32="tf32", SLOTS=slots)
-        b(k.tinv_kernel, dict(K=K, BT=BT, BK=min(64, K), SLOTS=slots, PREC="tf32", PREC32="tf32"), warps=4)
-        for wu in ((), WU):
-            b(k.wu_kernel, dict(K=K, V=K, BT=BT, BD=min(64, max(16, K)), SLOTS=slots, PREC32="tf32"),
-              io_names=IO + wu, warps=8)
-        for io, bf16, factors in PASS_VARIANTS:
-            b(k.delta_grad_pass_kernel, dict(sizes, BV=32 if K > 64 else min(64, max(16, K)), HAS_INIT=True,
-                                             **factors), io=io, **launch(GRAD_PASS_LAUNCH[bf16]))
-        b(k.delta_grad_state_kernel, dict(sizes, BK=min(64, K), BV=min(64, K)), warps=8)
-        for read_after in (True, False):
-            b(k.delta_grad_kernel, dict(sizes, BK=min(64, K), BV=min(64, K), READ_AFTER=read_after,
-                                        N_PARTS=-(-K // 64)), warps=8)
-    # Rule 1's kernels that do not take SLOTS, as chunk_1 launches them.
-    plain = dict(K=K, V=K, BT=BT, BK=K, PREC32="tf32")
-    for io, bf16, factors in PASS_VARIANTS:
-        b(k.delta_pass_kernel, dict(plain, BV=32 if K > 64 else min(64, max(16, K)), HAS_INIT=True, **factors),
-          io=io, io_names=IO + (WU if bf16 else ()), **launch(PASS_LAUNCH[bf16]))
-    for read_after in (True, False):
-        b(k.delta_grad_q_kernel, dict(plain, BV=32 if K > 64 else min(64, max(16, K)), READ_AFTER=read_after),
-          warps=8)
-"""
-
-
-@needs_cuda_backend
-def test_kernels_compile_for_sm90():
-    """Every kernel of kernels_delta.py (rules 1 and 3) compiles to PTX for sm_90 at the largest chunk (64; bf16,
-    K = V = 128, 64 and 16; SLOTS = 1 and 4 where the kernel takes it; the passes with float32 and with bfloat16
-    factors, and as float32 inputs launch them), within an H200's shared memory."""
-    report = compile_for_sm90(_SM90_KERNELS, modules=("hybridlm.ops.fast_weight.triton.kernels_delta",))
-    assert set(report["built"]) == report["defined"], report  # every kernel of the file
-    assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
-
-
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_large_shape(dtype):
     """A model-sized head (K = V = 128), window 3 (4 slots) over many chunks, several rows and heads."""
     check_op(2, 250, 4, 128, 128, slots=4, chunk_size=64, read_after=True, dtype=dtype)
+
+
+RULE_3A_CASES = [  # window, pairing, read, step_size, packed, with an initial state
+    (3, "shifted", "after", "nlms", True, True), (3, "shifted", "before", "nlms", False, True),
+    (2, "same_step", "after", "direct", False, True), (5, "shifted", "before", "nlms", True, True),
+    (4, "same_step", "before", "direct", False, False), (3, "shifted", "after", "nlms", True, False),
+    (9, "shifted", "after", "nlms", True, True),
+    (1, "shifted", "before", "nlms", True, True),  # window 1: rule 1A's scan alone, no band
+]
+
+
+@interpret
+@pytest.mark.parametrize("window,pairing,read,step_size,packed,stateful", RULE_3A_CASES,
+                         ids=[f"W{c[0]}-" + "-".join(c[1:4]) + ("-packed" if c[4] else "") + ("" if c[5] else "-fresh")
+                              for c in RULE_3A_CASES])
+def test_rule_3a_front_door_matches_chunk(window, pairing, read, step_size, packed, stateful):
+    """`fast_weight_attention(rule="3A", backend="triton")` (delayed writes plus the band kernel, windows up to 9,
+    longer than some packed documents) against the torch chunk backend, with or without a carried state (S, last key,
+    window tail), ridge scaling and packed sequences: outputs, the whole final state and all gradients."""
+    errors = front_door_errors("3A", window, pairing, read, step_size, packed, stateful)
+    assert max(errors.values()) < 1e-4, errors
+
+
+@interpret
+@pytest.mark.parametrize("T,window,read", [(1, 3, "after"), (2, 5, "before"), (1, 2, "before")])
+def test_rule_3a_on_sequences_shorter_than_the_window(T, window, read):
+    """Rule 3A's delayed-write form when a call holds fewer steps than the window (a prompt's tail, one-token steps):
+    the carried tail supplies the band's pairs; outputs, final state and gradients as the chunk backend's."""
+    cpu = make_inputs("3A", B=2, T=T, H=2, K=16, V=8, dtype=torch.float32, requires_grad=True)
+    options = dict(rule="3A", window=window, read=read, output_final_state=True,
+                   initial_state=random_state(2, 2, 16, 8, window=window, dtype=torch.float32))
+    o_ref, s_ref = fast_weight_attention(*cpu, backend="chunk", **options)
+    dev = [t.detach().to(DEVICE).requires_grad_(True) for t in cpu]
+    options["initial_state"] = options["initial_state"].to(DEVICE)
+    o, s = fast_weight_attention(*dev, backend="triton", **options)
+    assert rel_err(o.cpu(), o_ref) < 1e-4 and rel_err(s.S.cpu(), s_ref.S) < 1e-4
+    grads_ref = torch.autograd.grad(o_ref.sum() + s_ref.S.sum(), cpu)
+    grads = torch.autograd.grad(o.sum() + s.S.sum(), dev)
+    for name, grad, grad_ref in zip(("q", "k", "v", "beta", "lam"), grads, grads_ref):
+        assert rel_err(grad.cpu(), grad_ref) < 1e-4, name
+
+
+def band_reference(q, x_ext, y_ext, c, *, read_after):
+    """o_t = sum_{j=1..W-1} c_(t,j) (q_t . x_e) y_e, e = t + j (- 1 reading before), as a float64 loop over j."""
+    T, W = q.shape[1], c.shape[-1] + 1
+    o = 0
+    for j in range(1, W):
+        e = torch.arange(T) + j - (0 if read_after else 1)
+        x, y = x_ext[:, e].double(), y_ext[:, e].double()
+        o = o + (c[..., j - 1].double() * (q.double() * x).sum(-1))[..., None] * y
+    return o
+
+
+@interpret
+@pytest.mark.parametrize("W,read_after,dtype", [(2, True, torch.float32), (3, False, torch.float32),
+                                                (5, True, torch.float16), (3, True, torch.float32)])
+def test_band_kernel_matches_a_loop(W, read_after, dtype, monkeypatch):
+    """Rule 3A's band kernel added to a base output (forward and all five gradients) against a float64 loop, odd
+    sizes (T = 45 over blocks of 16, K = 24, V = 40)."""
+    from hybridlm.ops.fast_weight.triton import band
+    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_band_triton
+
+    g = torch.Generator().manual_seed(W)
+    N, T, H, K, V = 2, 45, 3, 24, 40
+    inputs = [torch.randn(N, T, H, K, generator=g), torch.randn(N, W - 1 + T, H, K, generator=g),
+              torch.randn(N, W - 1 + T, H, V, generator=g), torch.rand(N, T, H, W - 1, generator=g),
+              torch.randn(N, T, H, V, generator=g)]
+    ref_inputs = [t.double().requires_grad_(True) for t in inputs]
+    dev = [t.to(DEVICE, torch.float32 if name == "c" else dtype).requires_grad_(True)
+           for name, t in zip(NAMES_BAND, inputs)]
+    o_ref = ref_inputs[4] + band_reference(*ref_inputs[:4], read_after=read_after)
+    o = fast_weight_band_triton(*dev, read_after=read_after)
+    assert o.dtype == dtype and rel_err(o.cpu(), o_ref) < TOL[dtype]
+    seen = []  # the backward takes do in its own dtype (no float32 copy)
+    original = band.backward
+    monkeypatch.setattr(band, "backward", lambda do, *rest: seen.append(do.dtype) or original(do, *rest))
+    w = torch.randn(o_ref.shape, generator=g, dtype=torch.float64)
+    grads_ref = torch.autograd.grad((o_ref * w).sum(), ref_inputs)
+    grads = torch.autograd.grad((o * w.to(DEVICE, dtype)).sum(), dev)
+    for name, grad, grad_ref in zip(NAMES_BAND, grads, grads_ref):
+        assert grad.dtype == dev[NAMES_BAND.index(name)].dtype and rel_err(grad.cpu(), grad_ref) < TOL[dtype], name
+    assert seen == [dtype]
+
+
+NAMES_BAND = ("q", "x_ext", "y_ext", "c", "base")

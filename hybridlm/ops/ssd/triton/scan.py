@@ -13,12 +13,13 @@ import torch
 import triton
 
 from hybridlm.ops.ssd.triton import kernels
-from hybridlm.ops.ssd.triton.custom_ops import _interpreting
+from hybridlm.ops.triton_utils import block
+from hybridlm.ops.utils import triton_interpreting
 
 
 def forward(x, dt, A, B, C, D, h0, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """y `[b, T, H, P]` (x's dtype) and the final state `[b, H, P, N]` float32 on contiguous, checked inputs
-    (`custom_ops._check`); D None for no skip, h0 None for zeros."""
+    (checked by `custom_ops.py`); D None for no skip, h0 None for zeros."""
     plan = _Plan(x, B, chunk_size)
     cum = plan.cumsum(dt, A)
     states, final = plan.states(x, B, dt, cum, h0)
@@ -38,11 +39,6 @@ def backward(dy, dh_final, x, dt, A, B, C, D, h0, chunk_size: int):
     return dx, ddt, dA, dB, dC, dD, dh0
 
 
-def _block(dim: int, cap: int) -> int:
-    """A power-of-two block (>= 16, the smallest tl.dot size) covering dim, at most cap."""
-    return min(max(16, triton.next_power_of_2(dim)), cap)
-
-
 class _Plan:
     """Sizes, block shapes and launch grids of one call; each method launches one stage."""
 
@@ -52,8 +48,8 @@ class _Plan:
         self.BT = chunk_size
         self.n_chunks = -(-self.T // self.BT)
         self.T_pad = self.n_chunks * self.BT
-        self.BP_full = _block(self.P, 128)  # the backward kernels hold all of P (their per-step sums run over it)
-        self.BP, self.BN = _block(self.P, 64), _block(self.N, 64)
+        self.BP_full = block(self.P, 128)  # the backward kernels hold all of P (their per-step sums run over it)
+        self.BP, self.BN = block(self.P, 64), block(self.N, 64)
         self.prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact products (no TF32)
         self.device = x.device
 
@@ -79,10 +75,10 @@ class _Plan:
             BN=self.BN, GRAD=grad, PREC=self.prec)
 
     def _pass(self, h, init, final, cum, *, reverse: bool) -> None:
-        BP, BN = _block(self.P, 32), _block(self.N, 32)  # smaller blocks: more programs for the sequential pass
+        BP, BN = block(self.P, 32), block(self.N, 32)  # smaller blocks: more programs for the sequential pass
         kernels.state_pass_kernel[(triton.cdiv(self.P, BP) * triton.cdiv(self.N, BN), self.b * self.H)](
             h, h if init is None else init, final, cum, self.T_pad, self.n_chunks, **self._sizes(), BP=BP, BN=BN,
-            HAS_INIT=init is not None, REVERSE=reverse, INTERPRET=_interpreting(), num_warps=4)
+            HAS_INIT=init is not None, REVERSE=reverse, INTERPRET=triton_interpreting(), num_warps=4)
 
     def states(self, x, B, dt, cum, h0):
         """(F2) + (F3): h_in of every chunk [b * H, n_chunks, P, N] and the final state [b, H, P, N]."""

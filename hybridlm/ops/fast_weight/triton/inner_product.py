@@ -1,0 +1,196 @@
+"""The inner-product family on prepared writes (rules 1A and 2A; rule 3A runs on 1A's ops): the launchers of its
+kernels, forward and backward, the implementations of the custom ops `hybridlm::fast_weight_1a_fwd` / `_bwd` and
+`hybridlm::fast_weight_2a_fwd` / `_bwd` (`custom_ops.py`).
+
+    rule 1A: S_t = exp(log_gamma_t) S_{t-1} + eta_t x_t y_t^T
+    rule 2A: S_t = S_{t-1} Diag(exp(log_gamma_t)) + x_t (eta_t * y_t)^T      (eta_t, log_gamma_t per value column)
+    o_t = S_t^T q_t  (read after)  or  S_{t-1}^T q_t  (read before)
+
+Forward: chunk-local cumulative decays (`decays.py`) -> each chunk's contribution to the state and the sequential
+pass giving every chunk's entry state and the final state (`chunk_state.py`) -> the outputs (`chunk_output.py`).
+Backward recomputes the entry states, runs the same state stages on the gradients in reverse (dS of every chunk
+exit, and dS_0), then the per-chunk gradients (`inner_product_kernels.py`; rule 1A's dy is the output stage's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridlm.ops.fast_weight.triton import chunk_output, chunk_state, inner_product_kernels
+from hybridlm.ops.fast_weight.triton.chunking import ChunkPlan
+from hybridlm.ops.fast_weight.triton.decays import chunk_cumsum, chunk_cumsum_columns
+from hybridlm.ops.triton_utils import block
+from hybridlm.ops.utils import triton_interpreting
+
+# The state scan's programs each walk all the chunks of one state block, so the scan takes one walk's time however
+# many programs run beside it. With few rows x heads (a model's training row: 1 x 10 heads gives 20 programs of
+# [64, 32] blocks) most of the GPU idles and each program moves its block's keys and values alone. Below
+# SCAN_MIN_PROGRAMS programs the blocks shrink (to 16 x 16 at least) so that more SMs share the walk: 264, two
+# waves of an H200's 132 SMs (benchmarks/RESULTS.md compares the fixed and the narrowed blocks). 0: the fixed
+# [64, 32] blocks.
+SCAN_MIN_PROGRAMS = 264
+
+
+def forward_1a(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rule 1A: o `[N, T, H, V]` (q's dtype) and the final state `[N, H, K, V]` float32 on contiguous, checked
+    inputs (checked by `custom_ops.py`); S0 None for zeros."""
+    plan = ScalarPlan(q, y, chunk_size, read_after)
+    L = chunk_cumsum(plan, log_gamma)
+    states, S_final = plan.states(x, y, eta, L, S0)
+    return plan.outputs(q, x, y, eta, L, states), S_final
+
+
+def backward_1a(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int):
+    """Rule 1A: dq, dx, dy (inputs' dtype), d eta, d log_gamma (their dtypes) and dS_0 (float32) for dL/do (q's
+    dtype) and dL/dS_final (float32 or None). The entry states are recomputed."""
+    plan = ScalarPlan(q, y, chunk_size, read_after)
+    L = chunk_cumsum(plan, log_gamma)
+    states, _ = plan.states(x, y, eta, L, S0)                     # recomputed: entry state of every chunk
+    dstates, dS0 = plan.state_grads(q, do, L, dS_final)          # dL/dS at every chunk exit, and dS_0
+    dq, dx, deta, dlg = plan.grad_qx(q, x, y, eta, L, do, states, dstates, log_gamma.dtype)
+    dy = plan.grad_y(q, x, eta, L, do, dstates)
+    return dq, dx, dy, deta, dlg, dS0
+
+
+def scan_blocks(K: int, V: int, NH: int, min_programs: int | None = None) -> tuple[int, int]:
+    """The state scan's [BK, BV] blocks: [64, 32] (narrower than the other stages': more programs for the sequential
+    walk), halved (the larger side first, down to 16) while fewer than `min_programs` (default `SCAN_MIN_PROGRAMS`,
+    264) programs would cover the N * H states; `min_programs=0` keeps [64, 32]."""
+    min_programs = SCAN_MIN_PROGRAMS if min_programs is None else min_programs
+    BK, BV = block(K, 64), block(V, 32)
+    while -(-K // BK) * -(-V // BV) * NH < min_programs and max(BK, BV) > 16:
+        if BK >= BV:
+            BK //= 2
+        else:
+            BV //= 2
+    return BK, BV
+
+
+class ScalarPlan(ChunkPlan):
+    """Rule 1A's block shapes; each method launches one stage."""
+
+    def __init__(self, q: torch.Tensor, y: torch.Tensor, chunk_size: int, read_after: bool):
+        super().__init__(q, y, chunk_size, read_after)
+        self.BK, self.BV = block(self.K, 64), block(self.V, 64)
+        self.BK_full = block(self.K, 128)  # the dq/dx kernel holds all of K
+        self.BV_qx = block(self.V, 64 if self.BK_full <= 64 else 32)
+        # The per-chunk states (and their gradients) are stored in the inputs' dtype: every matmul that reads them
+        # takes that dtype anyway, so only the exit term of dlog_gamma (<dS_out, S_c>, summed in fp32) sees the
+        # rounding, and half the bytes of the buffers, the op's largest, move (flash-linear-attention's choice too).
+        # The carried state, S_0 and the final state stay float32; float32 inputs keep float32 states.
+        self.state_dtype = q.dtype
+
+    def state_buffer(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return super().state_buffer(self.state_dtype if dtype is None else dtype)
+
+    def states(self, x, y, eta, L, S0):
+        """(1) + (2): the entry state of every chunk [N * H, n_chunks, K, V] and the final state [N, H, K, V]."""
+        h = self.state_buffer()
+        final = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
+        self._scan(x, y, eta, L, h, S0, final, grad=False)
+        return h, final
+
+    def _scan(self, a, b, eta, L, h, init, final, *, grad: bool) -> None:
+        """(1) + (2) (or with grad, (1') + (2') in reverse) as one kernel."""
+        BK, BV = scan_blocks(self.K, self.V, self.NH)
+        chunk_state.state_scan_kernel[(-(-self.K // BK) * -(-self.V // BV), self.N * self.H)](
+            a, b, eta, L, h, h if init is None else init, final, self.T, self.T_pad, self.n_chunks, self.H,
+            **self.sizes, BK=BK, BV=BV, HAS_INIT=init is not None, READ_AFTER=self.read_after, GRAD=grad,
+            REVERSE=grad, PREC=self.prec, INTERPRET=triton_interpreting(), num_warps=4)
+
+    def outputs(self, q, x, y, eta, L, states):
+        o = torch.empty(self.N, self.T, self.H, self.V, dtype=q.dtype, device=self.device)
+        chunk_output.output_kernel[(-(-self.V // self.BV), self.n_chunks, self.N * self.H)](
+            q, x, y, eta, L, states, o, self.T, self.T_pad, self.n_chunks, self.H, **self.sizes, BK=self.BK,
+            BV=self.BV, READ_AFTER=self.read_after, PREC=self.prec)
+        return o
+
+    def state_grads(self, q, do, L, dS_final):
+        """(1') + (2'): dL/dS at every chunk's exit [N * H, n_chunks, K, V] and dL/dS_0 [N, H, K, V]."""
+        g = self.state_buffer()
+        dS0 = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
+        init = None if dS_final is None else dS_final.to(torch.float32).contiguous()
+        self._scan(q, do, L, L, g, init, dS0, grad=True)  # (eta is unused)
+        return g, dS0
+
+    def grad_qx(self, q, x, y, eta, L, do, states, dstates, lg_dtype):
+        dq, dx = torch.empty_like(q), torch.empty_like(x)
+        deta = torch.empty_like(eta)
+        dlg = torch.empty(eta.shape, dtype=lg_dtype, device=self.device)
+        inner_product_kernels.grad_qx_kernel[(self.n_chunks, self.N * self.H)](
+            q, x, y, eta, L, do, states, dstates, dq, dx, deta, dlg, self.T, self.T_pad, self.n_chunks, self.H,
+            **self.sizes, BK=self.BK_full, BV=self.BV_qx, READ_AFTER=self.read_after, PREC=self.prec)
+        return dq, dx, deta, dlg
+
+    def grad_y(self, q, x, eta, L, do, dstates):
+        dy = torch.empty(self.N, self.T, self.H, self.V, dtype=q.dtype, device=self.device)
+        chunk_output.grad_y_kernel[(-(-self.V // self.BV), self.n_chunks, self.N * self.H)](
+            q, x, eta, L, do, dstates, dy, self.T, self.T_pad, self.n_chunks, self.H, **self.sizes, BK=self.BK,
+            BV=self.BV, READ_AFTER=self.read_after, HAS_DH=True, PREC=self.prec)
+        return dy
+
+
+def forward_2a(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rule 2A: o `[N, T, H, V]` (q's dtype) and the final state `[N, H, K, V]` float32 on contiguous, checked
+    inputs (checked by `custom_ops.py`); S0 None for zeros."""
+    p = ColumnPlan(q, y, chunk_size, read_after)
+    L = chunk_cumsum_columns(p, log_gamma)
+    states, final = p.states(x, y, eta, L, S0)
+    o = torch.empty(p.N, p.T, p.H, p.V, dtype=q.dtype, device=p.device)
+    chunk_output.output_columns_kernel[(-(-p.V // p.BV3), p.n_chunks, p.NH)](
+        q, x, y, eta, L, states, o, p.T, p.T_pad, p.n_chunks, p.H, **p.sizes, BK=p.BK, BV=p.BV3,
+        READ_AFTER=read_after, PREC=p.prec)
+    return o, final
+
+
+def backward_2a(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int):
+    """Rule 2A: dq, dx, dy (inputs' dtype), d eta, d log_gamma (their dtypes) and dS_0 (float32) for dL/do (q's
+    dtype) and dL/dS_final (float32 or None). The entry states are recomputed."""
+    p = ColumnPlan(q, y, chunk_size, read_after)
+    L = chunk_cumsum_columns(p, log_gamma)
+    states, _ = p.states(x, y, eta, L, S0)                                 # entry state of every chunk
+    dstates = p.state_buffer()                                             # (1') + (2'): dS' of every chunk, dS_0
+    p.outer(q, do, L, L, dstates, grad=True)                               # (eta unused)
+    dS0 = torch.empty(p.N, p.H, p.K, p.V, dtype=torch.float32, device=p.device)
+    init = None if dS_final is None else dS_final.to(torch.float32).contiguous()
+    p.run_pass(dstates, init, dS0, L, reverse=True)
+    dy = torch.empty_like(y)
+    deta = torch.empty_like(eta)
+    dlg = torch.empty_like(log_gamma)
+    inner_product_kernels.grad_v_2a_kernel[(-(-p.V // p.BV3), p.n_chunks, p.NH)](      # (B2), (B4)
+        q, x, y, eta, L, do, states, dstates, dy, deta, dlg, p.T, p.T_pad, p.n_chunks, p.H, **p.sizes, BK=p.BK,
+        BV=p.BV3, READ_AFTER=read_after, PREC=p.prec)
+    dq, dx = torch.empty_like(q), torch.empty_like(x)
+    inner_product_kernels.grad_qx_2a_kernel[(-(-p.K // p.BK), p.n_chunks, p.NH)](      # (B3)
+        q, x, y, eta, L, do, states, dstates, dq, dx, p.T, p.T_pad, p.n_chunks, p.H, **p.sizes, BK=p.BK, BV=p.BV3,
+        READ_AFTER=read_after, PREC=p.prec)
+    return dq, dx, dy, deta, dlg, dS0
+
+
+class ColumnPlan(ChunkPlan):
+    """Rule 2A's block shapes and launch grids; the stages shared by the forward and the backward."""
+
+    def __init__(self, q: torch.Tensor, y: torch.Tensor, chunk_size: int, read_after: bool):
+        super().__init__(q, y, chunk_size, read_after)
+        self.BK, self.BV = block(self.K, 64), block(self.V, 64)
+        self.BV3 = self.column_tile()  # value tile of the [BT, BT, BV] kernels
+
+    def states(self, x, y, eta, L, S0):
+        """(1) + (2): the entry state of every chunk [N * H, n_chunks, K, V] and the final state [N, H, K, V]."""
+        h = self.state_buffer()
+        self.outer(x, y, eta, L, h, grad=False)
+        final = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
+        self.run_pass(h, S0, final, L, reverse=False)
+        return h, final
+
+    def outer(self, a, b, eta, L, out, *, grad: bool) -> None:
+        grid = (-(-self.K // self.BK) * -(-self.V // self.BV), self.n_chunks, self.NH)
+        chunk_state.chunk_outer_columns_kernel[grid](
+            a, b, eta, L, out, self.T, self.T_pad, self.n_chunks, self.H, **self.sizes, BK=self.BK, BV=self.BV,
+            READ_AFTER=self.read_after, GRAD=grad, PREC=self.prec)
+
+    def run_pass(self, h, init, final, L, *, reverse: bool) -> None:
+        BK, BV = self.BK, block(self.V, 32)  # smaller blocks: more programs for the sequential pass
+        chunk_state.state_pass_columns_kernel[(-(-self.K // BK) * -(-self.V // BV), self.NH)](
+            h, h if init is None else init, final, L, self.T_pad, self.n_chunks, **self.sizes, BK=BK, BV=BV,
+            HAS_INIT=init is not None, REVERSE=reverse, INTERPRET=triton_interpreting(), num_warps=4)

@@ -1,0 +1,291 @@
+"""Rules 1A and 1 in Triton, the two window-1 scans with a scalar decay per step, on prepared writes
+
+    S_t = exp(log_gamma_t) S_{t-1} + eta_t x_t y_t^T                      (rule 1A)
+    S_t = exp(log_gamma_t) S_{t-1} + eta_t x_t (y_t - S_{t-1}^T x_t)^T     (rule 1)
+    o_t = S_t^T q_t (read after) or S_{t-1}^T q_t (before),
+
+against a float64 step loop of the same recurrence (parametrized over both kernels), rule 1A's state scan (its
+blocks, its per-chunk state dtype), and the front door with backend="triton" (raw inputs, packed sequences included)
+against the torch chunk backend. tests/ops/test_triton_compile.py checks the custom ops and torch.compile,
+tests/ops/test_triton_sm90.py the kernels' builds for sm_90.
+
+Where they run:
+- GPU machine (CUDA + triton): every test runs on CUDA tensors (float32, bfloat16, float16):
+      python -m pytest -q tests/ops/test_triton_rule1.py
+- CPU, no GPU (CI): skipped, except the tests that need no kernel launch.
+- CPU with triton installed and HYBRIDLM_TRITON_INTERPRET=1: the tests marked `interpret` run the kernels on CPU
+  tensors under Triton's interpreter (tests/ops/conftest.py sets TRITON_INTERPRET=1 before triton is imported):
+      HYBRIDLM_TRITON_INTERPRET=1 python -m pytest -q tests/ops/test_triton_rule1.py
+  The interpreter's tl.dot is wrong for bfloat16 (numpy has no bfloat16), so float16 stands in for the 16-bit
+  path there; bfloat16 is checked on the GPU only.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from hybridlm.ops.fast_weight.options import FastWeightOptions
+from hybridlm.ops.fast_weight.triton import (
+    MAX_DELTA_CHUNK,
+    fast_weight_1_triton,
+    fast_weight_1a_triton,
+    fast_weight_triton,
+    supports,
+)
+from tests.helpers import rel_err
+from tests.ops.fast_weight_helpers import KERNELS, check_against_reference, front_door_errors, prepared
+from tests.ops.triton_modes import DEVICE, HAS_TRITON, ON_GPU, gpu_only, interpret
+
+
+CASES = list(itertools.product(KERNELS, (torch.float32, torch.float16, torch.bfloat16), (1, 63, 130), (16, 64),
+                               (True, False)))
+
+
+@interpret
+@pytest.mark.parametrize("rule,dtype,T,chunk_size,read_after", CASES,
+                         ids=[f"rule{r}-{str(d)[6:]}-T{T}-C{c}-{'after' if a else 'before'}" for r, d, T, c, a in CASES])
+def test_matches_reference(rule, dtype, T, chunk_size, read_after):
+    if dtype == torch.bfloat16 and not ON_GPU:
+        pytest.skip("the interpreter's tl.dot is wrong for bfloat16; float16 covers the 16-bit path on the CPU")
+    rows = 2 if dtype == torch.float32 else 1  # several rows: the kernels' (row, head) program indexing
+    check_against_reference(rows, T, 2, 16, 24, dtype=dtype, chunk_size=chunk_size, read_after=read_after, rule=rule)
+
+
+SCAN_CASES = [(130, 16, True, True, 16, 24), (63, 16, False, False, 16, 24), (1, 16, True, True, 16, 24),
+              (200, 64, False, True, 100, 40)]
+
+
+@interpret
+@pytest.mark.parametrize("min_programs", [0, 10**6], ids=["fixed-blocks", "narrowed-blocks"])
+@pytest.mark.parametrize("T,chunk_size,read_after,with_S0,K,V", SCAN_CASES,
+                         ids=[f"T{c[0]}-C{c[1]}-{'after' if c[2] else 'before'}-{'S0' if c[3] else 'noS0'}-K{c[4]}V{c[5]}"
+                              for c in SCAN_CASES])
+def test_state_scan_matches_reference(T, chunk_size, read_after, with_S0, K, V, min_programs, monkeypatch):
+    """The state stages (1) + (2) and (1') + (2') (one kernel, `state_scan_kernel`) give rule 1A's outputs, final
+    state and every gradient of the step loop (several key / value blocks with K = 100, V = 40), also when only
+    the outputs or only the final state carry a gradient; with the scan's fixed [64, 32] blocks (SCAN_MIN_PROGRAMS
+    = 0) and with the blocks narrowed as far as they go (`inner_product.scan_blocks`: 16 x 16, several blocks on both
+    sides at K = 100, V = 40; the default narrows these few rows x heads that far too)."""
+    from hybridlm.ops.fast_weight.triton import inner_product
+
+    monkeypatch.setattr(inner_product, "SCAN_MIN_PROGRAMS", min_programs)
+    check_against_reference(2, T, 2, K, V, dtype=torch.float32, chunk_size=chunk_size, read_after=read_after,
+                            with_S0=with_S0)
+    check_against_reference(1, T, 2, K, V, dtype=torch.float16, chunk_size=chunk_size, read_after=read_after,
+                            with_S0=with_S0)
+    for grad_o, grad_S in ((True, False), (False, True)):
+        check_against_reference(1, T, 2, K, V, dtype=torch.float32, chunk_size=chunk_size, read_after=read_after,
+                                with_S0=with_S0, grad_o=grad_o, grad_S=grad_S)
+
+
+@interpret
+@pytest.mark.parametrize("read_after", [True, False], ids=["after", "before"])
+def test_backward_without_final_state_gradient(read_after):
+    """The backward op with dS_final = None (autograd always passes zeros through the forward op, so the op is
+    called directly): the reverse scan starting from no gradient equals the one starting from a zero gradient."""
+    import hybridlm.ops.fast_weight.triton.custom_ops  # noqa: F401  (registers the ops)
+
+    q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in prepared(2, 75, 2, 16, 24, seed=3))
+    do = torch.randn(q.shape[:3] + (24,), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    zero = torch.zeros_like(S0)
+    without = torch.ops.hybridlm.fast_weight_1a_bwd(do, None, q, x, y, eta, log_gamma, S0, read_after, 16)
+    with_zero = torch.ops.hybridlm.fast_weight_1a_bwd(do, zero, q, x, y, eta, log_gamma, S0, read_after, 16)
+    for name, a, b in zip(("dq", "dx", "dy", "deta", "dlog_gamma", "dS0"), without, with_zero):
+        assert rel_err(a.cpu(), b.cpu()) < 1e-6, name
+
+
+@interpret
+@pytest.mark.parametrize("rule", KERNELS)
+@pytest.mark.parametrize("K,V", [(128, 128), (64, 128), (100, 40), (128, 16)])
+def test_head_dims(rule, K, V):
+    """Several K/V blocks per state, all of K in one program where a kernel needs it (the WY, pass and dq kernels),
+    non-powers of two; K = 128 with V = 16: rule 1's passes on [128, 16] state blocks (on a GPU, 8 warps: a CUDA error
+    ended a launch sweep of the forward pass at that block with 1 stage on an H200, RESULTS.md)."""
+    check_against_reference(1, 70, 1, K, V, dtype=torch.float32, chunk_size=64, read_after=True, rule=rule)
+
+
+@interpret
+@pytest.mark.parametrize("rule", KERNELS)
+def test_no_initial_state_and_the_largest_chunk(rule):
+    """Chunks of 128 for 1A, of MAX_DELTA_CHUNK (64) for rule 1, which refuses 128 (shared memory)."""
+    chunk = 128 if rule == "1A" else MAX_DELTA_CHUNK
+    check_against_reference(1, 150, 2, 16, 16, dtype=torch.float32, chunk_size=chunk, read_after=False, with_S0=False,
+                            rule=rule)
+    if rule == "1":
+        q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in prepared(1, 8, 1, 16, 16))
+        with pytest.raises(ValueError, match="at most 64"):
+            fast_weight_1_triton(q, x, y, eta, log_gamma, S0, read_after=True, chunk_size=128)
+
+
+@interpret
+@pytest.mark.parametrize("rule", KERNELS)
+@pytest.mark.parametrize("read_after", [True, False], ids=["after", "before"])
+def test_odd_sizes_without_initial_state(rule, read_after):
+    """K != V (V below the smallest block), T not a multiple of the chunk, no initial state (S0 = None)."""
+    check_against_reference(2, 37, 1, 16, 8, dtype=torch.float32, chunk_size=16, read_after=read_after,
+                            with_S0=False, rule=rule)
+
+
+@gpu_only
+@pytest.mark.parametrize("rule", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_shape(rule, dtype):
+    """A model-sized head (K = V = 128) over many chunks, several rows and heads."""
+    check_against_reference(2, 1000, 4, 128, 128, dtype=dtype, chunk_size=64, read_after=True, rule=rule)
+
+
+@interpret
+@pytest.mark.parametrize("rule", KERNELS)
+@pytest.mark.parametrize("grad_o,grad_S", [(True, False), (False, True)])
+def test_one_output_used(rule, grad_o, grad_S):
+    """Only o or only the final state reaches the loss (the other gradient arrives as None)."""
+    check_against_reference(1, 40, 2, 16, 16, dtype=torch.float32, chunk_size=16, read_after=True, rule=rule,
+                            grad_o=grad_o, grad_S=grad_S)
+
+
+@interpret
+@pytest.mark.parametrize("rule", KERNELS)
+def test_state_carry_over(rule):
+    """Running [0:T] equals running [0:t] and then [t:T] from the returned state (t not on a chunk edge)."""
+    kernel = KERNELS[rule]
+    q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in prepared(1, 100, 2, 16, 16, seed=3))
+    o, S = kernel(q, x, y, eta, log_gamma, S0, read_after=True, chunk_size=16)
+    o1, S1 = kernel(*(t[:, :37] for t in (q, x, y, eta, log_gamma)), S0, read_after=True, chunk_size=16)
+    o2, S2 = kernel(*(t[:, 37:] for t in (q, x, y, eta, log_gamma)), S1, read_after=True, chunk_size=16)
+    assert rel_err(torch.cat([o1, o2], dim=1), o) < 1e-5
+    assert rel_err(S2, S) < 1e-5
+
+
+CONTRACT_CASES = [  # rule, window, pairing, read, step_size, packed, with an initial state
+    ("1A", 1, "shifted", "after", "nlms", False, True), ("1A", 1, "shifted", "before", "direct", True, True),
+    ("1A", 1, "same_step", "after", "nlms", True, True),
+    ("1", 1, "shifted", "after", "nlms", False, True), ("1", 1, "shifted", "before", "direct", True, True),
+    ("1", 1, "same_step", "after", "nlms", True, True), ("1", 1, "shifted", "before", "nlms", True, False),
+    ("1", 1, "same_step", "after", "nlms", False, False),
+]
+
+
+@interpret
+@pytest.mark.parametrize("rule,window,pairing,read,step_size,packed,stateful", CONTRACT_CASES,
+                         ids=["-".join(map(str, case[:5])) + ("-packed" if case[5] else "")
+                              + ("" if case[6] else "-fresh")
+                              for case in CONTRACT_CASES])
+def test_front_door_matches_chunk(rule, window, pairing, read, step_size, packed, stateful):
+    """`fast_weight_attention(backend="triton")` (raw q, k, v, beta, lam -> prepared writes -> kernels) against the
+    torch chunk backend, with or without a carried state (S, last key), ridge scaling and packed sequences
+    (`cu_seqlens`): outputs, the whole final state and all gradients (q, k, v, beta, lam and the initial S)."""
+    errors = front_door_errors(rule, window, pairing, read, step_size, packed, stateful)
+    assert max(errors.values()) < 1e-4, errors
+
+
+@interpret
+def test_rejects_launch_grids_over_the_cuda_limit():
+    """Rows x heads (and chunks) go on launch-grid axes limited to 65535: a clear error instead of a failed launch."""
+    q = torch.zeros(65536, 1, 1, 16, device=DEVICE)
+    eta = torch.zeros(65536, 1, 1, device=DEVICE)
+    with pytest.raises(ValueError, match="65535"):
+        fast_weight_1a_triton(q, q, q, eta, eta, None, read_after=True, chunk_size=16)
+
+
+@interpret
+def test_rejects_unsupported_calls():
+    q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in prepared(1, 8, 1, 16, 16))
+    with pytest.raises(ValueError, match="chunk_size"):
+        fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, read_after=True, chunk_size=48)
+    with pytest.raises(ValueError, match="one dtype"):
+        fast_weight_1a_triton(q, x.half(), y, eta, log_gamma, S0, read_after=True, chunk_size=16)
+    big = torch.zeros(1, 8, 1, 256, device=DEVICE)
+    with pytest.raises(ValueError, match="K, V <= 128"):
+        fast_weight_1a_triton(big, big, y, eta, log_gamma, None, read_after=True, chunk_size=16)
+    with pytest.raises(ValueError, match="rules 1A"):
+        fast_weight_triton(q, q, y, eta, eta, FastWeightOptions(rule="3", window=65), initial_state=None,
+                           offsets=None)
+
+
+@interpret
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rule_1a_keeps_its_chunk_states_in_the_inputs_dtype(monkeypatch, dtype):
+    """The three per-chunk state buffers of a forward + backward (entry states, their recomputation, dS_out) are in
+    the inputs' dtype for 16-bit inputs (half the bytes of the op's largest buffers; the kernels' matmuls read them
+    in that dtype anyway, and the 16-bit accuracy tests above run through them), float32 for float32 inputs."""
+    from hybridlm.ops.fast_weight.triton import inner_product
+
+    made = []
+    original = inner_product.ScalarPlan.state_buffer
+
+    def recording(self, *args, **kwargs):
+        buffer = original(self, *args, **kwargs)
+        made.append(buffer.dtype)
+        return buffer
+
+    monkeypatch.setattr(inner_product.ScalarPlan, "state_buffer", recording)
+    g = torch.Generator().manual_seed(0)
+    q, x = (torch.randn(1, 40, 2, 16, generator=g).to(DEVICE, dtype).requires_grad_(True) for _ in range(2))
+    y = torch.randn(1, 40, 2, 8, generator=g).to(DEVICE, dtype).requires_grad_(True)
+    eta = torch.rand(1, 40, 2, generator=g).to(DEVICE).requires_grad_(True)
+    log_gamma = (-torch.rand(1, 40, 2, generator=g)).to(DEVICE).requires_grad_(True)
+    o, S = fast_weight_1a_triton(q, x, y, eta, log_gamma, None, read_after=True, chunk_size=16)
+    (o.float().sum() + S.sum()).backward()
+    assert made == [dtype] * 3 and S.dtype == torch.float32
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (no GPU)")
+def test_scan_blocks_narrow_for_few_states():
+    """By default (SCAN_MIN_PROGRAMS = 264, two waves of an H200's 132 SMs) the scan keeps [64, 32] blocks when the
+    states give enough programs and narrows them (the larger side first, not below 16) when few rows x heads would
+    leave SMs idle; 0 programs asked: the fixed blocks."""
+    from hybridlm.ops.fast_weight.triton.inner_product import SCAN_MIN_PROGRAMS, scan_blocks
+
+    assert SCAN_MIN_PROGRAMS == 264
+    assert scan_blocks(128, 128, 8 * 16) == (64, 32)  # the op benchmark's shape: 2 x 4 x 128 = 1024 programs
+    assert scan_blocks(64, 64, 10) == scan_blocks(64, 64, 10, SCAN_MIN_PROGRAMS) == (16, 16)  # a model's row: 1 x 10
+    assert scan_blocks(64, 64, 10, 0) == (64, 32) and scan_blocks(128, 128, 8 * 16, 0) == (64, 32)
+    assert scan_blocks(64, 64, 10, 80) == (16, 32)  # K halved twice: 4 x 2 x 10 = 80 programs
+    for K, V, NH in ((64, 64, 10), (100, 40, 4), (16, 24, 2), (128, 128, 1), (128, 128, 8 * 16), (64, 64, 8 * 16)):
+        BK, BV = scan_blocks(K, V, NH)
+        programs = -(-K // BK) * -(-V // BV) * NH
+        assert min(BK, BV) >= 16 and (programs >= SCAN_MIN_PROGRAMS or (BK, BV) == (16, 16))
+
+
+@interpret
+# K = 64, V = 48: 4 x 3 blocks of 16 x 16 (narrowed as far as they go: 1 row x 2 heads), or 1 x 2 of [64, 32]
+@pytest.mark.parametrize("min_programs,blocks", [(None, (4 * 3, 16, 16)), (0, (1 * 2, 64, 32))],
+                         ids=["default-narrowed", "fixed-blocks"])
+def test_rule_1a_scan_launches_with_scan_blocks(monkeypatch, min_programs, blocks):
+    """The forward and backward scans launch with `scan_blocks`' blocks for the call's sizes and SCAN_MIN_PROGRAMS
+    (the fixed- and narrowed-block tests above rely on it): by default narrowed for 1 row x 2 heads, with
+    SCAN_MIN_PROGRAMS = 0 the fixed [64, 32] blocks."""
+    from hybridlm.ops.fast_weight.triton import inner_product
+
+    launched = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((grid, kwargs["BK"], kwargs["BV"]))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    real = inner_product.chunk_state.state_scan_kernel
+    monkeypatch.setattr(inner_product.chunk_state, "state_scan_kernel", Spy())
+    if min_programs is not None:
+        monkeypatch.setattr(inner_product, "SCAN_MIN_PROGRAMS", min_programs)
+    q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32).requires_grad_(True)
+                                   for t in prepared(1, 40, 2, 64, 48, seed=5))
+    o, S = fast_weight_1a_triton(q, x, y, eta, log_gamma, S0, read_after=True, chunk_size=16)
+    (o.sum() + S.sum()).backward()
+    n_blocks, BK, BV = blocks
+    assert len(launched) == 3  # forward states; backward: recomputed states, then their gradients
+    assert launched == [((n_blocks, 2), BK, BV)] * 3
+
+
+def test_supports_rule_1_window_1_only():
+    assert supports(rule="1", window=1, K=64, V=64, dtype=torch.float32)
+    assert not supports(rule="1", window=2, K=64, V=64, dtype=torch.float32)
+    assert supports(rule="1A", window=1, K=64, V=64, dtype=torch.bfloat16)
+    assert supports(rule="3A", window=3, K=64, V=64, dtype=torch.bfloat16)
+    assert not supports(rule="2", window=2, K=64, V=64, dtype=torch.float32)  # windows: rules 3A and 3 only
+    assert not supports(rule="1A", window=1, K=256, V=64, dtype=torch.float32)

@@ -1,0 +1,182 @@
+"""Every fast-weight Triton kernel compiles to PTX for sm_90 within an H200's shared memory, module by module (bf16 at
+a model's sizes, fp32 at small or odd ones; the flags and blocks as the launchers use them). The interpreter never
+runs the compiled path (its typing of 3-D tensors, reductions, register allocation), so these builds, which need
+triton with its CUDA backend but no GPU, are the CPU's check of it (`triton_modes.compile_for_sm90`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.ops.triton_modes import H200_SHARED_BYTES, compile_for_sm90, needs_cuda_backend
+
+PACKAGE = "hybridlm.ops.fast_weight.triton"
+
+DECAYS = """
+from hybridlm.ops.fast_weight.triton import decays as k
+
+build(k.chunk_cumsum_kernel, dict(BT=64), warps=8)
+build(k.chunk_cumsum_columns_kernel, dict(V=128, BT=16, BV=64))
+"""
+
+CHUNK_STATE = """
+import itertools
+from hybridlm.ops.fast_weight.triton import chunk_state as k
+
+IO = ("q_ptr", "x_ptr", "y_ptr", "a_ptr", "b_ptr", "do_ptr", "o_ptr", "dq_ptr", "dx_ptr", "dy_ptr")
+for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "ieee", dict(K=100, V=40, BT=16))):
+    b = functools.partial(build, io=io, io_names=IO, warps=8)
+    blocks = dict(s, BK=64, BV=64 if s["V"] > 32 else 32)
+    sequential = dict(s, BK=64, BV=32, INTERPRET=False)
+    for flags in (dict(READ_AFTER=True, GRAD=False), dict(READ_AFTER=False, GRAD=True)):
+        b(k.chunk_outer_kernel, dict(blocks, **flags, PREC=prec))
+        for has_init in (True, False):
+            b(k.state_scan_kernel, dict(sequential, **flags, HAS_INIT=has_init, REVERSE=flags["GRAD"], PREC=prec),
+              warps=4)
+    if io == "*fp32":
+        continue
+    # Rule 1A stores its per-chunk states (h) in the inputs' dtype; rule 1 reads float32 ones (above).
+    b = functools.partial(build, io=io, io_names=IO + ("h_ptr",), warps=4)
+    for grad, (BK, BV) in itertools.product((False, True), ((64, 32), (32, 32), (16, 32), (32, 16), (16, 16))):
+        scan = dict(sequential, BK=BK, BV=BV)  # inner_product.scan_blocks's blocks, fixed and narrowed
+        b(k.state_scan_kernel, dict(scan, READ_AFTER=True, GRAD=grad, HAS_INIT=grad, REVERSE=grad, PREC=prec))
+# Per value column (rules 2A, 2).
+build(k.state_pass_columns_kernel, dict(K=128, V=128, BT=16, BK=64, BV=32, HAS_INIT=True, REVERSE=True,
+                                        INTERPRET=False))
+for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=16)), ("*fp32", "ieee", dict(K=16, V=8, BT=16))):
+    blocks = dict(s, BK=min(64, s["K"]), BV=min(64, max(16, s["V"])), READ_AFTER=False, PREC=prec)
+    build(k.chunk_outer_columns_kernel, dict(blocks, GRAD=True), io=io, io_names=IO)
+"""
+
+CHUNK_OUTPUT = """
+from hybridlm.ops.fast_weight.triton import chunk_output as k
+
+IO = ("q_ptr", "x_ptr", "y_ptr", "do_ptr", "o_ptr", "dy_ptr")
+for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "ieee", dict(K=100, V=40, BT=16))):
+    blocks = dict(s, BK=64, BV=64 if s["V"] > 32 else 32)
+    for io_names in ((IO, IO + ("h_ptr", "dh_ptr")) if io == "*bf16" else (IO,)):  # rule 1A's 16-bit states too
+        b = functools.partial(build, io=io, io_names=io_names, warps=8)
+        b(k.output_kernel, dict(blocks, READ_AFTER=True, PREC=prec))
+        b(k.grad_y_kernel, dict(blocks, READ_AFTER=True, HAS_DH=True, PREC=prec))
+# Per value column (rules 2A, 2).
+for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=16)), ("*fp32", "ieee", dict(K=16, V=8, BT=16))):
+    blocks3 = dict(s, BK=min(64, s["K"]), BV=min(32, max(16, s["V"])), READ_AFTER=False, PREC=prec)
+    build(k.output_columns_kernel, blocks3, io=io, io_names=IO, warps=8)
+"""
+
+INNER_PRODUCT = """
+from hybridlm.ops.fast_weight.triton import inner_product_kernels as k
+
+IO = ("q_ptr", "x_ptr", "y_ptr", "do_ptr", "dq_ptr", "dx_ptr", "dy_ptr")
+for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "ieee", dict(K=100, V=40, BT=16))):
+    for io_names in ((IO, IO + ("h_ptr", "dh_ptr")) if io == "*bf16" else (IO,)):  # rule 1A's 16-bit states too
+        for read_after in (False, True):
+            build(k.grad_qx_kernel, dict(s, BK=128, BV=32, READ_AFTER=read_after, PREC=prec), io=io,
+                  io_names=io_names, warps=8)
+for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=16)), ("*fp32", "ieee", dict(K=16, V=8, BT=16))):
+    blocks3 = dict(s, BK=min(64, s["K"]), BV=min(32, max(16, s["V"])), READ_AFTER=False, PREC=prec)
+    for kernel in (k.grad_v_2a_kernel, k.grad_qx_2a_kernel):
+        build(kernel, blocks3, io=io, io_names=IO, warps=8)
+"""
+
+WY = """
+from hybridlm.ops.fast_weight.triton import wy as k
+
+IO = ("x_ptr", "y_ptr")
+# The largest chunk (MAX_DELTA_CHUNK = 64) at three head sizes, rule 1 (one slot) and rule 3 (four).
+for K in (128, 64, 16):
+    for slots in (1, 4):
+        build(k.tinv_kernel, dict(K=K, BT=64, BK=min(64, K), SLOTS=slots, PREC="tf32", PREC32="tf32"), io="*bf16",
+              io_names=IO, warps=4)
+        build(k.wu_kernel, dict(K=K, V=K, BT=64, BD=min(64, max(16, K)), SLOTS=slots, PREC32="tf32"), io="*bf16",
+              io_names=IO, warps=8)
+"""
+
+REGRESSION = """
+from hybridlm.ops.fast_weight.triton import regression_kernels as k
+from hybridlm.ops.fast_weight.triton.regression import GRAD_PASS_LAUNCH, PASS_LAUNCH
+
+IO = ("x_ptr", "y_ptr", "q_ptr", "do_ptr", "dx_ptr", "dq_ptr", "dy_ptr")
+b = functools.partial(build, io="*bf16", io_names=IO)
+# Rules 1 and 3's two sequential passes as regression.py launches them: 16-bit inputs (TF32 products of float32
+# factors) and float32 inputs (exact products).
+PASS_INPUTS = (("*bf16", "tf32"), ("*fp32", "ieee"))
+
+
+def launch(settings):
+    return {"warps": settings["num_warps"], "stages": settings["num_stages"]}
+
+
+# The largest chunk (MAX_DELTA_CHUNK = 64) at three head sizes, rule 1 and rule 3.
+for K, BT in ((128, 64), (64, 64), (16, 64)):
+    for slots in (1, 4):
+        sizes = dict(K=K, V=K, BT=BT, BK=K, PREC="tf32", PREC32="tf32", SLOTS=slots)
+        for io, prec in PASS_INPUTS:
+            b(k.delta_grad_pass_kernel, dict(sizes, BV=32 if K > 64 else min(64, max(16, K)), HAS_INIT=True,
+                                             INTERPRET=False, PREC32=prec), io=io, **launch(GRAD_PASS_LAUNCH))
+        b(k.delta_grad_state_kernel, dict(sizes, BK=min(64, K), BV=min(64, K)), warps=8)
+        for read_after in (True, False):
+            b(k.delta_grad_kernel, dict(sizes, BK=min(64, K), BV=min(64, K), READ_AFTER=read_after,
+                                        N_PARTS=-(-K // 64)), warps=8)
+    # The kernels that do not take SLOTS, as regression.py launches them.
+    plain = dict(K=K, V=K, BT=BT, BK=K, PREC32="tf32")
+    for io, prec in PASS_INPUTS:
+        b(k.delta_pass_kernel, dict(plain, BV=32 if K > 64 else min(64, max(16, K)), HAS_INIT=True, INTERPRET=False,
+                                    PREC32=prec), io=io, **launch(PASS_LAUNCH))
+    for read_after in (True, False):
+        b(k.delta_grad_q_kernel, dict(plain, BV=32 if K > 64 else min(64, max(16, K)), READ_AFTER=read_after),
+          warps=8)
+
+# Rule 2 (per value column), chunks of 16 and 32.
+CASES = [("*bf16", "tf32", dict(K=128, V=128, BT=BT), read_after) for BT in (16, 32) for read_after in (False, True)]
+for io, prec, s, read_after in CASES + [("*fp32", "ieee", dict(K=16, V=8, BT=16), False)]:
+    b = functools.partial(build, io=io, io_names=IO)
+    common = dict(s, READ_AFTER=read_after, PREC=prec, PREC32=prec, INTERPRET=False)
+    tile = 16 if s["BT"] > 16 else 32  # ChunkPlan.column_tile: the [BT, BT, BV] tiles shrink as the chunk grows
+    passes = dict(common, BK=s["K"], BV=16 if s["K"] > 64 else 32, HAS_INIT=True)
+    b(k.delta2_pass_kernel, passes, warps=4)
+    b(k.delta2_grad_pass_kernel, passes, warps=8)  # as launched
+    blocks3 = dict(common, BK=min(64, s["K"]), BV=min(tile, max(16, s["V"])))
+    for kernel in (k.grad_v_2_kernel, k.grad_qx_2_kernel):
+        for warps in (4, 8):  # the autotuned configurations
+            b(kernel, blocks3, warps=warps)
+"""
+
+BAND = """
+from hybridlm.ops.fast_weight.triton import band as k
+
+IO = ("q_ptr", "x_ptr", "y_ptr", "dq_ptr", "dx_ptr", "dy_ptr", "base_ptr", "o_ptr", "do_ptr")
+for io, K, V, W in (("*bf16", 128, 128, 3), ("*fp32", 20, 12, 5)):
+    for shift in (0, 1):
+        consts = dict(SHIFT=shift, W=W, K=K, V=V, BT=k.BT, BK=max(16, triton.next_power_of_2(K)),
+                      BV=max(16, triton.next_power_of_2(V)))
+        for kernel in (k.band_fwd_kernel, k.band_bwd_q_kernel, k.band_bwd_xy_kernel):
+            build(kernel, consts, io=io, io_names=IO, warps=k.NUM_WARPS)
+"""
+
+PREPARE = """
+from hybridlm.ops.fast_weight.triton import prepare as k
+
+HALF = ("k_ptr", "v_ptr", "last_ptr", "x_ptr", "y_ptr", "dx_ptr", "dy_ptr", "dk_ptr", "dv_ptr", "dlast_ptr")
+TYPES = {"offsets_ptr": "*i64", "seq_ptr": "*i64", "eps": "fp32", "one_minus_eps_gamma": "fp32"}
+for io, K, V in (("*bf16", 128, 128), ("*fp32", 20, 12)):
+    for on, seq in ((True, False), (False, False), (True, True)):
+        consts = dict(K=K, V=V, BT=k.BT, BK=max(16, triton.next_power_of_2(K)), BV=max(16, triton.next_power_of_2(V)),
+                      SHIFTED=on, HAS_LAST=on, PACKED=on and not seq, NLMS=on, SCALED=on, SEQ=seq)
+        for kernel in (k.prepare_fwd_kernel, k.prepare_bwd_kernel):
+            build(kernel, consts, io=io, io_names=HALF, types=TYPES, warps=k.NUM_WARPS)
+"""
+
+BUILDS = {  # module: its builds
+    "decays": DECAYS, "chunk_state": CHUNK_STATE, "chunk_output": CHUNK_OUTPUT, "inner_product_kernels": INNER_PRODUCT,
+    "wy": WY, "regression_kernels": REGRESSION, "band": BAND, "prepare": PREPARE,
+}
+
+
+@needs_cuda_backend
+@pytest.mark.parametrize("module", list(BUILDS))
+def test_kernels_compile_for_sm90(module):
+    """Every `*_kernel` of the module builds, each within an H200 block's shared memory."""
+    report = compile_for_sm90(BUILDS[module], modules=(f"{PACKAGE}.{module}",))
+    assert set(report["built"]) == report["defined"], report  # every kernel of the module
+    assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
