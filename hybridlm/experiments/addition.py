@@ -350,7 +350,7 @@ def run_addition(model_name: str, seed: int, recipe: AdditionRecipe, *, device: 
 
     `checkpoint` (a path stem) and `should_stop` go to `train_on_task`: the run saves there, resumes from
     there, and stops (raising `TrainingInterrupted`) when `should_stop()` turns true."""
-    from hybridlm.experiments.models import build_model, parameter_count, task_config
+    from hybridlm.experiments.models import build_model, run_record, task_config
     from hybridlm.experiments.train import generator_state, train_on_task
 
     check_recipe(recipe)
@@ -377,11 +377,7 @@ def run_addition(model_name: str, seed: int, recipe: AdditionRecipe, *, device: 
     sets = eval_sets(range(1, recipe.eval_max_width + 1), recipe.eval_per_width)
     per_width = evaluate(model, sets, device=device, batch_size=recipe.eval_batch_size)
     return {
-        "model": model_name,
-        "seed": seed,
-        "parameters": parameter_count(model),
-        "train": trained.to_dict(),
-        "best_step": trained.best_step,
+        **run_record(model_name, seed, model, trained),
         "summary": summarize(per_width, train_max_width=recipe.train_max_width,
                              ood=(recipe.train_max_width + 1, recipe.eval_max_width)),
         "per_width": {str(w): r for w, r in per_width.items()},

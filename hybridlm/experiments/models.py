@@ -143,6 +143,13 @@ def parameter_count(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def run_record(model_name: str, seed: int, model, trained) -> dict:
+    """What every model-and-seed run's JSON starts with: the model name, the seed, the parameter count, and the
+    training record (`trained`, a `TrainResult`: losses, evaluations, best step)."""
+    return {"model": model_name, "seed": seed, "parameters": parameter_count(model), "train": trained.to_dict(),
+            "best_step": trained.best_step}
+
+
 def parse_model_list(text: str) -> list[str]:
     """"fw-1A,fw-3A mamba2" -> names (commas or spaces), each checked; duplicates raise (also "hybrid:X" with
     "hybrid-X": one model, whose runs would share their names)."""

@@ -147,7 +147,7 @@ def run_recall(model_name: str, seed: int, recipe: RecallRecipe, *, device: str 
                checkpoint=None, should_stop=None) -> dict:
     """Train `model_name` on the recall tasks from `seed`; evaluate every task at every length. `checkpoint`
     and `should_stop`: resumable training, as in `addition.run_addition`."""
-    from hybridlm.experiments.models import build_model, parameter_count, task_config
+    from hybridlm.experiments.models import build_model, run_record, task_config
     from hybridlm.experiments.train import generator_state, train_on_task
 
     tasks = recipe.task_params()
@@ -174,11 +174,7 @@ def run_recall(model_name: str, seed: int, recipe: RecallRecipe, *, device: str 
     res = evaluate(model, tasks, recipe.tasks, recipe.eval_lens, count=recipe.eval_count, device=device,
                    tokens_per_batch=recipe.eval_tokens_per_batch)
     return {
-        "model": model_name,
-        "seed": seed,
-        "parameters": parameter_count(model),
-        "train": trained.to_dict(),
-        "best_step": trained.best_step,
+        **run_record(model_name, seed, model, trained),
         "results": {task: {str(length): r for length, r in by_len.items()} for task, by_len in res.items()},
     }
 
