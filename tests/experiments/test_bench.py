@@ -16,17 +16,7 @@ from hybridlm.experiments.bench import EXIT_INCOMPLETE, Job, OldCheckpointFormat
 from hybridlm.experiments.train import STATE_KIND
 from hybridlm.training.checkpoint import save_checkpoint
 
-RUNNER = "tests.experiments.test_bench:toy_runner"
-
-
-def toy_runner(spec: dict, *, device: str, log_fn, checkpoint=None, should_stop=None) -> dict:
-    """A run that doubles spec["x"] (resumable jobs' checkpoint and should_stop are taken and not used)."""
-    log_fn(f"toy {spec}")
-    if spec.get("fail"):
-        raise RuntimeError("diverged")
-    if spec.get("die"):
-        os._exit(9)  # as a worker killed by the kernel's OOM killer would vanish
-    return {"value": spec["x"] * 2, "kernels_deterministic": torch.are_deterministic_algorithms_enabled()}
+RUNNER = "tests.experiments.runners:toy_runner"
 
 
 def test_reuse_rerun_and_failures(tmp_path):

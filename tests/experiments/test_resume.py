@@ -248,16 +248,9 @@ def test_bench_stopped_by_its_time_budget_finishes_when_run_again(tmp_path, monk
     assert list((out / "runs").glob("*.ckpt*")) == []
 
 
-def _waiting_runner(spec: dict, *, device: str, log_fn, checkpoint, should_stop) -> dict:
-    """A resumable toy run: works until told to stop (a worker process gets the parent's stop through an Event)."""
-    while not should_stop():
-        time.sleep(0.01)
-    raise TrainingInterrupted(1, 2, None)
-
-
 def test_time_budget_stops_runs_in_worker_processes(tmp_path):
     lines = []
-    jobs = [bench.Job(k, "tests.experiments.test_resume:_waiting_runner", {"x": k}, resumable=True) for k in "ab"]
+    jobs = [bench.Job(k, "tests.experiments.runners:waiting_runner", {"x": k}, resumable=True) for k in "ab"]
     started = time.monotonic()
     results = bench.run_jobs(jobs, tmp_path, devices=["cpu", "cpu"], time_budget=0.5, echo=lines.append)
     assert results == {} and time.monotonic() - started < 60
@@ -288,27 +281,12 @@ def test_allocation_runs_resume_exactly(tmp_path, shards_dir, data):
     assert resumed == straight
 
 
-def _runner_with_a_child(spec: dict, *, device: str, log_fn, checkpoint, should_stop) -> dict:
-    """A resumable toy run with a subprocess of its own (as torch.compile's compiler workers are)."""
-    out = Path(spec["out"])
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    try:
-        (out / f"started_{spec['x']}").write_text(str(child.pid))
-        while not should_stop():
-            time.sleep(0.01)
-        (out / f"child_{spec['x']}").write_text("alive" if child.poll() is None else "killed")
-    finally:
-        child.kill()
-        child.wait()
-    raise TrainingInterrupted(1, 2, None)
-
-
 def test_timeout_stops_worker_runs_through_the_parent_and_spares_their_subprocesses(tmp_path):
     """`timeout` signals the command and then its whole process group. The workers have groups of their
     own, so only the parent is hit; it stops them through its Event, and their subprocesses live on."""
     code = (
         "from hybridlm.experiments import bench\n"
-        f"jobs = [bench.Job(k, 'tests.experiments.test_resume:_runner_with_a_child', {{'x': k, 'out': {str(tmp_path)!r}}}, "
+        f"jobs = [bench.Job(k, 'tests.experiments.runners:runner_with_a_child', {{'x': k, 'out': {str(tmp_path)!r}}}, "
         "resumable=True) for k in 'ab']\n"
         f"bench.run_jobs(jobs, {str(tmp_path / 'bench')!r}, devices=['cpu', 'cpu'])\n"
         "print('run_jobs returned')\n"
