@@ -9,12 +9,12 @@
 
 Steps 2 and 3 swap torchtitan's order (which compiles the checkpointed block) because a block on packed documents
 breaks its graph around attention and the fast-weight op (`HybridBlock`), and dynamo runs a checkpointed region
-with a graph break inside entirely eagerly (0 graphs for such a block, 4 with the checkpoint outside; checked on the
-CPU). The checkpoint then recomputes the compiled block in the backward.
+with a graph break inside entirely eagerly (no graph for such a block; with the checkpoint outside, the compiled
+pieces stay compiled). The checkpoint then recomputes the compiled block in the backward.
 
 FSDP2 keeps the root module's parameters unsharded after a forward (the backward usually follows): after a
 forward under torch.no_grad() (an evaluation), call `model.reshard()` before the next training step, or that
-step's root gradients are not reduce-scattered (tests/parallel/test_tensor_parallel.py measures it).
+step's root gradients are not reduce-scattered (tests/parallel/test_tensor_parallel.py checks it).
 
 Context parallelism is not a module transform: wrap the forward in `context_parallel(model, mesh["cp"])`
 (hybridlm.parallel.context_parallel). With cp > 1 the parameters are replicated over the cp ranks (FSDP

@@ -49,9 +49,9 @@ wrapped blocks nobody needs, so that every step is the same send-to-next / recei
 every rank (the pattern NCCL batches without deadlock).
 
 A fused CUDA kernel would replace `block_attention` / `block_attention_backward` one block at a time, with the
-ring, the merge (`_merge`, float32) and the saved out / lse unchanged. Not implemented and not run: no GPU
-where this was written; the calls below follow the op schemas of torch 2.13 and must be tested on the GPU
-(against this module's torch path) before use. Layouts [B, H, T, D]: q_b = this rank's queries [B, Hq, Q, D]
+ring, the merge (`_merge`, float32) and the saved out / lse unchanged. Not implemented: the calls below
+follow the op schemas of torch 2.13, and a kernel plugged in must be tested on the GPU against this module's
+torch path. Layouts [B, H, T, D]: q_b = this rank's queries [B, Hq, Q, D]
 and k_b, v_b = the held block [B, Hkv, S, D] (bf16), do_b = dout [B, Hq, Q, Dv]; causal = (o == j) (the
 kernels' top-left causal alignment is right: S == Q on the diagonal); scale as here.
     flash (needs Dv == D, D <= 256, fp16/bf16; takes Hkv < Hq key heads like SDPA's enable_gqa flash path, else

@@ -14,10 +14,10 @@ Per block, over the `tp` mesh dimension of size P:
 The SSM mixer's head split. Its fused `in_proj` stacks segments of different kinds: (z, x, B, C, dt) for
 Mamba-2 ([d_ssm, d_ssm, G N, G N, H] rows), (q, k, v, z, beta, lam) for the fast-weight mixer
 ([H K, H K, H V, H V, H or H V, H] rows). A plain Shard(0) of that weight would hand rank 0 all of z and half
-of x, not whole heads. Design (a) of issue 7: `SegmentColwiseParallel` permutes the rows before sharding,
+of x, not whole heads. `SegmentColwiseParallel` permutes the rows before sharding,
 so that the contiguous Shard(0) block of rank r is [z_r, x_r, B_r, C_r, dt_r] (rank r's slice of every
 segment, in the original order); the layer's own `split` by its *local* sizes then cuts the local output
-exactly as the single-process forward cuts the full one. Chosen over (b) (one Linear per segment) because
+exactly as the single-process forward cuts the full one. Chosen over one Linear per segment because
 the mixer's forward and its state-dict keys stay as they are, the projection stays one GEMM, and the style
 is torch's own ColwiseParallel (one input all-reduce in backward) plus a row permutation. The price: the
 global view of a TP-sharded `in_proj.weight` (and `conv.weight`) is the permuted matrix, so a checkpoint

@@ -15,7 +15,7 @@ For each: the logits (gathered over cp), every parameter gradient after `reduce_
 `clip_grad_norm` (which must count the cp and tp copies once), and the losses of 3 AdamW updates
 (foreach=False: DTensor and plain parameters mix) with that clipping active, against the same model in one
 process on the whole sequence. Tolerance 1e-5. All scenarios share one 4-process spawn (spawning dominates the
-time on 2 cores). Also: the training config accepts mixer parallelism with cp (it used to refuse it).
+time on 2 cores). Also: the training config accepts mixer parallelism with cp.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from hybridlm.parallel import (
@@ -39,13 +38,19 @@ from hybridlm.parallel import (
     shard_sequence,
 )
 from hybridlm.training.distributed import DistContext, clip_grad_norm
-from tests.parallel.harness import run_ranks, tiny_model
-from tests.parallel.test_tensor_parallel import gradient_diff
+from tests.parallel.harness import (
+    CP_LENGTH,
+    STEPS,
+    TOL,
+    cp_tokens,
+    gradient_diff,
+    next_token_labels,
+    run_ranks,
+    summed_loss,
+    tiny_model,
+)
 
-TOL = 1e-5
-LENGTH = 26
-STEPS = 3
-MAX_NORM = 0.5  # below the measured norms (~1.5-3): clipping is active in every update
+MAX_NORM = 0.5  # below these updates' gradient norms (~1.5-3): clipping is active in every update
 MODEL = {"num_key_value_heads": 2, "mamba_n_groups": 2, "mamba_rms_norm": True}  # the grouped norm splits too
 
 SCENARIOS = {  # name -> mixer_parallel
@@ -53,20 +58,6 @@ SCENARIOS = {  # name -> mixer_parallel
     "cp2_mixer_on": "on",
     "cp2_mixer_interleaved": "interleaved",
 }
-
-
-def _ids() -> torch.Tensor:
-    torch.manual_seed(2)
-    return torch.randint(0, 128, (2, LENGTH))
-
-
-def _labels(ids: torch.Tensor) -> torch.Tensor:
-    return F.pad(ids[:, 1:], (0, 1), value=-100)  # shifted before the cp split
-
-
-def _loss(logits: torch.Tensor, labels: torch.Tensor, count: int) -> torch.Tensor:
-    """Sum of the chunk's next-token losses over all `count` targets of the rows: summed over cp, the mean."""
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum") / count
 
 
 def _names(model) -> list[str]:
@@ -88,18 +79,19 @@ def _scenario(mixer_parallel: str, *, world: int) -> dict:
     ssm = next((b.ssm for b in model.model.layers if b.ssm is not None), None)
     in_proj_split = isinstance(ssm.in_proj.weight, DTensor) if ssm is not None else None
 
-    ids, labels = _ids(), _labels(_ids())
-    count = ids.shape[0] * (LENGTH - 1)
+    ids = cp_tokens()
+    labels = next_token_labels(ids)
+    count = ids.shape[0] * (CP_LENGTH - 1)
     local, positions = shard_sequence(ids, cp_group)
     local_labels, _ = shard_sequence(labels, cp_group)
 
     # one forward + backward: logits, every gradient, the global norm
     with context_parallel(model, cp_group):
         logits = model(local, position_ids=positions).logits  # [B, T/2, V]
-    _loss(logits, local_labels, count).backward()
+    summed_loss(logits, local_labels, count).backward()
     reduce_context_parallel_grads(model, cp_group)
     want = reference(ids).logits
-    _loss(want, labels, count).backward()
+    summed_loss(want, labels, count).backward()
     got = gather_sequence(logits.detach(), cp_group)
     result = {
         "roles": roles,
@@ -119,7 +111,7 @@ def _scenario(mixer_parallel: str, *, world: int) -> dict:
     losses, want_losses = [], []
     for _ in range(STEPS):
         with context_parallel(model, cp_group):
-            loss = _loss(model(local, position_ids=positions).logits, local_labels, count)
+            loss = summed_loss(model(local, position_ids=positions).logits, local_labels, count)
         loss.backward()
         reduce_context_parallel_grads(model, cp_group)
         clip_grad_norm(model, MAX_NORM, ctx, names=names)
@@ -129,7 +121,7 @@ def _scenario(mixer_parallel: str, *, world: int) -> dict:
         dist.all_reduce(value, group=cp_group)  # the chunks' shares add up to the rows' mean
         losses.append(float(value))
 
-        ref_loss = _loss(reference(ids).logits, labels, count)
+        ref_loss = summed_loss(reference(ids).logits, labels, count)
         ref_loss.backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
         ref_opt.step()

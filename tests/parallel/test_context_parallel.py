@@ -8,18 +8,15 @@
   time on 2 cores); each variant is its own test.
 - cp=2 x dp_shard=2 on 4 processes (FSDP2 over dp_shard, parameters replicated over cp and their gradients
   summed over it by `reduce_context_parallel_grads`): the losses of 3 AdamW steps of the tiny hybrid equal one
-  process on the same global batch. The same spawn runs test_ring_attention's rings.
+  process on the same global batch (`four_process.py`: the spawn test_ring_attention shares).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
@@ -29,17 +26,12 @@ from hybridlm.parallel import (
     build_mesh,
     context_parallel,
     gather_sequence,
-    parallelize,
     reduce_context_parallel_grads,
     shard_sequence,
 )
 from tests.helpers import rel_err
-from tests.parallel.harness import run_ranks, tiny_model
-from tests.parallel.test_ring_attention import rings
-
-TOL = 1e-5
-LENGTH = 26  # 13 tokens per rank: not a multiple of the chunk size 8, and longer than the conv tail
-STEPS = 3
+from tests.parallel.four_process import four_process_results
+from tests.parallel.harness import CP_LENGTH, TOL, cp_tokens, max_relative, run_ranks, tiny_model
 
 # name -> (tiny_model overrides, context_parallel attention mode)
 VARIANTS = {
@@ -52,21 +44,11 @@ VARIANTS = {
 }
 
 
-def _ids(rows: int = 2, length: int = LENGTH) -> torch.Tensor:
-    torch.manual_seed(2)
-    return torch.randint(0, 128, (rows, length))
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|."""
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
-
-
-def _compare(group, overrides: dict, attention: str, dtype: torch.dtype, length: int = LENGTH) -> dict:
+def _compare(group, overrides: dict, attention: str, dtype: torch.dtype, length: int = CP_LENGTH) -> dict:
     """One variant in one dtype: forward + backward under cp against the same model in one process."""
     model = tiny_model(**overrides).to(dtype)
     reference = copy.deepcopy(model)
-    ids = _ids(length=length)
+    ids = cp_tokens(length=length)
     torch.manual_seed(3)
     weights = torch.randn(2, length, 128, dtype=dtype)  # a loss that reads every logit
     # [B, T, D]: what the model makes of ids (inputs_embeds are not scaled by embedding_multiplier)
@@ -89,8 +71,8 @@ def _compare(group, overrides: dict, attention: str, dtype: torch.dtype, length:
     pairs = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None]
     half = length // 2
     return {
-        "logits": _relative(got, want),
-        "embed_grads": _relative(gather_sequence(local.grad, group), embeds.grad),
+        "logits": max_relative(got, want),
+        "embed_grads": max_relative(gather_sequence(local.grad, group), embeds.grad),
         # float32: the worst entry of any gradient against the largest gradient entry; float64: each parameter
         # on its own (float32 rounding alone moves A_log's small, cancelling gradient by ~1e-5 of itself)
         "all_param_grads": max(float((a - b).abs().max()) for a, b in pairs) / max(float(b.abs().max()) for _, b in pairs),
@@ -129,65 +111,6 @@ def test_cp2_forward_and_gradients_match_one_process(cp2_results, variant):
 def test_cp2_with_one_token_per_rank_reduces_gradients_only_some_ranks_have(cp2_results):
     double = cp2_results["one-token-chunks"]
     assert double["each_param_grad"] < 1e-10 and double["logits"] < 1e-12, double
-
-
-def _labels(ids: torch.Tensor) -> torch.Tensor:
-    """Next-token targets of the whole sequence ([B, T], -100 after the last token): shifting before
-    sharding lets the last token of rank j predict the first token of rank j+1."""
-    return F.pad(ids[:, 1:], (0, 1), value=-100)
-
-
-def _train_cp_dp(rank: int, world: int) -> dict:
-    config = ParallelConfig(dp_shard=2, cp=2)
-    mesh = build_mesh(config)
-    cp_group = mesh["cp"].get_group()
-    model = tiny_model()
-    reference = copy.deepcopy(model)
-    ids = _ids(rows=4)
-    labels = _labels(ids)
-    dp_rank = mesh["dp_shard"].get_local_rank()
-    rows = ids.chunk(2)[dp_rank]  # this dp rank's half of the global batch
-    local, positions = shard_sequence(rows, cp_group)
-    local_labels, _ = shard_sequence(labels.chunk(2)[dp_rank], cp_group)
-    count = rows.shape[0] * (LENGTH - 1)  # the targets of this dp rank's rows (over all cp ranks)
-
-    parallelize(model, mesh, config)  # FSDP2 over dp_shard; replicated over cp
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(STEPS):
-        with context_parallel(model, cp_group):
-            logits = model(local, position_ids=positions).logits  # [B/2, T/2, V]
-        # this rank's share: summed over cp it is the mean over the dp rank's rows; FSDP averages over dp
-        loss = F.cross_entropy(logits.flatten(0, 1), local_labels.flatten(), ignore_index=-100, reduction="sum") / count
-        loss.backward()
-        reduce_context_parallel_grads(model, cp_group)
-        opt.step()
-        opt.zero_grad()
-        value = loss.detach().clone()
-        dist.all_reduce(value)  # sum over cp and dp ...
-        losses.append(float(value) / 2)  # ... / dp = the global mean
-
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    want = []
-    for _ in range(STEPS):
-        logits = reference(ids).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        want.append(float(loss.detach()))
-    return {"losses": losses, "reference": want}
-
-
-def _four_processes(rank: int, world: int) -> dict:
-    return {"train": _train_cp_dp(rank, world), "rings": rings(rank, world)}
-
-
-@functools.cache
-def four_process_results() -> dict:
-    """One 4-process spawn for the cp x dp training here and the ring attention checks of
-    test_ring_attention (spawning 4 processes dominates their time on 2 cores)."""
-    return run_ranks(_four_processes, world=4)
 
 
 def test_cp2_x_dp_shard2_training_matches_one_process():

@@ -14,14 +14,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hybridlm.parallel import ParallelConfig, build_mesh, parallelize
-from tests.parallel.harness import run_ranks, tiny_model
-from tests.parallel.test_tensor_parallel import (
+from tests.parallel.harness import (
     STEPS,
     TOL,
-    _batch,
-    _train,
     decode_diff,
     gradient_diff,
+    run_ranks,
+    tiny_model,
+    token_batch,
+    train_adamw,
 )
 
 MODES = ("on", "interleaved")
@@ -29,7 +30,7 @@ MODES = ("on", "interleaved")
 
 def _mixer_parallel(rank: int, world: int, models: dict) -> dict:
     mesh = build_mesh(ParallelConfig(tp=world))  # the whole world is one tp group
-    ids = _batch()
+    ids = token_batch()
     results = {}
     for label, overrides in models.items():
         for mode in MODES:
@@ -67,8 +68,8 @@ def _mixer_parallel(rank: int, world: int, models: dict) -> dict:
                 "logit_diff": float((got - want).abs().max()),
                 "decode_diff": decoded,
                 "grad_diff": grad_diff,
-                "losses": _train(model, ids, STEPS),
-                "reference": _train(reference, ids, STEPS),
+                "losses": train_adamw(model, ids, STEPS),
+                "reference": train_adamw(reference, ids, STEPS),
             }
     return results
 

@@ -2,7 +2,7 @@
 to the largest entry, with grouped-query attention (6 query heads on 2 key/value heads), an odd head dim (5) and
 a value dim that differs (7):
 
-- over 2 and over 4 gloo processes (in the 4-process spawn of test_context_parallel), 13 tokens per rank,
+- over 2 and over 4 gloo processes (`four_process.py`, a spawn shared with test_context_parallel), 13 tokens per rank,
   untiled and in query tiles of 4 rows (4 does not divide 13): the output and the gradients of q, k, v, and
   tiled == untiled;
 - in one process: the block math (`block_attention` / `block_attention_backward`, a "ring" of one block) against
@@ -16,94 +16,29 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from hybridlm.parallel import ring_attention, shard_sequence
+from hybridlm.parallel import ring_attention
 from hybridlm.parallel.ring_attention import block_attention, block_attention_backward
-
-TOL = 1e-5
-BATCH, CHUNK, Q_HEADS, KV_HEADS, DIM, VALUE_DIM = 2, 13, 6, 2, 5, 7
-RING_TILES = {"untiled": None, "tile4": 4}  # 4 does not divide CHUNK
-
-
-def _reference(q, k, v, *, causal: bool = True) -> torch.Tensor:
-    """Plain (causal) GQA attention, [B, T, H, D] layouts."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, enable_gqa=True
-    )
-    return out.transpose(1, 2)
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach() - b.detach()).abs().max() / b.detach().abs().max())
-
-
-def _inputs(length: int, keys: int | None = None, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """q [B, T, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] (S = T unless given) and loss weights [B, T, Hq, Dv]."""
-    keys = length if keys is None else keys
-    torch.manual_seed(seed)
-    q = torch.randn(BATCH, length, Q_HEADS, DIM, requires_grad=True)
-    k = torch.randn(BATCH, keys, KV_HEADS, DIM, requires_grad=True)
-    v = torch.randn(BATCH, keys, KV_HEADS, VALUE_DIM, requires_grad=True)
-    weights = torch.randn(BATCH, length, Q_HEADS, VALUE_DIM)  # a loss that reads every output
-    return q, k, v, weights
-
+from tests.parallel.four_process import (
+    CHUNK,
+    DIM,
+    KV_HEADS,
+    Q_HEADS,
+    RING_TILES,
+    attention_inputs,
+    four_process_results,
+    reference_attention,
+)
+from tests.parallel.harness import TOL, max_relative
 
 # --------------------------------------------------------------------------- over 2 and 4 processes
-
-
-def _ring(group, rank: int, world: int) -> dict:
-    """ring_attention over `group` (`world` ranks, this one `rank` in it) against the whole sequence, for each
-    of RING_TILES; the tiled run also against the untiled one."""
-    q, k, v, weights = _inputs(CHUNK * world)
-    want = _reference(q, k, v)
-    (want * weights).sum().backward()
-    local_weights = shard_sequence(weights, group)[0]
-
-    results, untiled = {}, None
-    for name, tile in RING_TILES.items():
-        local = [shard_sequence(t.detach(), group)[0].requires_grad_(True) for t in (q, k, v)]
-        got = ring_attention(*local, group, tile=tile)
-        (got * local_weights).sum().backward()
-        alone = _reference(*(t.detach() for t in local))  # this chunk without the earlier ranks' keys
-        results[name] = {
-            "out": _relative(got, shard_sequence(want, group)[0]),
-            "dq": _relative(local[0].grad, shard_sequence(q.grad, group)[0]),
-            "dk": _relative(local[1].grad, shard_sequence(k.grad, group)[0]),
-            "dv": _relative(local[2].grad, shard_sequence(v.grad, group)[0]),
-            "last_rank_alone": float((alone - got.detach()).abs().max()) if rank == world - 1 else 0.0,
-        }
-        if untiled is None:
-            untiled = [got, *(t.grad for t in local)]
-        else:
-            results[name]["vs_untiled"] = max(_relative(a, b) for a, b in zip([got, *(t.grad for t in local)], untiled))
-    return results
-
-
-def rings(rank: int, world: int) -> dict:
-    """On 4 processes: one ring over all 4 (cp=4) and two rings of 2 ({0, 1}, {2, 3}: cp=2), each untiled and
-    tiled; the worst rank's errors of each, keyed "cp4/tile4" etc. Runs inside the 4-process spawn of
-    test_context_parallel (a spawn costs ~10-20 s on 2 cores, the rings a fraction of a second)."""
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
-    results = {"cp4": _ring(dist.group.WORLD, rank, world), "cp2": _ring(pairs[rank // 2], rank % 2, 2)}
-    worst = {}
-    for cp, by_tile in results.items():
-        for tile, result in by_tile.items():
-            values = torch.tensor(list(result.values()), dtype=torch.float64)
-            dist.all_reduce(values, op=dist.ReduceOp.MAX)
-            worst[f"{cp}/{tile}"] = dict(zip(result, values.tolist()))
-    return worst
 
 
 @pytest.mark.parametrize("tile", list(RING_TILES))
 @pytest.mark.parametrize("cp", ["cp2", "cp4"])
 def test_ring_attention_matches_causal_attention(cp, tile):
-    # shares the 4-process spawn of test_context_parallel (imported here: that module imports this one)
-    from tests.parallel.test_context_parallel import four_process_results
-
     got = four_process_results()["rings"][f"{cp}/{tile}"]
     for name in ("out", "dq", "dk", "dv", "vs_untiled"):
         assert got.get(name, 0.0) < TOL, got
@@ -127,8 +62,8 @@ def _ungrouped(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("causal", [True, False], ids=["diagonal", "earlier-block"])
 def test_block_attention_matches_sdpa(causal, tile):
     """One block: the diagonal (causal, S = Q = 13) and an earlier rank's block (no mask; S = 9 keys)."""
-    q, k, v, weights = _inputs(CHUNK, CHUNK if causal else 9)
-    want = _reference(q, k, v, causal=causal)
+    q, k, v, weights = attention_inputs(CHUNK, CHUNK if causal else 9)
+    want = reference_attention(q, k, v, causal=causal)
     (want * weights).sum().backward()
 
     scale = DIM**-0.5
@@ -141,29 +76,29 @@ def test_block_attention_matches_sdpa(causal, tile):
     scores = _grouped(q.detach()) @ kh.unsqueeze(2).transpose(-1, -2) * scale
     if causal:
         scores = scores.masked_fill(torch.ones(CHUNK, CHUNK, dtype=torch.bool).triu(1), float("-inf"))
-    assert _relative(lse, torch.logsumexp(scores, -1)) < TOL
-    assert _relative(_ungrouped(out), want) < TOL
-    assert _relative(_ungrouped(dq), q.grad) < TOL
-    assert _relative(dk.transpose(1, 2), k.grad) < TOL
-    assert _relative(dv.transpose(1, 2), v.grad) < TOL
+    assert max_relative(lse, torch.logsumexp(scores, -1)) < TOL
+    assert max_relative(_ungrouped(out), want) < TOL
+    assert max_relative(_ungrouped(dq), q.grad) < TOL
+    assert max_relative(dk.transpose(1, 2), k.grad) < TOL
+    assert max_relative(dv.transpose(1, 2), v.grad) < TOL
 
 
 @pytest.mark.parametrize("tile", [4, None], ids=["tile4", "untiled"])
 def test_one_rank_ring_attention_matches_sdpa(tile):
     """Without a process group ring_attention is one rank: causal attention through the autograd Function."""
-    q, k, v, weights = _inputs(CHUNK)
-    want = _reference(q, k, v)
+    q, k, v, weights = attention_inputs(CHUNK)
+    want = reference_attention(q, k, v)
     want_grads = torch.autograd.grad((want * weights).sum(), (q, k, v))
     got = ring_attention(q, k, v, tile=tile)
     grads = torch.autograd.grad((got * weights).sum(), (q, k, v))
-    assert _relative(got, want) < TOL
+    assert max_relative(got, want) < TOL
     for a, b in zip(grads, want_grads):
-        assert _relative(a, b) < TOL
+        assert max_relative(a, b) < TOL
 
     low = [t.detach().bfloat16().requires_grad_(True) for t in (q, k, v)]  # bf16 in, float32 math, bf16 out
     got = ring_attention(*low, tile=tile)
     assert got.dtype == torch.bfloat16
-    assert _relative(got.float(), _reference(*(t.detach().float() for t in low))) < 1e-2
+    assert max_relative(got.float(), reference_attention(*(t.detach().float() for t in low))) < 1e-2
     got.float().mul(weights).sum().backward()
     assert all(t.grad.dtype == torch.bfloat16 for t in low)
 

@@ -16,11 +16,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hybridlm.parallel import ParallelConfig, build_mesh, parallelize
-from hybridlm.parallel.tensor_parallel import segment_permutation, ssm_row_layout
-from tests.parallel.harness import run_ranks, tiny_model
-
-TOL = 1e-5
-STEPS = 3
+from tests.parallel.harness import (
+    STEPS,
+    TOL,
+    decode_diff,
+    gradient_diff,
+    run_ranks,
+    tiny_model,
+    token_batch,
+    train_adamw,
+)
 
 # The models of the head-split test: B/C groups = 2 so that tp=2 splits them (the tiny preset has 1).
 MODELS = {
@@ -32,76 +37,10 @@ MODELS = {
 }
 
 
-def _batch(rows: int = 4, length: int = 20) -> torch.Tensor:
-    torch.manual_seed(1)
-    return torch.randint(0, 128, (rows, length))
-
-
-def _train(model, ids: torch.Tensor, steps: int, *, reduce_group=None) -> list[float]:
-    """AdamW steps on the next-token loss; with `reduce_group` the reported loss is the mean over its ranks.
-
-    eps=1e-4, not 1e-8: where a gradient entry is ~1e-9 (float32 round-off of a sum in another order), AdamW's
-    first update is ~lr g / (|g| + eps), so eps=1e-8 would turn that round-off into parameter differences of
-    ~1e-3 (measured: 3-step loss gaps of 1.2e-5 for the 3A model at 1e-8, 1e-5 at 1e-6, 1e-6 at 1e-4)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
-    losses = []
-    for _ in range(steps):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        value = loss.detach().clone()
-        if reduce_group is not None:
-            dist.all_reduce(value, group=reduce_group)
-            value /= dist.get_world_size(reduce_group)
-        losses.append(float(value))
-    return losses
-
-
-def full_view(model, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """The full tensor of a (possibly head-split) parameter or gradient, in the unsplit model's row order."""
-    if not isinstance(tensor, DTensor):
-        return tensor
-    full = tensor.full_tensor()
-    owner_path, _, leaf = name.rpartition(".")
-    for suffix in ("ssm.in_proj", "ssm.conv"):
-        if owner_path.endswith(suffix):
-            mixer = model.get_submodule(owner_path.rpartition(".")[0])
-            segments = _full_layout(mixer, tensor.device_mesh.size())[f"{suffix.split('.')[1]}.{leaf}"]
-            return full[segment_permutation(segments, tensor.device_mesh.size()).argsort()]
-    return full
-
-
-def _full_layout(mixer, parts: int) -> dict:
-    """`ssm_row_layout` of the unsplit mixer, from a split one (its sizes are local: times `parts`)."""
-    local = ssm_row_layout(mixer)
-    return {k: tuple(s * parts for s in v) if v is not None else None for k, v in local.items()}
-
-
-def gradient_diff(model, reference) -> float:
-    """Max |grad - reference grad| over the parameters `model` holds (names as in the unsplit model)."""
-    ref = dict(reference.named_parameters())
-    worst = 0.0
-    for name, param in model.named_parameters():
-        got = full_view(model, name, param.grad)
-        worst = max(worst, float((got - ref[name].grad).abs().max()))
-    return worst
-
-
-def decode_diff(model, ids: torch.Tensor, want: torch.Tensor, *, prefill: int = 12, steps: int = 3) -> float:
-    """Max |logits - want| of a cached prefill and `steps` one-token decoding steps (the local conv tails and
-    SSM / fast-weight states, the local KV heads)."""
-    with torch.no_grad():
-        cache = model.new_cache()
-        logits = [model(ids[:, :prefill], cache=cache).logits]
-        logits += [model(ids[:, t : t + 1], cache=cache).logits for t in range(prefill, prefill + steps)]
-    return float((torch.cat(logits, dim=1) - want[:, : prefill + steps]).abs().max())
-
-
 def _head_split(rank: int, world: int, models: dict) -> dict:
     config = ParallelConfig(tp=2)
     mesh = build_mesh(config)
-    ids = _batch()
+    ids = token_batch()
     results = {}
     for label, overrides in models.items():
         model = tiny_model(**overrides)
@@ -129,8 +68,8 @@ def _head_split(rank: int, world: int, models: dict) -> dict:
             "local_rows": local_rows,
             "local_heads": ssm.num_heads,
             "attn_local_heads": None if attn is None else [attn.num_heads, attn.num_kv_heads],
-            "losses": _train(model, ids, STEPS),
-            "reference": _train(reference, ids, STEPS),
+            "losses": train_adamw(model, ids, STEPS),
+            "reference": train_adamw(reference, ids, STEPS),
         }
     return results
 
@@ -159,12 +98,12 @@ def _fsdp_with_checkpointing(rank: int, world: int) -> dict:
     mesh = build_mesh(config)
     model = tiny_model()
     reference = copy.deepcopy(model)
-    ids = _batch()
+    ids = token_batch()
     parallelize(model, mesh, config)
     local = ids.chunk(world)[rank]  # each rank takes half the rows: the global batch is the same
     return {
-        "losses": _train(model, local, STEPS, reduce_group=None if world == 1 else dist.group.WORLD),
-        "reference": _train(reference, ids, STEPS),
+        "losses": train_adamw(model, local, STEPS, reduce_group=None if world == 1 else dist.group.WORLD),
+        "reference": train_adamw(reference, ids, STEPS),
     }
 
 
@@ -179,7 +118,7 @@ def _tp_times_fsdp(rank: int, world: int) -> dict:
     """4 ranks: dp_shard=2 x tp=2 (FSDP2 over the head-split DTensors), then the same mesh with interleaved
     mixer parallelism inside each tp pair (FSDP2 over ranks that hold one mixer per layer)."""
     mesh = build_mesh(ParallelConfig(dp_shard=-1, tp=2))
-    ids = _batch()
+    ids = token_batch()
     results = {}
     for mixer_parallel in ("off", "interleaved"):
         config = ParallelConfig(dp_shard=-1, tp=2, mixer_parallel=mixer_parallel)
@@ -192,7 +131,7 @@ def _tp_times_fsdp(rank: int, world: int) -> dict:
             logit_diff = float((model(local).logits - reference(local).logits).abs().max())
         # FSDP2 keeps the root's parameters unsharded after a forward (for the backward that usually follows);
         # after a no_grad forward they must be resharded by hand, or the next training step's root gradients
-        # are never reduce-scattered (measured: step-2 loss off by 0.09).
+        # are never reduce-scattered.
         model.reshard()
         ssm = model.model.layers[0].ssm
         in_proj = None if ssm is None else ssm.in_proj.weight
@@ -201,8 +140,8 @@ def _tp_times_fsdp(rank: int, world: int) -> dict:
             "in_proj_placements": None if in_proj is None else [str(p) for p in in_proj.placements],
             "in_proj_local_rows": None if in_proj is None else in_proj.to_local().shape[0],
             "in_proj_rows": reference.model.layers[0].ssm.in_proj.weight.shape[0],
-            "losses": _train(model, local, STEPS, reduce_group=mesh["dp_shard"].get_group()),
-            "reference": _train(reference, ids, STEPS),
+            "losses": train_adamw(model, local, STEPS, reduce_group=mesh["dp_shard"].get_group()),
+            "reference": train_adamw(reference, ids, STEPS),
         }
     return results
 
