@@ -127,7 +127,9 @@ class UpdateOutput:
 
     step: int  # updates done, this one included
     plan: UpdatePlan
-    # each micro-batch's loss value as the loss returned it (detached, on the device: reading it waits for the device)
+    # each micro-batch's loss value as the loss returned it, detached, on the device (reading it waits for the device).
+    # Read it before the next update's forward: a loss that a CUDA graph outputs (a compiled forward in
+    # "reduce-overhead" mode) is overwritten by the graph's next replay.
     losses: list[torch.Tensor]
     count: float  # the global count N the backward divided by
     grad_norm: float | torch.Tensor | None  # what `clip` returned: the norm before clipping; None without clipping
@@ -250,6 +252,8 @@ class TrainLoop:
         """One optimizer update; see the module docstring."""
         started = time.perf_counter()
         plan = self.plan(self.step)
+        if plan.micro_batches < 1:
+            raise ValueError(f"plan: update {self.step} has {plan.micro_batches} micro-batches; it needs at least 1")
         apply_schedule(self.optimizer, plan.lr, plan.wd)
         batches = self.data.next_micro_batches(self.step, plan.micro_batches)
         local_count = sum(int(self.loss.count(b)) for b in batches)
@@ -260,33 +264,27 @@ class TrainLoop:
         if self.grads_in_place:
             allocate_missing_grads(self.model)
         losses = []
+        loss_sum = None  # for the guard: float64 on the device, added right after each backward
         for i, batch in enumerate(batches):
             with D.gradient_sync(self.model, enabled=i == len(batches) - 1):
                 micro = self.loss(self.model, batch)
                 (micro if scale == 1.0 else micro * scale).backward()
             losses.append(micro.detach())
+            if self.guard is not None:
+                if loss_sum is None:
+                    loss_sum = torch.zeros((), dtype=torch.float64, device=micro.device)
+                loss_sum += losses[-1].double()
         D.reduce_context_parallel_grads(self.model, self.ctx)
+        # the mean loss over every rank's micro-batches (read back from the device: the guard decides on the host)
+        loss = None if loss_sum is None else float(D.row_sum(loss_sum.cpu().reshape(1), self.ctx).item()) / total_count
         grad_norm = self.clip(self.model) if self.clip is not None else None
-        loss = None
-        if self.guard is not None:
-            loss = self.global_mean(losses, total_count)
-            accepted = self.guard.check(loss, grad_norm, optimizer=self.optimizer, step=self.step)
-        else:
-            accepted = True
+        accepted = self.guard is None or self.guard.check(loss, grad_norm, optimizer=self.optimizer, step=self.step)
         if accepted:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self.grads_in_place)
         self.step += 1
         return UpdateOutput(self.step, plan, losses, total_count, grad_norm, not accepted,
                             time.perf_counter() - started, loss)
-
-    def global_mean(self, losses: Sequence[torch.Tensor], count: float) -> float:
-        """The summed micro-batch losses (in float64, in order) over every rank, divided by `count` (waits for the
-        device; every rank must call it)."""
-        total = torch.zeros((), dtype=torch.float64, device=losses[0].device if losses else "cpu")
-        for value in losses:
-            total += value.double()
-        return float(D.row_sum(total.cpu().reshape(1), self.ctx).item()) / count
 
     def run(self, until: int, *, should_stop: Callable[[], bool] | None = None,
             hooks: Sequence[Callable[[TrainLoop, UpdateOutput], None]] = ()) -> bool:

@@ -36,13 +36,13 @@ loaded (model, AdamW state, RNG streams, step, tokens, data-loader position, gua
 metrics files are cut back to its step; with the same config the run continues exactly as if it had
 not stopped (tested: 2N steps == N + resume + N on CPU in fp32). Checkpoints hold the unparallelized
 layout, so a run saved under one mesh (tp=2 x dp_shard=2, mixer parallelism, ...) resumes under another or in
-one process (`hybridlm.parallel.checkpoint`). The config given at resume time wins
-(e.g. a larger train.steps, or a new lr or betas: the AdamW groups' hyperparameters are all taken from it, only
-the moments and step counts from the checkpoint), and its differences
-from the saved one are printed; the schedule is recomputed for the new length (a pure function of the progress), so
-extending a run whose WSD decay has finished puts the lr straight back at the new schedule's value there, the
-peak for a run still short of the new decay: no second warmup. The loader state is moved to the current data-parallel size, so a run
-saved under 2 ranks resumes under 1 with the same stream of tokens (keep the global batch the same for exactness).
+one process (`hybridlm.parallel.checkpoint`). The config given at resume time wins (e.g. a larger train.steps,
+or a new lr or betas: the AdamW groups' hyperparameters are all taken from it, only the moments and step counts
+from the checkpoint), and its differences from the saved one are printed; the schedule is recomputed for the new
+length (a pure function of the progress), so extending a run whose WSD decay has finished puts the lr straight
+back at the new schedule's value there, the peak for a run still short of the new decay: no second warmup. The
+loader state is moved to the current data-parallel size, so a run saved under 2 ranks resumes under 1 with the
+same stream of tokens (keep the global batch the same for exactness).
 A train.steps below the checkpoint's step is a ConfigError (a run is not shortened after the fact); a run resumed at
 its full length with final/ written is "already complete": nothing is trained or rewritten.
 
@@ -609,7 +609,7 @@ class Trainer:
     def _eager_without_grad(self) -> contextlib.AbstractContextManager:
         """Forwards under no_grad (evaluation, samples) skip the blocks' CUDA graphs and run eagerly. Without a
         pending backward, CUDA-graph trees start a new generation at every call of a compiled block, and its replay
-        may reuse the memory of the previous block's output: its own input (seen on an H200, torch 2.11)."""
+        may reuse the memory of the previous block's output: its own input."""
         return torch.compiler.set_stance("force_eager") if self._cuda_graphs else contextlib.nullcontext()
 
     @torch.no_grad()

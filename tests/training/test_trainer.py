@@ -225,7 +225,7 @@ def test_resume_with_more_steps_through_the_cli(demo_dir, tmp_path):
 
 def test_a_finished_run_is_never_replaced_without_overwrite(demo_dir, tmp_path, capsys):
     """Its checkpoints deleted, a finished run still has final/, metrics.jsonl and config.yaml: a new run into
-    the directory (with or without --resume) once replaced them silently; now only --overwrite does."""
+    the directory, with or without --resume, is refused and leaves them as they are; only --overwrite replaces them."""
     from hybridlm.cli import main
 
     out = tmp_path / "finished"
@@ -270,8 +270,7 @@ def test_resume_refuses_fewer_steps_than_the_checkpoint_and_a_complete_run_is_le
     assert main(["train", "--out", str(out), *cli_sets(demo_dir, "train.steps=4")]) == 0
     before = snapshot(out)
     capsys.readouterr()
-    # shorter than the checkpoint: once "training 2 updates", then "completed: 4 updates, loss n/a", final/ and
-    # config.yaml rewritten with steps 2
+    # shorter than the checkpoint: refused before anything is trained or rewritten (final/, config.yaml)
     assert main(["train", "--resume", "--out", str(out), "--set", "train.steps=2"]) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith("config error: train.steps: 2 is below the checkpoint's step 4"), captured.err
@@ -541,7 +540,7 @@ def test_optimizer_groups_follow_the_config(demo_dir, tmp_path):
 
 
 def test_compiled_blocks_train_like_eager(demo_dir, tmp_path, monkeypatch):
-    """train.compile (torch.compile per block, inductor; the CPU's minute-long compile is paid once, in the
+    """train.compile (torch.compile per block, inductor; on the CPU the slow compile is paid once, in the
     reduce-overhead mode) gives eager's losses, and starts a new CUDA-graph step before every forward (on the CPU
     inductor runs without graphs; the GPU replays them). The held-out evaluation and the samples, forwards without a
     backward, run eagerly (`Trainer._eager_without_grad`)."""
