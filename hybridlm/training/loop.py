@@ -13,9 +13,10 @@ One update (`TrainLoop.update`, step s 0-based):
    value x dp / N (dp: FSDP2 averages over the data-parallel ranks), gradients synchronized on the last
    micro-batch only (`distributed.gradient_sync`), then summed over context-parallel ranks: the gradient of the
    mean over every item of the global batch, however it is split into ranks, chunks and micro-batches;
-4. `clip(model)` -> the gradient norm (before clipping); with a `guard` (`StepGuard`) the loss is read back and
-   all-reduced, and a non-finite loss or norm skips the update (gradients zeroed) or, after a streak, raises
-   `TrainingDivergedError`; otherwise the optimizer steps; the gradients are zeroed for the next update.
+4. with a `guard` (`StepGuard`), the loss (each micro-batch's value added in float64 right after its backward)
+   is read back and all-reduced; `clip(model)` -> the gradient norm (before clipping); the guard skips the update
+   for a non-finite loss or norm (gradients zeroed) or, after a streak, raises `TrainingDivergedError`; otherwise
+   the optimizer steps; the gradients are zeroed for the next update.
 
 The parts (all typed below, each small):
 - `DataSource`: `next_micro_batches(step, count)`, `state_dict()`, `load_state_dict(state)` (what a checkpoint
