@@ -1,4 +1,5 @@
-"""Shared helpers of the ops: argument checks, packed <-> padded layouts, backend choice, dtypes."""
+"""Shared helpers of the ops: argument checks, packed <-> padded layouts, backend choice (Triton's availability and
+its interpreter), dtypes."""
 
 from __future__ import annotations
 

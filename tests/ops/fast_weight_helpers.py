@@ -261,3 +261,18 @@ def check_front_door(rule, pairing, read, step_size, packed, stateful, *, refere
                                         ref_leaves + [ref_state.S] if stateful else ref_leaves)
         for name, grad, grad_ref in zip(("q", "k", "v", "beta", "lam", "S0"), grads, grads_ref):
             assert rel_err(grad.cpu(), grad_ref) < 1e-4, (backend, name)
+
+
+def opcheck_scan(name: str, inputs: list[torch.Tensor], *, final_state_grad: bool = False) -> None:
+    """`torch.library.opcheck` of hybridlm::fast_weight_{name}_fwd with an initial state (read after, chunks of 16),
+    and of its backward op without one and without dL/dS_final (read before); with `final_state_grad` the backward
+    also with both (read after). inputs: prepared (q, x, y, eta, log_gamma, S0) on DEVICE, float32, requiring grad."""
+    fwd, bwd = (getattr(torch.ops.hybridlm, f"fast_weight_{name}_{op}") for op in ("fwd", "bwd"))
+    q, x, y, eta, log_gamma, S0 = inputs
+    torch.library.opcheck(fwd, (q, x, y, eta, log_gamma, S0, True, 16), test_utils=OPCHECKS)
+    do = torch.randn(y.shape, device=DEVICE)
+    detached = [t.detach() for t in (q, x, y, eta, log_gamma)]
+    torch.library.opcheck(bwd, (do, None, *detached, None, False, 16), test_utils=OPCHECKS)
+    if final_state_grad:
+        dS = torch.randn(S0.shape, device=DEVICE)
+        torch.library.opcheck(bwd, (do, dS, *detached, S0.detach(), True, 16), test_utils=OPCHECKS)

@@ -16,7 +16,7 @@ import torch
 from hybridlm.ops import fast_weight_attention
 from hybridlm.ops.fast_weight.state import FastWeightState
 from tests.helpers import rel_err
-from tests.ops.fast_weight_helpers import OPCHECKS, make_inputs, prepared
+from tests.ops.fast_weight_helpers import OPCHECKS, make_inputs, opcheck_scan, prepared
 from tests.ops.triton_modes import DEVICE, gpu_only, interpret
 
 
@@ -30,13 +30,8 @@ def _ops(name):
 @pytest.mark.parametrize("name", ["1a", "1"])
 def test_opcheck(name):
     """The forward op with an initial state, the backward op without one (and without dL/dS_final)."""
-    fwd, bwd = _ops(name)
-    q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32).requires_grad_(True)
-                                   for t in prepared(1, 20, 2, 16, 8))
-    torch.library.opcheck(fwd, (q, x, y, eta, log_gamma, S0, True, 16), test_utils=OPCHECKS)
-    do = torch.randn(1, 20, 2, 8, device=DEVICE)
-    detached = [t.detach() for t in (q, x, y, eta, log_gamma)]
-    torch.library.opcheck(bwd, (do, None, *detached, None, False, 16), test_utils=OPCHECKS)
+    _ops(name)
+    opcheck_scan(name, [t.to(DEVICE, torch.float32).requires_grad_(True) for t in prepared(1, 20, 2, 16, 8)])
 
 
 @interpret

@@ -34,12 +34,12 @@ from hybridlm.ops.fast_weight.triton import (
 )
 from tests.helpers import rel_err
 from tests.ops.fast_weight_helpers import (
-    OPCHECKS,
     PER_COLUMN_KERNELS,
     TOL,
     check_front_door,
     check_kernels,
     make_inputs,
+    opcheck_scan,
     prepared,
     prepared_2a,
     projection,
@@ -122,13 +122,7 @@ def test_rule_2a_front_door_matches_chunk_and_naive(pairing, read, step_size, pa
 @interpret
 def test_opcheck_2a():
     """Rule 2A's ops: the forward op with an initial state, the backward op without one (and without dL/dS_final)."""
-    fwd, bwd = torch.ops.hybridlm.fast_weight_2a_fwd, torch.ops.hybridlm.fast_weight_2a_bwd
-    q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32).requires_grad_(True)
-                                   for t in prepared_2a(1, 20, 2, 16, 8))
-    torch.library.opcheck(fwd, (q, x, y, eta, log_gamma, S0, True, 16), test_utils=OPCHECKS)
-    do = torch.randn(1, 20, 2, 8, device=DEVICE)
-    detached = [t.detach() for t in (q, x, y, eta, log_gamma)]
-    torch.library.opcheck(bwd, (do, None, *detached, None, False, 16), test_utils=OPCHECKS)
+    opcheck_scan("2a", [t.to(DEVICE, torch.float32).requires_grad_(True) for t in prepared_2a(1, 20, 2, 16, 8)])
 
 
 @interpret
@@ -230,16 +224,10 @@ def test_rule_2_front_door_float16():
 
 @interpret
 def test_opcheck_2():
-    """Rule 2's ops: the forward op with an initial state, the backward op without one (and without dL/dS_final)."""
-    fwd, bwd = torch.ops.hybridlm.fast_weight_2_fwd, torch.ops.hybridlm.fast_weight_2_bwd
-    q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32).requires_grad_(True)
-                                   for t in prepared_2a(1, 20, 2, 16, 8))
-    torch.library.opcheck(fwd, (q, x, y, eta, log_gamma, S0, True, 16), test_utils=OPCHECKS)
-    do = torch.randn(1, 20, 2, 8, device=DEVICE)
-    detached = [t.detach() for t in (q, x, y, eta, log_gamma)]
-    torch.library.opcheck(bwd, (do, None, *detached, None, False, 16), test_utils=OPCHECKS)
-    dS = torch.randn(1, 2, 16, 8, device=DEVICE)
-    torch.library.opcheck(bwd, (do, dS, *detached, S0.detach(), True, 16), test_utils=OPCHECKS)
+    """Rule 2's ops: the forward op with an initial state, the backward op without one (and without dL/dS_final),
+    and with both."""
+    opcheck_scan("2", [t.to(DEVICE, torch.float32).requires_grad_(True) for t in prepared_2a(1, 20, 2, 16, 8)],
+                 final_state_grad=True)
 
 
 @interpret

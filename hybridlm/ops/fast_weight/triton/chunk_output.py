@@ -18,12 +18,13 @@ tensor cores, or fp32 with `PREC = "ieee"`) and accumulate in fp32.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from hybridlm.ops.fast_weight.triton.chunking import KEY, SIZES, autotuned
+from hybridlm.ops.fast_weight.triton.chunking import KEY, SIZES, ChunkPlan, autotuned
 from hybridlm.ops.fast_weight.triton.decays import causal_decay, causal_decay_columns, chunk_decays, column_decays
-from hybridlm.ops.triton_utils import load_rows, load_steps, state_offsets, store_rows
+from hybridlm.ops.triton_utils import block, load_rows, load_steps, state_offsets, store_rows
 
 
 @triton.jit
@@ -117,3 +118,25 @@ def output_columns_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, h_ptr, o_ptr, T, 
     D = causal_decay_columns(L, Lr, BT, READ_AFTER)                                         # [BT, BT, BV]
     o = o_inter * tl.exp(Lr) + tl.sum(P[:, :, None] * D * u[None, :, :], axis=1)
     store_rows(o_ptr, o, i_n, i_h, t, T, H, V, rv)
+
+
+def output(plan: ChunkPlan, q, x, y, eta, L, states) -> torch.Tensor:
+    """(3): o [N, T, H, V] in q's dtype from the chunk-local decays L [N * H, T_pad] and the entry states; y is the
+    values (rule 1A) or the residuals (the regression rules)."""
+    o = torch.empty(plan.N, plan.T, plan.H, plan.V, dtype=q.dtype, device=plan.device)
+    BK, BV = block(plan.K, 64), block(plan.V, 64)
+    output_kernel[(-(-plan.V // BV), plan.n_chunks, plan.NH)](
+        q, x, y, eta, L, states, o, plan.T, plan.T_pad, plan.n_chunks, plan.H, **plan.sizes, BK=BK, BV=BV,
+        READ_AFTER=plan.read_after, PREC=plan.prec)
+    return o
+
+
+def output_columns(plan: ChunkPlan, q, x, y, eta, L, states) -> torch.Tensor:
+    """(3) per value column: o [N, T, H, V] in q's dtype from L [N * H, T_pad, V] and the entry states; y is the
+    values (rule 2A) or the residuals (rule 2)."""
+    o = torch.empty(plan.N, plan.T, plan.H, plan.V, dtype=q.dtype, device=plan.device)
+    BV = plan.column_tile()
+    output_columns_kernel[(-(-plan.V // BV), plan.n_chunks, plan.NH)](
+        q, x, y, eta, L, states, o, plan.T, plan.T_pad, plan.n_chunks, plan.H, **plan.sizes, BK=block(plan.K, 64),
+        BV=BV, READ_AFTER=plan.read_after, PREC=plan.prec)
+    return o

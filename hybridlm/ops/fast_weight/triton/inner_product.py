@@ -37,7 +37,7 @@ def forward_1a(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -
     plan = ScalarPlan(q, y, chunk_size, read_after)
     L = chunk_cumsum(plan, log_gamma)
     states, S_final = plan.states(x, y, eta, L, S0)
-    return plan.outputs(q, x, y, eta, L, states), S_final
+    return chunk_output.output(plan, q, x, y, eta, L, states), S_final
 
 
 def backward_1a(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int):
@@ -98,13 +98,6 @@ class ScalarPlan(ChunkPlan):
             **self.sizes, BK=BK, BV=BV, HAS_INIT=init is not None, READ_AFTER=self.read_after, GRAD=grad,
             REVERSE=grad, PREC=self.prec, INTERPRET=triton_interpreting(), num_warps=4)
 
-    def outputs(self, q, x, y, eta, L, states):
-        o = torch.empty(self.N, self.T, self.H, self.V, dtype=q.dtype, device=self.device)
-        chunk_output.output_kernel[(-(-self.V // self.BV), self.n_chunks, self.N * self.H)](
-            q, x, y, eta, L, states, o, self.T, self.T_pad, self.n_chunks, self.H, **self.sizes, BK=self.BK,
-            BV=self.BV, READ_AFTER=self.read_after, PREC=self.prec)
-        return o
-
     def state_grads(self, q, do, L, dS_final):
         """(1') + (2'): dL/dS at every chunk's exit [N * H, n_chunks, K, V] and dL/dS_0 [N, H, K, V]."""
         g = self.state_buffer()
@@ -136,11 +129,7 @@ def forward_2a(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -
     p = ColumnPlan(q, y, chunk_size, read_after)
     L = chunk_cumsum_columns(p, log_gamma)
     states, final = p.states(x, y, eta, L, S0)
-    o = torch.empty(p.N, p.T, p.H, p.V, dtype=q.dtype, device=p.device)
-    chunk_output.output_columns_kernel[(-(-p.V // p.BV3), p.n_chunks, p.NH)](
-        q, x, y, eta, L, states, o, p.T, p.T_pad, p.n_chunks, p.H, **p.sizes, BK=p.BK, BV=p.BV3,
-        READ_AFTER=read_after, PREC=p.prec)
-    return o, final
+    return chunk_output.output_columns(p, q, x, y, eta, L, states), final
 
 
 def backward_2a(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int):

@@ -48,13 +48,7 @@ def forward_1(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int,
     p = EventPlan(q, y, chunk_size, read_after, slots)
     L = chunk_cumsum(p, log_gamma)
     states, R, final, _ = p.scan(x, y, eta, L, S0)
-    # Outputs: rule 1A's output kernel with the (float32) residuals in place of y.
-    o = torch.empty(p.N, p.T, p.H, p.V, dtype=q.dtype, device=p.device)
-    BK, BV = block(p.K, 64), block(p.V, 64)
-    chunk_output.output_kernel[(-(-p.V // BV), p.n_chunks, p.NH)](
-        q, x, R, eta, L, states, o, p.T, p.T_pad, p.n_chunks, p.H, K=p.K, V=p.V, BT=p.BT, BK=BK, BV=BV,
-        READ_AFTER=read_after, PREC=p.prec)
-    return o, final
+    return chunk_output.output(p, q, x, R, eta, L, states), final  # rule 1A's outputs, the residuals for y
 
 
 def backward_1(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int, slots: int = 1):
@@ -153,11 +147,7 @@ def forward_2(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) ->
     p = ColumnEventPlan(q, y, chunk_size, read_after)
     L = chunk_cumsum_columns(p, log_gamma)
     states, R, final = p.scan(x, y, eta, L, S0)
-    o = torch.empty(p.N, p.T, p.H, p.V, dtype=q.dtype, device=p.device)
-    chunk_output.output_columns_kernel[(-(-p.V // p.BV3), p.n_chunks, p.NH)](
-        q, x, R, eta, L, states, o, p.T, p.T_pad, p.n_chunks, p.H, **p.sizes, BK=p.BK, BV=p.BV3,
-        READ_AFTER=read_after, PREC=p.prec)
-    return o, final
+    return chunk_output.output_columns(p, q, x, R, eta, L, states), final  # rule 2A's outputs, the residuals for y
 
 
 def backward_2(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int):
