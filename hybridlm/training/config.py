@@ -196,7 +196,9 @@ def demo_config() -> TrainConfig:
     """What `hybridlm train` runs without --config: the tiny preset on the built-in stdlib corpus."""
     config = TrainConfig(data=DataSection(demo=True))
     config.optim.lr = 3e-3
-    config.train.eval_batches = 16  # 32K held-out bytes: a batch holds consecutive bytes of one or two files
+    # the decay starts where the warmup ends: no plateau at the peak lr, so the held-out loss falls at each evaluation
+    config.schedule = ScheduleConfig(kind="wsd", warmup=30, decay_fraction=0.9)
+    config.train.eval_batches = 64  # 128K held-out bytes, several files (a batch holds consecutive bytes of one or two)
     validate(config)
     return config
 

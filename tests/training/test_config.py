@@ -121,7 +121,7 @@ def test_duplicate_yaml_keys_are_refused_with_the_key_named(tmp_path):
 
 
 def test_a_set_that_chooses_the_decay_replaces_the_inherited_one(tmp_path):
-    """`--set schedule.kind=cosine` on the demo (whose decay_fraction is 0.2) just works; so does `--set
+    """`--set schedule.kind=cosine` on the demo (which sets a decay_fraction) just works; so does `--set
     schedule.decay=N` on a file with a decay_fraction, and the reverse."""
     for kind in ("cosine", "constant"):
         schedule = load_config(None, [f"schedule.kind={kind}"]).schedule
