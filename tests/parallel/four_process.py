@@ -152,5 +152,5 @@ def _four_processes(rank: int, world: int) -> dict:
 
 @functools.cache
 def four_process_results() -> dict:
-    """What rank 0 returned from the shared 4-process spawn (spawned once per test session)."""
+    """What rank 0 returned from the shared 4-process spawn (spawned once per pytest process)."""
     return run_ranks(_four_processes, world=4)
