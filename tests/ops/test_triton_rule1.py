@@ -102,8 +102,8 @@ def test_backward_without_final_state_gradient(read_after):
 @pytest.mark.parametrize("K,V", [(128, 128), (64, 128), (100, 40), (128, 16)])
 def test_head_dims(rule, K, V):
     """Several K/V blocks per state, all of K in one program where a kernel needs it (the WY, pass and dq kernels),
-    non-powers of two; K = 128 with V = 16: rule 1's passes on [128, 16] state blocks (on a GPU, 8 warps: a CUDA error
-    ended a launch sweep of the forward pass at that block with 1 stage on an H200, RESULTS.md)."""
+    non-powers of two; K = 128 with V = 16: rule 1's passes on [128, 16] state blocks (a block shape whose forward
+    pass failed with one pipeline stage on a GPU, benchmarks/RESULTS.md)."""
     check_against_reference(1, 70, 1, K, V, dtype=torch.float32, chunk_size=64, read_after=True, rule=rule)
 
 
