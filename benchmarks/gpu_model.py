@@ -18,14 +18,14 @@ channels = 16 heads x 64; or `--preset`), each measured in this one process:
     hybrid fw-1A       attention and Falcon-1A (Triton on CUDA, "auto")
     hybrid fw-3A       attention and Falcon-3A, window 3
     fw-1A              Falcon-1A alone (no attention)
-and, sized against each other (issue 8 compares a hybrid with a same-size Transformer; the hybrids above keep all
+and, sized against each other (to compare a hybrid with a same-size Transformer; the hybrids above keep all
 the Transformer's attention and MLP and add the SSM half: 143-159M parameters against its 112M):
     h1 fw-1A           Falcon-H1's channel allocation of the shape's width (SSM : attention : MLP = 2 : 1 : 5,
                        `channel_allocation`) with a Falcon-1A SSM half (144M at the 125m shape)
     h1 mamba2          the same allocation with Mamba-2 (134M); h1 mamba2-chunk on the SSD torch chunk path
     h1 swa fw-1A       "h1 fw-1A" with sliding-window attention (`attention_window`, `--window`, default 2048): its
                        decoding cache stays at 2W - 1 key slots per layer at any context, so its memory per sequence is
-                       constant (issue 8's decode target; the Falcon-H1 hybrid keeps every key); "hybrid swa fw-1A"
+                       constant (the long-context target; the Falcon-H1 hybrid keeps every key); "hybrid swa fw-1A"
                        the same for "hybrid fw-1A"
     transformer matched  the Transformer with its MLP widened to "h1 fw-1A"'s parameter count (144M): the baseline
                        of the two "h1" rows' ratio column (the others' is "transformer"; h1 mamba2 is the smaller
@@ -34,8 +34,8 @@ the Transformer's attention and MLP and add the SSM half: 143-159M parameters ag
    (default 1) of T tokens:
    tokens/s and peak memory, and the ratio to the transformer's tokens/s at the same T. `--compile` runs the
    training forward through `torch.compile` (inductor; `--compile reduce-overhead` also replays the forward and
-   backward as CUDA graphs, which the hybrids need at 4K: their compiled update was host-bound, 69 ms of wall
-   time for 21 ms of GPU time; the compiled update is warmed up before timing), every variant alike.
+   backward as CUDA graphs, which the hybrids need at 4K: their compiled update is host-bound without them; the
+   compiled update is warmed up before timing), every variant alike.
    `--rounds R` measures every training row R times with the variants interleaved (A B A B ...: a shared host's
    drift lands on baseline and variant alike) and reports the median tokens/s and the median of the per-round
    ratios with their range.
@@ -70,7 +70,6 @@ from gpu_ops import kernel_launches  # benchmarks/ is on the path when this scri
 from hybridlm.inference import GraphedDecoder, prefill
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.allocation import channel_allocation
-from hybridlm.models.configuration import HybridLMConfig
 from hybridlm.models.model import HybridForCausalLM
 from hybridlm.models.presets import get_preset
 
@@ -124,13 +123,13 @@ def config_of(preset: str, variant: str, *, window: int = 2048):
 def parameters(config) -> int:
     """The parameter count of a model of `config` (built on the meta device: no memory, no initialization)."""
     with torch.device("meta"):
-        return sum(p.numel() for p in HybridForCausalLM(HybridLMConfig.from_hybrid(config)).parameters())
+        return sum(p.numel() for p in HybridForCausalLM(config).parameters())
 
 
 def build(preset: str, variant: str, device: torch.device, *, window: int = 2048) -> HybridForCausalLM:
     config = config_of(preset, variant, window=window)
     torch.manual_seed(0)
-    model = HybridForCausalLM(HybridLMConfig.from_hybrid(config)).to(device)
+    model = HybridForCausalLM(config).to(device)
     for module in model.modules():
         if isinstance(module, Mamba2Mixer) and variant in SSD_BACKEND:
             module.backend = SSD_BACKEND[variant]
@@ -316,7 +315,7 @@ def main() -> None:
     parser.add_argument("--preset", default="125m", help="'125m' (the shape above) or any preset name")
     parser.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384], help="training tokens per row")
     parser.add_argument("--contexts", type=int, nargs="*", default=[4096, 16384, 65536, 131072],
-                        help="decoding contexts (none: no decoding); the default is issue 8's grid")
+                        help="decoding contexts (none: no decoding); the default is the long-context grid")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--train-rows", type=int, default=1, help="rows of T tokens per training update")
     parser.add_argument("--window", type=int, default=2048, help="the attention window of the 'swa' variants")

@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybridlm.models import get_preset
-from hybridlm.models.configuration import HybridLMConfig
 from hybridlm.models.model import HybridForCausalLM
 from hybridlm.parallel import ParallelConfig, build_mesh, context_parallel, parallelize, shard_sequence
 from hybridlm.parallel.context_parallel import reduce_context_parallel_grads
@@ -40,7 +39,7 @@ def sync() -> None:
 
 def build(seed: int, dtype=torch.float32, **fields) -> HybridForCausalLM:
     torch.manual_seed(seed)
-    model = HybridForCausalLM(HybridLMConfig.from_hybrid(get_preset("tiny", **fields)))
+    model = HybridForCausalLM(get_preset("tiny", **fields))
     return model.to(device=DEVICE, dtype=dtype)
 
 

@@ -73,7 +73,6 @@ from torch import nn
 from hybridlm.layers.attention import Attention
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models import get_preset
-from hybridlm.models.configuration import HybridLMConfig
 from hybridlm.models.model import HybridForCausalLM
 from hybridlm.parallel import ParallelConfig, build_mesh, parallelize
 from hybridlm.parallel.parallelize import wrap_blocks
@@ -158,7 +157,7 @@ class Runner:
     def build(self) -> HybridForCausalLM:
         torch.manual_seed(self.args.seed)  # the same weights on every rank
         with torch.device(self.device):
-            return HybridForCausalLM(HybridLMConfig.from_hybrid(get_preset(self.args.preset, **self.fields)))
+            return HybridForCausalLM(get_preset(self.args.preset, **self.fields))
 
     def batch(self, dp_rank: int) -> dict:
         """--batch rows of seq_len tokens for one data-parallel rank, labels shifted before any cp split."""
@@ -286,8 +285,7 @@ def main() -> None:
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
     runner = Runner(args, device, rank, world)
     with torch.device("meta"):
-        flops = model_flops_per_token(HybridForCausalLM(HybridLMConfig.from_hybrid(
-            get_preset(args.preset, **runner.fields))), args.seq_len)
+        flops = model_flops_per_token(HybridForCausalLM(get_preset(args.preset, **runner.fields)), args.seq_len)
     peak = args.peak_tflops * 1e12
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
            "torch": torch.__version__, "world": world, "preset": args.preset, "overrides": runner.fields,

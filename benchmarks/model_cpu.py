@@ -24,7 +24,6 @@ import time
 
 import torch
 
-from hybridlm.models.configuration import HybridLMConfig
 from hybridlm.models.model import HybridForCausalLM
 from hybridlm.models.presets import get_preset
 from hybridlm.ops.ssd import ssd
@@ -39,7 +38,7 @@ VARIANTS = {
 
 def build(changes: dict) -> HybridForCausalLM:
     torch.manual_seed(0)
-    return HybridForCausalLM(HybridLMConfig.from_hybrid(get_preset("tiny", **changes))).eval()
+    return HybridForCausalLM(get_preset("tiny", **changes)).eval()
 
 
 def interleaved_medians(calls: dict, repeats: int) -> dict:
