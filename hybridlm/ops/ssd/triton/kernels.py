@@ -116,7 +116,7 @@ def state_pass_kernel(h_ptr, init_ptr, final_ptr, cum_ptr, T_pad, n_chunks,
     h[c] ends as h_in of chunk c and `final` is the final state. REVERSE: from the last chunk down, from S = dL/dh_T,
     so h[c] ends as dS (= dL/dh_out) of chunk c and `final` is dL/dh0. Grid (nP * nN, b * H).
 
-    INTERPRET: a while loop (Triton 3.6's CPU interpreter cannot `range` over a runtime int with numpy >= 2.4)."""
+    INTERPRET: a while loop (Triton's CPU interpreter cannot `range` over a runtime int with numpy >= 2.4)."""
     i_pn, i_bh = tl.program_id(0), tl.program_id(1)
     i_p, i_n = i_pn // tl.cdiv(N, BN), i_pn % tl.cdiv(N, BN)
     rp, rn = i_p * BP + tl.arange(0, BP), i_n * BN + tl.arange(0, BN)
