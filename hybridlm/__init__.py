@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hybridlm.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-# Public names, imported on first use so that `import hybridlm` stays light (no transformers import).
+# Public names, imported on first use so that `import hybridlm` stays light (no torch or transformers import).
 _EXPORTS = {
     "HybridConfig": "hybridlm.models.config",
     "channel_allocation": "hybridlm.models.allocation",
@@ -20,15 +19,4 @@ _EXPORTS = {
 }
 
 __all__ = ["__version__", *_EXPORTS]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'hybridlm' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

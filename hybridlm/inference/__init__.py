@@ -9,20 +9,22 @@ model in `hybridlm.models.generation` (with `sampling` and `graphed`); the decod
 `hybridlm.layers.cache`, which the mixers read and write. This package is their public front door.
 """
 
-from hybridlm.layers.cache import HybridCache, LayerCache, StaticCache
-from hybridlm.models.generation import GenerationOutput, generate, prefill
-from hybridlm.models.graphed import GraphedDecoder
-from hybridlm.models.sampling import sample_next, top_k_filter, top_p_filter
+from __future__ import annotations
 
-__all__ = [
-    "GenerationOutput",
-    "GraphedDecoder",
-    "HybridCache",
-    "LayerCache",
-    "StaticCache",
-    "generate",
-    "prefill",
-    "sample_next",
-    "top_k_filter",
-    "top_p_filter",
-]
+from hybridlm.lazy import lazy_exports
+
+_EXPORTS = {
+    "HybridCache": "hybridlm.layers.cache",
+    "LayerCache": "hybridlm.layers.cache",
+    "StaticCache": "hybridlm.layers.cache",
+    "GenerationOutput": "hybridlm.models.generation",
+    "generate": "hybridlm.models.generation",
+    "prefill": "hybridlm.models.generation",
+    "GraphedDecoder": "hybridlm.models.graphed",
+    "sample_next": "hybridlm.models.sampling",
+    "top_k_filter": "hybridlm.models.sampling",
+    "top_p_filter": "hybridlm.models.sampling",
+}
+
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

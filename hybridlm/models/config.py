@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hybridlm.ops.fast_weight import RULES, SLIDING_RULES
+from hybridlm.ops.fast_weight.options import RULES, SLIDING_RULES
 
 SSM_MIXERS = ("mamba2", "fast_weight", "none")
 MAMBA_INITS = ("falcon_h1", "mamba2")

@@ -1,6 +1,14 @@
-"""Pure tensor functions (no module state): the fast-weight rules and the Mamba-2 SSD scan."""
+"""Pure tensor functions (no module state): the fast-weight rules (`fast_weight`) and the Mamba-2 SSD scan
+(`ssd`: `from hybridlm.ops.ssd import ssd`)."""
 
-from hybridlm.ops.fast_weight import FastWeightState, fast_weight_attention
-from hybridlm.ops.ssd import ssd
+from __future__ import annotations
 
-__all__ = ["fast_weight_attention", "FastWeightState", "ssd"]
+from hybridlm.lazy import lazy_exports
+
+_EXPORTS = {
+    "fast_weight_attention": "hybridlm.ops.fast_weight.op",
+    "FastWeightState": "hybridlm.ops.fast_weight.state",
+}
+
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -17,65 +17,37 @@ Runs (import them from their modules; they pull in the model classes):
 
 from __future__ import annotations
 
-from hybridlm.training.checkpoint import (
-    CheckpointError,
-    LoadedCheckpoint,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
-    verify_checkpoint,
-)
-from hybridlm.training.guard import StepGuard, TrainingDivergedError
-from hybridlm.training.optim import (
-    DEFAULT_ROLE_PATTERNS,
-    MATRIX_ROLES,
-    MUP_WIDTH_EXPONENTS,
-    VECTOR_ROLES,
-    MatrixMultipliers,
-    apply_schedule,
-    build_param_groups,
-    classify_parameters,
-    matrix_lr_wd,
-    regex_classifier,
-    scale_multipliers,
-)
-from hybridlm.training.schedules import (
-    BatchRampup,
-    ScheduleConfig,
-    ScheduleFactors,
-    lr_wd_factors,
-    plot_schedule,
-    schedule_factors,
-    simulate_schedule,
-)
+from hybridlm.lazy import lazy_exports
 
-__all__ = [
-    "DEFAULT_ROLE_PATTERNS",
-    "MATRIX_ROLES",
-    "MUP_WIDTH_EXPONENTS",
-    "VECTOR_ROLES",
-    "BatchRampup",
-    "CheckpointError",
-    "LoadedCheckpoint",
-    "MatrixMultipliers",
-    "ScheduleConfig",
-    "ScheduleFactors",
-    "StepGuard",
-    "TrainingDivergedError",
-    "apply_schedule",
-    "build_param_groups",
-    "classify_parameters",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "load_checkpoint",
-    "lr_wd_factors",
-    "matrix_lr_wd",
-    "plot_schedule",
-    "regex_classifier",
-    "save_checkpoint",
-    "scale_multipliers",
-    "schedule_factors",
-    "simulate_schedule",
-    "verify_checkpoint",
-]
+_EXPORTS = {
+    "CheckpointError": "hybridlm.training.checkpoint",
+    "LoadedCheckpoint": "hybridlm.training.checkpoint",
+    "latest_checkpoint": "hybridlm.training.checkpoint",
+    "list_checkpoints": "hybridlm.training.checkpoint",
+    "load_checkpoint": "hybridlm.training.checkpoint",
+    "save_checkpoint": "hybridlm.training.checkpoint",
+    "verify_checkpoint": "hybridlm.training.checkpoint",
+    "StepGuard": "hybridlm.training.guard",
+    "TrainingDivergedError": "hybridlm.training.guard",
+    "DEFAULT_ROLE_PATTERNS": "hybridlm.training.optim",
+    "MATRIX_ROLES": "hybridlm.training.optim",
+    "MUP_WIDTH_EXPONENTS": "hybridlm.training.optim",
+    "VECTOR_ROLES": "hybridlm.training.optim",
+    "MatrixMultipliers": "hybridlm.training.optim",
+    "apply_schedule": "hybridlm.training.optim",
+    "build_param_groups": "hybridlm.training.optim",
+    "classify_parameters": "hybridlm.training.optim",
+    "matrix_lr_wd": "hybridlm.training.optim",
+    "regex_classifier": "hybridlm.training.optim",
+    "scale_multipliers": "hybridlm.training.optim",
+    "BatchRampup": "hybridlm.training.schedules",
+    "ScheduleConfig": "hybridlm.training.schedules",
+    "ScheduleFactors": "hybridlm.training.schedules",
+    "lr_wd_factors": "hybridlm.training.schedules",
+    "plot_schedule": "hybridlm.training.schedules",
+    "schedule_factors": "hybridlm.training.schedules",
+    "simulate_schedule": "hybridlm.training.schedules",
+}
+
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

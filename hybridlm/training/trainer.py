@@ -221,7 +221,7 @@ class Trainer:
         self.checkpoint_dir = self.run_dir.checkpoints
         self._stop = StopRequest(on_signal=lambda name: self._print(
             f"{name}: finishing this update, then saving a checkpoint (send it again to abort at once)"))
-        self.history: list[dict] = []  # every update's record (this session), for tests and tools
+        self.history: list[dict] = []  # every update's record (this process), for tests and tools
         # the updates since the last metrics record: saved with checkpoints, so a resumed run logs the same records
         self._interval: list[dict] = []
         try:
@@ -729,7 +729,7 @@ class Trainer:
             checkpoint = latest_checkpoint(self.checkpoint_dir)
         if self._interval:  # stopped between records: this one covers fewer updates; a resumed run replaces it
             last_loss = self._log_interval(self._interval)
-        if not self.history:  # no update this session (resumed at its last step, final/ missing): the logged losses
+        if not self.history:  # no update in this process (resumed at its last step, final/ missing): the logged losses
             last_loss, eval_loss = self.run_dir.logged_losses()
         if status == "interrupted":
             self._print(f"stopped ({self._stop.reason}) at update {self.step}; checkpoint {checkpoint}; continue "

@@ -1,6 +1,10 @@
-"""Falcon fast-weight attention: the six write rules with the prefix-shifted pair (README.md derives them)."""
+"""Falcon fast-weight attention: the six write rules with the prefix-shifted pair (README.md derives them).
 
-from hybridlm.ops.fast_weight.op import fast_weight_attention, seq_idx_in_place
+The rule names and options import without torch; the op and its state on first use."""
+
+from __future__ import annotations
+
+from hybridlm.lazy import lazy_exports
 from hybridlm.ops.fast_weight.options import (
     PER_COLUMN_RULES,
     REGRESSION_RULES,
@@ -8,7 +12,12 @@ from hybridlm.ops.fast_weight.options import (
     SLIDING_RULES,
     FastWeightOptions,
 )
-from hybridlm.ops.fast_weight.state import FastWeightState
 
-__all__ = ["fast_weight_attention", "FastWeightOptions", "FastWeightState", "RULES", "PER_COLUMN_RULES",
-           "REGRESSION_RULES", "SLIDING_RULES", "seq_idx_in_place"]
+_EXPORTS = {
+    "fast_weight_attention": "hybridlm.ops.fast_weight.op",
+    "seq_idx_in_place": "hybridlm.ops.fast_weight.op",
+    "FastWeightState": "hybridlm.ops.fast_weight.state",
+}
+
+__all__ = [*_EXPORTS, "FastWeightOptions", "RULES", "PER_COLUMN_RULES", "REGRESSION_RULES", "SLIDING_RULES"]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
