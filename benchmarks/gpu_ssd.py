@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from gpu_ops import causal_sdpa  # benchmarks/ is on the path when this script runs
 
-from hybridlm.ops import ssd
+from hybridlm.ops.ssd import ssd
 
 
 def make_inputs(B, T, H, P, N, G, dtype, *, device, seed=0):
