@@ -9,6 +9,12 @@ Notable features:
 - packed documents without padding: `cu_seqlens` (B == 1) or `position_ids` restarting at 0; no
   token attends to, convolves over or carries state from another document, and the loss skips the
   targets that cross a boundary;
+- left- or right-padded batches (`attention_mask`): the rows' tokens run as one packed row, so a pad
+  position never enters attention, a conv or a recurrent state;
+- the transformers / TRL / PEFT calling contract: `generation_config`, `GenerationMixin` (with our own
+  `generate`), `use_cache`, `logits_to_keep`, `num_items_in_batch`, TRL's padding-free keys
+  (`cu_seq_lens_q/k`, `max_length_q/k`, `seq_idx`), gradient checkpointing, `last_hidden_state` from the
+  base model (TRL's fused LM head reads it);
 - incremental decoding through `HybridCache` (KV + conv tail + SSM state per layer), left-padded
   prompt batches prefilled as packed sequences so that padding never enters a state; sampling and
   the decoding loop live in `hybridlm.models.generation` (public as `hybridlm.inference.generate`);
@@ -18,6 +24,7 @@ Notable features:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -25,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
@@ -38,13 +45,32 @@ from hybridlm.models.configuration import HybridTransformersConfig, transformers
 from hybridlm.models.falcon_h1 import save_falcon_h1
 from hybridlm.models.generation import generate
 from hybridlm.models.progress import transformers_progress_bars
-from hybridlm.modules.boundaries import has_restarts, left_padding_mask, local_positions, pack_rows, sequence_ids
+from hybridlm.modules.boundaries import (
+    has_restarts,
+    left_padding_mask,
+    local_positions,
+    pack_rows,
+    padding_mask,
+    sequence_ids,
+)
 from hybridlm.modules.gated_norm import GatedRMSNorm
 from hybridlm.modules.norm import RMSNorm
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.utils import check_cu_seqlens, host_to_device
 
 IGNORE_INDEX = -100
+
+
+# Keywords transformers' and TRL's callers pass to every model forward that carry nothing for this model: no output
+# changes with them (the decoding state is the explicit `cache`; outputs are always ModelOutputs). TRL's padding-free
+# collator's `max_length_q/k` and `seq_idx` are derived here from the documents' offsets instead.
+_IGNORED_KEYWORDS = ("use_cache", "return_dict", "max_length_q", "max_length_k", "seq_idx")
+
+
+@dataclass
+class HybridModelOutput(ModelOutput):
+    last_hidden_state: torch.Tensor | None = None  # [B, T, D] after the final norm; zeros at pad positions
+    cache: HybridCache | None = None
 
 
 @dataclass
@@ -63,6 +89,7 @@ class HybridPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     _no_split_modules = ["HybridBlock"]
     _supports_sdpa = True
+    supports_gradient_checkpointing = True  # per block, in HybridModel._run
 
     def __init__(self, config: HybridConfig | HybridTransformersConfig, *inputs, **kwargs) -> None:
         super().__init__(transformers_config(config, model=type(self).__name__), *inputs, **kwargs)
@@ -109,6 +136,7 @@ class HybridModel(HybridPreTrainedModel):
         self.layers = nn.ModuleList(HybridBlock(hybrid, i) for i in range(hybrid.num_hidden_layers))
         self.norm = RMSNorm(hybrid.hidden_size, eps=hybrid.rms_norm_eps)
         self.embedding_multiplier = hybrid.embedding_multiplier
+        self.gradient_checkpointing = False  # set by transformers' gradient_checkpointing_enable()
         self.post_init()
 
     def forward(
@@ -120,25 +148,44 @@ class HybridModel(HybridPreTrainedModel):
         *,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """-> hidden states [B, T, D].
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        **kwargs,
+    ) -> HybridModelOutput:
+        """-> `HybridModelOutput`: last_hidden_state [B, T, D] (and the `cache` passed in, advanced).
 
         inputs_embeds [B, T, D] replaces input_ids and enters the blocks as given: `embedding_multiplier` scales
         only the embeddings looked up here from input_ids (as in transformers' Falcon-H1), so the input
         equivalent to input_ids is `embed_tokens(input_ids) * embedding_multiplier`.
-        attention_mask [B, T] (1 = token, 0 = padding) admits a LEFT-padded batch: the rows' tokens run
-        as one packed row (`cu_seqlens`), so no pad position enters attention, a conv or a recurrent
-        state; a cache then gets one row per prompt (`HybridCache.lengths`). Pad positions return zeros.
+        attention_mask [B, T] (1 = token, 0 = padding) admits a left- or right-padded batch (each row one
+        contiguous run of tokens): the rows' tokens run as one packed row (`cu_seqlens`), so no pad position
+        enters attention, a conv or a recurrent state; a cache (left padding only: decoding continues at each
+        row's end) then gets one row per prompt (`HybridCache.lengths`). Pad positions return zeros.
+        cu_seq_lens_q / cu_seq_lens_k (equal; what TRL's and transformers' padding-free collators pass beside
+        position_ids) are taken as `cu_seqlens`. `use_cache`, `return_dict`, `max_length_q/k`, `seq_idx` are
+        accepted and change nothing; hidden states and attention weights of every layer are not returned.
         """
+        unknown = sorted(set(kwargs) - set(_IGNORED_KEYWORDS))
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.forward() got unsupported keyword(s) {', '.join(unknown)}")
+        if output_hidden_states or output_attentions:
+            raise NotImplementedError("output_hidden_states / output_attentions are not supported: the model returns "
+                                      "the last hidden state (HybridModel) or the logits (HybridForCausalLM)")
+        cu_seqlens = _packed_offsets(cu_seqlens, cu_seq_lens_q, cu_seq_lens_k)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
         if inputs_embeds is None:
             h = self.embed_tokens(input_ids) * self.embedding_multiplier  # [B, T, D]
         else:
             h = inputs_embeds  # already scaled as the caller wants (docstring)
-        keep = left_padding_mask(attention_mask, h.shape[:2]) if attention_mask is not None else None
+        keep = None
+        if attention_mask is not None:
+            # With a cache, decoding continues at each row's end: only left padding leaves the rows' ends aligned.
+            keep = (left_padding_mask if cache is not None else padding_mask)(attention_mask, h.shape[:2])
         if keep is None:
-            return self._run(h, cu_seqlens, position_ids, cache)
+            return HybridModelOutput(last_hidden_state=self._run(h, cu_seqlens, position_ids, cache), cache=cache)
         if cu_seqlens is not None or position_ids is not None:
             raise ValueError("a padded attention_mask cannot be combined with cu_seqlens or position_ids")
         lengths = keep.sum(1)  # [B] tokens per row
@@ -146,7 +193,7 @@ class HybridModel(HybridPreTrainedModel):
         packed = self._run(h[keep].unsqueeze(0), offsets, None, cache)  # [1, total, D]
         out = h.new_zeros(h.shape)
         out[keep] = packed[0]
-        return out
+        return HybridModelOutput(last_hidden_state=out, cache=cache)
 
     def _run(
         self,
@@ -188,12 +235,16 @@ class HybridModel(HybridPreTrainedModel):
             # Each token's document, for the compiled blocks' mixers that take it (HybridBlock): made on the host,
             # copied once per forward.
             seq_idx = host_to_device(sequence_ids(cu_seqlens, h.shape[1]).unsqueeze(0), h.device)  # [1, T]
+        # Gradient checkpointing recomputes each block in the backward pass; never with a cache, which the
+        # recomputation would advance a second time.
+        checkpointed = self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             layer_cache = cache[i] if cache is not None else None
             # Document restarts are resolved above (packed into cu_seqlens, or there are none): the layers need not
             # look again (each look is a host synchronization, which also rules out CUDA-graph capture).
-            h = layer(h, cu_seqlens=cu_seqlens, position_ids=position_ids, cache=layer_cache, restarts_resolved=True,
-                      seq_idx=seq_idx)
+            block = functools.partial(layer, cu_seqlens=cu_seqlens, position_ids=position_ids, cache=layer_cache,
+                                      restarts_resolved=True, seq_idx=seq_idx)
+            h = self._gradient_checkpointing_func(block, h) if checkpointed else block(h)
         h = self.norm(h)
         if packed_rows is not None:
             h = h.reshape(packed_rows, length, width)
@@ -205,8 +256,11 @@ class HybridModel(HybridPreTrainedModel):
         return h
 
 
-class HybridForCausalLM(HybridPreTrainedModel):
-    """`HybridModel` + LM head (optionally tied to the embeddings), next-token loss, cached generation."""
+class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
+    """`HybridModel` + LM head (optionally tied to the embeddings), next-token loss, cached generation.
+
+    GenerationMixin makes it a generating model to transformers' machinery (a `generation_config`, saved beside the
+    weights; PEFT's `prepare_inputs_for_generation`); `generate` itself is ours (`hybridlm.models.generation`)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -234,24 +288,36 @@ class HybridForCausalLM(HybridPreTrainedModel):
         *,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        **kwargs,
     ) -> HybridCausalLMOutput:
         """labels [B, T] are the input ids (shifted here); IGNORE_INDEX (-100) targets are skipped, and so
-        are the targets of pad positions of a left-padded `attention_mask` [B, T].
+        are the targets read at or pointing to pad positions of a padded `attention_mask` [B, T].
+        The loss is the mean over the counted targets, or their sum / `num_items_in_batch` when given (transformers'
+        Trainer passes the count of the whole accumulated batch, so that gradient accumulation averages per token).
         `inputs_embeds` [B, T, D] instead of input_ids are used as given, not scaled by `embedding_multiplier`
-        (`HybridModel.forward`).
-        `logits_to_keep=n > 0` computes logits for the last n positions only (decoding)."""
+        (`HybridModel.forward`, which takes the other keywords: TRL's padding-free keys, `use_cache`, ...).
+        `logits_to_keep=n > 0` computes logits for the last n positions only (decoding); a 1-D tensor of positions
+        keeps those (transformers' convention)."""
         hidden = self.model(
-            input_ids, cu_seqlens, position_ids, cache, attention_mask=attention_mask, inputs_embeds=inputs_embeds
-        )
-        kept = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
+            input_ids, cu_seqlens, position_ids, cache, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            **kwargs,
+        ).last_hidden_state
+        cu_seqlens = _packed_offsets(cu_seqlens, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
+        keeps_some = isinstance(logits_to_keep, torch.Tensor) or logits_to_keep > 0
+        if isinstance(logits_to_keep, torch.Tensor):
+            kept = hidden[:, logits_to_keep]
+        else:
+            kept = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
         logits = self.lm_head(kept) * self.lm_head_multiplier  # [B, T, V]
         loss = None
         if labels is not None:
-            if logits_to_keep > 0:
+            if keeps_some:
                 raise ValueError("labels need the logits of every position; leave logits_to_keep at 0")
             loss = _next_token_loss(
-                logits, labels, cu_seqlens=cu_seqlens, position_ids=position_ids, attention_mask=attention_mask
+                logits, labels, cu_seqlens=cu_seqlens, position_ids=position_ids, attention_mask=attention_mask,
+                num_items_in_batch=num_items_in_batch,
             )
         return HybridCausalLMOutput(loss=loss, logits=logits, cache=cache)
 
@@ -350,13 +416,16 @@ def _next_token_loss(
     cu_seqlens: torch.Tensor | None,
     position_ids: torch.Tensor | None,
     attention_mask: torch.Tensor | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean cross entropy of logits[:, t] against labels[:, t + 1], skipping -100, the targets that
-    belong to the next packed document and those read at a pad position."""
+    belong to the next packed document and those read at or pointing to a pad position; with
+    `num_items_in_batch`, the sum over those targets divided by it."""
     batch, length = labels.shape
     targets = labels[:, 1:].clone()  # [B, T-1]
     if attention_mask is not None:
-        targets.masked_fill_(~attention_mask[:, :-1].to(torch.bool), IGNORE_INDEX)  # no nonzero(): no wait
+        keep = attention_mask.to(torch.bool)
+        targets.masked_fill_(~(keep[:, :-1] & keep[:, 1:]), IGNORE_INDEX)  # no nonzero(): no wait
     if cu_seqlens is not None:
         offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length)  # on the host
         # Target t+1 starts a document. index_fill_ takes the value as a kernel argument: assigning a Python number
@@ -364,9 +433,31 @@ def _next_token_loss(
         targets.index_fill_(1, host_to_device(offsets[1:-1] - 1, labels.device), IGNORE_INDEX)
     elif position_ids is not None:
         targets.masked_fill_(position_ids.expand(batch, length)[:, 1:] == 0, IGNORE_INDEX)
-    return F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
-    )
+    # At least float32 (bf16 logits are upcast), float64 kept as it is.
+    flat_logits = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, logits.shape[-1])
+    flat_targets = targets.reshape(-1)
+    if num_items_in_batch is None:
+        return F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX)
+    total = F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def _packed_offsets(
+    cu_seqlens: torch.Tensor | None, cu_seq_lens_q: torch.Tensor | None, cu_seq_lens_k: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The documents' offsets from `cu_seqlens` or its transformers spelling `cu_seq_lens_q` / `cu_seq_lens_k`
+    (self-attention: the two are one list)."""
+    given = [x for x in (cu_seq_lens_q, cu_seq_lens_k) if x is not None]
+    if not given:
+        return cu_seqlens
+    if cu_seqlens is not None:
+        raise ValueError("pass the documents' offsets once: cu_seqlens or cu_seq_lens_q / cu_seq_lens_k")
+    if len(given) == 2 and not torch.equal(cu_seq_lens_q.cpu(), cu_seq_lens_k.cpu()):
+        raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; this model has self-attention only, one list of "
+                         "document offsets")
+    return given[0]
 
 
 AutoConfig.register("hybridlm", HybridTransformersConfig, exist_ok=True)

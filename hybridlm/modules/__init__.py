@@ -6,6 +6,7 @@ from hybridlm.modules.boundaries import (
     left_padding_mask,
     local_positions,
     pack_rows,
+    padding_mask,
     sequence_ids,
 )
 from hybridlm.modules.gated_norm import GatedRMSNorm, gated_rms_norm
@@ -26,6 +27,7 @@ __all__ = [
     "left_padding_mask",
     "local_positions",
     "pack_rows",
+    "padding_mask",
     "rms_norm",
     "rotary_cos_sin",
     "sequence_ids",

@@ -49,9 +49,30 @@ def sequence_ids(cu_seqlens: torch.Tensor, total_len: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths), device=offsets.device), lengths, output_size=total_len)
 
 
+def padding_mask(attention_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+    """attention_mask [B, T] (1 = token) -> the boolean mask, or None when nothing is padded.
+    Each row holds its tokens as one contiguous run: left padding, right padding (what training collators such as
+    TRL's produce) or both, with at least one token per row. Padding inside a row is refused: whether its two runs are
+    one document or two is not something the mask says."""
+    if tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask must be [B, T] = {list(shape)}, got {list(attention_mask.shape)}")
+    keep = attention_mask.to(torch.bool)
+    if bool(keep.all()):
+        return None
+    runs = (keep[:, :1].sum(1) + (keep[:, 1:] & ~keep[:, :-1]).sum(1))  # [B] runs of tokens per row
+    if bool((runs != 1).any()):
+        raise ValueError(
+            "attention_mask: each row must hold one contiguous run of tokens (left or right padding), with at least "
+            "one token; padding inside a row and empty rows are not supported (pack documents with position_ids "
+            "restarting at 0, or cu_seqlens)"
+        )
+    return keep
+
+
 def left_padding_mask(attention_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
     """attention_mask [B, T] (1 = token) -> the boolean mask, or None when nothing is padded.
-    Only left padding is accepted (each row: zeros, then ones), with at least one token per row."""
+    Only left padding is accepted (each row: zeros, then ones), with at least one token per row: what decoding
+    needs, since every row continues at its end."""
     if tuple(attention_mask.shape) != tuple(shape):
         raise ValueError(f"attention_mask must be [B, T] = {list(shape)}, got {list(attention_mask.shape)}")
     keep = attention_mask.to(torch.bool)
