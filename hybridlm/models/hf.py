@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from hybridlm.models.config import HybridConfig
+from hybridlm.models.configuration import HybridTransformersConfig
 from hybridlm.models.falcon_h1 import load_falcon_h1_weights, mismatch_error, read_falcon_h1_config
 from hybridlm.models.model import HybridForCausalLM
 from hybridlm.models.progress import transformers_progress_bars
@@ -51,6 +53,24 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridF
 
 
 _OPTIONAL_WEIGHTS = (".ssm.beta_bias", ".ssm.lam_bias")
+
+
+def read_model_config(path: str | Path) -> HybridConfig:
+    """The `HybridConfig` of a model directory (ours or falcon_h1) from its config.json, without the weights."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path}: no config.json; not a model directory")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{config_file} is not valid JSON ({err})") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type == "falcon_h1":
+        return read_falcon_h1_config(path)
+    if model_type != "hybridlm":
+        raise ValueError(f"{path}: unsupported model_type {model_type!r}; expected 'hybridlm' or 'falcon_h1'")
+    return HybridTransformersConfig.from_pretrained(str(path)).to_hybrid()
 
 
 def load_falcon_h1(path: Path, *, dtype: torch.dtype | None = None) -> HybridForCausalLM:

@@ -54,6 +54,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.set_defaults(func=run_train)
 
+    for task in ("sft", "dpo"):
+        _add_post_training_command(subparsers, task)
+
     mup = subparsers.add_parser(
         "mup-check",
         help="muP coordinate check: activation RMS per layer type across widths (PNG + JSON)",
@@ -74,11 +77,68 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     mup.set_defaults(func=run_mup_check)
 
 
+_POST_TRAINING = {
+    "sft": """Supervised fine-tuning of a trained model on chat records, on the training loop of `hybridlm train`
+(same --config / --set keys, checkpoints, --resume, metrics.jsonl, loss.png, final/).
+
+    hybridlm sft --model runs/demo/final --out runs/sft                       # the generated demo conversations
+    hybridlm sft --model runs/demo/final --data chats.jsonl --out runs/sft --set train.steps=500
+    hybridlm sft --model M --data chats.jsonl --out runs/sft-lora --set lora.r=16 --set lora.alpha=32
+    hybridlm sft --config configs/sft-falcon-h1.yaml --model M --data chats/ --out runs/sft
+    hybridlm sft --resume --out runs/sft
+
+--data: a .jsonl / .parquet file or directory of records in TRL's formats: {"messages": [{"role", "content"},
+...]} or {"prompt", "completion"} (strings, or message lists). Conversations are rendered with the model
+directory's chat template (--chat-template FILE for another). The loss trains on the assistant's tokens
+(data.train_on=all: every token). Samples are packed into rows of batch.seq_len tokens, each its own document;
+longer ones are cut (counted), and those left with nothing to train on are skipped (counted). final/ holds the model,
+its tokenizer and chat template: `hybridlm chat --model <out>/final`.""",
+    "dpo": """Direct preference optimization of a trained model, on the training loop of `hybridlm train`.
+
+    hybridlm dpo --model runs/sft/final --out runs/dpo                        # demo pairs from the demo conversations
+    hybridlm dpo --model M --data prefs.jsonl --out runs/dpo --set dpo.beta=0.1 --set dpo.loss=sigmoid
+    hybridlm dpo --config configs/dpo-falcon-h1.yaml --model M --data prefs.jsonl --out runs/dpo
+
+--data: records {"prompt", "chosen", "rejected"} (strings, or message lists rendered with the chat template).
+dpo.loss: sigmoid (DPO) or norm (length-normalized, the Falcon-H1 report's); dpo.reference: precomputed (the
+starting model's log-probabilities, one pass before training) or frozen (a copy of the starting model in memory).
+metrics.jsonl adds rewards/chosen, rewards/rejected, rewards/margin and rewards/accuracy.""",
+}
+
+
+def _add_post_training_command(subparsers: argparse._SubParsersAction, task: str) -> None:
+    doc = _POST_TRAINING[task]
+    p = subparsers.add_parser(task, help=doc.split("\n")[0].rstrip("."), description=doc,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="the model directory to start from (sets model.init)")
+    p.add_argument("--data", type=Path, help="records file or directory (sets data.chat); default: demo data")
+    p.add_argument("--chat-template", type=Path, metavar="FILE",
+                   help="a Jinja chat template to use instead of the model's (sets data.chat_template)")
+    p.add_argument("--config", type=Path, help="YAML run config (e.g. configs/sft-falcon-h1.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config value, e.g. --set train.steps=12 (repeatable)")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true",
+                       help="continue from the newest complete checkpoint in the output directory")
+    start.add_argument("--overwrite", action="store_true", help="replace a previous run in the output directory")
+    p.add_argument("--out", type=Path, help="output directory (sets train.out_dir)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.set_defaults(func=run_train, task=task)
+
+
 def _resolve_config(args: argparse.Namespace):
     """(the config, the file it was read from or None for the built-in demo)."""
     from hybridlm.training.config import load_config
 
-    overrides = list(args.overrides)
+    task = getattr(args, "task", "pretrain")
+    overrides = [f"train.task={task}"] if task != "pretrain" else []
+    for flag, key in (("model", "model.init"), ("data", "data.chat"), ("chat_template", "data.chat_template")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.append(f"{key}={json.dumps(str(value))}")  # quoted: a path is not YAML ("#", "2024")
+    if getattr(args, "data", None) is not None:
+        overrides.append("data.demo=false")
+    overrides += list(args.overrides)
     config_path = args.config
     if args.out is not None:
         overrides.append(f"train.out_dir={json.dumps(str(args.out))}")  # quoted: a path is not YAML ("#", "2024")
@@ -86,11 +146,11 @@ def _resolve_config(args: argparse.Namespace):
         # continue the run with its own settings (the --out dir's, else the demo's default out dir)
         out = args.out
         if out is None:
-            out = Path(load_config(None, overrides).train.out_dir)
+            out = Path(load_config(None, overrides, task=task).train.out_dir)
         saved = Path(out) / "config.yaml"
         if saved.is_file():
             config_path = saved
-    return load_config(config_path, overrides), config_path
+    return load_config(config_path, overrides, task=task), config_path
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -6,11 +6,16 @@
 
 Sections (dotted keys address them: `--set batch.micro_batch=4`):
 
-    model         preset (a name from hybridlm.models.presets), overrides (any HybridConfig field, typed
+    model         init (a model directory to start from: fine-tuning; preset and overrides are then unused),
+                  preset (a name from hybridlm.models.presets), overrides (any HybridConfig field, typed
                   like the field: `model.overrides.ssm_multiplier_dt=0.5`), mup_base_width (the width the
                   forward multipliers were tuned at: they are transferred to hidden_size with
                   `training.optim.scale_multipliers`; None leaves them as given)
-    data          demo (the built-in corpus, `training.demo`) or sources (prepared shard dirs with weights),
+    data          demo (the built-in corpus, `training.demo`; for sft / dpo the generated demo conversations) or
+                  sources (prepared shard dirs with weights; pretraining) or chat (sft / dpo records: a .jsonl /
+                  .parquet file or directory, `hybridlm.data.chat`), chat_template (a Jinja file; default: the
+                  model's), train_on ("assistant" | "all": the tokens the SFT loss trains on),
+                  skip_bad_records (skip and count records that do not parse instead of stopping),
                   eval_sources (held-out shard dirs), tokenizer (a tokenizer dir, to print samples),
                   document_boundaries (false: one position run per row, documents not kept apart; for cp)
     optim         AdamW lr, weight_decay, betas, eps; per-role multipliers: elr / ewd (matrix roles,
@@ -31,6 +36,11 @@ Sections (dotted keys address them: `--set batch.micro_batch=4`):
                   ssm_tensor_parallel, activation_checkpointing; dp_replicate x dp_shard x cp x tp must be the
                   world size. The default (dp_shard: -1) is FSDP2 over every rank; DDP-like replicas are
                   dp_replicate: -1, dp_shard: 1
+    dpo           beta, loss ("sigmoid": DPO; "norm": length-normalized DPO, the Falcon-H1 report's), reference
+                  ("precomputed": the starting model's log-probabilities computed once before training; "frozen": a
+                  frozen copy of the starting model beside the trained one)
+    lora          r (0: off; > 0: peft LoRA adapters of rank r, the base weights frozen), alpha, dropout, targets
+                  (module names), save_adapter (also write final/adapter/); final/ holds the merged weights
     distributed   backend ("auto" | "gloo" | "nccl"); used under torchrun. The parallel section replaces
                   distributed.strategy (refused, with the keys to write): "fsdp" is parallel.dp_shard=-1, "ddp"
                   is parallel.dp_replicate=-1 + parallel.dp_shard=1
@@ -71,6 +81,7 @@ from hybridlm.training.validate import check_schedule_decay, validate
 # ------------------------------------------------------------------------------------------------ sections
 @dataclass
 class ModelSection:
+    init: str | None = None  # a model directory (ours or falcon_h1) to start from; None: a fresh model of preset
     preset: str = "tiny"
     overrides: dict[str, Any] = field(default_factory=dict)  # HybridConfig fields (typed by HybridConfig)
     mup_base_width: int | None = None
@@ -102,6 +113,10 @@ class DataSection:
     # cu_seqlens). False: position_ids 0..seq_len-1 in every row, documents in a row see each other (as
     # nanoGPT); needed by parallel.cp > 1, which cannot split packed documents.
     document_boundaries: bool = True
+    chat: str | None = None  # sft / dpo: a .jsonl / .parquet file or directory of records (hybridlm.data.chat)
+    chat_template: str | None = None  # a Jinja chat template file; None: the model tokenizer's own
+    train_on: str = "assistant"  # sft: "assistant" (assistant messages / completions) | "all" (every token)
+    skip_bad_records: bool = False  # sft / dpo: skip and count bad records instead of stopping at the first
 
 
 @dataclass
@@ -129,6 +144,7 @@ class BatchSection:
 
 @dataclass
 class TrainSection:
+    task: str = "pretrain"  # "pretrain" | "sft" | "dpo": what the data and the loss are (`hybridlm sft` sets "sft")
     steps: int | None = 300
     tokens: int | None = None  # stop after this many tokens (or after `steps`, whichever comes first)
     out_dir: str = "runs/demo"
@@ -155,6 +171,26 @@ class TrainSection:
     samples: int = 3  # generated at the end (needs data.tokenizer or the demo); 0: none
     sample_tokens: int = 200
     sample_temperature: float = 0.8
+
+
+@dataclass
+class DpoSection:
+    beta: float = 0.1
+    loss: str = "sigmoid"  # "sigmoid" | "norm" (log-probabilities averaged over each response's tokens)
+    reference: str = "precomputed"  # "precomputed" | "frozen"
+
+
+# every linear layer of the blocks: attention, the SSM half's projections (Mamba-2 or fast-weight), the MLP
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraSection:
+    r: int = 0  # 0: no LoRA (every weight trains)
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    save_adapter: bool = False  # also write the adapter alone to final/adapter (peft's format)
 
 
 @dataclass
@@ -186,6 +222,8 @@ class TrainConfig:
     batch: BatchSection = field(default_factory=BatchSection)
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    dpo: DpoSection = field(default_factory=DpoSection)
+    lora: LoraSection = field(default_factory=LoraSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
 
     def to_dict(self) -> dict[str, Any]:
@@ -201,6 +239,30 @@ def demo_config() -> TrainConfig:
     config.train.eval_batches = 64  # 128K held-out bytes, several files (a batch holds consecutive bytes of one or two)
     validate(config)
     return config
+
+
+def post_training_defaults(task: str) -> dict[str, Any]:
+    """What `hybridlm sft` / `hybridlm dpo` start from without --config (model.init and the data come from the
+    command): a short fine-tune of a small model, in minutes on a CPU. The report's recipes for real models are
+    configs/sft-falcon-h1.yaml and configs/dpo-falcon-h1.yaml."""
+    config = TrainConfig(data=DataSection(demo=True))
+    config.train.task = task
+    config.optim.weight_decay = 0.0  # the report's SFT and the common DPO setting: no weight decay
+    config.batch = BatchSection(micro_batch=8, seq_len=256)
+    config.train.eval_every, config.train.save_every, config.train.log_every = 0, 50, 10
+    config.train.sample_tokens = 48
+    if task == "sft":
+        config.optim.lr = 1e-3
+        config.train.steps, config.train.out_dir = 150, "runs/sft"
+        # the report's SFT shape: warmup, stable, then an exponential decay to lr / 8
+        config.schedule = ScheduleConfig(kind="wsd", warmup=10, decay_fraction=0.5, decay_shape="exponential",
+                                         min_lr_ratio=0.125)
+    else:
+        config.optim.lr = 1e-4
+        config.train.steps, config.train.out_dir = 60, "runs/dpo"
+        # the report's DPO shape: a 10% warmup, then a linear decay to 0
+        config.schedule = ScheduleConfig(kind="wsd", warmup=6, decay_fraction=0.9)
+    return config_to_dict(config)
 
 
 # ------------------------------------------------------------------------------------------------ schema
@@ -232,13 +294,15 @@ def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
     return config
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Read a YAML config (None: the built-in demo config), apply `key=value` overrides, validate.
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                task: str = "pretrain") -> TrainConfig:
+    """Read a YAML config (None: the built-in demo config, or `post_training_defaults(task)` for "sft" / "dpo"),
+    apply `key=value` overrides, validate.
 
     Raises ConfigError naming the key for unknown keys, wrong types and impossible settings.
     """
     if path is None:
-        raw = config_to_dict(demo_config())
+        raw = config_to_dict(demo_config()) if task == "pretrain" else post_training_defaults(task)
     else:
         path = Path(path)
         if path.is_dir():

@@ -233,10 +233,12 @@ class RunDirectory:
         return plot_losses(self.path) if self.ctx.is_main else None
 
     # ------------------------------------------------------------------------------------------ final/
-    def export(self, model: Any, state_dict: dict[str, torch.Tensor], tokenizer_dir: Path | None) -> Path | None:
+    def export(self, model: Any, state_dict: dict[str, torch.Tensor], tokenizer_dir: Path | None, *,
+               extras: dict[str, Callable[[Path], None]] | None = None) -> Path | None:
         """`final/`: `model.save_pretrained` with the full `state_dict` (safetensors) and the tokenizer's files from
-        `tokenizer_dir` beside it. Every rank calls it; rank 0 writes, through a temporary directory renamed into
-        place (the previous final/ is moved aside first: a crash leaves one of them)."""
+        `tokenizer_dir` beside it; `extras` maps more names in final/ to a function writing that path. Every rank
+        calls it; rank 0 writes, through a temporary directory renamed into place (the previous final/ is moved aside
+        first: a crash leaves one of them)."""
         final = self.path / FINAL_DIR
         if self.ctx.is_main:
             tmp = self.path / f"{FINAL_DIR}.tmp"
@@ -251,6 +253,8 @@ class RunDirectory:
                     source = Path(tokenizer_dir) / name
                     if source.is_file() and not os.path.lexists(tmp / name):
                         shutil.copy2(source, tmp / name)
+            for name, write in (extras or {}).items():
+                write(tmp / name)
             old = self.path / f"{FINAL_DIR}.old.tmp"
             remove_path(old)
             if os.path.lexists(final):  # (a link named final is moved aside and unlinked, its target left alone)

@@ -115,10 +115,11 @@ class TrainResult:
 
 @dataclass
 class _Data:
-    loader: Any
+    loader: Any  # an iterator of batches with state_dict / load_state_dict: PackedLoader, ChatRows, PreferencePairs
     eval_sources: list  # hybridlm.data.loader.Source
     tokenizer_dir: Path | None
     vocab_size: int
+    chat: Any = None  # sft / dpo: hybridlm.training.posttraining.ChatData
 
 
 @dataclass
@@ -259,7 +260,14 @@ class Trainer:
         self.loader = self.data.loader
         from hybridlm.models.model import HybridForCausalLM
 
-        self.raw_model = HybridForCausalLM(self.hybrid).to(self.ctx.device)
+        self.raw_model = self._new_model().to(self.ctx.device)
+        # dpo.reference "frozen": the starting model, a frozen copy beside the trained one
+        self.reference_model = None
+        if config.train.task == "dpo" and config.dpo.reference == "frozen":
+            import copy
+
+            self.reference_model = copy.deepcopy(self.raw_model).eval().requires_grad_(False)
+        self.raw_model = self._with_lora(self.raw_model)
         self.parameters = sum(p.numel() for p in self.raw_model.parameters())
         # The groups of the unparallelized model, by name: checkpoints and the gradient norm use them (a
         # mixer-parallel rank holds only some of the parameters); each rank's optimizer holds its share.
@@ -272,10 +280,18 @@ class Trainer:
             weight_decay=config.optim.weight_decay,
         )
         self.guard = StepGuard(config.train.max_consecutive_skips, spike_factor=config.train.spike_factor)
-        self.loss = TokenCrossEntropy(context=self._forward_context)
+        if config.train.task == "dpo":
+            from hybridlm.training.dpo import PreferenceLoss
+
+            self.loss = PreferenceLoss(config.dpo.beta, config.dpo.loss, context=self._forward_context,
+                                       reference_model=self.reference_model)
+            prepare = self._to_device
+        else:
+            self.loss = TokenCrossEntropy(context=self._forward_context)
+            prepare = self._micro_batch
         max_norm = config.train.grad_clip if config.train.grad_clip is not None else math.inf
         self.loop = TrainLoop(
-            self.model, self.optimizer, data=PackedRows(self.loader, self._micro_batch, lambda: self.tokens),
+            self.model, self.optimizer, data=PackedRows(self.loader, prepare, lambda: self.tokens),
             loss=self.loss, plan=self._plan, guard=self.guard, ctx=self.ctx, grads_in_place=self._cuda_graphs,
             clip=lambda model: D.clip_grad_norm(model, max_norm, self.ctx, names=self.param_names),
         )
@@ -319,7 +335,8 @@ class Trainer:
         c = self.config.data
         own = self.config_path is not None and same_file(self.config_path, self.out_dir / CONFIG_FILE)
         needed = [("--config", None if own else self.config_path), ("data.tokenizer", c.tokenizer),
-                  ("data.demo_dir", c.demo_dir)]
+                  ("data.demo_dir", c.demo_dir), ("model.init", self.config.model.init), ("data.chat", c.chat),
+                  ("data.chat_template", c.chat_template)]
         return (needed + [("data.sources", s.path) for s in c.sources]
                 + [("data.eval_sources", s.path) for s in c.eval_sources])
 
@@ -329,6 +346,8 @@ class Trainer:
         from hybridlm.data.shards import check_tokenizer_matches, load_manifest
 
         c = self.config
+        if c.train.task != "pretrain":
+            return self._build_chat_data()
         if c.data.demo:
             from hybridlm.training.demo import prepare_demo
 
@@ -371,6 +390,42 @@ class Trainer:
         vocab = max(int(load_manifest(s.path)["vocab_size"]) for s in sources)
         return _Data(loader, eval_sources, tokenizer_dir, vocab)
 
+    def _build_chat_data(self) -> _Data:
+        """sft / dpo: the records tokenized with model.init's tokenizer and chat template, packed (`posttraining`)."""
+        from hybridlm.training.posttraining import build_chat_source
+
+        chat = build_chat_source(self.config, rank=self.ctx.dp_rank, world_size=self.ctx.dp_size)
+        self._print(f"{self.config.train.task} data: {chat.summary}")
+        return _Data(chat.source, [], Path(self.config.model.init), len(chat.encoder.tokenizer), chat)
+
+    def _new_model(self) -> torch.nn.Module:
+        """A fresh model of the config's preset, or model.init's trained one (in float32: the master weights)."""
+        from hybridlm.models.model import HybridForCausalLM
+
+        if self.config.model.init is None:
+            return HybridForCausalLM(self.hybrid)
+        from hybridlm.models.hf import load_model
+
+        try:
+            return load_model(self.config.model.init, dtype=torch.float32).train()
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"model.init: {err}") from err
+
+    def _with_lora(self, model: torch.nn.Module) -> torch.nn.Module:
+        """With lora.r > 0: peft LoRA adapters on lora.targets, every other weight frozen (one process)."""
+        lora = self.config.lora
+        if not lora.r:
+            return model
+        if self.ctx.world_size > 1:
+            raise ConfigError("lora.r: LoRA trains in one process here; run without torchrun, or set lora.r=0")
+        from peft import LoraConfig, get_peft_model
+
+        try:
+            return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                    target_modules=list(lora.targets)))
+        except ValueError as err:  # no module matches a target
+            raise ConfigError(f"lora.targets: {err}") from err
+
     def _eval_loader(self, eval_sources: list):
         """The held-out rows, in order: the same rows at every evaluation and for any split into ranks."""
         from hybridlm.data.loader import PackedLoader
@@ -387,8 +442,13 @@ class Trainer:
         o = self.config.optim
         roles = set(o.elr) | set(o.ewd)
         matrix = {r: MatrixMultipliers(o.elr.get(r, 1.0), o.ewd.get(r, 1.0)) for r in roles}
+        named = [(n, p) for n, p in self.raw_model.named_parameters() if p.requires_grad]
+        if self.config.lora.r:  # the adapters: one group, at optim.lr and optim.weight_decay
+            names, params = zip(*named)
+            return [{"params": list(params), "param_names": list(names), "role": "lora", "lr": o.lr,
+                     "weight_decay": o.weight_decay, "base_lr": o.lr, "base_weight_decay": o.weight_decay}]
         return build_param_groups(
-            self.raw_model.named_parameters(), lr=o.lr, weight_decay=o.weight_decay,
+            named, lr=o.lr, weight_decay=o.weight_decay,
             matrix_multipliers=matrix, vector_lr_multipliers=o.vector_lr,
         )
 
@@ -416,9 +476,24 @@ class Trainer:
             "mesh": self.ctx.describe(),
             "config": dump_config(self.config),
             # JSON has no NaN / inf (a skipped update's loss): None, read back as NaN, which _mean leaves out
-            "interval": [{k: r[k] if _finite_or_not_float(r[k]) else None for k in _INTERVAL_KEYS}
+            "interval": [{k: r[k] if _finite_or_not_float(r[k]) else None for k in self._interval_keys}
                          for r in self._interval],
+            # dpo: the starting model's log-probabilities of every pair (exact in JSON: float64 reprs round-trip)
+            **({"reference": self.loader.reference.tolist()} if self._precomputed_reference else {}),
         }
+
+    @property
+    def _interval_keys(self) -> tuple[str, ...]:
+        """What an update's record holds for the metrics (the loss's own metrics too: DPO's rewards)."""
+        if self.config.train.task == "dpo":
+            from hybridlm.training.dpo import METRICS
+
+            return _INTERVAL_KEYS + METRICS
+        return _INTERVAL_KEYS
+
+    @property
+    def _precomputed_reference(self) -> bool:
+        return self.config.train.task == "dpo" and self.config.dpo.reference == "precomputed"
 
     def save(self) -> Path | None:
         """Write a checkpoint of the current step (every rank must call it; rank 0 writes)."""
@@ -478,6 +553,8 @@ class Trainer:
             group.clear()
             group.update(values, params=params)
         self.loop.step, self.tokens = loaded.step, int(state["tokens"])
+        if self._precomputed_reference:
+            self.loader.reference = torch.tensor(state["reference"], dtype=torch.float64)
         self.guard.load_state_dict(state["guard"])
         self._interval = [{k: math.nan if v is None else v for k, v in r.items()} for r in state.get("interval", [])]
         self.resumed_from = path
@@ -642,6 +719,8 @@ class Trainer:
         c = self.config.train
         if c.samples == 0 or self.data.tokenizer_dir is None:
             return []
+        if self.data.chat is not None:
+            return self._write_chat_samples()
         if self.ctx.parallel is not None and self.ctx.parallel.mixer_parallel != "off":
             self._print("no samples under mixer parallelism (its decoding is not tested through the trainer)")
             return []
@@ -685,6 +764,31 @@ class Trainer:
             self._print(f"samples ({how}) after {self.step} updates:{sep}{body}{sep}")
         return texts
 
+    def _write_chat_samples(self) -> list[str]:
+        """sft / dpo: the trained model's greedy answers to the first train.samples records' prompts."""
+        from hybridlm.inference import generate
+
+        c = self.config.train
+        encoder = self.data.chat.encoder
+        stops = encoder.stop_ids()
+        model = self.model
+        model.eval()
+        texts = []
+        with self._autocast(), self._eager_without_grad():
+            for record in self.data.chat.records[:c.samples]:
+                prompt = encoder.encode_text(encoder.prompt_text(record.data))[-self.config.batch.seq_len:]
+                out = generate(model, torch.tensor([prompt], device=self.ctx.device), max_new_tokens=c.sample_tokens,
+                               eos_token_id=stops or None)
+                new = [t for t in out.sequences[0, len(prompt):].tolist() if t not in stops]
+                texts.append(encoder.tokenizer.decode(prompt) + " => " + encoder.tokenizer.decode(new))
+        model.train()
+        D.reshard(model)
+        if self.ctx.is_main:
+            sep = "\n" + "-" * 72 + "\n"
+            self.run_dir.write_samples(sep.join(texts) + "\n")
+            self._print(f"answers (greedy) after {self.step} updates:{sep}{sep.join(texts)}{sep}")
+        return texts
+
     # ------------------------------------------------------------------------------------------ training
     def train(self) -> TrainResult:
         """Train to `total_steps` (or until stopped); see the module docstring. The output directory's lock is
@@ -711,6 +815,8 @@ class Trainer:
             f" x {self.ctx.world_size} ({self.ctx.describe()}), "
             f"{self.total_steps} updates, {self.total_tokens:,} tokens, dtype {c.dtype} -> {self.out_dir}"
         )
+        if self._precomputed_reference and self.loader.reference is None:
+            self._compute_reference()
         self._bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                          disable=not (c.progress and self.ctx.is_main))
         self._last_loss: float | None = None
@@ -742,6 +848,22 @@ class Trainer:
         return TrainResult(status, self.step, self.tokens, last_loss, eval_loss,
                            Path(checkpoint) if checkpoint else None, self.out_dir, samples)
 
+    def _compute_reference(self) -> None:
+        """dpo: the starting model's log-probabilities of every pair, in one pass before the first update (every rank
+        computes all of them: the same forwards on every rank, as FSDP2 needs)."""
+        from tqdm.auto import tqdm
+
+        from hybridlm.training.dpo import reference_log_probs
+
+        pairs = self.loader
+        with tqdm(total=len(pairs.pairs), desc="reference log-probs", unit="pair", dynamic_ncols=True,
+                  disable=not (self.config.train.progress and self.ctx.is_main)) as bar:
+            with self._eager_without_grad():
+                pairs.reference = reference_log_probs(
+                    self.model, pairs.batch, len(pairs.pairs), pairs_per_batch=self.config.batch.micro_batch,
+                    context=self._forward_context, to_device=self._to_device, progress=bar.update)
+        D.reshard(self.model)
+
     def _after_update(self, loop: TrainLoop, out: UpdateOutput) -> None:
         """The loop's hook: the update's record, the progress bar, metrics, checkpoints, evaluation, callbacks."""
         c = self.config
@@ -752,6 +874,9 @@ class Trainer:
             "lr": c.optim.lr * out.plan.lr, "wd": c.optim.weight_decay * out.plan.wd, "skipped": out.skipped,
             "step_tokens": step_tokens, "seconds": out.seconds,
         }
+        pop_metrics = getattr(self.loss, "pop_metrics", None)  # DPO's rewards
+        if pop_metrics is not None:
+            record.update(pop_metrics(lambda totals: D.row_sum(totals, self.ctx)))
         self.history.append(record)
         self._interval.append(record)
         self._bar.update(1)
@@ -774,10 +899,26 @@ class Trainer:
     def export(self) -> Path | None:
         """`<out_dir>/final/`: the trained model as a `from_pretrained` directory (safetensors) with the run's
         tokenizer beside it, ready for `hybridlm generate --model <out_dir>/final`. Every rank calls it (FSDP
-        gathers); rank 0 writes (`RunDirectory.export`)."""
+        gathers); rank 0 writes (`RunDirectory.export`).
+        With LoRA, final/ holds the merged weights (and, with lora.save_adapter, the adapter alone in final/adapter/);
+        with data.chat_template, that template as final/chat_template.jinja (which transformers' tokenizer loading
+        prefers to the tokenizer's own)."""
         from hybridlm.parallel.checkpoint import full_model_state_dict
 
-        return self.run_dir.export(self.raw_model, full_model_state_dict(self.model), self.data.tokenizer_dir)
+        extras: dict[str, Callable[[Path], None]] = {}
+        template = self.config.data.chat_template
+        if template is not None:
+            text = Path(template).read_text(encoding="utf-8")
+            extras["chat_template.jinja"] = lambda path: path.write_text(text, encoding="utf-8")
+        model = self.raw_model
+        if self.config.lora.r:
+            if self.config.lora.save_adapter:
+                adapter = self.out_dir / "adapter.tmp"
+                model.save_pretrained(str(adapter))
+                extras["adapter"] = lambda path: Path(adapter).replace(path)
+            model = model.merge_and_unload()
+            return self.run_dir.export(model, model.state_dict(), self.data.tokenizer_dir, extras=extras)
+        return self.run_dir.export(model, full_model_state_dict(self.model), self.data.tokenizer_dir, extras=extras)
 
     def _log_interval(self, interval: list[dict]) -> float | None:
         seconds = sum(r["seconds"] for r in interval)
@@ -791,6 +932,7 @@ class Trainer:
             "tokens_per_s": sum(r["step_tokens"] for r in interval) / max(seconds, 1e-9),
             "skipped": sum(r["skipped"] for r in interval),
             "elapsed_s": time.perf_counter() - self._began,
+            **{k: _mean([r[k] for r in interval]) for k in self._interval_keys[len(_INTERVAL_KEYS):]},
         }
         self.run_dir.append(METRICS_FILE, record)
         return record["loss"]

@@ -22,6 +22,7 @@ MIXER_PARALLEL = ("off", "on", "interleaved")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")  # train.compile_mode
+TASKS = ("pretrain", "sft", "dpo")  # train.task
 
 
 def _positive_int(value: Any, key: str, minimum: int = 1) -> None:
@@ -44,9 +45,21 @@ def _choice(value: str, key: str, choices: tuple[str, ...]) -> None:
 
 
 def build_model_config(config: TrainConfig) -> HybridConfig:
-    """The HybridConfig of the run: preset + overrides, multipliers transferred from mup_base_width."""
+    """The HybridConfig of the run: the config of model.init's directory, or preset + overrides, multipliers
+    transferred from mup_base_width."""
     from hybridlm.models.presets import get_preset
     from hybridlm.training.optim import scale_multipliers
+
+    if config.model.init is not None:
+        from hybridlm.models.hf import read_model_config
+
+        if config.model.overrides or config.model.mup_base_width is not None:
+            raise ConfigError("model.overrides / model.mup_base_width: unused with model.init (the model directory "
+                              "fixes the model); remove them")
+        try:
+            return read_model_config(config.model.init)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"model.init: {err}") from err
 
     try:
         hybrid = get_preset(config.model.preset, **config.model.overrides)
@@ -71,10 +84,8 @@ def validate(config: TrainConfig) -> None:
         _positive_int(config.model.mup_base_width, "model.mup_base_width")
     # data
     data = config.data
-    if data.demo and data.sources:
-        raise ConfigError("data.demo: true and data.sources are exclusive; use one of them")
-    if not data.demo and not data.sources:
-        raise ConfigError("data: no training data; list prepared datasets under data.sources, or set data.demo: true")
+    _choice(config.train.task, "train.task", TASKS)
+    _validate_task_data(config)
     for key, sources in (("data.sources", data.sources), ("data.eval_sources", data.eval_sources)):
         names = [s.name for s in sources]
         if len(set(names)) != len(names):
@@ -167,10 +178,54 @@ def validate(config: TrainConfig) -> None:
     _validate_parallel(config, hybrid)
     # distributed
     _choice(config.distributed.backend, "distributed.backend", BACKENDS)
+    # post-training
+    _finite(config.dpo.beta, "dpo.beta", low=0.0)
+    _choice(config.dpo.loss, "dpo.loss", DPO_LOSSES)
+    _choice(config.dpo.reference, "dpo.reference", DPO_REFERENCES)
+    lora = config.lora
+    _positive_int(lora.r, "lora.r", 0)
+    if lora.r:
+        _finite(lora.alpha, "lora.alpha", low=0.0)
+        _finite(lora.dropout, "lora.dropout", low=0.0, high=1.0, strict=False)
+        if not lora.targets:
+            raise ConfigError("lora.targets: empty; name the modules to adapt, e.g. [q_proj, v_proj, in_proj]")
     # the run's length: only what holds at any number of data-parallel ranks is checked here; the rest (the run's
     # tokens under train.steps, its updates under train.tokens) `schedule_config` checks with the trainer's number
     if config.schedule.unit == "steps" and t.tokens is None:  # train.steps updates whatever the number of ranks
         check_decay_fits(config.schedule, t.steps, ": train.steps")
+
+
+DPO_LOSSES = ("sigmoid", "norm")
+DPO_REFERENCES = ("precomputed", "frozen")
+
+
+def _validate_task_data(config: TrainConfig) -> None:
+    """The data keys each task reads: pretraining reads prepared shards (or the demo corpus), sft / dpo read chat
+    records (or the demo conversations) and start from a model directory."""
+    data, task = config.data, config.train.task
+    if task == "pretrain":
+        if data.chat is not None:
+            raise ConfigError("data.chat: chat records are for sft / dpo (hybridlm sft, hybridlm dpo); pretraining "
+                              "reads prepared shards under data.sources")
+        if data.demo and data.sources:
+            raise ConfigError("data.demo: true and data.sources are exclusive; use one of them")
+        if not data.demo and not data.sources:
+            raise ConfigError("data: no training data; list prepared datasets under data.sources, or set data.demo: "
+                              "true")
+        return
+    if config.model.init is None:
+        raise ConfigError(f"model.init: {task} fine-tunes a trained model: give its directory (--model DIR, e.g. the "
+                          "final/ of a `hybridlm train` run)")
+    if data.sources or data.eval_sources:
+        raise ConfigError(f"data.sources: {task} reads chat records (data.chat, or data.demo: true), not prepared "
+                          "shards; remove data.sources / data.eval_sources")
+    if data.demo == (data.chat is not None):
+        raise ConfigError(f"data.chat / data.demo: {task} needs exactly one of them: a records file or directory "
+                          "(--data FILE), or the generated demo conversations (data.demo: true)")
+    _choice(data.train_on, "data.train_on", ("assistant", "all"))
+    if not data.document_boundaries:
+        raise ConfigError(f"data.document_boundaries: {task} keeps every sample apart in its packed rows; set it "
+                          "to true")
 
 
 def _validate_parallel(config: TrainConfig, hybrid: HybridConfig) -> None:

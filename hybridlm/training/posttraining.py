@@ -1,0 +1,325 @@
+"""Post-training data on the training loop: SFT rows packed from chat samples, DPO batches of preference pairs.
+
+SFT and DPO are `TrainLoop` runs like pretraining (same config, schedules, checkpoints, resume, metrics); only the
+data source and the loss differ. `build_post_training_data(config, ...)` reads the records (`hybridlm.data.chat`),
+tokenizes them once with the model's chat template, and returns the source:
+
+- `ChatRows` (sft): samples packed into rows of `batch.seq_len` tokens in a seeded order per epoch. A sample never
+  spans two rows: the next one that does not fit starts a new row, and the rest of the row is padding (its own
+  segment, scoring nothing). Every sample is its own document of the packed row (`cu_seqlens`; `position_ids`
+  restart), so no recurrent state or attention crosses samples, and a sample's loss is the one it has alone. Labels
+  are the next token where that token trains (the assistant's, by default), -100 elsewhere.
+- `PreferencePairs` (dpo): `batch.micro_batch` pairs per rank per micro-step, each pair's chosen and rejected
+  sequences (prompt + response) packed into one row as documents; labels score the responses only.
+
+Lengths: a sample longer than `batch.seq_len` is cut to it (counted); one whose trained tokens are all cut away is
+skipped (counted). A DPO pair keeps the end of its prompt and the start of its responses within `batch.seq_len`.
+
+Both sources draw from an endless stream of epochs (`EpochStream`: a seeded permutation per epoch); a micro-step
+takes the next `micro_batch x data-parallel size` units (rows or pairs) of the stream, rank r the r-th slice. Their
+state is the stream position, so a resumed run draws the same batches, and under another number of ranks the same
+global stream (keep the global batch the same for exactness).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridlm.training.loop import IGNORE_INDEX
+
+
+@dataclass
+class EpochStream:
+    """Positions in an endless sequence of epochs over `size(epoch)` units each, in the order `order(epoch)`."""
+
+    size: Callable[[int], int]
+    epoch: int = 0
+    index: int = 0  # next unit of `epoch`
+
+    def take(self, count: int) -> list[tuple[int, int]]:
+        """The next `count` (epoch, index) positions; advances."""
+        out = []
+        while len(out) < count:
+            if self.index >= self.size(self.epoch):
+                self.epoch, self.index = self.epoch + 1, 0
+                continue
+            n = min(count - len(out), self.size(self.epoch) - self.index)
+            out.extend((self.epoch, self.index + i) for i in range(n))
+            self.index += n
+        return out
+
+
+def _permutation(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    if not shuffle:
+        return np.arange(n)
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+class _Stream:
+    """What both sources share: the stream, this rank's slice of each micro-step and the state a checkpoint keeps."""
+
+    def __init__(self, *, batch_size: int, seed: int, shuffle: bool, rank: int, world_size: int) -> None:
+        self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
+        self.rank, self.world_size = rank, world_size
+        self.stream = EpochStream(self._epoch_size)
+
+    def _epoch_size(self, epoch: int) -> int:
+        raise NotImplementedError
+
+    def _my_positions(self) -> list[tuple[int, int]]:
+        step = self.stream.take(self.batch_size * self.world_size)
+        return step[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+
+    def __iter__(self):
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        # "config" holds what a resume under another number of ranks replaces (as the pretraining loader's does)
+        return {"epoch": self.stream.epoch, "index": self.stream.index,
+                "config": {"batch_size": self.batch_size, "world_size": self.world_size, "seed": self.seed}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["config"]["seed"] != self.seed:
+            raise ValueError(f"the checkpoint's data order used seed {state['config']['seed']}, this run "
+                             f"train.seed {self.seed}")
+        saved = state["config"]["batch_size"] * state["config"]["world_size"]
+        if saved != self.batch_size * self.world_size:
+            raise ValueError(f"the checkpoint drew {saved} units per micro-step, this run "
+                             f"{self.batch_size * self.world_size} (batch.micro_batch x data-parallel ranks); keep "
+                             "the global batch")
+        self.stream.epoch, self.stream.index = int(state["epoch"]), int(state["index"])
+
+
+def _segments_batch(rows: list[list[tuple[list[int], list[int]]]], seq_len: int | None, pad_id: int) -> dict:
+    """Rows of segments (ids, labels) -> a packed batch: input_ids / labels / position_ids [B, L] (L = seq_len,
+    the rest of a row padded as one more segment; None: one row, unpadded) and cu_seqlens, the offsets of every
+    segment in the flattened batch."""
+    ids_rows, label_rows, pos_rows, offsets = [], [], [], [0]
+    for segments in rows:
+        ids, labels, pos = [], [], []
+        for seg_ids, seg_labels in segments:
+            ids += seg_ids
+            labels += seg_labels
+            pos += range(len(seg_ids))
+            offsets.append(offsets[-1] + len(seg_ids))
+        if seq_len is not None and len(ids) < seq_len:
+            pad = seq_len - len(ids)
+            ids += [pad_id] * pad
+            labels += [IGNORE_INDEX] * pad
+            pos += range(pad)
+            offsets.append(offsets[-1] + pad)
+        ids_rows.append(ids)
+        label_rows.append(labels)
+        pos_rows.append(pos)
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    return {"input_ids": torch.tensor(ids_rows, dtype=torch.long), "labels": torch.tensor(label_rows, dtype=torch.long),
+            "position_ids": torch.tensor(pos_rows, dtype=torch.long), "cu_seqlens": cu,
+            "max_seqlen": int((cu[1:] - cu[:-1]).max())}
+
+
+def next_token_labels(ids: list[int], trained: list[int]) -> list[int]:
+    """labels[t] = ids[t + 1] where token t + 1 trains, else -100; the last position scores nothing."""
+    return [ids[t + 1] if trained[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
+
+
+class ChatRows(_Stream):
+    """The SFT source (module docstring): an iterator of packed batches [batch_size, seq_len] with a state."""
+
+    def __init__(self, samples: list[tuple[list[int], list[int]]], *, batch_size: int, seq_len: int, seed: int,
+                 pad_id: int, shuffle: bool = True, rank: int = 0, world_size: int = 1) -> None:
+        if not samples:
+            raise ValueError("no samples")
+        self.samples = [(ids, next_token_labels(ids, trained)) for ids, trained in samples]
+        if max(len(ids) for ids, _ in self.samples) > seq_len:
+            raise ValueError(f"a sample is longer than seq_len {seq_len}; cut samples first (`fit_sample`)")
+        self.seq_len, self.pad_id = seq_len, pad_id
+        self._rows: tuple[int, list[list[int]]] | None = None
+        super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, rank=rank, world_size=world_size)
+
+    def epoch_rows(self, epoch: int) -> list[list[int]]:
+        """The rows of an epoch: sample indices, packed greedily in the epoch's order."""
+        if self._rows is None or self._rows[0] != epoch:
+            rows, row, used = [], [], 0
+            for i in _permutation(len(self.samples), self.seed, epoch, self.shuffle).tolist():
+                n = len(self.samples[i][0])
+                if used + n > self.seq_len:
+                    rows.append(row)
+                    row, used = [], 0
+                row.append(i)
+                used += n
+            rows.append(row)
+            self._rows = (epoch, rows)
+        return self._rows[1]
+
+    def _epoch_size(self, epoch: int) -> int:
+        return len(self.epoch_rows(epoch))
+
+    def __next__(self) -> dict:
+        rows = []
+        for epoch, index in self._my_positions():
+            rows.append([self.samples[i] for i in self.epoch_rows(epoch)[index]])
+        return _segments_batch(rows, self.seq_len, self.pad_id)
+
+
+@dataclass
+class Pair:
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+
+    def sequences(self) -> list[tuple[list[int], list[int]]]:
+        """(ids, labels) of prompt + chosen and prompt + rejected: the responses' tokens are scored."""
+        out = []
+        for response in (self.chosen, self.rejected):
+            ids = self.prompt + response
+            out.append((ids, next_token_labels(ids, [0] * len(self.prompt) + [1] * len(response))))
+        return out
+
+
+class PreferencePairs(_Stream):
+    """The DPO source (module docstring): an iterator of batches of `batch_size` pairs, packed into one row as
+    chosen_0, rejected_0, chosen_1, ...; `pairs` [P] holds the pairs' indices and, once `reference` [num_pairs, 2]
+    (the reference model's summed log-probabilities of chosen and rejected) is set, `reference` [P, 2] their rows."""
+
+    def __init__(self, pairs: list[Pair], *, batch_size: int, seed: int, shuffle: bool = True, rank: int = 0,
+                 world_size: int = 1) -> None:
+        if not pairs:
+            raise ValueError("no pairs")
+        self.pairs = pairs
+        self.reference: torch.Tensor | None = None
+        super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, rank=rank, world_size=world_size)
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def _epoch_size(self, epoch: int) -> int:
+        return len(self.pairs)
+
+    def _order_of(self, epoch: int) -> np.ndarray:
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, _permutation(len(self.pairs), self.seed, epoch, self.shuffle))
+        return self._order[1]
+
+    def batch(self, indices: list[int]) -> dict:
+        """The packed batch of these pairs (in this order)."""
+        batch = _segments_batch([[s for i in indices for s in self.pairs[i].sequences()]], None, 0)
+        batch["pairs"] = torch.tensor(indices, dtype=torch.long)
+        if self.reference is not None:
+            batch["reference"] = self.reference[batch["pairs"]]
+        return batch
+
+    def __next__(self) -> dict:
+        return self.batch([int(self._order_of(epoch)[index]) for epoch, index in self._my_positions()])
+
+
+# ---------------------------------------------------------------------------------------------- building
+@dataclass
+class FitCounts:
+    """What fitting samples into `batch.seq_len` did."""
+
+    samples: int = 0
+    truncated: int = 0
+    skipped: int = 0  # nothing left to train on after the cut
+    tokens: int = 0
+    trained_tokens: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self, what: str) -> str:
+        parts = [f"{self.samples:,} {what} ({self.tokens:,} tokens, {self.trained_tokens:,} trained)"]
+        if self.truncated:
+            parts.append(f"{self.truncated:,} cut to batch.seq_len")
+        if self.skipped:
+            parts.append(f"{self.skipped:,} skipped (nothing left to train on after the cut)")
+        return ", ".join(parts + self.notes)
+
+
+def fit_sample(ids: list[int], trained: list[int], seq_len: int, counts: FitCounts) -> tuple | None:
+    """A sample cut to `seq_len`; None (counted) when no token after the first trains any more."""
+    if len(ids) > seq_len:
+        ids, trained = ids[:seq_len], trained[:seq_len]
+        counts.truncated += 1
+    if not any(trained[1:]):
+        counts.skipped += 1
+        return None
+    counts.samples += 1
+    counts.tokens += len(ids)
+    counts.trained_tokens += sum(trained[1:])
+    return ids, trained
+
+
+def fit_pair(prompt: list[int], chosen: list[int], rejected: list[int], seq_len: int, counts: FitCounts) -> Pair:
+    """A pair whose sequences fit `seq_len`: responses cut to leave the prompt room (at least half of seq_len for the
+    prompt's end), then the prompt's start cut."""
+    longest = len(prompt) + max(len(chosen), len(rejected))
+    if longest > seq_len:
+        counts.truncated += 1
+        keep_prompt = min(len(prompt), max(seq_len // 2, seq_len - max(len(chosen), len(rejected))))
+        prompt = prompt[len(prompt) - keep_prompt:]
+        room = seq_len - len(prompt)
+        chosen, rejected = chosen[:room], rejected[:room]
+    counts.samples += 1
+    counts.tokens += 2 * len(prompt) + len(chosen) + len(rejected)
+    counts.trained_tokens += len(chosen) + len(rejected)
+    return Pair(prompt, chosen, rejected)
+
+
+@dataclass
+class ChatData:
+    """What `build_chat_source` made: the source, the encoder (tokenizer + template) and the records read."""
+
+    source: ChatRows | PreferencePairs
+    encoder: Any  # hybridlm.data.chat.ChatEncoder
+    records: list  # hybridlm.data.chat.Record
+    summary: str  # one line: what was read, cut and skipped
+
+
+def build_chat_source(config: Any, *, rank: int, world_size: int) -> ChatData:
+    """The sft / dpo source of a `TrainConfig` (train.task): records from data.chat (or the demo conversations),
+    tokenized with model.init's tokenizer and chat template (or data.chat_template). DataError for bad data."""
+    from hybridlm.data.chat import (
+        ChatEncoder,
+        ReadCounts,
+        Record,
+        demo_conversations,
+        demo_preferences,
+        read_records,
+    )
+    from hybridlm.data.errors import DataError
+
+    data, batch, task = config.data, config.batch, config.train.task
+    kind = "preference" if task == "dpo" else "sft"
+    read = ReadCounts()
+    if data.demo:
+        made = demo_preferences() if kind == "preference" else demo_conversations()
+        records = [Record(f"demo:{i + 1}", r) for i, r in enumerate(made)]
+    else:
+        records = read_records(data.chat, kind=kind, skip_bad=data.skip_bad_records, counts=read)
+    encoder = ChatEncoder.from_model_dir(config.model.init, data.chat_template, train_on=data.train_on)
+    fit = FitCounts()
+    if read.skipped:
+        fit.notes.append("bad records skipped: " + "; ".join(f"{n} x {why}" for why, n in sorted(read.skipped.items())))
+    pad_id = encoder.tokenizer.pad_token_id if encoder.tokenizer.pad_token_id is not None else 0
+    common = dict(batch_size=batch.micro_batch, seed=config.train.seed, shuffle=data.shuffle, rank=rank,
+                  world_size=world_size)
+    if kind == "preference":
+        pairs = [fit_pair(*_encode(encoder.encode_preference, r), batch.seq_len, fit) for r in records]
+        return ChatData(PreferencePairs(pairs, **common), encoder, records, fit.describe("preference pairs"))
+    samples = [s for r in records if (s := fit_sample(*_encode(encoder.encode_sft, r), batch.seq_len, fit))]
+    if not samples:
+        raise DataError(f"{data.chat or 'the demo data'}: no sample has a token to train on within "
+                        f"batch.seq_len {batch.seq_len} ({fit.describe('samples')}); raise batch.seq_len")
+    source = ChatRows(samples, seq_len=batch.seq_len, pad_id=pad_id, **common)
+    return ChatData(source, encoder, records, fit.describe("samples"))
+
+
+def _encode(encode: Callable, record: Any) -> tuple:
+    """`encode(record.data)`, a DataError naming the record's file and line."""
+    from hybridlm.data.errors import DataError
+
+    try:
+        return encode(record.data)
+    except DataError as err:
+        raise DataError(f"{record.where}: {err}") from None
