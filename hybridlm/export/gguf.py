@@ -33,6 +33,10 @@ ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.FALCON_H1]  # "falcon-h1"
 # llama.cpp's pre-tokenizer for Falcon-H1 vocabularies (its converter detects the official ones by a hash).
 PRE_TOKENIZER = "falcon-h1"
 
+# A merge no text reaches: BPE starts from single byte symbols and only merges make longer ones, so with no other
+# merge "ĠĠ" (two spaces in GPT-2's byte alphabet) never forms.
+NO_MERGE = "ĠĠ ĠĠ"
+
 _Q = gguf.GGMLQuantizationType
 # --dtype -> (general.file_type, the encoding of the weight matrices)
 _FILE_TYPES = dict(zip(GGUF_DTYPES, (
@@ -263,8 +267,10 @@ def _write(path: Path, c: HybridConfig, tensors: dict[str, torch.Tensor], vocab:
         writer.add_tokenizer_pre(PRE_TOKENIZER)
         writer.add_token_list(vocab.tokens)
         writer.add_token_types(vocab.types)
-        if not vocab.special.merges:  # llama.cpp refuses a BPE file without the key (a bytes-only vocabulary has none)
-            writer.add_token_merges([])
+        if not vocab.special.merges:
+            # A bytes-only vocabulary (the demo's) has no merges, but llama.cpp refuses a BPE file without the key and
+            # the gguf package writes no empty list: one merge that never applies stands for none.
+            writer.add_token_merges([NO_MERGE])
         vocab.special.add_to_gguf(writer, quiet=True)
 
         for name, value in tensors.items():
