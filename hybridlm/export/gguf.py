@@ -54,7 +54,7 @@ def export_gguf(model: str | Path | HybridForCausalLM, out: str | Path, *, token
 
     Checked before anything is written: `dtype` is one of GGUF_DTYPES, `out` does not exist (FileExistsError unless
     `overwrite`), the model is one llama.cpp's falcon-h1 runs as we do (ValueError naming the field), the tokenizer
-    is a byte-level BPE that fits the embedding. The file is written under a temporary name in `out`'s directory
+    is a BPE without a normalizer whose ids fit the embedding. The file is written under a temporary name in `out`'s directory
     and renamed into place, so `out` is either the whole new file or left as it was."""
     if dtype not in _FILE_TYPES:
         raise ValueError(f"dtype must be one of {', '.join(GGUF_DTYPES)}, got {dtype!r}")
