@@ -27,7 +27,7 @@ def _help_in_fresh_interpreter() -> dict:
 
 def test_help_lists_every_command():
     text = _help_in_fresh_interpreter()["help"]
-    for command in ("models", "tokenizer", "data", "train", "mup-check", "bench", "eval", "generate"):
+    for command in ("models", "tokenizer", "data", "train", "mup-check", "bench", "eval", "generate", "export"):
         assert f"    {command}" in text, text
 
 
