@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "hybridlm.experiments.commands",
     "hybridlm.eval.commands",
     "hybridlm.inference.commands",
+    "hybridlm.serving.commands",
 )
 
 
