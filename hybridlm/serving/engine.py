@@ -31,7 +31,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +123,7 @@ class Engine:
         self.prefix_cache = PrefixCache(block_size, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.reset()
         self._ids = itertools.count()
+        self.finished: Counter[str] = Counter()  # requests finished, by finish_reason
 
     # -- requests (callable from any thread) ------------------------------------------------------------------
 
@@ -173,7 +174,7 @@ class Engine:
     def stats(self) -> dict:
         """Requests by state and the prefix cache's counters (a snapshot; read from any thread)."""
         out = dict(running=len(self._running), prefilling=len(self._prefilling),
-                   waiting=len(self._waiting) + len(self._incoming))
+                   waiting=len(self._waiting) + len(self._incoming), finished=dict(self.finished))
         if self.prefix_cache is not None:
             out["prefix_cache"] = dict(**self.prefix_cache.stats.as_dict(), entries=len(self.prefix_cache),
                                        bytes=self.prefix_cache.bytes)
@@ -292,6 +293,7 @@ class Engine:
         out = RequestOutput(seq.request_id, delta, seq.stream.text, list(seq.output), len(seq.prompt),
                             seq.cached_tokens, finished, seq.finish_reason)
         if finished:
+            self.finished[seq.finish_reason] += 1
             now = time.monotonic()
             ttft = "-" if seq.first_token_time is None else f"{seq.first_token_time - seq.arrival:.3f}s"
             log.info("%s: prompt %d tokens (%d cached), completion %d tokens, %s, first token %s, total %.3fs",
