@@ -44,11 +44,17 @@ def run_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     import torch
-    import uvicorn
 
+    try:
+        import uvicorn
+
+        from hybridlm.serving.server import build_app
+    except ImportError as error:
+        print(f"hybridlm serve: {error}; install the server's dependencies: pip install 'hybridlm[serve]'",
+              file=sys.stderr)
+        return 1
     from hybridlm.serving.engine import Engine
     from hybridlm.serving.runner import EngineRunner
-    from hybridlm.serving.server import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model_dir = Path(args.model)
