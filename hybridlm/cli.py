@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "hybridlm.eval.commands",
     "hybridlm.inference.commands",
     "hybridlm.export.commands",
+    "hybridlm.serving.commands",
 )
 
 

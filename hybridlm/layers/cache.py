@@ -136,6 +136,18 @@ class LayerCache:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         return sum(storages.values())
 
+    def copy(self) -> LayerCache:
+        """A copy that shares no storage with this cache and keeps only its filled key/value slots (no spare
+        capacity): a snapshot to continue from later, however this cache goes on (a prefix cache's entry)."""
+        out = LayerCache()
+        out.ssm = {name: t.clone() for name, t in self.ssm.items()}
+        if self._key is not None:
+            out._key, out._value = self.key.clone(), self.value.clone()
+        out.length, out.window, out.dropped, out._pad_bound = self.length, self.window, self.dropped, self._pad_bound
+        out.pad = None if self.pad is None else self.pad.clone()
+        out._first = None if self._first is None else self._first.clone()
+        return out
+
     def store_packed_kv(self, key: torch.Tensor, value: torch.Tensor, offsets: torch.Tensor, *,
                         window: int | None = None) -> None:
         """Fill an empty cache from a packed prefill: key/value [1, total, H_kv, D] of the sequences that
@@ -177,6 +189,14 @@ class HybridCache:
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    def copy(self) -> HybridCache:
+        """A copy that shares no storage with this cache, holding only filled slots (`LayerCache.copy`)."""
+        out = HybridCache(0)
+        out.layers = [layer.copy() for layer in self.layers]
+        out.seq_len = self.seq_len
+        out.lengths = None if self.lengths is None else self.lengths.clone()
+        return out
 
     def positions(self, length: int, device: torch.device) -> torch.Tensor:
         """Positions of the next `length` tokens: [1, T], or [B, T] when the rows have their own lengths."""

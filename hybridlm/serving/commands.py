@@ -1,0 +1,83 @@
+"""`hybridlm serve`: an OpenAI-compatible server for a checkpoint directory (ours or official falcon_h1).
+
+    hybridlm serve --model runs/demo/final                          # http://127.0.0.1:8000/v1, loopback only
+    hybridlm serve --model Falcon-H1-0.5B-Instruct --max-num-seqs 64 --dtype bfloat16 --api-key secret
+
+Then any OpenAI client: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret")`, with the served model
+name (`--served-model-name`, default the --model argument as given). One log line per request (id, prompt /
+completion tokens, cached prompt tokens, time to first token, total time). The tokenizer and its chat template come
+from the model directory (or --tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible server with continuous batching and prefix caching",
+        description="Serve a checkpoint directory over OpenAI's completions and chat completions API.",
+    )
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory (hybridlm or falcon_h1)")
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: the model directory)")
+    p.add_argument("--served-model-name", metavar="NAME", help="the model name clients ask for (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--max-num-seqs", type=int, default=16, metavar="N", help="requests decoded at once (default 16)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="L",
+                   help="prompt + new tokens per request (default: the model's max_position_embeddings)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="parameter dtype (default float32)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/ routes")
+    p.add_argument("--block-size", type=int, default=256, metavar="N",
+                   help="prefill piece and prefix-cache checkpoint interval in tokens (default 256)")
+    p.add_argument("--prefix-cache-gb", type=float, default=1.0, metavar="GB",
+                   help="memory for prefix-cache snapshots (default 1; 0 turns prefix caching off)")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    import torch
+
+    try:
+        import uvicorn
+
+        from hybridlm.serving.server import build_app
+    except ImportError as error:
+        print(f"hybridlm serve: {error}; install the server's dependencies: pip install 'hybridlm[serve]'",
+              file=sys.stderr)
+        return 1
+    from hybridlm.serving.engine import Engine
+    from hybridlm.serving.runner import EngineRunner
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        print(f"hybridlm serve: {model_dir} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        return 1
+    tokenizer = None
+    if args.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    try:
+        engine = Engine(model_dir, tokenizer, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                        block_size=args.block_size, prefix_cache_bytes=int(args.prefix_cache_gb * 2**30),
+                        dtype=getattr(torch, args.dtype), device=None if args.device == "auto" else args.device)
+    except (ValueError, OSError) as error:
+        print(f"hybridlm serve: {error}", file=sys.stderr)
+        return 1
+    runner = EngineRunner(engine)
+    runner.start()
+    try:
+        app = build_app(runner, model_name=args.served_model_name or args.model, api_key=args.api_key)
+        uvicorn.run(app, host=args.host, port=args.port, access_log=False)
+    finally:
+        runner.shutdown()
+    return 0

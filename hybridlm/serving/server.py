@@ -1,0 +1,315 @@
+"""The OpenAI-compatible HTTP server over the engine (FastAPI; SSE streaming).
+
+    app = build_app(runner, model_name="my-model", api_key=None)     # runner: a started EngineRunner
+    uvicorn.run(app, host="127.0.0.1", port=8000)                    # what `hybridlm serve` does
+
+Routes: GET /health (with the engine's counters: running requests, prefix-cache hits and tokens saved), GET /v1/models,
+POST /v1/completions, POST /v1/chat/completions (the prompt from the tokenizer's chat template). Request fields as
+OpenAI's: model, prompt or messages, max_tokens (chat: also max_completion_tokens; default for chat: what room the
+context leaves), temperature (default 1), top_p, stop, seed, stream, stream_options.include_usage; plus vLLM's top_k
+and ignore_eos. `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens restored from the prefix cache.
+
+Errors are OpenAI's error object `{"error": {"message", "type", "param", "code"}}` with a 4xx status: 400 for
+malformed JSON, invalid or unsupported parameters, empty messages and prompts that with max_tokens pass the context
+length; 401 for a missing or wrong API key (when the server has one); 404 for an unknown model. A client that
+disconnects (mid-stream or while waiting) has its requests aborted, which frees their slots at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from hybridlm.serving.engine import RequestOutput
+from hybridlm.serving.params import SamplingParams
+from hybridlm.serving.runner import EngineRunner
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+class _Sampling(BaseModel):
+    """The fields both endpoints take (unknown fields are accepted and ignored, as OpenAI clients send many)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(default_factory=list)
+    max_completion_tokens: int | None = None
+
+
+def build_app(runner: EngineRunner, *, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving `runner`'s engine as `model_name`."""
+    app = FastAPI(title="hybridlm", docs_url=None, redoc_url=None)
+    engine = runner.engine
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        if first.get("type") == "json_invalid":
+            return APIError(400, f"the request body is not valid JSON: {first.get('msg', '')}").response()
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return APIError(400, f"{where or 'body'}: {first.get('msg', 'invalid')}", param=where or None).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        return APIError(error.status_code, str(error.detail), code=str(error.status_code)).response()
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return APIError(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                                code="invalid_api_key").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", **engine.stats()}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "hybridlm", "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(body.model, model_name)
+        prompts = _prompts(body.prompt)
+        params = _sampling(body, body.max_tokens if body.max_tokens is not None else 16)
+        answer = _Answer("cmpl", "text_completion", model_name, chat=False)
+        return await _respond(runner, request, body, [_encode(engine, p) for p in prompts], params, answer)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        _check_model(body.model, model_name)
+        if not body.messages:
+            raise APIError(400, "messages must hold at least one message", param="messages")
+        if engine.tokenizer is None or getattr(engine.tokenizer, "chat_template", None) is None:
+            raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
+        messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
+        ids = _chat_ids(engine.tokenizer, messages)
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = _sampling(body, limit if limit is not None else max(1, engine.max_model_len - len(ids)),
+                           stop_token_ids=tuple(_end_of_turn(engine.tokenizer)))
+        answer = _Answer("chatcmpl", "chat.completion", model_name, chat=True)
+        return await _respond(runner, request, body, [ids], params, answer)
+
+    return app
+
+
+class _Answer:
+    """The response objects of one request: whole (non-streaming) or chunks, completion or chat shaped."""
+
+    def __init__(self, prefix: str, kind: str, model: str, *, chat: bool) -> None:
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.kind, self.model, self.chat = kind, model, chat
+        self.created = int(time.time())
+
+    def _object(self, kind: str, choices: list[dict], usage: dict | None) -> dict:
+        out = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def whole(self, outputs: list[RequestOutput]) -> dict:
+        choices = []
+        for index, out in enumerate(outputs):
+            content = {"message": {"role": "assistant", "content": out.text}} if self.chat else {
+                "text": out.text, "logprobs": None}
+            choices.append({"index": index, **content, "finish_reason": out.finish_reason})
+        return self._object(self.kind, choices, _usage(outputs))
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None, *, role: bool = False) -> dict:
+        if self.chat:
+            delta = ({"role": "assistant", "content": ""} if role else {}) | ({} if text is None else {"content": text})
+            choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
+            return self._object(f"{self.kind}.chunk", [choice], None)
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._object(self.kind, [choice], None)
+
+    def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
+        return self._object(f"{self.kind}.chunk" if self.chat else self.kind, [], _usage(outputs))
+
+
+async def _respond(runner: EngineRunner, request: Request, body: _Sampling, prompts: list[list[int]],
+                   params: SamplingParams, answer: _Answer):
+    try:
+        request_ids, queue = runner.submit(prompts, params)
+    except ValueError as error:
+        raise APIError(400, str(error)) from None
+    if body.stream:
+        usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(_stream(runner, request_ids, queue, answer, usage), media_type="text/event-stream")
+    final: list[RequestOutput | None] = [None] * len(prompts)
+    try:
+        while any(out is None for out in final):
+            try:
+                index, out = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return JSONResponse({}, status_code=499)  # nobody reads it; the finally aborts the requests
+                continue
+            if isinstance(out, Exception):
+                raise APIError(500, f"the engine failed: {out}", kind="server_error")
+            if out.finished:
+                final[index] = out
+    finally:
+        runner.abort([rid for rid, out in zip(request_ids, final) if out is None])
+    return answer.whole(final)
+
+
+async def _stream(runner: EngineRunner, request_ids: list[str], queue: asyncio.Queue, answer: _Answer,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: OpenAI chunks as the engine produces text, then `data: [DONE]`. Closing the stream (a
+    client that went away) aborts whatever has not finished."""
+    final: list[RequestOutput | None] = [None] * len(request_ids)
+    try:
+        if answer.chat:
+            for index in range(len(request_ids)):
+                yield _event(answer.chunk(index, None, None, role=True))
+        while any(out is None for out in final):
+            index, out = await queue.get()
+            if isinstance(out, Exception):
+                yield _event({"error": {"message": f"the engine failed: {out}", "type": "server_error",
+                                        "param": None, "code": None}})
+                break
+            if out.delta:
+                yield _event(answer.chunk(index, out.delta, None))
+            if out.finished:
+                final[index] = out
+                yield _event(answer.chunk(index, None if answer.chat else "", out.finish_reason))
+        else:
+            if include_usage:
+                yield _event(answer.usage_chunk(final))
+        yield "data: [DONE]\n\n"
+    finally:
+        runner.abort([rid for rid, out in zip(request_ids, final) if out is None])
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(out.prompt_tokens for out in outputs)
+    completion = sum(len(out.token_ids) for out in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(out.cached_tokens for out in outputs)}}
+
+
+def _check_model(name: str, served: str) -> None:
+    if name != served:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {served!r}", param="model",
+                       code="model_not_found")
+
+
+def _prompts(prompt) -> list[str | list[int]]:
+    """A completion request's prompts: a text, token ids, or a list of either."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty", param="prompt")
+    return list(prompt)
+
+
+def _encode(engine, prompt: str | list[int]) -> list[int]:
+    try:
+        return engine.encode(prompt)
+    except ValueError as error:
+        raise APIError(400, str(error), param="prompt") from None
+
+
+def _text(content) -> str:
+    """A chat message's content: a string, or OpenAI's list of parts (text parts only)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not all(part.get("type") == "text" and isinstance(part.get("text"), str) for part in content):
+        raise APIError(400, "only text content parts are supported", param="messages")
+    return "".join(part["text"] for part in content)
+
+
+def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template's prompt ids, ending with the assistant's turn opened."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as error:  # a template that raises (a role it does not know, a bad order of roles)
+        raise APIError(400, f"the chat template refused these messages: {error}", param="messages") from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _end_of_turn(tokenizer) -> list[int]:
+    """The tokenizer's end-of-turn token, which ends an assistant reply (none if it has no such token)."""
+    token = tokenizer.convert_tokens_to_ids("<|end_of_turn|>")
+    return [] if token is None or token == tokenizer.unk_token_id else [token]
+
+
+def _sampling(body: _Sampling, max_tokens: int, *, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+    """SamplingParams from the request's fields; APIError 400 naming the field that is out of range."""
+    if body.n != 1:
+        raise APIError(400, "n must be 1 (one choice per prompt)", param="n")
+    extra = body.model_extra or {}
+    for name in ("logprobs", "echo", "suffix", "tools", "functions", "response_format"):
+        if extra.get(name) not in (None, False):
+            raise APIError(400, f"{name} is not supported", param=name)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if extra.get(name) not in (None, 0, 0.0):
+            raise APIError(400, f"{name} is not supported (only 0)", param=name)
+    top_p = None if body.top_p is None or body.top_p == 1 else body.top_p
+    top_k = None if body.top_k is None or body.top_k in (0, -1) else body.top_k  # vLLM's "off" values
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature, top_p=top_p,
+            top_k=top_k, stop=body.stop or (), seed=body.seed, ignore_eos=body.ignore_eos,
+            stop_token_ids=stop_token_ids,
+        )
+    except ValueError as error:
+        raise APIError(400, str(error), param=str(error).split(" ", 1)[0]) from None

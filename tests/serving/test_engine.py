@@ -1,0 +1,160 @@
+"""The engine: batching and prefix caching do not change results; sampling settings, stopping, aborts, slots.
+
+Greedy outputs are compared token for token with `hybridlm.inference.generate` on each request alone, in float64
+(the engine prefills in blocks and decodes rows together, which changes float rounding only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridlm.inference import generate
+from hybridlm.serving import Engine, SamplingParams
+from hybridlm.serving.prefix_cache import PrefixCache
+from tests.inference.helpers import fast_weight, ids, make_model
+
+MODELS = {
+    "mamba2": dict(),
+    "fast_weight-1": fast_weight("1"),
+    "fast_weight-3A-window-attention": dict(**fast_weight("3A"), attention_window=5),
+}
+
+
+def alone(model, prompt: list[int], max_tokens: int) -> list[int]:
+    return generate(model, torch.tensor([prompt]), max_new_tokens=max_tokens).sequences[0, len(prompt):].tolist()
+
+
+def run_staggered(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """Add one request per step (later ones join a running batch), step until done; each request's tokens."""
+    final = {}
+
+    def keep(out):
+        if out.finished:
+            final[out.request_id] = out.token_ids
+
+    request_ids = []
+    for prompt, p in zip(prompts, params):
+        request_ids.append(engine.add_request(prompt, p, on_output=keep))
+        engine.step()
+    while engine.has_work():
+        engine.step()
+    return [final[r] for r in request_ids]
+
+
+@pytest.mark.parametrize("changes", MODELS.values(), ids=MODELS.keys())
+def test_concurrent_greedy_requests_equal_each_alone(changes):
+    model = make_model(**changes).double()
+    prompts = [ids(1, n, seed=n)[0].tolist() for n in (3, 13, 6, 21)]
+    lengths = [6, 9, 4, 7]
+    # 3 rows for 4 requests: the last waits for a slot; 21 tokens prefill over 3 steps of 8 while others decode
+    engine = Engine(model, max_num_seqs=3, max_model_len=40, block_size=4, max_prefill_tokens=8)
+    got = run_staggered(engine, prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
+    assert got == [alone(model, p, n) for p, n in zip(prompts, lengths)]
+    assert engine.slots.rows == 0 and not engine.has_work()
+
+
+def test_prefix_cache_hits_equal_cold_prefills_and_are_counted():
+    model = make_model(**fast_weight("1A")).double()
+    system = ids(1, 12, seed=1)[0].tolist()  # a shared "system prompt": 3 blocks of 4
+    prompts = [system + ids(1, n, seed=10 + n)[0].tolist() for n in (2, 5, 3)]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    cold = Engine(model, max_num_seqs=2, max_model_len=40, block_size=4, prefix_cache_bytes=0)
+    cold_out = [o.token_ids for o in cold.generate(prompts, params)]
+    warm = Engine(model, max_num_seqs=2, max_model_len=40, block_size=4)
+    first = warm.generate(prompts[:1], params)[0]
+    rest = warm.generate(prompts[1:], params)
+    assert [first.token_ids] + [o.token_ids for o in rest] == cold_out
+    assert first.cached_tokens == 0 and [o.cached_tokens for o in rest] == [12, 12]
+    stats = warm.prefix_cache.stats
+    assert (stats.lookups, stats.hits, stats.tokens_saved) == (3, 2, 24)
+    assert cold_out == [alone(model, p, 5) for p in prompts]
+
+
+def test_a_growing_chat_restores_the_previous_prompt_and_a_repeated_prompt_prefills_nothing():
+    model = make_model().double()
+    engine = Engine(model, max_num_seqs=2, max_model_len=48, block_size=8)
+    turn1 = ids(1, 11, seed=3)[0].tolist()
+    reply = engine.generate([turn1], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+    turn2 = turn1 + reply + ids(1, 3, seed=4)[0].tolist()
+    second = engine.generate([turn2, turn1], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [o.cached_tokens for o in second] == [11, 11]  # the end of turn 1's prompt; all of it
+    assert second[1].token_ids == reply
+    assert second[0].token_ids == alone(model, turn2, 4)
+
+
+def test_prefix_cache_stays_under_its_memory_bound():
+    model = make_model().double()
+    engine = Engine(model, max_num_seqs=1, max_model_len=48, block_size=4)
+    engine.generate([ids(1, 9, seed=5)[0].tolist()], SamplingParams(max_tokens=1))
+    entry = engine.prefix_cache.bytes // len(engine.prefix_cache)  # ~ one snapshot
+    small = PrefixCache(block_size=4, max_bytes=3 * entry)
+    engine.prefix_cache = small
+    engine.generate([ids(1, 30, seed=6)[0].tolist()], SamplingParams(max_tokens=1))
+    assert 0 < len(small) < 8 and small.bytes <= 3 * entry
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched():
+    model = make_model(**fast_weight("2")).double()
+    prompts = [ids(1, n, seed=n)[0].tolist() for n in (4, 7, 5)]
+    params = [SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, top_k=20, seed=i, ignore_eos=True)
+              for i in range(3)]
+    together = run_staggered(Engine(model, max_num_seqs=3, max_model_len=32, block_size=4), prompts, params)
+    one_by_one = [Engine(model, max_num_seqs=1, max_model_len=32, block_size=4).generate([p], q)[0].token_ids
+                  for p, q in zip(prompts, params)]
+    assert together == one_by_one
+    assert len({tuple(t) for t in together}) == 3
+
+
+def test_eos_max_tokens_and_abort_finish_requests_and_free_their_rows():
+    model = make_model().double()
+    prompt = ids(1, 5, seed=7)[0].tolist()
+    free = alone(model, prompt, 6)
+    engine = Engine(model, max_num_seqs=2, max_model_len=32, block_size=4)
+    engine.eos_ids = frozenset({free[2]})  # the third token is an "eos": the request stops there
+    stopped, = engine.generate([prompt], SamplingParams(max_tokens=6))
+    assert (stopped.token_ids, stopped.finish_reason) == (free[: free.index(free[2]) + 1], "stop")
+    ignored, = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert (ignored.token_ids, ignored.finish_reason) == (free, "length")
+    assert ignored.usage == dict(prompt_tokens=5, completion_tokens=6, total_tokens=11)
+
+    outputs = []
+    kept = engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True), on_output=outputs.append)
+    dropped = engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True), on_output=outputs.append)
+    engine.step()
+    engine.step()
+    assert engine.slots.rows == 2
+    engine.abort(dropped)
+    engine.step()
+    assert engine.slots.rows == 1
+    while engine.has_work():
+        engine.step()
+    last = {o.request_id: o for o in outputs if o.finished}
+    assert (last[dropped].finish_reason, last[kept].finish_reason) == ("abort", "length")
+    assert last[kept].token_ids == alone(model, prompt, 8)
+
+
+def test_requests_are_checked():
+    engine = Engine(make_model(), max_num_seqs=1, max_model_len=16)
+    with pytest.raises(ValueError, match="max_model_len 16"):
+        engine.add_request(list(range(3, 13)), SamplingParams(max_tokens=7))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([3, 999], SamplingParams())
+    with pytest.raises(ValueError, match="no tokenizer"):
+        engine.add_request("text", SamplingParams())
+    for bad, match in [(dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
+                       (dict(top_p=0), "top_p"), (dict(stop=[""]), "stop")]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**bad)
+
+
+def test_windowed_layers_keep_a_ring_of_window_slots():
+    model = make_model(attention_window=5).double()
+    engine = Engine(model, max_num_seqs=2, max_model_len=40, block_size=4)
+    prompt = ids(1, 17, seed=8)[0].tolist()
+    engine.add_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    engine.step()
+    keys = [layer._key for layer in engine.slots.layers if layer._key is not None]
+    assert keys and all(k.shape[1] == 5 for k in keys)  # W slots per row, not max_model_len

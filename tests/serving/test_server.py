@@ -1,0 +1,169 @@
+"""The HTTP server through the official `openai` client (and raw httpx for what a client library cannot send): a
+tiny model served on a free loopback port by the `server` fixture."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from tests.serving.conftest import API_KEY, MODEL_NAME
+
+pytest.importorskip("fastapi")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    url, _ = server
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=30)
+
+
+def healthy(url: str) -> dict:
+    reply = httpx.get(f"{url}/health", timeout=10)
+    assert reply.status_code == 200
+    return reply.json()
+
+
+def wait_idle(url: str) -> dict:
+    """The health report once no request runs (bounded: 10 s)."""
+    for _ in range(200):
+        report = healthy(url)
+        if report["running"] == report["prefilling"] == report["waiting"] == 0:
+            return report
+        time.sleep(0.05)
+    raise AssertionError(f"requests still in flight: {report}")
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert healthy(server[0])["status"] == "ok"
+
+
+def test_completion_whole_and_streamed_agree(server, client):
+    whole = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(server[1].encode("hello world")), 6)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_chat_whole_and_streamed_agree(client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "say hello"}]
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=5, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=5, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_stop_strings_end_the_text(client):
+    free = client.completions.create(model=MODEL_NAME, prompt="the lazy", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0]
+    stop = free.text[2:4]
+    if not stop or "\ufffd" in stop:
+        pytest.skip("the tiny model's text has no plain characters to stop at")
+    cut = client.completions.create(model=MODEL_NAME, prompt="the lazy", max_tokens=8, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert (cut.text, cut.finish_reason) == (free.text[: free.text.index(stop)], "stop")
+
+
+def test_concurrent_requests_equal_sequential_ones_and_share_the_prefix_cache(server, client):
+    system = {"role": "system", "content": "you are a tiny test model; answer in bytes"}
+    questions = ["one", "two two", "three three three", "four", "five five"]
+
+    def ask(question: str):
+        reply = client.chat.completions.create(
+            model=MODEL_NAME, messages=[system, {"role": "user", "content": question}], max_tokens=6,
+            temperature=0.7, seed=1, extra_body={"ignore_eos": True})
+        return reply.choices[0].message.content, reply.usage
+
+    sequential = [ask(q) for q in questions]
+    with ThreadPoolExecutor(len(questions)) as pool:  # 5 requests for 4 rows
+        concurrent = list(pool.map(ask, questions))
+    assert [text for text, _ in concurrent] == [text for text, _ in sequential]
+    # every later prompt restores the system turn's whole blocks (of 8 tokens) from the first one's checkpoints
+    tokenizer = server[1].tokenizer
+    system_turn = tokenizer.apply_chat_template([system], tokenize=False)  # bos, the turn; then "<|user|>" differs
+    shared = len(tokenizer.encode(system_turn, add_special_tokens=False)) + 1
+    assert shared >= 40
+    assert [u.prompt_tokens_details.cached_tokens for _, u in sequential[1:]] == [shared // 8 * 8] * 4
+    assert wait_idle(server[0])["prefix_cache"]["hits"] >= 9
+
+
+def test_client_disconnect_mid_stream_frees_the_slot(server, monkeypatch):
+    url, engine = server
+    step = engine.step
+
+    def slow_step():  # 80 tokens take >= 2 s: the client is gone long before
+        time.sleep(0.025)
+        step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    aborted = engine.finished["abort"]
+    body = {"model": MODEL_NAME, "prompt": "jumps", "max_tokens": 80, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as reply:
+        first = next(line for line in reply.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+    report = wait_idle(url)
+    assert report["finished"]["abort"] == aborted + 1 and engine.slots.rows == 0
+
+
+BAD_REQUESTS = {
+    "unknown model": ("/v1/completions", {"model": "gpt-9", "prompt": "a"}, 404),
+    "negative max_tokens": ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "max_tokens": -1}, 400),
+    "temperature out of range": ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "temperature": -2}, 400),
+    "top_p out of range": ("/v1/chat/completions", {"model": MODEL_NAME, "top_p": 1.5,
+                                                     "messages": [{"role": "user", "content": "a"}]}, 400),
+    "wrong type": ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "max_tokens": "many"}, 400),
+    "missing prompt": ("/v1/completions", {"model": MODEL_NAME}, 400),
+    "empty prompt": ("/v1/completions", {"model": MODEL_NAME, "prompt": ""}, 400),
+    "empty messages": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, 400),
+    "past max-model-len": ("/v1/completions", {"model": MODEL_NAME, "prompt": "a" * 90, "max_tokens": 10}, 400),
+    "n > 1": ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "n": 2}, 400),
+    "malformed JSON": ("/v1/completions", b'{"model": "tiny", "prompt": ', 400),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, case):
+    path, body, status = case
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    if isinstance(body, bytes):
+        reply = httpx.post(server[0] + path, content=body, headers={**headers, "content-type": "application/json"})
+    else:
+        reply = httpx.post(server[0] + path, json=body, headers=headers)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert client.completions.create(model=MODEL_NAME, prompt="ok", max_tokens=1).choices[0].finish_reason
+
+
+def test_api_key_is_required(server, client):
+    wrong = openai.OpenAI(base_url=f"{server[0]}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert httpx.post(f"{server[0]}/v1/completions", json={"model": MODEL_NAME, "prompt": "a"}).status_code == 401
+    assert client.completions.create(model=MODEL_NAME, prompt="ok", max_tokens=1).choices[0].finish_reason
+
+
+def test_the_openai_client_raises_its_own_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="a")
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "a" * 100}])
