@@ -53,6 +53,10 @@ def add_commands(subparsers) -> None:
                    help="decode through a CUDA graph of the step (hybridlm/models/graphed.py; eager on the CPU)")
     p.set_defaults(func=run_generate)
 
+    from hybridlm.inference.chat import add_chat_command
+
+    add_chat_command(subparsers)
+
 
 def run_generate(args: argparse.Namespace) -> int:
     try:

@@ -167,7 +167,8 @@ def _no_context(model: nn.Module) -> contextlib.AbstractContextManager:
 
 @dataclass
 class TokenCrossEntropy:
-    """Summed next-token cross entropy over the labels that are not `IGNORE_INDEX`, in fp32 (the logits are cast).
+    """Summed next-token cross entropy over the labels that are not `IGNORE_INDEX`, in fp32 at least (16-bit logits
+    are cast; float64 ones stay float64).
 
     batch: `labels` [B, T] (the next tokens, shifted already; -100 where nothing is scored) and the model's keyword
     arguments (`input_ids`, `position_ids`, `cu_seqlens`, ...). Logits [B, T, V], or [1, B T, V] for a packed row,
@@ -183,7 +184,8 @@ class TokenCrossEntropy:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         with self.context(model):
             logits = model(**inputs).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX,
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least; float64 stays
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
 
 

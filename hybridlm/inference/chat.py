@@ -1,0 +1,158 @@
+"""`hybridlm chat`: talk to a model through its chat template, in the terminal.
+
+    hybridlm chat --model runs/sft/final                          # interactive: /reset starts over, Ctrl-D leaves
+    hybridlm chat --model runs/sft/final --prompt "Spell cat."   # one answer, then exit
+    hybridlm chat --model M --system "You are brief." --temperature 0.7 --top-p 0.9 --seed 0
+
+Every turn renders the whole conversation with the model directory's chat template (or --chat-template FILE) and
+the generation prompt, and decodes the answer with the model's cache, printing tokens as they come (the decoded
+text grows; only the new characters are printed). An answer ends at eos or at the special token the template writes
+after an assistant message (our template's <|end_of_turn|>), or at --max-new-tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+def add_chat_command(subparsers) -> None:
+    p = subparsers.add_parser("chat", help="chat with a fine-tuned model in the terminal (its chat template)",
+                              description=__doc__.split("\n\n")[1] + "\n\n" + __doc__.split("\n\n")[2],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, metavar="DIR", help="model directory with tokenizer and chat template")
+    p.add_argument("--prompt", metavar="TEXT", help="answer this one message and exit (default: interactive)")
+    p.add_argument("--system", metavar="TEXT", help="a system message at the start of the conversation")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template instead of the model's")
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="tokens per answer at most (256)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help="sample within probability mass P")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed of the sampling")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="parameter dtype")
+    p.set_defaults(func=run_chat)
+
+
+class ChatSession:
+    """A conversation with a model: `reply(text, on_text)` adds the user's message, generates the answer (calling
+    `on_text(new_characters)` as it grows) and keeps it; `reset()` forgets all but the system message."""
+
+    def __init__(self, model, encoder, *, system: str | None = None, max_new_tokens: int = 256,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None) -> None:
+        import torch
+
+        from hybridlm.models.sampling import check_sampling
+
+        check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+        if max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        self.model, self.encoder = model, encoder
+        self.system = system
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.max_new_tokens = max_new_tokens
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+        self.stops = encoder.stop_ids()
+        self.limit = model.config.max_position_embeddings
+        self.messages: list[dict[str, str]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def reply(self, text: str, on_text: Callable[[str], None] = lambda s: None) -> str:
+        import torch
+
+        from hybridlm.models.generation import generate
+
+        messages = self.messages + [{"role": "user", "content": text}]
+        prompt = self.encoder.encode_text(self.encoder.render(messages, add_generation_prompt=True))
+        room = min(self.max_new_tokens, self.limit - len(prompt))
+        if room < 1:
+            raise ValueError(f"the conversation has {len(prompt)} tokens, the model's context is {self.limit}: "
+                             "/reset to start over")
+        decode = self.encoder.tokenizer.decode
+        shown = [0, ""]  # tokens seen, text printed
+
+        def stream(sequences: torch.Tensor, logits: torch.Tensor) -> bool:
+            new = [t for t in sequences[0, len(prompt):].tolist() if t not in self.stops]
+            if len(new) != shown[0]:
+                now = decode(new, skip_special_tokens=True)
+                if not now.endswith("\ufffd"):  # a character whose bytes are not all there yet waits
+                    on_text(now[len(shown[1]):] if now.startswith(shown[1]) else now)
+                    shown[1] = now
+                shown[0] = len(new)
+            return False
+
+        out = generate(self.model, torch.tensor([prompt], device=self.device), max_new_tokens=room,
+                       eos_token_id=self.stops or None, generator=self.generator, stop=stream, **self.sampling)
+        answer = [t for t in out.sequences[0, len(prompt):].tolist() if t not in self.stops]
+        final = decode(answer, skip_special_tokens=True)
+        if final != shown[1]:
+            on_text(final[len(shown[1]):] if final.startswith(shown[1]) else final)
+        self.messages = messages + [{"role": "assistant", "content": final}]
+        return final
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    try:
+        session = _session(args)
+    except (ValueError, OSError) as err:
+        print(f"hybridlm chat: {err}", file=sys.stderr)
+        return 1
+
+    def show(text: str) -> None:
+        print(text, end="", flush=True)
+
+    if args.prompt is not None:
+        session.reply(args.prompt, show)
+        print()
+        return 0
+    print("chat: /reset starts over, Ctrl-D leaves", file=sys.stderr)
+    while True:
+        try:
+            text = input("> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            return 130
+        if text.strip() == "/reset":
+            session.reset()
+            print("(conversation reset)", file=sys.stderr)
+            continue
+        if not text.strip():
+            continue
+        try:
+            session.reply(text, show)
+        except ValueError as err:
+            print(f"\n{err}", file=sys.stderr)
+            continue
+        print()
+
+
+def _session(args: argparse.Namespace) -> ChatSession:
+    import torch
+
+    from hybridlm.data.chat import ChatEncoder
+    from hybridlm.data.errors import DataError
+    from hybridlm.devices import parse_device
+    from hybridlm.models.hf import load_model
+
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"{model_dir}: no config.json; give a model directory (e.g. the final/ of `hybridlm sft`)")
+    try:
+        encoder = ChatEncoder.from_model_dir(model_dir, args.chat_template)
+        encoder.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)  # no template: say so now
+    except DataError as err:
+        raise ValueError(str(err)) from None
+    device = parse_device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    model = load_model(model_dir, dtype=getattr(torch, args.dtype)).to(device)
+    return ChatSession(model, encoder, system=args.system, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
