@@ -37,8 +37,11 @@ between leaves the `.tmp` directory: the previous checkpoint stays the newest.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +101,15 @@ def _agree(problem: str | None) -> str | None:
     """The first rank's problem (a message) if any rank has one: every rank then raises the same error, none is left
     waiting in a collective."""
     return next((p for p in _all_gather(problem) if p), None)
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """Inside: DCP's warning, given at every save or load without a process group, that it assumes one process (what
+    is meant here) is not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def rng_files(rank: int) -> tuple[str, str]:
@@ -164,10 +176,12 @@ class ShardedCheckpointer:
         state = sharded_state(model, optimizer)
         writer = dcp.FileSystemWriter(str(tmp / DCP_DIR))
         future = None
-        if async_save:
-            future = dcp.async_save(state, storage_writer=writer, process_group=self._group(), no_dist=_world() == 1)
-        else:
-            dcp.save(state, storage_writer=writer, no_dist=_world() == 1)
+        with single_process_quiet():
+            if async_save:
+                future = dcp.async_save(state, storage_writer=writer, process_group=self._group(),
+                                        no_dist=_world() == 1)
+            else:
+                dcp.save(state, storage_writer=writer, no_dist=_world() == 1)
         self._pending = _PendingSave(tmp, final, step, keep_last, written, future)
         return None if async_save else self.wait()
 
@@ -306,7 +320,8 @@ def load_sharded_checkpoint(
     if mismatch:
         raise CheckpointMismatchError(mismatch)
 
-    dcp.load(targets, storage_reader=dcp.FileSystemReader(str(path / DCP_DIR)), no_dist=world == 1)
+    with single_process_quiet():
+        dcp.load(targets, storage_reader=dcp.FileSystemReader(str(path / DCP_DIR)), no_dist=world == 1)
     apply_loaded(model, optimizer, targets)
     if restore_rng:
         own = rng_files(rank)

@@ -96,6 +96,7 @@ from hybridlm.training.run_dir import (
     FINAL_DIR,
     METRICS_FILE,
     RunDirectory,
+    run_tokenizer_dir,
     same_file,
 )
 from hybridlm.training.schedules import schedule_factors
@@ -349,11 +350,10 @@ class Trainer:
             D.barrier(self.ctx)
             sources = [Source("stdlib", directory / "train")]
             eval_sources = [Source("stdlib_heldout", directory / "heldout")]
-            tokenizer_dir: Path | None = directory / "tokenizer"
         else:
             sources = [Source(s.name, s.path, s.weight, s.max_epochs) for s in c.data.sources]
             eval_sources = [Source(s.name, s.path, s.weight, s.max_epochs) for s in c.data.eval_sources]
-            tokenizer_dir = Path(c.data.tokenizer) if c.data.tokenizer else None
+        tokenizer_dir = run_tokenizer_dir(c, self.out_dir)
         try:
             loader = PackedLoader(
                 sources, batch_size=c.batch.micro_batch, seq_len=c.batch.seq_len, seed=c.train.seed,
