@@ -2,7 +2,7 @@
 
     export_checkpoint("runs/x", "models/x")                        # the newest checkpoint, hybridlm format
     export_checkpoint("runs/x", "models/x-h1", step=400, format="falcon_h1")
-    for name, tensor in iter_sharded_tensors(step_dir): ...        # a sharded checkpoint's model, one tensor at a time
+    for key, tensor in iter_sharded_tensors(step_dir): ...         # a sharded checkpoint, one tensor at a time
 
 The output loads with `hybridlm.load_model` and transformers' Auto classes (config.json, safetensors shards with
 their index, the run's tokenizer files). A sharded (dcp) checkpoint is consolidated one tensor at a time: DCP's
@@ -40,25 +40,24 @@ SHARD_BYTES = 2 * 1024**3  # largest safetensors file written (transformers' def
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def iter_sharded_tensors(path: str | Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full CPU tensor) of each canonical model state name in `names`, read one at a time from the sharded
-    checkpoint at `path` (a step directory) with a single-tensor `dcp.load` (no process group)."""
+def iter_sharded_tensors(path: str | Path, keys: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(DCP key, full CPU tensor) of each of `keys` (None: every tensor of the checkpoint; model tensors are
+    `hybridlm.parallel.sharded.model_key(name)`), read one at a time from the sharded checkpoint at `path` (a step
+    directory) with a single-tensor `dcp.load` (no process group)."""
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from hybridlm.parallel.sharded import model_key
-
     reader = dcp.FileSystemReader(str(Path(path) / DCP_DIR))
     saved = reader.read_metadata().state_dict_metadata
-    for name in names:
-        entry = saved.get(model_key(name))
+    for key in saved if keys is None else keys:
+        entry = saved.get(key)
         if entry is None:
-            raise CheckpointError(f"{Path(path) / DCP_DIR} holds no tensor {name!r}; it was saved for another model")
+            raise CheckpointError(f"{Path(path) / DCP_DIR} holds no tensor {key!r}; it was saved for another model")
         tensor = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
         with single_process_quiet():
-            dcp.load({model_key(name): tensor}, storage_reader=reader,
-                     planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
-        yield name, tensor
+            dcp.load({key: tensor}, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True),
+                     no_dist=True)
+        yield key, tensor
 
 
 def _iter_full_tensors(path: Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -98,8 +97,13 @@ def export_checkpoint(run: str | Path, out: str | Path, *, step: int | None = No
     names = list(model.state_dict())
     if hybrid.tie_word_embeddings:  # stored once, under the embedding's name (as save_pretrained does)
         names.remove("lm_head.weight")
-    tensors = (iter_sharded_tensors(path, names) if checkpoint_format(path) == "dcp"
-               else _iter_full_tensors(path, names))
+    if checkpoint_format(path) == "dcp":
+        from hybridlm.parallel.sharded import MODEL_PREFIX, model_key
+
+        tensors = ((key[len(MODEL_PREFIX):], value)
+                   for key, value in iter_sharded_tensors(path, [model_key(name) for name in names]))
+    else:
+        tensors = _iter_full_tensors(path, names)
 
     tmp = out.with_name(out.name + ".tmp")
     remove_path(tmp)

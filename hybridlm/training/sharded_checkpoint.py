@@ -229,9 +229,12 @@ class ShardedCheckpointer:
         if problem is None and rank == 0:
             files = {name: record for _, part in gathered for name, record in part.items()}
             problem = _unlisted_dcp_files(tmp, files)
-            if problem is None:
-                commit_checkpoint(tmp, pending.final, pending.step, files, keep_last=pending.keep_last,
-                                  format=SHARDED_FORMAT, world_size=_world())
+            try:
+                if problem is None:
+                    commit_checkpoint(tmp, pending.final, pending.step, files, keep_last=pending.keep_last,
+                                      format=SHARDED_FORMAT, world_size=_world())
+            except OSError as err:
+                problem = f"the manifest or the rename failed ({err})"
         problem = _agree(problem)
         if problem:
             raise CheckpointError(f"the checkpoint of step {pending.step} was not saved: {problem}")
