@@ -34,9 +34,10 @@ first tokens of held-out documents), `final/` (the trained model and the tokeniz
 Resuming (`resume=True`): the newest complete checkpoint in `<out_dir>/checkpoints` is verified and
 loaded (model, AdamW state, RNG streams, step, tokens, data-loader position, guard counters); the
 metrics files are cut back to its step; with the same config the run continues exactly as if it had
-not stopped (tested: 2N steps == N + resume + N on CPU in fp32). Checkpoints hold the unparallelized
-layout, so a run saved under one mesh (tp=2 x dp_shard=2, mixer parallelism, ...) resumes under another or in
-one process (`hybridlm.parallel.checkpoint`). The config given at resume time wins (e.g. a larger train.steps,
+not stopped (tested: 2N steps == N + resume + N on CPU in fp32). Checkpoints (train.checkpoint_format: "dcp", the
+default under torchrun, each rank writing its shards, `training.sharded_checkpoint`; or "full", the one-process
+default, gathered on rank 0) hold the unparallelized layout's names and rows, so a run saved under one mesh (tp=2 x
+dp_shard=2, mixer parallelism, ...) resumes under another or in one process; resume reads either format. The config given at resume time wins (e.g. a larger train.steps,
 or a new lr or betas: the AdamW groups' hyperparameters are all taken from it, only the moments and step counts
 from the checkpoint), and its differences from the saved one are printed; the schedule is recomputed for the new
 length (a pure function of the progress), so extending a run whose WSD decay has finished puts the lr straight

@@ -153,6 +153,28 @@ def test_export_equals_the_runs_final_model(two_ranks, tmp_path, fmt):
 
 
 # ------------------------------------------------------------------------------------------------ one process
+@pytest.mark.parametrize("overrides, world, want", [
+    ([], 1, "full"), ([], 2, "dcp"), (["train.checkpoint_async=true"], 1, "dcp"),
+    (["train.checkpoint_format=full"], 4, "full"), (["train.checkpoint_format=dcp"], 1, "dcp"),
+])
+def test_checkpoint_format_resolves_against_the_world_size(overrides, world, want):
+    from hybridlm.training.config import load_config
+    from hybridlm.training.plan import checkpoint_format as resolve
+
+    assert resolve(load_config(None, overrides), world) == want
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.checkpoint_format=sharded"], "train.checkpoint_format: must be one of auto, dcp, full"),
+    (["train.checkpoint_format=full", "train.checkpoint_async=true"], "train.checkpoint_async: .*checkpoint_format=dcp"),
+])
+def test_checkpoint_settings_are_validated(overrides, message):
+    from hybridlm.training.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
 def _dcp(demo_dir: Path, out: Path, *overrides: str):
     return _config(demo_dir, out, "train.checkpoint_format=dcp", "train.save_every=2", "train.keep_last=3",
                    *SINGLE, *overrides)
