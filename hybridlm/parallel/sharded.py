@@ -1,6 +1,6 @@
 """Sharded state of a parallelized model and its AdamW state for `torch.distributed.checkpoint` (DCP).
 
-    state = sharded_state(model, optimizer)     # this rank's pieces, canonical keys: "model.<name>", "optim.<name>.<slot>"
+    state = sharded_state(model, optimizer)     # this rank's pieces: "model.<name>", "optim.<name>.<slot>"
     dcp.save(state, checkpoint_id=directory)    # every rank writes its own shards
     targets = load_targets(model, optimizer, saved_keys)   # empty pieces of the same keys, cut as this mesh needs
     dcp.load(targets, checkpoint_id=directory)  # every rank reads only the chunks that overlap its pieces

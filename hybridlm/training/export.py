@@ -69,8 +69,8 @@ def _iter_full_tensors(path: Path, names: list[str]) -> Iterator[tuple[str, torc
             yield name, handle.get_tensor(name)
 
 
-def export_checkpoint(run: str | Path, out: str | Path, *, step: int | None = None, format: str = "hybridlm",  # noqa: A002
-                      shard_bytes: int = SHARD_BYTES) -> Path:
+def export_checkpoint(run: str | Path, out: str | Path, *, step: int | None = None,
+                      format: str = "hybridlm", shard_bytes: int = SHARD_BYTES) -> Path:  # noqa: A002
     """Write the model of a run's checkpoint (`step`, default the newest complete one) to the model directory `out`
     (written as `out`.tmp and renamed: an existing `out` is replaced only by a complete export). Verifies the
     checkpoint's checksums first. Raises ConfigError for a run, step or format that cannot be exported and

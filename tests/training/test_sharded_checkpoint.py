@@ -152,6 +152,18 @@ def test_export_equals_the_runs_final_model(two_ranks, tmp_path, fmt):
     assert (tmp_path / "model" / "tokenizer.json").is_file()
 
 
+def test_export_writes_safetensors_shards_with_their_index(two_ranks, tmp_path):
+    from hybridlm import load_model
+    from hybridlm.training.export import INDEX_FILE, export_checkpoint
+
+    root, _ = two_ranks
+    out = export_checkpoint(root / "run", tmp_path / "model", step=4, shard_bytes=1_000_000)
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and shards[-1].endswith(f"-of-{len(shards):05d}.safetensors")
+    assert (out / INDEX_FILE).is_file()
+    assert sorted(load_model(out).state_dict()) == sorted(load_model(root / "run" / "final").state_dict())
+
+
 # ------------------------------------------------------------------------------------------------ one process
 @pytest.mark.parametrize("overrides, world, want", [
     ([], 1, "full"), ([], 2, "dcp"), (["train.checkpoint_async=true"], 1, "dcp"),
@@ -166,7 +178,8 @@ def test_checkpoint_format_resolves_against_the_world_size(overrides, world, wan
 
 @pytest.mark.parametrize("overrides, message", [
     (["train.checkpoint_format=sharded"], "train.checkpoint_format: must be one of auto, dcp, full"),
-    (["train.checkpoint_format=full", "train.checkpoint_async=true"], "train.checkpoint_async: .*checkpoint_format=dcp"),
+    (["train.checkpoint_format=full", "train.checkpoint_async=true"],
+     "train.checkpoint_async: .*checkpoint_format=dcp"),
 ])
 def test_checkpoint_settings_are_validated(overrides, message):
     from hybridlm.training.config import ConfigError, load_config
