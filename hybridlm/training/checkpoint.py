@@ -18,6 +18,10 @@ step removes. `keep_last=K` then deletes the checkpoints older than the K newest
 checked): a step directory that cannot be read, or a checkpoint that fails its checksums, never counts, so no good
 checkpoint is deleted for it; a step directory without a readable manifest is never deleted.
 
+The sharded layout (`training.sharded_checkpoint`: torch.distributed.checkpoint files written by every rank) shares
+these step directories, the manifest (format `SHARDED_FORMAT`), the verification and the rotation; `checkpoint_format`
+tells the two apart.
+
 Loading verifies the manifest and every checksum before touching the model and raises `CheckpointError`
 naming the bad file and saying what to do (remove the directory to fall back to the previous one); an intact
 checkpoint saved for another model or optimizer raises its subclass `CheckpointMismatchError`.
@@ -44,6 +48,8 @@ from hybridlm.training.rng import capture_rng_state, restore_rng_state
 from hybridlm.training.tensor_tree import flatten_tree, unflatten_tree
 
 FORMAT = "hybridlm-training-checkpoint"
+SHARDED_FORMAT = "hybridlm-sharded-training-checkpoint"
+FORMATS = {FORMAT: "full", SHARDED_FORMAT: "dcp"}  # manifest format -> the train.checkpoint_format that writes it
 VERSION = 1
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
@@ -107,7 +113,7 @@ def _looks_complete(path: Path) -> bool:
     try:
         manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
         files = manifest["files"]
-        return manifest.get("format") == FORMAT and all(
+        return manifest.get("format") in FORMATS and all(
             (path / name).is_file() and (path / name).stat().st_size == entry["bytes"] for name, entry in files.items()
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -179,16 +185,35 @@ def save_checkpoint(
     _write_json(tmp / TRAIN_STATE_FILE, {"step": step, "train_state": dict(train_state or {})}, "train_state")
     written.append(TRAIN_STATE_FILE)
 
-    files = {}
-    for name in written:
-        fsync_file(tmp / name)
-        files[name] = {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
-    _write_json(tmp / MANIFEST_FILE, {"format": FORMAT, "version": VERSION, "step": step, "files": files}, "manifest")
+    commit_checkpoint(tmp, final, step, {name: file_record(tmp / name) for name in written}, keep_last=keep_last)
+    return final
+
+
+def file_record(path: Path) -> dict[str, Any]:
+    """A written file's manifest entry, {"sha256", "bytes"}, after it is fsynced."""
+    fsync_file(path)
+    return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+
+
+def commit_checkpoint(tmp: Path, final: Path, step: int, files: dict[str, dict[str, Any]], *, keep_last: int | None,
+                      format: str = FORMAT, **extra: Any) -> None:  # noqa: A002
+    """The last steps of every save: the manifest (`files`: name -> `file_record`, relative to `tmp`; `extra` keys
+    beside them) written and fsynced in `tmp`, `tmp` renamed to `final` (`publish`), then `keep_last` rotation."""
+    manifest = {"format": format, "version": VERSION, "step": step, **extra, "files": files}
+    _write_json(tmp / MANIFEST_FILE, manifest, "manifest")
     fsync_file(tmp / MANIFEST_FILE)
     fsync_dir(tmp)
+    publish(tmp, final)
+    _VERIFIED[final] = _signature(final)  # its checksums were just computed from the files
+    if keep_last is not None:
+        _rotate(final.parent, keep_last, final)
 
-    if final.exists():  # overwrite=True: move the old one aside under a name nothing else reads
-        old = directory / (final.name + ".old.tmp")
+
+def publish(tmp: Path, final: Path) -> None:
+    """Rename the complete `tmp` directory to `final` (an existing `final` is moved aside first and removed after:
+    a crash leaves one of them whole) and fsync the parent. Until this returns the checkpoint is not the newest."""
+    if final.exists():
+        old = final.parent / (final.name + ".old.tmp")
         if old.exists():
             shutil.rmtree(old)
         os.replace(final, old)
@@ -196,12 +221,7 @@ def save_checkpoint(
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
-    fsync_dir(directory)
-    _VERIFIED[final] = _signature(final)  # its checksums were just computed from the files
-
-    if keep_last is not None:
-        _rotate(directory, keep_last, final)
-    return final
+    fsync_dir(final.parent)
 
 
 # Checkpoints whose checksums this process has verified (or computed), with the signature they had then: rotation
@@ -252,9 +272,21 @@ def _rotate(directory: Path, keep_last: int, saved: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- load
-def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+def checkpoint_format(path: str | Path) -> str:
+    """"full" or "dcp": the layout of the checkpoint at `path`, from its manifest (CheckpointError if unreadable)."""
+    path = Path(path)
+    try:
+        return FORMATS[json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))["format"]]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path / MANIFEST_FILE} is unreadable or not a checkpoint manifest ({err}); "
+                              + _previous_hint(path)) from err
+
+
+def verify_checkpoint(path: str | Path, *, share: tuple[int, int] = (0, 1)) -> dict[str, Any]:
     """Check the manifest and the sha256 and size of every file it lists; return the manifest.
 
+    `share=(index, count)`: check the checksums of every count-th listed file from the index-th only (the ranks of
+    a sharded load split the reading); the manifest and every file's presence and size are always checked.
     Raises CheckpointError naming the first problem (missing or unreadable manifest, missing file, size or
     checksum mismatch) and saying what to do.
     """
@@ -270,19 +302,21 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         files = manifest["files"]
-        if manifest.get("format") != FORMAT or not isinstance(files, dict):
+        if manifest.get("format") not in FORMATS or not isinstance(files, dict):
             raise ValueError(f"format {manifest.get('format')!r}")
         for name, entry in files.items():
             if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int)
                     and isinstance(entry.get("sha256"), str)):
                 raise ValueError(f"the entry of {name!r} needs 'bytes' and 'sha256'")
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{manifest_path} is unreadable or not a {FORMAT} manifest ({err}); " + _previous_hint(path)) from err
+        raise CheckpointError(f"{manifest_path} is unreadable or not a hybridlm checkpoint manifest ({err}); "
+                              + _previous_hint(path)) from err
     if manifest.get("version") != VERSION:
         raise CheckpointError(
             f"{manifest_path} has format version {manifest.get('version')!r}; this hybridlm reads version {VERSION}"
         )
-    for name, entry in files.items():
+    index, count = share
+    for position, (name, entry) in enumerate(sorted(files.items())):
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{file} is listed in the manifest but missing; " + _previous_hint(path))
@@ -292,6 +326,8 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
                 f"{file} has {size} bytes, the manifest records {entry['bytes']}: the file is corrupt or truncated; "
                 + _previous_hint(path)
             )
+        if position % count != index:
+            continue
         digest = sha256_file(file)
         if digest != entry["sha256"]:
             raise CheckpointError(
@@ -342,6 +378,10 @@ def load_checkpoint(
     """
     path = Path(path)
     manifest = verify_checkpoint(path)
+    if manifest["format"] != FORMAT:
+        raise CheckpointError(f"{path} is a sharded (dcp) checkpoint: load it with "
+                              "hybridlm.training.sharded_checkpoint.load_sharded_checkpoint, or export it with "
+                              "`hybridlm checkpoint export`")
     files = manifest["files"]
 
     # read and check everything before changing any object

@@ -1,4 +1,4 @@
-"""`hybridlm train` and `hybridlm mup-check`.
+"""`hybridlm train`, `hybridlm checkpoint export` and `hybridlm mup-check`.
 
     hybridlm train                                   # the built-in demo: tiny preset, Python stdlib bytes
     hybridlm train --set train.steps=60 --out runs/quick
@@ -8,6 +8,7 @@
     torchrun --nproc_per_node 8 -m hybridlm.cli train --config configs/hybrid-125m.yaml   # FSDP2 over 8 GPUs
     torchrun --nproc_per_node 8 -m hybridlm.cli train --config configs/hybrid-125m.yaml --set parallel.tp=2
     torchrun --nproc_per_node 2 -m hybridlm.cli train --set parallel.dp_replicate=-1 --set parallel.dp_shard=1  # replicas
+    hybridlm checkpoint export --run runs/demo --out models/demo    # newest checkpoint -> a model directory
     hybridlm mup-check --out runs/mup                # coordinate check: mup_check.png + mup_check.json
 
 `--set key=value` (repeatable) addresses nested config keys with dots (train.steps, batch.micro_batch,
@@ -56,6 +57,22 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
     for task in ("sft", "dpo"):
         _add_post_training_command(subparsers, task)
+    checkpoint = subparsers.add_parser("checkpoint", help="work with a run's training checkpoints",
+                                       description="Work with the training checkpoints of a `hybridlm train` run.")
+    actions = checkpoint.add_subparsers(dest="action", metavar="ACTION", required=True)
+    export = actions.add_parser(
+        "export", help="a checkpoint (sharded or full) as a model directory for load_model / transformers",
+        description="Consolidate a training checkpoint of a run (the newest complete one, or --step) into a model "
+        "directory that hybridlm.load_model and transformers' Auto classes load: config.json, safetensors shards "
+        "and the run's tokenizer. A sharded (dcp) checkpoint is read one tensor at a time, so models larger than "
+        "memory export; no torchrun needed.",
+    )
+    export.add_argument("--run", type=Path, required=True, help="the run's output directory (holds config.yaml)")
+    export.add_argument("--out", type=Path, required=True, help="the model directory to write (replaced if present)")
+    export.add_argument("--step", type=int, help="the checkpoint's step (default: the newest complete checkpoint)")
+    export.add_argument("--format", choices=("hybridlm", "falcon_h1"), default="hybridlm",
+                        help="hybridlm (default) or an official falcon_h1 checkpoint (Mamba-2 SA_M models with an MLP)")
+    export.set_defaults(func=run_checkpoint_export)
 
     mup = subparsers.add_parser(
         "mup-check",
@@ -217,6 +234,23 @@ def _stopped_at_once(err: KeyboardInterrupt, trainer) -> int:
                  if latest is not None else "no checkpoint was saved")
         print(f"stopped at once ({name}) at update {trainer.step}; {saved}", file=sys.stderr)
     return 128 + int(signum)
+
+
+def run_checkpoint_export(args: argparse.Namespace) -> int:
+    from hybridlm.training.checkpoint import CheckpointError
+    from hybridlm.training.config import ConfigError
+    from hybridlm.training.export import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.run, args.out, step=args.step, format=args.format)
+    except ConfigError as err:
+        print(f"checkpoint export: {err}", file=sys.stderr)
+        return 2
+    except CheckpointError as err:
+        print(f"checkpoint export: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} ({args.format} format)")
+    return 0
 
 
 def _outputs(out_dir: Path) -> list[str]:

@@ -28,7 +28,8 @@ Sections (dotted keys address them: `--set batch.micro_batch=4`):
                   rows per data-parallel rank: the global batch is micro_batch x grad_accum x dp_replicate x
                   dp_shard (the tp and cp ranks of one data-parallel rank share its rows)
     train         steps and / or tokens (the run ends at whichever comes first), out_dir, log_every,
-                  eval_every, eval_batches, save_every, keep_last, seed, dtype ("fp32" | "bf16": autocast, fp32
+                  eval_every, eval_batches, save_every, keep_last, checkpoint_format ("auto" | "dcp" | "full"),
+                  checkpoint_async, seed, dtype ("fp32" | "bf16": autocast, fp32
                   master weights), grad_clip, max_consecutive_skips, spike_factor, compile, compile_mode,
                   deterministic, device, progress, samples
     parallel      the device mesh under torchrun (`hybridlm.parallel`): dp_replicate, dp_shard (one of the two
@@ -153,6 +154,11 @@ class TrainSection:
     eval_batches: int = 4
     save_every: int = 100  # 0: only at the end (and on SIGINT / SIGTERM)
     keep_last: int = 2
+    # "dcp": every rank writes its own shards (torch.distributed.checkpoint; resumes under any mesh); "full": the
+    # single-process layout gathered on rank 0; "auto": dcp under torchrun (world size > 1) or with checkpoint_async,
+    # full in one process. Resume reads either, whatever this says.
+    checkpoint_format: str = "auto"
+    checkpoint_async: bool = False  # dcp only: write from a thread while training goes on; the next save waits for it
     seed: int = 0
     dtype: str = "fp32"
     grad_clip: float | None = 1.0

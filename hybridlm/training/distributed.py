@@ -19,11 +19,12 @@ rows; the cp and tp ranks of one data-parallel rank read the same rows (cp then 
 FSDP2 averages gradients over the dp_size data-parallel ranks; context parallelism's gradients are summed over
 cp by `hybridlm.parallel.reduce_context_parallel_grads`.
 
-Checkpoints have one format whatever the mesh and world size: the unparallelized model's state dict and the
-optimizer state as a single-process AdamW over the same parameter groups writes it (states keyed by the
-parameter's position in the groups). `hybridlm.parallel.checkpoint` gathers and cuts the tensors (undoing
+Full checkpoints (`full_state_dicts`) have one layout whatever the mesh and world size: the unparallelized model's
+state dict and the optimizer state as a single-process AdamW over the same parameter groups writes it (states keyed
+by the parameter's position in the groups). `hybridlm.parallel.checkpoint` gathers and cuts the tensors (undoing
 the SSM head split's row permutation and collecting the mixers that mixer parallelism spreads over ranks),
-so a run saved under tp=2 x dp_shard=2 resumes in one process and the other way round.
+so a run saved under tp=2 x dp_shard=2 resumes in one process and the other way round. Under torchrun the trainer
+writes sharded checkpoints instead (`hybridlm.training.sharded_checkpoint`), which reshard the same way.
 
 Every collective here is a no-op with one process, so the trainer calls them unconditionally.
 """

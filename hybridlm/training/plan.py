@@ -3,6 +3,7 @@
     parallel = resolve_parallel(config, world_size)       # the device mesh's sizes (a -1 filled in)
     schedule, total, note = schedule_config(config, dp)   # the lr schedule with its batch rampup, in global rows
     updates, tokens = plan_steps(config, dp)              # the run's length: train.steps or train.tokens
+    fmt = checkpoint_format(config, world_size)           # "dcp" | "full": how this run writes checkpoints
 
 `dp` is the number of data-parallel ranks (dp_replicate x dp_shard of `resolve_parallel`): the batch section counts
 rows per data-parallel rank, so the run's tokens under train.steps, and its updates under train.tokens, depend on
@@ -77,6 +78,16 @@ def resolve_parallel(config: TrainConfig, world_size: int) -> ParallelConfig:
         activation_checkpointing=p.activation_checkpointing, ssm_tensor_parallel=p.ssm_tensor_parallel,
         mixer_parallel=p.mixer_parallel,
     ).resolved(world_size)
+
+
+def checkpoint_format(config: TrainConfig, world_size: int) -> str:
+    """The format the run's checkpoints are written in: train.checkpoint_format, with "auto" resolved to "dcp" (each
+    rank writes its own shards) under torchrun or with train.checkpoint_async, else "full" (one process: the
+    single-process layout, readable without torch.distributed)."""
+    fmt = config.train.checkpoint_format
+    if fmt != "auto":
+        return fmt
+    return "dcp" if world_size > 1 or config.train.checkpoint_async else "full"
 
 
 def rampup_of(config: TrainConfig, world_size: int) -> BatchRampup | None:

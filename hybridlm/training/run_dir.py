@@ -244,15 +244,7 @@ class RunDirectory:
             tmp = self.path / f"{FINAL_DIR}.tmp"
             remove_path(tmp)
             model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-            if tokenizer_dir is not None:
-                from hybridlm.data.tokenizer import HF_CONFIG_FILE, META_FILE, TOKENIZER_FILE
-
-                # The tokenizer's files only, and none the model wrote: the tokenizer directory may be an earlier
-                # run's final/, whose config.json and weights must not replace this model's.
-                for name in (TOKENIZER_FILE, HF_CONFIG_FILE, META_FILE, *TOKENIZER_EXTRA_FILES):
-                    source = Path(tokenizer_dir) / name
-                    if source.is_file() and not os.path.lexists(tmp / name):
-                        shutil.copy2(source, tmp / name)
+            copy_tokenizer_files(tokenizer_dir, tmp)
             for name, write in (extras or {}).items():
                 write(tmp / name)
             old = self.path / f"{FINAL_DIR}.old.tmp"
@@ -264,6 +256,28 @@ class RunDirectory:
                 remove_path(old)
         D.barrier(self.ctx)
         return final if self.ctx.is_main else None
+
+
+def copy_tokenizer_files(tokenizer_dir: Path | None, model_dir: Path) -> None:
+    """The tokenizer's files from `tokenizer_dir` (None: nothing) into a model directory, none that the model wrote:
+    the tokenizer directory may be an earlier run's final/, whose config.json and weights must not replace these."""
+    if tokenizer_dir is None:
+        return
+    from hybridlm.data.tokenizer import HF_CONFIG_FILE, META_FILE, TOKENIZER_FILE
+
+    for name in (TOKENIZER_FILE, HF_CONFIG_FILE, META_FILE, *TOKENIZER_EXTRA_FILES):
+        source = Path(tokenizer_dir) / name
+        if source.is_file() and not os.path.lexists(model_dir / name):
+            shutil.copy2(source, model_dir / name)
+
+
+def run_tokenizer_dir(config: TrainConfig, out_dir: Path) -> Path | None:
+    """The tokenizer directory of a run: the demo corpus's (in data.demo_dir, else <out_dir>/demo_data), else
+    data.tokenizer (None when not given)."""
+    c = config.data
+    if c.demo:
+        return (Path(c.demo_dir) if c.demo_dir else Path(out_dir) / "demo_data") / "tokenizer"
+    return Path(c.tokenizer) if c.tokenizer else None
 
 
 def same_file(a: Path, b: Path) -> bool:

@@ -34,9 +34,10 @@ first tokens of held-out documents), `final/` (the trained model and the tokeniz
 Resuming (`resume=True`): the newest complete checkpoint in `<out_dir>/checkpoints` is verified and
 loaded (model, AdamW state, RNG streams, step, tokens, data-loader position, guard counters); the
 metrics files are cut back to its step; with the same config the run continues exactly as if it had
-not stopped (tested: 2N steps == N + resume + N on CPU in fp32). Checkpoints hold the unparallelized
-layout, so a run saved under one mesh (tp=2 x dp_shard=2, mixer parallelism, ...) resumes under another or in
-one process (`hybridlm.parallel.checkpoint`). The config given at resume time wins (e.g. a larger train.steps,
+not stopped (tested: 2N steps == N + resume + N on CPU in fp32). Checkpoints (train.checkpoint_format: "dcp", the
+default under torchrun, each rank writing its shards, `training.sharded_checkpoint`; or "full", the one-process
+default, gathered on rank 0) hold the unparallelized layout's names and rows, so a run saved under one mesh (tp=2 x
+dp_shard=2, mixer parallelism, ...) resumes under another or in one process; resume reads either format. The config given at resume time wins (e.g. a larger train.steps,
 or a new lr or betas: the AdamW groups' hyperparameters are all taken from it, only the moments and step counts
 from the checkpoint), and its differences from the saved one are printed; the schedule is recomputed for the new
 length (a pure function of the progress), so extending a run whose WSD decay has finished puts the lr straight
@@ -71,6 +72,7 @@ from hybridlm.training.checkpoint import (
     TRAIN_STATE_FILE,
     CheckpointError,
     CheckpointMismatchError,
+    checkpoint_format,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -86,6 +88,7 @@ from hybridlm.training.config import (
 from hybridlm.training.guard import StepGuard
 from hybridlm.training.loop import Batch, TokenCrossEntropy, TrainLoop, UpdateOutput, UpdatePlan
 from hybridlm.training.optim import MatrixMultipliers, build_param_groups
+from hybridlm.training.plan import checkpoint_format as resolve_checkpoint_format
 from hybridlm.training.plan import plan_steps, schedule_config
 from hybridlm.training.rng import deterministic_kernels
 from hybridlm.training.run_dir import (
@@ -94,9 +97,11 @@ from hybridlm.training.run_dir import (
     FINAL_DIR,
     METRICS_FILE,
     RunDirectory,
+    run_tokenizer_dir,
     same_file,
 )
 from hybridlm.training.schedules import schedule_factors
+from hybridlm.training.sharded_checkpoint import ShardedCheckpointer, load_sharded_checkpoint
 from hybridlm.training.stop import StopRequest
 from hybridlm.training.validate import build_model_config
 
@@ -296,6 +301,8 @@ class Trainer:
             clip=lambda model: D.clip_grad_norm(model, max_norm, self.ctx, names=self.param_names),
         )
         self.tokens = 0
+        self.checkpoint_format = resolve_checkpoint_format(config, self.ctx.world_size)
+        self._sharded = ShardedCheckpointer()
         self.resumed_from: Path | None = None
         self._last_saved_step: int | None = None
         # True when --resume found the run finished (its last checkpoint at the planned length and final/ written):
@@ -363,11 +370,10 @@ class Trainer:
             D.barrier(self.ctx)
             sources = [Source("stdlib", directory / "train")]
             eval_sources = [Source("stdlib_heldout", directory / "heldout")]
-            tokenizer_dir: Path | None = directory / "tokenizer"
         else:
             sources = [Source(s.name, s.path, s.weight, s.max_epochs) for s in c.data.sources]
             eval_sources = [Source(s.name, s.path, s.weight, s.max_epochs) for s in c.data.eval_sources]
-            tokenizer_dir = Path(c.data.tokenizer) if c.data.tokenizer else None
+        tokenizer_dir = run_tokenizer_dir(c, self.out_dir)
         try:
             loader = PackedLoader(
                 sources, batch_size=c.batch.micro_batch, seq_len=c.batch.seq_len, seed=c.train.seed,
@@ -496,7 +502,16 @@ class Trainer:
         return self.config.train.task == "dpo" and self.config.dpo.reference == "precomputed"
 
     def save(self) -> Path | None:
-        """Write a checkpoint of the current step (every rank must call it; rank 0 writes)."""
+        """Write a checkpoint of the current step (every rank must call it). The full format: gathered, rank 0 writes
+        and gets the path. The dcp format: every rank writes its shards; with train.checkpoint_async the write goes
+        on in the background and None is returned (`wait_for_checkpoint` or the next save completes it)."""
+        if self.checkpoint_format == "dcp":
+            t = self.config.train
+            path = self._sharded.save(self.checkpoint_dir, self.step, model=self.model, optimizer=self.optimizer,
+                                      groups=self.canonical_groups, train_state=self._train_state(),
+                                      keep_last=t.keep_last, async_save=t.checkpoint_async)
+            self._last_saved_step = self.step
+            return path
         model_sd, optim_sd = D.full_state_dicts(self.model, self.optimizer, self.ctx, groups=self.canonical_groups)
         path = None
         if self.ctx.is_main:
@@ -508,6 +523,10 @@ class Trainer:
         D.barrier(self.ctx)
         self._last_saved_step = self.step
         return path
+
+    def wait_for_checkpoint(self) -> None:
+        """Complete a pending asynchronous save (every rank; nothing to do otherwise)."""
+        self._sharded.wait()
 
     def _resume(self) -> None:
         path = latest_checkpoint(self.checkpoint_dir)
@@ -531,8 +550,13 @@ class Trainer:
         # (moments, step counts). `load_full_state_dicts` copies the saved groups' values, as torch's loader does.
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         optim_state = _OptimizerState(self.canonical_groups)
+        sharded = checkpoint_format(path) == "dcp"
         try:
-            loaded = load_checkpoint(path, model=model_state, optimizer=optim_state, restore_rng=True)
+            if sharded:  # every rank reads its own part, resharded to this mesh, straight into the model
+                loaded = load_sharded_checkpoint(path, model=self.model, optimizer=self.optimizer,
+                                                 groups=self.canonical_groups)
+            else:
+                loaded = load_checkpoint(path, model=model_state, optimizer=optim_state, restore_rng=True)
         except CheckpointMismatchError as err:  # e.g. another layer count or preset: other parameter names
             raise self._misfit(path, err, self._changes_since(path)) from err
         self._check_resume_length(loaded.step)
@@ -543,8 +567,9 @@ class Trainer:
         loader_state["config"]["batch_size"] = self.loader.batch_size
         loader_state["config"]["world_size"] = self.loader.world_size
         try:
-            D.load_full_state_dicts(self.model, self.optimizer, model_state.loaded, optim_state.loaded, self.ctx,
-                                    groups=self.canonical_groups)
+            if not sharded:
+                D.load_full_state_dicts(self.model, self.optimizer, model_state.loaded, optim_state.loaded, self.ctx,
+                                        groups=self.canonical_groups)
             self.loader.load_state_dict(loader_state)
         except ValueError as err:
             raise self._misfit(path, err, changes) from err
@@ -829,10 +854,11 @@ class Trainer:
             self._bar.close()
         status = "completed" if completed else "interrupted"
         last_loss, eval_loss = self._last_loss, self._eval_loss
+        self.wait_for_checkpoint()
         if self._last_saved_step != self.step or latest_checkpoint(self.checkpoint_dir) is None:
-            checkpoint = self.save()  # (with the interval still open: a resumed run completes it)
-        else:
-            checkpoint = latest_checkpoint(self.checkpoint_dir)
+            self.save()  # (with the interval still open: a resumed run completes it)
+            self.wait_for_checkpoint()
+        checkpoint = latest_checkpoint(self.checkpoint_dir)
         if self._interval:  # stopped between records: this one covers fewer updates; a resumed run replaces it
             last_loss = self._log_interval(self._interval)
         if not self.history:  # no update in this process (resumed at its last step, final/ missing): the logged losses
@@ -945,6 +971,7 @@ class Trainer:
         return value
 
     def close(self) -> None:
+        self._sharded.abandon()  # (train() completes its saves; one still pending here stays a .tmp directory)
         self.run_dir.release()
         D.destroy_distributed(self.ctx)
 

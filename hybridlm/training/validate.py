@@ -23,6 +23,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")  # train.compile_mode
 TASKS = ("pretrain", "sft", "dpo")  # train.task
+CHECKPOINT_FORMATS = ("auto", "dcp", "full")  # train.checkpoint_format
 
 
 def _positive_int(value: Any, key: str, minimum: int = 1) -> None:
@@ -167,6 +168,10 @@ def validate(config: TrainConfig) -> None:
     _choice(t.compile_mode, "train.compile_mode", COMPILE_MODES)
     if t.compile_mode != "default" and not t.compile:
         raise ConfigError(f"train.compile_mode: {t.compile_mode!r} needs train.compile=true")
+    _choice(t.checkpoint_format, "train.checkpoint_format", CHECKPOINT_FORMATS)
+    if t.checkpoint_async and t.checkpoint_format == "full":
+        raise ConfigError("train.checkpoint_async: asynchronous saves write the sharded format; set "
+                          "train.checkpoint_format=dcp (or auto), or train.checkpoint_async=false")
     if t.grad_clip is not None:
         _finite(t.grad_clip, "train.grad_clip", low=0.0)
     if t.spike_factor is not None:

@@ -4,15 +4,16 @@ meshes: every stage's losses, gradient norms and held-out losses equal one proce
 One spawn of 4 processes runs three trainers in a chain, each resuming the previous one's checkpoint:
 
     updates 1-2   tp=2 x dp_shard=2            (SSM heads split: mamba_n_groups=2; activation checkpointing)
-    updates 3-4   cp=2 x dp_shard=2            (loads the head-split run's checkpoint)
+    updates 3-4   cp=2 x dp_shard=2            (loads the head-split run's sharded checkpoint, saves a full one)
     updates 5-6   tp=2 x dp_shard=2, mixer_parallel="on"   (each rank holds one mixer per layer)
-    updates 7-8   one process                  (loads the mixer-parallel checkpoint)
+    updates 7-8   one process                  (loads the mixer-parallel sharded checkpoint)
 
 against one uninterrupted process (micro-batches of 2 rows, 2 accumulated: the global batch of 2 data-parallel
 ranks x 2 rows). A wrong row permutation, a mixer missing from a checkpoint, AdamW moments in the wrong layout,
 a loss normalized per cp chunk or a gradient norm that double counts tp / cp copies all break these equalities.
-The checkpoints of each mesh hold the keys and shapes of a single-process checkpoint, and their tensors equal
-the single-process run's at the same update. Every update is followed by an evaluation (no_grad forward; that
+Under torchrun the checkpoints are sharded (dcp) by default, except the cp stage's (train.checkpoint_format=full), so
+both formats move between meshes. The checkpoints of each mesh hold the keys and shapes of a single-process
+checkpoint, and their tensors equal the single-process run's at the same update. Every update is followed by an evaluation (no_grad forward; that
 the trainer reshards FSDP2's root after it is not something these equalities can see: a run's first forward is
 always a training step). Float32, tolerance 1e-5.
 """
@@ -49,7 +50,7 @@ MODEL = ("model.overrides.num_key_value_heads=2", "model.overrides.mamba_n_group
          "optim.eps=1e-4")
 STAGES = (  # (name, overrides, last update)
     ("tp2_dp2_ac", ("parallel.tp=2", "parallel.activation_checkpointing=true"), 2),
-    ("cp2_dp2", ("parallel.cp=2",), 4),
+    ("cp2_dp2", ("parallel.cp=2", "train.checkpoint_format=full"), 4),
     ("mixer_tp2_dp2", ("parallel.tp=2", "parallel.mixer_parallel=on"), 6),
 )
 
@@ -107,24 +108,35 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
         return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (not a dict)
 
 
-def _checkpoint_diff(got: Path, want: Path) -> float:
-    """Max abs difference over the model and optimizer tensors of two checkpoints, after asserting that they
-    hold the same keys and shapes and the same optimizer groups (parameter names)."""
-    worst = 0.0
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        a, b = _tensors(got / name), _tensors(want / name)
-        assert sorted(a) == sorted(b), (name, sorted(set(a) ^ set(b))[:5])
-        for key in a:
-            assert a[key].shape == b[key].shape and a[key].dtype == b[key].dtype, (name, key)
-            worst = max(worst, float((a[key].double() - b[key].double()).abs().max()) if a[key].numel() else 0.0)
-    from hybridlm.training.checkpoint import (
-        OPTIMIZER_JSON,
-        OPTIMIZER_TENSORS,
-        _read_tree,
-    )
+def _canonical(path: Path) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+    """A checkpoint's model and AdamW tensors under the sharded format's keys ("model.<name>", "optim.<name>.<slot>")
+    and its groups' parameter names, whichever format it has."""
+    from hybridlm.training.checkpoint import OPTIMIZER_JSON, OPTIMIZER_TENSORS, _read_tree, checkpoint_format
 
-    groups = [_read_tree(p, OPTIMIZER_TENSORS, OPTIMIZER_JSON)["param_groups"] for p in (got, want)]
-    assert groups[0] == groups[1]  # positions, canonical names, roles, hyperparameters
+    if checkpoint_format(path) == "dcp":
+        from hybridlm.training.export import iter_sharded_tensors
+        from hybridlm.training.sharded_checkpoint import GROUPS_FILE
+
+        groups = json.loads((path / GROUPS_FILE).read_text())["param_groups"]
+        return dict(iter_sharded_tensors(path)), [g["param_names"] for g in groups]
+    out = {f"model.{key}": value for key, value in _tensors(path / "model.safetensors").items()}
+    optimizer = _read_tree(path, OPTIMIZER_TENSORS, OPTIMIZER_JSON)
+    names = [n for g in optimizer["param_groups"] for n in g["param_names"]]
+    for index, slots in optimizer["state"].items():
+        out.update({f"optim.{names[int(index)]}.{slot}": value for slot, value in slots.items()})
+    return out, [g["param_names"] for g in optimizer["param_groups"]]
+
+
+def _checkpoint_diff(got: Path, want: Path) -> float:
+    """Max abs difference over the model and optimizer tensors of two checkpoints (either format), after asserting
+    that they hold the same keys and shapes and the same optimizer groups (parameter names)."""
+    (a, groups_a), (b, groups_b) = _canonical(got), _canonical(want)
+    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))[:5]
+    worst = 0.0
+    for key in a:
+        assert a[key].shape == b[key].shape and a[key].dtype == b[key].dtype, key
+        worst = max(worst, float((a[key].double() - b[key].double()).abs().max()) if a[key].numel() else 0.0)
+    assert groups_a == groups_b  # canonical names, in the groups' order
     return worst
 
 
