@@ -1,0 +1,148 @@
+"""`hybridlm sft` / `dpo` / `chat` end to end on a tiny model (CPU, float32, seeded): exact resume, a model that
+answers what it was fine-tuned on, DPO moving the preference margin, LoRA outputs, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridlm.cli import main
+from hybridlm.data.chat import ChatEncoder, demo_preferences
+from hybridlm.inference.chat import ChatSession
+from hybridlm.models.hf import load_model
+from hybridlm.training.config import ConfigError, load_config
+from hybridlm.training.dpo import reference_log_probs
+from hybridlm.training.posttraining import FitCounts, PreferencePairs, fit_pair
+from hybridlm.training.run_dir import read_jsonl
+from hybridlm.training.trainer import Trainer
+from tests.posttraining.helpers import make_model_dir
+
+QA = [("Spell cat.", "C-A-T."), ("What colour is snow?", "Snow is white."), ("Hello!", "Hello to you."),
+      ("Reverse dog.", "god")]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("runs"))
+
+
+def _config(model_dir, out, task="sft", *sets):
+    return load_config(None, [f"model.init={model_dir}", f"train.out_dir={out}", "train.progress=false",
+                              "train.samples=0", "batch.seq_len=128", "batch.micro_batch=4", *sets], task=task)
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _weights(directory):
+    return {k: v.clone() for k, v in load_model(directory).state_dict().items()}
+
+
+def test_sft_resume_reproduces_an_uninterrupted_run(model_dir, tmp_path):
+    sets = ("train.steps=6", "train.save_every=2", "train.log_every=1")
+    whole = Trainer(_config(model_dir, tmp_path / "whole", "sft", *sets))
+    whole.train()
+    whole.close()
+
+    def stop(trainer, record):
+        if record["step"] == 3:
+            trainer.request_stop("test")
+
+    first = Trainer(_config(model_dir, tmp_path / "split", "sft", *sets), callbacks=[stop])
+    assert first.train().status == "interrupted"
+    first.close()
+    second = Trainer(_config(model_dir, tmp_path / "split", "sft", *sets), resume=True)
+    assert second.train().status == "completed"
+    second.close()
+    logged = [[r["loss"] for r in read_jsonl(d / "metrics.jsonl")] for d in (tmp_path / "whole", tmp_path / "split")]
+    assert len(logged[0]) == 6 and logged[0] == logged[1]
+    a, b = _weights(tmp_path / "whole" / "final"), _weights(tmp_path / "split" / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sft_teaches_answers_that_chat_gives_back_through_the_template(model_dir, tmp_path):
+    records = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in QA] * 8
+    data = _write(tmp_path / "chats.jsonl", records)
+    out = tmp_path / "sft"
+    code = main(["sft", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--set", "train.steps=120",
+                 "--set", "optim.lr=1e-2", "--set", "train.progress=false", "--set", "train.samples=1",
+                 "--set", "batch.seq_len=64", "--set", "train.save_every=0"])
+    assert code == 0
+    final = out / "final"
+    assert (final / "tokenizer_config.json").is_file()
+    session = ChatSession(load_model(final), ChatEncoder.from_model_dir(final), max_new_tokens=16)
+    for question, _ in QA:  # one multi-turn conversation: every turn sees the ones before
+        session.reply(question)
+    assert [m["role"] for m in session.messages] == ["user", "assistant"] * len(QA)
+    for question, answer in QA:
+        session.reset()
+        streamed = []
+        assert session.reply(question, streamed.append) == answer
+        assert "".join(streamed) == answer
+
+
+def test_dpo_on_swapped_preferences_moves_the_margin_their_way(model_dir, tmp_path):
+    pairs = [{"prompt": p["prompt"], "chosen": p["rejected"], "rejected": p["chosen"]} for p in demo_preferences(24)]
+    data = _write(tmp_path / "prefs.jsonl", pairs)
+    config = _config(model_dir, tmp_path / "dpo", "dpo", f"data.chat={data}", "data.demo=false", "train.steps=15",
+                     "optim.lr=3e-3", "train.log_every=5", "dpo.beta=0.5")
+    trainer = Trainer(config)
+    trainer.train()
+    trainer.close()
+    records = read_jsonl(tmp_path / "dpo" / "metrics.jsonl")
+    assert {"rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy"} <= set(records[-1])
+
+    encoder = ChatEncoder.from_model_dir(model_dir)
+    fitted = [fit_pair(*encoder.encode_preference(p), 128, FitCounts()) for p in pairs]
+    source = PreferencePairs(fitted, batch_size=8, seed=0, shuffle=False)
+
+    def margin(model):
+        table = reference_log_probs(model, source.batch, len(fitted), pairs_per_batch=8)
+        return float((table[:, 0] - table[:, 1]).mean())
+
+    before, after = margin(load_model(model_dir)), margin(load_model(tmp_path / "dpo" / "final"))
+    assert after > before + 1.0
+
+
+def test_lora_sft_writes_merged_weights_and_the_adapter(model_dir, tmp_path):
+    peft = pytest.importorskip("peft")
+    out = tmp_path / "lora"
+    trainer = Trainer(_config(model_dir, out, "sft", "train.steps=3", "lora.r=4", "lora.alpha=8",
+                              "lora.save_adapter=true", "optim.lr=1e-2"))
+    assert trainer.parameters > sum(p.numel() for g in trainer.optimizer.param_groups for p in g["params"])
+    trainer.train()
+    trainer.close()
+    base, merged = _weights(model_dir), _weights(out / "final")
+    changed = {k for k in base if not torch.equal(base[k], merged[k])}
+    assert changed and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj",
+                                                "gate_proj", "up_proj", "down_proj") for k in changed)
+    again = peft.PeftModel.from_pretrained(load_model(model_dir), str(out / "final" / "adapter")).merge_and_unload()
+    assert all(torch.allclose(again.state_dict()[k], merged[k], atol=1e-6) for k in merged)
+
+
+def test_bad_input_is_one_line_and_loses_nothing(model_dir, tmp_path, capsys):
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(good) + "\n{oops\n")
+    assert main(["sft", "--model", str(model_dir), "--data", str(bad), "--out", str(tmp_path / "r1")]) == 1
+    assert "bad.jsonl:2: not valid JSON" in capsys.readouterr().err
+    assert not (tmp_path / "r1" / "checkpoints").exists()
+    assert main(["sft", "--out", str(tmp_path / "r2")]) == 2
+    assert "model.init" in capsys.readouterr().err
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((model_dir / "config.json").read_text())
+    assert main(["sft", "--model", str(bare), "--out", str(tmp_path / "r3")]) != 0
+    assert "has no tokenizer" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert main(["dpo", "--model", str(model_dir), "--data", str(empty), "--out", str(tmp_path / "r4")]) == 1
+    assert "no usable records" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="data.chat / data.demo"):
+        _config(model_dir, tmp_path / "r5", "sft", "data.demo=false")
+    assert main(["chat", "--model", str(tmp_path / "nowhere"), "--prompt", "hi"]) == 1
+    assert "no config.json" in capsys.readouterr().err
