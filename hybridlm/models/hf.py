@@ -24,16 +24,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridF
     """Load a local checkpoint dir by its config.json model_type; returns the model in eval mode (without
     transformers' progress bar)."""
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.exists():
-        raise FileNotFoundError(f"{path}: no config.json")
-    try:
-        config = json.loads(config_file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{config_file} is not valid JSON ({err})") from None
-    model_type = config.get("model_type") if isinstance(config, dict) else None
-    if model_type not in ("falcon_h1", "hybridlm"):
-        raise ValueError(f"{path}: unsupported model_type {model_type!r}; expected 'hybridlm' or 'falcon_h1'")
+    model_type = _model_type(path)
     try:
         if model_type == "falcon_h1":
             return load_falcon_h1(path, dtype=dtype)
@@ -55,21 +46,26 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridF
 _OPTIONAL_WEIGHTS = (".ssm.beta_bias", ".ssm.lam_bias")
 
 
+def _model_type(path: Path) -> str:
+    """The model_type of a model directory's config.json: "hybridlm" or "falcon_h1"; errors say what is wrong."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path}: no config.json")
+    try:
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{config_file} is not valid JSON ({err})") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type not in ("falcon_h1", "hybridlm"):
+        raise ValueError(f"{path}: unsupported model_type {model_type!r}; expected 'hybridlm' or 'falcon_h1'")
+    return model_type
+
+
 def read_model_config(path: str | Path) -> HybridConfig:
     """The `HybridConfig` of a model directory (ours or falcon_h1) from its config.json, without the weights."""
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{path}: no config.json; not a model directory")
-    try:
-        raw = json.loads(config_file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{config_file} is not valid JSON ({err})") from None
-    model_type = raw.get("model_type") if isinstance(raw, dict) else None
-    if model_type == "falcon_h1":
+    if _model_type(path) == "falcon_h1":
         return read_falcon_h1_config(path)
-    if model_type != "hybridlm":
-        raise ValueError(f"{path}: unsupported model_type {model_type!r}; expected 'hybridlm' or 'falcon_h1'")
     return HybridTransformersConfig.from_pretrained(str(path)).to_hybrid()
 
 

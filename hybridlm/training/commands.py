@@ -42,17 +42,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         description="\n\n".join(__doc__.split("\n\n")[1:3]),  # the examples, `--set`, `--resume`, exit status
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    train.add_argument("--config", type=Path, help="YAML run config (see configs/); default: the built-in demo")
-    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override one config value, e.g. --set train.steps=12 (repeatable)")
-    start = train.add_mutually_exclusive_group()
-    start.add_argument("--resume", action="store_true",
-                       help="continue from the newest complete checkpoint in the output directory")
-    start.add_argument("--overwrite", action="store_true",
-                       help="start a new run even if the output directory holds one: deletes its checkpoints/, "
-                       "final/, metrics, config.yaml, loss.png and samples.txt first (without it, that is refused)")
-    train.add_argument("--out", type=Path, help="output directory (sets train.out_dir)")
-    train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    _add_run_arguments(train, "default: the built-in demo")
     train.set_defaults(func=run_train)
 
     for task in ("sft", "dpo"):
@@ -131,16 +121,23 @@ def _add_post_training_command(subparsers: argparse._SubParsersAction, task: str
     p.add_argument("--data", type=Path, help="records file or directory (sets data.chat); default: demo data")
     p.add_argument("--chat-template", type=Path, metavar="FILE",
                    help="a Jinja chat template to use instead of the model's (sets data.chat_template)")
-    p.add_argument("--config", type=Path, help="YAML run config (e.g. configs/sft-falcon-h1.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one config value, e.g. --set train.steps=12 (repeatable)")
-    start = p.add_mutually_exclusive_group()
+    _add_run_arguments(p, f"e.g. configs/{task}-falcon-h1.yaml; default: a short fine-tune")
+    p.set_defaults(func=run_train, task=task)
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser, config_default: str) -> None:
+    """What every training command takes: --config, --set, --resume | --overwrite, --out, --print-config."""
+    parser.add_argument("--config", type=Path, help=f"YAML run config (see configs/); {config_default}")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config value, e.g. --set train.steps=12 (repeatable)")
+    start = parser.add_mutually_exclusive_group()
     start.add_argument("--resume", action="store_true",
                        help="continue from the newest complete checkpoint in the output directory")
-    start.add_argument("--overwrite", action="store_true", help="replace a previous run in the output directory")
-    p.add_argument("--out", type=Path, help="output directory (sets train.out_dir)")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    p.set_defaults(func=run_train, task=task)
+    start.add_argument("--overwrite", action="store_true",
+                       help="start a new run even if the output directory holds one: deletes its checkpoints/, "
+                       "final/, metrics, config.yaml, loss.png and samples.txt first (without it, that is refused)")
+    parser.add_argument("--out", type=Path, help="output directory (sets train.out_dir)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
 
 def _resolve_config(args: argparse.Namespace):
