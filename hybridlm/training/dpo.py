@@ -28,23 +28,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.training.loop import IGNORE_INDEX, Batch, ForwardContext
+from hybridlm.training.loop import IGNORE_INDEX, Batch, ForwardContext, scored_positions
 
 MODEL_KEYS = ("input_ids", "position_ids", "cu_seqlens")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy")
 
 
 def sequence_log_probs(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per packed sequence: the summed log-probability of its scored labels and their count.
 
     logits [1, N, V] (any float dtype; computed in at least float32), labels [1, N] (-100: not scored), cu_seqlens
-    [S + 1] offsets -> (sums [S], counts [S])."""
+    [S + 1] offsets -> (sums [S], counts [S]). With `positions` [K] the logits are those of these positions of the
+    packed row only ([1, K, V], `logits_to_keep`)."""
     logits = logits[0].to(torch.promote_types(logits.dtype, torch.float32))
-    labels = labels[0].to(logits.device)
-    token = -F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")  # [N], 0 where ignored
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(logits.device, torch.long)
     segment = torch.repeat_interleave(torch.arange(len(lengths), device=logits.device), lengths)  # [N]
+    labels = labels[0].to(logits.device)
+    if positions is not None:
+        segment, labels = segment[positions], labels[positions]  # [K]
+    token = -F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")  # 0 where ignored
     sums = torch.zeros(len(lengths), dtype=token.dtype, device=logits.device).index_add(0, segment, token)
     counts = torch.zeros(len(lengths), dtype=token.dtype, device=logits.device).index_add(
         0, segment, (labels != IGNORE_INDEX).to(token.dtype))
@@ -83,9 +86,7 @@ class PreferenceLoss:
         return int(batch["cu_seqlens"].numel() - 1) // 2
 
     def log_probs(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        with self.context(model):
-            logits = model(**{k: batch[k] for k in MODEL_KEYS}).logits
-        return sequence_log_probs(logits, batch["labels"], batch["cu_seqlens"])
+        return _log_probs(model, batch, self.context)
 
     def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         policy, counts = self.log_probs(model, batch)
@@ -111,6 +112,14 @@ class PreferenceLoss:
         return {name: float(totals[i] / totals[4]) for i, name in enumerate(METRICS)}
 
 
+def _log_probs(model: nn.Module, batch: Batch, context: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_log_probs` of a packed batch, the LM head run only at the responses' positions."""
+    positions = scored_positions(batch["labels"])
+    with context(model):
+        logits = model(**{k: batch[k] for k in MODEL_KEYS}, logits_to_keep=positions).logits  # [1, K, V]
+    return sequence_log_probs(logits, batch["labels"], batch["cu_seqlens"], positions)
+
+
 @torch.no_grad()
 def reference_log_probs(model: nn.Module, make_batch: Callable[[list[int]], Batch], num_pairs: int, *,
                         pairs_per_batch: int, context: ForwardContext = _no_context,
@@ -123,10 +132,7 @@ def reference_log_probs(model: nn.Module, make_batch: Callable[[list[int]], Batc
     out = torch.empty(num_pairs, 2, dtype=torch.float64)
     for start in range(0, num_pairs, pairs_per_batch):
         indices = list(range(start, min(start + pairs_per_batch, num_pairs)))
-        batch = to_device(make_batch(indices))
-        with context(model):
-            logits = model(**{k: batch[k] for k in MODEL_KEYS}).logits
-        sums, _ = sequence_log_probs(logits, batch["labels"], batch["cu_seqlens"])
+        sums, _ = _log_probs(model, to_device(make_batch(indices)), context)
         out[start:start + len(indices)] = sums.double().cpu().reshape(-1, 2)
         if progress is not None:
             progress(len(indices))

@@ -173,20 +173,33 @@ class TokenCrossEntropy:
     batch: `labels` [B, T] (the next tokens, shifted already; -100 where nothing is scored) and the model's keyword
     arguments (`input_ids`, `position_ids`, `cu_seqlens`, ...). Logits [B, T, V], or [1, B T, V] for a packed row,
     line up with the flattened labels. `context(model)` is entered around the forward (autocast, context
-    parallelism); the cross entropy runs outside it."""
+    parallelism); the cross entropy runs outside it.
+
+    `scored_only`: the model computes logits only at the time positions some row scores (`logits_to_keep` as a
+    tensor of positions), which saves the LM head's time and memory where most labels are -100 (SFT trains on the
+    assistant's tokens); the positions are data-dependent shapes, so not for CUDA graphs."""
 
     context: ForwardContext = _no_context
+    scored_only: bool = False
 
     def count(self, batch: Batch) -> int:
         return int((batch["labels"] != IGNORE_INDEX).sum())
 
     def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
+        labels = batch["labels"].reshape(inputs["input_ids"].shape)  # [B, T] as the model sees the rows
+        if self.scored_only:
+            inputs["logits_to_keep"] = scored_positions(labels)
+            labels = labels[:, inputs["logits_to_keep"]]
         with self.context(model):
             logits = model(**inputs).logits
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least; float64 stays
-        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def scored_positions(labels: torch.Tensor) -> torch.Tensor:
+    """The time positions [K] at which some row of labels [B, T] scores (is not `IGNORE_INDEX`)."""
+    return (labels != IGNORE_INDEX).any(0).nonzero().squeeze(1)
 
 
 @dataclass

@@ -292,7 +292,9 @@ class Trainer:
                                        reference_model=self.reference_model)
             prepare = self._to_device
         else:
-            self.loss = TokenCrossEntropy(context=self._forward_context)
+            # SFT: the LM head only where labels score (the assistant's tokens), unless CUDA graphs need fixed shapes
+            scored_only = config.train.task == "sft" and not self._cuda_graphs
+            self.loss = TokenCrossEntropy(context=self._forward_context, scored_only=scored_only)
             prepare = self._micro_batch
         max_norm = config.train.grad_clip if config.train.grad_clip is not None else math.inf
         self.loop = TrainLoop(
