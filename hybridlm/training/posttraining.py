@@ -4,9 +4,10 @@ SFT and DPO are `TrainLoop` runs like pretraining (same config, schedules, check
 data source and the loss differ. `build_post_training_data(config, ...)` reads the records (`hybridlm.data.chat`),
 tokenizes them once with the model's chat template, and returns the source:
 
-- `ChatRows` (sft): samples packed into rows of `batch.seq_len` tokens in a seeded order per epoch. A sample never
-  spans two rows: the next one that does not fit starts a new row, and the rest of the row is padding (its own
-  segment, scoring nothing). Every sample is its own document of the packed row (`cu_seqlens`; `position_ids`
+- `ChatRows` (sft): samples packed into rows of `batch.seq_len` tokens by best-fit decreasing (`best_fit_rows`: the
+  longest sample first, each into the row it fills most closely; rows ~98% full where greedy packing in the order
+  drawn leaves ~20% padding for samples of up to ~70% of a row), the rows in a seeded order per epoch. A sample never
+  spans two rows; the rest of a row is padding (its own segment, scoring nothing). Every sample is its own document of the packed row (`cu_seqlens`; `position_ids`
   restart), so no recurrent state or attention crosses samples, and a sample's loss is the one it has alone. Labels
   are the next token where that token trains (the assistant's, by default), -100 elsewhere.
 - `PreferencePairs` (dpo): `batch.micro_batch` pairs per rank per micro-step, each pair's chosen and rejected
@@ -127,6 +128,54 @@ def next_token_labels(ids: list[int], trained: list[int]) -> list[int]:
     return [ids[t + 1] if trained[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
 
 
+def best_fit_rows(lengths: list[int], order: list[int], capacity: int) -> list[list[int]]:
+    """Pack items of `lengths` into rows of `capacity` by best-fit decreasing: items longest first (ties in `order`),
+    each into the open row whose free space is the smallest that holds it (a new row when none does). Free spaces are
+    counted in a segment tree over 0..capacity, so each item costs O(log capacity)."""
+    size = 1
+    while size < capacity + 1:
+        size *= 2
+    tree = [0] * (2 * size)  # rows per free space, summed over each node's range
+    by_space: list[list[int]] = [[] for _ in range(capacity + 1)]
+    rows: list[list[int]] = []
+
+    def count(space: int, delta: int) -> None:
+        node = space + size
+        while node:
+            tree[node] += delta
+            node //= 2
+
+    def smallest_at_least(n: int) -> int | None:
+        node = n + size
+        if not tree[node]:
+            while True:  # up until a right sibling holds a row
+                if node == 1:
+                    return None
+                if node % 2 == 0 and tree[node + 1]:
+                    node += 1
+                    break
+                node //= 2
+            while node < size:  # down to its smallest free space
+                node = 2 * node if tree[2 * node] else 2 * node + 1
+        return node - size
+
+    for i in sorted(order, key=lambda i: -lengths[i]):  # stable: equal lengths keep `order`
+        n = lengths[i]
+        space = smallest_at_least(n) if n <= capacity else None
+        if space is None:
+            rows.append([i])
+            row, left = len(rows) - 1, capacity - n
+        else:
+            row = by_space[space].pop()
+            count(space, -1)
+            rows[row].append(i)
+            left = space - n
+        if left > 0:
+            by_space[left].append(row)
+            count(left, 1)
+    return rows
+
+
 class ChatRows(_Stream):
     """The SFT source (module docstring): an iterator of packed batches [batch_size, seq_len] with a state."""
 
@@ -142,18 +191,12 @@ class ChatRows(_Stream):
         super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, rank=rank, world_size=world_size)
 
     def epoch_rows(self, epoch: int) -> list[list[int]]:
-        """The rows of an epoch: sample indices, packed greedily in the epoch's order."""
+        """The rows of an epoch: sample indices, packed by best-fit decreasing (`best_fit_rows`) from the epoch's
+        sample order (which breaks ties between equal lengths), then in the epoch's row order."""
         if self._rows is None or self._rows[0] != epoch:
-            rows, row, used = [], [], 0
-            for i in _permutation(len(self.samples), self.seed, epoch, self.shuffle).tolist():
-                n = len(self.samples[i][0])
-                if used + n > self.seq_len:
-                    rows.append(row)
-                    row, used = [], 0
-                row.append(i)
-                used += n
-            rows.append(row)
-            self._rows = (epoch, rows)
+            order = _permutation(len(self.samples), self.seed, epoch, self.shuffle).tolist()
+            rows = best_fit_rows([len(ids) for ids, _ in self.samples], order, self.seq_len)
+            self._rows = (epoch, [rows[i] for i in _permutation(len(rows), self.seed + 1, epoch, self.shuffle)])
         return self._rows[1]
 
     def _epoch_size(self, epoch: int) -> int:

@@ -178,3 +178,19 @@ def test_preference_pairs_pack_chosen_then_rejected_and_score_the_responses():
     assert batch["cu_seqlens"].tolist() == [0, 5, 9, 13, 16]
     assert batch["labels"].tolist() == [[-100, -100, 8, 9, -100, -100, -100, 10, -100, 12, 13, 14, -100, 15, 16, -100]]
     assert batch["reference"].tolist() == [[-1.0, -2.0], [-3.0, -4.0]]
+
+
+def test_best_fit_packing_fills_rows_and_keeps_every_item_once():
+    import random
+
+    from hybridlm.training.posttraining import best_fit_rows
+
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 70) for _ in range(500)]
+    rows = best_fit_rows(lengths, list(range(500)), 100)
+    assert sorted(i for row in rows for i in row) == list(range(500))
+    assert all(sum(lengths[i] for i in row) <= 100 for row in rows)
+    assert sum(lengths) / (100 * len(rows)) > 0.95  # greedy packing in this order fills ~0.7
+    # best fit: an item goes to the open row with the least room that holds it
+    assert best_fit_rows([5, 4, 3, 2], [0, 1, 2, 3], 7) == [[0, 3], [1, 2]]
+    assert best_fit_rows([8], [0], 7) == [[0]]  # an item longer than a row gets a row of its own
