@@ -115,7 +115,9 @@ metrics.jsonl adds rewards/chosen, rewards/rejected, rewards/margin and rewards/
 
 def _add_post_training_command(subparsers: argparse._SubParsersAction, task: str) -> None:
     doc = _POST_TRAINING[task]
-    p = subparsers.add_parser(task, help=doc.split("\n")[0].rstrip("."), description=doc,
+    short = {"sft": "fine-tune a trained model on chat records (SFT, LoRA)",
+             "dpo": "preference-tune a model on chosen / rejected pairs (DPO, LoRA)"}
+    p = subparsers.add_parser(task, help=short[task], description=doc,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="the model directory to start from (sets model.init)")
     p.add_argument("--data", type=Path, help="records file or directory (sets data.chat); default: demo data")
