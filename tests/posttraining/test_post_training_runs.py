@@ -146,3 +146,29 @@ def test_bad_input_is_one_line_and_loses_nothing(model_dir, tmp_path, capsys):
         _config(model_dir, tmp_path / "r5", "sft", "data.demo=false")
     assert main(["chat", "--model", str(tmp_path / "nowhere"), "--prompt", "hi"]) == 1
     assert "no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_dpo_resume_reproduces_an_uninterrupted_run(model_dir, tmp_path, lora):
+    """The reference log-probabilities travel in the checkpoint (the resumed model is no longer the reference)."""
+    data = _write(tmp_path / "prefs.jsonl", demo_preferences(16))
+    sets = ("train.steps=4", "train.save_every=2", "train.log_every=1", "optim.lr=3e-3", "dpo.loss=norm",
+            f"data.chat={data}", "data.demo=false", *(["lora.r=4"] if lora else []))
+    whole = Trainer(_config(model_dir, tmp_path / "whole", "dpo", *sets))
+    whole.train()
+    whole.close()
+
+    def stop(trainer, record):
+        if record["step"] == 2:
+            trainer.request_stop("test")
+
+    first = Trainer(_config(model_dir, tmp_path / "split", "dpo", *sets), callbacks=[stop])
+    first.train()
+    first.close()
+    second = Trainer(_config(model_dir, tmp_path / "split", "dpo", *sets), resume=True)
+    second.train()
+    second.close()
+    keys = ("loss", "rewards/chosen", "rewards/margin", "rewards/accuracy")
+    logged = [[[r[k] for k in keys] for r in read_jsonl(d / "metrics.jsonl")] for d in (tmp_path / "whole",
+                                                                                       tmp_path / "split")]
+    assert len(logged[0]) == 4 and logged[0] == logged[1]
