@@ -345,9 +345,6 @@ class AdditionRecipe(TrainRecipe):
         return {}
 
 
-PAPER_BEST_STEPS = 2000  # the latest best step of the paper's Table 3 (its rows: 1900 or 2000)
-
-
 @dataclass(frozen=True)
 class PaperAdditionRecipe(AdditionRecipe):
     """Protocol "paper": the fast-weight paper's section 5.2 as far as it states it, its silences filled as written
