@@ -37,6 +37,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -300,11 +301,15 @@ def end_digits_solved(digit_acc: Sequence[float], *, threshold: float = SOLVED_A
 
 @dataclass(frozen=True)
 class AdditionRecipe(TrainRecipe):
-    """The shared training recipe of `hybridlm bench addition` (README.md in this folder explains it).
+    """The shared training recipe of `hybridlm bench addition`, protocol "curriculum" (README.md in this folder
+    explains it; `PaperAdditionRecipe` is the paper's protocol).
 
     Defaults: size "small", 8000 updates of 1024 examples, AdamW lr 1e-3 with 800 warmup steps, and a width
     curriculum over the first 2000 updates (the paper samples widths 1..32 uniformly from the first step:
-    `curriculum_steps=0`). Results: benchmarks/RESULTS.md."""
+    `curriculum_steps=0`). Its `to_dict` (a run's spec) has no "protocol" key, so the run files recorded before
+    the protocols had names are this protocol's runs. Results: benchmarks/RESULTS.md."""
+
+    protocol: ClassVar[str] = "curriculum"
 
     steps: int = 8000
     batch_size: int = 1024
@@ -329,12 +334,81 @@ class AdditionRecipe(TrainRecipe):
         start = max(self.min_width, min(self.curriculum_start, self.train_max_width))
         return start + (self.train_max_width - start) * step // self.curriculum_steps
 
+    def batch(self, rng: np.random.Generator, step: int) -> dict:
+        """The training batch of `step`: widths uniform in min_width..max_width_at(step), padded to the widest,
+        labels on the target suffix only (the n + 1 sum digits and <eos>; -100 elsewhere)."""
+        return train_batch(rng, self.batch_size, min_width=self.min_width, max_width=self.max_width_at(step),
+                           pad_width=self.train_max_width)
+
+    def model_overrides(self) -> dict:
+        """HybridConfig fields the protocol sets beyond the model name and size (none here)."""
+        return {}
+
+
+@dataclass(frozen=True)
+class PaperAdditionRecipe(AdditionRecipe):
+    """Protocol "paper": the fast-weight paper's section 5.2 as far as it states it, its silences filled as written
+    here (README.md in this folder).
+
+    Stated by the paper: widths uniform in 1..32 from the first update (no curriculum), the masked next-token loss on
+    the target suffix only, evaluation to 48 digits with its four columns, the 124M-130M language models' shape
+    (size "lm130m"; tied embeddings, AdamW (0.9, 0.95), lr 1e-3 with cosine decay, weight decay 0.1, clip 1.0:
+    Appendix B.1). Chosen here: 3000 updates (the paper's best steps are <= 2000, at multiples of 100: validation
+    every 100 updates), batch 256, warmup 300 (10%), cosine to 0.1x, 256 held-out pairs per width."""
+
+    steps: int = 3000
+    batch_size: int = 256
+    warmup: int = 300
+    size: str = "lm130m"
+    eval_every: int = 100
+    curriculum_steps: int = 0
+
+    protocol: ClassVar[str] = "paper"
+
+    def model_overrides(self) -> dict:
+        """Tied input / output embeddings (Appendix B.1)."""
+        return {"tie_word_embeddings": True}
+
+    def to_dict(self) -> dict:
+        return {"protocol": self.protocol, **super().to_dict()}
+
+
+# The paper's Table 3 (section 5.2): best step and %, by the model name that reproduces each row (`models.py`;
+# `mamba2` and `mamba2-ref` both stand for its Mamba-2 row).
+_PAPER_COLUMNS = ("best_step", "val_acc", "ood_mean", "acc_at_33", "acc_at_48")
+PAPER_TABLE3: dict[str, dict[str, float]] = {
+    name: dict(zip(_PAPER_COLUMNS, row)) for name, row in {
+        "transformer": (2000, 100.0, 65.8, 97.0, 49.0),
+        "retnet": (2000, 99.7, 82.9, 99.0, 63.0),
+        "mamba2": (2000, 100.0, 75.2, 100.0, 51.0),
+        "mamba2-ref": (2000, 100.0, 75.2, 100.0, 51.0),
+        "fw-1A.1": (1900, 100.0, 80.6, 100.0, 59.0),
+        "fw-1A.2": (2000, 100.0, 85.2, 100.0, 63.0),
+        "fw-1A.3": (1900, 99.8, 85.9, 100.0, 69.0),
+        "fw-3A.3": (2000, 99.9, 87.2, 100.0, 69.0),
+    }.items()
+}
+
+PROTOCOLS: dict[str, type[AdditionRecipe]] = {"curriculum": AdditionRecipe, "paper": PaperAdditionRecipe}
+
+
+def recipe_from_dict(recipe: dict) -> AdditionRecipe:
+    """The recipe a run's spec stores (`to_dict`): its "protocol" key (absent: "curriculum") picks the class."""
+    values = dict(recipe)
+    protocol = values.pop("protocol", "curriculum")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown addition protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
+    return PROTOCOLS[protocol](**values)
+
 
 def check_recipe(recipe: AdditionRecipe) -> None:
     """Clear errors, before any training, for recipes that cannot run or cannot be evaluated."""
     if not 1 <= recipe.min_width <= recipe.train_max_width < recipe.eval_max_width:
         raise ValueError(f"need 1 <= min_width ({recipe.min_width}) <= --train-max-width ({recipe.train_max_width}) "
                          f"< --eval-max-width ({recipe.eval_max_width})")
+    if recipe.protocol == "paper" and recipe.curriculum_steps:
+        raise ValueError(f"--protocol paper samples widths uniformly from the first update; --curriculum-steps must be "
+                         f"0, got {recipe.curriculum_steps} (--protocol curriculum has the width curriculum)")
     if recipe.curriculum_steps >= recipe.steps > 1:
         raise ValueError(f"the width curriculum ({recipe.curriculum_steps} steps) must end before training does "
                          f"({recipe.steps} steps), or the model never sees the widest operands; lower "
@@ -354,15 +428,14 @@ def run_addition(model_name: str, seed: int, recipe: AdditionRecipe, *, device: 
     from hybridlm.experiments.train import generator_state, train_on_task
 
     check_recipe(recipe)
-    config = task_config(model_name, vocab_size=MODEL_VOCAB_SIZE, size=recipe.size)
+    config = task_config(model_name, vocab_size=MODEL_VOCAB_SIZE, size=recipe.size, **recipe.model_overrides())
     model = build_model(config, seed=seed)
     rng = np.random.default_rng([seed, 7])
     train_widths = range(recipe.min_width, recipe.train_max_width + 1)
     val = eval_sets(train_widths, recipe.val_per_width, seed=_VAL_SEED)
 
     def batch_fn(step: int) -> dict:
-        return train_batch(rng, recipe.batch_size, min_width=recipe.min_width, max_width=recipe.max_width_at(step),
-                           pad_width=recipe.train_max_width)
+        return recipe.batch(rng, step)
 
     def val_fn(m) -> tuple[float, float]:
         per_width = evaluate(m, val, device=device, batch_size=recipe.eval_batch_size)
@@ -378,6 +451,7 @@ def run_addition(model_name: str, seed: int, recipe: AdditionRecipe, *, device: 
     per_width = evaluate(model, sets, device=device, batch_size=recipe.eval_batch_size)
     return {
         **run_record(model_name, seed, model, trained),
+        "protocol": recipe.protocol,
         "summary": summarize(per_width, train_max_width=recipe.train_max_width,
                              ood=(recipe.train_max_width + 1, recipe.eval_max_width)),
         "per_width": {str(w): r for w, r in per_width.items()},
@@ -391,7 +465,7 @@ RUNNER = "hybridlm.experiments.addition:run_job"
 
 def run_job(spec: dict, *, device: str, log_fn=None, checkpoint=None, should_stop=None) -> dict:
     """`bench.Job` entry point: spec = {"task", "model", "seed", "recipe"}; resumable (see `run_addition`)."""
-    return run_addition(spec["model"], spec["seed"], AdditionRecipe(**spec["recipe"]), device=device, log_fn=log_fn,
+    return run_addition(spec["model"], spec["seed"], recipe_from_dict(spec["recipe"]), device=device, log_fn=log_fn,
                         checkpoint=checkpoint, should_stop=should_stop)
 
 
@@ -457,19 +531,28 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
     lo, hi = recipe.train_max_width + 1, recipe.eval_max_width
     shown = digit_widths(recipe)
     stats = {m: aggregate(rs, recipe) for m, rs in by_model.items()}
+    # The paper's numbers go beside ours under its protocol and widths only.
+    paper = PAPER_TABLE3 if recipe.protocol == "paper" and (recipe.min_width, lo, hi) == (1, 33, 48) else {}
+    ranks = paper_ranks(stats, paper)
     rows, exact_rows = [], []
     for m, s in stats.items():
         label = f"{describe(m)} `{m}`"
         if not s["seeds"]:
-            rows.append([label, "–", "–", "–", "–", "–", "0"])
+            rows.append([label, "–", "–", "–", "–", "–", "0", *(["–"] if paper else [])])
             continue
         best = s["best_step"]
         best_text = f"{best['mean']:.0f}" + (f" ± {best['std']:.0f}" if best["n"] > 1 else "")
         summary = s["summary"]
+
+        def beside(text: str, key: str, digits: int = 1) -> str:
+            return text + (f" (paper {paper[m][key]:.{digits}f})" if m in paper else "")
+
         rows.append([
-            label, bench.human_count(s["parameters"]), best_text, bench.pm(summary["val_acc"]),
-            bench.pm(summary["ood_mean"]),
-            f"{bench.pm(summary[f'acc_at_{lo}'])} / {bench.pm(summary[f'acc_at_{hi}'])}", str(len(s["seeds"])),
+            label, bench.human_count(s["parameters"]), beside(best_text, "best_step", 0),
+            beside(bench.pm(summary["val_acc"]), "val_acc"), beside(bench.pm(summary["ood_mean"]), "ood_mean"),
+            f"{beside(bench.pm(summary[f'acc_at_{lo}']), 'acc_at_33')} / "
+            f"{beside(bench.pm(summary[f'acc_at_{hi}']), 'acc_at_48')}",
+            str(len(s["seeds"])), *([" / ".join(map(str, ranks[m])) if m in ranks else "–"] if paper else []),
         ])
         digits = None if s["digit_acc"] is None else s["digit_acc"]["widths"]
         ends = "–" if digits is None else "; ".join(
@@ -486,7 +569,7 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
         "",
         f"Command: `{bench.command_line()}`",
         "",
-        (f"Recipe: size `{recipe.size}`, {recipe.steps} steps x batch {recipe.batch_size}, AdamW lr {recipe.lr:g} "
+        (f"Protocol `{recipe.protocol}`. Recipe: size `{recipe.size}`, {recipe.steps} steps x batch {recipe.batch_size}, AdamW lr {recipe.lr:g} "
          f"(warmup {recipe.warmup}, cosine to {recipe.min_lr_ratio:g}x), wd {recipe.weight_decay:g}, clip "
          f"{recipe.grad_clip:g}; train widths {recipe.min_width}..{recipe.train_max_width}"
          + (f" after a width curriculum (the widest grows from {recipe.curriculum_start} to "
@@ -498,8 +581,12 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
         "## Table 3 layout (token accuracy on the n+1 reversed sum digits)",
         "",
         bench.markdown_table(["Model", "Params", "Best step", "Val. acc.", f"Mean acc. ({lo}–{hi})",
-                              f"Acc@d{lo}/d{hi}", "Seeds"], rows),
+                              f"Acc@d{lo}/d{hi}", "Seeds", *(["Rank by mean acc., ours / paper"] if paper else [])],
+                             rows),
         "",
+        *([("Protocol `paper` (hybridlm/experiments/README.md): in parentheses the paper's Table 3 number for the row "
+            "the model stands for; the last column ranks the rows that have one by the mean over 33–48, ours (by the "
+            "mean over seeds) and the paper's."), ""] if paper else []),
         "## Exact match (all n+1 digits right, teacher-forced) and the widths solved",
         "",
         bench.markdown_table(["Model", f"Val. (1–{recipe.train_max_width})", f"Mean ({lo}–{hi})",
@@ -524,7 +611,7 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
     ]
     files = bench.write_outputs(
         out_dir, lines=text, missing=missing, png="accuracy_vs_width.png",
-        payload={"task": "addition", "recipe": recipe.to_dict(), "aggregate": stats, "runs": by_model},
+        payload={"task": "addition", "protocol": recipe.protocol, "recipe": recipe.to_dict(), "aggregate": stats, "runs": by_model},
         plot=lambda path: plot_accuracy(stats, recipe, path),
     )
     if any(s["digit_acc"] for s in stats.values()):
@@ -539,6 +626,15 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
         files.append(str(Path(out_dir) / "digit_map.png"))
         plot_digit_map(panels, recipe, Path(files[-1]))
     return {"files": files, "aggregate": stats}
+
+
+def paper_ranks(stats: dict, paper: dict[str, dict[str, float]]) -> dict[str, tuple[int, int]]:
+    """model -> (our rank, the paper's rank) by the mean accuracy over the widths past training (1 = best), among
+    the models with finished runs and a paper number."""
+    present = [m for m, s in stats.items() if s["seeds"] and m in paper]
+    ours = sorted(present, key=lambda m: -stats[m]["summary"]["ood_mean"]["mean"])
+    theirs = sorted(present, key=lambda m: -paper[m]["ood_mean"])
+    return {m: (ours.index(m) + 1, theirs.index(m) + 1) for m in present}
 
 
 def _scored_label(model: str, scored: int, runs: int) -> str:

@@ -15,6 +15,14 @@ Grammar (case of the rule as written: "1A", "3A"; "-" or ":" after "hybrid"):
                                      shifted (default; the write pair (k_{t-1}, v_t)) or same_step
                                      (k_t, v_t); step size nlms (ctx-beta, default) or eta (ctx-eta, the
                                      paper's ".2"/".3" variants: `fw_step_size="direct"`)
+    fw-1A.1 | fw-1A.2 | fw-1A.3 | fw-3A.3
+                                     the fast-weight paper's named variants (Tables 1-3; `PAPER_SSMS`): rule 1A or
+                                     3A (window 4), shifted pair, ridge scaled by the key energy (its "scaled
+                                     formulation", 4.1 / C.1); ".1" QK-l2 with ctx-beta, ".2" QK-l2 with ctx-eta,
+                                     ".3" QK-RMSNorm with ctx-eta; every one with ctx-lambda
+    retnet                           RetNet's retention as Falcon-1A: same-step pair, step 1 and the fixed per-head
+                                     decays gamma_h = 1 - 2^(-5-h) (`fw_gates="fixed"`, `fw_step_size="direct"`),
+                                     no QK normalization
     hybrid-<ssm> | hybrid:<ssm>      attention heads and the SSM side by side (Falcon-H1 SA_M block)
 
 Every model of one size has the same residual width, depth, MLP and per-mixer widths (the SSM half is
@@ -30,6 +38,9 @@ Sizes (`SIZES`):
     "base"   d_model 768, 12 blocks, MLP 2304; attention 12 heads x 64; SSM 1536 channels = 24 heads x 64
              (92M parameters for the transformer, 108M Mamba-2, 135M a fast-weight model): the depth and width of the
              fast-weight paper's 124M-130M language models, whose names its addition table (Table 3) reuses
+    "lm130m" d_model 768, 12 blocks, MLP 2048; every mixer 768 channels = 12 heads x 64 (attention, fast weight,
+             Mamba-2 with d_state 128): the non-embedding size of the paper's 124M Transformer (85M here) and 130M
+             fast-weight models (92M here), whose totals include a 50,257-token tied embedding (38.6M)
     "tiny"   d_model 32, 2 blocks: CPU smoke tests only
 """
 
@@ -54,6 +65,10 @@ SIZES: dict[str, dict[str, Any]] = {
         hidden_size=768, num_hidden_layers=12, intermediate_size=2304, num_attention_heads=12, num_key_value_heads=12,
         head_dim=64, mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_head=64, mamba_d_state=64, mamba_chunk_size=64,
     ),
+    "lm130m": dict(
+        hidden_size=768, num_hidden_layers=12, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=12,
+        head_dim=64, mamba_d_ssm=768, mamba_n_heads=12, mamba_d_head=64, mamba_d_state=128, mamba_chunk_size=64,
+    ),
     "tiny": dict(
         hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
         head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16,
@@ -62,6 +77,20 @@ SIZES: dict[str, dict[str, Any]] = {
 COMMON: dict[str, Any] = dict(rope_theta=1e4, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
                               eos_token_id=2, max_position_embeddings=65536)
 SLIDING_DEFAULT_WINDOW = 3
+_PAPER_FW = dict(ssm_mixer="fast_weight", fw_pairing="shifted", fw_ridge_scaling=True, fw_gates="context")
+PAPER_SSMS: dict[str, dict[str, Any]] = {  # the fast-weight paper's named rows (Tables 1-3) and its RetNet baseline
+    "fw-1A.1": dict(_PAPER_FW, fw_rule="1A", fw_window=1, fw_qk_norm="l2", fw_step_size="nlms"),
+    "fw-1A.2": dict(_PAPER_FW, fw_rule="1A", fw_window=1, fw_qk_norm="l2", fw_step_size="direct"),
+    "fw-1A.3": dict(_PAPER_FW, fw_rule="1A", fw_window=1, fw_qk_norm="rms", fw_step_size="direct"),
+    "fw-3A.3": dict(_PAPER_FW, fw_rule="3A", fw_window=4, fw_qk_norm="rms", fw_step_size="direct"),
+    "retnet": dict(ssm_mixer="fast_weight", fw_rule="1A", fw_window=1, fw_pairing="same_step", fw_qk_norm="none",
+                   fw_step_size="direct", fw_gates="fixed", fw_ridge_scaling=False),
+}
+_PAPER_LABELS = {"fw-1A.1": "Falcon-1A.1 (QK-l2, ctx-beta / ctx-lambda)",
+                 "fw-1A.2": "Falcon-1A.2 (QK-l2, ctx-eta / ctx-lambda)",
+                 "fw-1A.3": "Falcon-1A.3 (QK-RMSNorm, ctx-eta / ctx-lambda)",
+                 "fw-3A.3": "Falcon-3A.3 (B=4, QK-RMSNorm, ctx-eta / ctx-lambda)",
+                 "retnet": "RetNet (fixed decays, as Falcon-1A same-step)"}
 _FW = re.compile(r"^fw-(?P<rule>1A|2A|3A|1|2|3)(?P<opts>(-[a-z0-9]+)*)$")
 
 
@@ -69,12 +98,14 @@ def ssm_fields(name: str) -> dict[str, Any]:
     """HybridConfig fields of an SSM name without "hybrid": "mamba2" or "fw-..." (see the module docstring)."""
     if name in ("mamba2", "mamba2-ref"):
         return {"ssm_mixer": "mamba2", "mamba_init": "mamba2" if name == "mamba2-ref" else "falcon_h1"}
+    if name in PAPER_SSMS:
+        return dict(PAPER_SSMS[name])
     match = _FW.match(name)
     if match is None:
         raise ValueError(
             f"unknown model name {name!r}; use transformer, mamba2, mamba2-ref, "
             "fw-<rule>[-w<B>][-same|-shifted][-eta|-nlms] "
-            f"(rule in {', '.join(FW_RULES)}) or hybrid-<one of those SSMs>"
+            f"(rule in {', '.join(FW_RULES)}), {', '.join(PAPER_SSMS)} or hybrid-<one of those SSMs>"
         )
     rule = match["rule"]
     fields: dict[str, Any] = {"ssm_mixer": "fast_weight", "fw_rule": rule, "fw_pairing": "shifted",
@@ -117,9 +148,12 @@ def task_config(name: str, *, vocab_size: int, size: str = "small", **overrides:
 def describe(name: str) -> str:
     """A readable label: "Falcon-3A (B=3, shifted, ctx-beta)", "Transformer (RoPE)", "hybrid: attention + Mamba-2"."""
     fields = model_fields(name)
+    ssm_name = name.strip().replace("hybrid:", "hybrid-", 1).removeprefix("hybrid-")
     if fields["ssm_mixer"] == "none":
         return "Transformer (RoPE)"
-    if fields["ssm_mixer"] == "mamba2":
+    if ssm_name in _PAPER_LABELS:
+        ssm = _PAPER_LABELS[ssm_name]
+    elif fields["ssm_mixer"] == "mamba2":
         ssm = "Mamba-2" if fields["mamba_init"] == "falcon_h1" else "Mamba-2 (reference init)"
     else:
         window = f"B={fields['fw_window']}, " if fields["fw_window"] > 1 else ""

@@ -7,6 +7,7 @@
     beta = 2 sigmoid(b + b_beta)                   NLMS gain in (0, 2)          (step_size "nlms")
     eta  = (2 / E0) sigmoid(b + b_beta)            the step itself, ctx-eta      (step_size "direct")
     lam  = lam_scale sigmoid(l + b_lam)            ridge >= 0 per head          (paper C.1)
+    (fw_gates "fixed": no b, l; beta = 1 (eta = 1 for "direct") and lam_h = 2^(-5-h): RetNet's fixed decays)
     o = fast_weight_attention(q, k, v, beta or eta, lam; rule, window, pairing, read, ridge_scaling)
     y = W_out GatedRMSNorm(o, z)                   per-head RMSNorm, then * SiLU(z)
 
@@ -32,6 +33,10 @@ Decisions (documented here because they are choices, not the paper's prescriptio
   initializer overwrites them with N(0, initializer_range)); the short conv keeps its own; no biases
   elsewhere (paper B.1).
 - No muP multipliers inside: q and k are normalized, and the block applies ssm_in / ssm_out.
+- `fw_gates="fixed"` drops the gate logits and biases: beta = 1 and lam_h = 2^(-5-h) for head h = 0..H-1. With
+  step_size "direct" and rule 1A this is RetNet's retention, S_t = gamma_h S_{t-1} + k_t v_t^T with
+  gamma_h = 1 - 2^(-5-h) (Sun et al. 2023's schedule): no write normalization, no input-dependent gate. Not
+  supported under tensor parallelism (the fixed decays are indexed by the global head).
 
 Packed documents (`cu_seqlens`, or `position_ids` that restart at 0) reach both the conv and the op, so
 nothing crosses a document boundary. With `seq_idx` as well (the compiled hybrid block's call) the conv takes the
@@ -86,6 +91,7 @@ class FastWeightMixer(nn.Module):
         self.step_size = config.fw_step_size
         self.ridge_scaling = config.fw_ridge_scaling
         self.qk_norm = config.fw_qk_norm
+        self.gates = config.fw_gates
         self.chunk_size = config.fw_chunk_size
         self.backend = "auto"  # "naive" | "chunk" | "triton" to force one; "auto": the op's choice
 
@@ -107,19 +113,27 @@ class FastWeightMixer(nn.Module):
             lam_scale = 1.0 if self.ridge_scaling else self.feature_energy
         self.lam_scale = float(lam_scale)
 
-        # Projection layout: q [H K], k [H K], v [H V] (through the conv), z [H V], beta logits, lam logits [H].
-        self.beta_width = H * V if self.rule in PER_COLUMN_RULES else H
+        # Projection layout: q [H K], k [H K], v [H V] (through the conv), z [H V], beta logits, lam logits [H]
+        # (no logits with fixed gates: beta_width = lam_width = 0).
+        fixed = self.gates == "fixed"
+        self.beta_width = 0 if fixed else H * V if self.rule in PER_COLUMN_RULES else H
+        self.lam_width = 0 if fixed else H
         self.conv_channels = 2 * H * K + H * V
-        self.in_proj = AlignedLinear(config.hidden_size, self.conv_channels + H * V + self.beta_width + H, bias=False)
+        self.in_proj = AlignedLinear(config.hidden_size, self.conv_channels + H * V + self.beta_width + self.lam_width,
+                                     bias=False)
         self.conv = ShortConvolution(self.conv_channels, config.fw_conv_size, bias=False, activation="silu")
-        self.beta_bias = nn.Parameter(torch.empty(self.beta_width))
-        self.lam_bias = nn.Parameter(torch.empty(H))
+        self.beta_bias = None if fixed else nn.Parameter(torch.empty(self.beta_width))
+        self.lam_bias = None if fixed else nn.Parameter(torch.empty(H))
+        # RetNet's per-head decay fractions 2^(-5-h) (fixed gates), derived from the config: not saved.
+        self.register_buffer("fixed_lam", fixed_retention_decays(H) if fixed else None, persistent=False)
         self.norm = GatedRMSNorm(self.width, groups=H, eps=config.rms_norm_eps, norm_before_gate=True)
         self.out_proj = nn.Linear(self.width, config.hidden_size, bias=config.projectors_bias)
         self.reset_gate_parameters()
 
     def reset_gate_parameters(self) -> None:
-        """beta (or eta E0) starts near 1 (b_beta = 0); b_lam = `initial_lam_bias(heads)`."""
+        """beta (or eta E0) starts near 1 (b_beta = 0); b_lam = `initial_lam_bias(heads)`. Fixed gates: nothing."""
+        if self.gates == "fixed":
+            return
         with torch.no_grad():
             self.beta_bias.zero_()
             self.lam_bias.copy_(initial_lam_bias(self.num_heads))
@@ -149,7 +163,7 @@ class FastWeightMixer(nn.Module):
 
         # 1. Fused input projection and split.
         qkv, z, beta_logits, lam_logits = self.in_proj(hidden).split(
-            [self.conv_channels, self.width, self.beta_width, H], dim=-1
+            [self.conv_channels, self.width, self.beta_width, self.lam_width], dim=-1
         )
 
         # 2. Short causal conv + SiLU on (q, k, v); the conv tail carries across calls.
@@ -201,6 +215,10 @@ class FastWeightMixer(nn.Module):
     def _gains(self, beta_logits: torch.Tensor, lam_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> beta [B, T, H] (or [B, T, H, V]) and lam [B, T, H] >= 0."""
         dtype = compute_dtype(beta_logits.dtype)
+        if self.gates == "fixed":  # beta (or eta) = 1, lam_h = 2^(-5-h)
+            lam = self.fixed_lam.to(dtype).expand(*beta_logits.shape[:-1], self.num_heads)
+            width = (self.num_heads, self.head_dim) if self.rule in PER_COLUMN_RULES else (self.num_heads,)
+            return torch.ones(*beta_logits.shape[:-1], *width, dtype=dtype, device=lam.device), lam
         gate = torch.sigmoid(beta_logits.to(dtype) + local_tensor(self.beta_bias).to(dtype))
         if self.rule in PER_COLUMN_RULES:
             gate = gate.unflatten(-1, (self.num_heads, self.head_dim))  # [B, T, H, V]
@@ -211,7 +229,8 @@ class FastWeightMixer(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"rule={self.rule!r}, window={self.window}, pairing={self.pairing!r}, read={self.read!r}, "
-            f"step_size={self.step_size!r}, ridge_scaling={self.ridge_scaling}, qk_norm={self.qk_norm!r}, "
+            f"step_size={self.step_size!r}, gates={self.gates!r}, ridge_scaling={self.ridge_scaling}, "
+            f"qk_norm={self.qk_norm!r}, "
             f"heads={self.num_heads}, head_dim={self.head_dim}, lam_scale={self.lam_scale:g}"
         )
 
@@ -229,6 +248,11 @@ def initial_lam_bias(num_heads: int) -> torch.Tensor:
     fractions = torch.linspace(0.0, 1.0, num_heads) if num_heads > 1 else torch.tensor([0.5])
     p = torch.exp(low + (high - low) * fractions)
     return torch.log(p) - torch.log1p(-p)  # logit(p)
+
+
+def fixed_retention_decays(num_heads: int) -> torch.Tensor:
+    """[H] float32: RetNet's per-head decay fractions 2^(-5-h), h = 0..H-1 (gamma_h = 1 - 2^(-5-h))."""
+    return torch.pow(2.0, -5.0 - torch.arange(num_heads, dtype=torch.float32))
 
 
 def _load_state(cache: LayerCache | None) -> FastWeightState | None:

@@ -33,6 +33,7 @@ FW_PAIRINGS = ("shifted", "same_step")
 FW_STEP_SIZES = ("nlms", "direct")
 FW_READS = ("after", "before")
 FW_QK_NORMS = ("rms", "l2", "none")
+FW_GATES = ("context", "fixed")
 
 
 @dataclass
@@ -107,6 +108,9 @@ class HybridConfig:
     fw_pairing: str = "shifted"
     fw_qk_norm: str = "rms"  # "rms" (the paper's default) | "l2" | "none"; True / False read as "rms" / "none"
     fw_step_size: str = "nlms"
+    # "context": beta (or eta) and lam from the input (the paper's ctx-beta / ctx-eta, ctx-lambda); "fixed": beta (or
+    # eta) = 1 and a fixed per-head lam, RetNet's decays with fw_step_size "direct" (hybridlm.layers.fast_weight)
+    fw_gates: str = "context"
     fw_read: str = "after"
     fw_ridge_scaling: bool = False
     fw_heads: int | None = None
@@ -216,6 +220,7 @@ class HybridConfig:
         _require_choice("fw_step_size", self.fw_step_size, FW_STEP_SIZES)
         _require_choice("fw_read", self.fw_read, FW_READS)
         _require_choice("fw_qk_norm", self.fw_qk_norm, FW_QK_NORMS)
+        _require_choice("fw_gates", self.fw_gates, FW_GATES)
         _require_int("fw_window", self.fw_window, minimum=1)
         if self.fw_window > 1 and self.fw_rule not in SLIDING_RULES:
             raise ValueError(

@@ -120,7 +120,7 @@ class HybridPreTrainedModel(PreTrainedModel):
                 heads = torch.arange(1, module.num_heads + 1, dtype=torch.float32, device=module.A_log.device)
                 init.copy_(module.A_log, torch.log(heads))
                 init.ones_(module.dt_bias)
-        elif isinstance(module, FastWeightMixer):
+        elif isinstance(module, FastWeightMixer) and module.gates == "context":
             # The mixer's gate init (hybridlm.layers.fast_weight): beta near 1, lam spread over the heads.
             init.zeros_(module.beta_bias)
             init.copy_(module.lam_bias, initial_lam_bias(module.num_heads).to(module.lam_bias.device))

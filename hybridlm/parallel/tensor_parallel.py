@@ -198,6 +198,9 @@ def ssm_row_layout(mixer: nn.Module) -> dict[str, tuple[int, ...] | None]:
         in_segments, conv_segments = (d, d, bc, bc, h), (d, bc, bc)  # (z, x, B, C, dt); conv on (x, B, C)
         rows: dict[str, tuple[int, ...] | None] = {"A_log": None, "D": None, "dt_bias": None}
     elif isinstance(mixer, FastWeightMixer):
+        if mixer.gates != "context":
+            raise ValueError(f"fw_gates={mixer.gates!r} has no head split (its fixed decays are indexed by the "
+                             "global head); tensor parallelism needs fw_gates='context'")
         hk = hv = mixer.num_heads * mixer.head_dim
         in_segments = (hk, hk, hv, hv, mixer.beta_width, mixer.num_heads)  # (q, k, v, z, beta, lam)
         conv_segments = (hk, hk, hv)  # conv on (q, k, v)
