@@ -27,8 +27,8 @@ def test_sft_recipe(model_dir, tmp_path):
                                                           f"train.out_dir={tmp_path}/out"], task="sft")
     assert config.train.task == "sft" and config.optim.lr == 128e-6 and config.optim.weight_decay == 0.0
     s = config.schedule
-    assert (s.kind, s.unit, s.warmup, s.decay, s.decay_shape, s.min_lr_ratio) == (
-        "wsd", "tokens", 50e6, 1.5e9, "exponential", 0.125)
+    assert (s.kind, s.unit, s.warmup, s.decay_fraction, s.decay_shape, s.min_lr_ratio) == (
+        "wsd", "tokens", 50e6, 0.5, "exponential", 0.125)
     steps, tokens = plan_steps(config, 8)  # 8 data-parallel GPUs: 1 MT per update
     assert config.batch.seq_len * config.batch.grad_accum * 8 == 2**20 and tokens >= 3e9 and steps == 2862
 
