@@ -206,18 +206,34 @@ class ChatEncoder:
             return record["prompt"]
         return self.render(record["prompt"], add_generation_prompt=True)
 
+    def turn_end(self) -> str:
+        """The text the template writes right after an assistant message's content, up to the first whitespace (our
+        template's "<|end_of_turn|>", ChatML's "<|im_end|>"); "" without a template or with nothing there."""
+        if self.chat_template is None:
+            return ""
+        marker = "\x00answer\x00"
+        text = self.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}])
+        after = text.split(marker, 1)[1].strip() if marker in text else ""
+        return after.split()[0] if after else ""
+
     def stop_ids(self) -> list[int]:
-        """The ids that end an assistant's turn: eos and the special tokens the template writes right after an
-        assistant message's content (our template's <|end_of_turn|>)."""
+        """The ids that end an assistant's turn: eos, and the turn's end (`turn_end`) where the tokenizer has it as
+        one special token. A tokenizer that spells the turn's end in ordinary tokens (a byte-level one without the
+        role tokens) needs the text check of `cut_at_turn_end` as well."""
         stops = [self.eos_id] if self.eos_id is not None else []
-        if self.chat_template is not None:
-            marker = "\x00answer\x00"
-            text = self.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}])
-            after = text.split(marker, 1)[1] if marker in text else ""
-            special = set(self.tokenizer.all_special_ids) | {
-                i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
-            stops += [i for i in self.encode_text(after)[:2] if i in special and i not in stops]
+        ids = self.encode_text(self.turn_end()) if self.turn_end() else []
+        special = set(self.tokenizer.all_special_ids) | {
+            i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
+        if len(ids) == 1 and ids[0] in special and ids[0] not in stops:
+            stops.append(ids[0])
         return stops
+
+    def cut_at_turn_end(self, text: str) -> tuple[str, bool]:
+        """(the text before the turn's end, whether it was there)."""
+        end = self.turn_end()
+        if end and end in text:
+            return text[:text.index(end)], True
+        return text, False
 
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -56,7 +56,6 @@ class ChatSession:
         self.max_new_tokens = max_new_tokens
         self.device = next(model.parameters()).device
         self.generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
-        self.stops = encoder.stop_ids()
         self.limit = model.config.max_position_embeddings
         self.messages: list[dict[str, str]] = []
         self.reset()
@@ -65,37 +64,59 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
     def reply(self, text: str, on_text: Callable[[str], None] = lambda s: None) -> str:
-        import torch
-
-        from hybridlm.models.generation import generate
-
         messages = self.messages + [{"role": "user", "content": text}]
         prompt = self.encoder.encode_text(self.encoder.render(messages, add_generation_prompt=True))
         room = min(self.max_new_tokens, self.limit - len(prompt))
         if room < 1:
             raise ValueError(f"the conversation has {len(prompt)} tokens, the model's context is {self.limit}: "
                              "/reset to start over")
-        decode = self.encoder.tokenizer.decode
-        shown = [0, ""]  # tokens seen, text printed
-
-        def stream(sequences: torch.Tensor, logits: torch.Tensor) -> bool:
-            new = [t for t in sequences[0, len(prompt):].tolist() if t not in self.stops]
-            if len(new) != shown[0]:
-                now = decode(new, skip_special_tokens=True)
-                if not now.endswith("\ufffd"):  # a character whose bytes are not all there yet waits
-                    on_text(now[len(shown[1]):] if now.startswith(shown[1]) else now)
-                    shown[1] = now
-                shown[0] = len(new)
-            return False
-
-        out = generate(self.model, torch.tensor([prompt], device=self.device), max_new_tokens=room,
-                       eos_token_id=self.stops or None, generator=self.generator, stop=stream, **self.sampling)
-        answer = [t for t in out.sequences[0, len(prompt):].tolist() if t not in self.stops]
-        final = decode(answer, skip_special_tokens=True)
-        if final != shown[1]:
-            on_text(final[len(shown[1]):] if final.startswith(shown[1]) else final)
+        final = answer(self.model, self.encoder, prompt, max_new_tokens=room, on_text=on_text,
+                       generator=self.generator, **self.sampling)
         self.messages = messages + [{"role": "assistant", "content": final}]
         return final
+
+
+def answer(model, encoder, prompt: list[int], *, max_new_tokens: int, on_text: Callable[[str], None] = lambda s: None,
+           generator=None, **sampling) -> str:
+    """The model's answer to a rendered prompt's ids, streamed to `on_text` as it grows: decoding ends at eos, at the
+    turn's end (`ChatEncoder.stop_ids`, or its text where the tokenizer spells it in ordinary tokens: then text that
+    could be the start of it is held back until it is known not to be) or after `max_new_tokens`."""
+    import torch
+
+    from hybridlm.models.generation import generate
+
+    stops = encoder.stop_ids()
+    end = encoder.turn_end()
+    shown = [""]
+
+    def visible(ids: list[int]) -> tuple[str, bool]:
+        text, ended = encoder.cut_at_turn_end(encoder.tokenizer.decode([t for t in ids if t not in stops],
+                                                                       skip_special_tokens=True))
+        if not ended:
+            text = text.rstrip("\ufffd")  # a character whose bytes are not all there yet waits
+            for k in range(min(len(end) - 1, len(text)), 0, -1):  # the start of the turn's end waits
+                if end.startswith(text[-k:]):
+                    text = text[:-k]
+                    break
+        return text, ended
+
+    def show(text: str) -> None:
+        if text.startswith(shown[0]) and len(text) > len(shown[0]):
+            on_text(text[len(shown[0]):])
+            shown[0] = text
+
+    def stream(sequences: torch.Tensor, logits: torch.Tensor) -> bool:
+        text, ended = visible(sequences[0, len(prompt):].tolist())
+        show(text)
+        return ended
+
+    device = next(model.parameters()).device
+    out = generate(model, torch.tensor([prompt], device=device), max_new_tokens=max_new_tokens,
+                   eos_token_id=stops or None, generator=generator, stop=stream, **sampling)
+    final, _ = encoder.cut_at_turn_end(encoder.tokenizer.decode(
+        [t for t in out.sequences[0, len(prompt):].tolist() if t not in stops], skip_special_tokens=True))
+    show(final)
+    return final
 
 
 def run_chat(args: argparse.Namespace) -> int:

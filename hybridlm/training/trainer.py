@@ -793,21 +793,18 @@ class Trainer:
 
     def _write_chat_samples(self) -> list[str]:
         """sft / dpo: the trained model's greedy answers to the first train.samples records' prompts."""
-        from hybridlm.inference import generate
+        from hybridlm.inference.chat import answer
 
         c = self.config.train
         encoder = self.data.chat.encoder
-        stops = encoder.stop_ids()
         model = self.model
         model.eval()
         texts = []
         with self._autocast(), self._eager_without_grad():
             for record in self.data.chat.records[:c.samples]:
                 prompt = encoder.encode_text(encoder.prompt_text(record.data))[-self.config.batch.seq_len:]
-                out = generate(model, torch.tensor([prompt], device=self.ctx.device), max_new_tokens=c.sample_tokens,
-                               eos_token_id=stops or None)
-                new = [t for t in out.sequences[0, len(prompt):].tolist() if t not in stops]
-                texts.append(encoder.tokenizer.decode(prompt) + " => " + encoder.tokenizer.decode(new))
+                reply = answer(model, encoder, prompt, max_new_tokens=c.sample_tokens)
+                texts.append(encoder.tokenizer.decode(prompt) + " => " + reply)
         model.train()
         D.reshard(model)
         if self.ctx.is_main:

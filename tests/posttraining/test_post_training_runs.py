@@ -172,3 +172,40 @@ def test_dpo_resume_reproduces_an_uninterrupted_run(model_dir, tmp_path, lora):
     logged = [[[r[k] for k in keys] for r in read_jsonl(d / "metrics.jsonl")] for d in (tmp_path / "whole",
                                                                                        tmp_path / "split")]
     assert len(logged[0]) == 4 and logged[0] == logged[1]
+
+
+def test_a_turn_end_spelled_in_bytes_still_ends_the_answer(tmp_path):
+    """The demo's byte tokenizer has no <|end_of_turn|> token: the answer stops at its text, which never shows."""
+    from hybridlm.inference.chat import answer
+    from hybridlm.training.demo import build_byte_tokenizer
+
+    build_byte_tokenizer().save(tmp_path)
+    encoder = ChatEncoder.from_model_dir(tmp_path)
+    assert encoder.turn_end() == "<|end_of_turn|>" and encoder.stop_ids() == [encoder.eos_id]
+    assert encoder.cut_at_turn_end("C-A-T.<|end_of_turn|>more") == ("C-A-T.", True)
+    reply = encoder.encode_text("C-A-T.<|end_of_turn|><|user|>")
+
+    class Scripted(torch.nn.Module):
+        """Emits `reply` one token at a time, whatever the input."""
+
+        config = type("C", (), {"pad_token_id": 0})()
+
+        def __init__(self):
+            super().__init__()
+            self.anchor = torch.nn.Parameter(torch.zeros(1))
+            self.calls = 0
+
+        def new_cache(self):
+            return None
+
+        def forward(self, ids, cache=None, logits_to_keep=1, **kwargs):
+            logits = torch.full((ids.shape[0], 1, 300), -1e9)
+            logits[:, -1, reply[min(self.calls, len(reply) - 1)]] = 0.0
+            self.calls += 1
+            return type("O", (), {"logits": logits})()
+
+    streamed = []
+    text = answer(Scripted(), encoder, encoder.encode_text("<|user|>Spell cat."), max_new_tokens=40,
+                  on_text=streamed.append)
+    assert text == "C-A-T." and "".join(streamed) == "C-A-T."
+    assert not any("<" in piece for piece in streamed)  # the marker's start was held back, never printed
