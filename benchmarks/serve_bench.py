@@ -1,8 +1,8 @@
 """`hybridlm serve` under load, against static-batch `generate` on the same model in the same run.
 
-    python benchmarks/serving_bench.py                                   # H200: 125m shape, 3 variants, bf16
-    python benchmarks/serving_bench.py --variants "h1 fw-1A" --concurrency 1 16 64 --requests 128
-    python benchmarks/serving_bench.py --cpu --preset tiny --concurrency 1 8 --requests 8 --output-tokens 16 \\
+    python benchmarks/serve_bench.py                                   # H200: 125m shape, 3 variants, bf16
+    python benchmarks/serve_bench.py --variants "h1 fw-1A" --concurrency 1 16 64 --requests 128
+    python benchmarks/serve_bench.py --cpu --preset tiny --concurrency 1 8 --requests 8 --output-tokens 16 \\
         --prompt-tokens 32 --system-tokens 256                           # smoke run (minutes on 2 cores)
 
 For each variant (`gpu_model.py`'s: "h1 fw-1A" a Falcon-1A hybrid, "h1 mamba2" a Mamba-2 hybrid, "transformer
