@@ -53,6 +53,39 @@ def test_concurrent_greedy_requests_equal_each_alone(changes):
     assert engine.slots.rows == 0 and not engine.has_work()
 
 
+def count_packed_forwards(model) -> list[int]:
+    """The documents of each packed forward of `model` from now on (its forward wrapped on the instance)."""
+    calls, forward = [], model.forward
+
+    def counted(*args, cu_seqlens=None, **kwargs):
+        if cu_seqlens is not None:
+            calls.append(len(cu_seqlens) - 1)
+        return forward(*args, cu_seqlens=cu_seqlens, **kwargs)
+
+    model.forward = counted
+    return calls
+
+
+@pytest.mark.parametrize("changes", MODELS.values(), ids=MODELS.keys())
+def test_requests_admitted_together_prefill_packed_and_equal_each_alone(changes):
+    """Four requests admitted in one step: one continues a prefix-cache hit at its prompt's end (a filled cache),
+    three start fresh. Their pieces run as packed forwards (the hit apart from the fresh ones in the first wave), and
+    every output equals the request alone."""
+    model = make_model(**changes).double()
+    engine = Engine(model, max_num_seqs=4, max_model_len=40, block_size=4, max_prefill_tokens=64)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    first = ids(1, 9, seed=2)[0].tolist()
+    engine.generate([first], params)
+    prompts = [first + ids(1, 6, seed=3)[0].tolist()] + [ids(1, n, seed=n)[0].tolist() for n in (13, 6, 3)]
+    calls = count_packed_forwards(model)
+    outputs = engine.generate(prompts, params)
+    # pieces [9:12 12:15], [0:4 4:8 8:12 12:13], [0:4 4:6], [0:3]: the first wave packs the 3 fresh ones (the hit runs
+    # alone), the second the 3 that have one more, the last two are one piece each
+    assert calls == [3, 3]
+    assert [o.cached_tokens for o in outputs] == [9, 0, 0, 0]
+    assert [o.token_ids for o in outputs] == [alone(model, p, 5) for p in prompts]
+
+
 def test_prefix_cache_hits_equal_cold_prefills_and_are_counted():
     model = make_model(**fast_weight("1A")).double()
     system = ids(1, 12, seed=1)[0].tolist()  # a shared "system prompt": 3 blocks of 4
