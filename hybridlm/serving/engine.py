@@ -19,7 +19,9 @@ A step (`step`):
    end is checkpointed into the prefix cache. A request whose prompt is done samples its first token and joins the
    running rows (`hybridlm.serving.slots`);
 4. decodes one token for every running row in one batched forward, samples each row with its own settings and
-   random generator, and retires the rows that finished (eos, stop string, max_tokens) or were aborted.
+   random generator, and retires the rows that finished (eos, stop string, max_tokens) or were aborted; a finished
+   row's state (prompt + reply but its last token) goes into the prefix cache first, so the next turn of a chat
+   (previous prompt + reply + a new message) restores it instead of prefilling the reply again.
 Long prompts thus prefill a few blocks per step while the running streams keep getting a token every step.
 
 Results do not depend on the batch: a row's logits come from its own tokens and states only (the rows of a step
@@ -289,6 +291,12 @@ class Engine:
         self.slots.commit()
         done = [row for row, (seq, token) in enumerate(zip(running, self._sample(logits, running)))
                 if self._append(seq, token)]
+        if self.prefix_cache is not None:
+            # The row holds the prompt and every new token but the last (sampled from logits[row], never fed):
+            # the next turn of a chat, whose prompt repeats them, restores this instead of the prompt's end.
+            for row in done:
+                seq = running[row]
+                self.prefix_cache.put(seq.prompt + seq.output[:-1], self.slots.extract(row), logits[row])
         for row in reversed(done):  # highest first: the rows that move into freed ones are never finished ones
             self._release(row)
 

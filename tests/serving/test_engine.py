@@ -103,15 +103,20 @@ def test_prefix_cache_hits_equal_cold_prefills_and_are_counted():
     assert cold_out == [alone(model, p, 5) for p in prompts]
 
 
-def test_a_growing_chat_restores_the_previous_prompt_and_a_repeated_prompt_prefills_nothing():
-    model = make_model().double()
+@pytest.mark.parametrize("changes", MODELS.values(), ids=MODELS.keys())
+def test_a_growing_chat_restores_the_previous_reply_and_a_repeated_prompt_prefills_nothing(changes):
+    """The state at a reply's end is stored: turn 2 (turn 1's prompt + reply + a new message) prefills only the
+    reply's last token and the new message (a windowed layer's ring row comes back as its last W - 1 slots)."""
+    model = make_model(**changes).double()
     engine = Engine(model, max_num_seqs=2, max_model_len=48, block_size=8)
     turn1 = ids(1, 11, seed=3)[0].tolist()
-    reply = engine.generate([turn1], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+    reply = engine.generate([turn1], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
     turn2 = turn1 + reply + ids(1, 3, seed=4)[0].tolist()
+    before = engine.prefix_cache.stats.tokens_saved
     second = engine.generate([turn2, turn1], SamplingParams(max_tokens=4, ignore_eos=True))
-    assert [o.cached_tokens for o in second] == [11, 11]  # the end of turn 1's prompt; all of it
-    assert second[1].token_ids == reply
+    assert [o.cached_tokens for o in second] == [11 + 5, 11]  # after the reply but its last token; all of turn 1
+    assert engine.prefix_cache.stats.tokens_saved - before == 16 + 11
+    assert second[1].token_ids == reply[:4]
     assert second[0].token_ids == alone(model, turn2, 4)
 
 
