@@ -94,6 +94,8 @@ class Server:
                    str(self.port), "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(args.max_model_len),
                    "--dtype", args.dtype, "--device", args.device, "--prefix-cache-gb", str(prefix_cache_gb),
                    "--block-size", str(args.block_size), "--served-model-name", "bench"]
+        if args.threads is not None:
+            command += ["--threads", str(args.threads)]
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self.log = tempfile.TemporaryFile()
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
@@ -327,8 +329,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--prefix-cache-gb", type=float, default=8.0)
     parser.add_argument("--threads", type=int, metavar="N",
-                        help="CPU threads per process (torch's intra-op threads, OMP_NUM_THREADS for the server); on a "
-                             "shared CPU 1 avoids waits on descheduled threads in every batched matmul")
+                        help="CPU threads of this process and of the server (`hybridlm serve --threads`); on a shared "
+                             "CPU 1 avoids waits for descheduled threads in every batched matmul")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the 8 concurrent / 8 sequential timing")
     parser.add_argument("--quick", action="store_true",
                         help="64 requests of 128 + 32 tokens at concurrency 8 and 64, 4 prefix requests (minutes)")
@@ -339,7 +341,6 @@ def main() -> None:
         args = parser.parse_args()  # flags given on the command line still win over the preset's defaults
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the server subprocesses inherit it
     args.device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
     args.dtype = "float32" if args.device == "cpu" else "bfloat16"
     args.max_model_len = max(args.prompt_tokens, args.system_tokens + 32) + args.output_tokens + 8
