@@ -17,7 +17,10 @@ take (not a multiple of 8, or above 256) and GPUs without it (before sm80). A `L
 makes it incremental: new keys/values are appended and queries attend to everything cached (with a window: to the
 last W - 1 cached slots, which is all the cache keeps, at most 2 (W - 1) + T slots; `hybridlm.layers.cache`). A packed
 prefill into an empty cache stores one row per document, right-aligned (`LayerCache.store_packed_kv`);
-later queries of a row then skip its `pad` leading slots.
+later queries of a row then skip its `pad` leading slots. A cache may instead continue each packed document from
+keys it holds (the serving engine's packed prefill of several requests' next pieces): `store_packed_kv` then returns
+every document's keys packed with their offsets, and each document's queries attend to its own keys, the new ones
+last (the varlen kernel with key offsets, or a [T, S] block-diagonal mask).
 A window outside the varlen kernel is a banded mask [T, S] (O(T S) memory like the causal one: no kernel skips the
 band's outside); the flash varlen kernel takes it as `window_size=(W - 1, 0)` where this torch has that keyword.
 A prefill piece after a filled cache (rows without left padding) also goes to the varlen kernel, each row a document
@@ -85,8 +88,6 @@ class Attention(nn.Module):
         if cu_seqlens is not None:
             host_offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length)
             offsets = host_to_device(host_offsets, hidden.device)
-            if cache is not None and cache.length:  # (a window keeps slots filled: after a call, length > 0)
-                raise ValueError("Attention: a packed prefill (cu_seqlens) needs an empty cache")
             if cache is not None and position_ids is not None and not restarts_resolved:
                 # the cache continues each document at its own length: other positions here would rotate the stored
                 # keys against every later query's
@@ -106,18 +107,22 @@ class Attention(nn.Module):
         cos, sin = (t.to(q.dtype) for t in self.rotary(position_ids))  # [B or 1, T, D], cast once for q and k
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-        pad = None
+        pad = key_offsets = None  # key_offsets: with documents that continue cached keys, [N + 1] on the host
         if cache is not None:
             if offsets is not None:
-                cache.store_packed_kv(k, v, host_offsets, window=self.window)  # one row per document; attends packed
+                # one row per document (an empty cache); keys [1, S, Hkv, D] when documents continue cached ones
+                k, v, key_offsets = cache.store_packed_kv(k, v, host_offsets, window=self.window)
             else:
                 # [B, S, Hkv, D], S = past + T: the earlier slots kept (all of them, or those the window reaches)
                 k, v = cache.append_kv(k, v, saved_for_backward=q.requires_grad, window=self.window)
                 pad = cache.pad
 
         if offsets is not None and not isinstance(cache, StaticLayerCache):
+            keys = {} if key_offsets is None else dict(
+                key_offsets=host_to_device(key_offsets, hidden.device),
+                max_key_len=int((key_offsets[1:] - key_offsets[:-1]).max()))
             out = _varlen_attention(q, k, v, offsets, max_len=int((host_offsets[1:] - host_offsets[:-1]).max()),
-                                    dropout=self.dropout if self.training else 0.0, window=self.window)
+                                    dropout=self.dropout if self.training else 0.0, window=self.window, **keys)
             if out is not None:
                 return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
         elif (offsets is None and pad is None and not isinstance(cache, StaticLayerCache)
@@ -140,7 +145,9 @@ class Attention(nn.Module):
             mask, is_causal = cache.static_mask(), False  # the whole storage, its empty slots masked
         else:
             mask, is_causal = _attention_mask(offsets, length=length, past=k.shape[1] - length, pad=pad,
-                                              window=self.window, device=hidden.device)
+                                              window=self.window, device=hidden.device,
+                                              key_offsets=None if key_offsets is None else host_to_device(
+                                                  key_offsets, hidden.device))
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),  # [B, Hq, T, D]
             k.transpose(1, 2),  # [B, Hkv, S, D]
@@ -243,15 +250,25 @@ def bind_varlen(
 
 def _attention_mask(
     offsets: torch.Tensor | None, *, length: int, past: int, pad: torch.Tensor | None, device: torch.device,
-    window: int | None = None,
+    window: int | None = None, key_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, bool]:
     """(boolean mask where True = may attend, or None; is_causal flag for SDPA). `past`: the key slots in front of
     this call's T (the cache's), so key j sits `past + i - j` slots before query i.
 
-    Packed documents: [T, T] block-diagonal causal. Left-padded cache rows (`pad` [B] leading empty slots):
+    Packed documents: [T, T] block-diagonal causal; with `key_offsets` [N + 1] (documents that continue cached keys,
+    each document's queries its last keys) [T, S] block-diagonal, causal within each document. Left-padded cache rows (`pad` [B] leading empty slots):
     [B, 1, T, past + T]. Otherwise [T, past + T] causal with the cache in front, or None when SDPA's own
     causal flag (no cache) or no mask at all (one query after the cache) suffices. A `window` keeps only the keys
     less than `window` slots back (the band), and needs a mask unless it cuts nothing."""
+    if offsets is not None and key_offsets is not None:
+        keys = past + length  # S
+        query_doc, key_doc = sequence_ids(offsets, length), sequence_ids(key_offsets, keys)  # [T], [S]
+        lengths, key_lengths = offsets[1:] - offsets[:-1], key_offsets[1:] - key_offsets[:-1]  # [N]
+        # each query's slot among its document's keys: after the cached ones ([T])
+        slot = local_positions(offsets, length) + (key_lengths - lengths)[query_doc]
+        back = slot[:, None] - local_positions(key_offsets, keys)[None, :]  # [T, S] slots from key to query
+        allowed = (query_doc[:, None] == key_doc[None, :]) & (back >= 0)
+        return (allowed & (back < window) if window is not None else allowed), False
     if offsets is not None:
         seq = sequence_ids(offsets, length)  # [T]
         return (seq[:, None] == seq[None, :]) & _band(length, past=0, window=window, device=device), False

@@ -149,11 +149,16 @@ class LayerCache:
         return out
 
     def store_packed_kv(self, key: torch.Tensor, value: torch.Tensor, offsets: torch.Tensor, *,
-                        window: int | None = None) -> None:
+                        window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Fill an empty cache from a packed prefill: key/value [1, total, H_kv, D] of the sequences that
         `offsets` [N + 1] delimit become N rows, each right-aligned in max(length) slots (left padding). The sizes
         are read from the offsets on the host (`offsets.cpu()`: a no-op for the host offsets the model passes).
-        `window`: the layer's attention window (`append_kv`)."""
+        `window`: the layer's attention window (`append_kv`).
+
+        Returns what the packed queries attend to: (keys, values, key offsets). Here the call's own keys/values and
+        None (each document attends to its own tokens only); a cache that continues each document from keys it
+        holds returns them packed, [1, S, H_kv, D], with their documents' offsets [N + 1] on the host (each
+        document's queries are its last keys)."""
         if self.seen:
             raise ValueError("a packed prefill (cu_seqlens) needs an empty cache")
         total = key.shape[1]
@@ -173,6 +178,7 @@ class LayerCache:
         self.append_kv(rows_key, rows_value, window=window)
         self.pad = self._first = pad if padded else None
         self._pad_bound = int(slots - host_lengths.min())
+        return key, value, None
 
 
 class HybridCache:
@@ -204,6 +210,13 @@ class HybridCache:
         if self.lengths is None:
             return (self.seq_len + steps).unsqueeze(0)
         return self.lengths.to(device)[:, None] + steps
+
+    def packed_positions(self, offsets: torch.Tensor, total: int, device: torch.device) -> torch.Tensor:
+        """[1, total] positions of a packed prefill's tokens (documents delimited by the host `offsets` [N + 1]):
+        each document numbered from 0, for an empty cache only."""
+        if self.seq_len:
+            raise ValueError("a packed prefill (cu_seqlens) needs an empty cache; decode one row per sequence")
+        return host_to_device(local_positions(offsets, total).unsqueeze(0), device)
 
     def advance(self, length: int) -> None:
         """Count `length` more tokens in every row."""

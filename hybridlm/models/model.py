@@ -208,14 +208,14 @@ class HybridModel(HybridPreTrainedModel):
             # The offsets stay on the host: every layer checks them there (on the device each check would be a
             # synchronization, several per layer) and copies what it needs without waiting.
             offsets = check_cu_seqlens(cu_seqlens, batch_size=batch, total_len=length)
-            if cache is not None and cache.seq_len:
-                raise ValueError("a packed prefill (cu_seqlens) needs an empty cache; decode one row per sequence")
             if cache is not None and position_ids is not None:
                 # later tokens continue each document at its own length (`HybridCache.lengths`): other positions
                 # here would rotate the cached keys against every later query's, silently
                 raise ValueError("a packed prefill into a cache numbers each document from 0 itself; leave "
                                  "position_ids out")
-            if position_ids is None:
+            if cache is not None:
+                position_ids = cache.packed_positions(offsets, length, h.device)  # [1, T]
+            elif position_ids is None:
                 position_ids = host_to_device(local_positions(offsets, length).unsqueeze(0), h.device)
             cu_seqlens = offsets
         elif position_ids is not None and has_restarts(position_ids):

@@ -100,10 +100,12 @@ def causal_conv1d(
 def _depthwise(extended: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Valid depthwise conv along time: [B, L, C] -> [B, L-K+1, C].
 
-    Two forms of one sum, each the faster on a GPU where it is used (benchmarks/gpu_short_conv.py,
-    benchmarks/RESULTS.md): under torch.compile K shifted multiply-adds, which inductor fuses with their neighbours;
-    in eager mode `F.conv1d`'s depthwise kernels, one kernel where the shifted form would launch K."""
-    if torch.compiler.is_compiling():
+    Two forms of one sum, each the faster where it is used (benchmarks/gpu_short_conv.py, benchmarks/RESULTS.md):
+    under torch.compile K shifted multiply-adds, which inductor fuses with their neighbours; in eager mode on a GPU
+    `F.conv1d`'s depthwise kernels, one kernel where the shifted form would launch K. On the CPU the shifted form:
+    oneDNN's depthwise conv1d takes 0.2 to 30 ms for the small shapes of a decoding step (1 token x 384 channels),
+    where the K multiply-adds take ~50 us."""
+    if torch.compiler.is_compiling() or extended.device.type == "cpu":
         return _shifted_sum(extended, weight, bias)
     return _conv1d(extended, weight, bias)
 

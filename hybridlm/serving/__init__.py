@@ -4,8 +4,8 @@
     engine = Engine("runs/demo/final", max_num_seqs=16)
     print(engine.generate(["def main("], SamplingParams(max_tokens=32))[0].text)
 
-`engine.py` (the scheduler), `slots.py` (the running rows' states), `prefix_cache.py` (state snapshots by prompt
-prefix), `text.py` (incremental detokenization, stop strings), `runner.py` (the engine on its own thread),
+`engine.py` (the scheduler), `packed.py` (several requests' prefill pieces in one forward), `slots.py` (the running
+rows' states), `prefix_cache.py` (state snapshots by prompt prefix), `text.py` (incremental detokenization, stop strings), `runner.py` (the engine on its own thread),
 `server.py` (the HTTP API), `commands.py` (`hybridlm serve`).
 """
 

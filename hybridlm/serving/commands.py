@@ -31,6 +31,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="parameter dtype (default float32)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="CPU threads of the model's ops (default: torch's, one per core); 1 on a CPU shared with other "
+                        "jobs, where a batched step waits for every descheduled thread")
     p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/ routes")
     p.add_argument("--block-size", type=int, default=256, metavar="N",
                    help="prefill piece and prefix-cache checkpoint interval in tokens (default 256)")
@@ -61,6 +64,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if not (model_dir / "config.json").is_file():
         print(f"hybridlm serve: {model_dir} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 1
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"hybridlm serve: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+            return 1
+        torch.set_num_threads(args.threads)
     tokenizer = None
     if args.tokenizer is not None:
         from transformers import AutoTokenizer

@@ -13,11 +13,15 @@ A step (`step`):
 2. admits waiting requests while fewer than `max_num_seqs` are running or prefilling, each restoring the longest
    prefix of its prompt that the prefix cache holds (`hybridlm.serving.prefix_cache`);
 3. prefills: the prefilling requests in arrival order, each in pieces that end at multiples of `block_size` (and
-   at its prompt's end), until `max_prefill_tokens` tokens ran this step; each piece on the request's own
-   single-sequence `HybridCache`; each piece's end is checkpointed into the prefix cache. A request whose prompt
-   is done samples its first token and joins the running rows (`hybridlm.serving.slots`);
+   at its prompt's end), until `max_prefill_tokens` tokens are chosen this step. Every request keeps its own
+   single-sequence `HybridCache`; the requests' first pieces run together as one packed forward (documents of one
+   row, each continuing its own cache: `hybridlm.serving.packed`), then their second pieces, and so on; each piece's
+   end is checkpointed into the prefix cache. A request whose prompt is done samples its first token and joins the
+   running rows (`hybridlm.serving.slots`);
 4. decodes one token for every running row in one batched forward, samples each row with its own settings and
-   random generator, and retires the rows that finished (eos, stop string, max_tokens) or were aborted.
+   random generator, and retires the rows that finished (eos, stop string, max_tokens) or were aborted; a finished
+   row's state (prompt + reply but its last token) goes into the prefix cache first, so the next turn of a chat
+   (previous prompt + reply + a new message) restores it instead of prefilling the reply again.
 Long prompts thus prefill a few blocks per step while the running streams keep getting a token every step.
 
 Results do not depend on the batch: a row's logits come from its own tokens and states only (the rows of a step
@@ -40,6 +44,7 @@ import torch
 
 from hybridlm.layers.cache import HybridCache
 from hybridlm.models.sampling import sample_next
+from hybridlm.serving.packed import PackedPrefill, state_fields
 from hybridlm.serving.params import SamplingParams
 from hybridlm.serving.prefix_cache import PrefixCache
 from hybridlm.serving.slots import SlotCache
@@ -228,18 +233,27 @@ class Engine:
         self._prefilling.append(seq)
 
     def _prefill(self) -> None:
+        """Prefill this step's pieces: chosen in arrival order within `max_prefill_tokens`, run in waves (the i-th
+        piece of every sequence in wave i), each wave as one packed forward per kind of cache (`_run_pieces`)."""
         budget = self.max_prefill_tokens
-        for seq in list(self._prefilling):
+        plan: list[tuple[_Sequence, list[int]]] = []  # (sequence, the ends of its pieces this step)
+        for seq in self._prefilling:
             if budget <= 0:
                 break
-            while seq.prefilled < len(seq.prompt) and budget > 0:
-                start = seq.prefilled
+            ends, start = [], seq.prefilled
+            while start < len(seq.prompt) and budget > 0:
                 end = min(len(seq.prompt), (start // self.block_size + 1) * self.block_size)
-                piece = torch.tensor([seq.prompt[start:end]], device=self.device)  # [1, T]
-                seq.logits = self.model(piece, cache=seq.cache, logits_to_keep=1).logits[0, -1]  # [V]
-                seq.prefilled, budget = end, budget - (end - start)
-                if self.prefix_cache is not None and (end % self.block_size == 0 or end == len(seq.prompt)):
-                    self.prefix_cache.put(seq.prompt[:end], seq.cache, seq.logits)
+                ends.append(end)
+                budget, start = budget - (end - start), end
+            plan.append((seq, ends))
+        for wave in range(max((len(ends) for _, ends in plan), default=0)):
+            groups: dict[tuple, list[tuple[_Sequence, int]]] = {}
+            for seq, ends in plan:
+                if wave < len(ends):
+                    groups.setdefault(state_fields(seq.cache), []).append((seq, ends[wave]))
+            for pieces in groups.values():
+                self._run_pieces(pieces)
+        for seq, _ in plan:
             if seq.prefilled == len(seq.prompt):
                 self._prefilling.remove(seq)
                 token = self._sample(seq.logits[None], [seq])[0]
@@ -247,6 +261,27 @@ class Engine:
                     self.slots.install(seq.cache)
                     self._running.append(seq)
                 seq.cache = seq.logits = None
+
+    def _run_pieces(self, pieces: list[tuple[_Sequence, int]]) -> None:
+        """Prefill each sequence's prompt up to its `end` in one forward: the pieces packed as documents of one row
+        (`PackedPrefill`; one piece runs on its cache directly). Each piece's end at a block boundary or the
+        prompt's end is checkpointed into the prefix cache."""
+        if len(pieces) == 1:
+            (seq, end), = pieces
+            tokens = torch.tensor([seq.prompt[seq.prefilled : end]], device=self.device)  # [1, T]
+            logits = self.model(tokens, cache=seq.cache, logits_to_keep=1).logits[0]  # [1, V]
+        else:
+            lengths = [end - seq.prefilled for seq, end in pieces]
+            offsets = torch.tensor([0, *itertools.accumulate(lengths)])  # [N + 1] on the host
+            tokens = torch.tensor([[t for seq, end in pieces for t in seq.prompt[seq.prefilled : end]]],
+                                  device=self.device)  # [1, total]
+            last = (offsets[1:] - 1).to(self.device)  # [N] each piece's last token
+            logits = self.model(tokens, cu_seqlens=offsets, cache=PackedPrefill([seq.cache for seq, _ in pieces]),
+                                logits_to_keep=last).logits[0]  # [N, V]
+        for (seq, end), row in zip(pieces, logits):
+            seq.prefilled, seq.logits = end, row
+            if self.prefix_cache is not None and (end % self.block_size == 0 or end == len(seq.prompt)):
+                self.prefix_cache.put(seq.prompt[:end], seq.cache, seq.logits)
 
     def _decode(self) -> None:
         running = self._running
@@ -256,6 +291,12 @@ class Engine:
         self.slots.commit()
         done = [row for row, (seq, token) in enumerate(zip(running, self._sample(logits, running)))
                 if self._append(seq, token)]
+        if self.prefix_cache is not None:
+            # The row holds the prompt and every new token but the last (sampled from logits[row], never fed):
+            # the next turn of a chat, whose prompt repeats them, restores this instead of the prompt's end.
+            for row in done:
+                seq = running[row]
+                self.prefix_cache.put(seq.prompt + seq.output[:-1], self.slots.extract(row), logits[row])
         for row in reversed(done):  # highest first: the rows that move into freed ones are never finished ones
             self._release(row)
 

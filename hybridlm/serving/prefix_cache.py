@@ -7,15 +7,18 @@
 A hybrid model's state after n tokens is not a list of per-token entries a later prompt can share piecewise (as an
 attention KV cache is): the SSD / fast-weight states and conv tails summarize the whole prefix. So the engine
 checkpoints the whole per-layer state (those states, conv tails and the attention keys/values so far) at fixed
-block boundaries while it prefills (every `block_size` tokens) and at the end of every prompt, keyed by the token
-prefix; a request whose prompt starts with a stored prefix restores the deepest one (a copy: the entry stays as it
-was) and prefills only the rest. A shared system prompt hits at its last block boundary; a growing multi-turn chat
-hits at the end of the previous turn's prompt.
+block boundaries while it prefills (every `block_size` tokens), at the end of every prompt and at the end of every
+generation (the prompt and the reply's tokens but the last, from the decoding row), keyed by the token prefix; a
+request whose prompt starts with a stored prefix restores the deepest one (a copy: the entry stays as it was) and
+prefills only the rest. A shared system prompt hits at its last block boundary; a growing multi-turn chat hits after
+the previous turn's reply (when the chat template renders the reply as the tokens generated), else at the end of the
+previous turn's prompt.
 
 Exactness: a restored state is the state a cold prefill reaches at that point, because the engine's prefill always
 cuts a prompt at the same block boundaries, stored or not; from a block-boundary hit on, the prefill runs the same
 pieces as a cold one, so the output equals the cold output. A hit at a prompt's end (not a block boundary) cuts the
-next piece differently, which changes only float rounding.
+next piece differently, and a generation's state was reached one token at a time (and in a batch), which changes
+only float rounding.
 
 Entries are keyed by a hash of the prefix (checked against the stored tokens on a hit), evicted least recently used
 first when their tensors pass `max_bytes`. `stats` counts lookups, hits and the prompt tokens they saved.

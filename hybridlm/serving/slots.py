@@ -4,6 +4,7 @@
     row = slots.install(prefilled_cache)            # a sequence joins: its B == 1 prefill cache copied into row n
     logits = model(tokens[:, None], cache=slots)    # one decoding step of the rows [0, n): tokens [n]
     slots.commit()                                  # the step's new SSM states written back into their rows
+    snapshot = slots.extract(row)                   # a row as a single-sequence cache (the prefix cache's entry)
     moved = slots.release(row)                      # a sequence leaves: the last row moves into its place
 
 Rows [0, n) are the running sequences, kept contiguous (a leaving row is filled by the last one), so a step reads
@@ -93,6 +94,25 @@ class SlotLayerCache(StaticLayerCache):
             self._key[row, :length] = source.key[0]
             self._value[row, :length] = source.value[0]
 
+    def extract(self, row: int, length: int) -> LayerCache:
+        """Row `row` (its `length` tokens) as a single-sequence cache with storage of its own, what `install` takes
+        back: with a ring, the last min(length, W - 1) slots (all the next query reaches), the others counted as
+        dropped."""
+        out = LayerCache()
+        out.ssm = {name: state[row : row + 1].clone() for name, state in self._states.items()}
+        if self._key is None:
+            return out
+        out.window = self.window
+        if self._ring:
+            keep = min(length, self.window - 1)
+            index = torch.arange(length - keep, length, device=self._key.device) % self.window  # [keep] ring slots
+            out._key, out._value = self._key[row, index][None], self._value[row, index][None]  # [1, keep, H_kv, D]
+            out.length, out.dropped = keep, length - keep
+        else:
+            out._key, out._value = self._key[row : row + 1, :length].clone(), self._value[row : row + 1, :length].clone()
+            out.length = length
+        return out
+
     def begin(self, rows: int) -> None:
         """Before a step: the mixers' `ssm` dict holds views of rows [0, rows)."""
         self.ssm = {name: state[:rows] for name, state in self._states.items()}
@@ -162,6 +182,13 @@ class SlotCache(HybridCache):
         self.host_lengths.append(length)
         self.rows += 1
         return row
+
+    def extract(self, row: int) -> HybridCache:
+        """A running row as a single-sequence cache of its own (a snapshot: the row goes on unchanged)."""
+        out = HybridCache(0)
+        out.layers = [layer.extract(row, self.host_lengths[row]) for layer in self.layers]
+        out.seq_len = self.host_lengths[row]
+        return out
 
     def begin(self) -> None:
         """Before a decoding step of the running rows."""

@@ -53,6 +53,39 @@ def test_concurrent_greedy_requests_equal_each_alone(changes):
     assert engine.slots.rows == 0 and not engine.has_work()
 
 
+def count_packed_forwards(model) -> list[int]:
+    """The documents of each packed forward of `model` from now on (its forward wrapped on the instance)."""
+    calls, forward = [], model.forward
+
+    def counted(*args, cu_seqlens=None, **kwargs):
+        if cu_seqlens is not None:
+            calls.append(len(cu_seqlens) - 1)
+        return forward(*args, cu_seqlens=cu_seqlens, **kwargs)
+
+    model.forward = counted
+    return calls
+
+
+@pytest.mark.parametrize("changes", MODELS.values(), ids=MODELS.keys())
+def test_requests_admitted_together_prefill_packed_and_equal_each_alone(changes):
+    """Four requests admitted in one step: one continues a prefix-cache hit at its prompt's end (a filled cache),
+    three start fresh. Their pieces run as packed forwards (the hit apart from the fresh ones in the first wave), and
+    every output equals the request alone."""
+    model = make_model(**changes).double()
+    engine = Engine(model, max_num_seqs=4, max_model_len=40, block_size=4, max_prefill_tokens=64)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    first = ids(1, 9, seed=2)[0].tolist()
+    engine.generate([first], params)
+    prompts = [first + ids(1, 6, seed=3)[0].tolist()] + [ids(1, n, seed=n)[0].tolist() for n in (13, 6, 3)]
+    calls = count_packed_forwards(model)
+    outputs = engine.generate(prompts, params)
+    # pieces [9:12 12:15], [0:4 4:8 8:12 12:13], [0:4 4:6], [0:3]: the first wave packs the 3 fresh ones (the hit runs
+    # alone), the second the 3 that have one more, the last two are one piece each
+    assert calls == [3, 3]
+    assert [o.cached_tokens for o in outputs] == [9, 0, 0, 0]
+    assert [o.token_ids for o in outputs] == [alone(model, p, 5) for p in prompts]
+
+
 def test_prefix_cache_hits_equal_cold_prefills_and_are_counted():
     model = make_model(**fast_weight("1A")).double()
     system = ids(1, 12, seed=1)[0].tolist()  # a shared "system prompt": 3 blocks of 4
@@ -70,15 +103,20 @@ def test_prefix_cache_hits_equal_cold_prefills_and_are_counted():
     assert cold_out == [alone(model, p, 5) for p in prompts]
 
 
-def test_a_growing_chat_restores_the_previous_prompt_and_a_repeated_prompt_prefills_nothing():
-    model = make_model().double()
+@pytest.mark.parametrize("changes", MODELS.values(), ids=MODELS.keys())
+def test_a_growing_chat_restores_the_previous_reply_and_a_repeated_prompt_prefills_nothing(changes):
+    """The state at a reply's end is stored: turn 2 (turn 1's prompt + reply + a new message) prefills only the
+    reply's last token and the new message (a windowed layer's ring row comes back as its last W - 1 slots)."""
+    model = make_model(**changes).double()
     engine = Engine(model, max_num_seqs=2, max_model_len=48, block_size=8)
     turn1 = ids(1, 11, seed=3)[0].tolist()
-    reply = engine.generate([turn1], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+    reply = engine.generate([turn1], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
     turn2 = turn1 + reply + ids(1, 3, seed=4)[0].tolist()
+    before = engine.prefix_cache.stats.tokens_saved
     second = engine.generate([turn2, turn1], SamplingParams(max_tokens=4, ignore_eos=True))
-    assert [o.cached_tokens for o in second] == [11, 11]  # the end of turn 1's prompt; all of it
-    assert second[1].token_ids == reply
+    assert [o.cached_tokens for o in second] == [11 + 5, 11]  # after the reply but its last token; all of turn 1
+    assert engine.prefix_cache.stats.tokens_saved - before == 16 + 11
+    assert second[1].token_ids == reply[:4]
     assert second[0].token_ids == alone(model, turn2, 4)
 
 

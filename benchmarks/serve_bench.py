@@ -1,9 +1,9 @@
 """`hybridlm serve` under load, against static-batch `generate` on the same model in the same run.
 
-    python benchmarks/serving_bench.py                                   # H200: 125m shape, 3 variants, bf16
-    python benchmarks/serving_bench.py --variants "h1 fw-1A" --concurrency 1 16 64 --requests 128
-    python benchmarks/serving_bench.py --cpu --preset tiny --concurrency 1 8 --requests 8 --output-tokens 16 \\
-        --prompt-tokens 32 --system-tokens 256                           # smoke run (minutes on 2 cores)
+    python benchmarks/serve_bench.py                                     # H200: 125m shape, 3 variants, bf16
+    python benchmarks/serve_bench.py --quick --variants "h1 fw-1A" "h1 mamba2"   # H200: minutes, the headline numbers
+    python benchmarks/serve_bench.py --variants "h1 fw-1A" --concurrency 1 16 64 --requests 128
+    python benchmarks/serve_bench.py --cpu --quick --preset tiny --variants "h1 fw-1A"   # smoke run (2 CPU cores)
 
 For each variant (`gpu_model.py`'s: "h1 fw-1A" a Falcon-1A hybrid, "h1 mamba2" a Mamba-2 hybrid, "transformer
 matched" a Transformer of the same size; random weights, `--requests` prompts of random words, every request decoding
@@ -18,7 +18,14 @@ loopback port, and drives it over HTTP with streamed completions from an asyncio
 2. Prefix cache: requests sharing a `--system-tokens` system prompt (distinct user suffixes), one at a time: the
    share of their prompt tokens served from the prefix cache (`usage.prompt_tokens_details.cached_tokens`) and the
    median TTFT of cold requests (distinct system prompts) over warm ones.
-3. 8 requests at concurrency 8 against the same 8 one after the other: the time ratio (the CPU target: <= 0.5).
+3. 8 requests at once against the same 8 one after the other, through the engine in this process (`Engine.generate`,
+   no HTTP: the load generator would share the CPU with the server): the median time ratio over 3 repeats (the CPU
+   target: <= 0.5).
+
+Every measurement is printed (and flushed) as soon as it is made, with each phase's wall time, then the tables at the
+end. `--quick`: 64 requests of 128 prompt + 32 output tokens at concurrency 8 and 64, a 2K-token system prompt for 4
+requests, 4 repeats of the 8 requests: the targets' numbers in a few minutes on an H200 (`--quick` sets the defaults;
+flags given after it still apply).
 
 Targets (the serving issue): >= 5x the static-batch output tokens/s at 64 concurrent requests; >= 90% of a repeated
 2K-token system prompt from the cache and >= 5x lower TTFT than cold; 8 concurrent <= 0.5x the time of 8 sequential.
@@ -78,7 +85,8 @@ def free_port() -> int:
 
 
 class Server:
-    """`hybridlm serve` in a subprocess, stopped on exit."""
+    """`hybridlm serve` in a subprocess, stopped on exit. Its log (a line per request) goes to a temporary file: a
+    pipe nobody reads would fill up and stop the server mid-run."""
 
     def __init__(self, directory: Path, args: argparse.Namespace, *, max_num_seqs: int, prefix_cache_gb: float):
         self.port = free_port()
@@ -86,19 +94,24 @@ class Server:
                    str(self.port), "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(args.max_model_len),
                    "--dtype", args.dtype, "--device", args.device, "--prefix-cache-gb", str(prefix_cache_gb),
                    "--block-size", str(args.block_size), "--served-model-name", "bench"]
+        if args.threads is not None:
+            command += ["--threads", str(args.threads)]
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> Server:
         import httpx
 
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
+        start = time.monotonic()
+        while time.monotonic() < start + 600:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.process.stderr.read().decode()[-3000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"the server exited: {self.log.read().decode()[-3000:]}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    log(f"  [server started: {time.monotonic() - start:.1f} s]")
                     return self
             except httpx.HTTPError:
                 pass
@@ -108,6 +121,7 @@ class Server:
     def __exit__(self, *exc) -> None:
         self.process.terminate()
         self.process.wait(timeout=60)
+        self.log.close()
 
 
 async def one_request(client, prompt: str, max_tokens: int) -> dict:
@@ -152,72 +166,132 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def static_generate(directory: Path, prompts: list[str], args: argparse.Namespace, batch: int) -> float:
-    """Output tokens/s of `generate` over `prompts` in static batches of `batch` (left-padded)."""
+def log(message: str) -> None:
+    """A partial result or a phase's time, printed at once (a long run shows what it has measured so far)."""
+    print(message, flush=True)
+
+
+class Phase:
+    """`with Phase("name"):` prints how long the block took."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> Phase:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        log(f"  [{self.name}: {time.perf_counter() - self.start:.1f} s]")
+
+
+def load_local(directory: Path, args: argparse.Namespace):
+    """The saved model (on the benchmark's device and dtype) and its tokenizer, in this process."""
     from transformers import AutoTokenizer
 
     from hybridlm.models.hf import load_model
 
-    device = torch.device(args.device)
-    model = load_model(directory, dtype=getattr(torch, args.dtype)).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    model = load_model(directory, dtype=getattr(torch, args.dtype)).to(torch.device(args.device)).eval()
+    return model, AutoTokenizer.from_pretrained(directory)
 
-    def run() -> None:
-        for i in range(0, len(ids), batch):
-            rows = ids[i : i + batch]
+
+def static_generate(model, ids: list[list[int]], args: argparse.Namespace, batch: int) -> float:
+    """Output tokens/s of `generate` over the prompts `ids` in static batches of `batch` (left-padded); one batch
+    first as warm-up."""
+    device = next(model.parameters()).device
+
+    def run(rows_of: list[list[int]]) -> None:
+        for i in range(0, len(rows_of), batch):
+            rows = rows_of[i : i + batch]
             width = max(map(len, rows))
             tokens = torch.tensor([[0] * (width - len(r)) + r for r in rows], device=device)
             mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
             model.generate(tokens, attention_mask=mask, max_new_tokens=args.output_tokens, do_sample=False,
                            eos_token_id=None)
 
-    run()  # warm-up
+    run(ids[:batch])  # warm-up
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    run()
+    run(ids)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    del model
-    return len(ids) * args.output_tokens / elapsed
+    return len(ids) * args.output_tokens / (time.perf_counter() - start)
+
+
+def eight_in_process(model, tokenizer, prompts: list[str], args: argparse.Namespace) -> tuple[float, float]:
+    """Median seconds of 8 requests through one engine at once and of the same 8 one after the other (`--repeats`
+    pairs, after a warm-up)."""
+    from hybridlm.serving import Engine, SamplingParams
+
+    engine = Engine(model, tokenizer, max_num_seqs=8, max_model_len=args.max_model_len, block_size=args.block_size,
+                    prefix_cache_bytes=0)
+    params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
+    eight = prompts[:8]
+    engine.generate(eight, params)  # warm-up
+    together, alone = [], []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        engine.generate(eight, params)
+        together.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for prompt in eight:
+            engine.generate([prompt], params)
+        alone.append(time.perf_counter() - start)
+    return statistics.median(together), statistics.median(alone)
 
 
 def bench_variant(variant: str, args: argparse.Namespace) -> dict:
     rng = random.Random(0)
     out: dict = {"variant": variant, "rows": []}
+    log(f"# {variant}")
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        vocab = save_model(args.preset, variant, directory, getattr(torch, args.dtype))
+        with Phase("model saved"):
+            vocab = save_model(args.preset, variant, directory, getattr(torch, args.dtype))
         prompts = [words(args.prompt_tokens, vocab, rng) for _ in range(args.requests)]
         with Server(directory, args, max_num_seqs=max(args.concurrency), prefix_cache_gb=0) as server:
-            asyncio.run(load(server.url, prompts[: max(args.concurrency)], args.output_tokens, max(args.concurrency)))
+            with Phase("warm-up load"):
+                asyncio.run(load(server.url, prompts[: max(args.concurrency)], args.output_tokens,
+                                 max(args.concurrency)))
             for concurrency in args.concurrency:
-                results, wall = asyncio.run(load(server.url, prompts, args.output_tokens, concurrency))
+                with Phase(f"load at concurrency {concurrency}"):
+                    results, wall = asyncio.run(load(server.url, prompts, args.output_tokens, concurrency))
                 gaps = [g for r in results for g in r["gaps"]]
-                out["rows"].append({"concurrency": concurrency, "tokens_per_s": sum(r["tokens"] for r in results) / wall,
-                                    "ttft_p50": percentile([r["ttft"] for r in results], 0.5),
-                                    "ttft_p99": percentile([r["ttft"] for r in results], 0.99),
-                                    "itl_p50": percentile(gaps, 0.5), "itl_p99": percentile(gaps, 0.99)})
-            eight = prompts[:8]
-            _, together = asyncio.run(load(server.url, eight, args.output_tokens, 8))
-            _, alone = asyncio.run(load(server.url, eight, args.output_tokens, 1))
-            out["eight_concurrent_over_sequential"] = together / alone
+                row = {"concurrency": concurrency, "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+                       "ttft_p50": percentile([r["ttft"] for r in results], 0.5),
+                       "ttft_p99": percentile([r["ttft"] for r in results], 0.99),
+                       "itl_p50": percentile(gaps, 0.5), "itl_p99": percentile(gaps, 0.99)}
+                out["rows"].append(row)
+                log(f"  server, concurrency {concurrency}: {row['tokens_per_s']:.0f} output tok/s, TTFT p50 "
+                    f"{1e3 * row['ttft_p50']:.1f} ms, ITL p50 {1e3 * row['itl_p50']:.1f} ms")
         with Server(directory, args, max_num_seqs=8, prefix_cache_gb=args.prefix_cache_gb) as server:
-            system = words(args.system_tokens, vocab, rng)
-            warm = [f"{system} {words(32, vocab, rng)}" for _ in range(args.prefix_requests)]
-            cold = [f"{words(args.system_tokens, vocab, rng)} {words(32, vocab, rng)}"
-                    for _ in range(args.prefix_requests)]
-            cold_results, _ = asyncio.run(load(server.url, cold, 8, 1))
-            warm_results, _ = asyncio.run(load(server.url, warm, 8, 1))
+            with Phase("prefix-cache requests"):
+                system = words(args.system_tokens, vocab, rng)
+                warm = [f"{system} {words(32, vocab, rng)}" for _ in range(args.prefix_requests)]
+                cold = [f"{words(args.system_tokens, vocab, rng)} {words(32, vocab, rng)}"
+                        for _ in range(args.prefix_requests)]
+                cold_results, _ = asyncio.run(load(server.url, cold, 8, 1))
+                warm_results, _ = asyncio.run(load(server.url, warm, 8, 1))
             hits = warm_results[1:]  # the first one fills the cache
             out["prefix_cached_share"] = sum(r["cached"] for r in hits) / sum(r["prompt"] for r in hits)
             out["prefix_ttft_cold_over_warm"] = (statistics.median(r["ttft"] for r in cold_results[1:])
                                                  / statistics.median(r["ttft"] for r in hits))
+            log(f"  prefix cache: {100 * out['prefix_cached_share']:.1f}% of prompt tokens cached, TTFT cold / warm "
+                f"{out['prefix_ttft_cold_over_warm']:.2f}x")
+        model, tokenizer = load_local(directory, args)
+        with Phase("8 concurrent / 8 sequential (engine in process)"):
+            together, alone = eight_in_process(model, tokenizer, prompts, args)
+        out["eight_concurrent_over_sequential"] = together / alone
+        log(f"  8 requests: {together:.2f} s at once, {alone:.2f} s one after the other: {together / alone:.2f}")
+        ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         for row in out["rows"]:
-            row["static_tokens_per_s"] = static_generate(directory, prompts, args, row["concurrency"])
+            with Phase(f"static generate in batches of {row['concurrency']}"):
+                row["static_tokens_per_s"] = static_generate(model, ids, args, row["concurrency"])
             row["ratio"] = row["tokens_per_s"] / row["static_tokens_per_s"]
+            log(f"  static generate, batch {row['concurrency']}: {row['static_tokens_per_s']:.0f} output tok/s "
+                f"(server / static {row['ratio']:.2f}x)")
+        del model
     return out
 
 
@@ -254,8 +328,19 @@ def main() -> None:
     parser.add_argument("--prefix-requests", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--prefix-cache-gb", type=float, default=8.0)
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="CPU threads of this process and of the server (`hybridlm serve --threads`); on a shared "
+                             "CPU 1 avoids waits for descheduled threads in every batched matmul")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of the 8 concurrent / 8 sequential timing")
+    parser.add_argument("--quick", action="store_true",
+                        help="64 requests of 128 + 32 tokens at concurrency 8 and 64, 4 prefix requests (minutes)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(concurrency=[8, 64], requests=64, prompt_tokens=128, output_tokens=32, prefix_requests=4)
+        args = parser.parse_args()  # flags given on the command line still win over the preset's defaults
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     args.device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
     args.dtype = "float32" if args.device == "cpu" else "bfloat16"
     args.max_model_len = max(args.prompt_tokens, args.system_tokens + 32) + args.output_tokens + 8
