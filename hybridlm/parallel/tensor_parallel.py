@@ -186,6 +186,7 @@ def parallelize_ssm(mixer: nn.Module, tp_mesh: DeviceMesh) -> None:
         mixer.num_heads //= tp
         mixer.width //= tp
         mixer.beta_width //= tp
+        mixer.lam_width //= tp
         mixer.conv_channels //= tp
 
 
