@@ -256,10 +256,10 @@ def post_training_defaults(task: str) -> dict[str, Any]:
     config.optim.weight_decay = 0.0  # the report's SFT and the common DPO setting: no weight decay
     config.batch = BatchSection(micro_batch=8, seq_len=256)
     config.train.eval_every, config.train.save_every, config.train.log_every = 0, 50, 10
-    config.train.sample_tokens = 48
+    config.train.sample_tokens = 80
     if task == "sft":
-        config.optim.lr = 1e-3
-        config.train.steps, config.train.out_dir = 150, "runs/sft"
+        config.optim.lr = 2e-3
+        config.train.steps, config.train.out_dir = 300, "runs/sft"
         # the report's SFT shape: warmup, stable, then an exponential decay to lr / 8
         config.schedule = ScheduleConfig(kind="wsd", warmup=10, decay_fraction=0.5, decay_shape="exponential",
                                          min_lr_ratio=0.125)
