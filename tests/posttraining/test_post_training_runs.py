@@ -4,6 +4,7 @@ answers what it was fine-tuned on, DPO moving the preference margin, LoRA output
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,25 +43,31 @@ def _weights(directory):
     return {k: v.clone() for k, v in load_model(directory).state_dict().items()}
 
 
-def test_sft_resume_reproduces_an_uninterrupted_run(model_dir, tmp_path):
-    sets = ("train.steps=6", "train.save_every=2", "train.log_every=1")
-    whole = Trainer(_config(model_dir, tmp_path / "whole", "sft", *sets))
+def _whole_and_resumed(model_dir, tmp_path, task: str, stop_at: int, *sets: str) -> tuple[Path, Path]:
+    """A run in tmp_path/whole, and the same run in tmp_path/split stopped after update `stop_at` and resumed."""
+    whole = Trainer(_config(model_dir, tmp_path / "whole", task, *sets))
     whole.train()
     whole.close()
 
     def stop(trainer, record):
-        if record["step"] == 3:
+        if record["step"] == stop_at:
             trainer.request_stop("test")
 
-    first = Trainer(_config(model_dir, tmp_path / "split", "sft", *sets), callbacks=[stop])
+    first = Trainer(_config(model_dir, tmp_path / "split", task, *sets), callbacks=[stop])
     assert first.train().status == "interrupted"
     first.close()
-    second = Trainer(_config(model_dir, tmp_path / "split", "sft", *sets), resume=True)
+    second = Trainer(_config(model_dir, tmp_path / "split", task, *sets), resume=True)
     assert second.train().status == "completed"
     second.close()
-    logged = [[r["loss"] for r in read_jsonl(d / "metrics.jsonl")] for d in (tmp_path / "whole", tmp_path / "split")]
+    return tmp_path / "whole", tmp_path / "split"
+
+
+def test_sft_resume_reproduces_an_uninterrupted_run(model_dir, tmp_path):
+    runs = _whole_and_resumed(model_dir, tmp_path, "sft", 3, "train.steps=6", "train.save_every=2",
+                              "train.log_every=1")
+    logged = [[r["loss"] for r in read_jsonl(d / "metrics.jsonl")] for d in runs]
     assert len(logged[0]) == 6 and logged[0] == logged[1]
-    a, b = _weights(tmp_path / "whole" / "final"), _weights(tmp_path / "split" / "final")
+    a, b = (_weights(d / "final") for d in runs)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -154,23 +161,9 @@ def test_dpo_resume_reproduces_an_uninterrupted_run(model_dir, tmp_path, lora):
     data = _write(tmp_path / "prefs.jsonl", demo_preferences(16))
     sets = ("train.steps=4", "train.save_every=2", "train.log_every=1", "optim.lr=3e-3", "dpo.loss=norm",
             f"data.chat={data}", "data.demo=false", *(["lora.r=4"] if lora else []))
-    whole = Trainer(_config(model_dir, tmp_path / "whole", "dpo", *sets))
-    whole.train()
-    whole.close()
-
-    def stop(trainer, record):
-        if record["step"] == 2:
-            trainer.request_stop("test")
-
-    first = Trainer(_config(model_dir, tmp_path / "split", "dpo", *sets), callbacks=[stop])
-    first.train()
-    first.close()
-    second = Trainer(_config(model_dir, tmp_path / "split", "dpo", *sets), resume=True)
-    second.train()
-    second.close()
+    runs = _whole_and_resumed(model_dir, tmp_path, "dpo", 2, *sets)
     keys = ("loss", "rewards/chosen", "rewards/margin", "rewards/accuracy")
-    logged = [[[r[k] for k in keys] for r in read_jsonl(d / "metrics.jsonl")] for d in (tmp_path / "whole",
-                                                                                       tmp_path / "split")]
+    logged = [[[r[k] for k in keys] for r in read_jsonl(d / "metrics.jsonl")] for d in runs]
     assert len(logged[0]) == 4 and logged[0] == logged[1]
 
 
