@@ -5,7 +5,7 @@
     python benchmarks/sft_bench.py --cpu --preset tiny --samples 40 --seq-len 256 --micro-batch 2   # smoke run
 
 For each variant (`gpu_model.py`'s "h1 mamba2" / "h1 fw-1A", random weights) the script saves the model with a
-word-level tokenizer (one token per word) and `--samples` prompt-completion records of random words (prompts and
+word-level tokenizer (one token per word; `serve_bench.save_model`) and `--samples` prompt-completion records of random words (prompts and
 completions of 32..`--max-part` tokens each). Both trainers then run one epoch over the same records: packed into
 rows of `--seq-len` tokens (ours: greedy packing, each sample its own document; TRL: `packing=True`, best-fit
 decreasing, padding-free), `--micro-batch` rows per update, loss on the completions only, AdamW at the same lr,
@@ -26,28 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_model import config_of  # benchmarks/ is on the path when this script runs
-
-from hybridlm.models.model import HybridForCausalLM
-
-SPECIALS = ("<|pad|>", "<|begin_of_text|>", "<|end_of_text|>")
-
-
-def save_model(preset: str, variant: str, directory: Path) -> int:
-    """A random float32 model of `variant` with a word-level tokenizer over its vocabulary; returns the vocab size."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    config = config_of(preset, variant)
-    torch.manual_seed(0)
-    HybridForCausalLM(config).save_pretrained(directory)
-    vocab = {t: i for i, t in enumerate(SPECIALS)} | {f"w{i}": i for i in range(len(SPECIALS), config.vocab_size)}
-    raw = Tokenizer(models.WordLevel(vocab, unk_token=SPECIALS[0]))
-    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=raw, pad_token=SPECIALS[0], bos_token=SPECIALS[1],
-                            eos_token=SPECIALS[2]).save_pretrained(directory)
-    return config.vocab_size
-
+from serve_bench import SPECIALS, save_model  # benchmarks/ is on the path when this script runs
 
 def write_records(path: Path, count: int, vocab: int, max_part: int, seed: int = 0) -> int:
     """`count` prompt-completion records of random words; returns their total token count (with eos)."""
@@ -164,7 +143,7 @@ def main() -> None:
     for variant in args.variants:
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
-            vocab = save_model(args.preset, variant, tmp / "model")
+            vocab = save_model(args.preset, variant, tmp / "model", torch.float32)
             tokens = write_records(tmp / "data.jsonl", args.samples, vocab, args.max_part)
             trl_times, trl_updates, trl_memory = run_trl(tmp / "model", tmp / "data.jsonl", tmp / "trl", args)
             ours_times, ours_memory = run_ours(tmp / "model", tmp / "data.jsonl", tmp / "ours", args,

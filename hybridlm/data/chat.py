@@ -97,7 +97,7 @@ def _raw_records(path: Path):
         for n, row in enumerate(rows, 1):
             yield f"{path}:row {n}", row
         return
-    with open(path, encoding="utf-8", errors="strict") as f:
+    with open(path, encoding="utf-8-sig", errors="strict") as f:  # (a byte order mark at the start is dropped)
         n = 0
         while True:
             n += 1

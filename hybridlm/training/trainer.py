@@ -257,13 +257,15 @@ class Trainer:
 
         # data, model, optimizer
         self.data = self._build_data()
+        if self.data.vocab_size > self.hybrid.vocab_size and config.model.init is not None:
+            raise ConfigError(f"model.init: its tokenizer has {self.data.vocab_size} ids but the model's vocabulary is "
+                              f"{self.hybrid.vocab_size}; the directory's tokenizer is not the model's")
         if self.data.vocab_size > self.hybrid.vocab_size:
             raise ConfigError(
                 f"model.overrides.vocab_size: the data's tokenizer has {self.data.vocab_size} ids but the model's "
                 f"vocabulary is {self.hybrid.vocab_size}; set model.overrides.vocab_size >= {self.data.vocab_size}"
             )
         self.loader = self.data.loader
-        from hybridlm.models.model import HybridForCausalLM
 
         self.raw_model = self._new_model().to(self.ctx.device)
         # dpo.reference "frozen": the starting model, a frozen copy beside the trained one

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
 from hybridlm.experiments.models import describe, model_fields, parse_model_list, task_config
 
