@@ -88,7 +88,8 @@ class Server:
     """`hybridlm serve` in a subprocess, stopped on exit. Its log (a line per request) goes to a temporary file: a
     pipe nobody reads would fill up and stop the server mid-run."""
 
-    def __init__(self, directory: Path, args: argparse.Namespace, *, max_num_seqs: int, prefix_cache_gb: float):
+    def __init__(self, directory: Path, args: argparse.Namespace, *, max_num_seqs: int, prefix_cache_gb: float,
+                 eager: bool = False):
         self.port = free_port()
         command = [sys.executable, "-m", "hybridlm.cli", "serve", "--model", str(directory), "--port",
                    str(self.port), "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(args.max_model_len),
@@ -96,6 +97,8 @@ class Server:
                    "--block-size", str(args.block_size), "--served-model-name", "bench"]
         if args.threads is not None:
             command += ["--threads", str(args.threads)]
+        if eager:
+            command.append("--enforce-eager")
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self.log = tempfile.TemporaryFile()
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
@@ -241,6 +244,27 @@ def eight_in_process(model, tokenizer, prompts: list[str], args: argparse.Namesp
     return statistics.median(together), statistics.median(alone)
 
 
+def sweep(directory: Path, prompts: list[str], args: argparse.Namespace, *, eager: bool) -> list[dict]:
+    """The prompts through one server at each concurrency: a row of throughput and latency figures per level."""
+    rows = []
+    name = "eager server" if eager else "server"
+    with Server(directory, args, max_num_seqs=max(args.concurrency), prefix_cache_gb=0, eager=eager) as server:
+        with Phase("warm-up load"):
+            asyncio.run(load(server.url, prompts[: max(args.concurrency)], args.output_tokens, max(args.concurrency)))
+        for concurrency in args.concurrency:
+            with Phase(f"{name} load at concurrency {concurrency}"):
+                results, wall = asyncio.run(load(server.url, prompts, args.output_tokens, concurrency))
+            gaps = [g for r in results for g in r["gaps"]]
+            row = {"concurrency": concurrency, "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+                   "ttft_p50": percentile([r["ttft"] for r in results], 0.5),
+                   "ttft_p99": percentile([r["ttft"] for r in results], 0.99),
+                   "itl_p50": percentile(gaps, 0.5), "itl_p99": percentile(gaps, 0.99)}
+            rows.append(row)
+            log(f"  {name}, concurrency {concurrency}: {row['tokens_per_s']:.0f} output tok/s, TTFT p50 "
+                f"{1e3 * row['ttft_p50']:.1f} ms, ITL p50 {1e3 * row['itl_p50']:.1f} ms")
+    return rows
+
+
 def bench_variant(variant: str, args: argparse.Namespace) -> dict:
     rng = random.Random(0)
     out: dict = {"variant": variant, "rows": []}
@@ -250,21 +274,10 @@ def bench_variant(variant: str, args: argparse.Namespace) -> dict:
         with Phase("model saved"):
             vocab = save_model(args.preset, variant, directory, getattr(torch, args.dtype))
         prompts = [words(args.prompt_tokens, vocab, rng) for _ in range(args.requests)]
-        with Server(directory, args, max_num_seqs=max(args.concurrency), prefix_cache_gb=0) as server:
-            with Phase("warm-up load"):
-                asyncio.run(load(server.url, prompts[: max(args.concurrency)], args.output_tokens,
-                                 max(args.concurrency)))
-            for concurrency in args.concurrency:
-                with Phase(f"load at concurrency {concurrency}"):
-                    results, wall = asyncio.run(load(server.url, prompts, args.output_tokens, concurrency))
-                gaps = [g for r in results for g in r["gaps"]]
-                row = {"concurrency": concurrency, "tokens_per_s": sum(r["tokens"] for r in results) / wall,
-                       "ttft_p50": percentile([r["ttft"] for r in results], 0.5),
-                       "ttft_p99": percentile([r["ttft"] for r in results], 0.99),
-                       "itl_p50": percentile(gaps, 0.5), "itl_p99": percentile(gaps, 0.99)}
-                out["rows"].append(row)
-                log(f"  server, concurrency {concurrency}: {row['tokens_per_s']:.0f} output tok/s, TTFT p50 "
-                    f"{1e3 * row['ttft_p50']:.1f} ms, ITL p50 {1e3 * row['itl_p50']:.1f} ms")
+        out["rows"] = sweep(directory, prompts, args, eager=False)
+        if args.compare_eager:  # the same sweep without CUDA graphs
+            for row, eager in zip(out["rows"], sweep(directory, prompts, args, eager=True)):
+                row["eager_tokens_per_s"] = eager["tokens_per_s"]
         with Server(directory, args, max_num_seqs=8, prefix_cache_gb=args.prefix_cache_gb) as server:
             with Phase("prefix-cache requests"):
                 system = words(args.system_tokens, vocab, rng)
@@ -299,13 +312,14 @@ def print_results(results: list[dict], args: argparse.Namespace) -> None:
     print(f"## serving: {args.requests} requests of {args.prompt_tokens} prompt + {args.output_tokens} output "
           f"tokens, {args.dtype} on {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'})")
     print("| variant | concurrency | server tok/s | static generate tok/s | ratio | TTFT p50 / p99 ms | "
-          "ITL p50 / p99 ms |")
-    print("|---|---|---|---|---|---|---|")
+          "ITL p50 / p99 ms | eager server tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for result in results:
         for row in result["rows"]:
+            eager = f"{row['eager_tokens_per_s']:.0f}" if "eager_tokens_per_s" in row else "-"
             print(f"| {result['variant']} | {row['concurrency']} | {row['tokens_per_s']:.0f} | "
                   f"{row['static_tokens_per_s']:.0f} | {row['ratio']:.2f}x | {1e3 * row['ttft_p50']:.1f} / "
-                  f"{1e3 * row['ttft_p99']:.1f} | {1e3 * row['itl_p50']:.1f} / {1e3 * row['itl_p99']:.1f} |")
+                  f"{1e3 * row['ttft_p99']:.1f} | {1e3 * row['itl_p50']:.1f} / {1e3 * row['itl_p99']:.1f} | {eager} |")
     print(f"\n## prefix cache: a {args.system_tokens}-token system prompt, {args.prefix_requests} requests each\n")
     print("| variant | prompt tokens from the cache | TTFT cold / warm | 8 concurrent / 8 sequential time |")
     print("|---|---|---|---|")
@@ -334,6 +348,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the 8 concurrent / 8 sequential timing")
     parser.add_argument("--quick", action="store_true",
                         help="64 requests of 128 + 32 tokens at concurrency 8 and 64, 4 prefix requests (minutes)")
+    parser.add_argument("--compare-eager", action="store_true",
+                        help="also sweep a server started with --enforce-eager (no CUDA graphs): the graphs' gain")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args()
     if args.quick:

@@ -39,6 +39,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                    help="prefill piece and prefix-cache checkpoint interval in tokens (default 256)")
     p.add_argument("--prefix-cache-gb", type=float, default=1.0, metavar="GB",
                    help="memory for prefix-cache snapshots (default 1; 0 turns prefix caching off)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="decode without CUDA graphs (default on a CUDA device: each step replays a captured graph; "
+                        "the graphs are captured at start-up)")
     p.set_defaults(func=run_serve)
 
 
@@ -77,7 +80,9 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         engine = Engine(model_dir, tokenizer, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         block_size=args.block_size, prefix_cache_bytes=int(args.prefix_cache_gb * 2**30),
-                        dtype=getattr(torch, args.dtype), device=None if args.device == "auto" else args.device)
+                        dtype=getattr(torch, args.dtype), device=None if args.device == "auto" else args.device,
+                        decode_step="eager" if args.enforce_eager else "auto")
+        engine.warm_up()
     except (ValueError, OSError) as error:
         print(f"hybridlm serve: {error}", file=sys.stderr)
         return 1

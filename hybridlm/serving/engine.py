@@ -18,7 +18,8 @@ A step (`step`):
    row, each continuing its own cache: `hybridlm.serving.packed`), then their second pieces, and so on; each piece's
    end is checkpointed into the prefix cache. A request whose prompt is done samples its first token and joins the
    running rows (`hybridlm.serving.slots`);
-4. decodes one token for every running row in one batched forward, samples each row with its own settings and
+4. decodes one token for every running row in one batched forward (on a CUDA device a replayed CUDA graph of a
+   fixed shape that holds the rows: `hybridlm.serving.graphed`), samples each row with its own settings and
    random generator, and retires the rows that finished (eos, stop string, max_tokens) or were aborted; a finished
    row's state (prompt + reply but its last token) goes into the prefix cache first, so the next turn of a chat
    (previous prompt + reply + a new message) restores it instead of prefilling the reply again.
@@ -44,6 +45,7 @@ import torch
 
 from hybridlm.layers.cache import HybridCache
 from hybridlm.models.sampling import sample_next
+from hybridlm.serving.graphed import SlotStepGraphs
 from hybridlm.serving.packed import PackedPrefill, state_fields
 from hybridlm.serving.params import SamplingParams
 from hybridlm.serving.prefix_cache import PrefixCache
@@ -103,17 +105,23 @@ class Engine:
         max_prefill_tokens: prompt tokens prefilled per step at most (at least one piece runs).
         prefix_cache_bytes: memory of the prefix cache's snapshots (0: no prefix caching).
         dtype, device: where a model loaded from a directory goes (default float32; cuda when available).
+        decode_step: "auto" (CUDA graphs on a CUDA device, else "eager"), "graph" (each step at a fixed shape replayed
+            as a CUDA graph: `hybridlm.serving.graphed`), "fixed" (the same fixed-shape step run eagerly) or "eager"
+            (the running rows and the longest row's keys exactly, one kernel launch per operator).
     """
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 8, max_model_len: int | None = None,
                  block_size: int = 256, max_prefill_tokens: int = 2048, prefix_cache_bytes: int = 1 << 30,
-                 dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> None:
+                 dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+                 decode_step: str = "auto") -> None:
         if isinstance(model, (str, Path)):
             model, tokenizer = _load(Path(model), tokenizer, dtype=dtype, device=device)
         for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
                             ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if decode_step not in ("auto", "graph", "fixed", "eager"):
+            raise ValueError(f"decode_step must be auto, graph, fixed or eager, got {decode_step!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -126,6 +134,11 @@ class Engine:
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_ids = frozenset(_ids(getattr(tokenizer, "eos_token_id", None), config.eos_token_id))
         self.prefix_cache = PrefixCache(block_size, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        if decode_step == "auto":
+            decode_step = "graph" if self.device.type == "cuda" else "eager"
+        if decode_step == "graph" and self.device.type != "cuda":
+            raise ValueError(f"decode_step='graph' needs a CUDA device, the model is on {self.device}")
+        self.decode_step = decode_step
         self.reset()
         self._ids = itertools.count()
         self.finished: Counter[str] = Counter()  # requests finished, by finish_reason
@@ -198,10 +211,25 @@ class Engine:
             self.step()
         return [final[i] for i in ids]
 
+    def warm_up(self) -> int:
+        """Allocate the slots' storage (one short request, kept out of the prefix cache) and capture every decoding
+        graph now rather than on first use (what a server does before taking requests); the graphs captured."""
+        if self.has_work():
+            raise ValueError("warm_up runs before any request is added")
+        prefix_cache, self.prefix_cache = self.prefix_cache, None
+        try:
+            self.generate([[0]], SamplingParams(max_tokens=2, ignore_eos=True))
+        finally:
+            self.prefix_cache = prefix_cache
+        self.finished.clear()
+        return 0 if self.step_graphs is None else self.step_graphs.capture_all()
+
     def reset(self) -> None:
         """Start with no requests and empty slots (also after a failed step, whose requests' state is unknown)."""
         self.slots = SlotCache(self.model.config.num_hidden_layers, max_rows=self.max_num_seqs,
                                capacity=self.max_model_len, device=self.device)
+        self.step_graphs = None if self.decode_step == "eager" else SlotStepGraphs(
+            self.model, self.slots, use_graph=self.decode_step == "graph")
         self._incoming: deque[_Sequence] = deque()  # added, not yet seen by a step (any thread appends)
         self._aborts: deque[str] = deque()
         self._waiting: deque[_Sequence] = deque()
@@ -285,10 +313,13 @@ class Engine:
 
     def _decode(self) -> None:
         running = self._running
-        tokens = torch.tensor([seq.output[-1] for seq in running], device=self.device)  # [n]
-        self.slots.begin()
-        logits = self.model(tokens[:, None], cache=self.slots, logits_to_keep=1).logits[:, -1]  # [n, V]
-        self.slots.commit()
+        if self.step_graphs is not None:
+            logits = self.step_graphs.step([seq.output[-1] for seq in running])  # [n, V]
+        else:
+            tokens = torch.tensor([seq.output[-1] for seq in running], device=self.device)  # [n]
+            self.slots.begin()
+            logits = self.model(tokens[:, None], cache=self.slots, logits_to_keep=1).logits[:, -1]  # [n, V]
+            self.slots.commit()
         done = [row for row, (seq, token) in enumerate(zip(running, self._sample(logits, running)))
                 if self._append(seq, token)]
         if self.prefix_cache is not None:

@@ -45,14 +45,20 @@ class SlotLayerCache(StaticLayerCache):
             raise ValueError("a slot cache takes one token per row per call, without gradients")
         if window != self.window:
             raise ValueError(f"this cache was filled with attention_window={self.window}, this call has {window}")
-        rows = self._owner.rows
+        rows = self._owner.step_rows
         where = self._owner.positions_now()  # [n] the position each row writes
         index = torch.remainder(where, self._key.shape[1]) if self._ring else where
         batch = torch.arange(rows, device=where.device)
         self._key[batch, index] = key[:, 0]
         self._value[batch, index] = value[:, 0]
-        span = self._key.shape[1] if self._ring else self._owner.longest + 1
+        span = self._span()
         return self._key[:rows, :span], self._value[:rows, :span]
+
+    def _span(self) -> int:
+        """Key slots a step reads: the ring's W, else the step's fixed span or the longest row's length + 1."""
+        if self._ring:
+            return self._key.shape[1]
+        return self._owner.step_span or self._owner.longest + 1
 
     def static_mask(self) -> torch.Tensor:
         """[n, 1, 1, S] True where a row's query may attend: its filled slots and the one just written."""
@@ -61,7 +67,7 @@ class SlotLayerCache(StaticLayerCache):
             index = torch.arange(self._key.shape[1], device=where.device)[None]  # [1, W]
             held = where - torch.remainder(where - index, self._key.shape[1])  # [n, W] position each index holds
             return (held >= 0)[:, None, None]
-        index = torch.arange(self._owner.longest + 1, device=where.device)[None]  # [1, S]
+        index = torch.arange(self._span(), device=where.device)[None]  # [1, S]
         return (index <= where)[:, None, None]
 
     def install(self, row: int, source: LayerCache, length: int) -> None:
@@ -71,6 +77,7 @@ class SlotLayerCache(StaticLayerCache):
                 if self._owner.rows:
                     raise ValueError(f"a sequence brought SSM state {name!r} that the running ones do not have")
                 self._states[name] = tensor.new_zeros(self._owner.max_rows, *tensor.shape[1:])
+                self._owner.storage_version += 1
             self._states[name][row] = tensor[0]
         if source.key is None:
             return
@@ -80,6 +87,7 @@ class SlotLayerCache(StaticLayerCache):
             slots = source.window if self._ring else self._owner.capacity
             self._key = source.key.new_zeros(self._owner.max_rows, slots, *source.key.shape[2:])
             self._value = source.value.new_zeros(self._owner.max_rows, slots, *source.value.shape[2:])
+            self._owner.storage_version += 1
         if source.window != self.window:
             raise ValueError(f"a sequence prefilled with attention_window={source.window} cannot join rows of "
                              f"attention_window={self.window}")
@@ -146,15 +154,20 @@ class SlotCache(HybridCache):
         self.layers = [SlotLayerCache(self) for _ in range(num_layers)]
         self.rows = 0  # running rows
         self.host_lengths: list[int] = []  # tokens of each running row, on the host
-        self._lengths = torch.zeros(max_rows, dtype=torch.int64, device=device)  # the same, on the device
+        self.lengths_device = torch.zeros(max_rows, dtype=torch.int64, device=device)  # the same, on the device
+        # The rows and key span of the step being run (`begin`): the running rows and the longest row's length + 1,
+        # or fixed ones (rows past the running ones are padding) for steps of fixed shapes (`serving.graphed`).
+        self.step_rows = 0
+        self.step_span: int | None = None
+        self.storage_version = 0  # counts storage allocations: tensors captured before a change are stale
 
     @property
     def longest(self) -> int:
         return max(self.host_lengths, default=0)
 
     def positions_now(self) -> torch.Tensor:
-        """[n] the position each running row's next token takes."""
-        return self._lengths[: self.rows]
+        """[n] the position each row of the step takes (the running rows', then the padding rows' 0)."""
+        return self.lengths_device[: self.step_rows]
 
     def positions(self, length: int, device: torch.device) -> torch.Tensor:
         if length != 1:
@@ -162,7 +175,11 @@ class SlotCache(HybridCache):
         return self.positions_now()[:, None]
 
     def advance(self, length: int) -> None:
-        self._lengths[: self.rows] += length
+        self.lengths_device[: self.step_rows] += length
+        self.count_step(length)
+
+    def count_step(self, length: int = 1) -> None:
+        """The host's count of a step's tokens (a replayed graph advances only the device's)."""
         self.host_lengths = [n + length for n in self.host_lengths]
 
     def start_rows(self, lengths: torch.Tensor, *, device: torch.device | str) -> None:
@@ -178,7 +195,7 @@ class SlotCache(HybridCache):
         row = self.rows
         for layer, prefilled in zip(self.layers, source.layers):
             layer.install(row, prefilled, length)
-        self._lengths[row] = length
+        self.lengths_device[row] = length
         self.host_lengths.append(length)
         self.rows += 1
         return row
@@ -190,17 +207,37 @@ class SlotCache(HybridCache):
         out.seq_len = self.host_lengths[row]
         return out
 
-    def begin(self) -> None:
-        """Before a decoding step of the running rows."""
+    def begin(self, rows: int | None = None, span: int | None = None) -> None:
+        """Before a decoding step of the running rows; `rows` >= the running rows and `span` > the longest row's
+        length fix the step's shapes (the rows past the running ones are padding: they write their key at slot 0,
+        which every sequence installed later overwrites, and nothing reads their output)."""
         if any(n >= self.capacity for n in self.host_lengths):
             raise ValueError(f"a running sequence reached the slots' capacity of {self.capacity} tokens")
+        rows = self.rows if rows is None else rows
+        if not self.rows <= rows <= self.max_rows or (span is not None and not self.longest < span <= self.capacity):
+            raise ValueError(f"a step of {rows} rows and span {span} cannot hold {self.rows} rows of up to "
+                             f"{self.longest} tokens in slots of {self.capacity}")
+        self.step_rows, self.step_span = rows, span
         for layer in self.layers:
-            layer.begin(self.rows)
+            layer.begin(rows)
 
     def commit(self) -> None:
         """After a decoding step of the running rows."""
         for layer in self.layers:
-            layer.commit(self.rows)
+            layer.commit(self.step_rows)
+
+    def snapshot(self, rows: int) -> dict:
+        """What a step of `rows` rows changes besides the key/value slot each writes: counts and SSM states."""
+        return {"host": list(self.host_lengths), "device": self.lengths_device.clone(),
+                "states": [{name: t[:rows].clone() for name, t in layer._states.items()} for layer in self.layers]}
+
+    def restore(self, saved: dict) -> None:
+        """Undo the steps since `snapshot` (but the key/value slots they wrote, which the next step rewrites)."""
+        self.host_lengths = list(saved["host"])
+        self.lengths_device.copy_(saved["device"])
+        for layer, states in zip(self.layers, saved["states"]):
+            for name, value in states.items():
+                layer._states[name][: value.shape[0]].copy_(value)
 
     def release(self, row: int) -> int | None:
         """Free `row`; the last running row moves into it. Returns the row that moved (None: none did)."""
@@ -209,7 +246,7 @@ class SlotCache(HybridCache):
         if row != last:
             for layer in self.layers:
                 layer.move(last, row, self.host_lengths[last])
-            self._lengths[row] = self._lengths[last]
+            self.lengths_device[row] = self.lengths_device[last]
             self.host_lengths[row] = self.host_lengths[last]
             moved = last
         self.host_lengths.pop()

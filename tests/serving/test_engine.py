@@ -10,6 +10,7 @@ import torch
 
 from hybridlm.inference import generate
 from hybridlm.serving import Engine, SamplingParams
+from hybridlm.serving.graphed import SlotStepGraphs, row_buckets, span_buckets
 from hybridlm.serving.prefix_cache import PrefixCache
 from tests.inference.helpers import fast_weight, ids, make_model
 
@@ -196,3 +197,35 @@ def test_windowed_layers_keep_a_ring_of_window_slots():
     engine.step()
     keys = [layer._key for layer in engine.slots.layers if layer._key is not None]
     assert keys and all(k.shape[1] == 5 for k in keys)  # W slots per row, not max_model_len
+
+
+def test_step_buckets():
+    assert row_buckets(1) == [1]
+    assert row_buckets(5) == [1, 2, 4, 5]
+    assert row_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert row_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
+    assert span_buckets(40, 4) == [4, 8, 16, 32, 40]
+    assert span_buckets(256, 256) == [256]
+
+
+@pytest.mark.parametrize("changes", MODELS.values(), ids=MODELS.keys())
+def test_fixed_shape_steps_equal_each_request_alone(changes):
+    """The step CUDA graphs replay, run eagerly: padded rows and key spans change nothing."""
+    model = make_model(**changes).double()
+    prompts = [ids(1, n, seed=n)[0].tolist() for n in (3, 13, 6, 21, 2)]
+    lengths = [6, 9, 4, 7, 12]
+    engine = Engine(model, max_num_seqs=5, max_model_len=40, block_size=4, max_prefill_tokens=8, decode_step="fixed")
+    engine.step_graphs = SlotStepGraphs(model, engine.slots, use_graph=False, min_span=4)
+    got = run_staggered(engine, prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
+    assert got == [alone(model, p, n) for p, n in zip(prompts, lengths)]
+    shapes = engine.step_graphs.shapes
+    assert (4, 32) in shapes and {span for _, span in shapes} >= {8, 16, 32}  # 3 rows padded to 4; spans grew
+
+
+def test_decode_step_is_checked():
+    model = make_model()
+    with pytest.raises(ValueError, match="decode_step must be"):
+        Engine(model, decode_step="graphs")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        Engine(model, decode_step="graph")
+    assert Engine(model).step_graphs is None  # eager on the CPU
