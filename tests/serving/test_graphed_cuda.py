@@ -7,9 +7,15 @@ import torch
 
 from hybridlm.serving import Engine, SamplingParams
 from tests.inference.helpers import fast_weight, ids, make_model
-from tests.serving.test_engine import MODELS, alone, run_staggered
+from hybridlm.inference import generate
+from tests.serving.test_engine import MODELS, run_staggered
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+def alone(model, prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = torch.tensor([prompt], device="cuda")
+    return generate(model, tokens, max_new_tokens=max_tokens).sequences[0, len(prompt):].tolist()
 
 
 def engines(model, **kwargs) -> tuple[Engine, Engine]:
