@@ -101,6 +101,7 @@ class SlotStepGraphs:
             slots.count_step()
         return entry.logits[:n]
 
+    @torch.no_grad()
     def capture_all(self) -> int:
         """Capture every (rows, span) graph now (a server does this before taking requests); the number captured.
         Needs the storage allocated: call after the first sequence is installed."""
