@@ -18,7 +18,10 @@ loopback port, and drives it over HTTP with streamed completions from an asyncio
 2. Prefix cache: requests sharing a `--system-tokens` system prompt (distinct user suffixes), one at a time: the
    share of their prompt tokens served from the prefix cache (`usage.prompt_tokens_details.cached_tokens`) and the
    median TTFT of cold requests (distinct system prompts) over warm ones.
-3. 8 requests at once against the same 8 one after the other, through the engine in this process (`Engine.generate`,
+3. The offline API (`Engine.generate` in this process, no HTTP) over the same prompts at each concurrency: the
+   engine's own output tokens/s, beside the server's (which adds HTTP, streaming and the event loop's share of
+   the interpreter).
+4. 8 requests at once against the same 8 one after the other, through the engine in this process (`Engine.generate`,
    no HTTP: the load generator would share the CPU with the server): the median time ratio over 3 repeats (the CPU
    target: <= 0.5).
 
@@ -265,6 +268,22 @@ def sweep(directory: Path, prompts: list[str], args: argparse.Namespace, *, eage
     return rows
 
 
+def engine_in_process(model, tokenizer, prompts: list[str], args: argparse.Namespace, concurrency: int) -> float:
+    """Output tokens/s of `Engine.generate` (the offline API: no HTTP) over all prompts with `concurrency` rows."""
+    from hybridlm.serving import Engine, SamplingParams
+
+    engine = Engine(model, tokenizer, max_num_seqs=concurrency, max_model_len=args.max_model_len,
+                    block_size=args.block_size, prefix_cache_bytes=0)
+    engine.warm_up()
+    params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
+    engine.generate(prompts[:concurrency], params)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.generate(prompts, params)
+    return len(prompts) * args.output_tokens / (time.perf_counter() - start)
+
+
 def bench_variant(variant: str, args: argparse.Namespace) -> dict:
     rng = random.Random(0)
     out: dict = {"variant": variant, "rows": []}
@@ -299,6 +318,9 @@ def bench_variant(variant: str, args: argparse.Namespace) -> dict:
         log(f"  8 requests: {together:.2f} s at once, {alone:.2f} s one after the other: {together / alone:.2f}")
         ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         for row in out["rows"]:
+            with Phase(f"engine in process at concurrency {row['concurrency']}"):
+                row["engine_tokens_per_s"] = engine_in_process(model, tokenizer, prompts, args, row["concurrency"])
+            log(f"  engine in process, concurrency {row['concurrency']}: {row['engine_tokens_per_s']:.0f} output tok/s")
             with Phase(f"static generate in batches of {row['concurrency']}"):
                 row["static_tokens_per_s"] = static_generate(model, ids, args, row["concurrency"])
             row["ratio"] = row["tokens_per_s"] / row["static_tokens_per_s"]
@@ -312,14 +334,15 @@ def print_results(results: list[dict], args: argparse.Namespace) -> None:
     print(f"## serving: {args.requests} requests of {args.prompt_tokens} prompt + {args.output_tokens} output "
           f"tokens, {args.dtype} on {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'})")
     print("| variant | concurrency | server tok/s | static generate tok/s | ratio | TTFT p50 / p99 ms | "
-          "ITL p50 / p99 ms | eager server tok/s |")
-    print("|---|---|---|---|---|---|---|---|")
+          "ITL p50 / p99 ms | eager server tok/s | engine in process tok/s (ratio) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for result in results:
         for row in result["rows"]:
             eager = f"{row['eager_tokens_per_s']:.0f}" if "eager_tokens_per_s" in row else "-"
             print(f"| {result['variant']} | {row['concurrency']} | {row['tokens_per_s']:.0f} | "
                   f"{row['static_tokens_per_s']:.0f} | {row['ratio']:.2f}x | {1e3 * row['ttft_p50']:.1f} / "
-                  f"{1e3 * row['ttft_p99']:.1f} | {1e3 * row['itl_p50']:.1f} / {1e3 * row['itl_p99']:.1f} | {eager} |")
+                  f"{1e3 * row['ttft_p99']:.1f} | {1e3 * row['itl_p50']:.1f} / {1e3 * row['itl_p99']:.1f} | {eager} | "
+                  f"{row['engine_tokens_per_s']:.0f} ({row['engine_tokens_per_s'] / row['static_tokens_per_s']:.2f}x) |")
     print(f"\n## prefix cache: a {args.system_tokens}-token system prompt, {args.prefix_requests} requests each\n")
     print("| variant | prompt tokens from the cache | TTFT cold / warm | 8 concurrent / 8 sequential time |")
     print("|---|---|---|---|")

@@ -7,7 +7,7 @@
 For each variant (`gpu_model.py`'s "h1 mamba2" / "h1 fw-1A", random weights) the script saves the model with a
 word-level tokenizer (one token per word; `serve_bench.save_model`) and `--samples` prompt-completion records of random words (prompts and
 completions of 32..`--max-part` tokens each). Both trainers then run one epoch over the same records: packed into
-rows of `--seq-len` tokens (ours: greedy packing, each sample its own document; TRL: `packing=True`, best-fit
+rows of `--seq-len` tokens (ours: best-fit decreasing, each sample its own document; TRL: `packing=True`, best-fit
 decreasing, padding-free), `--micro-batch` rows per update, loss on the completions only, AdamW at the same lr,
 gradient clipping 1.0, bf16 autocast over fp32 weights, no compilation, no checkpoints during the run.
 
