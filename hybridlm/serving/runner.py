@@ -7,7 +7,8 @@
     runner.shutdown()
 
 Model work never runs on the event loop, so the server keeps answering (health, errors, streams) while the engine
-steps. A step that raises fails the requests in flight (each queue gets the exception), the engine drops them and
+steps. A step's outputs reach the loop together, in one call: one wake-up of the loop per step rather than one per
+running request (each wake-up takes the interpreter from the engine's thread). A step that raises fails the requests in flight (each queue gets the exception), the engine drops them and
 the runner goes on with the next requests.
 """
 
@@ -31,6 +32,7 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._run, name="hybridlm-engine", daemon=True)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # request id -> its outputs' queue
         self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, tuple]] = []  # this step's outputs (the engine's thread only)
 
     def start(self) -> None:
         self._thread.start()
@@ -50,7 +52,7 @@ class EngineRunner:
         request_ids = []
         for index, prompt in enumerate(prompts):
             def deliver(out: RequestOutput, index: int = index) -> None:
-                loop.call_soon_threadsafe(queue.put_nowait, (index, out))
+                self._pending.append((loop, queue, (index, out)))
                 if out.finished:
                     with self._lock:
                         self._queues.pop(out.request_id, None)
@@ -75,10 +77,26 @@ class EngineRunner:
                 continue
             try:
                 self.engine.step()
+                self._flush()
             except Exception as error:  # a failed step fails its requests, not the server
                 log.exception("engine step failed; failing the requests in flight")
+                self._flush()
                 self.engine.reset()
                 with self._lock:
                     failed, self._queues = self._queues, {}
                 for loop, queue in failed.values():
                     loop.call_soon_threadsafe(queue.put_nowait, (None, error))
+
+    def _flush(self) -> None:
+        """Hand the step's outputs to their event loops, one call per loop."""
+        pending, self._pending = self._pending, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple]]] = {}
+        for loop, queue, item in pending:
+            by_loop.setdefault(loop, []).append((queue, item))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
