@@ -6,7 +6,8 @@
 Then any OpenAI client: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret")`, with the served model
 name (`--served-model-name`, default the --model argument as given). One log line per request (id, prompt /
 completion tokens, cached prompt tokens, time to first token, total time). The tokenizer and its chat template come
-from the model directory (or --tokenizer).
+from the model directory (or --tokenizer). On a CUDA device the decoding step replays CUDA graphs, captured at
+start-up for every batch and key-span bucket (`hybridlm.serving.graphed`); --enforce-eager runs it op by op.
 """
 
 from __future__ import annotations
