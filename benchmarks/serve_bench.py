@@ -92,7 +92,7 @@ class Server:
     pipe nobody reads would fill up and stop the server mid-run."""
 
     def __init__(self, directory: Path, args: argparse.Namespace, *, max_num_seqs: int, prefix_cache_gb: float,
-                 eager: bool = False):
+                 flags: tuple[str, ...] = ()):
         self.port = free_port()
         command = [sys.executable, "-m", "hybridlm.cli", "serve", "--model", str(directory), "--port",
                    str(self.port), "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(args.max_model_len),
@@ -100,8 +100,7 @@ class Server:
                    "--block-size", str(args.block_size), "--served-model-name", "bench"]
         if args.threads is not None:
             command += ["--threads", str(args.threads)]
-        if eager:
-            command.append("--enforce-eager")
+        command += flags
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self.log = tempfile.TemporaryFile()
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
@@ -247,11 +246,12 @@ def eight_in_process(model, tokenizer, prompts: list[str], args: argparse.Namesp
     return statistics.median(together), statistics.median(alone)
 
 
-def sweep(directory: Path, prompts: list[str], args: argparse.Namespace, *, eager: bool) -> list[dict]:
+def sweep(directory: Path, prompts: list[str], args: argparse.Namespace, *, flag: str | None = None) -> list[dict]:
     """The prompts through one server at each concurrency: a row of throughput and latency figures per level."""
     rows = []
-    name = "eager server" if eager else "server"
-    with Server(directory, args, max_num_seqs=max(args.concurrency), prefix_cache_gb=0, eager=eager) as server:
+    name = f"server --{flag}" if flag else "server"
+    with Server(directory, args, max_num_seqs=max(args.concurrency), prefix_cache_gb=0,
+                flags=(f"--{flag}",) if flag else ()) as server:
         with Phase("warm-up load"):
             asyncio.run(load(server.url, prompts[: max(args.concurrency)], args.output_tokens, max(args.concurrency)))
         for concurrency in args.concurrency:
@@ -293,10 +293,10 @@ def bench_variant(variant: str, args: argparse.Namespace) -> dict:
         with Phase("model saved"):
             vocab = save_model(args.preset, variant, directory, getattr(torch, args.dtype))
         prompts = [words(args.prompt_tokens, vocab, rng) for _ in range(args.requests)]
-        out["rows"] = sweep(directory, prompts, args, eager=False)
-        if args.compare_eager:  # the same sweep without CUDA graphs
-            for row, eager in zip(out["rows"], sweep(directory, prompts, args, eager=True)):
-                row["eager_tokens_per_s"] = eager["tokens_per_s"]
+        out["rows"] = sweep(directory, prompts, args)
+        for flag in args.compare:  # the same sweep with one of the server's defaults turned off
+            for row, other in zip(out["rows"], sweep(directory, prompts, args, flag=flag)):
+                row[flag] = other["tokens_per_s"]
         with Server(directory, args, max_num_seqs=8, prefix_cache_gb=args.prefix_cache_gb) as server:
             with Phase("prefix-cache requests"):
                 system = words(args.system_tokens, vocab, rng)
@@ -334,14 +334,15 @@ def print_results(results: list[dict], args: argparse.Namespace) -> None:
     print(f"## serving: {args.requests} requests of {args.prompt_tokens} prompt + {args.output_tokens} output "
           f"tokens, {args.dtype} on {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'})")
     print("| variant | concurrency | server tok/s | static generate tok/s | ratio | TTFT p50 / p99 ms | "
-          "ITL p50 / p99 ms | eager server tok/s | engine in process tok/s (ratio) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"ITL p50 / p99 ms | {''.join(f'server --{flag} tok/s | ' for flag in args.compare)}"
+          "engine in process tok/s (ratio) |")
+    print("|---" * (8 + len(args.compare)) + "|")
     for result in results:
         for row in result["rows"]:
-            eager = f"{row['eager_tokens_per_s']:.0f}" if "eager_tokens_per_s" in row else "-"
+            others = "".join(f"{row[flag]:.0f} | " for flag in args.compare)
             print(f"| {result['variant']} | {row['concurrency']} | {row['tokens_per_s']:.0f} | "
                   f"{row['static_tokens_per_s']:.0f} | {row['ratio']:.2f}x | {1e3 * row['ttft_p50']:.1f} / "
-                  f"{1e3 * row['ttft_p99']:.1f} | {1e3 * row['itl_p50']:.1f} / {1e3 * row['itl_p99']:.1f} | {eager} | "
+                  f"{1e3 * row['ttft_p99']:.1f} | {1e3 * row['itl_p50']:.1f} / {1e3 * row['itl_p99']:.1f} | {others}"
                   f"{row['engine_tokens_per_s']:.0f} ({row['engine_tokens_per_s'] / row['static_tokens_per_s']:.2f}x) |")
     print(f"\n## prefix cache: a {args.system_tokens}-token system prompt, {args.prefix_requests} requests each\n")
     print("| variant | prompt tokens from the cache | TTFT cold / warm | 8 concurrent / 8 sequential time |")
@@ -371,8 +372,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the 8 concurrent / 8 sequential timing")
     parser.add_argument("--quick", action="store_true",
                         help="64 requests of 128 + 32 tokens at concurrency 8 and 64, 4 prefix requests (minutes)")
-    parser.add_argument("--compare-eager", action="store_true",
-                        help="also sweep a server started with --enforce-eager (no CUDA graphs): the graphs' gain")
+    parser.add_argument("--compare", nargs="*", default=[], choices=("enforce-eager", "engine-thread"),
+                        help="also sweep a server started with --enforce-eager (no CUDA graphs: the graphs' gain) and "
+                             "/ or --engine-thread (the engine on the server's thread: the engine process's gain)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args()
     if args.quick:

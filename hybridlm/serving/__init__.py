@@ -5,7 +5,7 @@
     print(engine.generate(["def main("], SamplingParams(max_tokens=32))[0].text)
 
 `engine.py` (the scheduler), `packed.py` (several requests' prefill pieces in one forward), `slots.py` (the running
-rows' states), `prefix_cache.py` (state snapshots by prompt prefix), `text.py` (incremental detokenization, stop strings), `runner.py` (the engine on its own thread),
+rows' states), `prefix_cache.py` (state snapshots by prompt prefix), `text.py` (incremental detokenization, stop strings), `runner.py` (the engine on a thread of the server's process), `process.py` (the engine in a process of its own), `graphed.py` (decoding steps as CUDA graphs),
 `server.py` (the HTTP API), `commands.py` (`hybridlm serve`).
 """
 
@@ -19,6 +19,7 @@ _EXPORTS = {
     "SamplingParams": "hybridlm.serving.params",
     "PrefixCache": "hybridlm.serving.prefix_cache",
     "EngineRunner": "hybridlm.serving.runner",
+    "EngineProcess": "hybridlm.serving.process",
     "build_app": "hybridlm.serving.server",
 }
 

@@ -7,7 +7,8 @@ Then any OpenAI client: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="se
 name (`--served-model-name`, default the --model argument as given). One log line per request (id, prompt /
 completion tokens, cached prompt tokens, time to first token, total time). The tokenizer and its chat template come
 from the model directory (or --tokenizer). On a CUDA device the decoding step replays CUDA graphs, captured at
-start-up for every batch and key-span bucket (`hybridlm.serving.graphed`); --enforce-eager runs it op by op.
+start-up for every batch and key-span bucket (`hybridlm.serving.graphed`); --enforce-eager runs it op by op. The
+engine runs in a process of its own (`hybridlm.serving.process`; --engine-thread: on a thread of the server's).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="decode without CUDA graphs (default on a CUDA device: each step replays a captured graph; "
                         "the graphs are captured at start-up)")
+    p.add_argument("--engine-thread", action="store_true",
+                   help="run the engine on a thread of the server's process (default: a process of its own, so "
+                        "the engine's Python work and the server's do not take turns on one interpreter)")
     p.set_defaults(func=run_serve)
 
 
@@ -61,6 +65,7 @@ def run_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     from hybridlm.serving.engine import Engine
+    from hybridlm.serving.process import EngineProcess
     from hybridlm.serving.runner import EngineRunner
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -68,27 +73,32 @@ def run_serve(args: argparse.Namespace) -> int:
     if not (model_dir / "config.json").is_file():
         print(f"hybridlm serve: {model_dir} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 1
-    if args.threads is not None:
-        if args.threads < 1:
-            print(f"hybridlm serve: --threads must be >= 1, got {args.threads}", file=sys.stderr)
-            return 1
-        torch.set_num_threads(args.threads)
-    tokenizer = None
-    if args.tokenizer is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    if args.threads is not None and args.threads < 1:
+        print(f"hybridlm serve: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+        return 1
+    settings = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
+                    prefix_cache_bytes=int(args.prefix_cache_gb * 2**30), dtype=getattr(torch, args.dtype),
+                    device=None if args.device == "auto" else args.device,
+                    decode_step="eager" if args.enforce_eager else "auto")
     try:
-        engine = Engine(model_dir, tokenizer, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        block_size=args.block_size, prefix_cache_bytes=int(args.prefix_cache_gb * 2**30),
-                        dtype=getattr(torch, args.dtype), device=None if args.device == "auto" else args.device,
-                        decode_step="eager" if args.enforce_eager else "auto")
-        engine.warm_up()
-    except (ValueError, OSError) as error:
+        if args.engine_thread:
+            if args.threads is not None:
+                torch.set_num_threads(args.threads)
+            tokenizer = None
+            if args.tokenizer is not None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+            engine = Engine(model_dir, tokenizer, **settings)
+            engine.warm_up()
+            runner = EngineRunner(engine)
+        else:
+            runner = EngineProcess(model_dir, engine_kwargs=settings, tokenizer_dir=args.tokenizer,
+                                   threads=args.threads)
+        runner.start()
+    except (ValueError, OSError, RuntimeError) as error:
         print(f"hybridlm serve: {error}", file=sys.stderr)
         return 1
-    runner = EngineRunner(engine)
-    runner.start()
     try:
         app = build_app(runner, model_name=args.served_model_name or args.model, api_key=args.api_key)
         uvicorn.run(app, host=args.host, port=args.port, access_log=False)

@@ -147,26 +147,11 @@ class Engine:
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Prompt ids: a text through the tokenizer, or ids as given (checked against the vocabulary)."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: give the prompt as token ids")
-            ids = list(self.tokenizer.encode(prompt))
-        else:
-            ids = list(prompt)
-            vocab = self.model.config.vocab_size
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-                raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        return ids
+        return encode_prompt(prompt, self.tokenizer, self.model.config.vocab_size)
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's ids; ValueError when it is empty or prompt + max_tokens passes `max_model_len`."""
-        ids = self.encode(prompt)
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"the prompt's {len(ids)} tokens + max_tokens {params.max_tokens} = "
-                             f"{len(ids) + params.max_tokens}, more than max_model_len {self.max_model_len}")
-        return ids
+        return check_length(self.encode(prompt), params, self.max_model_len)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None,
@@ -400,6 +385,29 @@ class Engine:
 
     def _detokenize(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def encode_prompt(prompt: str | list[int], tokenizer, vocab_size: int) -> list[int]:
+    """A prompt's ids: a text through `tokenizer`, or ids as given; ValueError when empty or out of the vocabulary."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this engine has no tokenizer: give the prompt as token ids")
+        ids = list(tokenizer.encode(prompt))
+    else:
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab_size})")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return ids
+
+
+def check_length(ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """`ids`, or ValueError when prompt + max_tokens passes `max_model_len`."""
+    if len(ids) + params.max_tokens > max_model_len:
+        raise ValueError(f"the prompt's {len(ids)} tokens + max_tokens {params.max_tokens} = "
+                         f"{len(ids) + params.max_tokens}, more than max_model_len {max_model_len}")
+    return ids
 
 
 def _ids(*candidates) -> list[int]:

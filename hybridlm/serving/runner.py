@@ -94,9 +94,10 @@ class EngineRunner:
         for loop, queue, item in pending:
             by_loop.setdefault(loop, []).append((queue, item))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(put_all, items)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, tuple]]) -> None:
+def put_all(items: list[tuple[asyncio.Queue, tuple]]) -> None:
+    """On the event loop: each (queue, item) put."""
     for queue, item in items:
         queue.put_nowait(item)

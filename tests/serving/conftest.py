@@ -32,19 +32,23 @@ def model_dir(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
-    """A server (engine on its thread, uvicorn on another) at http://127.0.0.1:PORT with API key `API_KEY`:
-    yields (base URL, engine); stopped after the module's tests."""
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(model_dir, request):
+    """A server (uvicorn on a thread; the engine on a thread of this process, or in a process of its own) at
+    http://127.0.0.1:PORT with API key `API_KEY`: yields (base URL, engine: the `Engine`, or the process runner's
+    `EngineFront`); stopped after the module's tests."""
     import uvicorn
 
-    from hybridlm.serving import Engine, EngineRunner, build_app
+    from hybridlm.serving import Engine, EngineProcess, EngineRunner, build_app
 
-    torch.manual_seed(0)
-    engine = Engine(model_dir, max_num_seqs=4, max_model_len=96, block_size=8, max_prefill_tokens=16,
-                    prefix_cache_bytes=1 << 24, device="cpu")
-    runner = EngineRunner(engine)
+    settings = dict(max_num_seqs=4, max_model_len=96, block_size=8, max_prefill_tokens=16, prefix_cache_bytes=1 << 24,
+                    device="cpu")
+    if request.param == "thread":
+        runner = EngineRunner(Engine(model_dir, **settings))
+    else:
+        runner = EngineProcess(model_dir, engine_kwargs=settings, threads=1, start_timeout=120)
     runner.start()
+    engine = runner.engine
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -106,6 +106,8 @@ def test_concurrent_requests_equal_sequential_ones_and_share_the_prefix_cache(se
 
 def test_client_disconnect_mid_stream_frees_the_slot(server, monkeypatch):
     url, engine = server
+    if not hasattr(engine, "step"):
+        pytest.skip("slows the engine's steps in this process (the process runner's abort: test_process.py)")
     step = engine.step
 
     def slow_step():  # 80 tokens take >= 2 s: the client is gone long before
