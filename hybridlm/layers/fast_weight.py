@@ -11,9 +11,9 @@
     o = fast_weight_attention(q, k, v, beta or eta, lam; rule, window, pairing, read, ridge_scaling)
     y = W_out GatedRMSNorm(o, z)                   per-head RMSNorm, then * SiLU(z)
 
-Shapes: heads H = fw_heads, K = V = fw_head_dim; beta is [B, T, H] ([B, T, H, V] for the per-column rules
-"2"/"2A"), lam is [B, T, H]. E0 is the nominal energy |x|^2 of a normalized key: head_dim for "rms" (and
-"none"), 1 for "l2".
+Shapes: heads H = fw_heads, K = V = fw_head_dim (derived where unset: `HybridConfig.fast_weight_heads`); beta is
+[B, T, H] ([B, T, H, V] for the per-column rules "2"/"2A"), lam is [B, T, H]. E0 is the nominal energy |x|^2 of a
+normalized key: head_dim for "rms" (and "none"), 1 for "l2".
 
 Decisions (documented here because they are choices, not the paper's prescriptions):
 - QK norm "rms" has no learned scale: the paper's RMSNorm operator (4.1) has none, and the NLMS step is
@@ -95,10 +95,10 @@ class FastWeightMixer(nn.Module):
         self.chunk_size = config.fw_chunk_size
         self.backend = "auto"  # "naive" | "chunk" | "triton" to force one; "auto": the op's choice
 
-        # Heads: fw_heads x fw_head_dim; by default the SSM channel allocation: mamba_n_heads heads sharing
-        # mamba_d_ssm channels (so the alpha_S allocation sizes either SSM half).
-        self.num_heads = config.fw_heads or config.mamba_n_heads
-        self.head_dim = config.fw_head_dim or config.mamba_d_ssm // self.num_heads
+        # Heads: fw_heads x fw_head_dim; by default the SSM channel allocation: mamba_d_ssm channels over
+        # mamba_n_heads heads (so the alpha_S allocation sizes either SSM half), or a multiple of them where those
+        # would be wider than the Triton kernels take (HybridConfig.fast_weight_heads).
+        self.num_heads, self.head_dim = config.fast_weight_heads
         if self.head_dim < 1:
             raise ValueError(
                 f"FastWeightMixer: mamba_d_ssm={config.mamba_d_ssm} gives {self.num_heads} heads no channels; "

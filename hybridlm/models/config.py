@@ -12,9 +12,11 @@ Ours on top: `ssm_mixer` (which SSM channels: "mamba2" | "fast_weight" | "none")
 `hybridlm.layers.fast_weight`.
 
 Derived sizes left as None are resolved in `__post_init__` (head_dim = hidden_size / heads,
-mamba_d_ssm = mamba_expand * hidden_size, mamba_d_head = mamba_d_ssm / mamba_n_heads,
+mamba_d_ssm = mamba_expand * hidden_size, mamba_n_heads (see the field), mamba_d_head = mamba_d_ssm / mamba_n_heads,
 num_key_value_heads = num_attention_heads), and float fields given as ints become floats (time_step_limit's
-entries too). Every error is a ValueError that names the field.
+entries too). The fast-weight heads stay as given; `fast_weight_heads` derives the unset ones. Derived head widths
+stay within the Triton kernels' limits, so that `backend="auto"` never leaves a default model on the torch paths.
+Every error is a ValueError that names the field.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from hybridlm.ops.fast_weight.options import RULES, SLIDING_RULES
+from hybridlm.ops.fast_weight.triton.limits import MAX_HEAD_DIM as FW_MAX_HEAD_DIM
+from hybridlm.ops.ssd.triton.limits import MAX_HEAD_DIM as SSD_MAX_HEAD_DIM
 
 SSM_MIXERS = ("mamba2", "fast_weight", "none")
 MAMBA_INITS = ("falcon_h1", "mamba2")
@@ -34,6 +38,7 @@ FW_STEP_SIZES = ("nlms", "direct")
 FW_READS = ("after", "before")
 FW_QK_NORMS = ("rms", "l2", "none")
 FW_GATES = ("context", "fixed")
+MAMBA_HEADS = 8  # the Mamba-2 head count that mamba_n_heads=None starts from
 
 
 @dataclass
@@ -47,7 +52,11 @@ class HybridConfig:
     num_key_value_heads: int | None = None  # None: = num_attention_heads (no GQA)
     head_dim: int | None = None  # None: hidden_size // num_attention_heads
     mamba_d_ssm: int | None = None  # None: mamba_expand * hidden_size
-    mamba_n_heads: int = 8
+    # None: mamba_d_ssm // mamba_d_head where mamba_d_head is set; else 8 heads, or, where heads of mamba_d_ssm / 8
+    # channels would be wider than the SSD Triton kernels' 128 (wider ones run the torch chunk path), the fewest
+    # multiple of 8 heads that splits mamba_d_ssm evenly into heads of at most 128 (d_ssm 1536: 16 x 96). Multiples
+    # of 8 keep tensor-parallel splits over 2, 4, 8 ranks and B/C groups that divide 8.
+    mamba_n_heads: int | None = None
     mamba_d_head: int | None = None  # None (or "auto"): mamba_d_ssm // mamba_n_heads
     mamba_n_groups: int = 1
     mamba_d_state: int = 64
@@ -113,6 +122,11 @@ class HybridConfig:
     fw_gates: str = "context"
     fw_read: str = "after"
     fw_ridge_scaling: bool = False
+    # Fast-weight heads, fw_heads x fw_head_dim (K = V), read through `fast_weight_heads`. Unset, they share the
+    # Mamba-2 allocation: fw_head_dim alone gives mamba_n_heads heads, fw_heads alone heads of mamba_d_ssm / fw_heads,
+    # neither mamba_n_heads heads of mamba_d_ssm / mamba_n_heads, or, where those would be wider than the Triton
+    # kernels' 128 (wider ones run the torch chunk path), the fewest multiple of mamba_n_heads heads that splits
+    # mamba_d_ssm evenly into heads of at most 128 (a multiple: a tensor-parallel split of mamba_n_heads splits them).
     fw_heads: int | None = None
     fw_head_dim: int | None = None
     fw_conv_size: int = 4
@@ -139,6 +153,8 @@ class HybridConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.mamba_d_ssm is None:
             self.mamba_d_ssm = self.mamba_expand * self.hidden_size
+        if self.mamba_n_heads is None:
+            self.mamba_n_heads = _mamba_heads(self.mamba_d_ssm, self.mamba_d_head)
         if (self.mamba_d_head is None or self.mamba_d_head == "auto") and _is_int(self.mamba_n_heads):
             self.mamba_d_head = self.mamba_d_ssm // self.mamba_n_heads if self.mamba_n_heads > 0 else 0
 
@@ -236,7 +252,7 @@ class HybridConfig:
             if value is not None:
                 _require_int(name, value, minimum=1)
         if self.ssm_mixer == "fast_weight" and self.fw_head_dim is None:  # the head width is derived: exactly
-            heads = self.fw_heads or self.mamba_n_heads
+            heads, _ = self.fast_weight_heads
             if self.mamba_d_ssm % heads:
                 raise ValueError(f"fast_weight: mamba_d_ssm={self.mamba_d_ssm} must be a multiple of the head count "
                                  f"{heads} (fw_heads, else mamba_n_heads), or set fw_head_dim")
@@ -256,6 +272,17 @@ class HybridConfig:
     def mlp_multipliers(self) -> list[float]:
         """FalconH1Config's positional list [gate, down]."""
         return [self.mlp_multiplier_gate, self.mlp_multiplier_down]
+
+    @property
+    def fast_weight_heads(self) -> tuple[int, int]:
+        """(heads H, head width K = V) of the fast-weight mixer: fw_heads and fw_head_dim, the unset ones derived as
+        their field comment says (within the Triton kernels' 128 where neither is set)."""
+        heads = self.fw_heads
+        if heads is None:
+            heads = self.mamba_n_heads if self.fw_head_dim is not None else _narrow_heads(
+                self.mamba_d_ssm, heads=self.mamba_n_heads, max_width=FW_MAX_HEAD_DIM)
+        width = self.fw_head_dim if self.fw_head_dim is not None else self.mamba_d_ssm // heads
+        return heads, width
 
     # ------------------------------------------------------------------ (de)serialization
     @classmethod
@@ -289,6 +316,25 @@ class HybridConfig:
 
 # The scalar float fields (time_step_limit, a pair of floats, is resolved beside them).
 FLOAT_FIELDS = tuple(f.name for f in fields(HybridConfig) if f.type in ("float", "float | None"))
+
+
+def _mamba_heads(d_ssm: Any, d_head: Any) -> Any:
+    """mamba_n_heads left None (see the field); left for validation to name when mamba_d_ssm is not a positive int."""
+    if not (_is_int(d_ssm) and d_ssm > 0):
+        return MAMBA_HEADS
+    if _is_int(d_head) and d_head > 0:
+        return max(1, d_ssm // d_head)
+    return _narrow_heads(d_ssm, heads=MAMBA_HEADS, max_width=SSD_MAX_HEAD_DIM)
+
+
+def _narrow_heads(channels: int, *, heads: int, max_width: int) -> int:
+    """`heads` where channels / heads <= max_width (or where heads does not divide channels, an error validation
+    names), else the fewest multiple of `heads` that splits `channels` evenly into heads of at most `max_width`."""
+    if heads < 1 or channels % heads or channels // heads <= max_width:
+        return heads
+    per_head = channels // heads
+    factor = next(m for m in range(2, per_head + 1) if per_head % m == 0 and per_head // m <= max_width)
+    return heads * factor
 
 
 def _as_float(name: str, value: Any) -> Any:

@@ -1,5 +1,6 @@
 """Pure tensor functions (no module state): the fast-weight rules (`fast_weight`) and the Mamba-2 SSD scan
-(`ssd`: `from hybridlm.ops.ssd import ssd`)."""
+(`ssd`: `from hybridlm.ops.ssd import ssd`). `SlowPathWarning`: what both issue where `backend="auto"` on CUDA runs
+a torch path for a call their Triton kernels cannot take."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from hybridlm.lazy import lazy_exports
 _EXPORTS = {
     "fast_weight_attention": "hybridlm.ops.fast_weight.op",
     "FastWeightState": "hybridlm.ops.fast_weight.state",
+    "SlowPathWarning": "hybridlm.ops.utils",
 }
 
 __all__ = list(_EXPORTS)

@@ -1,15 +1,23 @@
 """Shared helpers of the ops: argument checks, packed <-> padded layouts, backend choice (Triton's availability and
-its interpreter), dtypes."""
+its interpreter, the warning when "auto" cannot take the kernels), dtypes."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
 import os
+import warnings
 
 import torch
 
 _TRITON_FOUND = importlib.util.find_spec("triton") is not None  # looked up once: torch.compile cannot trace it
+_SLOW_PATHS_WARNED: set[str] = set()  # the SlowPathWarning messages this process has issued
+
+
+class SlowPathWarning(UserWarning):
+    """`backend="auto"` ran an op on CUDA tensors through its torch path where it takes the Triton kernels for other
+    shapes, dtypes or settings (slower, more memory). Silence it with
+    `warnings.filterwarnings("ignore", category=SlowPathWarning)`."""
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -117,6 +125,29 @@ def triton_chunk_size(chunk_size: int, *, cap: int) -> int:
     """The Triton kernels' chunk for a requested chunk length: the nearest power of two >= chunk_size, clamped to
     [16, cap] (tl.dot needs >= 16 rows). The chunk length changes the cost only, never the result."""
     return min(cap, max(16, 1 << (max(chunk_size, 1) - 1).bit_length()))
+
+
+def warn_slow_path(message: str) -> None:
+    """Issue `message` as a `SlowPathWarning` the first time this process meets it: once per reason, not once per
+    layer and call. Reads no tensor (no host sync). Under torch.compile the warning is issued while dynamo traces
+    the call (its `comptime` hook), so the graph neither breaks nor carries it."""
+    if torch.compiler.is_compiling():  # dynamo is loaded then; eager calls never import it
+        from torch._dynamo.comptime import comptime
+
+        comptime(_warn_slow_path_traced)
+        return
+    _warn_slow_path_once(message)
+
+
+def _warn_slow_path_traced(ctx) -> None:
+    """Run by dynamo inside `warn_slow_path` while tracing it, where `message` is a constant."""
+    _warn_slow_path_once(ctx.get_local("message").as_python_constant())
+
+
+def _warn_slow_path_once(message: str) -> None:
+    if message not in _SLOW_PATHS_WARNED:
+        _SLOW_PATHS_WARNED.add(message)
+        warnings.warn(message, SlowPathWarning, stacklevel=3)
 
 
 def resolve_backend(backend: str, *, available: tuple[str, ...], default: str) -> str:

@@ -104,7 +104,8 @@ def check_ssm_split(mixer: nn.Module, size: int, *, what: str) -> None:
     if isinstance(mixer, Mamba2Mixer):
         counts = (("mamba_n_heads", mixer.num_heads), ("mamba_n_groups", mixer.groups))
     elif isinstance(mixer, FastWeightMixer):
-        counts = (("fw_heads (the fast-weight head count; mamba_n_heads when fw_heads is unset)", mixer.num_heads),)
+        heads = "fw_heads (the fast-weight head count; derived from mamba_n_heads when unset: fast_weight_heads)"
+        counts = ((heads, mixer.num_heads),)
     else:
         raise TypeError(f"{what}: no head split is defined for {type(mixer).__name__}")
     for field, value in counts:

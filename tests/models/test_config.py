@@ -16,6 +16,29 @@ def test_defaults_resolve_derived_sizes():
     assert HybridConfig(hidden_size=64, mamba_n_heads=8, mamba_d_head="auto").mamba_d_head == 16
 
 
+def test_derived_ssm_heads_stay_within_the_triton_kernels():
+    """Left unset, the SSM heads are 8 (Mamba-2) or mamba_n_heads (fast weight) wide heads while those fit the
+    kernels' 128, else the fewest multiple of that count whose heads do; given sizes are kept as they are."""
+    def heads(**changes):
+        config = HybridConfig(**changes)
+        return (config.mamba_n_heads, config.mamba_d_head), config.fast_weight_heads
+
+    assert heads() == ((8, 64), (8, 64))  # hidden 256: d_ssm 512
+    assert heads(hidden_size=512) == ((8, 128), (8, 128))
+    assert heads(hidden_size=640) == ((16, 80), (16, 80))  # 8 x 160 would not fit
+    assert heads(hidden_size=768) == ((16, 96), (16, 96))  # 8 x 192 would not fit
+    assert heads(hidden_size=1280) == ((32, 80), (32, 80))  # 16 x 160 (and 24 x 106.7) would not
+    assert heads(hidden_size=2048) == ((32, 128), (32, 128))
+    # given: a Mamba-2 width (its head count follows), a head count, fast-weight sizes
+    assert heads(hidden_size=768, mamba_d_head=64) == ((24, 64), (24, 64))
+    assert heads(hidden_size=768, mamba_n_heads=8) == ((8, 192), (16, 96))  # the fast-weight heads split further
+    assert heads(hidden_size=768, mamba_n_heads=6, mamba_d_head="auto") == ((6, 256), (12, 128))
+    assert heads(hidden_size=768, fw_heads=8)[1] == (8, 192)
+    assert heads(hidden_size=768, fw_head_dim=192)[1] == (16, 192)  # mamba_n_heads heads of the given width
+    assert heads(hidden_size=768, mamba_n_heads=8, fw_head_dim=192)[1] == (8, 192)
+    assert HybridConfig.from_dict(HybridConfig(hidden_size=768).to_dict()).mamba_n_heads == 16
+
+
 def test_dict_round_trip():
     config = HybridConfig(ssm_multiplier_B=0.25, time_step_limit=(0.0, 0.5), eos_token_id=[2, 3], fw_rule="3A",
                           fw_window=4, fw_qk_norm="l2", fw_lam_scale=0.5, fw_chunk_size=32)

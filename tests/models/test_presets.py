@@ -1,11 +1,17 @@
-"""Presets build on the meta device with the parameter counts of the released models."""
+"""Presets build on the meta device with the parameter counts of the released models, and their SSM heads (and
+those of the defaults) fit the Triton kernels that `backend="auto"` takes on CUDA."""
 
 import pytest
 import torch
 
+from hybridlm.layers.fast_weight import FastWeightMixer
+from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.commands import count_parameters
+from hybridlm.models.config import HybridConfig
 from hybridlm.models.model import HybridForCausalLM
 from hybridlm.models.presets import get_preset, list_presets, nominal_parameters
+from hybridlm.ops.fast_weight import triton as fw_triton
+from hybridlm.ops.ssd import triton as ssd_triton
 
 # Parameter counts of the released Falcon-H1 checkpoints (untied embeddings).
 RELEASED = {
@@ -86,3 +92,36 @@ def test_tuned_falcon_presets_follow_the_report_mup_rules():
         assert config.lm_head_multiplier * config.hidden_size == pytest.approx(40.0), name
         assert config.mamba_rms_norm == (name != "falcon-h1-0.5b"), name
         assert config.eos_token_id == 11, name
+
+
+# The defaults at the widths a config most often changes (d_ssm = 2 x hidden_size, the heads derived).
+DEFAULT_WIDTHS = (64, 128, 256, 512, 640, 768, 1024, 1280, 1536, 2048, 2560, 3072, 4096, 5120)
+
+
+def preset_or_defaults(name: str, **changes) -> HybridConfig:
+    """A preset by name, or the defaults at `hidden_size=<width>`."""
+    if name in list_presets():
+        return get_preset(name, **changes)
+    return HybridConfig(hidden_size=int(name.removeprefix("hidden_size=")), **changes)
+
+
+@pytest.mark.parametrize("name", list_presets() + [f"hidden_size={width}" for width in DEFAULT_WIDTHS])
+def test_ssm_heads_fit_the_triton_kernels(name):
+    """Every preset and the defaults: the Mamba-2 heads and state and the fast-weight heads (with the mixer swapped
+    in, every rule that "auto" takes) are shapes the Triton kernels take, so "auto" never leaves them on the torch
+    chunk path for their size; a preset's fast-weight heads are its Mamba-2 heads (the same allocation)."""
+    with torch.device("meta"):
+        mamba = Mamba2Mixer(preset_or_defaults(name), 0)
+        fast_weight = {rule: FastWeightMixer(preset_or_defaults(name, ssm_mixer="fast_weight", fw_rule=rule,
+                                                                fw_window=4 if rule == "3A" else 1), 0)
+                       for rule in fw_triton.AUTO_RULES}
+    for dtype in ssd_triton.AUTO_DTYPES:
+        assert ssd_triton.auto_takes(P=mamba.head_dim, N=mamba.d_state, dtype=dtype), (mamba.head_dim, mamba.d_state)
+    for rule, mixer in fast_weight.items():
+        K = mixer.head_dim
+        for dtype in fw_triton.DTYPES:
+            assert fw_triton.auto_takes(rule=rule, window=mixer.window, K=K, V=K, dtype=dtype), (rule, K)
+        if name in list_presets():
+            assert (mixer.num_heads, mixer.head_dim) == (mamba.num_heads, mamba.head_dim)
+    for rule in ("2A", "2", "3"):  # the rules "triton" runs when asked for take them too
+        assert fw_triton.supports(rule=rule, window=4 if rule == "3" else 1, K=K, V=K, dtype=torch.bfloat16)

@@ -9,12 +9,21 @@ from hybridlm.ops.fast_weight.naive import fast_weight_naive
 from hybridlm.ops.fast_weight.options import FastWeightOptions, restarts_in_place
 from hybridlm.ops.fast_weight.recurrent import fast_weight_recurrent
 from hybridlm.ops.fast_weight.state import FastWeightState
-from hybridlm.ops.fast_weight.triton import AUTO_RULES as TRITON_AUTO_RULES
+from hybridlm.ops.fast_weight.triton import auto_takes as triton_auto_takes
 from hybridlm.ops.fast_weight.triton import fast_weight_triton
-from hybridlm.ops.fast_weight.triton import supports as triton_supports
-from hybridlm.ops.utils import check_cu_seqlens, compute_dtype, resolve_backend, triton_available, triton_runs_on
+from hybridlm.ops.fast_weight.triton import slow_path_reason as triton_slow_path_reason
+from hybridlm.ops.utils import (
+    check_cu_seqlens,
+    compute_dtype,
+    resolve_backend,
+    triton_available,
+    triton_runs_on,
+    warn_slow_path,
+)
 
 BACKENDS = ("naive", "recurrent", "chunk", "triton")
+_NO_TRITON = ("triton is not installed: backend='auto' runs the fast-weight op on CUDA through the torch chunk path "
+              "(slower, more memory); install triton for its Triton kernels")
 
 
 def fast_weight_attention(
@@ -70,7 +79,10 @@ def fast_weight_attention(
             over rows (no cu_seqlens). "auto" takes it for T == 1 (decoding; naive with cu_seqlens), the
             Triton kernels on CUDA for the rules timed against the chunk path on a GPU (1A, 3A, 1; K, V <= 128;
             float32/bf16/fp16; benchmarks/RESULTS.md) when triton is installed, and the chunk path otherwise.
-            "triton" also runs rules 2A, 2 and 3 (window <= 64, on rule 1's kernels over write events).
+            "triton" also runs rules 2A, 2 and 3 (window <= 64, on rule 1's kernels over write events). Where
+            "auto" leaves a CUDA call of T > 1 on the chunk path it warns once per reason and process (a
+            `SlowPathWarning` naming it: triton missing, heads over 128, the rule, window or dtype), except for
+            float64 inputs, whose exact path is the caller's choice.
 
     Returns:
         o `[B, T, H, V]` in q's dtype, and the final state (float32; float64 for float64 inputs) or None.
@@ -125,12 +137,22 @@ def fast_weight_attention(
 
 def _backend(q, v, *, rule, window, packed, backend) -> str:
     """The backend a call runs: a single decoding step the step loop (vectorized over rows); longer inputs the chunk
-    path, or on a GPU the Triton kernels."""
+    path, or on a GPU the Triton kernels. "auto" on a CUDA tensor that the kernels would take but for its shape, rule,
+    window, dtype or a missing triton warns (once per reason) that it runs the chunk path."""
     K, V = q.shape[-1], v.shape[-1]
-    on_gpu = (q.is_cuda and rule in TRITON_AUTO_RULES and triton_available()
-              and triton_supports(rule=rule, window=window, K=K, V=V, dtype=q.dtype))
+    takes = triton_auto_takes(rule=rule, window=window, K=K, V=V, dtype=q.dtype)
     step_loop = "naive" if packed else "recurrent"  # decoding: one step, vectorized over rows
-    default = step_loop if q.shape[1] == 1 else "triton" if on_gpu else "chunk"
+    if q.shape[1] == 1:
+        default = step_loop
+    elif q.is_cuda and takes and triton_available():
+        default = "triton"
+    else:
+        default = "chunk"
+        if backend == "auto" and q.is_cuda:  # metadata only: no host sync, constant under torch.compile
+            reason = _NO_TRITON if takes else triton_slow_path_reason(rule=rule, window=window, K=K, V=V,
+                                                                      dtype=q.dtype)
+            if reason is not None:
+                warn_slow_path(reason)
     return resolve_backend(backend, available=BACKENDS, default=default)
 
 

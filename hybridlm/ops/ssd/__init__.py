@@ -3,8 +3,11 @@
 Backends: "naive" (loop over time steps, the specification, `naive.py`), "chunk" (the chunked SSD algorithm in
 plain torch, `chunk.py`) and "triton" (the chunked algorithm in Triton kernels, `triton/`). "auto" picks "triton"
 for bf16/fp16 CUDA tensors it supports when triton is installed, "chunk" otherwise: for float32 (its kernels spill
-registers and are not the timed path) and with `seq_idx` (only the torch backends take it). benchmarks/RESULTS.md
-times the Triton kernels against the chunk path. The math: README.md in this folder.
+registers and are not the timed path) and with `seq_idx` (only the torch backends take it: the compiled blocks'
+packed path, which keeps the mixer inside the graphs). benchmarks/RESULTS.md times the Triton kernels against the
+chunk path. Where "auto" leaves 16-bit CUDA inputs without `seq_idx` on the chunk path (heads over 128, a state over
+256, triton missing) it warns once per reason and process (`SlowPathWarning`); float32, float64 and `seq_idx` are its
+choices and do not warn. The math: README.md in this folder.
 """
 
 from __future__ import annotations
@@ -13,14 +16,17 @@ import torch
 
 from hybridlm.ops.ssd.chunk import chunk_ssd
 from hybridlm.ops.ssd.naive import naive_ssd
+from hybridlm.ops.ssd.triton import auto_takes as triton_auto_takes
 from hybridlm.ops.ssd.triton import is_available as triton_is_available
+from hybridlm.ops.ssd.triton import slow_path_reason as triton_slow_path_reason
 from hybridlm.ops.ssd.triton import ssd_triton
-from hybridlm.ops.ssd.triton import supports as triton_supports
-from hybridlm.ops.utils import check_cu_seqlens, compute_dtype, resolve_backend, seq_idx_segments
+from hybridlm.ops.utils import check_cu_seqlens, compute_dtype, resolve_backend, seq_idx_segments, warn_slow_path
 
 __all__ = ["ssd", "naive_ssd", "chunk_ssd"]
 
 _BACKENDS = ("naive", "chunk", "triton")
+_NO_TRITON = ("triton is not installed: backend='auto' runs the Mamba-2 SSD on CUDA through the torch chunk path "
+              "(slower, more memory); install triton for its Triton kernels")
 
 
 def ssd(
@@ -57,7 +63,8 @@ def ssd(
             the rows' (no padding per document, nothing read on the host). Backends "naive" and "chunk" ("auto"
             takes "chunk").
         backend: "auto", "naive", "chunk" or "triton" (CUDA tensors and triton installed; x, B, C in float32,
-            bfloat16 or float16, P <= 128, N <= 256; "auto" takes it for bf16/fp16 ones, else "chunk").
+            bfloat16 or float16, P <= 128, N <= 256; "auto" takes it for bf16/fp16 ones, else "chunk", and warns
+            once per reason where bf16/fp16 CUDA inputs without seq_idx miss it).
 
     Returns:
         `(y, final_state)`: y `[b, T, H, P]` in x's dtype; final_state `[b or N_seq, H, P, N]` in float32
@@ -67,11 +74,7 @@ def ssd(
     _check_shapes(x, dt, A, B, C, D, initial_state, chunk_size)
     b, T, H, P = x.shape
     N = B.shape[-1]
-    xbc_dtype = torch.promote_types(torch.promote_types(x.dtype, B.dtype), C.dtype)
-    on_gpu = (x.is_cuda and xbc_dtype in (torch.bfloat16, torch.float16) and triton_is_available()
-              and triton_supports(P=P, N=N, dtype=xbc_dtype))
-    backend = resolve_backend(backend, available=_BACKENDS,
-                              default="triton" if on_gpu and seq_idx is None else "chunk")
+    backend = _backend(x, B, C, seq_idx=seq_idx, backend=backend)
     segments = None
     if seq_idx is not None:
         segments = _segments(seq_idx, x.shape[:2], cu_seqlens=cu_seqlens, backend=backend)
@@ -108,6 +111,21 @@ def ssd(
         else:
             y, final_state = chunk_ssd(*args, chunk_size=chunk_size, **kwargs)
     return y.to(x.dtype), (final_state if output_final_state else None)
+
+
+def _backend(x, B, C, *, seq_idx, backend) -> str:
+    """The backend a call runs: the Triton kernels for 16-bit CUDA inputs they take without seq_idx, else the chunk
+    path. "auto" on such inputs that the kernels would take but for their head or state size or a missing triton
+    warns (once per reason) that it runs the chunk path."""
+    P, N = x.shape[-1], B.shape[-1]
+    dtype = torch.promote_types(torch.promote_types(x.dtype, B.dtype), C.dtype)  # of the kernels' matmul operands
+    takes = triton_auto_takes(P=P, N=N, dtype=dtype)
+    on_gpu = x.is_cuda and seq_idx is None and takes and triton_is_available()
+    if backend == "auto" and x.is_cuda and seq_idx is None and not on_gpu:  # metadata only: no host sync
+        reason = _NO_TRITON if takes else triton_slow_path_reason(P=P, N=N, dtype=dtype)
+        if reason is not None:
+            warn_slow_path(reason)
+    return resolve_backend(backend, available=_BACKENDS, default="triton" if on_gpu else "chunk")
 
 
 def _segments(seq_idx: torch.Tensor, shape: torch.Size, *, cu_seqlens, backend: str) -> torch.Tensor:

@@ -9,7 +9,8 @@ Entry points:
   prepared writes (chunk.py's pipeline after its step 3), forward and backward in Triton, as `torch.library` custom
   ops (`hybridlm::fast_weight_{1a,1,3,2a,2}_{fwd,bwd}`, `custom_ops.py`, registered on the first call), so that
   `torch.compile` traces them; rule 3 takes `slots` (write events per step) too.
-- `is_available()`: triton importable and a CUDA device present; `supports(...)` and the limits: `limits.py`.
+- `is_available()`: triton importable and a CUDA device present; `supports(...)`, `auto_takes(...)` (what
+  `backend="auto"` sends here), `slow_path_reason(...)` (why it does not) and the limits: `limits.py`.
 
 Layout. Shared building blocks, named for the stage they compute: `decays.py` (chunk-local cumulative log decays),
 `chunk_state.py` (each chunk's contribution to the state and the sequential pass over chunks), `chunk_output.py`
@@ -31,6 +32,8 @@ from hybridlm.ops.fast_weight.triton.limits import (
     MAX_HEAD_DIM,
     MAX_RULE_3_WINDOW,
     SUPPORTED_RULES,
+    auto_takes,
+    slow_path_reason,
     supports,
 )
 from hybridlm.ops.utils import triton_available as is_available
@@ -80,5 +83,6 @@ def fast_weight_triton(q, k, v, beta, lam, options, **call):
 
 
 __all__ = ["AUTO_RULES", "DTYPES", "MAX_DELTA_CHUNK", "MAX_HEAD_DIM", "MAX_RULE_3_WINDOW", "SUPPORTED_RULES",
-           "fast_weight_1_triton", "fast_weight_1a_triton", "fast_weight_2_triton", "fast_weight_2a_triton",
-           "fast_weight_3_triton", "fast_weight_triton", "is_available", "supports"]
+           "auto_takes", "fast_weight_1_triton", "fast_weight_1a_triton", "fast_weight_2_triton",
+           "fast_weight_2a_triton", "fast_weight_3_triton", "fast_weight_triton", "is_available", "slow_path_reason",
+           "supports"]

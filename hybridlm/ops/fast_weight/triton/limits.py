@@ -1,5 +1,5 @@
-"""What the Triton backend of the fast-weight op takes: rules, windows, head sizes, dtypes and chunk lengths (torch
-only)."""
+"""What the Triton backend of the fast-weight op takes: rules, windows, head sizes, dtypes and chunk lengths, and why
+`backend="auto"` leaves a CUDA call on the chunk path (torch only)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,41 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of q, k, v (float64 s
 
 def supports(*, rule: str, window: int, K: int, V: int, dtype: torch.dtype) -> bool:
     """Whether the Triton backend handles this call (else use the chunk backend)."""
-    windowed = window == 1 or rule == "3A" or (rule == "3" and window <= MAX_RULE_3_WINDOW)
-    return rule in SUPPORTED_RULES and windowed and K <= MAX_HEAD_DIM and V <= MAX_HEAD_DIM and dtype in DTYPES
+    fits = K <= MAX_HEAD_DIM and V <= MAX_HEAD_DIM
+    return rule in SUPPORTED_RULES and _windowed(rule, window) and fits and dtype in DTYPES
+
+
+def auto_takes(*, rule: str, window: int, K: int, V: int, dtype: torch.dtype) -> bool:
+    """Whether `backend="auto"` sends a CUDA call of this kind to these kernels (triton installed): a rule of
+    AUTO_RULES that `supports` takes."""
+    return rule in AUTO_RULES and supports(rule=rule, window=window, K=K, V=V, dtype=dtype)
+
+
+def slow_path_reason(*, rule: str, window: int, K: int, V: int, dtype: torch.dtype) -> str | None:
+    """Why `backend="auto"` runs a CUDA call of this kind on the torch chunk path instead of these kernels, and what
+    to change: the text of its warning. None where "auto" takes the kernels, and for float64 inputs, whose exact
+    path the caller chose (the kernels compute in float32)."""
+    if auto_takes(rule=rule, window=window, K=K, V=V, dtype=dtype) or dtype == torch.float64:
+        return None
+    slow = "backend='auto' runs the torch chunk path (slower, more memory)"
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        dims = f"{K} dims" if K == V else f"K = {K}, V = {V} dims"
+        return (f"fast-weight heads of {dims} exceed the Triton kernels' {MAX_HEAD_DIM}: {slow}. Use heads of at most "
+                f"{MAX_HEAD_DIM} dims: HybridConfig fw_head_dim <= {MAX_HEAD_DIM}, or more fw_heads (mamba_d_ssm / "
+                f"fw_heads <= {MAX_HEAD_DIM}); left unset, both are derived within it")
+    if dtype not in DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
+        return f"fast-weight inputs in {dtype} are not among the Triton kernels' dtypes ({names}): {slow}"
+    if not _windowed(rule, window):
+        return (f"fast-weight rule {rule!r} with window {window}: the Triton kernels take windows of at most "
+                f"{MAX_RULE_3_WINDOW}, so the torch chunk path runs it; with a window <= {MAX_RULE_3_WINDOW}, "
+                "backend='triton' runs it on them (in a model: FastWeightMixer.backend)")
+    return (f"fast-weight rule {rule!r}: backend='auto' sends only rules {', '.join(AUTO_RULES)} (those timed against "
+            "the chunk path) to the Triton kernels on CUDA, so it runs the torch chunk path; backend='triton' runs "
+            f"rule {rule!r} on its kernels (tested, not yet timed; in a model: FastWeightMixer.backend)")
+
+
+def _windowed(rule: str, window: int) -> bool:
+    """Whether the kernels take this window: 1 for every rule, any for 3A, up to MAX_RULE_3_WINDOW for 3."""
+    return window == 1 or rule == "3A" or (rule == "3" and window <= MAX_RULE_3_WINDOW)
 

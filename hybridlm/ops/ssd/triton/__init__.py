@@ -7,7 +7,8 @@ triton (`scan.py` and `kernels.py`, which do, are imported on the first call).
 - `ssd_triton(...)`: the same contract as `chunk.chunk_ssd` (packed sequences included), i.e. what
   `ssd(..., backend="triton")` runs; `backend.py`.
 - `is_available()`: triton importable and a CUDA device present; `supports(...)`: the shapes and dtypes the kernels
-  take (else use the chunk backend; `limits.py`).
+  take (else use the chunk backend), `auto_takes(...)` (what `backend="auto"` sends here) and `slow_path_reason(...)`
+  (why it does not): `limits.py`.
 
 The kernels also run on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set before triton is
 imported): that is how the tests check them without a GPU (`HYBRIDLM_TRITON_INTERPRET=1`). The math: README.md.
@@ -15,7 +16,15 @@ imported): that is how the tests check them without a GPU (`HYBRIDLM_TRITON_INTE
 
 from __future__ import annotations
 
-from hybridlm.ops.ssd.triton.limits import DTYPES, MAX_D_STATE, MAX_HEAD_DIM, supports
+from hybridlm.ops.ssd.triton.limits import (
+    AUTO_DTYPES,
+    DTYPES,
+    MAX_D_STATE,
+    MAX_HEAD_DIM,
+    auto_takes,
+    slow_path_reason,
+    supports,
+)
 from hybridlm.ops.utils import triton_available as is_available
 
 
@@ -33,4 +42,5 @@ def ssd_triton(x, dt, A, B, C, **options):
     return run(x, dt, A, B, C, **options)
 
 
-__all__ = ["DTYPES", "MAX_D_STATE", "MAX_HEAD_DIM", "is_available", "ssd_chunk_triton", "ssd_triton", "supports"]
+__all__ = ["AUTO_DTYPES", "DTYPES", "MAX_D_STATE", "MAX_HEAD_DIM", "auto_takes", "is_available", "slow_path_reason",
+           "ssd_chunk_triton", "ssd_triton", "supports"]
