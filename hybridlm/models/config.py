@@ -27,8 +27,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from hybridlm.ops.fast_weight.options import RULES, SLIDING_RULES
-from hybridlm.ops.fast_weight.triton.limits import MAX_HEAD_DIM as FW_MAX_HEAD_DIM
-from hybridlm.ops.ssd.triton.limits import MAX_HEAD_DIM as SSD_MAX_HEAD_DIM
+from hybridlm.ops.head_limits import FAST_WEIGHT_MAX_HEAD_DIM as FW_MAX_HEAD_DIM
+from hybridlm.ops.head_limits import SSD_MAX_HEAD_DIM
 
 SSM_MIXERS = ("mamba2", "fast_weight", "none")
 MAMBA_INITS = ("falcon_h1", "mamba2")

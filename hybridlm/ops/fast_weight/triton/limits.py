@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import torch
 
+from hybridlm.ops.head_limits import FAST_WEIGHT_MAX_HEAD_DIM
+
 # 3A runs on 1A's kernels over delayed writes plus a band kernel (backend.py), 3 as 1 over its write events (a
 # step's events do not see each other's writes); 1, 2A and 2: window 1 (2A, 2: decays per value column).
 SUPPORTED_RULES = ("1A", "3A", "1", "2A", "3", "2")
 # The rules `backend="auto"` sends to these kernels on CUDA: those whose kernels are timed against the chunk path on a
 # GPU (benchmarks/RESULTS.md). The others run when asked for (`backend="triton"`).
 AUTO_RULES = ("1A", "3A", "1")
-MAX_HEAD_DIM = 128  # K and V
+MAX_HEAD_DIM = FAST_WEIGHT_MAX_HEAD_DIM  # K and V
 # Rules 1 and 3 take chunks of at most 64: at 128 rule 1's gradient kernels ask for more shared memory than an H200
 # block has (227 KiB), while chunks of 64 fit (tests/ops/test_triton_sm90.py builds them).
 MAX_DELTA_CHUNK = 64

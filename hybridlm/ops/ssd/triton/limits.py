@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
-MAX_HEAD_DIM = 128  # P: the backward kernels hold a whole head's [chunk, P] block
-MAX_D_STATE = 256  # N: looped over in blocks of 64
+from hybridlm.ops.head_limits import SSD_MAX_D_STATE, SSD_MAX_HEAD_DIM
+
+MAX_HEAD_DIM = SSD_MAX_HEAD_DIM  # P
+MAX_D_STATE = SSD_MAX_D_STATE  # N
 MAX_CHUNK = 64  # the backward kernels hold several [chunk, chunk] and [chunk, P] fp32 tiles (more spills)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of x, B, C (float64 stays on the torch backends)
 # The dtypes `backend="auto"` sends here on CUDA: float32 inputs run exact ("ieee") products without tensor cores
