@@ -23,6 +23,7 @@ that dies fails them all and makes `/health` report it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -55,6 +56,10 @@ class EngineFront:
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         return check_length(self.encode(prompt), params, self.max_model_len)
+
+    def update(self, stats: dict) -> None:
+        """The engine's stats as its latest message reports them (the reader thread)."""
+        self._stats = stats
 
     def stats(self) -> dict:
         if self.failure is not None:
@@ -134,10 +139,9 @@ class EngineProcess:
         if self._process is None:
             return
         self._stopping = True
-        try:
-            self._send(("stop",))
-        except (OSError, ValueError):
-            pass  # already gone
+        if self._process.is_alive():
+            with contextlib.suppress(OSError):  # it exited meanwhile: its end of the pipe is closed
+                self._send(("stop",))
         self._process.join(timeout=30)
         if self._process.is_alive():
             self._process.kill()
@@ -180,7 +184,7 @@ class EngineProcess:
             kind = message[0]
             if kind == "outputs":
                 _, outputs, stats = message
-                self.engine._stats = stats
+                self.engine.update(stats)
                 self._deliver(outputs)
             elif kind == "failed":
                 _, request_ids, error = message
@@ -255,7 +259,10 @@ def _engine_main(commands, outputs, model_dir: str, tokenizer_dir: str, engine_k
     while True:
         if engine.has_work() or commands.poll(POLL_S):
             while commands.poll():
-                message = commands.recv()
+                try:
+                    message = commands.recv()
+                except EOFError:  # the server's process is gone: nobody to serve
+                    return
                 if message[0] == "stop":
                     return
                 if message[0] == "add":
