@@ -100,6 +100,8 @@ class Server:
                    "--block-size", str(args.block_size), "--served-model-name", "bench"]
         if args.threads is not None:
             command += ["--threads", str(args.threads)]
+        if args.compile:
+            command.append("--compile")
         command += flags
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self.log = tempfile.TemporaryFile()
@@ -273,7 +275,8 @@ def engine_in_process(model, tokenizer, prompts: list[str], args: argparse.Names
     from hybridlm.serving import Engine, SamplingParams
 
     engine = Engine(model, tokenizer, max_num_seqs=concurrency, max_model_len=args.max_model_len,
-                    block_size=args.block_size, prefix_cache_bytes=0)
+                    block_size=args.block_size, prefix_cache_bytes=0,
+                    compile_step="inductor" if args.compile else None)
     engine.warm_up()
     params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
     engine.generate(prompts[:concurrency], params)
@@ -375,6 +378,9 @@ def main() -> None:
     parser.add_argument("--compare", nargs="*", default=[], choices=("enforce-eager", "engine-thread"),
                         help="also sweep a server started with --enforce-eager (no CUDA graphs: the graphs' gain) and "
                              "/ or --engine-thread (the engine on the server's thread: the engine process's gain)")
+    parser.add_argument("--compile", action="store_true",
+                        help="servers with --compile, engines with compile_step='inductor' (the step compiled before "
+                             "its graphs are captured)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args()
     if args.quick:

@@ -7,8 +7,9 @@ Then any OpenAI client: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="se
 name (`--served-model-name`, default the --model argument as given). One log line per request (id, prompt /
 completion tokens, cached prompt tokens, time to first token, total time). The tokenizer and its chat template come
 from the model directory (or --tokenizer). On a CUDA device the decoding step replays CUDA graphs, captured at
-start-up for every batch and key-span bucket (`hybridlm.serving.graphed`); --enforce-eager runs it op by op. The
-engine runs in a process of its own (`hybridlm.serving.process`; --engine-thread: on a thread of the server's).
+start-up for every batch and key-span bucket (`hybridlm.serving.graphed`); --compile compiles that step with
+torch.compile (inductor) before the capture, so each graph replays fused kernels; --enforce-eager runs the step op by
+op. The engine runs in a process of its own (`hybridlm.serving.process`; --engine-thread: on a thread of the server's).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="decode without CUDA graphs (default on a CUDA device: each step replays a captured graph; "
                         "the graphs are captured at start-up)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decoding step with torch.compile (inductor) before capturing its graphs: fewer, "
+                        "fused kernels per step, for a longer start-up (one or two compilations)")
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process (default: a process of its own, so "
                         "the engine's Python work and the server's do not take turns on one interpreter)")
@@ -80,6 +84,12 @@ def run_serve(args: argparse.Namespace) -> int:
                     prefix_cache_bytes=int(args.prefix_cache_gb * 2**30), dtype=getattr(torch, args.dtype),
                     device=None if args.device == "auto" else args.device,
                     decode_step="eager" if args.enforce_eager else "auto")
+    if args.compile:
+        if args.enforce_eager:
+            print("hybridlm serve: --compile compiles the graphed step; it cannot go with --enforce-eager",
+                  file=sys.stderr)
+            return 1
+        settings["compile_step"] = "inductor"
     try:
         if args.engine_thread:
             if args.threads is not None:

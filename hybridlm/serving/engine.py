@@ -108,12 +108,15 @@ class Engine:
         decode_step: "auto" (CUDA graphs on a CUDA device, else "eager"), "graph" (each step at a fixed shape replayed
             as a CUDA graph: `hybridlm.serving.graphed`), "fixed" (the same fixed-shape step run eagerly) or "eager"
             (the running rows and the longest row's keys exactly, one kernel launch per operator).
+        compile_step: a torch.compile backend ("inductor") for the fixed-shape step, compiled before the graphs are
+            captured: fused kernels, so fewer of them per step (`hybridlm.serving.graphed`). With decode_step "auto"
+            it takes the fixed-shape step on a CPU; "eager" steps are not compiled.
     """
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 8, max_model_len: int | None = None,
                  block_size: int = 256, max_prefill_tokens: int = 2048, prefix_cache_bytes: int = 1 << 30,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
-                 decode_step: str = "auto") -> None:
+                 decode_step: str = "auto", compile_step: str | Callable | None = None) -> None:
         if isinstance(model, (str, Path)):
             model, tokenizer = _load(Path(model), tokenizer, dtype=dtype, device=device)
         for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
@@ -135,10 +138,13 @@ class Engine:
         self.eos_ids = frozenset(_ids(getattr(tokenizer, "eos_token_id", None), config.eos_token_id))
         self.prefix_cache = PrefixCache(block_size, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         if decode_step == "auto":
-            decode_step = "graph" if self.device.type == "cuda" else "eager"
+            decode_step = "graph" if self.device.type == "cuda" else "fixed" if compile_step is not None else "eager"
+        if decode_step == "eager" and compile_step is not None:
+            raise ValueError("compile_step compiles the fixed-shape step: use decode_step 'graph' or 'fixed' with it")
         if decode_step == "graph" and self.device.type != "cuda":
             raise ValueError(f"decode_step='graph' needs a CUDA device, the model is on {self.device}")
         self.decode_step = decode_step
+        self.compile_step = compile_step
         self.reset()
         self._ids = itertools.count()
         self.finished: Counter[str] = Counter()  # requests finished, by finish_reason
@@ -214,7 +220,7 @@ class Engine:
         self.slots = SlotCache(self.model.config.num_hidden_layers, max_rows=self.max_num_seqs,
                                capacity=self.max_model_len, device=self.device)
         self.step_graphs = None if self.decode_step == "eager" else SlotStepGraphs(
-            self.model, self.slots, use_graph=self.decode_step == "graph")
+            self.model, self.slots, use_graph=self.decode_step == "graph", compile_step=self.compile_step)
         self._incoming: deque[_Sequence] = deque()  # added, not yet seen by a step (any thread appends)
         self._aborts: deque[str] = deque()
         self._waiting: deque[_Sequence] = deque()

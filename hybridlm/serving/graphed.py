@@ -16,14 +16,25 @@ One graph per (rows, span) pair, captured the first time the pair is needed (or 
 positions) are the graphs' inputs; their storage is allocated once, when the first sequence is installed, and the
 graphs are dropped should it ever be allocated again.
 
+`compile_step="inductor"` runs the step through torch.compile before each capture, so a graph replays inductor's
+fused kernels (norms, gates, casts, residuals: a step is mostly such small elementwise work) instead of one kernel per
+operator. It compiles with dynamic shapes: one compilation serves every row count above 1 and every span (rows = 1
+gets one of its own), so capturing all the graphs costs one or two compilations, not one per shape. A capture runs
+after a warm-up step of its shape (which compiles if anything must be) under dynamo's `error_on_recompile`, so a guard
+miss fails the capture instead of compiling inside it. Dynamo keeps its compilations per Python function, not per
+engine: an engine over another model's configuration compiles again, and past dynamo's recompile limit it runs the
+step uncompiled (with dynamo's warning).
+
 On the CPU (`use_graph=False`) the same fixed-shape step runs eagerly: the tests check it against the engine's
-variable-shape step, so what the graphs replay is the checked computation.
+variable-shape step, so what the graphs replay is the checked computation (compiled too, with `compile_step`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +73,8 @@ class _Graph:
 class SlotStepGraphs:
     """Fixed-shape decoding steps of `slots`'s running rows, replayed as CUDA graphs (the module docstring)."""
 
-    def __init__(self, model, slots: SlotCache, *, use_graph: bool | None = None, min_span: int = 256) -> None:
+    def __init__(self, model, slots: SlotCache, *, use_graph: bool | None = None, min_span: int = 256,
+                 compile_step: str | Callable | None = None) -> None:
         self.model, self.slots = model, slots
         self.device = next(model.parameters()).device
         self.use_graph = self.device.type == "cuda" if use_graph is None else use_graph
@@ -73,6 +85,10 @@ class SlotStepGraphs:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._version = slots.storage_version
         self._pool = torch.cuda.graph_pool_handle() if self.use_graph else None
+        # compile_step: a torch.compile backend for the model's step (the module docstring)
+        self._model_step = _model_step if compile_step is None else torch.compile(
+            _model_step, backend=compile_step, dynamic=True)
+        self.compiled = compile_step is not None
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -98,7 +114,7 @@ class SlotStepGraphs:
         else:
             slots.begin(rows, span)  # the checks and the SSM views the replay's copies go through
             entry.graph.replay()
-            slots.count_step()
+        slots.count_step()
         return entry.logits[:n]
 
     @torch.no_grad()
@@ -136,7 +152,7 @@ class SlotStepGraphs:
     def _forward(self, entry: _Graph, rows: int, span: int) -> torch.Tensor:
         """The step at fixed shapes: the model on the token buffer, the new SSM states written into their rows."""
         self.slots.begin(rows, span)
-        entry.logits = self.model(entry.tokens, cache=self.slots, logits_to_keep=1).logits[:, -1]  # [rows, V]
+        entry.logits = self._model_step(self.model, entry.tokens, self.slots)  # [rows, V]
         self.slots.commit()
         return entry.logits
 
@@ -155,8 +171,16 @@ class SlotStepGraphs:
             self.slots.restore(saved)
             self._pad(rows)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            no_recompile = (torch._dynamo.config.patch(error_on_recompile=True) if self.compiled
+                            else contextlib.nullcontext())  # the module docstring: never compile inside a capture
+            with no_recompile, torch.cuda.graph(graph, pool=self._pool):
                 self._forward(entry, rows, span)
             entry.graph = graph
         finally:
             self.slots.restore(saved)
+
+
+def _model_step(model, tokens: torch.Tensor, slots: SlotCache) -> torch.Tensor:
+    """tokens [rows, 1] -> the logits [rows, V] of each row's next position (a module function: the one dynamo
+    compiles, whatever the engine)."""
+    return model(tokens, cache=slots, logits_to_keep=1).logits[:, -1]

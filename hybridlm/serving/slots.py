@@ -175,8 +175,11 @@ class SlotCache(HybridCache):
         return self.positions_now()[:, None]
 
     def advance(self, length: int) -> None:
+        """Count a step's tokens: on the device, and on the host unless the step has a fixed span (`begin`): such a
+        step is the body of a replayed graph, so its caller counts the host's (`count_step`) after each run."""
         self.lengths_device[: self.step_rows] += length
-        self.count_step(length)
+        if self.step_span is None:
+            self.count_step(length)
 
     def count_step(self, length: int = 1) -> None:
         """The host's count of a step's tokens (a replayed graph advances only the device's)."""
