@@ -7,7 +7,7 @@ For each variant (`gpu_model.py`'s), the model is saved with `serve_bench.py`'s 
 an `Engine` with `--rows` decode rows (CUDA graphs, captured at start-up; with `--compile` a second engine whose step
 inductor compiles before the capture), which then serves `--rows` requests of `--prompt-tokens` + `--output-tokens`
 tokens at once. Printed, per decoding step with every row running:
-- wall: the step's time in the engine (`Engine._decode`);
+- wall: the step's time in the engine (`Engine._decode`), and the whole run's time in prefill and decoding steps;
 - replay: the GPU time of the captured graph alone (CUDA events around one replay, median of 30), same shape;
 - host split of the wall time: feeding the graph (`SlotStepGraphs.step`), waiting for and sampling the logits
   (`Engine._sample`: the step's one synchronization), and the per-row bookkeeping (`Engine._append`: detokenizing,
@@ -105,6 +105,7 @@ def profile_variant(variant: str, args: argparse.Namespace) -> list[dict]:
 def profile_engine(model, tokenizer, vocab: int, name: str, args: argparse.Namespace, *, compile_step) -> dict:
     from hybridlm.serving import Engine, SamplingParams
 
+    torch._dynamo.reset()  # dynamo's compilations of the step are per function: start each engine afresh
     engine = Engine(model, tokenizer, max_num_seqs=args.rows, max_model_len=args.prompt_tokens + args.output_tokens,
                     prefix_cache_bytes=0, compile_step=compile_step)
     start = time.perf_counter()
@@ -120,6 +121,7 @@ def profile_engine(model, tokenizer, vocab: int, name: str, args: argparse.Names
     engine._sample = timed(times, "sync + sample", engine._sample)
     engine._append = timed(times, "bookkeeping", engine._append)
     engine._decode = timed(times, "decode step", engine._decode)
+    engine._prefill = timed(times, "prefill", engine._prefill)
     start = time.perf_counter()
     engine.generate(prompts, params)
     wall = time.perf_counter() - start
@@ -143,7 +145,8 @@ def profile_engine(model, tokenizer, vocab: int, name: str, args: argparse.Names
                sample_ms=per_step("sync + sample"), bookkeeping_ms=per_step("bookkeeping"), kernels=count,
                kernel_ms=kernel_ms, top=ranked, replay_1_ms=one_ms, kernels_1=one_count, kernel_1_ms=one_kernel_ms)
     print(f"# {name}: {captured} graphs in {warm_up_s:.1f} s; generate {out['generate_tokens_per_s']:.0f} output "
-          f"tok/s over {len(steps)} decoding steps", flush=True)
+          f"tok/s over {len(steps)} decoding steps: {sum(times['prefill']):.2f} s prefilling, "
+          f"{sum(steps):.2f} s decoding, of {wall:.2f} s", flush=True)
     print(f"  step (median, {args.rows} rows): wall {step_ms:.2f} ms, graph replay alone {gpu_ms:.2f} ms "
           f"(wall / replay {step_ms / gpu_ms:.2f}); per step: feed {out['feed_ms']:.2f} ms, sync + sample "
           f"{out['sample_ms']:.2f} ms, bookkeeping {out['bookkeeping_ms']:.2f} ms", flush=True)

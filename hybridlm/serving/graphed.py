@@ -18,8 +18,8 @@ graphs are dropped should it ever be allocated again.
 
 `compile_step="inductor"` runs the step through torch.compile before each capture, so a graph replays inductor's
 fused kernels (norms, gates, casts, residuals: a step is mostly such small elementwise work) instead of one kernel per
-operator. It compiles with dynamic shapes: one compilation serves every row count above 1 and every span (rows = 1
-gets one of its own), so capturing all the graphs costs one or two compilations, not one per shape. A capture runs
+operator. It compiles with dynamic shapes: one compilation serves every row count and span (the row buckets start at
+2 then, since dynamo would compile a size of 1 on its own), not one per shape. A capture runs
 after a warm-up step of its shape (which compiles if anything must be) under dynamo's `error_on_recompile`, so a guard
 miss fails the capture instead of compiling inside it. Dynamo keeps its compilations per Python function, not per
 engine: an engine over another model's configuration compiles again, and past dynamo's recompile limit it runs the
@@ -44,10 +44,10 @@ from hybridlm.serving.slots import SlotCache
 log = logging.getLogger("hybridlm.serving")
 
 
-def row_buckets(max_rows: int) -> list[int]:
-    """The step sizes graphs are captured for: powers of two up to 16, then steps of a quarter of the next power
-    (24, 32, 48, 64, 96, ...; padding stays under a third of a step), ending at `max_rows`."""
-    out, size = [], 1
+def row_buckets(max_rows: int, *, smallest: int = 1) -> list[int]:
+    """The step sizes graphs are captured for: powers of two from `smallest` up to 16, then steps of a quarter of the
+    next power (24, 32, 48, 64, 96, ...; padding stays under a third of a step), ending at `max_rows`."""
+    out, size = [], min(smallest, max_rows)
     while size < max_rows:
         out.append(size)
         size = size * 2 if size < 16 else size + (1 << (size.bit_length() - 1)) // 2
@@ -80,7 +80,9 @@ class SlotStepGraphs:
         self.use_graph = self.device.type == "cuda" if use_graph is None else use_graph
         if self.use_graph and self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device (use_graph=False runs the fixed-shape step)")
-        self.rows = row_buckets(slots.max_rows)
+        # A compiled step starts at 2 rows: dynamo compiles a size of 1 on its own, and a padding row costs less than
+        # a second compilation.
+        self.rows = row_buckets(slots.max_rows, smallest=1 if compile_step is None else 2)
         self.spans = span_buckets(slots.capacity, min(min_span, slots.capacity))
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._version = slots.storage_version
@@ -152,7 +154,8 @@ class SlotStepGraphs:
     def _forward(self, entry: _Graph, rows: int, span: int) -> torch.Tensor:
         """The step at fixed shapes: the model on the token buffer, the new SSM states written into their rows."""
         self.slots.begin(rows, span)
-        entry.logits = self._model_step(self.model, entry.tokens, self.slots)  # [rows, V]
+        with _independent_sizes() if self.compiled else contextlib.nullcontext():
+            entry.logits = self._model_step(self.model, entry.tokens, self.slots)  # [rows, V]
         self.slots.commit()
         return entry.logits
 
@@ -184,3 +187,9 @@ def _model_step(model, tokens: torch.Tensor, slots: SlotCache) -> torch.Tensor:
     """tokens [rows, 1] -> the logits [rows, V] of each row's next position (a module function: the one dynamo
     compiles, whatever the engine)."""
     return model(tokens, cache=slots, logits_to_keep=1).logits[:, -1]
+
+
+def _independent_sizes():
+    """While dynamo traces the step: sizes that happen to be equal (2 rows and 2 key/value heads, say) stay separate
+    symbols. Otherwise dynamo assumes they are equal ("duck sizing") and compiles again when a step's rows differ."""
+    return torch.fx.experimental._config.patch(use_duck_shape=False)

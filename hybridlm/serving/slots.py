@@ -84,7 +84,9 @@ class SlotLayerCache(StaticLayerCache):
         if self._key is None:
             self.window = source.window
             self._ring = source.window is not None and source.window < self._owner.capacity
-            slots = source.window if self._ring else self._owner.capacity
+            # One slot past the capacity: a step's key view [:rows, :span] then never spans the whole storage, so it
+            # is never contiguous where another span's view is not (a compiled step would specialize on that).
+            slots = source.window if self._ring else self._owner.capacity + 1
             self._key = source.key.new_zeros(self._owner.max_rows, slots, *source.key.shape[2:])
             self._value = source.value.new_zeros(self._owner.max_rows, slots, *source.value.shape[2:])
             self._owner.storage_version += 1

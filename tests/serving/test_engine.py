@@ -204,6 +204,8 @@ def test_step_buckets():
     assert row_buckets(5) == [1, 2, 4, 5]
     assert row_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     assert row_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
+    assert row_buckets(64, smallest=2) == [2, 4, 8, 16, 24, 32, 48, 64]
+    assert row_buckets(1, smallest=2) == [1]
     assert span_buckets(40, 4) == [4, 8, 16, 32, 40]
     assert span_buckets(256, 256) == [256]
 
@@ -222,8 +224,36 @@ def test_fixed_shape_steps_equal_each_request_alone(changes):
     assert (4, 32) in shapes and {span for _, span in shapes} >= {8, 16, 32}  # 3 rows padded to 4; spans grew
 
 
+@pytest.mark.parametrize("changes", MODELS.values(), ids=MODELS.keys())
+def test_compiled_fixed_shape_steps_equal_each_request_alone_in_one_compilation(changes):
+    """compile_step: dynamo traces the fixed-shape step once, with dynamic shapes, for every rows and span bucket (the
+    graphs a backend gets run as traced: the trace is what this checks; inductor's kernels: the GPU tests)."""
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    model = make_model(**changes).double()
+    prompts = [ids(1, n, seed=n)[0].tolist() for n in (3, 13, 6, 21, 2)]
+    lengths = [6, 9, 4, 7, 12]
+    engine = Engine(model, max_num_seqs=5, max_model_len=40, block_size=4, max_prefill_tokens=8,
+                    compile_step=backend)
+    assert engine.decode_step == "fixed"  # "auto" on a CPU with compile_step
+    engine.step_graphs = SlotStepGraphs(model, engine.slots, use_graph=False, min_span=4, compile_step=backend)
+    got = run_staggered(engine, prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
+    assert got == [alone(model, p, n) for p, n in zip(prompts, lengths)]
+    shapes = engine.step_graphs.shapes
+    assert {rows for rows, _ in shapes} >= {2, 4} and {span for _, span in shapes} >= {8, 16, 32}
+    assert len(graphs) == 1
+    torch._dynamo.reset()
+
+
 def test_decode_step_is_checked():
     model = make_model()
+    with pytest.raises(ValueError, match="compile_step compiles the fixed-shape step"):
+        Engine(model, decode_step="eager", compile_step="inductor")
     with pytest.raises(ValueError, match="decode_step must be"):
         Engine(model, decode_step="graphs")
     with pytest.raises(ValueError, match="needs a CUDA device"):

@@ -62,3 +62,29 @@ def test_bfloat16_graphed_logits_match_the_fixed_shape_step():
     assert len(outs[0]) == len(outs[1]) > 0
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("changes", MODELS.values(), ids=MODELS.keys())
+def test_compiled_graphed_steps_equal_each_request_alone_in_one_compilation(changes):
+    """Inductor's kernels captured in the graphs: the same tokens as the eager steps (float64), every shape from one
+    compilation."""
+    from torch._inductor.compile_fx import compile_fx
+
+    compilations = []
+
+    def inductor(graph_module, example_inputs):
+        compilations.append(graph_module)
+        return compile_fx(graph_module, example_inputs)
+
+    torch._dynamo.reset()
+    model = make_model(**changes).double().cuda()
+    prompts = [ids(1, n, seed=n)[0].tolist() for n in (3, 13, 6, 250, 2)]
+    lengths = [6, 9, 4, 20, 12]
+    compiled, eager = engines(model, compile_step=inductor)[0], engines(model)[1]
+    assert compiled.warm_up() == len(compiled.step_graphs.rows) * len(compiled.step_graphs.spans) - 1
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    got = run_staggered(compiled, prompts, params)
+    assert got == run_staggered(eager, prompts, params)
+    assert got == [alone(model, p, n) for p, n in zip(prompts, lengths)]
+    assert len(compilations) == 1
+    torch._dynamo.reset()
