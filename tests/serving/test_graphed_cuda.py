@@ -80,7 +80,9 @@ def test_compiled_graphed_steps_equal_each_request_alone_in_one_compilation(chan
     model = make_model(**changes).double().cuda()
     prompts = [ids(1, n, seed=n)[0].tolist() for n in (3, 13, 6, 250, 2)]
     lengths = [6, 9, 4, 20, 12]
-    compiled, eager = engines(model, compile_step=inductor)[0], engines(model)[1]
+    settings = dict(max_num_seqs=5, max_model_len=300, block_size=4, max_prefill_tokens=8)
+    compiled = Engine(model, decode_step="graph", compile_step=inductor, **settings)
+    eager = Engine(model, decode_step="eager", **settings)
     assert compiled.warm_up() == len(compiled.step_graphs.rows) * len(compiled.step_graphs.spans) - 1
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
     got = run_staggered(compiled, prompts, params)
