@@ -97,7 +97,8 @@ class Server:
         command = [sys.executable, "-m", "hybridlm.cli", "serve", "--model", str(directory), "--port",
                    str(self.port), "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(args.max_model_len),
                    "--dtype", args.dtype, "--device", args.device, "--prefix-cache-gb", str(prefix_cache_gb),
-                   "--block-size", str(args.block_size), "--served-model-name", "bench"]
+                   "--block-size", str(args.block_size), "--max-prefill-tokens", str(args.max_prefill_tokens),
+                   "--served-model-name", "bench"]
         if args.threads is not None:
             command += ["--threads", str(args.threads)]
         if args.compile:
@@ -275,7 +276,7 @@ def engine_in_process(model, tokenizer, prompts: list[str], args: argparse.Names
     from hybridlm.serving import Engine, SamplingParams
 
     engine = Engine(model, tokenizer, max_num_seqs=concurrency, max_model_len=args.max_model_len,
-                    block_size=args.block_size, prefix_cache_bytes=0,
+                    block_size=args.block_size, max_prefill_tokens=args.max_prefill_tokens, prefix_cache_bytes=0,
                     compile_step="inductor" if args.compile else None)
     engine.warm_up()
     params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
@@ -369,6 +370,7 @@ def main() -> None:
     parser.add_argument("--prefix-requests", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--prefix-cache-gb", type=float, default=8.0)
+    parser.add_argument("--max-prefill-tokens", type=int, default=2048, help="the engines' prefill tokens per step")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="CPU threads of this process and of the server (`hybridlm serve --threads`); on a shared "
                              "CPU 1 avoids waits for descheduled threads in every batched matmul")

@@ -107,7 +107,7 @@ def profile_engine(model, tokenizer, vocab: int, name: str, args: argparse.Names
 
     torch._dynamo.reset()  # dynamo's compilations of the step are per function: start each engine afresh
     engine = Engine(model, tokenizer, max_num_seqs=args.rows, max_model_len=args.prompt_tokens + args.output_tokens,
-                    prefix_cache_bytes=0, compile_step=compile_step)
+                    max_prefill_tokens=args.max_prefill_tokens, prefix_cache_bytes=0, compile_step=compile_step)
     start = time.perf_counter()
     captured = engine.warm_up()
     warm_up_s = time.perf_counter() - start
@@ -164,6 +164,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=256)
+    parser.add_argument("--max-prefill-tokens", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--top", type=int, default=12, help="kernels listed per variant")
     parser.add_argument("--compile", action="store_true",

@@ -161,7 +161,8 @@ print(g.time_documents("1A", 2, 40, 2, 16, 3, chunk_size=16))
 
 
 @pytest.mark.parametrize("script", ["gpu_ops.py", "gpu_train_step.py", "gpu_fla_compare.py", "gpu_short_conv.py",
-                                    "gpu_fast_weight_triton.py", "gpu_ssd.py", "serve_bench.py", "sft_bench.py"])
+                                    "gpu_fast_weight_triton.py", "gpu_ssd.py", "serve_bench.py", "sft_bench.py",
+                                    "serve_step_profile.py"])
 def test_gpu_scripts_parse_their_command_line(script):
     if script == "gpu_fast_weight_triton.py" and not HAS_TRITON:
         pytest.skip("imports the Triton launchers (needs triton)")

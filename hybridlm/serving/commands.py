@@ -40,6 +40,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/ routes")
     p.add_argument("--block-size", type=int, default=256, metavar="N",
                    help="prefill piece and prefix-cache checkpoint interval in tokens (default 256)")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048, metavar="N",
+                   help="prompt tokens prefilled per step at most (default 2048); larger: prompts start sooner, running "
+                        "streams wait longer for their next token while a step prefills")
     p.add_argument("--prefix-cache-gb", type=float, default=1.0, metavar="GB",
                    help="memory for prefix-cache snapshots (default 1; 0 turns prefix caching off)")
     p.add_argument("--enforce-eager", action="store_true",
@@ -73,6 +76,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from hybridlm.serving.runner import EngineRunner
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.compile and args.enforce_eager:
+        print("hybridlm serve: --compile compiles the graphed step; it cannot go with --enforce-eager", file=sys.stderr)
+        return 1
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         print(f"hybridlm serve: {model_dir} is not a checkpoint directory (no config.json)", file=sys.stderr)
@@ -81,14 +87,11 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"hybridlm serve: --threads must be >= 1, got {args.threads}", file=sys.stderr)
         return 1
     settings = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
-                    prefix_cache_bytes=int(args.prefix_cache_gb * 2**30), dtype=getattr(torch, args.dtype),
+                    max_prefill_tokens=args.max_prefill_tokens, prefix_cache_bytes=int(args.prefix_cache_gb * 2**30),
+                    dtype=getattr(torch, args.dtype),
                     device=None if args.device == "auto" else args.device,
                     decode_step="eager" if args.enforce_eager else "auto")
     if args.compile:
-        if args.enforce_eager:
-            print("hybridlm serve: --compile compiles the graphed step; it cannot go with --enforce-eager",
-                  file=sys.stderr)
-            return 1
         settings["compile_step"] = "inductor"
     try:
         if args.engine_thread:

@@ -18,8 +18,9 @@ graphs are dropped should it ever be allocated again.
 
 `compile_step="inductor"` runs the step through torch.compile before each capture, so a graph replays inductor's
 fused kernels (norms, gates, casts, residuals: a step is mostly such small elementwise work) instead of one kernel per
-operator. It compiles with dynamic shapes: one compilation serves every row count and span (the row buckets start at
-2 then, since dynamo would compile a size of 1 on its own), not one per shape. A capture runs
+operator. It compiles with dynamic shapes, so a compilation serves every row count and span rather than one shape
+(the row buckets start at 2 then, since dynamo would compile a size of 1 on its own): a CPU trace compiles once, a
+CUDA one twice. A capture runs
 after a warm-up step of its shape (which compiles if anything must be) under dynamo's `error_on_recompile`, so a guard
 miss fails the capture instead of compiling inside it. Dynamo keeps its compilations per Python function, not per
 engine: an engine over another model's configuration compiles again, and past dynamo's recompile limit it runs the
@@ -114,7 +115,7 @@ class SlotStepGraphs:
         if entry.graph is None:
             self._forward(entry, rows, span)
         else:
-            slots.begin(rows, span)  # the checks and the SSM views the replay's copies go through
+            slots.begin(rows, span, views=False)  # the checks: the replay has its addresses
             entry.graph.replay()
         slots.count_step()
         return entry.logits[:n]

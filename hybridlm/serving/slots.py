@@ -212,10 +212,11 @@ class SlotCache(HybridCache):
         out.seq_len = self.host_lengths[row]
         return out
 
-    def begin(self, rows: int | None = None, span: int | None = None) -> None:
+    def begin(self, rows: int | None = None, span: int | None = None, *, views: bool = True) -> None:
         """Before a decoding step of the running rows; `rows` >= the running rows and `span` > the longest row's
         length fix the step's shapes (the rows past the running ones are padding: they write their key at slot 0,
-        which every sequence installed later overwrites, and nothing reads their output)."""
+        which every sequence installed later overwrites, and nothing reads their output). views=False: the checks
+        only, for a replayed graph, which reads and writes the storage at the addresses it captured."""
         if any(n >= self.capacity for n in self.host_lengths):
             raise ValueError(f"a running sequence reached the slots' capacity of {self.capacity} tokens")
         rows = self.rows if rows is None else rows
@@ -223,8 +224,9 @@ class SlotCache(HybridCache):
             raise ValueError(f"a step of {rows} rows and span {span} cannot hold {self.rows} rows of up to "
                              f"{self.longest} tokens in slots of {self.capacity}")
         self.step_rows, self.step_span = rows, span
-        for layer in self.layers:
-            layer.begin(rows)
+        if views:
+            for layer in self.layers:
+                layer.begin(rows)
 
     def commit(self) -> None:
         """After a decoding step of the running rows."""

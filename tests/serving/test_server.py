@@ -168,3 +168,10 @@ def test_the_openai_client_raises_its_own_errors(client):
         client.completions.create(model="other", prompt="a")
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "a" * 100}])
+
+
+def test_serve_refuses_conflicting_flags_before_loading(tmp_path, capsys):
+    from hybridlm.cli import main
+
+    assert main(["serve", "--model", str(tmp_path), "--compile", "--enforce-eager"]) == 1
+    assert "cannot go with --enforce-eager" in capsys.readouterr().err
