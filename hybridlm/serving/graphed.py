@@ -20,9 +20,8 @@ graphs are dropped should it ever be allocated again.
 fused kernels (norms, gates, casts, residuals: a step is mostly such small elementwise work) instead of one kernel per
 operator. It compiles with dynamic shapes, so a compilation serves every row count and span rather than one shape
 (the row buckets start at 2 then, since dynamo would compile a size of 1 on its own): a CPU trace compiles once, a
-CUDA one twice. A capture runs
-after a warm-up step of its shape (which compiles if anything must be) under dynamo's `error_on_recompile`, so a guard
-miss fails the capture instead of compiling inside it. Dynamo keeps its compilations per Python function, not per
+CUDA one twice. A capture runs after a warm-up step of its shape (which compiles if anything must be) under dynamo's
+`error_on_recompile`, so a guard miss fails the capture instead of compiling inside it. Dynamo keeps its compilations per Python function, not per
 engine: an engine over another model's configuration compiles again, and past dynamo's recompile limit it runs the
 step uncompiled (with dynamo's warning).
 
