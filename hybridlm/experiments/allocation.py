@@ -219,7 +219,7 @@ def run_allocation(arrangement: str, point: tuple[int, int, int], seed: int, rec
             # mixers outside the compiled graphs (and, off CUDA bf16, under a dense block-diagonal mask: 32x the
             # attention work at 32 x 256).
             batch = next(loader)
-            return {"input_ids": batch["input_ids"], "labels": _aligned_labels(batch)}
+            return {"input_ids": batch["input_ids"], "labels": aligned_labels(batch)}
 
         batch_state = (loader.state_dict, loader.load_state_dict)
 
@@ -264,7 +264,7 @@ def run_allocation(arrangement: str, point: tuple[int, int, int], seed: int, rec
     }
 
 
-def _aligned_labels(batch: dict) -> torch.Tensor:
+def aligned_labels(batch: dict) -> torch.Tensor:
     """PackedLoader's labels are the next tokens; the model wants labels aligned with the inputs (it shifts
     them), masking the first token of every document (position 0)."""
     labels = batch["input_ids"].clone()

