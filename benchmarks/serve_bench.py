@@ -92,7 +92,7 @@ class Server:
     pipe nobody reads would fill up and stop the server mid-run."""
 
     def __init__(self, directory: Path, args: argparse.Namespace, *, max_num_seqs: int, prefix_cache_gb: float,
-                 flags: tuple[str, ...] = ()):
+                 flags: tuple[str, ...] = (), compile_step: bool = False):
         self.port = free_port()
         command = [sys.executable, "-m", "hybridlm.cli", "serve", "--model", str(directory), "--port",
                    str(self.port), "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(args.max_model_len),
@@ -101,7 +101,7 @@ class Server:
                    "--served-model-name", "bench"]
         if args.threads is not None:
             command += ["--threads", str(args.threads)]
-        if args.compile:
+        if compile_step:
             command.append("--compile")
         command += flags
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -125,6 +125,12 @@ class Server:
                 pass
             time.sleep(0.5)
         raise RuntimeError("the server did not start within 10 minutes")
+
+    def steps(self) -> dict:
+        """The engine's step counters (`hybridlm.serving.engine.StepCounters`) as /health reports them."""
+        import httpx
+
+        return httpx.get(f"{self.url}/health", timeout=10).json()["steps"]
 
     def __exit__(self, *exc) -> None:
         self.process.terminate()
@@ -254,20 +260,25 @@ def sweep(directory: Path, prompts: list[str], args: argparse.Namespace, *, flag
     rows = []
     name = f"server --{flag}" if flag else "server"
     with Server(directory, args, max_num_seqs=max(args.concurrency), prefix_cache_gb=0,
-                flags=(f"--{flag}",) if flag else ()) as server:
+                flags=(f"--{flag}",) if flag else (), compile_step=args.compile and flag != "enforce-eager") as server:
         with Phase("warm-up load"):
             asyncio.run(load(server.url, prompts[: max(args.concurrency)], args.output_tokens, max(args.concurrency)))
         for concurrency in args.concurrency:
+            before = server.steps()
             with Phase(f"{name} load at concurrency {concurrency}"):
                 results, wall = asyncio.run(load(server.url, prompts, args.output_tokens, concurrency))
+            work = {key: value - before[key] for key, value in server.steps().items()}
             gaps = [g for r in results for g in r["gaps"]]
             row = {"concurrency": concurrency, "tokens_per_s": sum(r["tokens"] for r in results) / wall,
                    "ttft_p50": percentile([r["ttft"] for r in results], 0.5),
                    "ttft_p99": percentile([r["ttft"] for r in results], 0.99),
-                   "itl_p50": percentile(gaps, 0.5), "itl_p99": percentile(gaps, 0.99)}
+                   "itl_p50": percentile(gaps, 0.5), "itl_p99": percentile(gaps, 0.99), "engine_steps": work}
             rows.append(row)
             log(f"  {name}, concurrency {concurrency}: {row['tokens_per_s']:.0f} output tok/s, TTFT p50 "
-                f"{1e3 * row['ttft_p50']:.1f} ms, ITL p50 {1e3 * row['itl_p50']:.1f} ms")
+                f"{1e3 * row['ttft_p50']:.1f} ms, ITL p50 {1e3 * row['itl_p50']:.1f} ms; the engine: "
+                f"{work['prefill_steps']} prefill steps ({work['prefill_tokens']} tokens) in {work['prefill_s']:.2f} s, "
+                f"{work['decode_steps']} decoding steps ({work['decode_rows']} rows) in {work['decode_s']:.2f} s "
+                f"of the {wall:.2f} s")
     return rows
 
 
@@ -316,15 +327,18 @@ def bench_variant(variant: str, args: argparse.Namespace) -> dict:
             log(f"  prefix cache: {100 * out['prefix_cached_share']:.1f}% of prompt tokens cached, TTFT cold / warm "
                 f"{out['prefix_ttft_cold_over_warm']:.2f}x")
         model, tokenizer = load_local(directory, args)
-        with Phase("8 concurrent / 8 sequential (engine in process)"):
-            together, alone = eight_in_process(model, tokenizer, prompts, args)
-        out["eight_concurrent_over_sequential"] = together / alone
-        log(f"  8 requests: {together:.2f} s at once, {alone:.2f} s one after the other: {together / alone:.2f}")
+        if not args.server_only:
+            with Phase("8 concurrent / 8 sequential (engine in process)"):
+                together, alone = eight_in_process(model, tokenizer, prompts, args)
+            out["eight_concurrent_over_sequential"] = together / alone
+            log(f"  8 requests: {together:.2f} s at once, {alone:.2f} s one after the other: {together / alone:.2f}")
         ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         for row in out["rows"]:
-            with Phase(f"engine in process at concurrency {row['concurrency']}"):
-                row["engine_tokens_per_s"] = engine_in_process(model, tokenizer, prompts, args, row["concurrency"])
-            log(f"  engine in process, concurrency {row['concurrency']}: {row['engine_tokens_per_s']:.0f} output tok/s")
+            if not args.server_only:
+                with Phase(f"engine in process at concurrency {row['concurrency']}"):
+                    row["engine_tokens_per_s"] = engine_in_process(model, tokenizer, prompts, args, row["concurrency"])
+                log(f"  engine in process, concurrency {row['concurrency']}: {row['engine_tokens_per_s']:.0f} "
+                    "output tok/s")
             with Phase(f"static generate in batches of {row['concurrency']}"):
                 row["static_tokens_per_s"] = static_generate(model, ids, args, row["concurrency"])
             row["ratio"] = row["tokens_per_s"] / row["static_tokens_per_s"]
@@ -344,16 +358,19 @@ def print_results(results: list[dict], args: argparse.Namespace) -> None:
     for result in results:
         for row in result["rows"]:
             others = "".join(f"{row[flag]:.0f} | " for flag in args.compare)
+            engine = row.get("engine_tokens_per_s")
+            engine = f"{engine:.0f} ({engine / row['static_tokens_per_s']:.2f}x)" if engine else "-"
             print(f"| {result['variant']} | {row['concurrency']} | {row['tokens_per_s']:.0f} | "
                   f"{row['static_tokens_per_s']:.0f} | {row['ratio']:.2f}x | {1e3 * row['ttft_p50']:.1f} / "
                   f"{1e3 * row['ttft_p99']:.1f} | {1e3 * row['itl_p50']:.1f} / {1e3 * row['itl_p99']:.1f} | {others}"
-                  f"{row['engine_tokens_per_s']:.0f} ({row['engine_tokens_per_s'] / row['static_tokens_per_s']:.2f}x) |")
+                  f"{engine} |")
     print(f"\n## prefix cache: a {args.system_tokens}-token system prompt, {args.prefix_requests} requests each\n")
     print("| variant | prompt tokens from the cache | TTFT cold / warm | 8 concurrent / 8 sequential time |")
     print("|---|---|---|---|")
     for result in results:
+        eight = f"{result['eight_concurrent_over_sequential']:.2f}" if "eight_concurrent_over_sequential" in result else "-"
         print(f"| {result['variant']} | {100 * result['prefix_cached_share']:.1f}% | "
-              f"{result['prefix_ttft_cold_over_warm']:.2f}x | {result['eight_concurrent_over_sequential']:.2f} |")
+              f"{result['prefix_ttft_cold_over_warm']:.2f}x | {eight} |")
 
 
 def main() -> None:
@@ -381,8 +398,12 @@ def main() -> None:
                         help="also sweep a server started with --enforce-eager (no CUDA graphs: the graphs' gain) and "
                              "/ or --engine-thread (the engine on the server's thread: the engine process's gain)")
     parser.add_argument("--compile", action="store_true",
-                        help="servers with --compile, engines with compile_step='inductor' (the step compiled before "
-                             "its graphs are captured)")
+                        help="the throughput sweeps' servers with --compile, the engines with compile_step='inductor' "
+                             "(the step compiled before its graphs are captured; the prefix-cache phase, which times "
+                             "prefills, keeps the plain server)")
+    parser.add_argument("--server-only", action="store_true",
+                        help="skip the engine-in-process phases (3 and 4 above): the HTTP sweep against static "
+                             "generate and the prefix cache only")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args()
     if args.quick:

@@ -76,6 +76,32 @@ class RequestOutput:
 
 
 @dataclass
+class StepCounters:
+    """Where the engine's time went since its warm-up: prefill (steps, prompt tokens, seconds) and decode (steps,
+    rows, seconds), host wall time of each phase (a CUDA step's sampling waits for its kernels, so this counts them)."""
+
+    prefill_steps: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_steps: int = 0
+    decode_rows: int = 0
+    decode_s: float = 0.0
+
+    def prefill(self, tokens: int, seconds: float) -> None:
+        self.prefill_steps += 1
+        self.prefill_tokens += tokens
+        self.prefill_s += seconds
+
+    def decode(self, rows: int, seconds: float) -> None:
+        self.decode_steps += 1
+        self.decode_rows += rows
+        self.decode_s += seconds
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+@dataclass
 class _Sequence:
     request_id: str
     prompt: list[int]
@@ -150,6 +176,7 @@ class Engine:
         self.reset()
         self._ids = itertools.count()
         self.finished: Counter[str] = Counter()  # requests finished, by finish_reason
+        self.work = StepCounters()
 
     # -- requests (callable from any thread) ------------------------------------------------------------------
 
@@ -183,9 +210,11 @@ class Engine:
         return bool(self._incoming or self._aborts or self._waiting or self._prefilling or self._running)
 
     def stats(self) -> dict:
-        """Requests by state and the prefix cache's counters (a snapshot; read from any thread)."""
+        """Requests by state, the step counters since the warm-up (`StepCounters`) and the prefix cache's counters
+        (a snapshot; read from any thread)."""
         out = dict(running=len(self._running), prefilling=len(self._prefilling),
-                   waiting=len(self._waiting) + len(self._incoming), finished=dict(self.finished))
+                   waiting=len(self._waiting) + len(self._incoming), finished=dict(self.finished),
+                   steps=self.work.as_dict())
         if self.prefix_cache is not None:
             out["prefix_cache"] = dict(**self.prefix_cache.stats.as_dict(), entries=len(self.prefix_cache),
                                        bytes=self.prefix_cache.bytes)
@@ -215,7 +244,9 @@ class Engine:
         finally:
             self.prefix_cache = prefix_cache
         self.finished.clear()
-        return 0 if self.step_graphs is None else self.step_graphs.capture_all()
+        captured = 0 if self.step_graphs is None else self.step_graphs.capture_all()
+        self.work = StepCounters()
+        return captured
 
     def reset(self) -> None:
         """Start with no requests and empty slots (also after a failed step, whose requests' state is unknown)."""
@@ -240,9 +271,14 @@ class Engine:
             self._abort(self._aborts.popleft())
         while self._waiting and len(self._prefilling) + self.slots.rows < self.max_num_seqs:
             self._admit(self._waiting.popleft())
-        self._prefill()
+        if self._prefilling:
+            start = time.perf_counter()
+            tokens = self._prefill()
+            self.work.prefill(tokens, time.perf_counter() - start)
         if self._running:
+            start, rows = time.perf_counter(), len(self._running)
             self._decode()
+            self.work.decode(rows, time.perf_counter() - start)
 
     def _admit(self, seq: _Sequence) -> None:
         hit = self.prefix_cache.lookup(seq.prompt) if self.prefix_cache is not None else None
@@ -253,9 +289,10 @@ class Engine:
             seq.cached_tokens = seq.prefilled
         self._prefilling.append(seq)
 
-    def _prefill(self) -> None:
+    def _prefill(self) -> int:
         """Prefill this step's pieces: chosen in arrival order within `max_prefill_tokens`, run in waves (the i-th
-        piece of every sequence in wave i), each wave as one packed forward per kind of cache (`_run_pieces`)."""
+        piece of every sequence in wave i), each wave as one packed forward per kind of cache (`_run_pieces`);
+        return the tokens prefilled."""
         budget = self.max_prefill_tokens
         plan: list[tuple[_Sequence, list[int]]] = []  # (sequence, the ends of its pieces this step)
         for seq in self._prefilling:
@@ -267,6 +304,7 @@ class Engine:
                 ends.append(end)
                 budget, start = budget - (end - start), end
             plan.append((seq, ends))
+        tokens = sum(ends[-1] - seq.prefilled for seq, ends in plan if ends)  # a whole-prompt cache hit has none
         for wave in range(max((len(ends) for _, ends in plan), default=0)):
             groups: dict[tuple, list[tuple[_Sequence, int]]] = {}
             for seq, ends in plan:
@@ -282,6 +320,7 @@ class Engine:
                     self.slots.install(seq.cache)
                     self._running.append(seq)
                 seq.cache = seq.logits = None
+        return tokens
 
     def _run_pieces(self, pieces: list[tuple[_Sequence, int]]) -> None:
         """Prefill each sequence's prompt up to its `end` in one forward: the pieces packed as documents of one row

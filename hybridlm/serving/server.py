@@ -210,23 +210,42 @@ async def _respond(runner: EngineRunner, request: Request, body: _Sampling, prom
 async def _stream(runner: EngineRunner, request_ids: list[str], queue: asyncio.Queue, answer: _Answer,
                   include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: OpenAI chunks as the engine produces text, then `data: [DONE]`. Closing the stream (a
-    client that went away) aborts whatever has not finished."""
+    client that went away) aborts whatever has not finished.
+
+    Each wake-up takes every output that has arrived: a choice's new text becomes one chunk and the chunks one
+    write. While the stream keeps up that is a chunk per token; when the engine steps faster than this event loop
+    (or the client) can send one event per token, the chunks carry several tokens' text instead of falling further
+    behind (what vLLM's output collector does)."""
     final: list[RequestOutput | None] = [None] * len(request_ids)
     try:
         if answer.chat:
-            for index in range(len(request_ids)):
-                yield _event(answer.chunk(index, None, None, role=True))
+            yield "".join(_event(answer.chunk(index, None, None, role=True)) for index in range(len(request_ids)))
         while any(out is None for out in final):
-            index, out = await queue.get()
-            if isinstance(out, Exception):
-                yield _event({"error": {"message": f"the engine failed: {out}", "type": "server_error",
-                                        "param": None, "code": None}})
+            arrived = [await queue.get()]
+            while not queue.empty():
+                arrived.append(queue.get_nowait())
+            texts: dict[int, list[str]] = {}
+            finished: list[int] = []
+            failure = None
+            for index, out in arrived:
+                if isinstance(out, Exception):
+                    failure = out
+                    break
+                if out.delta:
+                    texts.setdefault(index, []).append(out.delta)
+                if out.finished:
+                    final[index] = out
+                    finished.append(index)
+            events = [_event(answer.chunk(index, "".join(parts), None)) for index, parts in texts.items()]
+            events += [_event(answer.chunk(index, None if answer.chat else "", final[index].finish_reason))
+                       for index in finished]
+            if failure is not None:
+                events.append(_event({"error": {"message": f"the engine failed: {failure}", "type": "server_error",
+                                                "param": None, "code": None}}))
+            if events:
+                yield "".join(events)
+            if failure is not None:
                 break
-            if out.delta:
-                yield _event(answer.chunk(index, out.delta, None))
-            if out.finished:
-                final[index] = out
-                yield _event(answer.chunk(index, None if answer.chat else "", out.finish_reason))
         else:
             if include_usage:
                 yield _event(answer.usage_chunk(final))

@@ -101,6 +101,9 @@ def test_prefix_cache_hits_equal_cold_prefills_and_are_counted():
     assert first.cached_tokens == 0 and [o.cached_tokens for o in rest] == [12, 12]
     stats = warm.prefix_cache.stats
     assert (stats.lookups, stats.hits, stats.tokens_saved) == (3, 2, 24)
+    steps = warm.stats()["steps"]  # the prompts' uncached tokens prefilled; every token but the first decoded
+    assert (steps["prefill_tokens"], steps["decode_rows"]) == (14 + 5 + 3, 3 * 4)
+    assert cold.stats()["steps"]["prefill_tokens"] == sum(map(len, prompts))
     assert cold_out == [alone(model, p, 5) for p in prompts]
 
 
@@ -113,10 +116,11 @@ def test_a_growing_chat_restores_the_previous_reply_and_a_repeated_prompt_prefil
     turn1 = ids(1, 11, seed=3)[0].tolist()
     reply = engine.generate([turn1], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
     turn2 = turn1 + reply + ids(1, 3, seed=4)[0].tolist()
-    before = engine.prefix_cache.stats.tokens_saved
+    before, prefilled = engine.prefix_cache.stats.tokens_saved, engine.stats()["steps"]["prefill_tokens"]
     second = engine.generate([turn2, turn1], SamplingParams(max_tokens=4, ignore_eos=True))
     assert [o.cached_tokens for o in second] == [11 + 5, 11]  # after the reply but its last token; all of turn 1
     assert engine.prefix_cache.stats.tokens_saved - before == 16 + 11
+    assert engine.stats()["steps"]["prefill_tokens"] - prefilled == len(turn2) - 16  # turn 1's: none
     assert second[1].token_ids == reply[:4]
     assert second[0].token_ids == alone(model, turn2, 4)
 

@@ -3,6 +3,7 @@ tiny model served on a free loopback port by the `server` fixture."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -175,3 +176,55 @@ def test_serve_refuses_conflicting_flags_before_loading(tmp_path, capsys):
 
     assert main(["serve", "--model", str(tmp_path), "--compile", "--enforce-eager"]) == 1
     assert "cannot go with --enforce-eager" in capsys.readouterr().err
+
+
+def test_a_stream_sends_a_chunk_per_token_while_it_keeps_up_and_merges_the_text_when_it_falls_behind():
+    """`_stream` takes every output that has arrived: one each (a chunk per token), or several (one chunk of their
+    text per choice, then the finish chunks, in one write), the same text either way."""
+    from hybridlm.serving.engine import RequestOutput
+    from hybridlm.serving.server import _Answer, _stream
+
+    class Runner:
+        aborted: list[str] | None = None
+
+        def abort(self, request_ids):
+            self.aborted = list(request_ids)
+
+    def outputs(index: int) -> list[tuple[int, RequestOutput]]:
+        words, text, out = ["a", " b", " c"], "", []
+        for n, word in enumerate(words, 1):
+            text += word
+            done = n == len(words)
+            out.append((index, RequestOutput(f"r{index}", word, text, list(range(n)), 2, 0, done,
+                                             "length" if done else None)))
+        return out
+
+    def events(write: str) -> list[dict]:
+        return [json.loads(line[6:]) for line in write.split("\n\n") if line and line != "data: [DONE]"]
+
+    async def run(ahead: bool) -> tuple[list[str], Runner]:
+        runner, queue = Runner(), asyncio.Queue()
+        stream = _stream(runner, ["r0", "r1"], queue, _Answer("cmpl", "text_completion", "m", chat=False), True)
+        pending = outputs(0) + outputs(1)
+        writes = []
+        if ahead:  # the engine ran ahead: everything arrived before the stream reads
+            for item in pending:
+                queue.put_nowait(item)
+        else:
+            for item in pending:
+                queue.put_nowait(item)
+                writes.append(await stream.__anext__())
+        writes += [write async for write in stream]
+        return writes, runner
+
+    slow, runner = asyncio.run(run(ahead=True))
+    assert runner.aborted == []
+    first = events(slow[0])
+    assert [(e["choices"][0]["index"], e["choices"][0]["text"], e["choices"][0]["finish_reason"]) for e in first] == [
+        (0, "a b c", None), (1, "a b c", None), (0, "", "length"), (1, "", "length")]
+    assert events(slow[1])[0]["usage"]["completion_tokens"] == 6 and slow[-1] == "data: [DONE]\n\n"
+    fast, _ = asyncio.run(run(ahead=False))
+    per_token = [events(write) for write in fast[:6]]
+    assert [[e["choices"][0]["text"] for e in write] for write in per_token] == [
+        ["a"], [" b"], [" c", ""], ["a"], [" b"], [" c", ""]]
+    assert per_token[2][1]["choices"][0]["finish_reason"] == "length"
