@@ -14,8 +14,8 @@ training rows run across play boundaries (`PackedLoader`, GPT-style packing, eac
 
 Models: `hybridlm.experiments.models` names at one `size` (default "small": d_model 256, 4 blocks; "medium",
 "base", "lm130m" for more), so every row has the same residual width, depth, MLP and mixer width. Budget:
-`steps` x `batch_size` x `seq_len` tokens per model, the same for every row (default 3000 x 32 x 512 = 49M
-tokens: about ten passes over the training plays, so the table compares how well each row fits and generalizes
+`steps` x `batch_size` x `seq_len` tokens per model, the same for every row (default 3100 x 32 x 512 = 51M
+tokens: about eleven passes over the training plays, so the table compares how well each row fits and generalizes
 from a small corpus, not what it learns from a large one; byte-level tokens keep the vocabulary at 259 ids).
 """
 
@@ -33,7 +33,7 @@ RUNNER = "hybridlm.experiments.lm:run_job"
 
 @dataclass(frozen=True)
 class LMRecipe(TrainRecipe):
-    steps: int = 3000
+    steps: int = 3100
     batch_size: int = 32
     lr: float = 1e-3
     warmup: int = 300
