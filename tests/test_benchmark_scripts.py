@@ -39,6 +39,11 @@ def test_fast_weight_cpu_sequences_and_decoding():
     assert len(table_rows(out, "1A")) == 1
 
 
+def test_packed_attention_cpu():
+    out = run("packed_attention_cpu.py", "--docs", "1", "3", "--length", "16", "--cached", "0", "8", "--repeats", "1")
+    assert len(table_rows(out, "1")) == 4 and len(table_rows(out, "3")) == 4  # fwd, fwd+bwd at 2 cache sizes
+
+
 def test_model_cpu():
     out = run("model_cpu.py", "--batch", "1", "--length", "64", "--repeats", "1", "--contexts", "32", "64",
               "--decode-steps", "2")

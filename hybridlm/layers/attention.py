@@ -10,17 +10,18 @@
 
 Packed batches (`cu_seqlens`, B == 1): tokens attend only inside their own document. On CUDA in bf16/fp16 this runs
 flash attention's variable-length kernel (`torch.nn.attention.varlen.varlen_attn`: each document's own causal
-attention, nothing computed across documents); elsewhere (CPU, float32, dropout in training, a torch without it) a
-block-diagonal causal mask over the whole packed row (O(T^2) memory and work: a trainer's packed row of 8 x 2048
-tokens costs 8 times the pairs of its rows, and no flash kernel takes the mask); also for head dims flash does not
-take (not a multiple of 8, or above 256) and GPUs without it (before sm80). A `LayerCache`
+attention, nothing computed across documents). Elsewhere (CPU, float32, dropout in training, a torch without it,
+head dims flash does not take: not a multiple of 8, or above 256, GPUs before sm80) the documents with equal query
+and key counts attend as one batch through SDPA (`_grouped_attention`: the pairs inside documents only, one call
+per distinct length); a traced call (torch.compile) instead masks the whole packed row block-diagonally, which does
+not depend on the documents' lengths but costs O(T^2) memory and work. A `LayerCache`
 makes it incremental: new keys/values are appended and queries attend to everything cached (with a window: to the
 last W - 1 cached slots, which is all the cache keeps, at most 2 (W - 1) + T slots; `hybridlm.layers.cache`). A packed
 prefill into an empty cache stores one row per document, right-aligned (`LayerCache.store_packed_kv`);
 later queries of a row then skip its `pad` leading slots. A cache may instead continue each packed document from
 keys it holds (the serving engine's packed prefill of several requests' next pieces): `store_packed_kv` then returns
 every document's keys packed with their offsets, and each document's queries attend to its own keys, the new ones
-last (the varlen kernel with key offsets, or a [T, S] block-diagonal mask).
+last (the varlen kernel with key offsets, the grouped batches, or a [T, S] block-diagonal mask when traced).
 A window outside the varlen kernel is a banded mask [T, S] (O(T S) memory like the causal one: no kernel skips the
 band's outside); the flash varlen kernel takes it as `window_size=(W - 1, 0)` where this torch has that keyword.
 A prefill piece after a filled cache (rows without left padding) also goes to the varlen kernel, each row a document
@@ -143,6 +144,11 @@ class Attention(nn.Module):
                 return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
         if isinstance(cache, StaticLayerCache):
             mask, is_causal = cache.static_mask(), False  # the whole storage, its empty slots masked
+        elif offsets is not None and not torch.compiler.is_compiling():
+            out = _grouped_attention(q, k, v, host_offsets, key_offsets, window=self.window,
+                                     dropout=self.dropout if self.training else 0.0,
+                                     gqa=self.num_heads != self.num_kv_heads)  # [T, Hq, D]
+            return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
         else:
             mask, is_causal = _attention_mask(offsets, length=length, past=k.shape[1] - length, pad=pad,
                                               window=self.window, device=hidden.device,
@@ -179,6 +185,45 @@ def _varlen_attention(
     if key_offsets is None:
         return kernel(q[0], k[0], v[0], offsets, max_len)
     return kernel(q[0], k[0], v[0], offsets, max_len, key_offsets.to(torch.int32), max_key_len)
+
+
+def _grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, key_offsets: torch.Tensor | None, *,
+    window: int | None, dropout: float, gqa: bool,
+) -> torch.Tensor:
+    """Causal attention (within `window`, if given) inside each packed document without a varlen kernel: the
+    documents with the same query and key counts attend as one batch through SDPA, each one's queries its last keys.
+    q [1, T, Hq, D], k, v [1, S, Hkv, D], offsets / key_offsets [N + 1] on the host (key_offsets None: S = T, the
+    documents' own keys) -> [T, Hq, D]. The work is sum_i T_i S_i pairs in one SDPA call per distinct (T_i, S_i)
+    (a serving prefill's pieces of one block size make one group), where the block-diagonal mask of the whole packed
+    row (`_attention_mask`, what a traced call uses: it does not depend on the documents' lengths) costs T S."""
+    lengths = (offsets[1:] - offsets[:-1]).tolist()
+    key_lengths = lengths if key_offsets is None else (key_offsets[1:] - key_offsets[:-1]).tolist()
+    starts = offsets[:-1].tolist()
+    key_starts = starts if key_offsets is None else key_offsets[:-1].tolist()
+    groups: dict[tuple[int, int], list[int]] = {}
+    for doc, (n, m) in enumerate(zip(lengths, key_lengths)):
+        if n:
+            groups.setdefault((n, m), []).append(doc)
+    out = q.new_empty(q.shape[1:])  # [T, Hq, D]
+    for (n, m), docs in groups.items():
+        if len(docs) == 1:  # views, no gather
+            rows = slice(starts[docs[0]], starts[docs[0]] + n)
+            key_rows = slice(key_starts[docs[0]], key_starts[docs[0]] + m)
+            qg, kg, vg = q[:, rows], k[:, key_rows], v[:, key_rows]  # [1, n, Hq, D], [1, m, Hkv, D]
+        else:
+            rows = host_to_device(torch.tensor([starts[d] for d in docs])[:, None] + torch.arange(n), q.device)
+            key_rows = host_to_device(torch.tensor([key_starts[d] for d in docs])[:, None] + torch.arange(m), q.device)
+            qg, kg, vg = q[0][rows], k[0][key_rows], v[0][key_rows]  # [G, n, Hq, D], [G, m, Hkv, D]
+        if window is None and (m == n or n == 1):
+            mask, causal = None, n > 1  # SDPA's flag (top-left aligned) is right when there is nothing in front
+        else:
+            mask, causal = _band(n, past=m - n, window=window, device=q.device), False  # [n, m], queries last
+        o = F.scaled_dot_product_attention(qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
+                                           attn_mask=mask, is_causal=causal, dropout_p=dropout,
+                                           enable_gqa=gqa).transpose(1, 2)  # [G, n, Hq, D]
+        out[rows] = o[0] if len(docs) == 1 else o
+    return out
 
 
 def _has_flash(device_index: int | None) -> bool:
