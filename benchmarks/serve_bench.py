@@ -97,8 +97,9 @@ class Server:
         command = [sys.executable, "-m", "hybridlm.cli", "serve", "--model", str(directory), "--port",
                    str(self.port), "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(args.max_model_len),
                    "--dtype", args.dtype, "--device", args.device, "--prefix-cache-gb", str(prefix_cache_gb),
-                   "--block-size", str(args.block_size), "--max-prefill-tokens", str(args.max_prefill_tokens),
-                   "--served-model-name", "bench"]
+                   "--block-size", str(args.block_size), "--served-model-name", "bench"]
+        if args.max_prefill_tokens is not None:
+            command += ["--max-prefill-tokens", str(args.max_prefill_tokens)]
         if args.threads is not None:
             command += ["--threads", str(args.threads)]
         if compile_step:
@@ -387,7 +388,8 @@ def main() -> None:
     parser.add_argument("--prefix-requests", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--prefix-cache-gb", type=float, default=8.0)
-    parser.add_argument("--max-prefill-tokens", type=int, default=2048, help="the engines' prefill tokens per step")
+    parser.add_argument("--max-prefill-tokens", type=int, default=None,
+                        help="the engines' prefill tokens per step (default: the engine's, 8192 on a GPU, 2048 on a CPU)")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="CPU threads of this process and of the server (`hybridlm serve --threads`); on a shared "
                              "CPU 1 avoids waits for descheduled threads in every batched matmul")

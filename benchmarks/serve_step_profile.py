@@ -164,7 +164,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=256)
-    parser.add_argument("--max-prefill-tokens", type=int, default=2048)
+    parser.add_argument("--max-prefill-tokens", type=int, default=None,
+                        help="the engine's prefill tokens per step (default: the engine's, 8192 on a GPU, 2048 on a CPU)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--top", type=int, default=12, help="kernels listed per variant")
     parser.add_argument("--compile", action="store_true",

@@ -40,9 +40,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/ routes")
     p.add_argument("--block-size", type=int, default=256, metavar="N",
                    help="prefill piece and prefix-cache checkpoint interval in tokens (default 256)")
-    p.add_argument("--max-prefill-tokens", type=int, default=2048, metavar="N",
-                   help="prompt tokens prefilled per step at most (default 2048); larger: prompts start sooner, running "
-                        "streams wait longer for their next token while a step prefills")
+    p.add_argument("--max-prefill-tokens", type=int, default=None, metavar="N",
+                   help="prompt tokens prefilled per step at most (default 8192 on a GPU, 2048 on a CPU); larger: "
+                        "prompts start sooner, running streams wait longer for their next token while a step prefills")
     p.add_argument("--prefix-cache-gb", type=float, default=1.0, metavar="GB",
                    help="memory for prefix-cache snapshots (default 1; 0 turns prefix caching off)")
     p.add_argument("--enforce-eager", action="store_true",

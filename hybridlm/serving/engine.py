@@ -129,7 +129,10 @@ class Engine:
         max_model_len: prompt + new tokens per request at most (default: the config's max_position_embeddings); the
             key/value slots of every row hold this many.
         block_size: prefill pieces end at multiples of this (and prefix-cache checkpoints are taken there).
-        max_prefill_tokens: prompt tokens prefilled per step at most (at least one piece runs).
+        max_prefill_tokens: prompt tokens prefilled per step at most (at least one piece runs). Default: 8192 on a
+            CUDA device (an eager packed prefill step there costs about the same at 2048 tokens as at 8192: fewer,
+            larger steps start a burst of prompts sooner; benchmarks/RESULTS.md), 2048 elsewhere (a CPU's step time
+            grows with its tokens, and running streams wait for it).
         prefix_cache_bytes: memory of the prefix cache's snapshots (0: no prefix caching).
         dtype, device: where a model loaded from a directory goes (default float32; cuda when available).
         decode_step: "auto" (CUDA graphs on a CUDA device, else "eager"), "graph" (each step at a fixed shape replayed
@@ -141,11 +144,13 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 8, max_model_len: int | None = None,
-                 block_size: int = 256, max_prefill_tokens: int = 2048, prefix_cache_bytes: int = 1 << 30,
+                 block_size: int = 256, max_prefill_tokens: int | None = None, prefix_cache_bytes: int = 1 << 30,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  decode_step: str = "auto", compile_step: str | Callable | None = None) -> None:
         if isinstance(model, (str, Path)):
             model, tokenizer = _load(Path(model), tokenizer, dtype=dtype, device=device)
+        if max_prefill_tokens is None:
+            max_prefill_tokens = 8192 if next(model.parameters()).device.type == "cuda" else 2048
         for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
                             ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -263,3 +263,13 @@ def test_decode_step_is_checked():
     with pytest.raises(ValueError, match="needs a CUDA device"):
         Engine(model, decode_step="graph")
     assert Engine(model).step_graphs is None  # eager on the CPU
+
+
+def test_engine_settings_are_checked_and_the_prefill_budget_follows_the_device():
+    model = make_model()
+    for name in ("max_num_seqs", "block_size", "max_prefill_tokens"):
+        for bad in (0, 2.5, True):
+            with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+                Engine(model, **{name: bad})
+    assert Engine(model).max_prefill_tokens == 2048  # on a CPU; 8192 on a CUDA device
+    assert Engine(model, max_prefill_tokens=300).max_prefill_tokens == 300

@@ -90,3 +90,7 @@ def test_compiled_graphed_steps_equal_each_request_alone_in_few_compilations(cha
     assert got == [alone(model, p, n) for p, n in zip(prompts, lengths)]
     assert len(compilations) <= 2
     torch._dynamo.reset()
+
+
+def test_the_prefill_budget_defaults_to_8192_tokens_on_a_cuda_device():
+    assert Engine(make_model().cuda(), decode_step="eager").max_prefill_tokens == 8192
