@@ -317,10 +317,10 @@ class Engine:
                     groups.setdefault(state_fields(seq.cache), []).append((seq, ends[wave]))
             for pieces in groups.values():
                 self._run_pieces(pieces)
-        for seq, _ in plan:
-            if seq.prefilled == len(seq.prompt):
+        done = [seq for seq, _ in plan if seq.prefilled == len(seq.prompt)]
+        if done:  # their first tokens, sampled together (one read of the device)
+            for seq, token in zip(done, self._sample(torch.stack([seq.logits for seq in done]), done)):
                 self._prefilling.remove(seq)
-                token = self._sample(seq.logits[None], [seq])[0]
                 if not self._append(seq, token):
                     self.slots.install(seq.cache)
                     self._running.append(seq)
