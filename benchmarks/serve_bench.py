@@ -369,7 +369,8 @@ def print_results(results: list[dict], args: argparse.Namespace) -> None:
     print("| variant | prompt tokens from the cache | TTFT cold / warm | 8 concurrent / 8 sequential time |")
     print("|---|---|---|---|")
     for result in results:
-        eight = f"{result['eight_concurrent_over_sequential']:.2f}" if "eight_concurrent_over_sequential" in result else "-"
+        eight = result.get("eight_concurrent_over_sequential")
+        eight = "-" if eight is None else f"{eight:.2f}"
         print(f"| {result['variant']} | {100 * result['prefix_cached_share']:.1f}% | "
               f"{result['prefix_ttft_cold_over_warm']:.2f}x | {eight} |")
 

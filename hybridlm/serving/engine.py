@@ -149,8 +149,9 @@ class Engine:
                  decode_step: str = "auto", compile_step: str | Callable | None = None) -> None:
         if isinstance(model, (str, Path)):
             model, tokenizer = _load(Path(model), tokenizer, dtype=dtype, device=device)
+        self.device = next(model.parameters()).device
         if max_prefill_tokens is None:
-            max_prefill_tokens = 8192 if next(model.parameters()).device.type == "cuda" else 2048
+            max_prefill_tokens = 8192 if self.device.type == "cuda" else 2048
         for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
                             ("max_prefill_tokens", max_prefill_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -160,7 +161,6 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self._detokenize = text_decoder(tokenizer)  # ids -> the reply's text
-        self.device = next(model.parameters()).device
         config = model.config
         self.max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
         if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) or self.max_model_len < 2:
