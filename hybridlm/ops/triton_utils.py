@@ -28,9 +28,8 @@ import triton
 import triton.language as tl
 from triton.runtime.autotuner import Autotuner
 
-from hybridlm.ops.utils import triton_interpreting
+from hybridlm.ops.utils import MAX_GRID_YZ, triton_interpreting
 
-MAX_GRID_YZ = 65535  # CUDA's limit on launch grid axes 1 and 2
 TUNED_CONFIGS = tuple(triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2))
 
 

@@ -39,6 +39,25 @@ def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Te
     return tensor.to(device, non_blocking=True)
 
 
+# CUDA caps a launch grid's second and third dimensions at 65535 blocks. The Triton kernels of both ops launch one
+# program per (sequence, head) on one of them, so a call with more sequences x heads runs in groups of sequences.
+MAX_GRID_YZ = 65535
+
+
+def launch_row_groups(n_rows: int, heads: int, *, max_programs: int = MAX_GRID_YZ) -> list[tuple[int, int]]:
+    """[start, stop) ranges over `n_rows` sequences (batch rows, or packed sequences), each of at most
+    `max_programs // heads` of them, so that no launch puts more than `max_programs` (sequence, head) programs on a
+    grid axis. One range for the usual shapes; each range is an independent call (the rows share nothing)."""
+    per_group = max(1, max_programs // heads)
+    return [(start, min(start + per_group, n_rows)) for start in range(0, n_rows, per_group)]
+
+
+def packed_group(offsets: torch.Tensor, start: int, stop: int) -> tuple[slice, torch.Tensor]:
+    """The packed token range of sequences start..stop-1 and their offsets rebased to 0 (offsets: CPU int64)."""
+    first, last = int(offsets[start]), int(offsets[stop])
+    return slice(first, last), offsets[start:stop + 1] - first
+
+
 def check_cu_seqlens(cu_seqlens: torch.Tensor, *, batch_size: int, total_len: int) -> torch.Tensor:
     """Validate packed-sequence offsets `[N + 1]` and return them as a CPU int64 tensor.
 

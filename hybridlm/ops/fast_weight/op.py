@@ -15,6 +15,8 @@ from hybridlm.ops.fast_weight.triton import slow_path_reason as triton_slow_path
 from hybridlm.ops.utils import (
     check_cu_seqlens,
     compute_dtype,
+    launch_row_groups,
+    packed_group,
     resolve_backend,
     triton_available,
     triton_runs_on,
@@ -119,8 +121,8 @@ def fast_weight_attention(
             raise ValueError("backend='triton' needs triton installed and the tensors on a CUDA device; "
                              "use backend='chunk' (or 'auto') here")
         with torch.autocast(q.device.type, enabled=False):
-            o, final = fast_weight_triton(q, k, v, beta, lam, options, initial_state=state, offsets=offsets,
-                                          seq_idx=seq_idx)
+            o, final = _triton_in_row_groups(q, k, v, beta, lam, options, state=state, offsets=offsets,
+                                             seq_idx=seq_idx)
         return o.to(out_dtype), (final if output_final_state else None)
     q, k, v, beta, lam = (t.to(dtype) for t in (q, k, v, beta, lam))
     # The recurrence stays in `dtype` under a caller's bf16 autocast (its matmuls would otherwise run in bf16).
@@ -133,6 +135,29 @@ def fast_weight_attention(
             o, final = fast_weight_chunk(q, k, v, beta, lam, options, initial_state=state, offsets=offsets,
                                          seq_idx=seq_idx)
     return o.to(out_dtype), (final if output_final_state else None)
+
+
+def _triton_in_row_groups(q, k, v, beta, lam, options, *, state, offsets, seq_idx):
+    """`fast_weight_triton`, called once per group of sequences that keeps its launches within CUDA's grid
+    (`launch_row_groups`): one call for the usual shapes; more for batch rows x heads > 65535 (a synthetic task's
+    batch of 8192 rows x 8 heads), whose outputs and final states are joined in order."""
+    n_rows = q.shape[0] if offsets is None else len(offsets) - 1
+    groups = launch_row_groups(n_rows, q.shape[2])
+    if len(groups) == 1:
+        return fast_weight_triton(q, k, v, beta, lam, options, initial_state=state, offsets=offsets, seq_idx=seq_idx)
+    outputs, finals = [], []
+    for start, stop in groups:
+        if offsets is None:
+            inputs = [t[start:stop] for t in (q, k, v, beta, lam)]
+            group_offsets = None
+        else:
+            tokens, group_offsets = packed_group(offsets, start, stop)
+            inputs = [t[:, tokens] for t in (q, k, v, beta, lam)]
+        o, final = fast_weight_triton(*inputs, options, initial_state=state.rows(start, stop), offsets=group_offsets,
+                                      seq_idx=None if seq_idx is None else seq_idx[start:stop])
+        outputs.append(o)
+        finals.append(final)
+    return torch.cat(outputs, dim=0 if offsets is None else 1), FastWeightState.cat(finals)
 
 
 def _backend(q, v, *, rule, window, packed, backend) -> str:

@@ -20,7 +20,15 @@ from hybridlm.ops.ssd.triton import auto_takes as triton_auto_takes
 from hybridlm.ops.ssd.triton import is_available as triton_is_available
 from hybridlm.ops.ssd.triton import slow_path_reason as triton_slow_path_reason
 from hybridlm.ops.ssd.triton import ssd_triton
-from hybridlm.ops.utils import check_cu_seqlens, compute_dtype, resolve_backend, seq_idx_segments, warn_slow_path
+from hybridlm.ops.utils import (
+    check_cu_seqlens,
+    compute_dtype,
+    launch_row_groups,
+    packed_group,
+    resolve_backend,
+    seq_idx_segments,
+    warn_slow_path,
+)
 
 __all__ = ["ssd", "naive_ssd", "chunk_ssd"]
 
@@ -91,8 +99,8 @@ def ssd(
 
     if backend == "triton":  # x, B, C keep their dtype (bf16/fp16 matmuls); dt, A, D and the state run in float32
         with torch.autocast(x.device.type, enabled=False):
-            y, final_state = ssd_triton(x, dt, A, B, C, D=D, chunk_size=chunk_size, initial_state=initial_state,
-                                        offsets=offsets)
+            y, final_state = _triton_in_row_groups(x, dt, A, B, C, D=D, chunk_size=chunk_size,
+                                                   initial_state=initial_state, offsets=offsets)
         return y, (final_state if output_final_state else None)
 
     promoted = x.dtype
@@ -111,6 +119,29 @@ def ssd(
         else:
             y, final_state = chunk_ssd(*args, chunk_size=chunk_size, **kwargs)
     return y.to(x.dtype), (final_state if output_final_state else None)
+
+
+def _triton_in_row_groups(x, dt, A, B, C, *, D, chunk_size, initial_state, offsets):
+    """`ssd_triton`, called once per group of sequences that keeps its launches within CUDA's grid
+    (`launch_row_groups`): one call for the usual shapes; more for batch rows x heads > 65535, whose outputs and
+    final states are joined in order."""
+    n_rows = x.shape[0] if offsets is None else len(offsets) - 1
+    groups = launch_row_groups(n_rows, x.shape[2])
+    if len(groups) == 1:
+        return ssd_triton(x, dt, A, B, C, D=D, chunk_size=chunk_size, initial_state=initial_state, offsets=offsets)
+    outputs, finals = [], []
+    for start, stop in groups:
+        if offsets is None:
+            inputs = [t[start:stop] for t in (x, dt)] + [A] + [t[start:stop] for t in (B, C)]
+            group_offsets = None
+        else:
+            tokens, group_offsets = packed_group(offsets, start, stop)
+            inputs = [t[:, tokens] for t in (x, dt)] + [A] + [t[:, tokens] for t in (B, C)]
+        y, final = ssd_triton(*inputs, D=D, chunk_size=chunk_size, offsets=group_offsets,
+                              initial_state=None if initial_state is None else initial_state[start:stop])
+        outputs.append(y)
+        finals.append(final)
+    return torch.cat(outputs, dim=0 if offsets is None else 1), torch.cat(finals)
 
 
 def _backend(x, B, C, *, seq_idx, backend) -> str:

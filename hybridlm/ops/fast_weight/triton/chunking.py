@@ -39,7 +39,8 @@ class ChunkPlan:
         self.read_after = read_after
         if self.n_chunks > MAX_GRID_YZ or self.NH > MAX_GRID_YZ:
             raise ValueError(f"the Triton launch grids put the chunks ({self.n_chunks}) and the rows x heads "
-                             f"({self.NH}) on axes limited to {MAX_GRID_YZ}: split the batch or use a longer chunk")
+                             f"({self.NH}) on axes limited to {MAX_GRID_YZ}: call fast_weight_attention (it splits "
+                             "the batch) or use a longer chunk")
         self.prec = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: exact products (no TF32)
         self.device = q.device
         self.sizes = {"K": self.K, "V": self.V, "BT": self.BT}
