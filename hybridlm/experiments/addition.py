@@ -204,6 +204,54 @@ def train_batch(rng: np.random.Generator, batch_size: int, *, min_width: int = 1
     return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels)}
 
 
+def packed_train_batch(rng: np.random.Generator, rows: int, row_length: int, *, min_width: int = 1,
+                       max_width: int = 32) -> dict:
+    """One training batch of `rows` rows of `row_length` tokens, each filled with whole examples end to end, the way
+    a language-model run packs documents into fixed rows: many more examples per update than rows.
+
+    Widths are drawn uniformly in [min_width, max_width], one example after another; a row takes examples while the
+    next one fits and ends in <pad> (that example opens the next row). `position_ids` restart at 0 at every example
+    and at the padding, so that the model runs each example on its own (attention and recurrent states stop at the
+    restarts: `HybridModel`'s packed documents); labels as in `train_batch` (the sum digits and <eos>)."""
+    longest = 3 * max_width + 5
+    if row_length < longest:
+        raise ValueError(f"a packed row of {row_length} tokens cannot hold a {max_width}-digit example "
+                         f"({longest} tokens); use --pack-length >= {longest}")
+    mean_length = 3 * (min_width + max_width) / 2 + 5
+    widths, row_of, start_of = [], [], []
+    row, used = 0, 0
+    while row < rows:  # draws in blocks of about one batch's examples; the last block's unused draws are dropped
+        for width in rng.integers(min_width, max_width + 1, size=int(rows * row_length / mean_length) + 16).tolist():
+            length = 3 * width + 5
+            if used + length > row_length:
+                row, used = row + 1, 0
+                if row == rows:
+                    break
+            widths.append(width)
+            row_of.append(row)
+            start_of.append(used)
+            used += length
+    widths, row_of, start_of = np.array(widths), np.array(row_of), np.array(start_of)
+    input_ids = np.full((rows, row_length), PAD, dtype=np.int64)
+    labels = np.full((rows, row_length), IGNORE_INDEX, dtype=np.int64)
+    restarts = np.zeros((rows, row_length), dtype=bool)
+    for width in np.unique(widths):
+        pick = np.nonzero(widths == width)[0]
+        tokens = sequences(*sample_train_pairs(rng, int(width), len(pick)))
+        cells = (row_of[pick][:, None], start_of[pick][:, None] + np.arange(tokens.shape[1])[None, :])
+        input_ids[cells] = tokens
+        labels[cells] = target_labels(tokens, include_eos=True)
+        restarts[row_of[pick], start_of[pick]] = True
+    ends = np.zeros(rows, dtype=np.int64)
+    np.maximum.at(ends, row_of, start_of + 3 * widths + 5)
+    tail = ends < row_length
+    restarts[np.nonzero(tail)[0], ends[tail]] = True  # the padding is a document of its own
+    columns = np.arange(row_length)[None, :]
+    position_ids = columns - np.maximum.accumulate(np.where(restarts, columns, 0), axis=1)
+    return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
+            "position_ids": torch.from_numpy(position_ids)}
+
+
 @dataclass
 class EvalSet:
     """Held-out sequences of one width with digit-only labels."""
@@ -324,6 +372,7 @@ class AdditionRecipe(TrainRecipe):
     eval_batch_size: int = 512
     curriculum_steps: int = 2000
     curriculum_start: int = 4
+    pack_length: int = 0
 
     def max_width_at(self, step: int) -> int:
         """The widest training operands at `step`: `train_max_width`, or with `curriculum_steps` > 0 a cap that
@@ -335,10 +384,22 @@ class AdditionRecipe(TrainRecipe):
         return start + (self.train_max_width - start) * step // self.curriculum_steps
 
     def batch(self, rng: np.random.Generator, step: int) -> dict:
-        """The training batch of `step`: widths uniform in min_width..max_width_at(step), padded to the widest,
-        labels on the target suffix only (the n + 1 sum digits and <eos>; -100 elsewhere)."""
+        """The training batch of `step`: widths uniform in min_width..max_width_at(step), labels on the target suffix
+        only (the n + 1 sum digits and <eos>; -100 elsewhere). `batch_size` examples, each padded to the widest; or
+        with `pack_length` > 0, `batch_size` rows of `pack_length` tokens packed with whole examples
+        (`packed_train_batch`: about pack_length / (1.5 (min_width + train_max_width) + 5) examples per row)."""
+        if self.pack_length:
+            return packed_train_batch(rng, self.batch_size, self.pack_length, min_width=self.min_width,
+                                      max_width=self.max_width_at(step))
         return train_batch(rng, self.batch_size, min_width=self.min_width, max_width=self.max_width_at(step),
                            pad_width=self.train_max_width)
+
+    def to_dict(self) -> dict:
+        """The run's spec; without `pack_length` when it is 0, so the runs recorded before packing existed match."""
+        values = super().to_dict()
+        if not values["pack_length"]:
+            del values["pack_length"]
+        return values
 
     def model_overrides(self) -> dict:
         """HybridConfig fields the protocol sets beyond the model name and size (none here)."""
@@ -413,7 +474,10 @@ def check_recipe(recipe: AdditionRecipe) -> None:
         raise ValueError(f"the width curriculum ({recipe.curriculum_steps} steps) must end before training does "
                          f"({recipe.steps} steps), or the model never sees the widest operands; lower "
                          "--curriculum-steps (0 turns it off)")
-    check_non_negative(recipe, "eval_every", "curriculum_steps")  # 0: validate only at the end / no curriculum
+    check_non_negative(recipe, "eval_every", "curriculum_steps", "pack_length")  # 0: at the end / none / no packing
+    if recipe.pack_length and recipe.pack_length < 3 * recipe.train_max_width + 5:
+        raise ValueError(f"--pack-length {recipe.pack_length} cannot hold a {recipe.train_max_width}-digit example "
+                         f"({3 * recipe.train_max_width + 5} tokens); use 0 (no packing) or at least that")
     check_counts_and_size(recipe, "steps", "batch_size", "eval_per_width", "val_per_width", "eval_batch_size",
                           "curriculum_start")
 

@@ -52,7 +52,8 @@ def add_commands(subparsers) -> None:
     _add_recipe_options(p, [("size", str,
                              "model size: small (the curriculum's), medium, base, lm130m (the paper's LM shape: the "
                              "paper protocol's), tiny (smoke)"),
-                            ("batch-size", int, "examples per step"), ("lr", float, "peak learning rate"),
+                            ("batch-size", int, "examples per step (rows of --pack-length tokens with packing)"),
+                            ("lr", float, "peak learning rate"),
                             ("warmup", int, "warmup steps (default: 10%% of --steps when --steps is given)"),
                             ("curriculum-steps", int, "grow the widest training width from --curriculum-start to "
                                                       "--train-max-width over this many steps (default 2000, or a "
@@ -63,7 +64,11 @@ def add_commands(subparsers) -> None:
                             ("val-per-width", int, "held-out pairs per width for checkpoint selection"),
                             ("eval-every", int, "steps between validation checks"),
                             ("train-max-width", int, "widest training operands (default 32)"),
-                            ("eval-max-width", int, "widest evaluated operands (default 48)")])
+                            ("eval-max-width", int, "widest evaluated operands (default 48)"),
+                            ("pack-length", int, "pack whole examples into rows of this many tokens, --batch-size "
+                                                 "rows per step, positions restarting at each example (the way "
+                                                 "language-model runs pack documents; 1024 holds ~18 examples of "
+                                                 "widths 1..32); default 0: one padded example per row")])
     p.set_defaults(func=_bench_addition)
 
     p = sub.add_parser("recall", help="MQAR and needle retrieval at long context",

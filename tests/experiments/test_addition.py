@@ -202,6 +202,8 @@ _FAST = dict(steps=2, warmup=1, batch_size=2, curriculum_steps=0, eval_per_width
     (dict(_FAST, min_lr_ratio=2.0), r"--min-lr-ratio must be in \[0, 1\]"),
     (dict(_FAST, grad_clip=float("nan")), "--grad-clip must be a finite number >= 0"),
     (dict(_FAST, curriculum_steps=-1), "--curriculum-steps must be >= 0"),
+    (dict(_FAST, pack_length=-1), "--pack-length must be >= 0"),
+    (dict(_FAST, pack_length=100), r"--pack-length 100 cannot hold a 32-digit example \(101 tokens\)"),
 ])
 def test_recipes_that_cannot_run_are_refused_before_training(changes, message, tmp_path):
     recipe = A.AdditionRecipe(**{"size": "tiny", **changes})

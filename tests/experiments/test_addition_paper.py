@@ -113,3 +113,67 @@ def test_bench_addition_paper_protocol_smoke(tmp_path):
     assert "(paper 100.0) / " in row and "(paper 69.0)" in row and row.endswith("| 1 / 1 |")
     hybrid = next(line for line in md.splitlines() if "`hybrid-fw-1A`" in line and "Rank" not in line)
     assert "paper" not in hybrid and hybrid.endswith("| – |")  # no Table 3 row for it
+
+
+def _packed_examples(batch):
+    """(row, start, tokens, labels) of every example of a packed batch, found from its position restarts."""
+    found = []
+    for row, (ids, labels, positions) in enumerate(zip(batch["input_ids"], batch["labels"], batch["position_ids"])):
+        starts = (positions == 0).nonzero().flatten().tolist() + [len(ids)]
+        for start, stop in zip(starts[:-1], starts[1:]):
+            found.append((row, start, ids[start:stop].tolist(), labels[start:stop].tolist()))
+    return found
+
+
+def test_packed_batch_holds_whole_correct_examples_with_restarted_positions():
+    """Rows of 1024 tokens: every segment between position restarts is one example "<bos>a+b=sum<eos>" with the right
+    reversed sum and labels on the sum and <eos> only, or the row's <pad> tail (shorter than the next example would
+    need); widths cover 1..32; the same generator state gives the same batch."""
+    batch = A.packed_train_batch(np.random.default_rng(3), 64, 1024)
+    assert {k: tuple(v.shape) for k, v in batch.items()} == {k: (64, 1024) for k in batch}
+    widths, tails = [], 0
+    for _, _, ids, labels in _packed_examples(batch):
+        if ids[0] == A.PAD:
+            assert set(ids) == {A.PAD} and set(labels) == {IGNORE_INDEX} and len(ids) < 3 * 32 + 5
+            tails += 1
+            continue
+        text = A.decode(ids)
+        a, rest = text.removeprefix("<bos>").split("+")
+        b, total = rest.split("=")
+        assert total.endswith("<eos>") and len(a) == len(b)
+        assert total.removesuffix("<eos>")[::-1] == str(int(a) + int(b)).zfill(len(a) + 1)
+        first = 2 * len(a) + 3
+        assert labels[:first] == [IGNORE_INDEX] * first and labels[first:] == ids[first:]
+        widths.append(len(a))
+    assert tails <= 64 and set(widths) == set(range(1, 33)) and len(widths) > 64 * 1024 / 60
+    again = A.packed_train_batch(np.random.default_rng(3), 64, 1024)
+    assert all(torch.equal(batch[k], again[k]) for k in batch)
+    with pytest.raises(ValueError, match="--pack-length >= 101"):
+        A.packed_train_batch(np.random.default_rng(0), 2, 100)
+
+
+@pytest.mark.parametrize("name", ["transformer", "fw-1A.3", "mamba2"])
+def test_packed_batch_loss_is_the_loss_of_the_examples_run_one_by_one(name):
+    """Nothing crosses from one packed example to the next: the model's loss on packed rows equals the mean token
+    loss of the same examples run one at a time (float64, tiny model)."""
+    torch.manual_seed(0)
+    model = build_model(task_config(name, vocab_size=A.MODEL_VOCAB_SIZE, size="tiny"), seed=0).double().eval()
+    batch = A.packed_train_batch(np.random.default_rng(1), 2, 120, max_width=8)
+    packed = model(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"]).loss
+    total, count = 0.0, 0
+    for _, _, ids, labels in _packed_examples(batch):
+        if ids[0] == A.PAD:
+            continue
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+        targets = torch.tensor(labels[1:])
+        total = total + torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        count += int((targets != IGNORE_INDEX).sum())
+    torch.testing.assert_close(packed, total / count, rtol=1e-10, atol=1e-10)
+
+
+def test_packing_is_a_recipe_option_that_old_specs_do_not_carry():
+    recipe = A.PaperAdditionRecipe(pack_length=1024, batch_size=3)
+    assert recipe.to_dict()["pack_length"] == 1024 and A.recipe_from_dict(recipe.to_dict()) == recipe
+    assert "pack_length" not in A.PaperAdditionRecipe().to_dict()  # the recorded paper runs' specs stay equal
+    batch = recipe.batch(np.random.default_rng(0), 0)
+    assert batch["input_ids"].shape == (3, 1024) and "position_ids" in batch
