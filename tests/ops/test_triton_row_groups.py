@@ -136,3 +136,15 @@ def test_real_grid_limit_on_gpu():
     y, h = ssd(**inputs, chunk_size=16, output_final_state=True, backend="triton")
     y_ref, h_ref = ssd(**inputs, chunk_size=16, output_final_state=True, backend="chunk")
     assert rel_err(y, y_ref) < 1e-4 and rel_err(h, h_ref) < 1e-4
+
+
+@interpret
+def test_direct_ssd_kernels_refuse_grids_over_the_limit():
+    """The SSD scan called past the front door with rows x heads over 65535: a clear error, not a failed launch."""
+    from hybridlm.ops.ssd.triton import ssd_chunk_triton
+
+    x = torch.zeros(65536, 1, 1, 16, device=DEVICE)
+    dt = torch.zeros(65536, 1, 1, device=DEVICE)
+    B = torch.zeros(65536, 1, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="65535: call ssd"):
+        ssd_chunk_triton(x, dt, torch.zeros(1, device=DEVICE), B, B, None, None, chunk_size=16)

@@ -14,7 +14,7 @@ import triton
 
 from hybridlm.ops.ssd.triton import kernels
 from hybridlm.ops.triton_utils import block
-from hybridlm.ops.utils import triton_interpreting
+from hybridlm.ops.utils import MAX_GRID_YZ, triton_interpreting
 
 
 def forward(x, dt, A, B, C, D, h0, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +47,10 @@ class _Plan:
         self.G, self.N = B.shape[2:]
         self.BT = chunk_size
         self.n_chunks = -(-self.T // self.BT)
+        if self.n_chunks > MAX_GRID_YZ or self.b * self.H > MAX_GRID_YZ:
+            raise ValueError(f"the Triton launch grids put the chunks ({self.n_chunks}) and the rows x heads "
+                             f"({self.b * self.H}) on axes limited to {MAX_GRID_YZ}: call ssd (it splits the batch) "
+                             "or use a longer chunk")
         self.T_pad = self.n_chunks * self.BT
         self.BP_full = block(self.P, 128)  # the backward kernels hold all of P (their per-step sums run over it)
         self.BP, self.BN = block(self.P, 64), block(self.N, 64)
