@@ -18,7 +18,8 @@ MODELS=${MODELS:-transformer,fw-1A.3}
 STEPS=${STEPS:-2000}
 BUDGET=${BUDGET:-1800}
 PYTHON=${PYTHON:-python}
-COMPILE=${COMPILE---compile}  # COMPILE= trains eagerly (packed rows vary in their document count: shapes change)
+# --compile for padded batches; packed ones train eagerly (their document count, so their shapes, change per update)
+COMPILE=${COMPILE---compile}
 SETTINGS=${SETTINGS:-"small 1e-3 256
 small 3e-4 256
 small 1e-4 256
@@ -30,7 +31,9 @@ while read -r size lr batch pack; do
     [ -z "$size" ] && continue
     out="$SWEEP_OUT/${size}_lr${lr}_b${batch}${pack:+_pack$pack}"
     mkdir -p "$out"
-    timeout --signal=TERM $((BUDGET + 120)) "$PYTHON" -m hybridlm.cli bench addition --protocol paper $COMPILE \
+    compile=$COMPILE
+    [ -n "${pack:-}" ] && compile=
+    timeout --signal=TERM $((BUDGET + 120)) "$PYTHON" -m hybridlm.cli bench addition --protocol paper $compile \
         --models "$MODELS" --seeds 1 --size "$size" --lr "$lr" --batch-size "$batch" --steps "$STEPS" \
         --pack-length "${pack:-0}" --eval-per-width 64 --device cuda:0 --per-device 2 --time-budget "$BUDGET" \
         --out "$out" \

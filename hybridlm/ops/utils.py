@@ -44,12 +44,17 @@ def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Te
 MAX_GRID_YZ = 65535
 
 
-def launch_row_groups(n_rows: int, heads: int, *, max_programs: int = MAX_GRID_YZ) -> list[tuple[int, int]]:
-    """[start, stop) ranges over `n_rows` sequences (batch rows, or packed sequences), each of at most
-    `max_programs // heads` of them, so that no launch puts more than `max_programs` (sequence, head) programs on a
-    grid axis. One range for the usual shapes; each range is an independent call (the rows share nothing)."""
+def launch_row_groups(n_rows: int, heads: int, *, max_programs: int = MAX_GRID_YZ) -> list[tuple[int, int]] | None:
+    """None when one launch takes all `n_rows` sequences (batch rows, or packed sequences) x `heads` programs on a
+    grid axis (at most `max_programs`): the usual case, decided without building a list, so that a compiled caller
+    guards on the bound instead of specializing on the batch size. Otherwise [start, stop) ranges of as even sizes
+    as fit, each an independent call (the sequences share nothing)."""
+    if n_rows * heads <= max_programs:
+        return None
     per_group = max(1, max_programs // heads)
-    return [(start, min(start + per_group, n_rows)) for start in range(0, n_rows, per_group)]
+    n_groups = -(-n_rows // per_group)
+    size = -(-n_rows // n_groups)
+    return [(start, min(start + size, n_rows)) for start in range(0, n_rows, size)]
 
 
 def packed_group(offsets: torch.Tensor, start: int, stop: int) -> tuple[slice, torch.Tensor]:

@@ -131,11 +131,11 @@ def test_packed_batch_holds_whole_correct_examples_with_restarted_positions():
     need); widths cover 1..32; the same generator state gives the same batch."""
     batch = A.packed_train_batch(np.random.default_rng(3), 64, 1024)
     assert {k: tuple(v.shape) for k, v in batch.items()} == {k: (64, 1024) for k in batch}
-    widths, tails = [], 0
-    for _, _, ids, labels in _packed_examples(batch):
-        if ids[0] == A.PAD:
-            assert set(ids) == {A.PAD} and set(labels) == {IGNORE_INDEX} and len(ids) < 3 * 32 + 5
-            tails += 1
+    widths, examples = [], _packed_examples(batch)
+    for i, (row, _, ids, labels) in enumerate(examples):
+        if ids[0] == A.PAD:  # a row's tail: too short for the example that opens the next row (greedy filling)
+            assert set(ids) == {A.PAD} and set(labels) == {IGNORE_INDEX}
+            assert i + 1 == len(examples) or (examples[i + 1][0] == row + 1 and len(examples[i + 1][2]) > len(ids))
             continue
         text = A.decode(ids)
         a, rest = text.removeprefix("<bos>").split("+")
@@ -145,7 +145,9 @@ def test_packed_batch_holds_whole_correct_examples_with_restarted_positions():
         first = 2 * len(a) + 3
         assert labels[:first] == [IGNORE_INDEX] * first and labels[first:] == ids[first:]
         widths.append(len(a))
-    assert tails <= 64 and set(widths) == set(range(1, 33)) and len(widths) > 64 * 1024 / 60
+    assert set(widths) == set(range(1, 33)) and len(widths) > 64 * 1024 / 60
+    exact = A.packed_train_batch(np.random.default_rng(0), 2, 16, min_width=1, max_width=1)  # 8-token examples
+    assert exact["position_ids"].tolist() == [list(range(8)) * 2] * 2 and (exact["input_ids"] != A.PAD).all()
     again = A.packed_train_batch(np.random.default_rng(3), 64, 1024)
     assert all(torch.equal(batch[k], again[k]) for k in batch)
     with pytest.raises(ValueError, match="--pack-length >= 101"):
@@ -175,5 +177,7 @@ def test_packing_is_a_recipe_option_that_old_specs_do_not_carry():
     recipe = A.PaperAdditionRecipe(pack_length=1024, batch_size=3)
     assert recipe.to_dict()["pack_length"] == 1024 and A.recipe_from_dict(recipe.to_dict()) == recipe
     assert "pack_length" not in A.PaperAdditionRecipe().to_dict()  # the recorded paper runs' specs stay equal
+    stored = json.loads((RECORDED / "paper" / "transformer_seed0.json").read_text())["spec"]["recipe"]
+    assert A.recipe_from_dict(stored).pack_length == 0 and stored == A.recipe_from_dict(stored).to_dict()
     batch = recipe.batch(np.random.default_rng(0), 0)
     assert batch["input_ids"].shape == (3, 1024) and "position_ids" in batch

@@ -27,16 +27,19 @@ ssd_package = importlib.import_module("hybridlm.ops.ssd")  # the module (the pac
 
 
 def test_row_groups_cover_the_rows_within_the_limit():
-    assert launch_row_groups(8192, 8) == [(0, 8191), (8191, 8192)]  # 8191 x 8 = 65528 <= 65535
-    assert launch_row_groups(4096, 16) == [(0, 4095), (4095, 4096)]
-    assert launch_row_groups(256, 12) == [(0, 256)]
+    assert launch_row_groups(256, 12) is None and launch_row_groups(0, 8) is None  # one launch: no groups
+    assert launch_row_groups(8191, 8) is None  # 65528 programs
+    assert launch_row_groups(8192, 8) == [(0, 4096), (4096, 8192)]  # 65536: two even groups
+    assert launch_row_groups(4097, 16) == [(0, 2049), (2049, 4097)]
     assert launch_row_groups(5, 3, max_programs=6) == [(0, 2), (2, 4), (4, 5)]
     assert launch_row_groups(3, 100, max_programs=10) == [(0, 1), (1, 2), (2, 3)]  # heads over the limit: one row
-    for n_rows, heads in ((70000, 1), (9000, 7), (1, 65536)):
+    for n_rows, heads in ((70000, 1), (9000, 8), (100_000, 7), (2, 65536)):
         groups = launch_row_groups(n_rows, heads)
         assert [g[0] for g in groups[1:]] == [g[1] for g in groups[:-1]] and groups[0][0] == 0
         assert groups[-1][1] == n_rows
         assert all((stop - start) * heads <= MAX_GRID_YZ or stop - start == 1 for start, stop in groups)
+        sizes = [stop - start for start, stop in groups]
+        assert max(sizes) - min(sizes) <= 1 and len(groups) == -(-n_rows * heads // MAX_GRID_YZ) or heads > MAX_GRID_YZ
 
 
 def test_packed_group_rebases_offsets():
@@ -73,14 +76,16 @@ def _spy_on(monkeypatch, module, name, *, max_programs):
 
 @interpret
 @pytest.mark.parametrize("rule,window,packed", [("1A", 1, False), ("1A", 1, True), ("1", 1, False), ("1", 1, True),
-                                                ("3A", 3, False), ("3A", 3, True)])
-def test_fast_weight_groups_match_the_chunk_path(monkeypatch, rule, window, packed):
-    """Grouped Triton calls (one sequence per group: the limit lowered to the head count) against the float64-checked
-    chunk backend: outputs, the whole final state (S, last key, window tail) and every gradient, with a carried
-    state; batch rows and packed sequences."""
-    calls = _spy_on(monkeypatch, fast_weight_op, "fast_weight_triton", max_programs=2)
+                                                ("3A", 3, False), ("3A", 3, True), ("2A", 1, True), ("3", 3, True)])
+@pytest.mark.parametrize("per_group", [1, 2])
+def test_fast_weight_groups_match_the_chunk_path(monkeypatch, rule, window, packed, per_group):
+    """Grouped Triton calls (the limit lowered to one or two sequences per call) against the chunk backend: outputs,
+    the whole final state (S, last key, window tail) and every gradient, with a carried state; batch rows and packed
+    sequences (groups of several packed sequences rebase their interior offsets)."""
+    calls = _spy_on(monkeypatch, fast_weight_op, "fast_weight_triton", max_programs=2 * per_group)
     errors = front_door_errors(rule, window, "shifted", "after", "nlms", packed, stateful=True)
-    assert len(calls) == (4 if packed else 2)  # H = 2 heads: one sequence per call
+    n = 4 if packed else 2  # sequences; H = 2 heads
+    assert len(calls) == -(-n // per_group)
     assert max(errors.values()) < 1e-4, errors
 
 
@@ -125,6 +130,14 @@ def test_ssd_groups_match_one_call(monkeypatch, packed):
         assert rel_err(a, b_) < 1e-6 and rel_err(a, c) < 1e-4
 
 
+@interpret
+def test_empty_batch_passes_through(monkeypatch):
+    """No rows: one (empty) call, as before the grouping existed."""
+    q, k, v, beta, lam = (t[:0].to(DEVICE, torch.float32) for t in make_inputs("1A", B=2, T=5, H=2, K=16, V=16))
+    o, s = fast_weight_attention(q, k, v, beta, lam, rule="1A", backend="triton", output_final_state=True)
+    assert o.shape == (0, 5, 2, 16) and s.S.shape == (0, 2, 16, 16)
+
+
 @gpu_only
 def test_real_grid_limit_on_gpu():
     """4097 rows x 16 heads = 65552 programs per axis: both ops run (two groups) and match the chunk path."""
@@ -136,6 +149,19 @@ def test_real_grid_limit_on_gpu():
     y, h = ssd(**inputs, chunk_size=16, output_final_state=True, backend="triton")
     y_ref, h_ref = ssd(**inputs, chunk_size=16, output_final_state=True, backend="chunk")
     assert rel_err(y, y_ref) < 1e-4 and rel_err(h, h_ref) < 1e-4
+
+
+@interpret
+def test_direct_fast_weight_preparation_refuses_grids_over_the_limit():
+    """`fast_weight_triton` called past the front door: the fused preparation refuses before it launches."""
+    from hybridlm.ops.fast_weight.options import FastWeightOptions
+    from hybridlm.ops.fast_weight.triton import fast_weight_triton
+
+    q = torch.zeros(65536, 1, 1, 16, device=DEVICE)
+    eta = torch.zeros(65536, 1, 1, device=DEVICE)
+    state = FastWeightState(S=torch.zeros(65536, 1, 16, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="65535: call fast_weight_attention"):
+        fast_weight_triton(q, q, q, eta, eta, FastWeightOptions(rule="1A"), initial_state=state, offsets=None)
 
 
 @interpret

@@ -143,7 +143,7 @@ def _triton_in_row_groups(q, k, v, beta, lam, options, *, state, offsets, seq_id
     batch of 8192 rows x 8 heads), whose outputs and final states are joined in order."""
     n_rows = q.shape[0] if offsets is None else len(offsets) - 1
     groups = launch_row_groups(n_rows, q.shape[2])
-    if len(groups) == 1:
+    if groups is None:
         return fast_weight_triton(q, k, v, beta, lam, options, initial_state=state, offsets=offsets, seq_idx=seq_idx)
     outputs, finals = [], []
     for start, stop in groups:

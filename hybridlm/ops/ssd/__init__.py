@@ -127,7 +127,7 @@ def _triton_in_row_groups(x, dt, A, B, C, *, D, chunk_size, initial_state, offse
     final states are joined in order."""
     n_rows = x.shape[0] if offsets is None else len(offsets) - 1
     groups = launch_row_groups(n_rows, x.shape[2])
-    if len(groups) == 1:
+    if groups is None:
         return ssd_triton(x, dt, A, B, C, D=D, chunk_size=chunk_size, initial_state=initial_state, offsets=offsets)
     outputs, finals = [], []
     for start, stop in groups:

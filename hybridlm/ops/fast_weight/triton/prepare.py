@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from hybridlm.ops.fast_weight import chunk
+from hybridlm.ops.utils import MAX_GRID_YZ
 
 _SIZES = ["T_pad"]  # runtime: no recompilation per sequence length
 RESTART_LOG_DECAY = tl.constexpr(chunk.RESTART_LOG_DECAY)  # a document restart's log decay (SEQ)
@@ -199,6 +200,9 @@ def prepare_bwd_kernel(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, s
 def _launch(k, v, offsets, max_len):
     N = k.shape[0] if offsets is None else offsets.shape[0] - 1
     H, K, V = k.shape[2], k.shape[3], v.shape[3]
+    if N * H > MAX_GRID_YZ:
+        raise ValueError(f"the preparation kernels put the rows x heads ({N * H}) on a launch-grid axis limited to "
+                         f"{MAX_GRID_YZ}: call fast_weight_attention (it splits the batch)")
     sizes = {"K": K, "V": V, "BT": BT, "BK": max(16, triton.next_power_of_2(K)),
              "BV": max(16, triton.next_power_of_2(V))}
     return N, H, K, V, (triton.cdiv(max_len, BT), N * H), sizes
