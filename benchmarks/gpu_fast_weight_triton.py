@@ -23,6 +23,9 @@ forward and forward+backward of:
 documents restarted in place (`seq_idx`, the rows' shapes, what a compiled model runs) against the same documents
 through `cu_seqlens` (the rows laid end to end, then padded per document by the backend). It skips the main table,
 whose rule-1 rows alone take minutes.
+`--pass-configs` times rule 1's triton op instead under other launches of its two sequential passes (value columns
+per program `regression.PASS_BLOCK_V`, warps and pipeline stages of `PASS_LAUNCH` / `GRAD_PASS_LAUNCH`; `PASS_CONFIGS`
+below), each checked against the default launch's outputs and gradients first, with the ratio to the default.
 `--profile` then prints, per rule at the longest T, the kernels of one forward + backward of the triton op with their
 GPU time (torch.profiler): which stage to work on. Prints a markdown table with the ratios triton / SDPA and
 chunk / triton, and what the triton op's time means against
@@ -44,9 +47,24 @@ from roofline import fast_weight_counts, utilization
 
 from hybridlm.ops import FastWeightState, fast_weight_attention
 from hybridlm.ops.fast_weight import FastWeightOptions
-from hybridlm.ops.fast_weight.triton import backend, fast_weight_1a_triton, fast_weight_triton, inner_product
+from hybridlm.ops.fast_weight.triton import (
+    backend,
+    fast_weight_1a_triton,
+    fast_weight_triton,
+    inner_product,
+    regression,
+)
 
 WINDOW = {"1A": 1, "3A": 3, "1": 1}
+# Launches of rule 1's passes: (value columns per program, (warps, stages) of the forward pass, of the reverse pass).
+# The first is the default; the others fit two programs per SM (4 warps) or halve the programs (BV = 64).
+PASS_CONFIGS = {
+    "default": (regression.PASS_BLOCK_V, (regression.PASS_LAUNCH["num_warps"], regression.PASS_LAUNCH["num_stages"]),
+                (regression.GRAD_PASS_LAUNCH["num_warps"], regression.GRAD_PASS_LAUNCH["num_stages"])),
+    "BV64 8w1s": (64, (8, 1), (8, 1)),
+    "BV32 4w1s": (32, (4, 1), (4, 1)),
+    "BV64 4w1s": (64, (4, 1), (4, 1)),
+}
 
 
 def run_triton(q, k, v, beta, lam, *, rule, chunk_size, initial_state=None, output_final_state=False,
@@ -143,7 +161,20 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=0,
                         help="time D packed documents per row instead: seq_idx in place vs cu_seqlens")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU time of the triton op at the longest T")
+    parser.add_argument("--pass-configs", action="store_true",
+                        help="time rule 1 under each launch of its sequential passes (PASS_CONFIGS) instead")
     args = parser.parse_args()
+    if args.pass_configs:
+        print(f"# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+              f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | rule 1's pass launches")
+        print("| rule | T | passes (BV, warps/stages fwd, bwd) | fwd (ms) | fwd / default | fwd+bwd (ms) "
+              "| fwd+bwd / default |")
+        print("|---|---|---|---|---|---|---|")
+        for T in args.T:
+            for line in time_pass_configs(args.B, T, args.H, args.D, chunk_size=args.chunk_size):
+                print(line, flush=True)
+            torch.cuda.empty_cache()
+        return
     for rule in args.rules:
         check(rule, chunk_size=args.chunk_size)
     print(f"\n# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
@@ -172,6 +203,41 @@ def main() -> None:
         for rule in args.rules:
             print(f"\n### {rule}, T={max(args.T)}: kernels of one forward + backward\n"
                   + profile_one(rule, args.B, max(args.T), args.H, args.D, chunk_size=args.chunk_size), flush=True)
+
+
+def pass_settings(config: str):
+    """`module_settings` that run rule 1's passes with launch `config` of PASS_CONFIGS."""
+    block_v, (warps, stages), (grad_warps, grad_stages) = PASS_CONFIGS[config]
+    return module_settings(regression, PASS_BLOCK_V=block_v,
+                           PASS_LAUNCH={"num_warps": warps, "num_stages": stages},
+                           GRAD_PASS_LAUNCH={"num_warps": grad_warps, "num_stages": grad_stages})
+
+
+def time_pass_configs(B, T, H, D, *, chunk_size, configs=tuple(PASS_CONFIGS)) -> list[str]:
+    """Table rows: rule 1's triton op, forward and forward + backward (bf16), under each pass launch of `configs`
+    (the first is the baseline), each checked first against the baseline's output and gradients (the launches
+    change no arithmetic, only which program computes which value columns)."""
+    inputs = make_inputs(B, T, H, D, torch.bfloat16)
+
+    def run():
+        return run_triton(*inputs, rule="1", chunk_size=chunk_size)[0]
+
+    def outputs_and_grads():
+        o = run()
+        return [o.detach(), *torch.autograd.grad(o.float().square().sum(), inputs)]
+
+    with pass_settings(configs[0]):
+        reference = outputs_and_grads()
+    times = {}
+    for config in configs:
+        with pass_settings(config):
+            error = max(rel_err(a, b) for a, b in zip(outputs_and_grads(), reference))
+            if not error < 1e-2:
+                raise SystemExit(f"rule 1 with passes {config!r} disagrees with {configs[0]!r} (rel err {error:.1e})")
+            times[config] = [bench(run, backward=backward, inputs=inputs) for backward in (False, True)]
+    base = times[configs[0]]
+    return [f"| 1 | {T} | {config} | {fwd:.2f} | {fwd / base[0]:.2f}x | {both:.2f} | {both / base[1]:.2f}x |"
+            for config, (fwd, both) in times.items()]
 
 
 def profile_one(rule, B, T, H, D, *, chunk_size, rows=20) -> str:

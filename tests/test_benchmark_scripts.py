@@ -165,6 +165,37 @@ print(g.time_documents("1A", 2, 40, 2, 16, 3, chunk_size=16))
     assert "| 1A | 40 | 3 | 1.00 | 1.00 | 1.00x |" in result.stdout
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="runs the Triton kernels under the interpreter (needs triton)")
+def test_gpu_fast_weight_triton_times_pass_configs():
+    """`gpu_fast_weight_triton.py --pass-configs`'s rows (on the CPU under Triton's interpreter, a stand-in timer):
+    every launch of rule 1's passes runs, matches the default one, lands in the table, and the settings are put back;
+    a launch that changed the numbers would stop the run."""
+    code = """
+import torch, gpu_fast_weight_triton as g
+from hybridlm.ops.fast_weight.triton import regression
+g.make_inputs = lambda B, T, H, D, dtype: [t.requires_grad_(True) for t in (
+    torch.randn(B, T, H, D), torch.nn.functional.normalize(torch.randn(B, T, H, D), dim=-1), torch.randn(B, T, H, D),
+    torch.rand(B, T, H), 0.1 * torch.rand(B, T, H))]
+g.bench = lambda fn, backward, inputs: (fn().float().sum().backward(), 1.0)[1]
+print("\\n".join(g.time_pass_configs(1, 20, 1, 128, chunk_size=16)))
+print("restored", regression.PASS_BLOCK_V, regression.PASS_LAUNCH, regression.GRAD_PASS_LAUNCH)
+g.PASS_CONFIGS["broken"] = (32, (4, 1), (4, 1))
+real = g.run_triton
+g.run_triton = lambda *a, **k: (lambda o, s: (o * (1.1 if regression.PASS_LAUNCH["num_warps"] == 4 else 1.0), s))(
+    *real(*a, **k))
+g.time_pass_configs(1, 20, 1, 128, chunk_size=16, configs=("default", "broken"))
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=BENCHMARKS, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"}, check=False)
+    lines = result.stdout.splitlines()
+    assert lines[:4] == ["| 1 | 20 | default | 1.00 | 1.00x | 1.00 | 1.00x |",
+                         "| 1 | 20 | BV64 8w1s | 1.00 | 1.00x | 1.00 | 1.00x |",
+                         "| 1 | 20 | BV32 4w1s | 1.00 | 1.00x | 1.00 | 1.00x |",
+                         "| 1 | 20 | BV64 4w1s | 1.00 | 1.00x | 1.00 | 1.00x |"], result.stderr[-2000:]
+    assert lines[4] == "restored 32 {'num_warps': 8, 'num_stages': 2} {'num_warps': 8, 'num_stages': 3}"
+    assert result.returncode != 0 and "with passes 'broken' disagrees with 'default'" in result.stderr
+
+
 @pytest.mark.parametrize("script", ["gpu_ops.py", "gpu_train_step.py", "gpu_fla_compare.py", "gpu_short_conv.py",
                                     "gpu_fast_weight_triton.py", "gpu_ssd.py", "serve_bench.py", "sft_bench.py",
                                     "serve_step_profile.py"])

@@ -38,6 +38,9 @@ from hybridlm.ops.utils import triton_interpreting
 # 588 B per thread against 4524 / 2052 at 4; benchmarks/ptxas_spills.py).
 PASS_LAUNCH = {"num_warps": 8, "num_stages": 2}
 GRAD_PASS_LAUNCH = {"num_warps": 8, "num_stages": 3}
+# Value columns per program of both passes where they hold all of K > 64 (each program carries a [K, BV] float32
+# state block through every chunk; 64 at smaller K). The passes' program count is V / BV x rows x heads.
+PASS_BLOCK_V = 32
 
 
 def forward_1(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int,
@@ -113,7 +116,7 @@ class EventPlan(ChunkPlan):
                              f"got {slots}")
         self.slots = slots
         self.BK_full = block(self.K, 128)  # the pass and dq kernels hold all of K
-        self.BV_pass = block(self.V, 32 if self.BK_full > 64 else 64)
+        self.BV_pass = block(self.V, PASS_BLOCK_V if self.BK_full > 64 else 64)
 
     def scan(self, x, y, eta, L, S0):
         """The WY factors and the sequential pass: every chunk's entry state [N * H, n_chunks, K, V], the residuals
