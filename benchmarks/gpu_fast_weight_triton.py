@@ -57,10 +57,12 @@ from hybridlm.ops.fast_weight.triton import (
 
 WINDOW = {"1A": 1, "3A": 3, "1": 1}
 # Launches of rule 1's passes: (value columns per program, (warps, stages) of the forward pass, of the reverse pass).
-# The first is the default; the others fit two programs per SM (4 warps) or halve the programs (BV = 64).
+# The first is the default; the others spill least (8 warps, 1 stage: benchmarks/ptxas_spills.py), fit two programs
+# per SM (4 warps) or halve the programs (BV = 64).
 PASS_CONFIGS = {
     "default": (regression.PASS_BLOCK_V, (regression.PASS_LAUNCH["num_warps"], regression.PASS_LAUNCH["num_stages"]),
                 (regression.GRAD_PASS_LAUNCH["num_warps"], regression.GRAD_PASS_LAUNCH["num_stages"])),
+    "BV32 8w1s": (32, (8, 1), (8, 1)),
     "BV64 8w1s": (64, (8, 1), (8, 1)),
     "BV32 4w1s": (32, (4, 1), (4, 1)),
     "BV64 4w1s": (64, (4, 1), (4, 1)),

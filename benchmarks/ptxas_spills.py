@@ -8,6 +8,9 @@ Compiles each kernel to PTX with Triton for sm_90 at several (warps, pipeline st
 the `ptxas -v` that Triton uses for sm_90 on it: registers per thread and the bytes of spill stores / loads per
 thread. A spill is a round trip through local memory inside a latency-bound sequential walk over the chunks, so this
 is the cheap first look before a GPU timing (which decides). `*` marks the configuration `regression.py` launches.
+Also the shared memory per program and how many programs an SM holds at once by registers and shared memory
+(65,536 registers and 228 KB per H100 / H200 SM): the two passes run V / BV x rows x heads programs in waves of
+132 SMs x that many. `--pass-block-v 32 64` compiles the passes at each value block (`regression.PASS_BLOCK_V`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from hybridlm.ops.fast_weight.triton import regression_kernels, wy
-from hybridlm.ops.fast_weight.triton.regression import GRAD_PASS_LAUNCH, PASS_LAUNCH
+from hybridlm.ops.fast_weight.triton.regression import GRAD_PASS_LAUNCH, PASS_BLOCK_V, PASS_LAUNCH
 
 
 def sm90_ptxas() -> str:
@@ -39,6 +42,16 @@ def sm90_ptxas() -> str:
 
 PTXAS = sm90_ptxas()
 BF16_POINTERS = ("x_ptr", "q_ptr", "y_ptr", "do_ptr", "dx_ptr", "dq_ptr")
+SM_REGISTERS, SM_SHARED_BYTES = 65536, 228 * 1024  # per SM on sm_90
+
+
+def programs_per_sm(registers: int, shared: int, warps: int) -> int:
+    """Programs (thread blocks) one sm_90 SM holds at once, by registers (allocated per warp in units of 256) and
+    shared memory (1 KB reserved per block)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = SM_REGISTERS // (per_warp * warps)
+    by_shared = SM_SHARED_BYTES // (shared + 1024)
+    return min(by_registers, by_shared)
 
 
 def launched() -> dict[str, tuple[int, int]]:
@@ -49,8 +62,9 @@ def launched() -> dict[str, tuple[int, int]]:
 
 
 def ptxas_stats(kernel, constexprs: dict, *, warps: int, stages: int,
-                bf16_pointers: tuple[str, ...] = BF16_POINTERS) -> tuple[int, int, int]:
-    """(registers, spill store bytes, spill load bytes) per thread of `kernel` compiled for sm_90 (bf16 inputs)."""
+                bf16_pointers: tuple[str, ...] = BF16_POINTERS) -> tuple[int, int, int, int]:
+    """(registers, spill store bytes, spill load bytes) per thread and shared memory bytes per program of `kernel`
+    compiled for sm_90 (bf16 inputs)."""
     fn = kernel.fn if hasattr(kernel, "configs") else kernel  # under the autotuner
     constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
     signature = {name: "constexpr" if name in constexprs else "*bf16" if name in bf16_pointers
@@ -68,7 +82,7 @@ def ptxas_stats(kernel, constexprs: dict, *, warps: int, stages: int,
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     if registers is None or spills is None:
         raise RuntimeError(f"unexpected ptxas output:\n{report}")
-    return int(registers.group(1)), int(spills.group(1)), int(spills.group(2))
+    return int(registers.group(1)), int(spills.group(1)), int(spills.group(2)), int(compiled.metadata.shared)
 
 
 def main() -> None:
@@ -78,30 +92,36 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--configs", nargs="+", default=["4x2", "4x3", "8x2", "8x3"],
                         help="WARPSxSTAGES launch configs")
+    parser.add_argument("--pass-block-v", type=int, nargs="+", default=None,
+                        help="value blocks of the two passes (default: EventPlan's, regression.PASS_BLOCK_V at K > 64)")
     args = parser.parse_args()
     block_k = max(16, triton.next_power_of_2(args.K))
-    pass_v = min(max(16, triton.next_power_of_2(args.V)), 32 if block_k > 64 else 64)  # EventPlan.BV_pass
+    block_v = max(16, triton.next_power_of_2(args.V))
+    launched_v = min(block_v, PASS_BLOCK_V if block_k > 64 else 64)  # EventPlan.BV_pass
+    pass_blocks = args.pass_block_v or [launched_v]
     grad_blocks = min(64, block_k), min(64, max(16, triton.next_power_of_2(args.V)))  # regression's gradient blocks
     sizes = {"K": args.K, "V": args.V, "BT": args.chunk, "BK": block_k, "PREC": "tf32", "PREC32": "tf32",
              "SLOTS": 1, "READ_AFTER": True, "HAS_INIT": True, "INTERPRET": False, "N_PARTS": -(-block_k // 64)}
     kernels = ((wy, "tinv_kernel", {"BK": grad_blocks[0]}), (wy, "wu_kernel", {"BD": max(grad_blocks)}),
-               (regression_kernels, "delta_pass_kernel", {"BV": pass_v}),
-               (regression_kernels, "delta_grad_pass_kernel", {"BV": pass_v}),
+               *((regression_kernels, name, {"BV": bv}) for name in ("delta_pass_kernel", "delta_grad_pass_kernel")
+                 for bv in pass_blocks),
                (regression_kernels, "delta_grad_state_kernel", {"BK": grad_blocks[0], "BV": grad_blocks[1]}),
                (regression_kernels, "delta_grad_kernel", {"BK": grad_blocks[0], "BV": grad_blocks[1]}))
     print(f"# {time.strftime('%Y-%m-%d')} | ptxas sm_90a (triton {triton.__version__}) | K={args.K} V={args.V} "
           f"chunk={args.chunk} bf16")
-    print("| kernel | blocks | warps x stages | registers | spill stores (B) | spill loads (B) |")
-    print("|---|---|---|---|---|---|")
+    print("| kernel | blocks | warps x stages | registers | spill stores (B) | spill loads (B) | shared (KB) "
+          "| programs per SM |")
+    print("|---|---|---|---|---|---|---|---|")
     for module, name, blocks in kernels:
         for config in args.configs:
             warps, stages = (int(part) for part in config.split("x"))
-            registers, stores, loads = ptxas_stats(getattr(module, name), dict(sizes, **blocks), warps=warps,
-                                                   stages=stages)
-            mark = " *" if launched().get(name) == (warps, stages) else ""
+            registers, stores, loads, shared = ptxas_stats(getattr(module, name), dict(sizes, **blocks),
+                                                           warps=warps, stages=stages)
+            launched_blocks = name not in launched() or blocks["BV"] == launched_v
+            mark = " *" if launched().get(name) == (warps, stages) and launched_blocks else ""
             shown = " ".join(f"{block}={size}" for block, size in blocks.items())
-            print(f"| {name} | {shown} | {warps} x {stages}{mark} | {registers} | {stores} | {loads} |",
-                  flush=True)
+            print(f"| {name} | {shown} | {warps} x {stages}{mark} | {registers} | {stores} | {loads} | "
+                  f"{shared / 1024:.0f} | {programs_per_sm(registers, shared, warps)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -188,11 +188,12 @@ g.time_pass_configs(1, 20, 1, 128, chunk_size=16, configs=("default", "broken"))
     result = subprocess.run([sys.executable, "-c", code], cwd=BENCHMARKS, capture_output=True, text=True,
                             timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"}, check=False)
     lines = result.stdout.splitlines()
-    assert lines[:4] == ["| 1 | 20 | default | 1.00 | 1.00x | 1.00 | 1.00x |",
+    assert lines[:5] == ["| 1 | 20 | default | 1.00 | 1.00x | 1.00 | 1.00x |",
+                         "| 1 | 20 | BV32 8w1s | 1.00 | 1.00x | 1.00 | 1.00x |",
                          "| 1 | 20 | BV64 8w1s | 1.00 | 1.00x | 1.00 | 1.00x |",
                          "| 1 | 20 | BV32 4w1s | 1.00 | 1.00x | 1.00 | 1.00x |",
                          "| 1 | 20 | BV64 4w1s | 1.00 | 1.00x | 1.00 | 1.00x |"], result.stderr[-2000:]
-    assert lines[4] == "restored 32 {'num_warps': 8, 'num_stages': 2} {'num_warps': 8, 'num_stages': 3}"
+    assert lines[5] == "restored 32 {'num_warps': 8, 'num_stages': 2} {'num_warps': 8, 'num_stages': 3}"
     assert result.returncode != 0 and "with passes 'broken' disagrees with 'default'" in result.stderr
 
 
@@ -236,4 +237,22 @@ def test_ptxas_spills():
     assert [row[0] for row in rows] == ["| tinv_kernel", "| wu_kernel", "| delta_pass_kernel",
                                         "| delta_grad_pass_kernel", "| delta_grad_state_kernel", "| delta_grad_kernel"]
     assert all(int(row[3]) > 0 and int(row[4]) >= 0 for row in rows)  # registers, spill stores
+    assert all(float(row[6]) >= 0 and int(row[7].rstrip(" |")) >= 1 for row in rows)  # shared KB, programs per SM
     assert rows[2][2].endswith("*")  # the forward pass's launch configuration is marked
+    out = run("ptxas_spills.py", "--K", "16", "--V", "32", "--chunk", "16", "--configs", launched,
+              "--pass-block-v", "16", "32")
+    passes = [line.split(" | ")[:3] for line in out.splitlines() if "pass_kernel |" in line]
+    assert passes == [["| delta_pass_kernel", "BV=16", launched.replace("x", " x ")],
+                      ["| delta_pass_kernel", "BV=32", launched.replace("x", " x ") + " *"],
+                      ["| delta_grad_pass_kernel", "BV=16", launched.replace("x", " x ")],
+                      ["| delta_grad_pass_kernel", "BV=32", launched.replace("x", " x ")]]
+
+
+def test_programs_per_sm_by_registers_and_shared_memory():
+    sys.path.insert(0, str(BENCHMARKS))
+    from ptxas_spills import programs_per_sm
+
+    assert programs_per_sm(255, 115 * 1024, 8) == 1  # 256 registers x 256 threads fill the register file
+    assert programs_per_sm(255, 57 * 1024, 4) == 2
+    assert programs_per_sm(64, 100 * 1024, 4) == 2  # by shared memory: 2 x 101 KB of 228
+    assert programs_per_sm(32, 0, 4) == 16
