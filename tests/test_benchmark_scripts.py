@@ -248,6 +248,7 @@ def test_ptxas_spills():
                       ["| delta_grad_pass_kernel", "BV=32", launched.replace("x", " x ")]]
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="imports triton's compiler (ptxas_spills.py)")
 def test_programs_per_sm_by_registers_and_shared_memory():
     sys.path.insert(0, str(BENCHMARKS))
     from ptxas_spills import programs_per_sm
