@@ -164,6 +164,12 @@ def sample_eval_pairs(width: int, count: int, *, seed: int) -> tuple[np.ndarray,
 
 # --- sequences and batches -------------------------------------------------------------------------
 
+def example_length(width):
+    """Tokens of one example of `width`-digit operands (or of each in an array): <bos> a + b = (the n + 1 sum
+    digits) <eos>."""
+    return 3 * width + 5
+
+
 def sequences(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Token ids [N, 3n + 5]: <bos> a + b = reversed sum <eos>."""
     count = len(a)
@@ -193,7 +199,7 @@ def train_batch(rng: np.random.Generator, batch_size: int, *, min_width: int = 1
     if pad_width < max_width:
         raise ValueError(f"pad_width ({pad_width}) must be >= max_width ({max_width})")
     widths = rng.integers(min_width, max_width + 1, size=batch_size)
-    length = 3 * pad_width + 5
+    length = example_length(pad_width)
     input_ids = np.full((batch_size, length), PAD, dtype=np.int64)
     labels = np.full((batch_size, length), IGNORE_INDEX, dtype=np.int64)
     for width in np.unique(widths):
@@ -213,16 +219,16 @@ def packed_train_batch(rng: np.random.Generator, rows: int, row_length: int, *, 
     next one fits and ends in <pad> (that example opens the next row). `position_ids` restart at 0 at every example
     and at the padding, so that the model runs each example on its own (attention and recurrent states stop at the
     restarts: `HybridModel`'s packed documents); labels as in `train_batch` (the sum digits and <eos>)."""
-    longest = 3 * max_width + 5
+    longest = example_length(max_width)
     if row_length < longest:
         raise ValueError(f"a packed row of {row_length} tokens cannot hold a {max_width}-digit example "
                          f"({longest} tokens); use --pack-length >= {longest}")
-    mean_length = 3 * (min_width + max_width) / 2 + 5
+    mean_length = example_length((min_width + max_width) / 2)
     widths, row_of, start_of = [], [], []
     row, used = 0, 0
     while row < rows:  # draws in blocks of about one batch's examples; the last block's unused draws are dropped
         for width in rng.integers(min_width, max_width + 1, size=int(rows * row_length / mean_length) + 16).tolist():
-            length = 3 * width + 5
+            length = example_length(width)
             if used + length > row_length:
                 row, used = row + 1, 0
                 if row == rows:
@@ -243,7 +249,7 @@ def packed_train_batch(rng: np.random.Generator, rows: int, row_length: int, *, 
         labels[cells] = target_labels(tokens, include_eos=True)
         restarts[row_of[pick], start_of[pick]] = True
     ends = np.zeros(rows, dtype=np.int64)
-    np.maximum.at(ends, row_of, start_of + 3 * widths + 5)
+    np.maximum.at(ends, row_of, start_of + example_length(widths))
     tail = ends < row_length
     restarts[np.nonzero(tail)[0], ends[tail]] = True  # the padding is a document of its own
     columns = np.arange(row_length)[None, :]
@@ -475,9 +481,9 @@ def check_recipe(recipe: AdditionRecipe) -> None:
                          f"({recipe.steps} steps), or the model never sees the widest operands; lower "
                          "--curriculum-steps (0 turns it off)")
     check_non_negative(recipe, "eval_every", "curriculum_steps", "pack_length")  # 0: at the end / none / no packing
-    if recipe.pack_length and recipe.pack_length < 3 * recipe.train_max_width + 5:
+    if recipe.pack_length and recipe.pack_length < example_length(recipe.train_max_width):
         raise ValueError(f"--pack-length {recipe.pack_length} cannot hold a {recipe.train_max_width}-digit example "
-                         f"({3 * recipe.train_max_width + 5} tokens); use 0 (no packing) or at least that")
+                         f"({example_length(recipe.train_max_width)} tokens); use 0 (no packing) or at least that")
     check_counts_and_size(recipe, "steps", "batch_size", "eval_per_width", "val_per_width", "eval_batch_size",
                           "curriculum_start")
 

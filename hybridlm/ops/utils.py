@@ -63,6 +63,30 @@ def packed_group(offsets: torch.Tensor, start: int, stop: int) -> tuple[slice, t
     return slice(first, last), offsets[start:stop + 1] - first
 
 
+def call_in_row_groups(call, steps: list, rows: list, *, heads: int, offsets: torch.Tensor | None, join_rows):
+    """`call(steps, rows, offsets) -> (out, per_row)` once per group of sequences of `launch_row_groups` (once, as
+    given, for the usual shapes), for the Triton front doors. `steps`: tensors laid out [B, T, ...] (or [1, total,
+    ...] packed by `offsets`; None entries pass through), cut by rows or by packed token ranges; `rows`: one entry
+    per sequence (a tensor or state sliced by `[start:stop]`, or None). The outputs `out` are joined along the rows
+    (dim 0) or the packed tokens (dim 1), the per-sequence results by `join_rows(list)`."""
+    n_rows = steps[0].shape[0] if offsets is None else len(offsets) - 1
+    groups = launch_row_groups(n_rows, heads)
+    if groups is None:
+        return call(steps, rows, offsets)
+    outputs, per_row = [], []
+    for start, stop in groups:
+        if offsets is None:
+            cut, group_offsets = slice(start, stop), None
+            group_steps = [None if t is None else t[cut] for t in steps]
+        else:
+            tokens, group_offsets = packed_group(offsets, start, stop)
+            group_steps = [None if t is None else t[:, tokens] for t in steps]
+        out, result = call(group_steps, [None if r is None else r[start:stop] for r in rows], group_offsets)
+        outputs.append(out)
+        per_row.append(result)
+    return torch.cat(outputs, dim=0 if offsets is None else 1), join_rows(per_row)
+
+
 def check_cu_seqlens(cu_seqlens: torch.Tensor, *, batch_size: int, total_len: int) -> torch.Tensor:
     """Validate packed-sequence offsets `[N + 1]` and return them as a CPU int64 tensor.
 

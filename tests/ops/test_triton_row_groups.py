@@ -16,6 +16,7 @@ import torch
 from tests.ops.triton_modes import DEVICE, gpu_only, interpret  # sets the mode
 
 from hybridlm.ops import FastWeightState, fast_weight_attention
+from hybridlm.ops import utils as op_utils
 from hybridlm.ops.fast_weight import op as fast_weight_op
 from hybridlm.ops.ssd import ssd
 from hybridlm.ops.utils import MAX_GRID_YZ, launch_row_groups, packed_group
@@ -50,9 +51,9 @@ def test_packed_group_rebases_offsets():
     assert (tokens.start, tokens.stop) == (0, 70) and rebased.tolist() == offsets.tolist()
 
 
-def test_state_rows_and_cat_round_trip():
+def test_state_slices_and_cat_round_trip():
     state = random_state(5, 2, 3, 4, window=3)
-    parts = [state.rows(0, 2), state.rows(2, 3), state.rows(3, 5)]
+    parts = [state[0:2], state[2:3], state[3:5]]
     assert parts[1].S.shape == (1, 2, 3, 4) and parts[2].tail_len.shape == (2,)
     joined = FastWeightState.cat(parts)
     for name in ("S", "last_k", "tail_x", "tail_v", "tail_len"):
@@ -61,8 +62,9 @@ def test_state_rows_and_cat_round_trip():
 
 
 def _spy_on(monkeypatch, module, name, *, max_programs):
-    """Lower the grid limit that `module`'s front door plans with, and count the Triton backend's calls."""
-    monkeypatch.setattr(module, "launch_row_groups", functools.partial(launch_row_groups, max_programs=max_programs))
+    """Lower the grid limit the front doors plan their groups with, and count `module`'s calls of its Triton backend
+    `name`."""
+    monkeypatch.setattr(op_utils, "launch_row_groups", functools.partial(launch_row_groups, max_programs=max_programs))
     calls = []
     backend = getattr(module, name)
 

@@ -15,8 +15,7 @@ from hybridlm.ops.fast_weight.triton import slow_path_reason as triton_slow_path
 from hybridlm.ops.utils import (
     check_cu_seqlens,
     compute_dtype,
-    launch_row_groups,
-    packed_group,
+    call_in_row_groups,
     resolve_backend,
     triton_available,
     triton_runs_on,
@@ -138,26 +137,17 @@ def fast_weight_attention(
 
 
 def _triton_in_row_groups(q, k, v, beta, lam, options, *, state, offsets, seq_idx):
-    """`fast_weight_triton`, called once per group of sequences that keeps its launches within CUDA's grid
-    (`launch_row_groups`): one call for the usual shapes; more for batch rows x heads > 65535 (a synthetic task's
-    batch of 8192 rows x 8 heads), whose outputs and final states are joined in order."""
-    n_rows = q.shape[0] if offsets is None else len(offsets) - 1
-    groups = launch_row_groups(n_rows, q.shape[2])
-    if groups is None:
-        return fast_weight_triton(q, k, v, beta, lam, options, initial_state=state, offsets=offsets, seq_idx=seq_idx)
-    outputs, finals = [], []
-    for start, stop in groups:
-        if offsets is None:
-            inputs = [t[start:stop] for t in (q, k, v, beta, lam)]
-            group_offsets = None
-        else:
-            tokens, group_offsets = packed_group(offsets, start, stop)
-            inputs = [t[:, tokens] for t in (q, k, v, beta, lam)]
-        o, final = fast_weight_triton(*inputs, options, initial_state=state.rows(start, stop), offsets=group_offsets,
-                                      seq_idx=None if seq_idx is None else seq_idx[start:stop])
-        outputs.append(o)
-        finals.append(final)
-    return torch.cat(outputs, dim=0 if offsets is None else 1), FastWeightState.cat(finals)
+    """`fast_weight_triton` once per group of sequences that keeps its launches within CUDA's grid: one call for the
+    usual shapes; more for sequences x heads > 65535 (a synthetic task's 8192 rows x 8 heads, thousands of packed
+    documents), whose outputs and final states are joined in order (`call_in_row_groups`)."""
+
+    def call(steps, rows, group_offsets):
+        *inputs, group_seq_idx = steps
+        return fast_weight_triton(*inputs, options, initial_state=rows[0], offsets=group_offsets,
+                                  seq_idx=group_seq_idx)
+
+    return call_in_row_groups(call, [q, k, v, beta, lam, seq_idx], [state], heads=q.shape[2], offsets=offsets,
+                              join_rows=FastWeightState.cat)
 
 
 def _backend(q, v, *, rule, window, packed, backend) -> str:

@@ -43,13 +43,13 @@ class FastWeightState:
         tail_len = None if self.tail_len is None else self.tail_len.to(device=moved[0].device)
         return FastWeightState(*moved, tail_len)
 
-    def rows(self, start: int, stop: int) -> FastWeightState:
-        """The states of sequences start..stop-1 (views)."""
-        return FastWeightState(*(None if t is None else t[start:stop] for t in self._fields()))
+    def __getitem__(self, rows: slice) -> FastWeightState:
+        """The states of a range of sequences, `state[start:stop]` (views)."""
+        return FastWeightState(*(None if t is None else t[rows] for t in self._fields()))
 
     @staticmethod
     def cat(states: list[FastWeightState]) -> FastWeightState:
-        """The states of several calls over consecutive sequences, one row per sequence in order (`rows`' inverse)."""
+        """The states of several calls over consecutive sequences, one row per sequence in order (slicing's inverse)."""
         columns = zip(*(s._fields() for s in states))
         return FastWeightState(*(None if parts[0] is None else torch.cat(parts) for parts in columns))
 

@@ -23,8 +23,7 @@ from hybridlm.ops.ssd.triton import ssd_triton
 from hybridlm.ops.utils import (
     check_cu_seqlens,
     compute_dtype,
-    launch_row_groups,
-    packed_group,
+    call_in_row_groups,
     resolve_backend,
     seq_idx_segments,
     warn_slow_path,
@@ -122,26 +121,17 @@ def ssd(
 
 
 def _triton_in_row_groups(x, dt, A, B, C, *, D, chunk_size, initial_state, offsets):
-    """`ssd_triton`, called once per group of sequences that keeps its launches within CUDA's grid
-    (`launch_row_groups`): one call for the usual shapes; more for batch rows x heads > 65535, whose outputs and
-    final states are joined in order."""
-    n_rows = x.shape[0] if offsets is None else len(offsets) - 1
-    groups = launch_row_groups(n_rows, x.shape[2])
-    if groups is None:
-        return ssd_triton(x, dt, A, B, C, D=D, chunk_size=chunk_size, initial_state=initial_state, offsets=offsets)
-    outputs, finals = [], []
-    for start, stop in groups:
-        if offsets is None:
-            inputs = [t[start:stop] for t in (x, dt)] + [A] + [t[start:stop] for t in (B, C)]
-            group_offsets = None
-        else:
-            tokens, group_offsets = packed_group(offsets, start, stop)
-            inputs = [t[:, tokens] for t in (x, dt)] + [A] + [t[:, tokens] for t in (B, C)]
-        y, final = ssd_triton(*inputs, D=D, chunk_size=chunk_size, offsets=group_offsets,
-                              initial_state=None if initial_state is None else initial_state[start:stop])
-        outputs.append(y)
-        finals.append(final)
-    return torch.cat(outputs, dim=0 if offsets is None else 1), torch.cat(finals)
+    """`ssd_triton` once per group of sequences that keeps its launches within CUDA's grid: one call for the usual
+    shapes; more for sequences x heads > 65535, whose outputs and final states are joined in order
+    (`call_in_row_groups`)."""
+
+    def call(steps, rows, group_offsets):
+        group_x, group_dt, group_B, group_C = steps
+        return ssd_triton(group_x, group_dt, A, group_B, group_C, D=D, chunk_size=chunk_size, initial_state=rows[0],
+                          offsets=group_offsets)
+
+    return call_in_row_groups(call, [x, dt, B, C], [initial_state], heads=x.shape[2], offsets=offsets,
+                              join_rows=torch.cat)
 
 
 def _backend(x, B, C, *, seq_idx, backend) -> str:
