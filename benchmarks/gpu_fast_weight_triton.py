@@ -23,9 +23,9 @@ forward and forward+backward of:
 documents restarted in place (`seq_idx`, the rows' shapes, what a compiled model runs) against the same documents
 through `cu_seqlens` (the rows laid end to end, then padded per document by the backend). It skips the main table,
 whose rule-1 rows alone take minutes.
-`--pass-configs` times rule 1's triton op instead under other launches of its two sequential passes (value columns
-per program `regression.PASS_BLOCK_V`, warps and pipeline stages of `PASS_LAUNCH` / `GRAD_PASS_LAUNCH`; `PASS_CONFIGS`
-below), each checked against the default launch's outputs and gradients first, with the ratio to the default.
+`--pass-configs` times rule 1's triton op instead under other launches of its two sequential passes
+(`regression.PassLaunch`: value columns per program, warps and pipeline stages; `PASS_CONFIGS` below), each checked
+against the launch the op picks (`regression.pass_launch`) first, with the ratio to it.
 `--profile` then prints, per rule at the longest T, the kernels of one forward + backward of the triton op with their
 GPU time (torch.profiler): which stage to work on. Prints a markdown table with the ratios triton / SDPA and
 chunk / triton, and what the triton op's time means against
@@ -56,16 +56,19 @@ from hybridlm.ops.fast_weight.triton import (
 )
 
 WINDOW = {"1A": 1, "3A": 3, "1": 1}
-# Launches of rule 1's passes: (value columns per program, (warps, stages) of the forward pass, of the reverse pass).
-# The first is the default; the others spill least (8 warps, 1 stage: benchmarks/ptxas_spills.py), fit two programs
-# per SM (4 warps) or halve the programs (BV = 64).
+# Launches of rule 1's passes (`regression.PassLaunch`: value columns per program, (warps, stages) of the forward pass
+# and of the reverse pass) timed against what `regression.pass_launch` picks for the shape ("default"): both of its
+# launches, the ones that spill least at 8 warps x 1 stage (benchmarks/ptxas_spills.py), two programs per SM at 4
+# warps, and wider value blocks.
 PASS_CONFIGS = {
-    "default": (regression.PASS_BLOCK_V, (regression.PASS_LAUNCH["num_warps"], regression.PASS_LAUNCH["num_stages"]),
-                (regression.GRAD_PASS_LAUNCH["num_warps"], regression.GRAD_PASS_LAUNCH["num_stages"])),
-    "BV32 8w1s": (32, (8, 1), (8, 1)),
-    "BV64 8w1s": (64, (8, 1), (8, 1)),
-    "BV32 4w1s": (32, (4, 1), (4, 1)),
-    "BV64 4w1s": (64, (4, 1), (4, 1)),
+    "default": None,
+    "narrow": regression.NARROW_PASSES,
+    "wide": regression.WIDE_PASSES,
+    "BV32 8w1s": regression.PassLaunch(32, (8, 1), (8, 1)),
+    "BV64 8w1s": regression.PassLaunch(64, (8, 1), (8, 1)),
+    "BV32 4w1s": regression.PassLaunch(32, (4, 1), (4, 1)),
+    "BV64 4w1s / 8w1s": regression.PassLaunch(64, (4, 1), (8, 1)),
+    "BV128 8w1s": regression.PassLaunch(128, (8, 1), (8, 1)),
 }
 
 
@@ -176,6 +179,9 @@ def main() -> None:
             for line in time_pass_configs(args.B, T, args.H, args.D, chunk_size=args.chunk_size):
                 print(line, flush=True)
             torch.cuda.empty_cache()
+        if args.profile:
+            print(f"\n### 1, T={max(args.T)}: kernels of one forward + backward\n"
+                  + profile_one("1", args.B, max(args.T), args.H, args.D, chunk_size=args.chunk_size), flush=True)
         return
     for rule in args.rules:
         check(rule, chunk_size=args.chunk_size)
@@ -208,11 +214,11 @@ def main() -> None:
 
 
 def pass_settings(config: str):
-    """`module_settings` that run rule 1's passes with launch `config` of PASS_CONFIGS."""
-    block_v, (warps, stages), (grad_warps, grad_stages) = PASS_CONFIGS[config]
-    return module_settings(regression, PASS_BLOCK_V=block_v,
-                           PASS_LAUNCH={"num_warps": warps, "num_stages": stages},
-                           GRAD_PASS_LAUNCH={"num_warps": grad_warps, "num_stages": grad_stages})
+    """Settings under which rule 1's passes launch as `config` of PASS_CONFIGS ("default": as the op picks)."""
+    launch = PASS_CONFIGS[config]
+    if launch is None:
+        return contextlib.nullcontext()
+    return module_settings(regression, pass_launch=lambda K, V, NH: launch)
 
 
 def time_pass_configs(B, T, H, D, *, chunk_size, configs=tuple(PASS_CONFIGS)) -> list[str]:
@@ -238,7 +244,13 @@ def time_pass_configs(B, T, H, D, *, chunk_size, configs=tuple(PASS_CONFIGS)) ->
                 raise SystemExit(f"rule 1 with passes {config!r} disagrees with {configs[0]!r} (rel err {error:.1e})")
             times[config] = [bench(run, backward=backward, inputs=inputs) for backward in (False, True)]
     base = times[configs[0]]
-    return [f"| 1 | {T} | {config} | {fwd:.2f} | {fwd / base[0]:.2f}x | {both:.2f} | {both / base[1]:.2f}x |"
+    picked = {regression.NARROW_PASSES: "narrow", regression.WIDE_PASSES: "wide"}.get(
+        regression.pass_launch(D, D, B * H), "other")
+
+    def label(config):
+        return config if PASS_CONFIGS[config] else f"{config} ({picked})"
+
+    return [f"| 1 | {T} | {label(config)} | {fwd:.2f} | {fwd / base[0]:.2f}x | {both:.2f} | {both / base[1]:.2f}x |"
             for config, (fwd, both) in times.items()]
 
 

@@ -7,10 +7,11 @@ machine with triton (no GPU).
 Compiles each kernel to PTX with Triton for sm_90 at several (warps, pipeline stages) launch configurations and runs
 the `ptxas -v` that Triton uses for sm_90 on it: registers per thread and the bytes of spill stores / loads per
 thread. A spill is a round trip through local memory inside a latency-bound sequential walk over the chunks, so this
-is the cheap first look before a GPU timing (which decides). `*` marks the configuration `regression.py` launches.
+is the cheap first look before a GPU timing (which decides). `*` marks a configuration `regression.py` launches
+(the passes: `regression.NARROW_PASSES` and `WIDE_PASSES`, each at its value block).
 Also the shared memory per program and how many programs an SM holds at once by registers and shared memory
 (65,536 registers and 228 KB per H100 / H200 SM): the two passes run V / BV x rows x heads programs in waves of
-132 SMs x that many. `--pass-block-v 32 64` compiles the passes at each value block (`regression.PASS_BLOCK_V`).
+132 SMs x that many. `--pass-block-v 32 64` compiles the passes at each value block (default: both launches').
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from hybridlm.ops.fast_weight.triton import regression_kernels, wy
-from hybridlm.ops.fast_weight.triton.regression import GRAD_PASS_LAUNCH, PASS_BLOCK_V, PASS_LAUNCH
+from hybridlm.ops.fast_weight.triton.regression import pass_launch
+from hybridlm.ops.triton_utils import block
 
 
 def sm90_ptxas() -> str:
@@ -54,11 +56,13 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> int:
     return min(by_registers, by_shared)
 
 
-def launched() -> dict[str, tuple[int, int]]:
-    """regression.py's (warps, stages) of the two passes (the per-chunk gradient kernels are autotuned over 4 / 8
-    warps x 1 / 2 stages: no fixed one)."""
-    return {name: (launch["num_warps"], launch["num_stages"])
-            for name, launch in (("delta_pass_kernel", PASS_LAUNCH), ("delta_grad_pass_kernel", GRAD_PASS_LAUNCH))}
+def launched(name: str, block_v: int, warps: int, stages: int, K: int, V: int) -> bool:
+    """Whether `regression.py` launches pass kernel `name` with value block `block_v` at (warps, stages) for K, V
+    (the narrow launch for one row x head, the wide one for many; the per-chunk gradient kernels are autotuned over
+    4 / 8 warps x 1 / 2 stages: no fixed one)."""
+    launches = {pass_launch(K, V, NH) for NH in (1, 1 << 16)}
+    return any(block_v == block(V, launch.block_v) and launch.kwargs(reverse=name == "delta_grad_pass_kernel")
+               == {"num_warps": warps, "num_stages": stages} for launch in launches)
 
 
 def ptxas_stats(kernel, constexprs: dict, *, warps: int, stages: int,
@@ -93,13 +97,12 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["4x2", "4x3", "8x2", "8x3"],
                         help="WARPSxSTAGES launch configs")
     parser.add_argument("--pass-block-v", type=int, nargs="+", default=None,
-                        help="value blocks of the two passes (default: EventPlan's, regression.PASS_BLOCK_V at K > 64)")
+                        help="value blocks of the two passes (default: the narrow and the wide launch's)")
     args = parser.parse_args()
     block_k = max(16, triton.next_power_of_2(args.K))
-    block_v = max(16, triton.next_power_of_2(args.V))
-    launched_v = min(block_v, PASS_BLOCK_V if block_k > 64 else 64)  # EventPlan.BV_pass
-    pass_blocks = args.pass_block_v or [launched_v]
-    grad_blocks = min(64, block_k), min(64, max(16, triton.next_power_of_2(args.V)))  # regression's gradient blocks
+    pass_blocks = args.pass_block_v or sorted({block(args.V, pass_launch(args.K, args.V, NH).block_v)
+                                               for NH in (1, 1 << 16)})
+    grad_blocks = block(args.K, 64), block(args.V, 64)  # regression's gradient blocks
     sizes = {"K": args.K, "V": args.V, "BT": args.chunk, "BK": block_k, "PREC": "tf32", "PREC32": "tf32",
              "SLOTS": 1, "READ_AFTER": True, "HAS_INIT": True, "INTERPRET": False, "N_PARTS": -(-block_k // 64)}
     kernels = ((wy, "tinv_kernel", {"BK": grad_blocks[0]}), (wy, "wu_kernel", {"BD": max(grad_blocks)}),
@@ -117,8 +120,8 @@ def main() -> None:
             warps, stages = (int(part) for part in config.split("x"))
             registers, stores, loads, shared = ptxas_stats(getattr(module, name), dict(sizes, **blocks),
                                                            warps=warps, stages=stages)
-            launched_blocks = name not in launched() or blocks["BV"] == launched_v
-            mark = " *" if launched().get(name) == (warps, stages) and launched_blocks else ""
+            is_pass = name in ("delta_pass_kernel", "delta_grad_pass_kernel")
+            mark = " *" if is_pass and launched(name, blocks["BV"], warps, stages, args.K, args.V) else ""
             shown = " ".join(f"{block}={size}" for block, size in blocks.items())
             print(f"| {name} | {shown} | {warps} x {stages}{mark} | {registers} | {stores} | {loads} | "
                   f"{shared / 1024:.0f} | {programs_per_sm(registers, shared, warps)} |", flush=True)

@@ -178,22 +178,22 @@ g.make_inputs = lambda B, T, H, D, dtype: [t.requires_grad_(True) for t in (
     torch.rand(B, T, H), 0.1 * torch.rand(B, T, H))]
 g.bench = lambda fn, backward, inputs: (fn().float().sum().backward(), 1.0)[1]
 print("\\n".join(g.time_pass_configs(1, 20, 1, 128, chunk_size=16)))
-print("restored", regression.PASS_BLOCK_V, regression.PASS_LAUNCH, regression.GRAD_PASS_LAUNCH)
-g.PASS_CONFIGS["broken"] = (32, (4, 1), (4, 1))
+print("restored", regression.pass_launch(128, 128, 1) == regression.NARROW_PASSES,
+      regression.pass_launch(128, 128, 132) == regression.WIDE_PASSES)
+g.PASS_CONFIGS["broken"] = regression.PassLaunch(32, (4, 1), (4, 1))
 real = g.run_triton
-g.run_triton = lambda *a, **k: (lambda o, s: (o * (1.1 if regression.PASS_LAUNCH["num_warps"] == 4 else 1.0), s))(
-    *real(*a, **k))
+g.run_triton = lambda *a, **k: (lambda o, s: (o * (1.1 if regression.pass_launch(128, 128, 1).forward[0] == 4 else 1.0),
+                                              s))(*real(*a, **k))
 g.time_pass_configs(1, 20, 1, 128, chunk_size=16, configs=("default", "broken"))
 """
     result = subprocess.run([sys.executable, "-c", code], cwd=BENCHMARKS, capture_output=True, text=True,
                             timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"}, check=False)
     lines = result.stdout.splitlines()
-    assert lines[:5] == ["| 1 | 20 | default | 1.00 | 1.00x | 1.00 | 1.00x |",
-                         "| 1 | 20 | BV32 8w1s | 1.00 | 1.00x | 1.00 | 1.00x |",
-                         "| 1 | 20 | BV64 8w1s | 1.00 | 1.00x | 1.00 | 1.00x |",
-                         "| 1 | 20 | BV32 4w1s | 1.00 | 1.00x | 1.00 | 1.00x |",
-                         "| 1 | 20 | BV64 4w1s | 1.00 | 1.00x | 1.00 | 1.00x |"], result.stderr[-2000:]
-    assert lines[5] == "restored 32 {'num_warps': 8, 'num_stages': 2} {'num_warps': 8, 'num_stages': 3}"
+    labels = ["default (narrow)", "narrow", "wide", "BV32 8w1s", "BV64 8w1s", "BV32 4w1s", "BV64 4w1s / 8w1s",
+              "BV128 8w1s"]
+    assert lines[:8] == [f"| 1 | 20 | {label} | 1.00 | 1.00x | 1.00 | 1.00x |" for label in labels], \
+        result.stderr[-2000:]
+    assert lines[8] == "restored True True"
     assert result.returncode != 0 and "with passes 'broken' disagrees with 'default'" in result.stderr
 
 
@@ -229,9 +229,9 @@ def test_gpu_model_same_size_variants(preset):
 @pytest.mark.skipif(not HAS_TRITON or importlib.util.find_spec("triton.backends.nvidia") is None,
                     reason="compiles with triton's CUDA backend and ptxas (no GPU needed)")
 def test_ptxas_spills():
-    from hybridlm.ops.fast_weight.triton.regression import PASS_LAUNCH
+    from hybridlm.ops.fast_weight.triton.regression import NARROW_PASSES
 
-    launched = "{num_warps}x{num_stages}".format(**PASS_LAUNCH)  # the forward pass's launch
+    launched = "{}x{}".format(*NARROW_PASSES.forward)  # the forward pass's launch at K <= 64
     out = run("ptxas_spills.py", "--K", "16", "--V", "16", "--chunk", "16", "--configs", launched)
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "_kernel |" in line]
     assert [row[0] for row in rows] == ["| tinv_kernel", "| wu_kernel", "| delta_pass_kernel",

@@ -282,6 +282,59 @@ def test_rule_1a_scan_launches_with_scan_blocks(monkeypatch, min_programs, block
     assert launched == [((n_blocks, 2), BK, BV)] * 3
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (no GPU)")
+def test_pass_launch_widens_when_its_programs_cover_the_sms():
+    """Rule 1's passes: the narrow launch (32 value columns, 8 warps) for few rows x heads, the wide one (64 columns,
+    4 warps, two programs per SM) once its V / 64 x rows x heads programs reach WIDE_PASS_MIN_PROGRAMS (an H200's
+    132 SMs); at K <= 64 value blocks of 64 at the narrow launch's warps, whatever the batch."""
+    from hybridlm.ops.fast_weight.triton.regression import (
+        NARROW_PASSES,
+        WIDE_PASS_MIN_PROGRAMS,
+        WIDE_PASSES,
+        pass_launch,
+    )
+
+    assert WIDE_PASS_MIN_PROGRAMS == 132
+    assert (NARROW_PASSES.block_v, NARROW_PASSES.kwargs(), NARROW_PASSES.kwargs(reverse=True)) == (
+        32, {"num_warps": 8, "num_stages": 2}, {"num_warps": 8, "num_stages": 3})
+    assert (WIDE_PASSES.block_v, WIDE_PASSES.kwargs(), WIDE_PASSES.kwargs(reverse=True)) == (
+        64, {"num_warps": 4, "num_stages": 1}, {"num_warps": 4, "num_stages": 1})
+    assert pass_launch(128, 128, 8 * 16) == WIDE_PASSES  # the op benchmark's shape: 2 x 128 = 256 programs
+    assert pass_launch(128, 128, 66) == WIDE_PASSES and pass_launch(128, 128, 65) == NARROW_PASSES  # 132 vs 130
+    assert pass_launch(128, 128, 2 * 8) == NARROW_PASSES and pass_launch(128, 40, 132) == WIDE_PASSES
+    for NH in (1, 4096):
+        small = pass_launch(64, 64, NH)
+        assert (small.block_v, small.forward, small.reverse) == (64, NARROW_PASSES.forward, NARROW_PASSES.reverse)
+
+
+@interpret
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_rule_1_passes_under_both_launches(monkeypatch, wide):
+    """Both launches of the passes (forward and reverse) give rule 1's outputs, final state and gradients against the
+    float64 loop at K = V = 128 (several value blocks per state); they launch with the chosen value block and warps."""
+    from hybridlm.ops.fast_weight.triton import regression
+
+    launched = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((grid[0], kwargs["BV"], kwargs["num_warps"], kwargs["num_stages"]))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in ("delta_pass_kernel", "delta_grad_pass_kernel"):
+        monkeypatch.setattr(regression.regression_kernels, name, Spy(getattr(regression.regression_kernels, name)))
+    monkeypatch.setattr(regression, "WIDE_PASS_MIN_PROGRAMS", 1 if wide else 10**6)
+    check_against_reference(1, 70, 2, 128, 128, dtype=torch.float32, chunk_size=32, read_after=True, rule="1")
+    passes = regression.WIDE_PASSES if wide else regression.NARROW_PASSES
+    fwd = (128 // passes.block_v, passes.block_v, *passes.forward)
+    assert launched == [fwd, fwd, (128 // passes.block_v, passes.block_v, *passes.reverse)]  # forward, recomputed
+
+
 def test_supports_rule_1_window_1_only():
     assert supports(rule="1", window=1, K=64, V=64, dtype=torch.float32)
     assert not supports(rule="1", window=2, K=64, V=64, dtype=torch.float32)

@@ -26,6 +26,8 @@ then one kernel for dy, d eta, d log_gamma (per value tile) and one for dq, dx (
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hybridlm.ops.fast_weight.triton import chunk_output, chunk_state, regression_kernels, wy
@@ -34,13 +36,43 @@ from hybridlm.ops.fast_weight.triton.decays import chunk_cumsum, chunk_cumsum_co
 from hybridlm.ops.triton_utils import block
 from hybridlm.ops.utils import triton_interpreting
 
-# Launches (warps, stages) of rule 1's two sequential passes, from ptxas spill counts at K = V = 128 (8 warps: 168 /
-# 588 B per thread against 4524 / 2052 at 4; benchmarks/ptxas_spills.py).
-PASS_LAUNCH = {"num_warps": 8, "num_stages": 2}
-GRAD_PASS_LAUNCH = {"num_warps": 8, "num_stages": 3}
-# Value columns per program of both passes where they hold all of K > 64 (each program carries a [K, BV] float32
-# state block through every chunk; 64 at smaller K). The passes' program count is V / BV x rows x heads.
-PASS_BLOCK_V = 32
+
+
+@dataclass(frozen=True)
+class PassLaunch:
+    """How rules 1 and 3's two sequential passes launch where they hold all of K > 64: value columns per program
+    (each program carries a [K, block_v] float32 state block through every chunk, so the grid is V / block_v x rows x
+    heads programs) and (warps, stages) of the forward pass and of the reverse pass. At K <= 64 the value block is
+    64 and the launch the narrow one's."""
+
+    block_v: int
+    forward: tuple[int, int]
+    reverse: tuple[int, int]
+
+    def kwargs(self, reverse: bool = False) -> dict:
+        warps, stages = self.reverse if reverse else self.forward
+        return {"num_warps": warps, "num_stages": stages}
+
+
+# The passes are latency-bound walks over the chunks, so their time is the walk's time x the waves of programs.
+# Narrow: 32 value columns at 8 warps, the fewest spills (ptxas at K = V = 128: all 255 registers, one program per
+# SM); many programs, so the most SMs share a small batch. Wide: 64 columns at 4 warps, two programs per SM despite
+# the spills; half the programs, each walk longer, ahead once its programs cover every SM of an H200 (132) and the
+# narrow launch would run in several waves. benchmarks/RESULTS.md times both and the launches between them.
+NARROW_PASSES = PassLaunch(block_v=32, forward=(8, 2), reverse=(8, 3))
+WIDE_PASSES = PassLaunch(block_v=64, forward=(4, 1), reverse=(4, 1))
+WIDE_PASS_MIN_PROGRAMS = 132
+
+
+def pass_launch(K: int, V: int, NH: int) -> PassLaunch:
+    """The passes' launch for K key and V value dimensions over NH rows x heads: `WIDE_PASSES` where its programs
+    (ceil(V / 64) x NH) reach `WIDE_PASS_MIN_PROGRAMS`, else `NARROW_PASSES`; at K <= 64 value blocks of 64 at the
+    narrow launch's warps."""
+    if block(K, 128) <= 64:
+        return PassLaunch(64, NARROW_PASSES.forward, NARROW_PASSES.reverse)
+    if -(-V // WIDE_PASSES.block_v) * NH >= WIDE_PASS_MIN_PROGRAMS:
+        return WIDE_PASSES
+    return NARROW_PASSES
 
 
 def forward_1(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int,
@@ -80,7 +112,7 @@ def backward_1(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chun
     regression_kernels.delta_grad_pass_kernel[(-(-p.V // p.BV_pass), p.NH)](
         x, eta, L, tinv, dr, dS0 if init is None else init, dh, dz, dS0, p.T, p.T_pad, p.n_chunks, p.H, **sizes,
         BK=p.BK_full, BV=p.BV_pass, SLOTS=p.slots, HAS_INIT=init is not None, INTERPRET=triton_interpreting(),
-        PREC32=p.prec, **GRAD_PASS_LAUNCH)
+        PREC32=p.prec, **p.passes.kwargs(reverse=True))
     # dq (and q_t . dq_t), per chunk (ptxas, sm_90, K = V = 128, C = 64, bf16, 8 warps: no spill at BV = 32).
     BV_q = block(p.V, 32) if p.BK_full > 64 else block(p.V, 64)
     dq = torch.empty_like(q)
@@ -116,7 +148,8 @@ class EventPlan(ChunkPlan):
                              f"got {slots}")
         self.slots = slots
         self.BK_full = block(self.K, 128)  # the pass and dq kernels hold all of K
-        self.BV_pass = block(self.V, PASS_BLOCK_V if self.BK_full > 64 else 64)
+        self.passes = pass_launch(self.K, self.V, self.NH)
+        self.BV_pass = block(self.V, self.passes.block_v)
 
     def scan(self, x, y, eta, L, S0):
         """The WY factors and the sequential pass: every chunk's entry state [N * H, n_chunks, K, V], the residuals
@@ -140,7 +173,7 @@ class EventPlan(ChunkPlan):
         regression_kernels.delta_pass_kernel[(-(-V // self.BV_pass), NH)](
             x, eta, L, U, W, final if S0 is None else S0, states, R, final, T, self.T_pad, self.n_chunks, H, K=K,
             V=V, BT=BT, BK=self.BK_full, BV=self.BV_pass, HAS_INIT=S0 is not None, INTERPRET=triton_interpreting(),
-            PREC32=self.prec, **PASS_LAUNCH)
+            PREC32=self.prec, **self.passes.kwargs())
         return states, R, final, tinv
 
 
