@@ -179,7 +179,7 @@ g.make_inputs = lambda B, T, H, D, dtype: [t.requires_grad_(True) for t in (
 g.bench = lambda fn, backward, inputs: (fn().float().sum().backward(), 1.0)[1]
 print("\\n".join(g.time_pass_configs(1, 20, 1, 128, chunk_size=16)))
 print("restored", regression.pass_launch(128, 128, 1) == regression.NARROW_PASSES,
-      regression.pass_launch(128, 128, 132) == regression.WIDE_PASSES)
+      regression.pass_launch(128, 128, 128) == regression.WIDE_PASSES)
 g.PASS_CONFIGS["broken"] = regression.PassLaunch(32, (4, 1), (4, 1))
 real = g.run_triton
 g.run_triton = lambda *a, **k: (lambda o, s: (o * (1.1 if regression.pass_launch(128, 128, 1).forward[0] == 4 else 1.0),

@@ -157,11 +157,15 @@ def long_16bit_errors(rule: str, window: int) -> dict[str, float]:
 
 
 @interpret
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 @pytest.mark.parametrize("rule,window", [("1", 1), ("3", 3)])
-def test_long_16bit_rows_match_float64(rule, window):
+def test_long_16bit_rows_match_float64(rule, window, wide, monkeypatch):
     """The passes' float32 factors keep 16-bit inputs far inside the 16-bit tolerance over ten chunks: the kernels'
     own error, the inputs' rounding taken out (bfloat16 factors would reach the 2e-2 tolerance here: r is a small
-    difference of two large terms)."""
+    difference of two large terms); under both launches of the passes (`regression.pass_launch`)."""
+    from hybridlm.ops.fast_weight.triton import regression  # (imports triton: not at the module's import)
+
+    monkeypatch.setattr(regression, "WIDE_PASS_MIN_PROGRAMS", 1 if wide else 10**6)
     errors = long_16bit_errors(rule, window)
     assert set(errors) == {"o", "S", "dq", "dk", "dv", "dbeta", "dlam"}
     assert all(error < 5e-3 for error in errors.values()), errors  # a NaN fails too

@@ -57,11 +57,12 @@ class PassLaunch:
 # The passes are latency-bound walks over the chunks, so their time is the walk's time x the waves of programs.
 # Narrow: 32 value columns at 8 warps, the fewest spills (ptxas at K = V = 128: all 255 registers, one program per
 # SM); many programs, so the most SMs share a small batch. Wide: 64 columns at 4 warps, two programs per SM despite
-# the spills; half the programs, each walk longer, ahead once its programs cover every SM of an H200 (132) and the
-# narrow launch would run in several waves. benchmarks/RESULTS.md times both and the launches between them.
+# the spills; half the programs, each walk longer, ahead once its programs about cover the SMs of an H200 (132), so
+# that the narrow launch would run in two waves or more. benchmarks/RESULTS.md times both and the launches between
+# them at several batch x head counts.
 NARROW_PASSES = PassLaunch(block_v=32, forward=(8, 2), reverse=(8, 3))
 WIDE_PASSES = PassLaunch(block_v=64, forward=(4, 1), reverse=(4, 1))
-WIDE_PASS_MIN_PROGRAMS = 132
+WIDE_PASS_MIN_PROGRAMS = 128
 
 
 def pass_launch(K: int, V: int, NH: int) -> PassLaunch:
