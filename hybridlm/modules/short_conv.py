@@ -52,9 +52,13 @@ def causal_conv1d(
             f"causal_conv1d: initial_state must be [{rows}, {width}, {channels}] (one row per sequence, last K-1 "
             f"inputs), got {tuple(initial_state.shape)}"
         )
+    if seq_idx is not None and cu_seqlens is not None:
+        raise ValueError("causal_conv1d: pass either cu_seqlens or seq_idx, not both")
+    if cu_seqlens is not None and initial_state is None and not output_final_state and packed_in_place(x, rows):
+        # Packed documents with no state in or out (training): the taps masked at the documents' starts on the
+        # packed row itself, as for seq_idx, instead of the gapped row below.
+        seq_idx, cu_seqlens = sequence_ids(offsets, length)[None], None  # [1, T]
     if seq_idx is not None:
-        if cu_seqlens is not None:
-            raise ValueError("causal_conv1d: pass either cu_seqlens or seq_idx, not both")
         segments = seq_idx_segments(seq_idx, (batch, length))  # [B, T]
         state = initial_state.to(x.dtype) if initial_state is not None else x.new_zeros(batch, width, channels)
         extended = torch.cat([state, x], dim=1)  # [B, K-1+T, C]
@@ -95,6 +99,21 @@ def causal_conv1d(
     if activation == "silu":
         y = F.silu(y)
     return y, final
+
+
+# On a GPU in eager mode, packed rows whose documents average at most this many tokens run in place; longer ones on
+# the gapped row, whose depthwise conv kernel is the faster for them (benchmarks/gpu_short_conv.py --packed).
+IN_PLACE_MAX_MEAN_DOCUMENT = 1024
+
+
+def packed_in_place(x: torch.Tensor, documents: int) -> bool:
+    """Whether a packed row x [1, T, C] of `documents` documents, with no state in or out, runs in place (the taps
+    masked at the documents' starts) rather than on the gapped row (K - 1 slots of history before each document):
+    wherever `_depthwise` is the shifted sum anyway (CPU, torch.compile), where the gapped row only adds a scatter
+    and a gather; else for documents of at most IN_PLACE_MAX_MEAN_DOCUMENT tokens on average."""
+    if x.device.type == "cpu" or torch.compiler.is_compiling():
+        return True
+    return x.shape[1] <= documents * IN_PLACE_MAX_MEAN_DOCUMENT
 
 
 def _depthwise(extended: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

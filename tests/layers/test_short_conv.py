@@ -116,6 +116,45 @@ def test_packed_documents_equal_each_alone(with_state):
     assert not torch.allclose(unpacked[:, 5:6], packed[:, 5:6], atol=1e-4)
 
 
+def test_packed_documents_without_state_run_in_place(monkeypatch):
+    """Packed documents with no state in or out (training) take the in-place form (taps masked at the documents'
+    starts): the same outputs and gradients, in float64, as each document alone and as the gapped form (which zero
+    initial states select); documents shorter than K - 1."""
+    torch.manual_seed(4)
+    cu = torch.tensor([0, 6, 7, 9, 17])
+    weight = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(1, 17, 5, dtype=torch.float64, requires_grad=True)
+    seen = []
+    real = short_conv._depthwise
+    with monkeypatch.context() as patch:  # the in-place form never builds the gapped row (whose conv `_depthwise` runs)
+        patch.setattr(short_conv, "_depthwise", lambda *args: seen.append(args[0].shape) or real(*args))
+        in_place, final = causal_conv1d(x, weight, bias, activation="silu", cu_seqlens=cu)
+        assert seen == [] and final is None
+        causal_conv1d(x, weight, bias, cu_seqlens=cu, output_final_state=True)  # a final state: the gapped row
+        assert seen == [(1, 17 + 4 * 3, 5)]
+    gapped, _ = causal_conv1d(x, weight, bias, activation="silu", cu_seqlens=cu,
+                              initial_state=torch.zeros(4, 3, 5, dtype=torch.float64))
+    alone = torch.cat([causal_conv1d(x[:, a:b], weight, bias, activation="silu")[0]
+                       for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
+    probe = torch.randn_like(in_place)
+    grads = [torch.autograd.grad((y * probe).sum(), (x, weight, bias)) for y in (in_place, gapped, alone)]
+    for y, g in zip((gapped, alone), grads[1:]):
+        torch.testing.assert_close(in_place, y, rtol=1e-12, atol=1e-12)
+        for a, b in zip(grads[0], g):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_packed_rows_run_in_place_for_short_documents():
+    """On the CPU (where the conv is the shifted sum anyway) always; elsewhere (a GPU in eager mode; here the meta
+    device) while the documents average at most IN_PLACE_MAX_MEAN_DOCUMENT tokens."""
+    assert short_conv.IN_PLACE_MAX_MEAN_DOCUMENT == 1024
+    assert short_conv.packed_in_place(torch.empty(1, 10**6, 8), 1)
+    x = torch.empty(1, 491_520, 8, device="meta")  # a packed addition batch: 480 rows x 1024 tokens
+    assert short_conv.packed_in_place(x, 8700) and short_conv.packed_in_place(x, 480)
+    assert not short_conv.packed_in_place(x, 479) and not short_conv.packed_in_place(x[:, :32768], 8)
+
+
 def test_position_ids_mark_the_same_boundaries():
     position_ids = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
     assert cu_seqlens_from_position_ids(position_ids).tolist() == [0, 3, 5, 6, 10, 12]
