@@ -1,5 +1,5 @@
-"""Pure tensor functions (no module state): the fast-weight rules (`fast_weight`) and the Mamba-2 SSD scan
-(`ssd`: `from hybridlm.ops.ssd import ssd`). `SlowPathWarning`: what both issue where `backend="auto"` on CUDA runs
+"""Pure tensor functions (no module state): the fast-weight rules (`fast_weight`), the Mamba-2 SSD scan
+(`ssd`: `from hybridlm.ops.ssd import ssd`) and the mixers' short causal conv (`short_conv`). `SlowPathWarning`: what both issue where `backend="auto"` on CUDA runs
 a torch path for a call their Triton kernels cannot take."""
 
 from __future__ import annotations

@@ -1,0 +1,25 @@
+"""The mixers' short causal depthwise convolution as a pure function, with documents restarting inside a row:
+
+    y_t[c] = act(bias[c] + sum_{k=0}^{K-1} w[c, k] x_{t-K+1+k}[c] [same document as t])
+
+- `short_conv_naive(...)`: the float64 reference, one tap at a time (`naive.py`);
+- `short_conv_triton(...)`: Triton kernels for training on a GPU, forward and backward, one launch each
+  (`kernels.py`; imported on the first call, so importing this package never needs triton).
+
+No state enters or leaves: the decoding path and carried states stay with `hybridlm.modules.causal_conv1d`, which
+also takes packed rows by `cu_seqlens`.
+"""
+
+from __future__ import annotations
+
+from hybridlm.ops.short_conv.naive import short_conv_naive
+
+
+def short_conv_triton(x, weight, bias=None, *, seq_idx=None, activation=None):
+    """The conv on the Triton kernels; see `kernels.short_conv_triton`."""
+    from hybridlm.ops.short_conv.kernels import short_conv_triton as run
+
+    return run(x, weight, bias, seq_idx=seq_idx, activation=activation)
+
+
+__all__ = ["short_conv_naive", "short_conv_triton"]

@@ -1,0 +1,164 @@
+"""Triton kernels of the short causal depthwise conv for training, forward and backward, with documents restarting
+inside rows (`naive.py` is the reference; the math in `__init__.py`).
+
+The rows are laid end to end as one row of L = B T steps, with a segment id per step that changes at every row
+start and every document start, so both kernels see one packed row: tap k of step t reads x_{t-K+1+k} where that
+step exists and has t's segment. Each program walks STEPS blocks of BT steps in one block of BC channels.
+
+- Forward: y_t = act(bias + sum_k w_k x_{t-K+1+k}), float32 accumulation, stored in x's dtype.
+- Backward: g_t = dL/d(pre-activation)_t = dy_t act'(pre_t) is needed at the K steps t..t+K-1 that read x_t, so the
+  kernel recomputes the pre-activations there (K x K taps from cache) instead of storing them:
+  dx_t = sum_j w_{K-1-j} g_{t+j} [same segment]; the program's partial sums of dw_k = sum_t g_t x_{t-K+1+k} and
+  db = sum_t g_t go to a [programs, ...] buffer that torch sums (no atomics: the same sum every run).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridlm.ops.short_conv.naive import ACTIVATIONS
+from hybridlm.ops.utils import seq_idx_segments
+
+BT, BC, STEPS = 32, 64, 16  # steps per block, channels per block, blocks per program
+
+
+@triton.jit
+def _tap(x_ptr, seg_ptr, src, inside, seg_t, c, C):
+    """x[src, c] as float32 where `inside` holds and step src has segment seg_t, else 0: [len(src), len(c)]."""
+    keep = inside & (src >= 0)
+    keep = keep & (tl.load(seg_ptr + src, mask=keep, other=-1) == seg_t)
+    offs = src.to(tl.int64)[:, None] * C + c[None, :]
+    return tl.load(x_ptr + offs, mask=keep[:, None] & (c[None, :] < C), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _pre_activation(x_ptr, w_ptr, seg_ptr, t, inside, bias, c, C, K: tl.constexpr):
+    """bias + sum_k w_k x_{t-K+1+k} (same segment as t) at steps t: [len(t), len(c)] float32."""
+    seg_t = tl.load(seg_ptr + t, mask=inside, other=-2)
+    acc = tl.zeros([t.shape[0], c.shape[0]], dtype=tl.float32) + bias[None, :]
+    for k in tl.static_range(K):
+        w_k = tl.load(w_ptr + c * K + k, mask=c < C, other=0.0).to(tl.float32)
+        acc += _tap(x_ptr, seg_ptr, t - (K - 1) + k, inside, seg_t, c, C) * w_k[None, :]
+    return acc
+
+
+@triton.jit(do_not_specialize=["L"])
+def short_conv_fwd_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, y_ptr, L, C, K: tl.constexpr, BT: tl.constexpr,
+                          BC: tl.constexpr, STEPS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """y [L, C] of x [L, C], w [C, K], b [C], segments [L]. Grid (cdiv(L, STEPS BT), cdiv(C, BC))."""
+    i_t, i_c = tl.program_id(0), tl.program_id(1)
+    c = i_c * BC + tl.arange(0, BC)
+    bias = tl.zeros([BC], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+    for step in range(STEPS):
+        t = (i_t * STEPS + step) * BT + tl.arange(0, BT)
+        inside = t < L
+        y = _pre_activation(x_ptr, w_ptr, seg_ptr, t, inside, bias, c, C, K)
+        if SILU:
+            y = y * tl.sigmoid(y)
+        offs = t.to(tl.int64)[:, None] * C + c[None, :]
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=inside[:, None] & (c[None, :] < C))
+
+
+@triton.jit(do_not_specialize=["L"])
+def short_conv_bwd_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, dy_ptr, dx_ptr, dw_ptr, db_ptr, L, C, K: tl.constexpr,
+                          KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STEPS: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """dx [L, C] (x's dtype) and this program's partial dw [KP, C] / db [C] (float32, rows k < K of dw used) of
+    dy [L, C]. Grid (cdiv(L, STEPS BT), cdiv(C, BC)); dw_ptr / db_ptr: [grid 0, KP, C] / [grid 0, C]."""
+    i_t, i_c = tl.program_id(0), tl.program_id(1)
+    c = i_c * BC + tl.arange(0, BC)
+    in_c = c < C
+    kk = tl.arange(0, KP)
+    bias = tl.zeros([BC], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + c, mask=in_c, other=0.0).to(tl.float32)
+    dw = tl.zeros([KP, BC], dtype=tl.float32)
+    db = tl.zeros([BC], dtype=tl.float32)
+    for step in range(STEPS):
+        t = (i_t * STEPS + step) * BT + tl.arange(0, BT)
+        inside = t < L
+        seg_t = tl.load(seg_ptr + t, mask=inside, other=-3)
+        dx = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(K):  # the output step t + j reads x_t through tap K - 1 - j
+            tj = t + j
+            inside_j = tj < L
+            g = tl.load(dy_ptr + tj.to(tl.int64)[:, None] * C + c[None, :], mask=inside_j[:, None] & in_c[None, :],
+                        other=0.0).to(tl.float32)
+            if SILU:
+                pre = _pre_activation(x_ptr, w_ptr, seg_ptr, tj, inside_j, bias, c, C, K)
+                s = tl.sigmoid(pre)
+                g = g * s * (1.0 + pre * (1.0 - s))
+            w_j = tl.load(w_ptr + c * K + (K - 1 - j), mask=in_c, other=0.0).to(tl.float32)
+            same = tl.load(seg_ptr + tj, mask=inside_j, other=-4) == seg_t
+            dx += tl.where(same[:, None], g * w_j[None, :], 0.0)
+            if j == 0:  # g at the program's own steps: its share of dw and db
+                db += tl.sum(g, axis=0)
+                for k in tl.static_range(K):
+                    x_k = _tap(x_ptr, seg_ptr, t - (K - 1) + k, inside, seg_t, c, C)
+                    dw += tl.where(kk[:, None] == k, tl.sum(g * x_k, axis=0)[None, :], 0.0)
+        offs = t.to(tl.int64)[:, None] * C + c[None, :]
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=inside[:, None] & in_c[None, :])
+    part = i_t.to(tl.int64)
+    tl.store(dw_ptr + (part * KP + kk[:, None]) * C + c[None, :], dw, mask=(kk[:, None] < K) & in_c[None, :])
+    tl.store(db_ptr + part * C + c, db, mask=in_c)
+
+
+def _grid(L: int, C: int) -> tuple[int, int]:
+    return triton.cdiv(L, STEPS * BT), triton.cdiv(C, BC)
+
+
+class _ShortConv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, segments, silu: bool):
+        L, C = x.shape
+        K = weight.shape[1]
+        y = torch.empty_like(x)
+        short_conv_fwd_kernel[_grid(L, C)](x, weight, bias, segments, y, L, C, K=K, BT=BT, BC=BC, STEPS=STEPS,
+                                           HAS_BIAS=bias is not None, SILU=silu)
+        ctx.save_for_backward(x, weight, bias, segments)
+        ctx.silu = silu
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, segments = ctx.saved_tensors
+        L, C = x.shape
+        K = weight.shape[1]
+        KP = triton.next_power_of_2(K)
+        grid = _grid(L, C)
+        dx = torch.empty_like(x)
+        dw = torch.empty(grid[0], KP, C, dtype=torch.float32, device=x.device)
+        db = torch.empty(grid[0], C, dtype=torch.float32, device=x.device)
+        short_conv_bwd_kernel[grid](x, weight, bias, segments, dy.contiguous(), dx, dw, db, L, C, K=K, KP=KP, BT=BT,
+                                    BC=BC, STEPS=STEPS, HAS_BIAS=bias is not None, SILU=ctx.silu)
+        dweight = dw.sum(0)[:K].t().contiguous().to(weight.dtype)
+        dbias = None if bias is None else db.sum(0).to(bias.dtype)
+        return dx, dweight, dbias, None, None
+
+
+def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                      seq_idx: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
+    """x [B, T, C] (any float dtype), weight [C, K], bias [C] or None, seq_idx [B, T] integers or None -> y [B, T, C]
+    in x's dtype, differentiable in x, weight and bias (float32 accumulation; `naive.short_conv_naive` is the math).
+    CUDA tensors, or CPU tensors under Triton's interpreter."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"short_conv_triton: unknown activation {activation!r}; choose one of {ACTIVATIONS}")
+    if x.dim() != 3:
+        raise ValueError(f"short_conv_triton: x must be [B, T, C], got shape {tuple(x.shape)}")
+    B, T, C = x.shape
+    if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 1:
+        raise ValueError(f"short_conv_triton: weight must be [C, K] = [{C}, K >= 1], got {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (C,):
+        raise ValueError(f"short_conv_triton: bias must be [{C}], got {tuple(bias.shape)}")
+    if B * T >= 2**31:
+        raise ValueError(f"short_conv_triton: at most 2^31 - 1 steps in all (B x T = {B * T}): split the batch")
+    rows = torch.arange(B, device=x.device, dtype=torch.int64)[:, None] * T  # a row start always starts a segment
+    segments = rows if seq_idx is None else rows + seq_idx_segments(seq_idx, (B, T))
+    segments = segments.expand(B, T).reshape(B * T).to(torch.int32)
+    y = _ShortConv.apply(x.reshape(B * T, C).contiguous(), weight.contiguous(),
+                         None if bias is None else bias.contiguous(), segments, activation == "silu")
+    return y.reshape(B, T, C)

@@ -1,0 +1,138 @@
+"""The short conv's Triton kernels (`hybridlm.ops.short_conv`) against the float64 reference: outputs and the
+gradients of x, weight and bias, rows and documents restarting inside them, odd sizes, several programs.
+
+Where they run: on a GPU (CUDA + triton) every test; on the CPU under Triton's interpreter with
+HYBRIDLM_TRITON_INTERPRET=1 (float16 stands in for bfloat16 there); in CI (no triton) only the reference's own tests
+and the input checks that need no kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridlm.modules import causal_conv1d
+from hybridlm.ops.short_conv import short_conv_naive, short_conv_triton
+from tests.helpers import rel_err
+from tests.ops.triton_modes import (
+    DEVICE,
+    H200_SHARED_BYTES,
+    HAS_TRITON,
+    ON_GPU,
+    compile_for_sm90,
+    interpret,
+    needs_cuda_backend,
+)
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _inputs(B, T, C, K, *, documents=0, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, C, generator=g, dtype=torch.float64)
+    weight = torch.randn(C, K, generator=g, dtype=torch.float64) / K**0.5
+    b = torch.randn(C, generator=g, dtype=torch.float64) if bias else None
+    seq_idx = None
+    if documents:  # document starts at random steps (some documents one step long), the same ids coming back
+        starts = torch.rand(B, T, generator=g) < documents / T
+        seq_idx = (starts.long().cumsum(1) % 3).to(torch.int32)
+    return x, weight, b, seq_idx
+
+
+def _check(B, T, C, K, *, dtype, documents=0, bias=True, activation="silu", seed=0):
+    x, weight, b, seq_idx = _inputs(B, T, C, K, documents=documents, bias=bias, seed=seed)
+    x = x.to(dtype).double()  # the reference sees the rounded inputs
+    leaves = [t.clone().requires_grad_(True) for t in (x, weight, b) if t is not None]
+    y_ref = short_conv_naive(*leaves[:2], leaves[2] if bias else None, seq_idx=seq_idx, activation=activation)
+    probe = torch.randn_like(y_ref)
+    grads_ref = torch.autograd.grad((y_ref * probe).sum(), leaves)
+
+    ins = [x.to(DEVICE, dtype), weight.to(DEVICE, torch.float32)] + ([b.to(DEVICE, torch.float32)] if bias else [])
+    ins = [t.requires_grad_(True) for t in ins]
+    y = short_conv_triton(ins[0], ins[1], ins[2] if bias else None,
+                          seq_idx=None if seq_idx is None else seq_idx.to(DEVICE), activation=activation)
+    assert y.dtype == dtype and y.shape == (B, T, C)
+    grads = torch.autograd.grad((y.double() * probe.to(DEVICE)).sum(), ins)
+    errors = {"y": rel_err(y.cpu(), y_ref)}
+    for name, grad, grad_ref, leaf in zip(("dx", "dw", "db"), grads, grads_ref, ins):
+        assert grad.dtype == leaf.dtype, name
+        errors[name] = rel_err(grad.cpu(), grad_ref)
+    assert max(errors.values()) < TOL[dtype], {k: f"{v:.2e}" for k, v in errors.items()}
+
+
+CASES = [  # B, T, C, K, documents, bias, activation
+    (2, 37, 20, 4, 0, True, "silu"),  # odd sizes: a partial channel block, a partial step block
+    (2, 37, 20, 4, 6, True, "silu"),  # documents restarting inside the rows
+    (1, 50, 8, 3, 12, False, None),  # no bias, no activation, another width
+    (3, 2, 5, 4, 0, True, "silu"),  # rows shorter than the kernel
+    (1, 9, 70, 1, 3, False, "silu"),  # a one-tap kernel, two channel blocks
+    (3, 700, 16, 4, 40, True, "silu"),  # several programs along the steps (2100 > 16 x 32)
+]
+
+
+@interpret
+@pytest.mark.parametrize("B,T,C,K,documents,bias,activation", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_matches_float64_reference(B, T, C, K, documents, bias, activation, dtype):
+    if dtype == torch.bfloat16 and not ON_GPU:
+        pytest.skip("bfloat16 is checked on the GPU; float16 covers the 16-bit path under the interpreter")
+    _check(B, T, C, K, dtype=dtype, documents=documents, bias=bias, activation=activation)
+
+
+@interpret
+def test_documents_never_see_each_other():
+    """Changing one document's inputs changes no other document's outputs (nor the rows' around it)."""
+    x, weight, b, _ = _inputs(2, 30, 6, 4, seed=1)
+    seq_idx = torch.tensor([[0] * 10 + [1] * 1 + [2] * 19, [5] * 30], dtype=torch.int32)
+    run = lambda x: short_conv_triton(x.float().to(DEVICE), weight.float().to(DEVICE), b.float().to(DEVICE),
+                                      seq_idx=seq_idx.to(DEVICE), activation="silu").cpu()
+    changed = x.clone()
+    changed[0, 10] += 5.0  # the one-step document
+    diff = (run(changed) - run(x)).abs().amax(-1)
+    assert diff[0, 10] > 0 and diff[0, :10].max() == 0 and diff[0, 11:].max() == 0 and diff[1].max() == 0
+
+
+def test_reference_matches_the_module_conv():
+    """The reference is the same function as `hybridlm.modules.causal_conv1d` (seq_idx form, float64)."""
+    x, weight, b, seq_idx = _inputs(2, 40, 7, 4, documents=8, seed=2)
+    for activation in (None, "silu"):
+        y_ref = short_conv_naive(x, weight, b, seq_idx=seq_idx, activation=activation)
+        y_mod, _ = causal_conv1d(x, weight, b, activation=activation, seq_idx=seq_idx)
+        torch.testing.assert_close(y_ref, y_mod, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="imports the kernels (needs triton)")
+def test_rejects_bad_inputs():
+    x = torch.zeros(1, 4, 3)
+    with pytest.raises(ValueError, match="weight must be"):
+        short_conv_triton(x, torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="bias must be"):
+        short_conv_triton(x, torch.zeros(3, 4), torch.zeros(2))
+    with pytest.raises(ValueError, match="unknown activation"):
+        short_conv_triton(x, torch.zeros(3, 4), activation="relu")
+    with pytest.raises(ValueError, match=r"x must be \[B, T, C\]"):
+        short_conv_triton(x[0], torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="seq_idx must be"):
+        short_conv_triton(x, torch.zeros(3, 4), seq_idx=torch.zeros(1, 5, dtype=torch.int32))
+
+
+_SM90_BUILDS = """
+from hybridlm.ops.short_conv import kernels as k
+
+sizes = dict(BT=k.BT, BC=k.BC, STEPS=k.STEPS)
+for io in ("*bf16", "*fp32"):
+    for K, bias, silu in ((4, True, True), (4, False, False), (3, True, True)):
+        flags = dict(sizes, K=K, KP=4, HAS_BIAS=bias, SILU=silu)
+        build(k.short_conv_fwd_kernel, flags, io=io, io_names=("x_ptr", "y_ptr"), types={"seg_ptr": "*i32"})
+        build(k.short_conv_bwd_kernel, flags, io=io, io_names=("x_ptr", "dy_ptr", "dx_ptr"),
+              types={"seg_ptr": "*i32"})
+"""
+
+
+@needs_cuda_backend
+def test_kernels_compile_for_sm90():
+    """Both kernels build for sm_90 (bf16 and fp32 activations, with and without bias and SiLU, K = 4 and 3): the
+    compiled path the interpreter never runs."""
+    report = compile_for_sm90(_SM90_BUILDS, modules=("hybridlm.ops.short_conv.kernels",))
+    assert set(report["built"]) == report["defined"] == {"short_conv_fwd_kernel", "short_conv_bwd_kernel"}, report
+    assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
