@@ -53,11 +53,15 @@ def _check(B, T, C, K, *, dtype, documents=0, bias=True, activation="silu", seed
                           seq_idx=None if seq_idx is None else seq_idx.to(DEVICE), activation=activation)
     assert y.dtype == dtype and y.shape == (B, T, C)
     grads = torch.autograd.grad((y.double() * probe.to(DEVICE)).sum(), ins)
-    errors = {"y": rel_err(y.cpu(), y_ref)}
+    pairs = {"y": (y, y_ref)}
     for name, grad, grad_ref, leaf in zip(("dx", "dw", "db"), grads, grads_ref, ins):
         assert grad.dtype == leaf.dtype, name
-        errors[name] = rel_err(grad.cpu(), grad_ref)
+        pairs[name] = (grad, grad_ref)
+    errors = {name: rel_err(a.cpu(), b) for name, (a, b) in pairs.items()}
     assert max(errors.values()) < TOL[dtype], {k: f"{v:.2e}" for k, v in errors.items()}
+    # the largest single error too (one wrong element hides in a norm over many)
+    worst = {name: ((a.cpu().double() - b).abs().max() / b.abs().max()).item() for name, (a, b) in pairs.items()}
+    assert max(worst.values()) < 10 * TOL[dtype], {k: f"{v:.2e}" for k, v in worst.items()}
 
 
 CASES = [  # B, T, C, K, documents, bias, activation
@@ -66,6 +70,9 @@ CASES = [  # B, T, C, K, documents, bias, activation
     (1, 50, 8, 3, 12, False, None),  # no bias, no activation, another width
     (3, 2, 5, 4, 0, True, "silu"),  # rows shorter than the kernel
     (1, 9, 70, 1, 3, False, "silu"),  # a one-tap kernel, two channel blocks
+    (2, 45, 70, 4, 5, True, "silu"),  # two channel blocks with documents
+    (1, 33, 12, 2, 4, True, None),  # two taps
+    (2, 20, 9, 5, 3, True, "silu"),  # five taps (a padded tap block of 8)
     (3, 700, 16, 4, 40, True, "silu"),  # several programs along the steps (2100 > 16 x 32)
 ]
 
@@ -90,6 +97,35 @@ def test_documents_never_see_each_other():
     changed[0, 10] += 5.0  # the one-step document
     diff = (run(changed) - run(x)).abs().amax(-1)
     assert diff[0, 10] > 0 and diff[0, :10].max() == 0 and diff[0, 11:].max() == 0 and diff[1].max() == 0
+    # backward: the one-step document's output reaches its own input only
+    leaf = x.float().to(DEVICE).requires_grad_(True)
+    y = short_conv_triton(leaf, weight.float().to(DEVICE), b.float().to(DEVICE), seq_idx=seq_idx.to(DEVICE),
+                          activation="silu")
+    y[0, 10].sum().backward()
+    reached = leaf.grad.abs().amax(-1).cpu()
+    assert reached[0, 10] > 0 and reached.sum() == reached[0, 10]
+
+
+@interpret
+def test_strided_inputs_and_16bit_weights():
+    """x and dL/dy strided (not contiguous), float16 weights and bias: the same as the reference on those values,
+    the weight gradients in float16."""
+    g = torch.Generator().manual_seed(5)
+    x_wide = torch.randn(2, 40, 24, generator=g)
+    weight = (torch.randn(12, 4, generator=g) / 2).half()
+    b = torch.randn(12, generator=g).half()
+    probe = torch.randn(2, 12, 40, generator=g, dtype=torch.float64)  # dL/dy arrives transposed: strided
+    leaves = [t.double().requires_grad_(True) for t in (x_wide[:, :, ::2], weight, b)]
+    y_ref = short_conv_naive(*leaves, activation="silu")
+    grads_ref = torch.autograd.grad((y_ref.transpose(1, 2) * probe).sum(), leaves)
+    x_dev = x_wide.to(DEVICE).requires_grad_(True)
+    ins = [x_dev, weight.to(DEVICE).requires_grad_(True), b.to(DEVICE).requires_grad_(True)]
+    y = short_conv_triton(x_dev[:, :, ::2], ins[1], ins[2], activation="silu")
+    grads = torch.autograd.grad((y.transpose(1, 2).double() * probe.to(DEVICE)).sum(), ins)
+    assert rel_err(y.cpu(), y_ref) < 1e-5
+    assert grads[1].dtype == grads[2].dtype == torch.float16
+    assert rel_err(grads[0][:, :, ::2].cpu(), grads_ref[0]) < 1e-5 and grads[0][:, :, 1::2].abs().max() == 0
+    assert rel_err(grads[1].cpu(), grads_ref[1]) < 2e-3 and rel_err(grads[2].cpu(), grads_ref[2]) < 2e-3
 
 
 def test_reference_matches_the_module_conv():
@@ -114,6 +150,8 @@ def test_rejects_bad_inputs():
         short_conv_triton(x[0], torch.zeros(3, 4))
     with pytest.raises(ValueError, match="seq_idx must be"):
         short_conv_triton(x, torch.zeros(3, 4), seq_idx=torch.zeros(1, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="split the batch"):  # int32 step indices (no memory: an expanded view)
+        short_conv_triton(torch.zeros(1, 1, 1).expand(2**16, 2**15, 1), torch.zeros(1, 4))
 
 
 _SM90_BUILDS = """

@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from hybridlm.ops.short_conv.naive import ACTIVATIONS
-from hybridlm.ops.utils import seq_idx_segments
+from hybridlm.ops.utils import on_tensor_device, seq_idx_segments
 
 BT, BC, STEPS = 32, 64, 16  # steps per block, channels per block, blocks per program
 
@@ -117,13 +118,15 @@ class _ShortConv(torch.autograd.Function):
         L, C = x.shape
         K = weight.shape[1]
         y = torch.empty_like(x)
-        short_conv_fwd_kernel[_grid(L, C)](x, weight, bias, segments, y, L, C, K=K, BT=BT, BC=BC, STEPS=STEPS,
-                                           HAS_BIAS=bias is not None, SILU=silu)
+        with on_tensor_device(x):
+            short_conv_fwd_kernel[_grid(L, C)](x, weight, bias, segments, y, L, C, K=K, BT=BT, BC=BC, STEPS=STEPS,
+                                               HAS_BIAS=bias is not None, SILU=silu)
         ctx.save_for_backward(x, weight, bias, segments)
         ctx.silu = silu
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x, weight, bias, segments = ctx.saved_tensors
         L, C = x.shape
@@ -133,8 +136,9 @@ class _ShortConv(torch.autograd.Function):
         dx = torch.empty_like(x)
         dw = torch.empty(grid[0], KP, C, dtype=torch.float32, device=x.device)
         db = torch.empty(grid[0], C, dtype=torch.float32, device=x.device)
-        short_conv_bwd_kernel[grid](x, weight, bias, segments, dy.contiguous(), dx, dw, db, L, C, K=K, KP=KP, BT=BT,
-                                    BC=BC, STEPS=STEPS, HAS_BIAS=bias is not None, SILU=ctx.silu)
+        with on_tensor_device(x):
+            short_conv_bwd_kernel[grid](x, weight, bias, segments, dy.contiguous(), dx, dw, db, L, C, K=K, KP=KP,
+                                        BT=BT, BC=BC, STEPS=STEPS, HAS_BIAS=bias is not None, SILU=ctx.silu)
         dweight = dw.sum(0)[:K].t().contiguous().to(weight.dtype)
         dbias = None if bias is None else db.sum(0).to(bias.dtype)
         return dx, dweight, dbias, None, None
@@ -154,8 +158,9 @@ def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise ValueError(f"short_conv_triton: weight must be [C, K] = [{C}, K >= 1], got {tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (C,):
         raise ValueError(f"short_conv_triton: bias must be [{C}], got {tuple(bias.shape)}")
-    if B * T >= 2**31:
-        raise ValueError(f"short_conv_triton: at most 2^31 - 1 steps in all (B x T = {B * T}): split the batch")
+    most = 2**31 - 1 - STEPS * BT - weight.shape[1]  # the kernels index steps in int32, to a program's end + K - 1
+    if B * T > most:
+        raise ValueError(f"short_conv_triton: at most {most} steps in all (B x T = {B * T}): split the batch")
     rows = torch.arange(B, device=x.device, dtype=torch.int64)[:, None] * T  # a row start always starts a segment
     segments = rows if seq_idx is None else rows + seq_idx_segments(seq_idx, (B, T))
     segments = segments.expand(B, T).reshape(B * T).to(torch.int32)

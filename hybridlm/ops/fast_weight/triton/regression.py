@@ -37,7 +37,6 @@ from hybridlm.ops.triton_utils import block
 from hybridlm.ops.utils import triton_interpreting
 
 
-
 @dataclass(frozen=True)
 class PassLaunch:
     """How rules 1 and 3's two sequential passes launch where they hold all of K > 64: value columns per program
