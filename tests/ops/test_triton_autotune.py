@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 
 MODULES = tuple(f"hybridlm.ops.fast_weight.triton.{name}" for name in (
     "decays", "chunk_state", "chunk_output", "inner_product_kernels", "wy", "regression_kernels", "band", "prepare",
-)) + ("hybridlm.ops.ssd.triton.kernels",)
+)) + ("hybridlm.ops.ssd.triton.kernels", "hybridlm.ops.short_conv.kernels")
 
 # Imports MODULES with the environment it is given, then prints, for every autotuned kernel, its configurations,
 # whether it caches them, and the launch each of four call-time settings makes: the switch unset, set to 0, the
@@ -52,7 +52,7 @@ print(json.dumps(out))
 """
 
 # The kernels whose fixed launch has 4 warps (the others': 8).
-FOUR_WARPS = ("hybridlm.ops.ssd", "hybridlm.ops.fast_weight.triton.wy.tinv_kernel")
+FOUR_WARPS = ("hybridlm.ops.ssd", "hybridlm.ops.short_conv", "hybridlm.ops.fast_weight.triton.wy.tinv_kernel")
 
 
 def autotuners(**env: str) -> dict:
@@ -65,7 +65,7 @@ def autotuners(**env: str) -> dict:
 
 def test_kernels_tune_over_four_launches_with_cached_results():
     found = autotuners()
-    assert len(found) == 19, sorted(found)  # 15 fast-weight kernels, 4 SSD kernels
+    assert len(found) == 21, sorted(found)  # 15 fast-weight kernels, 4 SSD kernels, 2 short conv kernels
     for kernel, report in found.items():
         assert sorted(report["configs"]) == ["4x1", "4x2", "8x1", "8x2"], kernel
         assert report["cached"] and report["call_time"], kernel

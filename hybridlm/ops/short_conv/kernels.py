@@ -3,7 +3,8 @@ inside rows (`naive.py` is the reference; the math in `__init__.py`).
 
 The rows are laid end to end as one row of L = B T steps, with a segment id per step that changes at every row
 start and every document start, so both kernels see one packed row: tap k of step t reads x_{t-K+1+k} where that
-step exists and has t's segment. Each program walks STEPS blocks of BT steps in one block of BC channels.
+step exists and has t's segment. Each program walks STEPS blocks of BT steps in one block of BC channels; warps and
+pipeline stages are autotuned per channel count, taps and flags, as for every kernel of `hybridlm.ops`.
 
 - Forward: y_t = act(bias + sum_k w_k x_{t-K+1+k}), float32 accumulation, stored in x's dtype.
 - Backward: g_t = dL/d(pre-activation)_t = dy_t act'(pre_t) is needed at the K steps t..t+K-1 that read x_t, so the
@@ -20,9 +21,11 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from hybridlm.ops.short_conv.naive import ACTIVATIONS
+from hybridlm.ops.triton_utils import autotune
 from hybridlm.ops.utils import on_tensor_device, seq_idx_segments
 
 BT, BC, STEPS = 32, 64, 16  # steps per block, channels per block, blocks per program
+KEY = ["C", "K", "HAS_BIAS", "SILU"]  # the tuning key (warps x stages, `hybridlm.ops.triton_utils`)
 
 
 @triton.jit
@@ -45,6 +48,7 @@ def _pre_activation(x_ptr, w_ptr, seg_ptr, t, inside, bias, c, C, K: tl.constexp
     return acc
 
 
+@autotune(KEY, fixed_warps=4)
 @triton.jit(do_not_specialize=["L"])
 def short_conv_fwd_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, y_ptr, L, C, K: tl.constexpr, BT: tl.constexpr,
                           BC: tl.constexpr, STEPS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
@@ -64,6 +68,7 @@ def short_conv_fwd_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, y_ptr, L, C, K: tl.const
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=inside[:, None] & (c[None, :] < C))
 
 
+@autotune(KEY, fixed_warps=4)
 @triton.jit(do_not_specialize=["L"])
 def short_conv_bwd_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, dy_ptr, dx_ptr, dw_ptr, db_ptr, L, C, K: tl.constexpr,
                           KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STEPS: tl.constexpr,
