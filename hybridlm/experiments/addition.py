@@ -471,8 +471,8 @@ def recipe_from_dict(recipe: dict) -> AdditionRecipe:
 def check_recipe(recipe: AdditionRecipe) -> None:
     """Clear errors, before any training, for recipes that cannot run or cannot be evaluated."""
     if not 1 <= recipe.min_width <= recipe.train_max_width < recipe.eval_max_width:
-        raise ValueError(f"need 1 <= min_width ({recipe.min_width}) <= --train-max-width ({recipe.train_max_width}) "
-                         f"< --eval-max-width ({recipe.eval_max_width})")
+        raise ValueError(f"need 1 <= --min-width ({recipe.min_width}) <= --train-max-width "
+                         f"({recipe.train_max_width}) < --eval-max-width ({recipe.eval_max_width})")
     if recipe.protocol == "paper" and recipe.curriculum_steps:
         raise ValueError(f"--protocol paper samples widths uniformly from the first update; --curriculum-steps must be "
                          f"0, got {recipe.curriculum_steps} (--protocol curriculum has the width curriculum)")

@@ -63,6 +63,7 @@ def add_commands(subparsers) -> None:
                             ("eval-per-width", int, "held-out pairs per width"),
                             ("val-per-width", int, "held-out pairs per width for checkpoint selection"),
                             ("eval-every", int, "steps between validation checks"),
+                            ("min-width", int, "narrowest training operands (default 1)"),
                             ("train-max-width", int, "widest training operands (default 32)"),
                             ("eval-max-width", int, "widest evaluated operands (default 48)"),
                             ("pack-length", int, "pack whole examples into rows of this many tokens, --batch-size "

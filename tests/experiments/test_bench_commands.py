@@ -213,7 +213,9 @@ def test_recipe_values_that_cannot_train_are_usage_errors_before_any_run(tmp_pat
     ("allocation", ["--time-budget", "nan"], "--time-budget must be a number of seconds > 0, got nan"),
     # widths and lengths
     ("addition", ["--train-max-width", "48"],
-     "need 1 <= min_width (1) <= --train-max-width (48) < --eval-max-width (48)"),
+     "need 1 <= --min-width (1) <= --train-max-width (48) < --eval-max-width (48)"),
+    ("addition", ["--min-width", "33"],
+     "need 1 <= --min-width (33) <= --train-max-width (32) < --eval-max-width (48)"),
     ("recall", ["--train-min-len", "50"], "need 1 <= --train-min-len (50) <= --train-max-len (48)"),
     # recall's tasks and lengths
     ("recall", ["--tasks", ","], "--tasks names no task; give some of mqar,needle,multi_needle, comma-separated"),
