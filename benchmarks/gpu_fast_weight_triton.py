@@ -42,7 +42,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from gpu_ops import bench, causal_sdpa  # benchmarks/ is on the path when this script runs
+from gpu_ops import bench, causal_sdpa, rel_err  # benchmarks/ is on the path when this script runs
 from roofline import fast_weight_counts, utilization
 
 from hybridlm.ops import FastWeightState, fast_weight_attention
@@ -109,11 +109,6 @@ def module_settings(module, **settings):
     finally:
         for name, value in previous.items():
             setattr(module, name, value)
-
-
-def rel_err(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def check(rule, *, B=2, T=1000, H=4, D=128, chunk_size=64) -> None:

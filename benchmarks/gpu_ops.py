@@ -40,6 +40,12 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
 
 
+def rel_err(a, b) -> float:
+    """|a - b| / |b| over the whole tensors, in float64."""
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
 def bench(fn, *, backward: bool, inputs) -> float:
     """Median ms of `fn` (and its backward with the inputs' gradients cleared), over at least ~10 calls."""
     import triton.testing

@@ -29,7 +29,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from gpu_ops import causal_sdpa  # benchmarks/ is on the path when this script runs
+from gpu_ops import causal_sdpa, rel_err  # benchmarks/ is on the path when this script runs
 
 from hybridlm.ops.ssd import ssd
 
@@ -57,10 +57,6 @@ def as_simple_gla(x, dt, A, Bm, Cm):
     q = Cm.repeat_interleave(heads, dim=2)
     k = Bm.repeat_interleave(heads, dim=2) * dt[..., None].to(Bm.dtype)
     return q, k, x, dt * A
-
-
-def rel_err(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def check(*, device, chunk_size, B=2, T=1000, H=4, P=64, N=128, G=2, half=torch.bfloat16) -> list[str]:

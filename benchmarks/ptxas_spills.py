@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from hybridlm.ops.fast_weight.triton import regression_kernels, wy
-from hybridlm.ops.fast_weight.triton.regression import pass_launch
+from hybridlm.ops.fast_weight.triton.regression import pass_launches
 from hybridlm.ops.triton_utils import block
 
 
@@ -60,9 +60,8 @@ def launched(name: str, block_v: int, warps: int, stages: int, K: int, V: int) -
     """Whether `regression.py` launches pass kernel `name` with value block `block_v` at (warps, stages) for K, V
     (the narrow launch for one row x head, the wide one for many; the per-chunk gradient kernels are autotuned over
     4 / 8 warps x 1 / 2 stages: no fixed one)."""
-    launches = {pass_launch(K, V, NH) for NH in (1, 1 << 16)}
     return any(block_v == block(V, launch.block_v) and launch.kwargs(reverse=name == "delta_grad_pass_kernel")
-               == {"num_warps": warps, "num_stages": stages} for launch in launches)
+               == {"num_warps": warps, "num_stages": stages} for launch in pass_launches(K, V))
 
 
 def ptxas_stats(kernel, constexprs: dict, *, warps: int, stages: int,
@@ -100,8 +99,8 @@ def main() -> None:
                         help="value blocks of the two passes (default: the narrow and the wide launch's)")
     args = parser.parse_args()
     block_k = max(16, triton.next_power_of_2(args.K))
-    pass_blocks = args.pass_block_v or sorted({block(args.V, pass_launch(args.K, args.V, NH).block_v)
-                                               for NH in (1, 1 << 16)})
+    launched_blocks = {block(args.V, launch.block_v) for launch in pass_launches(args.K, args.V)}
+    pass_blocks = args.pass_block_v or sorted(launched_blocks)
     grad_blocks = block(args.K, 64), block(args.V, 64)  # regression's gradient blocks
     sizes = {"K": args.K, "V": args.V, "BT": args.chunk, "BK": block_k, "PREC": "tf32", "PREC32": "tf32",
              "SLOTS": 1, "READ_AFTER": True, "HAS_INIT": True, "INTERPRET": False, "N_PARTS": -(-block_k // 64)}

@@ -40,6 +40,22 @@ from tests.ops.fast_weight_helpers import KERNELS, check_against_reference, fron
 from tests.ops.triton_modes import DEVICE, HAS_TRITON, ON_GPU, gpu_only, interpret
 
 
+def record_launches(monkeypatch, module, name: str, describe) -> list:
+    """Replace the Triton kernel `name` of `module` (for the test) by one that appends describe(grid, kwargs) of every
+    launch to the returned list, then launches."""
+    launched, kernel = [], getattr(module, name)
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(describe(grid, kwargs))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(module, name, Recorder())
+    return launched
+
+
 CASES = list(itertools.product(KERNELS, (torch.float32, torch.float16, torch.bfloat16), (1, 63, 130), (16, 64),
                                (True, False)))
 
@@ -260,17 +276,8 @@ def test_rule_1a_scan_launches_with_scan_blocks(monkeypatch, min_programs, block
     SCAN_MIN_PROGRAMS = 0 the fixed [64, 32] blocks."""
     from hybridlm.ops.fast_weight.triton import inner_product
 
-    launched = []
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append((grid, kwargs["BK"], kwargs["BV"]))
-                return real[grid](*args, **kwargs)
-            return launch
-
-    real = inner_product.chunk_state.state_scan_kernel
-    monkeypatch.setattr(inner_product.chunk_state, "state_scan_kernel", Spy())
+    launched = record_launches(monkeypatch, inner_product.chunk_state, "state_scan_kernel",
+                               lambda grid, kwargs: (grid, kwargs["BK"], kwargs["BV"]))
     if min_programs is not None:
         monkeypatch.setattr(inner_product, "SCAN_MIN_PROGRAMS", min_programs)
     q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32).requires_grad_(True)
@@ -292,6 +299,7 @@ def test_pass_launch_widens_when_its_programs_cover_the_sms():
         WIDE_PASS_MIN_PROGRAMS,
         WIDE_PASSES,
         pass_launch,
+        pass_launches,
     )
 
     assert WIDE_PASS_MIN_PROGRAMS == 128
@@ -305,6 +313,7 @@ def test_pass_launch_widens_when_its_programs_cover_the_sms():
     for NH in (1, 4096):
         small = pass_launch(64, 64, NH)
         assert (small.block_v, small.forward, small.reverse) == (64, NARROW_PASSES.forward, NARROW_PASSES.reverse)
+    assert pass_launches(128, 128) == [NARROW_PASSES, WIDE_PASSES] and pass_launches(64, 64) == [small]
 
 
 @interpret
@@ -314,25 +323,16 @@ def test_rule_1_passes_under_both_launches(monkeypatch, wide):
     float64 loop at K = V = 128 (several value blocks per state); they launch with the chosen value block and warps."""
     from hybridlm.ops.fast_weight.triton import regression
 
-    launched = []
+    def describe(grid, kwargs):
+        return grid[0], kwargs["BV"], kwargs["num_warps"], kwargs["num_stages"]
 
-    class Spy:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append((grid[0], kwargs["BV"], kwargs["num_warps"], kwargs["num_stages"]))
-                return self.kernel[grid](*args, **kwargs)
-            return launch
-
-    for name in ("delta_pass_kernel", "delta_grad_pass_kernel"):
-        monkeypatch.setattr(regression.regression_kernels, name, Spy(getattr(regression.regression_kernels, name)))
+    forward, reverse = (record_launches(monkeypatch, regression.regression_kernels, name, describe)
+                        for name in ("delta_pass_kernel", "delta_grad_pass_kernel"))
     monkeypatch.setattr(regression, "WIDE_PASS_MIN_PROGRAMS", 1 if wide else 10**6)
     check_against_reference(1, 70, 2, 128, 128, dtype=torch.float32, chunk_size=32, read_after=True, rule="1")
     passes = regression.WIDE_PASSES if wide else regression.NARROW_PASSES
-    fwd = (128 // passes.block_v, passes.block_v, *passes.forward)
-    assert launched == [fwd, fwd, (128 // passes.block_v, passes.block_v, *passes.reverse)]  # forward, recomputed
+    assert forward == [(128 // passes.block_v, passes.block_v, *passes.forward)] * 2  # the forward, recomputed
+    assert reverse == [(128 // passes.block_v, passes.block_v, *passes.reverse)]
 
 
 def test_supports_rule_1_window_1_only():

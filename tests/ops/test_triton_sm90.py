@@ -95,7 +95,7 @@ for K in (128, 64, 16):
 REGRESSION = """
 import itertools
 from hybridlm.ops.fast_weight.triton import regression_kernels as k
-from hybridlm.ops.fast_weight.triton.regression import pass_launch
+from hybridlm.ops.fast_weight.triton.regression import pass_launches
 from hybridlm.ops.triton_utils import block
 
 IO = ("x_ptr", "y_ptr", "q_ptr", "do_ptr", "dx_ptr", "dq_ptr", "dy_ptr")
@@ -109,16 +109,16 @@ def launch(settings):
     return {"warps": settings["num_warps"], "stages": settings["num_stages"]}
 
 
-# The passes' launches at K = V, for one row x head and for many: {(value block, regression.PassLaunch)}.
-def pass_launches(K):
-    return {(block(K, p.block_v), p) for p in (pass_launch(K, K, NH) for NH in (1, 4096))}
+# The passes' launches at K = V: [(value block, regression.PassLaunch)].
+def launches(K):
+    return [(block(K, p.block_v), p) for p in pass_launches(K, K)]
 
 
 # The largest chunk (MAX_DELTA_CHUNK = 64) at three head sizes, rule 1 and rule 3.
 for K, BT in ((128, 64), (64, 64), (16, 64)):
     for slots in (1, 4):
         sizes = dict(K=K, V=K, BT=BT, BK=K, PREC="tf32", PREC32="tf32", SLOTS=slots)
-        for (io, prec), (BV, passes) in itertools.product(PASS_INPUTS, pass_launches(K)):
+        for (io, prec), (BV, passes) in itertools.product(PASS_INPUTS, launches(K)):
             b(k.delta_grad_pass_kernel, dict(sizes, BV=BV, HAS_INIT=True, INTERPRET=False, PREC32=prec), io=io,
               **launch(passes.kwargs(reverse=True)))
         b(k.delta_grad_state_kernel, dict(sizes, BK=min(64, K), BV=min(64, K)), warps=8)
@@ -127,7 +127,7 @@ for K, BT in ((128, 64), (64, 64), (16, 64)):
                                         N_PARTS=-(-K // 64)), warps=8)
     # The kernels that do not take SLOTS, as regression.py launches them.
     plain = dict(K=K, V=K, BT=BT, BK=K, PREC32="tf32")
-    for (io, prec), (BV, passes) in itertools.product(PASS_INPUTS, pass_launches(K)):
+    for (io, prec), (BV, passes) in itertools.product(PASS_INPUTS, launches(K)):
         b(k.delta_pass_kernel, dict(plain, BV=BV, HAS_INIT=True, INTERPRET=False, PREC32=prec), io=io,
           **launch(passes.kwargs()))
     for read_after in (True, False):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridlm.ops.utils import seq_idx_segments
+
 ACTIVATIONS = (None, "silu")
 
 
@@ -21,8 +23,7 @@ def short_conv_naive(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if seq_idx is None:
         segments = torch.zeros(B, T, dtype=torch.int64, device=x.device)
     else:
-        changes = (seq_idx[:, 1:] != seq_idx[:, :-1]).long()
-        segments = torch.cat([torch.zeros_like(seq_idx[:, :1], dtype=torch.int64), changes.cumsum(1)], dim=1)
+        segments = seq_idx_segments(seq_idx, (B, T))  # [B, T]
     y = torch.zeros_like(x) if bias is None else bias.double().expand(B, T, C).clone()
     for k in range(K):
         shift = K - 1 - k  # tap k reads `shift` steps back

@@ -75,6 +75,12 @@ def pass_launch(K: int, V: int, NH: int) -> PassLaunch:
     return NARROW_PASSES
 
 
+def pass_launches(K: int, V: int) -> list[PassLaunch]:
+    """Every launch `pass_launch` takes for K and V over some number of rows x heads (fewest rows x heads first)."""
+    few, many = pass_launch(K, V, 1), pass_launch(K, V, WIDE_PASS_MIN_PROGRAMS)
+    return [few] if many == few else [few, many]
+
+
 def forward_1(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int,
               slots: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Rules 1 and 3: o `[N, T, H, V]` (q's dtype) and the final state `[N, H, K, V]` float32 on contiguous, checked
