@@ -1,9 +1,10 @@
-"""GPU timing of the short causal conv: the library's shifted-sum form vs `F.conv1d` (its former form), in one run.
+"""GPU timing of the short causal conv: the library's torch forms and Triton kernels vs `F.conv1d`, in one run.
 
     python benchmarks/gpu_short_conv.py                      # the addition models' shape and a 125M model's at 4K
     python benchmarks/gpu_short_conv.py --shapes 256x101x1536
 
-Times (median of `triton.testing.do_bench`) forward and forward + backward of `causal_conv1d` (K = 4, SiLU, bias,
+Times (median of `triton.testing.do_bench`) forward and forward + backward of `causal_conv1d(backend="torch")`
+(the shifted sum; K = 4, SiLU, bias,
 bf16 activations, float32 weights under bf16 autocast, as in training) against the same conv through `F.conv1d` on a
 [B, C, T] view (torch's depthwise conv kernels), eager and under `torch.compile`
 (inductor; the shifted sum fuses with the SiLU, conv1d stays a library kernel), and in eager mode the Triton kernels
@@ -11,10 +12,10 @@ of `hybridlm.ops.short_conv` (checked against conv1d first). Prints a markdown t
 sum and conv1d / Triton.
 
 `--packed TxCxN ...` times instead one packed row of T tokens, C channels and N equal documents (`cu_seqlens`, as a
-model runs packed rows), eager, forward and forward + backward: the form training takes (no state in or out: the
-taps masked at the documents' starts on the row itself) against the gapped form (each document behind K - 1 slots of
+model runs packed rows), eager, forward and forward + backward: the torch forms in place (the
+taps masked at the documents' starts on the row itself) and gapped (each document behind K - 1 slots of
 its own history, then a depthwise conv over the whole row; what a call with initial states runs, zeros here), and
-the Triton kernels on the same documents (`seq_idx`).
+the Triton kernels on the same documents (what training takes on a GPU).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def conv1d_form(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> to
 
 
 def shifted_form(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return causal_conv1d(x, weight, bias, activation="silu")[0]
+    return causal_conv1d(x, weight, bias, activation="silu", backend="torch")[0]
 
 
 def triton_form(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, seq_idx=None) -> torch.Tensor:
@@ -120,10 +121,11 @@ def time_packed(shapes, kernel: int) -> None:
         zeros = torch.zeros(N, kernel - 1, C, device="cuda", dtype=torch.bfloat16)
 
         def in_place(x, weight, bias):
-            return causal_conv1d(x, weight, bias, activation="silu", cu_seqlens=cu_seqlens)[0]
+            return causal_conv1d(x, weight, bias, activation="silu", seq_idx=seq_idx, backend="torch")[0]
 
         def gapped(x, weight, bias):
-            return causal_conv1d(x, weight, bias, activation="silu", cu_seqlens=cu_seqlens, initial_state=zeros)[0]
+            return causal_conv1d(x, weight, bias, activation="silu", cu_seqlens=cu_seqlens, initial_state=zeros,
+                                 backend="torch")[0]
 
         def triton(x, weight, bias):
             return triton_form(x, weight, bias, seq_idx=seq_idx)

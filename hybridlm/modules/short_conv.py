@@ -7,6 +7,11 @@ Running `[0:T]` equals running `[0:t]` then `[t:T]` from the carried state. A fr
 from zeros. With `cu_seqlens` (packed batch, B == 1) every document runs on its own: it never sees
 the tail of the previous one, it starts from its own row of `initial_state` (`[N, K-1, C]`), and the
 final state has one row per document.
+
+Training calls (no state in or out) on a GPU in eager mode run the Triton kernels of `hybridlm.ops.short_conv`: one
+launch forward and one backward, documents restarting inside the row, where the torch forms launch several kernels
+and copy the activations (benchmarks/gpu_short_conv.py). Decoding, carried states, torch.compile (whose inductor
+fuses the shifted sum with its neighbours) and the CPU take the torch forms below.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.modules.boundaries import sequence_ids
-from hybridlm.ops.utils import check_cu_seqlens, host_to_device, seq_idx_segments
+from hybridlm.ops.short_conv import short_conv_triton
+from hybridlm.ops.utils import check_cu_seqlens, host_to_device, seq_idx_segments, triton_available, triton_runs_on
 
 _ACTIVATIONS = (None, "silu")
+BACKENDS = ("auto", "torch", "triton")
 
 
 def causal_conv1d(
@@ -31,14 +38,20 @@ def causal_conv1d(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [B, T, C], weight [C, K], bias [C] -> (y [B, T, C], final_state [B or N, K-1, C] or None).
 
     seq_idx [B, T] (a document index per step, instead of cu_seqlens): no tap reaches across a change of
     document; the carried state belongs to the row's first document, and the final state holds only the last
-    document's inputs (zeros before its start). The shapes stay the rows': for compiled training on packed rows."""
+    document's inputs (zeros before its start). The shapes stay the rows': for compiled training on packed rows.
+
+backend: "torch" (the forms below), "triton" (`hybridlm.ops.short_conv`'s kernels: no state in or out) or "auto"
+(the kernels for a CUDA tensor outside torch.compile with no state in or out, else the torch forms)."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"causal_conv1d: unknown activation {activation!r}; choose one of {_ACTIVATIONS}")
+    if backend not in BACKENDS:
+        raise ValueError(f"causal_conv1d: unknown backend {backend!r}; choose one of {BACKENDS}")
     batch, length, channels = x.shape
     if weight.shape[0] != channels:
         raise ValueError(f"causal_conv1d: weight has {weight.shape[0]} channels, x has {channels}")
@@ -54,10 +67,14 @@ def causal_conv1d(
         )
     if seq_idx is not None and cu_seqlens is not None:
         raise ValueError("causal_conv1d: pass either cu_seqlens or seq_idx, not both")
-    if cu_seqlens is not None and initial_state is None and not output_final_state and packed_in_place(x, rows):
+    stateless = initial_state is None and not output_final_state
+    kernels = _takes_kernels(backend, x, stateless)
+    if cu_seqlens is not None and stateless and (kernels or packed_in_place(x, rows)):
         # Packed documents with no state in or out (training): the taps masked at the documents' starts on the
         # packed row itself, as for seq_idx, instead of the gapped row below.
         seq_idx, cu_seqlens = sequence_ids(offsets, length)[None], None  # [1, T]
+    if kernels:
+        return short_conv_triton(x, weight, bias, seq_idx=seq_idx, activation=activation), None
     if seq_idx is not None:
         segments = seq_idx_segments(seq_idx, (batch, length))  # [B, T]
         state = initial_state.to(x.dtype) if initial_state is not None else x.new_zeros(batch, width, channels)
@@ -101,7 +118,20 @@ def causal_conv1d(
     return y, final
 
 
-# On a GPU in eager mode, packed rows whose documents average at most this many tokens run in place; longer ones on
+def _takes_kernels(backend: str, x: torch.Tensor, stateless: bool) -> bool:
+    """Whether `causal_conv1d` runs the Triton kernels (see its `backend`)."""
+    if backend == "triton":
+        if not stateless:
+            raise ValueError("causal_conv1d: backend='triton' takes no initial_state and no output_final_state "
+                             "(decoding and carried states run on backend='torch' or 'auto')")
+        if not triton_runs_on(x):
+            raise ValueError(f"causal_conv1d: backend='triton' needs triton and a CUDA tensor, got a {x.device.type} "
+                             "tensor; use backend='auto'")
+        return True
+    return backend == "auto" and stateless and x.is_cuda and triton_available() and not torch.compiler.is_compiling()
+
+
+# With the torch forms on a GPU in eager mode, packed rows whose documents average at most this many tokens run in place; longer ones on
 # the gapped row, whose depthwise conv kernel is the faster for them (benchmarks/gpu_short_conv.py --packed).
 IN_PLACE_MAX_MEAN_DOCUMENT = 1024
 
@@ -154,7 +184,7 @@ def _shifted_sum(
 
 
 class ShortConvolution(nn.Module):
-    """`causal_conv1d` with its parameters: weight [C, K], optional bias [C], optional SiLU."""
+    """`causal_conv1d` with its parameters: weight [C, K], optional bias [C], optional SiLU; `backend` as there."""
 
     def __init__(self, channels: int, kernel_size: int, *, bias: bool = True, activation: str | None = "silu") -> None:
         super().__init__()
@@ -165,6 +195,7 @@ class ShortConvolution(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, kernel_size))
         self.bias = nn.Parameter(torch.empty(channels)) if bias else None
         self.activation = activation
+        self.backend = "auto"
         self.reset_parameters()
 
     @property
@@ -196,6 +227,7 @@ class ShortConvolution(nn.Module):
             output_final_state=output_final_state,
             cu_seqlens=cu_seqlens,
             seq_idx=seq_idx,
+            backend=self.backend,
         )
 
     def extra_repr(self) -> str:

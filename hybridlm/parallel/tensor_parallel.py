@@ -289,7 +289,7 @@ class _LocalShortConvolution(ShortConvolution):
         return causal_conv1d(
             x, local_tensor(self.weight), local_tensor(self.bias), activation=self.activation,
             initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-            seq_idx=seq_idx,
+            seq_idx=seq_idx, backend=self.backend,
         )
 
 

@@ -18,6 +18,7 @@ from tests.ops.triton_modes import (
     DEVICE,
     H200_SHARED_BYTES,
     HAS_TRITON,
+    INTERPRET,
     ON_GPU,
     compile_for_sm90,
     interpret,
@@ -152,6 +153,52 @@ def test_rejects_bad_inputs():
         short_conv_triton(x, torch.zeros(3, 4), seq_idx=torch.zeros(1, 5, dtype=torch.int32))
     with pytest.raises(ValueError, match="split the batch"):  # int32 step indices (no memory: an expanded view)
         short_conv_triton(torch.zeros(1, 1, 1).expand(2**16, 2**15, 1), torch.zeros(1, 4))
+
+
+@interpret
+@pytest.mark.parametrize("form", ["rows", "seq_idx", "cu_seqlens"])
+def test_module_conv_on_the_kernels(form):
+    """`causal_conv1d(backend="triton")` is the torch form's function: plain rows, documents by seq_idx, and packed
+    documents by cu_seqlens (which it runs in place through the kernels), outputs and gradients in float32."""
+    x, weight, b, seq_idx = _inputs(2, 41, 10, 4, documents=7, seed=3)
+    kwargs = {"activation": "silu"}
+    if form == "seq_idx":
+        kwargs["seq_idx"] = seq_idx.to(DEVICE)
+    if form == "cu_seqlens":
+        x = x[:1]
+        kwargs["cu_seqlens"] = torch.tensor([0, 1, 9, 30, 41])
+    results = []
+    for backend in ("torch", "triton"):
+        leaves = [t.float().to(DEVICE).requires_grad_(True) for t in (x, weight, b)]
+        y, final = causal_conv1d(*leaves, backend=backend, **kwargs)
+        assert final is None
+        probe = torch.linspace(-1, 1, y.numel(), device=DEVICE).reshape(y.shape)
+        results.append([y, *torch.autograd.grad((y * probe).sum(), leaves)])
+    for name, ours, torch_form in zip(("y", "dx", "dw", "db"), results[1], results[0]):
+        assert rel_err(ours.cpu(), torch_form.cpu()) < 1e-5, name
+
+
+def test_module_conv_backend_choice(monkeypatch):
+    """"auto" takes the kernels only for a CUDA tensor with no state in or out; "triton" refuses a state and a tensor
+    the kernels cannot take; an unknown backend is an error."""
+    from hybridlm.modules import short_conv
+
+    calls = []
+    monkeypatch.setattr(short_conv, "short_conv_triton", lambda x, *a, **k: calls.append(x.device.type) or x)
+    x, weight = torch.zeros(1, 6, 3), torch.zeros(3, 4)
+    causal_conv1d(x, weight)  # a CPU tensor: the torch form
+    assert calls == []
+    if ON_GPU:
+        causal_conv1d(x.cuda(), weight.cuda())
+        causal_conv1d(x.cuda(), weight.cuda(), output_final_state=True)  # a state out: the torch form
+        assert calls == ["cuda"]
+    with pytest.raises(ValueError, match="takes no initial_state"):
+        causal_conv1d(x, weight, backend="triton", initial_state=torch.zeros(1, 3, 3))
+    if not (ON_GPU or INTERPRET):
+        with pytest.raises(ValueError, match="needs triton and a CUDA tensor"):
+            causal_conv1d(x, weight, backend="triton")
+    with pytest.raises(ValueError, match="unknown backend"):
+        causal_conv1d(x, weight, backend="cuda")
 
 
 _SM90_BUILDS = """
