@@ -209,15 +209,17 @@ for io in ("*bf16", "*fp32"):
     for K, bias, silu in ((4, True, True), (4, False, False), (3, True, True)):
         flags = dict(sizes, K=K, KP=4, HAS_BIAS=bias, SILU=silu)
         build(k.short_conv_fwd_kernel, flags, io=io, io_names=("x_ptr", "y_ptr"), types={"seg_ptr": "*i32"})
-        build(k.short_conv_bwd_kernel, flags, io=io, io_names=("x_ptr", "dy_ptr", "dx_ptr"),
+        build(k.short_conv_bwd_weight_kernel, flags, io=io, io_names=("x_ptr", "dy_ptr"), types={"seg_ptr": "*i32"})
+        build(k.short_conv_bwd_input_kernel, flags, io=io, io_names=("dx_ptr",) if silu else ("g_ptr", "dx_ptr"),
               types={"seg_ptr": "*i32"})
 """
 
 
 @needs_cuda_backend
 def test_kernels_compile_for_sm90():
-    """Both kernels build for sm_90 (bf16 and fp32 activations, with and without bias and SiLU, K = 4 and 3): the
+    """The three kernels build for sm_90 (bf16 and fp32 activations, with and without bias and SiLU, K = 4 and 3): the
     compiled path the interpreter never runs."""
     report = compile_for_sm90(_SM90_BUILDS, modules=("hybridlm.ops.short_conv.kernels",))
-    assert set(report["built"]) == report["defined"] == {"short_conv_fwd_kernel", "short_conv_bwd_kernel"}, report
+    assert set(report["built"]) == report["defined"] == {
+        "short_conv_fwd_kernel", "short_conv_bwd_weight_kernel", "short_conv_bwd_input_kernel"}, report
     assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]

@@ -7,10 +7,12 @@ step exists and has t's segment. Each program walks STEPS blocks of BT steps in 
 pipeline stages are autotuned per channel count, taps and flags, as for every kernel of `hybridlm.ops`.
 
 - Forward: y_t = act(bias + sum_k w_k x_{t-K+1+k}), float32 accumulation, stored in x's dtype.
-- Backward: g_t = dL/d(pre-activation)_t = dy_t act'(pre_t) is needed at the K steps t..t+K-1 that read x_t, so the
-  kernel recomputes the pre-activations there (K x K taps from cache) instead of storing them:
-  dx_t = sum_j w_{K-1-j} g_{t+j} [same segment]; the program's partial sums of dw_k = sum_t g_t x_{t-K+1+k} and
-  db = sum_t g_t go to a [programs, ...] buffer that torch sums (no atomics: the same sum every run).
+- Backward, two kernels: the first recomputes the pre-activations, stores g = dL/d(pre-activation) = dy act'(pre)
+  in float32 (without an activation g is dy, nothing stored) and sums its program's share of dw_k = sum_t g_t
+  x_{t-K+1+k} and db = sum_t g_t [same segment] into a [programs, ...] buffer that torch sums (no atomics: the same
+  sum every run); the second reads g at the K steps that read each input: dx_t = sum_j w_{K-1-j} g_{t+j} [same
+  segment]. One kernel could recompute g at those K steps instead (K x K taps per input), but that many
+  instructions cost more than g's float32 round trip through memory (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -70,11 +72,12 @@ def short_conv_fwd_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, y_ptr, L, C, K: tl.const
 
 @autotune(KEY, fixed_warps=4)
 @triton.jit(do_not_specialize=["L"])
-def short_conv_bwd_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, dy_ptr, dx_ptr, dw_ptr, db_ptr, L, C, K: tl.constexpr,
-                          KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STEPS: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
-    """dx [L, C] (x's dtype) and this program's partial dw [KP, C] / db [C] (float32, rows k < K of dw used) of
-    dy [L, C]. Grid (cdiv(L, STEPS BT), cdiv(C, BC)); dw_ptr / db_ptr: [grid 0, KP, C] / [grid 0, C]."""
+def short_conv_bwd_weight_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, dy_ptr, g_ptr, dw_ptr, db_ptr, L, C, K: tl.constexpr,
+                                 KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STEPS: tl.constexpr,
+                                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """g = dy act'(pre) [L, C] float32 (stored with SILU; without it g is dy itself) and this program's partial dw
+    [KP, C] / db [C] (float32, rows k < K of dw used). Grid (cdiv(L, STEPS BT), cdiv(C, BC)); dw_ptr / db_ptr:
+    [grid 0, KP, C] / [grid 0, C]."""
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     c = i_c * BC + tl.arange(0, BC)
     in_c = c < C
@@ -87,30 +90,48 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, dy_ptr, dx_ptr, dw_ptr, 
     for step in range(STEPS):
         t = (i_t * STEPS + step) * BT + tl.arange(0, BT)
         inside = t < L
+        offs = t.to(tl.int64)[:, None] * C + c[None, :]
+        mask = inside[:, None] & in_c[None, :]
+        g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if SILU:
+            pre = _pre_activation(x_ptr, w_ptr, seg_ptr, t, inside, bias, c, C, K)
+            s = tl.sigmoid(pre)
+            g = g * s * (1.0 + pre * (1.0 - s))
+            tl.store(g_ptr + offs, g, mask=mask)
+        db += tl.sum(g, axis=0)
+        seg_t = tl.load(seg_ptr + t, mask=inside, other=-3)
+        for k in tl.static_range(K):  # dw_k = sum_t g_t x_{t-K+1+k} (same segment)
+            x_k = _tap(x_ptr, seg_ptr, t - (K - 1) + k, inside, seg_t, c, C)
+            dw += tl.where(kk[:, None] == k, tl.sum(g * x_k, axis=0)[None, :], 0.0)
+    part = i_t.to(tl.int64)
+    tl.store(dw_ptr + (part * KP + kk[:, None]) * C + c[None, :], dw, mask=(kk[:, None] < K) & in_c[None, :])
+    tl.store(db_ptr + part * C + c, db, mask=in_c)
+
+
+@autotune(["C", "K"], fixed_warps=4)
+@triton.jit(do_not_specialize=["L"])
+def short_conv_bwd_input_kernel(g_ptr, w_ptr, seg_ptr, dx_ptr, L, C, K: tl.constexpr, BT: tl.constexpr,
+                                BC: tl.constexpr, STEPS: tl.constexpr):
+    """dx [L, C] (its dtype) of g [L, C]: dx_t = sum_j w_{K-1-j} g_{t+j}, over the steps t + j of t's segment (the
+    outputs that read x_t). Grid (cdiv(L, STEPS BT), cdiv(C, BC))."""
+    i_t, i_c = tl.program_id(0), tl.program_id(1)
+    c = i_c * BC + tl.arange(0, BC)
+    in_c = c < C
+    for step in range(STEPS):
+        t = (i_t * STEPS + step) * BT + tl.arange(0, BT)
+        inside = t < L
         seg_t = tl.load(seg_ptr + t, mask=inside, other=-3)
         dx = tl.zeros([BT, BC], dtype=tl.float32)
         for j in tl.static_range(K):  # the output step t + j reads x_t through tap K - 1 - j
             tj = t + j
             inside_j = tj < L
-            g = tl.load(dy_ptr + tj.to(tl.int64)[:, None] * C + c[None, :], mask=inside_j[:, None] & in_c[None, :],
+            same = inside_j & (tl.load(seg_ptr + tj, mask=inside_j, other=-4) == seg_t)
+            g = tl.load(g_ptr + tj.to(tl.int64)[:, None] * C + c[None, :], mask=same[:, None] & in_c[None, :],
                         other=0.0).to(tl.float32)
-            if SILU:
-                pre = _pre_activation(x_ptr, w_ptr, seg_ptr, tj, inside_j, bias, c, C, K)
-                s = tl.sigmoid(pre)
-                g = g * s * (1.0 + pre * (1.0 - s))
             w_j = tl.load(w_ptr + c * K + (K - 1 - j), mask=in_c, other=0.0).to(tl.float32)
-            same = tl.load(seg_ptr + tj, mask=inside_j, other=-4) == seg_t
-            dx += tl.where(same[:, None], g * w_j[None, :], 0.0)
-            if j == 0:  # g at the program's own steps: its share of dw and db
-                db += tl.sum(g, axis=0)
-                for k in tl.static_range(K):
-                    x_k = _tap(x_ptr, seg_ptr, t - (K - 1) + k, inside, seg_t, c, C)
-                    dw += tl.where(kk[:, None] == k, tl.sum(g * x_k, axis=0)[None, :], 0.0)
+            dx += g * w_j[None, :]
         offs = t.to(tl.int64)[:, None] * C + c[None, :]
         tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=inside[:, None] & in_c[None, :])
-    part = i_t.to(tl.int64)
-    tl.store(dw_ptr + (part * KP + kk[:, None]) * C + c[None, :], dw, mask=(kk[:, None] < K) & in_c[None, :])
-    tl.store(db_ptr + part * C + c, db, mask=in_c)
 
 
 def _grid(L: int, C: int) -> tuple[int, int]:
@@ -138,12 +159,15 @@ class _ShortConv(torch.autograd.Function):
         K = weight.shape[1]
         KP = triton.next_power_of_2(K)
         grid = _grid(L, C)
+        dy = dy.contiguous()
         dx = torch.empty_like(x)
+        g = torch.empty(L, C, dtype=torch.float32, device=x.device) if ctx.silu else dy  # dL/d(pre-activation)
         dw = torch.empty(grid[0], KP, C, dtype=torch.float32, device=x.device)
         db = torch.empty(grid[0], C, dtype=torch.float32, device=x.device)
         with on_tensor_device(x):
-            short_conv_bwd_kernel[grid](x, weight, bias, segments, dy.contiguous(), dx, dw, db, L, C, K=K, KP=KP,
-                                        BT=BT, BC=BC, STEPS=STEPS, HAS_BIAS=bias is not None, SILU=ctx.silu)
+            short_conv_bwd_weight_kernel[grid](x, weight, bias, segments, dy, g, dw, db, L, C, K=K, KP=KP, BT=BT,
+                                               BC=BC, STEPS=STEPS, HAS_BIAS=bias is not None, SILU=ctx.silu)
+            short_conv_bwd_input_kernel[grid](g, weight, segments, dx, L, C, K=K, BT=BT, BC=BC, STEPS=STEPS)
         dweight = dw.sum(0)[:K].t().contiguous().to(weight.dtype)
         dbias = None if bias is None else db.sum(0).to(bias.dtype)
         return dx, dweight, dbias, None, None
