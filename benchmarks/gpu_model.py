@@ -72,6 +72,7 @@ from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.allocation import channel_allocation
 from hybridlm.models.model import HybridForCausalLM
 from hybridlm.models.presets import get_preset
+from hybridlm.modules import ShortConvolution
 
 SHAPE_125M = dict(vocab_size=32768, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=4, head_dim=64, mamba_d_ssm=1024, mamba_n_heads=16, mamba_d_head=64,
@@ -126,13 +127,16 @@ def parameters(config) -> int:
         return sum(p.numel() for p in HybridForCausalLM(config).parameters())
 
 
-def build(preset: str, variant: str, device: torch.device, *, window: int = 2048) -> HybridForCausalLM:
+def build(preset: str, variant: str, device: torch.device, *, window: int = 2048,
+          conv_backend: str = "auto") -> HybridForCausalLM:
     config = config_of(preset, variant, window=window)
     torch.manual_seed(0)
     model = HybridForCausalLM(config).to(device)
     for module in model.modules():
         if isinstance(module, Mamba2Mixer) and variant in SSD_BACKEND:
             module.backend = SSD_BACKEND[variant]
+        if isinstance(module, ShortConvolution):
+            module.backend = conv_backend
     return model
 
 
@@ -337,6 +341,8 @@ def main() -> None:
     parser.add_argument("--graph", action="store_true", help="decode through GraphedDecoder (a CUDA graph per step)")
     parser.add_argument("--compile-decode", action="store_true",
                         help="with --graph: capture the step compiled by torch.compile (inductor)")
+    parser.add_argument("--conv-backend", default="auto", choices=["auto", "torch", "triton"],
+                        help="the short convolutions' backend (`causal_conv1d`) in every variant")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run of this script)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -353,7 +359,8 @@ def main() -> None:
     print(f"{name} · torch {torch.__version__} · preset {args.preset} · bf16 autocast on CUDA"
           + (f" · training through torch.compile ({args.compile})" if args.compile else "")
           + (" · decoding through CUDA graphs" if args.graph else "")
-          + (" of the compiled step" if args.graph and args.compile_decode else ""))
+          + (" of the compiled step" if args.graph and args.compile_decode else "")
+          + f" · short conv backend {args.conv_backend}")
     compile_step = ("inductor" if device.type == "cuda" else "aot_eager") if args.compile_decode else None
     rows: list[dict] = []
 
@@ -366,7 +373,8 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump({"device": name, "preset": args.preset, "rows": rows}, f, indent=1)
 
-    models = {variant: build(args.preset, variant, device, window=args.window) for variant in args.variants}
+    models = {variant: build(args.preset, variant, device, window=args.window, conv_backend=args.conv_backend)
+              for variant in args.variants}
     params = {variant: sum(p.numel() for p in model.parameters()) for variant, model in models.items()}
     for round_ in range(args.rounds):
         for variant, model in models.items():
