@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from hybridlm.layers import fast_weight as fast_weight_layer
 from hybridlm.layers.cache import LayerCache
 from hybridlm.layers.fast_weight import FastWeightMixer
 from hybridlm.models.config import HybridConfig
@@ -183,6 +184,19 @@ def test_qk_norms():
     assert rms.qk_norm == "rms"
     assert torch.allclose(rms._normalize(u).pow(2).mean(-1), torch.ones(3, 4, H), atol=1e-4)
     assert torch.equal(make_mixer(make_config("1", fw_qk_norm="none"))._normalize(u), u)
+    # The formulas with their eps, in float64 (small rows, where eps shows).
+    small = u.double() * 1e-3
+    eps = fast_weight_layer._QK_EPS
+    spelled = {"rms": small * torch.rsqrt(small.pow(2).mean(-1, keepdim=True) + eps),
+               "l2": small * torch.rsqrt(small.pow(2).sum(-1, keepdim=True) + eps)}
+    for mixer in (rms, l2):
+        torch.testing.assert_close(mixer._normalize(small), spelled[mixer.qk_norm], rtol=1e-12, atol=1e-15)
+    if torch.cuda.is_available():  # 16-bit on a GPU: within one or two roundings of bfloat16
+        for mixer in (rms, l2):
+            out = mixer._normalize(small.to("cuda", torch.bfloat16))
+            assert out.dtype == torch.bfloat16
+            reference = mixer._normalize(small.to(torch.bfloat16).double())
+            assert ((out.cpu().double() - reference).abs() / reference.abs().clamp_min(1e-6)).max() < 2 ** -7
     # A bool reads as the norm it switches on or off.
     assert make_config("1", fw_qk_norm=True).fw_qk_norm == "rms"
     assert make_config("1", fw_qk_norm=False).fw_qk_norm == "none"

@@ -85,24 +85,33 @@ def short_conv_bwd_weight_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, dy_ptr, g_ptr, dw
     bias = tl.zeros([BC], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + c, mask=in_c, other=0.0).to(tl.float32)
-    dw = tl.zeros([KP, BC], dtype=tl.float32)
-    db = tl.zeros([BC], dtype=tl.float32)
+    kk3 = kk[:, None, None]  # [KP, 1, 1]: the taps on a leading axis
+    # Sums over the program's steps, reduced over them once at the end: dw_k = sum_t g_t x_{t-K+1+k}, db = sum_t g_t.
+    dw3 = tl.zeros([KP, BT, BC], dtype=tl.float32)
+    db2 = tl.zeros([BT, BC], dtype=tl.float32)
     for step in range(STEPS):
         t = (i_t * STEPS + step) * BT + tl.arange(0, BT)
         inside = t < L
         offs = t.to(tl.int64)[:, None] * C + c[None, :]
         mask = inside[:, None] & in_c[None, :]
+        # All K taps of the block in one load, x3[k, i] = x_{t_i-K+1+k} where that step exists in t_i's segment, for
+        # dw; the pre-activations from K loads of one tap each (a sum over x3's tap axis runs slower).
+        seg_t = tl.load(seg_ptr + t, mask=inside, other=-3)
+        src = t[None, :, None] - (K - 1) + kk3  # [KP, BT, 1]
+        keep = (kk3 < K) & inside[None, :, None] & (src >= 0)
+        keep = keep & (tl.load(seg_ptr + src, mask=keep, other=-1) == seg_t[None, :, None])
+        x3 = tl.load(x_ptr + src.to(tl.int64) * C + c[None, None, :], mask=keep & in_c[None, None, :],
+                     other=0.0).to(tl.float32)  # [KP, BT, BC]
         g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if SILU:
             pre = _pre_activation(x_ptr, w_ptr, seg_ptr, t, inside, bias, c, C, K)
             s = tl.sigmoid(pre)
             g = g * s * (1.0 + pre * (1.0 - s))
             tl.store(g_ptr + offs, g, mask=mask)
-        db += tl.sum(g, axis=0)
-        seg_t = tl.load(seg_ptr + t, mask=inside, other=-3)
-        for k in tl.static_range(K):  # dw_k = sum_t g_t x_{t-K+1+k} (same segment)
-            x_k = _tap(x_ptr, seg_ptr, t - (K - 1) + k, inside, seg_t, c, C)
-            dw += tl.where(kk[:, None] == k, tl.sum(g * x_k, axis=0)[None, :], 0.0)
+        db2 += g
+        dw3 += x3 * g[None, :, :]
+    dw = tl.sum(dw3, axis=1)  # [KP, BC]
+    db = tl.sum(db2, axis=0)
     part = i_t.to(tl.int64)
     tl.store(dw_ptr + (part * KP + kk[:, None]) * C + c[None, :], dw, mask=(kk[:, None] < K) & in_c[None, :])
     tl.store(db_ptr + part * C + c, db, mask=in_c)
