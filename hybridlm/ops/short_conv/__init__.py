@@ -3,7 +3,7 @@
     y_t[c] = act(bias[c] + sum_{k=0}^{K-1} w[c, k] x_{t-K+1+k}[c] [same document as t])
 
 - `short_conv_naive(...)`: the float64 reference, one tap at a time (`naive.py`);
-- `short_conv_triton(...)`: Triton kernels for training on a GPU, forward and backward, one launch each
+- `short_conv_triton(...)`: Triton kernels for training on a GPU, one launch forward and two backward
   (`kernels.py`; imported on the first call, so importing this package never needs triton).
 
 No state enters or leaves: the decoding path and carried states stay with `hybridlm.modules.causal_conv1d`, which
