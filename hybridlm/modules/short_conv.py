@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.modules.boundaries import sequence_ids
-from hybridlm.ops.short_conv import short_conv_triton
+from hybridlm.ops.short_conv import KERNEL_DTYPES, short_conv_triton
 from hybridlm.ops.utils import check_cu_seqlens, host_to_device, seq_idx_segments, triton_available, triton_runs_on
 
 _ACTIVATIONS = (None, "silu")
@@ -47,7 +47,8 @@ def causal_conv1d(
     document's inputs (zeros before its start). The shapes stay the rows': for compiled training on packed rows.
 
 backend: "torch" (the forms below), "triton" (`hybridlm.ops.short_conv`'s kernels: no state in or out) or "auto"
-(the kernels for a CUDA tensor outside torch.compile with no state in or out, else the torch forms)."""
+(the kernels for a 32- or 16-bit CUDA tensor outside torch.compile with no state in or out, else the torch
+forms)."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"causal_conv1d: unknown activation {activation!r}; choose one of {_ACTIVATIONS}")
     if backend not in BACKENDS:
@@ -128,7 +129,8 @@ def _takes_kernels(backend: str, x: torch.Tensor, stateless: bool) -> bool:
             raise ValueError(f"causal_conv1d: backend='triton' needs triton and a CUDA tensor, got a {x.device.type} "
                              "tensor; use backend='auto'")
         return True
-    return backend == "auto" and stateless and x.is_cuda and triton_available() and not torch.compiler.is_compiling()
+    return (backend == "auto" and stateless and x.is_cuda and x.dtype in KERNEL_DTYPES and triton_available()
+            and not torch.compiler.is_compiling())
 
 
 # With the torch forms on a GPU in eager mode, packed rows whose documents average at most this many tokens run in place; longer ones on

@@ -149,6 +149,8 @@ def test_rejects_bad_inputs():
         short_conv_triton(x, torch.zeros(3, 4), activation="relu")
     with pytest.raises(ValueError, match=r"x must be \[B, T, C\]"):
         short_conv_triton(x[0], torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="float64 runs on the torch form"):
+        short_conv_triton(x.double(), torch.zeros(3, 4))
     with pytest.raises(ValueError, match="seq_idx must be"):
         short_conv_triton(x, torch.zeros(3, 4), seq_idx=torch.zeros(1, 5, dtype=torch.int32))
     with pytest.raises(ValueError, match="split the batch"):  # int32 step indices (no memory: an expanded view)
@@ -179,7 +181,7 @@ def test_module_conv_on_the_kernels(form):
 
 
 def test_module_conv_backend_choice(monkeypatch):
-    """"auto" takes the kernels only for a CUDA tensor with no state in or out; "triton" refuses a state and a tensor
+    """"auto" takes the kernels only for a 32- or 16-bit CUDA tensor with no state in or out; "triton" refuses a state and a tensor
     the kernels cannot take; an unknown backend is an error."""
     from hybridlm.modules import short_conv
 
@@ -191,6 +193,7 @@ def test_module_conv_backend_choice(monkeypatch):
     if ON_GPU:
         causal_conv1d(x.cuda(), weight.cuda())
         causal_conv1d(x.cuda(), weight.cuda(), output_final_state=True)  # a state out: the torch form
+        causal_conv1d(x.cuda().double(), weight.cuda())  # float64: the torch form's float64 math
         assert calls == ["cuda"]
     with pytest.raises(ValueError, match="takes no initial_state"):
         causal_conv1d(x, weight, backend="triton", initial_state=torch.zeros(1, 3, 3))

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from hybridlm.ops.short_conv.naive import ACTIVATIONS
+from hybridlm.ops.short_conv.naive import ACTIVATIONS, KERNEL_DTYPES
 from hybridlm.ops.triton_utils import autotune
 from hybridlm.ops.utils import on_tensor_device, seq_idx_segments
 
@@ -184,13 +184,16 @@ class _ShortConv(torch.autograd.Function):
 
 def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                       seq_idx: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
-    """x [B, T, C] (any float dtype), weight [C, K], bias [C] or None, seq_idx [B, T] integers or None -> y [B, T, C]
+    """x [B, T, C] (float32, bfloat16 or float16), weight [C, K], bias [C] or None, seq_idx [B, T] integers or None -> y [B, T, C]
     in x's dtype, differentiable in x, weight and bias (float32 accumulation; `naive.short_conv_naive` is the math).
     CUDA tensors, or CPU tensors under Triton's interpreter."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"short_conv_triton: unknown activation {activation!r}; choose one of {ACTIVATIONS}")
     if x.dim() != 3:
         raise ValueError(f"short_conv_triton: x must be [B, T, C], got shape {tuple(x.shape)}")
+    if x.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"short_conv_triton: x must be float32, bfloat16 or float16 (float32 accumulation), got "
+                         f"{x.dtype}; float64 runs on the torch form (`hybridlm.modules.causal_conv1d`)")
     B, T, C = x.shape
     if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 1:
         raise ValueError(f"short_conv_triton: weight must be [C, K] = [{C}, K >= 1], got {tuple(weight.shape)}")
