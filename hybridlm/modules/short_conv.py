@@ -22,7 +22,14 @@ from torch import nn
 
 from hybridlm.modules.boundaries import sequence_ids
 from hybridlm.ops.short_conv import KERNEL_DTYPES, short_conv_triton
-from hybridlm.ops.utils import check_cu_seqlens, host_to_device, seq_idx_segments, triton_available, triton_runs_on
+from hybridlm.ops.utils import (
+    check_cu_seqlens,
+    host_to_device,
+    seq_idx_segments,
+    triton_available,
+    triton_runs_on,
+    warn_slow_path,
+)
 
 _ACTIVATIONS = (None, "silu")
 BACKENDS = ("auto", "torch", "triton")
@@ -129,8 +136,19 @@ def _takes_kernels(backend: str, x: torch.Tensor, stateless: bool) -> bool:
             raise ValueError(f"causal_conv1d: backend='triton' needs triton and a CUDA tensor, got a {x.device.type} "
                              "tensor; use backend='auto'")
         return True
-    return (backend == "auto" and stateless and x.is_cuda and x.dtype in KERNEL_DTYPES and triton_available()
-            and not torch.compiler.is_compiling())
+    if backend != "auto" or not (stateless and x.is_cuda and x.dtype in KERNEL_DTYPES):
+        return False
+    if torch.compiler.is_compiling():  # inductor fuses the torch form's shifted sum with its neighbours
+        return False
+    if not triton_available():
+        warn_slow_path(NO_TRITON)
+        return False
+    return True
+
+
+NO_TRITON = ("causal_conv1d: triton is not installed, so the short convolutions' training calls on CUDA run the torch "
+             "form (several kernels and float32 copies per call, where the Triton kernels take one each way): "
+             "pip install triton")
 
 
 # With the torch forms on a GPU in eager mode, packed rows whose documents average at most this many tokens run in place; longer ones on

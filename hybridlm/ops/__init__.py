@@ -1,6 +1,7 @@
 """Pure tensor functions (no module state): the fast-weight rules (`fast_weight`), the Mamba-2 SSD scan
-(`ssd`: `from hybridlm.ops.ssd import ssd`) and the mixers' short causal conv (`short_conv`). `SlowPathWarning`: what both issue where `backend="auto"` on CUDA runs
-a torch path for a call their Triton kernels cannot take."""
+(`ssd`: `from hybridlm.ops.ssd import ssd`) and the mixers' short causal conv (`short_conv`). `SlowPathWarning`:
+what the two ops, and `hybridlm.modules.causal_conv1d` over the conv's kernels, issue where `backend="auto"` on CUDA
+runs a torch path for a call their Triton kernels cannot take."""
 
 from __future__ import annotations
 

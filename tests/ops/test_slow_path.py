@@ -19,6 +19,7 @@ import torch
 import hybridlm.ops.fast_weight.op as fw_op
 import hybridlm.ops.ssd as ssd_op
 import hybridlm.ops.utils as ops_utils
+from hybridlm.modules import short_conv
 from hybridlm.ops import SlowPathWarning, fast_weight_attention
 from hybridlm.ops.utils import warn_slow_path
 from tests.ops.triton_modes import gpu_only
@@ -163,3 +164,20 @@ def test_front_door_on_cuda_warns_once(caught):
     fast_weight_attention(q[..., :128], k[..., :128], v[..., :128], beta, rule="1A")
     messages = slow_paths(caught)
     assert len(messages) == 1 and messages[0].startswith("fast-weight heads of 192 dims")
+
+
+def test_short_conv_warns_once_without_triton(caught, monkeypatch):
+    """The short conv's "auto" on a CUDA training call (no state, 32- or 16-bit) without triton says so once; its own
+    choices of the torch form (a state in or out, float64) say nothing; with triton it takes the kernels."""
+    monkeypatch.setattr(short_conv, "triton_available", lambda: False)
+    x = on_cuda(2, 64, 96)
+    assert not short_conv._takes_kernels("auto", x, stateless=False)
+    assert not short_conv._takes_kernels("auto", on_cuda(2, 64, 96, dtype=torch.float64), stateless=True)
+    assert not short_conv._takes_kernels("torch", x, stateless=True)
+    assert slow_paths(caught) == []
+    for _ in range(3):
+        assert not short_conv._takes_kernels("auto", x, stateless=True)
+    assert slow_paths(caught) == [short_conv.NO_TRITON]
+    monkeypatch.setattr(short_conv, "triton_available", lambda: True)
+    assert short_conv._takes_kernels("auto", x, stateless=True)
+    assert slow_paths(caught) == [short_conv.NO_TRITON]
