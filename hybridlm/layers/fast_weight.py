@@ -175,7 +175,7 @@ class FastWeightMixer(nn.Module):
         )
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         v = v.reshape(batch, length, H, V)  # [B, T, H, V], the activation dtype (bf16 under autocast)
-        # Normalized in the compute dtype, then handed over in the activations' dtype: the op computes its
+        # Normalized with float32 math (`_normalize`), handed over in the activations' dtype: the op computes its
         # statistics, step sizes and state in float32 itself, and its GPU kernels take bf16 operands.
         q = self._normalize(q.reshape(batch, length, H, K)).to(v.dtype)  # [B, T, H, K]
         k = self._normalize(k.reshape(batch, length, H, K)).to(v.dtype)

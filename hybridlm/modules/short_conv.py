@@ -9,7 +9,7 @@ the tail of the previous one, it starts from its own row of `initial_state` (`[N
 final state has one row per document.
 
 Training calls (no state in or out) on a GPU in eager mode run the Triton kernels of `hybridlm.ops.short_conv`: one
-launch forward and one backward, documents restarting inside the row, where the torch forms launch several kernels
+launch forward and two backward, documents restarting inside the row, where the torch forms launch several kernels
 and copy the activations (benchmarks/gpu_short_conv.py). Decoding, carried states, torch.compile (whose inductor
 fuses the shifted sum with its neighbours) and the CPU take the torch forms below.
 """
@@ -53,9 +53,10 @@ def causal_conv1d(
     document; the carried state belongs to the row's first document, and the final state holds only the last
     document's inputs (zeros before its start). The shapes stay the rows': for compiled training on packed rows.
 
-backend: "torch" (the forms below), "triton" (`hybridlm.ops.short_conv`'s kernels: no state in or out) or "auto"
-(the kernels for a 32- or 16-bit CUDA tensor outside torch.compile with no state in or out, else the torch
-forms)."""
+    backend: "torch" (the forms below), "triton" (`hybridlm.ops.short_conv`'s kernels: a 32- or 16-bit tensor, no
+    state in or out) or "auto" (the kernels for a 32- or 16-bit CUDA tensor outside torch.compile with no state in
+    or out, where triton is installed; else the torch forms, with a `SlowPathWarning` once where only triton is
+    missing)."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"causal_conv1d: unknown activation {activation!r}; choose one of {_ACTIVATIONS}")
     if backend not in BACKENDS:
@@ -135,6 +136,9 @@ def _takes_kernels(backend: str, x: torch.Tensor, stateless: bool) -> bool:
         if not triton_runs_on(x):
             raise ValueError(f"causal_conv1d: backend='triton' needs triton and a CUDA tensor, got a {x.device.type} "
                              "tensor; use backend='auto'")
+        if x.dtype not in KERNEL_DTYPES:
+            raise ValueError(f"causal_conv1d: backend='triton' takes float32, bfloat16 or float16, got {x.dtype}; "
+                             "use backend='torch' or 'auto'")
         return True
     if backend != "auto" or not (stateless and x.is_cuda and x.dtype in KERNEL_DTYPES):
         return False
@@ -146,13 +150,14 @@ def _takes_kernels(backend: str, x: torch.Tensor, stateless: bool) -> bool:
     return True
 
 
-NO_TRITON = ("causal_conv1d: triton is not installed, so the short convolutions' training calls on CUDA run the torch "
-             "form (several kernels and float32 copies per call, where the Triton kernels take one each way): "
-             "pip install triton")
+NO_TRITON = ("causal_conv1d: triton is not installed, so the short convolutions' training calls on CUDA run the "
+             "torch form (several kernels and float32 copies per call, where the Triton kernels take one forward and "
+             "two backward): pip install triton")
 
 
-# With the torch forms on a GPU in eager mode, packed rows whose documents average at most this many tokens run in place; longer ones on
-# the gapped row, whose depthwise conv kernel is the faster for them (benchmarks/gpu_short_conv.py --packed).
+# With the torch forms on a GPU in eager mode, packed rows whose documents average at most this many tokens run in
+# place; longer ones on the gapped row, whose depthwise conv kernel is the faster for them
+# (benchmarks/gpu_short_conv.py --packed).
 IN_PLACE_MAX_MEAN_DOCUMENT = 1024
 
 
@@ -253,5 +258,5 @@ class ShortConvolution(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"{self.weight.shape[0]}, kernel_size={self.kernel_size}, bias={self.bias is not None}, "
-            f"activation={self.activation}"
+            f"activation={self.activation}, backend={self.backend}"
         )

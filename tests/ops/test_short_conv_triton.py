@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridlm.modules import causal_conv1d
+from hybridlm.modules import ShortConvolution, causal_conv1d
 from hybridlm.ops.short_conv import short_conv_naive, short_conv_triton
 from tests.helpers import rel_err
 from tests.ops.triton_modes import (
@@ -108,6 +108,49 @@ def test_documents_never_see_each_other():
 
 
 @interpret
+def test_documents_starting_at_block_and_program_edges():
+    """Documents that start exactly at a step block's edge (BT) and a program's (STEPS x BT), and one step either
+    side, in forward and backward."""
+    from hybridlm.ops.short_conv import kernels
+
+    T = 2 * kernels.STEPS * kernels.BT + 40
+    starts = sorted({e + d for e in (kernels.BT, kernels.STEPS * kernels.BT) for d in (-1, 0, 1)})
+    seq_idx = torch.zeros(1, T, dtype=torch.int32)
+    for start in starts:
+        seq_idx[0, start:] += 1
+    x, weight, b, _ = _inputs(1, T, 6, 4, seed=4)
+    leaves = [t.clone().requires_grad_(True) for t in (x, weight, b)]
+    y_ref = short_conv_naive(*leaves, seq_idx=seq_idx, activation="silu")
+    probe = torch.randn_like(y_ref)
+    grads_ref = torch.autograd.grad((y_ref * probe).sum(), leaves)
+    ins = [t.float().to(DEVICE).requires_grad_(True) for t in (x, weight, b)]
+    y = short_conv_triton(*ins, seq_idx=seq_idx.to(DEVICE), activation="silu")
+    grads = torch.autograd.grad((y.double() * probe.to(DEVICE)).sum(), ins)
+    for name, ours, ref in zip(("y", "dx", "dw", "db"), (y, *grads), (y_ref, *grads_ref)):
+        assert rel_err(ours.cpu(), ref) < 1e-5, name
+
+
+@interpret
+def test_frozen_inputs_and_an_expanded_gradient_without_activation():
+    """Only the gradients asked for come back (x or the weight frozen), and without an activation dL/dy reaches the
+    kernels as it is: here an expanded one (the gradient of y.sum() * 2), not contiguous."""
+    x, weight, b, seq_idx = _inputs(2, 37, 9, 3, documents=5, seed=6)
+    y_ref = short_conv_naive(x.requires_grad_(True), weight.requires_grad_(True), b.requires_grad_(True),
+                             seq_idx=seq_idx)
+    grads_ref = torch.autograd.grad(y_ref.sum() * 2, (x, weight, b))
+    seq = seq_idx.to(DEVICE)
+    for frozen in ("x", "weight"):
+        ins = {"x": x.detach().float(), "weight": weight.detach().float(), "bias": b.detach().float()}
+        ins = {k: v.to(DEVICE).requires_grad_(k != frozen) for k, v in ins.items()}
+        y = short_conv_triton(ins["x"], ins["weight"], ins["bias"], seq_idx=seq)
+        wanted = [name for name in ins if name != frozen]
+        grads = torch.autograd.grad(y.sum() * 2, [ins[name] for name in wanted])
+        reference = dict(zip(("x", "weight", "bias"), grads_ref))
+        for name, grad in zip(wanted, grads):
+            assert rel_err(grad.cpu(), reference[name]) < 1e-5, (frozen, name)
+
+
+@interpret
 def test_strided_inputs_and_16bit_weights():
     """x and dL/dy strided (not contiguous), float16 weights and bias: the same as the reference on those values,
     the weight gradients in float16."""
@@ -149,7 +192,7 @@ def test_rejects_bad_inputs():
         short_conv_triton(x, torch.zeros(3, 4), activation="relu")
     with pytest.raises(ValueError, match=r"x must be \[B, T, C\]"):
         short_conv_triton(x[0], torch.zeros(3, 4))
-    with pytest.raises(ValueError, match="float64 runs on the torch form"):
+    with pytest.raises(ValueError, match="run float64 on"):
         short_conv_triton(x.double(), torch.zeros(3, 4))
     with pytest.raises(ValueError, match="seq_idx must be"):
         short_conv_triton(x, torch.zeros(3, 4), seq_idx=torch.zeros(1, 5, dtype=torch.int32))
@@ -158,12 +201,13 @@ def test_rejects_bad_inputs():
 
 
 @interpret
-@pytest.mark.parametrize("form", ["rows", "seq_idx", "cu_seqlens"])
+@pytest.mark.parametrize("form", ["rows", "seq_idx", "cu_seqlens", "no-activation"])
 def test_module_conv_on_the_kernels(form):
     """`causal_conv1d(backend="triton")` is the torch form's function: plain rows, documents by seq_idx, and packed
-    documents by cu_seqlens (which it runs in place through the kernels), outputs and gradients in float32."""
+    documents by cu_seqlens (which it runs in place through the kernels), with and without SiLU, outputs and
+    gradients in float32."""
     x, weight, b, seq_idx = _inputs(2, 41, 10, 4, documents=7, seed=3)
-    kwargs = {"activation": "silu"}
+    kwargs = {"activation": None if form == "no-activation" else "silu"}
     if form == "seq_idx":
         kwargs["seq_idx"] = seq_idx.to(DEVICE)
     if form == "cu_seqlens":
@@ -181,8 +225,8 @@ def test_module_conv_on_the_kernels(form):
 
 
 def test_module_conv_backend_choice(monkeypatch):
-    """"auto" takes the kernels only for a 32- or 16-bit CUDA tensor with no state in or out; "triton" refuses a state and a tensor
-    the kernels cannot take; an unknown backend is an error."""
+    """"auto" takes the kernels only for a 32- or 16-bit CUDA tensor with no state in or out; "triton" refuses a
+    state and a tensor the kernels cannot take; an unknown backend is an error, from the module's attribute too."""
     from hybridlm.modules import short_conv
 
     calls = []
@@ -200,8 +244,18 @@ def test_module_conv_backend_choice(monkeypatch):
     if not (ON_GPU or INTERPRET):
         with pytest.raises(ValueError, match="needs triton and a CUDA tensor"):
             causal_conv1d(x, weight, backend="triton")
+    if ON_GPU or INTERPRET:
+        with pytest.raises(ValueError, match="takes float32, bfloat16 or float16"):
+            causal_conv1d(x.double().to(DEVICE), weight.to(DEVICE), backend="triton")
     with pytest.raises(ValueError, match="unknown backend"):
         causal_conv1d(x, weight, backend="cuda")
+    from hybridlm.parallel.tensor_parallel import _LocalShortConvolution
+
+    for module in (ShortConvolution(3, 4), _LocalShortConvolution(3, 4)):  # the attribute reaches causal_conv1d
+        module.backend = "cuda"
+        assert "backend=cuda" in repr(module)
+        with pytest.raises(ValueError, match="unknown backend"):
+            module(x)
 
 
 _SM90_BUILDS = """
@@ -209,8 +263,8 @@ from hybridlm.ops.short_conv import kernels as k
 
 sizes = dict(BT=k.BT, BC=k.BC, STEPS=k.STEPS)
 for io in ("*bf16", "*fp32"):
-    for K, bias, silu in ((4, True, True), (4, False, False), (3, True, True)):
-        flags = dict(sizes, K=K, KP=4, HAS_BIAS=bias, SILU=silu)
+    for K, bias, silu in ((4, True, True), (4, False, False), (3, True, True), (1, True, True), (5, False, True)):
+        flags = dict(sizes, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias, SILU=silu)
         build(k.short_conv_fwd_kernel, flags, io=io, io_names=("x_ptr", "y_ptr"), types={"seg_ptr": "*i32"})
         build(k.short_conv_bwd_weight_kernel, flags, io=io, io_names=("x_ptr", "dy_ptr"), types={"seg_ptr": "*i32"})
         build(k.short_conv_bwd_input_kernel, flags, io=io, io_names=("dx_ptr",) if silu else ("g_ptr", "dx_ptr"),
@@ -220,8 +274,8 @@ for io in ("*bf16", "*fp32"):
 
 @needs_cuda_backend
 def test_kernels_compile_for_sm90():
-    """The three kernels build for sm_90 (bf16 and fp32 activations, with and without bias and SiLU, K = 4 and 3): the
-    compiled path the interpreter never runs."""
+    """The three kernels build for sm_90 (bf16 and fp32 activations, with and without bias and SiLU, K = 1, 3, 4 and
+    5, so tap blocks of 1, 4 and 8): the compiled path the interpreter never runs."""
     report = compile_for_sm90(_SM90_BUILDS, modules=("hybridlm.ops.short_conv.kernels",))
     assert set(report["built"]) == report["defined"] == {
         "short_conv_fwd_kernel", "short_conv_bwd_weight_kernel", "short_conv_bwd_input_kernel"}, report

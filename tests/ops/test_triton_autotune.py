@@ -52,7 +52,9 @@ print(json.dumps(out))
 """
 
 # The kernels whose fixed launch has 4 warps (the others': 8).
-FOUR_WARPS = ("hybridlm.ops.ssd", "hybridlm.ops.short_conv", "hybridlm.ops.fast_weight.triton.wy.tinv_kernel")
+FOUR_WARPS = ("hybridlm.ops.ssd", "hybridlm.ops.short_conv.kernels.short_conv_fwd_kernel",
+              "hybridlm.ops.short_conv.kernels.short_conv_bwd_input_kernel",
+              "hybridlm.ops.fast_weight.triton.wy.tinv_kernel")
 
 
 def autotuners(**env: str) -> dict:

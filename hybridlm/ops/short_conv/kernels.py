@@ -8,11 +8,11 @@ pipeline stages are autotuned per channel count, taps and flags, as for every ke
 
 - Forward: y_t = act(bias + sum_k w_k x_{t-K+1+k}), float32 accumulation, stored in x's dtype.
 - Backward, two kernels: the first recomputes the pre-activations, stores g = dL/d(pre-activation) = dy act'(pre)
-  in float32 (without an activation g is dy, nothing stored) and sums its program's share of dw_k = sum_t g_t
-  x_{t-K+1+k} and db = sum_t g_t [same segment] into a [programs, ...] buffer that torch sums (no atomics: the same
-  sum every run); the second reads g at the K steps that read each input: dx_t = sum_j w_{K-1-j} g_{t+j} [same
-  segment]. One kernel could recompute g at those K steps instead (K x K taps per input), but that many
-  instructions cost more than g's float32 round trip through memory (benchmarks/RESULTS.md).
+  in x's dtype (without an activation g is dy, nothing stored; a transient [L, C] buffer, 2 bytes per element
+  for 16-bit activations) and sums its program's share of dw_k = sum_t g_t x_{t-K+1+k} and db = sum_t g_t [same
+  segment] from the float32 g, into a [programs, ...] buffer that torch sums (no atomics: the same sum every run);
+  the second reads g at the K steps that read each input: dx_t = sum_j w_{K-1-j} g_{t+j} [same segment]. g goes
+  through memory because recomputing it there would take K x K taps per input (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -70,12 +70,12 @@ def short_conv_fwd_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, y_ptr, L, C, K: tl.const
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=inside[:, None] & (c[None, :] < C))
 
 
-@autotune(KEY, fixed_warps=4)
+@autotune(KEY, fixed_warps=8)  # 4 warps spill its [KP, BT, BC] sums
 @triton.jit(do_not_specialize=["L"])
 def short_conv_bwd_weight_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, dy_ptr, g_ptr, dw_ptr, db_ptr, L, C, K: tl.constexpr,
                                  KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STEPS: tl.constexpr,
                                  HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
-    """g = dy act'(pre) [L, C] float32 (stored with SILU; without it g is dy itself) and this program's partial dw
+    """g = dy act'(pre) [L, C] in x's dtype (stored with SILU; without it g is dy itself) and this program's partial dw
     [KP, C] / db [C] (float32, rows k < K of dw used). Grid (cdiv(L, STEPS BT), cdiv(C, BC)); dw_ptr / db_ptr:
     [grid 0, KP, C] / [grid 0, C]."""
     i_t, i_c = tl.program_id(0), tl.program_id(1)
@@ -107,7 +107,7 @@ def short_conv_bwd_weight_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, dy_ptr, g_ptr, dw
             pre = _pre_activation(x_ptr, w_ptr, seg_ptr, t, inside, bias, c, C, K)
             s = tl.sigmoid(pre)
             g = g * s * (1.0 + pre * (1.0 - s))
-            tl.store(g_ptr + offs, g, mask=mask)
+            tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=mask)
         db2 += g
         dw3 += x3 * g[None, :, :]
     dw = tl.sum(dw3, axis=1)  # [KP, BC]
@@ -164,36 +164,40 @@ class _ShortConv(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         x, weight, bias, segments = ctx.saved_tensors
+        needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         L, C = x.shape
         K = weight.shape[1]
         KP = triton.next_power_of_2(K)
         grid = _grid(L, C)
         dy = dy.contiguous()
-        dx = torch.empty_like(x)
-        g = torch.empty(L, C, dtype=torch.float32, device=x.device) if ctx.silu else dy  # dL/d(pre-activation)
-        dw = torch.empty(grid[0], KP, C, dtype=torch.float32, device=x.device)
-        db = torch.empty(grid[0], C, dtype=torch.float32, device=x.device)
+        g = torch.empty_like(x) if ctx.silu else dy  # dL/d(pre-activation), in x's dtype
+        dx = dweight = dbias = None
         with on_tensor_device(x):
-            short_conv_bwd_weight_kernel[grid](x, weight, bias, segments, dy, g, dw, db, L, C, K=K, KP=KP, BT=BT,
-                                               BC=BC, STEPS=STEPS, HAS_BIAS=bias is not None, SILU=ctx.silu)
-            short_conv_bwd_input_kernel[grid](g, weight, segments, dx, L, C, K=K, BT=BT, BC=BC, STEPS=STEPS)
-        dweight = dw.sum(0)[:K].t().contiguous().to(weight.dtype)
-        dbias = None if bias is None else db.sum(0).to(bias.dtype)
+            if needs_weight or needs_bias or (needs_x and ctx.silu):
+                dw = torch.empty(grid[0], KP, C, dtype=torch.float32, device=x.device)
+                db = torch.empty(grid[0], C, dtype=torch.float32, device=x.device)
+                short_conv_bwd_weight_kernel[grid](x, weight, bias, segments, dy, g, dw, db, L, C, K=K, KP=KP, BT=BT,
+                                                   BC=BC, STEPS=STEPS, HAS_BIAS=bias is not None, SILU=ctx.silu)
+                dweight = dw.sum(0)[:K].t().contiguous().to(weight.dtype) if needs_weight else None
+                dbias = db.sum(0).to(bias.dtype) if needs_bias else None
+            if needs_x:
+                dx = torch.empty_like(x)
+                short_conv_bwd_input_kernel[grid](g, weight, segments, dx, L, C, K=K, BT=BT, BC=BC, STEPS=STEPS)
         return dx, dweight, dbias, None, None
 
 
 def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                       seq_idx: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
-    """x [B, T, C] (float32, bfloat16 or float16), weight [C, K], bias [C] or None, seq_idx [B, T] integers or None -> y [B, T, C]
-    in x's dtype, differentiable in x, weight and bias (float32 accumulation; `naive.short_conv_naive` is the math).
-    CUDA tensors, or CPU tensors under Triton's interpreter."""
+    """x [B, T, C] (float32, bfloat16 or float16), weight [C, K], bias [C] or None, seq_idx [B, T] integers or None
+    -> y [B, T, C] in x's dtype, differentiable in x, weight and bias (float32 accumulation; `naive.short_conv_naive`
+    is the math). CUDA tensors, or CPU tensors under Triton's interpreter."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"short_conv_triton: unknown activation {activation!r}; choose one of {ACTIVATIONS}")
     if x.dim() != 3:
         raise ValueError(f"short_conv_triton: x must be [B, T, C], got shape {tuple(x.shape)}")
     if x.dtype not in KERNEL_DTYPES:
         raise ValueError(f"short_conv_triton: x must be float32, bfloat16 or float16 (float32 accumulation), got "
-                         f"{x.dtype}; float64 runs on the torch form (`hybridlm.modules.causal_conv1d`)")
+                         f"{x.dtype}; run float64 on `hybridlm.modules.causal_conv1d(..., backend='torch')`")
     B, T, C = x.shape
     if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 1:
         raise ValueError(f"short_conv_triton: weight must be [C, K] = [{C}, K >= 1], got {tuple(weight.shape)}")
