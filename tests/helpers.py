@@ -15,6 +15,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
+def assert_near_reference(pairs: dict, tol: float) -> None:
+    """Each named (ours, reference) pair within `tol` in relative error (`rel_err`, ours moved to the CPU), and its
+    largest single error within 10 tol of the reference's largest element: one wrong element hides in a norm over
+    many."""
+    errors = {name: rel_err(ours.cpu(), ref) for name, (ours, ref) in pairs.items()}
+    assert max(errors.values()) < tol, {k: f"{v:.2e}" for k, v in errors.items()}
+    worst = {name: ((ours.cpu().double() - ref).abs().max() / ref.abs().max()).item()
+             for name, (ours, ref) in pairs.items()}
+    assert max(worst.values()) < 10 * tol, {k: f"{v:.2e}" for k, v in worst.items()}
+
+
 def free_port() -> int:
     """A free TCP port on the loopback interface, for the rendezvous of spawned gloo process groups."""
     import socket

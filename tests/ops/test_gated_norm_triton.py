@@ -1,0 +1,152 @@
+"""The gated RMSNorm's Triton kernels (`hybridlm.ops.gated_norm`) against the float64 reference: outputs and the
+gradients of x, the weight and the gate, both gate placements, groups, odd widths and row counts, several programs.
+
+They run where the other Triton tests run (`tests/ops/triton_modes.py`: a GPU, or the interpreter, where float16
+stands in for bfloat16); CI runs only the reference's test and the input checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridlm.modules.gated_norm import gated_rms_norm
+from hybridlm.ops.gated_norm import gated_norm_naive, gated_norm_triton
+from tests.helpers import assert_near_reference, rel_err
+from tests.ops.triton_modes import (
+    DEVICE,
+    H200_SHARED_BYTES,
+    HAS_TRITON,
+    ON_GPU,
+    compile_for_sm90,
+    interpret,
+    needs_cuda_backend,
+)
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _inputs(shape, *, gate=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64) * 3
+    weight = 1 + torch.randn(shape[-1], generator=g, dtype=torch.float64) / 4
+    z = torch.randn(*shape, generator=g, dtype=torch.float64) * 2 if gate else None
+    return x, weight, z
+
+
+def _check(shape, groups, *, gate, before, dtype, seed=0):
+    x, weight, z = _inputs(shape, gate=gate, seed=seed)
+    x = x.to(dtype).double()  # the reference sees the rounded inputs
+    z = None if z is None else z.to(dtype).double()
+    leaves = [t.clone().requires_grad_(True) for t in (x, weight, z) if t is not None]
+    options = dict(groups=groups, norm_before_gate=before)
+    y_ref = gated_norm_naive(leaves[0], leaves[1], leaves[2] if gate else None, **options)
+    probe = torch.randn_like(y_ref)
+    grads_ref = torch.autograd.grad((y_ref * probe).sum(), leaves)
+
+    ins = [x.to(DEVICE, dtype), weight.to(DEVICE, torch.float32)] + ([z.to(DEVICE, dtype)] if gate else [])
+    ins = [t.requires_grad_(True) for t in ins]
+    y = gated_norm_triton(ins[0], ins[1], ins[2] if gate else None, **options)
+    assert y.dtype == dtype and y.shape == tuple(shape)
+    grads = torch.autograd.grad((y.double() * probe.to(DEVICE)).sum(), ins)
+    pairs = {"y": (y, y_ref)}
+    for name, grad, grad_ref, leaf in zip(("dx", "dw", "dz"), grads, grads_ref, ins):
+        assert grad.dtype == leaf.dtype, name
+        pairs[name] = (grad, grad_ref)
+    assert_near_reference(pairs, TOL[dtype])
+
+
+CASES = [  # shape, groups, gate, norm_before_gate
+    ((2, 37, 96), 2, True, True),  # the fast-weight / Mamba-2 placement, odd rows, two groups of 48 (padded to 64)
+    ((2, 37, 96), 2, True, False),  # the gate before the norm
+    ((5, 70), 1, False, True),  # no gate, one group
+    ((3, 11, 4, 24), 3, True, True),  # four leading dims' worth of rows, groups of 8
+    ((1, 300, 40), 4, True, False),  # several programs along the rows (300 > 8 x 32), groups of 10
+    ((3, 1000), 1, True, True),  # a wide group: blocks of two rows
+    ((2, 2500), 1, True, False),  # a group wider than a row block's 2048: one row per block
+]
+
+
+@interpret
+@pytest.mark.parametrize("shape,groups,gate,before", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_matches_float64_reference(shape, groups, gate, before, dtype):
+    if dtype == torch.bfloat16 and not ON_GPU:
+        pytest.skip("bfloat16 is checked on the GPU; float16 covers the 16-bit path under the interpreter")
+    _check(shape, groups, gate=gate, before=before, dtype=dtype)
+
+
+@interpret
+def test_groups_never_see_each_other():
+    """Scaling one group's inputs leaves the other groups' outputs as they were (and its own, up to eps)."""
+    x, weight, z = (t.float().to(DEVICE) for t in _inputs((4, 64), seed=1))
+    changed = x.clone()
+    changed[:, :16] *= 100.0
+    y, y_changed = (gated_norm_triton(t, weight, z, groups=4) for t in (x, changed))
+    assert torch.equal(y[:, 16:], y_changed[:, 16:])
+    assert rel_err(y_changed[:, :16].cpu(), y[:, :16].cpu()) < 1e-5
+
+
+@interpret
+def test_strided_inputs_and_empty_rows():
+    """x and the gate as strided views: the same as the reference on those values; zero rows give empty outputs and
+    zero weight gradients."""
+    x, weight, z = _inputs((6, 80), seed=2)
+    xs, zs = x[::2, ::2], z[1::2, ::2]  # [3, 40], not contiguous
+    y_ref = gated_norm_naive(xs, weight[:40], zs, groups=2)
+    y = gated_norm_triton(xs.float().to(DEVICE), weight[:40].float().to(DEVICE), zs.float().to(DEVICE), groups=2)
+    assert rel_err(y.cpu(), y_ref) < 1e-5
+    empty = torch.zeros(0, 40, device=DEVICE, requires_grad=True)
+    w = weight[:40].float().to(DEVICE).requires_grad_(True)
+    out = gated_norm_triton(empty, w, groups=2)
+    out.sum().backward()
+    assert out.shape == (0, 40) and w.grad.abs().max() == 0
+
+
+@pytest.mark.parametrize("before", [True, False])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_reference_matches_the_module_norm(before, groups):
+    """The reference is the same function as `hybridlm.modules.gated_rms_norm` (float64), with and without a gate."""
+    x, weight, z = _inputs((2, 5, 24), seed=3)
+    for gate in (z, None):
+        torch.testing.assert_close(gated_norm_naive(x, weight, gate, groups=groups, norm_before_gate=before),
+                                   gated_rms_norm(x, weight, gate, groups=groups, norm_before_gate=before),
+                                   rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="imports the kernels (needs triton)")
+def test_rejects_bad_inputs():
+    x = torch.zeros(2, 12)
+    with pytest.raises(ValueError, match="must divide the channel count"):
+        gated_norm_triton(x, torch.ones(12), groups=5)
+    with pytest.raises(ValueError, match="weight must be"):
+        gated_norm_triton(x, torch.ones(10))
+    with pytest.raises(ValueError, match="gate must have x's shape"):
+        gated_norm_triton(x, torch.ones(12), torch.zeros(2, 6))
+    with pytest.raises(ValueError, match="run float64 on"):
+        gated_norm_triton(x.double(), torch.ones(12))
+    with pytest.raises(ValueError, match="exceed the kernels"):
+        gated_norm_triton(torch.zeros(1, 1).expand(1, 16384), torch.ones(16384))
+    with pytest.raises(ValueError, match="got a scalar"):
+        gated_norm_triton(torch.zeros(()), torch.ones(1))
+
+
+_SM90_BUILDS = """
+from hybridlm.ops.gated_norm import kernels as k
+
+for io in ("*bf16", "*fp32"):
+    for DG, gate, before in ((64, True, True), (512, True, False), (1000, False, True), (8192, True, True)):
+        BD = triton.next_power_of_2(DG)
+        flags = dict(DG=DG, BD=BD, BM=max(1, k.ROW_ELEMENTS // BD), STEPS=k.STEPS, HAS_GATE=gate, BEFORE=before)
+        build(k.gated_norm_fwd_kernel, flags, io=io, io_names=("x_ptr", "z_ptr", "y_ptr"), types={"eps": "fp32"})
+        build(k.gated_norm_bwd_kernel, flags, io=io, io_names=("x_ptr", "z_ptr", "dy_ptr", "dx_ptr", "dz_ptr"))
+"""
+
+
+@needs_cuda_backend
+def test_kernels_compile_for_sm90():
+    """Both kernels build for sm_90 (bf16 and fp32 activations, with and without a gate, either placement, groups
+    of 64 to 8192 channels): the compiled path the interpreter never runs."""
+    report = compile_for_sm90(_SM90_BUILDS, modules=("hybridlm.ops.gated_norm.kernels",))
+    assert set(report["built"]) == report["defined"] == {"gated_norm_fwd_kernel", "gated_norm_bwd_kernel"}, report
+    assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
