@@ -52,7 +52,8 @@ print(json.dumps(out))
 """
 
 # The kernels whose fixed launch has 4 warps (the others': 8).
-FOUR_WARPS = ("hybridlm.ops.ssd", "hybridlm.ops.gated_norm", "hybridlm.ops.short_conv.kernels.short_conv_fwd_kernel",
+FOUR_WARPS = ("hybridlm.ops.ssd", "hybridlm.ops.gated_norm.kernels.gated_norm_fwd_kernel",
+              "hybridlm.ops.short_conv.kernels.short_conv_fwd_kernel",
               "hybridlm.ops.short_conv.kernels.short_conv_bwd_input_kernel",
               "hybridlm.ops.fast_weight.triton.wy.tinv_kernel")
 
