@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.modules.boundaries import sequence_ids
-from hybridlm.ops.short_conv import KERNEL_DTYPES, short_conv_triton
+from hybridlm.ops.short_conv import short_conv_triton
 from hybridlm.ops.utils import (
+    TRITON_DTYPES,
     check_cu_seqlens,
     host_to_device,
     seq_idx_segments,
@@ -136,11 +137,11 @@ def _takes_kernels(backend: str, x: torch.Tensor, stateless: bool) -> bool:
         if not triton_runs_on(x):
             raise ValueError(f"causal_conv1d: backend='triton' needs triton and a CUDA tensor, got a {x.device.type} "
                              "tensor; use backend='auto'")
-        if x.dtype not in KERNEL_DTYPES:
+        if x.dtype not in TRITON_DTYPES:
             raise ValueError(f"causal_conv1d: backend='triton' takes float32, bfloat16 or float16, got {x.dtype}; "
                              "use backend='torch' or 'auto'")
         return True
-    if backend != "auto" or not (stateless and x.is_cuda and x.dtype in KERNEL_DTYPES):
+    if backend != "auto" or not (stateless and x.is_cuda and x.dtype in TRITON_DTYPES):
         return False
     if torch.compiler.is_compiling():  # inductor fuses the torch form's shifted sum with its neighbours
         return False

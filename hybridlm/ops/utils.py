@@ -11,6 +11,8 @@ import warnings
 import torch
 
 _TRITON_FOUND = importlib.util.find_spec("triton") is not None  # looked up once: torch.compile cannot trace it
+# The activations every Triton kernel of hybridlm.ops takes (float32 math inside); float64 stays on the torch paths.
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SLOW_PATHS_WARNED: set[str] = set()  # the SlowPathWarning messages this process has issued
 
 

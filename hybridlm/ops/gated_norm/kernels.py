@@ -22,12 +22,11 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from hybridlm.ops.triton_utils import autotune
-from hybridlm.ops.utils import on_tensor_device
+from hybridlm.ops.utils import TRITON_DTYPES, on_tensor_device
 
 STEPS = 8  # row blocks per program
 ROW_ELEMENTS = 2048  # BM x BD: rows per block shrink as the groups widen
 MAX_GROUP = 4096  # the widest group the kernels take (ptxas, sm_90: the backward spills at 8192 even at 8 warps)
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the activations and gates the kernels take
 KEY = ["DG", "HAS_GATE", "BEFORE"]  # the tuning key (warps x stages, `hybridlm.ops.triton_utils`)
 
 
@@ -109,7 +108,7 @@ def gated_norm_bwd_kernel(x_ptr, z_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dz_ptr,
     tl.store(dw_ptr + i_m.to(tl.int64) * D + c, tl.sum(dw, axis=0), mask=in_col)
 
 
-def _blocks(M: int, DG: int) -> tuple[int, int, tuple[int, int]]:
+def _blocks(M: int, DG: int) -> tuple[int, int, int]:
     """BD, BM and the grid's row-block count (times G) for M rows of groups of DG channels."""
     BD = triton.next_power_of_2(DG)
     BM = max(1, ROW_ELEMENTS // BD)
@@ -171,7 +170,7 @@ def gated_norm_triton(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor 
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"gated_norm_triton: gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
     for name, t in (("x", x), ("gate", gate)):
-        if t is not None and t.dtype not in DTYPES:
+        if t is not None and t.dtype not in TRITON_DTYPES:
             raise ValueError(f"gated_norm_triton: {name} must be float32, bfloat16 or float16 (float32 math), got "
                              f"{t.dtype}; run float64 on `hybridlm.modules.gated_rms_norm`")
     rows = x.reshape(-1, D).contiguous()

@@ -12,7 +12,7 @@ also takes packed rows by `cu_seqlens`.
 
 from __future__ import annotations
 
-from hybridlm.ops.short_conv.naive import KERNEL_DTYPES, short_conv_naive
+from hybridlm.ops.short_conv.naive import short_conv_naive
 
 
 def short_conv_triton(x, weight, bias=None, *, seq_idx=None, activation=None):
@@ -22,4 +22,4 @@ def short_conv_triton(x, weight, bias=None, *, seq_idx=None, activation=None):
     return run(x, weight, bias, seq_idx=seq_idx, activation=activation)
 
 
-__all__ = ["KERNEL_DTYPES", "short_conv_naive", "short_conv_triton"]
+__all__ = ["short_conv_naive", "short_conv_triton"]

@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from hybridlm.ops.short_conv.naive import ACTIVATIONS, KERNEL_DTYPES
+from hybridlm.ops.short_conv.naive import ACTIVATIONS
 from hybridlm.ops.triton_utils import autotune
-from hybridlm.ops.utils import on_tensor_device, seq_idx_segments
+from hybridlm.ops.utils import TRITON_DTYPES, on_tensor_device, seq_idx_segments
 
 BT, BC, STEPS = 32, 64, 16  # steps per block, channels per block, blocks per program
 KEY = ["C", "K", "HAS_BIAS", "SILU"]  # the tuning key (warps x stages, `hybridlm.ops.triton_utils`)
@@ -195,7 +195,7 @@ def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise ValueError(f"short_conv_triton: unknown activation {activation!r}; choose one of {ACTIVATIONS}")
     if x.dim() != 3:
         raise ValueError(f"short_conv_triton: x must be [B, T, C], got shape {tuple(x.shape)}")
-    if x.dtype not in KERNEL_DTYPES:
+    if x.dtype not in TRITON_DTYPES:
         raise ValueError(f"short_conv_triton: x must be float32, bfloat16 or float16 (float32 accumulation), got "
                          f"{x.dtype}; run float64 on `hybridlm.modules.causal_conv1d(..., backend='torch')`")
     B, T, C = x.shape

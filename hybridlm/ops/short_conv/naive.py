@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from hybridlm.ops.utils import seq_idx_segments
 
 ACTIVATIONS = (None, "silu")
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the activations the Triton kernels take
 
 
 def short_conv_naive(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from hybridlm.ops.head_limits import FAST_WEIGHT_MAX_HEAD_DIM
+from hybridlm.ops.utils import TRITON_DTYPES
 
 # 3A runs on 1A's kernels over delayed writes plus a band kernel (backend.py), 3 as 1 over its write events (a
 # step's events do not see each other's writes); 1, 2A and 2: window 1 (2A, 2: decays per value column).
@@ -23,7 +24,7 @@ MAX_RULE_3_WINDOW = MAX_DELTA_CHUNK
 # are kept short, as chunk.py's PER_COLUMN_MAX_CHUNK. Rule 2's kernels take chunks of 16 or 32.
 PER_COLUMN_CHUNK = 16
 MAX_RULE_2_CHUNK = 32
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of q, k, v (float64 stays on the torch backends)
+DTYPES = TRITON_DTYPES  # of q, k, v
 
 
 def supports(*, rule: str, window: int, K: int, V: int, dtype: torch.dtype) -> bool:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import torch
 
 from hybridlm.ops.head_limits import SSD_MAX_D_STATE, SSD_MAX_HEAD_DIM
+from hybridlm.ops.utils import TRITON_DTYPES
 
 MAX_HEAD_DIM = SSD_MAX_HEAD_DIM  # P
 MAX_D_STATE = SSD_MAX_D_STATE  # N
 MAX_CHUNK = 64  # the backward kernels hold several [chunk, chunk] and [chunk, P] fp32 tiles (more spills)
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of x, B, C (float64 stays on the torch backends)
+DTYPES = TRITON_DTYPES  # of x, B, C
 # The dtypes `backend="auto"` sends here on CUDA: float32 inputs run exact ("ieee") products without tensor cores
 # and spill registers (README.md), so they stay on the chunk path.
 AUTO_DTYPES = (torch.bfloat16, torch.float16)
