@@ -16,11 +16,12 @@ ADDITION_OUT=${ADDITION_OUT:-runs/addition_paper}
 MODELS=${MODELS:-transformer,retnet,mamba2,fw-1A.1,fw-1A.2,fw-1A.3,fw-3A.3}  # the paper's rows, in its order
 SEEDS=${SEEDS:-3}
 BUDGET=${BUDGET:-1800}  # seconds per invocation before the running runs checkpoint and stop
+PER_DEVICE=${PER_DEVICE:-1}  # runs side by side on the GPU (3 keep an H200 busy at this size)
 PYTHON=${PYTHON:-python}
 
 run_once() {
     timeout --signal=TERM $((BUDGET + 120)) "$PYTHON" -m hybridlm.cli bench addition --protocol paper --compile \
-        --models "$MODELS" --seeds "$SEEDS" --device cuda:0 --per-device 1 --time-budget "$BUDGET" \
+        --models "$MODELS" --seeds "$SEEDS" --device cuda:0 --per-device "$PER_DEVICE" --time-budget "$BUDGET" \
         --out "$ADDITION_OUT"
 }
 

@@ -5,6 +5,12 @@ a tensor-parallel shard that holds whole groups). The gate multiplies by SiLU(z)
 norm (`norm_before_gate=True`: y = norm(x) * silu(z)) or before it (`False`: y = norm(x * silu(z))).
 The math runs in `compute_dtype(x.dtype)` (float32, or float64 for float64 inputs) and the result goes
 back to the input dtype.
+
+On a GPU the norm runs on `hybridlm.ops.gated_norm`'s Triton kernels (one launch forward, one backward, where the
+torch form below takes several each way plus float32 copies of x and the gate): `backend="auto"` takes them for a
+32- or 16-bit CUDA tensor with groups of at most `MAX_GROUP` channels outside torch.compile (inductor fuses the
+torch form), and warns once (`SlowPathWarning`) when only a missing triton or too wide a group keeps it on the torch
+form. The two agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -13,7 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.ops.utils import compute_dtype
+from hybridlm.ops.gated_norm import MAX_GROUP, gated_norm_triton
+from hybridlm.ops.utils import TRITON_DTYPES, compute_dtype, triton_available, triton_runs_on, warn_slow_path
+
+BACKENDS = ("auto", "torch", "triton")
 
 
 def gated_rms_norm(
@@ -24,11 +33,18 @@ def gated_rms_norm(
     groups: int = 1,
     eps: float = 1e-6,
     norm_before_gate: bool = True,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """x [..., D], gate [..., D] or None, weight [D] -> [..., D] in `x.dtype`."""
+    """x [..., D], gate [..., D] or None, weight [D] -> [..., D] in `x.dtype`. backend: "torch" (the form below),
+    "triton" (the kernels: 32- or 16-bit x and gate, groups of at most MAX_GROUP channels) or "auto" (see the module
+    docstring)."""
     dim = x.shape[-1]
     if dim % groups != 0:
         raise ValueError(f"gated_rms_norm: groups={groups} must divide the channel count {dim}")
+    if backend not in BACKENDS:
+        raise ValueError(f"gated_rms_norm: unknown backend {backend!r}; choose one of {BACKENDS}")
+    if _takes_kernels(backend, x, gate, dim // groups):
+        return gated_norm_triton(x, weight, gate, groups=groups, eps=eps, norm_before_gate=norm_before_gate)
     dtype = compute_dtype(x.dtype)
     out = x.to(dtype)
     if gate is not None and not norm_before_gate:
@@ -41,8 +57,35 @@ def gated_rms_norm(
     return out.to(x.dtype)
 
 
+def _takes_kernels(backend: str, x: torch.Tensor, gate: torch.Tensor | None, group: int) -> bool:
+    """Whether `gated_rms_norm` runs the Triton kernels (see its `backend`)."""
+    if backend == "triton":
+        if not triton_runs_on(x):
+            raise ValueError(f"gated_rms_norm: backend='triton' needs triton and a CUDA tensor, got a {x.device.type} "
+                             "tensor; use backend='auto'")
+        return True  # the kernels' own checks name a dtype or a group width they do not take
+    if backend != "auto" or not x.is_cuda or torch.compiler.is_compiling():
+        return False
+    if x.dtype not in TRITON_DTYPES or (gate is not None and gate.dtype not in TRITON_DTYPES):
+        return False  # float64: the torch form computes in float64
+    if group > MAX_GROUP:
+        warn_slow_path(WIDE_GROUP.format(group=group))
+        return False
+    if not triton_available():
+        warn_slow_path(NO_TRITON)
+        return False
+    return True
+
+
+WIDE_GROUP = ("gated_rms_norm: groups of {group} channels are wider than the Triton kernels take (" + str(MAX_GROUP)
+              + "), so this norm runs the torch form on CUDA (several kernels and float32 copies per call): more "
+              "groups (mamba_n_groups) keep it on the kernels")
+NO_TRITON = ("gated_rms_norm: triton is not installed, so the mixers' gated norms run the torch form on CUDA (several "
+             "kernels and float32 copies per call, where the Triton kernels take one each way): pip install triton")
+
+
 class GatedRMSNorm(nn.Module):
-    """`gated_rms_norm` with a learned scale [D] (initialized to ones)."""
+    """`gated_rms_norm` with a learned scale [D] (initialized to ones); `backend` as there ("auto" by default)."""
 
     def __init__(self, hidden_size: int, *, groups: int = 1, eps: float = 1e-6, norm_before_gate: bool = True) -> None:
         super().__init__()
@@ -52,11 +95,14 @@ class GatedRMSNorm(nn.Module):
         self.groups = groups
         self.eps = eps
         self.norm_before_gate = norm_before_gate
+        self.backend = "auto"
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         return gated_rms_norm(
-            x, self.weight, gate, groups=self.groups, eps=self.eps, norm_before_gate=self.norm_before_gate
+            x, self.weight, gate, groups=self.groups, eps=self.eps, norm_before_gate=self.norm_before_gate,
+            backend=self.backend,
         )
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, groups={self.groups}, eps={self.eps}, norm_before_gate={self.norm_before_gate}"
+        return (f"{self.weight.shape[0]}, groups={self.groups}, eps={self.eps}, "
+                f"norm_before_gate={self.norm_before_gate}, backend={self.backend!r}")

@@ -1,6 +1,8 @@
 """Grouped, gated RMSNorm: its dtype promise (math in float32, or float64 for float64 inputs; the result in the
 input dtype) against a float64 reference written from the definition of transformers' FalconH1RMSNormGated."""
 
+import os
+
 import pytest
 import torch
 from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1RMSNormGated
@@ -115,3 +117,17 @@ def test_groups_that_do_not_divide_the_channels_raise():
         gated_rms_norm(torch.randn(2, DIM), torch.ones(DIM), groups=5)
     with pytest.raises(ValueError, match="groups=5 must divide hidden_size=24"):
         GatedRMSNorm(DIM, groups=5)
+
+
+def test_backend_choice_and_errors():
+    """"auto" on the CPU is the torch form itself; an unknown backend, or "triton" on a CPU tensor, is refused with
+    what to use instead; the module shows its backend."""
+    x, gate, weight = inputs(torch.float32, seed=5)
+    expected = gated_rms_norm(x, weight, gate, groups=2, backend="torch")
+    assert torch.equal(gated_rms_norm(x, weight, gate, groups=2), expected)
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        gated_rms_norm(x, weight, gate, backend="fast")
+    if not os.environ.get("TRITON_INTERPRET"):
+        with pytest.raises(ValueError, match="backend='triton' needs triton and a CUDA tensor"):
+            gated_rms_norm(x, weight, gate, backend="triton")
+    assert "backend='auto'" in repr(GatedRMSNorm(DIM))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridlm.modules.gated_norm import gated_rms_norm
+from hybridlm.modules.gated_norm import GatedRMSNorm, gated_rms_norm
 from hybridlm.ops.gated_norm import gated_norm_naive, gated_norm_triton
 from tests.helpers import assert_near_reference, rel_err
 from tests.ops.triton_modes import (
@@ -19,6 +19,7 @@ from tests.ops.triton_modes import (
     HAS_TRITON,
     ON_GPU,
     compile_for_sm90,
+    gpu_only,
     interpret,
     needs_cuda_backend,
 )
@@ -112,6 +113,42 @@ def test_reference_matches_the_module_norm(before, groups):
         torch.testing.assert_close(gated_norm_naive(x, weight, gate, groups=groups, norm_before_gate=before),
                                    gated_rms_norm(x, weight, gate, groups=groups, norm_before_gate=before),
                                    rtol=1e-12, atol=1e-12)
+
+
+@interpret
+@pytest.mark.parametrize("before", [True, False])
+def test_module_backends_agree(before):
+    """`GatedRMSNorm` with backend "triton" (and "auto" on a GPU, where it takes the kernels) gives the torch form's
+    output and gradients to float32 rounding, in a bf16 model's dtypes (fp16 under the interpreter)."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    x, weight, z = (t.to(DEVICE) for t in _inputs((3, 29, 64), seed=4))
+    results = {}
+    for backend in ("torch", "triton", *(["auto"] if ON_GPU else [])):
+        norm = GatedRMSNorm(64, groups=4, norm_before_gate=before).to(DEVICE)
+        norm.backend = backend
+        with torch.no_grad():
+            norm.weight.copy_(weight)
+        xs, zs = (t.to(dtype).requires_grad_(True) for t in (x, z))
+        y = norm(xs, zs)
+        y.float().pow(2).sum().backward()
+        results[backend] = [y, xs.grad, zs.grad, norm.weight.grad]
+    for backend, got in results.items():
+        for a, b in zip(got, results["torch"]):
+            assert a.dtype == b.dtype
+            assert rel_err(a.double().cpu(), b.double().cpu()) < 1e-2, backend
+
+
+@gpu_only
+def test_auto_takes_the_kernels_on_cuda(monkeypatch):
+    """backend="auto" runs the kernels for a bf16 CUDA tensor, and the torch form for float64 or under compile."""
+    import hybridlm.modules.gated_norm as module
+
+    calls = []
+    monkeypatch.setattr(module, "gated_norm_triton", lambda *a, **k: calls.append(a[0].dtype) or a[0])
+    x = torch.randn(4, 64, device="cuda")
+    module.gated_rms_norm(x.bfloat16(), torch.ones(64, device="cuda"), groups=2)
+    module.gated_rms_norm(x.double(), torch.ones(64, device="cuda"), groups=2)
+    assert calls == [torch.bfloat16]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="imports the kernels (needs triton)")

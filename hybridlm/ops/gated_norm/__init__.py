@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from hybridlm.ops.gated_norm.naive import gated_norm_naive
 
+MAX_GROUP = 4096  # the widest group the kernels take (ptxas, sm_90: the backward spills at 8192 even at 8 warps)
+
 
 def gated_norm_triton(x, weight, gate=None, *, groups=1, eps=1e-6, norm_before_gate=True):
     """The norm on the Triton kernels; see `kernels.gated_norm_triton`."""
@@ -21,4 +23,4 @@ def gated_norm_triton(x, weight, gate=None, *, groups=1, eps=1e-6, norm_before_g
     return run(x, weight, gate, groups=groups, eps=eps, norm_before_gate=norm_before_gate)
 
 
-__all__ = ["gated_norm_naive", "gated_norm_triton"]
+__all__ = ["MAX_GROUP", "gated_norm_naive", "gated_norm_triton"]

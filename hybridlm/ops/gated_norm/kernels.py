@@ -21,12 +21,12 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from hybridlm.ops.gated_norm import MAX_GROUP
 from hybridlm.ops.triton_utils import autotune
 from hybridlm.ops.utils import TRITON_DTYPES, on_tensor_device
 
 STEPS = 8  # row blocks per program
 ROW_ELEMENTS = 2048  # BM x BD: rows per block shrink as the groups widen
-MAX_GROUP = 4096  # the widest group the kernels take (ptxas, sm_90: the backward spills at 8192 even at 8 warps)
 KEY = ["DG", "HAS_GATE", "BEFORE"]  # the tuning key (warps x stages, `hybridlm.ops.triton_utils`)
 
 
