@@ -56,13 +56,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.layers.cache import LayerCache
 from hybridlm.modules.boundaries import has_restarts, pack_rows
 from hybridlm.modules.gated_norm import GatedRMSNorm
 from hybridlm.modules.linear import AlignedLinear
+from hybridlm.modules.norm import rms_normalize
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.fast_weight import (
     PER_COLUMN_RULES,
@@ -205,19 +205,15 @@ class FastWeightMixer(nn.Module):
         return self.out_proj(y.to(hidden.dtype))
 
     def _normalize(self, u: torch.Tensor) -> torch.Tensor:
-        """QK normalization over the head dim: rms u / sqrt(mean u^2 + eps), l2 u / sqrt(sum u^2 + eps).
-
-        Through `F.rms_norm` (one fused kernel each way on a GPU, where the spelled-out formula launches seven): a
-        bfloat16 CUDA tensor goes in as it is (float32 math inside, the result rounded once; l2's 1/sqrt(K) scale
-        rounds once more), anything else in the compute dtype. l2 is rms with eps / K, times 1/sqrt(K)."""
+        """QK normalization over the head dim: rms u / sqrt(mean u^2 + eps), l2 u / sqrt(sum u^2 + eps), both
+        `rms_normalize` (float32 math; a bfloat16 CUDA tensor comes back in bfloat16, l2's 1/sqrt(K) scale rounding
+        once more). l2 is rms with eps / K, times 1/sqrt(K)."""
         if self.qk_norm == "none":
             return u
-        if not (u.is_cuda and u.dtype == torch.bfloat16):
-            u = u.to(compute_dtype(u.dtype))
         dim = u.shape[-1]
         if self.qk_norm == "rms":
-            return F.rms_norm(u, (dim,), eps=_QK_EPS)
-        return F.rms_norm(u, (dim,), eps=_QK_EPS / dim) * dim**-0.5
+            return rms_normalize(u, eps=_QK_EPS)
+        return rms_normalize(u, eps=_QK_EPS / dim) * dim**-0.5
 
     def _gains(self, beta_logits: torch.Tensor, lam_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> beta [B, T, H] (or [B, T, H, V]) and lam [B, T, H] >= 0."""

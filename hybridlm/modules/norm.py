@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.ops.utils import compute_dtype
+
+
+def rms_normalize(u: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """u / sqrt(mean(u^2) + eps) over the last dim, no scale, with float32 math (float64 for float64).
+
+    Through `F.rms_norm`: one fused kernel each way on a GPU, where the spelled-out formula launches seven. A bfloat16
+    CUDA tensor goes in as it is (float32 math inside, the result rounded once to bfloat16); anything else goes in,
+    and comes back, in the compute dtype (on the CPU the same numbers as the spelled-out formula)."""
+    if not (u.is_cuda and u.dtype == torch.bfloat16):
+        u = u.to(compute_dtype(u.dtype))
+    return F.rms_norm(u, (u.shape[-1],), eps=eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
@@ -14,9 +26,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tens
     The statistics run in float32 (float64 stays float64); the normalized tensor goes back to `x.dtype` before the
     scale, so a float32 `weight` returns float32 (Falcon-H1's RMSNorm does the same).
     """
-    x32 = x.to(compute_dtype(x.dtype))
-    inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
-    return weight * (x32 * inv_rms).to(x.dtype)
+    return weight * rms_normalize(x, eps=eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):

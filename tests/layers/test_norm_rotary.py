@@ -25,6 +25,22 @@ def test_rms_norm_matches_falcon_h1():
     torch.testing.assert_close(ours(x), expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the fused bf16 kernel)")
+def test_rms_norm_bf16_on_cuda_within_one_rounding():
+    """A bf16 CUDA input goes through the fused kernel as it is: the normalized value is the float64 one rounded once
+    to bf16 (within two bf16 units: the kernel's float32 rsqrt), then scaled; gradients flow to x and the weight."""
+    torch.manual_seed(0)
+    x = (torch.randn(4, 33, 768, dtype=torch.float64) * 3).to(torch.bfloat16)
+    norm = RMSNorm(768, eps=1e-5).cuda()
+    xs = x.cuda().requires_grad_(True)
+    out = norm(xs)
+    assert out.dtype == torch.float32  # float32 weight times the bf16 normalized tensor
+    exact = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(out.double().cpu(), exact, rtol=2 * 2**-8, atol=0)
+    out.sum().backward()
+    assert xs.grad is not None and torch.isfinite(xs.grad).all() and norm.weight.grad is not None
+
+
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("norm_before_gate", [True, False])
 @pytest.mark.parametrize("with_gate", [True, False])
