@@ -104,6 +104,28 @@ def test_strided_inputs_and_empty_rows():
     assert out.shape == (0, 40) and w.grad.abs().max() == 0
 
 
+@interpret
+@pytest.mark.parametrize("before", [True, False])
+def test_gate_sliced_from_a_wider_projection(before):
+    """The gate as columns of a fused projection's output ([B, T, W], rows W apart: read in place, no copy): output
+    and gradients as for the same gate made contiguous, and the gradient lands in the slice's columns alone."""
+    x, weight, _ = _inputs((2, 13, 48), gate=False, seed=5)
+    x, weight = x.float().to(DEVICE), weight.float().to(DEVICE)
+    fused = torch.randn(2, 13, 48 + 40, generator=torch.Generator().manual_seed(6)).to(DEVICE).requires_grad_(True)
+    probe = torch.randn(2, 13, 48).to(DEVICE)
+    results = []
+    for gate_of in (lambda f: f[..., 16:64], lambda f: f[..., 16:64].contiguous()):
+        if fused.grad is not None:
+            fused.grad = None
+        y = gated_norm_triton(x, weight, gate_of(fused), groups=3, norm_before_gate=before)
+        (y * probe).sum().backward()
+        results.append((y.detach().clone(), fused.grad.clone()))
+    (y_view, g_view), (y_copy, g_copy) = results
+    assert torch.equal(y_view, y_copy) and torch.equal(g_view, g_copy)
+    assert g_view[..., :16].abs().max() == 0 and g_view[..., 64:].abs().max() == 0
+    assert g_view[..., 16:64].abs().max() > 0
+
+
 @pytest.mark.parametrize("before", [True, False])
 @pytest.mark.parametrize("groups", [1, 3])
 def test_reference_matches_the_module_norm(before, groups):

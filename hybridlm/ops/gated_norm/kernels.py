@@ -40,9 +40,11 @@ def _gate(z_ptr, offs, mask):
 
 @autotune(KEY, fixed_warps=4)
 @triton.jit(do_not_specialize=["M"])
-def gated_norm_fwd_kernel(x_ptr, z_ptr, w_ptr, y_ptr, rstd_ptr, M, D, G, eps, DG: tl.constexpr, BD: tl.constexpr,
-                          BM: tl.constexpr, STEPS: tl.constexpr, HAS_GATE: tl.constexpr, BEFORE: tl.constexpr):
-    """y [M, D] and 1 / rms [M, G] of x [M, D], z [M, D] (HAS_GATE), w [D]. Grid (cdiv(M, STEPS BM), G)."""
+def gated_norm_fwd_kernel(x_ptr, z_ptr, w_ptr, y_ptr, rstd_ptr, M, D, G, stride_z, eps, DG: tl.constexpr,
+                          BD: tl.constexpr, BM: tl.constexpr, STEPS: tl.constexpr, HAS_GATE: tl.constexpr,
+                          BEFORE: tl.constexpr):
+    """y [M, D] and 1 / rms [M, G] of x [M, D], z [M, D] (HAS_GATE; rows stride_z apart), w [D]. Grid
+    (cdiv(M, STEPS BM), G)."""
     i_m, i_g = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, BD)
     in_col = cols < DG
@@ -55,7 +57,7 @@ def gated_norm_fwd_kernel(x_ptr, z_ptr, w_ptr, y_ptr, rstd_ptr, M, D, G, eps, DG
         mask = in_row[:, None] & in_col[None, :]
         u = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # [BM, BD]
         if HAS_GATE:
-            _, s, _ = _gate(z_ptr, offs, mask)
+            _, s, _ = _gate(z_ptr, rows.to(tl.int64)[:, None] * stride_z + c[None, :], mask)
             if not BEFORE:
                 u = u * s
         rstd = 1.0 / tl.sqrt(tl.sum(u * u, axis=1) / DG + eps)  # [BM]
@@ -68,11 +70,11 @@ def gated_norm_fwd_kernel(x_ptr, z_ptr, w_ptr, y_ptr, rstd_ptr, M, D, G, eps, DG
 
 @autotune(KEY, fixed_warps=8)  # ptxas, sm_90: 4 warps take 255 registers at groups of 64 and spill at 4096
 @triton.jit(do_not_specialize=["M"])
-def gated_norm_bwd_kernel(x_ptr, z_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dz_ptr, dw_ptr, M, D, G, DG: tl.constexpr,
-                          BD: tl.constexpr, BM: tl.constexpr, STEPS: tl.constexpr, HAS_GATE: tl.constexpr,
-                          BEFORE: tl.constexpr):
-    """dx [M, D] (its dtype), dz [M, D] (its dtype; HAS_GATE) and this program's partial dw [D] (float32) of dy
-    [M, D]. Grid (cdiv(M, STEPS BM), G); dw_ptr: [grid 0, D]."""
+def gated_norm_bwd_kernel(x_ptr, z_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dz_ptr, dw_ptr, M, D, G, stride_z,
+                          DG: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, STEPS: tl.constexpr,
+                          HAS_GATE: tl.constexpr, BEFORE: tl.constexpr):
+    """dx [M, D] (its dtype), dz [M, D] (its dtype; HAS_GATE; z's rows stride_z apart, dz's D) and this program's
+    partial dw [D] (float32) of dy [M, D]. Grid (cdiv(M, STEPS BM), G); dw_ptr: [grid 0, D]."""
     i_m, i_g = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, BD)
     in_col = cols < DG
@@ -89,7 +91,7 @@ def gated_norm_bwd_kernel(x_ptr, z_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dz_ptr,
         rstd = tl.load(rstd_ptr + rows.to(tl.int64) * G + i_g, mask=in_row, other=0.0)
         u = x
         if HAS_GATE:
-            z, s, ds = _gate(z_ptr, offs, mask)
+            z, s, ds = _gate(z_ptr, rows.to(tl.int64)[:, None] * stride_z + c[None, :], mask)
             if not BEFORE:
                 u = x * s
         u_hat = u * rstd[:, None]
@@ -129,7 +131,7 @@ class _GatedNorm(torch.autograd.Function):
             return y
         with on_tensor_device(x):
             gated_norm_fwd_kernel[(row_blocks, groups)](
-                x, gate, weight, y, rstd, M, D, groups, eps, DG=DG, BD=BD, BM=BM, STEPS=STEPS,
+                x, gate, weight, y, rstd, M, D, groups, _row_stride(gate), eps, DG=DG, BD=BD, BM=BM, STEPS=STEPS,
                 HAS_GATE=gate is not None, BEFORE=before)
         return y
 
@@ -141,15 +143,25 @@ class _GatedNorm(torch.autograd.Function):
         DG = D // ctx.groups
         BD, BM, row_blocks = _blocks(M, DG)
         dx = torch.empty_like(x)
-        dz = None if gate is None else torch.empty_like(gate)
+        dz = None if gate is None else torch.empty(M, D, dtype=gate.dtype, device=gate.device)
         if M == 0:
             return dx, torch.zeros_like(weight), dz, None, None, None
         dw = torch.empty(row_blocks, D, dtype=torch.float32, device=x.device)
         with on_tensor_device(x):
             gated_norm_bwd_kernel[(row_blocks, ctx.groups)](
-                x, gate, weight, rstd, dy.contiguous(), dx, dz, dw, M, D, ctx.groups, DG=DG, BD=BD, BM=BM,
+                x, gate, weight, rstd, dy.contiguous(), dx, dz, dw, M, D, ctx.groups, _row_stride(gate), DG=DG, BD=BD, BM=BM,
                 STEPS=STEPS, HAS_GATE=gate is not None, BEFORE=ctx.before)
         return dx, dw.sum(0).to(weight.dtype), dz, None, None, None
+
+
+def _row_stride(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.stride(0)
+
+
+def _rows_of(t: torch.Tensor) -> torch.Tensor:
+    """[M, D] rows the kernels read in place: channels adjacent, rows at any stride (the gate as a slice of a fused
+    projection's output); a copy otherwise."""
+    return t if t.stride(-1) == 1 and t.stride(0) >= t.shape[1] else t.contiguous()
 
 
 def gated_norm_triton(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None = None, *, groups: int = 1,
@@ -174,6 +186,6 @@ def gated_norm_triton(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor 
             raise ValueError(f"gated_norm_triton: {name} must be float32, bfloat16 or float16 (float32 math), got "
                              f"{t.dtype}; run float64 on `hybridlm.modules.gated_rms_norm`")
     rows = x.reshape(-1, D).contiguous()
-    gates = None if gate is None else gate.reshape(-1, D).contiguous()
+    gates = None if gate is None else _rows_of(gate.reshape(-1, D))
     y = _GatedNorm.apply(rows, weight.contiguous(), gates, groups, float(eps), norm_before_gate)
     return y.reshape(x.shape)
