@@ -42,7 +42,7 @@ def main() -> None:
         weight = (1 + torch.randn(D, device="cuda") / 4).requires_grad_(True)
         inputs = (x, weight, gate)
         forms = {
-            "torch": lambda: gated_rms_norm(x, weight, gate, groups=groups, norm_before_gate=before),
+            "torch": lambda: gated_rms_norm(x, weight, gate, groups=groups, norm_before_gate=before, backend="torch"),
             "triton": lambda: gated_norm_triton(x, weight, gate, groups=groups, norm_before_gate=before),
         }
         results = []
