@@ -45,6 +45,7 @@ from hybridlm.modules.boundaries import (
     pack_rows,
     sequence_ids,
 )
+from hybridlm.modules.multiplier import scaled
 from hybridlm.modules.rotary import RotaryEmbedding, apply_rotary
 from hybridlm.ops.utils import check_cu_seqlens, host_to_device
 
@@ -103,7 +104,7 @@ class Attention(nn.Module):
                 position_ids = torch.arange(length, device=hidden.device).unsqueeze(0)  # [1, T]
 
         q = self.q_proj(hidden).view(batch, length, self.num_heads, self.head_dim)  # [B, T, Hq, D]
-        k = self.k_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim) * self.key_multiplier
+        k = scaled(self.k_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim), self.key_multiplier)
         v = self.v_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
         cos, sin = (t.to(q.dtype) for t in self.rotary(position_ids))  # [B or 1, T, D], cast once for q and k
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

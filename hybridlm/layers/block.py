@@ -47,6 +47,7 @@ from hybridlm.layers.cache import LayerCache
 from hybridlm.layers.fast_weight import FastWeightMixer
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.layers.mlp import GatedMLP
+from hybridlm.modules.multiplier import scaled
 from hybridlm.modules.norm import RMSNorm
 
 
@@ -114,7 +115,7 @@ class HybridBlock(nn.Module):
         return mixed + self.mlp(self.mlp_norm(mixed))  # SA_M
 
     def _ssm(self, n: torch.Tensor, mix: dict, seq_idx: torch.Tensor | None) -> torch.Tensor:
-        n = n * self.ssm_in_multiplier
+        n = scaled(n, self.ssm_in_multiplier)
         if mix["cu_seqlens"] is None:
             out = self.ssm(n, **mix)
         elif (seq_idx is not None and mix["cache"] is None and getattr(self.ssm, "takes_seq_idx", False)
@@ -123,12 +124,12 @@ class HybridBlock(nn.Module):
                            restarts_resolved=True)
         else:
             out = _packed_mix(self.ssm, n, mix)
-        return out * self.ssm_out_multiplier
+        return scaled(out, self.ssm_out_multiplier)
 
     def _attn(self, n: torch.Tensor, mix: dict) -> torch.Tensor:
-        n = n * self.attn_in_multiplier
+        n = scaled(n, self.attn_in_multiplier)
         out = self.attn(n, **mix) if mix["cu_seqlens"] is None else _packed_mix(self.attn, n, mix)
-        return out * self.attn_out_multiplier
+        return scaled(out, self.attn_out_multiplier)
 
 
 @torch.compiler.disable

@@ -29,6 +29,7 @@ from torch import nn
 from hybridlm.layers.cache import LayerCache
 from hybridlm.modules.boundaries import has_restarts, pack_rows
 from hybridlm.modules.gated_norm import GatedRMSNorm
+from hybridlm.modules.multiplier import scaled
 from hybridlm.modules.linear import AlignedLinear
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.ssd import ssd
@@ -109,10 +110,11 @@ class Mamba2Mixer(nn.Module):
         # 1. Fused input projection, split, muP multipliers.
         zxbcdt = self.in_proj(hidden)  # [B, T, 2 d_ssm + 2 G N + H]
         z, xbc, dt = zxbcdt.split([self.d_ssm, self.conv_channels, self.num_heads], dim=-1)
-        z = z * m["z"]
-        x, b, c = xbc.split([self.d_ssm, bc_width, bc_width], dim=-1)
-        xbc = torch.cat([x * m["x"], b * m["B"], c * m["C"]], dim=-1)  # [B, T, d_ssm + 2 G N]
-        dt = dt * m["dt"]  # [B, T, H]
+        z = scaled(z, m["z"])
+        if (m["x"], m["B"], m["C"]) != (1.0, 1.0, 1.0):
+            x, b, c = xbc.split([self.d_ssm, bc_width, bc_width], dim=-1)
+            xbc = torch.cat([x * m["x"], b * m["B"], c * m["C"]], dim=-1)  # [B, T, d_ssm + 2 G N]
+        dt = scaled(dt, m["dt"])  # [B, T, H]
 
         # 2. Short causal conv + SiLU on (x, B, C); the conv tail carries across calls.
         conv_state = cache.ssm.get("conv") if cache is not None else None

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridlm.modules.multiplier import scaled
+
 
 class GatedMLP(nn.Module):
     def __init__(self, config) -> None:  # config: HybridConfig
@@ -17,5 +19,5 @@ class GatedMLP(nn.Module):
         self.down_multiplier = config.mlp_multiplier_down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
-        inner = self.up_proj(x) * F.silu(self.gate_proj(x) * self.gate_multiplier)  # [B, T, d_mlp]
-        return self.down_proj(inner) * self.down_multiplier
+        inner = self.up_proj(x) * F.silu(scaled(self.gate_proj(x), self.gate_multiplier))  # [B, T, d_mlp]
+        return scaled(self.down_proj(inner), self.down_multiplier)

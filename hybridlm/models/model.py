@@ -54,6 +54,7 @@ from hybridlm.modules.boundaries import (
     sequence_ids,
 )
 from hybridlm.modules.gated_norm import GatedRMSNorm
+from hybridlm.modules.multiplier import scaled
 from hybridlm.modules.norm import RMSNorm
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.utils import check_cu_seqlens, host_to_device
@@ -177,7 +178,7 @@ class HybridModel(HybridPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
         if inputs_embeds is None:
-            h = self.embed_tokens(input_ids) * self.embedding_multiplier  # [B, T, D]
+            h = scaled(self.embed_tokens(input_ids), self.embedding_multiplier)  # [B, T, D]
         else:
             h = inputs_embeds  # already scaled as the caller wants (docstring)
         keep = None
@@ -310,7 +311,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             kept = hidden[:, logits_to_keep]
         else:
             kept = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
-        logits = self.lm_head(kept) * self.lm_head_multiplier  # [B, T, V]
+        logits = scaled(self.lm_head(kept), self.lm_head_multiplier)  # [B, T, V]
         loss = None
         if labels is not None:
             if keeps_some:
