@@ -1,4 +1,4 @@
-"""GPU timing of the mixers' gated RMSNorm: the torch form (`hybridlm.modules.gated_rms_norm`) vs the Triton kernels
+"""GPU timing of the mixers' gated RMSNorm: the torch form (`gated_rms_norm(backend="torch")`) vs the Triton kernels
 (`hybridlm.ops.gated_norm`), in one run.
 
     python benchmarks/gpu_gated_norm.py                            # the fast-weight and Mamba-2 mixers' shapes

@@ -8,9 +8,9 @@ back to the input dtype.
 
 On a GPU the norm runs on `hybridlm.ops.gated_norm`'s Triton kernels (one launch forward, one backward, where the
 torch form below takes several each way plus float32 copies of x and the gate): `backend="auto"` takes them for a
-32- or 16-bit CUDA tensor with groups of at most `MAX_GROUP` channels outside torch.compile (inductor fuses the
-torch form), and warns once (`SlowPathWarning`) when only a missing triton or too wide a group keeps it on the torch
-form. The two agree to float32 rounding.
+32- or 16-bit CUDA tensor (a gate of x's shape) with groups of at most `MAX_GROUP` channels outside torch.compile
+(inductor fuses the torch form), in training and decoding alike, and warns once (`SlowPathWarning`) when only a
+missing triton or too wide a group keeps it on the torch form. The two agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -59,15 +59,22 @@ def gated_rms_norm(
 
 def _takes_kernels(backend: str, x: torch.Tensor, gate: torch.Tensor | None, group: int) -> bool:
     """Whether `gated_rms_norm` runs the Triton kernels (see its `backend`)."""
+    dtypes_taken = x.dtype in TRITON_DTYPES and (gate is None or gate.dtype in TRITON_DTYPES)
     if backend == "triton":
         if not triton_runs_on(x):
             raise ValueError(f"gated_rms_norm: backend='triton' needs triton and a CUDA tensor, got a {x.device.type} "
                              "tensor; use backend='auto'")
-        return True  # the kernels' own checks name a dtype or a group width they do not take
+        if not dtypes_taken:
+            raise ValueError("gated_rms_norm: backend='triton' takes float32, bfloat16 or float16 x and gate, got "
+                             f"{x.dtype} / {None if gate is None else gate.dtype}; use backend='torch' or 'auto'")
+        if group > MAX_GROUP:
+            raise ValueError(f"gated_rms_norm: backend='triton' takes groups of at most {MAX_GROUP} channels, got "
+                             f"{group}; use backend='torch' or 'auto'")
+        return True
     if backend != "auto" or not x.is_cuda or torch.compiler.is_compiling():
         return False
-    if x.dtype not in TRITON_DTYPES or (gate is not None and gate.dtype not in TRITON_DTYPES):
-        return False  # float64: the torch form computes in float64
+    if not dtypes_taken or x.shape[-1] == 0 or (gate is not None and gate.shape != x.shape):
+        return False  # float64 (the torch form computes in float64), no channels, or a gate that broadcasts
     if group > MAX_GROUP:
         warn_slow_path(WIDE_GROUP.format(group=group))
         return False
@@ -105,4 +112,4 @@ class GatedRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.weight.shape[0]}, groups={self.groups}, eps={self.eps}, "
-                f"norm_before_gate={self.norm_before_gate}, backend={self.backend!r}")
+                f"norm_before_gate={self.norm_before_gate}, backend={self.backend}")

@@ -13,8 +13,9 @@ def rms_normalize(u: torch.Tensor, *, eps: float) -> torch.Tensor:
     """u / sqrt(mean(u^2) + eps) over the last dim, no scale, with float32 math (float64 for float64).
 
     Through `F.rms_norm`: one fused kernel each way on a GPU, where the spelled-out formula launches seven. A bfloat16
-    CUDA tensor goes in as it is (float32 math inside, the result rounded once to bfloat16); anything else goes in,
-    and comes back, in the compute dtype (on the CPU the same numbers as the spelled-out formula)."""
+    CUDA tensor goes in as it is (float32 math inside, the result rounded once to bfloat16; under CUDA autocast, which
+    runs `rms_norm` in float32, it comes back float32); anything else goes in, and comes back, in the compute dtype
+    (on the CPU the same numbers as the spelled-out formula)."""
     if not (u.is_cuda and u.dtype == torch.bfloat16):
         u = u.to(compute_dtype(u.dtype))
     return F.rms_norm(u, (u.shape[-1],), eps=eps)

@@ -298,8 +298,8 @@ class _LocalGatedRMSNorm(GatedRMSNorm):
 
     def forward(self, x, gate=None):
         return gated_rms_norm(
-            x, local_tensor(self.weight), gate, groups=self.groups, eps=self.eps, norm_before_gate=self.norm_before_gate,
-            backend=self.backend,
+            x, local_tensor(self.weight), gate, groups=self.groups, eps=self.eps,
+            norm_before_gate=self.norm_before_gate, backend=self.backend,
         )
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from hybridlm.modules.gated_norm import GatedRMSNorm, gated_rms_norm
-from hybridlm.ops.gated_norm import gated_norm_naive, gated_norm_triton
+from hybridlm.ops.gated_norm import MAX_GROUP, gated_norm_naive, gated_norm_triton
+from hybridlm.ops.utils import SlowPathWarning
 from tests.helpers import assert_near_reference, rel_err
 from tests.ops.triton_modes import (
     DEVICE,
@@ -121,6 +122,11 @@ def test_gate_sliced_from_a_wider_projection(before):
         (y * probe).sum().backward()
         results.append((y.detach().clone(), fused.grad.clone()))
     (y_view, g_view), (y_copy, g_copy) = results
+    if HAS_TRITON:  # the kernels read the slice where it lies
+        from hybridlm.ops.gated_norm.kernels import _rows_of
+
+        view = fused[..., 16:64].reshape(-1, 48)
+        assert _rows_of(view).data_ptr() == view.data_ptr()
     assert torch.equal(y_view, y_copy) and torch.equal(g_view, g_copy)
     assert g_view[..., :16].abs().max() == 0 and g_view[..., 64:].abs().max() == 0
     assert g_view[..., 16:64].abs().max() > 0
@@ -162,15 +168,35 @@ def test_module_backends_agree(before):
 
 @gpu_only
 def test_auto_takes_the_kernels_on_cuda(monkeypatch):
-    """backend="auto" runs the kernels for a bf16 CUDA tensor, and the torch form for float64 or under compile."""
+    """backend="auto" runs the kernels for a bf16 CUDA tensor; the torch form for float64 (x or gate), a gate that
+    broadcasts, or under compile; and the torch form with a SlowPathWarning for groups wider than the kernels take."""
     import hybridlm.modules.gated_norm as module
 
     calls = []
     monkeypatch.setattr(module, "gated_norm_triton", lambda *a, **k: calls.append(a[0].dtype) or a[0])
-    x = torch.randn(4, 64, device="cuda")
-    module.gated_rms_norm(x.bfloat16(), torch.ones(64, device="cuda"), groups=2)
-    module.gated_rms_norm(x.double(), torch.ones(64, device="cuda"), groups=2)
+    x, ones = torch.randn(4, 64, device="cuda"), torch.ones(64, device="cuda")
+    module.gated_rms_norm(x.bfloat16(), ones, x.bfloat16(), groups=2)
+    module.gated_rms_norm(x.double(), ones, groups=2)
+    module.gated_rms_norm(x.bfloat16(), ones, x.double(), groups=2)
+    module.gated_rms_norm(x.bfloat16(), ones, x[:1].bfloat16(), groups=2)  # [1, 64] against [4, 64]
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.compiler, "is_compiling", lambda: True)
+        module.gated_rms_norm(x.bfloat16(), ones, groups=2)
     assert calls == [torch.bfloat16]
+    wide = torch.randn(2, MAX_GROUP * 2, device="cuda", dtype=torch.bfloat16)
+    with pytest.warns(SlowPathWarning, match="wider than the Triton kernels take"):
+        module.gated_rms_norm(wide, torch.ones(MAX_GROUP * 2, device="cuda"))
+    assert calls == [torch.bfloat16]
+
+
+@interpret
+def test_explicit_triton_backend_names_what_it_does_not_take():
+    x = torch.randn(3, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16 x and gate.*use backend='torch' or 'auto'"):
+        gated_rms_norm(x.double(), torch.ones(64, device=DEVICE), backend="triton")
+    with pytest.raises(ValueError, match=f"groups of at most {MAX_GROUP} channels.*use backend='torch' or 'auto'"):
+        gated_rms_norm(torch.zeros(1, 2 * MAX_GROUP, device=DEVICE), torch.ones(2 * MAX_GROUP, device=DEVICE),
+                       backend="triton")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="imports the kernels (needs triton)")

@@ -19,7 +19,7 @@ import torch
 import hybridlm.ops.fast_weight.op as fw_op
 import hybridlm.ops.ssd as ssd_op
 import hybridlm.ops.utils as ops_utils
-from hybridlm.modules import short_conv
+from hybridlm.modules import gated_norm, short_conv
 from hybridlm.ops import SlowPathWarning, fast_weight_attention
 from hybridlm.ops.utils import warn_slow_path
 from tests.ops.triton_modes import gpu_only
@@ -181,3 +181,29 @@ def test_short_conv_warns_once_without_triton(caught, monkeypatch):
     monkeypatch.setattr(short_conv, "triton_available", lambda: True)
     assert short_conv._takes_kernels("auto", x, stateless=True)
     assert slow_paths(caught) == [short_conv.NO_TRITON]
+
+
+def test_gated_norm_auto_choices_and_warnings(caught, monkeypatch):
+    """The gated norm's "auto" on CUDA: the kernels for 32- or 16-bit x and gate of one shape with groups of at most
+    MAX_GROUP channels; silently the torch form for float64, a broadcast gate, no channels or under compile (its own
+    choices); the torch form with one warning per reason for a missing triton or too wide a group."""
+    monkeypatch.setattr(gated_norm, "triton_available", lambda: True)
+    x = on_cuda(2, 64, 96)
+    assert gated_norm._takes_kernels("auto", x, on_cuda(2, 64, 96, dtype=torch.float32), 48)
+    assert gated_norm._takes_kernels("auto", x, None, gated_norm.MAX_GROUP)
+    assert not gated_norm._takes_kernels("torch", x, x, 48)
+    assert not gated_norm._takes_kernels("auto", on_cuda(2, 64, 96, dtype=torch.float64), x, 48)
+    assert not gated_norm._takes_kernels("auto", x, on_cuda(2, 64, 96, dtype=torch.float64), 48)
+    assert not gated_norm._takes_kernels("auto", x, on_cuda(1, 64, 96), 48)  # broadcasts over the batch
+    assert not gated_norm._takes_kernels("auto", on_cuda(2, 64, 0), None, 0)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not gated_norm._takes_kernels("auto", x, x, 48)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert slow_paths(caught) == []
+    wide = gated_norm.WIDE_GROUP.format(group=2 * gated_norm.MAX_GROUP)
+    for _ in range(2):
+        assert not gated_norm._takes_kernels("auto", x, x, 2 * gated_norm.MAX_GROUP)
+    monkeypatch.setattr(gated_norm, "triton_available", lambda: False)
+    for _ in range(2):
+        assert not gated_norm._takes_kernels("auto", x, x, 48)
+    assert slow_paths(caught) == [wide, gated_norm.NO_TRITON]

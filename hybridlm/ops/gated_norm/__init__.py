@@ -3,10 +3,11 @@
     y = w * u / sqrt(mean_group(u^2) + eps) [* SiLU(z)],   u = x (norm before the gate) or x * SiLU(z)
 
 - `gated_norm_naive(...)`: the float64 reference (`naive.py`);
-- `gated_norm_triton(...)`: Triton kernels for training on a GPU, one launch forward and one backward (`kernels.py`;
-  imported on the first call, so importing this package never needs triton).
+- `gated_norm_triton(...)`: Triton kernels for a GPU, one launch forward and one backward (`kernels.py`; imported on
+  the first call, so importing this package never needs triton).
 
-`hybridlm.modules.gated_rms_norm` is the torch form (float32 math, several kernels each way).
+`hybridlm.modules.gated_rms_norm` is the mixers' entry point: these kernels for CUDA tensors outside torch.compile
+(`backend="auto"`), else its torch form (float32 math, several kernels each way).
 """
 
 from __future__ import annotations

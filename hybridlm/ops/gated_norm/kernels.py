@@ -1,4 +1,4 @@
-"""Triton kernels of the grouped, gated RMSNorm for training, forward and backward (`naive.py` is the reference; the
+"""Triton kernels of the grouped, gated RMSNorm, forward and backward (`naive.py` is the reference; the
 math in `__init__.py`).
 
 The leading dims are flattened into M rows of D channels, cut into G groups of DG = D / G channels. Each program
@@ -149,8 +149,8 @@ class _GatedNorm(torch.autograd.Function):
         dw = torch.empty(row_blocks, D, dtype=torch.float32, device=x.device)
         with on_tensor_device(x):
             gated_norm_bwd_kernel[(row_blocks, ctx.groups)](
-                x, gate, weight, rstd, dy.contiguous(), dx, dz, dw, M, D, ctx.groups, _row_stride(gate), DG=DG, BD=BD, BM=BM,
-                STEPS=STEPS, HAS_GATE=gate is not None, BEFORE=ctx.before)
+                x, gate, weight, rstd, dy.contiguous(), dx, dz, dw, M, D, ctx.groups, _row_stride(gate), DG=DG, BD=BD,
+                BM=BM, STEPS=STEPS, HAS_GATE=gate is not None, BEFORE=ctx.before)
         return dx, dw.sum(0).to(weight.dtype), dz, None, None, None
 
 
