@@ -12,9 +12,8 @@
 
 from __future__ import annotations
 
+from hybridlm.ops.gated_norm.limits import MAX_GROUP
 from hybridlm.ops.gated_norm.naive import gated_norm_naive
-
-MAX_GROUP = 4096  # the widest group the kernels take (ptxas, sm_90: the backward spills at 8192 even at 8 warps)
 
 
 def gated_norm_triton(x, weight, gate=None, *, groups=1, eps=1e-6, norm_before_gate=True):

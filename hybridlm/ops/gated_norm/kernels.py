@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from hybridlm.ops.gated_norm import MAX_GROUP
+from hybridlm.ops.gated_norm.limits import MAX_GROUP
 from hybridlm.ops.triton_utils import autotune
 from hybridlm.ops.utils import TRITON_DTYPES, on_tensor_device
 
