@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -257,3 +258,30 @@ def test_programs_per_sm_by_registers_and_shared_memory():
     assert programs_per_sm(255, 57 * 1024, 4) == 2
     assert programs_per_sm(64, 100 * 1024, 4) == 2  # by shared memory: 2 x 101 KB of 228
     assert programs_per_sm(32, 0, 4) == 16
+
+
+def test_addition_pretrained_probe_carries_the_byte_model_over():
+    """The probe's addition model is the byte model: every block weight equal, and each addition token's embedding
+    and output row the row of its character's byte (the digits, '+', '=', newline for <bos>)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import addition_pretrained_probe as probe
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    from hybridlm.experiments import addition, models
+
+    byte_model = models.build_model(models.task_config("transformer", vocab_size=probe.BYTES_BOS + 1, size="tiny"),
+                                    seed=3)
+    config = models.task_config("transformer", vocab_size=addition.MODEL_VOCAB_SIZE, size="tiny")
+    model = probe.addition_model_from(byte_model, seed=0, config=config)
+    source, carried = byte_model.state_dict(), model.state_dict()
+    embedding_rows = [name for name, value in source.items() if value.shape[0] == probe.BYTES_BOS + 1]
+    assert embedding_rows  # the embedding (and the output head, untied)
+    for name, value in carried.items():
+        if name in embedding_rows:
+            assert torch.equal(value[addition.DIGIT0 + 7], source[name][ord("7")])
+            assert torch.equal(value[addition.PLUS], source[name][ord("+")])
+            assert torch.equal(value[addition.BOS], source[name][ord("\n")])
+        else:
+            assert torch.equal(value, source[name]), name
+    assert probe.probe_recipe(1500).train_max_width == 4
