@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The fast-weight paper's Table 3 under its own protocol: every row x 3 seeds on one GPU.
 #
-#   bash benchmarks/addition_paper.sh                       # until every run is done (about 2 GPU-hours on an H200)
+#   PER_DEVICE=4 bash benchmarks/addition_paper.sh          # until every run is done (~80 GPU-minutes on an H200:
+#                                                           # four side by side took ~900 s each)
+#   MODELS=fw-1A.2,fw-3A.3 SEEDS=1 PER_DEVICE=2 bash benchmarks/addition_paper.sh   # some rows, seed 0 only
 #   ONCE=1 BUDGET=480 bash benchmarks/addition_paper.sh     # one invocation that stops itself within ~9 minutes
 #
 # Runs, report and figures go to $ADDITION_OUT (default runs/addition_paper: ignored by git, so it stays on the
