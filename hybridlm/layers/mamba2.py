@@ -29,8 +29,8 @@ from torch import nn
 from hybridlm.layers.cache import LayerCache
 from hybridlm.modules.boundaries import has_restarts, pack_rows
 from hybridlm.modules.gated_norm import GatedRMSNorm
-from hybridlm.modules.multiplier import scaled
 from hybridlm.modules.linear import AlignedLinear
+from hybridlm.modules.multiplier import scaled
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.ssd import ssd
 from hybridlm.ops.utils import compute_dtype, local_tensor

@@ -289,3 +289,20 @@ def test_addition_digit_accuracy_averages_to_token_accuracy_and_shows_the_known_
         assert r["digit_acc"][:4] == [1.0] * 4
         assert r["digit_acc"][4:] == pytest.approx((digits[:, 4:] == 7).double().mean(0).tolist())
         assert A.end_digits_solved(r["digit_acc"]) == (4, 0)  # the guess 7 is never the carry digit (0 or 1)
+
+
+def test_run_addition_trains_the_model_it_is_given():
+    """`model=`: the run trains that very model (its weights move, its parameter count is reported) under the label
+    given, instead of building a fresh one."""
+    from hybridlm.experiments import models
+
+    model = models.build_model(models.task_config("transformer", vocab_size=A.MODEL_VOCAB_SIZE, size="tiny",
+                                                  num_hidden_layers=1), seed=5)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    recipe = A.AdditionRecipe(size="tiny", steps=2, warmup=0, batch_size=4, train_max_width=2, eval_max_width=3,
+                              eval_per_width=2, val_per_width=2, eval_every=1, curriculum_steps=0)
+    result = A.run_addition("transformer-carried", 0, recipe, model=model)
+    assert result["model"] == "transformer-carried"
+    assert result["parameters"] == sum(p.numel() for p in model.parameters())
+    assert any(not torch.equal(p, before[name]) for name, p in model.named_parameters())
+    assert set(result["per_width"]) == {"1", "2", "3"}
