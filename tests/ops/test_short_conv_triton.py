@@ -168,6 +168,34 @@ def test_strided_inputs_and_16bit_weights():
     assert rel_err(grads[1].cpu(), grads_ref[1]) < 2e-3 and rel_err(grads[2].cpu(), grads_ref[2]) < 2e-3
 
 
+@interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_reads_a_slice_of_a_wider_row_in_place(dtype):
+    """x a slice of a projection's output (unit channel stride, rows 29 elements apart) with documents: the kernels read
+    it where it lies (the tensor kept for the backward shares its storage, no copy) and match the reference."""
+    B, T, C, K, wide, start = 2, 45, 20, 4, 29, 6
+    x, weight, b, seq_idx = _inputs(B, T, wide, K, documents=5, seed=7)
+    weight, b = weight[start:start + C], b[start:start + C]
+    x = x.to(dtype).double()
+    leaves = [t.clone().requires_grad_(True) for t in (x, weight, b)]
+    y_ref = short_conv_naive(leaves[0][..., start:start + C], leaves[1], leaves[2], seq_idx=seq_idx, activation="silu")
+    probe = torch.randn_like(y_ref)
+    grads_ref = torch.autograd.grad((y_ref * probe).sum(), leaves)
+    ins = [x.to(DEVICE, dtype), weight.to(DEVICE, torch.float32), b.to(DEVICE, torch.float32)]
+    ins = [t.requires_grad_(True) for t in ins]
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (kept.append(t), t)[1], lambda t: t):
+        y = short_conv_triton(ins[0][..., start:start + C], ins[1], ins[2], seq_idx=seq_idx.to(DEVICE),
+                              activation="silu")
+    assert any(t.untyped_storage().data_ptr() == ins[0].untyped_storage().data_ptr() for t in kept)
+    assert all(t.numel() < x.numel() // 2 or t.untyped_storage().data_ptr() == ins[0].untyped_storage().data_ptr()
+               for t in kept), "a copy of x was kept for the backward"
+    grads = torch.autograd.grad((y.double() * probe.to(DEVICE)).sum(), ins)
+    assert grads[0][..., :start].abs().max() == 0 and grads[0][..., start + C:].abs().max() == 0
+    assert_near_reference({"y": (y, y_ref), "dx": (grads[0], grads_ref[0]), "dw": (grads[1], grads_ref[1]),
+                           "db": (grads[2], grads_ref[2])}, TOL[dtype])
+
+
 def test_reference_matches_the_module_conv():
     """The reference is the same function as `hybridlm.modules.causal_conv1d` (seq_idx form, float64)."""
     x, weight, b, seq_idx = _inputs(2, 40, 7, 4, documents=8, seed=2)

@@ -4,7 +4,9 @@ inside rows (`naive.py` is the reference; the math in `__init__.py`).
 The rows are laid end to end as one row of L = B T steps, with a segment id per step that changes at every row
 start and every document start, so both kernels see one packed row: tap k of step t reads x_{t-K+1+k} where that
 step exists and has t's segment. Each program walks STEPS blocks of BT steps in one block of BC channels; warps and
-pipeline stages are autotuned per channel count, taps and flags, as for every kernel of `hybridlm.ops`.
+pipeline stages are autotuned per channel count, taps and flags, as for every kernel of `hybridlm.ops`. x is read
+where it lies whenever its channels are adjacent, at any row stride: the mixers pass a slice of their input
+projection's output, which the backward then keeps instead of a contiguous copy.
 
 - Forward: y_t = act(bias + sum_k w_k x_{t-K+1+k}), float32 accumulation, stored in x's dtype.
 - Backward, two kernels: the first recomputes the pre-activations, stores g = dL/d(pre-activation) = dy act'(pre)
@@ -31,30 +33,32 @@ KEY = ["C", "K", "HAS_BIAS", "SILU"]  # the tuning key (warps x stages, `hybridl
 
 
 @triton.jit
-def _tap(x_ptr, seg_ptr, src, inside, seg_t, c, C):
-    """x[src, c] as float32 where `inside` holds and step src has segment seg_t, else 0: [len(src), len(c)]."""
+def _tap(x_ptr, seg_ptr, src, inside, seg_t, c, C, SX):
+    """x[src, c] (rows SX elements apart) as float32 where `inside` holds and step src has segment seg_t, else 0:
+    [len(src), len(c)]."""
     keep = inside & (src >= 0)
     keep = keep & (tl.load(seg_ptr + src, mask=keep, other=-1) == seg_t)
-    offs = src.to(tl.int64)[:, None] * C + c[None, :]
+    offs = src.to(tl.int64)[:, None] * SX + c[None, :]
     return tl.load(x_ptr + offs, mask=keep[:, None] & (c[None, :] < C), other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _pre_activation(x_ptr, w_ptr, seg_ptr, t, inside, bias, c, C, K: tl.constexpr):
+def _pre_activation(x_ptr, w_ptr, seg_ptr, t, inside, bias, c, C, SX, K: tl.constexpr):
     """bias + sum_k w_k x_{t-K+1+k} (same segment as t) at steps t: [len(t), len(c)] float32."""
     seg_t = tl.load(seg_ptr + t, mask=inside, other=-2)
     acc = tl.zeros([t.shape[0], c.shape[0]], dtype=tl.float32) + bias[None, :]
     for k in tl.static_range(K):
         w_k = tl.load(w_ptr + c * K + k, mask=c < C, other=0.0).to(tl.float32)
-        acc += _tap(x_ptr, seg_ptr, t - (K - 1) + k, inside, seg_t, c, C) * w_k[None, :]
+        acc += _tap(x_ptr, seg_ptr, t - (K - 1) + k, inside, seg_t, c, C, SX) * w_k[None, :]
     return acc
 
 
 @autotune(KEY, fixed_warps=4)
 @triton.jit(do_not_specialize=["L"])
-def short_conv_fwd_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, y_ptr, L, C, K: tl.constexpr, BT: tl.constexpr,
+def short_conv_fwd_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, y_ptr, L, C, SX, K: tl.constexpr, BT: tl.constexpr,
                           BC: tl.constexpr, STEPS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
-    """y [L, C] of x [L, C], w [C, K], b [C], segments [L]. Grid (cdiv(L, STEPS BT), cdiv(C, BC))."""
+    """y [L, C] (contiguous) of x [L, C] (rows SX elements apart), w [C, K], b [C], segments [L]. Grid
+    (cdiv(L, STEPS BT), cdiv(C, BC))."""
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     c = i_c * BC + tl.arange(0, BC)
     bias = tl.zeros([BC], dtype=tl.float32)
@@ -63,7 +67,7 @@ def short_conv_fwd_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, y_ptr, L, C, K: tl.const
     for step in range(STEPS):
         t = (i_t * STEPS + step) * BT + tl.arange(0, BT)
         inside = t < L
-        y = _pre_activation(x_ptr, w_ptr, seg_ptr, t, inside, bias, c, C, K)
+        y = _pre_activation(x_ptr, w_ptr, seg_ptr, t, inside, bias, c, C, SX, K)
         if SILU:
             y = y * tl.sigmoid(y)
         offs = t.to(tl.int64)[:, None] * C + c[None, :]
@@ -72,10 +76,10 @@ def short_conv_fwd_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, y_ptr, L, C, K: tl.const
 
 @autotune(KEY, fixed_warps=8)  # 4 warps spill its [KP, BT, BC] sums
 @triton.jit(do_not_specialize=["L"])
-def short_conv_bwd_weight_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, dy_ptr, g_ptr, dw_ptr, db_ptr, L, C, K: tl.constexpr,
-                                 KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STEPS: tl.constexpr,
-                                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
-    """g = dy act'(pre) [L, C] in x's dtype (stored with SILU; without it g is dy itself) and this program's partial dw
+def short_conv_bwd_weight_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, dy_ptr, g_ptr, dw_ptr, db_ptr, L, C, SX,
+                                 K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                                 STEPS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """g = dy act'(pre) [L, C] in x's dtype (x's rows SX elements apart) (stored with SILU; without it g is dy itself) and this program's partial dw
     [KP, C] / db [C] (float32, rows k < K of dw used). Grid (cdiv(L, STEPS BT), cdiv(C, BC)); dw_ptr / db_ptr:
     [grid 0, KP, C] / [grid 0, C]."""
     i_t, i_c = tl.program_id(0), tl.program_id(1)
@@ -100,11 +104,11 @@ def short_conv_bwd_weight_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, dy_ptr, g_ptr, dw
         src = t[None, :, None] - (K - 1) + kk3  # [KP, BT, 1]
         keep = (kk3 < K) & inside[None, :, None] & (src >= 0)
         keep = keep & (tl.load(seg_ptr + src, mask=keep, other=-1) == seg_t[None, :, None])
-        x3 = tl.load(x_ptr + src.to(tl.int64) * C + c[None, None, :], mask=keep & in_c[None, None, :],
+        x3 = tl.load(x_ptr + src.to(tl.int64) * SX + c[None, None, :], mask=keep & in_c[None, None, :],
                      other=0.0).to(tl.float32)  # [KP, BT, BC]
         g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if SILU:
-            pre = _pre_activation(x_ptr, w_ptr, seg_ptr, t, inside, bias, c, C, K)
+            pre = _pre_activation(x_ptr, w_ptr, seg_ptr, t, inside, bias, c, C, SX, K)
             s = tl.sigmoid(pre)
             g = g * s * (1.0 + pre * (1.0 - s))
             tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=mask)
@@ -149,13 +153,13 @@ def _grid(L: int, C: int) -> tuple[int, int]:
 
 class _ShortConv(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, segments, silu: bool):
+    def forward(ctx, x, weight, bias, segments, silu: bool):  # x [L, C]: unit channel stride, any row stride >= C
         L, C = x.shape
         K = weight.shape[1]
-        y = torch.empty_like(x)
+        y = x.new_empty(L, C)
         with on_tensor_device(x):
-            short_conv_fwd_kernel[_grid(L, C)](x, weight, bias, segments, y, L, C, K=K, BT=BT, BC=BC, STEPS=STEPS,
-                                               HAS_BIAS=bias is not None, SILU=silu)
+            short_conv_fwd_kernel[_grid(L, C)](x, weight, bias, segments, y, L, C, x.stride(0), K=K, BT=BT, BC=BC,
+                                               STEPS=STEPS, HAS_BIAS=bias is not None, SILU=silu)
         ctx.save_for_backward(x, weight, bias, segments)
         ctx.silu = silu
         return y
@@ -170,18 +174,19 @@ class _ShortConv(torch.autograd.Function):
         KP = triton.next_power_of_2(K)
         grid = _grid(L, C)
         dy = dy.contiguous()
-        g = torch.empty_like(x) if ctx.silu else dy  # dL/d(pre-activation), in x's dtype
+        g = x.new_empty(L, C) if ctx.silu else dy  # dL/d(pre-activation), in x's dtype
         dx = dweight = dbias = None
         with on_tensor_device(x):
             if needs_weight or needs_bias or (needs_x and ctx.silu):
                 dw = torch.empty(grid[0], KP, C, dtype=torch.float32, device=x.device)
                 db = torch.empty(grid[0], C, dtype=torch.float32, device=x.device)
-                short_conv_bwd_weight_kernel[grid](x, weight, bias, segments, dy, g, dw, db, L, C, K=K, KP=KP, BT=BT,
-                                                   BC=BC, STEPS=STEPS, HAS_BIAS=bias is not None, SILU=ctx.silu)
+                short_conv_bwd_weight_kernel[grid](x, weight, bias, segments, dy, g, dw, db, L, C, x.stride(0), K=K,
+                                                   KP=KP, BT=BT, BC=BC, STEPS=STEPS, HAS_BIAS=bias is not None,
+                                                   SILU=ctx.silu)
                 dweight = dw.sum(0)[:K].t().contiguous().to(weight.dtype) if needs_weight else None
                 dbias = db.sum(0).to(bias.dtype) if needs_bias else None
             if needs_x:
-                dx = torch.empty_like(x)
+                dx = x.new_empty(L, C)
                 short_conv_bwd_input_kernel[grid](g, weight, segments, dx, L, C, K=K, BT=BT, BC=BC, STEPS=STEPS)
         return dx, dweight, dbias, None, None
 
@@ -209,6 +214,9 @@ def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     rows = torch.arange(B, device=x.device, dtype=torch.int64)[:, None] * T  # a row start always starts a segment
     segments = rows if seq_idx is None else rows + seq_idx_segments(seq_idx, (B, T))
     segments = segments.expand(B, T).reshape(B * T).to(torch.int32)
-    y = _ShortConv.apply(x.reshape(B * T, C).contiguous(), weight.contiguous(),
-                         None if bias is None else bias.contiguous(), segments, activation == "silu")
+    flat = x.reshape(B * T, C)  # read in place where its channels are adjacent (a slice of a projection's output)
+    if flat.stride(1) != 1 or flat.stride(0) < C:
+        flat = flat.contiguous()
+    y = _ShortConv.apply(flat, weight.contiguous(), None if bias is None else bias.contiguous(), segments,
+                         activation == "silu")
     return y.reshape(B, T, C)
