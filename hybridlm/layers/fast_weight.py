@@ -206,8 +206,8 @@ class FastWeightMixer(nn.Module):
 
     def _normalize(self, u: torch.Tensor) -> torch.Tensor:
         """QK normalization over the head dim: rms u / sqrt(mean u^2 + eps), l2 u / sqrt(sum u^2 + eps), both
-        `rms_normalize` (float32 math; a bfloat16 CUDA tensor comes back in bfloat16 outside autocast, l2's 1/sqrt(K)
-        scale rounding once more; the caller casts to the values' dtype). l2 is rms with eps / K, times 1/sqrt(K)."""
+        `rms_normalize` (float32 math; a bfloat16 CUDA tensor comes back in bfloat16, under autocast too, l2's
+        1/sqrt(K) scale rounding once more; the caller casts to the values' dtype). l2 is rms with eps / K, times 1/sqrt(K)."""
         if self.qk_norm == "none":
             return u
         dim = u.shape[-1]

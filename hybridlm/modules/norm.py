@@ -13,11 +13,14 @@ def rms_normalize(u: torch.Tensor, *, eps: float) -> torch.Tensor:
     """u / sqrt(mean(u^2) + eps) over the last dim, no scale, with float32 math (float64 for float64).
 
     Through `F.rms_norm`: one fused kernel each way on a GPU, where the spelled-out formula launches seven. A bfloat16
-    CUDA tensor goes in as it is (float32 math inside, the result rounded once to bfloat16; under CUDA autocast, which
-    runs `rms_norm` in float32, it comes back float32); anything else goes in, and comes back, in the compute dtype
-    (on the CPU the same numbers as the spelled-out formula)."""
-    if not (u.is_cuda and u.dtype == torch.bfloat16):
-        u = u.to(compute_dtype(u.dtype))
+    CUDA tensor goes in as it is and comes back bfloat16, under autocast too (float32 math inside the kernel, the
+    result rounded once; the backward keeps the bfloat16 input and a float32 1/rms per row, where autocast, which runs
+    `rms_norm` in float32, would keep a float32 copy of the input); anything else goes in, and comes back, in the
+    compute dtype (on the CPU the same numbers as the spelled-out formula)."""
+    if u.is_cuda and u.dtype == torch.bfloat16:
+        with torch.autocast("cuda", enabled=False):
+            return F.rms_norm(u, (u.shape[-1],), eps=eps)
+    u = u.to(compute_dtype(u.dtype))
     return F.rms_norm(u, (u.shape[-1],), eps=eps)
 
 

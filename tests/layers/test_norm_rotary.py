@@ -11,6 +11,7 @@ from transformers.models.falcon_h1.modeling_falcon_h1 import (
 )
 
 from hybridlm.modules import GatedRMSNorm, RMSNorm, RotaryEmbedding, apply_rotary, gated_rms_norm
+from hybridlm.modules.norm import rms_normalize
 
 
 def test_rms_norm_matches_falcon_h1():
@@ -39,6 +40,27 @@ def test_rms_norm_bf16_on_cuda_within_one_rounding():
     torch.testing.assert_close(out.double().cpu(), exact, rtol=2 * 2**-8, atol=0)
     out.sum().backward()
     assert xs.grad is not None and torch.isfinite(xs.grad).all() and norm.weight.grad is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA autocast's float32 policy)")
+def test_rms_normalize_keeps_bf16_under_cuda_autocast():
+    """Under CUDA autocast a bf16 input is normalized as it is: a bf16 result equal to the one outside autocast, and
+    the backward keeps the bf16 input and the float32 1/rms per row, no float32 copy of the input (autocast's own
+    float32 policy for rms_norm would keep one); the gradient matches the float64 one within bf16 rounding."""
+    torch.manual_seed(0)
+    u = (torch.randn(2, 64, 10, 64, dtype=torch.float64) * 2).to("cuda", torch.bfloat16).requires_grad_(True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (kept.append(t), t)[1], lambda t: t):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = rms_normalize(u, eps=1e-6)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, rms_normalize(u.detach(), eps=1e-6), rtol=0, atol=0)
+    assert not [t for t in kept if t.dtype == torch.float32 and t.numel() == u.numel()], [t.shape for t in kept]
+    probe = torch.randn(u.shape, dtype=torch.float64)
+    (out.double() * probe.cuda()).sum().backward()
+    exact = u.detach().double().cpu().requires_grad_(True)
+    ((exact / torch.sqrt(exact.pow(2).mean(-1, keepdim=True) + 1e-6)) * probe).sum().backward()
+    torch.testing.assert_close(u.grad.double().cpu(), exact.grad, rtol=3 * 2**-8, atol=3 * 2**-8)
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4])
