@@ -28,8 +28,9 @@ from torch import nn
 
 from hybridlm.layers.cache import LayerCache
 from hybridlm.modules.boundaries import has_restarts, pack_rows
+from hybridlm.modules.gate import silu_gate
 from hybridlm.modules.gated_norm import GatedRMSNorm
-from hybridlm.modules.linear import AlignedLinear
+from hybridlm.modules.linear import AlignedLinear, linear_input
 from hybridlm.modules.multiplier import scaled
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.ssd import ssd
@@ -152,5 +153,5 @@ class Mamba2Mixer(nn.Module):
         if self.norm is not None:
             y = self.norm(y, z)
         else:
-            y = (y.to(dtype) * F.silu(z.to(dtype))).to(y.dtype)
-        return self.out_proj(y.to(hidden.dtype))
+            y = silu_gate(y, z)  # float32 math, the 16-bit y and z kept for the backward
+        return self.out_proj(linear_input(y, hidden.dtype))

@@ -51,6 +51,15 @@ def pads(out_features: int, in_features: int, weight: torch.Tensor, x: torch.Ten
     return out_features % ALIGN_ROWS != 0 and x.numel() // max(1, in_features) >= MIN_PADDED_ROWS
 
 
+def linear_input(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` as a projection with `dtype` operands should take it: under autocast as it is (autocast casts it for the
+    GEMM itself; a bf16 mixer output cast up to a float32 residual's dtype first would cost two casts each way for
+    the same values), otherwise `t.to(dtype)`."""
+    if torch.is_autocast_enabled(t.device.type):
+        return t
+    return t.to(dtype)
+
+
 class AlignedLinear(nn.Linear):
     """`nn.Linear` (same parameters, same state dict) that pads its weight's rows on CUDA (module docstring)."""
 
