@@ -102,6 +102,28 @@ def test_gpu_model_on_the_cpu_sliding_window_hybrid_keeps_constant_cache(tmp_pat
     assert cache[("transformer", 96)] > 2 * cache[("transformer", 32)]  # every key kept
 
 
+def test_saved_activations_per_token(tmp_path):
+    """The activation account of one block: per-token slopes that follow the shapes (each projection keeps a bf16 copy
+    of its [T, hidden] input, the loss its float32 logits, no SSM group in the Transformer), and the fast-weight
+    hybrid's SSM half accounted."""
+    out = run("saved_activations.py", "--variants", "transformer matched", "h1 fw-1A", "--lengths", "128", "256",
+              "--json", str(tmp_path / "saved.json"), timeout=600)
+    assert len(table_rows(out, "transformer matched")) == 1 and len(table_rows(out, "h1 fw-1A")) == 1
+    report = json.loads((tmp_path / "saved.json").read_text())
+    sys.path.insert(0, str(BENCHMARKS))
+    from gpu_model import config_of
+
+    config = config_of("125m", "transformer matched")
+    transformer, hybrid = (report["results"][v]["groups"] for v in ("transformer matched", "h1 fw-1A"))
+    for groups in (transformer, hybrid):
+        assert groups["attn.q_proj"] == groups["attn.k_proj"] == 2 * config.hidden_size  # bf16 inputs
+        assert abs(groups["loss"] - 4 * config.vocab_size) <= 4 * config.vocab_size / 100  # float32 logits
+    assert not [g for g, b in transformer.items() if g.startswith("ssm") and b]
+    assert hybrid["ssm.in_proj"] == 2 * config.hidden_size and hybrid["ssm"] > 0
+    assert report["results"]["h1 fw-1A"]["model"] == 12 * report["results"]["h1 fw-1A"]["block"] + \
+        report["results"]["h1 fw-1A"]["outside"]
+
+
 def test_packed_documents_layout():
     sys.path.insert(0, str(BENCHMARKS))
     import torch

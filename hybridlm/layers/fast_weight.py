@@ -207,13 +207,17 @@ class FastWeightMixer(nn.Module):
     def _normalize(self, u: torch.Tensor) -> torch.Tensor:
         """QK normalization over the head dim: rms u / sqrt(mean u^2 + eps), l2 u / sqrt(sum u^2 + eps), both
         `rms_normalize` (float32 math; a bfloat16 CUDA tensor comes back in bfloat16, under autocast too, l2's
-        1/sqrt(K) scale rounding once more; the caller casts to the values' dtype). l2 is rms with eps / K, times 1/sqrt(K)."""
+        1/sqrt(K) scale rounding once more; the caller casts to the values' dtype). l2 is rms with eps / K, times
+        1/sqrt(K). The mixer's backend picks the norm's: "auto" and "triton" the same (the Triton kernels keep the
+        normalized q and k for the backward, which the scan keeps too, so the conv's output is freed), the op's torch
+        paths ("naive", "chunk") torch's `F.rms_norm`."""
         if self.qk_norm == "none":
             return u
         dim = u.shape[-1]
+        backend = self.backend if self.backend in ("auto", "triton") else "torch"
         if self.qk_norm == "rms":
-            return rms_normalize(u, eps=_QK_EPS)
-        return rms_normalize(u, eps=_QK_EPS / dim) * dim**-0.5
+            return rms_normalize(u, eps=_QK_EPS, backend=backend)
+        return rms_normalize(u, eps=_QK_EPS / dim, backend=backend) * dim**-0.5
 
     def _gains(self, beta_logits: torch.Tensor, lam_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> beta [B, T, H] (or [B, T, H, V]) and lam [B, T, H] >= 0."""

@@ -6,22 +6,43 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.ops.utils import compute_dtype
+from hybridlm.ops.rms_norm import MAX_DIM, rms_normalize_triton
+from hybridlm.ops.utils import compute_dtype, triton_available, triton_runs_on
 
 
-def rms_normalize(u: torch.Tensor, *, eps: float) -> torch.Tensor:
+BACKENDS = ("auto", "torch", "triton")
+
+
+def rms_normalize(u: torch.Tensor, *, eps: float, backend: str = "auto") -> torch.Tensor:
     """u / sqrt(mean(u^2) + eps) over the last dim, no scale, with float32 math (float64 for float64).
 
-    Through `F.rms_norm`: one fused kernel each way on a GPU, where the spelled-out formula launches seven. A bfloat16
-    CUDA tensor goes in as it is and comes back bfloat16, under autocast too (float32 math inside the kernel, the
-    result rounded once; the backward keeps the bfloat16 input and a float32 1/rms per row, where autocast, which runs
-    `rms_norm` in float32, would keep a float32 copy of the input); anything else goes in, and comes back, in the
-    compute dtype (on the CPU the same numbers as the spelled-out formula)."""
+    backend "torch": `F.rms_norm`, one fused kernel each way on a GPU (the spelled-out formula launches seven). A
+    bfloat16 CUDA tensor goes in as it is and comes back bfloat16, under autocast too (float32 math inside the kernel,
+    the result rounded once; the backward keeps the bfloat16 input and a float32 1/rms per row, where autocast, which
+    runs `rms_norm` in float32, would keep a float32 copy of the input); anything else goes in, and comes back, in the
+    compute dtype (on the CPU the same numbers as the spelled-out formula).
+    backend "triton": `hybridlm.ops.rms_norm`'s kernels (32- or 16-bit u, at most MAX_DIM channels; the result in u's
+    dtype), one launch each way, whose backward keeps the output and 1/rms per row instead of the input: a slice of
+    a wider tensor (a mixer's conv output) normalized this way does not keep that tensor alive.
+    backend "auto": the kernels for a bfloat16 CUDA tensor of at most MAX_DIM channels outside torch.compile (where
+    inductor fuses the torch form) when triton is installed, else "torch"."""
+    if backend not in BACKENDS:
+        raise ValueError(f"rms_normalize: unknown backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "triton" or (backend == "auto" and _auto_takes_kernels(u)):
+        if backend == "triton" and not triton_runs_on(u):
+            raise ValueError(f"rms_normalize: backend='triton' needs triton and a CUDA tensor, got a {u.device.type} "
+                             "tensor; use backend='auto'")
+        return rms_normalize_triton(u, eps)
     if u.is_cuda and u.dtype == torch.bfloat16:
         with torch.autocast("cuda", enabled=False):
             return F.rms_norm(u, (u.shape[-1],), eps=eps)
     u = u.to(compute_dtype(u.dtype))
     return F.rms_norm(u, (u.shape[-1],), eps=eps)
+
+
+def _auto_takes_kernels(u: torch.Tensor) -> bool:
+    return (u.is_cuda and u.dtype == torch.bfloat16 and 0 < u.shape[-1] <= MAX_DIM
+            and not torch.compiler.is_compiling() and triton_available())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:

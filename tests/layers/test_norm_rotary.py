@@ -43,19 +43,24 @@ def test_rms_norm_bf16_on_cuda_within_one_rounding():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA autocast's float32 policy)")
-def test_rms_normalize_keeps_bf16_under_cuda_autocast():
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_rms_normalize_keeps_bf16_under_cuda_autocast(backend):
     """Under CUDA autocast a bf16 input is normalized as it is: a bf16 result equal to the one outside autocast, and
-    the backward keeps the bf16 input and the float32 1/rms per row, no float32 copy of the input (autocast's own
-    float32 policy for rms_norm would keep one); the gradient matches the float64 one within bf16 rounding."""
+    the backward keeps no float32 copy of the input (autocast's own float32 policy for rms_norm would keep one): the
+    torch form keeps the bf16 input, "auto" (the Triton kernels) the bf16 output, each with a float32 1/rms per row;
+    the gradient matches the float64 one within bf16 rounding."""
     torch.manual_seed(0)
     u = (torch.randn(2, 64, 10, 64, dtype=torch.float64) * 2).to("cuda", torch.bfloat16).requires_grad_(True)
     kept = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (kept.append(t), t)[1], lambda t: t):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = rms_normalize(u, eps=1e-6)
+            out = rms_normalize(u, eps=1e-6, backend=backend)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out, rms_normalize(u.detach(), eps=1e-6), rtol=0, atol=0)
+    torch.testing.assert_close(out, rms_normalize(u.detach(), eps=1e-6, backend=backend), rtol=0, atol=0)
     assert not [t for t in kept if t.dtype == torch.float32 and t.numel() == u.numel()], [t.shape for t in kept]
+    kept_storage = {t.untyped_storage().data_ptr() for t in kept}
+    expected = u if backend == "torch" else out
+    assert expected.untyped_storage().data_ptr() in kept_storage
     probe = torch.randn(u.shape, dtype=torch.float64)
     (out.double() * probe.cuda()).sum().backward()
     exact = u.detach().double().cpu().requires_grad_(True)

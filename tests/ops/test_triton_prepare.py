@@ -122,6 +122,24 @@ def test_clamp_at_equality():
           eps_gamma=0.25, inputs=(q, k, v, beta, lam))
 
 
+@interpret
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_backward_keeps_its_outputs_not_k_and_v(packed):
+    """The autograd formula keeps the forward's x and y (which the scan keeps as well) in place of k and v: no saved
+    tensor shares k's or v's storage, and x's and y's are among them."""
+    B, T, H, K, V = (1, 70, 2, 16, 24) if packed else (2, 37, 3, 20, 12)
+    _, k, v, beta, lam = make_inputs("1A", B=B, T=T, H=H, K=K, V=V, dtype=torch.float32)
+    k, v, beta, lam = (t.to(DEVICE).requires_grad_(True) for t in (k, v, beta, lam))
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (kept.append(t.untyped_storage().data_ptr()), t)[1],
+                                                  lambda t: t):
+        x, y, eta, log_gamma = fused(k, v, beta, lam, None, OFFSETS if packed else None, pairing="shifted",
+                                     step_size="nlms", ridge_scaling=True, eps=1e-6, eps_gamma=1e-6)
+    storages = {name: t.untyped_storage().data_ptr() for name, t in (("k", k), ("v", v), ("x", x), ("y", y))}
+    assert storages["k"] not in kept and storages["v"] not in kept
+    assert storages["x"] in kept and storages["y"] in kept
+
+
 FRONT_CASES = [  # rule, pairing, read, step_size, ridge_scaling, packed, stateful
     ("1A", "shifted", "after", "nlms", True, False, True), ("1A", "shifted", "before", "direct", False, True, True),
     ("1A", "same_step", "after", "nlms", False, True, False), ("1A", "shifted", "after", "nlms", True, True, False),

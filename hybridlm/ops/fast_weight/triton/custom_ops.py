@@ -254,8 +254,9 @@ def _register(rule: str, name: str, options: str = _OPTIONS) -> None:
     fwd.register_autograd(backward, setup_context=setup_context)
 
 
-_PREP_ARGS = "Tensor k, Tensor v, Tensor beta, Tensor lam, Tensor? last_k, Tensor? offsets, Tensor? seq_idx, " \
-             "int max_len, bool shifted, bool nlms, bool ridge_scaling, float eps, float eps_gamma"
+_PREP_OPTIONS = "Tensor beta, Tensor lam, Tensor? last_k, Tensor? offsets, Tensor? seq_idx, int max_len, " \
+                "bool shifted, bool nlms, bool ridge_scaling, float eps, float eps_gamma"
+_PREP_ARGS = f"Tensor k, Tensor v, {_PREP_OPTIONS}"
 
 
 def _register_prepare() -> None:
@@ -282,35 +283,40 @@ def _register_prepare() -> None:
         return (k.new_empty(N, max_len, H, k.shape[3]), v.new_empty(N, max_len, H, v.shape[3]), eta,
                 torch.empty_like(eta))
 
+    # The backward takes the forward's outputs x and y in place of k and v (`prepare.backward`): x holds every key a
+    # pair reads, y gives dv's shape and dtype. Both stay alive for the scan's own backward, so keeping them, not
+    # k and v, saves a copy of the keys per layer.
     @torch.library.custom_op("hybridlm::fast_weight_prepare_bwd", mutates_args=(),
-                             schema=f"(Tensor dx, Tensor dy, Tensor deta, Tensor dlog_gamma, {_PREP_ARGS}) -> "
-                                    "(Tensor, Tensor, Tensor, Tensor, Tensor)")
-    def bwd(dx, dy, deta, dlog_gamma, k, v, beta, lam, last_k, offsets, seq_idx, max_len, shifted, nlms,
+                             schema="(Tensor dx, Tensor dy, Tensor deta, Tensor dlog_gamma, Tensor x, Tensor y, "
+                                    f"{_PREP_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+    def bwd(dx, dy, deta, dlog_gamma, x, y, beta, lam, last_k, offsets, seq_idx, max_len, shifted, nlms,
             ridge_scaling, eps, eps_gamma):
         from hybridlm.ops.fast_weight.triton import prepare
 
-        dx, dy, deta, dlog_gamma, k, v, beta, lam = (t.contiguous() for t in (dx, dy, deta, dlog_gamma, k, v, beta,
+        dx, dy, deta, dlog_gamma, x, y, beta, lam = (t.contiguous() for t in (dx, dy, deta, dlog_gamma, x, y, beta,
                                                                                 lam))
         last_k, seq_idx = (None if t is None else t.contiguous() for t in (last_k, seq_idx))
-        with on_tensor_device(k):
-            return prepare.backward(dx.to(k.dtype), dy.to(v.dtype), deta.float(), dlog_gamma.float(), k, v, beta,
+        with on_tensor_device(x):
+            return prepare.backward(dx.to(x.dtype), dy.to(y.dtype), deta.float(), dlog_gamma.float(), x, y, beta,
                                     lam, last_k, offsets, seq_idx, max_len, shifted, nlms, ridge_scaling, eps,
                                     eps_gamma)
 
     @bwd.register_fake
-    def _(dx, dy, deta, dlog_gamma, k, v, beta, lam, last_k, offsets, seq_idx, max_len, shifted, nlms, ridge_scaling,
+    def _(dx, dy, deta, dlog_gamma, x, y, beta, lam, last_k, offsets, seq_idx, max_len, shifted, nlms, ridge_scaling,
           eps, eps_gamma):
-        return (k.new_empty(k.shape), v.new_empty(v.shape), beta.new_empty(beta.shape), lam.new_empty(lam.shape),
-                k.new_empty(rows(k, offsets), k.shape[2], k.shape[3]))
+        K, V = x.shape[-1], y.shape[-1]
+        return (x.new_empty(*beta.shape, K), y.new_empty(*beta.shape, V), beta.new_empty(beta.shape),
+                lam.new_empty(lam.shape), x.new_empty(x.shape[0], x.shape[2], K))
 
     def setup_context(ctx, inputs, output):
-        k, v, beta, lam, last_k, offsets, seq_idx = inputs[:7]
-        ctx.save_for_backward(k, v, beta, lam, last_k, offsets, seq_idx)
+        beta, lam, last_k, offsets, seq_idx = inputs[2:7]
+        x, y = output[:2]
+        ctx.save_for_backward(x, y, beta, lam, last_k, offsets, seq_idx)
         ctx.options = inputs[7:]
 
     def backward(ctx, dx, dy, deta, dlog_gamma):
-        k, v, beta, lam, last_k, offsets, seq_idx = ctx.saved_tensors
-        dk, dv, dbeta, dlam, dlast = bwd(dx, dy, deta, dlog_gamma, k, v, beta, lam, last_k, offsets, seq_idx,
+        x, y, beta, lam, last_k, offsets, seq_idx = ctx.saved_tensors
+        dk, dv, dbeta, dlam, dlast = bwd(dx, dy, deta, dlog_gamma, x, y, beta, lam, last_k, offsets, seq_idx,
                                          *ctx.options)
         return (dk, dv, dbeta, dlam, None if last_k is None else dlast) + (None,) * 8  # offsets .. eps_gamma
 

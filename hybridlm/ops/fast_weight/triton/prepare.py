@@ -14,8 +14,9 @@ and head h (src = the flat input row of step t: offsets[n] + t packed, n * T + t
     eta_t = exists_t * beta_t / (E_t + ridge_t + eps)  (NLMS) | exists_t * beta_t  (direct)
     a_t = eta_t ridge_t     alpha_t = min(a_t, 1 - eps_gamma)     lg_t = log1p(-alpha_t)
 
-Backward (dx, dy, d eta, d lg given; the forward is recomputed; torch's clamp(max=m) passes the gradient where
-a <= m, equality included, and stops it where a > m):
+Backward (dx, dy, d eta, d lg given; the forward is recomputed from its own output x, which holds every pair's key,
+and beta, lam, so neither k nor v is kept for it; torch's clamp(max=m) passes the gradient where a <= m, equality
+included, and stops it where a > m):
 
     g_alpha = -dlg / (1 - alpha)          g_a = [a <= m] g_alpha
     g_eta = exists (d eta + g_a ridge)    g_ridge = g_a eta
@@ -65,8 +66,10 @@ def _log1p(u):
 def _steps(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, seq_ptr, T_pad, H, eps, one_minus_eps_gamma,
            K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
            SHIFTED: tl.constexpr, HAS_LAST: tl.constexpr, PACKED: tl.constexpr, NLMS: tl.constexpr,
-           SCALED: tl.constexpr, SEQ: tl.constexpr):
-    """The forward quantities of this program's BT steps (shared by both kernels)."""
+           SCALED: tl.constexpr, SEQ: tl.constexpr, PREPARED: tl.constexpr):
+    """The forward quantities of this program's BT steps (shared by both kernels). PREPARED: k_ptr points at the
+    forward's output x [N, T_pad, H, K] (the backward's input), whose rows hold the pairs' keys already (zeros where no
+    pair exists), instead of at k."""
     i_t, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     t = i_t * BT + tl.arange(0, BT)
@@ -87,19 +90,25 @@ def _steps(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, seq_ptr, T_pa
     ck = tl.arange(0, BK)
     kmask = ck < K
     if SHIFTED:
+        if HAS_LAST:
+            exists = valid & ~restart
+        else:
+            exists = valid & (t >= 1) & ~restart
+    else:
+        exists = valid
+    if PREPARED:
+        rows = (i_n.to(tl.int64) * T_pad + t) * H + i_h                                 # padded rows [BT]
+        x = tl.load(k_ptr + rows[:, None] * K + ck[None, :], mask=exists[:, None] & kmask[None, :], other=0.0)
+    elif SHIFTED:
         prev = (src - 1) * H + i_h
         x = tl.load(k_ptr + prev[:, None] * K + ck[None, :], mask=(valid & (t >= 1))[:, None] & kmask[None, :],
                     other=0.0)
         if HAS_LAST:
             first = tl.load(last_ptr + (i_n * H + i_h).to(tl.int64) * K + ck, mask=kmask, other=0.0)
             x = tl.where((t == 0)[:, None], first[None, :], x)
-            exists = valid & ~restart
-        else:
-            exists = valid & (t >= 1) & ~restart
     else:
         x = tl.load(k_ptr + (src * H + i_h)[:, None] * K + ck[None, :], mask=valid[:, None] & kmask[None, :],
                     other=0.0)
-        exists = valid
     x = tl.where(exists[:, None], x, 0.0).to(k_ptr.dtype.element_ty)                  # x_t, k's dtype [BT, BK]
     xf = x.to(tl.float32)
     E = tl.sum(xf * xf, axis=1)                                                         # |x_t|^2 [BT]
@@ -132,7 +141,7 @@ def prepare_fwd_kernel(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, s
     Grid (cdiv(T_pad, BT), N * H)."""
     i_n, i_h, t, _, exists, _, src, ck, kmask, x, _, _, _, _, _, _, eta, _, _, lg = _steps(
         k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, seq_ptr, T_pad, H, eps, one_minus_eps_gamma, K, V,
-        BT, BK, BV, SHIFTED, HAS_LAST, PACKED, NLMS, SCALED, SEQ)
+        BT, BK, BV, SHIFTED, HAS_LAST, PACKED, NLMS, SCALED, SEQ, False)
     cv = tl.arange(0, BV)
     vmask = cv < V
     y = tl.load(v_ptr + (src * H + i_h)[:, None] * V + cv[None, :], mask=exists[:, None] & vmask[None, :], other=0.0)
@@ -145,17 +154,18 @@ def prepare_fwd_kernel(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, s
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def prepare_bwd_kernel(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, seq_ptr, dx_ptr, dy_ptr, deta_ptr,
-                       dlg_ptr, dk_ptr, dv_ptr, dbeta_ptr, dlam_ptr, dlast_ptr, T_pad, H, eps, one_minus_eps_gamma,
-                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       SHIFTED: tl.constexpr, HAS_LAST: tl.constexpr, PACKED: tl.constexpr, NLMS: tl.constexpr,
-                       SCALED: tl.constexpr, SEQ: tl.constexpr):
-    """dk, dv (k's / v's dtype, laid out as k, v), d beta, d lam (float32, as beta, lam) and d last_k [N, H, K] for
-    the gradients of x, y, eta, lg (padded rows). dk must be zeros on entry (shifted: each row's last key feeds no
-    write here); every other output is written wherever it exists. Grid (cdiv(T_pad, BT), N * H)."""
+def prepare_bwd_kernel(x_ptr, beta_ptr, lam_ptr, offsets_ptr, seq_ptr, dx_ptr, dy_ptr, deta_ptr, dlg_ptr, dk_ptr,
+                       dv_ptr, dbeta_ptr, dlam_ptr, dlast_ptr, T_pad, H, eps, one_minus_eps_gamma, K: tl.constexpr,
+                       V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SHIFTED: tl.constexpr,
+                       HAS_LAST: tl.constexpr, PACKED: tl.constexpr, NLMS: tl.constexpr, SCALED: tl.constexpr,
+                       SEQ: tl.constexpr):
+    """dk, dv (x's / dy's dtype, laid out as k, v), d beta, d lam (float32, as beta, lam) and d last_k [N, H, K] for
+    the gradients of x, y, eta, lg (padded rows), from the forward's x (its keys: k itself is not kept) and beta, lam.
+    dk must be zeros on entry (shifted: each row's last key feeds no write here); every other output is written
+    wherever it exists. Grid (cdiv(T_pad, BT), N * H)."""
     i_n, i_h, t, valid, exists, restart, src, ck, kmask, _, xf, E, beta, _, ridge, denom, eta, a, alpha, _ = _steps(
-        k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, seq_ptr, T_pad, H, eps, one_minus_eps_gamma, K, V,
-        BT, BK, BV, SHIFTED, HAS_LAST, PACKED, NLMS, SCALED, SEQ)
+        x_ptr, x_ptr, beta_ptr, lam_ptr, x_ptr, offsets_ptr, seq_ptr, T_pad, H, eps, one_minus_eps_gamma, K, V,
+        BT, BK, BV, SHIFTED, HAS_LAST, PACKED, NLMS, SCALED, SEQ, True)
     rows = (i_n.to(tl.int64) * T_pad + t) * H + i_h
     dlg = tl.load(dlg_ptr + rows, mask=valid & ~restart, other=0.0).to(tl.float32)  # a restart's lg is a constant
     deta = tl.load(deta_ptr + rows, mask=valid, other=0.0).to(tl.float32)
@@ -235,20 +245,23 @@ def forward(k, v, beta, lam, last_k, offsets, seq_idx, max_len: int, shifted: bo
     return x, y, eta, lg
 
 
-def backward(dx, dy, deta, dlg, k, v, beta, lam, last_k, offsets, seq_idx, max_len: int, shifted: bool, nlms: bool,
+def backward(dx, dy, deta, dlg, x, y, beta, lam, last_k, offsets, seq_idx, max_len: int, shifted: bool, nlms: bool,
              ridge_scaling: bool, eps: float, eps_gamma: float):
-    """dk, dv (as k, v), d beta, d lam (float32) and d last_k ([N, H, K], zeros when last_k is None) for the
-    gradients of the forward's four outputs (contiguous, their shapes)."""
-    N, H, K, _, grid, sizes = _launch(k, v, offsets, max_len)
+    """dk, dv ([B, T, H, K] / [B, T, H, V] as beta's rows, in x's / y's dtype), d beta, d lam (float32) and d last_k
+    ([N, H, K], zeros when last_k is None) for the gradients of the forward's four outputs (contiguous, their shapes),
+    from the forward's outputs x and y (y for its shape and dtype only) and its inputs beta, lam, last_k: k and v are
+    not needed, so the autograd formula keeps neither (x holds every key a pair reads)."""
+    N, H, K, V, grid, sizes = _launch(x, y, offsets, max_len)
     # Every input row is some step's (t < its length), which writes its dv, d beta, d lam (zeros where no pair);
     # dk: a shifted row's last key feeds no write here (the final state's last_k is taken outside), so zeros first.
-    dk = torch.zeros_like(k) if shifted else torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dk = x.new_zeros(*beta.shape, K) if shifted else x.new_empty(*beta.shape, K)
+    dv = y.new_empty(*beta.shape, V)
     dbeta = torch.empty_like(beta)
     dlam = torch.empty_like(lam)
-    dlast = k.new_zeros(N, H, K)
+    dlast = x.new_zeros(N, H, K)
+    _, offsets_ptr, seq_ptr = _pointers(x, last_k, offsets, seq_idx)
     prepare_bwd_kernel[grid](
-        k, v, beta, lam, *_pointers(k, last_k, offsets, seq_idx), dx, dy, deta, dlg, dk, dv, dbeta, dlam, dlast,
-        max_len, H, eps, 1.0 - eps_gamma, **sizes, **_flags(last_k, offsets, seq_idx, shifted, nlms, ridge_scaling),
+        x, beta, lam, offsets_ptr, seq_ptr, dx, dy, deta, dlg, dk, dv, dbeta, dlam, dlast, max_len, H, eps,
+        1.0 - eps_gamma, **sizes, **_flags(last_k, offsets, seq_idx, shifted, nlms, ridge_scaling),
         num_warps=NUM_WARPS)
     return dk, dv, dbeta, dlam, dlast

@@ -1,0 +1,166 @@
+"""Activation memory of a training forward, per layer type: the bytes autograd keeps for the backward, per token.
+
+    python benchmarks/saved_activations.py                      # CPU: the 125m shape's Transformer and two hybrids
+    python benchmarks/saved_activations.py --device cuda        # the same on a GPU (its kernels, CUDA autocast)
+    python benchmarks/saved_activations.py --variants "h1 fw-1A" --lengths 256 512 --json saved.json
+
+Every tensor the forward saves for the backward (`torch.autograd.graph.saved_tensors_hooks`) is counted once per
+storage (a saved view keeps its whole storage alive, so a slice of a projection's output costs the whole output),
+charged to the innermost module whose forward saved it first, and grouped by that module's path inside its block
+(`ssm.conv`, `attn`, `mlp.up_proj`; `norm` is the block's input norm). Parameters are left out, and so is everything
+that does not grow with the sequence (autocast's bf16 copies of the weights, carried states): each figure is the slope
+between the two `--lengths`, in bytes per token. One block of each variant is built (`benchmarks/gpu_model.py`'s
+variants and shapes; every block of a variant is the same), so a whole model keeps blocks x the block's figure plus
+the embedding, final norm, LM head and loss.
+
+Under bf16 autocast (float32 weights), as `hybridlm train` runs on a GPU. The mixers (their ops, short conv, QK and
+gated norms) take the Triton kernels a GPU's `backend="auto"` takes: on the CPU they run under Triton's interpreter
+(TRITON_INTERPRET=1 is set here when triton is importable; without it the torch paths run, and keep more), so the CPU
+counts what a GPU keeps. Peak memory adds the weights, gradients and optimizer state, and the backward's transients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import sys
+from collections import Counter
+from dataclasses import replace
+
+
+def _device_argument(argv: list[str]) -> str:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--device", default="cpu")
+    return parser.parse_known_args(argv)[0].device
+
+
+if __name__ == "__main__" and _device_argument(sys.argv[1:]) == "cpu" and importlib.util.find_spec("triton"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton reads it as its kernels are defined: set before any is
+
+import torch  # noqa: E402
+from gpu_model import SHAPE_125M, config_of  # noqa: E402  (benchmarks/ is on the path when this script runs)
+
+from hybridlm.layers.fast_weight import FastWeightMixer  # noqa: E402
+from hybridlm.layers.mamba2 import Mamba2Mixer  # noqa: E402
+from hybridlm.models.model import HybridForCausalLM  # noqa: E402
+from hybridlm.modules import GatedRMSNorm, ShortConvolution  # noqa: E402
+from hybridlm.ops.utils import triton_interpreting  # noqa: E402
+
+DEFAULT_VARIANTS = ("transformer matched", "h1 fw-1A", "h1 mamba2")
+KERNEL_MODULES = (FastWeightMixer, Mamba2Mixer, ShortConvolution, GatedRMSNorm)
+
+
+def build(variant: str, device: torch.device, *, preset: str = "125m") -> HybridForCausalLM:
+    """One block of `variant` (gpu_model.py's config at `preset`), float32, its mixers on the kernels a GPU's "auto"
+    takes (the interpreter's on the CPU when triton is there)."""
+    config = replace(config_of(preset, variant), num_hidden_layers=1)
+    torch.manual_seed(0)
+    model = HybridForCausalLM(config).to(device)
+    if device.type == "cpu" and triton_interpreting():
+        for module in model.modules():
+            if isinstance(module, KERNEL_MODULES):
+                module.backend = "triton"
+    return model
+
+
+def group_of(path: str) -> str:
+    """A module path -> its place inside a block ("model.layers.0.ssm.conv" -> "ssm.conv"), or outside one."""
+    if path == "":
+        return "loss"
+    return re.sub(r"^model\.layers\.\d+\.", "", path)
+
+
+def saved_bytes(model: HybridForCausalLM, length: int, device: torch.device) -> Counter:
+    """{group: bytes of the distinct storages its modules saved} for one autocast forward of one row of `length`."""
+    names = {module: name for name, module in model.named_modules()}
+    stack = [""]  # the paths of the modules whose forward is running, innermost last
+
+    def enter(module, args):
+        stack.append(names[module])
+
+    def leave(module, args, out):
+        stack.pop()
+
+    hooks = []
+    for module in model.modules():
+        hooks.append(module.register_forward_pre_hook(enter))
+        hooks.append(module.register_forward_hook(leave, always_call=True))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    owner: dict[int, tuple[str, int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.data_ptr() not in owner:
+            owner[storage.data_ptr()] = (group_of(stack[-1]), storage.nbytes())
+        return t
+
+    ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+    finally:
+        for hook in hooks:
+            hook.remove()
+    del loss
+    totals = Counter()
+    for group, nbytes in owner.values():
+        totals[group] += nbytes
+    return totals
+
+
+def per_token(model: HybridForCausalLM, lengths: tuple[int, int], device: torch.device) -> dict[str, float]:
+    """{group: bytes per token}: the slope of `saved_bytes` between the two lengths."""
+    short, long = (saved_bytes(model, n, device) for n in lengths)
+    span = lengths[1] - lengths[0]
+    return {group: (long[group] - short[group]) / span for group in sorted(set(short) | set(long))}
+
+
+OUTSIDE = ("model.embed_tokens", "model.norm", "lm_head", "loss")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), help="gpu_model.py's variant names")
+    parser.add_argument("--lengths", nargs=2, type=int, default=[256, 512], metavar=("T1", "T2"))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", help="write the figures here too")
+    args = parser.parse_args(argv)
+    if args.lengths[1] <= args.lengths[0]:
+        parser.error("--lengths: the second length must be the longer")
+    device = torch.device(args.device)
+    blocks = SHAPE_125M["num_hidden_layers"]
+    kernels = "cuda" if device.type == "cuda" else "triton interpreter" if triton_interpreting() else "torch paths"
+    print(f"bytes kept for the backward per token, one block (125m shape), bf16 autocast, device {device.type}, "
+          f"kernels: {kernels}, lengths {args.lengths[0]} -> {args.lengths[1]}")
+    results = {}
+    for variant in args.variants:
+        model = build(variant, device)
+        figures = per_token(model, tuple(args.lengths), device)
+        block = {g: b for g, b in figures.items() if g not in OUTSIDE and b}
+        outside = sum(b for g, b in figures.items() if g in OUTSIDE)
+        results[variant] = {"groups": figures, "block": sum(block.values()), "outside": outside,
+                            "model": blocks * sum(block.values()) + outside}
+        print(f"\n{variant}")
+        for group, nbytes in sorted(block.items(), key=lambda kv: -kv[1]):
+            print(f"  {group:24s} {nbytes:10.0f}")
+        print(f"  {'block':24s} {results[variant]['block']:10.0f}")
+        print(f"  {'outside the blocks':24s} {outside:10.0f}")
+    base = args.variants[0]
+    print(f"\n| model | per block | {blocks} blocks + the rest | / {base} |")
+    print("|---|---|---|---|")
+    for variant, r in results.items():
+        print(f"| {variant} | {r['block']:.0f} | {r['model']:.0f} | {r['model'] / results[base]['model']:.2f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device.type, "kernels": kernels, "lengths": args.lengths, "blocks": blocks,
+                       "results": results}, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()

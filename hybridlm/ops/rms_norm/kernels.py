@@ -1,0 +1,110 @@
+"""Triton kernels of the output-keeping RMS normalization, forward and backward (the math and the reference in
+`__init__.py`).
+
+The input's rows are its last-dim vectors, addressed as [N, H, D] with any strides N and H (the rows of a [B, T, H, D]
+slice of a wider tensor are read where they lie); the output is contiguous. Each program walks STEPS blocks of BR
+rows (BD >= D columns, masked), so a row's statistics are one sum over the columns. 1 / sqrt is IEEE-rounded
+(`sqrt_rn`, `div_rn`), as torch's. Warps and pipeline stages are autotuned per width, as for every kernel of
+`hybridlm.ops`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from hybridlm.ops.triton_utils import autotune
+from hybridlm.ops.utils import on_tensor_device
+
+STEPS = 8  # row blocks per program
+ROW_ELEMENTS = 2048  # BR x BD: rows per block shrink as the rows widen
+
+
+@autotune(["D"], fixed_warps=4)
+@triton.jit(do_not_specialize=["R"])
+def rms_normalize_fwd_kernel(u_ptr, n_ptr, rstd_ptr, R, H, stride_n, stride_h, eps, D: tl.constexpr,
+                             BD: tl.constexpr, BR: tl.constexpr, STEPS: tl.constexpr):
+    """n [R, D] (contiguous, n's dtype) and rstd [R] float32 of the R = N H rows of u (row r at (r // H) stride_n +
+    (r % H) stride_h). Grid (cdiv(R, STEPS BR),)."""
+    cols = tl.arange(0, BD)
+    in_col = cols < D
+    for step in range(STEPS):
+        rows = (tl.program_id(0) * STEPS + step) * BR + tl.arange(0, BR)
+        in_row = rows < R
+        r = rows.to(tl.int64)
+        src = (r // H) * stride_n + (r % H) * stride_h
+        mask = in_row[:, None] & in_col[None, :]
+        u = tl.load(u_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # [BR, BD]
+        rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(u * u, axis=1) / D + eps))  # [BR]
+        tl.store(n_ptr + r[:, None] * D + cols[None, :], (u * rstd[:, None]).to(n_ptr.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr + rows, rstd, mask=in_row)
+
+
+@autotune(["D"], fixed_warps=4)
+@triton.jit(do_not_specialize=["R"])
+def rms_normalize_bwd_kernel(dn_ptr, n_ptr, rstd_ptr, du_ptr, R, D: tl.constexpr, BD: tl.constexpr,
+                             BR: tl.constexpr, STEPS: tl.constexpr):
+    """du = rstd (dn - n mean(dn n)) [R, D] (du's dtype) of dn, n [R, D] (contiguous) and rstd [R]. Grid
+    (cdiv(R, STEPS BR),)."""
+    cols = tl.arange(0, BD)
+    in_col = cols < D
+    for step in range(STEPS):
+        rows = (tl.program_id(0) * STEPS + step) * BR + tl.arange(0, BR)
+        in_row = rows < R
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        mask = in_row[:, None] & in_col[None, :]
+        g = tl.load(dn_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        n = tl.load(n_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=in_row, other=0.0)
+        dot = tl.sum(g * n, axis=1) / D
+        du = rstd[:, None] * (g - n * dot[:, None])
+        tl.store(du_ptr + offs, du.to(du_ptr.dtype.element_ty), mask=mask)
+
+
+def _blocks(R: int, D: int) -> tuple[int, int, int]:
+    """BD, BR and the grid for R rows of D channels."""
+    BD = triton.next_power_of_2(D)
+    BR = max(1, ROW_ELEMENTS // BD)
+    return BD, BR, triton.cdiv(R, STEPS * BR)
+
+
+class _RMSNormalize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u3, eps: float):  # u3 [N, H, D]: unit channel stride
+        N, H, D = u3.shape
+        R = N * H
+        n = u3.new_empty(R, D)
+        rstd = torch.empty(R, dtype=torch.float32, device=u3.device)
+        if R:
+            BD, BR, blocks = _blocks(R, D)
+            with on_tensor_device(u3):
+                rms_normalize_fwd_kernel[(blocks,)](u3, n, rstd, R, H, u3.stride(0), u3.stride(1), eps, D=D, BD=BD,
+                                                    BR=BR, STEPS=STEPS)
+        ctx.save_for_backward(n, rstd)
+        ctx.shape = u3.shape
+        return n
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dn):
+        n, rstd = ctx.saved_tensors
+        R, D = n.shape
+        du = torch.empty_like(n)
+        if R:
+            BD, BR, blocks = _blocks(R, D)
+            with on_tensor_device(n):
+                rms_normalize_bwd_kernel[(blocks,)](dn.contiguous(), n, rstd, du, R, D=D, BD=BD, BR=BR, STEPS=STEPS)
+        return du.view(ctx.shape), None
+
+
+def rms_normalize_triton(u: torch.Tensor, eps: float) -> torch.Tensor:
+    """u [..., D] (checked by the package's entry point) -> the normalized u in its dtype and shape (contiguous),
+    differentiable in u. CUDA tensors, or CPU tensors under Triton's interpreter."""
+    D = u.shape[-1]
+    H = u.shape[-2] if u.dim() >= 2 else 1
+    u3 = u.reshape(-1, H, D)  # a view where the leading dims merge (a slice of a wider row included): read in place
+    if u3.stride(2) != 1:
+        u3 = u3.contiguous()
+    return _RMSNormalize.apply(u3, float(eps)).reshape(u.shape)

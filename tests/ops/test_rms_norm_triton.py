@@ -1,0 +1,167 @@
+"""The output-keeping RMS normalization's Triton kernels (`hybridlm.ops.rms_norm`) against the float64 reference:
+outputs and input gradients, odd widths, several programs, strided slices read in place, what the backward keeps, and
+the fast-weight mixer's QK norm on them (its conv output freed after the forward).
+
+Where they run: on a GPU (CUDA + triton) every test; on the CPU under Triton's interpreter with
+HYBRIDLM_TRITON_INTERPRET=1 (float16 stands in for bfloat16 there); in CI (no triton) the reference's and the input
+checks that need no kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridlm.modules.norm import rms_normalize
+from hybridlm.ops.rms_norm import MAX_DIM, rms_normalize_naive, rms_normalize_triton
+from tests.helpers import assert_near_reference
+from tests.ops.triton_modes import (
+    DEVICE,
+    H200_SHARED_BYTES,
+    INTERPRET,
+    ON_GPU,
+    compile_for_sm90,
+    interpret,
+    needs_cuda_backend,
+)
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _check(shape, *, dtype, eps=1e-6, seed=0, scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    u = (scale * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype).double()
+    leaf = u.clone().requires_grad_(True)
+    ref = rms_normalize_naive(leaf, eps)
+    probe = torch.randn(shape, generator=g, dtype=torch.float64)
+    (grad_ref,) = torch.autograd.grad((ref * probe).sum(), leaf)
+    u_dev = u.to(DEVICE, dtype).requires_grad_(True)
+    out = rms_normalize_triton(u_dev, eps)
+    assert out.dtype == dtype and out.shape == u_dev.shape
+    (grad,) = torch.autograd.grad((out.double() * probe.to(DEVICE)).sum(), u_dev)
+    assert grad.dtype == dtype
+    assert_near_reference({"n": (out, ref), "du": (grad, grad_ref)}, TOL[dtype])
+
+
+def test_reference_matches_the_model_norm():
+    """The float64 reference is the spelled-out formula of `rms_normalize`'s torch form."""
+    u = torch.randn(3, 5, 24, dtype=torch.float64)
+    torch.testing.assert_close(rms_normalize_naive(u, 1e-5), rms_normalize(u, eps=1e-5, backend="torch"))
+
+
+@interpret
+@pytest.mark.parametrize("shape", [(2, 37, 3, 20), (1, 9, 1, 64), (700, 16, 64), (5, 100), (3, 2), (2, 4, 4096)],
+                         ids=["odd", "one-head", "programs", "2d", "two-channel", "widest"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_matches_float64_reference(shape, dtype):
+    if INTERPRET and dtype == torch.bfloat16:
+        pytest.skip("bfloat16 is checked on the GPU; float16 covers the 16-bit path under the interpreter")
+    if INTERPRET and shape[-1] == 4096:
+        pytest.skip("the widest rows run on the GPU (slow under the interpreter)")
+    _check(shape, dtype=dtype)
+
+
+@interpret
+def test_eps_enters_the_gradient():
+    """A large eps against small inputs: the exact gradient, eps included, from the output and 1 / rms alone."""
+    _check((4, 6, 2, 16), dtype=torch.float32, eps=0.5, scale=0.3)
+
+
+@interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_reads_a_slice_in_place_and_keeps_only_its_output(dtype):
+    """u a [B, T, H, D] view of a slice of a wider row (as a mixer's q of its conv output): read where it lies, the
+    reference's numbers, and the backward keeps the output and 1 / rms, nothing sharing the input's storage."""
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(2, 11, 100, generator=g, dtype=torch.float64).to(dtype)
+    B, T, H, D = 2, 11, 3, 16
+    leaf = wide.double().requires_grad_(True)
+    ref = rms_normalize_naive(leaf[..., 20:20 + H * D].reshape(B, T, H, D), 1e-6)
+    probe = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+    (grad_ref,) = torch.autograd.grad((ref * probe).sum(), leaf)
+    wide_dev = wide.to(DEVICE).requires_grad_(True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (kept.append(t), t)[1], lambda t: t):
+        out = rms_normalize_triton(wide_dev[..., 20:20 + H * D].reshape(B, T, H, D), 1e-6)
+    storages = {t.untyped_storage().data_ptr() for t in kept}
+    assert wide_dev.untyped_storage().data_ptr() not in storages
+    assert out.untyped_storage().data_ptr() in storages and len(kept) == 2
+    (grad,) = torch.autograd.grad((out.double() * probe.to(DEVICE)).sum(), wide_dev)
+    assert grad[..., :20].abs().max() == 0 and grad[..., 20 + H * D:].abs().max() == 0
+    assert_near_reference({"n": (out, ref), "du": (grad, grad_ref)}, TOL[dtype])
+
+
+@interpret
+def test_fast_weight_mixer_frees_its_conv_output():
+    """The fast-weight mixer on the kernels (backend "triton"): its QK norm keeps the normalized q and k, so nothing
+    the forward keeps shares the short conv's output storage (the torch form's norm keeps q and k themselves, slices
+    of it), and the mixer's output and gradients match the torch form's."""
+    from hybridlm.layers.fast_weight import FastWeightMixer
+    from hybridlm.models.presets import get_preset
+
+    config = get_preset("tiny", ssm_mixer="fast_weight", fw_rule="1A")
+    torch.manual_seed(0)
+    mixer = FastWeightMixer(config, 0).to(DEVICE)
+    hidden = torch.randn(2, 40, config.hidden_size, device=DEVICE)
+    conv_out = []
+    mixer.conv.register_forward_hook(lambda m, args, out: conv_out.append(out[0]))
+    results = {}
+    for backend in ("triton", "chunk"):
+        mixer.backend = backend
+        mixer.conv.backend = "torch"
+        conv_out.clear()
+        kept = []
+        x = hidden.clone().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (kept.append(t.untyped_storage().data_ptr()), t)[1],
+                                                      lambda t: t):
+            y = mixer(x)
+        results[backend] = (y, torch.autograd.grad(y.square().sum(), x)[0])
+        if backend == "triton":
+            assert conv_out[0].untyped_storage().data_ptr() not in kept
+        else:
+            assert conv_out[0].untyped_storage().data_ptr() in kept
+    for a, b in zip(results["triton"], results["chunk"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        rms_normalize_triton(torch.zeros(2, 4, dtype=torch.float64), 1e-6)
+    with pytest.raises(ValueError, match="exceed the kernels"):
+        rms_normalize_triton(torch.zeros(2, MAX_DIM + 1), 1e-6)
+    with pytest.raises(ValueError, match="D >= 1"):
+        rms_normalize_triton(torch.zeros(2, 0), 1e-6)
+    with pytest.raises(ValueError, match="unknown backend"):
+        rms_normalize(torch.zeros(2, 4), eps=1e-6, backend="cuda")
+    if not (ON_GPU or INTERPRET):
+        with pytest.raises(ValueError, match="needs triton and a CUDA tensor"):
+            rms_normalize(torch.zeros(2, 4), eps=1e-6, backend="triton")
+
+
+def test_auto_keeps_the_torch_form_off_cuda():
+    """"auto" on a CPU tensor (any dtype) is the torch form: the same numbers, the compute dtype back."""
+    u = torch.randn(3, 7, 16).bfloat16()
+    out = rms_normalize(u, eps=1e-6)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, rms_normalize(u, eps=1e-6, backend="torch"), rtol=0, atol=0)
+
+
+_SM90_BUILDS = """
+from hybridlm.ops.rms_norm import kernels as k
+
+for io in ("*bf16", "*fp32"):
+    for D in (16, 64, 100, 4096):
+        BD = triton.next_power_of_2(D)
+        consts = dict(D=D, BD=BD, BR=max(1, k.ROW_ELEMENTS // BD), STEPS=k.STEPS)
+        build(k.rms_normalize_fwd_kernel, consts, io=io, io_names=("u_ptr", "n_ptr"), types={"eps": "fp32"})
+        build(k.rms_normalize_bwd_kernel, consts, io=io, io_names=("dn_ptr", "n_ptr", "du_ptr"))
+"""
+
+
+@needs_cuda_backend
+def test_kernels_compile_for_sm90():
+    """Both kernels build for sm_90 (bf16 and fp32 rows of 16 to 4096 channels): the compiled path the interpreter
+    never runs."""
+    report = compile_for_sm90(_SM90_BUILDS, modules=("hybridlm.ops.rms_norm.kernels",))
+    assert set(report["built"]) == report["defined"] == {"rms_normalize_fwd_kernel", "rms_normalize_bwd_kernel"}
+    assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
