@@ -210,11 +210,12 @@ class FastWeightMixer(nn.Module):
         1/sqrt(K) scale rounding once more; the caller casts to the values' dtype). l2 is rms with eps / K, times
         1/sqrt(K). The mixer's backend picks the norm's: "auto" and "triton" the same (the Triton kernels keep the
         normalized q and k for the backward, which the scan keeps too, so the conv's output is freed), the op's torch
-        paths ("naive", "chunk") torch's `F.rms_norm`."""
+        paths ("naive", "chunk") and torch.compile's graphs (inductor fuses it) torch's `F.rms_norm`."""
         if self.qk_norm == "none":
             return u
         dim = u.shape[-1]
-        backend = self.backend if self.backend in ("auto", "triton") else "torch"
+        taken = self.backend in ("auto", "triton") and not torch.compiler.is_compiling()
+        backend = self.backend if taken else "torch"
         if self.qk_norm == "rms":
             return rms_normalize(u, eps=_QK_EPS, backend=backend)
         return rms_normalize(u, eps=_QK_EPS / dim, backend=backend) * dim**-0.5

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from hybridlm.modules.gate import silu_gate
 from hybridlm.modules.multiplier import scaled
 
 
@@ -19,5 +19,6 @@ class GatedMLP(nn.Module):
         self.down_multiplier = config.mlp_multiplier_down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
-        inner = self.up_proj(x) * F.silu(scaled(self.gate_proj(x), self.gate_multiplier))  # [B, T, d_mlp]
+        # up * SiLU(gate) with float32 math, rounded once; only up and gate are kept for the backward (`silu_gate`)
+        inner = silu_gate(self.up_proj(x), scaled(self.gate_proj(x), self.gate_multiplier))  # [B, T, d_mlp]
         return scaled(self.down_proj(inner), self.down_multiplier)

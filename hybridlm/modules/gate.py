@@ -1,9 +1,11 @@
-"""The SiLU output gate of a mixer without an output norm: y = x * SiLU(z), with float32 math.
+"""The SiLU gate y = x * SiLU(z) with float32 math: the gated MLP's up * SiLU(gate) and a mixer's output gate
+without a norm.
 
-Spelled out in torch (`x.float() * F.silu(z.float())`) autograd keeps three float32 tensors of the mixer's width for
-the backward (x, z and SiLU(z) upcast). `silu_gate` keeps x and z as they come (bf16 under autocast; z is a slice of
-the input projection's output, which stays alive for the short conv's backward anyway) and recomputes SiLU in the
-backward: the same values and gradients, a fraction of the memory.
+Spelled out in torch under autocast, the gate keeps three tensors of its width for the backward (x, z and SiLU(z);
+float32 copies where they are upcast) and launches two or more kernels each way. `silu_gate` keeps x and z as they
+come (bf16 under autocast; a slice of a projection's output stays where it is) and recomputes SiLU in the backward:
+on a GPU in one Triton launch each way (`hybridlm.ops.silu_gate`), elsewhere in the torch form below. Both round the
+result once, from float32.
 """
 
 from __future__ import annotations
@@ -11,10 +13,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridlm.ops.utils import compute_dtype
+from hybridlm.ops.silu_gate import silu_gate_triton
+from hybridlm.ops.utils import TRITON_DTYPES, compute_dtype, triton_available, triton_runs_on
+
+BACKENDS = ("auto", "torch", "triton")
 
 
 class _SiluGate(torch.autograd.Function):
+    """The torch form: float32 math (float64 for float64), x and z kept, SiLU recomputed in the backward."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, z)
@@ -32,9 +39,21 @@ class _SiluGate(torch.autograd.Function):
         return dx, dz
 
 
-def silu_gate(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+def silu_gate(x: torch.Tensor, z: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """x [..., D] * SiLU(z [..., D]) in float32 (float64 for float64 inputs), returned in x's dtype; the backward keeps
-    x and z only (module docstring)."""
+    x and z only. backend: "torch" (the form above), "triton" (`hybridlm.ops.silu_gate`'s kernels: 32- or 16-bit x
+    and z) or "auto" (the kernels for CUDA tensors they take, outside torch.compile, whose inductor fuses the torch
+    form, when triton is installed; else "torch")."""
     if x.shape != z.shape:
         raise ValueError(f"silu_gate: x {tuple(x.shape)} and the gate z {tuple(z.shape)} must have one shape")
+    if backend not in BACKENDS:
+        raise ValueError(f"silu_gate: unknown backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "triton":
+        if not triton_runs_on(x):
+            raise ValueError(f"silu_gate: backend='triton' needs triton and a CUDA tensor, got a {x.device.type} "
+                             "tensor; use backend='auto'")
+        return silu_gate_triton(x, z)
+    if (backend == "auto" and x.is_cuda and x.dtype in TRITON_DTYPES and z.dtype in TRITON_DTYPES and x.numel()
+            and not torch.compiler.is_compiling() and triton_available()):
+        return silu_gate_triton(x, z)
     return _SiluGate.apply(x, z)

@@ -1,4 +1,5 @@
-"""`silu_gate`: x * SiLU(z) with float32 math, keeping only x and z for the backward."""
+"""`silu_gate`'s torch form: x * SiLU(z) with float32 math, keeping only x and z for the backward (the Triton kernels:
+tests/ops/test_silu_gate_triton.py)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ def test_float64_gradients_are_exact():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 7, 10, generator=g, dtype=torch.float64, requires_grad=True)
     z = (3 * torch.randn(3, 7, 10, generator=g, dtype=torch.float64)).requires_grad_(True)
-    assert torch.autograd.gradcheck(silu_gate, (x, z))
+    assert torch.autograd.gradcheck(lambda a, b: silu_gate(a, b, backend="torch"), (x, z))
     probe = torch.randn(3, 7, 10, generator=g, dtype=torch.float64)
-    ours = torch.autograd.grad((silu_gate(x, z) * probe).sum(), (x, z))
+    ours = torch.autograd.grad((silu_gate(x, z, backend="torch") * probe).sum(), (x, z))
     ref = torch.autograd.grad((_spelled_out(x, z) * probe).sum(), (x, z))
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-14)
@@ -34,7 +35,7 @@ def test_bf16_matches_the_spelled_out_form_and_keeps_no_float32_copy():
     x = torch.randn(2, 9, 24, generator=g).bfloat16().requires_grad_(True)
     kept = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (kept.append(t), t)[1], lambda t: t):
-        out = silu_gate(x, proj[..., 8:32])
+        out = silu_gate(x, proj[..., 8:32], backend="torch")
     assert out.dtype == torch.bfloat16
     assert len(kept) == 2 and all(t.dtype == torch.bfloat16 for t in kept)
     assert {t.untyped_storage().data_ptr() for t in kept} == {x.untyped_storage().data_ptr(),
@@ -52,11 +53,18 @@ def test_bf16_matches_the_spelled_out_form_and_keeps_no_float32_copy():
 def test_one_input_frozen():
     x = torch.randn(4, 6, dtype=torch.float64)
     z = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
-    (dz,) = torch.autograd.grad(silu_gate(x, z).sum(), (z,))
+    (dz,) = torch.autograd.grad(silu_gate(x, z, backend="torch").sum(), (z,))
     s = torch.sigmoid(z.detach())
     torch.testing.assert_close(dz, x * s * (1 + z.detach() * (1 - s)))
 
 
-def test_rejects_mismatched_shapes():
+def test_auto_is_the_torch_form_on_the_cpu():
+    x, z = torch.randn(4, 6).bfloat16(), torch.randn(4, 6).bfloat16()
+    torch.testing.assert_close(silu_gate(x, z), _spelled_out(x, z), rtol=0, atol=0)
+
+
+def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="must have one shape"):
         silu_gate(torch.zeros(2, 3), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="unknown backend"):
+        silu_gate(torch.zeros(2, 3), torch.zeros(2, 3), backend="cuda")

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 MODULES = tuple(f"hybridlm.ops.fast_weight.triton.{name}" for name in (
     "decays", "chunk_state", "chunk_output", "inner_product_kernels", "wy", "regression_kernels", "band", "prepare",
 )) + ("hybridlm.ops.ssd.triton.kernels", "hybridlm.ops.short_conv.kernels", "hybridlm.ops.gated_norm.kernels",
-     "hybridlm.ops.rms_norm.kernels")
+     "hybridlm.ops.rms_norm.kernels", "hybridlm.ops.silu_gate.kernels")
 
 # Imports MODULES with the environment it is given, then prints, for every autotuned kernel, its configurations,
 # whether it caches them, and the launch each of four call-time settings makes: the switch unset, set to 0, the
@@ -56,7 +56,8 @@ print(json.dumps(out))
 FOUR_WARPS = ("hybridlm.ops.ssd", "hybridlm.ops.gated_norm.kernels.gated_norm_fwd_kernel",
               "hybridlm.ops.short_conv.kernels.short_conv_fwd_kernel",
               "hybridlm.ops.short_conv.kernels.short_conv_bwd_input_kernel",
-              "hybridlm.ops.fast_weight.triton.wy.tinv_kernel", "hybridlm.ops.rms_norm")
+              "hybridlm.ops.fast_weight.triton.wy.tinv_kernel", "hybridlm.ops.rms_norm",
+              "hybridlm.ops.silu_gate")
 
 
 def autotuners(**env: str) -> dict:
@@ -69,7 +70,7 @@ def autotuners(**env: str) -> dict:
 
 def test_kernels_tune_over_four_launches_with_cached_results():
     found = autotuners()
-    assert len(found) == 26, sorted(found)  # 15 fast-weight, 4 SSD, 3 short conv, 2 gated norm and 2 RMS norm
+    assert len(found) == 28, sorted(found)  # 15 fast-weight, 4 SSD, 3 short conv, 2 each gated norm, RMS norm, gate
     for kernel, report in found.items():
         assert sorted(report["configs"]) == ["4x1", "4x2", "8x1", "8x2"], kernel
         assert report["cached"] and report["call_time"], kernel
