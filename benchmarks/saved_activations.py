@@ -13,8 +13,8 @@ between the two `--lengths`, in bytes per token. One block of each variant is bu
 variants and shapes; every block of a variant is the same), so a whole model keeps blocks x the block's figure plus
 the embedding, final norm, LM head and loss.
 
-Under bf16 autocast (float32 weights), as `hybridlm train` runs on a GPU. The mixers (their ops, short conv, QK and
-gated norms) take the Triton kernels a GPU's `backend="auto"` takes: on the CPU they run under Triton's interpreter
+Under bf16 autocast (float32 weights), as `hybridlm train` runs on a GPU. The norms and the mixers (their ops, short
+conv, QK and gated norms) take the Triton kernels a GPU's `backend="auto"` takes: on the CPU they run under Triton's interpreter
 (TRITON_INTERPRET=1 is set here when triton is importable; without it the torch paths run, and keep more), so the CPU
 counts what a GPU keeps. Peak memory adds the weights, gradients and optimizer state, and the backward's transients.
 """
@@ -46,11 +46,11 @@ from gpu_model import SHAPE_125M, config_of  # noqa: E402  (benchmarks/ is on th
 from hybridlm.layers.fast_weight import FastWeightMixer  # noqa: E402
 from hybridlm.layers.mamba2 import Mamba2Mixer  # noqa: E402
 from hybridlm.models.model import HybridForCausalLM  # noqa: E402
-from hybridlm.modules import GatedRMSNorm, ShortConvolution  # noqa: E402
+from hybridlm.modules import GatedRMSNorm, RMSNorm, ShortConvolution  # noqa: E402
 from hybridlm.ops.utils import triton_interpreting  # noqa: E402
 
 DEFAULT_VARIANTS = ("transformer matched", "h1 fw-1A", "h1 mamba2")
-KERNEL_MODULES = (FastWeightMixer, Mamba2Mixer, ShortConvolution, GatedRMSNorm)
+KERNEL_MODULES = (FastWeightMixer, Mamba2Mixer, ShortConvolution, GatedRMSNorm, RMSNorm)
 
 
 def build(variant: str, device: torch.device, *, preset: str = "125m") -> HybridForCausalLM:

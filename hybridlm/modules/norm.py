@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.ops.rms_norm import MAX_DIM, rms_normalize_triton
-from hybridlm.ops.utils import compute_dtype, triton_available, triton_runs_on
+from hybridlm.ops.utils import TRITON_DTYPES, compute_dtype, triton_available, triton_runs_on
 
 
 BACKENDS = ("auto", "torch", "triton")
@@ -24,8 +24,8 @@ def rms_normalize(u: torch.Tensor, *, eps: float, backend: str = "auto") -> torc
     backend "triton": `hybridlm.ops.rms_norm`'s kernels (32- or 16-bit u, at most MAX_DIM channels; the result in u's
     dtype), one launch each way, whose backward keeps the output and 1/rms per row instead of the input: a slice of
     a wider tensor (a mixer's conv output) normalized this way does not keep that tensor alive.
-    backend "auto": the kernels for a bfloat16 CUDA tensor of at most MAX_DIM channels outside torch.compile (where
-    inductor fuses the torch form) when triton is installed, else "torch"."""
+    backend "auto": the kernels for a 32- or 16-bit CUDA tensor of at most MAX_DIM channels outside torch.compile
+    (where inductor fuses the torch form) when triton is installed, else "torch"."""
     if backend not in BACKENDS:
         raise ValueError(f"rms_normalize: unknown backend {backend!r}; choose one of {BACKENDS}")
     if backend == "triton" or (backend == "auto" and _auto_takes_kernels(u)):
@@ -41,29 +41,33 @@ def rms_normalize(u: torch.Tensor, *, eps: float, backend: str = "auto") -> torc
 
 
 def _auto_takes_kernels(u: torch.Tensor) -> bool:
-    return (u.is_cuda and u.dtype == torch.bfloat16 and 0 < u.shape[-1] <= MAX_DIM
+    return (u.is_cuda and u.dtype in TRITON_DTYPES and 0 < u.shape[-1] <= MAX_DIM
             and not torch.compiler.is_compiling() and triton_available())
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, backend: str = "auto") -> torch.Tensor:
     """Normalize the last dim of `x` [..., D] by its root mean square, then scale by `weight` [D].
 
     The statistics run in float32 (float64 stays float64); the normalized tensor goes back to `x.dtype` before the
-    scale, so a float32 `weight` returns float32 (Falcon-H1's RMSNorm does the same).
+    scale, so a float32 `weight` returns float32 (Falcon-H1's RMSNorm does the same). `backend`: `rms_normalize`'s.
+    The scale's backward keeps the normalized tensor, so the kernels' output-keeping backward adds nothing to it: x
+    itself (the residual stream) is not kept.
     """
-    return weight * rms_normalize(x, eps=eps).to(x.dtype)
+    return weight * rms_normalize(x, eps=eps, backend=backend).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dim with a learned scale (initialized to ones)."""
+    """Root-mean-square norm over the last dim with a learned scale (initialized to ones); `backend` as
+    `rms_normalize`'s ("auto" by default)."""
 
     def __init__(self, hidden_size: int, *, eps: float = 1e-5) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.backend = "auto"  # `rms_normalize`'s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
-        return rms_norm(x, self.weight, eps=self.eps)
+        return rms_norm(x, self.weight, eps=self.eps, backend=self.backend)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}, backend={self.backend}"

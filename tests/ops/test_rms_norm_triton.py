@@ -124,6 +124,33 @@ def test_fast_weight_mixer_frees_its_conv_output():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@interpret
+def test_model_norm_keeps_no_copy_of_its_input():
+    """`RMSNorm` on the kernels (float32 residual, as under autocast): the torch form's output and every gradient, and
+    nothing kept shares x's storage (the scale's backward keeps the normalized tensor, which the kernels keep too)."""
+    from hybridlm.modules import RMSNorm
+
+    g = torch.Generator().manual_seed(4)
+    norm = RMSNorm(48, eps=1e-5).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48, generator=g))
+    x = torch.randn(3, 10, 48, generator=g).to(DEVICE)
+    results = {}
+    for backend in ("triton", "torch"):
+        norm.backend = backend
+        norm.weight.grad = None
+        leaf = x.clone().requires_grad_(True)
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (kept.append(t.untyped_storage().data_ptr()), t)[1],
+                                                      lambda t: t):
+            out = norm(leaf)
+        (out * torch.arange(48, device=DEVICE)).sum().backward()
+        results[backend] = (out, leaf.grad, norm.weight.grad)
+        assert (leaf.untyped_storage().data_ptr() in kept) == (backend == "torch")
+    for a, b in zip(results["triton"], results["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         rms_normalize_triton(torch.zeros(2, 4, dtype=torch.float64), 1e-6)
