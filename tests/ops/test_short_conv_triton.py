@@ -287,8 +287,9 @@ from hybridlm.ops.short_conv import kernels as k
 
 sizes = dict(BT=k.BT, BC=k.BC, STEPS=k.STEPS)
 for io in ("*bf16", "*fp32"):
-    for K, bias, silu in ((4, True, True), (4, False, False), (3, True, True), (1, True, True), (5, False, True)):
-        flags = dict(sizes, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias, SILU=silu)
+    for K, bias, silu, seg in ((4, True, True, True), (4, False, False, True), (3, True, True, False),
+                               (1, True, True, True), (5, False, True, False), (4, True, True, False)):
+        flags = dict(sizes, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias, SILU=silu, HAS_SEG=seg)
         build(k.short_conv_fwd_kernel, flags, io=io, io_names=("x_ptr", "y_ptr"), types={"seg_ptr": "*i32"})
         build(k.short_conv_bwd_weight_kernel, flags, io=io, io_names=("x_ptr", "dy_ptr"), types={"seg_ptr": "*i32"})
         build(k.short_conv_bwd_input_kernel, flags, io=io, io_names=("dx_ptr",) if silu else ("g_ptr", "dx_ptr"),
