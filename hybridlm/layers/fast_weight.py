@@ -209,8 +209,9 @@ class FastWeightMixer(nn.Module):
         `rms_normalize` (float32 math; a bfloat16 CUDA tensor comes back in bfloat16, under autocast too, l2's
         1/sqrt(K) scale rounding once more; the caller casts to the values' dtype). l2 is rms with eps / K, times
         1/sqrt(K). The mixer's backend picks the norm's: "auto" and "triton" the same (the Triton kernels keep the
-        normalized q and k for the backward, which the scan keeps too, so the conv's output is freed), the op's torch
-        paths ("naive", "chunk") and torch.compile's graphs (inductor fuses it) torch's `F.rms_norm`."""
+        normalized q, which the scan keeps too, and the normalized k, the scan's shifted keys one step earlier: the
+        conv's output is freed after the forward), the op's torch paths ("naive", "chunk") and torch.compile's graphs
+        (inductor fuses it) torch's `F.rms_norm`."""
         if self.qk_norm == "none":
             return u
         dim = u.shape[-1]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridlm.ops.silu_gate import silu_gate_triton
+from hybridlm.ops.silu_gate import MAX_ROWS, silu_gate_triton
 from hybridlm.ops.utils import TRITON_DTYPES, compute_dtype, triton_available, triton_runs_on
 
 BACKENDS = ("auto", "torch", "triton")
@@ -53,7 +53,7 @@ def silu_gate(x: torch.Tensor, z: torch.Tensor, *, backend: str = "auto") -> tor
             raise ValueError(f"silu_gate: backend='triton' needs triton and a CUDA tensor, got a {x.device.type} "
                              "tensor; use backend='auto'")
         return silu_gate_triton(x, z)
-    if (backend == "auto" and x.is_cuda and x.dtype in TRITON_DTYPES and z.dtype in TRITON_DTYPES and x.numel()
-            and not torch.compiler.is_compiling() and triton_available()):
+    if (backend == "auto" and x.is_cuda and x.dtype in TRITON_DTYPES and z.dtype in TRITON_DTYPES and x.dim()
+            and x.numel() and x.numel() // x.shape[-1] <= MAX_ROWS and not torch.compiler.is_compiling() and triton_available()):
         return silu_gate_triton(x, z)
     return _SiluGate.apply(x, z)

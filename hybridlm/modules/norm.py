@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.ops.rms_norm import MAX_DIM, rms_normalize_triton
+from hybridlm.ops.rms_norm.limits import MAX_ROWS
 from hybridlm.ops.utils import TRITON_DTYPES, compute_dtype, triton_available, triton_runs_on
 
 
@@ -23,7 +24,8 @@ def rms_normalize(u: torch.Tensor, *, eps: float, backend: str = "auto") -> torc
     compute dtype (on the CPU the same numbers as the spelled-out formula).
     backend "triton": `hybridlm.ops.rms_norm`'s kernels (32- or 16-bit u, at most MAX_DIM channels; the result in u's
     dtype), one launch each way, whose backward keeps the output and 1/rms per row instead of the input: a slice of
-    a wider tensor (a mixer's conv output) normalized this way does not keep that tensor alive.
+    a wider tensor (a mixer's conv output) normalized this way does not keep that tensor alive. No double backward;
+    16-bit gradients cancel the part along the output to 16-bit precision (`hybridlm.ops.rms_norm`).
     backend "auto": the kernels for a 32- or 16-bit CUDA tensor of at most MAX_DIM channels outside torch.compile
     (where inductor fuses the torch form) when triton is installed, else "torch"."""
     if backend not in BACKENDS:
@@ -42,7 +44,7 @@ def rms_normalize(u: torch.Tensor, *, eps: float, backend: str = "auto") -> torc
 
 def _auto_takes_kernels(u: torch.Tensor) -> bool:
     return (u.is_cuda and u.dtype in TRITON_DTYPES and 0 < u.shape[-1] <= MAX_DIM
-            and not torch.compiler.is_compiling() and triton_available())
+            and u.numel() // u.shape[-1] <= MAX_ROWS and not torch.compiler.is_compiling() and triton_available())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, backend: str = "auto") -> torch.Tensor:

@@ -151,6 +151,33 @@ def test_model_norm_keeps_no_copy_of_its_input():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@interpret
+@pytest.mark.parametrize("shape", [(2, 0, 16), (0, 16), (2, 3, 0, 8)], ids=["no-steps", "no-rows", "no-heads"])
+def test_empty_rows(shape):
+    """No rows: an empty result of u's shape and an empty gradient, as the torch form gives."""
+    u = torch.randn(shape, device=DEVICE).requires_grad_(True)
+    out = rms_normalize_triton(u, 1e-6)
+    assert out.shape == u.shape
+    out.sum().backward()
+    assert u.grad.shape == u.shape
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA + triton")
+def test_auto_takes_the_kernels_for_the_model_norm_on_cuda():
+    """"auto" on CUDA: a float32 RMSNorm (the residual under autocast) on the kernels, keeping no copy of x."""
+    from hybridlm.modules import RMSNorm
+
+    norm = RMSNorm(768).cuda()
+    x = torch.randn(2, 64, 768, device="cuda", requires_grad=True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (kept.append(t.untyped_storage().data_ptr()), t)[1],
+                                                  lambda t: t):
+        out = norm(x)
+    assert x.untyped_storage().data_ptr() not in kept
+    norm.backend = "torch"
+    torch.testing.assert_close(out, norm(x), rtol=1e-6, atol=1e-6)
+
+
 def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         rms_normalize_triton(torch.zeros(2, 4, dtype=torch.float64), 1e-6)

@@ -4,23 +4,29 @@
     du = rstd (dn - n mean(dn n)),  rstd = 1 / sqrt(mean(u^2) + eps)
 
 The second line is the exact gradient written in n and rstd (dn/du = rstd (I - n n^T / D)), so the backward needs
-only what the forward returns and one float32 per row. A fast-weight mixer's QK norm normalizes slices of its short
-conv's output whose normalized copies the scan keeps anyway: kept this way, the conv's output is freed after the
-forward, where `F.rms_norm`'s autograd (input-saving) keeps all of it for the backward.
+only what the forward returns and one float32 per row. Where the caller keeps the output anyway (the model norm's
+scale keeps the normalized tensor; a fast-weight mixer's scan keeps its normalized q), the input is freed: the
+residual stream, or the short conv's output that the QK norm reads q and k from, which `F.rms_norm`'s input-keeping
+autograd holds whole until the backward.
+
+Precision: the backward reads the output as stored, so for 16-bit u the part of dn along n, which the exact gradient
+cancels, cancels only to that dtype's precision: exact for float32 u (the model norm under autocast), within 16-bit
+rounding where dn is mostly across n (the QK norm: its parallel part is about a tenth), worse for a dn nearly parallel
+to n. The backward is once-differentiable (no double backward: use `F.rms_norm` for that).
 
 - `rms_normalize_naive(u, eps)`: the float64 reference;
 - `rms_normalize_triton(u, eps)`: Triton kernels, one launch each way (`kernels.py`; imported on the first call, so
   importing this package never needs triton). Rows of at most `MAX_DIM` channels.
 
-`hybridlm.modules.norm.rms_normalize` is the entry point: these kernels for bf16 CUDA tensors outside torch.compile
-(`backend="auto"`), else `F.rms_norm`.
+`hybridlm.modules.norm.rms_normalize` is the entry point: these kernels for 32- or 16-bit CUDA tensors outside
+torch.compile (`backend="auto"`), else `F.rms_norm`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hybridlm.ops.rms_norm.limits import MAX_DIM
+from hybridlm.ops.rms_norm.limits import MAX_DIM, MAX_ROWS
 from hybridlm.ops.utils import TRITON_DTYPES
 
 
@@ -42,6 +48,9 @@ def rms_normalize_triton(u: torch.Tensor, eps: float) -> torch.Tensor:
     if u.shape[-1] > MAX_DIM:
         raise ValueError(f"rms_normalize_triton: rows of {u.shape[-1]} channels exceed the kernels' {MAX_DIM}; run "
                          "`hybridlm.modules.norm.rms_normalize(..., backend='torch')`")
+    if u.numel() // u.shape[-1] > MAX_ROWS:
+        raise ValueError(f"rms_normalize_triton: at most {MAX_ROWS} rows (the kernels index rows in int32), got "
+                         f"{u.numel() // u.shape[-1]}: split the call")
     from hybridlm.ops.rms_norm.kernels import rms_normalize_triton as run
 
     return run(u, eps)

@@ -3,12 +3,14 @@
 
 The input's rows are its last-dim vectors, addressed as [N, H, D] with any strides N and H (the rows of a [B, T, H, D]
 slice of a wider tensor are read where they lie); the output is contiguous. Each program walks STEPS blocks of BR
-rows (BD >= D columns, masked), so a row's statistics are one sum over the columns. 1 / sqrt is IEEE-rounded
-(`sqrt_rn`, `div_rn`), as torch's. Warps and pipeline stages are autotuned per width, as for every kernel of
+rows (BD >= D columns, masked), so a row's statistics are one sum over the columns. The mean's division and 1 / sqrt
+are IEEE-rounded (`div_rn`, `sqrt_rn`; Triton's `/` compiles to an approximate division on NVIDIA GPUs), as torch's. Warps and pipeline stages are autotuned per width, as for every kernel of
 `hybridlm.ops`.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -37,7 +39,7 @@ def rms_normalize_fwd_kernel(u_ptr, n_ptr, rstd_ptr, R, H, stride_n, stride_h, e
         src = (r // H) * stride_n + (r % H) * stride_h
         mask = in_row[:, None] & in_col[None, :]
         u = tl.load(u_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # [BR, BD]
-        rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(u * u, axis=1) / D + eps))  # [BR]
+        rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(u * u, axis=1), D * 1.0) + eps))  # [BR]
         tl.store(n_ptr + r[:, None] * D + cols[None, :], (u * rstd[:, None]).to(n_ptr.dtype.element_ty), mask=mask)
         tl.store(rstd_ptr + rows, rstd, mask=in_row)
 
@@ -58,7 +60,7 @@ def rms_normalize_bwd_kernel(dn_ptr, n_ptr, rstd_ptr, du_ptr, R, D: tl.constexpr
         g = tl.load(dn_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         n = tl.load(n_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=in_row, other=0.0)
-        dot = tl.sum(g * n, axis=1) / D
+        dot = tl.math.div_rn(tl.sum(g * n, axis=1), D * 1.0)
         du = rstd[:, None] * (g - n * dot[:, None])
         tl.store(du_ptr + offs, du.to(du_ptr.dtype.element_ty), mask=mask)
 
@@ -104,7 +106,8 @@ def rms_normalize_triton(u: torch.Tensor, eps: float) -> torch.Tensor:
     differentiable in u. CUDA tensors, or CPU tensors under Triton's interpreter."""
     D = u.shape[-1]
     H = u.shape[-2] if u.dim() >= 2 else 1
-    u3 = u.reshape(-1, H, D)  # a view where the leading dims merge (a slice of a wider row included): read in place
+    # [N, H, D]: a view where the leading dims merge (a slice of a wider row included), read in place
+    u3 = u.reshape(math.prod(u.shape[:-2]), H, D)
     if u3.stride(2) != 1:
         u3 = u3.contiguous()
     return _RMSNormalize.apply(u3, float(eps)).reshape(u.shape)

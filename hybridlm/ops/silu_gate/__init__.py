@@ -5,8 +5,8 @@ function, with float32 math:
 
 - `silu_gate_naive(x, z)`: the float64 reference;
 - `silu_gate_triton(x, z)`: Triton kernels, one launch each way, reading x and z in place at any row stride (a slice
-  of a fused projection's output); the backward keeps x and z only (`kernels.py`; imported on the first call, so
-  importing this package never needs triton).
+  of a fused projection's output); the backward keeps x and z only and is once-differentiable (`kernels.py`; imported
+  on the first call, so importing this package never needs triton).
 
 `hybridlm.modules.gate.silu_gate` is the entry point: these kernels for CUDA tensors outside torch.compile
 (`backend="auto"`), else its torch form.
@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from hybridlm.ops.utils import TRITON_DTYPES
+
+MAX_ROWS = 2**31 - 2**16  # rows are indexed in int32, to a program's last block
 
 
 def silu_gate_naive(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -32,6 +34,9 @@ def silu_gate_triton(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_gate_triton: x {tuple(x.shape)} and the gate z {tuple(z.shape)} must have one shape")
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"silu_gate_triton: x and z must be [..., D] with D >= 1, got shape {tuple(x.shape)}")
+    if x.numel() // x.shape[-1] > MAX_ROWS:
+        raise ValueError(f"silu_gate_triton: at most {MAX_ROWS} rows (the kernels index rows in int32), got "
+                         f"{x.numel() // x.shape[-1]}: split the call")
     for name, t in (("x", x), ("z", z)):
         if t.dtype not in TRITON_DTYPES:
             raise ValueError(f"silu_gate_triton: {name} must be float32, bfloat16 or float16 (float32 math), got "
@@ -41,4 +46,4 @@ def silu_gate_triton(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return run(x, z)
 
 
-__all__ = ["silu_gate_naive", "silu_gate_triton"]
+__all__ = ["MAX_ROWS", "silu_gate_naive", "silu_gate_triton"]

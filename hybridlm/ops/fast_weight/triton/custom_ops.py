@@ -284,8 +284,8 @@ def _register_prepare() -> None:
                 torch.empty_like(eta))
 
     # The backward takes the forward's outputs x and y in place of k and v (`prepare.backward`): x holds every key a
-    # pair reads, y gives dv's shape and dtype. Both stay alive for the scan's own backward, so keeping them, not
-    # k and v, saves a copy of the keys per layer.
+    # pair reads, y gives dv's shape and dtype. Both stay alive for the scan's own backward, so keeping them costs
+    # nothing, where keeping v (a slice of the mixer's conv output) would hold that whole output until the backward.
     @torch.library.custom_op("hybridlm::fast_weight_prepare_bwd", mutates_args=(),
                              schema="(Tensor dx, Tensor dy, Tensor deta, Tensor dlog_gamma, Tensor x, Tensor y, "
                                     f"{_PREP_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
