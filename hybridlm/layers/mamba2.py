@@ -22,6 +22,8 @@ conv_channels) are the rank's local ones and the per-head parameters are Shard(0
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -127,7 +129,8 @@ class Mamba2Mixer(nn.Module):
         # 3. Discretization inputs in float32 (float64 stays float64).
         dtype = compute_dtype(dt.dtype)
         dt = F.softplus(dt.to(dtype) + local_tensor(self.dt_bias).to(dtype))
-        dt = dt.clamp(min=self.time_step_limit[0], max=self.time_step_limit[1])  # [B, T, H]
+        if self.time_step_limit != (0.0, math.inf):  # softplus is >= 0: the default limits change no value or gradient
+            dt = dt.clamp(min=self.time_step_limit[0], max=self.time_step_limit[1])  # [B, T, H]
         A = -torch.exp(local_tensor(self.A_log).to(dtype))  # [H]
 
         # 4. SSD scan (state in float32), D skip inside.
