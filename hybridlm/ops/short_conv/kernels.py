@@ -3,7 +3,8 @@ inside rows (`naive.py` is the reference; the math in `__init__.py`).
 
 The rows are laid end to end as one row of L = B T steps, with a segment id per step that changes at every row
 start and every document start, so both kernels see one packed row: tap k of step t reads x_{t-K+1+k} where that
-step exists and has t's segment. Each program walks STEPS blocks of BT steps in one block of BC channels; warps and
+step exists and has t's segment. With documents the ids come in a buffer (HAS_SEG); without, a step's segment is its
+row, t // T, computed where it is needed. Each program walks STEPS blocks of BT steps in one block of BC channels; warps and
 pipeline stages are autotuned per channel count, taps and flags, as for every kernel of `hybridlm.ops`. x is read
 where it lies whenever its channels are adjacent, at any row stride: the mixers pass a slice of their input
 projection's output, which the backward then keeps instead of a contiguous copy.
