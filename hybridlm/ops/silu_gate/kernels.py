@@ -84,8 +84,12 @@ class _SiluGate(torch.autograd.Function):
         dz = z.new_empty(M, D) if has_dz else None
         if M and D and (has_dx or has_dz):
             with on_tensor_device(x):
-                silu_gate_bwd_kernel[_grid(M, D)](dy.contiguous(), x, z, dx, dz, M, D, x.stride(0), z.stride(0),
-                                                  BM=BM, BD=BD, STEPS=STEPS, HAS_DX=has_dx, HAS_DZ=has_dz)
+                dy = dy.contiguous()
+                # an output not asked for is never written: its pointer is a stand-in (the kernel is built for typed
+                # pointers only)
+                silu_gate_bwd_kernel[_grid(M, D)](dy, x, z, dy if dx is None else dx, dy if dz is None else dz, M, D,
+                                                  x.stride(0), z.stride(0), BM=BM, BD=BD, STEPS=STEPS, HAS_DX=has_dx,
+                                                  HAS_DZ=has_dz)
         return dx, dz
 
 
