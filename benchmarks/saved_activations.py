@@ -14,9 +14,10 @@ variants and shapes; every block of a variant is the same), so a whole model kee
 the embedding, final norm, LM head and loss.
 
 Under bf16 autocast (float32 weights), as `hybridlm train` runs on a GPU. The norms and the mixers (their ops, short
-conv, QK and gated norms) take the Triton kernels a GPU's `backend="auto"` takes: on the CPU they run under Triton's interpreter
-(TRITON_INTERPRET=1 is set here when triton is importable; without it the torch paths run, and keep more), so the CPU
-counts what a GPU keeps. Peak memory adds the weights, gradients and optimizer state, and the backward's transients.
+conv, QK and gated norms) take the Triton kernels a GPU's `backend="auto"` takes: on the CPU they run under Triton's
+interpreter (TRITON_INTERPRET=1 is set here when triton is importable; without it the torch paths run, and keep more),
+so the CPU counts what a GPU keeps. Peak memory adds the weights, gradients and optimizer state, and the backward's
+transients.
 """
 
 from __future__ import annotations

@@ -13,10 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridlm.ops.silu_gate import MAX_ROWS, silu_gate_triton
-from hybridlm.ops.utils import TRITON_DTYPES, compute_dtype, triton_available, triton_runs_on
-
-BACKENDS = ("auto", "torch", "triton")
+from hybridlm.ops.silu_gate import silu_gate_triton
+from hybridlm.ops.utils import MAX_KERNEL_ROWS, TRITON_DTYPES, compute_dtype, runs_kernels, triton_available
 
 
 class _SiluGate(torch.autograd.Function):
@@ -46,14 +44,12 @@ def silu_gate(x: torch.Tensor, z: torch.Tensor, *, backend: str = "auto") -> tor
     form, when triton is installed; else "torch")."""
     if x.shape != z.shape:
         raise ValueError(f"silu_gate: x {tuple(x.shape)} and the gate z {tuple(z.shape)} must have one shape")
-    if backend not in BACKENDS:
-        raise ValueError(f"silu_gate: unknown backend {backend!r}; choose one of {BACKENDS}")
-    if backend == "triton":
-        if not triton_runs_on(x):
-            raise ValueError(f"silu_gate: backend='triton' needs triton and a CUDA tensor, got a {x.device.type} "
-                             "tensor; use backend='auto'")
-        return silu_gate_triton(x, z)
-    if (backend == "auto" and x.is_cuda and x.dtype in TRITON_DTYPES and z.dtype in TRITON_DTYPES and x.dim()
-            and x.numel() and x.numel() // x.shape[-1] <= MAX_ROWS and not torch.compiler.is_compiling() and triton_available()):
+    if runs_kernels("silu_gate", backend, x, lambda: _auto_takes_kernels(x, z)):
         return silu_gate_triton(x, z)
     return _SiluGate.apply(x, z)
+
+
+def _auto_takes_kernels(x: torch.Tensor, z: torch.Tensor) -> bool:
+    return (x.is_cuda and x.dtype in TRITON_DTYPES and z.dtype in TRITON_DTYPES and x.dim() > 0 and x.numel() > 0
+            and x.numel() // x.shape[-1] <= MAX_KERNEL_ROWS and not torch.compiler.is_compiling()
+            and triton_available())

@@ -20,9 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.ops.gated_norm import MAX_GROUP, gated_norm_triton
-from hybridlm.ops.utils import TRITON_DTYPES, compute_dtype, triton_available, triton_runs_on, warn_slow_path
-
-BACKENDS = ("auto", "torch", "triton")
+from hybridlm.ops.utils import (
+    TRITON_DTYPES,
+    check_backend,
+    compute_dtype,
+    triton_available,
+    triton_runs_on,
+    warn_slow_path,
+)
 
 
 def gated_rms_norm(
@@ -41,8 +46,7 @@ def gated_rms_norm(
     dim = x.shape[-1]
     if dim % groups != 0:
         raise ValueError(f"gated_rms_norm: groups={groups} must divide the channel count {dim}")
-    if backend not in BACKENDS:
-        raise ValueError(f"gated_rms_norm: unknown backend {backend!r}; choose one of {BACKENDS}")
+    check_backend("gated_rms_norm", backend)
     if _takes_kernels(backend, x, gate, dim // groups):
         return gated_norm_triton(x, weight, gate, groups=groups, eps=eps, norm_before_gate=norm_before_gate)
     dtype = compute_dtype(x.dtype)

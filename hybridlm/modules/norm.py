@@ -7,11 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.ops.rms_norm import MAX_DIM, rms_normalize_triton
-from hybridlm.ops.rms_norm.limits import MAX_ROWS
-from hybridlm.ops.utils import TRITON_DTYPES, compute_dtype, triton_available, triton_runs_on
-
-
-BACKENDS = ("auto", "torch", "triton")
+from hybridlm.ops.utils import MAX_KERNEL_ROWS, TRITON_DTYPES, compute_dtype, runs_kernels, triton_available
 
 
 def rms_normalize(u: torch.Tensor, *, eps: float, backend: str = "auto") -> torch.Tensor:
@@ -28,12 +24,7 @@ def rms_normalize(u: torch.Tensor, *, eps: float, backend: str = "auto") -> torc
     16-bit gradients cancel the part along the output to 16-bit precision (`hybridlm.ops.rms_norm`).
     backend "auto": the kernels for a 32- or 16-bit CUDA tensor of at most MAX_DIM channels outside torch.compile
     (where inductor fuses the torch form) when triton is installed, else "torch"."""
-    if backend not in BACKENDS:
-        raise ValueError(f"rms_normalize: unknown backend {backend!r}; choose one of {BACKENDS}")
-    if backend == "triton" or (backend == "auto" and _auto_takes_kernels(u)):
-        if backend == "triton" and not triton_runs_on(u):
-            raise ValueError(f"rms_normalize: backend='triton' needs triton and a CUDA tensor, got a {u.device.type} "
-                             "tensor; use backend='auto'")
+    if runs_kernels("rms_normalize", backend, u, lambda: _auto_takes_kernels(u)):
         return rms_normalize_triton(u, eps)
     if u.is_cuda and u.dtype == torch.bfloat16:
         with torch.autocast("cuda", enabled=False):
@@ -44,7 +35,8 @@ def rms_normalize(u: torch.Tensor, *, eps: float, backend: str = "auto") -> torc
 
 def _auto_takes_kernels(u: torch.Tensor) -> bool:
     return (u.is_cuda and u.dtype in TRITON_DTYPES and 0 < u.shape[-1] <= MAX_DIM
-            and u.numel() // u.shape[-1] <= MAX_ROWS and not torch.compiler.is_compiling() and triton_available())
+            and u.numel() // u.shape[-1] <= MAX_KERNEL_ROWS and not torch.compiler.is_compiling()
+            and triton_available())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, backend: str = "auto") -> torch.Tensor:

@@ -24,6 +24,7 @@ from hybridlm.modules.boundaries import sequence_ids
 from hybridlm.ops.short_conv import short_conv_triton
 from hybridlm.ops.utils import (
     TRITON_DTYPES,
+    check_backend,
     check_cu_seqlens,
     host_to_device,
     seq_idx_segments,
@@ -33,7 +34,6 @@ from hybridlm.ops.utils import (
 )
 
 _ACTIVATIONS = (None, "silu")
-BACKENDS = ("auto", "torch", "triton")
 
 
 def causal_conv1d(
@@ -60,8 +60,7 @@ def causal_conv1d(
     missing)."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"causal_conv1d: unknown activation {activation!r}; choose one of {_ACTIVATIONS}")
-    if backend not in BACKENDS:
-        raise ValueError(f"causal_conv1d: unknown backend {backend!r}; choose one of {BACKENDS}")
+    check_backend("causal_conv1d", backend)
     batch, length, channels = x.shape
     if weight.shape[0] != channels:
         raise ValueError(f"causal_conv1d: weight has {weight.shape[0]} channels, x has {channels}")

@@ -44,6 +44,8 @@ def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Te
 # CUDA caps a launch grid's second and third dimensions at 65535 blocks. The Triton kernels of both ops launch one
 # program per (sequence, head) on one of them, so a call with more sequences x heads runs in groups of sequences.
 MAX_GRID_YZ = 65535
+# The row-wise kernels (RMS norm, SiLU gate) index rows in int32, up to a program's last block of rows.
+MAX_KERNEL_ROWS = 2**31 - 2**16
 
 
 def launch_row_groups(n_rows: int, heads: int, *, max_programs: int = MAX_GRID_YZ) -> list[tuple[int, int]] | None:
@@ -163,6 +165,27 @@ def triton_interpreting() -> bool:
 def triton_available() -> bool:
     """True when the Triton kernels can run here: triton is importable and a CUDA device is present."""
     return _TRITON_FOUND and torch.cuda.is_available()
+
+
+KERNEL_BACKENDS = ("auto", "torch", "triton")  # the modules' kernel switch: "auto" chooses, the others force
+
+
+def check_backend(caller: str, backend: str) -> None:
+    """A ValueError naming `caller` for a backend other than KERNEL_BACKENDS."""
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"{caller}: unknown backend {backend!r}; choose one of {KERNEL_BACKENDS}")
+
+
+def runs_kernels(caller: str, backend: str, tensor: torch.Tensor, auto) -> bool:
+    """Whether `caller` runs its Triton kernels on `tensor` for `backend`: "triton" always (a ValueError where they
+    cannot run on it), "torch" never, "auto" when `auto()` holds."""
+    check_backend(caller, backend)
+    if backend == "triton":
+        if not triton_runs_on(tensor):
+            raise ValueError(f"{caller}: backend='triton' needs triton and a CUDA tensor, got a {tensor.device.type} "
+                             "tensor; use backend='auto'")
+        return True
+    return backend == "auto" and auto()
 
 
 def triton_runs_on(tensor: torch.Tensor) -> bool:

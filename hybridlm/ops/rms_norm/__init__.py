@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridlm.ops.rms_norm.limits import MAX_DIM, MAX_ROWS
-from hybridlm.ops.utils import TRITON_DTYPES
+from hybridlm.ops.rms_norm.limits import MAX_DIM
+from hybridlm.ops.utils import MAX_KERNEL_ROWS, TRITON_DTYPES
 
 
 def rms_normalize_naive(u: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,8 +48,8 @@ def rms_normalize_triton(u: torch.Tensor, eps: float) -> torch.Tensor:
     if u.shape[-1] > MAX_DIM:
         raise ValueError(f"rms_normalize_triton: rows of {u.shape[-1]} channels exceed the kernels' {MAX_DIM}; run "
                          "`hybridlm.modules.norm.rms_normalize(..., backend='torch')`")
-    if u.numel() // u.shape[-1] > MAX_ROWS:
-        raise ValueError(f"rms_normalize_triton: at most {MAX_ROWS} rows (the kernels index rows in int32), got "
+    if u.numel() // u.shape[-1] > MAX_KERNEL_ROWS:
+        raise ValueError(f"rms_normalize_triton: at most {MAX_KERNEL_ROWS} rows (the kernels index rows in int32), got "
                          f"{u.numel() // u.shape[-1]}: split the call")
     from hybridlm.ops.rms_norm.kernels import rms_normalize_triton as run
 

@@ -2,10 +2,10 @@
 `__init__.py`).
 
 The input's rows are its last-dim vectors, addressed as [N, H, D] with any strides N and H (the rows of a [B, T, H, D]
-slice of a wider tensor are read where they lie); the output is contiguous. Each program walks STEPS blocks of BR
-rows (BD >= D columns, masked), so a row's statistics are one sum over the columns. The mean's division and 1 / sqrt
-are IEEE-rounded (`div_rn`, `sqrt_rn`; Triton's `/` compiles to an approximate division on NVIDIA GPUs), as torch's. Warps and pipeline stages are autotuned per width, as for every kernel of
-`hybridlm.ops`.
+slice of a wider tensor are read where they lie); the output is contiguous. Each program walks STEPS blocks of BR rows
+(BD >= D columns, masked), so a row's statistics are one sum over the columns. The mean's division and 1 / sqrt are
+IEEE-rounded (`div_rn`, `sqrt_rn`; Triton's `/` compiles to an approximate division on NVIDIA GPUs), as torch's. Warps
+and pipeline stages are autotuned per width, as for every kernel of `hybridlm.ops`.
 """
 
 from __future__ import annotations

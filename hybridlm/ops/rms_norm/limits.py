@@ -2,4 +2,3 @@
 it)."""
 
 MAX_DIM = 4096  # the widest row the kernels take (the gated norm's bound: one row's float32 block per program)
-MAX_ROWS = 2**31 - 2**16  # rows are indexed in int32, to a program's last block

@@ -1,13 +1,13 @@
 """Triton kernels of the short causal depthwise conv for training, forward and backward, with documents restarting
 inside rows (`naive.py` is the reference; the math in `__init__.py`).
 
-The rows are laid end to end as one row of L = B T steps, with a segment id per step that changes at every row
-start and every document start, so both kernels see one packed row: tap k of step t reads x_{t-K+1+k} where that
-step exists and has t's segment. With documents the ids come in a buffer (HAS_SEG); without, a step's segment is its
-row, t // T, computed where it is needed. Each program walks STEPS blocks of BT steps in one block of BC channels; warps and
-pipeline stages are autotuned per channel count, taps and flags, as for every kernel of `hybridlm.ops`. x is read
-where it lies whenever its channels are adjacent, at any row stride: the mixers pass a slice of their input
-projection's output, which the backward then keeps instead of a contiguous copy.
+The rows are laid end to end as one row of L = B T steps, with a segment id per step that changes at every row start and
+every document start, so both kernels see one packed row: tap k of step t reads x_{t-K+1+k} where that step exists and
+has t's segment. With documents the ids come in a buffer (HAS_SEG); without, a step's segment is its row, t // T,
+computed where it is needed. Each program walks STEPS blocks of BT steps in one block of BC channels; warps and pipeline
+stages are autotuned per channel count, taps and flags, as for every kernel of `hybridlm.ops`. x is read where it lies
+whenever its channels are adjacent, at any row stride: the mixers pass a slice of their input projection's output, which
+the backward then keeps instead of a contiguous copy.
 
 - Forward: y_t = act(bias + sum_k w_k x_{t-K+1+k}), float32 accumulation, stored in x's dtype.
 - Backward, two kernels: the first recomputes the pre-activations, stores g = dL/d(pre-activation) = dy act'(pre)
@@ -91,9 +91,9 @@ def short_conv_bwd_weight_kernel(x_ptr, w_ptr, b_ptr, seg_ptr, dy_ptr, g_ptr, dw
                                  K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                                  STEPS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                                  HAS_SEG: tl.constexpr):
-    """g = dy act'(pre) [L, C] in x's dtype (x's rows SX elements apart) (stored with SILU; without it g is dy itself) and this program's partial dw
-    [KP, C] / db [C] (float32, rows k < K of dw used). Grid (cdiv(L, STEPS BT), cdiv(C, BC)); dw_ptr / db_ptr:
-    [grid 0, KP, C] / [grid 0, C]."""
+    """g = dy act'(pre) [L, C] in x's dtype (stored with SILU; without it g is dy itself) and this program's partial
+    dw [KP, C] / db [C] (float32, rows k < K of dw used), x's rows SX elements apart. Grid (cdiv(L, STEPS BT),
+    cdiv(C, BC)); dw_ptr / db_ptr: [grid 0, KP, C] / [grid 0, C]."""
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     c = i_c * BC + tl.arange(0, BC)
     in_c = c < C

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridlm.ops.utils import TRITON_DTYPES
-
-MAX_ROWS = 2**31 - 2**16  # rows are indexed in int32, to a program's last block
+from hybridlm.ops.utils import MAX_KERNEL_ROWS, TRITON_DTYPES
 
 
 def silu_gate_naive(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -34,8 +32,8 @@ def silu_gate_triton(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_gate_triton: x {tuple(x.shape)} and the gate z {tuple(z.shape)} must have one shape")
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"silu_gate_triton: x and z must be [..., D] with D >= 1, got shape {tuple(x.shape)}")
-    if x.numel() // x.shape[-1] > MAX_ROWS:
-        raise ValueError(f"silu_gate_triton: at most {MAX_ROWS} rows (the kernels index rows in int32), got "
+    if x.numel() // x.shape[-1] > MAX_KERNEL_ROWS:
+        raise ValueError(f"silu_gate_triton: at most {MAX_KERNEL_ROWS} rows (the kernels index rows in int32), got "
                          f"{x.numel() // x.shape[-1]}: split the call")
     for name, t in (("x", x), ("z", z)):
         if t.dtype not in TRITON_DTYPES:
@@ -46,4 +44,4 @@ def silu_gate_triton(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return run(x, z)
 
 
-__all__ = ["MAX_ROWS", "silu_gate_naive", "silu_gate_triton"]
+__all__ = ["silu_gate_naive", "silu_gate_triton"]

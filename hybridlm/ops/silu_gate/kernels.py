@@ -19,21 +19,25 @@ BM, BD, STEPS = 16, 128, 4  # rows and channels per block, row blocks per progra
 KEY = ["D", "HAS_DX", "HAS_DZ"]  # the backward's tuning key (warps x stages, `hybridlm.ops.triton_utils`)
 
 
+@triton.jit
+def _block(step, M, D, BM: tl.constexpr, BD: tl.constexpr, STEPS: tl.constexpr):
+    """This program's step-th block: row offsets [BM, 1] (int64), columns [1, BD] and their mask."""
+    c = tl.program_id(1) * BD + tl.arange(0, BD)
+    rows = (tl.program_id(0) * STEPS + step) * BM + tl.arange(0, BM)
+    return rows.to(tl.int64)[:, None], c[None, :], (rows < M)[:, None] & (c < D)[None, :]
+
+
 @autotune(["D"], fixed_warps=4)
 @triton.jit(do_not_specialize=["M"])
 def silu_gate_fwd_kernel(x_ptr, z_ptr, y_ptr, M, D, stride_x, stride_z, BM: tl.constexpr, BD: tl.constexpr,
                          STEPS: tl.constexpr):
     """y [M, D] (contiguous, y's dtype) = x z sigmoid(z) of x, z [M, D] (rows stride_x / stride_z apart). Grid
     (cdiv(M, STEPS BM), cdiv(D, BD))."""
-    c = tl.program_id(1) * BD + tl.arange(0, BD)
-    in_c = c < D
     for step in range(STEPS):
-        rows = (tl.program_id(0) * STEPS + step) * BM + tl.arange(0, BM)
-        r = rows.to(tl.int64)[:, None]
-        mask = (rows < M)[:, None] & in_c[None, :]
-        x = tl.load(x_ptr + r * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + r * stride_z + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + r * D + c[None, :], (x * z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty), mask=mask)
+        r, c, mask = _block(step, M, D, BM, BD, STEPS)
+        x = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + r * stride_z + c, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + r * D + c, (x * z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @autotune(KEY, fixed_warps=4)
@@ -42,21 +46,17 @@ def silu_gate_bwd_kernel(dy_ptr, x_ptr, z_ptr, dx_ptr, dz_ptr, M, D, stride_x, s
                          BD: tl.constexpr, STEPS: tl.constexpr, HAS_DX: tl.constexpr, HAS_DZ: tl.constexpr):
     """dx = dy SiLU(z), dz = dy x SiLU'(z) [M, D] (contiguous, x's / z's dtype) of dy [M, D] (contiguous). Grid
     (cdiv(M, STEPS BM), cdiv(D, BD))."""
-    c = tl.program_id(1) * BD + tl.arange(0, BD)
-    in_c = c < D
     for step in range(STEPS):
-        rows = (tl.program_id(0) * STEPS + step) * BM + tl.arange(0, BM)
-        r = rows.to(tl.int64)[:, None]
-        mask = (rows < M)[:, None] & in_c[None, :]
-        g = tl.load(dy_ptr + r * D + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + r * stride_z + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        r, c, mask = _block(step, M, D, BM, BD, STEPS)
+        g = tl.load(dy_ptr + r * D + c, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + r * stride_z + c, mask=mask, other=0.0).to(tl.float32)
         s = tl.sigmoid(z)
         if HAS_DX:
-            tl.store(dx_ptr + r * D + c[None, :], (g * z * s).to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + r * D + c, (g * z * s).to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_DZ:
-            x = tl.load(x_ptr + r * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32)
             dz = g * x * s * (1.0 + z * (1.0 - s))
-            tl.store(dz_ptr + r * D + c[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
+            tl.store(dz_ptr + r * D + c, dz.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
 def _grid(M: int, D: int) -> tuple[int, int]:
