@@ -4,14 +4,14 @@
     python benchmarks/saved_activations.py --device cuda        # the same on a GPU (its kernels, CUDA autocast)
     python benchmarks/saved_activations.py --variants "h1 fw-1A" --lengths 256 512 --json saved.json
 
-Every tensor the forward saves for the backward (`torch.autograd.graph.saved_tensors_hooks`) is counted once per
-storage (a saved view keeps its whole storage alive, so a slice of a projection's output costs the whole output),
-charged to the innermost module whose forward saved it first, and grouped by that module's path inside its block
-(`ssm.conv`, `attn`, `mlp.up_proj`; `norm` is the block's input norm). Parameters are left out, and so is everything
-that does not grow with the sequence (autocast's bf16 copies of the weights, carried states): each figure is the slope
-between the two `--lengths`, in bytes per token. One block of each variant is built (`benchmarks/gpu_model.py`'s
-variants and shapes; every block of a variant is the same), so a whole model keeps blocks x the block's figure plus
-the embedding, final norm, LM head and loss.
+Every tensor the forward saves for the backward (`torch.autograd.graph.saved_tensors_hooks`) that the graph still holds
+when the forward returns is counted once per storage (a saved view keeps its whole storage alive, so a slice of a
+projection's output costs the whole output), charged to the innermost module whose forward saved it first, and grouped
+by that module's path inside its block (`ssm.conv`, `attn`, `mlp.up_proj`; `norm` is the block's input norm). Parameters
+are left out, and so is everything that does not grow with the sequence (autocast's bf16 copies of the weights, carried
+states): each figure is the slope between the two `--lengths`, in bytes per token. One block of each variant is built
+(`benchmarks/gpu_model.py`'s variants and shapes; every block of a variant is the same), so a whole model keeps blocks x
+the block's figure plus the embedding, final norm, LM head and loss.
 
 Under bf16 autocast (float32 weights), as `hybridlm train` runs on a GPU. The norms and the mixers (their ops, short
 conv, QK and gated norms) take the Triton kernels a GPU's `backend="auto"` takes: on the CPU they run under Triton's
@@ -28,6 +28,7 @@ import json
 import os
 import re
 import sys
+import weakref
 from collections import Counter
 from dataclasses import replace
 
@@ -89,29 +90,44 @@ def saved_bytes(model: HybridForCausalLM, length: int, device: torch.device) -> 
     for module in model.modules():
         hooks.append(module.register_forward_pre_hook(enter))
         hooks.append(module.register_forward_hook(leave, always_call=True))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    owner: dict[int, tuple[str, int]] = {}
+    packed: list[weakref.ref] = []
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params and storage.data_ptr() not in owner:
-            owner[storage.data_ptr()] = (group_of(stack[-1]), storage.nbytes())
-        return t
+    def pack(t: torch.Tensor) -> _Kept:
+        handle = _Kept(t, group_of(stack[-1]))
+        packed.append(weakref.ref(handle))
+        return handle
 
     ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda handle: handle.tensor), \
                 torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(ids, labels=ids).loss
     finally:
         for hook in hooks:
             hook.remove()
+    # The graph of `loss` holds the handles of what its backward needs; the others (a branch whose graph was dropped)
+    # are gone. Live storages have distinct addresses, so their data pointers tell them apart.
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    totals, seen = Counter(), set(params)
+    for ref in packed:
+        handle = ref()
+        if handle is None or handle.tensor.untyped_storage().data_ptr() in seen:
+            continue
+        storage = handle.tensor.untyped_storage()
+        seen.add(storage.data_ptr())
+        totals[handle.group] += storage.nbytes()
     del loss
-    totals = Counter()
-    for group, nbytes in owner.values():
-        totals[group] += nbytes
     return totals
+
+
+class _Kept:
+    """What the pack hook hands autograd: the saved tensor and the group of the module that saved it."""
+
+    __slots__ = ("tensor", "group", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, group: str) -> None:
+        self.tensor, self.group = tensor, group
 
 
 def per_token(model: HybridForCausalLM, lengths: tuple[int, int], device: torch.device) -> dict[str, float]:
