@@ -24,7 +24,10 @@ class _SiluGate(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, z)
         dtype = compute_dtype(torch.promote_types(x.dtype, z.dtype))
-        return (x.to(dtype) * F.silu(z.to(dtype))).to(x.dtype)
+        y = x.to(dtype) * F.silu(z.to(dtype))
+        # No cast where the dtypes agree: a no-op .to() on the result loses the gradient under torch.compile in torch
+        # 2.11 (the traced backward returns zeros).
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
