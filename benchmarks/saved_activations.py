@@ -3,6 +3,7 @@
     python benchmarks/saved_activations.py                      # CPU: the 125m shape's Transformer and two hybrids
     python benchmarks/saved_activations.py --device cuda        # the same on a GPU (its kernels, CUDA autocast)
     python benchmarks/saved_activations.py --variants "h1 fw-1A" --lengths 256 512 --json saved.json
+    python benchmarks/saved_activations.py --documents 4      # each row packed as 4 documents (cu_seqlens)
 
 Every tensor the forward saves for the backward (`torch.autograd.graph.saved_tensors_hooks`) that the graph still holds
 when the forward returns is counted once per storage (a saved view keeps its whole storage alive, so a slice of a
@@ -75,8 +76,21 @@ def group_of(path: str) -> str:
     return re.sub(r"^model\.layers\.\d+\.", "", path)
 
 
-def saved_bytes(model: HybridForCausalLM, length: int, device: torch.device) -> Counter:
-    """{group: bytes of the distinct storages its modules saved} for one autocast forward of one row of `length`."""
+def document_offsets(length: int, documents: int) -> torch.Tensor:
+    """cu_seqlens (int32, host) of one row of `length` tokens cut into `documents` documents of lengths in the ratio
+    1 : 2 : ... : D (the last takes the rounding), so that every document, the longest too, grows with the row."""
+    weights = torch.arange(1, documents + 1, dtype=torch.float64)
+    cuts = (weights.cumsum(0) / weights.sum() * length).floor().to(torch.int32)
+    cuts[-1] = length
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int32), cuts])
+    if bool((offsets.diff() < 1).any()):
+        raise ValueError(f"{length} tokens cannot be cut into {documents} documents of lengths 1 : 2 : ... : D")
+    return offsets
+
+
+def saved_bytes(model: HybridForCausalLM, length: int, device: torch.device, *, documents: int = 1) -> Counter:
+    """{group: bytes of the distinct storages its modules saved} for one autocast forward of one row of `length`
+    (packed as `documents` documents with cu_seqlens when more than one)."""
     names = {module: name for name, module in model.named_modules()}
     stack = [""]  # the paths of the modules whose forward is running, innermost last
 
@@ -102,7 +116,8 @@ def saved_bytes(model: HybridForCausalLM, length: int, device: torch.device) -> 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda handle: handle.tensor), \
                 torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(ids, labels=ids).loss
+            rows = {"cu_seqlens": document_offsets(length, documents)} if documents > 1 else {}
+            loss = model(ids, labels=ids, **rows).loss
     finally:
         for hook in hooks:
             hook.remove()
@@ -130,9 +145,10 @@ class _Kept:
         self.tensor, self.group = tensor, group
 
 
-def per_token(model: HybridForCausalLM, lengths: tuple[int, int], device: torch.device) -> dict[str, float]:
+def per_token(model: HybridForCausalLM, lengths: tuple[int, int], device: torch.device, *,
+              documents: int = 1) -> dict[str, float]:
     """{group: bytes per token}: the slope of `saved_bytes` between the two lengths."""
-    short, long = (saved_bytes(model, n, device) for n in lengths)
+    short, long = (saved_bytes(model, n, device, documents=documents) for n in lengths)
     span = lengths[1] - lengths[0]
     return {group: (long[group] - short[group]) / span for group in sorted(set(short) | set(long))}
 
@@ -145,19 +161,28 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), help="gpu_model.py's variant names")
     parser.add_argument("--lengths", nargs=2, type=int, default=[256, 512], metavar=("T1", "T2"))
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--documents", type=int, default=1,
+                        help="documents per row, lengths in the ratio 1 : 2 : ... : D, packed with cu_seqlens")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
     if args.lengths[1] <= args.lengths[0]:
         parser.error("--lengths: the second length must be the longer")
+    if args.documents < 1:
+        parser.error(f"--documents must be at least 1, got {args.documents}")
+    try:
+        document_offsets(args.lengths[0], args.documents)
+    except ValueError as err:
+        parser.error(f"--documents: {err}")
     device = torch.device(args.device)
     blocks = SHAPE_125M["num_hidden_layers"]
     kernels = "cuda" if device.type == "cuda" else "triton interpreter" if triton_interpreting() else "torch paths"
     print(f"bytes kept for the backward per token, one block (125m shape), bf16 autocast, device {device.type}, "
-          f"kernels: {kernels}, lengths {args.lengths[0]} -> {args.lengths[1]}")
+          f"kernels: {kernels}, lengths {args.lengths[0]} -> {args.lengths[1]}"
+          + (f", {args.documents} documents per row" if args.documents > 1 else ""))
     results = {}
     for variant in args.variants:
         model = build(variant, device)
-        figures = per_token(model, tuple(args.lengths), device)
+        figures = per_token(model, tuple(args.lengths), device, documents=args.documents)
         block = {g: b for g, b in figures.items() if g not in OUTSIDE and b}
         outside = sum(b for g, b in figures.items() if g in OUTSIDE)
         results[variant] = {"groups": figures, "block": sum(block.values()), "outside": outside,
@@ -175,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device.type, "kernels": kernels, "lengths": args.lengths, "blocks": blocks,
+                       "documents": args.documents,
                        "results": results}, f, indent=1)
     return results
 

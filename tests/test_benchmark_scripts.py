@@ -122,6 +122,26 @@ def test_saved_activations_per_token(tmp_path):
     assert hybrid["ssm.in_proj"] == 2 * config.hidden_size and hybrid["ssm"] > 0
     assert report["results"]["h1 fw-1A"]["model"] == 12 * report["results"]["h1 fw-1A"]["block"] + \
         report["results"]["h1 fw-1A"]["outside"]
+    # Packed as three documents (lengths 1 : 2 : 3), the fast-weight half restarts them in place: no copies padded to
+    # the longest, which would keep 1.5x. The kernels keep what they keep for plain rows but the document index (4
+    # bytes per token where kept); the chunk path (torch only) keeps its per-chunk restart terms too.
+    run("saved_activations.py", "--variants", "h1 fw-1A", "--lengths", "128", "256", "--documents", "3",
+        "--json", str(tmp_path / "packed.json"), timeout=600)
+    packed_report = json.loads((tmp_path / "packed.json").read_text())
+    packed = packed_report["results"]["h1 fw-1A"]["groups"]
+    assert packed["ssm"] < 1.25 * hybrid["ssm"] and abs(packed["ssm.conv"] - hybrid["ssm.conv"]) <= 16
+    if packed_report["kernels"] != "torch paths":
+        assert abs(packed["ssm"] - hybrid["ssm"]) <= 16
+
+
+def test_saved_activations_document_offsets():
+    sys.path.insert(0, str(BENCHMARKS))
+    from saved_activations import document_offsets
+
+    assert document_offsets(100, 4).tolist() == [0, 10, 30, 60, 100]  # lengths 1 : 2 : 3 : 4
+    assert document_offsets(7, 1).tolist() == [0, 7]
+    with pytest.raises(ValueError, match="cannot be cut"):
+        document_offsets(5, 3)
 
 
 def test_packed_documents_layout():

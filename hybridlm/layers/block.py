@@ -31,7 +31,9 @@ A mixer whose `takes_seq_idx` is True (Mamba-2 on the SSD's torch backends, the 
 can (Mamba-2 throughout; the fast-weight mixer whole where its op restarts documents in place, `seq_idx_in_place`,
 else all but its op, which then steps outside the graphs). A compiled block calls it that way (given `seq_idx`,
 which the model computes once per forward), so the mixer compiles and replays as CUDA graphs; the other mixers
-(attention) run packed documents outside the compiled graphs (`_packed_mix`).
+(attention) run packed documents outside the compiled graphs (`_packed_mix`). A mixer whose `prefers_seq_idx` is
+True (the fast-weight mixer) is called that way outside torch.compile too: restarting documents in place on the
+row's shape keeps no copy padded to the longest document.
 
 An SSM mixer keeps its decoding state in `cache.ssm` (a dict it owns). The block applies the
 ssm_in/ssm_out and attention_in/attention_out multipliers; mixers apply only their internal ones.
@@ -119,7 +121,7 @@ class HybridBlock(nn.Module):
         if mix["cu_seqlens"] is None:
             out = self.ssm(n, **mix)
         elif (seq_idx is not None and mix["cache"] is None and getattr(self.ssm, "takes_seq_idx", False)
-              and torch.compiler.is_compiling()):
+              and (torch.compiler.is_compiling() or getattr(self.ssm, "prefers_seq_idx", False))):
             out = self.ssm(n, cu_seqlens=mix["cu_seqlens"], position_ids=mix["position_ids"], seq_idx=seq_idx,
                            restarts_resolved=True)
         else:

@@ -81,6 +81,9 @@ class FastWeightMixer(nn.Module):
     """SSM mixer: `forward(hidden [B, T, D], *, cu_seqlens, position_ids, cache, seq_idx) -> [B, T, D]`."""
 
     takes_seq_idx = True  # the hybrid block's compiled packed path: the conv (and where it can, the op) on seq_idx
+    # ... and its eager one: documents restarted in place on the row's shape (`seq_idx_in_place`; else the op runs on
+    # cu_seqlens) keep no copies padded to the longest document.
+    prefers_seq_idx = True
 
     def __init__(self, config, layer_idx: int) -> None:  # config: a validated HybridConfig
         super().__init__()

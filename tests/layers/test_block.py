@@ -166,3 +166,31 @@ def test_ssm_mixers_give_the_same_with_seq_idx(ssm_mixer, fw):
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-10, atol=1e-10)
     for a, b in zip(grads[1], grads[0]):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("ssm_mixer,given", [("fast_weight", True), ("mamba2", False)])
+def test_eager_block_on_packed_documents(ssm_mixer, given):
+    """Outside torch.compile the block hands seq_idx to a mixer that prefers it (the fast-weight mixer: documents
+    restarted in place, nothing padded to the longest) and cu_seqlens alone to the others; either way the output and
+    the input's gradient equal the block run on each document by itself (float64)."""
+    from hybridlm.modules.boundaries import sequence_ids
+
+    block = make_block(ssm_mixer=ssm_mixer, fw_heads=2, fw_head_dim=8).double()
+    offsets = [0, 4, 5, 15, 23]
+    cu_seqlens = torch.tensor(offsets)
+    seq_idx = sequence_ids(cu_seqlens, 23).unsqueeze(0)
+    calls = []
+    hook = block.ssm.register_forward_pre_hook(lambda module, args, kwargs: calls.append("seq_idx" in kwargs),
+                                               with_kwargs=True)
+    x = torch.randn(1, 23, 16, dtype=torch.float64, requires_grad=True)
+    try:
+        got = block(x, cu_seqlens=cu_seqlens, seq_idx=seq_idx)
+    finally:
+        hook.remove()
+    assert calls[0] is given
+    want = torch.cat([block(x[:, a:b]) for a, b in zip(offsets[:-1], offsets[1:])], dim=1)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    probe = torch.randn_like(got)
+    (got_grad,) = torch.autograd.grad((got * probe).sum(), x)
+    (want_grad,) = torch.autograd.grad((want * probe).sum(), x)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-10, atol=1e-10)
