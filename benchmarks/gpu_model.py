@@ -188,11 +188,12 @@ def packed_documents(rows: int, length: int, documents: int) -> torch.Tensor:
 
 
 def training(model, *, length: int, device: torch.device, repeats: int, rows: int = 1, compile: str | None = None,
-             documents: int = 1, profile_label: str | None = None) -> dict:
+             documents: int = 1, profile_label: str | None = None, logits: bool = False) -> dict:
     """Tokens/s and peak memory of one update on `rows` rows of `length` tokens, the forward through torch.compile
     in mode `compile` ("default", "reduce-overhead": also CUDA graphs; None: eager); `documents` > 1: the rows packed
     into one row of documents (`packed_documents`), each block compiled on its own; with `profile_label`, also print
-    a `profiled` table of one more update under that name."""
+    a `profiled` table of one more update under that name. The loss as `hybridlm train` computes it (the LM head and
+    cross entropy over row chunks, no logits held), or with `logits` from the [B, T, V] logits."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     ids = torch.randint(0, model.config.vocab_size, (rows, length), device=device)
     packed = {}
@@ -207,7 +208,7 @@ def training(model, *, length: int, device: torch.device, repeats: int, rows: in
         if graph_steps:  # the blocks' graphs: a new step, the previous update's outputs are used up
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = forward(ids, labels=ids, **packed).loss
+            loss = forward(ids, labels=ids, return_logits=logits, **packed).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -343,6 +344,9 @@ def main() -> None:
                         help="with --graph: capture the step compiled by torch.compile (inductor)")
     parser.add_argument("--conv-backend", default="auto", choices=["auto", "torch", "triton"],
                         help="the short convolutions' backend (`causal_conv1d`) in every variant")
+    parser.add_argument("--logits-loss", action="store_true",
+                        help="train on the loss computed from the whole logits, not the chunked one `hybridlm train` "
+                             "uses")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run of this script)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -384,7 +388,8 @@ def main() -> None:
                 try:
                     record({**row, **training(model, length=length, device=device, repeats=args.repeats,
                                               rows=args.train_rows, compile=args.compile, documents=args.documents,
-                                              profile_label=variant if args.profile_train and round_ == 0 else None)})
+                                              profile_label=variant if args.profile_train and round_ == 0 else None,
+                                              logits=args.logits_loss)})
                 except torch.OutOfMemoryError:
                     record({**row, "tokens_per_s": None})
                 model.zero_grad(set_to_none=True)  # the other variants' turns need the memory

@@ -88,9 +88,11 @@ def document_offsets(length: int, documents: int) -> torch.Tensor:
     return offsets
 
 
-def saved_bytes(model: HybridForCausalLM, length: int, device: torch.device, *, documents: int = 1) -> Counter:
+def saved_bytes(model: HybridForCausalLM, length: int, device: torch.device, *, documents: int = 1,
+                logits: bool = False) -> Counter:
     """{group: bytes of the distinct storages its modules saved} for one autocast forward of one row of `length`
-    (packed as `documents` documents with cu_seqlens when more than one)."""
+    (packed as `documents` documents with cu_seqlens when more than one), its loss as `hybridlm train` computes it
+    (the LM head and cross entropy over row chunks) or, with `logits`, from the whole logits."""
     names = {module: name for name, module in model.named_modules()}
     stack = [""]  # the paths of the modules whose forward is running, innermost last
 
@@ -117,7 +119,7 @@ def saved_bytes(model: HybridForCausalLM, length: int, device: torch.device, *, 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda handle: handle.tensor), \
                 torch.autocast(device.type, dtype=torch.bfloat16):
             rows = {"cu_seqlens": document_offsets(length, documents)} if documents > 1 else {}
-            loss = model(ids, labels=ids, **rows).loss
+            loss = model(ids, labels=ids, return_logits=logits, **rows).loss
     finally:
         for hook in hooks:
             hook.remove()
@@ -146,9 +148,9 @@ class _Kept:
 
 
 def per_token(model: HybridForCausalLM, lengths: tuple[int, int], device: torch.device, *,
-              documents: int = 1) -> dict[str, float]:
+              documents: int = 1, logits: bool = False) -> dict[str, float]:
     """{group: bytes per token}: the slope of `saved_bytes` between the two lengths."""
-    short, long = (saved_bytes(model, n, device, documents=documents) for n in lengths)
+    short, long = (saved_bytes(model, n, device, documents=documents, logits=logits) for n in lengths)
     span = lengths[1] - lengths[0]
     return {group: (long[group] - short[group]) / span for group in sorted(set(short) | set(long))}
 
@@ -163,6 +165,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--documents", type=int, default=1,
                         help="documents per row, lengths in the ratio 1 : 2 : ... : D, packed with cu_seqlens")
+    parser.add_argument("--logits-loss", action="store_true",
+                        help="the loss from the whole logits, not the chunked one `hybridlm train` uses")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
     if args.lengths[1] <= args.lengths[0]:
@@ -178,11 +182,12 @@ def main(argv: list[str] | None = None) -> dict:
     kernels = "cuda" if device.type == "cuda" else "triton interpreter" if triton_interpreting() else "torch paths"
     print(f"bytes kept for the backward per token, one block (125m shape), bf16 autocast, device {device.type}, "
           f"kernels: {kernels}, lengths {args.lengths[0]} -> {args.lengths[1]}"
-          + (f", {args.documents} documents per row" if args.documents > 1 else ""))
+          + (f", {args.documents} documents per row" if args.documents > 1 else "")
+          + (", loss from the whole logits" if args.logits_loss else ", chunked loss"))
     results = {}
     for variant in args.variants:
         model = build(variant, device)
-        figures = per_token(model, tuple(args.lengths), device, documents=args.documents)
+        figures = per_token(model, tuple(args.lengths), device, documents=args.documents, logits=args.logits_loss)
         block = {g: b for g, b in figures.items() if g not in OUTSIDE and b}
         outside = sum(b for g, b in figures.items() if g in OUTSIDE)
         results[variant] = {"groups": figures, "block": sum(block.values()), "outside": outside,
@@ -200,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device.type, "kernels": kernels, "lengths": args.lengths, "blocks": blocks,
-                       "documents": args.documents,
+                       "documents": args.documents, "logits_loss": args.logits_loss,
                        "results": results}, f, indent=1)
     return results
 

@@ -104,8 +104,8 @@ def test_gpu_model_on_the_cpu_sliding_window_hybrid_keeps_constant_cache(tmp_pat
 
 def test_saved_activations_per_token(tmp_path):
     """The activation account of one block: per-token slopes that follow the shapes (each projection keeps a bf16 copy
-    of its [T, hidden] input, the loss its float32 logits, no SSM group in the Transformer), and the fast-weight
-    hybrid's SSM half accounted."""
+    of its [T, hidden] input, the chunked loss the bf16 gradient of its [T, hidden] input and no logits, no SSM group
+    in the Transformer), and the fast-weight hybrid's SSM half accounted."""
     out = run("saved_activations.py", "--variants", "transformer matched", "h1 fw-1A", "--lengths", "128", "256",
               "--json", str(tmp_path / "saved.json"), timeout=600)
     assert len(table_rows(out, "transformer matched")) == 1 and len(table_rows(out, "h1 fw-1A")) == 1
@@ -117,7 +117,7 @@ def test_saved_activations_per_token(tmp_path):
     transformer, hybrid = (report["results"][v]["groups"] for v in ("transformer matched", "h1 fw-1A"))
     for groups in (transformer, hybrid):
         assert groups["attn.q_proj"] == groups["attn.k_proj"] == 2 * config.hidden_size  # bf16 inputs
-        assert abs(groups["loss"] - 4 * config.vocab_size) <= 4 * config.vocab_size / 100  # float32 logits
+        assert groups["loss"] == 2 * config.hidden_size  # dh in bf16, no [T, V] logits
     assert not [g for g, b in transformer.items() if g.startswith("ssm") and b]
     assert hybrid["ssm.in_proj"] == 2 * config.hidden_size and hybrid["ssm"] > 0
     assert report["results"]["h1 fw-1A"]["model"] == 12 * report["results"]["h1 fw-1A"]["block"] + \
@@ -127,6 +127,10 @@ def test_saved_activations_per_token(tmp_path):
     # bytes per token where kept); the chunk path (torch only) keeps its per-chunk restart terms too.
     run("saved_activations.py", "--variants", "h1 fw-1A", "--lengths", "128", "256", "--documents", "3",
         "--json", str(tmp_path / "packed.json"), timeout=600)
+    run("saved_activations.py", "--variants", "transformer matched", "--lengths", "128", "256", "--logits-loss",
+        "--json", str(tmp_path / "logits.json"), timeout=600)
+    logits = json.loads((tmp_path / "logits.json").read_text())["results"]["transformer matched"]["groups"]
+    assert abs(logits["loss"] - 4 * config.vocab_size) <= 4 * config.vocab_size / 100  # the float32 logits
     packed_report = json.loads((tmp_path / "packed.json").read_text())
     packed = packed_report["results"]["h1 fw-1A"]["groups"]
     assert packed["ssm"] < 1.25 * hybrid["ssm"] and abs(packed["ssm.conv"] - hybrid["ssm.conv"]) <= 16

@@ -54,6 +54,7 @@ from hybridlm.modules.boundaries import (
     sequence_ids,
 )
 from hybridlm.modules.gated_norm import GatedRMSNorm
+from hybridlm.modules.linear_cross_entropy import linear_cross_entropy
 from hybridlm.modules.multiplier import scaled
 from hybridlm.modules.norm import RMSNorm
 from hybridlm.modules.short_conv import ShortConvolution
@@ -291,6 +292,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         inputs_embeds: torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         num_items_in_batch: int | torch.Tensor | None = None,
+        shift_labels: torch.Tensor | None = None,
+        return_logits: bool = True,
         **kwargs,
     ) -> HybridCausalLMOutput:
         """labels [B, T] are the input ids (shifted here); IGNORE_INDEX (-100) targets are skipped, and so
@@ -300,7 +303,12 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         `inputs_embeds` [B, T, D] instead of input_ids are used as given, not scaled by `embedding_multiplier`
         (`HybridModel.forward`, which takes the other keywords: TRL's padding-free keys, `use_cache`, ...).
         `logits_to_keep=n > 0` computes logits for the last n positions only (decoding); a 1-D tensor of positions
-        keeps those (transformers' convention)."""
+        keeps those (transformers' convention).
+        `shift_labels` [B, T'] instead of labels: the targets already aligned with the (kept) positions, position t
+        scored against shift_labels[:, t], -100 skipped, nothing else masked (transformers' name; the trainer's
+        labels). `return_logits=False` (with labels or shift_labels) computes the loss without holding the logits:
+        the LM head and the cross entropy run together over row chunks (`linear_cross_entropy`: the same values,
+        no [B, T, V] tensor kept for the backward), and `logits` is None."""
         hidden = self.model(
             input_ids, cu_seqlens, position_ids, cache, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             **kwargs,
@@ -311,16 +319,40 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             kept = hidden[:, logits_to_keep]
         else:
             kept = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
+        if labels is not None and shift_labels is not None:
+            raise ValueError("pass labels (the input ids, shifted here) or shift_labels (shifted already), not both")
+        if labels is not None and keeps_some:
+            raise ValueError("labels need the logits of every position; leave logits_to_keep at 0")
+        if shift_labels is not None and tuple(shift_labels.shape) != tuple(kept.shape[:2]):
+            raise ValueError(f"shift_labels {tuple(shift_labels.shape)} must have the kept positions' shape "
+                             f"{tuple(kept.shape[:2])} (position t is scored against shift_labels[:, t])")
+        if labels is not None:
+            targets = _next_token_targets(labels, cu_seqlens=cu_seqlens, position_ids=position_ids,
+                                          attention_mask=attention_mask)  # [B, T-1]
+            scored = kept[:, :-1]
+        else:
+            targets, scored = shift_labels, kept
+        if not return_logits:
+            if targets is None:
+                raise ValueError("return_logits=False computes the loss without the logits: pass labels or "
+                                 "shift_labels")
+            total = self._linear_cross_entropy(scored, targets)
+            return HybridCausalLMOutput(loss=_reduce(total, targets, num_items_in_batch), logits=None, cache=cache)
         logits = scaled(self.lm_head(kept), self.lm_head_multiplier)  # [B, T, V]
         loss = None
-        if labels is not None:
-            if keeps_some:
-                raise ValueError("labels need the logits of every position; leave logits_to_keep at 0")
-            loss = _next_token_loss(
-                logits, labels, cu_seqlens=cu_seqlens, position_ids=position_ids, attention_mask=attention_mask,
-                num_items_in_batch=num_items_in_batch,
-            )
+        if targets is not None:
+            total = _summed_cross_entropy(logits[:, :-1] if labels is not None else logits, targets)
+            loss = _reduce(total, targets, num_items_in_batch)
         return HybridCausalLMOutput(loss=loss, logits=logits, cache=cache)
+
+    def _linear_cross_entropy(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed cross entropy of the LM head on hidden [B, T, D] against targets [B, T], chunked when the head is
+        a plain bias-free Linear (an adapter wrapping it, e.g. PEFT's, computes the logits as it does)."""
+        head = self.lm_head
+        if type(head) is nn.Linear and head.bias is None:
+            return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, targets.reshape(-1),
+                                        multiplier=self.lm_head_multiplier)
+        return _summed_cross_entropy(scaled(head(hidden), self.lm_head_multiplier), targets)
 
     @torch.no_grad()
     def generate(
@@ -410,18 +442,15 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             return super().save_pretrained(save_directory, *args, **kwargs)
 
 
-def _next_token_loss(
-    logits: torch.Tensor,
+def _next_token_targets(
     labels: torch.Tensor,
     *,
     cu_seqlens: torch.Tensor | None,
     position_ids: torch.Tensor | None,
     attention_mask: torch.Tensor | None = None,
-    num_items_in_batch: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean cross entropy of logits[:, t] against labels[:, t + 1], skipping -100, the targets that
-    belong to the next packed document and those read at or pointing to a pad position; with
-    `num_items_in_batch`, the sum over those targets divided by it."""
+    """The targets [B, T-1] of positions 0..T-2: labels[:, t + 1], -100 where labels has it, where the target
+    belongs to the next packed document and where it is read at or points to a pad position."""
     batch, length = labels.shape
     targets = labels[:, 1:].clone()  # [B, T-1]
     if attention_mask is not None:
@@ -434,12 +463,20 @@ def _next_token_loss(
         targets.index_fill_(1, host_to_device(offsets[1:-1] - 1, labels.device), IGNORE_INDEX)
     elif position_ids is not None:
         targets.masked_fill_(position_ids.expand(batch, length)[:, 1:] == 0, IGNORE_INDEX)
-    # At least float32 (bf16 logits are upcast), float64 kept as it is.
-    flat_logits = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, logits.shape[-1])
-    flat_targets = targets.reshape(-1)
+    return targets
+
+
+def _summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross entropy of logits [..., V] against targets [...], -100 skipped, in float32 at least (bf16 logits
+    are upcast, float64 kept)."""
+    flat = logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, logits.shape[-1])
+    return F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _reduce(total: torch.Tensor, targets: torch.Tensor, num_items_in_batch: int | torch.Tensor | None) -> torch.Tensor:
+    """The summed loss -> the mean over the scored targets (nan when none is), or the sum / `num_items_in_batch`."""
     if num_items_in_batch is None:
-        return F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX)
-    total = F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        return total / (targets != IGNORE_INDEX).sum()
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch

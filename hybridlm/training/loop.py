@@ -71,7 +71,6 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.training import distributed as D
@@ -168,12 +167,13 @@ def _no_context(model: nn.Module) -> contextlib.AbstractContextManager:
 @dataclass
 class TokenCrossEntropy:
     """Summed next-token cross entropy over the labels that are not `IGNORE_INDEX`, in fp32 at least (16-bit logits
-    are cast; float64 ones stay float64).
+    are cast; float64 ones stay float64), computed by the model without holding the logits
+    (`model(..., shift_labels=labels, return_logits=False)`: its LM head and the cross entropy over row chunks).
 
     batch: `labels` [B, T] (the next tokens, shifted already; -100 where nothing is scored) and the model's keyword
-    arguments (`input_ids`, `position_ids`, `cu_seqlens`, ...). Logits [B, T, V], or [1, B T, V] for a packed row,
-    line up with the flattened labels. `context(model)` is entered around the forward (autocast, context
-    parallelism); the cross entropy runs outside it.
+    arguments (`input_ids`, `position_ids`, `cu_seqlens`, ...); labels are reshaped to input_ids' shape, the rows as
+    the model sees them. `context(model)` is entered around the forward and the loss (autocast, context
+    parallelism).
 
     `scored_only`: the model computes logits only at the time positions some row scores (`logits_to_keep` as a
     tensor of positions), which saves the LM head's time and memory where most labels are -100 (SFT trains on the
@@ -192,9 +192,8 @@ class TokenCrossEntropy:
             inputs["logits_to_keep"] = scored_positions(labels)
             labels = labels[:, inputs["logits_to_keep"]]
         with self.context(model):
-            logits = model(**inputs).logits
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least; float64 stays
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+            # The model's chunked LM head + cross entropy (no [B, T, V] logits held); num_items_in_batch=1: the sum.
+            return model(**inputs, shift_labels=labels, num_items_in_batch=1, return_logits=False).loss
 
 
 def scored_positions(labels: torch.Tensor) -> torch.Tensor:

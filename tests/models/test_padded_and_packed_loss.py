@@ -117,3 +117,60 @@ def test_padding_the_model_cannot_read_is_refused():
         model(ids[:1], cu_seq_lens_q=torch.tensor([0, 2, 5]), cu_seq_lens_k=torch.tensor([0, 3, 5]))
     with pytest.raises(TypeError, match="unsupported keyword.*bogus"):
         model(ids, bogus=1)
+
+
+@pytest.mark.parametrize("hybrid", list(HYBRIDS))
+def test_the_chunked_loss_equals_the_logits_loss(hybrid):
+    """`return_logits=False` (the LM head and cross entropy over row chunks, no logits kept) gives the loss and every
+    parameter's gradient of the logits path, with labels on packed documents, with shift_labels (the trainer's
+    targets, aligned with the positions) and with `num_items_in_batch`; tied or muP-scaled heads alike."""
+    model = make_model(seed=3, lm_head_multiplier=0.7, **HYBRIDS[hybrid]).double()
+    seqs = sequences(1)
+    ids = torch.cat(seqs)[None]
+    cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
+    shifted = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+    shifted[:, 4] = -100
+    params = [p for p in model.parameters() if p.requires_grad]
+    for keywords in (dict(labels=ids, cu_seqlens=cu_seqlens), dict(shift_labels=shifted),
+                     dict(shift_labels=shifted, num_items_in_batch=5)):
+        full = model(ids, **keywords)
+        chunked = model(ids, **keywords, return_logits=False)
+        assert chunked.logits is None and full.logits is not None
+        assert abs(chunked.loss.item() - full.loss.item()) < TOL * abs(full.loss.item())
+        for a, b in zip(torch.autograd.grad(chunked.loss, params), torch.autograd.grad(full.loss, params)):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_loss_keywords_are_checked():
+    model = make_model(seed=0).double()
+    ids = sequences()[0][None]
+    with pytest.raises(ValueError, match="not both"):
+        model(ids, labels=ids, shift_labels=ids)
+    with pytest.raises(ValueError, match="pass labels or shift_labels"):
+        model(ids, return_logits=False)
+    with pytest.raises(ValueError, match="kept positions' shape"):
+        model(ids, shift_labels=ids[:, 1:])
+    with pytest.raises(ValueError, match="leave logits_to_keep at 0"):
+        model(ids, labels=ids, logits_to_keep=2)
+    positions = torch.tensor([1, 4])
+    kept = model(ids, shift_labels=ids[:, [2, 5]], logits_to_keep=positions, return_logits=False).loss
+    full = model(ids, shift_labels=ids[:, [2, 5]], logits_to_keep=positions).loss
+    assert abs(kept.item() - full.item()) < TOL * full.item()
+
+
+def test_an_adapted_head_computes_its_logits():
+    """A head that is not a plain bias-free Linear (an adapter's wrapper) keeps its own forward: the loss without
+    logits still goes through it."""
+
+    class Offset(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + 1.0 * torch.arange(self.out_features, dtype=x.dtype)
+
+    model = make_model(seed=0).double()
+    head = Offset(model.lm_head.in_features, model.lm_head.out_features, bias=False).double()
+    head.weight = model.lm_head.weight
+    model.lm_head = head
+    ids = sequences()[2][None]
+    chunked = model(ids, labels=ids, return_logits=False).loss
+    full = model(ids, labels=ids).loss
+    assert abs(chunked.item() - full.item()) < TOL * full.item()
