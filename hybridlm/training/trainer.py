@@ -13,7 +13,8 @@ What it plugs into the loop (update s, 0-based; t = tokens consumed before it):
   data-parallel rank get the same rows); each batch on this rank's device, with cp > 1 every row's input_ids and
   labels (the next tokens: shifted before the cut) cut to this rank's chunk, and the model's inputs decided on the
   host from the loader's document offsets (`_model_inputs`);
-- loss: `TokenCrossEntropy`, the forward under bf16 autocast (if train.dtype is bf16; weights and AdamW state stay
+- loss: `TokenCrossEntropy` (the model's LM head and cross entropy over row chunks: no logits held), the forward
+  under bf16 autocast (if train.dtype is bf16; weights and AdamW state stay
   fp32; the recurrent states are carried in fp32, the kernels' matmul operands stay 16-bit) inside
   `context_parallel` when cp > 1; labels are counted once per row (tp rank 0) over every rank: the gradient is
   that of the mean loss over every label of the global batch, however it is split into ranks, chunks and
