@@ -24,6 +24,7 @@ chunks of bf16-operand products, there one bf16 product over all rows). float64 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from hybridlm.modules.multiplier import scaled
 
@@ -63,13 +64,15 @@ def linear_cross_entropy(
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Loss and gradients computed together in the forward, chunk by chunk; the backward scales the gradients."""
+    """Loss and gradients computed together in the forward, chunk by chunk; the backward scales the gradients (once
+    differentiable: the gradients it returns have no graph)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, multiplier, chunk_rows, compute, wants_grad):
         accumulate = torch.float64 if compute == torch.float64 else torch.float32
         w = weight.to(compute)                                                            # [V, D]
         total = torch.zeros((), dtype=accumulate, device=hidden.device)
+        scored = torch.zeros((), dtype=torch.int64, device=hidden.device)  # targets counted (a tensor: no sync)
         dh = torch.empty(hidden.shape, dtype=compute, device=hidden.device) if wants_grad else None  # [N, D]
         dw = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if wants_grad else None
         for start in range(0, hidden.shape[0], chunk_rows):
@@ -81,6 +84,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             picked = y.masked_fill(~valid, 0).unsqueeze(1)                                # [n, 1]
             lse = torch.logsumexp(z, dim=1)                                               # [n]
             total = total + torch.where(valid, lse - z.gather(1, picked).squeeze(1), 0).sum()
+            scored = scored + valid.sum()
             if wants_grad:
                 g = torch.exp(z.sub_(lse.unsqueeze(1)))                                   # softmax, in place of z
                 g.scatter_add_(1, picked, torch.full_like(picked, -1, dtype=g.dtype))
@@ -88,14 +92,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dh[rows] = g @ w
                 dw += (g.T @ h).to(accumulate)
         if wants_grad:
-            ctx.save_for_backward(dh, dw)
+            ctx.save_for_backward(dh, dw, scored)
         ctx.dtypes = hidden.dtype, weight.dtype
         return total
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
-        dh, dw = ctx.saved_tensors
+        dh, dw, scored = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
-        return (dh.to(hidden_dtype) * grad.to(hidden_dtype) if ctx.needs_input_grad[0] else None,
-                (dw * grad.to(dw.dtype)).to(weight_dtype) if ctx.needs_input_grad[1] else None,
+        # With nothing scored the gradients are zero whatever comes in: a mean over no targets divides by 0, and its
+        # infinite gradient would turn the zeros into NaN (the spelled-out backward writes zeros there).
+        grad = torch.where(scored > 0, grad.to(dw.dtype), 0)
+        return ((dh.to(dw.dtype) * grad).to(hidden_dtype) if ctx.needs_input_grad[0] else None,
+                (dw * grad).to(weight_dtype) if ctx.needs_input_grad[1] else None,
                 None, None, None, None, None)

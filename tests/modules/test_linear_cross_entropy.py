@@ -50,7 +50,8 @@ def test_gradcheck():
 
 def test_bf16_autocast_keeps_no_logits():
     """Under CPU bf16 autocast the loss equals the spelled-out form (the same bf16 logits, float32 after) and the
-    gradients agree within bf16 rounding; the backward keeps dh [N, D] and dW [V, D], no [N, V] tensor."""
+    gradients agree within bf16 rounding; the backward keeps dh [N, D], dW [V, D] and the scored count, no [N, V]
+    tensor."""
     hidden, weight, targets = _inputs(40, 16, 64, torch.float32, seed=3)
     kept = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (kept.append(t.shape), t)[1], lambda t: t), \
@@ -60,7 +61,7 @@ def test_bf16_autocast_keeps_no_logits():
         ref = _spelled_out(hidden, weight, targets, 0.5)
     assert ours.dtype == torch.float32
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-5)
-    assert sorted(kept) == sorted([hidden.shape, weight.shape])
+    assert sorted(kept) == sorted([torch.Size([]), hidden.shape, weight.shape])  # the scored count, dh, dW
     got = torch.autograd.grad(ours, (hidden, weight))
     want = torch.autograd.grad(ref, (hidden, weight))
     for a, b in zip(got, want):
@@ -115,3 +116,33 @@ def test_cuda_bf16_autocast_matches_the_spelled_out_form():
     want = torch.autograd.grad(ref, (hidden, weight))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=2**-7, atol=2**-7 * b.abs().max().item())
+
+
+def test_a_mean_over_no_targets_has_zero_gradients():
+    """The model's mean loss divides the sum by the count of scored targets: with none, the loss is NaN (as
+    F.cross_entropy's mean) and the gradients stay zero, not 0 * inf."""
+    hidden, weight, targets = _inputs(6, 4, 5, torch.float64)
+    none = torch.full_like(targets, -100)
+    mean = linear_cross_entropy(hidden, weight, none) / (none != -100).sum()
+    assert mean.isnan()
+    assert all(g.abs().max() == 0 for g in torch.autograd.grad(mean, (hidden, weight)))
+
+
+def test_no_second_order_gradients():
+    hidden, weight, targets = _inputs(6, 4, 5, torch.float64)
+    (dh,) = torch.autograd.grad(linear_cross_entropy(hidden, weight, targets), (hidden,), create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(dh.square().sum(), (weight,))
+
+
+def test_a_bf16_hidden_gradient_is_scaled_before_its_rounding():
+    """hidden in bf16 without autocast: the incoming gradient (1/3 here) scales the float32 value before the one bf16
+    rounding, so the result is the spelled-out one's to that rounding, with no common scale error."""
+    hidden, weight, targets = _inputs(64, 16, 32, torch.float32, seed=5)
+    h16, w16 = hidden.detach().bfloat16().requires_grad_(True), weight.detach().bfloat16().requires_grad_(True)
+    (ours,) = torch.autograd.grad(linear_cross_entropy(h16, w16, targets) / 3, (h16,))
+    (exact,) = torch.autograd.grad(_spelled_out(h16.double(), w16.double(), targets) / 3, (h16,))
+    scale = (ours.double() * exact).sum() / exact.square().sum()
+    assert abs(scale.item() - 1) < 2e-4
+    torch.testing.assert_close(ours.double(), exact.bfloat16().double(), rtol=2**-7,
+                               atol=2**-7 * exact.abs().max().item())
