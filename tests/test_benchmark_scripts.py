@@ -331,3 +331,9 @@ def test_addition_pretrained_probe_carries_the_byte_model_over():
         else:
             assert torch.equal(value, source[name]), name
     assert probe.probe_recipe(1500).train_max_width == 4
+
+
+def test_linear_cross_entropy_benchmark_on_cpu():
+    out = run("linear_cross_entropy.py", "--tokens", "64", "96", "--hidden", "16", "--vocab", "100", "--repeats", "1")
+    rows = [line.split("|")[1:-1] for n in ("64", "96") for line in table_rows(out, n)]
+    assert len(rows) == 2 and all(float(cells[1]) > 0 and float(cells[2]) > 0 for cells in rows)
