@@ -194,3 +194,23 @@ def test_eager_block_on_packed_documents(ssm_mixer, given):
     (got_grad,) = torch.autograd.grad((got * probe).sum(), x)
     (want_grad,) = torch.autograd.grad((want * probe).sum(), x)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernels' in-place restarts)")
+def test_eager_block_on_packed_documents_on_cuda():
+    """On a GPU the eager block's fast-weight mixer restarts the documents in place in the Triton kernels: float32
+    output and input gradient equal the block run on each document by itself, to the kernels' float32 sums."""
+    from hybridlm.modules.boundaries import sequence_ids
+
+    block = make_block(ssm_mixer="fast_weight", fw_heads=2, fw_head_dim=16).cuda()
+    offsets = [0, 40, 41, 150, 200]
+    cu_seqlens = torch.tensor(offsets)
+    seq_idx = sequence_ids(cu_seqlens, 200).unsqueeze(0).cuda()
+    x = torch.randn(1, 200, 16, device="cuda", requires_grad=True)
+    got = block(x, cu_seqlens=cu_seqlens, seq_idx=seq_idx)
+    want = torch.cat([block(x[:, a:b]) for a, b in zip(offsets[:-1], offsets[1:])], dim=1)
+    assert rel_err(got, want) < 2e-3
+    probe = torch.randn_like(got)
+    (got_grad,) = torch.autograd.grad((got * probe).sum(), x)
+    (want_grad,) = torch.autograd.grad((want * probe).sum(), x)
+    assert rel_err(got_grad, want_grad) < 2e-3

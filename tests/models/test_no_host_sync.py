@@ -46,6 +46,20 @@ def test_training_step_has_no_host_sync(name, with_positions, monkeypatch):
     assert sum(counter.calls.values()) == (1 if with_positions else 0), dict(counter.calls)
 
 
+@pytest.mark.parametrize("name", ["transformer", "hybrid-fw-3A"])
+def test_the_chunked_loss_has_no_host_sync(name, monkeypatch):
+    """The loss `hybridlm train` computes (the LM head and cross entropy over row chunks, the trainer's shifted labels
+    and a sum) asks the device nothing either."""
+    monkeypatch.setattr(fast_weight_op, "_tracing", lambda: True)
+    model = build_model(task_config(name, vocab_size=MODEL_VOCAB_SIZE, size="tiny"), seed=0)
+    batch = train_batch(np.random.default_rng(0), 4, max_width=6)
+    ids = batch["input_ids"]
+    shifted = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    with _CountSyncs() as counter:
+        model(ids, shift_labels=shifted, num_items_in_batch=1, return_logits=False).loss.backward()
+    assert not counter.calls, dict(counter.calls)
+
+
 def test_cached_steps_have_no_host_sync(monkeypatch):
     monkeypatch.setattr(fast_weight_op, "_tracing", lambda: True)
     model = build_model(task_config("hybrid-fw-3A", vocab_size=MODEL_VOCAB_SIZE, size="tiny"), seed=0).eval()
