@@ -309,20 +309,22 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         labels). `return_logits=False` (with labels or shift_labels) computes the loss without holding the logits:
         the LM head and the cross entropy run together over row chunks (`linear_cross_entropy`: the same values,
         no [B, T, V] tensor kept for the backward), and `logits` is None."""
+        keeps_some = isinstance(logits_to_keep, torch.Tensor) or logits_to_keep > 0
+        if labels is not None and shift_labels is not None:
+            raise ValueError("pass labels (the input ids, shifted here) or shift_labels (shifted already), not both")
+        if labels is not None and keeps_some:
+            raise ValueError("labels need the logits of every position; leave logits_to_keep at 0")
+        if not return_logits and labels is None and shift_labels is None:
+            raise ValueError("return_logits=False computes the loss without the logits: pass labels or shift_labels")
         hidden = self.model(
             input_ids, cu_seqlens, position_ids, cache, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             **kwargs,
         ).last_hidden_state
         cu_seqlens = _packed_offsets(cu_seqlens, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
-        keeps_some = isinstance(logits_to_keep, torch.Tensor) or logits_to_keep > 0
         if isinstance(logits_to_keep, torch.Tensor):
             kept = hidden[:, logits_to_keep]
         else:
             kept = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
-        if labels is not None and shift_labels is not None:
-            raise ValueError("pass labels (the input ids, shifted here) or shift_labels (shifted already), not both")
-        if labels is not None and keeps_some:
-            raise ValueError("labels need the logits of every position; leave logits_to_keep at 0")
         if shift_labels is not None and tuple(shift_labels.shape) != tuple(kept.shape[:2]):
             raise ValueError(f"shift_labels {tuple(shift_labels.shape)} must have the kept positions' shape "
                              f"{tuple(kept.shape[:2])} (position t is scored against shift_labels[:, t])")
@@ -333,9 +335,6 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         else:
             targets, scored = shift_labels, kept
         if not return_logits:
-            if targets is None:
-                raise ValueError("return_logits=False computes the loss without the logits: pass labels or "
-                                 "shift_labels")
             total = self._linear_cross_entropy(scored, targets)
             return HybridCausalLMOutput(loss=_reduce(total, targets, num_items_in_batch), logits=None, cache=cache)
         logits = scaled(self.lm_head(kept), self.lm_head_multiplier)  # [B, T, V]
