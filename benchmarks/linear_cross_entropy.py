@@ -12,11 +12,11 @@ Prints a markdown table with the ratio chunked / logits.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from gpu_model import timed  # benchmarks/ is on the path when this script runs
 
 from hybridlm.modules.linear_cross_entropy import linear_cross_entropy
 
@@ -40,23 +40,14 @@ def measure(fn, hidden, weight, targets, *, device: torch.device, repeats: int) 
         loss.backward()
         hidden.grad = weight.grad = None
 
-    step()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
+    ms = timed(step, device, warmup=1, repeats=repeats) * 1e3
     peak = None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         step()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return statistics.median(times), peak
+    return ms, peak
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -17,15 +17,17 @@ from hybridlm.ops.rms_norm import MAX_DIM, rms_normalize_naive, rms_normalize_tr
 from tests.helpers import assert_near_reference
 from tests.ops.triton_modes import (
     DEVICE,
+    ELEMENTWISE_TOL,
     H200_SHARED_BYTES,
     INTERPRET,
     ON_GPU,
     compile_for_sm90,
     interpret,
     needs_cuda_backend,
+    skip_bfloat16_interpreted,
 )
 
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+TOL = ELEMENTWISE_TOL
 
 
 def _check(shape, *, dtype, eps=1e-6, seed=0, scale=2.0):
@@ -54,8 +56,7 @@ def test_reference_matches_the_model_norm():
                          ids=["odd", "one-head", "programs", "2d", "two-channel", "widest"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_matches_float64_reference(shape, dtype):
-    if INTERPRET and dtype == torch.bfloat16:
-        pytest.skip("bfloat16 is checked on the GPU; float16 covers the 16-bit path under the interpreter")
+    skip_bfloat16_interpreted(dtype)
     if INTERPRET and shape[-1] == 4096:
         pytest.skip("the widest rows run on the GPU (slow under the interpreter)")
     _check(shape, dtype=dtype)

@@ -16,6 +16,7 @@ from hybridlm.ops.short_conv import short_conv_naive, short_conv_triton
 from tests.helpers import assert_near_reference, rel_err
 from tests.ops.triton_modes import (
     DEVICE,
+    ELEMENTWISE_TOL,
     H200_SHARED_BYTES,
     HAS_TRITON,
     INTERPRET,
@@ -25,7 +26,7 @@ from tests.ops.triton_modes import (
     needs_cuda_backend,
 )
 
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+TOL = ELEMENTWISE_TOL
 
 
 def _inputs(B, T, C, K, *, documents=0, bias=True, seed=0):

@@ -16,15 +16,17 @@ from hybridlm.ops.silu_gate import silu_gate_naive, silu_gate_triton
 from tests.helpers import assert_near_reference
 from tests.ops.triton_modes import (
     DEVICE,
+    ELEMENTWISE_TOL,
     H200_SHARED_BYTES,
     INTERPRET,
     ON_GPU,
     compile_for_sm90,
     interpret,
     needs_cuda_backend,
+    skip_bfloat16_interpreted,
 )
 
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+TOL = ELEMENTWISE_TOL
 
 
 def test_reference_is_the_torch_form():
@@ -38,8 +40,7 @@ def test_reference_is_the_torch_form():
                          ids=["odd", "programs", "one", "wide"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_matches_float64_reference(shape, dtype):
-    if INTERPRET and dtype == torch.bfloat16:
-        pytest.skip("bfloat16 is checked on the GPU; float16 covers the 16-bit path under the interpreter")
+    skip_bfloat16_interpreted(dtype)
     g = torch.Generator().manual_seed(1)
     x, z = ((3 * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype).double() for _ in range(2))
     leaves = [t.clone().requires_grad_(True) for t in (x, z)]

@@ -29,6 +29,16 @@ interpret = pytest.mark.skipif(not (ON_GPU or (INTERPRET and HAS_TRITON)),
                                reason="needs CUDA + triton, or HYBRIDLM_TRITON_INTERPRET=1 with triton installed")
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs CUDA + triton (too slow or unsupported in the interpreter)")
 
+# Elementwise and row-wise kernels (norms, gates, short conv) against their float64 references, by input dtype.
+ELEMENTWISE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def skip_bfloat16_interpreted(dtype: torch.dtype) -> None:
+    """The interpreter computes in numpy, which has no bfloat16: float16 covers the 16-bit path there, bfloat16 runs
+    on the GPU."""
+    if INTERPRET and dtype == torch.bfloat16:
+        pytest.skip("bfloat16 is checked on the GPU; float16 covers the 16-bit path under the interpreter")
+
 
 # Compiling kernels to PTX for sm_90 without a GPU: the interpreter never runs the compiled path (its typing of
 # 3-D tensors, reductions, register allocation), so each kernel file has a test that builds every kernel.
