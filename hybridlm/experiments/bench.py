@@ -9,7 +9,7 @@ finished run to `out_dir/runs/<key>.json` as soon as it ends, with its spec; a l
 stored under a job's key for another spec stops the command before anything runs: it is never overwritten). So an
 interrupted benchmark continues where it stopped, and a long one can be split over several commands
 (`time_budget`: start no new run after that many seconds; the tables are then written from the runs
-that exist, the missing ones listed).
+that exist, the missing ones listed; a budget <= 0 starts none: a report of the finished runs).
 
 Resumable jobs (`Job.resumable`: the model-seed benchmarks and the allocation sweep) also continue a run
 that was stopped half way: their runner gets `checkpoint=out_dir/runs/<key>.ckpt` (a directory of step
@@ -370,7 +370,7 @@ def run_jobs(
     stop = StopRequest()
 
     def over_budget() -> bool:
-        return time_budget is not None and time.monotonic() - start > time_budget
+        return time_budget is not None and (time_budget <= 0 or time.monotonic() - start > time_budget)
 
     def should_stop() -> bool:
         if over_budget():

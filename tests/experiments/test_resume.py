@@ -248,6 +248,24 @@ def test_bench_stopped_by_its_time_budget_finishes_when_run_again(tmp_path, monk
     assert list((out / "runs").glob("*.ckpt*")) == []
 
 
+def test_report_only_starts_nothing_and_reports_the_finished_runs(tmp_path, capsys):
+    """--report-only (e.g. on a CPU machine, from runs a GPU trained): the report covers the finished seed and lists
+    the missing one, which is neither started nor given a checkpoint or a log."""
+    from hybridlm.cli import main
+
+    out = tmp_path / "addition"
+    assert main([*ARGS, "--seeds", "1", "--out", str(out)]) == 0
+    before = sorted(p.name for p in (out / "runs").iterdir())
+    capsys.readouterr()
+    assert main([*ARGS, "--report-only", "--out", str(out)]) == bench.EXIT_INCOMPLETE
+    assert "1 run(s) not started (transformer_seed1)" in capsys.readouterr().out
+    assert sorted(p.name for p in (out / "runs").iterdir()) == before
+    report = (out / "results.md").read_text()
+    assert "transformer_seed1" in report and "| 1 |" in report  # the missing run named; one seed in the row
+    assert main([*ARGS, "--report-only", "--time-budget", "5", "--out", str(out)]) == 2  # a bad argument
+    assert "--report-only starts no run; drop --time-budget" in capsys.readouterr().err
+
+
 def test_time_budget_stops_runs_in_worker_processes(tmp_path):
     lines = []
     jobs = [bench.Job(k, "tests.experiments.runners:waiting_runner", {"x": k}, resumable=True) for k in "ab"]
