@@ -11,10 +11,15 @@ it) and dW [V, D] (float32) instead of the logits.
 
 Per chunk c of rows (h_c [n, D]; W [V, D]; m the multiplier; y_c [n] with -100 skipped):
 
-    z = m * (h_c W^T)            in the autocast dtype where autocast is on (as the LM head), then float32
-    loss_c = sum_valid (logsumexp(z) - z[y])
-    g = valid * (softmax(z) - onehot(y))                          float32, then the autocast dtype
-    dh_c = m * g W               dW += m * g^T h_c  (float32 sum over chunks)
+    z = m * (h_c W^T)            in the autocast dtype where autocast is on (as the LM head)
+    logp = log_softmax(z)        float32
+    loss_c = -sum_valid logp[y]
+    g = softmax(z) - onehot(y) = exp(logp), and expm1(logp[y]) at the targets: float32, then the autocast dtype
+    dh_c = valid * (m * g W)     dW += m * g^T (valid * h_c)  (float32 sum over chunks)
+
+Each chunk makes two elementwise passes over its [n, V] block beside the three products: log_softmax (reading the
+product's dtype, writing float32) and exp (writing the product's dtype); the spelled-out form makes about five
+(the float32 cast, log_softmax, and in the backward the gradient of the logits and its cast).
 
 The values equal the spelled-out form's: the same roundings of the logits (bf16 product, the multiplier in bf16,
 float32 after), float32 softmax; the gradients differ by the order of the float32 sums (dW: here one float32 sum over
@@ -78,19 +83,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             h = hidden[rows].to(compute)                                                  # [n, D]
-            z = scaled(h @ w.T, multiplier).to(accumulate)                                # [n, V]
+            logp = torch.log_softmax(scaled(h @ w.T, multiplier), dim=1, dtype=accumulate)  # [n, V]
             y = targets[rows]
             valid = y != IGNORE_INDEX
             picked = y.masked_fill(~valid, 0).unsqueeze(1)                                # [n, 1]
-            lse = torch.logsumexp(z, dim=1)                                               # [n]
-            total = total + torch.where(valid, lse - z.gather(1, picked).squeeze(1), 0).sum()
+            target_logp = logp.gather(1, picked)                                          # [n, 1]
+            total = total - torch.where(valid, target_logp.squeeze(1), 0).sum()
             scored = scored + valid.sum()
             if wants_grad:
-                g = torch.exp(z.sub_(lse.unsqueeze(1)))                                   # softmax, in place of z
-                g.scatter_add_(1, picked, torch.full_like(picked, -1, dtype=g.dtype))
-                g = scaled(g.mul_(valid.unsqueeze(1)).to(compute), multiplier)            # [n, V]
-                dh[rows] = g @ w
-                dw += (g.T @ h).to(accumulate)
+                # softmax rounded once to the product dtype; at the targets softmax - 1, also rounded once
+                g = torch.exp(logp, out=torch.empty(logp.shape, dtype=compute, device=logp.device))
+                g.scatter_(1, picked, torch.expm1(target_logp).to(compute))
+                g = scaled(g, multiplier)                                                 # [n, V]
+                # rows without a target count zero: masked in the [n, D] operands and results, not in g
+                skipped = ~valid.unsqueeze(1)
+                dh[rows] = (g @ w).masked_fill_(skipped, 0)
+                dw.add_(g.T @ h.masked_fill(skipped, 0))
         if wants_grad:
             ctx.save_for_backward(dh, dw, scored)
         ctx.dtypes = hidden.dtype, weight.dtype
