@@ -44,6 +44,7 @@ if __name__ == "__main__" and _device_argument(sys.argv[1:]) == "cpu" and import
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton reads it as its kernels are defined: set before any is
 
 import torch  # noqa: E402
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook  # noqa: E402
 from gpu_model import SHAPE_125M, config_of  # noqa: E402  (benchmarks/ is on the path when this script runs)
 
 from hybridlm.layers.fast_weight import FastWeightMixer  # noqa: E402
@@ -97,15 +98,15 @@ def saved_bytes(model: HybridForCausalLM, length: int, device: torch.device, *, 
     stack = [""]  # the paths of the modules whose forward is running, innermost last
 
     def enter(module, args):
-        stack.append(names[module])
+        if module in names:
+            stack.append(names[module])
 
     def leave(module, args, out):
-        stack.pop()
+        if module in names:
+            stack.pop()
 
-    hooks = []
-    for module in model.modules():
-        hooks.append(module.register_forward_pre_hook(enter))
-        hooks.append(module.register_forward_hook(leave, always_call=True))
+    # Global hooks: a hook on a module of the model would make it take its plain path (`is_plain`).
+    hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave, always_call=True)]
     packed: list[weakref.ref] = []
 
     def pack(t: torch.Tensor) -> _Kept:

@@ -60,8 +60,8 @@ from torch import nn
 
 from hybridlm.layers.cache import LayerCache
 from hybridlm.modules.boundaries import has_restarts, pack_rows
-from hybridlm.modules.gated_norm import GatedRMSNorm
-from hybridlm.modules.linear import AlignedLinear, linear_input
+from hybridlm.modules.gated_norm import GatedRMSNorm, gated_output_projection
+from hybridlm.modules.linear import AlignedLinear
 from hybridlm.modules.norm import rms_normalize
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.fast_weight import (
@@ -203,9 +203,8 @@ class FastWeightMixer(nn.Module):
             cache.ssm["conv"] = conv_state
             _store_state(cache, state)
 
-        # 5. Per-head gated RMSNorm, output projection.
-        y = self.norm(o.reshape(batch, length, self.width), z)  # [B, T, H V]
-        return self.out_proj(linear_input(y, hidden.dtype))
+        # 5. Per-head gated RMSNorm [B, T, H V], output projection (the norm's output recomputed in the backward).
+        return gated_output_projection(o.reshape(batch, length, self.width), z, self.out_proj, self.norm, hidden.dtype)
 
     def _normalize(self, u: torch.Tensor) -> torch.Tensor:
         """QK normalization over the head dim: rms u / sqrt(mean u^2 + eps), l2 u / sqrt(sum u^2 + eps), both

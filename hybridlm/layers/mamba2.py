@@ -30,9 +30,8 @@ from torch import nn
 
 from hybridlm.layers.cache import LayerCache
 from hybridlm.modules.boundaries import has_restarts, pack_rows
-from hybridlm.modules.gate import silu_gate
-from hybridlm.modules.gated_norm import GatedRMSNorm
-from hybridlm.modules.linear import AlignedLinear, linear_input
+from hybridlm.modules.gated_norm import GatedRMSNorm, gated_output_projection
+from hybridlm.modules.linear import AlignedLinear
 from hybridlm.modules.multiplier import scaled
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.ssd import ssd
@@ -152,9 +151,6 @@ class Mamba2Mixer(nn.Module):
             cache.ssm["conv"], cache.ssm["ssm"] = conv_state, ssm_state
         y = y.reshape(batch, length, self.d_ssm)  # [B, T, d_ssm]
 
-        # 5. Gate (through the grouped norm, or a plain SiLU gate), output projection.
-        if self.norm is not None:
-            y = self.norm(y, z)
-        else:
-            y = silu_gate(y, z)  # float32 math, the 16-bit y and z kept for the backward
-        return self.out_proj(linear_input(y, hidden.dtype))
+        # 5. Gate (through the grouped norm, or a plain SiLU gate: float32 math, the 16-bit y and z kept for the
+        # backward), output projection (the gated output recomputed in the backward).
+        return gated_output_projection(y, z, self.out_proj, self.norm, hidden.dtype)

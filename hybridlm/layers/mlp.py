@@ -7,6 +7,7 @@ from torch import nn
 
 from hybridlm.modules.gate import silu_gate
 from hybridlm.modules.multiplier import scaled
+from hybridlm.modules.recomputed_linear import recomputed_linear
 
 
 class GatedMLP(nn.Module):
@@ -19,6 +20,7 @@ class GatedMLP(nn.Module):
         self.down_multiplier = config.mlp_multiplier_down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
-        # up * SiLU(gate) with float32 math, rounded once; only up and gate are kept for the backward (`silu_gate`)
-        inner = silu_gate(self.up_proj(x), scaled(self.gate_proj(x), self.gate_multiplier))  # [B, T, d_mlp]
-        return scaled(self.down_proj(inner), self.down_multiplier)
+        # up * SiLU(gate) with float32 math, rounded once [B, T, d_mlp]; only up and gate are kept for the backward
+        # (`silu_gate`), and down_proj recomputes the product there rather than keeping it (`recomputed_linear`)
+        up, gate = self.up_proj(x), scaled(self.gate_proj(x), self.gate_multiplier)
+        return scaled(recomputed_linear(silu_gate, (up, gate), self.down_proj), self.down_multiplier)

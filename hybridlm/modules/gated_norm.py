@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridlm.modules.gate import silu_gate
+from hybridlm.modules.linear import linear_input
+from hybridlm.modules.recomputed_linear import is_plain, recomputed_linear
 from hybridlm.ops.gated_norm import MAX_GROUP, gated_norm_triton
 from hybridlm.ops.utils import (
     TRITON_DTYPES,
@@ -117,3 +120,19 @@ class GatedRMSNorm(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.weight.shape[0]}, groups={self.groups}, eps={self.eps}, "
                 f"norm_before_gate={self.norm_before_gate}, backend={self.backend}")
+
+
+def gated_output_projection(
+    y: torch.Tensor, z: torch.Tensor, proj: nn.Module, norm: nn.Module | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """A mixer's output: proj(norm(y, z)), or proj(y * SiLU(z)) without a norm, the projection's input in `dtype` as
+    `linear_input` gives it. y, z [..., d] -> [..., out]. The gated output is recomputed in the backward rather than
+    kept (`recomputed_linear`: y and z are kept by the norm anyway); a norm other than a `GatedRMSNorm`, or one with
+    hooks, runs as a module call."""
+    if norm is None:
+        return recomputed_linear(lambda a, b: linear_input(silu_gate(a, b), dtype), (y, z), proj)
+    if not is_plain(norm, GatedRMSNorm):
+        return proj(linear_input(norm(y, z), dtype))
+    options = dict(groups=norm.groups, eps=norm.eps, norm_before_gate=norm.norm_before_gate, backend=norm.backend)
+    return recomputed_linear(lambda a, b, w: linear_input(gated_rms_norm(a, w, b, **options), dtype),
+                             (y, z, norm.weight), proj)
