@@ -120,3 +120,21 @@ def test_plain_path_where_the_fused_one_would_be_wrong():
     out = recomputed_linear(silu_gate, (x, z), hooked)
     torch.testing.assert_close(out, hooked(silu_gate(x, z)))
     assert "RecomputedLinear" not in type(out.grad_fn).__name__
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the gate's and the norm's Triton kernels)")
+@pytest.mark.parametrize("which", ["silu_gate", "gated_norm"])
+def test_cuda_kernels_under_autocast_equal_the_plain_path(which):
+    """On a GPU the recomputed fn is the Triton kernels' autograd (backend "auto"), called again inside the backward."""
+    linear, x, z, w, dout = (t.cuda() for t in _case(torch.float32, bias=False, seed=2))
+    x, z = (t.detach().bfloat16().requires_grad_(True) for t in (x, z))
+    w = w.detach().requires_grad_(True)
+    auto_norm = functools.partial(gated_rms_norm, groups=3, eps=1e-6, norm_before_gate=True, backend="auto")
+    fn, inputs = (silu_gate, (x, z)) if which == "silu_gate" else ((lambda a, b, c: auto_norm(a, c, b)), (x, z, w))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = recomputed_linear(fn, inputs, linear)
+        ref = linear(fn(*inputs))
+    assert "RecomputedLinear" in type(out.grad_fn).__name__ and torch.equal(out, ref)
+    wrt = [t for t in [*inputs, *linear.parameters()] if t.requires_grad]
+    for a, b in zip(torch.autograd.grad(out, wrt, dout.to(out.dtype)), torch.autograd.grad(ref, wrt, dout.to(ref.dtype))):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
