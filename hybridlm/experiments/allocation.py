@@ -292,14 +292,16 @@ def bench_allocation(points: Sequence[tuple[str, tuple[int, int, int]]], seeds: 
     from hybridlm.experiments import bench
 
     check_recipe(recipe, points)  # before any run starts: one clear error, not one per run
-    check_data(recipe)
+    report_only = run_options.get("report_only", False)  # the corpus is for the runners only
+    if not report_only:
+        check_data(recipe)
     jobs = [bench.Job(bench.safe_key(a, "".join(map(str, p)), f"seed{s}"), RUNNER,
                       {"task": "allocation", "arrangement": a, "alphas": list(p), "seed": s,
                        "recipe": recipe.to_dict()}, resumable=True)
             for a, p in points for s in seeds]
     bench.check_out_dir(out_dir, jobs)  # before the corpus is prepared in out_dir
     # a built-in corpus is prepared once, here; runs get its paths outside their spec
-    if recipe.data in ("stdlib", "shakespeare"):
+    if recipe.data in ("stdlib", "shakespeare") and not report_only:
         context = prepare_builtin(recipe, Path(data_cache) if data_cache else Path(out_dir) / f"{recipe.data}_data")
         jobs = [replace(job, context=context) for job in jobs]
     runs = bench.run_jobs(jobs, out_dir, echo=echo, **run_options)

@@ -9,7 +9,7 @@ finished run to `out_dir/runs/<key>.json` as soon as it ends, with its spec; a l
 stored under a job's key for another spec stops the command before anything runs: it is never overwritten). So an
 interrupted benchmark continues where it stopped, and a long one can be split over several commands
 (`time_budget`: start no new run after that many seconds; the tables are then written from the runs
-that exist, the missing ones listed; a budget <= 0 starts none: a report of the finished runs).
+that exist, the missing ones listed; `report_only`: start none, a report of the finished runs).
 
 Resumable jobs (`Job.resumable`: the model-seed benchmarks and the allocation sweep) also continue a run
 that was stopped half way: their runner gets `checkpoint=out_dir/runs/<key>.ckpt` (a directory of step
@@ -336,12 +336,14 @@ def run_jobs(
     per_device: int = 1,
     time_budget: float | None = None,
     deterministic: bool = False,
+    report_only: bool = False,
     echo: Callable[[str], None] = print,
 ) -> JobResults:
     """Run (or reuse) every job; returns key -> result for the runs that exist at the end (with the keys of the
     failed, stopped and not started ones: `JobResults`). `deterministic`: each run under
     `hybridlm.training.rng.deterministic_kernels` (not part of the spec: a reused run is reused as it is; its
-    result says "deterministic").
+    result says "deterministic"). `report_only`: reuse the finished runs and start none (the others are "not
+    started"), e.g. to write the tables on a machine other than the one that trained.
 
     SIGTERM / SIGINT (handled while this runs) and the end of `time_budget` start no further run and stop
     the resumable runs in progress at their next update, saving their checkpoints."""
@@ -366,11 +368,16 @@ def run_jobs(
         if deterministic and plain:
             echo(f"  {len(plain)} of them trained without deterministic kernels ({', '.join(plain)}): move their "
                  f"runs/<key>.json away to train them again deterministically")
+    if report_only:
+        results.failed, results.stopped, results.not_started = [], [], [j.key for j in todo]
+        if todo:
+            echo(f"report only: {len(todo)} run(s) not started ({', '.join(j.key for j in todo)})")
+        return results
     start = time.monotonic()
     stop = StopRequest()
 
     def over_budget() -> bool:
-        return time_budget is not None and (time_budget <= 0 or time.monotonic() - start > time_budget)
+        return time_budget is not None and time.monotonic() - start > time_budget
 
     def should_stop() -> bool:
         if over_budget():

@@ -157,8 +157,9 @@ def _add_run_options(p: argparse.ArgumentParser, *, default_seeds: int) -> None:
                    help="after this many seconds start no new run and stop the running ones, saving their "
                         "checkpoints; the report covers the runs done so far, the same command continues")
     p.add_argument("--report-only", action="store_true",
-                   help="start no run: write the report (and figures) from the finished runs in --out/runs, "
-                        "listing the missing ones; e.g. on a machine without the GPU that trained them")
+                   help="start no run and prepare no data: write the report (and figures) from the finished "
+                        "runs in --out/runs, listing the missing ones (exit status 75 while runs are missing); "
+                        "e.g. on a machine without the GPU that trained them, with the same command line")
     p.add_argument("--compile", action="store_const", const=True, default=None,
                    help="train through torch.compile (inductor + CUDA graphs on GPUs; part of the recipe)")
     p.add_argument("--deterministic", action="store_true",
@@ -204,10 +205,12 @@ def _run_options(args: argparse.Namespace) -> dict:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.time_budget is not None and not args.time_budget > 0:  # NaN too: it would never stop anything
         raise ValueError(f"--time-budget must be a number of seconds > 0, got {args.time_budget}")
-    if args.report_only and args.time_budget is not None:
-        raise ValueError("--report-only starts no run; drop --time-budget")
-    time_budget = 0.0 if args.report_only else args.time_budget  # run_jobs: a budget of 0 starts nothing
-    return {"devices": _devices(args), "per_device": args.per_device, "time_budget": time_budget,
+    if args.report_only:
+        if args.time_budget is not None:
+            raise ValueError("--report-only starts no run; drop --time-budget")
+        # --device is not looked at: the command line of the GPU machine that trained works on any other
+        return {"report_only": True}
+    return {"devices": _devices(args), "per_device": args.per_device, "time_budget": args.time_budget,
             "deterministic": args.deterministic}
 
 

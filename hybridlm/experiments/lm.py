@@ -127,13 +127,15 @@ def bench_lm(models: Sequence[str], seeds: Sequence[int], recipe: LMRecipe, out_
     from hybridlm.experiments import bench
 
     check_recipe(recipe, models)
-    check_data()
     jobs = [bench.Job(bench.safe_key(m, f"seed{s}"), RUNNER,
                       {"task": "lm", "model": m, "seed": s, "recipe": recipe.to_dict()}, resumable=True)
             for m in models for s in seeds]
     bench.check_out_dir(out_dir, jobs)
-    context = prepare_data(recipe, Path(data_cache) if data_cache else Path(out_dir))
-    runs = bench.run_jobs([replace(job, context=context) for job in jobs], out_dir, echo=echo, **run_options)
+    if not run_options.get("report_only"):  # the corpora are for the runners only
+        check_data()
+        context = prepare_data(recipe, Path(data_cache) if data_cache else Path(out_dir))
+        jobs = [replace(job, context=context) for job in jobs]
+    runs = bench.run_jobs(jobs, out_dir, echo=echo, **run_options)
     groups = {m: [runs[j.key] for j in jobs if j.spec["model"] == m and j.key in runs] for m in models}
     report = write_report(groups, recipe, Path(out_dir), missing=runs.missing([j.key for j in jobs]))
     echo(bench.wrote_files(report["files"]))

@@ -14,9 +14,11 @@ The values and gradients are the plain path's: the forward runs fn and `F.linear
 backward recomputes fn under the same autocast state and makes the GEMMs `F.linear`'s backward makes, on the same
 operands in the same dtypes (bf16 under autocast, the weight's gradient cast back to the weight's dtype).
 
-The plain path `linear(fn(*inputs))` is taken when nothing needs a gradient, under torch.compile (inductor's
+The gradients are once differentiable (a double backward raises; the plain path allows one where fn does). The plain
+path `linear(fn(*inputs))` is taken when nothing needs a gradient, under torch.compile (inductor's
 partitioner recomputes cheap elementwise work on its own), for a module that is not exactly `nn.Linear` (a PEFT
-adapter, a parallel plan's wrapper) or has hooks (`is_plain`), and for DTensor weights or inputs (tensor parallelism).
+adapter, a parallel plan's wrapper) or has hooks or an instance forward (`is_plain`), and for DTensor (tensor
+parallelism) or meta (offloaded) weights and inputs.
 """
 
 from __future__ import annotations
@@ -39,18 +41,20 @@ def recomputed_linear(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Te
 
 
 def is_plain(module: nn.Module, cls: type) -> bool:
-    """Whether `module` is exactly a `cls` with no hooks: its forward may then be run as the functional form it
-    stands for, without the module call (a subclass, an adapter or a hook would be skipped)."""
-    return type(module) is cls and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                                        or module._backward_pre_hooks)
+    """Whether `module` is exactly a `cls` with its class's forward and no hooks of its own: its forward may then be
+    run as the functional form it stands for, without the module call (a subclass, an adapter, a hook, or a forward
+    replaced on the instance as accelerate's offloading does would be skipped). Global module hooks
+    (`register_module_forward_hook`) are not looked at: they do not fire for a module whose call is skipped."""
+    return type(module) is cls and "forward" not in vars(module) and not (
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
 
 
 def _takes(inputs: Sequence[torch.Tensor], linear: nn.Module) -> bool:
     if not is_plain(linear, nn.Linear):
         return False
     tensors = [linear.weight, *inputs] + ([linear.bias] if linear.bias is not None else [])
-    return (torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and any(t.requires_grad for t in tensors) and not any(hasattr(t, "to_local") for t in tensors))
+    return (torch.is_grad_enabled() and not torch.compiler.is_compiling() and any(t.requires_grad for t in tensors)
+            and not any(hasattr(t, "to_local") or t.is_meta for t in tensors))
 
 
 class _RecomputedLinear(torch.autograd.Function):
@@ -63,7 +67,9 @@ class _RecomputedLinear(torch.autograd.Function):
         ctx.fn, ctx.device = fn, device
         ctx.autocast = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
         ctx.save_for_backward(weight, bias, *inputs)
-        return F.linear(fn(*inputs), weight, bias)  # under the caller's autocast, as the plain path
+        out = F.linear(fn(*inputs), weight, bias)  # under the caller's autocast, as the plain path
+        ctx.dtype = out.dtype  # the GEMM's operand dtype (autocast leaves float64 as it is)
+        return out
 
     @staticmethod
     @once_differentiable
@@ -74,7 +80,7 @@ class _RecomputedLinear(torch.autograd.Function):
         leaves = [x.detach().requires_grad_(w) for x, w in zip(inputs, wants)]
         with torch.enable_grad(), torch.autocast(ctx.device, dtype=autocast_dtype, enabled=autocast):
             y = ctx.fn(*leaves)                                                       # [..., in]
-        dtype = autocast_dtype if autocast else torch.promote_types(y.dtype, weight.dtype)  # F.linear's operands
+        dtype = ctx.dtype                                                             # F.linear's operands
         g = dout.to(dtype).reshape(-1, dout.shape[-1])                                # [N, out]
         dweight = (g.T @ y.detach().to(dtype).reshape(-1, y.shape[-1])).to(weight.dtype) if ctx.needs_input_grad[1] \
             else None                                                                 # [out, in]

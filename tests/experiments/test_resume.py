@@ -257,13 +257,24 @@ def test_report_only_starts_nothing_and_reports_the_finished_runs(tmp_path, caps
     assert main([*ARGS, "--seeds", "1", "--out", str(out)]) == 0
     before = sorted(p.name for p in (out / "runs").iterdir())
     capsys.readouterr()
-    assert main([*ARGS, "--report-only", "--out", str(out)]) == bench.EXIT_INCOMPLETE
-    assert "1 run(s) not started (transformer_seed1)" in capsys.readouterr().out
+    # the GPU machine's command line, on a machine without one: --device is not looked at
+    assert main([*ARGS, "--report-only", "--device", "cuda:7", "--out", str(out)]) == bench.EXIT_INCOMPLETE
+    assert "report only: 1 run(s) not started (transformer_seed1)\n" in capsys.readouterr().out
     assert sorted(p.name for p in (out / "runs").iterdir()) == before
     report = (out / "results.md").read_text()
     assert "transformer_seed1" in report and "| 1 |" in report  # the missing run named; one seed in the row
     assert main([*ARGS, "--report-only", "--time-budget", "5", "--out", str(out)]) == 2  # a bad argument
     assert "--report-only starts no run; drop --time-budget" in capsys.readouterr().err
+
+
+def test_report_only_prepares_no_corpus(tmp_path, capsys):
+    """`bench lm --report-only` reads runs only: no corpus is checked for or prepared (the runners' job)."""
+    from hybridlm.cli import main
+
+    out = tmp_path / "lm"
+    assert main(["bench", "lm", "--report-only", "--models", "transformer", "--out", str(out)]) == bench.EXIT_INCOMPLETE
+    assert "report only: 1 run(s) not started (transformer_seed0)" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["lm.png", "results.json", "results.md", "runs"]
 
 
 def test_time_budget_stops_runs_in_worker_processes(tmp_path):

@@ -70,6 +70,21 @@ def test_bf16_autocast_equals_the_plain_path_bit_for_bit(which):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_float64_under_autocast_stays_float64(autocast_dtype):
+    """Autocast leaves float64 GEMMs in float64: the backward's GEMMs must too."""
+    linear, x, z, w, dout = _case(torch.float64)
+    fn, inputs = _gated_norm, (x, z, w)
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        out = recomputed_linear(fn, inputs, linear)
+    wrt = [*inputs, *linear.parameters()]
+    ref = linear(fn(*inputs))
+    assert out.dtype == torch.float64
+    for a, b in zip(torch.autograd.grad(out, wrt, dout), torch.autograd.grad(ref, wrt, dout)):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+
+
 def test_keeps_the_inputs_not_the_output_of_fn():
     """The plain path keeps up * SiLU(gate) for the weight's gradient; the recomputed one keeps up, gate and the
     weight only."""
@@ -119,6 +134,11 @@ def test_plain_path_where_the_fused_one_would_be_wrong():
     hooked.register_forward_hook(lambda module, args, out: out + 1)
     out = recomputed_linear(silu_gate, (x, z), hooked)
     torch.testing.assert_close(out, hooked(silu_gate(x, z)))
+    assert "RecomputedLinear" not in type(out.grad_fn).__name__
+    replaced = nn.Linear(12, 7, dtype=torch.float64)  # a forward swapped on the instance (accelerate's hooks)
+    replaced.forward = lambda t: nn.Linear.forward(replaced, t) - 3
+    out = recomputed_linear(silu_gate, (x, z), replaced)
+    torch.testing.assert_close(out, replaced(silu_gate(x, z)))
     assert "RecomputedLinear" not in type(out.grad_fn).__name__
 
 
