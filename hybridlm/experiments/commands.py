@@ -289,7 +289,8 @@ def _bench_allocation(args: argparse.Namespace) -> int:
         recipe = _recipe(AllocationRecipe, args, data=args.data if named else "shards",
                          data_dir=None if named else args.data, val_dir=args.val_data)
         check_recipe(recipe, points)
-        check_data(recipe)
+        if not args.report_only:  # the data are for the runners only
+            check_data(recipe)
     except ValueError as err:
         return _fail(str(err), status=2)
     return _run_bench(bench_allocation, points, list(range(args.seeds)), recipe, args.out,
@@ -305,7 +306,8 @@ def _bench_lm(args: argparse.Namespace) -> int:
         models = parse_model_list(args.models)
         recipe = _recipe(LMRecipe, args)
         check_recipe(recipe, models)
-        check_data()
+        if not args.report_only:  # the corpus is for the runners only
+            check_data()
     except ValueError as err:
         return _fail(str(err), status=2)
     return _run_bench(bench_lm, models, list(range(args.seeds)), recipe, args.out, data_cache=args.data_cache,

@@ -267,10 +267,16 @@ def test_report_only_starts_nothing_and_reports_the_finished_runs(tmp_path, caps
     assert "--report-only starts no run; drop --time-budget" in capsys.readouterr().err
 
 
-def test_report_only_prepares_no_corpus(tmp_path, capsys):
-    """`bench lm --report-only` reads runs only: no corpus is checked for or prepared (the runners' job)."""
+def test_report_only_prepares_no_corpus(tmp_path, capsys, monkeypatch):
+    """`bench lm --report-only` reads runs only: no corpus is checked for or prepared (the runners' job), so it runs
+    where the training text is not installed."""
     from hybridlm.cli import main
+    from hybridlm.training import demo
 
+    def not_installed():
+        raise FileNotFoundError("the Shakespeare corpus is not installed")
+
+    monkeypatch.setattr(demo, "shakespeare_plays", not_installed)
     out = tmp_path / "lm"
     assert main(["bench", "lm", "--report-only", "--models", "transformer", "--out", str(out)]) == bench.EXIT_INCOMPLETE
     assert "report only: 1 run(s) not started (transformer_seed0)" in capsys.readouterr().out
