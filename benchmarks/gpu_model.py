@@ -288,18 +288,20 @@ def decoding(model, *, context: int, device: torch.device, steps: int, batch: in
 
 def print_training_table(rows: list[dict]) -> None:
     """The training table: per variant and T the median tokens/s over the rounds, and the median (and range) of the
-    per-round ratios to the baseline measured in the same round."""
+    per-round ratios to the baseline measured in the same round; the peak memory over the rounds, and its ratio to
+    the baseline's."""
     by_key: dict[tuple[str, int], dict[int, dict]] = {}
     for r in rows:
         by_key.setdefault((r["variant"], r["T"]), {})[r["round"]] = r
-    print("\n| model | params | rows x T | tokens/s | / baseline | rounds | peak GiB |\n|---|---|---|---|---|---|---|")
+    print("\n| model | params | rows x T | tokens/s | / baseline | rounds | peak GiB | peak / baseline |\n"
+          "|---|---|---|---|---|---|---|---|")
     for (variant, length), rounds in by_key.items():
         first = next(iter(rounds.values()))
         shape = f"{first['rows']} x {length}" + (f" ({first['documents']} documents per row)"
                                                  if first["documents"] > 1 else "")
         measured = [r["tokens_per_s"] for r in rounds.values() if r["tokens_per_s"]]
         if not measured:
-            print(f"| {variant} | {first['params'] / 1e6:.0f}M | {shape} | OOM | - | {len(rounds)} | - |")
+            print(f"| {variant} | {first['params'] / 1e6:.0f}M | {shape} | OOM | - | {len(rounds)} | - | - |")
             continue
         base_rounds = by_key.get((BASELINE.get(variant, "transformer"), length), {})
         ratios = [r["tokens_per_s"] / base_rounds[k]["tokens_per_s"] for k, r in rounds.items()
@@ -310,9 +312,11 @@ def print_training_table(rows: list[dict]) -> None:
             if len(ratios) > 1:
                 ratio += f" ({min(ratios):.2f}-{max(ratios):.2f})"
         peaks = [r["peak_gib"] for r in rounds.values() if r.get("peak_gib")]
-        peak = f"{max(peaks):.1f}" if peaks else "-"
+        base_peaks = [r["peak_gib"] for r in base_rounds.values() if r.get("peak_gib")]
+        peak = f"{max(peaks):.2f}" if peaks else "-"
+        peak_ratio = f"{max(peaks) / max(base_peaks):.3f}x" if peaks and base_peaks else "-"
         print(f"| {variant} | {first['params'] / 1e6:.0f}M | {shape} | {statistics.median(measured):.0f} | {ratio} "
-              f"| {len(rounds)} | {peak} |")
+              f"| {len(rounds)} | {peak} | {peak_ratio} |")
 
 
 def main() -> None:

@@ -337,3 +337,20 @@ def test_linear_cross_entropy_benchmark_on_cpu():
     out = run("linear_cross_entropy.py", "--tokens", "64", "96", "--hidden", "16", "--vocab", "100", "--repeats", "1")
     rows = [line.split("|")[1:-1] for n in ("64", "96") for line in table_rows(out, n)]
     assert len(rows) == 2 and all(float(cells[1]) > 0 and float(cells[2]) > 0 for cells in rows)
+
+
+def test_gpu_model_training_table_gives_the_peak_ratio(capsys):
+    """The peak memory (the highest over the rounds) beside its ratio to the baseline's, both from the same run."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from gpu_model import print_training_table
+
+    def row(variant, round_, tokens_per_s, peak):
+        return {"variant": variant, "T": 4096, "round": round_, "rows": 1, "documents": 1, "params": 144e6,
+                "tokens_per_s": tokens_per_s, "peak_gib": peak}
+
+    print_training_table([row("transformer", 0, 100.0, 10.0), row("fw-1A", 0, 50.0, 11.25),
+                          row("transformer", 1, 200.0, 10.0), row("fw-1A", 1, 150.0, 11.0)])
+    out = capsys.readouterr().out
+    assert table_rows(out, "fw-1A") == ["| fw-1A | 144M | 1 x 4096 | 100 | 0.62x (0.50-0.75) | 2 | 11.25 | 1.125x |"]
+    assert table_rows(out, "transformer") == [
+        "| transformer | 144M | 1 x 4096 | 150 | 1.00x (1.00-1.00) | 2 | 10.00 | 1.000x |"]
