@@ -54,6 +54,7 @@ from hybridlm.modules.boundaries import (
     sequence_ids,
 )
 from hybridlm.modules.gated_norm import GatedRMSNorm
+from hybridlm.modules.linear import is_plain
 from hybridlm.modules.linear_cross_entropy import linear_cross_entropy
 from hybridlm.modules.multiplier import scaled
 from hybridlm.modules.norm import RMSNorm
@@ -346,9 +347,10 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
 
     def _linear_cross_entropy(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed cross entropy of the LM head on hidden [B, T, D] against targets [B, T], chunked when the head is
-        a plain bias-free Linear (an adapter wrapping it, e.g. PEFT's, computes the logits as it does)."""
+        a plain bias-free Linear without hooks (an adapter wrapping it, e.g. PEFT's, or a hook computes the logits as
+        it does: `is_plain`)."""
         head = self.lm_head
-        if type(head) is nn.Linear and head.bias is None:
+        if is_plain(head, nn.Linear) and head.bias is None:
             return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, targets.reshape(-1),
                                         multiplier=self.lm_head_multiplier)
         return _summed_cross_entropy(scaled(head(hidden), self.lm_head_multiplier), targets)

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.modules.gate import silu_gate
-from hybridlm.modules.linear import linear_input
-from hybridlm.modules.recomputed_linear import is_plain, recomputed_linear
+from hybridlm.modules.linear import is_plain, linear_input
+from hybridlm.modules.recomputed_linear import recomputed_linear
 from hybridlm.ops.gated_norm import MAX_GROUP, gated_norm_triton
 from hybridlm.ops.utils import (
     TRITON_DTYPES,

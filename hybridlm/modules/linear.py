@@ -60,6 +60,16 @@ def linear_input(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype)
 
 
+def is_plain(module: nn.Module, cls: type) -> bool:
+    """Whether `module` is exactly a `cls` with its class's forward and no hooks of its own: its forward may then be
+    run as the functional form it stands for, without the module call (a subclass, an adapter, a hook, or a forward
+    replaced on the instance as accelerate's offloading does would be skipped). Global module hooks
+    (`register_module_forward_hook`) are not looked at: they do not fire for a module whose call is skipped."""
+    return type(module) is cls and "forward" not in vars(module) and not (
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
+
+
+
 class AlignedLinear(nn.Linear):
     """`nn.Linear` (same parameters, same state dict) that pads its weight's rows on CUDA (module docstring)."""
 

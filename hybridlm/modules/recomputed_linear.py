@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from hybridlm.modules.linear import is_plain
+
 
 def recomputed_linear(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], linear: nn.Module) -> torch.Tensor:
     """`linear(fn(*inputs))`, fn's output recomputed in the backward rather than kept (module docstring). fn must be
@@ -38,15 +40,6 @@ def recomputed_linear(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Te
     if not _takes(inputs, linear):
         return linear(fn(*inputs))
     return _RecomputedLinear.apply(fn, linear.weight, linear.bias, *inputs)
-
-
-def is_plain(module: nn.Module, cls: type) -> bool:
-    """Whether `module` is exactly a `cls` with its class's forward and no hooks of its own: its forward may then be
-    run as the functional form it stands for, without the module call (a subclass, an adapter, a hook, or a forward
-    replaced on the instance as accelerate's offloading does would be skipped). Global module hooks
-    (`register_module_forward_hook`) are not looked at: they do not fire for a module whose call is skipped."""
-    return type(module) is cls and "forward" not in vars(module) and not (
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
 
 
 def _takes(inputs: Sequence[torch.Tensor], linear: nn.Module) -> bool:

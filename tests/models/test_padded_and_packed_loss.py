@@ -174,3 +174,14 @@ def test_an_adapted_head_computes_its_logits():
     chunked = model(ids, labels=ids, return_logits=False).loss
     full = model(ids, labels=ids).loss
     assert abs(chunked.item() - full.item()) < TOL * full.item()
+
+
+def test_a_hooked_head_computes_its_logits():
+    """A forward hook on the head (a user's, or an offloading library's) is honoured: the loss without logits goes
+    through the module call too."""
+    model = make_model(seed=0).double()
+    model.lm_head.register_forward_hook(lambda module, args, out: out + torch.arange(out.shape[-1], dtype=out.dtype))
+    ids = sequences()[2][None]
+    chunked = model(ids, labels=ids, return_logits=False).loss
+    full = model(ids, labels=ids).loss
+    assert abs(chunked.item() - full.item()) < TOL * full.item()
