@@ -38,6 +38,12 @@ Decisions (documented here because they are choices, not the paper's prescriptio
   gamma_h = 1 - 2^(-5-h) (Sun et al. 2023's schedule): no write normalization, no input-dependent gate. Not
   supported under tensor parallelism (the fixed decays are indexed by the global head).
 
+Training on the Triton kernels (a gradient, no cache, eager) recomputes steps 2-4 but the op's scans in the
+backward (`hybridlm.ops.recompute`): the mixer keeps its input projection (which holds z for the gated norm anyway)
+and the op's output, not the conv's output, the normalized q and k or the write events: 5,440 bytes per token per
+block fewer at the 125m shape (`benchmarks/saved_activations.py`), for a conv, two norms and the write preparation
+run again; values and gradients are the same bit for bit.
+
 Packed documents (`cu_seqlens`, or `position_ids` that restart at 0) reach both the conv and the op, so
 nothing crosses a document boundary. With `seq_idx` as well (the compiled hybrid block's call) the conv takes the
 document index per token, keeping the rows' shapes; so does the op where it restarts documents in place
@@ -68,8 +74,10 @@ from hybridlm.ops.fast_weight import (
     PER_COLUMN_RULES,
     FastWeightState,
     fast_weight_attention,
+    runs_triton,
     seq_idx_in_place,
 )
+from hybridlm.ops.recompute import recompute_except_kernels
 from hybridlm.ops.utils import compute_dtype, local_tensor
 
 _STATE_FIELDS = ("S", "last_k", "tail_x", "tail_v", "tail_len")  # FastWeightState fields kept in cache.ssm
@@ -163,12 +171,25 @@ class FastWeightMixer(nn.Module):
                 )
             packed, cu_seqlens, _ = pack_rows(hidden, position_ids)  # [1, B T, D]
             return self(packed, cu_seqlens=cu_seqlens).reshape(batch, length, -1)
-        H, K, V = self.num_heads, self.head_dim, self.head_dim
-
         # 1. Fused input projection and split.
         qkv, z, beta_logits, lam_logits = self.in_proj(hidden).split(
             [self.conv_channels, self.width, self.beta_width, self.lam_width], dim=-1
         )
+        documents = dict(cu_seqlens=cu_seqlens, seq_idx=seq_idx)
+        if self._recomputes(qkv, cache):  # training on the Triton kernels: keep the projection, not what it feeds
+            o = recompute_except_kernels(lambda *inputs: self._mix(*inputs, **documents, cache=None), qkv,
+                                         beta_logits, lam_logits)
+        else:
+            o = self._mix(qkv, beta_logits, lam_logits, **documents, cache=cache)
+
+        # 5. Per-head gated RMSNorm [B, T, H V], output projection (the norm's output recomputed in the backward).
+        return gated_output_projection(o.reshape(batch, length, self.width), z, self.out_proj, self.norm, hidden.dtype)
+
+    def _mix(self, qkv, beta_logits, lam_logits, *, cu_seqlens, seq_idx, cache) -> torch.Tensor:
+        """Steps 2-4: the conv, the QK norm, the gains and the op on the projection's pieces -> o [B, T, H, V]; the
+        conv tail and the op's state go into `cache`."""
+        batch, length, _ = qkv.shape
+        H, K, V = self.num_heads, self.head_dim, self.head_dim
 
         # 2. Short causal conv + SiLU on (q, k, v); the conv tail carries across calls.
         conv_state = cache.ssm.get("conv") if cache is not None else None
@@ -202,18 +223,25 @@ class FastWeightMixer(nn.Module):
         if cache is not None:
             cache.ssm["conv"] = conv_state
             _store_state(cache, state)
+        return o
 
-        # 5. Per-head gated RMSNorm [B, T, H V], output projection (the norm's output recomputed in the backward).
-        return gated_output_projection(o.reshape(batch, length, self.width), z, self.out_proj, self.norm, hidden.dtype)
+    def _recomputes(self, qkv: torch.Tensor, cache: LayerCache | None) -> bool:
+        """Whether the forward recomputes steps 2-4 in the backward (`recompute_except_kernels`): training (a
+        gradient, no cache), eager (torch.compile's partitioner makes this choice itself), and the op on its Triton
+        kernels, whose scans keep their outputs; the torch paths would run again whole."""
+        if cache is not None or not (torch.is_grad_enabled() and qkv.requires_grad) or torch.compiler.is_compiling():
+            return False
+        q = qkv[..., : self.num_heads * self.head_dim].unflatten(-1, (self.num_heads, self.head_dim))
+        return runs_triton(q, rule=self.rule, window=self.window, backend=self.backend)
 
     def _normalize(self, u: torch.Tensor) -> torch.Tensor:
         """QK normalization over the head dim: rms u / sqrt(mean u^2 + eps), l2 u / sqrt(sum u^2 + eps), both
         `rms_normalize` (float32 math; a bfloat16 CUDA tensor comes back in bfloat16, under autocast too, l2's
         1/sqrt(K) scale rounding once more; the caller casts to the values' dtype). l2 is rms with eps / K, times
         1/sqrt(K). The mixer's backend picks the norm's: "auto" and "triton" the same (the Triton kernels keep the
-        normalized q, which the scan keeps too, and the normalized k, the scan's shifted keys one step earlier: the
-        conv's output is freed after the forward), the op's torch paths ("naive", "chunk") and torch.compile's graphs
-        (inductor fuses it) torch's `F.rms_norm`."""
+        normalized output, not the conv's, which is freed after the forward; in training `_mix` recomputes both),
+        the op's torch paths ("naive", "chunk") and torch.compile's graphs (inductor fuses it) torch's
+        `F.rms_norm`."""
         if self.qk_norm == "none":
             return u
         dim = u.shape[-1]

@@ -16,6 +16,9 @@ a prefill runs the chunked SSD, a single token the recurrence step (`ssd(..., ba
 With `cu_seqlens` and a cache (a packed prefill) the states have one row per packed sequence. `seq_idx` (a
 document index per token, training only) marks packed documents without changing any shape: the conv's taps and
 the SSD's state restart at each document (the SSD's torch chunk path); the hybrid block uses it when compiled.
+Training on the Triton SSD (a gradient, no cache, eager) recomputes the multipliers, the conv and the discretization
+in the backward, not the scan (`hybridlm.ops.recompute`): the conv's output (x, B, C) is not kept, only the input
+projection (which holds z for the gate anyway) and the scan's output; values and gradients are the same bit for bit.
 Under tensor parallelism (hybridlm.parallel.tensor_parallel) the head counts here (num_heads, groups, d_ssm,
 conv_channels) are the rank's local ones and the per-head parameters are Shard(0) DTensors read through `local_tensor`.
 """
@@ -34,6 +37,8 @@ from hybridlm.modules.gated_norm import GatedRMSNorm, gated_output_projection
 from hybridlm.modules.linear import AlignedLinear
 from hybridlm.modules.multiplier import scaled
 from hybridlm.modules.short_conv import ShortConvolution
+from hybridlm.ops.recompute import recompute_except_kernels
+from hybridlm.ops.ssd import runs_triton as ssd_runs_triton
 from hybridlm.ops.ssd import ssd
 from hybridlm.ops.utils import compute_dtype, local_tensor
 
@@ -105,14 +110,26 @@ class Mamba2Mixer(nn.Module):
                 raise ValueError("Mamba2Mixer: a decoding cache cannot be combined with packed documents (restarts)")
             packed, cu_seqlens, _ = pack_rows(hidden, position_ids)  # documents packed inside rows
             return self(packed, cu_seqlens=cu_seqlens).reshape(hidden.shape[0], hidden.shape[1], -1)
-        batch, length, _ = hidden.shape
-        bc_width = self.groups * self.d_state
-        m = self.multipliers
-
-        # 1. Fused input projection, split, muP multipliers.
+        # 1. Fused input projection, split, muP multiplier of the gate (those of x, B, C, dt in `_mix`).
         zxbcdt = self.in_proj(hidden)  # [B, T, 2 d_ssm + 2 G N + H]
         z, xbc, dt = zxbcdt.split([self.d_ssm, self.conv_channels, self.num_heads], dim=-1)
-        z = scaled(z, m["z"])
+        z = scaled(z, self.multipliers["z"])
+        documents = dict(cu_seqlens=cu_seqlens, seq_idx=seq_idx)
+        if self._recomputes(xbc, seq_idx, cache):  # training on the Triton kernels: keep the projection only
+            y = recompute_except_kernels(lambda *inputs: self._mix(*inputs, **documents, cache=None), xbc, dt)
+        else:
+            y = self._mix(xbc, dt, **documents, cache=cache)
+
+        # 5. Gate (through the grouped norm, or a plain SiLU gate: float32 math, the 16-bit y and z kept for the
+        # backward), output projection (the gated output recomputed in the backward).
+        return gated_output_projection(y, z, self.out_proj, self.norm, hidden.dtype)
+
+    def _mix(self, xbc, dt, *, cu_seqlens, seq_idx, cache) -> torch.Tensor:
+        """The rest of step 1 and steps 2-4: the multipliers of x, B, C and dt, the conv, the discretization and the
+        SSD scan on the projection's pieces -> y [B, T, d_ssm]; the conv tail and the scan's state go into `cache`."""
+        batch, length, _ = xbc.shape
+        bc_width = self.groups * self.d_state
+        m = self.multipliers
         if (m["x"], m["B"], m["C"]) != (1.0, 1.0, 1.0):
             x, b, c = xbc.split([self.d_ssm, bc_width, bc_width], dim=-1)
             xbc = torch.cat([x * m["x"], b * m["B"], c * m["C"]], dim=-1)  # [B, T, d_ssm + 2 G N]
@@ -149,8 +166,16 @@ class Mamba2Mixer(nn.Module):
         )
         if cache is not None:
             cache.ssm["conv"], cache.ssm["ssm"] = conv_state, ssm_state
-        y = y.reshape(batch, length, self.d_ssm)  # [B, T, d_ssm]
+        return y.reshape(batch, length, self.d_ssm)  # [B, T, d_ssm]
 
-        # 5. Gate (through the grouped norm, or a plain SiLU gate: float32 math, the 16-bit y and z kept for the
-        # backward), output projection (the gated output recomputed in the backward).
-        return gated_output_projection(y, z, self.out_proj, self.norm, hidden.dtype)
+    def _recomputes(self, xbc: torch.Tensor, seq_idx: torch.Tensor | None, cache: LayerCache | None) -> bool:
+        """Whether the forward recomputes `_mix` in the backward (`recompute_except_kernels`): training (a gradient,
+        no cache), eager (torch.compile's partitioner makes this choice itself), and the scan on its Triton kernels,
+        which keep their outputs; the torch paths would run again whole."""
+        if (cache is not None or xbc.shape[1] == 1 or not (torch.is_grad_enabled() and xbc.requires_grad)
+                or torch.compiler.is_compiling()):
+            return False
+        bc_width = self.groups * self.d_state
+        x = xbc[..., : self.d_ssm].unflatten(-1, (self.num_heads, self.head_dim))
+        b = xbc[..., self.d_ssm : self.d_ssm + bc_width].unflatten(-1, (self.groups, self.d_state))
+        return ssd_runs_triton(x, b, seq_idx=seq_idx, backend=self.backend)

@@ -167,7 +167,7 @@ def _no_context(model: nn.Module) -> contextlib.AbstractContextManager:
 @dataclass
 class TokenCrossEntropy:
     """Summed next-token cross entropy over the labels that are not `IGNORE_INDEX`, in fp32 at least (16-bit logits
-    are cast; float64 ones stay float64), computed by the model without holding the logits
+    are cast; float64 ones stay float64), computed by the model, by default without holding the logits
     (`model(..., shift_labels=labels, return_logits=False)`: its LM head and the cross entropy over row chunks).
 
     batch: `labels` [B, T] (the next tokens, shifted already; -100 where nothing is scored) and the model's keyword
@@ -177,10 +177,13 @@ class TokenCrossEntropy:
 
     `scored_only`: the model computes logits only at the time positions some row scores (`logits_to_keep` as a
     tensor of positions), which saves the LM head's time and memory where most labels are -100 (SFT trains on the
-    assistant's tokens); the positions are data-dependent shapes, so not for CUDA graphs."""
+    assistant's tokens); the positions are data-dependent shapes, so not for CUDA graphs.
+    `chunked=False`: the model computes the [B, T, V] logits and then the loss from them (`train.lm_head_loss`
+    "logits"; the same values up to rounding, more memory)."""
 
     context: ForwardContext = _no_context
     scored_only: bool = False
+    chunked: bool = True
 
     def count(self, batch: Batch) -> int:
         return int((batch["labels"] != IGNORE_INDEX).sum())
@@ -193,7 +196,7 @@ class TokenCrossEntropy:
             labels = labels[:, inputs["logits_to_keep"]]
         with self.context(model):
             # The model's chunked LM head + cross entropy (no [B, T, V] logits held); num_items_in_batch=1: the sum.
-            return model(**inputs, shift_labels=labels, num_items_in_batch=1, return_logits=False).loss
+            return model(**inputs, shift_labels=labels, num_items_in_batch=1, return_logits=not self.chunked).loss
 
 
 def scored_positions(labels: torch.Tensor) -> torch.Tensor:

@@ -297,7 +297,8 @@ class Trainer:
         else:
             # SFT: the LM head only where labels score (the assistant's tokens), unless CUDA graphs need fixed shapes
             scored_only = config.train.task == "sft" and not self._cuda_graphs
-            self.loss = TokenCrossEntropy(context=self._forward_context, scored_only=scored_only)
+            self.loss = TokenCrossEntropy(context=self._forward_context, scored_only=scored_only,
+                                          chunked=config.train.lm_head_loss == "chunked")
             prepare = self._micro_batch
         max_norm = config.train.grad_clip if config.train.grad_clip is not None else math.inf
         self.loop = TrainLoop(

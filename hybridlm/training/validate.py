@@ -24,6 +24,7 @@ DEVICES = ("auto", "cpu", "cuda")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")  # train.compile_mode
 TASKS = ("pretrain", "sft", "dpo")  # train.task
 CHECKPOINT_FORMATS = ("auto", "dcp", "full")  # train.checkpoint_format
+LM_HEAD_LOSSES = ("chunked", "logits")  # train.lm_head_loss
 
 
 def _positive_int(value: Any, key: str, minimum: int = 1) -> None:
@@ -169,6 +170,7 @@ def validate(config: TrainConfig) -> None:
     if t.compile_mode != "default" and not t.compile:
         raise ConfigError(f"train.compile_mode: {t.compile_mode!r} needs train.compile=true")
     _choice(t.checkpoint_format, "train.checkpoint_format", CHECKPOINT_FORMATS)
+    _choice(t.lm_head_loss, "train.lm_head_loss", LM_HEAD_LOSSES)
     if t.checkpoint_async and t.checkpoint_format == "full":
         raise ConfigError("train.checkpoint_async: asynchronous saves write the sharded format; set "
                           "train.checkpoint_format=dcp (or auto), or train.checkpoint_async=false")

@@ -75,8 +75,11 @@ def test_reference_pass_and_frozen_reference_give_zero_rewards_at_the_start(mode
     assert abs(float(frozen) - float(precomputed)) < 1e-12
 
 
-@pytest.mark.parametrize("scored_only", [False, True])
-def test_packed_sft_rows_equal_per_sequence_losses(model, scored_only):
+@pytest.mark.parametrize("scored_only,chunked", [(False, True), (True, True), (False, False), (True, False)],
+                         ids=["all-chunked", "scored-chunked", "all-logits", "scored-logits"])
+def test_packed_sft_rows_equal_per_sequence_losses(model, scored_only, chunked):
+    """The token loss on packed rows (the chunked LM-head loss, or `train.lm_head_loss=logits`'s) against each
+    sequence's log-probabilities alone, float64."""
     rng = torch.Generator().manual_seed(0)
     samples = []
     for n in (5, 9, 3, 12, 7, 4, 10):
@@ -84,7 +87,7 @@ def test_packed_sft_rows_equal_per_sequence_losses(model, scored_only):
         samples.append((ids, [0] * 2 + [1] * (n - 2)))
     rows = ChatRows(samples, batch_size=2, seq_len=20, seed=0, pad_id=0, shuffle=False)
     batch = next(rows)
-    loss = TokenCrossEntropy(scored_only=scored_only)
+    loss = TokenCrossEntropy(scored_only=scored_only, chunked=chunked)
     packed = {"input_ids": batch["input_ids"].reshape(1, -1), "position_ids": batch["position_ids"].reshape(1, -1),
               "cu_seqlens": batch["cu_seqlens"], "labels": batch["labels"].reshape(1, -1)}
     total = loss(model, packed)

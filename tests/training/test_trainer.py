@@ -653,14 +653,17 @@ def test_allocate_missing_grads_allocates_missing_gradients_only(demo_dir, tmp_p
     assert all(p.grad is not None and not p.grad.any() for p in params[1:])
 
 
-@pytest.mark.parametrize("boundaries", [True, False])
-def test_model_inputs_come_from_the_host_offsets_and_give_the_same_loss(demo_dir, tmp_path, boundaries):
+@pytest.mark.parametrize("boundaries,lm_head_loss", [(True, "chunked"), (False, "chunked"), (True, "logits")])
+def test_model_inputs_come_from_the_host_offsets_and_give_the_same_loss(demo_dir, tmp_path, boundaries, lm_head_loss):
     """The trainer hands the model its documents from the loader's host offsets (a packed row with host cu_seqlens,
     or plain rows), never restarting position_ids for the model to read back from the device; the loss equals the
-    model's own reading of the position_ids."""
+    model's own reading of the position_ids, with the chunked LM-head loss or with the logits
+    (`train.lm_head_loss`)."""
     import torch.nn.functional as F
 
-    trainer = Trainer(small_config(demo_dir, tmp_path, f"data.document_boundaries={str(boundaries).lower()}"))
+    trainer = Trainer(small_config(demo_dir, tmp_path, f"data.document_boundaries={str(boundaries).lower()}",
+                                   f"train.lm_head_loss={lm_head_loss}"))
+    assert trainer.loss.chunked == (lm_head_loss == "chunked")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 200, (2, 16), generator=g)
     labels = torch.randint(3, 200, (2, 16), generator=g)

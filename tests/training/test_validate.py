@@ -121,3 +121,9 @@ def test_ignored_settings_at_their_defaults_are_accepted():
                               "optim.elr.embedding=2.0"])
     assert tied.optim.elr == {"unembedding": 1.0, "embedding": 2.0}
     load_config(None, ["optim.elr.unembedding=4.0"])  # untied: the unembedding group exists
+
+
+def test_the_lm_head_loss_is_one_of_its_forms():
+    assert load_config(None, ["train.lm_head_loss=logits"]).train.lm_head_loss == "logits"
+    with pytest.raises(ConfigError, match="train.lm_head_loss: must be one of chunked, logits, got 'full'"):
+        load_config(None, ["train.lm_head_loss=full"])

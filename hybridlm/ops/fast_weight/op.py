@@ -171,6 +171,12 @@ def _backend(q, v, *, rule, window, packed, backend) -> str:
     return resolve_backend(backend, available=BACKENDS, default=default)
 
 
+def runs_triton(q, v=None, *, rule, window=1, backend="auto") -> bool:
+    """Whether `fast_weight_attention(q, k, v, ...)` on one row layout runs the Triton kernels (metadata only).
+    v: the values (None: V = K)."""
+    return _backend(q, q if v is None else v, rule=rule, window=window, packed=False, backend=backend) == "triton"
+
+
 def seq_idx_in_place(q, v=None, *, rule, window=1, pairing="shifted", read="after", backend="auto") -> bool:
     """Whether `fast_weight_attention(q, k, v, ..., seq_idx=...)` restarts the documents in place, on the rows'
     shapes with nothing read on the host (so it can run inside a compiled graph): the chunk and Triton backends, a

@@ -29,7 +29,7 @@ from hybridlm.ops.utils import (
     warn_slow_path,
 )
 
-__all__ = ["ssd", "naive_ssd", "chunk_ssd"]
+__all__ = ["ssd", "naive_ssd", "chunk_ssd", "runs_triton"]
 
 _BACKENDS = ("naive", "chunk", "triton")
 _NO_TRITON = ("triton is not installed: backend='auto' runs the Mamba-2 SSD on CUDA through the torch chunk path "
@@ -132,6 +132,11 @@ def _triton_in_row_groups(x, dt, A, B, C, *, D, chunk_size, initial_state, offse
 
     return call_in_row_groups(call, [x, dt, B, C], [initial_state], heads=x.shape[2], offsets=offsets,
                               join_rows=torch.cat)
+
+
+def runs_triton(x, B, C=None, *, seq_idx=None, backend="auto") -> bool:
+    """Whether `ssd(x, dt, A, B, C, ...)` runs the Triton kernels (metadata only). C: None for B's dtype."""
+    return _backend(x, B, B if C is None else C, seq_idx=seq_idx, backend=backend) == "triton"
 
 
 def _backend(x, B, C, *, seq_idx, backend) -> str:

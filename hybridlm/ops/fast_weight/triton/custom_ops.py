@@ -26,11 +26,14 @@ ops; rule 3's events differ from rule 1's rows (the events of one step do not se
 ops on rule 1's kernels. The implementations (`inner_product.py`, `regression.py`, `prepare.py`, `band.py`, which
 need triton) are imported on the first call; this file imports only torch.
 dS0 is always computed (the backward pass ends on it); the autograd formula drops it when S0 is None.
+The scans' and the band's forward launches are `kept_kernel`s: a region recomputed in the backward
+(`hybridlm.ops.recompute`, the fast-weight mixer's) keeps their outputs and recomputes only what feeds them.
 """
 
 import torch
 
 from hybridlm.ops.fast_weight.triton.limits import DTYPES, MAX_DELTA_CHUNK, MAX_HEAD_DIM, MAX_RULE_2_CHUNK
+from hybridlm.ops.recompute import kept_kernel
 from hybridlm.ops.utils import on_tensor_device, triton_interpreting
 
 # The scans' options (after S0), passed through to the implementations' forward/backward; rule 3 adds `slots`.
@@ -215,8 +218,8 @@ def _register(rule: str, name: str, options: str = _OPTIONS) -> None:
     def fwd(q, x, y, eta, log_gamma, S0, *options):
         q, x, y, eta, log_gamma = (t.contiguous() for t in (q, x, y, eta, log_gamma))
         S0 = None if S0 is None else S0.contiguous()
-        with on_tensor_device(q):
-            return _implementation(rule)[0](q, x, y, eta, log_gamma, S0, *options)
+        with on_tensor_device(q):  # kept, not run again, in a recomputed region (hybridlm.ops.recompute)
+            return kept_kernel(_implementation(rule)[0], q, x, y, eta, log_gamma, S0, *options)
 
     @fwd.register_fake
     def _(q, x, y, eta, log_gamma, S0, *options):
@@ -333,7 +336,7 @@ def _register_band() -> None:
         from hybridlm.ops.fast_weight.triton import band
 
         with on_tensor_device(q):
-            return band.forward(*(t.contiguous() for t in (q, x_ext, y_ext, c, base)), shift)
+            return kept_kernel(band.forward, *(t.contiguous() for t in (q, x_ext, y_ext, c, base)), shift)
 
     @fwd.register_fake
     def _(q, x_ext, y_ext, c, base, shift):

@@ -1,0 +1,131 @@
+"""The SSM mixers in training on the Triton kernels recompute their conv, norms and write preparation in the
+backward (`hybridlm.ops.recompute`), keeping the scans' outputs: values and gradients bit for bit the plain path's,
+the scan launched once, and fewer bytes kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridlm.layers import fast_weight as fast_weight_layer
+from hybridlm.layers import mamba2 as mamba2_layer
+from hybridlm.layers.fast_weight import FastWeightMixer
+from hybridlm.layers.mamba2 import Mamba2Mixer
+from hybridlm.models.config import HybridConfig
+from hybridlm.modules.boundaries import sequence_ids
+from tests.ops.triton_modes import DEVICE, interpret
+
+FAST_WEIGHT = [dict(fw_rule="1A"), dict(fw_rule="1"), dict(fw_rule="3A", fw_window=3), dict(fw_rule="2A"),
+               dict(fw_rule="1A", fw_gates="fixed", fw_step_size="direct")]
+D = 24
+
+
+def fast_weight_mixer(**fw) -> FastWeightMixer:
+    config = HybridConfig(vocab_size=32, hidden_size=D, num_attention_heads=2, intermediate_size=0, num_hidden_layers=1,
+                          ssm_mixer="fast_weight", fw_heads=2, fw_head_dim=16, fw_chunk_size=16, fw_conv_size=3, **fw)
+    torch.manual_seed(0)
+    mixer = FastWeightMixer(config, layer_idx=0)
+    if mixer.beta_bias is not None:
+        with torch.no_grad():
+            mixer.beta_bias.normal_(0.0, 0.5)
+            mixer.lam_bias.normal_(0.0, 1.0)
+    mixer.backend = "triton"
+    return mixer.to(DEVICE)
+
+
+def mamba2_mixer(**changes) -> Mamba2Mixer:
+    fields = dict(vocab_size=32, hidden_size=D, num_attention_heads=2, intermediate_size=0, num_hidden_layers=1,
+                  mamba_d_ssm=32, mamba_n_heads=2, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
+                  mamba_chunk_size=16, **changes)
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(HybridConfig(**fields), layer_idx=0)
+    with torch.no_grad():
+        mixer.A_log.copy_(torch.randn(mixer.num_heads) * 0.5)
+        mixer.dt_bias.copy_(torch.randn(mixer.num_heads))
+    mixer.backend = "triton"
+    return mixer.to(DEVICE)
+
+
+def run(mixer, module, monkeypatch, *, recompute: bool, **kwargs):
+    """Output, input and parameter gradients, the scans launched and the storages kept after the forward."""
+    if not recompute:
+        monkeypatch.setattr(type(mixer), "_recomputes", lambda self, *args: False)
+    scans = []
+    original = module.recompute_except_kernels
+    monkeypatch.setattr(module, "recompute_except_kernels", lambda fn, *inputs: scans.append(1) or original(fn, *inputs))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 50, D, generator=g).to(DEVICE).requires_grad_()
+    kept = {}
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: kept.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) and t,
+            lambda t: t):
+        out = mixer(x, **kwargs)
+    out.backward(torch.linspace(-1, 1, out.numel(), device=DEVICE).reshape(out.shape))
+    grads = [x.grad] + [p.grad for p in mixer.parameters()]
+    monkeypatch.undo()
+    params = {p.untyped_storage().data_ptr() for p in mixer.parameters()}
+    nbytes = sum(n for ptr, n in kept.items() if ptr not in params)
+    return out.detach(), grads, len(scans), nbytes
+
+
+def assert_same(a, b):
+    assert torch.equal(a[0], b[0])
+    for ga, gb in zip(a[1], b[1]):
+        assert (ga is None and gb is None) or torch.equal(ga, gb)
+
+
+def packed_kwargs(length: int = 50):
+    cu_seqlens = torch.tensor([0, 1, 19, 34, length])
+    return dict(cu_seqlens=cu_seqlens.to(DEVICE), seq_idx=sequence_ids(cu_seqlens, length).unsqueeze(0).to(DEVICE))
+
+
+@interpret
+@pytest.mark.parametrize("fw", FAST_WEIGHT, ids=lambda fw: "-".join(str(v) for v in fw.values()))
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_fast_weight_mixer_recomputes_exactly(monkeypatch, fw, packed):
+    """float32; `packed`: four documents restarted in place (seq_idx), or through cu_seqlens where the op cannot."""
+    mixer = fast_weight_mixer(**fw)
+    kwargs = packed_kwargs() if packed else {}
+    plain = run(mixer, fast_weight_layer, monkeypatch, recompute=False, **kwargs)
+    mixer.zero_grad()
+    recomputed = run(mixer, fast_weight_layer, monkeypatch, recompute=True, **kwargs)
+    assert_same(recomputed, plain)
+    assert (plain[2], recomputed[2]) == (0, 1)
+    # q, k, the write events (x, y) at the least: 4 x [T, H, K] float32 fewer.
+    assert recomputed[3] <= plain[3] - 4 * 50 * 2 * 16 * 4
+
+
+@interpret
+@pytest.mark.parametrize("changes", [{}, dict(ssm_multiplier_x=1.5, ssm_multiplier_B=0.7, ssm_multiplier_C=1.3,
+                                              ssm_multiplier_dt=0.6, mamba_rms_norm=True)], ids=["plain", "muP"])
+def test_mamba2_mixer_recomputes_exactly(monkeypatch, changes):
+    mixer = mamba2_mixer(**changes)
+    plain = run(mixer, mamba2_layer, monkeypatch, recompute=False)
+    mixer.zero_grad()
+    recomputed = run(mixer, mamba2_layer, monkeypatch, recompute=True)
+    assert_same(recomputed, plain)
+    assert (plain[2], recomputed[2]) == (0, 1)
+    # The conv's output (x, B, C): [T, d_ssm + 2 G N] float32 fewer.
+    assert recomputed[3] <= plain[3] - 50 * (32 + 2 * 16) * 4
+
+
+def test_no_recomputation_without_the_triton_kernels_or_a_gradient(monkeypatch):
+    """The torch paths would run whole again: the chunk backend keeps the plain path in training; so do no gradient
+    and a decoding cache on the Triton backend."""
+    from hybridlm.layers.cache import LayerCache
+
+    for module in (fast_weight_layer, mamba2_layer):
+        monkeypatch.setattr(module, "recompute_except_kernels", lambda *args: pytest.fail("recomputed"))
+    x = torch.randn(1, 12, D, requires_grad=True)
+    for mixer in (fast_weight_mixer(fw_rule="1A").cpu(), mamba2_mixer().cpu()):
+        mixer.backend = "chunk"
+        mixer(x).sum().backward()
+        mixer.backend = "triton"
+        pieces = mixer.in_proj(x)[..., : mixer.conv_channels]
+        takes = (lambda *a: mixer._recomputes(*a)) if isinstance(mixer, FastWeightMixer) else \
+            (lambda p, cache: mixer._recomputes(p, None, cache))
+        assert takes(pieces, None)
+        assert not takes(pieces, LayerCache())
+        assert not takes(pieces.detach(), None)
+        with torch.no_grad():
+            assert not takes(pieces, None)

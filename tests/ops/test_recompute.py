@@ -1,0 +1,131 @@
+"""`recompute_except_kernels`: a region recomputed in the backward except its kept kernels, against the plain call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridlm.ops.recompute import kept_kernel, recompute_except_kernels
+
+LAUNCHES = {"scan": 0, "other": 0}
+
+
+def _scan_launch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A stand-in for a scan kernel: a weighted cumulative sum over steps, counted."""
+    LAUNCHES["scan"] += 1
+    return torch.cumsum(x * w, dim=1)
+
+
+def _other_launch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    LAUNCHES["other"] += 1
+    return torch.cumsum(x * w, dim=1)
+
+
+@torch.library.custom_op("hybridlm_test::recompute_scan", mutates_args=())
+def _scan(x: torch.Tensor, w: torch.Tensor, other: bool) -> torch.Tensor:
+    return kept_kernel(_other_launch if other else _scan_launch, x, w)
+
+
+def _scan_setup(ctx, inputs, output):
+    x, w, _ = inputs
+    ctx.save_for_backward(x, w)
+
+
+def _scan_backward(ctx, dout):
+    x, w = ctx.saved_tensors
+    g = dout.flip(1).cumsum(1).flip(1)  # d/d(x w) of a cumulative sum
+    return g * w, (g * x).sum((0, 1)), None
+
+
+_scan.register_autograd(_scan_backward, setup_context=_scan_setup)
+
+
+class Region:
+    """prepare -> scan -> output, with the preparation's calls counted (it runs again in the backward)."""
+
+    def __init__(self, w_prep: torch.Tensor, w_scan: torch.Tensor):
+        self.w_prep, self.w_scan = w_prep, w_scan
+        self.prepared = 0
+        self.other_on_call = None  # the call number whose scan launches `_other_launch` (a nondeterministic region)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        self.prepared += 1
+        u = torch.sin(h) * self.w_prep  # [B, T, C]: kept by the scan in the plain call
+        return _scan(u, self.w_scan, self.prepared == self.other_on_call) * 2.0
+
+
+def _inputs(dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 7, 5, generator=g, dtype=dtype, requires_grad=True)
+    w_prep = torch.randn(5, generator=g, dtype=dtype, requires_grad=True)
+    w_scan = torch.randn(5, generator=g, dtype=dtype, requires_grad=True)
+    return h, w_prep, w_scan
+
+
+def _run(recompute: bool, *, retain: bool = False):
+    h, w_prep, w_scan = _inputs()
+    region = Region(w_prep, w_scan)
+    LAUNCHES.update(scan=0, other=0)
+    out = recompute_except_kernels(region, h) if recompute else region(h)
+    dout = torch.linspace(-1.0, 1.0, out.numel(), dtype=out.dtype).reshape(out.shape)
+    out.backward(dout, retain_graph=retain)
+    grads = [t.grad.clone() for t in (h, w_prep, w_scan)]
+    if retain:  # a second backward through the same graph recomputes (and replays) again
+        for t in (h, w_prep, w_scan):
+            t.grad = None
+        out.backward(dout)
+        grads += [t.grad for t in (h, w_prep, w_scan)]
+    return out.detach(), grads, region.prepared, LAUNCHES["scan"]
+
+
+def test_values_and_gradients_equal_the_plain_call():
+    out, grads, prepared, launches = _run(recompute=True)
+    out_plain, grads_plain, prepared_plain, launches_plain = _run(recompute=False)
+    assert torch.equal(out, out_plain)
+    for g, g_plain in zip(grads, grads_plain):
+        assert torch.equal(g, g_plain)
+    assert (prepared_plain, launches_plain) == (1, 1)
+    # The preparation runs again in the backward; the kept kernel does not.
+    assert (prepared, launches) == (2, 1)
+
+
+def test_a_second_backward_replays_again():
+    out, grads, prepared, launches = _run(recompute=True, retain=True)
+    _, grads_plain, _, _ = _run(recompute=False)
+    for g, g_plain in zip(grads, grads_plain + grads_plain):
+        assert torch.equal(g, g_plain)
+    assert (prepared, launches) == (3, 1)
+
+
+def test_the_region_keeps_its_inputs_not_what_feeds_the_kernel():
+    """The storages autograd keeps after the forward, outside the region's own checkpoint hooks: the plain call's
+    scan keeps sin(h) w_prep and the product sin(h); the region keeps h (its input, for the recomputation) and none of its intermediates."""
+    kept = {}
+    for recompute in (False, True):
+        h, w_prep, w_scan = _inputs()
+        region = Region(w_prep, w_scan)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.data_ptr()) or t, lambda t: t):
+            out = recompute_except_kernels(region, h) if recompute else region(h)
+        params = {t.data_ptr() for t in (w_prep, w_scan)}
+        kept[recompute] = {ptr for ptr in saved if ptr not in params} - {h.data_ptr()}
+        out.sum().backward()
+    assert len(kept[False]) == 2  # sin(h) (for the product's gradient) and sin(h) * w_prep (for the scan's)
+    assert kept[True] == set()
+
+
+def test_a_region_that_calls_another_kernel_on_recomputation_raises():
+    h, w_prep, w_scan = _inputs()
+    region = Region(w_prep, w_scan)
+    region.other_on_call = 2  # the recomputation launches a different kernel
+    out = recompute_except_kernels(region, h)
+    with pytest.raises(RuntimeError, match="same order each time"):
+        out.sum().backward()
+
+
+def test_outside_a_region_the_kernel_just_runs():
+    h, w_prep, w_scan = _inputs()
+    LAUNCHES.update(scan=0)
+    _scan(h, w_scan, False)
+    _scan(h, w_scan, False)
+    assert LAUNCHES["scan"] == 2
