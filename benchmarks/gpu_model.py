@@ -38,7 +38,9 @@ the Transformer's attention and MLP and add the SSM half: 143-159M parameters ag
    compiled update is warmed up before timing), every variant alike.
    `--rounds R` measures every training row R times with the variants interleaved (A B A B ...: a shared host's
    drift lands on baseline and variant alike) and reports the median tokens/s and the median of the per-round
-   ratios with their range.
+   ratios with their range. `--kept-mixers` also trains each variant with SSM mixers with the mixers' own
+   recomputation off (`parallel.recompute_mixers=false`: they keep their conv output, QK norms and write events for
+   the backward), as "<variant> (kept)" beside it in every round: the memory it saves and the time it costs.
    `--documents D` packs the rows into one row of rows x T tokens with `cu_seqlens` (each row cut into D documents
    at fixed random places, the same for every variant), as the trainer runs `data.document_boundaries`; compiled,
    each block compiles on its own, as in the trainer (`HybridBlock`'s packed-document paths), with a CUDA-graph
@@ -68,6 +70,7 @@ import torch
 from gpu_ops import kernel_launches  # benchmarks/ is on the path when this script runs
 
 from hybridlm.inference import GraphedDecoder, prefill
+from hybridlm.layers.fast_weight import FastWeightMixer
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.allocation import channel_allocation
 from hybridlm.models.model import HybridForCausalLM
@@ -303,7 +306,7 @@ def print_training_table(rows: list[dict]) -> None:
         if not measured:
             print(f"| {variant} | {first['params'] / 1e6:.0f}M | {shape} | OOM | - | {len(rounds)} | - | - |")
             continue
-        base_rounds = by_key.get((BASELINE.get(variant, "transformer"), length), {})
+        base_rounds = by_key.get((first.get("baseline", BASELINE.get(variant, "transformer")), length), {})
         ratios = [r["tokens_per_s"] / base_rounds[k]["tokens_per_s"] for k, r in rounds.items()
                   if r["tokens_per_s"] and base_rounds.get(k, {}).get("tokens_per_s")]
         ratio = "-"
@@ -351,6 +354,10 @@ def main() -> None:
     parser.add_argument("--logits-loss", action="store_true",
                         help="train on the loss computed from the whole logits, not the chunked one `hybridlm train` "
                              "uses")
+    parser.add_argument("--kept-mixers", action="store_true",
+                        help="also train every variant with SSM mixers with their own recomputation off (the mixers "
+                             "keep their conv output, norms and write events: `parallel.recompute_mixers=false`), "
+                             "as '<variant> (kept)' in the same rounds")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run of this script)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -386,19 +393,27 @@ def main() -> None:
     params = {variant: sum(p.numel() for p in model.parameters()) for variant, model in models.items()}
     for round_ in range(args.rounds):
         for variant, model in models.items():
-            for length in args.lengths:
-                row = {"variant": variant, "params": params[variant], "T": length, "rows": args.train_rows,
-                       "documents": args.documents, "round": round_}
-                try:
-                    record({**row, **training(model, length=length, device=device, repeats=args.repeats,
-                                              rows=args.train_rows, compile=args.compile, documents=args.documents,
-                                              profile_label=variant if args.profile_train and round_ == 0 else None,
-                                              logits=args.logits_loss)})
-                except torch.OutOfMemoryError:
-                    record({**row, "tokens_per_s": None})
-                model.zero_grad(set_to_none=True)  # the other variants' turns need the memory
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+            mixers = [m for m in model.modules() if isinstance(m, (FastWeightMixer, Mamba2Mixer))]
+            for recompute in [True] + ([False] if args.kept_mixers and mixers else []):
+                for mixer in mixers:
+                    mixer.recompute = recompute
+                label = variant if recompute else f"{variant} (kept)"
+                for length in args.lengths:
+                    row = {"variant": label, "baseline": BASELINE.get(variant, "transformer"),
+                           "params": params[variant], "T": length, "rows": args.train_rows,
+                           "documents": args.documents, "round": round_}
+                    try:
+                        record({**row, **training(model, length=length, device=device, repeats=args.repeats,
+                                                  rows=args.train_rows, compile=args.compile,
+                                                  documents=args.documents, logits=args.logits_loss,
+                                                  profile_label=label if args.profile_train and round_ == 0 else None)})
+                    except torch.OutOfMemoryError:
+                        record({**row, "tokens_per_s": None})
+                    model.zero_grad(set_to_none=True)  # the other variants' turns need the memory
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+            for mixer in mixers:
+                mixer.recompute = True
     for variant in args.variants:
         model = models.pop(variant)
         for context in args.contexts:

@@ -91,6 +91,18 @@ def test_gpu_model_on_the_cpu_interleaved_rounds(tmp_path):
         assert f"| {sum(ratios) / 2:.2f}x ({ratios[0]:.2f}-{ratios[1]:.2f}) |" in line
 
 
+def test_gpu_model_on_the_cpu_kept_mixers_beside_each_variant(tmp_path):
+    out = run("gpu_model.py", "--cpu", "--preset", "tiny", "--lengths", "32", "--contexts", "--variants", "transformer",
+              "hybrid mamba2", "--repeats", "1", "--rounds", "2", "--kept-mixers", "--json", str(tmp_path / "rows.json"))
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    # The Transformer has no SSM mixer: no "(kept)" run; the hybrid's runs beside it in each round, one baseline.
+    assert [(r["round"], r["variant"]) for r in rows] == [
+        (k, v) for k in (0, 1) for v in ("transformer", "hybrid mamba2", "hybrid mamba2 (kept)")]
+    assert {r["baseline"] for r in rows} == {"transformer"}
+    kept = table_rows(out, "hybrid mamba2 (kept)")
+    assert len(kept) == 1 and "| 1 x 32 |" in kept[0] and "x (" in kept[0]  # a ratio to the Transformer's rounds
+
+
 def test_gpu_model_on_the_cpu_sliding_window_hybrid_keeps_constant_cache(tmp_path):
     out = run("gpu_model.py", "--cpu", "--preset", "tiny", "--lengths", "--contexts", "32", "96", "--variants",
               "transformer", "hybrid swa fw-1A", "--window", "8", "--decode-batches", "1", "--decode-steps", "2",

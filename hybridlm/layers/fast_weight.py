@@ -42,7 +42,7 @@ Training on the Triton kernels (a gradient, no cache, eager) recomputes steps 2-
 backward (`hybridlm.ops.recompute`): the mixer keeps its input projection (which holds z for the gated norm anyway)
 and the op's output, not the conv's output, the normalized q and k or the write events: 5,440 bytes per token per
 block fewer at the 125m shape (`benchmarks/saved_activations.py`), for a conv, two norms and the write preparation
-run again; values and gradients are the same bit for bit.
+run again; values and gradients are the same bit for bit. `recompute = False` on the mixer keeps them instead.
 
 Packed documents (`cu_seqlens`, or `position_ids` that restart at 0) reach both the conv and the op, so
 nothing crosses a document boundary. With `seq_idx` as well (the compiled hybrid block's call) the conv takes the
@@ -106,6 +106,7 @@ class FastWeightMixer(nn.Module):
         self.gates = config.fw_gates
         self.chunk_size = config.fw_chunk_size
         self.backend = "auto"  # "naive" | "chunk" | "triton" to force one; "auto": the op's choice
+        self.recompute = True  # training on the Triton kernels: steps 2-4 recomputed in the backward (less memory)
 
         # Heads: fw_heads x fw_head_dim; by default the SSM channel allocation: mamba_d_ssm channels over
         # mamba_n_heads heads (so the alpha_S allocation sizes either SSM half), or a multiple of them where those
@@ -226,10 +227,11 @@ class FastWeightMixer(nn.Module):
         return o
 
     def _recomputes(self, qkv: torch.Tensor, cache: LayerCache | None) -> bool:
-        """Whether the forward recomputes steps 2-4 in the backward (`recompute_except_kernels`): training (a
-        gradient, no cache), eager (torch.compile's partitioner makes this choice itself), and the op on its Triton
+        """Whether the forward recomputes steps 2-4 in the backward (`recompute_except_kernels`): `self.recompute`
+        (`parallel.recompute_mixers`), training (a gradient, no cache), eager (torch.compile's partitioner makes this choice itself), and the op on its Triton
         kernels, whose scans keep their outputs; the torch paths would run again whole."""
-        if cache is not None or not (torch.is_grad_enabled() and qkv.requires_grad) or torch.compiler.is_compiling():
+        if (not self.recompute or cache is not None or not (torch.is_grad_enabled() and qkv.requires_grad)
+                or torch.compiler.is_compiling()):
             return False
         q = qkv[..., : self.num_heads * self.head_dim].unflatten(-1, (self.num_heads, self.head_dim))
         return runs_triton(q, rule=self.rule, window=self.window, backend=self.backend)

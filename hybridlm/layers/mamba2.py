@@ -18,7 +18,8 @@ document index per token, training only) marks packed documents without changing
 the SSD's state restart at each document (the SSD's torch chunk path); the hybrid block uses it when compiled.
 Training on the Triton SSD (a gradient, no cache, eager) recomputes the multipliers, the conv and the discretization
 in the backward, not the scan (`hybridlm.ops.recompute`): the conv's output (x, B, C) is not kept, only the input
-projection (which holds z for the gate anyway) and the scan's output; values and gradients are the same bit for bit.
+projection (which holds z for the gate anyway) and the scan's output; values and gradients are the same bit for bit
+(`recompute = False` on the mixer keeps them instead).
 Under tensor parallelism (hybridlm.parallel.tensor_parallel) the head counts here (num_heads, groups, d_ssm,
 conv_channels) are the rank's local ones and the per-head parameters are Shard(0) DTensors read through `local_tensor`.
 """
@@ -62,6 +63,7 @@ class Mamba2Mixer(nn.Module):
         self.d_state = config.mamba_d_state
         self.chunk_size = config.mamba_chunk_size
         self.backend = "auto"  # the ssd op's backend for sequences ("chunk", "triton", ...); "auto": its choice
+        self.recompute = True  # training on the Triton SSD: `_mix` recomputed in the backward (less memory)
         self.time_step_limit = tuple(config.time_step_limit)
         self.multipliers = {
             "z": config.ssm_multiplier_z,
@@ -169,10 +171,10 @@ class Mamba2Mixer(nn.Module):
         return y.reshape(batch, length, self.d_ssm)  # [B, T, d_ssm]
 
     def _recomputes(self, xbc: torch.Tensor, seq_idx: torch.Tensor | None, cache: LayerCache | None) -> bool:
-        """Whether the forward recomputes `_mix` in the backward (`recompute_except_kernels`): training (a gradient,
-        no cache), eager (torch.compile's partitioner makes this choice itself), and the scan on its Triton kernels,
+        """Whether the forward recomputes `_mix` in the backward (`recompute_except_kernels`): `self.recompute`
+        (`parallel.recompute_mixers`), training (a gradient, no cache), eager (torch.compile's partitioner makes this choice itself), and the scan on its Triton kernels,
         which keep their outputs; the torch paths would run again whole."""
-        if (cache is not None or xbc.shape[1] == 1 or not (torch.is_grad_enabled() and xbc.requires_grad)
+        if (not self.recompute or cache is not None or xbc.shape[1] == 1 or not (torch.is_grad_enabled() and xbc.requires_grad)
                 or torch.compiler.is_compiling()):
             return False
         bc_width = self.groups * self.d_state

@@ -4,7 +4,8 @@
        or mixer parallelism over it                    (config.mixer_parallel "on" | "interleaved":
                                                         apply_mixer_parallel, which also splits the MLP)
     2. torch.compile per block                         (compile=True; compile_mode: torch.compile's mode)
-    3. activation checkpointing per block, around it   (config.activation_checkpointing)
+    3. activation checkpointing per block, around it   (config.activation_checkpointing; otherwise the SSM
+                                                        mixers recompute what feeds their scans: recompute_mixers)
     4. FSDP2 `fully_shard` per block, then the root    over data_parallel_mesh(mesh) (HSDP with dp_replicate > 1)
 
 Steps 2 and 3 swap torchtitan's order (which compiles the checkpointed block) because a block on packed documents
@@ -32,6 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from hybridlm.layers.block import HybridBlock
+from hybridlm.layers.fast_weight import FastWeightMixer
+from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.parallel.mesh import ParallelConfig, data_parallel_mesh
 from hybridlm.parallel.mixer_parallel import apply_mixer_parallel
 from hybridlm.parallel.tensor_parallel import apply_tensor_parallel
@@ -50,7 +53,7 @@ def parallelize(
         apply_mixer_parallel(model, mesh["tp"], mode=config.mixer_parallel, ssm_heads=config.ssm_tensor_parallel)
     layers = _layer_list(model)  # before wrapping: the wrappers are no HybridBlocks
     wrap_blocks(model, activation_checkpointing=config.activation_checkpointing, compile=compile,
-                compile_mode=compile_mode)
+                compile_mode=compile_mode, recompute_mixers=config.recompute_mixers)
     dp_mesh = data_parallel_mesh(mesh)
     if dp_mesh is not None:
         for block in layers:
@@ -60,11 +63,17 @@ def parallelize(
 
 
 def wrap_blocks(
-    model: nn.Module, *, activation_checkpointing: bool, compile: bool, compile_mode: str = "default"
+    model: nn.Module, *, activation_checkpointing: bool, compile: bool, compile_mode: str = "default",
+    recompute_mixers: bool = True,
 ) -> nn.ModuleList | None:
     """Steps 2 and 3 on every block in place (also what one process without a mesh applies); returns the list
     (None when neither is asked for: then any model passes). `compile_mode` is torch.compile's mode ("default",
-    "reduce-overhead": CUDA graphs per block, "max-autotune-no-cudagraphs")."""
+    "reduce-overhead": CUDA graphs per block, "max-autotune-no-cudagraphs"). `recompute_mixers`: the SSM mixers'
+    own recomputation in the backward (their `recompute`), off under activation_checkpointing, whose recomputation
+    of the whole block makes it redundant."""
+    for mixer in model.modules():
+        if isinstance(mixer, (FastWeightMixer, Mamba2Mixer)):
+            mixer.recompute = recompute_mixers and not activation_checkpointing
     if not (activation_checkpointing or compile):
         return None
     layers = _layer_list(model)

@@ -220,6 +220,9 @@ class ParallelSection:
     mixer_parallel: str = "off"  # "on" | "interleaved": attention and SSM mixers on the two halves of tp
     ssm_tensor_parallel: bool = True  # False: SSM mixers replicated over tp (needed when mamba_n_groups % tp)
     activation_checkpointing: bool = False  # recompute every block in backward (not with cp > 1)
+    # the SSM mixers on their Triton kernels recompute their conv, norms and write preparation in backward, not the
+    # scans: less activation memory for a few launches more (off under activation_checkpointing, which recomputes all)
+    recompute_mixers: bool = True
 
 
 @dataclass

@@ -174,7 +174,7 @@ def parallelize(model: nn.Module, config: Any, ctx: DistContext) -> nn.Module:
                              "torchrun (FSDP2, tensor parallelism) use train.compile_mode=default")
         return parallelize_model(model, ctx.mesh, ctx.parallel, compile=config.train.compile, compile_mode=mode)
     wrap_blocks(model, activation_checkpointing=config.parallel.activation_checkpointing, compile=config.train.compile,
-                compile_mode=mode)
+                compile_mode=mode, recompute_mixers=config.parallel.recompute_mixers)
     return model
 
 

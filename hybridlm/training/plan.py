@@ -75,7 +75,8 @@ def resolve_parallel(config: TrainConfig, world_size: int) -> ParallelConfig:
         _check_model_splits(build_model_config(config), p)
     return ParallelConfig(
         dp_replicate=dp_replicate, dp_shard=dp_shard, cp=p.cp, tp=p.tp,
-        activation_checkpointing=p.activation_checkpointing, ssm_tensor_parallel=p.ssm_tensor_parallel,
+        activation_checkpointing=p.activation_checkpointing, recompute_mixers=p.recompute_mixers,
+        ssm_tensor_parallel=p.ssm_tensor_parallel,
         mixer_parallel=p.mixer_parallel,
     ).resolved(world_size)
 

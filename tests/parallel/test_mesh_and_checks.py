@@ -99,3 +99,21 @@ def test_checkpointed_compiled_blocks_compile_on_packed_documents():
     for (name, a), b in zip(eager.named_parameters(), wrapped.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("ssm_mixer", ["mamba2", "fast_weight"])
+def test_wrap_blocks_sets_the_mixers_own_recomputation(ssm_mixer):
+    """On by default; off when asked, and under activation checkpointing (which recomputes the whole block)."""
+    from hybridlm.parallel.parallelize import wrap_blocks
+
+    def flags(model):
+        return [block.ssm.recompute for block in model.model.layers if block.ssm is not None]
+
+    model = tiny_model(ssm_mixer=ssm_mixer)
+    assert flags(model) == [True, True]
+    wrap_blocks(model, activation_checkpointing=False, compile=False, recompute_mixers=False)
+    assert flags(model) == [False, False]
+    wrap_blocks(model, activation_checkpointing=False, compile=False)
+    assert flags(model) == [True, True]
+    wrap_blocks(model, activation_checkpointing=True, compile=False)
+    assert flags(model) == [False, False]

@@ -704,3 +704,12 @@ def test_train_deterministic_trains_under_deterministic_kernels_only(demo_dir, t
     deterministic.train()
     assert seen == [False] * 3 + [True] * 3 and not torch.are_deterministic_algorithms_enabled()
     assert losses(deterministic) == losses(plain)
+
+
+@pytest.mark.parametrize("setting", [True, False])
+def test_recompute_mixers_reaches_the_model(demo_dir, tmp_path, setting):
+    from hybridlm.layers.mamba2 import Mamba2Mixer
+
+    trainer = Trainer(small_config(demo_dir, tmp_path, f"parallel.recompute_mixers={str(setting).lower()}"))
+    mixers = [m for m in trainer.model.modules() if isinstance(m, Mamba2Mixer)]
+    assert mixers and all(m.recompute == setting for m in mixers)
