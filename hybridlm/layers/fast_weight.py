@@ -38,11 +38,12 @@ Decisions (documented here because they are choices, not the paper's prescriptio
   gamma_h = 1 - 2^(-5-h) (Sun et al. 2023's schedule): no write normalization, no input-dependent gate. Not
   supported under tensor parallelism (the fixed decays are indexed by the global head).
 
-Training on the Triton kernels (a gradient, no cache, eager) recomputes steps 2-4 but the op's scans in the
-backward (`hybridlm.ops.recompute`): the mixer keeps its input projection (which holds z for the gated norm anyway)
+Training on the Triton kernels (a gradient, no cache; eager or compiled) recomputes steps 2-4 but the op's scans in
+the backward (`hybridlm.ops.recompute`): the mixer keeps its input projection (which holds z for the gated norm anyway)
 and the op's output, not the conv's output, the normalized q and k or the write events: 5,440 bytes per token per
 block fewer at the 125m shape (`benchmarks/saved_activations.py`), for a conv, two norms and the write preparation
-run again; values and gradients are the same bit for bit. `recompute = False` on the mixer keeps them instead.
+run again; eager, values and gradients are the same bit for bit. `recompute = False` on the mixer keeps them
+instead.
 
 Packed documents (`cu_seqlens`, or `position_ids` that restart at 0) reach both the conv and the op, so
 nothing crosses a document boundary. With `seq_idx` as well (the compiled hybrid block's call) the conv takes the
@@ -177,7 +178,7 @@ class FastWeightMixer(nn.Module):
             [self.conv_channels, self.width, self.beta_width, self.lam_width], dim=-1
         )
         documents = dict(cu_seqlens=cu_seqlens, seq_idx=seq_idx)
-        if self._recomputes(qkv, cache):  # training on the Triton kernels: keep the projection, not what it feeds
+        if self._recomputes(qkv, cache, seq_idx):  # training on the Triton kernels: keep the projection, not what it feeds
             o = recompute_except_kernels(lambda *inputs: self._mix(*inputs, **documents, cache=None), qkv,
                                          beta_logits, lam_logits)
         else:
@@ -226,15 +227,19 @@ class FastWeightMixer(nn.Module):
             _store_state(cache, state)
         return o
 
-    def _recomputes(self, qkv: torch.Tensor, cache: LayerCache | None) -> bool:
+    def _recomputes(self, qkv: torch.Tensor, cache: LayerCache | None, seq_idx: torch.Tensor | None) -> bool:
         """Whether the forward recomputes steps 2-4 in the backward (`recompute_except_kernels`): `self.recompute`
-        (`parallel.recompute_mixers`), training (a gradient, no cache), eager (torch.compile's partitioner makes this choice itself), and the op on its Triton
-        kernels, whose scans keep their outputs; the torch paths would run again whole."""
-        if (not self.recompute or cache is not None or not (torch.is_grad_enabled() and qkv.requires_grad)
-                or torch.compiler.is_compiling()):
+        (`parallel.recompute_mixers`), training (a gradient, no cache), and the op on its Triton kernels, whose
+        scans keep their outputs (the torch paths would run again whole); compiled, not where packed documents take
+        the op outside the graphs (`_packed_op`: a graph break inside the region would run it all eagerly)."""
+        if not self.recompute or cache is not None or not (torch.is_grad_enabled() and qkv.requires_grad):
             return False
         q = qkv[..., : self.num_heads * self.head_dim].unflatten(-1, (self.num_heads, self.head_dim))
-        return runs_triton(q, rule=self.rule, window=self.window, backend=self.backend)
+        options = dict(rule=self.rule, window=self.window, backend=self.backend)
+        if (seq_idx is not None and torch.compiler.is_compiling()
+                and not seq_idx_in_place(q, **options, pairing=self.pairing, read=self.read)):
+            return False
+        return runs_triton(q, **options)
 
     def _normalize(self, u: torch.Tensor) -> torch.Tensor:
         """QK normalization over the head dim: rms u / sqrt(mean u^2 + eps), l2 u / sqrt(sum u^2 + eps), both

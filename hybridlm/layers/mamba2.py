@@ -16,10 +16,10 @@ a prefill runs the chunked SSD, a single token the recurrence step (`ssd(..., ba
 With `cu_seqlens` and a cache (a packed prefill) the states have one row per packed sequence. `seq_idx` (a
 document index per token, training only) marks packed documents without changing any shape: the conv's taps and
 the SSD's state restart at each document (the SSD's torch chunk path); the hybrid block uses it when compiled.
-Training on the Triton SSD (a gradient, no cache, eager) recomputes the multipliers, the conv and the discretization
-in the backward, not the scan (`hybridlm.ops.recompute`): the conv's output (x, B, C) is not kept, only the input
-projection (which holds z for the gate anyway) and the scan's output; values and gradients are the same bit for bit
-(`recompute = False` on the mixer keeps them instead).
+Training on the Triton SSD (a gradient, no cache; eager or compiled) recomputes the multipliers, the conv and the
+discretization in the backward, not the scan (`hybridlm.ops.recompute`): the conv's output (x, B, C) is not kept, only
+the input projection (which holds z for the gate anyway) and the scan's output; eager, values and gradients are the
+same bit for bit (`recompute = False` on the mixer keeps them instead).
 Under tensor parallelism (hybridlm.parallel.tensor_parallel) the head counts here (num_heads, groups, d_ssm,
 conv_channels) are the rank's local ones and the per-head parameters are Shard(0) DTensors read through `local_tensor`.
 """
@@ -172,10 +172,11 @@ class Mamba2Mixer(nn.Module):
 
     def _recomputes(self, xbc: torch.Tensor, seq_idx: torch.Tensor | None, cache: LayerCache | None) -> bool:
         """Whether the forward recomputes `_mix` in the backward (`recompute_except_kernels`): `self.recompute`
-        (`parallel.recompute_mixers`), training (a gradient, no cache), eager (torch.compile's partitioner makes this choice itself), and the scan on its Triton kernels,
-        which keep their outputs; the torch paths would run again whole."""
-        if (not self.recompute or cache is not None or xbc.shape[1] == 1 or not (torch.is_grad_enabled() and xbc.requires_grad)
-                or torch.compiler.is_compiling()):
+        (`parallel.recompute_mixers`), training (a gradient, no cache; eager or compiled), and the scan on its
+        Triton kernels, which keep their outputs (the torch paths, which `seq_idx` takes, would run again whole)."""
+        if xbc.shape[1] == 1 or not self.recompute or cache is not None:
+            return False
+        if not (torch.is_grad_enabled() and xbc.requires_grad):
             return False
         bc_width = self.groups * self.d_state
         x = xbc[..., : self.d_ssm].unflatten(-1, (self.num_heads, self.head_dim))

@@ -13,7 +13,9 @@ called through `kept_kernel(launch, *args)` (the scans' forward custom ops do) r
 the forward (they are usually kept anyway, the mixer's output going into its gated norm), and in the recomputation
 the launcher is not called and returns them again. This is selective activation checkpointing
 (`torch.utils.checkpoint.create_selective_checkpoint_contexts`) for a named set of kernels, without its dispatch
-mode, which would intercept every op of the region twice.
+mode, which would intercept every op of the region twice. Under torch.compile the region is that: selective
+checkpointing whose policy keeps the outputs of the custom ops registered with `keep_in_compiled_regions` and
+recomputes the rest, which the partitioner turns into the backward graph (no runtime cost beyond the recomputation).
 
 `kept_kernel` must be called below autograd (inside a custom op's implementation, whose autograd formula saves the
 recomputed inputs): it returns fresh aliases of the kept outputs, which the custom op hands to autograd as new
@@ -23,21 +25,52 @@ Values and gradients are the plain call's, bit for bit (the same kernels on the 
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 from collections.abc import Callable
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 _local = threading.local()  # the region whose forward or recomputation runs on this thread (autograd's backward
 # runs the recomputation on its own thread, where it sets this too)
 
 
+_COMPILED_KEPT: set = set()  # the custom ops (OpOverloads) whose outputs a compiled region keeps
+
+
 def recompute_except_kernels(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
     """fn(*inputs), its intermediate tensors recomputed in the backward rather than kept, its `kept_kernel` calls
-    not (module docstring). fn may read parameters and tensors it closes over; it must not change state."""
+    (compiled: the ops of `keep_in_compiled_regions`) not (module docstring). fn may read parameters and tensors it
+    closes over; it must not change state or run in-place ops."""
+    if torch.compiler.is_compiling():
+        return checkpoint(fn, *inputs, use_reentrant=False, context_fn=_compiled_contexts)
     region = _Region()
     return checkpoint(fn, *inputs, use_reentrant=False, context_fn=region.contexts)
+
+
+def keep_in_compiled_regions(op: torch._ops.OpOverload) -> None:
+    """Register a custom op whose outputs a compiled `recompute_except_kernels` region keeps (a scan's forward)."""
+    _COMPILED_KEPT.add(op)
+
+
+def _compiled_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _COMPILED_KEPT else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_compiled_contexts = functools.partial(create_selective_checkpoint_contexts, _compiled_policy)
+
+
+class _NoInPlaceNotice(logging.Filter):
+    """torch warns once that a compiled checkpoint with a context_fn must not hold in-place ops; the regions here
+    hold none (`recompute_except_kernels`'s contract, tested), so the notice says nothing to a user."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_NoInPlaceNotice())
 
 
 def kept_kernel(launch: Callable, *args):

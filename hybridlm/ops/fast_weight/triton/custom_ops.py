@@ -33,7 +33,7 @@ The scans' and the band's forward launches are `kept_kernel`s: a region recomput
 import torch
 
 from hybridlm.ops.fast_weight.triton.limits import DTYPES, MAX_DELTA_CHUNK, MAX_HEAD_DIM, MAX_RULE_2_CHUNK
-from hybridlm.ops.recompute import kept_kernel
+from hybridlm.ops.recompute import keep_in_compiled_regions, kept_kernel
 from hybridlm.ops.utils import on_tensor_device, triton_interpreting
 
 # The scans' options (after S0), passed through to the implementations' forward/backward; rule 3 adds `slots`.
@@ -255,6 +255,7 @@ def _register(rule: str, name: str, options: str = _OPTIONS) -> None:
         return (dq, dx, dy, deta, dlg, None if S0 is None else dS0) + (None,) * len(ctx.options)
 
     fwd.register_autograd(backward, setup_context=setup_context)
+    keep_in_compiled_regions(getattr(torch.ops.hybridlm, f"fast_weight_{name}_fwd").default)
 
 
 _PREP_OPTIONS = "Tensor beta, Tensor lam, Tensor? last_k, Tensor? offsets, Tensor? seq_idx, int max_len, " \
@@ -365,6 +366,7 @@ def _register_band() -> None:
         return (*bwd(do, q, x_ext, y_ext, c, ctx.shift), do, None)
 
     fwd.register_autograd(backward, setup_context=setup_context)
+    keep_in_compiled_regions(torch.ops.hybridlm.fast_weight_band_fwd.default)
 
 
 _register_prepare()

@@ -11,7 +11,7 @@ None.
 
 import torch
 
-from hybridlm.ops.recompute import kept_kernel
+from hybridlm.ops.recompute import keep_in_compiled_regions, kept_kernel
 from hybridlm.ops.ssd.triton.limits import DTYPES, MAX_D_STATE, MAX_HEAD_DIM
 from hybridlm.ops.utils import on_tensor_device, triton_interpreting
 
@@ -117,3 +117,4 @@ def _backward(ctx, dy, dh_final):
 
 
 _ssd_fwd.register_autograd(_backward, setup_context=_setup_context)
+keep_in_compiled_regions(torch.ops.hybridlm.ssd_fwd.default)
