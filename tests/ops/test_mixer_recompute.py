@@ -1,6 +1,6 @@
 """The SSM mixers in training on the Triton kernels recompute their conv, norms and write preparation in the
-backward (`hybridlm.ops.recompute`), keeping the scans' outputs: values and gradients bit for bit the plain path's,
-the scan launched once, and fewer bytes kept."""
+backward (`hybridlm.ops.recompute`), keeping the scans' outputs: values and gradients bit for bit the plain path's
+(eager; compiled, to rounding), and fewer bytes kept. `tests/ops/test_recompute.py` counts the launches."""
 
 from __future__ import annotations
 
@@ -46,26 +46,32 @@ def mamba2_mixer(**changes) -> Mamba2Mixer:
     return mixer.to(DEVICE)
 
 
-def run(mixer, module, monkeypatch, *, recompute: bool, **kwargs):
-    """Output, input and parameter gradients, the scans launched and the storages kept after the forward."""
-    if not recompute:
-        monkeypatch.setattr(type(mixer), "_recomputes", lambda self, *args: False)
-    scans = []
-    original = module.recompute_except_kernels
-    monkeypatch.setattr(module, "recompute_except_kernels", lambda fn, *inputs: scans.append(1) or original(fn, *inputs))
+def train_once(forward, mixer, **kwargs):
+    """forward(x) on a fixed input, then a backward: the output, the input's and parameters' gradients, and the bytes
+    of the storages autograd keeps after the forward (the parameters' not counted)."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 50, D, generator=g).to(DEVICE).requires_grad_()
     kept = {}
     with torch.autograd.graph.saved_tensors_hooks(
             lambda t: kept.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) and t,
             lambda t: t):
-        out = mixer(x, **kwargs)
+        out = forward(x, **kwargs)
     out.backward(torch.linspace(-1, 1, out.numel(), device=DEVICE).reshape(out.shape))
-    grads = [x.grad] + [p.grad for p in mixer.parameters()]
-    monkeypatch.undo()
+    grads = [x.grad] + [p.grad.clone() for p in mixer.parameters()]
+    mixer.zero_grad()
     params = {p.untyped_storage().data_ptr() for p in mixer.parameters()}
-    nbytes = sum(n for ptr, n in kept.items() if ptr not in params)
-    return out.detach(), grads, len(scans), nbytes
+    return out.detach(), grads, sum(n for ptr, n in kept.items() if ptr not in params)
+
+
+def run(mixer, module, monkeypatch, *, recompute: bool, **kwargs):
+    """train_once on the mixer itself, with the number of recomputed regions it ran."""
+    mixer.recompute = recompute
+    regions = []
+    original = module.recompute_except_kernels
+    monkeypatch.setattr(module, "recompute_except_kernels", lambda fn, *inputs: regions.append(1) or original(fn, *inputs))
+    out, grads, nbytes = train_once(mixer, mixer, **kwargs)
+    monkeypatch.undo()
+    return out, grads, len(regions), nbytes
 
 
 def assert_same(a, b):
@@ -87,7 +93,6 @@ def test_fast_weight_mixer_recomputes_exactly(monkeypatch, fw, packed):
     mixer = fast_weight_mixer(**fw)
     kwargs = packed_kwargs() if packed else {}
     plain = run(mixer, fast_weight_layer, monkeypatch, recompute=False, **kwargs)
-    mixer.zero_grad()
     recomputed = run(mixer, fast_weight_layer, monkeypatch, recompute=True, **kwargs)
     assert_same(recomputed, plain)
     assert (plain[2], recomputed[2]) == (0, 1)
@@ -101,7 +106,6 @@ def test_fast_weight_mixer_recomputes_exactly(monkeypatch, fw, packed):
 def test_mamba2_mixer_recomputes_exactly(monkeypatch, changes):
     mixer = mamba2_mixer(**changes)
     plain = run(mixer, mamba2_layer, monkeypatch, recompute=False)
-    mixer.zero_grad()
     recomputed = run(mixer, mamba2_layer, monkeypatch, recompute=True)
     assert_same(recomputed, plain)
     assert (plain[2], recomputed[2]) == (0, 1)
@@ -132,22 +136,11 @@ def test_no_recomputation_without_the_triton_kernels_or_a_gradient(monkeypatch):
 
 
 def compiled_run(mixer, *, recompute: bool, **kwargs):
-    """run() through torch.compile (aot_eager: the partition inductor's makes, on the same ops), fullgraph."""
+    """train_once through torch.compile, fullgraph (aot_eager: inductor's graphs and recomputation tags, without its
+    code generation)."""
     mixer.recompute = recompute
     torch._dynamo.reset()
-    compiled = torch.compile(mixer, backend="aot_eager", fullgraph=True)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(1, 50, D, generator=g).to(DEVICE).requires_grad_()
-    kept = {}
-    with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: kept.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) and t,
-            lambda t: t):
-        out = compiled(x, **kwargs)
-    out.backward(torch.linspace(-1, 1, out.numel(), device=DEVICE).reshape(out.shape))
-    grads = [x.grad] + [p.grad.clone() for p in mixer.parameters()]
-    mixer.zero_grad()
-    params = {p.untyped_storage().data_ptr() for p in mixer.parameters()}
-    return out.detach(), grads, sum(n for ptr, n in kept.items() if ptr not in params)
+    return train_once(torch.compile(mixer, backend="aot_eager", fullgraph=True), mixer, **kwargs)
 
 
 @interpret
