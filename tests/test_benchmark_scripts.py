@@ -93,7 +93,8 @@ def test_gpu_model_on_the_cpu_interleaved_rounds(tmp_path):
 
 def test_gpu_model_on_the_cpu_kept_mixers_beside_each_variant(tmp_path):
     out = run("gpu_model.py", "--cpu", "--preset", "tiny", "--lengths", "32", "--contexts", "--variants", "transformer",
-              "hybrid mamba2", "--repeats", "1", "--rounds", "2", "--kept-mixers", "--json", str(tmp_path / "rows.json"))
+              "hybrid mamba2", "--repeats", "1", "--rounds", "2", "--kept-mixers",
+              "--json", str(tmp_path / "rows.json"))
     rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
     # The Transformer has no SSM mixer: no "(kept)" run; the hybrid's runs beside it in each round, one baseline.
     assert [(r["round"], r["variant"]) for r in rows] == [

@@ -40,10 +40,9 @@ Decisions (documented here because they are choices, not the paper's prescriptio
 
 Training on the Triton kernels (a gradient, no cache; eager or compiled) recomputes steps 2-4 but the op's scans in
 the backward (`hybridlm.ops.recompute`): the mixer keeps its input projection (which holds z for the gated norm anyway)
-and the op's output, not the conv's output, the normalized q and k or the write events: 5,440 bytes per token per
-block fewer at the 125m shape (`benchmarks/saved_activations.py`), for a conv, two norms and the write preparation
-run again; eager, values and gradients are the same bit for bit. `recompute = False` on the mixer keeps them
-instead.
+and the op's output, not the conv's output, the normalized q and k or the write events (benchmarks/RESULTS.md,
+"Activation memory per token"), for a conv, two norms and the write preparation run again; eager, values and
+gradients are the same bit for bit. `recompute = False` on the mixer keeps them instead.
 
 Packed documents (`cu_seqlens`, or `position_ids` that restart at 0) reach both the conv and the op, so
 nothing crosses a document boundary. With `seq_idx` as well (the compiled hybrid block's call) the conv takes the
@@ -178,7 +177,7 @@ class FastWeightMixer(nn.Module):
             [self.conv_channels, self.width, self.beta_width, self.lam_width], dim=-1
         )
         documents = dict(cu_seqlens=cu_seqlens, seq_idx=seq_idx)
-        if self._recomputes(qkv, cache, seq_idx):  # training on the Triton kernels: keep the projection, not what it feeds
+        if self._recomputes(qkv, cache, seq_idx):  # training on the Triton kernels: keep the projection only
             o = recompute_except_kernels(lambda *inputs: self._mix(*inputs, **documents, cache=None), qkv,
                                          beta_logits, lam_logits)
         else:

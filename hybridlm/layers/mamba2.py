@@ -117,7 +117,7 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = zxbcdt.split([self.d_ssm, self.conv_channels, self.num_heads], dim=-1)
         z = scaled(z, self.multipliers["z"])
         documents = dict(cu_seqlens=cu_seqlens, seq_idx=seq_idx)
-        if self._recomputes(xbc, seq_idx, cache):  # training on the Triton kernels: keep the projection only
+        if self._recomputes(xbc, cache, seq_idx):  # training on the Triton kernels: keep the projection only
             y = recompute_except_kernels(lambda *inputs: self._mix(*inputs, **documents, cache=None), xbc, dt)
         else:
             y = self._mix(xbc, dt, **documents, cache=cache)
@@ -170,7 +170,7 @@ class Mamba2Mixer(nn.Module):
             cache.ssm["conv"], cache.ssm["ssm"] = conv_state, ssm_state
         return y.reshape(batch, length, self.d_ssm)  # [B, T, d_ssm]
 
-    def _recomputes(self, xbc: torch.Tensor, seq_idx: torch.Tensor | None, cache: LayerCache | None) -> bool:
+    def _recomputes(self, xbc: torch.Tensor, cache: LayerCache | None, seq_idx: torch.Tensor | None) -> bool:
         """Whether the forward recomputes `_mix` in the backward (`recompute_except_kernels`): `self.recompute`
         (`parallel.recompute_mixers`), training (a gradient, no cache; eager or compiled), and the scan on its
         Triton kernels, which keep their outputs (the torch paths, which `seq_idx` takes, would run again whole)."""

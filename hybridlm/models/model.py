@@ -142,6 +142,20 @@ class HybridModel(HybridPreTrainedModel):
         self.gradient_checkpointing = False  # set by transformers' gradient_checkpointing_enable()
         self.post_init()
 
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self._gradient_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, enabled: bool) -> None:
+        """transformers' gradient_checkpointing_enable() / _disable() set this. With every block recomputed in the
+        backward, the SSM mixers' own recomputation of what feeds their scans (their `recompute`) would only run it
+        a third time: enabling turns it off, disabling back on."""
+        self._gradient_checkpointing = bool(enabled)
+        for module in self.modules():
+            if isinstance(module, (FastWeightMixer, Mamba2Mixer)):
+                module.recompute = not enabled
+
     def forward(
         self,
         input_ids: torch.Tensor | None = None,

@@ -1,4 +1,4 @@
-"""Recompute a region of a forward in the backward, except its scan kernels, whose outputs are kept.
+"""Recompute a region of a forward in the backward, except its scan kernels, whose outputs are reused.
 
 A mixer's scan (the fast-weight rules' chunk scans, Mamba-2's SSD) keeps its inputs for its backward: the
 normalized queries, keys and values, the write events. They are cheap functions of the mixer's input projection
@@ -9,34 +9,41 @@ them costs several copies of the mixer's width per token; recomputing them costs
 
 runs `fn(*inputs)` under torch's non-reentrant activation checkpointing (`torch.utils.checkpoint`), so the region
 keeps nothing but its inputs: in the backward it runs again to give each node its saved tensors. A kernel launcher
-called through `kept_kernel(launch, *args)` (the scans' forward custom ops do) runs once: its outputs are kept from
-the forward (they are usually kept anyway, the mixer's output going into its gated norm), and in the recomputation
-the launcher is not called and returns them again. This is selective activation checkpointing
+called through `kept_kernel(launch, *args)` (the scans' forward custom ops do) runs once. The region holds its
+outputs by weak reference only: an output still alive when the backward comes (the mixer's output, which its gated
+norm keeps) is handed back in the recomputation instead of being computed again; one freed by then (a final state
+nobody asked for, a padded output already gathered into the packed rows) comes back as a NaN-filled placeholder of
+its shape. So the region costs no memory beyond the plain call's, and a region that computed a saved tensor from a
+freed output's values would show NaN gradients rather than wrong ones. This is selective activation checkpointing
 (`torch.utils.checkpoint.create_selective_checkpoint_contexts`) for a named set of kernels, without its dispatch
-mode, which would intercept every op of the region twice. Under torch.compile the region is that: selective
-checkpointing whose policy keeps the outputs of the custom ops registered with `keep_in_compiled_regions` and
-recomputes the rest, which the partitioner turns into the backward graph (no runtime cost beyond the recomputation).
+mode, which would intercept every op of the region twice.
 
-`kept_kernel` must be called below autograd (inside a custom op's implementation, whose autograd formula saves the
-recomputed inputs): it returns fresh aliases of the kept outputs, which the custom op hands to autograd as new
-outputs. The region must be deterministic and call its kept kernels in the same order each time (a mismatch raises).
-Values and gradients are the plain call's, bit for bit (the same kernels on the same inputs).
+Under torch.compile the region is that: selective checkpointing whose policy saves the outputs of the custom ops
+registered with `keep_in_compiled_regions` and recomputes the rest; the partitioner writes it into the backward
+graph (no runtime cost beyond the recomputation). torch notes once per process that such a region must not hold
+in-place ops.
+
+The contract: fn is deterministic, calls its kept kernels in the same order each time (a mismatch raises), holds no
+in-place op, and computes no saved tensor from a kept kernel's output other than by keeping that output itself; a
+kept output changed in place after the forward raises in the backward. `kept_kernel` must be called below autograd
+(inside a custom op's implementation, whose autograd formula saves the recomputed inputs): it returns new aliases,
+which the custom op hands to autograd as new outputs. Values and gradients are the plain call's, bit for bit (the
+same kernels on the same inputs).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-_local = threading.local()  # the region whose forward or recomputation runs on this thread (autograd's backward
-# runs the recomputation on its own thread, where it sets this too)
-
-
+# The region whose forward or recomputation runs on this thread (autograd's backward runs the recomputation on its
+# own thread, where it is set too).
+_local = threading.local()
 _COMPILED_KEPT: set = set()  # the custom ops (OpOverloads) whose outputs a compiled region keeps
 
 
@@ -62,17 +69,6 @@ def _compiled_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 _compiled_contexts = functools.partial(create_selective_checkpoint_contexts, _compiled_policy)
 
 
-class _NoInPlaceNotice(logging.Filter):
-    """torch warns once that a compiled checkpoint with a context_fn must not hold in-place ops; the regions here
-    hold none (`recompute_except_kernels`'s contract, tested), so the notice says nothing to a user."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
-
-
-logging.getLogger("torch._higher_order_ops.wrap").addFilter(_NoInPlaceNotice())
-
-
 def kept_kernel(launch: Callable, *args):
     """launch(*args) (a tuple of tensors or a tensor), or inside a `recompute_except_kernels` region's recomputation
     the outputs its forward got from this call."""
@@ -82,19 +78,38 @@ def kept_kernel(launch: Callable, *args):
     return region.call(launch, args)
 
 
-def _aliases(outputs):
-    """New tensors over the same storage (no autograd history): what a custom op may return as its outputs."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs.detach()
-    return type(outputs)(t.detach() if isinstance(t, torch.Tensor) else t for t in outputs)
+class _KeptCall:
+    """One kept kernel call: its launcher, and its outputs by weak reference with what the replay needs to check
+    them (their version counters) or stand in for them (shape, strides, dtype, device)."""
+
+    def __init__(self, launch: Callable, outputs) -> None:
+        self.launch = launch
+        self.single = isinstance(outputs, torch.Tensor)
+        tensors = (outputs,) if self.single else tuple(outputs)
+        self.refs = [weakref.ref(t) for t in tensors]
+        self.versions = [t._version for t in tensors]
+        self.layouts = [(t.shape, t.stride(), t.dtype, t.device) for t in tensors]
+
+    def replay(self):
+        outputs = []
+        for ref, version, (shape, stride, dtype, device) in zip(self.refs, self.versions, self.layouts):
+            tensor = ref()
+            if tensor is None:  # freed after the forward: nothing the backward keeps was computed from it
+                outputs.append(torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(float("nan")))
+                continue
+            if tensor._version != version:
+                raise RuntimeError("recompute_except_kernels: a kept kernel's output was modified in place after the "
+                                   "forward; the recomputation would hand back the modified values")
+            outputs.append(tensor.detach())  # a new alias, for the custom op to hand to autograd
+        return outputs[0] if self.single else tuple(outputs)
 
 
 class _Region:
-    """The kept calls of one region, (launcher, outputs) in call order; `replay_at` the next to return in a
-    recomputation (None in the forward)."""
+    """The kept calls of one region, in call order; `replay_at` the next to hand back in a recomputation (None in
+    the forward)."""
 
     def __init__(self) -> None:
-        self.kept: list = []
+        self.kept: list[_KeptCall] = []
         self.replay_at: int | None = None
 
     def contexts(self):
@@ -105,15 +120,14 @@ class _Region:
     def call(self, launch: Callable, args):
         if self.replay_at is None:
             outputs = launch(*args)
-            self.kept.append((launch, _aliases(outputs)))
+            self.kept.append(_KeptCall(launch, outputs))
             return outputs
-        if self.replay_at >= len(self.kept) or self.kept[self.replay_at][0] is not launch:
+        if self.replay_at >= len(self.kept) or self.kept[self.replay_at].launch is not launch:
             raise RuntimeError(f"recompute_except_kernels: call {self.replay_at + 1} of the recomputation is not the "
                                f"forward's ({len(self.kept)} kept kernel calls); the region must call its kept kernels "
                                "in the same order each time")
-        outputs = self.kept[self.replay_at][1]
         self.replay_at += 1
-        return _aliases(outputs)
+        return self.kept[self.replay_at - 1].replay()
 
 
 class _Active:

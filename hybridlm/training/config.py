@@ -165,8 +165,9 @@ class TrainSection:
     max_consecutive_skips: int = 5
     spike_factor: float | None = None  # skip updates whose loss exceeds this x the recent median
     compile: bool = False
-    # the LM head's loss: "chunked" (the head and the cross entropy together over row chunks, no [B, T, V] logits
-    # kept: `hybridlm.modules.linear_cross_entropy`) or "logits" (the logits, then torch's cross entropy: more memory)
+    # the LM head's loss in pretraining and SFT: "chunked" (the head and the cross entropy together over row chunks,
+    # no [B, T, V] logits kept: `hybridlm.modules.linear_cross_entropy`) or "logits" (the logits, then torch's cross
+    # entropy: more memory); DPO reads the logits whatever this says
     lm_head_loss: str = "chunked"
     # torch.compile's mode for the blocks: "default"; "reduce-overhead" (CUDA graphs: one process, no activation
     # checkpointing; gradients stay allocated between updates and are zeroed in place, so AdamW also decays a

@@ -38,8 +38,10 @@ def test_gradient_checkpointing_changes_no_gradient():
         assert model.model.gradient_checkpointing and calls == 2  # the block ran again in the backward pass
         for name, grad in plain.items():
             torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    mixers = [block.ssm for block in model.model.layers if block.ssm is not None]
+    assert mixers and not any(m.recompute for m in mixers)  # the blocks' recomputation covers the mixers'
     model.gradient_checkpointing_disable()
-    assert not model.model.gradient_checkpointing
+    assert not model.model.gradient_checkpointing and all(m.recompute for m in mixers)
 
 
 def test_the_base_model_returns_last_hidden_state_and_logits_to_keep_takes_positions():

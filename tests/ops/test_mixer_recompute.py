@@ -21,8 +21,9 @@ D = 24
 
 
 def fast_weight_mixer(**fw) -> FastWeightMixer:
-    config = HybridConfig(vocab_size=32, hidden_size=D, num_attention_heads=2, intermediate_size=0, num_hidden_layers=1,
-                          ssm_mixer="fast_weight", fw_heads=2, fw_head_dim=16, fw_chunk_size=16, fw_conv_size=3, **fw)
+    fields = dict(vocab_size=32, hidden_size=D, num_attention_heads=2, intermediate_size=0, num_hidden_layers=1,
+                  ssm_mixer="fast_weight", fw_heads=2, fw_head_dim=16, fw_chunk_size=16, fw_conv_size=3)
+    config = HybridConfig(**{**fields, **fw})
     torch.manual_seed(0)
     mixer = FastWeightMixer(config, layer_idx=0)
     if mixer.beta_bias is not None:
@@ -36,9 +37,9 @@ def fast_weight_mixer(**fw) -> FastWeightMixer:
 def mamba2_mixer(**changes) -> Mamba2Mixer:
     fields = dict(vocab_size=32, hidden_size=D, num_attention_heads=2, intermediate_size=0, num_hidden_layers=1,
                   mamba_d_ssm=32, mamba_n_heads=2, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
-                  mamba_chunk_size=16, **changes)
+                  mamba_chunk_size=16)
     torch.manual_seed(0)
-    mixer = Mamba2Mixer(HybridConfig(**fields), layer_idx=0)
+    mixer = Mamba2Mixer(HybridConfig(**{**fields, **changes}), layer_idx=0)
     with torch.no_grad():
         mixer.A_log.copy_(torch.randn(mixer.num_heads) * 0.5)
         mixer.dt_bias.copy_(torch.randn(mixer.num_heads))
@@ -68,7 +69,8 @@ def run(mixer, module, monkeypatch, *, recompute: bool, **kwargs):
     mixer.recompute = recompute
     regions = []
     original = module.recompute_except_kernels
-    monkeypatch.setattr(module, "recompute_except_kernels", lambda fn, *inputs: regions.append(1) or original(fn, *inputs))
+    monkeypatch.setattr(module, "recompute_except_kernels",
+                        lambda fn, *inputs: regions.append(1) or original(fn, *inputs))
     out, grads, nbytes = train_once(mixer, mixer, **kwargs)
     monkeypatch.undo()
     return out, grads, len(regions), nbytes
@@ -126,13 +128,11 @@ def test_no_recomputation_without_the_triton_kernels_or_a_gradient(monkeypatch):
         mixer(x).sum().backward()
         mixer.backend = "triton"
         pieces = mixer.in_proj(x)[..., : mixer.conv_channels]
-        takes = (lambda p, cache: mixer._recomputes(p, cache, None)) if isinstance(mixer, FastWeightMixer) else \
-            (lambda p, cache: mixer._recomputes(p, None, cache))
-        assert takes(pieces, None)
-        assert not takes(pieces, LayerCache())
-        assert not takes(pieces.detach(), None)
+        assert mixer._recomputes(pieces, None, None)
+        assert not mixer._recomputes(pieces, LayerCache(), None)
+        assert not mixer._recomputes(pieces.detach(), None, None)
         with torch.no_grad():
-            assert not takes(pieces, None)
+            assert not mixer._recomputes(pieces, None, None)
 
 
 def compiled_run(mixer, *, recompute: bool, **kwargs):
@@ -157,3 +157,48 @@ def test_compiled_mixers_keep_the_scans_outputs_only(case):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     width = 32 + 2 * 16 if case == "mamba2" else 4 * 2 * 16  # x, B, C | q, k and the write events x, y
     assert recomputed[2] <= plain[2] - 50 * width * 4
+
+
+def live_bytes_after_forward(mixer, **kwargs) -> int:
+    """Bytes of the tensors the mixer's forward made (parameters and input aside) still alive once it returns: what
+    the backward will find, saved or held by the recomputation alike."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    made = {}
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    made.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+            return out
+
+    x = torch.randn(1, 64, D, device=DEVICE, requires_grad=True)
+    with Track():
+        out = mixer(x, **kwargs)
+    alive = sum(n for ref, n in made.values() if not ref.expired())
+    out.sum().backward()
+    return alive
+
+
+@interpret
+@pytest.mark.parametrize("case", ["fw-1-read-before", "mamba2"])
+def test_many_short_documents_keep_no_more_than_the_plain_path(case):
+    """Packed on cu_seqlens (16 documents of 4 tokens) the kernels pad every document and return a final state per
+    document, which the plain path frees after the forward; the region holds them by weak reference only, so it keeps
+    less (the conv's output and the write events fewer). The states are large here (64 x 64, 16 x 128 per head),
+    larger than what the region saves: holding them would keep more than the plain path."""
+    if case == "mamba2":
+        mixer = mamba2_mixer(mamba_d_state=128)
+    else:
+        mixer = fast_weight_mixer(fw_rule="1", fw_read="before", fw_heads=1, fw_head_dim=64)
+    cu_seqlens = torch.arange(0, 65, 4).to(DEVICE)
+    mixer.recompute = False
+    plain = live_bytes_after_forward(mixer, cu_seqlens=cu_seqlens)
+    mixer.recompute = True
+    recomputed = live_bytes_after_forward(mixer, cu_seqlens=cu_seqlens)
+    assert recomputed < plain

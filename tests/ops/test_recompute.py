@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -11,9 +13,12 @@ LAUNCHES = {"scan": 0, "other": 0}
 
 
 def _scan_launch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """A stand-in for a scan kernel: a weighted cumulative sum over steps, counted."""
+    """A stand-in for a scan kernel: a weighted cumulative sum over steps, counted (its last output by weak
+    reference)."""
     LAUNCHES["scan"] += 1
-    return torch.cumsum(x * w, dim=1)
+    out = torch.cumsum(x * w, dim=1)
+    LAUNCHES["last"] = weakref.ref(out)
+    return out
 
 
 def _other_launch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -41,17 +46,22 @@ _scan.register_autograd(_scan_backward, setup_context=_scan_setup)
 
 
 class Region:
-    """prepare -> scan -> output, with the preparation's calls counted (it runs again in the backward)."""
+    """prepare -> scan -> output, with the preparation's calls counted (it runs again in the backward). `after`: what
+    follows the scan ("scale": times 2, which keeps nothing; "none": the scan's output itself; "product": times a
+    weight, which keeps the scaled output, computed from the scan's)."""
 
-    def __init__(self, w_prep: torch.Tensor, w_scan: torch.Tensor):
-        self.w_prep, self.w_scan = w_prep, w_scan
+    def __init__(self, w_prep: torch.Tensor, w_scan: torch.Tensor, after: str = "scale"):
+        self.w_prep, self.w_scan, self.after = w_prep, w_scan, after
         self.prepared = 0
         self.other_on_call = None  # the call number whose scan launches `_other_launch` (a nondeterministic region)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         self.prepared += 1
         u = torch.sin(h) * self.w_prep  # [B, T, C]: kept by the scan in the plain call
-        return _scan(u, self.w_scan, self.prepared == self.other_on_call) * 2.0
+        s = _scan(u, self.w_scan, self.prepared == self.other_on_call)
+        if self.after == "none":
+            return s
+        return s * 2.0 if self.after == "scale" else (s * 2.0) * self.w_prep
 
 
 def _inputs(dtype=torch.float64):
@@ -98,8 +108,9 @@ def test_a_second_backward_replays_again():
 
 
 def test_the_region_keeps_its_inputs_not_what_feeds_the_kernel():
-    """The storages autograd keeps after the forward, outside the region's own checkpoint hooks: the plain call's
-    scan keeps sin(h) w_prep and the product sin(h); the region keeps h (its input, for the recomputation) and none of its intermediates."""
+    """The storages autograd keeps after the forward, outside the region's own checkpoint hooks: in the plain call the
+    scan keeps sin(h) * w_prep and the product keeps sin(h); the region keeps h (its input, for the recomputation)
+    and none of its intermediates."""
     kept = {}
     for recompute in (False, True):
         h, w_prep, w_scan = _inputs()
@@ -129,3 +140,35 @@ def test_outside_a_region_the_kernel_just_runs():
     _scan(h, w_scan, False)
     _scan(h, w_scan, False)
     assert LAUNCHES["scan"] == 2
+
+
+def test_a_kernel_output_nothing_keeps_is_freed_after_the_forward():
+    """The region holds its kernels' outputs by weak reference: the scan's output, which only the scaling reads, is
+    freed after the forward as in the plain call, and the gradients stay exact (its stand-in feeds nothing kept)."""
+    for recompute in (False, True):
+        h, w_prep, w_scan = _inputs()
+        region = Region(w_prep, w_scan)
+        out = recompute_except_kernels(region, h) if recompute else region(h)
+        assert LAUNCHES["last"]() is None
+        out.sum().backward()
+    _, grads, _, _ = _run(recompute=True)
+    _, grads_plain, _, _ = _run(recompute=False)
+    for g, g_plain in zip(grads, grads_plain):
+        assert torch.equal(g, g_plain)
+
+
+def test_a_kernel_output_changed_in_place_after_the_forward_raises():
+    h, w_prep, w_scan = _inputs()
+    out = recompute_except_kernels(Region(w_prep, w_scan, after="none"), h)
+    out.mul_(3.0)  # the plain call's gradients would still be right: the scan keeps nothing of its output
+    with pytest.raises(RuntimeError, match="modified in place after the forward"):
+        out.sum().backward()
+
+
+def test_a_saved_tensor_computed_from_a_freed_output_shows_as_nan():
+    """Outside the contract: (s * 2) * w keeps s * 2, computed from the scan's output s, which nothing keeps. Its
+    stand-in is NaN, so the gradient that reads it is NaN, not silently wrong; the one that does not is exact."""
+    h, w_prep, w_scan = _inputs()
+    recompute_except_kernels(Region(w_prep, w_scan, after="product"), h).sum().backward()
+    assert torch.isnan(w_prep.grad).all()
+    assert torch.isfinite(w_scan.grad).all()

@@ -171,10 +171,10 @@ def _backend(q, v, *, rule, window, packed, backend) -> str:
     return resolve_backend(backend, available=BACKENDS, default=default)
 
 
-def runs_triton(q, v=None, *, rule, window=1, backend="auto") -> bool:
-    """Whether `fast_weight_attention(q, k, v, ...)` on one row layout runs the Triton kernels (metadata only).
-    v: the values (None: V = K)."""
-    return _backend(q, q if v is None else v, rule=rule, window=window, packed=False, backend=backend) == "triton"
+def runs_triton(q, *, rule, window=1, backend="auto") -> bool:
+    """Whether `fast_weight_attention(q, k, v, ...)` with V = K on one row layout runs the Triton kernels (metadata
+    only)."""
+    return _backend(q, q, rule=rule, window=window, packed=False, backend=backend) == "triton"
 
 
 def seq_idx_in_place(q, v=None, *, rule, window=1, pairing="shifted", read="after", backend="auto") -> bool:

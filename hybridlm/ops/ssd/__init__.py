@@ -134,9 +134,9 @@ def _triton_in_row_groups(x, dt, A, B, C, *, D, chunk_size, initial_state, offse
                               join_rows=torch.cat)
 
 
-def runs_triton(x, B, C=None, *, seq_idx=None, backend="auto") -> bool:
-    """Whether `ssd(x, dt, A, B, C, ...)` runs the Triton kernels (metadata only). C: None for B's dtype."""
-    return _backend(x, B, B if C is None else C, seq_idx=seq_idx, backend=backend) == "triton"
+def runs_triton(x, B, *, seq_idx=None, backend="auto") -> bool:
+    """Whether `ssd(x, dt, A, B, C, ...)` runs the Triton kernels, C like B (metadata only)."""
+    return _backend(x, B, B, seq_idx=seq_idx, backend=backend) == "triton"
 
 
 def _backend(x, B, C, *, seq_idx, backend) -> str:
