@@ -48,7 +48,7 @@ _scan.register_autograd(_scan_backward, setup_context=_scan_setup)
 class Region:
     """prepare -> scan -> output, with the preparation's calls counted (it runs again in the backward). `after`: what
     follows the scan ("scale": times 2, which keeps nothing; "none": the scan's output itself; "product": times a
-    weight, which keeps the scaled output, computed from the scan's)."""
+    weight, which keeps the scaled output, computed from the scan's; "both": the scan's output and that product)."""
 
     def __init__(self, w_prep: torch.Tensor, w_scan: torch.Tensor, after: str = "scale"):
         self.w_prep, self.w_scan, self.after = w_prep, w_scan, after
@@ -61,6 +61,8 @@ class Region:
         s = _scan(u, self.w_scan, self.prepared == self.other_on_call)
         if self.after == "none":
             return s
+        if self.after == "both":  # the scan's output, alive after the forward, and a product computed from it
+            return s, (s * 2.0) * self.w_prep
         return s * 2.0 if self.after == "scale" else (s * 2.0) * self.w_prep
 
 
@@ -172,3 +174,17 @@ def test_a_saved_tensor_computed_from_a_freed_output_shows_as_nan():
     recompute_except_kernels(Region(w_prep, w_scan, after="product"), h).sum().backward()
     assert torch.isnan(w_prep.grad).all()
     assert torch.isfinite(w_scan.grad).all()
+
+
+def test_a_kernel_output_still_alive_is_handed_back():
+    """The caller holds the scan's output s, so the recomputation gets s itself: the product's saved s * 2 is
+    recomputed from the real values and every gradient equals the plain call's."""
+    grads = {}
+    for recompute in (False, True):
+        h, w_prep, w_scan = _inputs()
+        region = Region(w_prep, w_scan, after="both")
+        s, product = recompute_except_kernels(region, h) if recompute else region(h)
+        (s.sum() + product.sum()).backward()
+        grads[recompute] = [t.grad for t in (h, w_prep, w_scan)]
+    for g, g_plain in zip(grads[True], grads[False]):
+        assert torch.equal(g, g_plain)
