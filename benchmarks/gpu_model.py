@@ -70,7 +70,7 @@ import torch
 from gpu_ops import kernel_launches  # benchmarks/ is on the path when this script runs
 
 from hybridlm.inference import GraphedDecoder, prefill
-from hybridlm.layers.fast_weight import FastWeightMixer
+from hybridlm.layers.block import set_mixers_recompute
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.allocation import channel_allocation
 from hybridlm.models.model import HybridForCausalLM
@@ -393,10 +393,9 @@ def main() -> None:
     params = {variant: sum(p.numel() for p in model.parameters()) for variant, model in models.items()}
     for round_ in range(args.rounds):
         for variant, model in models.items():
-            mixers = [m for m in model.modules() if isinstance(m, (FastWeightMixer, Mamba2Mixer))]
+            mixers = set_mixers_recompute(model, True)
             for recompute in [True] + ([False] if args.kept_mixers and mixers else []):
-                for mixer in mixers:
-                    mixer.recompute = recompute
+                set_mixers_recompute(model, recompute)
                 label = variant if recompute else f"{variant} (kept)"
                 for length in args.lengths:
                     row = {"variant": label, "baseline": BASELINE.get(variant, "transformer"),
@@ -412,8 +411,7 @@ def main() -> None:
                     model.zero_grad(set_to_none=True)  # the other variants' turns need the memory
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-            for mixer in mixers:
-                mixer.recompute = True
+            set_mixers_recompute(model, True)
     for variant in args.variants:
         model = models.pop(variant)
         for context in args.contexts:

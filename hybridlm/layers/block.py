@@ -53,6 +53,15 @@ from hybridlm.modules.multiplier import scaled
 from hybridlm.modules.norm import RMSNorm
 
 
+def set_mixers_recompute(model: nn.Module, enabled: bool) -> list[nn.Module]:
+    """Set `recompute` (what feeds the scans recomputed in the backward, `hybridlm.ops.recompute`) on every SSM mixer
+    of `model`; returns those mixers."""
+    mixers = [m for m in model.modules() if isinstance(m, (FastWeightMixer, Mamba2Mixer))]
+    for mixer in mixers:
+        mixer.recompute = enabled
+    return mixers
+
+
 def build_ssm_mixer(config, layer_idx: int) -> nn.Module | None:
     """The SSM half of a block for `config.ssm_mixer` ("mamba2" | "fast_weight" | "none")."""
     if config.ssm_mixer == "none":

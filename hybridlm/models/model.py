@@ -36,7 +36,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Generation
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
-from hybridlm.layers.block import HybridBlock
+from hybridlm.layers.block import HybridBlock, set_mixers_recompute
 from hybridlm.layers.cache import HybridCache
 from hybridlm.layers.fast_weight import FastWeightMixer, initial_lam_bias
 from hybridlm.layers.mamba2 import Mamba2Mixer
@@ -152,9 +152,7 @@ class HybridModel(HybridPreTrainedModel):
         backward, the SSM mixers' own recomputation of what feeds their scans (their `recompute`) would only run it
         a third time: enabling turns it off, disabling back on."""
         self._gradient_checkpointing = bool(enabled)
-        for module in self.modules():
-            if isinstance(module, (FastWeightMixer, Mamba2Mixer)):
-                module.recompute = not enabled
+        set_mixers_recompute(self, not enabled)
 
     def forward(
         self,

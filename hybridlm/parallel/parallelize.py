@@ -32,9 +32,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from hybridlm.layers.block import HybridBlock
-from hybridlm.layers.fast_weight import FastWeightMixer
-from hybridlm.layers.mamba2 import Mamba2Mixer
+from hybridlm.layers.block import HybridBlock, set_mixers_recompute
 from hybridlm.parallel.mesh import ParallelConfig, data_parallel_mesh
 from hybridlm.parallel.mixer_parallel import apply_mixer_parallel
 from hybridlm.parallel.tensor_parallel import apply_tensor_parallel
@@ -71,9 +69,7 @@ def wrap_blocks(
     "reduce-overhead": CUDA graphs per block, "max-autotune-no-cudagraphs"). `recompute_mixers`: the SSM mixers'
     own recomputation in the backward (their `recompute`), off under activation_checkpointing, whose recomputation
     of the whole block makes it redundant."""
-    for mixer in model.modules():
-        if isinstance(mixer, (FastWeightMixer, Mamba2Mixer)):
-            mixer.recompute = recompute_mixers and not activation_checkpointing
+    set_mixers_recompute(model, recompute_mixers and not activation_checkpointing)
     if not (activation_checkpointing or compile):
         return None
     layers = _layer_list(model)
