@@ -54,6 +54,9 @@ the Transformer's attention and MLP and add the SSM half: 143-159M parameters ag
    `--graph` times the steps of `GraphedDecoder` instead (one replayed CUDA graph per token; the static cache
    attends over all its slots, here context + decode steps); `--compile-decode` captures the step compiled by
    inductor (fused kernels: fewer per replay; aot_eager on the CPU, which only checks the path).
+   `--torch-steps` also decodes each variant with SSM mixers with its mixers' single steps on their torch loops
+   (`FastWeightMixer.backend = "recurrent"`, `Mamba2Mixer.backend = "naive"` after the prefill) instead of the
+   one-kernel steps "auto" takes on CUDA, as "<variant> (torch steps)": what the step kernels save per token.
 3. `--profile-decode`: `torch.profiler` over 3 decoding steps at the first context, per variant: the operators with
    the most device (or CPU) time and the number of kernel launches, to tell per-step overhead from the math;
    `--profile-train` the same for one training update per variant and length.
@@ -62,6 +65,7 @@ the Transformer's attention and MLP and add the SSM half: 143-159M parameters ag
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -71,6 +75,7 @@ from gpu_ops import kernel_launches  # benchmarks/ is on the path when this scri
 
 from hybridlm.inference import GraphedDecoder, prefill
 from hybridlm.layers.block import set_mixers_recompute
+from hybridlm.layers.fast_weight import FastWeightMixer
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.allocation import channel_allocation
 from hybridlm.models.model import HybridForCausalLM
@@ -239,21 +244,39 @@ def training(model, *, length: int, device: torch.device, repeats: int, rows: in
 
 
 @torch.no_grad()
-def profile_decoding(model, *, context: int, device: torch.device, rows: int = 12) -> str:
-    """`profiled` over 3 decoding steps after a prefill of `context` tokens."""
+def profile_decoding(model, *, context: int, device: torch.device, rows: int = 12, torch_loops: bool = False) -> str:
+    """`profiled` over 3 decoding steps after a prefill of `context` tokens (`torch_loops`: through `torch_steps`)."""
     model.eval()
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         cache = model(ids, cache=model.new_cache()).cache
-        model(ids[:, -1:], cache=cache)  # one step outside the profile (first-call work)
-        table = profiled(lambda: model(ids[:, -1:], cache=cache), device, steps=3, rows=rows)
+        with torch_steps(model, torch_loops):
+            model(ids[:, -1:], cache=cache)  # one step outside the profile (first-call work)
+            table = profiled(lambda: model(ids[:, -1:], cache=cache), device, steps=3, rows=rows)
     model.train()
     return table
 
 
+@contextlib.contextmanager
+def torch_steps(model, enabled: bool = True):
+    """Within: the SSM mixers' single decoding steps on their torch loops (the step loop vectorized over rows, the
+    naive SSD step) instead of the one-kernel steps; their backends restored after."""
+    mixers = [m for m in model.modules() if isinstance(m, (FastWeightMixer, Mamba2Mixer))] if enabled else []
+    saved = [m.backend for m in mixers]
+    for m in mixers:
+        m.backend = "recurrent" if isinstance(m, FastWeightMixer) else "naive"
+    try:
+        yield
+    finally:
+        for m, backend in zip(mixers, saved):
+            m.backend = backend
+
+
 @torch.no_grad()
 def decoding(model, *, context: int, device: torch.device, steps: int, batch: int = 1, graph: bool = False,
-             compile_step: str | None = None, prefill_tokens: int = 1 << 18) -> dict:
+             compile_step: str | None = None, prefill_tokens: int = 1 << 18, torch_loops: bool = False) -> dict:
+    """Prefill time, decoding step time (median) and cache size per row; `torch_loops`: the steps through
+    `torch_steps`."""
     model.eval()
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
     piece = max(1, prefill_tokens // batch)  # tokens per row in one prefill call
@@ -266,25 +289,20 @@ def decoding(model, *, context: int, device: torch.device, steps: int, batch: in
         cache, _ = prefill(model, ids, chunk=piece)
         sync(device)
         prefill_s = time.perf_counter() - start
-        if graph:  # the first step captures the graph: left out of the median below with the others' first
-            if compile_step is not None:
-                torch._dynamo.reset()  # each measurement compiles its own step for its shapes (static, not dynamic)
-            decoder = GraphedDecoder(model, cache, capacity=context + steps, batch_size=batch,
-                                     compile_step=compile_step)
-            cache = decoder.cache
-            step = lambda: decoder.step(token[:, 0])
-        else:
-            step = lambda: model(token, cache=cache, logits_to_keep=1)
-        times = []
-        for _ in range(steps):
-            sync(device)
-            start = time.perf_counter()
-            step()
-            sync(device)
-            times.append(time.perf_counter() - start)
+        with torch_steps(model, torch_loops):
+            if graph:  # the first step captures the graph
+                if compile_step is not None:
+                    torch._dynamo.reset()  # each measurement compiles its own step for its shapes (static)
+                decoder = GraphedDecoder(model, cache, capacity=context + steps, batch_size=batch,
+                                         compile_step=compile_step)
+                cache = decoder.cache
+                step = lambda: decoder.step(token[:, 0])
+            else:
+                step = lambda: model(token, cache=cache, logits_to_keep=1)
+            # the first step (the graph's capture, first-call work) left out when there are others
+            decode_s = timed(step, device, warmup=1 if steps > 1 else 0, repeats=max(1, steps - 1))
     model.train()
     state_bytes = sum(layer.state_bytes() for layer in cache.layers)
-    decode_s = statistics.median(times[1:] or times)
     return {"prefill_s": prefill_s, "decode_ms": 1e3 * decode_s, "tokens_per_s": batch / decode_s,
             "cache_mib_per_row": state_bytes / batch / 2**20}
 
@@ -358,6 +376,9 @@ def main() -> None:
                         help="also train every variant with SSM mixers with their own recomputation off (the mixers "
                              "keep their conv output, norms and write events: `parallel.recompute_mixers=false`), "
                              "as '<variant> (kept)' in the same rounds")
+    parser.add_argument("--torch-steps", action="store_true",
+                        help="also decode every variant with SSM mixers with their single steps on the torch loops "
+                             "instead of the step kernels, as '<variant> (torch steps)'")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run of this script)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -414,20 +435,28 @@ def main() -> None:
             set_mixers_recompute(model, True)
     for variant in args.variants:
         model = models.pop(variant)
+        has_mixers = any(isinstance(m, (FastWeightMixer, Mamba2Mixer)) for m in model.modules())
         for context in args.contexts:
             for batch in args.decode_batches:
-                try:
-                    measured = decoding(model, context=context, device=device, steps=args.decode_steps, batch=batch,
-                                        graph=args.graph, compile_step=compile_step,
-                                        prefill_tokens=args.prefill_tokens)
-                except torch.OutOfMemoryError:
-                    measured = {"prefill_s": None, "decode_ms": None, "tokens_per_s": None, "cache_mib_per_row": None}
-                record({"variant": variant, "context": context, "batch": batch, **measured})
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                for loops in [False] + ([True] if args.torch_steps and has_mixers else []):
+                    try:
+                        measured = decoding(model, context=context, device=device, steps=args.decode_steps,
+                                            batch=batch, graph=args.graph, compile_step=compile_step,
+                                            prefill_tokens=args.prefill_tokens, torch_loops=loops)
+                    except torch.OutOfMemoryError:
+                        measured = {"prefill_s": None, "decode_ms": None, "tokens_per_s": None,
+                                    "cache_mib_per_row": None}
+                    label = f"{variant} (torch steps)" if loops else variant
+                    record({"variant": label, "baseline": BASELINE.get(variant, "transformer"), "context": context,
+                            "batch": batch, **measured})
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
         if args.profile_decode and args.contexts:
-            print(f"\n### decoding profile: {variant}, context {args.contexts[0]}\n"
-                  + profile_decoding(model, context=args.contexts[0], device=device), flush=True)
+            for loops in [False] + ([True] if args.torch_steps and has_mixers else []):
+                label = f"{variant} (torch steps)" if loops else variant
+                print(f"\n### decoding profile: {label}, context {args.contexts[0]}\n"
+                      + profile_decoding(model, context=args.contexts[0], device=device, torch_loops=loops),
+                      flush=True)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -439,7 +468,7 @@ def main() -> None:
         if r["decode_ms"] is None:
             print(f"| {variant} | {context} | {batch} | OOM | - | - | - | - |")
             continue
-        base = decode.get((BASELINE.get(variant, "transformer"), context, batch), {}).get("tokens_per_s")
+        base = decode.get((r["baseline"], context, batch), {}).get("tokens_per_s")
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         print(f"| {variant} | {context} | {batch} | {r['prefill_s']:.3f} | {r['decode_ms']:.2f} | "
               f"{r['tokens_per_s']:.0f} | {ratio} | {r['cache_mib_per_row']:.1f} |")

@@ -104,6 +104,30 @@ def test_gpu_model_on_the_cpu_kept_mixers_beside_each_variant(tmp_path):
     assert len(kept) == 1 and "| 1 x 32 |" in kept[0] and "x (" in kept[0]  # a ratio to the Transformer's rounds
 
 
+def test_gpu_model_on_the_cpu_torch_steps_beside_each_hybrid(tmp_path):
+    run("gpu_model.py", "--cpu", "--preset", "tiny", "--lengths", "--contexts", "32", "--variants", "transformer",
+        "hybrid fw-1A", "--decode-batches", "1", "--decode-steps", "2", "--torch-steps",
+        "--json", str(tmp_path / "rows.json"))
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["transformer", "hybrid fw-1A", "hybrid fw-1A (torch steps)"]
+    assert all(r["decode_ms"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="runs the step kernels under Triton's interpreter")
+def test_decode_ops_counts_the_step_kernels(tmp_path):
+    """Each SSM layer's op is one launch (the fast-weight op also checks its ridge: two operators more) where the
+    torch loops run a dozen and more; attention and the rest count the same either way."""
+    run("decode_ops.py", "--preset", "tiny", "--variants", "transformer", "hybrid fw-1A", "hybrid mamba2",
+        "--json", str(tmp_path / "ops.json"), timeout=600)
+    rows = {(r["variant"], r["steps"]): r for r in json.loads((tmp_path / "ops.json").read_text())["rows"]}
+    assert rows[("transformer", "-")]["launches"] == 0
+    for variant, op_ops in (("hybrid fw-1A", 3), ("hybrid mamba2", 1)):
+        loops, kernels = rows[(variant, "torch loops")], rows[(variant, "triton")]
+        assert kernels["op"] == op_ops and loops["op"] > 10
+        assert kernels["total"] < loops["total"] and kernels["launches"] > 0 == loops["launches"]
+        assert kernels["attention"] == loops["attention"] == rows[("transformer", "-")]["attention"]
+
+
 def test_gpu_model_on_the_cpu_sliding_window_hybrid_keeps_constant_cache(tmp_path):
     out = run("gpu_model.py", "--cpu", "--preset", "tiny", "--lengths", "--contexts", "32", "96", "--variants",
               "transformer", "hybrid swa fw-1A", "--window", "8", "--decode-batches", "1", "--decode-steps", "2",

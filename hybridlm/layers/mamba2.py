@@ -164,7 +164,8 @@ class Mamba2Mixer(nn.Module):
             output_final_state=cache is not None,
             cu_seqlens=cu_seqlens,
             seq_idx=seq_idx,
-            backend="naive" if length == 1 else self.backend,  # one decoding step: the recurrence itself
+            # one decoding step: the recurrence itself ("auto": on CUDA its one-kernel form, the op's choice)
+            backend=self.backend if length > 1 or self.backend in ("auto", "triton") else "naive",
         )
         if cache is not None:
             cache.ssm["conv"], cache.ssm["ssm"] = conv_state, ssm_state

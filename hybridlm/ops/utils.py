@@ -27,6 +27,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records a call on `tensors` (grad mode on and one of them requiring a gradient): the
+    inference-only kernels (decoding steps) run only where it does not."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def on_tensor_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
     """Make `tensor`'s GPU the current one while kernels launch: Triton launches on the current device's stream,
     so a model on cuda:1 called from a process whose current device is cuda:0 would hand the kernels pointers of

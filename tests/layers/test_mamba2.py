@@ -111,13 +111,16 @@ def test_packed_prefill_states_equal_each_sequence_alone(rms_norm):
 
 
 def test_one_token_step_uses_the_recurrence(monkeypatch):
-    from hybridlm.layers import mamba2
+    """A prefill runs the chunked scan, a one-token step the recurrence itself (on the CPU its torch loop; on CUDA
+    "auto" takes its one-kernel form: tests/ops/test_decoding_steps.py)."""
+    from hybridlm.ops import ssd as ssd_op
 
-    backends = []
-    real = mamba2.ssd
-    monkeypatch.setattr(mamba2, "ssd", lambda *a, **k: backends.append(k["backend"]) or real(*a, **k))
+    ran = []
+    for name in ("chunk_ssd", "naive_ssd"):
+        real = getattr(ssd_op, name)
+        monkeypatch.setattr(ssd_op, name, lambda *a, real=real, name=name, **k: ran.append(name) or real(*a, **k))
     mixer = make_mixer(make_config())
     cache = LayerCache()
     mixer(torch.randn(1, 5, 24), cache=cache)
     mixer(torch.randn(1, 1, 24), cache=cache)
-    assert backends == ["auto", "naive"]
+    assert ran == ["chunk_ssd", "naive_ssd"]

@@ -311,14 +311,28 @@ for io, prec, s in (("*bf16", "tf32", dict(P=64, N=128, BT=64)), ("*fp32", "ieee
     b(k.grad_bc_kernel, dict(blocks, R=2))
 """
 
+_SM90_STEP = """
+from hybridlm.ops.ssd.triton import step as k
+
+# The decoding step as step.forward blocks it: a model's sizes in bf16, the largest state, odd float32 sizes.
+for io, P, N in (("*bf16", 64, 128), ("*bf16", 128, 256), ("*fp32", 20, 12)):
+    BN = max(16, triton.next_power_of_2(N))
+    BP = min(max(16, triton.next_power_of_2(P)), max(16, k.STATE_BLOCK // BN))
+    for has_d in (True, False):
+        build(k.step_kernel, dict(P=P, N=N, BP=BP, BN=BN, HAS_D=has_d), io=io, io_names=("x_ptr", "B_ptr", "C_ptr",
+                                                                                               "y_ptr"),
+              warps=k.NUM_WARPS)
+"""
+
 
 @needs_cuda_backend
 def test_kernels_compile_for_sm90():
     """Every kernel compiles to PTX for sm_90 (bf16 at a model's sizes, fp32 small): the interpreter does not type-
     check the compiled path (`triton_modes.compile_for_sm90`, ~10 s without a GPU)."""
-    report = compile_for_sm90(_SM90_KERNELS, modules=("hybridlm.ops.ssd.triton.kernels",))
-    assert set(report["built"]) == report["defined"], report  # every kernel of the file
-    assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
+    for script, module in ((_SM90_KERNELS, "kernels"), (_SM90_STEP, "step")):
+        report = compile_for_sm90(script, modules=(f"hybridlm.ops.ssd.triton.{module}",))
+        assert set(report["built"]) == report["defined"], report  # every kernel of the file
+        assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
 
 
 @pytest.mark.skipif(INTERPRET or ON_GPU, reason="checks the refusal on CPU tensors without the interpreter")

@@ -174,9 +174,26 @@ for io, K, V in (("*bf16", 128, 128), ("*fp32", 20, 12)):
             build(kernel, consts, io=io, io_names=HALF, types=TYPES, warps=k.NUM_WARPS)
 """
 
+STEP = """
+from hybridlm.ops.fast_weight.triton import step as k
+
+IO = ("q_ptr", "k_ptr", "v_ptr", "o_ptr")
+TYPES = {"eps": "fp32", "one_minus_eps_gamma": "fp32"}
+# The decoding step as step.forward blocks it: a model's heads in bf16, the largest heads, odd float32 sizes.
+for io, K, V in (("*bf16", 64, 64), ("*bf16", 256, 256), ("*fp32", 20, 12)):
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(max(16, triton.next_power_of_2(V)), max(16, k.STATE_BLOCK // BK))
+    for rule, shifted in (("1A", True), ("1", True), ("2A", False), ("2", True)):
+        for writes in (True, False):
+            flags = dict(WRITES=writes, SHIFTED=shifted, REGRESSION=rule in ("1", "2"),
+                         PER_COLUMN=rule in ("2A", "2"), NLMS=rule != "2A", SCALED=rule == "1", READ_AFTER=rule != "2")
+            build(k.step_kernel, dict(K=K, V=V, BK=BK, BV=BV, **flags), io=io, io_names=IO, types=TYPES,
+                  warps=k.NUM_WARPS)
+"""
+
 BUILDS = {  # module: its builds
     "decays": DECAYS, "chunk_state": CHUNK_STATE, "chunk_output": CHUNK_OUTPUT, "inner_product_kernels": INNER_PRODUCT,
-    "wy": WY, "regression_kernels": REGRESSION, "band": BAND, "prepare": PREPARE,
+    "wy": WY, "regression_kernels": REGRESSION, "band": BAND, "prepare": PREPARE, "step": STEP,
 }
 
 

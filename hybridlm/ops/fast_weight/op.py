@@ -12,10 +12,12 @@ from hybridlm.ops.fast_weight.state import FastWeightState
 from hybridlm.ops.fast_weight.triton import auto_takes as triton_auto_takes
 from hybridlm.ops.fast_weight.triton import fast_weight_triton
 from hybridlm.ops.fast_weight.triton import slow_path_reason as triton_slow_path_reason
+from hybridlm.ops.fast_weight.triton import step_takes as triton_step_takes
 from hybridlm.ops.utils import (
     check_cu_seqlens,
     compute_dtype,
     call_in_row_groups,
+    needs_grad,
     resolve_backend,
     triton_available,
     triton_runs_on,
@@ -77,7 +79,8 @@ def fast_weight_attention(
         chunk_size: the chunk length of the chunk-parallel backend (rules "2"/"2A" use at most 16: their
             per-column decays cost O(C^2 V) exponentials per chunk instead of matmuls).
         backend: "auto" | "naive" | "recurrent" | "chunk" | "triton". "recurrent" is the step loop vectorized
-            over rows (no cu_seqlens). "auto" takes it for T == 1 (decoding; naive with cu_seqlens), the
+            over rows (no cu_seqlens). "auto" takes it for T == 1 (decoding; naive with cu_seqlens; on CUDA
+            the Triton step kernel for rules 1A, 1, 2A, 2 when no gradient is recorded), the
             Triton kernels on CUDA for the rules timed against the chunk path on a GPU (1A, 3A, 1; K, V <= 128;
             float32/bf16/fp16; benchmarks/RESULTS.md) when triton is installed, and the chunk path otherwise.
             "triton" also runs rules 2A, 2 and 3 (window <= 64, on rule 1's kernels over write events). Where
@@ -114,7 +117,9 @@ def fast_weight_attention(
     out_dtype = q.dtype
     if lam is None:
         lam = q.new_zeros(B, T, H)
-    name = _backend(q, v, rule=rule, window=window, packed=offsets is not None, backend=backend)
+    inference = not needs_grad(q, k, v, beta, lam, state.S, state.last_k)
+    name = _backend(q, v, rule=rule, window=window, packed=offsets is not None, backend=backend,
+                    inference=inference)
     if name == "triton":  # q, k, v keep their dtype (bf16 tensor cores); step sizes and decays run in float32
         if not triton_runs_on(q):
             raise ValueError("backend='triton' needs triton installed and the tensors on a CUDA device; "
@@ -150,8 +155,9 @@ def _triton_in_row_groups(q, k, v, beta, lam, options, *, state, offsets, seq_id
                               join_rows=FastWeightState.cat)
 
 
-def _backend(q, v, *, rule, window, packed, backend) -> str:
-    """The backend a call runs: a single decoding step the step loop (vectorized over rows); longer inputs the chunk
+def _backend(q, v, *, rule, window, packed, backend, inference=False) -> str:
+    """The backend a call runs: a single decoding step the step loop (vectorized over rows), or on a GPU the step
+    kernel where it takes the call (`inference`: no gradient to record; triton `step_takes`); longer inputs the chunk
     path, or on a GPU the Triton kernels. "auto" on a CUDA tensor that the kernels would take but for its shape, rule,
     window, dtype or a missing triton warns (once per reason) that it runs the chunk path."""
     K, V = q.shape[-1], v.shape[-1]
@@ -159,6 +165,9 @@ def _backend(q, v, *, rule, window, packed, backend) -> str:
     step_loop = "naive" if packed else "recurrent"  # decoding: one step, vectorized over rows
     if q.shape[1] == 1:
         default = step_loop
+        if (inference and not packed and q.is_cuda and triton_available()
+                and triton_step_takes(rule=rule, window=window, K=K, V=V, dtype=q.dtype)):
+            default = "triton"
     elif q.is_cuda and takes and triton_available():
         default = "triton"
     else:

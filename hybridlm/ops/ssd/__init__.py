@@ -7,7 +7,8 @@ registers and are not the timed path) and with `seq_idx` (only the torch backend
 packed path, which keeps the mixer inside the graphs). benchmarks/RESULTS.md times the Triton kernels against the
 chunk path. Where "auto" leaves 16-bit CUDA inputs without `seq_idx` on the chunk path (heads over 128, a state over
 256, triton missing) it warns once per reason and process (`SlowPathWarning`); float32, float64 and `seq_idx` are its
-choices and do not warn. The math: README.md in this folder.
+choices and do not warn. A single step (T = 1: decoding) "auto" runs as the naive step, or on CUDA, where no gradient
+is recorded, as one Triton kernel (`triton/step.py`). The math: README.md in this folder.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from hybridlm.ops.ssd.triton import auto_takes as triton_auto_takes
 from hybridlm.ops.ssd.triton import is_available as triton_is_available
 from hybridlm.ops.ssd.triton import slow_path_reason as triton_slow_path_reason
 from hybridlm.ops.ssd.triton import ssd_triton
+from hybridlm.ops.ssd.triton import supports as triton_supports
 from hybridlm.ops.utils import (
     check_cu_seqlens,
     compute_dtype,
     call_in_row_groups,
+    needs_grad,
     resolve_backend,
     seq_idx_segments,
     warn_slow_path,
@@ -71,7 +74,8 @@ def ssd(
             takes "chunk").
         backend: "auto", "naive", "chunk" or "triton" (CUDA tensors and triton installed; x, B, C in float32,
             bfloat16 or float16, P <= 128, N <= 256; "auto" takes it for bf16/fp16 ones, else "chunk", and warns
-            once per reason where bf16/fp16 CUDA inputs without seq_idx miss it).
+            once per reason where bf16/fp16 CUDA inputs without seq_idx miss it). For T == 1 "auto" takes "naive",
+            or on CUDA, without a gradient to record and without cu_seqlens, the Triton step kernel.
 
     Returns:
         `(y, final_state)`: y `[b, T, H, P]` in x's dtype; final_state `[b or N_seq, H, P, N]` in float32
@@ -81,7 +85,8 @@ def ssd(
     _check_shapes(x, dt, A, B, C, D, initial_state, chunk_size)
     b, T, H, P = x.shape
     N = B.shape[-1]
-    backend = _backend(x, B, C, seq_idx=seq_idx, backend=backend)
+    inference = not needs_grad(x, dt, A, B, C, D, initial_state)
+    backend = _backend(x, B, C, seq_idx=seq_idx, backend=backend, inference=inference and cu_seqlens is None)
     segments = None
     if seq_idx is not None:
         segments = _segments(seq_idx, x.shape[:2], cu_seqlens=cu_seqlens, backend=backend)
@@ -139,13 +144,18 @@ def runs_triton(x, B, *, seq_idx=None, backend="auto") -> bool:
     return _backend(x, B, B, seq_idx=seq_idx, backend=backend) == "triton"
 
 
-def _backend(x, B, C, *, seq_idx, backend) -> str:
+def _backend(x, B, C, *, seq_idx, backend, inference=False) -> str:
     """The backend a call runs: the Triton kernels for 16-bit CUDA inputs they take without seq_idx, else the chunk
-    path. "auto" on such inputs that the kernels would take but for their head or state size or a missing triton
-    warns (once per reason) that it runs the chunk path."""
+    path; a single step (T = 1) the naive step, or on CUDA the step kernel where it takes the call (`inference`: no
+    gradient to record and no packed sequences; x, B, C in any of the kernels' dtypes). "auto" on such inputs that
+    the kernels would take but for their head or state size or a missing triton warns (once per reason) that it runs
+    the chunk path."""
     P, N = x.shape[-1], B.shape[-1]
     dtype = torch.promote_types(torch.promote_types(x.dtype, B.dtype), C.dtype)  # of the kernels' matmul operands
     takes = triton_auto_takes(P=P, N=N, dtype=dtype)
+    if x.shape[1] == 1 and seq_idx is None:
+        step_kernel = inference and x.is_cuda and triton_supports(P=P, N=N, dtype=dtype) and triton_is_available()
+        return resolve_backend(backend, available=_BACKENDS, default="triton" if step_kernel else "naive")
     on_gpu = x.is_cuda and seq_idx is None and takes and triton_is_available()
     if backend == "auto" and x.is_cuda and seq_idx is None and not on_gpu:  # metadata only: no host sync
         reason = _NO_TRITON if takes else triton_slow_path_reason(P=P, N=N, dtype=dtype)

@@ -10,14 +10,16 @@ Entry points:
   ops (`hybridlm::fast_weight_{1a,1,3,2a,2}_{fwd,bwd}`, `custom_ops.py`, registered on the first call), so that
   `torch.compile` traces them; rule 3 takes `slots` (write events per step) too.
 - `is_available()`: triton importable and a CUDA device present; `supports(...)`, `auto_takes(...)` (what
-  `backend="auto"` sends here), `slow_path_reason(...)` (why it does not) and the limits: `limits.py`.
+  `backend="auto"` sends here), `slow_path_reason(...)` (why it does not), `step_takes(...)` (the decoding steps
+  that run as one kernel, `step.py`) and the limits: `limits.py`.
 
 Layout. Shared building blocks, named for the stage they compute: `decays.py` (chunk-local cumulative log decays),
 `chunk_state.py` (each chunk's contribution to the state and the sequential pass over chunks), `chunk_output.py`
 (outputs and their value gradient), `wy.py` (the WY factors: (I + A)^-1, U, W), `prepare.py` (the fused write
 preparation of rules 1A and 1), `band.py` (rule 3A's band), `chunking.py` (the chunk grid and plan they share).
 Per rule family: `inner_product.py` / `inner_product_kernels.py` (rules 1A, 2A; 3A on 1A's) and `regression.py` /
-`regression_kernels.py` (rules 1, 3, 2): launchers and their family's kernels.
+`regression_kernels.py` (rules 1, 3, 2): launchers and their family's kernels. `step.py`: one decoding step of
+the window-1 rules in one kernel (inference).
 
 The kernels also run on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set before triton is
 imported): that is how the tests check them without a GPU (`HYBRIDLM_TRITON_INTERPRET=1`).
@@ -31,9 +33,11 @@ from hybridlm.ops.fast_weight.triton.limits import (
     MAX_DELTA_CHUNK,
     MAX_HEAD_DIM,
     MAX_RULE_3_WINDOW,
+    STEP_RULES,
     SUPPORTED_RULES,
     auto_takes,
     slow_path_reason,
+    step_takes,
     supports,
 )
 from hybridlm.ops.utils import triton_available as is_available
@@ -82,7 +86,8 @@ def fast_weight_triton(q, k, v, beta, lam, options, **call):
     return run(q, k, v, beta, lam, options, **call)
 
 
-__all__ = ["AUTO_RULES", "DTYPES", "MAX_DELTA_CHUNK", "MAX_HEAD_DIM", "MAX_RULE_3_WINDOW", "SUPPORTED_RULES",
+__all__ = ["AUTO_RULES", "DTYPES", "MAX_DELTA_CHUNK", "MAX_HEAD_DIM", "MAX_RULE_3_WINDOW", "STEP_RULES",
+           "SUPPORTED_RULES",
            "auto_takes", "fast_weight_1_triton", "fast_weight_1a_triton", "fast_weight_2_triton",
            "fast_weight_2a_triton", "fast_weight_3_triton", "fast_weight_triton", "is_available", "slow_path_reason",
-           "supports"]
+           "step_takes", "supports"]

@@ -41,9 +41,17 @@ from hybridlm.ops.fast_weight.triton.custom_ops import (
     fast_weight_3_triton,
     fast_weight_band_triton,
     fast_weight_prepare_triton,
+    fast_weight_step_triton,
 )
-from hybridlm.ops.fast_weight.triton.limits import MAX_DELTA_CHUNK, PER_COLUMN_CHUNK, supports
-from hybridlm.ops.utils import compute_dtype, host_to_device, packed_to_padded, padded_to_packed, triton_chunk_size
+from hybridlm.ops.fast_weight.triton.limits import MAX_DELTA_CHUNK, PER_COLUMN_CHUNK, step_takes, supports
+from hybridlm.ops.utils import (
+    compute_dtype,
+    host_to_device,
+    needs_grad,
+    packed_to_padded,
+    padded_to_packed,
+    triton_chunk_size,
+)
 
 FUSED_RULES = ("1A", "1")  # window 1, scalar step per head (2A's steps are per value column; 3A has a window)
 
@@ -73,6 +81,9 @@ def fast_weight_triton(
     on both sides (one document: exact up to float32 rounding at magnitude 100 x the restarts so far in the chunk;
     README.md, "Packed documents in place") or on one (another document: ~0).
 
+    A single step (T = 1) of rules 1A, 1, 2A, 2 without packed sequences and without a gradient to record (a
+    decoding step) runs as one kernel (`step.py`) instead.
+
     Returns o `[B, T, H, V]` in q's dtype and the final state (S float32)."""
     rule, window, chunk_size, read_after = options.rule, options.window, options.chunk_size, options.read_after
     K, V = q.shape[-1], v.shape[-1]
@@ -84,6 +95,10 @@ def fast_weight_triton(
         raise ValueError(f"seq_idx (documents restarted in place) takes a read after the write, shifted pairing for "
                          f"the regression rules, and no cu_seqlens; got rule {rule!r}, {options.pairing} pairing, "
                          f"read {options.read!r} (use cu_seqlens)")
+    if (q.shape[1] == 1 and offsets is None and seq_idx is None and step_takes(rule=rule, window=window, K=K, V=V,
+                                                                                dtype=q.dtype)
+            and not needs_grad(q, k, v, beta, lam, initial_state.S, initial_state.last_k)):
+        return _decoding_step(q, k, v, beta, lam, options, initial_state)
     if fused_preparation and rule in FUSED_RULES and window == 1:
         return _window_1(q, k, v, beta, lam, options, initial_state=initial_state, offsets=offsets, seq_idx=seq_idx)
     p = prepare_writes(q, k, v, beta, lam, options, initial_state=initial_state, offsets=offsets, seq_idx=seq_idx)
@@ -165,6 +180,16 @@ def _delayed_window(p: PreparedWrites, S0: torch.Tensor, *, read_after: bool,
     o = fast_weight_band_triton(p.q, x_ext, y_ext, band.float().contiguous(), o, read_after=read_after)
     S = S + torch.einsum("nhj,nhjk,nhjv->nhkv", C[:, -1, :, 1:], p.X[:, -1, :, 1:].float(), p.Y[:, -1, :, 1:].float())
     return o, S
+
+
+def _decoding_step(q, k, v, beta, lam, options: FastWeightOptions, state: FastWeightState):
+    """One step [B, 1, H, *] through the step kernel -> o [B, 1, H, V], the state after it."""
+    shifted = options.shifted
+    o, S, last_k = fast_weight_step_triton(
+        q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], state.S.float(), state.last_k if shifted else None,
+        rule=options.rule, pairing=options.pairing, read_after=options.read_after, step_size=options.step_size,
+        ridge_scaling=options.ridge_scaling, eps=options.eps, eps_gamma=options.eps_gamma)
+    return o[:, None], FastWeightState(S=S, last_k=last_k if shifted else None)
 
 
 def _window_1(q, k, v, beta, lam, options: FastWeightOptions, *, initial_state, offsets,

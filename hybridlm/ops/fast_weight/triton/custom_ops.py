@@ -17,6 +17,9 @@
     hybridlm::fast_weight_prepare_bwd(dx, dy, deta, dlog_gamma, <the forward's inputs>) -> (dk, dv, dbeta, dlam,
         dlast_k).
 
+    hybridlm::fast_weight_step(q, k, v, beta, lam, S, last_k?, rule, shifted, read_after, nlms, ridge_scaling, eps,
+        eps_gamma) -> (o, S', last_k'): one decoding step of the window-1 rules (`step.py`), inference only.
+
     hybridlm::fast_weight_band_fwd(q, x_ext, y_ext, c, base, shift) -> base + o_band;
     hybridlm::fast_weight_band_bwd(do, q, x_ext, y_ext, c, shift) -> (dq, dx_ext, dy_ext, dc): rule 3A's band of the
         pairs still being written (`band.py`), added to the 1A scan's output (base; d base = do).
@@ -160,6 +163,44 @@ def fast_weight_band_triton(q, x_ext, y_ext, c, base, *, read_after: bool) -> to
     if q.device.type != "cuda" and not triton_interpreting():
         raise ValueError(f"the Triton kernels need CUDA tensors (got {q.device})")
     return torch.ops.hybridlm.fast_weight_band_fwd(q, x_ext, y_ext, c, base, 0 if read_after else 1)
+
+
+def fast_weight_step_triton(q, k, v, beta, lam, S, last_k, *, rule: str, pairing: str, read_after: bool,
+                            step_size: str, ridge_scaling: bool, eps: float, eps_gamma: float):
+    """One decoding step of rule 1A, 1, 2A or 2 (window 1) in one kernel (`step.py`), without autograd.
+
+    Args:
+        q, k: `[N, H, K]`, v: `[N, H, V]` (one dtype among the kernels'). beta: `[N, H]` (2A, 2: `[N, H, V]`), lam:
+            `[N, H]` (cast to float32 here). S: `[N, H, K, V]` float32 S_{t-1}. last_k: `[N, H, K]` the carried key
+            (shifted pairing; None: a fresh row, which writes nothing this step).
+
+    Returns:
+        o `[N, H, V]` in q's dtype, S_t `[N, H, K, V]` float32 and k as float32 `[N, H, K]` (the next carried key).
+    """
+    N, H, K = q.shape if q.dim() == 3 else (None,) * 3
+    V = v.shape[-1]
+    per_column = rule in ("2A", "2")
+    want_beta = (N, H, V) if per_column else (N, H)
+    if (q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != (N, H) or tuple(beta.shape) != want_beta
+            or tuple(lam.shape) != (N, H) or tuple(S.shape) != (N, H, K, V)
+            or (last_k is not None and last_k.shape != q.shape)):
+        raise ValueError(f"the step takes q, k [N, H, K], v [N, H, V], beta {list(want_beta)}, lam [N, H], "
+                         f"S [N, H, K, V], last_k [N, H, K]; got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}, "
+                         f"{list(beta.shape)}, {list(lam.shape)}, {list(S.shape)}, "
+                         f"{None if last_k is None else list(last_k.shape)}")
+    if rule not in ("1A", "1", "2A", "2"):
+        raise ValueError(f"the step kernel runs rules 1A, 1, 2A and 2 (window 1); got rule {rule!r}")
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype or S.dtype != torch.float32:
+        raise ValueError(f"q, k, v must share one dtype among {DTYPES} and S be float32; got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}, {S.dtype}")
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        raise ValueError(f"the Triton kernels take K, V <= {MAX_HEAD_DIM}; got K = {K}, V = {V}")
+    if q.device.type != "cuda" and not triton_interpreting():
+        raise ValueError(f"the Triton kernels need CUDA tensors (got {q.device})")
+    return torch.ops.hybridlm.fast_weight_step(
+        q, k, v, beta.to(torch.float32), lam.to(torch.float32), S,
+        None if last_k is None else last_k.to(torch.float32), rule, pairing == "shifted", bool(read_after),
+        step_size == "nlms", bool(ridge_scaling), float(eps), float(eps_gamma))
 
 
 def _check_delta_chunk(chunk_size) -> None:
@@ -369,7 +410,31 @@ def _register_band() -> None:
     keep_in_compiled_regions(torch.ops.hybridlm.fast_weight_band_fwd.default)
 
 
+def _register_step() -> None:
+    """hybridlm::fast_weight_step (`step.py`) and its fake implementation; no autograd (decoding)."""
+
+    @torch.library.custom_op(
+        "hybridlm::fast_weight_step", mutates_args=(),
+        schema="(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor lam, Tensor S, Tensor? last_k, str rule, "
+               "bool shifted, bool read_after, bool nlms, bool ridge_scaling, float eps, float eps_gamma) "
+               "-> (Tensor, Tensor, Tensor)")
+    def step(q, k, v, beta, lam, S, last_k, rule, shifted, read_after, nlms, ridge_scaling, eps, eps_gamma):
+        from hybridlm.ops.fast_weight.triton import step as module
+
+        q, k, v, beta, lam, S = (t.contiguous() for t in (q, k, v, beta, lam, S))
+        last_k = None if last_k is None else last_k.contiguous()
+        with on_tensor_device(q):
+            return module.forward(q, k, v, beta, lam, S, last_k, rule=rule, shifted=shifted, read_after=read_after,
+                                  nlms=nlms, ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma)
+
+    @step.register_fake
+    def _(q, k, v, beta, lam, S, last_k, rule, shifted, read_after, nlms, ridge_scaling, eps, eps_gamma):
+        return (q.new_empty(v.shape), torch.empty_like(S, memory_format=torch.contiguous_format),
+                q.new_empty(q.shape, dtype=torch.float32))
+
+
 _register_prepare()
+_register_step()
 _register_band()
 _register("1A", "1a")
 _register("1", "1")

@@ -15,6 +15,8 @@ SUPPORTED_RULES = ("1A", "3A", "1", "2A", "3", "2")
 # GPU (benchmarks/RESULTS.md). The others run when asked for (`backend="triton"`).
 AUTO_RULES = ("1A", "3A", "1")
 MAX_HEAD_DIM = FAST_WEIGHT_MAX_HEAD_DIM  # K and V
+# The rules whose single decoding steps (T = 1, window 1, no gradient) run as one kernel (`step.py`).
+STEP_RULES = ("1A", "1", "2A", "2")
 # Rules 1 and 3 take chunks of at most 64: at 128 rule 1's gradient kernels ask for more shared memory than an H200
 # block has (227 KiB), while chunks of 64 fit (tests/ops/test_triton_sm90.py builds them).
 MAX_DELTA_CHUNK = 64
@@ -31,6 +33,11 @@ def supports(*, rule: str, window: int, K: int, V: int, dtype: torch.dtype) -> b
     """Whether the Triton backend handles this call (else use the chunk backend)."""
     fits = K <= MAX_HEAD_DIM and V <= MAX_HEAD_DIM
     return rule in SUPPORTED_RULES and _windowed(rule, window) and fits and dtype in DTYPES
+
+
+def step_takes(*, rule: str, window: int, K: int, V: int, dtype: torch.dtype) -> bool:
+    """Whether a decoding step (T = 1, no packed sequences, no gradient) of this kind runs the step kernel."""
+    return rule in STEP_RULES and window == 1 and K <= MAX_HEAD_DIM and V <= MAX_HEAD_DIM and dtype in DTYPES
 
 
 def auto_takes(*, rule: str, window: int, K: int, V: int, dtype: torch.dtype) -> bool:

@@ -6,6 +6,8 @@ triton (`scan.py` and `kernels.py`, which do, are imported on the first call).
   `custom_ops.py`, registered on the first call), so `torch.compile` traces it.
 - `ssd_triton(...)`: the same contract as `chunk.chunk_ssd` (packed sequences included), i.e. what
   `ssd(..., backend="triton")` runs; `backend.py`.
+- `ssd_step_triton(x, dt, A, B, C, D, h)`: one decoding step in one kernel (`step.py`, the custom op
+  `hybridlm::ssd_step`; inference only), what `ssd` runs for T == 1 on CUDA without a gradient to record.
 - `is_available()`: triton importable and a CUDA device present; `supports(...)`: the shapes and dtypes the kernels
   take (else use the chunk backend), `auto_takes(...)` (what `backend="auto"` sends here) and `slow_path_reason(...)`
   (why it does not): `limits.py`.
@@ -35,6 +37,13 @@ def ssd_chunk_triton(x, dt, A, B, C, D, h0, *, chunk_size: int = 64):
     return run(x, dt, A, B, C, D, h0, chunk_size=chunk_size)
 
 
+def ssd_step_triton(x, dt, A, B, C, D, h):
+    """One decoding step; see `custom_ops.ssd_step_triton`."""
+    from hybridlm.ops.ssd.triton.custom_ops import ssd_step_triton as run
+
+    return run(x, dt, A, B, C, D, h)
+
+
 def ssd_triton(x, dt, A, B, C, **options):
     """The backend contract (as `chunk.chunk_ssd`) on the Triton kernels; see `backend.py`."""
     from hybridlm.ops.ssd.triton.backend import ssd_triton as run
@@ -43,4 +52,4 @@ def ssd_triton(x, dt, A, B, C, **options):
 
 
 __all__ = ["AUTO_DTYPES", "DTYPES", "MAX_D_STATE", "MAX_HEAD_DIM", "auto_takes", "is_available", "slow_path_reason",
-           "ssd_chunk_triton", "ssd_triton", "supports"]
+           "ssd_chunk_triton", "ssd_step_triton", "ssd_triton", "supports"]

@@ -3,6 +3,7 @@ implementations give the output shapes; autograd is registered on the forward op
 
     hybridlm::ssd_fwd(x, dt, A, B, C, D?, h0?, chunk_size) -> (y, h_final)
     hybridlm::ssd_bwd(dy, dh_final?, x, dt, A, B, C, D?, h0?, chunk_size) -> (dx, ddt, dA, dB, dC, dD, dh0)
+    hybridlm::ssd_step(x, dt, A, B, C, D?, h) -> (y, h_t): one decoding step (`step.py`), inference only.
 
 The implementation (`scan.py`, which needs triton) is imported on the first call; this file imports only torch.
 dD and dh0 are always computed (dh0 is where the reverse pass ends); the autograd formula drops them when D / h0 is
@@ -118,3 +119,47 @@ def _backward(ctx, dy, dh_final):
 
 _ssd_fwd.register_autograd(_backward, setup_context=_setup_context)
 keep_in_compiled_regions(torch.ops.hybridlm.ssd_fwd.default)
+
+
+def ssd_step_triton(x, dt, A, B, C, D, h) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoding step of the SSD recurrence in one kernel (`step.py`), without autograd.
+
+    Args:
+        x: `[b, H, P]`; B, C: `[b, G, N]` (x, B, C in one dtype among the kernels'). dt: `[b, H]` (softplus-ed), A,
+            D: `[H]` (D may be None); cast to float32 here. h: `[b, H, P, N]` float32, the state before the step.
+
+    Returns:
+        y `[b, H, P]` in x's dtype and the state after the step `[b, H, P, N]` float32.
+    """
+    b, H, P = x.shape if x.dim() == 3 else (None,) * 3
+    if (x.dim() != 3 or B.dim() != 3 or B.shape[0] != b or C.shape != B.shape or tuple(dt.shape) != (b, H)
+            or tuple(A.shape) != (H,) or (D is not None and tuple(D.shape) != (H,))
+            or tuple(h.shape) != (b, H, P, B.shape[-1]) or H % B.shape[1] != 0):
+        raise ValueError(f"the step takes x [b, H, P], dt [b, H], A [H], B and C [b, G, N] (G dividing H), D [H] and "
+                         f"h [b, H, P, N]; got {list(x.shape)}, {list(dt.shape)}, {list(A.shape)}, {list(B.shape)}, "
+                         f"{list(C.shape)}, {None if D is None else list(D.shape)}, {list(h.shape)}")
+    if x.dtype not in DTYPES or B.dtype != x.dtype or C.dtype != x.dtype or h.dtype != torch.float32:
+        raise ValueError(f"x, B, C must share one dtype among {DTYPES} and h be float32; got {x.dtype}, {B.dtype}, "
+                         f"{C.dtype}, {h.dtype}")
+    if P > MAX_HEAD_DIM or B.shape[-1] > MAX_D_STATE:
+        raise ValueError(f"the Triton kernels take P <= {MAX_HEAD_DIM} and N <= {MAX_D_STATE}; got P = {P}, "
+                         f"N = {B.shape[-1]}")
+    if x.device.type != "cuda" and not triton_interpreting():
+        raise ValueError(f"the Triton kernels need CUDA tensors (got {x.device})")
+    f32 = lambda t: None if t is None else t.to(torch.float32)
+    return torch.ops.hybridlm.ssd_step(x, f32(dt), f32(A), B, C, f32(D), h)
+
+
+@torch.library.custom_op("hybridlm::ssd_step", mutates_args=(),
+                         schema="(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor h) "
+                                "-> (Tensor, Tensor)")
+def _ssd_step(x, dt, A, B, C, D, h):
+    from hybridlm.ops.ssd.triton import step
+
+    with on_tensor_device(x):
+        return step.forward(*_contiguous(x, dt, A, B, C, D, h))
+
+
+@_ssd_step.register_fake
+def _(x, dt, A, B, C, D, h):
+    return x.new_empty(x.shape), torch.empty_like(h, memory_format=torch.contiguous_format)

@@ -1,0 +1,167 @@
+"""Operators per decoding step, counted on the CPU: what a CUDA-graphed step's kernels are made of, by layer, with the
+SSM mixers' single steps on their torch loops and as one Triton kernel each (run here under Triton's interpreter).
+
+    python benchmarks/decode_ops.py                       # the 125m shape of gpu_model.py, batch 1
+    python benchmarks/decode_ops.py --batch 64 --variants "h1 mamba2" --json ops.json
+
+A replayed CUDA graph of a decoding step at a small batch costs about one kernel's launch and latency per operator
+(benchmarks/RESULTS.md, "Serving on an H200": ~1,600 kernels of ~2.5 us per step for the Falcon-1A hybrid), so the
+number of operators that compute is the step's time there. Counted: every dispatched aten operator except views and
+empty allocations, and every Triton launch, in one step after a prefill of 64 tokens (no gradient, bf16 autocast as
+on the GPU). On the CPU the
+norms, the gated output norm and the short convolutions run torch's forms (several operators each; one fused kernel
+each on CUDA), so the totals are higher than a GPU's kernel count; the difference between the two step forms of the
+SSM mixers is the same on both. "steps": the mixers' `backend` for the step ("recurrent" / "naive": the torch loops;
+"triton": `hybridlm/ops/fast_weight/triton/step.py`, `hybridlm/ops/ssd/triton/step.py`).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the step kernels run on CPU tensors
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import json  # noqa: E402
+
+import torch  # noqa: E402
+from gpu_model import BASELINE, VARIANTS, build, torch_steps  # noqa: E402  benchmarks/ is on the path
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from hybridlm.layers import fast_weight as fast_weight_layer  # noqa: E402
+from hybridlm.layers import mamba2 as mamba2_layer  # noqa: E402
+from hybridlm.layers.fast_weight import FastWeightMixer  # noqa: E402
+from hybridlm.layers.mamba2 import Mamba2Mixer  # noqa: E402
+
+NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
+             "lift_fresh", "promote_types"}
+
+
+class OperatorCount(TorchDispatchMode):
+    """Counts the dispatched operators that compute (not views or allocations), by the innermost module running;
+    not the custom ops (`hybridlm::`, whose Triton launches are counted instead), nor what the interpreter runs to
+    move a launch's tensors (`launching`)."""
+
+    def __init__(self, where: list[str]):
+        super().__init__()
+        self.where = where
+        self.launching = False
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not (self.launching or func.is_view or name in NO_KERNEL or func.namespace == "hybridlm"):
+            self.counts[self.where[-1]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def kind(module: torch.nn.Module) -> str | None:
+    """The layer kind an operator is counted under: the SSM mixers and attention by name, the rest of a block as
+    "block", the embedding, final norm and head as "model"."""
+    name = type(module).__name__
+    if isinstance(module, (FastWeightMixer, Mamba2Mixer)):
+        return "ssm mixer"
+    return {"Attention": "attention", "HybridBlock": "block", "HybridForCausalLM": "model"}.get(name)
+
+
+def _in_place(where: list[str], label: str, fn):
+    """fn, with `label` on `where` while it runs."""
+    def run(*args, **kwargs):
+        where.append(label)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            where.pop()
+    return run
+
+
+def count_step(model, *, batch: int, kernels: bool) -> tuple[collections.Counter, int]:
+    """(operators per layer kind, Triton launches) of one decoding step after a prefill of 64 tokens; the SSM ops
+    themselves (`fast_weight_attention`, `ssd`) counted apart from the rest of their mixers, as "ssm op"."""
+    import triton.runtime.interpreter as interpreter
+
+    where = ["model"]
+    ops_in_layers = {fast_weight_layer: "fast_weight_attention", mamba2_layer: "ssd"}
+    saved = {module: getattr(module, name) for module, name in ops_in_layers.items()}
+    hooks = []
+    for module in model.modules():
+        label = kind(module)
+        if label is not None:
+            hooks.append(module.register_forward_pre_hook(lambda m, a, label=label: where.append(label)))
+            hooks.append(module.register_forward_hook(lambda m, a, o: where.pop() and None))
+    launches = collections.Counter()
+    launch = interpreter.InterpretedFunction.run
+    ops = OperatorCount(where)
+
+    def counted(self, *args, **kwargs):
+        launches[where[-1]] += 1
+        ops.launching = True
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            ops.launching = False
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, 65))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # as the GPU runs it: casts included
+        cache = model(ids[:, :64], cache=model.new_cache()).cache
+        with torch_steps(model, not kernels):
+            for module in model.modules():
+                if kernels and isinstance(module, (FastWeightMixer, Mamba2Mixer)):
+                    module.backend = "triton"
+            interpreter.InterpretedFunction.run = counted
+            for module, name in ops_in_layers.items():
+                setattr(module, name, _in_place(where, "ssm op", saved[module]))
+            try:
+                with ops:
+                    model(ids[:, 64:], cache=cache, logits_to_keep=1)
+            finally:
+                interpreter.InterpretedFunction.run = launch
+                for module, name in ops_in_layers.items():
+                    setattr(module, name, saved[module])
+                for module in model.modules():
+                    if isinstance(module, (FastWeightMixer, Mamba2Mixer)):
+                        module.backend = "auto"
+    for hook in hooks:
+        hook.remove()
+    return ops.counts + launches, sum(launches.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+", default=["transformer matched", "h1 fw-1A", "h1 mamba2"],
+                        choices=list(VARIANTS))
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--preset", default="125m", help="'125m' (gpu_model.py's shape) or any preset name")
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    for variant in args.variants:
+        model = build(args.preset, variant, torch.device("cpu")).eval()
+        layers = len(model.model.layers)
+        has_mixers = any(isinstance(m, (FastWeightMixer, Mamba2Mixer)) for m in model.modules())
+        for kernels in ([False, True] if has_mixers else [False]):
+            counts, launches = count_step(model, batch=args.batch, kernels=kernels)
+            steps = "triton" if kernels else ("torch loops" if has_mixers else "-")
+            rows.append(dict(variant=variant, steps=steps, total=sum(counts.values()), launches=launches,
+                             op=counts["ssm op"] / layers, ssm=counts["ssm mixer"] / layers,
+                             attention=counts["attention"] / layers,
+                             block=counts["block"] / layers, model=counts["model"],
+                             baseline=BASELINE.get(variant, "transformer")))
+    totals = {r["variant"]: r["total"] for r in rows if r["steps"] in ("-",)}
+    print(f"operators per decoding step, batch {args.batch} (CPU; views and allocations not counted)\n")
+    print("| model | SSM steps | per step | of them Triton launches | / baseline | per layer: SSM op | rest of the SSM "
+          "mixer | attention | rest of the block | embedding, final norm, head |\n|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        base = totals.get(r["baseline"])
+        ratio = f"{r['total'] / base:.2f}x" if base else "-"
+        print(f"| {r['variant']} | {r['steps']} | {r['total']} | {r['launches']} | {ratio} | {r['op']:.0f} | "
+              f"{r['ssm']:.0f} | {r['attention']:.0f} | {r['block']:.0f} | {r['model']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"batch": args.batch, "preset": args.preset, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

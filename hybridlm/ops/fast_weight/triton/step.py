@@ -1,0 +1,106 @@
+"""One decoding step of the window-1 rules (1A, 1, 2A, 2) in one kernel: the write, the decay and the read of
+`recurrent.py`'s step, for every row and head at once. The implementation of the custom op
+`hybridlm::fast_weight_step` (`custom_ops.py`); inference only (no backward).
+
+A decoding step on the torch path is some twenty small kernels per layer (the input casts, |x|^2, the step size, the
+clamped decay, the outer product, the read, the output cast), and a CUDA-graphed step's time is its kernel count. Here
+one program per (row n, head h, block of value columns) computes, in float32 (the state's dtype):
+
+    x = the carried last key (shifted pairing; no write when there is none) | k (same-step)      [K]
+    E = |x|^2      ridge = lam * E (ridge scaling) | lam
+    eta = beta / (E + ridge + eps) (NLMS) | beta          gamma = 1 - min(eta * ridge, 1 - eps_gamma)
+    r = y - S^T x (regression rules 1, 2) | y (inner-product rules 1A, 2A)                            [BV]
+    S' = gamma * S + eta * x r^T  (1A, 1: scalar eta, gamma)
+    S' = S * gamma + x (eta * r)^T  (2A, 2: eta, gamma per value column)
+    o = S'^T q (read after) | S^T q (read before)
+
+and writes o in q's dtype, S' and k in float32 (the next step's carried key). beta is [N, H] (or [N, H, V] for 2A, 2).
+Divisions are IEEE (`div_rn`), as torch's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridlm.ops.triton_utils import block
+
+NUM_WARPS = 4
+STATE_BLOCK = 4096  # float32 elements of S per program: BK x BV, 32 per thread at 4 warps
+
+
+@triton.jit
+def step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, lam_ptr, S_ptr, last_ptr, o_ptr, S_out_ptr, last_out_ptr, eps,
+                one_minus_eps_gamma, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                WRITES: tl.constexpr, SHIFTED: tl.constexpr, REGRESSION: tl.constexpr, PER_COLUMN: tl.constexpr,
+                NLMS: tl.constexpr, SCALED: tl.constexpr, READ_AFTER: tl.constexpr):
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    nh = i_nh.to(tl.int64)
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk, mv = rk < K, rv < V
+    q = tl.load(q_ptr + nh * K + rk, mask=mk, other=0.0).to(tl.float32)                    # [BK]
+    k = tl.load(k_ptr + nh * K + rk, mask=mk, other=0.0).to(tl.float32)                    # [BK]
+    s_offs = (nh * K + rk[:, None]) * V + rv[None, :]
+    s_mask = mk[:, None] & mv[None, :]
+    S = tl.load(S_ptr + s_offs, mask=s_mask, other=0.0)                                    # [BK, BV] S_{t-1}
+    S_new = S
+    if WRITES:
+        if SHIFTED:
+            x = tl.load(last_ptr + nh * K + rk, mask=mk, other=0.0).to(tl.float32)         # k_{t-1}
+        else:
+            x = k
+        y = tl.load(v_ptr + nh * V + rv, mask=mv, other=0.0).to(tl.float32)               # [BV]
+        E = tl.sum(x * x, axis=0)
+        lam = tl.load(lam_ptr + nh)
+        if SCALED:
+            ridge = lam * E
+        else:
+            ridge = lam
+        if PER_COLUMN:
+            beta = tl.load(beta_ptr + nh * V + rv, mask=mv, other=0.0)                     # [BV]
+        else:
+            beta = tl.load(beta_ptr + nh)
+        if NLMS:
+            eta = tl.math.div_rn(beta, E + ridge + eps)
+        else:
+            eta = beta
+        gamma = 1.0 - tl.minimum(eta * ridge, one_minus_eps_gamma)
+        if REGRESSION:
+            r = y - tl.sum(S * x[:, None], axis=0)                                          # y - S^T x  [BV]
+        else:
+            r = y
+        if PER_COLUMN:
+            S_new = S * gamma[None, :] + x[:, None] * (eta * r)[None, :]
+        else:
+            S_new = gamma * S + eta * (x[:, None] * r[None, :])
+    if READ_AFTER:
+        o = tl.sum(S_new * q[:, None], axis=0)
+    else:
+        o = tl.sum(S * q[:, None], axis=0)
+    tl.store(o_ptr + nh * V + rv, o.to(o_ptr.dtype.element_ty), mask=mv)
+    tl.store(S_out_ptr + s_offs, S_new, mask=s_mask)
+    if i_v == 0:
+        tl.store(last_out_ptr + nh * K + rk, k, mask=mk)
+
+
+def forward(q, k, v, beta, lam, S, last_k, *, rule: str, shifted: bool, read_after: bool, nlms: bool,
+            ridge_scaling: bool, eps: float, eps_gamma: float):
+    """o [N, H, V] (q's dtype), S' [N, H, K, V] and the new last key [N, H, K] (k in float32, whatever the
+    pairing: same-step rows carry none and drop it) from contiguous q, k [N, H, K], v [N, H, V] (one dtype),
+    beta [N, H] (2A, 2: [N, H, V]) and lam [N, H] float32, S [N, H, K, V] float32, last_k [N, H, K] float32 or
+    None (a fresh shifted row: no write)."""
+    N, H, K = q.shape
+    V = v.shape[-1]
+    o = q.new_empty(N, H, V)
+    S_out = torch.empty_like(S)
+    last_out = torch.empty(N, H, K, dtype=torch.float32, device=q.device)
+    BK = block(K, 256)
+    BV = min(block(V, 256), max(16, STATE_BLOCK // BK))
+    writes = last_k is not None or not shifted
+    step_kernel[(N * H, triton.cdiv(V, BV))](
+        q, k, v, beta, lam, S, last_k if last_k is not None else S, o, S_out, last_out, eps, 1.0 - eps_gamma,
+        K=K, V=V, BK=BK, BV=BV, WRITES=writes, SHIFTED=shifted, REGRESSION=rule in ("1", "2"),
+        PER_COLUMN=rule in ("2A", "2"), NLMS=nlms, SCALED=ridge_scaling, READ_AFTER=read_after, num_warps=NUM_WARPS)
+    return o, S_out, last_out

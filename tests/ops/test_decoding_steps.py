@@ -1,0 +1,259 @@
+"""The one-kernel decoding steps (`hybridlm/ops/fast_weight/triton/step.py`, `hybridlm/ops/ssd/triton/step.py`)
+against the float64 step loops (naive.py's specs), from carried states, over several steps, and where they must not
+run: with a gradient to record, with packed sequences, on the CPU without the interpreter.
+
+- On a GPU, or under the interpreter (HYBRIDLM_TRITON_INTERPRET=1): everything marked `interpret`.
+- CPU, no GPU (CI): the backend choice on CPU tensors only.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from hybridlm.ops import FastWeightState, fast_weight_attention
+from hybridlm.ops.fast_weight import op as fast_weight_op
+from hybridlm.ops.fast_weight.triton import step_takes
+from hybridlm.ops.ssd import _backend as ssd_backend
+from hybridlm.ops.ssd import ssd
+from tests.helpers import rel_err
+from tests.ops import fast_weight_helpers as fw
+from tests.ops import ssd_helpers
+from tests.ops.triton_modes import DEVICE, INTERPRET, ON_GPU, interpret, skip_bfloat16_interpreted
+
+STEP_RULES = ("1A", "1", "2A", "2")
+OPTIONS = list(itertools.product(("shifted", "same_step"), ("after", "before"), ("nlms", "direct"), (False, True)))
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _counting(monkeypatch, module) -> list:
+    """Count the calls of `module.forward` (a step kernel's launcher)."""
+    calls = []
+    launch = module.forward
+    monkeypatch.setattr(module, "forward", lambda *args, **kwargs: (calls.append(1), launch(*args, **kwargs))[1])
+    return calls
+
+
+def _fast_weight_step(inputs, state, *, backend, **options):
+    return fast_weight_attention(*inputs, **options, initial_state=state, output_final_state=True, backend=backend)
+
+
+@interpret
+@pytest.mark.parametrize("rule", STEP_RULES)
+@pytest.mark.parametrize("pairing, read, step_size, ridge_scaling", OPTIONS)
+def test_fast_weight_step_matches_spec(monkeypatch, rule, pairing, read, step_size, ridge_scaling):
+    """One step from a carried state (and from none: a fresh shifted row writes nothing) equals the float64 spec in
+    o, S and the carried key; it ran the step kernel."""
+    from hybridlm.ops.fast_weight.triton import step
+
+    calls = _counting(monkeypatch, step)
+    options = dict(rule=rule, pairing=pairing, read=read, step_size=step_size, ridge_scaling=ridge_scaling)
+    inputs = fw.make_inputs(rule, B=3, T=1, H=2, K=20, V=12)
+    for state in (fw.random_state(3, 2, 20, 12, window=1), None):
+        want_o, want = _fast_weight_step(inputs, state, backend="naive", **options)
+        given = None if state is None else FastWeightState(S=state.S.float().to(DEVICE),
+                                                           last_k=state.last_k.float().to(DEVICE))
+        o, got = _fast_weight_step([t.float().to(DEVICE) for t in inputs], given, backend="triton", **options)
+        assert rel_err(o.double().cpu(), want_o) < TOL[torch.float32]
+        assert rel_err(got.S.double().cpu(), want.S) < TOL[torch.float32]
+        if pairing == "shifted":
+            assert torch.equal(got.last_k.cpu(), inputs[1][:, 0].float())
+        else:
+            assert got.last_k is None and want.last_k is None
+    assert len(calls) == 2
+
+
+@interpret
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rule", STEP_RULES)
+def test_fast_weight_step_16_bit(rule, dtype):
+    """16-bit q, k, v: the state in float32 as the torch step's, the output rounded once."""
+    skip_bfloat16_interpreted(dtype)
+    inputs = fw.make_inputs(rule, B=2, T=1, H=3, K=64, V=64)
+    state = fw.random_state(2, 3, 64, 64, window=1)
+    q, k, v = (t.to(dtype) for t in inputs[:3])
+    want_o, want = _fast_weight_step([q.double(), k.double(), v.double(), *inputs[3:]], state, backend="naive",
+                                     rule=rule)
+    given = FastWeightState(S=state.S.float().to(DEVICE), last_k=state.last_k.float().to(DEVICE))
+    o, got = _fast_weight_step([t.to(DEVICE) for t in (q, k, v)] + [t.float().to(DEVICE) for t in inputs[3:]],
+                               given, backend="triton", rule=rule)
+    assert o.dtype == dtype
+    assert rel_err(o.double().cpu(), want_o) < TOL[dtype]
+    assert rel_err(got.S.double().cpu(), want.S) < TOL[torch.float32]
+
+
+@interpret
+@pytest.mark.parametrize("rule", ["1A", "1"])
+def test_fast_weight_steps_continue_a_prefill(rule):
+    """A prefill of 9 steps on the chunk path, then 5 decoding steps through the step kernel: the outputs and the
+    final state of the whole sequence in one call."""
+    inputs = [t.float().to(DEVICE) for t in fw.make_inputs(rule, B=2, T=14, H=2, K=16, V=16)]
+    want_o, want = fast_weight_attention(*inputs, rule=rule, output_final_state=True, backend="chunk")
+    o, state = fast_weight_attention(*(t[:, :9] for t in inputs), rule=rule, output_final_state=True, backend="chunk")
+    outputs = [o]
+    for t in range(9, 14):
+        o, state = _fast_weight_step([x[:, t:t + 1] for x in inputs], state, backend="triton", rule=rule)
+        outputs.append(o)
+    assert rel_err(torch.cat(outputs, dim=1), want_o) < 1e-4
+    assert rel_err(state.S, want.S) < 1e-4
+
+
+@interpret
+def test_fast_weight_step_not_taken_with_gradients(monkeypatch):
+    """A step that autograd records runs the scan kernels, which have a backward, and its gradients match the
+    spec's."""
+    from hybridlm.ops.fast_weight.triton import step
+
+    calls = _counting(monkeypatch, step)
+    inputs = fw.make_inputs("1A", B=2, T=1, H=2, K=16, V=16, requires_grad=True)
+    state = fw.random_state(2, 2, 16, 16, window=1)
+    want_o, _ = _fast_weight_step(inputs, state, backend="naive", rule="1A")
+    (want,) = torch.autograd.grad(want_o.sum(), inputs[0])
+    q = inputs[0].detach().float().to(DEVICE).requires_grad_()
+    given = FastWeightState(S=state.S.float().to(DEVICE), last_k=state.last_k.float().to(DEVICE))
+    o, _ = _fast_weight_step([q] + [t.detach().float().to(DEVICE) for t in inputs[1:]], given, backend="triton",
+                             rule="1A")
+    (grad,) = torch.autograd.grad(o.sum(), q)
+    assert calls == []
+    assert rel_err(grad.double().cpu(), want) < 1e-4
+
+
+def test_fast_weight_backend_choice_for_one_step():
+    """"auto" takes the step kernel only for a CUDA step of a window-1 rule with no gradient to record; on the CPU
+    the step loop, whatever the rule."""
+    q = torch.zeros(2, 1, 3, 16)
+    choose = lambda q, **kw: fast_weight_op._backend(q, q, packed=False, backend="auto", **kw)  # noqa: E731
+    assert choose(q, rule="1A", window=1, inference=True) == "recurrent"
+    assert step_takes(rule="1A", window=1, K=16, V=16, dtype=torch.bfloat16)
+    assert not step_takes(rule="3A", window=3, K=16, V=16, dtype=torch.bfloat16)
+    assert not step_takes(rule="1", window=1, K=16, V=16, dtype=torch.float64)
+    if ON_GPU:
+        q = q.to("cuda", torch.bfloat16)
+        assert choose(q, rule="1A", window=1, inference=True) == "triton"
+        assert choose(q, rule="1A", window=1, inference=False) == "recurrent"
+        assert choose(q, rule="3A", window=3, inference=True) == "recurrent"
+        assert fast_weight_op._backend(q, q, rule="1", window=1, packed=True, backend="auto",
+                                       inference=True) == "naive"
+
+
+@interpret
+@pytest.mark.parametrize("groups, with_D, with_state", [(1, True, True), (2, False, True), (2, True, False)])
+def test_ssd_step_matches_spec(monkeypatch, groups, with_D, with_state):
+    """One SSD step equals the float64 step loop in y and the state; it ran the step kernel."""
+    from hybridlm.ops.ssd.triton import step
+
+    calls = _counting(monkeypatch, step)
+    inputs = {k: v.detach() for k, v in ssd_helpers.make_inputs(3, 1, 4, 20, groups, 12).items()}
+    inputs["D"] = inputs["D"] if with_D else None
+    inputs["initial_state"] = inputs["initial_state"] if with_state else None
+    want_y, want_h = ssd(**inputs, output_final_state=True, backend="naive")
+    given = {k: None if v is None else v.float().to(DEVICE) for k, v in inputs.items()}
+    y, h = ssd(**given, output_final_state=True, backend="triton")
+    assert rel_err(y.double().cpu(), want_y) < TOL[torch.float32]
+    assert rel_err(h.double().cpu(), want_h) < TOL[torch.float32]
+    assert len(calls) == 1
+
+
+@interpret
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_ssd_step_16_bit(dtype):
+    skip_bfloat16_interpreted(dtype)
+    inputs = {k: v.detach() for k, v in ssd_helpers.make_inputs(2, 1, 4, 64, 2, 128).items()}
+    for name in ("x", "B", "C"):
+        inputs[name] = inputs[name].to(dtype)
+    want_y, want_h = ssd(**{k: v.double() for k, v in inputs.items()}, output_final_state=True, backend="naive")
+    given = {k: v.to(DEVICE) if v.dtype == dtype else v.float().to(DEVICE) for k, v in inputs.items()}
+    y, h = ssd(**given, output_final_state=True, backend="triton")
+    assert y.dtype == dtype
+    assert rel_err(y.double().cpu(), want_y) < TOL[dtype]
+    assert rel_err(h.double().cpu(), want_h) < TOL[torch.float32]
+
+
+@interpret
+def test_ssd_steps_continue_a_prefill():
+    """A prefill of 10 steps on the chunk path, then 4 steps through the step kernel: the whole sequence's outputs
+    and final state."""
+    inputs = {k: v.detach().float().to(DEVICE) for k, v in ssd_helpers.make_inputs(2, 14, 4, 16, 2, 16).items()}
+    want_y, want_h = ssd(**inputs, output_final_state=True, backend="chunk")
+    y, h = ssd(**ssd_helpers.time_slice(inputs, 0, 10), output_final_state=True, backend="chunk")
+    outputs = [y]
+    for t in range(10, 14):
+        step = dict(ssd_helpers.time_slice(inputs, t, t + 1), initial_state=h)
+        y, h = ssd(**step, output_final_state=True, backend="triton")
+        outputs.append(y)
+    assert rel_err(torch.cat(outputs, dim=1), want_y) < 1e-4
+    assert rel_err(h, want_h) < 1e-4
+
+
+@interpret
+def test_ssd_step_not_taken_with_gradients(monkeypatch):
+    from hybridlm.ops.ssd.triton import step
+
+    calls = _counting(monkeypatch, step)
+    inputs = {k: v.detach().float().to(DEVICE).requires_grad_() for k, v in
+              ssd_helpers.make_inputs(2, 1, 2, 16, 1, 16).items()}
+    y, h = ssd(**inputs, output_final_state=True, backend="triton")
+    (y.sum() + h.sum()).backward()
+    assert calls == []
+    assert inputs["x"].grad is not None
+
+
+def test_ssd_backend_choice_for_one_step():
+    """"auto" on one step: the naive step on the CPU; on a GPU the step kernel unless autograd records the call or
+    documents are marked per step."""
+    x = torch.zeros(2, 1, 4, 16)
+    B = torch.zeros(2, 1, 1, 16)
+    assert ssd_backend(x, B, B, seq_idx=None, backend="auto", inference=True) == "naive"
+    assert ssd_backend(x, B, B, seq_idx=None, backend="chunk", inference=True) == "chunk"
+    if ON_GPU:
+        x, B = x.to("cuda", torch.bfloat16), B.to("cuda", torch.bfloat16)
+        assert ssd_backend(x, B, B, seq_idx=None, backend="auto", inference=True) == "triton"
+        assert ssd_backend(x, B, B, seq_idx=None, backend="auto", inference=False) == "naive"
+
+
+@pytest.mark.skipif(INTERPRET or ON_GPU, reason="checks the refusal on CPU tensors without the interpreter")
+def test_step_kernels_refuse_cpu_tensors():
+    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_step_triton
+    from hybridlm.ops.ssd.triton.custom_ops import ssd_step_triton
+
+    q = torch.zeros(1, 2, 16)
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        fast_weight_step_triton(q, q, q, torch.ones(1, 2), torch.zeros(1, 2), torch.zeros(1, 2, 16, 16), None,
+                                rule="1A", pairing="shifted", read_after=True, step_size="nlms", ridge_scaling=False,
+                                eps=1e-6, eps_gamma=1e-6)
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        ssd_step_triton(q, torch.ones(1, 2), -torch.ones(2), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), None,
+                        torch.zeros(1, 2, 16, 8))
+
+
+@interpret
+@pytest.mark.parametrize("mixer", ["fast_weight 1A", "fast_weight 2A", "mamba2"])
+def test_mixer_decoding_steps_through_the_kernels(monkeypatch, mixer):
+    """A mixer's prefill, then 4 one-token steps from two copies of its cache: on the step kernels (each step one
+    launch) and on the torch loops, the same outputs and states."""
+    from hybridlm.layers.cache import LayerCache
+    from hybridlm.ops.fast_weight.triton import step as fast_weight_step
+    from hybridlm.ops.ssd.triton import step as ssd_step
+    from tests.ops.test_mixer_recompute import D, fast_weight_mixer, mamba2_mixer
+
+    calls = _counting(monkeypatch, ssd_step if mixer == "mamba2" else fast_weight_step)
+
+    module = mamba2_mixer() if mixer == "mamba2" else fast_weight_mixer(fw_rule=mixer.split()[1])
+    loops = "naive" if mixer == "mamba2" else "recurrent"
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 13, D, generator=g).to(DEVICE)
+    with torch.no_grad():
+        cache = LayerCache()
+        module(x[:, :9], cache=cache)
+        caches = {"triton": cache, loops: cache.copy()}
+        for t in range(9, 13):
+            outputs = {}
+            for backend, layer_cache in caches.items():
+                module.backend = backend
+                outputs[backend] = module(x[:, t:t + 1], cache=layer_cache)
+            assert rel_err(outputs["triton"], outputs[loops]) < 1e-4
+    for name, state in caches["triton"].ssm.items():
+        assert rel_err(state, caches[loops].ssm[name]) < 1e-4, name
+    assert len(calls) == 4
