@@ -1,5 +1,6 @@
 """Operators per decoding step, counted on the CPU: what a CUDA-graphed step's kernels are made of, by layer, with the
-SSM mixers' single steps on their torch loops and as one Triton kernel each (run here under Triton's interpreter).
+SSM mixers' single steps (the op and the short conv) on their torch loops and as one Triton kernel each (run here
+under Triton's interpreter).
 
     python benchmarks/decode_ops.py                       # the 125m shape of gpu_model.py, batch 1
     python benchmarks/decode_ops.py --batch 64 --variants "h1 mamba2" --json ops.json
@@ -8,11 +9,12 @@ A replayed CUDA graph of a decoding step at a small batch costs about one kernel
 (benchmarks/RESULTS.md, "Serving on an H200": ~1,600 kernels of ~2.5 us per step for the Falcon-1A hybrid), so the
 number of operators that compute is the step's time there. Counted: every dispatched aten operator except views and
 empty allocations, and every Triton launch, in one step after a prefill of 64 tokens (no gradient, bf16 autocast as
-on the GPU). On the CPU the
-norms, the gated output norm and the short convolutions run torch's forms (several operators each; one fused kernel
-each on CUDA), so the totals are higher than a GPU's kernel count; the difference between the two step forms of the
-SSM mixers is the same on both. "steps": the mixers' `backend` for the step ("recurrent" / "naive": the torch loops;
-"triton": `hybridlm/ops/fast_weight/triton/step.py`, `hybridlm/ops/ssd/triton/step.py`).
+on the GPU), the short conv's torch form as CUDA runs it in eager mode (`F.conv1d`; the CPU's own is a shifted sum of
+more operators). The norms run the CPU's forms (several operators each, one fused kernel each on CUDA), except where
+the step kernels' run sends the fast-weight mixer's QK norms to their Triton kernels, as "auto" does on CUDA: its
+"rest of the SSM mixer" column differs by that, the "SSM op" and "SSM conv" columns by the step kernels. "steps": the mixers' and their short convolutions' `backend` for the step
+("recurrent" / "naive" / "torch": the torch loops; "triton": `hybridlm/ops/fast_weight/triton/step.py`,
+`hybridlm/ops/ssd/triton/step.py`, `hybridlm/ops/short_conv/step.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from hybridlm.layers import fast_weight as fast_weight_layer  # noqa: E402
 from hybridlm.layers import mamba2 as mamba2_layer  # noqa: E402
 from hybridlm.layers.fast_weight import FastWeightMixer  # noqa: E402
 from hybridlm.layers.mamba2 import Mamba2Mixer  # noqa: E402
+from hybridlm.modules import ShortConvolution, short_conv  # noqa: E402
 
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
              "lift_fresh", "promote_types"}
@@ -62,6 +65,8 @@ def kind(module: torch.nn.Module) -> str | None:
     name = type(module).__name__
     if isinstance(module, (FastWeightMixer, Mamba2Mixer)):
         return "ssm mixer"
+    if isinstance(module, ShortConvolution):
+        return "ssm conv"
     return {"Attention": "attention", "HybridBlock": "block", "HybridForCausalLM": "model"}.get(name)
 
 
@@ -84,6 +89,7 @@ def count_step(model, *, batch: int, kernels: bool) -> tuple[collections.Counter
     where = ["model"]
     ops_in_layers = {fast_weight_layer: "fast_weight_attention", mamba2_layer: "ssd"}
     saved = {module: getattr(module, name) for module, name in ops_in_layers.items()}
+    depthwise = short_conv._depthwise
     hooks = []
     for module in model.modules():
         label = kind(module)
@@ -107,11 +113,12 @@ def count_step(model, *, batch: int, kernels: bool) -> tuple[collections.Counter
         cache = model(ids[:, :64], cache=model.new_cache()).cache
         with torch_steps(model, not kernels):
             for module in model.modules():
-                if kernels and isinstance(module, (FastWeightMixer, Mamba2Mixer)):
+                if kernels and isinstance(module, (FastWeightMixer, Mamba2Mixer, ShortConvolution)):
                     module.backend = "triton"
             interpreter.InterpretedFunction.run = counted
             for module, name in ops_in_layers.items():
                 setattr(module, name, _in_place(where, "ssm op", saved[module]))
+            short_conv._depthwise = short_conv._conv1d  # the conv's torch form as CUDA runs it in eager mode
             try:
                 with ops:
                     model(ids[:, 64:], cache=cache, logits_to_keep=1)
@@ -119,8 +126,9 @@ def count_step(model, *, batch: int, kernels: bool) -> tuple[collections.Counter
                 interpreter.InterpretedFunction.run = launch
                 for module, name in ops_in_layers.items():
                     setattr(module, name, saved[module])
+                short_conv._depthwise = depthwise
                 for module in model.modules():
-                    if isinstance(module, (FastWeightMixer, Mamba2Mixer)):
+                    if isinstance(module, (FastWeightMixer, Mamba2Mixer, ShortConvolution)):
                         module.backend = "auto"
     for hook in hooks:
         hook.remove()
@@ -145,19 +153,20 @@ def main() -> None:
             counts, launches = count_step(model, batch=args.batch, kernels=kernels)
             steps = "triton" if kernels else ("torch loops" if has_mixers else "-")
             rows.append(dict(variant=variant, steps=steps, total=sum(counts.values()), launches=launches,
-                             op=counts["ssm op"] / layers, ssm=counts["ssm mixer"] / layers,
+                             op=counts["ssm op"] / layers, conv=counts["ssm conv"] / layers,
+                             ssm=counts["ssm mixer"] / layers,
                              attention=counts["attention"] / layers,
                              block=counts["block"] / layers, model=counts["model"],
                              baseline=BASELINE.get(variant, "transformer")))
     totals = {r["variant"]: r["total"] for r in rows if r["steps"] in ("-",)}
     print(f"operators per decoding step, batch {args.batch} (CPU; views and allocations not counted)\n")
-    print("| model | SSM steps | per step | of them Triton launches | / baseline | per layer: SSM op | rest of the SSM "
-          "mixer | attention | rest of the block | embedding, final norm, head |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | SSM steps | per step | of them Triton launches | / baseline | per layer: SSM op | SSM conv | "
+          "rest of the SSM mixer | attention | rest of the block | embedding, final norm, head |\n" + "|---" * 11 + "|")
     for r in rows:
         base = totals.get(r["baseline"])
         ratio = f"{r['total'] / base:.2f}x" if base else "-"
         print(f"| {r['variant']} | {r['steps']} | {r['total']} | {r['launches']} | {ratio} | {r['op']:.0f} | "
-              f"{r['ssm']:.0f} | {r['attention']:.0f} | {r['block']:.0f} | {r['model']} |")
+              f"{r['conv']:.0f} | {r['ssm']:.0f} | {r['attention']:.0f} | {r['block']:.0f} | {r['model']} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"batch": args.batch, "preset": args.preset, "rows": rows}, f, indent=1)

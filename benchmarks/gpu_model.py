@@ -55,8 +55,9 @@ the Transformer's attention and MLP and add the SSM half: 143-159M parameters ag
    attends over all its slots, here context + decode steps); `--compile-decode` captures the step compiled by
    inductor (fused kernels: fewer per replay; aot_eager on the CPU, which only checks the path).
    `--torch-steps` also decodes each variant with SSM mixers with its mixers' single steps on their torch loops
-   (`FastWeightMixer.backend = "recurrent"`, `Mamba2Mixer.backend = "naive"` after the prefill) instead of the
-   one-kernel steps "auto" takes on CUDA, as "<variant> (torch steps)": what the step kernels save per token.
+   (`FastWeightMixer.backend = "recurrent"`, `Mamba2Mixer.backend = "naive"`, `ShortConvolution.backend = "torch"`
+   after the prefill) instead of the one-kernel steps "auto" takes on CUDA, as "<variant> (torch steps)": what the
+   step kernels save per token.
 3. `--profile-decode`: `torch.profiler` over 3 decoding steps at the first context, per variant: the operators with
    the most device (or CPU) time and the number of kernel launches, to tell per-step overhead from the math;
    `--profile-train` the same for one training update per variant and length.
@@ -260,15 +261,16 @@ def profile_decoding(model, *, context: int, device: torch.device, rows: int = 1
 @contextlib.contextmanager
 def torch_steps(model, enabled: bool = True):
     """Within: the SSM mixers' single decoding steps on their torch loops (the step loop vectorized over rows, the
-    naive SSD step) instead of the one-kernel steps; their backends restored after."""
-    mixers = [m for m in model.modules() if isinstance(m, (FastWeightMixer, Mamba2Mixer))] if enabled else []
-    saved = [m.backend for m in mixers]
-    for m in mixers:
-        m.backend = "recurrent" if isinstance(m, FastWeightMixer) else "naive"
+    naive SSD step, the short convs' torch form) instead of the one-kernel steps; their backends restored after."""
+    loops = {FastWeightMixer: "recurrent", Mamba2Mixer: "naive", ShortConvolution: "torch"}
+    modules = [m for m in model.modules() if type(m) in loops] if enabled else []
+    saved = [m.backend for m in modules]
+    for m in modules:
+        m.backend = loops[type(m)]
     try:
         yield
     finally:
-        for m, backend in zip(mixers, saved):
+        for m, backend in zip(modules, saved):
             m.backend = backend
 
 

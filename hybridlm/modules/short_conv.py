@@ -10,8 +10,9 @@ final state has one row per document.
 
 Training calls (no state in or out) on a GPU in eager mode run the Triton kernels of `hybridlm.ops.short_conv`: one
 launch forward and two backward, documents restarting inside the row, where the torch forms launch several kernels
-and copy the activations (benchmarks/gpu_short_conv.py). Decoding, carried states, torch.compile (whose inductor
-fuses the shifted sum with its neighbours) and the CPU take the torch forms below.
+and copy the activations (benchmarks/gpu_short_conv.py). A decoding step (one token per row, a state in and out, no
+gradient to record) on a GPU in eager mode runs one kernel (`short_conv_step_triton`). Other carried states,
+torch.compile (whose inductor fuses the shifted sum with its neighbours) and the CPU take the torch forms below.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.modules.boundaries import sequence_ids
-from hybridlm.ops.short_conv import short_conv_triton
+from hybridlm.ops.short_conv import short_conv_step_triton, short_conv_triton
 from hybridlm.ops.utils import (
     TRITON_DTYPES,
     check_backend,
     check_cu_seqlens,
     host_to_device,
+    needs_grad,
     seq_idx_segments,
     triton_available,
     triton_runs_on,
@@ -55,9 +57,11 @@ def causal_conv1d(
     document's inputs (zeros before its start). The shapes stay the rows': for compiled training on packed rows.
 
     backend: "torch" (the forms below), "triton" (`hybridlm.ops.short_conv`'s kernels: a 32- or 16-bit tensor, no
-    state in or out) or "auto" (the kernels for a 32- or 16-bit CUDA tensor outside torch.compile with no state in
-    or out, where triton is installed; else the torch forms, with a `SlowPathWarning` once where only triton is
-    missing)."""
+    state in or out, or a decoding step) or "auto" (the kernels for a 32- or 16-bit CUDA tensor outside
+    torch.compile with no state in or out, where triton is installed; else the torch forms, with a
+    `SlowPathWarning` once where only triton is missing). A decoding step, T == 1 with a state in and out (K >= 2),
+    no packed rows and no gradient to record, runs one step kernel under "triton", and under "auto" on such a CUDA
+    tensor outside torch.compile."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"causal_conv1d: unknown activation {activation!r}; choose one of {_ACTIVATIONS}")
     check_backend("causal_conv1d", backend)
@@ -76,6 +80,10 @@ def causal_conv1d(
         )
     if seq_idx is not None and cu_seqlens is not None:
         raise ValueError("causal_conv1d: pass either cu_seqlens or seq_idx, not both")
+    if (length == 1 and width > 0 and initial_state is not None and output_final_state and cu_seqlens is None
+            and seq_idx is None and _takes_step_kernel(backend, x, weight, bias, initial_state)):
+        y, final = short_conv_step_triton(x[:, 0], initial_state.to(x.dtype), weight, bias, silu=activation == "silu")
+        return y[:, None], final
     stateless = initial_state is None and not output_final_state
     kernels = _takes_kernels(backend, x, stateless)
     if cu_seqlens is not None and stateless and (kernels or packed_in_place(x, rows)):
@@ -131,8 +139,9 @@ def _takes_kernels(backend: str, x: torch.Tensor, stateless: bool) -> bool:
     """Whether `causal_conv1d` runs the Triton kernels (see its `backend`)."""
     if backend == "triton":
         if not stateless:
-            raise ValueError("causal_conv1d: backend='triton' takes no initial_state and no output_final_state "
-                             "(decoding and carried states run on backend='torch' or 'auto')")
+            raise ValueError("causal_conv1d: backend='triton' takes no initial_state and no output_final_state, "
+                             "except in a decoding step (one token, both, no gradient); other carried states run on "
+                             "backend='torch' or 'auto'")
         if not triton_runs_on(x):
             raise ValueError(f"causal_conv1d: backend='triton' needs triton and a CUDA tensor, got a {x.device.type} "
                              "tensor; use backend='auto'")
@@ -148,6 +157,16 @@ def _takes_kernels(backend: str, x: torch.Tensor, stateless: bool) -> bool:
         warn_slow_path(NO_TRITON)
         return False
     return True
+
+
+def _takes_step_kernel(backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       state: torch.Tensor) -> bool:
+    """Whether a decoding step of `causal_conv1d` (checked by the caller) runs the step kernel."""
+    if backend == "torch" or x.dtype not in TRITON_DTYPES or needs_grad(x, weight, bias, state):
+        return False
+    if backend == "triton":
+        return triton_runs_on(x)
+    return x.is_cuda and not torch.compiler.is_compiling() and triton_available()
 
 
 NO_TRITON = ("causal_conv1d: triton is not installed, so the short convolutions' training calls on CUDA run the "

@@ -231,14 +231,20 @@ def test_step_kernels_refuse_cpu_tensors():
 @interpret
 @pytest.mark.parametrize("mixer", ["fast_weight 1A", "fast_weight 2A", "mamba2"])
 def test_mixer_decoding_steps_through_the_kernels(monkeypatch, mixer):
-    """A mixer's prefill, then 4 one-token steps from two copies of its cache: on the step kernels (each step one
-    launch) and on the torch loops, the same outputs and states."""
+    """A mixer's prefill, then 4 one-token steps from two copies of its cache: on the step kernels (the op's and the
+    conv's, each step one launch each) and on the torch loops, the same outputs and states."""
     from hybridlm.layers.cache import LayerCache
     from hybridlm.ops.fast_weight.triton import step as fast_weight_step
     from hybridlm.ops.ssd.triton import step as ssd_step
     from tests.ops.test_mixer_recompute import D, fast_weight_mixer, mamba2_mixer
 
     calls = _counting(monkeypatch, ssd_step if mixer == "mamba2" else fast_weight_step)
+    from hybridlm.modules import short_conv
+
+    conv_calls = []
+    conv_step = short_conv.short_conv_step_triton
+    monkeypatch.setattr(short_conv, "short_conv_step_triton",
+                        lambda *a, **k: conv_calls.append(1) or conv_step(*a, **k))
 
     module = mamba2_mixer() if mixer == "mamba2" else fast_weight_mixer(fw_rule=mixer.split()[1])
     loops = "naive" if mixer == "mamba2" else "recurrent"
@@ -252,8 +258,9 @@ def test_mixer_decoding_steps_through_the_kernels(monkeypatch, mixer):
             outputs = {}
             for backend, layer_cache in caches.items():
                 module.backend = backend
+                module.conv.backend = "triton" if backend == "triton" else "torch"
                 outputs[backend] = module(x[:, t:t + 1], cache=layer_cache)
             assert rel_err(outputs["triton"], outputs[loops]) < 1e-4
     for name, state in caches["triton"].ssm.items():
         assert rel_err(state, caches[loops].ssm[name]) < 1e-4, name
-    assert len(calls) == 4
+    assert len(calls) == len(conv_calls) == 4

@@ -283,6 +283,65 @@ def test_module_conv_backend_choice(monkeypatch):
             module(x)
 
 
+@interpret
+@pytest.mark.parametrize("K, bias, activation", [(4, True, "silu"), (2, False, None), (3, True, None),
+                                                  (5, False, "silu")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_decoding_steps_on_the_step_kernel(monkeypatch, K, bias, activation, dtype):
+    """A prefill of 6 steps on the torch form, then 5 one-token steps through the step kernel (each one launch, 130
+    channels: two channel blocks): the whole sequence's outputs and final state, against the float64 torch form."""
+    if INTERPRET and dtype == torch.bfloat16:
+        pytest.skip("bfloat16 is checked on the GPU; float16 covers the 16-bit path under the interpreter")
+    from hybridlm.modules import short_conv
+
+    calls = []
+    step = short_conv.short_conv_step_triton
+    monkeypatch.setattr(short_conv, "short_conv_step_triton", lambda *a, **k: calls.append(1) or step(*a, **k))
+    x, weight, b, _ = _inputs(2, 11, 130, K, bias=bias, seed=5)
+    x = x.to(dtype).double()
+    want, want_state = causal_conv1d(x, weight, b, activation=activation, output_final_state=True, backend="torch")
+    device_args = [weight.float().to(DEVICE), None if b is None else b.float().to(DEVICE)]
+    xs = x.to(DEVICE, dtype)
+    y, state = causal_conv1d(xs[:, :6], *device_args, activation=activation, output_final_state=True, backend="torch")
+    outputs = [y]
+    for t in range(6, 11):
+        y, state = causal_conv1d(xs[:, t:t + 1], *device_args, activation=activation, initial_state=state,
+                                 output_final_state=True, backend="triton")
+        assert y.dtype == state.dtype == dtype
+        outputs.append(y)
+    assert len(calls) == 5
+    assert rel_err(torch.cat(outputs, dim=1).double().cpu(), want) < TOL[dtype]
+    assert torch.equal(state.double().cpu(), want_state)  # the inputs themselves, moved along
+
+
+@interpret
+def test_decoding_step_kernel_not_taken(monkeypatch):
+    """The step kernel runs for one token with a state in and out and no gradient to record: not with a gradient,
+    not for two tokens or a one-tap conv (no state), and "auto" not on a CPU tensor."""
+    from hybridlm.modules import short_conv
+
+    calls = []
+    step = short_conv.short_conv_step_triton
+    monkeypatch.setattr(short_conv, "short_conv_step_triton", lambda *a, **k: calls.append(1) or step(*a, **k))
+    x, weight = torch.randn(2, 1, 8, device=DEVICE), torch.randn(8, 4, device=DEVICE)
+    state = torch.randn(2, 3, 8, device=DEVICE)
+    taken = dict(initial_state=state, output_final_state=True)
+    if ON_GPU:
+        y, _ = causal_conv1d(x, weight.requires_grad_(), **taken)  # "auto": the torch form, which has a backward
+        assert y.requires_grad and calls == []
+    with pytest.raises(ValueError, match="except in a decoding step"):
+        causal_conv1d(x, weight.requires_grad_(), backend="triton", **taken)
+    assert calls == []
+    causal_conv1d(x, torch.randn(8, 1, device=DEVICE), initial_state=state[:, :0], output_final_state=True)
+    assert calls == []
+    if not ON_GPU:
+        causal_conv1d(x, weight.detach(), **taken)  # "auto" on a CPU tensor under the interpreter
+        assert calls == []
+    else:
+        causal_conv1d(x, weight.detach(), **taken)
+        assert calls == [1]
+
+
 _SM90_BUILDS = """
 from hybridlm.ops.short_conv import kernels as k
 
@@ -297,6 +356,15 @@ for io in ("*bf16", "*fp32"):
               types={"seg_ptr": "*i32"})
 """
 
+_SM90_STEP = """
+from hybridlm.ops.short_conv import step as k
+
+for io in ("*bf16", "*fp32"):
+    for K, bias, silu in ((4, True, True), (2, False, False), (5, True, False)):
+        build(k.step_kernel, dict(K=K, KP=triton.next_power_of_2(K), BC=k.BC, HAS_BIAS=bias, SILU=silu), io=io,
+              io_names=("x_ptr", "state_ptr", "y_ptr", "state_out_ptr"), warps=k.NUM_WARPS)
+"""
+
 
 @needs_cuda_backend
 def test_kernels_compile_for_sm90():
@@ -306,3 +374,5 @@ def test_kernels_compile_for_sm90():
     assert set(report["built"]) == report["defined"] == {
         "short_conv_fwd_kernel", "short_conv_bwd_weight_kernel", "short_conv_bwd_input_kernel"}, report
     assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
+    report = compile_for_sm90(_SM90_STEP, modules=("hybridlm.ops.short_conv.step",))
+    assert set(report["built"]) == report["defined"] == {"step_kernel"}, report

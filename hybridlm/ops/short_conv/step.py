@@ -1,0 +1,68 @@
+"""One decoding step of the short causal conv in one kernel, with its state: inference only (no backward).
+
+On the torch forms a step with a carried state is a concatenation, the depthwise conv (with casts around it), the
+SiLU and the new state's slice (which a CUDA-graphed step then copies into its buffer): several small kernels per
+layer, and a graphed step's time is its kernel count. Here one program per (row b, block of channels) reads the
+state's K-1 inputs and the new one as a [KP, BC] tile (KP = K rounded up to a power of two), and writes
+
+    y[b, c] = act(bias[c] + sum_k w[c, k] e_k[c])        e = (state[b, 0], ..., state[b, K-2], x[b])
+    state'[b, j] = e_{j+1}                                j = 0 .. K-2 (oldest first)
+
+with float32 accumulation, y and state' in x's dtype (the torch forms keep the state in x's dtype too).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridlm.ops.utils import on_tensor_device
+
+BC = 128  # channels per program
+NUM_WARPS = 4
+
+
+@triton.jit
+def step_kernel(x_ptr, state_ptr, w_ptr, b_ptr, y_ptr, state_out_ptr, C, K: tl.constexpr, KP: tl.constexpr,
+                BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    i_b, i_c = tl.program_id(0), tl.program_id(1)
+    b = i_b.to(tl.int64)
+    c = i_c * BC + tl.arange(0, BC)
+    mc = c < C
+    k = tl.arange(0, KP)
+    # e_k: the state's rows k < K-1, then x at k = K-1; [KP, BC], zeros past K
+    in_state = (k[:, None] < K - 1) & mc[None, :]
+    carried = tl.load(state_ptr + (b * (K - 1) + k[:, None]) * C + c[None, :], mask=in_state, other=0.0)
+    x = tl.load(x_ptr + b * C + c, mask=mc, other=0.0)
+    e = tl.where(k[:, None] == K - 1, x[None, :], carried).to(tl.float32)
+    w = tl.load(w_ptr + c[None, :] * K + k[:, None], mask=(k[:, None] < K) & mc[None, :], other=0.0).to(tl.float32)
+    y = tl.sum(w * e, axis=0)                                                               # [BC]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + c, mask=mc, other=0.0).to(tl.float32)
+    if SILU:
+        y = y * tl.sigmoid(y)
+    tl.store(y_ptr + b * C + c, y.to(y_ptr.dtype.element_ty), mask=mc)
+    # state'_j = e_{j+1}: the state's rows 1 .. K-2, then x
+    shifted = tl.load(state_ptr + (b * (K - 1) + k[:, None] + 1) * C + c[None, :],
+                      mask=(k[:, None] < K - 2) & mc[None, :], other=0.0)
+    new = tl.where(k[:, None] == K - 2, x[None, :], shifted)
+    tl.store(state_out_ptr + (b * (K - 1) + k[:, None]) * C + c[None, :], new.to(state_out_ptr.dtype.element_ty),
+             mask=(k[:, None] < K - 1) & mc[None, :])
+
+
+def short_conv_step_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           *, silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, C], state [B, K-1, C] (x's dtype), weight [C, K] (K >= 2), bias [C] or None -> y [B, C] and the new state
+    [B, K-1, C], both in x's dtype. CUDA tensors, or CPU tensors under Triton's interpreter; checked by the caller
+    (`hybridlm.modules.causal_conv1d`)."""
+    B, C = x.shape
+    K = weight.shape[1]
+    x, state, weight = x.contiguous(), state.contiguous(), weight.contiguous()
+    y = torch.empty_like(x)
+    state_out = torch.empty_like(state)
+    with on_tensor_device(x):
+        step_kernel[(B, triton.cdiv(C, BC))](
+            x, state, weight, bias.contiguous() if bias is not None else weight, y, state_out, C, K=K,
+            KP=triton.next_power_of_2(K), BC=BC, HAS_BIAS=bias is not None, SILU=silu, num_warps=NUM_WARPS)
+    return y, state_out
