@@ -1,7 +1,8 @@
 """Grouped-query self-attention with RoPE and Falcon-H1's key multiplier.
 
     q = W_q h,   k = m_key W_k h,   v = W_v h          (heads: q [B, T, Hq, D], k, v [B, T, Hkv, D])
-    q, k = RoPE(q), RoPE(k) at position_ids
+    q, k = RoPE(q), RoPE(k) at position_ids (the tables given by the model, `rotary`, computed once per forward for
+                                            every layer; or from position_ids here)
     o = W_o softmax(q k^T / sqrt(D) + mask) v
 
     mask[p, j] = 0 where key j may be read by query p, else -inf: j <= p (causal), and with a sliding window
@@ -77,6 +78,7 @@ class Attention(nn.Module):
         position_ids: torch.Tensor | None = None,
         cache: LayerCache | None = None,
         restarts_resolved: bool = False,  # the caller (the model) packed any document restarts and numbered tokens
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin) [B or 1, T, D] of the positions
     ) -> torch.Tensor:
         if cu_seqlens is None and position_ids is not None and not restarts_resolved and has_restarts(position_ids):
             if cache is not None:
@@ -106,7 +108,9 @@ class Attention(nn.Module):
         q = self.q_proj(hidden).view(batch, length, self.num_heads, self.head_dim)  # [B, T, Hq, D]
         k = scaled(self.k_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim), self.key_multiplier)
         v = self.v_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
-        cos, sin = (t.to(q.dtype) for t in self.rotary(position_ids))  # [B or 1, T, D], cast once for q and k
+        if rotary is None:
+            rotary = self.rotary(position_ids)  # (cos, sin) [B or 1, T, D] float32
+        cos, sin = (t.to(q.dtype) for t in rotary)  # cast once for q and k
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         pad = key_offsets = None  # key_offsets: with documents that continue cached keys, [N + 1] on the host

@@ -35,7 +35,9 @@ which the model computes once per forward), so the mixer compiles and replays as
 True (the fast-weight mixer) is called that way outside torch.compile too: restarting documents in place on the
 row's shape keeps no copy padded to the longest document.
 
-An SSM mixer keeps its decoding state in `cache.ssm` (a dict it owns). The block applies the
+Attention also takes `rotary=(cos, sin)`, its RoPE tables at position_ids, which the model computes once per
+forward for all its layers (each layer would otherwise compute the same tables: a few kernels per layer in every
+decoding step). An SSM mixer keeps its decoding state in `cache.ssm` (a dict it owns). The block applies the
 ssm_in/ssm_out and attention_in/attention_out multipliers; mixers apply only their internal ones.
 """
 
@@ -102,6 +104,7 @@ class HybridBlock(nn.Module):
         cache: LayerCache | None = None,
         restarts_resolved: bool = False,
         seq_idx: torch.Tensor | None = None,  # [1, T] with cu_seqlens: each token's document, on the device
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # attention's RoPE (cos, sin) of position_ids
     ) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
         if seq_idx is not None and cu_seqlens is None:
             raise ValueError("HybridBlock: seq_idx marks the documents of a packed row and needs its cu_seqlens")
@@ -112,13 +115,13 @@ class HybridBlock(nn.Module):
             if self.ssm is not None:
                 h = h + self._ssm(n, mix, seq_idx)
             if self.attn is not None:
-                h = h + self._attn(self.attn_norm(h) if self.attn_norm is not None else n, mix)
+                h = h + self._attn(self.attn_norm(h) if self.attn_norm is not None else n, mix, rotary)
             return h + self.mlp(self.mlp_norm(h)) if self.mlp is not None else h
         mixed = x
         if self.ssm is not None:
             mixed = mixed + self._ssm(n, mix, seq_idx)
         if self.attn is not None:
-            mixed = mixed + self._attn(n, mix)
+            mixed = mixed + self._attn(n, mix, rotary)
         if self.mlp is None:
             return mixed
         if self.arrangement == "SAM":
@@ -137,8 +140,9 @@ class HybridBlock(nn.Module):
             out = _packed_mix(self.ssm, n, mix)
         return scaled(out, self.ssm_out_multiplier)
 
-    def _attn(self, n: torch.Tensor, mix: dict) -> torch.Tensor:
+    def _attn(self, n: torch.Tensor, mix: dict, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         n = scaled(n, self.attn_in_multiplier)
+        mix = {**mix, "rotary": rotary}
         out = self.attn(n, **mix) if mix["cu_seqlens"] is None else _packed_mix(self.attn, n, mix)
         return scaled(out, self.attn_out_multiplier)
 

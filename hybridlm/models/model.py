@@ -58,6 +58,7 @@ from hybridlm.modules.linear import is_plain
 from hybridlm.modules.linear_cross_entropy import linear_cross_entropy
 from hybridlm.modules.multiplier import scaled
 from hybridlm.modules.norm import RMSNorm
+from hybridlm.modules.rotary import RotaryEmbedding
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.utils import check_cu_seqlens, host_to_device
 
@@ -138,6 +139,8 @@ class HybridModel(HybridPreTrainedModel):
         self.embed_tokens = nn.Embedding(hybrid.vocab_size, hybrid.hidden_size)
         self.layers = nn.ModuleList(HybridBlock(hybrid, i) for i in range(hybrid.num_hidden_layers))
         self.norm = RMSNorm(hybrid.hidden_size, eps=hybrid.rms_norm_eps)
+        # Attention's RoPE tables, once per forward for every layer (the layers hold the same (head_dim, base)).
+        self.rotary = RotaryEmbedding(hybrid.head_dim, base=hybrid.rope_theta) if hybrid.use_attention else None
         self.embedding_multiplier = hybrid.embedding_multiplier
         self.gradient_checkpointing = False  # set by transformers' gradient_checkpointing_enable()
         self.post_init()
@@ -245,6 +248,10 @@ class HybridModel(HybridPreTrainedModel):
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} layers, the model {len(self.layers)}")
 
+        rotary = None
+        if self.rotary is not None:
+            positions = position_ids if position_ids is not None else torch.arange(length, device=h.device)[None]
+            rotary = self.rotary(positions)  # (cos, sin) [B or 1, T, head_dim] float32
         seq_idx = None
         if cu_seqlens is not None and cache is None:
             # Each token's document, for the compiled blocks' mixers that take it (HybridBlock): made on the host,
@@ -258,7 +265,7 @@ class HybridModel(HybridPreTrainedModel):
             # Document restarts are resolved above (packed into cu_seqlens, or there are none): the layers need not
             # look again (each look is a host synchronization, which also rules out CUDA-graph capture).
             block = functools.partial(layer, cu_seqlens=cu_seqlens, position_ids=position_ids, cache=layer_cache,
-                                      restarts_resolved=True, seq_idx=seq_idx)
+                                      restarts_resolved=True, seq_idx=seq_idx, rotary=rotary)
             h = self._gradient_checkpointing_func(block, h) if checkpointed else block(h)
         h = self.norm(h)
         if packed_rows is not None:

@@ -131,8 +131,8 @@ class MixerParallelBlock(HybridBlock):
     mixer_role: str
     mixer_pair: DeviceMesh
 
-    def _attn(self, n: torch.Tensor, mix: dict) -> torch.Tensor:
-        own = super()._attn(_ToMixer.apply(n, self.mixer_pair), mix)
+    def _attn(self, n: torch.Tensor, mix: dict, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        own = super()._attn(_ToMixer.apply(n, self.mixer_pair), mix, rotary)
         return _SumOverMixers.apply(own, self.mixer_pair)
 
     def _ssm(self, n: torch.Tensor, mix: dict, seq_idx: torch.Tensor | None) -> torch.Tensor:

@@ -54,6 +54,32 @@ def test_position_ids_restarting_pack_rows_like_cu_seqlens():
             torch.testing.assert_close(packed[row : row + 1, start:end], alone, rtol=ATOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("inputs", ["rows", "packed", "cached step"])
+def test_rope_tables_computed_once_per_forward(monkeypatch, inputs):
+    """The model computes attention's RoPE tables once per forward and hands them to every layer: the same logits as
+    each layer computing its own from the positions."""
+    from hybridlm.modules import rotary
+
+    model = make_model(num_hidden_layers=3)
+    tokens = ids(1, 12)
+    kwargs = {"packed": dict(cu_seqlens=torch.tensor([0, 5, 12]))}.get(inputs, {})
+    calls = []
+    tables = rotary.rotary_cos_sin
+    monkeypatch.setattr(rotary, "rotary_cos_sin", lambda *a, **k: calls.append(1) or tables(*a, **k))
+    with torch.no_grad():
+        cache = model.new_cache() if inputs == "cached step" else None
+        if cache is not None:
+            model(tokens[:, :11], cache=cache)
+            tokens = tokens[:, 11:]
+        calls.clear()
+        shared = model(tokens, cache=cache.copy() if cache else None, **kwargs).logits
+        assert len(calls) == 1
+        monkeypatch.setattr(model.model, "rotary", None)  # every layer from position_ids itself
+        own = model(tokens, cache=cache, **kwargs).logits
+    assert len(calls) == 1 + len(model.model.layers)
+    assert torch.equal(shared, own)
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_cached_decoding_equals_full_forward(variant):
     model = make_model(seed=1, **VARIANTS[variant])
