@@ -12,9 +12,10 @@ empty allocations, and every Triton launch, in one step after a prefill of 64 to
 on the GPU), the short conv's torch form as CUDA runs it in eager mode (`F.conv1d`; the CPU's own is a shifted sum of
 more operators). The norms run the CPU's forms (several operators each, one fused kernel each on CUDA), except where
 the step kernels' run sends the fast-weight mixer's QK norms to their Triton kernels, as "auto" does on CUDA: its
-"rest of the SSM mixer" column differs by that, the "SSM op" and "SSM conv" columns by the step kernels. "steps": the mixers' and their short convolutions' `backend` for the step
-("recurrent" / "naive" / "torch": the torch loops; "triton": `hybridlm/ops/fast_weight/triton/step.py`,
-`hybridlm/ops/ssd/triton/step.py`, `hybridlm/ops/short_conv/step.py`).
+"rest of the SSM mixer" column differs by that, the "SSM op" and "SSM conv" columns by the step kernels. "steps": the
+mixers' and their short convolutions' `backend` for the step ("recurrent" / "naive" / "torch": the torch loops;
+"triton": `hybridlm/ops/fast_weight/triton/step.py`, `hybridlm/ops/ssd/triton/step.py`,
+`hybridlm/ops/short_conv/step.py`). Inside the custom ops (`hybridlm::`) only their Triton launches are counted.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from hybridlm.layers.fast_weight import FastWeightMixer  # noqa: E402
 from hybridlm.layers.mamba2 import Mamba2Mixer  # noqa: E402
 from hybridlm.modules import ShortConvolution, short_conv  # noqa: E402
 
+# Operators that launch no kernel (allocations, host reads, dtype arithmetic, which the dispatch mode sees too).
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
              "lift_fresh", "promote_types"}
 
@@ -112,9 +114,10 @@ def count_step(model, *, batch: int, kernels: bool) -> tuple[collections.Counter
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # as the GPU runs it: casts included
         cache = model(ids[:, :64], cache=model.new_cache()).cache
         with torch_steps(model, not kernels):
-            for module in model.modules():
-                if kernels and isinstance(module, (FastWeightMixer, Mamba2Mixer, ShortConvolution)):
-                    module.backend = "triton"
+            stepping = [m for m in model.modules() if isinstance(m, (FastWeightMixer, Mamba2Mixer, ShortConvolution))]
+            saved_backends = [m.backend for m in stepping]
+            for module in stepping if kernels else []:
+                module.backend = "triton"
             interpreter.InterpretedFunction.run = counted
             for module, name in ops_in_layers.items():
                 setattr(module, name, _in_place(where, "ssm op", saved[module]))
@@ -127,9 +130,8 @@ def count_step(model, *, batch: int, kernels: bool) -> tuple[collections.Counter
                 for module, name in ops_in_layers.items():
                     setattr(module, name, saved[module])
                 short_conv._depthwise = depthwise
-                for module in model.modules():
-                    if isinstance(module, (FastWeightMixer, Mamba2Mixer, ShortConvolution)):
-                        module.backend = "auto"
+                for module, backend in zip(stepping, saved_backends):
+                    module.backend = backend
     for hook in hooks:
         hook.remove()
     return ops.counts + launches, sum(launches.values())

@@ -57,7 +57,8 @@ the Transformer's attention and MLP and add the SSM half: 143-159M parameters ag
    `--torch-steps` also decodes each variant with SSM mixers with its mixers' single steps on their torch loops
    (`FastWeightMixer.backend = "recurrent"`, `Mamba2Mixer.backend = "naive"`, `ShortConvolution.backend = "torch"`
    after the prefill) instead of the one-kernel steps "auto" takes on CUDA, as "<variant> (torch steps)": what the
-   step kernels save per token.
+   step kernels save per token. The fast-weight mixer's QK norms follow its backend: those rows also run them on
+   torch's `rms_norm` (float32 math: a fused norm and the casts around it) instead of their Triton kernels.
 3. `--profile-decode`: `torch.profiler` over 3 decoding steps at the first context, per variant: the operators with
    the most device (or CPU) time and the number of kernel launches, to tell per-step overhead from the math;
    `--profile-train` the same for one training update per variant and length.

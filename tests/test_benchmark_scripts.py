@@ -113,6 +113,26 @@ def test_gpu_model_on_the_cpu_torch_steps_beside_each_hybrid(tmp_path):
     assert all(r["decode_ms"] > 0 for r in rows)
 
 
+def test_torch_steps_puts_the_mixers_on_their_loops_and_back():
+    sys.path.insert(0, str(BENCHMARKS))
+    from gpu_model import build, torch_steps
+
+    from hybridlm.layers.fast_weight import FastWeightMixer
+    from hybridlm.layers.mamba2 import Mamba2Mixer
+    from hybridlm.modules import ShortConvolution
+
+    loops = {FastWeightMixer: "recurrent", Mamba2Mixer: "naive", ShortConvolution: "torch"}
+    for variant in ("hybrid fw-1A", "hybrid mamba2"):
+        model = build("tiny", variant, torch.device("cpu"))
+        stepping = [m for m in model.modules() if type(m) in loops]
+        assert {type(m) for m in stepping} == {ShortConvolution, FastWeightMixer if "fw" in variant else Mamba2Mixer}
+        with torch_steps(model):
+            assert all(m.backend == loops[type(m)] for m in stepping)
+        with torch_steps(model, enabled=False):
+            assert all(m.backend == "auto" for m in stepping)
+        assert all(m.backend == "auto" for m in stepping)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="runs the step kernels under Triton's interpreter")
 def test_decode_ops_counts_the_step_kernels(tmp_path):
     """Each SSM layer's op is one launch (the fast-weight op also checks its ridge: two operators more) where the

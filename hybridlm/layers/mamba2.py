@@ -12,7 +12,8 @@ Differences from a stock Mamba-2 (what makes it Falcon-H1's): `mamba_d_ssm` may 
 expand * d, the output norm is optional, and the five multipliers above. The block applies
 `ssm_in_multiplier` to the input and `ssm_out_multiplier` to the output. For decoding, a
 `LayerCache` carries the conv tail ("conv", [B, K-1, C]) and the SSM state ("ssm", [B, H, P, N], fp32):
-a prefill runs the chunked SSD, a single token the recurrence step (`ssd(..., backend="naive")` at T == 1).
+a prefill runs the chunked SSD, a single token the recurrence step (the naive step; on CUDA with the backend
+"auto" or "triton" its one-kernel form, `hybridlm/ops/ssd/triton/step.py`).
 With `cu_seqlens` and a cache (a packed prefill) the states have one row per packed sequence. `seq_idx` (a
 document index per token, training only) marks packed documents without changing any shape: the conv's taps and
 the SSD's state restart at each document (the SSD's torch chunk path); the hybrid block uses it when compiled.

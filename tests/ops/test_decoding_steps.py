@@ -44,17 +44,19 @@ def _fast_weight_step(inputs, state, *, backend, **options):
 @pytest.mark.parametrize("rule", STEP_RULES)
 @pytest.mark.parametrize("pairing, read, step_size, ridge_scaling", OPTIONS)
 def test_fast_weight_step_matches_spec(monkeypatch, rule, pairing, read, step_size, ridge_scaling):
-    """One step from a carried state (and from none: a fresh shifted row writes nothing) equals the float64 spec in
-    o, S and the carried key; it ran the step kernel."""
+    """One step from a carried state, from a state without a carried key (a fresh shifted row writes nothing) and
+    from none equals the float64 spec in o, S and the carried key; it ran the step kernel."""
     from hybridlm.ops.fast_weight.triton import step
 
     calls = _counting(monkeypatch, step)
     options = dict(rule=rule, pairing=pairing, read=read, step_size=step_size, ridge_scaling=ridge_scaling)
     inputs = fw.make_inputs(rule, B=3, T=1, H=2, K=20, V=12)
-    for state in (fw.random_state(3, 2, 20, 12, window=1), None):
+    carried = fw.random_state(3, 2, 20, 12, window=1)
+    fresh = FastWeightState(S=carried.S)  # no carried key: a shifted row writes nothing, and reads S
+    for state in (carried, fresh, None):
         want_o, want = _fast_weight_step(inputs, state, backend="naive", **options)
-        given = None if state is None else FastWeightState(S=state.S.float().to(DEVICE),
-                                                           last_k=state.last_k.float().to(DEVICE))
+        given = None if state is None else FastWeightState(
+            S=state.S.float().to(DEVICE), last_k=None if state.last_k is None else state.last_k.float().to(DEVICE))
         o, got = _fast_weight_step([t.float().to(DEVICE) for t in inputs], given, backend="triton", **options)
         assert rel_err(o.double().cpu(), want_o) < TOL[torch.float32]
         assert rel_err(got.S.double().cpu(), want.S) < TOL[torch.float32]
@@ -62,15 +64,18 @@ def test_fast_weight_step_matches_spec(monkeypatch, rule, pairing, read, step_si
             assert torch.equal(got.last_k.cpu(), inputs[1][:, 0].float())
         else:
             assert got.last_k is None and want.last_k is None
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 @interpret
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rule", STEP_RULES)
-def test_fast_weight_step_16_bit(rule, dtype):
+def test_fast_weight_step_16_bit(monkeypatch, rule, dtype):
     """16-bit q, k, v: the state in float32 as the torch step's, the output rounded once."""
+    from hybridlm.ops.fast_weight.triton import step
+
     skip_bfloat16_interpreted(dtype)
+    calls = _counting(monkeypatch, step)
     inputs = fw.make_inputs(rule, B=2, T=1, H=3, K=64, V=64)
     state = fw.random_state(2, 3, 64, 64, window=1)
     q, k, v = (t.to(dtype) for t in inputs[:3])
@@ -82,13 +87,85 @@ def test_fast_weight_step_16_bit(rule, dtype):
     assert o.dtype == dtype
     assert rel_err(o.double().cpu(), want_o) < TOL[dtype]
     assert rel_err(got.S.double().cpu(), want.S) < TOL[torch.float32]
+    assert len(calls) == 1
+
+
+@interpret
+@pytest.mark.parametrize("rule", STEP_RULES)
+@pytest.mark.parametrize("K, V", [(128, 128), (128, 100), (7, 65)])
+def test_fast_weight_step_blocks_of_value_columns(monkeypatch, rule, K, V):
+    """Heads of several value blocks per program grid (the default 128 x 128 runs four), odd sizes: every column."""
+    from hybridlm.ops.fast_weight.triton import step
+
+    calls = _counting(monkeypatch, step)
+    inputs = fw.make_inputs(rule, B=2, T=1, H=2, K=K, V=V)
+    state = fw.random_state(2, 2, K, V, window=1)
+    want_o, want = _fast_weight_step(inputs, state, backend="naive", rule=rule, ridge_scaling=rule == "1")
+    given = FastWeightState(S=state.S.float().to(DEVICE), last_k=state.last_k.float().to(DEVICE))
+    o, got = _fast_weight_step([t.float().to(DEVICE) for t in inputs], given, backend="triton", rule=rule,
+                               ridge_scaling=rule == "1")
+    assert rel_err(o.double().cpu(), want_o) < TOL[torch.float32]
+    assert rel_err(got.S.double().cpu(), want.S) < TOL[torch.float32]
+    assert len(calls) == 1
+
+
+@interpret
+def test_fast_weight_step_reads_row_slices_in_place(monkeypatch):
+    """q, k, v as a mixer hands them over at several rows (slices of one wider row, in 16 bits), and k, v in
+    another dtype than q (cast to q's, as the scans): the spec's step, and no contiguous copy of the slices."""
+    from hybridlm.ops.fast_weight.triton import step
+
+    seen = []
+    launch = step.forward
+    monkeypatch.setattr(step, "forward", lambda q, k, v, *a, **kw: seen.append(v.is_contiguous()) or
+                        launch(q, k, v, *a, **kw))
+    B, H, K = 3, 2, 16
+    g = torch.Generator().manual_seed(4)
+    row = torch.randn(B, 1, 3 * H * K + 5, generator=g).to(torch.float16)  # [q | k | v | more] per row
+    q, k, v = (row[..., i * H * K:(i + 1) * H * K].unflatten(-1, (H, K)) for i in range(3))
+    beta, lam = torch.rand(B, 1, H, generator=g), torch.rand(B, 1, H, generator=g)
+    state = fw.random_state(B, H, K, K, window=1)
+    want_o, want = _fast_weight_step([t.double() for t in (q, k, v, beta, lam)], state, backend="naive", rule="1")
+    given = FastWeightState(S=state.S.float().to(DEVICE), last_k=state.last_k.float().to(DEVICE))
+    for k_in, v_in in ((k, v), (k.float(), v.float())):
+        o, got = _fast_weight_step([t.to(DEVICE) for t in (q, k_in, v_in, beta, lam)], given, backend="triton",
+                                   rule="1")
+        assert o.dtype == torch.float16
+        assert rel_err(o.double().cpu(), want_o) < TOL[torch.float16]
+        assert rel_err(got.S.double().cpu(), want.S) < TOL[torch.float32]
+    assert seen == [False, True]  # the slices read in place; the float32 copies are new tensors anyway
+
+
+@interpret
+def test_step_ops_pass_opcheck():
+    """The step custom ops' schemas, fake implementations and dispatch (torch.compile traces them: a graphed
+    decoder's compiled step)."""
+    from hybridlm.ops.fast_weight.triton import custom_ops  # noqa: F401  registers the ops
+    from hybridlm.ops.ssd.triton import custom_ops as ssd_ops  # noqa: F401
+
+    tests = ("test_schema", "test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    q = torch.randn(2, 3, 16, device=DEVICE)
+    S = torch.randn(2, 3, 16, 16, device=DEVICE)
+    beta, lam = torch.rand(2, 3, device=DEVICE), torch.rand(2, 3, device=DEVICE)
+    for last_k in (q.clone(), None):
+        torch.library.opcheck(torch.ops.hybridlm.fast_weight_step,
+                              (q, q.clone(), q.clone(), beta, lam, S, last_k, "1", True, True, True, False, 1e-6,
+                               1e-6), test_utils=tests)
+    x, Bm = torch.randn(2, 4, 8, device=DEVICE), torch.randn(2, 2, 16, device=DEVICE)
+    h = torch.randn(2, 4, 8, 16, device=DEVICE)
+    for D in (torch.randn(4, device=DEVICE), None):
+        torch.library.opcheck(torch.ops.hybridlm.ssd_step, (x, torch.rand(2, 4, device=DEVICE), -torch.rand(4,
+                              device=DEVICE), Bm, Bm.clone(), D, h), test_utils=tests)
 
 
 @interpret
 @pytest.mark.parametrize("rule", ["1A", "1"])
-def test_fast_weight_steps_continue_a_prefill(rule):
+def test_fast_weight_steps_continue_a_prefill(monkeypatch, rule):
     """A prefill of 9 steps on the chunk path, then 5 decoding steps through the step kernel: the outputs and the
     final state of the whole sequence in one call."""
+    from hybridlm.ops.fast_weight.triton import step
+
+    calls = _counting(monkeypatch, step)
     inputs = [t.float().to(DEVICE) for t in fw.make_inputs(rule, B=2, T=14, H=2, K=16, V=16)]
     want_o, want = fast_weight_attention(*inputs, rule=rule, output_final_state=True, backend="chunk")
     o, state = fast_weight_attention(*(t[:, :9] for t in inputs), rule=rule, output_final_state=True, backend="chunk")
@@ -98,6 +175,7 @@ def test_fast_weight_steps_continue_a_prefill(rule):
         outputs.append(o)
     assert rel_err(torch.cat(outputs, dim=1), want_o) < 1e-4
     assert rel_err(state.S, want.S) < 1e-4
+    assert len(calls) == 5
 
 
 @interpret
@@ -158,8 +236,11 @@ def test_ssd_step_matches_spec(monkeypatch, groups, with_D, with_state):
 
 @interpret
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_ssd_step_16_bit(dtype):
+def test_ssd_step_16_bit(monkeypatch, dtype):
+    from hybridlm.ops.ssd.triton import step
+
     skip_bfloat16_interpreted(dtype)
+    calls = _counting(monkeypatch, step)
     inputs = {k: v.detach() for k, v in ssd_helpers.make_inputs(2, 1, 4, 64, 2, 128).items()}
     for name in ("x", "B", "C"):
         inputs[name] = inputs[name].to(dtype)
@@ -169,12 +250,16 @@ def test_ssd_step_16_bit(dtype):
     assert y.dtype == dtype
     assert rel_err(y.double().cpu(), want_y) < TOL[dtype]
     assert rel_err(h.double().cpu(), want_h) < TOL[torch.float32]
+    assert len(calls) == 1
 
 
 @interpret
-def test_ssd_steps_continue_a_prefill():
+def test_ssd_steps_continue_a_prefill(monkeypatch):
     """A prefill of 10 steps on the chunk path, then 4 steps through the step kernel: the whole sequence's outputs
     and final state."""
+    from hybridlm.ops.ssd.triton import step
+
+    calls = _counting(monkeypatch, step)
     inputs = {k: v.detach().float().to(DEVICE) for k, v in ssd_helpers.make_inputs(2, 14, 4, 16, 2, 16).items()}
     want_y, want_h = ssd(**inputs, output_final_state=True, backend="chunk")
     y, h = ssd(**ssd_helpers.time_slice(inputs, 0, 10), output_final_state=True, backend="chunk")
@@ -185,6 +270,7 @@ def test_ssd_steps_continue_a_prefill():
         outputs.append(y)
     assert rel_err(torch.cat(outputs, dim=1), want_y) < 1e-4
     assert rel_err(h, want_h) < 1e-4
+    assert len(calls) == 4
 
 
 @interpret
@@ -238,7 +324,10 @@ def test_mixer_decoding_steps_through_the_kernels(monkeypatch, mixer):
     from hybridlm.ops.ssd.triton import step as ssd_step
     from tests.ops.test_mixer_recompute import D, fast_weight_mixer, mamba2_mixer
 
-    calls = _counting(monkeypatch, ssd_step if mixer == "mamba2" else fast_weight_step)
+    module_step = ssd_step if mixer == "mamba2" else fast_weight_step
+    calls, launch = [], module_step.forward
+    monkeypatch.setattr(module_step, "forward", lambda *a, **k: calls.append(
+        all(t.is_contiguous() for t in a if isinstance(t, torch.Tensor))) or launch(*a, **k))
     from hybridlm.modules import short_conv
 
     conv_calls = []
@@ -264,3 +353,4 @@ def test_mixer_decoding_steps_through_the_kernels(monkeypatch, mixer):
     for name, state in caches["triton"].ssm.items():
         assert rel_err(state, caches[loops].ssm[name]) < 1e-4, name
     assert len(calls) == len(conv_calls) == 4
+    assert not any(calls)  # the projection's row slices read in place (two rows), not copied first

@@ -179,8 +179,9 @@ from hybridlm.ops.fast_weight.triton import step as k
 
 IO = ("q_ptr", "k_ptr", "v_ptr", "o_ptr")
 TYPES = {"eps": "fp32", "one_minus_eps_gamma": "fp32"}
-# The decoding step as step.forward blocks it: a model's heads in bf16, the largest heads, odd float32 sizes.
-for io, K, V in (("*bf16", 64, 64), ("*bf16", 256, 256), ("*fp32", 20, 12)):
+# The decoding step as step.forward blocks it: a model's heads in bf16, the largest heads (MAX_HEAD_DIM), odd float32
+# sizes.
+for io, K, V in (("*bf16", 64, 64), ("*bf16", 128, 128), ("*fp32", 20, 12)):
     BK = max(16, triton.next_power_of_2(K))
     BV = min(max(16, triton.next_power_of_2(V)), max(16, k.STATE_BLOCK // BK))
     for rule, shifted in (("1A", True), ("1", True), ("2A", False), ("2", True)):

@@ -24,8 +24,10 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def step_kernel(x_ptr, state_ptr, w_ptr, b_ptr, y_ptr, state_out_ptr, C, K: tl.constexpr, KP: tl.constexpr,
-                BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+def step_kernel(x_ptr, state_ptr, w_ptr, b_ptr, y_ptr, state_out_ptr, C, sx_b, ss_b, ss_k, K: tl.constexpr,
+                KP: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    # x and the state are read at their strides (unit stride along the channels): a row slice of the input
+    # projection, a prefill's state sliced from its extended input; y and state' are contiguous.
     i_b, i_c = tl.program_id(0), tl.program_id(1)
     b = i_b.to(tl.int64)
     c = i_c * BC + tl.arange(0, BC)
@@ -33,8 +35,8 @@ def step_kernel(x_ptr, state_ptr, w_ptr, b_ptr, y_ptr, state_out_ptr, C, K: tl.c
     k = tl.arange(0, KP)
     # e_k: the state's rows k < K-1, then x at k = K-1; [KP, BC], zeros past K
     in_state = (k[:, None] < K - 1) & mc[None, :]
-    carried = tl.load(state_ptr + (b * (K - 1) + k[:, None]) * C + c[None, :], mask=in_state, other=0.0)
-    x = tl.load(x_ptr + b * C + c, mask=mc, other=0.0)
+    carried = tl.load(state_ptr + b * ss_b + k[:, None] * ss_k + c[None, :], mask=in_state, other=0.0)
+    x = tl.load(x_ptr + b * sx_b + c, mask=mc, other=0.0)
     e = tl.where(k[:, None] == K - 1, x[None, :], carried).to(tl.float32)
     w = tl.load(w_ptr + c[None, :] * K + k[:, None], mask=(k[:, None] < K) & mc[None, :], other=0.0).to(tl.float32)
     y = tl.sum(w * e, axis=0)                                                               # [BC]
@@ -44,7 +46,7 @@ def step_kernel(x_ptr, state_ptr, w_ptr, b_ptr, y_ptr, state_out_ptr, C, K: tl.c
         y = y * tl.sigmoid(y)
     tl.store(y_ptr + b * C + c, y.to(y_ptr.dtype.element_ty), mask=mc)
     # state'_j = e_{j+1}: the state's rows 1 .. K-2, then x
-    shifted = tl.load(state_ptr + (b * (K - 1) + k[:, None] + 1) * C + c[None, :],
+    shifted = tl.load(state_ptr + b * ss_b + (k[:, None] + 1) * ss_k + c[None, :],
                       mask=(k[:, None] < K - 2) & mc[None, :], other=0.0)
     new = tl.where(k[:, None] == K - 2, x[None, :], shifted)
     tl.store(state_out_ptr + (b * (K - 1) + k[:, None]) * C + c[None, :], new.to(state_out_ptr.dtype.element_ty),
@@ -53,16 +55,18 @@ def step_kernel(x_ptr, state_ptr, w_ptr, b_ptr, y_ptr, state_out_ptr, C, K: tl.c
 
 def short_conv_step_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            *, silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, C], state [B, K-1, C] (x's dtype), weight [C, K] (K >= 2), bias [C] or None -> y [B, C] and the new state
-    [B, K-1, C], both in x's dtype. CUDA tensors, or CPU tensors under Triton's interpreter; checked by the caller
-    (`hybridlm.modules.causal_conv1d`)."""
+    """x [B, C], state [B, K-1, C] (x's dtype; both at any strides but a unit one along the channels), weight [C, K]
+    (K >= 2), bias [C] or None -> y [B, C] and the new state [B, K-1, C] (contiguous), both in x's dtype. CUDA
+    tensors, or CPU tensors under Triton's interpreter; checked by the caller (`hybridlm.modules.causal_conv1d`)."""
     B, C = x.shape
     K = weight.shape[1]
-    x, state, weight = x.contiguous(), state.contiguous(), weight.contiguous()
-    y = torch.empty_like(x)
-    state_out = torch.empty_like(state)
+    x, state = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, state))
+    weight = weight.contiguous()
+    y = x.new_empty(B, C)
+    state_out = state.new_empty(state.shape)
     with on_tensor_device(x):
         step_kernel[(B, triton.cdiv(C, BC))](
-            x, state, weight, bias.contiguous() if bias is not None else weight, y, state_out, C, K=K,
-            KP=triton.next_power_of_2(K), BC=BC, HAS_BIAS=bias is not None, SILU=silu, num_warps=NUM_WARPS)
+            x, state, weight, bias.contiguous() if bias is not None else weight, y, state_out, C, x.stride(0),
+            state.stride(0), state.stride(1), K=K, KP=triton.next_power_of_2(K), BC=BC, HAS_BIAS=bias is not None,
+            SILU=silu, num_warps=NUM_WARPS)
     return y, state_out

@@ -185,6 +185,7 @@ def _delayed_window(p: PreparedWrites, S0: torch.Tensor, *, read_after: bool,
 def _decoding_step(q, k, v, beta, lam, options: FastWeightOptions, state: FastWeightState):
     """One step [B, 1, H, *] through the step kernel -> o [B, 1, H, V], the state after it."""
     shifted = options.shifted
+    k, v = k.to(q.dtype), v.to(q.dtype)  # one dtype, as the scans take them
     o, S, last_k = fast_weight_step_triton(
         q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], state.S.float(), state.last_k if shifted else None,
         rule=options.rule, pairing=options.pairing, read_after=options.read_after, step_size=options.step_size,

@@ -410,6 +410,12 @@ def _register_band() -> None:
     keep_in_compiled_regions(torch.ops.hybridlm.fast_weight_band_fwd.default)
 
 
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """t itself where its last dim is unit-strided (what the step kernels read at any other strides), else a
+    contiguous copy."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
 def _register_step() -> None:
     """hybridlm::fast_weight_step (`step.py`) and its fake implementation; no autograd (decoding)."""
 
@@ -421,7 +427,8 @@ def _register_step() -> None:
     def step(q, k, v, beta, lam, S, last_k, rule, shifted, read_after, nlms, ridge_scaling, eps, eps_gamma):
         from hybridlm.ops.fast_weight.triton import step as module
 
-        q, k, v, beta, lam, S = (t.contiguous() for t in (q, k, v, beta, lam, S))
+        q, k, v = (_unit_last_stride(t) for t in (q, k, v))  # read at their row and head strides
+        beta, lam, S = (t.contiguous() for t in (beta, lam, S))
         last_k = None if last_k is None else last_k.contiguous()
         with on_tensor_device(q):
             return module.forward(q, k, v, beta, lam, S, last_k, rule=rule, shifted=shifted, read_after=read_after,
@@ -429,8 +436,7 @@ def _register_step() -> None:
 
     @step.register_fake
     def _(q, k, v, beta, lam, S, last_k, rule, shifted, read_after, nlms, ridge_scaling, eps, eps_gamma):
-        return (q.new_empty(v.shape), torch.empty_like(S, memory_format=torch.contiguous_format),
-                q.new_empty(q.shape, dtype=torch.float32))
+        return (q.new_empty(v.shape), S.new_empty(S.shape), q.new_empty(q.shape, dtype=torch.float32))
 
 
 _register_prepare()

@@ -31,17 +31,20 @@ STATE_BLOCK = 4096  # float32 elements of S per program: BK x BV, 32 per thread 
 
 
 @triton.jit
-def step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, lam_ptr, S_ptr, last_ptr, o_ptr, S_out_ptr, last_out_ptr, eps,
-                one_minus_eps_gamma, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                WRITES: tl.constexpr, SHIFTED: tl.constexpr, REGRESSION: tl.constexpr, PER_COLUMN: tl.constexpr,
-                NLMS: tl.constexpr, SCALED: tl.constexpr, READ_AFTER: tl.constexpr):
+def step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, lam_ptr, S_ptr, last_ptr, o_ptr, S_out_ptr, last_out_ptr, H, sq_n, sq_h,
+                sk_n, sk_h, sv_n, sv_h, eps, one_minus_eps_gamma, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr, WRITES: tl.constexpr, SHIFTED: tl.constexpr, REGRESSION: tl.constexpr,
+                PER_COLUMN: tl.constexpr, NLMS: tl.constexpr, SCALED: tl.constexpr, READ_AFTER: tl.constexpr):
+    # q, k, v are read at (row, head) strides (unit stride along the head dim): the mixers hand over row slices of
+    # their projection, which a contiguous copy would cost a kernel each; everything else is contiguous.
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     nh = i_nh.to(tl.int64)
+    i_n, i_h = nh // H, nh % H
     rk = tl.arange(0, BK)
     rv = i_v * BV + tl.arange(0, BV)
     mk, mv = rk < K, rv < V
-    q = tl.load(q_ptr + nh * K + rk, mask=mk, other=0.0).to(tl.float32)                    # [BK]
-    k = tl.load(k_ptr + nh * K + rk, mask=mk, other=0.0).to(tl.float32)                    # [BK]
+    q = tl.load(q_ptr + i_n * sq_n + i_h * sq_h + rk, mask=mk, other=0.0).to(tl.float32)   # [BK]
+    k = tl.load(k_ptr + i_n * sk_n + i_h * sk_h + rk, mask=mk, other=0.0).to(tl.float32)   # [BK]
     s_offs = (nh * K + rk[:, None]) * V + rv[None, :]
     s_mask = mk[:, None] & mv[None, :]
     S = tl.load(S_ptr + s_offs, mask=s_mask, other=0.0)                                    # [BK, BV] S_{t-1}
@@ -51,7 +54,7 @@ def step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, lam_ptr, S_ptr, last_ptr, o_ptr, 
             x = tl.load(last_ptr + nh * K + rk, mask=mk, other=0.0).to(tl.float32)         # k_{t-1}
         else:
             x = k
-        y = tl.load(v_ptr + nh * V + rv, mask=mv, other=0.0).to(tl.float32)               # [BV]
+        y = tl.load(v_ptr + i_n * sv_n + i_h * sv_h + rv, mask=mv, other=0.0).to(tl.float32)   # [BV]
         E = tl.sum(x * x, axis=0)
         lam = tl.load(lam_ptr + nh)
         if SCALED:
@@ -79,7 +82,7 @@ def step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, lam_ptr, S_ptr, last_ptr, o_ptr, 
         o = tl.sum(S_new * q[:, None], axis=0)
     else:
         o = tl.sum(S * q[:, None], axis=0)
-    tl.store(o_ptr + nh * V + rv, o.to(o_ptr.dtype.element_ty), mask=mv)
+    tl.store(o_ptr + nh * V + rv, o.to(o_ptr.dtype.element_ty), mask=mv)                  # o, S', k: contiguous
     tl.store(S_out_ptr + s_offs, S_new, mask=s_mask)
     if i_v == 0:
         tl.store(last_out_ptr + nh * K + rk, k, mask=mk)
@@ -88,9 +91,9 @@ def step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, lam_ptr, S_ptr, last_ptr, o_ptr, 
 def forward(q, k, v, beta, lam, S, last_k, *, rule: str, shifted: bool, read_after: bool, nlms: bool,
             ridge_scaling: bool, eps: float, eps_gamma: float):
     """o [N, H, V] (q's dtype), S' [N, H, K, V] and the new last key [N, H, K] (k in float32, whatever the
-    pairing: same-step rows carry none and drop it) from contiguous q, k [N, H, K], v [N, H, V] (one dtype),
-    beta [N, H] (2A, 2: [N, H, V]) and lam [N, H] float32, S [N, H, K, V] float32, last_k [N, H, K] float32 or
-    None (a fresh shifted row: no write)."""
+    pairing: same-step rows carry none and drop it) from q, k [N, H, K], v [N, H, V] (one dtype; any row and head
+    strides, the head dim unit-strided), beta [N, H] (2A, 2: [N, H, V]) and lam [N, H] float32, S [N, H, K, V]
+    float32, last_k [N, H, K] float32 or None (a fresh shifted row: no write), all contiguous but q, k, v."""
     N, H, K = q.shape
     V = v.shape[-1]
     o = q.new_empty(N, H, V)
@@ -100,7 +103,8 @@ def forward(q, k, v, beta, lam, S, last_k, *, rule: str, shifted: bool, read_aft
     BV = min(block(V, 256), max(16, STATE_BLOCK // BK))
     writes = last_k is not None or not shifted
     step_kernel[(N * H, triton.cdiv(V, BV))](
-        q, k, v, beta, lam, S, last_k if last_k is not None else S, o, S_out, last_out, eps, 1.0 - eps_gamma,
-        K=K, V=V, BK=BK, BV=BV, WRITES=writes, SHIFTED=shifted, REGRESSION=rule in ("1", "2"),
-        PER_COLUMN=rule in ("2A", "2"), NLMS=nlms, SCALED=ridge_scaling, READ_AFTER=read_after, num_warps=NUM_WARPS)
+        q, k, v, beta, lam, S, last_k if last_k is not None else S, o, S_out, last_out, H, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), eps, 1.0 - eps_gamma, K=K, V=V, BK=BK, BV=BV,
+        WRITES=writes, SHIFTED=shifted, REGRESSION=rule in ("1", "2"), PER_COLUMN=rule in ("2A", "2"), NLMS=nlms,
+        SCALED=ridge_scaling, READ_AFTER=read_after, num_warps=NUM_WARPS)
     return o, S_out, last_out

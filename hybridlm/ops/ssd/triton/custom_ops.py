@@ -156,10 +156,12 @@ def ssd_step_triton(x, dt, A, B, C, D, h) -> tuple[torch.Tensor, torch.Tensor]:
 def _ssd_step(x, dt, A, B, C, D, h):
     from hybridlm.ops.ssd.triton import step
 
+    x, B, C = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, B, C))  # read at their row strides
+    dt, A, D, h = _contiguous(dt, A, D, h)
     with on_tensor_device(x):
-        return step.forward(*_contiguous(x, dt, A, B, C, D, h))
+        return step.forward(x, dt, A, B, C, D, h)
 
 
 @_ssd_step.register_fake
 def _(x, dt, A, B, C, D, h):
-    return x.new_empty(x.shape), torch.empty_like(h, memory_format=torch.contiguous_format)
+    return x.new_empty(x.shape), h.new_empty(h.shape)

@@ -25,18 +25,21 @@ STATE_BLOCK = 4096  # float32 elements of the state per program: BP x BN, 32 per
 
 
 @triton.jit
-def step_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h_ptr, y_ptr, h_out_ptr, H, G, P: tl.constexpr,
-                N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr):
+def step_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h_ptr, y_ptr, h_out_ptr, H, G, sx_b, sx_h, sb_b, sb_g,
+                sc_b, sc_g, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                HAS_D: tl.constexpr):
+    # x, B, C are read at (row, head or group) strides (unit stride along the last dim): the mixer hands over row
+    # slices of its conv's output, which a contiguous copy would cost a kernel each; dt, h, y, h' are contiguous.
     i_bh, i_p = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
     bh = i_bh.to(tl.int64)
-    bg = i_b.to(tl.int64) * G + i_h // (H // G)
+    i_b, i_h = bh // H, bh % H
+    i_g = i_h // (H // G)
     rp = i_p * BP + tl.arange(0, BP)
     rn = tl.arange(0, BN)
     mp, mn = rp < P, rn < N
-    x = tl.load(x_ptr + bh * P + rp, mask=mp, other=0.0).to(tl.float32)                   # [BP]
-    Bg = tl.load(B_ptr + bg * N + rn, mask=mn, other=0.0).to(tl.float32)                  # [BN]
-    Cg = tl.load(C_ptr + bg * N + rn, mask=mn, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + i_b * sx_b + i_h * sx_h + rp, mask=mp, other=0.0).to(tl.float32)      # [BP]
+    Bg = tl.load(B_ptr + i_b * sb_b + i_g * sb_g + rn, mask=mn, other=0.0).to(tl.float32)     # [BN]
+    Cg = tl.load(C_ptr + i_b * sc_b + i_g * sc_g + rn, mask=mn, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + bh)
     decay = tl.exp(dt * tl.load(A_ptr + i_h))
     h_offs = (bh * P + rp[:, None]) * N + rn[None, :]
@@ -51,8 +54,8 @@ def step_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h_ptr, y_ptr, h_out_p
 
 
 def forward(x, dt, A, B, C, D, h):
-    """y [b, H, P] (x's dtype) and h_t [b, H, P, N] float32 from contiguous x [b, H, P], dt [b, H], A [H], D [H] or
-    None (float32), B, C [b, G, N] and h [b, H, P, N] float32."""
+    """y [b, H, P] (x's dtype) and h_t [b, H, P, N] float32 from x [b, H, P], B, C [b, G, N] (any strides but a unit
+    one along the last dim), dt [b, H], A [H], D [H] or None (float32) and h [b, H, P, N] float32 (contiguous)."""
     b, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     y = x.new_empty(b, H, P)
@@ -60,6 +63,6 @@ def forward(x, dt, A, B, C, D, h):
     BN = block(N, 256)
     BP = min(block(P, 256), max(16, STATE_BLOCK // BN))
     step_kernel[(b * H, triton.cdiv(P, BP))](
-        x, dt, A, B, C, D if D is not None else A, h, y, h_out, H, G, P=P, N=N, BP=BP, BN=BN, HAS_D=D is not None,
-        num_warps=NUM_WARPS)
+        x, dt, A, B, C, D if D is not None else A, h, y, h_out, H, G, x.stride(0), x.stride(1), B.stride(0),
+        B.stride(1), C.stride(0), C.stride(1), P=P, N=N, BP=BP, BN=BN, HAS_D=D is not None, num_warps=NUM_WARPS)
     return y, h_out
