@@ -32,11 +32,13 @@ import torch  # noqa: E402
 from gpu_model import BASELINE, VARIANTS, build, torch_steps  # noqa: E402  benchmarks/ is on the path
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from hybridlm.layers import attention as attention_layer  # noqa: E402
 from hybridlm.layers import fast_weight as fast_weight_layer  # noqa: E402
 from hybridlm.layers import mamba2 as mamba2_layer  # noqa: E402
 from hybridlm.layers.fast_weight import FastWeightMixer  # noqa: E402
 from hybridlm.layers.mamba2 import Mamba2Mixer  # noqa: E402
 from hybridlm.modules import ShortConvolution, short_conv  # noqa: E402
+from hybridlm.ops.rotary import rotary_qk_triton  # noqa: E402
 
 # Operators that launch no kernel (allocations, host reads, dtype arithmetic, which the dispatch mode sees too).
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
@@ -83,15 +85,16 @@ def _in_place(where: list[str], label: str, fn):
     return run
 
 
-def count_step(model, *, batch: int, kernels: bool) -> tuple[collections.Counter, int]:
+def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool) -> tuple[collections.Counter, int]:
     """(operators per layer kind, Triton launches) of one decoding step after a prefill of 64 tokens; the SSM ops
-    themselves (`fast_weight_attention`, `ssd`) counted apart from the rest of their mixers, as "ssm op"."""
+    themselves (`fast_weight_attention`, `ssd`) counted apart from the rest of their mixers, as "ssm op".
+    `rotary_kernel`: attention's queries and keys rotated by the Triton kernel, as `rotate_qk` does on CUDA."""
     import triton.runtime.interpreter as interpreter
 
     where = ["model"]
     ops_in_layers = {fast_weight_layer: "fast_weight_attention", mamba2_layer: "ssd"}
     saved = {module: getattr(module, name) for module, name in ops_in_layers.items()}
-    depthwise = short_conv._depthwise
+    depthwise, rotate = short_conv._depthwise, attention_layer.rotate_qk
     hooks = []
     for module in model.modules():
         label = kind(module)
@@ -122,6 +125,8 @@ def count_step(model, *, batch: int, kernels: bool) -> tuple[collections.Counter
             for module, name in ops_in_layers.items():
                 setattr(module, name, _in_place(where, "ssm op", saved[module]))
             short_conv._depthwise = short_conv._conv1d  # the conv's torch form as CUDA runs it in eager mode
+            if rotary_kernel:
+                attention_layer.rotate_qk = rotary_qk_triton
             try:
                 with ops:
                     model(ids[:, 64:], cache=cache, logits_to_keep=1)
@@ -129,7 +134,7 @@ def count_step(model, *, batch: int, kernels: bool) -> tuple[collections.Counter
                 interpreter.InterpretedFunction.run = launch
                 for module, name in ops_in_layers.items():
                     setattr(module, name, saved[module])
-                short_conv._depthwise = depthwise
+                short_conv._depthwise, attention_layer.rotate_qk = depthwise, rotate
                 for module, backend in zip(stepping, saved_backends):
                     module.backend = backend
     for hook in hooks:
@@ -144,6 +149,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--preset", default="125m", help="'125m' (gpu_model.py's shape) or any preset name")
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--torch-rotary", action="store_true",
+                        help="rotate queries and keys on the torch form (the CPU's and a recorded gradient's) instead "
+                             "of the Triton kernel that CUDA's inference runs")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
@@ -152,7 +160,8 @@ def main() -> None:
         layers = len(model.model.layers)
         has_mixers = any(isinstance(m, (FastWeightMixer, Mamba2Mixer)) for m in model.modules())
         for kernels in ([False, True] if has_mixers else [False]):
-            counts, launches = count_step(model, batch=args.batch, kernels=kernels)
+            counts, launches = count_step(model, batch=args.batch, kernels=kernels,
+                                          rotary_kernel=not args.torch_rotary)
             steps = "triton" if kernels else ("torch loops" if has_mixers else "-")
             rows.append(dict(variant=variant, steps=steps, total=sum(counts.values()), launches=launches,
                              op=counts["ssm op"] / layers, conv=counts["ssm conv"] / layers,
@@ -161,7 +170,8 @@ def main() -> None:
                              block=counts["block"] / layers, model=counts["model"],
                              baseline=BASELINE.get(variant, "transformer")))
     totals = {r["variant"]: r["total"] for r in rows if r["steps"] in ("-",)}
-    print(f"operators per decoding step, batch {args.batch} (CPU; views and allocations not counted)\n")
+    print(f"operators per decoding step, batch {args.batch} (CPU; views and allocations not counted; queries and keys "
+          f"rotated on the {'torch form' if args.torch_rotary else 'Triton kernel'})\n")
     print("| model | SSM steps | per step | of them Triton launches | / baseline | per layer: SSM op | SSM conv | "
           "rest of the SSM mixer | attention | rest of the block | embedding, final norm, head |\n" + "|---" * 11 + "|")
     for r in rows:
@@ -171,7 +181,8 @@ def main() -> None:
               f"{r['conv']:.0f} | {r['ssm']:.0f} | {r['attention']:.0f} | {r['block']:.0f} | {r['model']} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"batch": args.batch, "preset": args.preset, "rows": rows}, f, indent=1)
+            json.dump({"batch": args.batch, "preset": args.preset, "torch_rotary": args.torch_rotary, "rows": rows}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

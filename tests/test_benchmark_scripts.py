@@ -140,12 +140,17 @@ def test_decode_ops_counts_the_step_kernels(tmp_path):
     run("decode_ops.py", "--preset", "tiny", "--variants", "transformer", "hybrid fw-1A", "hybrid mamba2",
         "--json", str(tmp_path / "ops.json"), timeout=600)
     rows = {(r["variant"], r["steps"]): r for r in json.loads((tmp_path / "ops.json").read_text())["rows"]}
-    assert rows[("transformer", "-")]["launches"] == 0
+    transformer = rows[("transformer", "-")]
+    assert transformer["launches"] > 0  # the rotation of queries and keys, one launch per layer
     for variant, op_ops in (("hybrid fw-1A", 3), ("hybrid mamba2", 1)):
         loops, kernels = rows[(variant, "torch loops")], rows[(variant, "triton")]
         assert kernels["op"] == op_ops and loops["op"] > 10
-        assert kernels["total"] < loops["total"] and kernels["launches"] > 0 == loops["launches"]
-        assert kernels["attention"] == loops["attention"] == rows[("transformer", "-")]["attention"]
+        assert kernels["total"] < loops["total"] and kernels["launches"] > loops["launches"] == transformer["launches"]
+        assert kernels["attention"] == loops["attention"] == transformer["attention"]
+    run("decode_ops.py", "--preset", "tiny", "--variants", "transformer", "--torch-rotary",
+        "--json", str(tmp_path / "torch.json"), timeout=600)
+    (torch_rotary,) = json.loads((tmp_path / "torch.json").read_text())["rows"]
+    assert torch_rotary["launches"] == 0 and torch_rotary["attention"] > transformer["attention"]
 
 
 def test_gpu_model_on_the_cpu_sliding_window_hybrid_keeps_constant_cache(tmp_path):

@@ -47,7 +47,7 @@ from hybridlm.modules.boundaries import (
     sequence_ids,
 )
 from hybridlm.modules.multiplier import scaled
-from hybridlm.modules.rotary import RotaryEmbedding, apply_rotary
+from hybridlm.modules.rotary import RotaryEmbedding, rotate_qk
 from hybridlm.ops.utils import check_cu_seqlens, host_to_device
 
 
@@ -111,7 +111,7 @@ class Attention(nn.Module):
         if rotary is None:
             rotary = self.rotary(position_ids)  # (cos, sin) [B or 1, T, D] float32
         cos, sin = (t.to(q.dtype) for t in rotary)  # cast once for q and k
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotate_qk(q, k, cos, sin)
 
         pad = key_offsets = None  # key_offsets: with documents that continue cached keys, [N + 1] on the host
         if cache is not None:

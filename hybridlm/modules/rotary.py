@@ -2,12 +2,18 @@
 
 Frequency of pair i: base^(-2i/D). Falcon-H1 uses a very large base (1e11), so most pairs barely
 rotate within any trained length and context extension needs no rescaling.
+
+`rotate_qk` rotates a layer's queries and keys: where no gradient is recorded on CUDA (prefill, decoding) in one
+Triton kernel (`hybridlm.ops.rotary`, the same values bit for bit), else the torch form `apply_rotary`.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from hybridlm.ops.rotary import rotary_qk_triton
+from hybridlm.ops.utils import TRITON_DTYPES, needs_grad, triton_available
 
 
 def rotary_inv_freq(head_dim: int, *, base: float, device: torch.device | None = None) -> torch.Tensor:
@@ -35,6 +41,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (x1, x2) -> (-x2, x1)
     return x * cos + rotated * sin
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)) for q [B, T, Hq, D], k [B, T, Hk, D]; cos, sin
+    [B or 1, T, D] in q's dtype. One Triton kernel for CUDA tensors of one dtype outside torch.compile (whose
+    inductor fuses the torch form) where no gradient is recorded; the torch form otherwise."""
+    if (q.is_cuda and q.dtype in TRITON_DTYPES and {k.dtype, cos.dtype, sin.dtype} == {q.dtype}
+            and not needs_grad(q, k, cos, sin) and not torch.compiler.is_compiling() and triton_available()):
+        return rotary_qk_triton(q, k, cos, sin)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,6 +1,7 @@
 """Pure tensor functions (no module state): the fast-weight rules (`fast_weight`), the Mamba-2 SSD scan
 (`ssd`: `from hybridlm.ops.ssd import ssd`), the mixers' short causal conv (`short_conv`) and gated output norm
-(`gated_norm`), the output-keeping RMS normalization (`rms_norm`) and the SiLU gate (`silu_gate`);
+(`gated_norm`), the output-keeping RMS normalization (`rms_norm`), the SiLU gate (`silu_gate`) and the rotation of
+queries and keys for inference (`rotary`);
 `recompute`: a region recomputed in the backward except its scan kernels. `SlowPathWarning`:
 what the two ops, and `hybridlm.modules.causal_conv1d` over the conv's kernels, issue where `backend="auto"` on CUDA
 runs a torch path for a call their Triton kernels cannot take."""
