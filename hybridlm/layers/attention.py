@@ -110,8 +110,7 @@ class Attention(nn.Module):
         v = self.v_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
         if rotary is None:
             rotary = self.rotary(position_ids)  # (cos, sin) [B or 1, T, D] float32
-        cos, sin = (t.to(q.dtype) for t in rotary)  # cast once for q and k
-        q, k = rotate_qk(q, k, cos, sin)
+        q, k = rotate_qk(q, k, *rotary)  # the tables rounded to q's dtype
 
         pad = key_offsets = None  # key_offsets: with documents that continue cached keys, [N + 1] on the host
         if cache is not None:

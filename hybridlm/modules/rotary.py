@@ -45,13 +45,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)) for q [B, T, Hq, D], k [B, T, Hk, D]; cos, sin
-    [B or 1, T, D] in q's dtype. One Triton kernel for CUDA tensors of one dtype outside torch.compile (whose
-    inductor fuses the torch form) where no gradient is recorded; the torch form otherwise."""
-    if (q.is_cuda and q.dtype in TRITON_DTYPES and {k.dtype, cos.dtype, sin.dtype} == {q.dtype}
-            and not needs_grad(q, k, cos, sin) and not torch.compiler.is_compiling() and triton_available()):
+    """(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)) for q [B, T, Hq, D], k [B, T, Hk, D] and the tables
+    cos, sin [B or 1, T, D] (or [T, D]) of `rotary_cos_sin`, rounded to q's dtype as apply_rotary does. One Triton
+    kernel (which rounds the tables itself) for CUDA tensors outside torch.compile (whose inductor fuses the torch
+    form) where no gradient is recorded; the torch form, with the tables cast once for q and k, otherwise."""
+    if _takes_kernel(q, k, cos, sin):
         return rotary_qk_triton(q, k, cos, sin)
+    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def _takes_kernel(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    B, T, _, D = q.shape
+    tables = cos.dim() == 3 and cos.shape[0] in (1, B) and tuple(cos.shape[1:]) == (T, D) and sin.shape == cos.shape
+    return (q.is_cuda and q.dtype in TRITON_DTYPES and k.dtype == q.dtype and tables
+            and cos.dtype == sin.dtype and cos.dtype in (torch.float32, q.dtype)
+            and not needs_grad(q, k, cos, sin) and not torch.compiler.is_compiling() and triton_available())
 
 
 class RotaryEmbedding(nn.Module):

@@ -2,13 +2,15 @@
 
     x' = x * cos + rotate_half(x) * sin,   rotate_half(x) = (-x[D/2:], x[:D/2])      (cos, sin [B or 1, T, D])
 
-computed in x's dtype exactly as the torch form (`hybridlm.modules.rotary.apply_rotary`): each product rounded to
-x's dtype, then their sum, so the kernel's outputs equal it bit for bit.
+computed in x's dtype as the torch form (`hybridlm.modules.rotary.apply_rotary`) computes it: cos and sin rounded
+to x's dtype, each product rounded to it, then their sum (no fused multiply-add), so the kernel's outputs equal the
+torch form's bit for bit, signed zeros included.
 
-- `rotary_qk_triton(q, k, cos, sin)`: q [B, T, Hq, D] and k [B, T, Hk, D] (one dtype, any strides but a unit one
-  along D), cos and sin in that dtype -> (q', k') contiguous, one launch (`kernels.py`; imported on the first call,
-  so importing this package never needs triton). No backward: `hybridlm.modules.rotary.rotate_qk` takes it where no
-  gradient is recorded (prefill and decoding), the torch form elsewhere.
+- `rotary_qk_triton(q, k, cos, sin)`: q [B, T, Hq, D] and k [B, T, Hk, D] (one dtype; read where they lie when
+  unit-strided along D, else copied), cos and sin [B or 1, T, D] in float32 or q's dtype -> (q', k') contiguous, one
+  launch (`kernels.py`; imported on the first call, so importing this package never needs triton). No backward:
+  `hybridlm.modules.rotary.rotate_qk` takes it where no gradient is recorded (prefill and decoding), the torch form
+  elsewhere.
 
 On the torch form a layer's rotation is ten small kernels (a negation, a concatenation, two products and a sum, for
 q and for k); a CUDA-graphed decoding step costs about one launch per kernel (benchmarks/RESULTS.md).
@@ -33,9 +35,10 @@ def rotary_qk_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, B) or tuple(cos.shape[1:]) != (T, D):
         raise ValueError(f"rotary_qk_triton: cos and sin must be [B or 1, T, D] = [{B} or 1, {T}, {D}], got "
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
-    if q.dtype not in TRITON_DTYPES or {k.dtype, cos.dtype, sin.dtype} != {q.dtype}:
-        raise ValueError(f"rotary_qk_triton: q, k, cos, sin must share one dtype among {TRITON_DTYPES}, got "
-                         f"{q.dtype}, {k.dtype}, {cos.dtype}, {sin.dtype}")
+    if q.dtype not in TRITON_DTYPES or k.dtype != q.dtype or cos.dtype != sin.dtype or cos.dtype not in (
+            torch.float32, q.dtype):
+        raise ValueError(f"rotary_qk_triton: q and k must share one dtype among {TRITON_DTYPES}, cos and sin be "
+                         f"float32 or that dtype; got {q.dtype}, {k.dtype}, {cos.dtype}, {sin.dtype}")
     from hybridlm.ops.rotary.kernels import rotary_qk
 
     return rotary_qk(q, k, cos, sin)

@@ -9,14 +9,15 @@ import triton.language as tl
 
 from hybridlm.ops.utils import on_tensor_device
 
-NUM_WARPS = 4
+# No fused multiply-add: the torch form rounds each product to the activations' dtype before the sum.
+LAUNCH = dict(num_warps=4, enable_fp_fusion=False)
 
 
 @triton.jit
 def _rotate(x_ptr, out_ptr, cos, sin, b, t, T, H, s_b, s_t, s_h, D: tl.constexpr, BH: tl.constexpr,
             BD: tl.constexpr):
-    """out[b, t] = x[b, t] * cos + rotate_half(x[b, t]) * sin for heads < H (out contiguous [B, T, H, D]), each
-    product rounded to x's dtype before the sum, as the torch form."""
+    """out[b, t] = x[b, t] * cos + rotate_half(x[b, t]) * sin for heads < H (out contiguous [B, T, H, D]), with cos
+    and sin rounded to x's dtype first and each product rounded to it before the sum, as the torch form."""
     h = tl.arange(0, BH)[:, None]
     d = tl.arange(0, BD)[None, :]
     half = D // 2
@@ -24,10 +25,10 @@ def _rotate(x_ptr, out_ptr, cos, sin, b, t, T, H, s_b, s_t, s_h, D: tl.constexpr
     row = x_ptr + b * s_b + t * s_t + h * s_h
     x = tl.load(row + d, mask=mask, other=0.0)
     partner = tl.load(row + (d + half) % D, mask=mask, other=0.0)  # x[d + D/2] for d < D/2, x[d - D/2] after
-    rotated = tl.where(d < half, -partner, partner)
     dtype = x.dtype
-    first = (x.to(tl.float32) * cos).to(dtype)
-    second = (rotated.to(tl.float32) * sin).to(dtype)
+    sign = tl.where(d < half, -1.0, 1.0)  # a product, not a subtraction from 0: -(+0) stays -0, as torch's negation
+    first = (x.to(tl.float32) * cos.to(dtype).to(tl.float32)).to(dtype)
+    second = (partner.to(tl.float32) * sign * sin.to(dtype).to(tl.float32)).to(dtype)
     out = (first.to(tl.float32) + second.to(tl.float32)).to(dtype)
     tl.store(out_ptr + ((b * T + t) * H + h) * D + d, out, mask=mask)
 
@@ -39,8 +40,8 @@ def rotary_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, T, HQ
     b, t = i_bt // T, i_bt % T
     d = tl.arange(0, BD)[None, :]
     table = (tl.minimum(b, cos_rows - 1) * T + t) * D + d  # cos, sin [B or 1, T, D] contiguous
-    cos = tl.load(cos_ptr + table, mask=d < D, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + table, mask=d < D, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + table, mask=d < D, other=0.0)
+    sin = tl.load(sin_ptr + table, mask=d < D, other=0.0)
     _rotate(q_ptr, q_out_ptr, cos, sin, b, t, T, HQ, sq_b, sq_t, sq_h, D, BHQ, BD)
     _rotate(k_ptr, k_out_ptr, cos, sin, b, t, T, HK, sk_b, sk_t, sk_h, D, BHK, BD)
 
@@ -59,5 +60,5 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         rotary_qk_kernel[(B * T,)](
             q, k, cos, sin, q_out, k_out, T, HQ, HK, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
             k.stride(2), cos.shape[0], D=D, BHQ=triton.next_power_of_2(HQ), BHK=triton.next_power_of_2(HK),
-            BD=triton.next_power_of_2(D), num_warps=NUM_WARPS, enable_fp_fusion=False)  # no FMA: torch's rounding
+            BD=triton.next_power_of_2(D), **LAUNCH)
     return q_out, k_out
