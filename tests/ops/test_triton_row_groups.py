@@ -155,12 +155,14 @@ def test_real_grid_limit_on_gpu():
 
 @interpret
 def test_direct_fast_weight_preparation_refuses_grids_over_the_limit():
-    """`fast_weight_triton` called past the front door: the fused preparation refuses before it launches."""
+    """`fast_weight_triton` called past the front door: the fused preparation refuses before it launches. (Two
+    steps: a single step without a gradient runs the decoding step's kernel, whose grid puts rows x heads on the
+    axis that takes 2^31 - 1 programs.)"""
     from hybridlm.ops.fast_weight.options import FastWeightOptions
     from hybridlm.ops.fast_weight.triton import fast_weight_triton
 
-    q = torch.zeros(65536, 1, 1, 16, device=DEVICE)
-    eta = torch.zeros(65536, 1, 1, device=DEVICE)
+    q = torch.zeros(65536, 2, 1, 16, device=DEVICE)
+    eta = torch.zeros(65536, 2, 1, device=DEVICE)
     state = FastWeightState(S=torch.zeros(65536, 1, 16, 16, device=DEVICE))
     with pytest.raises(ValueError, match="65535: call fast_weight_attention"):
         fast_weight_triton(q, q, q, eta, eta, FastWeightOptions(rule="1A"), initial_state=state, offsets=None)
