@@ -33,6 +33,12 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """t itself where its last dim is unit-strided (what the kernels that take row strides read in place: a row
+    slice of a wider projection output), else a contiguous copy."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
 def on_tensor_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
     """Make `tensor`'s GPU the current one while kernels launch: Triton launches on the current device's stream,
     so a model on cuda:1 called from a process whose current device is cuda:0 would hand the kernels pointers of

@@ -24,6 +24,7 @@ from tests.ops.triton_modes import (
     compile_for_sm90,
     interpret,
     needs_cuda_backend,
+    skip_bfloat16_interpreted,
 )
 
 TOL = ELEMENTWISE_TOL
@@ -79,8 +80,7 @@ CASES = [  # B, T, C, K, documents, bias, activation
 @pytest.mark.parametrize("B,T,C,K,documents,bias,activation", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_matches_float64_reference(B, T, C, K, documents, bias, activation, dtype):
-    if dtype == torch.bfloat16 and not ON_GPU:
-        pytest.skip("bfloat16 is checked on the GPU; float16 covers the 16-bit path under the interpreter")
+    skip_bfloat16_interpreted(dtype)
     _check(B, T, C, K, dtype=dtype, documents=documents, bias=bias, activation=activation)
 
 
@@ -290,8 +290,7 @@ def test_module_conv_backend_choice(monkeypatch):
 def test_decoding_steps_on_the_step_kernel(monkeypatch, K, bias, activation, dtype):
     """A prefill of 6 steps on the torch form, then 5 one-token steps through the step kernel (each one launch, 130
     channels: two channel blocks): the whole sequence's outputs and final state, against the float64 torch form."""
-    if INTERPRET and dtype == torch.bfloat16:
-        pytest.skip("bfloat16 is checked on the GPU; float16 covers the 16-bit path under the interpreter")
+    skip_bfloat16_interpreted(dtype)
     from hybridlm.modules import short_conv
 
     calls = []

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridlm.ops.utils import on_tensor_device
+from hybridlm.ops.utils import on_tensor_device, unit_last_stride
 
 # No fused multiply-add: the torch form rounds each product to the activations' dtype before the sum.
 LAUNCH = dict(num_warps=4, enable_fp_fusion=False)
@@ -51,7 +51,7 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     """Checked inputs (`__init__.rotary_qk_triton`) -> (q', k') contiguous."""
     B, T, HQ, D = q.shape
     HK = k.shape[2]
-    q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
+    q, k = unit_last_stride(q), unit_last_stride(k)
     cos, sin = cos.contiguous(), sin.contiguous()
     q_out, k_out = q.new_empty(q.shape), k.new_empty(k.shape)
     if q.numel() == 0:

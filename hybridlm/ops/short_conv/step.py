@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridlm.ops.utils import on_tensor_device
+from hybridlm.ops.utils import on_tensor_device, unit_last_stride
 
 BC = 128  # channels per program
 NUM_WARPS = 4
@@ -60,7 +60,7 @@ def short_conv_step_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.T
     tensors, or CPU tensors under Triton's interpreter; checked by the caller (`hybridlm.modules.causal_conv1d`)."""
     B, C = x.shape
     K = weight.shape[1]
-    x, state = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, state))
+    x, state = unit_last_stride(x), unit_last_stride(state)
     weight = weight.contiguous()
     y = x.new_empty(B, C)
     state_out = state.new_empty(state.shape)

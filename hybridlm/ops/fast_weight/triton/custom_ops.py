@@ -37,7 +37,7 @@ import torch
 
 from hybridlm.ops.fast_weight.triton.limits import DTYPES, MAX_DELTA_CHUNK, MAX_HEAD_DIM, MAX_RULE_2_CHUNK
 from hybridlm.ops.recompute import keep_in_compiled_regions, kept_kernel
-from hybridlm.ops.utils import on_tensor_device, triton_interpreting
+from hybridlm.ops.utils import on_tensor_device, triton_interpreting, unit_last_stride
 
 # The scans' options (after S0), passed through to the implementations' forward/backward; rule 3 adds `slots`.
 _OPTIONS = "bool read_after, int chunk_size"
@@ -410,12 +410,6 @@ def _register_band() -> None:
     keep_in_compiled_regions(torch.ops.hybridlm.fast_weight_band_fwd.default)
 
 
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    """t itself where its last dim is unit-strided (what the step kernels read at any other strides), else a
-    contiguous copy."""
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
-
-
 def _register_step() -> None:
     """hybridlm::fast_weight_step (`step.py`) and its fake implementation; no autograd (decoding)."""
 
@@ -427,7 +421,7 @@ def _register_step() -> None:
     def step(q, k, v, beta, lam, S, last_k, rule, shifted, read_after, nlms, ridge_scaling, eps, eps_gamma):
         from hybridlm.ops.fast_weight.triton import step as module
 
-        q, k, v = (_unit_last_stride(t) for t in (q, k, v))  # read at their row and head strides
+        q, k, v = (unit_last_stride(t) for t in (q, k, v))  # read at their row and head strides
         beta, lam, S = (t.contiguous() for t in (beta, lam, S))
         last_k = None if last_k is None else last_k.contiguous()
         with on_tensor_device(q):

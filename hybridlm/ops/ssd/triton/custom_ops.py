@@ -14,7 +14,7 @@ import torch
 
 from hybridlm.ops.recompute import keep_in_compiled_regions, kept_kernel
 from hybridlm.ops.ssd.triton.limits import DTYPES, MAX_D_STATE, MAX_HEAD_DIM
-from hybridlm.ops.utils import on_tensor_device, triton_interpreting
+from hybridlm.ops.utils import on_tensor_device, triton_interpreting, unit_last_stride
 
 _FWD_SCHEMA = "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? h0, int chunk_size) " \
               "-> (Tensor, Tensor)"
@@ -156,7 +156,7 @@ def ssd_step_triton(x, dt, A, B, C, D, h) -> tuple[torch.Tensor, torch.Tensor]:
 def _ssd_step(x, dt, A, B, C, D, h):
     from hybridlm.ops.ssd.triton import step
 
-    x, B, C = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, B, C))  # read at their row strides
+    x, B, C = (unit_last_stride(t) for t in (x, B, C))  # read at their row strides
     dt, A, D, h = _contiguous(dt, A, D, h)
     with on_tensor_device(x):
         return step.forward(x, dt, A, B, C, D, h)
