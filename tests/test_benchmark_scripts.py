@@ -313,9 +313,9 @@ g.time_pass_configs(1, 20, 1, 128, chunk_size=16, configs=("default", "broken"))
 
 @pytest.mark.parametrize("script", ["gpu_ops.py", "gpu_train_step.py", "gpu_fla_compare.py", "gpu_short_conv.py",
                                     "gpu_gated_norm.py", "gpu_fast_weight_triton.py", "gpu_ssd.py", "serve_bench.py", "sft_bench.py",
-                                    "serve_step_profile.py"])
+                                    "serve_step_profile.py", "gpu_row_norms.py"])
 def test_gpu_scripts_parse_their_command_line(script):
-    if script == "gpu_fast_weight_triton.py" and not HAS_TRITON:
+    if script in ("gpu_fast_weight_triton.py", "gpu_row_norms.py") and not HAS_TRITON:
         pytest.skip("imports the Triton launchers (needs triton)")
     assert "usage:" in run(script, "--help")
 

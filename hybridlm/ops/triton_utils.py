@@ -38,6 +38,13 @@ def block(dim: int, cap: int) -> int:
     return min(max(16, triton.next_power_of_2(dim)), cap)
 
 
+def row_steps(rows: int, block_rows: int, most: int) -> int:
+    """Row blocks each program walks: `most`, or the power of two that covers `rows` when fewer do (a decoding step's
+    single row then walks one block, not `most` blocks of which all but one are masked; each costs its reduction or
+    its loads' latency). Powers of two keep the compiled variants few."""
+    return min(most, triton.next_power_of_2(triton.cdiv(max(rows, 1), block_rows)))
+
+
 def autotuning() -> bool:
     """Whether a launch tunes its configuration now: not under Triton's interpreter, nor with
     HYBRIDLM_TRITON_AUTOTUNE=0. Read at each launch, so that the switch holds whenever it is set."""

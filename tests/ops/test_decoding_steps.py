@@ -121,15 +121,16 @@ def test_fast_weight_step_reads_row_slices_in_place(monkeypatch):
                         launch(q, k, v, *a, **kw))
     B, H, K = 3, 2, 16
     g = torch.Generator().manual_seed(4)
-    row = torch.randn(B, 1, 3 * H * K + 5, generator=g).to(torch.float16)  # [q | k | v | more] per row
+    # [q | k | v | more] per row, on the device before slicing (moving a slice there would copy it densely)
+    row = torch.randn(B, 1, 3 * H * K + 5, generator=g).to(DEVICE, torch.float16)
     q, k, v = (row[..., i * H * K:(i + 1) * H * K].unflatten(-1, (H, K)) for i in range(3))
-    beta, lam = torch.rand(B, 1, H, generator=g), torch.rand(B, 1, H, generator=g)
+    beta, lam = torch.rand(B, 1, H, generator=g).to(DEVICE), torch.rand(B, 1, H, generator=g).to(DEVICE)
     state = fw.random_state(B, H, K, K, window=1)
-    want_o, want = _fast_weight_step([t.double() for t in (q, k, v, beta, lam)], state, backend="naive", rule="1")
+    want_o, want = _fast_weight_step([t.double().cpu() for t in (q, k, v, beta, lam)], state, backend="naive",
+                                     rule="1")
     given = FastWeightState(S=state.S.float().to(DEVICE), last_k=state.last_k.float().to(DEVICE))
     for k_in, v_in in ((k, v), (k.float(), v.float())):
-        o, got = _fast_weight_step([t.to(DEVICE) for t in (q, k_in, v_in, beta, lam)], given, backend="triton",
-                                   rule="1")
+        o, got = _fast_weight_step([q, k_in, v_in, beta, lam], given, backend="triton", rule="1")
         assert o.dtype == torch.float16
         assert rel_err(o.double().cpu(), want_o) < TOL[torch.float16]
         assert rel_err(got.S.double().cpu(), want.S) < TOL[torch.float32]

@@ -64,7 +64,8 @@ CASES = [  # shape, groups, gate, norm_before_gate
     ((2, 37, 96), 2, True, False),  # the gate before the norm
     ((5, 70), 1, False, True),  # no gate, one group
     ((3, 11, 4, 24), 3, True, True),  # four leading dims' worth of rows, groups of 8
-    ((1, 300, 40), 4, True, False),  # several programs along the rows (300 > 8 x 32), groups of 10
+    ((1, 1100, 40), 4, True, False),  # several programs along the rows (1100 > 8 x 128), groups of 10
+    ((50, 96), 2, True, True),  # rows for two blocks: one program walks two (`row_steps`)
     ((3, 1000), 1, True, True),  # a wide group: blocks of two rows
     ((2, 2500), 1, True, False),  # a group wider than a row block's 2048: one row per block
 ]

@@ -52,8 +52,9 @@ def test_reference_matches_the_model_norm():
 
 
 @interpret
-@pytest.mark.parametrize("shape", [(2, 37, 3, 20), (1, 9, 1, 64), (700, 16, 64), (5, 100), (3, 2), (2, 4, 4096)],
-                         ids=["odd", "one-head", "programs", "2d", "two-channel", "widest"])
+@pytest.mark.parametrize("shape", [(2, 37, 3, 20), (1, 9, 1, 64), (700, 16, 64), (5, 100), (3, 2), (2, 4, 4096),
+                                   (40, 64)],
+                         ids=["odd", "one-head", "programs", "2d", "two-channel", "widest", "two-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_matches_float64_reference(shape, dtype):
     skip_bfloat16_interpreted(dtype)
@@ -220,3 +221,14 @@ def test_kernels_compile_for_sm90():
     report = compile_for_sm90(_SM90_BUILDS, modules=("hybridlm.ops.rms_norm.kernels",))
     assert set(report["built"]) == report["defined"] == {"rms_normalize_fwd_kernel", "rms_normalize_bwd_kernel"}
     assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
+
+
+def test_row_steps_cover_the_rows_with_the_fewest_blocks():
+    """A program walks `most` row blocks, or the fewest power of two that covers the rows when fewer do (a decoding
+    step's one row: one block)."""
+    pytest.importorskip("triton")
+    from hybridlm.ops.triton_utils import row_steps
+
+    assert [row_steps(rows, 32, 8) for rows in (0, 1, 32, 33, 64, 65, 128, 129, 256, 257, 10**6)] == \
+        [1, 1, 1, 2, 2, 4, 4, 8, 8, 8, 8]
+    assert row_steps(100, 16, 4) == 4

@@ -36,8 +36,8 @@ def test_reference_is_the_torch_form():
 
 
 @interpret
-@pytest.mark.parametrize("shape", [(2, 37, 20), (700, 300), (3, 1), (1, 5, 129)],
-                         ids=["odd", "programs", "one", "wide"])
+@pytest.mark.parametrize("shape", [(2, 37, 20), (700, 300), (3, 1), (1, 5, 129), (30, 8)],
+                         ids=["odd", "programs", "one", "wide", "two-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_matches_float64_reference(shape, dtype):
     skip_bfloat16_interpreted(dtype)

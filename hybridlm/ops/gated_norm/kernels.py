@@ -2,7 +2,7 @@
 math in `__init__.py`).
 
 The leading dims are flattened into M rows of D channels, cut into G groups of DG = D / G channels. Each program
-takes one group of STEPS blocks of BM rows (BD >= DG columns, masked), so a row's group is one block row and its
+takes one group of up to STEPS blocks of BM rows (BD >= DG columns, masked), so a row's group is one block row and its
 statistics one sum over the columns. Warps and pipeline stages are autotuned per group width and flags, as for
 every kernel of `hybridlm.ops`.
 
@@ -22,10 +22,10 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from hybridlm.ops.gated_norm.limits import MAX_GROUP
-from hybridlm.ops.triton_utils import autotune
+from hybridlm.ops.triton_utils import autotune, row_steps
 from hybridlm.ops.utils import TRITON_DTYPES, on_tensor_device
 
-STEPS = 8  # row blocks per program
+STEPS = 8  # row blocks per program (fewer where the rows need fewer: `row_steps`)
 ROW_ELEMENTS = 2048  # BM x BD: rows per block shrink as the groups widen
 KEY = ["DG", "HAS_GATE", "BEFORE"]  # the tuning key (warps x stages, `hybridlm.ops.triton_utils`)
 
@@ -110,11 +110,13 @@ def gated_norm_bwd_kernel(x_ptr, z_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dz_ptr,
     tl.store(dw_ptr + i_m.to(tl.int64) * D + c, tl.sum(dw, axis=0), mask=in_col)
 
 
-def _blocks(M: int, DG: int) -> tuple[int, int, int]:
-    """BD, BM and the grid's row-block count (times G) for M rows of groups of DG channels."""
+def _blocks(M: int, DG: int) -> tuple[int, int, int, int]:
+    """BD, BM, the row blocks per program and the grid's row-block count (times G) for M rows of groups of DG
+    channels."""
     BD = triton.next_power_of_2(DG)
     BM = max(1, ROW_ELEMENTS // BD)
-    return BD, BM, triton.cdiv(M, STEPS * BM)
+    steps = row_steps(M, BM, STEPS)
+    return BD, BM, steps, triton.cdiv(M, steps * BM)
 
 
 class _GatedNorm(torch.autograd.Function):
@@ -122,7 +124,7 @@ class _GatedNorm(torch.autograd.Function):
     def forward(ctx, x, weight, gate, groups: int, eps: float, before: bool):
         M, D = x.shape
         DG = D // groups
-        BD, BM, row_blocks = _blocks(M, DG)
+        BD, BM, steps, row_blocks = _blocks(M, DG)
         y = torch.empty_like(x)
         rstd = torch.empty(M, groups, dtype=torch.float32, device=x.device)
         ctx.save_for_backward(x, weight, gate, rstd)
@@ -131,7 +133,7 @@ class _GatedNorm(torch.autograd.Function):
             return y
         with on_tensor_device(x):
             gated_norm_fwd_kernel[(row_blocks, groups)](
-                x, gate, weight, y, rstd, M, D, groups, _row_stride(gate), eps, DG=DG, BD=BD, BM=BM, STEPS=STEPS,
+                x, gate, weight, y, rstd, M, D, groups, _row_stride(gate), eps, DG=DG, BD=BD, BM=BM, STEPS=steps,
                 HAS_GATE=gate is not None, BEFORE=before)
         return y
 
@@ -141,7 +143,7 @@ class _GatedNorm(torch.autograd.Function):
         x, weight, gate, rstd = ctx.saved_tensors
         M, D = x.shape
         DG = D // ctx.groups
-        BD, BM, row_blocks = _blocks(M, DG)
+        BD, BM, steps, row_blocks = _blocks(M, DG)
         dx = torch.empty_like(x)
         dz = None if gate is None else torch.empty(M, D, dtype=gate.dtype, device=gate.device)
         if M == 0:
@@ -150,7 +152,7 @@ class _GatedNorm(torch.autograd.Function):
         with on_tensor_device(x):
             gated_norm_bwd_kernel[(row_blocks, ctx.groups)](
                 x, gate, weight, rstd, dy.contiguous(), dx, dz, dw, M, D, ctx.groups, _row_stride(gate), DG=DG, BD=BD,
-                BM=BM, STEPS=STEPS, HAS_GATE=gate is not None, BEFORE=ctx.before)
+                BM=BM, STEPS=steps, HAS_GATE=gate is not None, BEFORE=ctx.before)
         return dx, dw.sum(0).to(weight.dtype), dz, None, None, None
 
 

@@ -2,7 +2,7 @@
 `__init__.py`).
 
 The input's rows are its last-dim vectors, addressed as [N, H, D] with any strides N and H (the rows of a [B, T, H, D]
-slice of a wider tensor are read where they lie); the output is contiguous. Each program walks STEPS blocks of BR rows
+slice of a wider tensor are read where they lie); the output is contiguous. Each program walks up to STEPS blocks of BR rows
 (BD >= D columns, masked), so a row's statistics are one sum over the columns. The mean's division and 1 / sqrt are
 IEEE-rounded (`div_rn`, `sqrt_rn`; Triton's `/` compiles to an approximate division on NVIDIA GPUs), as torch's. Warps
 and pipeline stages are autotuned per width, as for every kernel of `hybridlm.ops`.
@@ -17,10 +17,10 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from hybridlm.ops.triton_utils import autotune
+from hybridlm.ops.triton_utils import autotune, row_steps
 from hybridlm.ops.utils import on_tensor_device
 
-STEPS = 8  # row blocks per program
+STEPS = 8  # row blocks per program (fewer where the rows need fewer: `row_steps`)
 ROW_ELEMENTS = 2048  # BR x BD: rows per block shrink as the rows widen
 
 
@@ -65,11 +65,12 @@ def rms_normalize_bwd_kernel(dn_ptr, n_ptr, rstd_ptr, du_ptr, R, D: tl.constexpr
         tl.store(du_ptr + offs, du.to(du_ptr.dtype.element_ty), mask=mask)
 
 
-def _blocks(R: int, D: int) -> tuple[int, int, int]:
-    """BD, BR and the grid for R rows of D channels."""
+def _blocks(R: int, D: int) -> tuple[int, int, int, int]:
+    """BD, BR, the row blocks per program and the grid for R rows of D channels."""
     BD = triton.next_power_of_2(D)
     BR = max(1, ROW_ELEMENTS // BD)
-    return BD, BR, triton.cdiv(R, STEPS * BR)
+    steps = row_steps(R, BR, STEPS)
+    return BD, BR, steps, triton.cdiv(R, steps * BR)
 
 
 class _RMSNormalize(torch.autograd.Function):
@@ -80,10 +81,10 @@ class _RMSNormalize(torch.autograd.Function):
         n = u3.new_empty(R, D)
         rstd = torch.empty(R, dtype=torch.float32, device=u3.device)
         if R:
-            BD, BR, blocks = _blocks(R, D)
+            BD, BR, steps, blocks = _blocks(R, D)
             with on_tensor_device(u3):
                 rms_normalize_fwd_kernel[(blocks,)](u3, n, rstd, R, H, u3.stride(0), u3.stride(1), eps, D=D, BD=BD,
-                                                    BR=BR, STEPS=STEPS)
+                                                    BR=BR, STEPS=steps)
         ctx.save_for_backward(n, rstd)
         ctx.shape = u3.shape
         return n
@@ -95,9 +96,9 @@ class _RMSNormalize(torch.autograd.Function):
         R, D = n.shape
         du = torch.empty_like(n)
         if R:
-            BD, BR, blocks = _blocks(R, D)
+            BD, BR, steps, blocks = _blocks(R, D)
             with on_tensor_device(n):
-                rms_normalize_bwd_kernel[(blocks,)](dn.contiguous(), n, rstd, du, R, D=D, BD=BD, BR=BR, STEPS=STEPS)
+                rms_normalize_bwd_kernel[(blocks,)](dn.contiguous(), n, rstd, du, R, D=D, BD=BD, BR=BR, STEPS=steps)
         return du.view(ctx.shape), None
 
 

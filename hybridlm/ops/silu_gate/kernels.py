@@ -1,7 +1,7 @@
 """Triton kernels of the SiLU gate, forward and backward (the math and the reference in `__init__.py`).
 
 The leading dims are flattened into M rows of D channels; x and z are read where they lie (unit channel stride, any
-row stride), the outputs are contiguous. Each program walks STEPS blocks of BM rows by BD channels. Warps and
+row stride), the outputs are contiguous. Each program walks up to STEPS blocks of BM rows by BD channels. Warps and
 pipeline stages are autotuned per flags, as for every kernel of `hybridlm.ops`.
 """
 
@@ -12,10 +12,10 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from hybridlm.ops.triton_utils import autotune
+from hybridlm.ops.triton_utils import autotune, row_steps
 from hybridlm.ops.utils import on_tensor_device
 
-BM, BD, STEPS = 16, 128, 4  # rows and channels per block, row blocks per program
+BM, BD, STEPS = 16, 128, 4  # rows and channels per block, row blocks per program (at most: `row_steps`)
 KEY = ["D", "HAS_DX", "HAS_DZ"]  # the backward's tuning key (warps x stages, `hybridlm.ops.triton_utils`)
 
 
@@ -59,8 +59,10 @@ def silu_gate_bwd_kernel(dy_ptr, x_ptr, z_ptr, dx_ptr, dz_ptr, M, D, stride_x, s
             tl.store(dz_ptr + r * D + c, dz.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
-def _grid(M: int, D: int) -> tuple[int, int]:
-    return triton.cdiv(M, STEPS * BM), triton.cdiv(D, BD)
+def _grid(M: int, D: int) -> tuple[int, tuple[int, int]]:
+    """The row blocks per program and the grid for M rows of D channels."""
+    steps = row_steps(M, BM, STEPS)
+    return steps, (triton.cdiv(M, steps * BM), triton.cdiv(D, BD))
 
 
 class _SiluGate(torch.autograd.Function):
@@ -70,7 +72,8 @@ class _SiluGate(torch.autograd.Function):
         y = x.new_empty(M, D)
         if M and D:
             with on_tensor_device(x):
-                silu_gate_fwd_kernel[_grid(M, D)](x, z, y, M, D, x.stride(0), z.stride(0), BM=BM, BD=BD, STEPS=STEPS)
+                steps, grid = _grid(M, D)
+                silu_gate_fwd_kernel[grid](x, z, y, M, D, x.stride(0), z.stride(0), BM=BM, BD=BD, STEPS=steps)
         ctx.save_for_backward(x, z)
         return y
 
@@ -87,9 +90,10 @@ class _SiluGate(torch.autograd.Function):
                 dy = dy.contiguous()
                 # an output not asked for is never written: its pointer is a stand-in (the kernel is built for typed
                 # pointers only)
-                silu_gate_bwd_kernel[_grid(M, D)](dy, x, z, dy if dx is None else dx, dy if dz is None else dz, M, D,
-                                                  x.stride(0), z.stride(0), BM=BM, BD=BD, STEPS=STEPS, HAS_DX=has_dx,
-                                                  HAS_DZ=has_dz)
+                steps, grid = _grid(M, D)
+                silu_gate_bwd_kernel[grid](dy, x, z, dy if dx is None else dx, dy if dz is None else dz, M, D,
+                                           x.stride(0), z.stride(0), BM=BM, BD=BD, STEPS=steps, HAS_DX=has_dx,
+                                           HAS_DZ=has_dz)
         return dx, dz
 
 
