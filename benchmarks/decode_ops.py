@@ -6,14 +6,14 @@ under Triton's interpreter).
     python benchmarks/decode_ops.py --batch 64 --variants "h1 mamba2" --json ops.json
 
 A replayed CUDA graph of a decoding step at a small batch costs about one kernel's launch and latency per operator
-(benchmarks/RESULTS.md, "Serving on an H200"), so the number of operators that compute is the step's time there. The
-count is higher than CUDA's own (`gpu_model.py --profile-decode`): the CPU runs several operators for each norm that
-CUDA runs as one kernel; the models' ratios carry over (benchmarks/RESULTS.md, "Decoding on an H100"). Counted: every dispatched aten operator except views and
-empty allocations, and every Triton launch, in one step after a prefill of 64 tokens (no gradient, bf16 autocast as
-on the GPU), the short conv's torch form as CUDA runs it in eager mode (`F.conv1d`; the CPU's own is a shifted sum of
-more operators). The norms run the CPU's forms (several operators each, one fused kernel each on CUDA), except where
-the step kernels' run sends the fast-weight mixer's QK norms to their Triton kernels, as "auto" does on CUDA: its
-"rest of the SSM mixer" column differs by that, the "SSM op" and "SSM conv" columns by the step kernels. "steps": the
+(benchmarks/RESULTS.md, "Serving on an H200"), so the number of operators that compute is the step's time there.
+Counted: every dispatched aten operator except views and empty allocations, and every Triton launch, in one step
+after a prefill of 64 tokens (no gradient, bf16 autocast as on the GPU), the short conv's torch form as CUDA runs it
+in eager mode (`F.conv1d`; the CPU's own is a shifted sum of more operators). The norms run the CPU's forms (several
+operators each where CUDA runs one kernel), so the count is higher than CUDA's own (`gpu_model.py --profile-decode`);
+the models' ratios carry over (benchmarks/RESULTS.md, "Decoding on an H100"). With the step kernels the fast-weight
+mixer hands its QK norms and gains to its step's kernel (`fast_weight_decoding_step`), as "auto" does on CUDA: its
+"SSM op" column is that one launch, and its "rest of the SSM mixer" column loses the norms and gains. "steps": the
 mixers' and their short convolutions' `backend` for the step ("recurrent" / "naive" / "torch": the torch loops;
 "triton": `hybridlm/ops/fast_weight/triton/step.py`, `hybridlm/ops/ssd/triton/step.py`,
 `hybridlm/ops/short_conv/step.py`). Inside the custom ops (`hybridlm::`) only their Triton launches are counted.
@@ -88,13 +88,15 @@ def _in_place(where: list[str], label: str, fn):
 
 def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool) -> tuple[collections.Counter, int]:
     """(operators per layer kind, Triton launches) of one decoding step after a prefill of 64 tokens; the SSM ops
-    themselves (`fast_weight_attention`, `ssd`) counted apart from the rest of their mixers, as "ssm op".
+    themselves (`fast_weight_attention` or, with the step kernels, `fast_weight_decoding_step`; `ssd`) counted apart
+    from the rest of their mixers, as "ssm op".
     `rotary_kernel`: attention's queries and keys rotated by the Triton kernel, as `rotate_qk` does on CUDA."""
     import triton.runtime.interpreter as interpreter
 
     where = ["model"]
-    ops_in_layers = {fast_weight_layer: "fast_weight_attention", mamba2_layer: "ssd"}
-    saved = {module: getattr(module, name) for module, name in ops_in_layers.items()}
+    ops_in_layers = [(fast_weight_layer, "fast_weight_attention"), (fast_weight_layer, "fast_weight_decoding_step"),
+                     (mamba2_layer, "ssd")]
+    saved = {(module, name): getattr(module, name) for module, name in ops_in_layers}
     depthwise, rotate = short_conv._depthwise, attention_layer.rotate_qk
     hooks = []
     for module in model.modules():
@@ -123,8 +125,8 @@ def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool) -> tupl
             for module in stepping if kernels else []:
                 module.backend = "triton"
             interpreter.InterpretedFunction.run = counted
-            for module, name in ops_in_layers.items():
-                setattr(module, name, _in_place(where, "ssm op", saved[module]))
+            for module, name in ops_in_layers:
+                setattr(module, name, _in_place(where, "ssm op", saved[module, name]))
             short_conv._depthwise = short_conv._conv1d  # the conv's torch form as CUDA runs it in eager mode
             if rotary_kernel:
                 attention_layer.rotate_qk = rotary_qk_triton
@@ -133,8 +135,8 @@ def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool) -> tupl
                     model(ids[:, 64:], cache=cache, logits_to_keep=1)
             finally:
                 interpreter.InterpretedFunction.run = launch
-                for module, name in ops_in_layers.items():
-                    setattr(module, name, saved[module])
+                for module, name in ops_in_layers:
+                    setattr(module, name, saved[module, name])
                 short_conv._depthwise, attention_layer.rotate_qk = depthwise, rotate
                 for module, backend in zip(stepping, saved_backends):
                     module.backend = backend

@@ -51,8 +51,10 @@ document index per token, keeping the rows' shapes; so does the op where it rest
 rules), and otherwise it runs outside the compiled graphs on `cu_seqlens`.
 Decoding: `cache.ssm` holds the conv tail ("conv" [B, K-1, C]) and the `FastWeightState` fields ("S"
 [B, H, K, V] fp32, "last_k" [B, H, K], and for the sliding rules "tail_x", "tail_v", "tail_len"); a prefill
-runs the chunk-parallel path, each later token the recurrent step. With `cu_seqlens` and a cache (a packed
-prefill) the states have one row per packed sequence.
+runs the chunk-parallel path, each later token the recurrent step. Where that step runs on the op's step kernel
+(no gradient, learned gates; `fused_decoding_step_runs`), the QK norm and the gains run inside the same kernel
+(`fast_weight_decoding_step`, the same values as steps 2-4 up to float32 rounding). With `cu_seqlens` and a cache (a
+packed prefill) the states have one row per packed sequence.
 Under tensor parallelism (hybridlm.parallel.tensor_parallel) num_heads, width, beta_width and conv_channels
 are the rank's local ones and beta_bias / lam_bias are Shard(0) DTensors read through `local_tensor`.
 """
@@ -74,11 +76,13 @@ from hybridlm.ops.fast_weight import (
     PER_COLUMN_RULES,
     FastWeightState,
     fast_weight_attention,
+    fast_weight_decoding_step,
+    fused_decoding_step_runs,
     runs_triton,
     seq_idx_in_place,
 )
 from hybridlm.ops.recompute import recompute_except_kernels
-from hybridlm.ops.utils import compute_dtype, local_tensor
+from hybridlm.ops.utils import compute_dtype, local_tensor, needs_grad
 
 _STATE_FIELDS = ("S", "last_k", "tail_x", "tail_v", "tail_len")  # FastWeightState fields kept in cache.ssm
 _QK_EPS = 1e-6
@@ -200,6 +204,17 @@ class FastWeightMixer(nn.Module):
         )
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         v = v.reshape(batch, length, H, V)  # [B, T, H, V], the activation dtype (bf16 under autocast)
+        if cache is not None and self._steps_in_one_kernel(q, v, beta_logits, lam_logits, cu_seqlens, seq_idx):
+            # A decoding step's QK norm, gains (3.) and recurrence (4.) as one kernel (`fast_weight_decoding_step`)
+            o, state = fast_weight_decoding_step(
+                q.reshape(batch, length, H, K), k.reshape(batch, length, H, K), v,
+                beta_logits.unflatten(-1, (H, V)) if self.rule in PER_COLUMN_RULES else beta_logits, lam_logits,
+                gates=(local_tensor(self.beta_bias), local_tensor(self.lam_bias), *self._gain_scales()),
+                qk_norm=self.qk_norm, qk_eps=_QK_EPS, rule=self.rule, pairing=self.pairing, read=self.read,
+                step_size=self.step_size, ridge_scaling=self.ridge_scaling, initial_state=_load_state(cache))
+            cache.ssm["conv"] = conv_state
+            _store_state(cache, state)
+            return o
         # Normalized with float32 math (`_normalize`), handed over in the activations' dtype: the op computes its
         # statistics, step sizes and state in float32 itself, and its GPU kernels take bf16 operands.
         q = self._normalize(q.reshape(batch, length, H, K)).to(v.dtype)  # [B, T, H, K]
@@ -225,6 +240,16 @@ class FastWeightMixer(nn.Module):
             cache.ssm["conv"] = conv_state
             _store_state(cache, state)
         return o
+
+    def _steps_in_one_kernel(self, q, v, beta_logits, lam_logits, cu_seqlens, seq_idx) -> bool:
+        """Whether a cached step runs its QK norm, gains and recurrence as one kernel: one token per row, no packed
+        documents, learned gates, no gradient to record, and the op's step kernel taking the step."""
+        if q.shape[1] != 1 or cu_seqlens is not None or seq_idx is not None or self.gates == "fixed":
+            return False
+        if needs_grad(q, v, beta_logits, lam_logits, self.beta_bias, self.lam_bias):
+            return False
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        return fused_decoding_step_runs(q, v, rule=self.rule, window=self.window, backend=self.backend)
 
     def _recomputes(self, qkv: torch.Tensor, cache: LayerCache | None, seq_idx: torch.Tensor | None) -> bool:
         """Whether the forward recomputes steps 2-4 in the backward (`recompute_except_kernels`): `self.recompute`
@@ -267,9 +292,13 @@ class FastWeightMixer(nn.Module):
         gate = torch.sigmoid(beta_logits.to(dtype) + local_tensor(self.beta_bias).to(dtype))
         if self.rule in PER_COLUMN_RULES:
             gate = gate.unflatten(-1, (self.num_heads, self.head_dim))  # [B, T, H, V]
-        beta = 2.0 * gate if self.step_size == "nlms" else (2.0 / self.feature_energy) * gate
-        lam = self.lam_scale * torch.sigmoid(lam_logits.to(dtype) + local_tensor(self.lam_bias).to(dtype))
-        return beta, lam
+        beta_scale, lam_scale = self._gain_scales()
+        lam = lam_scale * torch.sigmoid(lam_logits.to(dtype) + local_tensor(self.lam_bias).to(dtype))
+        return beta_scale * gate, lam
+
+    def _gain_scales(self) -> tuple[float, float]:
+        """The learned gains' scales: beta's (2 for NLMS steps, 2 / E0 for direct ones) and lam's."""
+        return (2.0 if self.step_size == "nlms" else 2.0 / self.feature_energy), self.lam_scale
 
     def extra_repr(self) -> str:
         return (

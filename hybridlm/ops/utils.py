@@ -39,6 +39,12 @@ def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
+def contiguous_rows(t: torch.Tensor) -> torch.Tensor:
+    """t itself where each of its rows (t[i]) is contiguous, whatever the stride between rows (a row slice of a wider
+    projection output), else a contiguous copy."""
+    return t if t.dim() <= 1 or t[0].is_contiguous() else t.contiguous()
+
+
 def on_tensor_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
     """Make `tensor`'s GPU the current one while kernels launch: Triton launches on the current device's stream,
     so a model on cuda:1 called from a process whose current device is cuda:0 would hand the kernels pointers of

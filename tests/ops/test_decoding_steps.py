@@ -13,6 +13,7 @@ import itertools
 import pytest
 import torch
 
+from hybridlm.modules.norm import rms_normalize
 from hybridlm.ops import FastWeightState, fast_weight_attention
 from hybridlm.ops.fast_weight import op as fast_weight_op
 from hybridlm.ops.fast_weight.triton import step_takes
@@ -137,6 +138,117 @@ def test_fast_weight_step_reads_row_slices_in_place(monkeypatch):
     assert seen == [False, True]  # the slices read in place; the float32 copies are new tensors anyway
 
 
+def _prepared_reference(q, k, beta_logits, lam_logits, beta_bias, lam_bias, beta_scale, lam_scale, qk_norm, qk_eps):
+    """The mixer's preparation of a step in float64: q, k normalized over K, the gains from their logits."""
+    def normalize(u):
+        K = u.shape[-1]
+        if qk_norm == "none":
+            return u
+        eps = qk_eps / K if qk_norm == "l2" else qk_eps
+        n = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
+        return n * K**-0.5 if qk_norm == "l2" else n
+
+    beta = beta_scale * torch.sigmoid(beta_logits + beta_bias.reshape(beta_logits.shape[2:]))
+    lam = lam_scale * torch.sigmoid(lam_logits + lam_bias)
+    return normalize(q), normalize(k), beta, lam
+
+
+@interpret
+@pytest.mark.parametrize("rule", STEP_RULES)
+@pytest.mark.parametrize("qk_norm", ["rms", "l2", "none"])
+@pytest.mark.parametrize("pairing, step_size, ridge_scaling", [("shifted", "nlms", False), ("same_step", "direct", True),
+                                                               ("shifted", "direct", True)])
+def test_decoding_step_prepares_its_inputs(monkeypatch, rule, qk_norm, pairing, step_size, ridge_scaling):
+    """`fast_weight_decoding_step` on raw q, k (slices of a wider row) and the gains' logits (slices of another):
+    the float64 preparation (QK norm, gains) then the spec's step, in o, S and the carried (normalized) key; one
+    launch of the step kernel."""
+    from hybridlm.ops.fast_weight import fast_weight_decoding_step
+    from hybridlm.ops.fast_weight.triton import step
+
+    calls = _counting(monkeypatch, step)
+    B, H, K, V = 3, 2, 20, 12
+    g = torch.Generator().manual_seed(7)
+    row = 2 * torch.randn(B, 1, H * (2 * K + V) + 3, generator=g, dtype=torch.float64)  # [q | k | v | more]
+    q, k = (row[..., i * H * K:(i + 1) * H * K].unflatten(-1, (H, K)) for i in range(2))
+    v = row[..., 2 * H * K:2 * H * K + H * V].unflatten(-1, (H, V))
+    per_column = rule in ("2A", "2")
+    width = H * V if per_column else H
+    logits = torch.randn(B, 1, width + H + 1, generator=g, dtype=torch.float64)  # [beta | lam | more]
+    beta_logits = logits[..., :width].unflatten(-1, (H, V)) if per_column else logits[..., :width]
+    lam_logits = logits[..., width:width + H]
+    beta_bias, lam_bias = torch.randn(width, generator=g, dtype=torch.float64), torch.randn(H, generator=g,
+                                                                                            dtype=torch.float64)
+    scales = (2.0 / K, 1.5) if step_size == "direct" else (2.0, float(K))
+    options = dict(rule=rule, pairing=pairing, step_size=step_size, ridge_scaling=ridge_scaling)
+    state = fw.random_state(B, H, K, V, window=1)
+    prepared = _prepared_reference(q, k, beta_logits, lam_logits, beta_bias, lam_bias, *scales, qk_norm, 1e-6)
+    want_o, want = _fast_weight_step([prepared[0], prepared[1], v, prepared[2], prepared[3]], state, backend="naive",
+                                     **options)
+    given = FastWeightState(S=state.S.float().to(DEVICE), last_k=state.last_k.float().to(DEVICE))
+    on_device = lambda t: t.to(DEVICE, torch.float32)  # noqa: E731
+    row_d, logits_d = on_device(row), on_device(logits)  # sliced on the device: the slices read in place
+    q_d, k_d = (row_d[..., i * H * K:(i + 1) * H * K].unflatten(-1, (H, K)) for i in range(2))
+    v_d = row_d[..., 2 * H * K:2 * H * K + H * V].unflatten(-1, (H, V))
+    beta_d = logits_d[..., :width].unflatten(-1, (H, V)) if per_column else logits_d[..., :width]
+    o, got = fast_weight_decoding_step(
+        q_d, k_d, v_d, beta_d, logits_d[..., width:width + H],
+        gates=(on_device(beta_bias), on_device(lam_bias), *scales), qk_norm=qk_norm, qk_eps=1e-6, **options,
+        initial_state=given)
+    assert rel_err(o.double().cpu(), want_o) < TOL[torch.float32]
+    assert rel_err(got.S.double().cpu(), want.S) < TOL[torch.float32]
+    if pairing == "shifted":
+        assert rel_err(got.last_k.double().cpu(), want.last_k) < TOL[torch.float32]
+    assert len(calls) == 1
+
+
+@interpret
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decoding_step_prepares_16_bit_inputs_as_the_mixer_rounds(dtype):
+    """16-bit q, k: normalized, rounded to their dtype (l2: scaled, rounded again), as the mixer's `_normalize` and
+    cast do before the op; the step then equals the op's on those inputs."""
+    from hybridlm.ops.fast_weight import fast_weight_decoding_step
+
+    skip_bfloat16_interpreted(dtype)
+    B, H, K = 2, 3, 16
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(B, 1, H, K, generator=g).to(DEVICE, dtype) for _ in range(3))
+    beta_logits, lam_logits = (torch.randn(B, 1, H, generator=g).to(DEVICE) for _ in range(2))
+    beta_bias, lam_bias = (torch.randn(H, generator=g).to(DEVICE) for _ in range(2))
+    state = FastWeightState(S=torch.randn(B, H, K, K, generator=g).to(DEVICE), last_k=torch.randn(B, H, K,
+                                                                                                 generator=g).to(DEVICE))
+    for qk_norm in ("rms", "l2"):
+        eps = 1e-6 / K if qk_norm == "l2" else 1e-6
+        rounded = [rms_normalize(u, eps=eps, backend="triton").to(dtype) for u in (q, k)]
+        if qk_norm == "l2":
+            rounded = [u * K**-0.5 for u in rounded]
+        beta = 2.0 * torch.sigmoid(beta_logits + beta_bias)
+        lam = 16.0 * torch.sigmoid(lam_logits + lam_bias)
+        want_o, want = fast_weight_attention(*rounded, v, beta, lam, rule="1A", initial_state=state,
+                                             output_final_state=True, backend="triton")
+        o, got = fast_weight_decoding_step(q, k, v, beta_logits, lam_logits, gates=(beta_bias, lam_bias, 2.0, 16.0),
+                                           qk_norm=qk_norm, qk_eps=1e-6, rule="1A", initial_state=state)
+        assert o.dtype == dtype
+        assert rel_err(o.double(), want_o.double()) < TOL[dtype]
+        assert rel_err(got.S.double(), want.S.double()) < 1e-5
+        torch.testing.assert_close(got.last_k, rounded[1][:, 0].float(), rtol=0, atol=0)
+
+
+def test_decoding_step_refuses_wrong_biases():
+    """A bias of the wrong size says which sizes the step takes."""
+    pytest.importorskip("triton")
+    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_step_triton
+
+    q = torch.zeros(1, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"biases must be \[2\] \(beta\) and \[2\] \(lam\)"):
+        fast_weight_step_triton(q, q, q, torch.ones(1, 2), torch.zeros(1, 2), torch.zeros(1, 2, 16, 16), None,
+                                rule="1A", pairing="shifted", read_after=True, step_size="nlms", ridge_scaling=False,
+                                eps=1e-6, eps_gamma=1e-6, gates=(torch.zeros(3), torch.zeros(2), 2.0, 1.0))
+    with pytest.raises(ValueError, match="qk_norm must be one of"):
+        fast_weight_step_triton(q, q, q, torch.ones(1, 2), torch.zeros(1, 2), torch.zeros(1, 2, 16, 16), None,
+                                rule="1A", pairing="shifted", read_after=True, step_size="nlms", ridge_scaling=False,
+                                eps=1e-6, eps_gamma=1e-6, qk_norm="layer")
+
+
 @interpret
 def test_step_ops_pass_opcheck():
     """The step custom ops' schemas, fake implementations and dispatch (torch.compile traces them: a graphed
@@ -148,10 +260,12 @@ def test_step_ops_pass_opcheck():
     q = torch.randn(2, 3, 16, device=DEVICE)
     S = torch.randn(2, 3, 16, 16, device=DEVICE)
     beta, lam = torch.rand(2, 3, device=DEVICE), torch.rand(2, 3, device=DEVICE)
-    for last_k in (q.clone(), None):
+    plain = (None, None, 1.0, 1.0, 0, 0.0, 1.0)
+    prepared = (torch.randn(3, device=DEVICE), torch.randn(3, device=DEVICE), 2.0, 16.0, 2, 1e-6 / 16, 0.25)
+    for last_k, preparation in ((q.clone(), plain), (None, plain), (q.clone(), prepared)):
         torch.library.opcheck(torch.ops.hybridlm.fast_weight_step,
                               (q, q.clone(), q.clone(), beta, lam, S, last_k, "1", True, True, True, False, 1e-6,
-                               1e-6), test_utils=tests)
+                               1e-6, *preparation), test_utils=tests)
     x, Bm = torch.randn(2, 4, 8, device=DEVICE), torch.randn(2, 2, 16, device=DEVICE)
     h = torch.randn(2, 4, 8, 16, device=DEVICE)
     for D in (torch.randn(4, device=DEVICE), None):
@@ -316,7 +430,8 @@ def test_step_kernels_refuse_cpu_tensors():
 
 
 @interpret
-@pytest.mark.parametrize("mixer", ["fast_weight 1A", "fast_weight 2A", "mamba2"])
+@pytest.mark.parametrize("mixer", ["fast_weight 1A", "fast_weight 2A", "fast_weight 1 l2", "fast_weight 2 none",
+                                   "mamba2"])
 def test_mixer_decoding_steps_through_the_kernels(monkeypatch, mixer):
     """A mixer's prefill, then 4 one-token steps from two copies of its cache: on the step kernels (the op's and the
     conv's, each step one launch each) and on the torch loops, the same outputs and states."""
@@ -336,7 +451,14 @@ def test_mixer_decoding_steps_through_the_kernels(monkeypatch, mixer):
     monkeypatch.setattr(short_conv, "short_conv_step_triton",
                         lambda *a, **k: conv_calls.append(1) or conv_step(*a, **k))
 
-    module = mamba2_mixer() if mixer == "mamba2" else fast_weight_mixer(fw_rule=mixer.split()[1])
+    from hybridlm.layers import fast_weight as fast_weight_layer
+
+    fused_calls = []
+    fused = fast_weight_layer.fast_weight_decoding_step
+    monkeypatch.setattr(fast_weight_layer, "fast_weight_decoding_step",
+                        lambda *a, **k: fused_calls.append(1) or fused(*a, **k))
+    fw_options = dict(zip(("fw_rule", "fw_qk_norm"), mixer.split()[1:]))
+    module = mamba2_mixer() if mixer == "mamba2" else fast_weight_mixer(**fw_options)
     loops = "naive" if mixer == "mamba2" else "recurrent"
     g = torch.Generator().manual_seed(2)
     x = torch.randn(2, 13, D, generator=g).to(DEVICE)
@@ -355,3 +477,5 @@ def test_mixer_decoding_steps_through_the_kernels(monkeypatch, mixer):
         assert rel_err(state, caches[loops].ssm[name]) < 1e-4, name
     assert len(calls) == len(conv_calls) == 4
     assert not any(calls)  # the projection's row slices read in place (two rows), not copied first
+    # the fast-weight mixer hands the kernel its QK norm and gains (`fast_weight_decoding_step`) on the kernels' side
+    assert len(fused_calls) == (0 if mixer == "mamba2" else 4)

@@ -141,6 +141,72 @@ def fast_weight_attention(
     return o.to(out_dtype), (final if output_final_state else None)
 
 
+def fused_decoding_step_runs(q: torch.Tensor, v: torch.Tensor, *, rule: str, window: int = 1,
+                             backend: str = "auto") -> bool:
+    """Whether a decoding step of q [B, 1, H, K], v [B, 1, H, V] without a gradient to record runs the step kernel
+    (as `fast_weight_attention` would), so that a mixer can hand the kernel its QK normalization and gains as well
+    (`fast_weight_decoding_step`). Metadata only."""
+    K, V = q.shape[-1], v.shape[-1]
+    return (q.dim() == 4 and q.shape[1] == 1 and triton_step_takes(rule=rule, window=window, K=K, V=V, dtype=q.dtype)
+            and _backend(q, v, rule=rule, window=window, packed=False, backend=backend, inference=True) == "triton"
+            and triton_runs_on(q))
+
+
+def fast_weight_decoding_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta_logits: torch.Tensor,
+    lam_logits: torch.Tensor,
+    *,
+    gates: tuple[torch.Tensor, torch.Tensor, float, float],
+    qk_norm: str,
+    qk_eps: float,
+    rule: str,
+    pairing: str = "shifted",
+    read: str = "after",
+    step_size: str = "nlms",
+    ridge_scaling: bool = False,
+    eps: float = 1e-6,
+    eps_gamma: float = 1e-6,
+    initial_state: FastWeightState | None = None,
+) -> tuple[torch.Tensor, FastWeightState]:
+    """One decoding step of a fast-weight mixer from its raw pieces, in one kernel: q and k normalized, the gains
+    taken from their logits, then the step of `fast_weight_attention` (window 1, inference only, where
+    `fused_decoding_step_runs`). The same values as normalizing, taking the gains and calling the op:
+
+        q, k <- qk_norm(q), qk_norm(k)  ("rms": u / sqrt(mean u^2 + qk_eps); "l2": rms with qk_eps / K, times
+                                         1 / sqrt(K); "none"), rounded to q's dtype
+        beta = beta_scale sigmoid(beta_logits + beta_bias),  lam = lam_scale sigmoid(lam_logits + lam_bias)
+
+    Args:
+        q, k: `[B, 1, H, K]`, v: `[B, 1, H, V]` (one dtype; row slices are read in place). beta_logits: `[B, 1, H]`
+            (rules 2A, 2: `[B, 1, H, V]`), lam_logits: `[B, 1, H]`, any float dtype. gates: `(beta_bias, lam_bias,
+            beta_scale, lam_scale)`, biases `[H]` (2A, 2's beta_bias `[H V]`). initial_state: the state after the
+            steps so far (None: zeros).
+
+    Returns:
+        o `[B, 1, H, V]` in q's dtype and the state after the step (float32; the carried key is the normalized k).
+    """
+    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_step_triton
+
+    options = FastWeightOptions(rule=rule, pairing=pairing, read=read, step_size=step_size,
+                                ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma)
+    if q.dim() != 4 or q.shape[1] != 1:
+        raise ValueError(f"fast_weight_decoding_step takes one step, q [B, 1, H, K]; got {list(q.shape)}")
+    B, _, H, K = q.shape
+    V = v.shape[-1]
+    state = _prepare_state(initial_state, n_rows=B, H=H, K=K, V=V, window=1, pairing=pairing, dtype=torch.float32,
+                           device=q.device)
+    shifted = options.shifted
+    with torch.autocast(q.device.type, enabled=False):
+        o, S, last_k = fast_weight_step_triton(
+            q[:, 0], k[:, 0], v[:, 0], beta_logits[:, 0], lam_logits[:, 0], state.S, state.last_k if shifted else None,
+            rule=rule, pairing=pairing, read_after=options.read_after, step_size=step_size,
+            ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, gates=gates, qk_norm=qk_norm, qk_eps=qk_eps)
+    return o[:, None], FastWeightState(S=S, last_k=last_k if shifted else None)
+
+
 def _triton_in_row_groups(q, k, v, beta, lam, options, *, state, offsets, seq_idx):
     """`fast_weight_triton` once per group of sequences that keeps its launches within CUDA's grid: one call for the
     usual shapes; more for sequences x heads > 65535 (a synthetic task's 8192 rows x 8 heads, thousands of packed

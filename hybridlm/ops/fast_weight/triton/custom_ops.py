@@ -18,7 +18,9 @@
         dlast_k).
 
     hybridlm::fast_weight_step(q, k, v, beta, lam, S, last_k?, rule, shifted, read_after, nlms, ridge_scaling, eps,
-        eps_gamma) -> (o, S', last_k'): one decoding step of the window-1 rules (`step.py`), inference only.
+        eps_gamma, beta_bias?, lam_bias?, beta_scale, lam_scale, qk_norm, qk_eps, qk_scale) -> (o, S', last_k'): one
+        decoding step of the window-1 rules (`step.py`), inference only; with the biases, beta and lam are the gains'
+        logits, and qk_norm 1 (rms) / 2 (l2) normalizes q and k first.
 
     hybridlm::fast_weight_band_fwd(q, x_ext, y_ext, c, base, shift) -> base + o_band;
     hybridlm::fast_weight_band_bwd(do, q, x_ext, y_ext, c, shift) -> (dq, dx_ext, dy_ext, dc): rule 3A's band of the
@@ -33,11 +35,13 @@ The scans' and the band's forward launches are `kept_kernel`s: a region recomput
 (`hybridlm.ops.recompute`, the fast-weight mixer's) keeps their outputs and recomputes only what feeds them.
 """
 
+import math
+
 import torch
 
 from hybridlm.ops.fast_weight.triton.limits import DTYPES, MAX_DELTA_CHUNK, MAX_HEAD_DIM, MAX_RULE_2_CHUNK
 from hybridlm.ops.recompute import keep_in_compiled_regions, kept_kernel
-from hybridlm.ops.utils import on_tensor_device, triton_interpreting, unit_last_stride
+from hybridlm.ops.utils import contiguous_rows, on_tensor_device, triton_interpreting, unit_last_stride
 
 # The scans' options (after S0), passed through to the implementations' forward/backward; rule 3 adds `slots`.
 _OPTIONS = "bool read_after, int chunk_size"
@@ -165,14 +169,24 @@ def fast_weight_band_triton(q, x_ext, y_ext, c, base, *, read_after: bool) -> to
     return torch.ops.hybridlm.fast_weight_band_fwd(q, x_ext, y_ext, c, base, 0 if read_after else 1)
 
 
+_QK_NORMS = {"none": 0, "rms": 1, "l2": 2}  # the step kernel's QK_NORM
+
+
 def fast_weight_step_triton(q, k, v, beta, lam, S, last_k, *, rule: str, pairing: str, read_after: bool,
-                            step_size: str, ridge_scaling: bool, eps: float, eps_gamma: float):
+                            step_size: str, ridge_scaling: bool, eps: float, eps_gamma: float,
+                            gates: tuple | None = None, qk_norm: str = "none", qk_eps: float = 0.0):
     """One decoding step of rule 1A, 1, 2A or 2 (window 1) in one kernel (`step.py`), without autograd.
 
     Args:
         q, k: `[N, H, K]`, v: `[N, H, V]` (one dtype among the kernels'). beta: `[N, H]` (2A, 2: `[N, H, V]`), lam:
             `[N, H]` (cast to float32 here). S: `[N, H, K, V]` float32 S_{t-1}. last_k: `[N, H, K]` the carried key
             (shifted pairing; None: a fresh row, which writes nothing this step).
+        gates: None, or `(beta_bias, lam_bias, beta_scale, lam_scale)`: beta and lam are then the gains' logits
+            (any float dtype, read at their row strides) and the kernel takes beta = beta_scale sigmoid(beta +
+            beta_bias), lam = lam_scale sigmoid(lam + lam_bias) (biases `[H]`, 2A / 2's beta_bias `[H V]`).
+        qk_norm: "none", or "rms" / "l2" (eps `qk_eps`): q and k normalized over K in the kernel first, as the
+            fast-weight mixer's `_normalize` (l2: rms with eps / K, times 1 / sqrt(K)), rounded to q's dtype; the
+            carried key is the normalized k.
 
     Returns:
         o `[N, H, V]` in q's dtype, S_t `[N, H, K, V]` float32 and k as float32 `[N, H, K]` (the next carried key).
@@ -195,12 +209,28 @@ def fast_weight_step_triton(q, k, v, beta, lam, S, last_k, *, rule: str, pairing
                          f"{v.dtype}, {S.dtype}")
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         raise ValueError(f"the Triton kernels take K, V <= {MAX_HEAD_DIM}; got K = {K}, V = {V}")
+    if qk_norm not in _QK_NORMS:
+        raise ValueError(f"qk_norm must be one of {list(_QK_NORMS)}; got {qk_norm!r}")
+    beta_bias = lam_bias = None
+    beta_scale = lam_scale = 1.0
+    if gates is not None:
+        beta_bias, lam_bias, beta_scale, lam_scale = gates
+        width = math.prod(want_beta[1:])
+        if tuple(beta_bias.shape) != (width,) or tuple(lam_bias.shape) != (H,):
+            raise ValueError(f"the gains' biases must be [{width}] (beta) and [{H}] (lam); got "
+                             f"{list(beta_bias.shape)}, {list(lam_bias.shape)}")
     if q.device.type != "cuda" and not triton_interpreting():
         raise ValueError(f"the Triton kernels need CUDA tensors (got {q.device})")
+    if gates is None:
+        beta, lam = beta.to(torch.float32), lam.to(torch.float32)
+    else:
+        beta_bias, lam_bias = beta_bias.to(torch.float32), lam_bias.to(torch.float32)
+    l2 = qk_norm == "l2"
     return torch.ops.hybridlm.fast_weight_step(
-        q, k, v, beta.to(torch.float32), lam.to(torch.float32), S,
-        None if last_k is None else last_k.to(torch.float32), rule, pairing == "shifted", bool(read_after),
-        step_size == "nlms", bool(ridge_scaling), float(eps), float(eps_gamma))
+        q, k, v, beta, lam, S, None if last_k is None else last_k.to(torch.float32), rule, pairing == "shifted",
+        bool(read_after), step_size == "nlms", bool(ridge_scaling), float(eps), float(eps_gamma), beta_bias, lam_bias,
+        float(beta_scale), float(lam_scale), _QK_NORMS[qk_norm], float(qk_eps) / (K if l2 else 1),
+        K ** -0.5 if l2 else 1.0)
 
 
 def _check_delta_chunk(chunk_size) -> None:
@@ -416,20 +446,25 @@ def _register_step() -> None:
     @torch.library.custom_op(
         "hybridlm::fast_weight_step", mutates_args=(),
         schema="(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor lam, Tensor S, Tensor? last_k, str rule, "
-               "bool shifted, bool read_after, bool nlms, bool ridge_scaling, float eps, float eps_gamma) "
-               "-> (Tensor, Tensor, Tensor)")
-    def step(q, k, v, beta, lam, S, last_k, rule, shifted, read_after, nlms, ridge_scaling, eps, eps_gamma):
+               "bool shifted, bool read_after, bool nlms, bool ridge_scaling, float eps, float eps_gamma, "
+               "Tensor? beta_bias, Tensor? lam_bias, float beta_scale, float lam_scale, int qk_norm, float qk_eps, "
+               "float qk_scale) -> (Tensor, Tensor, Tensor)")
+    def step(q, k, v, beta, lam, S, last_k, rule, shifted, read_after, nlms, ridge_scaling, eps, eps_gamma,
+             beta_bias, lam_bias, beta_scale, lam_scale, qk_norm, qk_eps, qk_scale):
         from hybridlm.ops.fast_weight.triton import step as module
 
         q, k, v = (unit_last_stride(t) for t in (q, k, v))  # read at their row and head strides
-        beta, lam, S = (t.contiguous() for t in (beta, lam, S))
-        last_k = None if last_k is None else last_k.contiguous()
+        beta, lam = (contiguous_rows(t) for t in (beta, lam))  # read at their row strides
+        S = S.contiguous()
+        last_k, beta_bias, lam_bias = (None if t is None else t.contiguous() for t in (last_k, beta_bias, lam_bias))
         with on_tensor_device(q):
             return module.forward(q, k, v, beta, lam, S, last_k, rule=rule, shifted=shifted, read_after=read_after,
-                                  nlms=nlms, ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma)
+                                  nlms=nlms, ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma,
+                                  beta_bias=beta_bias, lam_bias=lam_bias, beta_scale=beta_scale, lam_scale=lam_scale,
+                                  qk_norm=qk_norm, qk_eps=qk_eps, qk_scale=qk_scale)
 
     @step.register_fake
-    def _(q, k, v, beta, lam, S, last_k, rule, shifted, read_after, nlms, ridge_scaling, eps, eps_gamma):
+    def _(q, k, v, beta, lam, S, last_k, *args):
         return (q.new_empty(v.shape), S.new_empty(S.shape), q.new_empty(q.shape, dtype=torch.float32))
 
 

@@ -16,6 +16,14 @@ one program per (row n, head h, block of value columns) computes, in float32 (th
 
 and writes o in q's dtype, S' and k in float32 (the next step's carried key). beta is [N, H] (or [N, H, V] for 2A, 2).
 Divisions are IEEE (`div_rn`), as torch's.
+
+A mixer's step can hand over its raw pieces instead, and the kernel prepares them where they are loaded (the fast-weight
+mixer's QK normalization and gains: four kernels and eight more per layer on the unfused path):
+
+    QK_NORM 1 (rms): q <- q / sqrt(mean q^2 + eps), rounded to q's dtype; 2 (l2): that with eps / K, times 1/sqrt(K),
+        rounded again (the mixer's `_normalize` then its cast: the same roundings); likewise k
+    GATES: beta = beta_scale sigmoid(b + beta_bias), lam = lam_scale sigmoid(l + lam_bias) from the logits b, l
+        (any float dtype, rows at a stride) and float32 biases [H] ([H V] for beta of 2A, 2)
 """
 
 from __future__ import annotations
@@ -31,12 +39,32 @@ STATE_BLOCK = 4096  # float32 elements of S per program: BK x BV, 32 per thread 
 
 
 @triton.jit
-def step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, lam_ptr, S_ptr, last_ptr, o_ptr, S_out_ptr, last_out_ptr, H, sq_n, sq_h,
-                sk_n, sk_h, sv_n, sv_h, eps, one_minus_eps_gamma, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                BV: tl.constexpr, WRITES: tl.constexpr, SHIFTED: tl.constexpr, REGRESSION: tl.constexpr,
-                PER_COLUMN: tl.constexpr, NLMS: tl.constexpr, SCALED: tl.constexpr, READ_AFTER: tl.constexpr):
-    # q, k, v are read at (row, head) strides (unit stride along the head dim): the mixers hand over row slices of
-    # their projection, which a contiguous copy would cost a kernel each; everything else is contiguous.
+def _qk_normalize(u, K: tl.constexpr, eps, scale, L2: tl.constexpr, dtype: tl.constexpr):
+    """u [BK] float32 (zeros past K) -> u / sqrt(mean u^2 + eps) rounded to `dtype` (`rms_normalize`'s arithmetic),
+    then for L2 times `scale`, rounded again; back in float32."""
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(u * u, axis=0), K * 1.0) + eps))
+    n = (u * rstd).to(dtype).to(tl.float32)
+    if L2:
+        n = (n * scale).to(dtype).to(tl.float32)
+    return n
+
+
+@triton.jit
+def _gain(logit, bias, scale):
+    """scale sigmoid(logit + bias) in float32."""
+    return scale * tl.sigmoid(logit.to(tl.float32) + bias)
+
+
+@triton.jit
+def step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, lam_ptr, S_ptr, last_ptr, o_ptr, S_out_ptr, last_out_ptr,
+                beta_bias_ptr, lam_bias_ptr, H, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sb_n, sl_n, eps,
+                one_minus_eps_gamma, qk_eps, qk_scale, beta_scale, lam_scale, K: tl.constexpr, V: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, WRITES: tl.constexpr, SHIFTED: tl.constexpr,
+                REGRESSION: tl.constexpr, PER_COLUMN: tl.constexpr, NLMS: tl.constexpr, SCALED: tl.constexpr,
+                READ_AFTER: tl.constexpr, QK_NORM: tl.constexpr, GATES: tl.constexpr):
+    # q, k, v are read at (row, head) strides, beta and lam (or their logits) at row strides (unit stride along the
+    # rest): the mixers hand over row slices of their projection, which a contiguous copy would cost a kernel each;
+    # everything else is contiguous.
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     nh = i_nh.to(tl.int64)
     i_n, i_h = nh // H, nh % H
@@ -45,6 +73,9 @@ def step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, lam_ptr, S_ptr, last_ptr, o_ptr, 
     mk, mv = rk < K, rv < V
     q = tl.load(q_ptr + i_n * sq_n + i_h * sq_h + rk, mask=mk, other=0.0).to(tl.float32)   # [BK]
     k = tl.load(k_ptr + i_n * sk_n + i_h * sk_h + rk, mask=mk, other=0.0).to(tl.float32)   # [BK]
+    if QK_NORM != 0:
+        q = _qk_normalize(q, K, qk_eps, qk_scale, QK_NORM == 2, q_ptr.dtype.element_ty)
+        k = _qk_normalize(k, K, qk_eps, qk_scale, QK_NORM == 2, q_ptr.dtype.element_ty)
     s_offs = (nh * K + rk[:, None]) * V + rv[None, :]
     s_mask = mk[:, None] & mv[None, :]
     S = tl.load(S_ptr + s_offs, mask=s_mask, other=0.0)                                    # [BK, BV] S_{t-1}
@@ -56,15 +87,21 @@ def step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, lam_ptr, S_ptr, last_ptr, o_ptr, 
             x = k
         y = tl.load(v_ptr + i_n * sv_n + i_h * sv_h + rv, mask=mv, other=0.0).to(tl.float32)   # [BV]
         E = tl.sum(x * x, axis=0)
-        lam = tl.load(lam_ptr + nh)
+        lam = tl.load(lam_ptr + i_n * sl_n + i_h)
+        if GATES:
+            lam = _gain(lam, tl.load(lam_bias_ptr + i_h), lam_scale)
         if SCALED:
             ridge = lam * E
         else:
             ridge = lam
         if PER_COLUMN:
-            beta = tl.load(beta_ptr + nh * V + rv, mask=mv, other=0.0)                     # [BV]
+            beta = tl.load(beta_ptr + i_n * sb_n + i_h * V + rv, mask=mv, other=0.0)        # [BV]
+            if GATES:
+                beta = _gain(beta, tl.load(beta_bias_ptr + i_h * V + rv, mask=mv, other=0.0), beta_scale)
         else:
-            beta = tl.load(beta_ptr + nh)
+            beta = tl.load(beta_ptr + i_n * sb_n + i_h)
+            if GATES:
+                beta = _gain(beta, tl.load(beta_bias_ptr + i_h), beta_scale)
         if NLMS:
             eta = tl.math.div_rn(beta, E + ridge + eps)
         else:
@@ -89,11 +126,14 @@ def step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, lam_ptr, S_ptr, last_ptr, o_ptr, 
 
 
 def forward(q, k, v, beta, lam, S, last_k, *, rule: str, shifted: bool, read_after: bool, nlms: bool,
-            ridge_scaling: bool, eps: float, eps_gamma: float):
+            ridge_scaling: bool, eps: float, eps_gamma: float, beta_bias=None, lam_bias=None, beta_scale: float = 1.0,
+            lam_scale: float = 1.0, qk_norm: int = 0, qk_eps: float = 0.0, qk_scale: float = 1.0):
     """o [N, H, V] (q's dtype), S' [N, H, K, V] and the new last key [N, H, K] (k in float32, whatever the
     pairing: same-step rows carry none and drop it) from q, k [N, H, K], v [N, H, V] (one dtype; any row and head
-    strides, the head dim unit-strided), beta [N, H] (2A, 2: [N, H, V]) and lam [N, H] float32, S [N, H, K, V]
-    float32, last_k [N, H, K] float32 or None (a fresh shifted row: no write), all contiguous but q, k, v."""
+    strides, the head dim unit-strided), beta [N, H] (2A, 2: [N, H, V]) and lam [N, H] float32 (any row stride, the
+    rest contiguous), S [N, H, K, V] float32, last_k [N, H, K] float32 or None (a fresh shifted row: no write), all
+    contiguous but q, k, v, beta, lam. With beta_bias and lam_bias (float32, contiguous), beta and lam are the gains'
+    logits in any float dtype (GATES); qk_norm 1 / 2 normalizes q and k first (QK_NORM)."""
     N, H, K = q.shape
     V = v.shape[-1]
     o = q.new_empty(N, H, V)
@@ -102,9 +142,12 @@ def forward(q, k, v, beta, lam, S, last_k, *, rule: str, shifted: bool, read_aft
     BK = block(K, 256)
     BV = min(block(V, 256), max(16, STATE_BLOCK // BK))
     writes = last_k is not None or not shifted
+    gates = beta_bias is not None
     step_kernel[(N * H, triton.cdiv(V, BV))](
-        q, k, v, beta, lam, S, last_k if last_k is not None else S, o, S_out, last_out, H, q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), eps, 1.0 - eps_gamma, K=K, V=V, BK=BK, BV=BV,
-        WRITES=writes, SHIFTED=shifted, REGRESSION=rule in ("1", "2"), PER_COLUMN=rule in ("2A", "2"), NLMS=nlms,
-        SCALED=ridge_scaling, READ_AFTER=read_after, num_warps=NUM_WARPS)
+        q, k, v, beta, lam, S, last_k if last_k is not None else S, o, S_out, last_out,
+        beta_bias if gates else S, lam_bias if gates else S, H, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), beta.stride(0), lam.stride(0), eps, 1.0 - eps_gamma, qk_eps, qk_scale, beta_scale,
+        lam_scale, K=K, V=V, BK=BK, BV=BV, WRITES=writes, SHIFTED=shifted, REGRESSION=rule in ("1", "2"),
+        PER_COLUMN=rule in ("2A", "2"), NLMS=nlms, SCALED=ridge_scaling, READ_AFTER=read_after, QK_NORM=qk_norm,
+        GATES=gates, num_warps=NUM_WARPS)
     return o, S_out, last_out
