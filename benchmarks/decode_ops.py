@@ -12,8 +12,9 @@ after a prefill of 64 tokens (no gradient, bf16 autocast as on the GPU), the sho
 in eager mode (`F.conv1d`; the CPU's own is a shifted sum of more operators). The norms run the CPU's forms (several
 operators each where CUDA runs one kernel), so the count is higher than CUDA's own (`gpu_model.py --profile-decode`);
 the models' ratios carry over (benchmarks/RESULTS.md, "Decoding on an H100"). With the step kernels the fast-weight
-mixer hands its QK norms and gains to its step's kernel (`fast_weight_decoding_step`), as "auto" does on CUDA: its
-"SSM op" column is that one launch, and its "rest of the SSM mixer" column loses the norms and gains. "steps": the
+mixer hands its QK norms and gains to its step's kernel (`fast_weight_decoding_step`) and the Mamba-2 mixer its
+discretization (`ssd_decoding_step`), as "auto" does on CUDA: the "SSM op" column is that one launch, and the "rest
+of the SSM mixer" column loses the norms, gains or discretization. "steps": the
 mixers' and their short convolutions' `backend` for the step ("recurrent" / "naive" / "torch": the torch loops;
 "triton": `hybridlm/ops/fast_weight/triton/step.py`, `hybridlm/ops/ssd/triton/step.py`,
 `hybridlm/ops/short_conv/step.py`). Inside the custom ops (`hybridlm::`) only their Triton launches are counted.
@@ -88,14 +89,14 @@ def _in_place(where: list[str], label: str, fn):
 
 def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool) -> tuple[collections.Counter, int]:
     """(operators per layer kind, Triton launches) of one decoding step after a prefill of 64 tokens; the SSM ops
-    themselves (`fast_weight_attention` or, with the step kernels, `fast_weight_decoding_step`; `ssd`) counted apart
-    from the rest of their mixers, as "ssm op".
+    themselves (`fast_weight_attention` and `ssd`, or with the step kernels `fast_weight_decoding_step` and
+    `ssd_decoding_step`) counted apart from the rest of their mixers, as "ssm op".
     `rotary_kernel`: attention's queries and keys rotated by the Triton kernel, as `rotate_qk` does on CUDA."""
     import triton.runtime.interpreter as interpreter
 
     where = ["model"]
     ops_in_layers = [(fast_weight_layer, "fast_weight_attention"), (fast_weight_layer, "fast_weight_decoding_step"),
-                     (mamba2_layer, "ssd")]
+                     (mamba2_layer, "ssd"), (mamba2_layer, "ssd_decoding_step")]
     saved = {(module, name): getattr(module, name) for module, name in ops_in_layers}
     depthwise, rotate = short_conv._depthwise, attention_layer.rotate_qk
     hooks = []

@@ -52,7 +52,7 @@ rules), and otherwise it runs outside the compiled graphs on `cu_seqlens`.
 Decoding: `cache.ssm` holds the conv tail ("conv" [B, K-1, C]) and the `FastWeightState` fields ("S"
 [B, H, K, V] fp32, "last_k" [B, H, K], and for the sliding rules "tail_x", "tail_v", "tail_len"); a prefill
 runs the chunk-parallel path, each later token the recurrent step. Where that step runs on the op's step kernel
-(no gradient, learned gates; `fused_decoding_step_runs`), the QK norm and the gains run inside the same kernel
+(no gradient, learned gates; `fast_weight_step_fuses`), the QK norm and the gains run inside the same kernel
 (`fast_weight_decoding_step`, the same values as steps 2-4 up to float32 rounding). With `cu_seqlens` and a cache (a
 packed prefill) the states have one row per packed sequence.
 Under tensor parallelism (hybridlm.parallel.tensor_parallel) num_heads, width, beta_width and conv_channels
@@ -77,7 +77,7 @@ from hybridlm.ops.fast_weight import (
     FastWeightState,
     fast_weight_attention,
     fast_weight_decoding_step,
-    fused_decoding_step_runs,
+    fast_weight_step_fuses,
     runs_triton,
     seq_idx_in_place,
 )
@@ -249,7 +249,7 @@ class FastWeightMixer(nn.Module):
         if needs_grad(q, v, beta_logits, lam_logits, self.beta_bias, self.lam_bias):
             return False
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
-        return fused_decoding_step_runs(q, v, rule=self.rule, window=self.window, backend=self.backend)
+        return fast_weight_step_fuses(q, v, rule=self.rule, window=self.window, backend=self.backend)
 
     def _recomputes(self, qkv: torch.Tensor, cache: LayerCache | None, seq_idx: torch.Tensor | None) -> bool:
         """Whether the forward recomputes steps 2-4 in the backward (`recompute_except_kernels`): `self.recompute`

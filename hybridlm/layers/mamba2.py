@@ -13,7 +13,8 @@ expand * d, the output norm is optional, and the five multipliers above. The blo
 `ssm_in_multiplier` to the input and `ssm_out_multiplier` to the output. For decoding, a
 `LayerCache` carries the conv tail ("conv", [B, K-1, C]) and the SSM state ("ssm", [B, H, P, N], fp32):
 a prefill runs the chunked SSD, a single token the recurrence step (the naive step; on CUDA with the backend
-"auto" or "triton" its one-kernel form, `hybridlm/ops/ssd/triton/step.py`).
+"auto" or "triton" its one-kernel form, `hybridlm/ops/ssd/triton/step.py`, which without a gradient to record also
+takes the discretization of step 3: `ssd_decoding_step`).
 With `cu_seqlens` and a cache (a packed prefill) the states have one row per packed sequence. `seq_idx` (a
 document index per token, training only) marks packed documents without changing any shape: the conv's taps and
 the SSD's state restart at each document (the SSD's torch chunk path); the hybrid block uses it when compiled.
@@ -41,8 +42,8 @@ from hybridlm.modules.multiplier import scaled
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.recompute import recompute_except_kernels
 from hybridlm.ops.ssd import runs_triton as ssd_runs_triton
-from hybridlm.ops.ssd import ssd
-from hybridlm.ops.utils import compute_dtype, local_tensor
+from hybridlm.ops.ssd import ssd, ssd_decoding_step, ssd_step_fuses
+from hybridlm.ops.utils import compute_dtype, local_tensor, needs_grad
 
 
 class Mamba2Mixer(nn.Module):
@@ -144,6 +145,15 @@ class Mamba2Mixer(nn.Module):
             xbc, initial_state=conv_state, output_final_state=cache is not None, cu_seqlens=cu_seqlens, seq_idx=seq_idx
         )
         x, b, c = xbc.split([self.d_ssm, bc_width, bc_width], dim=-1)
+        x = x.reshape(batch, length, self.num_heads, self.head_dim)  # [B, T, H, P]
+        b, c = (t.reshape(batch, length, self.groups, self.d_state) for t in (b, c))  # [B, T, G, N]
+        if cache is not None and self._steps_in_one_kernel(x, b, dt, cu_seqlens, seq_idx):
+            # A decoding step's discretization (3.) and recurrence (4.) as one kernel (`ssd_decoding_step`)
+            y, cache.ssm["ssm"] = ssd_decoding_step(
+                x, dt, local_tensor(self.A_log), b, c, dt_bias=local_tensor(self.dt_bias),
+                dt_limit=self.time_step_limit, D=local_tensor(self.D), initial_state=cache.ssm.get("ssm"))
+            cache.ssm["conv"] = conv_state
+            return y.reshape(batch, length, self.d_ssm)
 
         # 3. Discretization inputs in float32 (float64 stays float64).
         dtype = compute_dtype(dt.dtype)
@@ -154,11 +164,11 @@ class Mamba2Mixer(nn.Module):
 
         # 4. SSD scan (state in float32), D skip inside.
         y, ssm_state = ssd(
-            x.reshape(batch, length, self.num_heads, self.head_dim),  # [B, T, H, P]
+            x,
             dt,
             A,
-            b.reshape(batch, length, self.groups, self.d_state),  # [B, T, G, N]
-            c.reshape(batch, length, self.groups, self.d_state),
+            b,
+            c,
             D=local_tensor(self.D),
             chunk_size=self.chunk_size,
             initial_state=cache.ssm.get("ssm") if cache is not None else None,
@@ -171,6 +181,15 @@ class Mamba2Mixer(nn.Module):
         if cache is not None:
             cache.ssm["conv"], cache.ssm["ssm"] = conv_state, ssm_state
         return y.reshape(batch, length, self.d_ssm)  # [B, T, d_ssm]
+
+    def _steps_in_one_kernel(self, x, b, dt, cu_seqlens, seq_idx) -> bool:
+        """Whether a cached step runs its discretization and recurrence as one kernel: one token per row, no packed
+        documents, no gradient to record, and the op's step kernel taking the step."""
+        if x.shape[1] != 1 or cu_seqlens is not None or seq_idx is not None or self.backend not in ("auto", "triton"):
+            return False
+        if needs_grad(x, b, dt, self.A_log, self.dt_bias, self.D):
+            return False
+        return ssd_step_fuses(x, b, backend=self.backend)
 
     def _recomputes(self, xbc: torch.Tensor, cache: LayerCache | None, seq_idx: torch.Tensor | None) -> bool:
         """Whether the forward recomputes `_mix` in the backward (`recompute_except_kernels`): `self.recompute`

@@ -268,9 +268,9 @@ def test_step_ops_pass_opcheck():
                                1e-6, *preparation), test_utils=tests)
     x, Bm = torch.randn(2, 4, 8, device=DEVICE), torch.randn(2, 2, 16, device=DEVICE)
     h = torch.randn(2, 4, 8, 16, device=DEVICE)
-    for D in (torch.randn(4, device=DEVICE), None):
+    for D, dt_bias in ((torch.randn(4, device=DEVICE), None), (None, None), (None, torch.randn(4, device=DEVICE))):
         torch.library.opcheck(torch.ops.hybridlm.ssd_step, (x, torch.rand(2, 4, device=DEVICE), -torch.rand(4,
-                              device=DEVICE), Bm, Bm.clone(), D, h), test_utils=tests)
+                              device=DEVICE), Bm, Bm.clone(), D, h, dt_bias, 0.0, float("inf")), test_utils=tests)
 
 
 @interpret
@@ -347,6 +347,53 @@ def test_ssd_step_matches_spec(monkeypatch, groups, with_D, with_state):
     assert rel_err(y.double().cpu(), want_y) < TOL[torch.float32]
     assert rel_err(h.double().cpu(), want_h) < TOL[torch.float32]
     assert len(calls) == 1
+
+
+@interpret
+@pytest.mark.parametrize("groups, dt_limit", [(1, (0.0, float("inf"))), (2, (1e-3, 0.5))])
+def test_ssd_decoding_step_discretizes(monkeypatch, groups, dt_limit):
+    """`ssd_decoding_step` on the raw step sizes (slices of a wider row, with values past softplus's threshold of 20
+    and far below zero) and A_log: the float64 discretization (clamp(softplus(dt + dt_bias)), -exp(A_log)) then the
+    spec's step, in y and the state; one launch of the step kernel."""
+    from hybridlm.ops.ssd import ssd_decoding_step
+    from hybridlm.ops.ssd.triton import step
+
+    calls = _counting(monkeypatch, step)
+    inputs = {k: v.detach() for k, v in ssd_helpers.make_inputs(4, 1, 4, 20, groups, 12).items()}
+    g = torch.Generator().manual_seed(9)
+    row = torch.randn(4, 1, 4 + 3, generator=g, dtype=torch.float64) * 3  # [dt | more] per row
+    row[0, 0, :4] = torch.tensor([25.0, -30.0, 19.5, -0.2], dtype=torch.float64)
+    raw = row[..., :4]
+    dt_bias, A_log = torch.randn(4, generator=g, dtype=torch.float64), torch.randn(4, generator=g, dtype=torch.float64)
+    dt = torch.nn.functional.softplus(raw + dt_bias).clamp(*dt_limit)
+    want_y, want_h = ssd(inputs["x"], dt, -torch.exp(A_log), inputs["B"], inputs["C"], D=inputs["D"],
+                         initial_state=inputs["initial_state"], output_final_state=True, backend="naive")
+    on_device = lambda t: t.to(DEVICE, torch.float32)  # noqa: E731
+    row_d = on_device(row)  # sliced on the device: the slice read in place
+    y, h = ssd_decoding_step(on_device(inputs["x"]), row_d[..., :4], on_device(A_log), on_device(inputs["B"]),
+                             on_device(inputs["C"]), dt_bias=on_device(dt_bias), dt_limit=dt_limit,
+                             D=on_device(inputs["D"]), initial_state=on_device(inputs["initial_state"]))
+    assert rel_err(y.double().cpu(), want_y) < TOL[torch.float32]
+    assert rel_err(h.double().cpu(), want_h) < TOL[torch.float32]
+    assert len(calls) == 1
+
+
+@interpret
+def test_ssd_decoding_step_softplus_matches_torch():
+    """The kernel's softplus (threshold 20, log1p through log(1 + z) z / ((1 + z) - 1)) against torch's in float32,
+    over -40..40, at one row per value: y = dt x with B = C = 1, A_log = -inf-ish (no decay), zero state."""
+    from hybridlm.ops.ssd import ssd_decoding_step
+
+    raw = torch.linspace(-40, 40, 801, dtype=torch.float32)
+    n = raw.numel()
+    x = torch.ones(n, 1, 1, 16, device=DEVICE)
+    ones = torch.ones(n, 1, 1, 16, device=DEVICE)
+    y, _ = ssd_decoding_step(x, raw.reshape(n, 1, 1).to(DEVICE), torch.full((1,), -30.0, device=DEVICE), ones, ones,
+                             dt_bias=torch.zeros(1, device=DEVICE))
+    got = y[:, 0, 0, 0].cpu() / 16  # y = dt x |B|^2 with x = 1, |B|^2 = 16 (and D = None)
+    want = torch.nn.functional.softplus(raw.double())
+    assert rel_err(got.double(), want) < 1e-6
+    assert (got[raw < -20] > 0).all()  # log1p's small values kept, not rounded to zero
 
 
 @interpret
@@ -452,11 +499,13 @@ def test_mixer_decoding_steps_through_the_kernels(monkeypatch, mixer):
                         lambda *a, **k: conv_calls.append(1) or conv_step(*a, **k))
 
     from hybridlm.layers import fast_weight as fast_weight_layer
+    from hybridlm.layers import mamba2 as mamba2_layer
 
     fused_calls = []
-    fused = fast_weight_layer.fast_weight_decoding_step
-    monkeypatch.setattr(fast_weight_layer, "fast_weight_decoding_step",
-                        lambda *a, **k: fused_calls.append(1) or fused(*a, **k))
+    layer, name = (mamba2_layer, "ssd_decoding_step") if mixer == "mamba2" else (fast_weight_layer,
+                                                                                 "fast_weight_decoding_step")
+    fused = getattr(layer, name)
+    monkeypatch.setattr(layer, name, lambda *a, **k: fused_calls.append(1) or fused(*a, **k))
     fw_options = dict(zip(("fw_rule", "fw_qk_norm"), mixer.split()[1:]))
     module = mamba2_mixer() if mixer == "mamba2" else fast_weight_mixer(**fw_options)
     loops = "naive" if mixer == "mamba2" else "recurrent"
@@ -477,5 +526,6 @@ def test_mixer_decoding_steps_through_the_kernels(monkeypatch, mixer):
         assert rel_err(state, caches[loops].ssm[name]) < 1e-4, name
     assert len(calls) == len(conv_calls) == 4
     assert not any(calls)  # the projection's row slices read in place (two rows), not copied first
-    # the fast-weight mixer hands the kernel its QK norm and gains (`fast_weight_decoding_step`) on the kernels' side
-    assert len(fused_calls) == (0 if mixer == "mamba2" else 4)
+    # the mixers hand the kernel their QK norm and gains (`fast_weight_decoding_step`) or discretization
+    # (`ssd_decoding_step`) on the kernels' side
+    assert len(fused_calls) == 4

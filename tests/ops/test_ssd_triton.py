@@ -314,14 +314,15 @@ for io, prec, s in (("*bf16", "tf32", dict(P=64, N=128, BT=64)), ("*fp32", "ieee
 _SM90_STEP = """
 from hybridlm.ops.ssd.triton import step as k
 
-# The decoding step as step.forward blocks it: a model's sizes in bf16, the largest state, odd float32 sizes.
+# The decoding step as step.forward blocks it: a model's sizes in bf16, the largest state, odd float32 sizes; with
+# the mixer's discretization (RAW: the raw dt in bf16) and without.
 for io, P, N in (("*bf16", 64, 128), ("*bf16", 128, 256), ("*fp32", 20, 12)):
     BN = max(16, triton.next_power_of_2(N))
     BP = min(max(16, triton.next_power_of_2(P)), max(16, k.STATE_BLOCK // BN))
-    for has_d in (True, False):
-        build(k.step_kernel, dict(P=P, N=N, BP=BP, BN=BN, HAS_D=has_d), io=io, io_names=("x_ptr", "B_ptr", "C_ptr",
-                                                                                               "y_ptr"),
-              warps=k.NUM_WARPS)
+    for has_d, raw in ((True, False), (False, False), (True, True)):
+        build(k.step_kernel, dict(P=P, N=N, BP=BP, BN=BN, HAS_D=has_d, RAW=raw), io=io,
+              io_names=("x_ptr", "B_ptr", "C_ptr", "y_ptr") + (("dt_ptr",) if raw else ()),
+              types={"dt_min": "fp32", "dt_max": "fp32"}, warps=k.NUM_WARPS)
 """
 
 

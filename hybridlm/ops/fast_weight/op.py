@@ -141,7 +141,7 @@ def fast_weight_attention(
     return o.to(out_dtype), (final if output_final_state else None)
 
 
-def fused_decoding_step_runs(q: torch.Tensor, v: torch.Tensor, *, rule: str, window: int = 1,
+def fast_weight_step_fuses(q: torch.Tensor, v: torch.Tensor, *, rule: str, window: int = 1,
                              backend: str = "auto") -> bool:
     """Whether a decoding step of q [B, 1, H, K], v [B, 1, H, V] without a gradient to record runs the step kernel
     (as `fast_weight_attention` would), so that a mixer can hand the kernel its QK normalization and gains as well
@@ -173,7 +173,7 @@ def fast_weight_decoding_step(
 ) -> tuple[torch.Tensor, FastWeightState]:
     """One decoding step of a fast-weight mixer from its raw pieces, in one kernel: q and k normalized, the gains
     taken from their logits, then the step of `fast_weight_attention` (window 1, inference only, where
-    `fused_decoding_step_runs`). The same values as normalizing, taking the gains and calling the op:
+    `fast_weight_step_fuses`). The same values as normalizing, taking the gains and calling the op:
 
         q, k <- qk_norm(q), qk_norm(k)  ("rms": u / sqrt(mean u^2 + qk_eps); "l2": rms with qk_eps / K, times
                                          1 / sqrt(K); "none"), rounded to q's dtype

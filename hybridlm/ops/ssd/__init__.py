@@ -29,10 +29,11 @@ from hybridlm.ops.utils import (
     needs_grad,
     resolve_backend,
     seq_idx_segments,
+    triton_runs_on,
     warn_slow_path,
 )
 
-__all__ = ["ssd", "naive_ssd", "chunk_ssd", "runs_triton"]
+__all__ = ["ssd", "naive_ssd", "chunk_ssd", "runs_triton", "ssd_decoding_step", "ssd_step_fuses"]
 
 _BACKENDS = ("naive", "chunk", "triton")
 _NO_TRITON = ("triton is not installed: backend='auto' runs the Mamba-2 SSD on CUDA through the torch chunk path "
@@ -137,6 +138,51 @@ def _triton_in_row_groups(x, dt, A, B, C, *, D, chunk_size, initial_state, offse
 
     return call_in_row_groups(call, [x, dt, B, C], [initial_state], heads=x.shape[2], offsets=offsets,
                               join_rows=torch.cat)
+
+
+def ssd_step_fuses(x: torch.Tensor, B: torch.Tensor, *, backend: str = "auto") -> bool:
+    """Whether a decoding step of x [b, 1, H, P] and B, C [b, 1, G, N] (one dtype) without a gradient to record runs
+    the step kernel (as `ssd` would), so that the Mamba-2 mixer can hand the kernel its discretization as well
+    (`ssd_decoding_step`). Metadata only."""
+    return (x.dim() == 4 and x.shape[1] == 1 and triton_supports(P=x.shape[-1], N=B.shape[-1], dtype=x.dtype)
+            and B.dtype == x.dtype and _backend(x, B, B, seq_idx=None, backend=backend, inference=True) == "triton"
+            and triton_runs_on(x))
+
+
+def ssd_decoding_step(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A_log: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoding step of the Mamba-2 mixer from its raw discretization inputs, in one kernel (where
+    `ssd_step_fuses`): the same values as `ssd` on dt = clamp(softplus(dt + dt_bias), *dt_limit) and
+    A = -exp(A_log), both in float32.
+
+    Args:
+        x: `[b, 1, H, P]`, B, C: `[b, 1, G, N]` (one dtype; row slices are read in place). dt: `[b, 1, H]` the raw
+            step sizes (any float dtype). A_log, dt_bias, D: `[H]`. initial_state: `[b, H, P, N]` (None: zeros).
+
+    Returns:
+        `(y [b, 1, H, P] in x's dtype, the state after the step [b, H, P, N] float32)`.
+    """
+    from hybridlm.ops.ssd.triton import ssd_step_triton
+
+    if x.dim() != 4 or x.shape[1] != 1:
+        raise ValueError(f"ssd_decoding_step takes one step, x [b, 1, H, P]; got {list(x.shape)}")
+    b, _, H, P = x.shape
+    h0 = (x.new_zeros(b, H, P, B.shape[-1], dtype=torch.float32) if initial_state is None
+          else initial_state.to(torch.float32))
+    with torch.autocast(x.device.type, enabled=False):
+        y, final = ssd_step_triton(x[:, 0], dt[:, 0], A_log, B[:, 0], C[:, 0], D, h0,
+                                   discretize=(dt_bias, dt_limit))
+    return y[:, None], final
 
 
 def runs_triton(x, B, *, seq_idx=None, backend="auto") -> bool:

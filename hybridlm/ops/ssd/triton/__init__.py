@@ -37,11 +37,11 @@ def ssd_chunk_triton(x, dt, A, B, C, D, h0, *, chunk_size: int = 64):
     return run(x, dt, A, B, C, D, h0, chunk_size=chunk_size)
 
 
-def ssd_step_triton(x, dt, A, B, C, D, h):
+def ssd_step_triton(x, dt, A, B, C, D, h, *, discretize=None):
     """One decoding step; see `custom_ops.ssd_step_triton`."""
     from hybridlm.ops.ssd.triton.custom_ops import ssd_step_triton as run
 
-    return run(x, dt, A, B, C, D, h)
+    return run(x, dt, A, B, C, D, h, discretize=discretize)
 
 
 def ssd_triton(x, dt, A, B, C, **options):

@@ -3,18 +3,21 @@ implementations give the output shapes; autograd is registered on the forward op
 
     hybridlm::ssd_fwd(x, dt, A, B, C, D?, h0?, chunk_size) -> (y, h_final)
     hybridlm::ssd_bwd(dy, dh_final?, x, dt, A, B, C, D?, h0?, chunk_size) -> (dx, ddt, dA, dB, dC, dD, dh0)
-    hybridlm::ssd_step(x, dt, A, B, C, D?, h) -> (y, h_t): one decoding step (`step.py`), inference only.
+    hybridlm::ssd_step(x, dt, A, B, C, D?, h, dt_bias?, dt_min, dt_max) -> (y, h_t): one decoding step (`step.py`),
+        inference only; with dt_bias, dt is the raw value and A is A_log (the mixer's discretization in the kernel).
 
 The implementation (`scan.py`, which needs triton) is imported on the first call; this file imports only torch.
 dD and dh0 are always computed (dh0 is where the reverse pass ends); the autograd formula drops them when D / h0 is
 None.
 """
 
+import math
+
 import torch
 
 from hybridlm.ops.recompute import keep_in_compiled_regions, kept_kernel
 from hybridlm.ops.ssd.triton.limits import DTYPES, MAX_D_STATE, MAX_HEAD_DIM
-from hybridlm.ops.utils import on_tensor_device, triton_interpreting, unit_last_stride
+from hybridlm.ops.utils import contiguous_rows, on_tensor_device, triton_interpreting, unit_last_stride
 
 _FWD_SCHEMA = "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? h0, int chunk_size) " \
               "-> (Tensor, Tensor)"
@@ -121,12 +124,15 @@ _ssd_fwd.register_autograd(_backward, setup_context=_setup_context)
 keep_in_compiled_regions(torch.ops.hybridlm.ssd_fwd.default)
 
 
-def ssd_step_triton(x, dt, A, B, C, D, h) -> tuple[torch.Tensor, torch.Tensor]:
+def ssd_step_triton(x, dt, A, B, C, D, h, *, discretize: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoding step of the SSD recurrence in one kernel (`step.py`), without autograd.
 
     Args:
         x: `[b, H, P]`; B, C: `[b, G, N]` (x, B, C in one dtype among the kernels'). dt: `[b, H]` (softplus-ed), A,
             D: `[H]` (D may be None); cast to float32 here. h: `[b, H, P, N]` float32, the state before the step.
+        discretize: None, or `(dt_bias, (dt_min, dt_max))`: dt is then the raw value (any float dtype, read at its
+            row stride) and A is A_log, and the kernel takes dt = clamp(softplus(dt + dt_bias), dt_min, dt_max),
+            A = -exp(A_log) (dt_bias `[H]`), as the Mamba-2 mixer does.
 
     Returns:
         y `[b, H, P]` in x's dtype and the state after the step `[b, H, P, N]` float32.
@@ -144,24 +150,29 @@ def ssd_step_triton(x, dt, A, B, C, D, h) -> tuple[torch.Tensor, torch.Tensor]:
     if P > MAX_HEAD_DIM or B.shape[-1] > MAX_D_STATE:
         raise ValueError(f"the Triton kernels take P <= {MAX_HEAD_DIM} and N <= {MAX_D_STATE}; got P = {P}, "
                          f"N = {B.shape[-1]}")
+    dt_bias, (dt_min, dt_max) = discretize if discretize is not None else (None, (0.0, math.inf))
+    if dt_bias is not None and tuple(dt_bias.shape) != (H,):
+        raise ValueError(f"dt_bias must be [H] = [{H}]; got {list(dt_bias.shape)}")
     if x.device.type != "cuda" and not triton_interpreting():
         raise ValueError(f"the Triton kernels need CUDA tensors (got {x.device})")
     f32 = lambda t: None if t is None else t.to(torch.float32)
-    return torch.ops.hybridlm.ssd_step(x, f32(dt), f32(A), B, C, f32(D), h)
+    return torch.ops.hybridlm.ssd_step(x, dt if dt_bias is not None else f32(dt), f32(A), B, C, f32(D), h,
+                                       f32(dt_bias), float(dt_min), float(dt_max))
 
 
 @torch.library.custom_op("hybridlm::ssd_step", mutates_args=(),
-                         schema="(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor h) "
-                                "-> (Tensor, Tensor)")
-def _ssd_step(x, dt, A, B, C, D, h):
+                         schema="(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor h, "
+                                "Tensor? dt_bias, float dt_min, float dt_max) -> (Tensor, Tensor)")
+def _ssd_step(x, dt, A, B, C, D, h, dt_bias, dt_min, dt_max):
     from hybridlm.ops.ssd.triton import step
 
     x, B, C = (unit_last_stride(t) for t in (x, B, C))  # read at their row strides
-    dt, A, D, h = _contiguous(dt, A, D, h)
+    dt = contiguous_rows(dt)
+    A, D, h, dt_bias = _contiguous(A, D, h, dt_bias)
     with on_tensor_device(x):
-        return step.forward(x, dt, A, B, C, D, h)
+        return step.forward(x, dt, A, B, C, D, h, dt_bias=dt_bias, dt_limit=(dt_min, dt_max))
 
 
 @_ssd_step.register_fake
-def _(x, dt, A, B, C, D, h):
+def _(x, dt, A, B, C, D, h, dt_bias, dt_min, dt_max):
     return x.new_empty(x.shape), h.new_empty(h.shape)

@@ -10,6 +10,14 @@ block of head dims) computes, in float32 (the state's dtype), with g = h // (H /
     y = h_t C_g + D[h] * x                      [BP]
 
 and writes y in x's dtype and h_t.
+
+The Mamba-2 mixer's step can hand over its raw discretization inputs instead (RAW), which the kernel turns into dt
+and A where it loads them (the mixer's step 3: five kernels per layer on the unfused path):
+
+    dt = clamp(softplus(dt_raw + dt_bias[h]), dt_min, dt_max)     A[h] = -exp(A_log[h])
+
+with softplus(u) = u above 20 (torch's threshold), else log1p(exp(u)) (log1p as log(1 + z) z / ((1 + z) - 1),
+accurate where 1 + z rounds).
 """
 
 from __future__ import annotations
@@ -25,11 +33,22 @@ STATE_BLOCK = 4096  # float32 elements of the state per program: BP x BN, 32 per
 
 
 @triton.jit
-def step_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h_ptr, y_ptr, h_out_ptr, H, G, sx_b, sx_h, sb_b, sb_g,
-                sc_b, sc_g, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                HAS_D: tl.constexpr):
-    # x, B, C are read at (row, head or group) strides (unit stride along the last dim): the mixer hands over row
-    # slices of its conv's output, which a contiguous copy would cost a kernel each; dt, h, y, h' are contiguous.
+def _softplus(u):
+    """torch's softplus (beta 1, threshold 20) of float32 u."""
+    z = tl.exp(tl.minimum(u, 20.0))
+    w = 1.0 + z
+    rounded = w == 1.0  # z below half an ulp of 1: log1p(z) = z to float32 precision
+    log1p = tl.where(rounded, z, tl.log(w) * tl.math.div_rn(z, tl.where(rounded, 1.0, w - 1.0)))
+    return tl.where(u > 20.0, u, log1p)
+
+
+@triton.jit
+def step_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h_ptr, y_ptr, h_out_ptr, dt_bias_ptr, H, G, sx_b, sx_h,
+                sb_b, sb_g, sc_b, sc_g, sdt_b, dt_min, dt_max, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr,
+                BN: tl.constexpr, HAS_D: tl.constexpr, RAW: tl.constexpr):
+    # x, B, C are read at (row, head or group) strides (unit stride along the last dim), dt at its row stride: the
+    # mixer hands over row slices of its projection and conv output, which a contiguous copy would cost a kernel
+    # each; h, y, h' are contiguous.
     i_bh, i_p = tl.program_id(0), tl.program_id(1)
     bh = i_bh.to(tl.int64)
     i_b, i_h = bh // H, bh % H
@@ -40,8 +59,12 @@ def step_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h_ptr, y_ptr, h_out_p
     x = tl.load(x_ptr + i_b * sx_b + i_h * sx_h + rp, mask=mp, other=0.0).to(tl.float32)      # [BP]
     Bg = tl.load(B_ptr + i_b * sb_b + i_g * sb_g + rn, mask=mn, other=0.0).to(tl.float32)     # [BN]
     Cg = tl.load(C_ptr + i_b * sc_b + i_g * sc_g + rn, mask=mn, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + bh)
-    decay = tl.exp(dt * tl.load(A_ptr + i_h))
+    dt = tl.load(dt_ptr + i_b * sdt_b + i_h).to(tl.float32)
+    A = tl.load(A_ptr + i_h)
+    if RAW:  # the mixer's discretization: dt from its raw value, A from A_log
+        dt = tl.minimum(tl.maximum(_softplus(dt + tl.load(dt_bias_ptr + i_h)), dt_min), dt_max)
+        A = -tl.exp(A)
+    decay = tl.exp(dt * A)
     h_offs = (bh * P + rp[:, None]) * N + rn[None, :]
     h_mask = mp[:, None] & mn[None, :]
     h = tl.load(h_ptr + h_offs, mask=h_mask, other=0.0)                                   # [BP, BN] h_{t-1}
@@ -53,9 +76,10 @@ def step_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h_ptr, y_ptr, h_out_p
     tl.store(h_out_ptr + h_offs, h, mask=h_mask)
 
 
-def forward(x, dt, A, B, C, D, h):
+def forward(x, dt, A, B, C, D, h, *, dt_bias=None, dt_limit: tuple[float, float] = (0.0, float("inf"))):
     """y [b, H, P] (x's dtype) and h_t [b, H, P, N] float32 from x [b, H, P], B, C [b, G, N] (any strides but a unit
-    one along the last dim), dt [b, H], A [H], D [H] or None (float32) and h [b, H, P, N] float32 (contiguous)."""
+    one along the last dim), dt [b, H] (any row stride), A [H], D [H] or None (float32) and h [b, H, P, N] float32
+    (contiguous). With dt_bias [H] (float32), dt is the raw value (any float dtype) and A is A_log (RAW)."""
     b, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     y = x.new_empty(b, H, P)
@@ -63,6 +87,7 @@ def forward(x, dt, A, B, C, D, h):
     BN = block(N, 256)
     BP = min(block(P, 256), max(16, STATE_BLOCK // BN))
     step_kernel[(b * H, triton.cdiv(P, BP))](
-        x, dt, A, B, C, D if D is not None else A, h, y, h_out, H, G, x.stride(0), x.stride(1), B.stride(0),
-        B.stride(1), C.stride(0), C.stride(1), P=P, N=N, BP=BP, BN=BN, HAS_D=D is not None, num_warps=NUM_WARPS)
+        x, dt, A, B, C, D if D is not None else A, h, y, h_out, dt_bias if dt_bias is not None else A, H, G,
+        x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1), dt.stride(0), dt_limit[0],
+        dt_limit[1], P=P, N=N, BP=BP, BN=BN, HAS_D=D is not None, RAW=dt_bias is not None, num_warps=NUM_WARPS)
     return y, h_out
