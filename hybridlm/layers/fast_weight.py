@@ -204,7 +204,7 @@ class FastWeightMixer(nn.Module):
         )
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         v = v.reshape(batch, length, H, V)  # [B, T, H, V], the activation dtype (bf16 under autocast)
-        if cache is not None and self._steps_in_one_kernel(q, v, beta_logits, lam_logits, cu_seqlens, seq_idx):
+        if cache is not None and self._steps_in_one_kernel(q, v, beta_logits, lam_logits, cache, cu_seqlens, seq_idx):
             # A decoding step's QK norm, gains (3.) and recurrence (4.) as one kernel (`fast_weight_decoding_step`)
             o, state = fast_weight_decoding_step(
                 q.reshape(batch, length, H, K), k.reshape(batch, length, H, K), v,
@@ -241,12 +241,14 @@ class FastWeightMixer(nn.Module):
             _store_state(cache, state)
         return o
 
-    def _steps_in_one_kernel(self, q, v, beta_logits, lam_logits, cu_seqlens, seq_idx) -> bool:
+    def _steps_in_one_kernel(self, q, v, beta_logits, lam_logits, cache, cu_seqlens, seq_idx) -> bool:
         """Whether a cached step runs its QK norm, gains and recurrence as one kernel: one token per row, no packed
-        documents, learned gates, no gradient to record, and the op's step kernel taking the step."""
+        documents, learned gates, no gradient to record (through the inputs, the gains' biases or the carried
+        state), and the op's step kernel taking the step."""
         if q.shape[1] != 1 or cu_seqlens is not None or seq_idx is not None or self.gates == "fixed":
             return False
-        if needs_grad(q, v, beta_logits, lam_logits, self.beta_bias, self.lam_bias):
+        if needs_grad(q, v, beta_logits, lam_logits, self.beta_bias, self.lam_bias,
+                      *(cache.ssm.get(name) for name in _STATE_FIELDS)):
             return False
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         return fast_weight_step_fuses(q, v, rule=self.rule, window=self.window, backend=self.backend)

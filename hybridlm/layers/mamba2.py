@@ -147,7 +147,7 @@ class Mamba2Mixer(nn.Module):
         x, b, c = xbc.split([self.d_ssm, bc_width, bc_width], dim=-1)
         x = x.reshape(batch, length, self.num_heads, self.head_dim)  # [B, T, H, P]
         b, c = (t.reshape(batch, length, self.groups, self.d_state) for t in (b, c))  # [B, T, G, N]
-        if cache is not None and self._steps_in_one_kernel(x, b, dt, cu_seqlens, seq_idx):
+        if cache is not None and self._steps_in_one_kernel(x, b, dt, cache, cu_seqlens, seq_idx):
             # A decoding step's discretization (3.) and recurrence (4.) as one kernel (`ssd_decoding_step`)
             y, cache.ssm["ssm"] = ssd_decoding_step(
                 x, dt, local_tensor(self.A_log), b, c, dt_bias=local_tensor(self.dt_bias),
@@ -182,12 +182,13 @@ class Mamba2Mixer(nn.Module):
             cache.ssm["conv"], cache.ssm["ssm"] = conv_state, ssm_state
         return y.reshape(batch, length, self.d_ssm)  # [B, T, d_ssm]
 
-    def _steps_in_one_kernel(self, x, b, dt, cu_seqlens, seq_idx) -> bool:
+    def _steps_in_one_kernel(self, x, b, dt, cache, cu_seqlens, seq_idx) -> bool:
         """Whether a cached step runs its discretization and recurrence as one kernel: one token per row, no packed
-        documents, no gradient to record, and the op's step kernel taking the step."""
+        documents, no gradient to record (through the inputs, the parameters or the carried state), and the op's
+        step kernel taking the step."""
         if x.shape[1] != 1 or cu_seqlens is not None or seq_idx is not None or self.backend not in ("auto", "triton"):
             return False
-        if needs_grad(x, b, dt, self.A_log, self.dt_bias, self.D):
+        if needs_grad(x, b, dt, self.A_log, self.dt_bias, self.D, cache.ssm.get("ssm")):
             return False
         return ssd_step_fuses(x, b, backend=self.backend)
 

@@ -42,7 +42,7 @@ def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 def contiguous_rows(t: torch.Tensor) -> torch.Tensor:
     """t itself where each of its rows (t[i]) is contiguous, whatever the stride between rows (a row slice of a wider
     projection output), else a contiguous copy."""
-    return t if t.dim() <= 1 or t[0].is_contiguous() else t.contiguous()
+    return t if t.dim() <= 1 or t.shape[0] == 0 or t[0].is_contiguous() else t.contiguous()
 
 
 def on_tensor_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:

@@ -27,7 +27,7 @@ from hybridlm.ops.utils import TRITON_DTYPES, on_tensor_device
 
 STEPS = 8  # row blocks per program (fewer where the rows need fewer: `row_steps`)
 ROW_ELEMENTS = 2048  # BM x BD: rows per block shrink as the groups widen
-KEY = ["DG", "HAS_GATE", "BEFORE"]  # the tuning key (warps x stages, `hybridlm.ops.triton_utils`)
+KEY = ["DG", "STEPS", "HAS_GATE", "BEFORE"]  # the tuning key (warps x stages, `hybridlm.ops.triton_utils`)
 
 
 @triton.jit

@@ -24,7 +24,7 @@ STEPS = 8  # row blocks per program (fewer where the rows need fewer: `row_steps
 ROW_ELEMENTS = 2048  # BR x BD: rows per block shrink as the rows widen
 
 
-@autotune(["D"], fixed_warps=4)
+@autotune(["D", "STEPS"], fixed_warps=4)
 @triton.jit(do_not_specialize=["R"])
 def rms_normalize_fwd_kernel(u_ptr, n_ptr, rstd_ptr, R, H, stride_n, stride_h, eps, D: tl.constexpr,
                              BD: tl.constexpr, BR: tl.constexpr, STEPS: tl.constexpr):
@@ -44,7 +44,7 @@ def rms_normalize_fwd_kernel(u_ptr, n_ptr, rstd_ptr, R, H, stride_n, stride_h, e
         tl.store(rstd_ptr + rows, rstd, mask=in_row)
 
 
-@autotune(["D"], fixed_warps=4)
+@autotune(["D", "STEPS"], fixed_warps=4)
 @triton.jit(do_not_specialize=["R"])
 def rms_normalize_bwd_kernel(dn_ptr, n_ptr, rstd_ptr, du_ptr, R, D: tl.constexpr, BD: tl.constexpr,
                              BR: tl.constexpr, STEPS: tl.constexpr):

@@ -16,7 +16,7 @@ from hybridlm.ops.triton_utils import autotune, row_steps
 from hybridlm.ops.utils import on_tensor_device
 
 BM, BD, STEPS = 16, 128, 4  # rows and channels per block, row blocks per program (at most: `row_steps`)
-KEY = ["D", "HAS_DX", "HAS_DZ"]  # the backward's tuning key (warps x stages, `hybridlm.ops.triton_utils`)
+KEY = ["D", "STEPS", "HAS_DX", "HAS_DZ"]  # the backward's tuning key (warps x stages, `hybridlm.ops.triton_utils`)
 
 
 @triton.jit
@@ -27,7 +27,7 @@ def _block(step, M, D, BM: tl.constexpr, BD: tl.constexpr, STEPS: tl.constexpr):
     return rows.to(tl.int64)[:, None], c[None, :], (rows < M)[:, None] & (c < D)[None, :]
 
 
-@autotune(["D"], fixed_warps=4)
+@autotune(["D", "STEPS"], fixed_warps=4)
 @triton.jit(do_not_specialize=["M"])
 def silu_gate_fwd_kernel(x_ptr, z_ptr, y_ptr, M, D, stride_x, stride_z, BM: tl.constexpr, BD: tl.constexpr,
                          STEPS: tl.constexpr):

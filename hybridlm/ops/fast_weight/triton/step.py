@@ -18,7 +18,7 @@ and writes o in q's dtype, S' and k in float32 (the next step's carried key). be
 Divisions are IEEE (`div_rn`), as torch's.
 
 A mixer's step can hand over its raw pieces instead, and the kernel prepares them where they are loaded (the fast-weight
-mixer's QK normalization and gains: four kernels and eight more per layer on the unfused path):
+mixer's QK normalization and gains: two kernels (rms) or four (l2) and eight more per layer on the unfused path):
 
     QK_NORM 1 (rms): q <- q / sqrt(mean q^2 + eps), rounded to q's dtype; 2 (l2): that with eps / K, times 1/sqrt(K),
         rounded again (the mixer's `_normalize` then its cast: the same roundings); likewise k

@@ -35,7 +35,7 @@ STATE_BLOCK = 4096  # float32 elements of the state per program: BP x BN, 32 per
 @triton.jit
 def _softplus(u):
     """torch's softplus (beta 1, threshold 20) of float32 u."""
-    z = tl.exp(tl.minimum(u, 20.0))
+    z = tl.exp(tl.minimum(u, 20.0, propagate_nan=tl.PropagateNan.ALL))
     w = 1.0 + z
     rounded = w == 1.0  # z below half an ulp of 1: log1p(z) = z to float32 precision
     log1p = tl.where(rounded, z, tl.log(w) * tl.math.div_rn(z, tl.where(rounded, 1.0, w - 1.0)))
@@ -62,7 +62,9 @@ def step_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h_ptr, y_ptr, h_out_p
     dt = tl.load(dt_ptr + i_b * sdt_b + i_h).to(tl.float32)
     A = tl.load(A_ptr + i_h)
     if RAW:  # the mixer's discretization: dt from its raw value, A from A_log
-        dt = tl.minimum(tl.maximum(_softplus(dt + tl.load(dt_bias_ptr + i_h)), dt_min), dt_max)
+        # a NaN dt stays NaN, as torch's clamp keeps it (a diverged model shows)
+        dt = tl.maximum(_softplus(dt + tl.load(dt_bias_ptr + i_h)), dt_min, propagate_nan=tl.PropagateNan.ALL)
+        dt = tl.minimum(dt, dt_max, propagate_nan=tl.PropagateNan.ALL)
         A = -tl.exp(A)
     decay = tl.exp(dt * A)
     h_offs = (bh * P + rp[:, None]) * N + rn[None, :]
