@@ -186,7 +186,7 @@ class Mamba2Mixer(nn.Module):
         """Whether a cached step runs its discretization and recurrence as one kernel: one token per row, no packed
         documents, no gradient to record (through the inputs, the parameters or the carried state), and the op's
         step kernel taking the step."""
-        if x.shape[1] != 1 or cu_seqlens is not None or seq_idx is not None or self.backend not in ("auto", "triton"):
+        if x.shape[1] != 1 or cu_seqlens is not None or seq_idx is not None:
             return False
         if needs_grad(x, b, dt, self.A_log, self.dt_bias, self.D, cache.ssm.get("ssm")):
             return False

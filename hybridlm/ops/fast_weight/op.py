@@ -188,7 +188,7 @@ def fast_weight_decoding_step(
     Returns:
         o `[B, 1, H, V]` in q's dtype and the state after the step (float32; the carried key is the normalized k).
     """
-    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_step_triton
+    from hybridlm.ops.fast_weight.triton.backend import decoding_step
 
     options = FastWeightOptions(rule=rule, pairing=pairing, read=read, step_size=step_size,
                                 ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma)
@@ -198,13 +198,9 @@ def fast_weight_decoding_step(
     V = v.shape[-1]
     state = _prepare_state(initial_state, n_rows=B, H=H, K=K, V=V, window=1, pairing=pairing, dtype=torch.float32,
                            device=q.device)
-    shifted = options.shifted
     with torch.autocast(q.device.type, enabled=False):
-        o, S, last_k = fast_weight_step_triton(
-            q[:, 0], k[:, 0], v[:, 0], beta_logits[:, 0], lam_logits[:, 0], state.S, state.last_k if shifted else None,
-            rule=rule, pairing=pairing, read_after=options.read_after, step_size=step_size,
-            ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, gates=gates, qk_norm=qk_norm, qk_eps=qk_eps)
-    return o[:, None], FastWeightState(S=S, last_k=last_k if shifted else None)
+        return decoding_step(q, k, v, beta_logits, lam_logits, options, state, gates=gates, qk_norm=qk_norm,
+                             qk_eps=qk_eps)
 
 
 def _triton_in_row_groups(q, k, v, beta, lam, options, *, state, offsets, seq_idx):

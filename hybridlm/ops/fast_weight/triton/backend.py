@@ -98,7 +98,7 @@ def fast_weight_triton(
     if (q.shape[1] == 1 and offsets is None and seq_idx is None and step_takes(rule=rule, window=window, K=K, V=V,
                                                                                 dtype=q.dtype)
             and not needs_grad(q, k, v, beta, lam, initial_state.S, initial_state.last_k)):
-        return _decoding_step(q, k, v, beta, lam, options, initial_state)
+        return decoding_step(q, k, v, beta, lam, options, initial_state)
     if fused_preparation and rule in FUSED_RULES and window == 1:
         return _window_1(q, k, v, beta, lam, options, initial_state=initial_state, offsets=offsets, seq_idx=seq_idx)
     p = prepare_writes(q, k, v, beta, lam, options, initial_state=initial_state, offsets=offsets, seq_idx=seq_idx)
@@ -182,14 +182,16 @@ def _delayed_window(p: PreparedWrites, S0: torch.Tensor, *, read_after: bool,
     return o, S
 
 
-def _decoding_step(q, k, v, beta, lam, options: FastWeightOptions, state: FastWeightState):
-    """One step [B, 1, H, *] through the step kernel -> o [B, 1, H, V], the state after it."""
+def decoding_step(q, k, v, beta, lam, options: FastWeightOptions, state: FastWeightState, **preparation):
+    """One step [B, 1, H, *] through the step kernel -> o [B, 1, H, V], the state after it. `preparation`: the
+    mixer's QK norm and gains for the kernel to take (`fast_weight_step_triton`'s gates, qk_norm, qk_eps; beta and
+    lam are then the gains' logits)."""
     shifted = options.shifted
     k, v = k.to(q.dtype), v.to(q.dtype)  # one dtype, as the scans take them
     o, S, last_k = fast_weight_step_triton(
         q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], state.S.float(), state.last_k if shifted else None,
         rule=options.rule, pairing=options.pairing, read_after=options.read_after, step_size=options.step_size,
-        ridge_scaling=options.ridge_scaling, eps=options.eps, eps_gamma=options.eps_gamma)
+        ridge_scaling=options.ridge_scaling, eps=options.eps, eps_gamma=options.eps_gamma, **preparation)
     return o[:, None], FastWeightState(S=S, last_k=last_k if shifted else None)
 
 
