@@ -59,6 +59,8 @@ the Transformer's attention and MLP and add the SSM half: 143-159M parameters ag
    after the prefill) instead of the one-kernel steps "auto" takes on CUDA, as "<variant> (torch steps)": what the
    step kernels save per token. The fast-weight mixer's QK norms follow its backend: those rows also run them on
    torch's `rms_norm` (float32 math: a fused norm and the casts around it) instead of their Triton kernels.
+   `--decode-dtype bfloat16` decodes a bf16 copy of each model instead (the weights cast once, no autocast: what
+   `hybridlm serve --dtype bfloat16` runs); under autocast every step casts the float32 weights it multiplies.
 3. `--profile-decode`: `torch.profiler` over 3 decoding steps at the first context, per variant: the operators with
    the most device (or CPU) time and the number of kernel launches, to tell per-step overhead from the math;
    `--profile-train` the same for one training update per variant and length.
@@ -246,11 +248,13 @@ def training(model, *, length: int, device: torch.device, repeats: int, rows: in
 
 
 @torch.no_grad()
-def profile_decoding(model, *, context: int, device: torch.device, rows: int = 12, torch_loops: bool = False) -> str:
-    """`profiled` over 3 decoding steps after a prefill of `context` tokens (`torch_loops`: through `torch_steps`)."""
+def profile_decoding(model, *, context: int, device: torch.device, rows: int = 12, torch_loops: bool = False,
+                     autocast: bool = True) -> str:
+    """`profiled` over 3 decoding steps after a prefill of `context` tokens (`torch_loops`: through `torch_steps`;
+    `autocast`: under bf16 autocast on CUDA, else in the model's dtype)."""
     model.eval()
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast and device.type == "cuda"):
         cache = model(ids, cache=model.new_cache()).cache
         with torch_steps(model, torch_loops):
             model(ids[:, -1:], cache=cache)  # one step outside the profile (first-call work)
@@ -277,14 +281,15 @@ def torch_steps(model, enabled: bool = True):
 
 @torch.no_grad()
 def decoding(model, *, context: int, device: torch.device, steps: int, batch: int = 1, graph: bool = False,
-             compile_step: str | None = None, prefill_tokens: int = 1 << 18, torch_loops: bool = False) -> dict:
+             compile_step: str | None = None, prefill_tokens: int = 1 << 18, torch_loops: bool = False,
+             autocast: bool = True) -> dict:
     """Prefill time, decoding step time (median) and cache size per row; `torch_loops`: the steps through
-    `torch_steps`."""
+    `torch_steps`; `autocast`: under bf16 autocast on CUDA, else in the model's dtype."""
     model.eval()
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
     piece = max(1, prefill_tokens // batch)  # tokens per row in one prefill call
     token = ids[:, -1:]
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast and device.type == "cuda"):
         # first-call work (kernel compilation, library set-up) not timed; logits of the last position only
         prefill(model, ids[:, :2 * piece], chunk=piece)  # a first piece and a continuation
         sync(device)
@@ -379,6 +384,8 @@ def main() -> None:
                         help="also train every variant with SSM mixers with their own recomputation off (the mixers "
                              "keep their conv output, norms and write events: `parallel.recompute_mixers=false`), "
                              "as '<variant> (kept)' in the same rounds")
+    parser.add_argument("--decode-dtype", default="autocast", choices=["autocast", "bfloat16"],
+                        help="decode under bf16 autocast (float32 weights), or a bf16 copy of each model (no autocast)")
     parser.add_argument("--torch-steps", action="store_true",
                         help="also decode every variant with SSM mixers with their single steps on the torch loops "
                              "instead of the step kernels, as '<variant> (torch steps)'")
@@ -396,6 +403,7 @@ def main() -> None:
     device = torch.device("cpu" if args.cpu else "cuda")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{name} · torch {torch.__version__} · preset {args.preset} · bf16 autocast on CUDA"
+          + (" · decoding a bf16 copy of each model" if args.decode_dtype == "bfloat16" else "")
           + (f" · training through torch.compile ({args.compile})" if args.compile else "")
           + (" · decoding through CUDA graphs" if args.graph else "")
           + (" of the compiled step" if args.graph and args.compile_decode else "")
@@ -439,13 +447,16 @@ def main() -> None:
     for variant in args.variants:
         model = models.pop(variant)
         has_mixers = any(isinstance(m, (FastWeightMixer, Mamba2Mixer)) for m in model.modules())
+        autocast = args.decode_dtype == "autocast"
+        if not autocast:
+            model.to(torch.bfloat16)  # training is done: the model serves decoding alone from here
         for context in args.contexts:
             for batch in args.decode_batches:
                 for loops in [False] + ([True] if args.torch_steps and has_mixers else []):
                     try:
                         measured = decoding(model, context=context, device=device, steps=args.decode_steps,
                                             batch=batch, graph=args.graph, compile_step=compile_step,
-                                            prefill_tokens=args.prefill_tokens, torch_loops=loops)
+                                            prefill_tokens=args.prefill_tokens, torch_loops=loops, autocast=autocast)
                     except torch.OutOfMemoryError:
                         measured = {"prefill_s": None, "decode_ms": None, "tokens_per_s": None,
                                     "cache_mib_per_row": None}
@@ -458,7 +469,8 @@ def main() -> None:
             for loops in [False] + ([True] if args.torch_steps and has_mixers else []):
                 label = f"{variant} (torch steps)" if loops else variant
                 print(f"\n### decoding profile: {label}, context {args.contexts[0]}\n"
-                      + profile_decoding(model, context=args.contexts[0], device=device, torch_loops=loops),
+                      + profile_decoding(model, context=args.contexts[0], device=device, torch_loops=loops,
+                                         autocast=autocast),
                       flush=True)
         del model
         if device.type == "cuda":

@@ -38,11 +38,20 @@ def block(dim: int, cap: int) -> int:
     return min(max(16, triton.next_power_of_2(dim)), cap)
 
 
+SPREAD_PROGRAMS = 256  # programs a row kernel keeps before one program walks several row blocks (~2 per SM)
+
+
 def row_steps(rows: int, block_rows: int, most: int) -> int:
-    """Row blocks each program walks: `most`, or the power of two that covers `rows` when fewer do (a decoding step's
-    single row then walks one block, not `most` blocks of which all but one are masked; each costs its reduction or
-    its loads' latency). Powers of two keep the compiled variants few."""
-    return min(most, triton.next_power_of_2(triton.cdiv(max(rows, 1), block_rows)))
+    """Row blocks each program walks: one while the rows' blocks give fewer than ~2 x SPREAD_PROGRAMS programs, more
+    (a power of two, at most `most`) only as the rows grow past that. A decoding step's rows then spread over the SMs
+    (64 rows of a [64, 768] norm: 32 programs of one block, not 4 programs walking 8 blocks each, one reduction after
+    another), while a training batch's thousands of rows still share a program's set-up over `most` blocks. Powers
+    of two keep the compiled variants few."""
+    blocks = triton.cdiv(max(rows, 1), block_rows)
+    steps = 1
+    while steps < most and blocks >= 2 * steps * SPREAD_PROGRAMS:
+        steps *= 2
+    return steps
 
 
 def autotuning() -> bool:

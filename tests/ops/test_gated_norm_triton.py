@@ -74,7 +74,7 @@ CASES = [  # shape, groups, gate, norm_before_gate
 @interpret
 @pytest.mark.parametrize("shape,groups,gate,before", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-def test_matches_float64_reference(shape, groups, gate, before, dtype):
+def test_matches_float64_reference(shape, groups, gate, before, dtype, walked_blocks):
     if dtype == torch.bfloat16 and not ON_GPU:
         pytest.skip("bfloat16 is checked on the GPU; float16 covers the 16-bit path under the interpreter")
     _check(shape, groups, gate=gate, before=before, dtype=dtype)

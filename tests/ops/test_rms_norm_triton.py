@@ -56,7 +56,7 @@ def test_reference_matches_the_model_norm():
                                    (40, 64)],
                          ids=["odd", "one-head", "programs", "2d", "two-channel", "widest", "two-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-def test_matches_float64_reference(shape, dtype):
+def test_matches_float64_reference(shape, dtype, walked_blocks):
     skip_bfloat16_interpreted(dtype)
     if INTERPRET and shape[-1] == 4096:
         pytest.skip("the widest rows run on the GPU (slow under the interpreter)")
@@ -223,12 +223,14 @@ def test_kernels_compile_for_sm90():
     assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
 
 
-def test_row_steps_cover_the_rows_with_the_fewest_blocks():
-    """A program walks `most` row blocks, or the fewest power of two that covers the rows when fewer do (a decoding
-    step's one row: one block)."""
+def test_row_steps_spread_the_rows_before_walking_blocks():
+    """A program walks one row block while the rows' blocks make fewer than 2 x SPREAD_PROGRAMS programs (a decoding
+    step's rows spread over the SMs), then twice as many each time the blocks double, up to `most`."""
     pytest.importorskip("triton")
-    from hybridlm.ops.triton_utils import row_steps
+    from hybridlm.ops.triton_utils import SPREAD_PROGRAMS, row_steps
 
-    assert [row_steps(rows, 32, 8) for rows in (0, 1, 32, 33, 64, 65, 128, 129, 256, 257, 10**6)] == \
-        [1, 1, 1, 2, 2, 4, 4, 8, 8, 8, 8]
-    assert row_steps(100, 16, 4) == 4
+    blocks = [0, 1, 32, 2 * SPREAD_PROGRAMS - 1, 2 * SPREAD_PROGRAMS, 4 * SPREAD_PROGRAMS - 1, 4 * SPREAD_PROGRAMS,
+              8 * SPREAD_PROGRAMS, 16 * SPREAD_PROGRAMS, 10**6]
+    assert [row_steps(32 * b, 32, 8) for b in blocks] == [1, 1, 1, 1, 2, 2, 4, 8, 8, 8]
+    assert row_steps(32 * 8 * SPREAD_PROGRAMS + 1, 32, 4) == 4  # capped at `most`
+    assert row_steps(64, 2, 8) == 1  # a decoding step's 64 rows of 768 channels: 32 programs of one block

@@ -39,7 +39,7 @@ def test_reference_is_the_torch_form():
 @pytest.mark.parametrize("shape", [(2, 37, 20), (700, 300), (3, 1), (1, 5, 129), (30, 8)],
                          ids=["odd", "programs", "one", "wide", "two-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-def test_matches_float64_reference(shape, dtype):
+def test_matches_float64_reference(shape, dtype, walked_blocks):
     skip_bfloat16_interpreted(dtype)
     g = torch.Generator().manual_seed(1)
     x, z = ((3 * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype).double() for _ in range(2))
