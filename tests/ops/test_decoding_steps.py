@@ -234,6 +234,45 @@ def test_decoding_step_prepares_16_bit_inputs_as_the_mixer_rounds(dtype):
         torch.testing.assert_close(got.last_k, rounded[1][:, 0].float(), rtol=0, atol=0)
 
 
+def _arguments_seen(monkeypatch, module) -> list:
+    """The positional and keyword arguments of each call of `module.forward` (a step kernel's launcher)."""
+    seen = []
+    launch = module.forward
+    monkeypatch.setattr(module, "forward", lambda *args, **kwargs: (seen.append((args, kwargs)),
+                                                                     launch(*args, **kwargs))[1])
+    return seen
+
+
+@interpret
+@pytest.mark.parametrize("rule", ["1A", "2A"])
+def test_decoding_step_reads_16_bit_biases_without_a_cast(monkeypatch, rule):
+    """The gains' biases of a 16-bit model reach the kernel in their dtype (no cast kernel per step) and the step
+    equals the one on their float32 copies bit for bit: the kernel reads them as float32."""
+    from hybridlm.ops.fast_weight import fast_weight_decoding_step
+    from hybridlm.ops.fast_weight.triton import step
+
+    B, H, K = 2, 3, 16
+    width = H * K if rule == "2A" else H
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(B, 1, H, K, generator=g).to(DEVICE, torch.float16) for _ in range(3))
+    beta_logits = torch.randn(B, 1, width, generator=g).to(DEVICE, torch.float16)
+    if rule == "2A":
+        beta_logits = beta_logits.unflatten(-1, (H, K))
+    lam_logits = torch.randn(B, 1, H, generator=g).to(DEVICE, torch.float16)
+    biases = [torch.randn(n, generator=g).to(DEVICE, torch.float16) for n in (width, H)]
+    state = FastWeightState(S=torch.randn(B, H, K, K, generator=g).to(DEVICE),
+                            last_k=torch.randn(B, H, K, generator=g).to(DEVICE))
+    seen = _arguments_seen(monkeypatch, step)
+    outs = [fast_weight_decoding_step(q, k, v, beta_logits, lam_logits, gates=(*given, 2.0, 16.0), qk_norm="rms",
+                                      qk_eps=1e-6, rule=rule, initial_state=state)
+            for given in (biases, [b.float() for b in biases])]
+    assert [kwargs["beta_bias"].dtype for _, kwargs in seen] == [torch.float16, torch.float32]
+    assert [kwargs["lam_bias"].dtype for _, kwargs in seen] == [torch.float16, torch.float32]
+    (o16, s16), (o32, s32) = outs
+    torch.testing.assert_close(o16, o32, rtol=0, atol=0)
+    torch.testing.assert_close(s16.S, s32.S, rtol=0, atol=0)
+
+
 def test_decoding_step_refuses_wrong_biases():
     """A bias of the wrong size says which sizes the step takes."""
     pytest.importorskip("triton")
@@ -377,6 +416,30 @@ def test_ssd_decoding_step_discretizes(monkeypatch, groups, dt_limit):
     assert rel_err(y.double().cpu(), want_y) < TOL[torch.float32]
     assert rel_err(h.double().cpu(), want_h) < TOL[torch.float32]
     assert len(calls) == 1
+
+
+@interpret
+def test_ssd_decoding_step_reads_16_bit_parameters_without_a_cast(monkeypatch):
+    """A_log, D and dt_bias of a 16-bit model reach the kernel in their dtype (no cast kernel per step) and the step
+    equals the one on their float32 copies bit for bit: the kernel reads them as float32."""
+    from hybridlm.ops.ssd import ssd_decoding_step
+    from hybridlm.ops.ssd.triton import step
+
+    b, H, P, G, N = 2, 4, 16, 2, 16
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(b, 1, H, P, generator=g).to(DEVICE, torch.float16)
+    Bm, Cm = (torch.randn(b, 1, G, N, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    dt = torch.randn(b, 1, H, generator=g).to(DEVICE, torch.float16)
+    params = [torch.randn(H, generator=g).to(DEVICE, torch.float16) for _ in range(3)]  # A_log, D, dt_bias
+    h = torch.randn(b, H, P, N, generator=g).to(DEVICE)
+    seen = _arguments_seen(monkeypatch, step)
+    outs = [ssd_decoding_step(x, dt, A_log, Bm, Cm, dt_bias=dt_bias, dt_limit=(1e-3, 2.0), D=D, initial_state=h)
+            for A_log, D, dt_bias in (params, [p.float() for p in params])]
+    assert [(args[2].dtype, args[5].dtype, kwargs["dt_bias"].dtype) for args, kwargs in seen] == \
+        [(torch.float16,) * 3, (torch.float32,) * 3]
+    (y16, h16), (y32, h32) = outs
+    torch.testing.assert_close(y16, y32, rtol=0, atol=0)
+    torch.testing.assert_close(h16, h32, rtol=0, atol=0)
 
 
 @interpret

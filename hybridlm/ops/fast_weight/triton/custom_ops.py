@@ -183,7 +183,8 @@ def fast_weight_step_triton(q, k, v, beta, lam, S, last_k, *, rule: str, pairing
             (shifted pairing; None: a fresh row, which writes nothing this step).
         gates: None, or `(beta_bias, lam_bias, beta_scale, lam_scale)`: beta and lam are then the gains' logits
             (any float dtype, read at their row strides) and the kernel takes beta = beta_scale sigmoid(beta +
-            beta_bias), lam = lam_scale sigmoid(lam + lam_bias) (biases `[H]`, 2A / 2's beta_bias `[H V]`).
+            beta_bias), lam = lam_scale sigmoid(lam + lam_bias) (biases `[H]`, 2A / 2's beta_bias `[H V]`, any float
+            dtype, read as float32: a bf16 model's biases take no cast kernel of their own).
         qk_norm: "none", or "rms" / "l2" (eps `qk_eps`): q and k normalized over K in the kernel first, as the
             fast-weight mixer's `_normalize` (l2: rms with eps / K, times 1 / sqrt(K)), rounded to q's dtype; the
             carried key is the normalized k.
@@ -223,8 +224,6 @@ def fast_weight_step_triton(q, k, v, beta, lam, S, last_k, *, rule: str, pairing
         raise ValueError(f"the Triton kernels need CUDA tensors (got {q.device})")
     if gates is None:
         beta, lam = beta.to(torch.float32), lam.to(torch.float32)
-    else:
-        beta_bias, lam_bias = beta_bias.to(torch.float32), lam_bias.to(torch.float32)
     l2 = qk_norm == "l2"
     return torch.ops.hybridlm.fast_weight_step(
         q, k, v, beta, lam, S, None if last_k is None else last_k.to(torch.float32), rule, pairing == "shifted",

@@ -51,8 +51,8 @@ def _qk_normalize(u, K: tl.constexpr, eps, scale, L2: tl.constexpr, dtype: tl.co
 
 @triton.jit
 def _gain(logit, bias, scale):
-    """scale sigmoid(logit + bias) in float32."""
-    return scale * tl.sigmoid(logit.to(tl.float32) + bias)
+    """scale sigmoid(logit + bias) in float32 (the bias as loaded, in the parameters' dtype)."""
+    return scale * tl.sigmoid(logit.to(tl.float32) + bias.to(tl.float32))
 
 
 @triton.jit
@@ -132,7 +132,7 @@ def forward(q, k, v, beta, lam, S, last_k, *, rule: str, shifted: bool, read_aft
     pairing: same-step rows carry none and drop it) from q, k [N, H, K], v [N, H, V] (one dtype; any row and head
     strides, the head dim unit-strided), beta [N, H] (2A, 2: [N, H, V]) and lam [N, H] float32 (any row stride, the
     rest contiguous), S [N, H, K, V] float32, last_k [N, H, K] float32 or None (a fresh shifted row: no write), all
-    contiguous but q, k, v, beta, lam. With beta_bias and lam_bias (float32, contiguous), beta and lam are the gains'
+    contiguous but q, k, v, beta, lam. With beta_bias and lam_bias (any float dtype, read as float32; contiguous), beta and lam are the gains'
     logits in any float dtype (GATES); qk_norm 1 / 2 normalizes q and k first (QK_NORM)."""
     N, H, K = q.shape
     V = v.shape[-1]

@@ -129,10 +129,11 @@ def ssd_step_triton(x, dt, A, B, C, D, h, *, discretize: tuple | None = None) ->
 
     Args:
         x: `[b, H, P]`; B, C: `[b, G, N]` (x, B, C in one dtype among the kernels'). dt: `[b, H]` (softplus-ed), A,
-            D: `[H]` (D may be None); cast to float32 here. h: `[b, H, P, N]` float32, the state before the step.
+            D: `[H]` (D may be None), any float dtype (the kernel reads them as float32: a bf16 model's parameters
+            take no cast kernel of their own). h: `[b, H, P, N]` float32, the state before the step.
         discretize: None, or `(dt_bias, (dt_min, dt_max))`: dt is then the raw value (any float dtype, read at its
             row stride) and A is A_log, and the kernel takes dt = clamp(softplus(dt + dt_bias), dt_min, dt_max),
-            A = -exp(A_log) (dt_bias `[H]`), as the Mamba-2 mixer does.
+            A = -exp(A_log) (dt_bias `[H]`, any float dtype), as the Mamba-2 mixer does.
 
     Returns:
         y `[b, H, P]` in x's dtype and the state after the step `[b, H, P, N]` float32.
@@ -155,9 +156,7 @@ def ssd_step_triton(x, dt, A, B, C, D, h, *, discretize: tuple | None = None) ->
         raise ValueError(f"dt_bias must be [H] = [{H}]; got {list(dt_bias.shape)}")
     if x.device.type != "cuda" and not triton_interpreting():
         raise ValueError(f"the Triton kernels need CUDA tensors (got {x.device})")
-    f32 = lambda t: None if t is None else t.to(torch.float32)
-    return torch.ops.hybridlm.ssd_step(x, dt if dt_bias is not None else f32(dt), f32(A), B, C, f32(D), h,
-                                       f32(dt_bias), float(dt_min), float(dt_max))
+    return torch.ops.hybridlm.ssd_step(x, dt, A, B, C, D, h, dt_bias, float(dt_min), float(dt_max))
 
 
 @torch.library.custom_op("hybridlm::ssd_step", mutates_args=(),

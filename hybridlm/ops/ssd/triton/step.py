@@ -60,10 +60,10 @@ def step_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h_ptr, y_ptr, h_out_p
     Bg = tl.load(B_ptr + i_b * sb_b + i_g * sb_g + rn, mask=mn, other=0.0).to(tl.float32)     # [BN]
     Cg = tl.load(C_ptr + i_b * sc_b + i_g * sc_g + rn, mask=mn, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + i_b * sdt_b + i_h).to(tl.float32)
-    A = tl.load(A_ptr + i_h)
+    A = tl.load(A_ptr + i_h).to(tl.float32)
     if RAW:  # the mixer's discretization: dt from its raw value, A from A_log
         # a NaN dt stays NaN, as torch's clamp keeps it (a diverged model shows)
-        dt = tl.maximum(_softplus(dt + tl.load(dt_bias_ptr + i_h)), dt_min, propagate_nan=tl.PropagateNan.ALL)
+        dt = tl.maximum(_softplus(dt + tl.load(dt_bias_ptr + i_h).to(tl.float32)), dt_min, propagate_nan=tl.PropagateNan.ALL)
         dt = tl.minimum(dt, dt_max, propagate_nan=tl.PropagateNan.ALL)
         A = -tl.exp(A)
     decay = tl.exp(dt * A)
@@ -73,15 +73,16 @@ def step_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h_ptr, y_ptr, h_out_p
     h = decay * h + (dt * x)[:, None] * Bg[None, :]
     y = tl.sum(h * Cg[None, :], axis=1)
     if HAS_D:
-        y = y + tl.load(D_ptr + i_h) * x
+        y = y + tl.load(D_ptr + i_h).to(tl.float32) * x
     tl.store(y_ptr + bh * P + rp, y.to(y_ptr.dtype.element_ty), mask=mp)
     tl.store(h_out_ptr + h_offs, h, mask=h_mask)
 
 
 def forward(x, dt, A, B, C, D, h, *, dt_bias=None, dt_limit: tuple[float, float] = (0.0, float("inf"))):
     """y [b, H, P] (x's dtype) and h_t [b, H, P, N] float32 from x [b, H, P], B, C [b, G, N] (any strides but a unit
-    one along the last dim), dt [b, H] (any row stride), A [H], D [H] or None (float32) and h [b, H, P, N] float32
-    (contiguous). With dt_bias [H] (float32), dt is the raw value (any float dtype) and A is A_log (RAW)."""
+    one along the last dim), dt [b, H] (any row stride), A [H], D [H] or None (any float dtype, read as float32) and
+    h [b, H, P, N] float32 (contiguous). With dt_bias [H] (likewise), dt is the raw value (any float dtype) and A is
+    A_log (RAW)."""
     b, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     y = x.new_empty(b, H, P)
