@@ -10,11 +10,12 @@ them costs several copies of the mixer's width per token; recomputing them costs
 runs `fn(*inputs)` under torch's non-reentrant activation checkpointing (`torch.utils.checkpoint`), so the region
 keeps nothing but its inputs: in the backward it runs again to give each node its saved tensors. A kernel launcher
 called through `kept_kernel(launch, *args)` (the scans' forward custom ops do) runs once. The region holds its
-outputs by weak reference only: an output still alive when the backward comes (the mixer's output, which its gated
-norm keeps) is handed back in the recomputation instead of being computed again; one freed by then (a final state
-nobody asked for, a padded output already gathered into the packed rows) comes back as a NaN-filled placeholder of
-its shape. So the region costs no memory beyond the plain call's, and a region that computed a saved tensor from a
-freed output's values would show NaN gradients rather than wrong ones. This is selective activation checkpointing
+outputs by weak reference only: an output still alive when the recomputation runs is handed back in it; one freed by
+then comes back as a NaN-filled placeholder of its shape. In the mixers every kept output is freed by then: a final
+state nobody asked for and a padded output gathered into the packed rows right after the forward, and the mixer's
+output once the backward of the gated output projection, the only holder of it and the first to run, is done. So the
+region costs no memory beyond the plain call's, and a region that computed a saved tensor from a freed output's
+values would show NaN gradients rather than wrong ones. This is selective activation checkpointing
 (`torch.utils.checkpoint.create_selective_checkpoint_contexts`) for a named set of kernels, without its dispatch
 mode, which would intercept every op of the region twice.
 
@@ -54,7 +55,10 @@ def recompute_except_kernels(fn: Callable[..., torch.Tensor], *inputs: torch.Ten
     if torch.compiler.is_compiling():
         return checkpoint(fn, *inputs, use_reentrant=False, context_fn=_compiled_contexts)
     region = _Region()
-    return checkpoint(fn, *inputs, use_reentrant=False, context_fn=region.contexts)
+    # Deterministic by contract: no RNG state to save and restore, no recomputed tensor's metadata to compare (both
+    # host work per region and call; the tests hold the values and gradients to the plain call's, bit for bit).
+    return checkpoint(fn, *inputs, use_reentrant=False, context_fn=region.contexts, preserve_rng_state=False,
+                      determinism_check="none")
 
 
 def keep_in_compiled_regions(op: torch._ops.OpOverload) -> None:
@@ -67,6 +71,16 @@ def _compiled_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 _compiled_contexts = functools.partial(create_selective_checkpoint_contexts, _compiled_policy)
+
+
+@functools.cache
+def on_contiguous(launch: Callable) -> Callable:
+    """launch, its tensor arguments made contiguous first: as a `kept_kernel` launcher, a recomputation's replay then
+    makes no copies to throw away. One wrapper per launcher (cached), so each call passes the same object."""
+    @functools.wraps(launch)
+    def run(*args):
+        return launch(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args))
+    return run
 
 
 def kept_kernel(launch: Callable, *args):

@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 
-from hybridlm.ops.recompute import kept_kernel, recompute_except_kernels
+from hybridlm.ops.recompute import kept_kernel, on_contiguous, recompute_except_kernels
 
 LAUNCHES = {"scan": 0, "other": 0}
 
@@ -179,7 +179,7 @@ def test_a_saved_tensor_computed_from_a_freed_output_shows_as_nan():
 def test_a_kernel_output_still_alive_is_handed_back():
     """The caller holds the scan's output s, so the recomputation gets s itself: the product's saved s * 2 is
     recomputed from the real values and every gradient equals the plain call's."""
-    grads = {}
+    grads, copies_in_backward = {}, {}
     for recompute in (False, True):
         h, w_prep, w_scan = _inputs()
         region = Region(w_prep, w_scan, after="both")
@@ -188,3 +188,50 @@ def test_a_kernel_output_still_alive_is_handed_back():
         grads[recompute] = [t.grad for t in (h, w_prep, w_scan)]
     for g, g_plain in zip(grads[True], grads[False]):
         assert torch.equal(g, g_plain)
+
+
+def _strided_launch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A stand-in for a launcher that needs contiguous inputs (as the Triton scans do)."""
+    assert x.is_contiguous()
+    LAUNCHES["strided"] = LAUNCHES.get("strided", 0) + 1
+    return torch.cumsum(x * w, dim=1)
+
+
+@torch.library.custom_op("hybridlm_test::recompute_strided_scan", mutates_args=())
+def _strided_scan(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return kept_kernel(on_contiguous(_strided_launch), x, w)
+
+
+_strided_scan.register_autograd(_scan_backward, setup_context=lambda ctx, inputs, output: _scan_setup(
+    ctx, (*inputs, False), output))
+
+
+def _copies(events) -> int:
+    """The copies (`aten::clone`, `aten::copy_`) among a profile's operators, nested calls included (a custom op's
+    own ops too, which a dispatch mode would not see)."""
+    return sum(e.count for e in events.key_averages() if e.key in ("aten::clone", "aten::copy_"))
+
+
+def test_a_strided_input_is_copied_inside_the_kept_call_only():
+    """`on_contiguous`: the launcher gets a contiguous copy of a strided input, made inside the kept call, so the
+    recomputation's replay copies nothing (a copy made before `kept_kernel` would be made again and thrown away);
+    one wrapper per launcher; the gradients are the plain call's."""
+    assert on_contiguous(_strided_launch) is on_contiguous(_strided_launch)
+    grads, copies_in_backward = {}, {}
+    for recompute in (False, True):
+        h, w_prep, w_scan = _inputs()
+
+        def region(h):
+            u = (torch.sin(h) * w_prep).transpose(0, 1)  # [T, B, C]: strided
+            return _strided_scan(u, w_scan) * 2.0
+
+        LAUNCHES["strided"] = 0
+        out = recompute_except_kernels(region, h) if recompute else region(h)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            out.sum().backward()
+        assert LAUNCHES["strided"] == 1
+        copies_in_backward[recompute] = _copies(profile)
+        grads[recompute] = [t.grad for t in (h, w_prep, w_scan)]
+    assert copies_in_backward[True] == copies_in_backward[False]  # the recomputation adds none
+    for plain, recomputed in zip(grads[False], grads[True]):
+        torch.testing.assert_close(recomputed, plain, rtol=0, atol=0)

@@ -40,7 +40,7 @@ import math
 import torch
 
 from hybridlm.ops.fast_weight.triton.limits import DTYPES, MAX_DELTA_CHUNK, MAX_HEAD_DIM, MAX_RULE_2_CHUNK
-from hybridlm.ops.recompute import keep_in_compiled_regions, kept_kernel
+from hybridlm.ops.recompute import keep_in_compiled_regions, kept_kernel, on_contiguous
 from hybridlm.ops.utils import contiguous_rows, on_tensor_device, triton_interpreting, unit_last_stride
 
 # The scans' options (after S0), passed through to the implementations' forward/backward; rule 3 adds `slots`.
@@ -286,10 +286,8 @@ def _register(rule: str, name: str, options: str = _OPTIONS) -> None:
     @torch.library.custom_op(f"hybridlm::fast_weight_{name}_fwd", mutates_args=(),
                              schema=_FWD_SCHEMA.format(options=options))
     def fwd(q, x, y, eta, log_gamma, S0, *options):
-        q, x, y, eta, log_gamma = (t.contiguous() for t in (q, x, y, eta, log_gamma))
-        S0 = None if S0 is None else S0.contiguous()
         with on_tensor_device(q):  # kept, not run again, in a recomputed region (hybridlm.ops.recompute)
-            return kept_kernel(_implementation(rule)[0], q, x, y, eta, log_gamma, S0, *options)
+            return kept_kernel(on_contiguous(_implementation(rule)[0]), q, x, y, eta, log_gamma, S0, *options)
 
     @fwd.register_fake
     def _(q, x, y, eta, log_gamma, S0, *options):
@@ -407,7 +405,7 @@ def _register_band() -> None:
         from hybridlm.ops.fast_weight.triton import band
 
         with on_tensor_device(q):
-            return kept_kernel(band.forward, *(t.contiguous() for t in (q, x_ext, y_ext, c, base)), shift)
+            return kept_kernel(on_contiguous(band.forward), q, x_ext, y_ext, c, base, shift)
 
     @fwd.register_fake
     def _(q, x_ext, y_ext, c, base, shift):

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from hybridlm.ops.recompute import keep_in_compiled_regions, kept_kernel
+from hybridlm.ops.recompute import keep_in_compiled_regions, kept_kernel, on_contiguous
 from hybridlm.ops.ssd.triton.limits import DTYPES, MAX_D_STATE, MAX_HEAD_DIM
 from hybridlm.ops.utils import contiguous_rows, on_tensor_device, triton_interpreting, unit_last_stride
 
@@ -83,7 +83,7 @@ def _contiguous(*tensors):
 @torch.library.custom_op("hybridlm::ssd_fwd", mutates_args=(), schema=_FWD_SCHEMA)
 def _ssd_fwd(x, dt, A, B, C, D, h0, chunk_size):
     with on_tensor_device(x):  # kept, not run again, in a recomputed region (hybridlm.ops.recompute)
-        return kept_kernel(_implementation().forward, *_contiguous(x, dt, A, B, C, D, h0), chunk_size)
+        return kept_kernel(on_contiguous(_implementation().forward), x, dt, A, B, C, D, h0, chunk_size)
 
 
 @_ssd_fwd.register_fake
