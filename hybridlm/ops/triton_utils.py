@@ -28,14 +28,14 @@ import triton
 import triton.language as tl
 from triton.runtime.autotuner import Autotuner
 
-from hybridlm.ops.utils import MAX_GRID_YZ, triton_interpreting
+from hybridlm.ops.utils import MAX_GRID_YZ, cdiv, next_power_of_2, triton_interpreting
 
 TUNED_CONFIGS = tuple(triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2))
 
 
 def block(dim: int, cap: int) -> int:
     """A power-of-two block (>= 16, the smallest tl.dot size) covering dim, at most cap."""
-    return min(max(16, triton.next_power_of_2(dim)), cap)
+    return min(max(16, next_power_of_2(dim)), cap)
 
 
 SPREAD_PROGRAMS = 256  # programs a row kernel keeps before one program walks several row blocks (~2 per SM)
@@ -47,7 +47,7 @@ def row_steps(rows: int, block_rows: int, most: int) -> int:
     (64 rows of a [64, 768] norm: 32 programs of one block, not 4 programs walking 8 blocks each, one reduction after
     another), while a training batch's thousands of rows still share a program's set-up over `most` blocks. Powers
     of two keep the compiled variants few."""
-    blocks = triton.cdiv(max(rows, 1), block_rows)
+    blocks = cdiv(max(rows, 1), block_rows)
     steps = 1
     while steps < most and blocks >= 2 * steps * SPREAD_PROGRAMS:
         steps *= 2
@@ -62,17 +62,49 @@ def autotuning() -> bool:
 
 class CallTimeAutotuner(Autotuner):
     """`triton.autotune` over `TUNED_CONFIGS` (timings cached on disk) when `autotuning()` holds at the launch, else
-    one launch of `fixed_config` (no timing, nothing cached)."""
+    one launch of `fixed_config` (no timing, nothing cached).
+
+    A launch whose key is tuned already goes straight to the kernel with the tuned configuration: the generic
+    `Autotuner.run` builds dictionaries of every argument to find it (~10 us of host time per launch, dozens of
+    launches per training layer). `tuning_key` computes the generic key's tuple itself, so both read one cache."""
 
     def __init__(self, fn, key: list[str], *, fixed_warps: int):
         super().__init__(fn, fn.arg_names, list(TUNED_CONFIGS), key, None, None, cache_results=True)
         self.fixed_config = triton.Config({}, num_warps=fixed_warps, num_stages=2)
+        self._positions = {name: i for i, name in enumerate(self.arg_names)}
+        self._launch_kwargs: dict = {}  # config -> its keyword arguments to the kernel
+
+    def tuning_key(self, args: tuple, kwargs: dict) -> tuple:
+        """`Autotuner.run`'s cache key: the `key` arguments' values, then the dtype (as a string) of every argument
+        that has one, positional arguments first, then keyword arguments in call order (the kernel's own names)."""
+        n = len(args)
+        key = []
+        for name in self.keys:
+            i = self._positions.get(name)
+            if i is not None and i < n:
+                key.append(args[i])
+            elif name in kwargs and name in self._positions:
+                key.append(kwargs[name])
+        for value in args[:len(self.arg_names)]:
+            if hasattr(value, "dtype"):
+                key.append(str(value.dtype))
+        for name, value in kwargs.items():
+            if name in self._positions and hasattr(value, "dtype"):
+                key.append(str(value.dtype))
+        return tuple(key)
 
     def run(self, *args, **kwargs):
-        if autotuning():
+        if not autotuning():
+            self.best_config = self.fixed_config
+            return self.fn.run(*args, **kwargs, **self.fixed_config.all_kwargs())
+        config = self.cache.get(self.tuning_key(args, kwargs)) if len(self.configs) > 1 else None
+        if config is None or config.pre_hook is not None:
             return super().run(*args, **kwargs)
-        self.best_config = self.fixed_config
-        return self.fn.run(*args, **kwargs, **self.fixed_config.all_kwargs())
+        self.best_config = config
+        launch = self._launch_kwargs.get(config)
+        if launch is None:
+            launch = self._launch_kwargs[config] = config.all_kwargs()
+        return self.fn.run(*args, **kwargs, **launch)
 
 
 def autotune(key: list[str], *, fixed_warps: int):

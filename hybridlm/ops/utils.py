@@ -22,6 +22,17 @@ class SlowPathWarning(UserWarning):
     `warnings.filterwarnings("ignore", category=SlowPathWarning)`."""
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids: `triton.cdiv`'s value as plain integer arithmetic. Triton's host helpers are
+    constexpr-function objects costing ~1.5 us a call, and a training layer computes dozens of grids and blocks."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (0 for 0): `triton.next_power_of_2`'s value as plain integer arithmetic."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype recurrent math runs in: float64 stays float64, everything else runs in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -234,3 +234,4 @@ def test_row_steps_spread_the_rows_before_walking_blocks():
     assert [row_steps(32 * b, 32, 8) for b in blocks] == [1, 1, 1, 1, 2, 2, 4, 8, 8, 8]
     assert row_steps(32 * 8 * SPREAD_PROGRAMS + 1, 32, 4) == 4  # capped at `most`
     assert row_steps(64, 2, 8) == 1  # a decoding step's 64 rows of 768 channels: 32 programs of one block
+

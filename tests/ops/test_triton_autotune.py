@@ -84,3 +84,47 @@ def test_the_switch_is_read_at_each_launch(env):
     for kernel, report in autotuners(**env).items():
         fixed = "4x2" if kernel.startswith(FOUR_WARPS) else "8x2"
         assert report["launches"] == ["tuned", fixed, fixed, "tuned"], kernel
+
+
+def test_a_tuned_key_launches_without_the_generic_lookup(monkeypatch):
+    """`CallTimeAutotuner.tuning_key` is the generic `Autotuner.run`'s cache key (positional and keyword arguments,
+    their dtypes), so a launch whose key is tuned goes straight to the kernel with the tuned configuration; a new
+    key (another `key` value, another dtype) takes the generic path and tunes. No GPU: the launches are recorded."""
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.runtime.autotuner import Autotuner
+
+    from hybridlm.ops import triton_utils
+
+    @triton.jit
+    def probe_kernel(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+        tl.store(y_ptr + tl.arange(0, BLOCK), tl.load(x_ptr + tl.arange(0, BLOCK)) * scale)
+
+    tuner = triton_utils.CallTimeAutotuner(probe_kernel, ["n", "BLOCK"], fixed_warps=4)
+    tuner.cache_results = False  # no disk cache in a test
+    best = tuner.configs[2]
+    tuner._bench = lambda *args, config, **meta: 1.0 if config is best else 2.0  # what tuning measures
+    launched = []
+    tuner.fn.run = lambda *args, **kwargs: launched.append((args, kwargs))
+    monkeypatch.setattr(triton_utils, "autotuning", lambda: True)
+    x, y = torch.zeros(64), torch.zeros(64)
+
+    tuner[(1,)](x, y, 100, 2.0, BLOCK=64)  # tunes: the generic path fills the cache
+    assert list(tuner.cache) == [tuner.tuning_key((x, y, 100, 2.0), {"grid": (1,), "warmup": False, "BLOCK": 64})]
+    assert tuner.cache[tuner.tuning_key((x, y, 100, 2.0), {"BLOCK": 64})] is best
+
+    def generic(self, *args, **kwargs):
+        raise LookupError("the generic path")
+
+    monkeypatch.setattr(Autotuner, "run", generic)
+    launched.clear()
+    tuner[(1,)](x, y, 100, 3.0, BLOCK=64)  # the same key (scale is no key argument)
+    (args, kwargs), = launched
+    assert args == (x, y, 100, 3.0) and kwargs["BLOCK"] == 64 and kwargs["grid"] == (1,)
+    assert (kwargs["num_warps"], kwargs["num_stages"]) == (best.num_warps, best.num_stages)
+    assert tuner.best_config is best
+    for args, kwargs in [((x, y, 101, 2.0), {"BLOCK": 64}), ((x, y, 100, 2.0), {"BLOCK": 32}),
+                         ((x.half(), y, 100, 2.0), {"BLOCK": 64}), ((x, y.double(), 100, 2.0), {"BLOCK": 64})]:
+        with pytest.raises(LookupError, match="the generic path"):
+            tuner[(1,)](*args, **kwargs)

@@ -178,3 +178,15 @@ def test_direct_ssd_kernels_refuse_grids_over_the_limit():
     B = torch.zeros(65536, 1, 1, 16, device=DEVICE)
     with pytest.raises(ValueError, match="65535: call ssd"):
         ssd_chunk_triton(x, dt, torch.zeros(1, device=DEVICE), B, B, None, None, chunk_size=16)
+
+
+def test_host_grid_arithmetic_matches_triton():
+    """`cdiv` and `next_power_of_2` (plain integers, for the launchers' grids and blocks) give Triton's values."""
+    triton = pytest.importorskip("triton")
+    from hybridlm.ops.utils import cdiv, next_power_of_2
+
+    for n in range(0, 1100):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for b in (1, 2, 3, 16, 64, 100):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
+    assert next_power_of_2(2**40 + 1) == triton.next_power_of_2(2**40 + 1)

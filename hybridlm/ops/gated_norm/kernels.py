@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from hybridlm.ops.gated_norm.limits import MAX_GROUP
 from hybridlm.ops.triton_utils import autotune, row_steps
-from hybridlm.ops.utils import TRITON_DTYPES, on_tensor_device
+from hybridlm.ops.utils import TRITON_DTYPES, cdiv, next_power_of_2, on_tensor_device
 
 STEPS = 8  # row blocks per program (fewer where the rows need fewer: `row_steps`)
 ROW_ELEMENTS = 2048  # BM x BD: rows per block shrink as the groups widen
@@ -113,10 +113,10 @@ def gated_norm_bwd_kernel(x_ptr, z_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dz_ptr,
 def _blocks(M: int, DG: int) -> tuple[int, int, int, int]:
     """BD, BM, the row blocks per program and the grid's row-block count (times G) for M rows of groups of DG
     channels."""
-    BD = triton.next_power_of_2(DG)
+    BD = next_power_of_2(DG)
     BM = max(1, ROW_ELEMENTS // BD)
     steps = row_steps(M, BM, STEPS)
-    return BD, BM, steps, triton.cdiv(M, steps * BM)
+    return BD, BM, steps, cdiv(M, steps * BM)
 
 
 class _GatedNorm(torch.autograd.Function):

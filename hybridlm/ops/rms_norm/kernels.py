@@ -18,7 +18,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from hybridlm.ops.triton_utils import autotune, row_steps
-from hybridlm.ops.utils import on_tensor_device
+from hybridlm.ops.utils import cdiv, next_power_of_2, on_tensor_device
 
 STEPS = 8  # row blocks per program (fewer where the rows need fewer: `row_steps`)
 ROW_ELEMENTS = 2048  # BR x BD: rows per block shrink as the rows widen
@@ -67,10 +67,10 @@ def rms_normalize_bwd_kernel(dn_ptr, n_ptr, rstd_ptr, du_ptr, R, D: tl.constexpr
 
 def _blocks(R: int, D: int) -> tuple[int, int, int, int]:
     """BD, BR, the row blocks per program and the grid for R rows of D channels."""
-    BD = triton.next_power_of_2(D)
+    BD = next_power_of_2(D)
     BR = max(1, ROW_ELEMENTS // BD)
     steps = row_steps(R, BR, STEPS)
-    return BD, BR, steps, triton.cdiv(R, steps * BR)
+    return BD, BR, steps, cdiv(R, steps * BR)
 
 
 class _RMSNormalize(torch.autograd.Function):

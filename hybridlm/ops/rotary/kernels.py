@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridlm.ops.utils import on_tensor_device, unit_last_stride
+from hybridlm.ops.utils import next_power_of_2, on_tensor_device, unit_last_stride
 
 # No fused multiply-add: the torch form rounds each product to the activations' dtype before the sum.
 LAUNCH = dict(num_warps=4, enable_fp_fusion=False)
@@ -59,6 +59,6 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     with on_tensor_device(q):
         rotary_qk_kernel[(B * T,)](
             q, k, cos, sin, q_out, k_out, T, HQ, HK, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-            k.stride(2), cos.shape[0], D=D, BHQ=triton.next_power_of_2(HQ), BHK=triton.next_power_of_2(HK),
-            BD=triton.next_power_of_2(D), **LAUNCH)
+            k.stride(2), cos.shape[0], D=D, BHQ=next_power_of_2(HQ), BHK=next_power_of_2(HK),
+            BD=next_power_of_2(D), **LAUNCH)
     return q_out, k_out

@@ -27,7 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from hybridlm.ops.short_conv.naive import ACTIVATIONS
 from hybridlm.ops.triton_utils import autotune
-from hybridlm.ops.utils import TRITON_DTYPES, on_tensor_device, seq_idx_segments
+from hybridlm.ops.utils import TRITON_DTYPES, cdiv, next_power_of_2, on_tensor_device, seq_idx_segments
 
 BT, BC, STEPS = 32, 64, 16  # steps per block, channels per block, blocks per program
 KEY = ["C", "K", "HAS_BIAS", "SILU", "HAS_SEG"]  # the tuning key (warps x stages, `hybridlm.ops.triton_utils`)
@@ -160,7 +160,7 @@ def short_conv_bwd_input_kernel(g_ptr, w_ptr, seg_ptr, dx_ptr, L, C, T, K: tl.co
 
 
 def _grid(L: int, C: int) -> tuple[int, int]:
-    return triton.cdiv(L, STEPS * BT), triton.cdiv(C, BC)
+    return cdiv(L, STEPS * BT), cdiv(C, BC)
 
 
 class _ShortConv(torch.autograd.Function):
@@ -185,7 +185,7 @@ class _ShortConv(torch.autograd.Function):
         needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         L, C = x.shape
         K = weight.shape[1]
-        KP = triton.next_power_of_2(K)
+        KP = next_power_of_2(K)
         grid = _grid(L, C)
         dy = dy.contiguous()
         g = x.new_empty(L, C) if ctx.silu else dy  # dL/d(pre-activation), in x's dtype

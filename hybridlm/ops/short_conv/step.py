@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridlm.ops.utils import on_tensor_device, unit_last_stride
+from hybridlm.ops.utils import cdiv, next_power_of_2, on_tensor_device, unit_last_stride
 
 BC = 128  # channels per program
 NUM_WARPS = 4
@@ -65,8 +65,8 @@ def short_conv_step_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.T
     y = x.new_empty(B, C)
     state_out = state.new_empty(state.shape)
     with on_tensor_device(x):
-        step_kernel[(B, triton.cdiv(C, BC))](
+        step_kernel[(B, cdiv(C, BC))](
             x, state, weight, bias.contiguous() if bias is not None else weight, y, state_out, C, x.stride(0),
-            state.stride(0), state.stride(1), K=K, KP=triton.next_power_of_2(K), BC=BC, HAS_BIAS=bias is not None,
+            state.stride(0), state.stride(1), K=K, KP=next_power_of_2(K), BC=BC, HAS_BIAS=bias is not None,
             SILU=silu, num_warps=NUM_WARPS)
     return y, state_out

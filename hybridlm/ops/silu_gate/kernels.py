@@ -13,7 +13,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from hybridlm.ops.triton_utils import autotune, row_steps
-from hybridlm.ops.utils import on_tensor_device
+from hybridlm.ops.utils import cdiv, on_tensor_device
 
 BM, BD, STEPS = 16, 128, 4  # rows and channels per block, row blocks per program (at most: `row_steps`)
 KEY = ["D", "STEPS", "HAS_DX", "HAS_DZ"]  # the backward's tuning key (warps x stages, `hybridlm.ops.triton_utils`)
@@ -62,7 +62,7 @@ def silu_gate_bwd_kernel(dy_ptr, x_ptr, z_ptr, dx_ptr, dz_ptr, M, D, stride_x, s
 def _grid(M: int, D: int) -> tuple[int, tuple[int, int]]:
     """The row blocks per program and the grid for M rows of D channels."""
     steps = row_steps(M, BM, STEPS)
-    return steps, (triton.cdiv(M, steps * BM), triton.cdiv(D, BD))
+    return steps, (cdiv(M, steps * BM), cdiv(D, BD))
 
 
 class _SiluGate(torch.autograd.Function):

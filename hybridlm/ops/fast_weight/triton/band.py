@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridlm.ops.utils import cdiv, next_power_of_2
+
 BT, NUM_WARPS = 16, 4  # bwd_xy holds six [BT, 128] float32 blocks: 96 registers per thread at 16
 
 
@@ -114,8 +116,8 @@ def _sizes(q, y_ext, c):
     N, T, H, K = q.shape
     V = y_ext.shape[-1]
     W = c.shape[-1] + 1
-    return N, T, H, {"W": W, "K": K, "V": V, "BT": BT, "BK": max(16, triton.next_power_of_2(K)),
-                     "BV": max(16, triton.next_power_of_2(V))}
+    return N, T, H, {"W": W, "K": K, "V": V, "BT": BT, "BK": max(16, next_power_of_2(K)),
+                     "BV": max(16, next_power_of_2(V))}
 
 
 def forward(q, x_ext, y_ext, c, base, shift: int) -> torch.Tensor:
@@ -123,7 +125,7 @@ def forward(q, x_ext, y_ext, c, base, shift: int) -> torch.Tensor:
     [N, W-1+T, H, V], c [N, T, H, W-1] float32, base [N, T, H, V])."""
     N, T, H, sizes = _sizes(q, y_ext, c)
     o = torch.empty_like(base)
-    band_fwd_kernel[(triton.cdiv(T, BT), N * H)](q, x_ext, y_ext, c, base, o, T, H, SHIFT=shift,
+    band_fwd_kernel[(cdiv(T, BT), N * H)](q, x_ext, y_ext, c, base, o, T, H, SHIFT=shift,
                                                               **sizes, num_warps=NUM_WARPS)
     return o
 
@@ -134,9 +136,9 @@ def backward(do, q, x_ext, y_ext, c, shift: int):
     N, T, H, sizes = _sizes(q, y_ext, c)
     dq, dc = torch.empty_like(q), torch.empty_like(c)
     dx, dy = torch.empty_like(x_ext), torch.empty_like(y_ext)
-    band_bwd_q_kernel[(triton.cdiv(T, BT), N * H)](do, q, x_ext, y_ext, c, dq, dc, T, H, SHIFT=shift,
+    band_bwd_q_kernel[(cdiv(T, BT), N * H)](do, q, x_ext, y_ext, c, dq, dc, T, H, SHIFT=shift,
                                                                 **sizes, num_warps=NUM_WARPS)
     rows = x_ext.shape[1]
-    band_bwd_xy_kernel[(triton.cdiv(rows, BT), N * H)](do, q, x_ext, y_ext, c, dx, dy, T, H,
+    band_bwd_xy_kernel[(cdiv(rows, BT), N * H)](do, q, x_ext, y_ext, c, dx, dy, T, H,
                                                                     SHIFT=shift, **sizes, num_warps=NUM_WARPS)
     return dq, dx, dy, dc

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from hybridlm.ops.fast_weight import chunk
-from hybridlm.ops.utils import MAX_GRID_YZ
+from hybridlm.ops.utils import MAX_GRID_YZ, cdiv, next_power_of_2
 
 _SIZES = ["T_pad"]  # runtime: no recompilation per sequence length
 RESTART_LOG_DECAY = tl.constexpr(chunk.RESTART_LOG_DECAY)  # a document restart's log decay (SEQ)
@@ -213,9 +213,9 @@ def _launch(k, v, offsets, max_len):
     if N * H > MAX_GRID_YZ:
         raise ValueError(f"the preparation kernels put the rows x heads ({N * H}) on a launch-grid axis limited to "
                          f"{MAX_GRID_YZ}: call fast_weight_attention (it splits the batch)")
-    sizes = {"K": K, "V": V, "BT": BT, "BK": max(16, triton.next_power_of_2(K)),
-             "BV": max(16, triton.next_power_of_2(V))}
-    return N, H, K, V, (triton.cdiv(max_len, BT), N * H), sizes
+    sizes = {"K": K, "V": V, "BT": BT, "BK": max(16, next_power_of_2(K)),
+             "BV": max(16, next_power_of_2(V))}
+    return N, H, K, V, (cdiv(max_len, BT), N * H), sizes
 
 
 def _flags(last_k, offsets, seq_idx, shifted, nlms, ridge_scaling):

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from hybridlm.ops.triton_utils import block
+from hybridlm.ops.utils import cdiv
 
 NUM_WARPS = 4
 STATE_BLOCK = 4096  # float32 elements of S per program: BK x BV, 32 per thread at 4 warps
@@ -143,7 +144,7 @@ def forward(q, k, v, beta, lam, S, last_k, *, rule: str, shifted: bool, read_aft
     BV = min(block(V, 256), max(16, STATE_BLOCK // BK))
     writes = last_k is not None or not shifted
     gates = beta_bias is not None
-    step_kernel[(N * H, triton.cdiv(V, BV))](
+    step_kernel[(N * H, cdiv(V, BV))](
         q, k, v, beta, lam, S, last_k if last_k is not None else S, o, S_out, last_out,
         beta_bias if gates else S, lam_bias if gates else S, H, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), beta.stride(0), lam.stride(0), eps, 1.0 - eps_gamma, qk_eps, qk_scale, beta_scale,

@@ -14,7 +14,7 @@ import triton
 
 from hybridlm.ops.ssd.triton import kernels
 from hybridlm.ops.triton_utils import block
-from hybridlm.ops.utils import MAX_GRID_YZ, triton_interpreting
+from hybridlm.ops.utils import MAX_GRID_YZ, cdiv, triton_interpreting
 
 
 def forward(x, dt, A, B, C, D, h0, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +64,7 @@ class _Plan:
         return torch.empty(self.b * self.H, self.n_chunks, self.P, self.N, dtype=torch.float32, device=self.device)
 
     def _n_state_blocks(self) -> int:
-        return triton.cdiv(self.P, self.BP) * triton.cdiv(self.N, self.BN)
+        return cdiv(self.P, self.BP) * cdiv(self.N, self.BN)
 
     def cumsum(self, dt, A):
         """(F1) c [b * H, T_pad] float32."""
@@ -80,7 +80,7 @@ class _Plan:
 
     def _pass(self, h, init, final, cum, *, reverse: bool) -> None:
         BP, BN = block(self.P, 32), block(self.N, 32)  # smaller blocks: more programs for the sequential pass
-        kernels.state_pass_kernel[(triton.cdiv(self.P, BP) * triton.cdiv(self.N, BN), self.b * self.H)](
+        kernels.state_pass_kernel[(cdiv(self.P, BP) * cdiv(self.N, BN), self.b * self.H)](
             h, h if init is None else init, final, cum, self.T_pad, self.n_chunks, **self._sizes(), BP=BP, BN=BN,
             HAS_INIT=init is not None, REVERSE=reverse, INTERPRET=triton_interpreting(), num_warps=4)
 
@@ -95,7 +95,7 @@ class _Plan:
     def outputs(self, x, B, C, dt, D, cum, states):
         """(F4) y [b, T, H, P] in x's dtype."""
         y = torch.empty_like(x)
-        kernels.output_kernel[(triton.cdiv(self.P, self.BP), self.n_chunks, self.b * self.H)](
+        kernels.output_kernel[(cdiv(self.P, self.BP), self.n_chunks, self.b * self.H)](
             x, B, C, dt, cum if D is None else D, cum, states, y, self.T, self.T_pad, self.n_chunks, self.H, self.G,
             **self._sizes(), BP=self.BP, BN=self.BN, HAS_D=D is not None, PREC=self.prec)
         return y
@@ -123,7 +123,7 @@ class _Plan:
     def grad_bc(self, x, B, C, dt, cum, states, dstates, dy):
         """(B6): dB, dC [b, T, G, N] in B's dtype (summed over the heads of each group inside the kernel)."""
         dB, dC = torch.empty_like(B), torch.empty_like(C)
-        kernels.grad_bc_kernel[(triton.cdiv(self.N, self.BN), self.n_chunks, self.b * self.G)](
+        kernels.grad_bc_kernel[(cdiv(self.N, self.BN), self.n_chunks, self.b * self.G)](
             x, B, C, dt, cum, states, dstates, dy, dB, dC, self.T, self.T_pad, self.n_chunks, self.H, self.G,
             **self._sizes(), BP=self.BP_full, BN=self.BN, R=self.H // self.G, PREC=self.prec)
         return dB, dC

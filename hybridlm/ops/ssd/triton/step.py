@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from hybridlm.ops.triton_utils import block
+from hybridlm.ops.utils import cdiv
 
 NUM_WARPS = 4
 STATE_BLOCK = 4096  # float32 elements of the state per program: BP x BN, 32 per thread at 4 warps
@@ -89,7 +90,7 @@ def forward(x, dt, A, B, C, D, h, *, dt_bias=None, dt_limit: tuple[float, float]
     h_out = torch.empty_like(h)
     BN = block(N, 256)
     BP = min(block(P, 256), max(16, STATE_BLOCK // BN))
-    step_kernel[(b * H, triton.cdiv(P, BP))](
+    step_kernel[(b * H, cdiv(P, BP))](
         x, dt, A, B, C, D if D is not None else A, h, y, h_out, dt_bias if dt_bias is not None else A, H, G,
         x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1), dt.stride(0), dt_limit[0],
         dt_limit[1], P=P, N=N, BP=BP, BN=BN, HAS_D=D is not None, RAW=dt_bias is not None, num_warps=NUM_WARPS)
