@@ -428,3 +428,12 @@ def test_gpu_model_training_table_gives_the_peak_ratio(capsys):
     assert table_rows(out, "fw-1A") == ["| fw-1A | 144M | 1 x 4096 | 100 | 0.62x (0.50-0.75) | 2 | 11.25 | 1.125x |"]
     assert table_rows(out, "transformer") == [
         "| transformer | 144M | 1 x 4096 | 150 | 1.00x (1.00-1.00) | 2 | 10.00 | 1.000x |"]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="emulates Triton's launch path (needs triton)")
+def test_host_overhead_emulates_the_launches_and_times_each_model():
+    out = run("host_overhead.py", "--variants", "transformer matched", "h1 mamba2", "--layers", "1", "--repeats", "2")
+    rows = {name: table_rows(out, name) for name in ("transformer matched", "h1 mamba2")}
+    assert all(len(found) == 1 for found in rows.values()), out
+    assert all(float(found[0].split("|")[2]) > 0 for found in rows.values())
+    assert "GPU launches emulated, no kernel runs" in out
