@@ -315,3 +315,15 @@ def test_cache_with_row_packed_documents_is_refused():
     mixer = make_mixer(make_config("1"))
     with pytest.raises(ValueError, match=r"cannot be combined with packed documents \(position_ids restarts\)"):
         mixer(make_hidden(1, 6), position_ids=torch.tensor([[0, 1, 0, 1, 2, 3]]), cache=LayerCache())
+
+
+def test_a_nan_ridge_gain_reaches_the_output_instead_of_stopping():
+    """The mixer's lam is a scaled sigmoid (>= 0 by construction), so it calls the op without the lam >= 0 check
+    (on CUDA a device-side assert that would stop the process): a NaN there (a diverged input) comes out as NaN,
+    for the trainer's guard to skip the update, and the other heads are untouched."""
+    mixer = make_mixer(make_config("1A"))
+    with torch.no_grad():
+        mixer.lam_bias[1] = float("nan")
+    _, o = op_outputs(mixer, make_hidden(2, 9))
+    o = o.unflatten(-1, (H, -1))  # [B, T, H, V], the op's output before the gated norm
+    assert o[:, :, 1].isnan().any() and not o[:, :, 0].isnan().any()

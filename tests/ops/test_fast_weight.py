@@ -304,6 +304,19 @@ def test_property_chunk_matches_naive(rule, B, T, H, K, V, window, chunk_size, p
 # ---- bad input ---------------------------------------------------------------------------------------------
 
 
+def test_unchecked_lam_propagates_nan_instead_of_raising():
+    """`check_lam=False` (the mixer's call: its lam is a scaled sigmoid) skips the lam >= 0 check, which on CUDA is a
+    device-side assert that stops the process: a NaN lam reaches the output, and the loss, where the trainer's guard
+    skips the update. The default still refuses it."""
+    q, k, v, beta, lam = make_inputs("1A", B=1, T=8)
+    lam = lam.clone()
+    lam[0, 3, 1] = float("nan")
+    with pytest.raises(ValueError, match="lam must be >= 0"):
+        fast_weight_attention(q, k, v, beta, lam, rule="1A")
+    o, _ = fast_weight_attention(q, k, v, beta, lam, rule="1A", check_lam=False)
+    assert o[:, :, 1].isnan().any() and not o[:, :, [0, 2]].isnan().any()  # the heads are independent
+
+
 def test_bad_input_raises_clear_errors():
     q, k, v, beta, lam = make_inputs("1", B=1, T=8)
     call = fast_weight_attention

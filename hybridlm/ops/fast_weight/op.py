@@ -50,6 +50,7 @@ def fast_weight_attention(
     seq_idx: torch.Tensor | None = None,
     chunk_size: int = 64,
     backend: str = "auto",
+    check_lam: bool = True,
 ) -> tuple[torch.Tensor, FastWeightState | None]:
     """Falcon fast-weight attention: o_t = S_t^T q_t with S written by one of the six Falcon rules.
 
@@ -88,6 +89,11 @@ def fast_weight_attention(
             `SlowPathWarning` naming it: triton missing, heads over 128, the rule, window or dtype), except for
             float64 inputs, whose exact path is the caller's choice.
 
+        check_lam: check that lam >= 0 (a negative or NaN entry raises; on CUDA a device-side assert, three small
+            kernels per call, that stops the process). False: the caller guarantees it, as the fast-weight mixer
+            does (its lam is a scaled sigmoid): a NaN lam then reaches the output and the loss, where the trainer's
+            guard skips the update.
+
     Returns:
         o `[B, T, H, V]` in q's dtype, and the final state (float32; float64 for float64 inputs) or None.
 
@@ -97,7 +103,7 @@ def fast_weight_attention(
     """
     options = FastWeightOptions(rule=rule, window=window, pairing=pairing, read=read, step_size=step_size,
                                 ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, chunk_size=chunk_size)
-    offsets = _check_inputs(q, k, v, beta, lam, options, cu_seqlens=cu_seqlens)
+    offsets = _check_inputs(q, k, v, beta, lam, options, cu_seqlens=cu_seqlens, check_lam=check_lam)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if seq_idx is not None:
@@ -280,7 +286,8 @@ def _check_seq_idx(seq_idx, *, B, T, device, cu_seqlens, initial_state, output_f
                          "use cu_seqlens (one state per sequence) to carry states")
 
 
-def _check_inputs(q, k, v, beta, lam, options: FastWeightOptions, *, cu_seqlens) -> torch.Tensor | None:
+def _check_inputs(q, k, v, beta, lam, options: FastWeightOptions, *, cu_seqlens,
+                  check_lam: bool = True) -> torch.Tensor | None:
     """Raise a ValueError that says what is wrong with a tensor (the options checked themselves); return the
     packed offsets (or None)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -301,10 +308,11 @@ def _check_inputs(q, k, v, beta, lam, options: FastWeightOptions, *, cu_seqlens)
         if tuple(lam.shape) != (B, T, H):
             raise ValueError(f"lam must be [B, T, H] = {[B, T, H]}; got {list(lam.shape)}")
         message = "lam must be >= 0 (it is a ridge coefficient); got negative or NaN entries"
-        if lam.is_cuda and not _tracing():  # a device-side assert: a host sync per call would stall the GPU
-            torch._assert_async((lam >= 0).all(), message)
-        elif not _tracing() and not bool((lam >= 0).all()):
-            raise ValueError(message)
+        if check_lam and not _tracing():
+            if lam.is_cuda:  # a device-side assert: a host sync per call would stall the GPU
+                torch._assert_async((lam >= 0).all(), message)
+            elif not bool((lam >= 0).all()):
+                raise ValueError(message)
     for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("lam", lam)):
         if t is not None and not t.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
