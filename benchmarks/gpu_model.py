@@ -312,7 +312,8 @@ def decoding(model, *, context: int, device: torch.device, steps: int, batch: in
     model.train()
     state_bytes = sum(layer.state_bytes() for layer in cache.layers)
     return {"prefill_s": prefill_s, "decode_ms": 1e3 * decode_s, "tokens_per_s": batch / decode_s,
-            "cache_mib_per_row": state_bytes / batch / 2**20}
+            "cache_mib_per_row": state_bytes / batch / 2**20,
+            "weights": str(next(model.parameters()).dtype).removeprefix("torch.")}
 
 
 def print_training_table(rows: list[dict]) -> None:

@@ -70,11 +70,14 @@ def test_gpu_model_on_the_cpu_compiled_and_static_decoding():
     assert "decoding through CUDA graphs of the compiled step" in out  # on the CPU: the static step, aot_eager
 
 
-def test_gpu_model_on_the_cpu_decoding_a_bf16_copy():
+def test_gpu_model_on_the_cpu_decoding_a_bf16_copy(tmp_path):
     out = run("gpu_model.py", "--cpu", "--preset", "tiny", "--lengths", "--contexts", "32", "--variants", "transformer",
-              "hybrid fw-1A", "--decode-steps", "2", "--decode-batches", "1", "--graph", "--decode-dtype", "bfloat16")
+              "hybrid fw-1A", "--decode-steps", "2", "--decode-batches", "1", "--graph", "--decode-dtype", "bfloat16",
+              "--json", str(tmp_path / "rows.json"))
     assert "decoding a bf16 copy of each model" in out
     assert len(table_rows(out, "transformer")) == 1 and len(table_rows(out, "hybrid fw-1A")) == 1
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert [row["weights"] for row in rows] == ["bfloat16", "bfloat16"]
 
 
 def test_gpu_model_on_the_cpu_packed_documents_through_compiled_blocks():

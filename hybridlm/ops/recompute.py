@@ -73,14 +73,20 @@ def _compiled_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 _compiled_contexts = functools.partial(create_selective_checkpoint_contexts, _compiled_policy)
 
 
-@functools.cache
+_CONTIGUOUS_LAUNCHERS: dict = {}  # launcher -> its `on_contiguous` wrapper
+
+
 def on_contiguous(launch: Callable) -> Callable:
     """launch, its tensor arguments made contiguous first: as a `kept_kernel` launcher, a recomputation's replay then
-    makes no copies to throw away. One wrapper per launcher (cached), so each call passes the same object."""
-    @functools.wraps(launch)
-    def run(*args):
-        return launch(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args))
-    return run
+    makes no copies to throw away. One wrapper per launcher, the same object for every call and thread (`setdefault`
+    is atomic), since `kept_kernel` matches a replay's launcher to the forward's by identity."""
+    wrapper = _CONTIGUOUS_LAUNCHERS.get(launch)
+    if wrapper is None:
+        @functools.wraps(launch)
+        def wrapper(*args):
+            return launch(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args))
+        wrapper = _CONTIGUOUS_LAUNCHERS.setdefault(launch, wrapper)
+    return wrapper
 
 
 def kept_kernel(launch: Callable, *args):

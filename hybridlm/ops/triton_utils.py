@@ -72,7 +72,6 @@ class CallTimeAutotuner(Autotuner):
         super().__init__(fn, fn.arg_names, list(TUNED_CONFIGS), key, None, None, cache_results=True)
         self.fixed_config = triton.Config({}, num_warps=fixed_warps, num_stages=2)
         self._positions = {name: i for i, name in enumerate(self.arg_names)}
-        self._launch_kwargs: dict = {}  # config -> its keyword arguments to the kernel
 
     def tuning_key(self, args: tuple, kwargs: dict) -> tuple:
         """`Autotuner.run`'s cache key: the `key` arguments' values, then the dtype (as a string) of every argument
@@ -101,10 +100,7 @@ class CallTimeAutotuner(Autotuner):
         if config is None or config.pre_hook is not None:
             return super().run(*args, **kwargs)
         self.best_config = config
-        launch = self._launch_kwargs.get(config)
-        if launch is None:
-            launch = self._launch_kwargs[config] = config.all_kwargs()
-        return self.fn.run(*args, **kwargs, **launch)
+        return self.fn.run(*args, **kwargs, **config.all_kwargs())
 
 
 def autotune(key: list[str], *, fixed_warps: int):

@@ -440,6 +440,18 @@ def test_ssd_decoding_step_reads_16_bit_parameters_without_a_cast(monkeypatch):
     (y16, h16), (y32, h32) = outs
     torch.testing.assert_close(y16, y32, rtol=0, atol=0)
     torch.testing.assert_close(h16, h32, rtol=0, atol=0)
+    # the step on a softplus-ed dt and A itself (no discretization in the kernel), each in 16 bits
+    from hybridlm.ops.ssd.triton import ssd_step_triton
+
+    dt_on = torch.nn.functional.softplus(dt[:, 0].float()).half()
+    A, D = -torch.exp(params[0].float()).half(), params[1]
+    seen.clear()
+    outs = [ssd_step_triton(x[:, 0], dt_i, A_i, Bm[:, 0], Cm[:, 0], D_i, h)
+            for dt_i, A_i, D_i in ((dt_on, A, D), (dt_on.float(), A.float(), D.float()))]
+    assert [(args[1].dtype, args[2].dtype, args[5].dtype) for args, _ in seen] == \
+        [(torch.float16,) * 3, (torch.float32,) * 3]
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=0, atol=0)
 
 
 @interpret
@@ -678,3 +690,27 @@ def test_ssd_decoding_step_keeps_a_nan_step_size():
     y, _ = ssd_decoding_step(x, dt, torch.zeros(2, device=DEVICE), x[:, :, :1], x[:, :, :1],
                              dt_bias=torch.zeros(2, device=DEVICE), dt_limit=(1e-3, 0.1))
     assert y[0, 0, 0].isnan().all() and y[0, 0, 1].isfinite().all()
+
+
+@interpret
+@pytest.mark.parametrize("rule", ["1A", "1"])
+def test_a_nan_ridge_stays_nan_in_the_kernels(monkeypatch, rule):
+    """A NaN lam with a direct step (eta = beta: the ridge is lam's only way in) comes out NaN from the chunk
+    kernels' write preparation and from the step kernel, in its head only, as from the torch paths: the decay's
+    clamp propagates NaN (NVIDIA's min would return the other operand), so an unchecked lam (`check_lam=False`)
+    never turns into a finite decay."""
+    q, k, v, beta, lam = (t.float().to(DEVICE) for t in fw.make_inputs(rule, B=1, T=20, H=3, K=16, V=16))
+    lam[0, 5, 1] = float("nan")
+    options = dict(rule=rule, step_size="direct", check_lam=False)
+    o, _ = fast_weight_attention(q, k, v, beta, lam, **options, backend="triton")
+    assert o[0, 5:, 1].isnan().any() and not o[0, :, [0, 2]].isnan().any()
+    _, clean = fast_weight_attention(q[:, :5], k[:, :5], v[:, :5], beta[:, :5], lam[:, :5], **options,
+                                     output_final_state=True, backend="triton")  # the state before the NaN
+    from hybridlm.ops.fast_weight.triton import step
+
+    calls = _counting(monkeypatch, step)
+    with torch.no_grad():
+        o_step, _ = fast_weight_attention(*(t[:, 5:6] for t in (q, k, v, beta, lam)), **options,
+                                          initial_state=clean, backend="auto" if ON_GPU else "triton")
+    assert len(calls) == 1  # the step kernel
+    assert o_step[0, 0, 1].isnan().all() and not o_step[0, 0, [0, 2]].isnan().any()

@@ -179,7 +179,7 @@ def test_a_saved_tensor_computed_from_a_freed_output_shows_as_nan():
 def test_a_kernel_output_still_alive_is_handed_back():
     """The caller holds the scan's output s, so the recomputation gets s itself: the product's saved s * 2 is
     recomputed from the real values and every gradient equals the plain call's."""
-    grads, copies_in_backward = {}, {}
+    grads = {}
     for recompute in (False, True):
         h, w_prep, w_scan = _inputs()
         region = Region(w_prep, w_scan, after="both")

@@ -380,3 +380,29 @@ def test_auto_picks_triton_only_on_cuda(monkeypatch):
         wide = {k: v.detach().to(torch.bfloat16).cuda() for k, v in make_inputs(1, 5, 1, 130, 1, 4).items()}
         ssd(**wide)  # P = 130 > 128: the chunk path
         assert called == ["cuda"]
+
+
+@interpret
+def test_strided_inputs_are_copied_inside_the_kept_call(monkeypatch):
+    """The forward op hands the scan's launcher, wrapped by `on_contiguous`, the caller's strided tensors: their
+    contiguous copies are made inside the kept call, so a recomputed region's replay makes none to throw away."""
+    from hybridlm.ops.recompute import on_contiguous
+    from hybridlm.ops.ssd.triton import custom_ops, scan, ssd_chunk_triton
+
+    seen = []
+    kept = custom_ops.kept_kernel
+    monkeypatch.setattr(custom_ops, "kept_kernel", lambda launch, *args: (seen.append((launch, args)),
+                                                                          kept(launch, *args))[1])
+    g = torch.Generator().manual_seed(3)
+    b, T, H, P, G, N = 1, 20, 2, 16, 1, 16
+    xbc = torch.randn(b, T, H * P + 2 * G * N, generator=g).to(DEVICE)  # x | B | C of one projection
+    x = xbc[..., :H * P].unflatten(-1, (H, P))
+    B, C = (xbc[..., H * P + i * G * N:H * P + (i + 1) * G * N].unflatten(-1, (G, N)) for i in range(2))
+    dt = torch.rand(b, T, H, generator=g).to(DEVICE)
+    A = -torch.rand(H, generator=g).to(DEVICE)
+    assert not x.is_contiguous() and not B.is_contiguous()
+    y, _ = ssd_chunk_triton(x, dt, A, B, C, None, None, chunk_size=16)
+    (launch, args), = seen
+    assert launch is on_contiguous(scan.forward) and args[0] is x and args[3] is B and args[4] is C
+    want, _ = ssd(x, dt, A, B, C, backend="naive")
+    assert rel_err(y.double().cpu(), want.double().cpu()) < 1e-4

@@ -124,7 +124,15 @@ def test_a_tuned_key_launches_without_the_generic_lookup(monkeypatch):
     assert args == (x, y, 100, 3.0) and kwargs["BLOCK"] == 64 and kwargs["grid"] == (1,)
     assert (kwargs["num_warps"], kwargs["num_stages"]) == (best.num_warps, best.num_stages)
     assert tuner.best_config is best
+    # a config read back from the disk cache is an equal object, not the same one; keyword tensors count by dtype
+    key = next(iter(tuner.cache))
+    loaded = tuner.cache[key] = triton.Config({}, num_warps=best.num_warps, num_stages=best.num_stages)
+    launched.clear()
+    tuner[(1,)](x, y_ptr=y, n=100, scale=2.0, BLOCK=64)
+    (args, kwargs), = launched
+    assert args == (x,) and kwargs["y_ptr"] is y and tuner.best_config is loaded
     for args, kwargs in [((x, y, 101, 2.0), {"BLOCK": 64}), ((x, y, 100, 2.0), {"BLOCK": 32}),
-                         ((x.half(), y, 100, 2.0), {"BLOCK": 64}), ((x, y.double(), 100, 2.0), {"BLOCK": 64})]:
+                         ((x.half(), y, 100, 2.0), {"BLOCK": 64}), ((x, y.double(), 100, 2.0), {"BLOCK": 64}),
+                         ((x,), {"y_ptr": y.double(), "n": 100, "scale": 2.0, "BLOCK": 64})]:
         with pytest.raises(LookupError, match="the generic path"):
             tuner[(1,)](*args, **kwargs)

@@ -126,7 +126,7 @@ def _steps(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, seq_ptr, T_pa
         eta = beta
     eta = tl.where(exists, eta, 0.0)
     a = eta * ridge
-    alpha = tl.minimum(a, one_minus_eps_gamma)
+    alpha = tl.minimum(a, one_minus_eps_gamma, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch's clamp
     lg = tl.where(restart, RESTART_LOG_DECAY, _log1p(-alpha))
     return i_n, i_h, t, valid, exists, restart, src, ck, kmask, x, xf, E, beta, lam, ridge, denom, eta, a, alpha, lg
 

@@ -107,7 +107,7 @@ def step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, lam_ptr, S_ptr, last_ptr, o_ptr, 
             eta = tl.math.div_rn(beta, E + ridge + eps)
         else:
             eta = beta
-        gamma = 1.0 - tl.minimum(eta * ridge, one_minus_eps_gamma)
+        gamma = 1.0 - tl.minimum(eta * ridge, one_minus_eps_gamma, propagate_nan=tl.PropagateNan.ALL)  # NaN stays
         if REGRESSION:
             r = y - tl.sum(S * x[:, None], axis=0)                                          # y - S^T x  [BV]
         else:
@@ -133,8 +133,9 @@ def forward(q, k, v, beta, lam, S, last_k, *, rule: str, shifted: bool, read_aft
     pairing: same-step rows carry none and drop it) from q, k [N, H, K], v [N, H, V] (one dtype; any row and head
     strides, the head dim unit-strided), beta [N, H] (2A, 2: [N, H, V]) and lam [N, H] float32 (any row stride, the
     rest contiguous), S [N, H, K, V] float32, last_k [N, H, K] float32 or None (a fresh shifted row: no write), all
-    contiguous but q, k, v, beta, lam. With beta_bias and lam_bias (any float dtype, read as float32; contiguous), beta and lam are the gains'
-    logits in any float dtype (GATES); qk_norm 1 / 2 normalizes q and k first (QK_NORM)."""
+    contiguous but q, k, v, beta, lam. With beta_bias and lam_bias (any float dtype, read as float32; contiguous),
+    beta and lam are the gains' logits in any float dtype (GATES); qk_norm 1 / 2 normalizes q and k first
+    (QK_NORM)."""
     N, H, K = q.shape
     V = v.shape[-1]
     o = q.new_empty(N, H, V)

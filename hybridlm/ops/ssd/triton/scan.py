@@ -10,7 +10,6 @@ for dx, ddt and the decay gradients (B3-B5) and one for dB, dC (B6). README.md h
 from __future__ import annotations
 
 import torch
-import triton
 
 from hybridlm.ops.ssd.triton import kernels
 from hybridlm.ops.triton_utils import block
