@@ -210,7 +210,8 @@ def test_saved_activations_per_token(tmp_path):
     assert abs(logits["loss"] - 4 * config.vocab_size) <= 4 * config.vocab_size / 100  # the float32 logits
     packed_report = json.loads((tmp_path / "packed.json").read_text())
     packed = packed_report["results"]["h1 fw-1A"]["groups"]
-    assert packed["ssm"] < 1.25 * hybrid["ssm"] and abs(packed["ssm.conv"] - hybrid["ssm.conv"]) <= 16
+    # (no "ssm.conv" group where the mixer recomputes its conv: the Triton paths)
+    assert packed["ssm"] < 1.25 * hybrid["ssm"] and abs(packed.get("ssm.conv", 0) - hybrid.get("ssm.conv", 0)) <= 16
     if packed_report["kernels"] != "torch paths":
         assert abs(packed["ssm"] - hybrid["ssm"]) <= 16
 
