@@ -126,7 +126,7 @@ def forward(q, x_ext, y_ext, c, base, shift: int) -> torch.Tensor:
     N, T, H, sizes = _sizes(q, y_ext, c)
     o = torch.empty_like(base)
     band_fwd_kernel[(cdiv(T, BT), N * H)](q, x_ext, y_ext, c, base, o, T, H, SHIFT=shift,
-                                                              **sizes, num_warps=NUM_WARPS)
+                                          **sizes, num_warps=NUM_WARPS)
     return o
 
 
@@ -137,8 +137,8 @@ def backward(do, q, x_ext, y_ext, c, shift: int):
     dq, dc = torch.empty_like(q), torch.empty_like(c)
     dx, dy = torch.empty_like(x_ext), torch.empty_like(y_ext)
     band_bwd_q_kernel[(cdiv(T, BT), N * H)](do, q, x_ext, y_ext, c, dq, dc, T, H, SHIFT=shift,
-                                                                **sizes, num_warps=NUM_WARPS)
+                                            **sizes, num_warps=NUM_WARPS)
     rows = x_ext.shape[1]
     band_bwd_xy_kernel[(cdiv(rows, BT), N * H)](do, q, x_ext, y_ext, c, dx, dy, T, H,
-                                                                    SHIFT=shift, **sizes, num_warps=NUM_WARPS)
+                                                SHIFT=shift, **sizes, num_warps=NUM_WARPS)
     return dq, dx, dy, dc
