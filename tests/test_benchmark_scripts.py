@@ -255,6 +255,14 @@ def test_gpu_ssd_on_the_cpu():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="runs the SSD kernels under Triton's interpreter (needs triton)")
+def test_gpu_ssd_pass_checks_every_launch_against_the_load_in_step_walk():
+    """One to four chunks (the loads ahead run past the walk's end), blocks wider and narrower than P and N."""
+    out = run("gpu_ssd_pass.py", "--cpu", "--shapes", "2x16x32", "3x64x16", "--T", "16", "64", "--chunk", "16")
+    rows = table_rows(out, "2x16x32") + table_rows(out, "3x64x16")
+    assert len(rows) == 2 * 2 * 2 * 6 and all(row.endswith("| equal |") for row in rows)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="runs the SSD kernels under Triton's interpreter (needs triton)")
 def test_gpu_ssd_check_runs_the_kernels_and_compares_every_gradient():
     """The benchmark's agreement check, on CPU tensors under the interpreter: it passes on the real kernels and
     stops on a wrong one (the chunk path's output scaled by 1.001 stands in)."""

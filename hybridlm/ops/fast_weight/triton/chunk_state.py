@@ -149,19 +149,31 @@ def chunk_outer_columns_kernel(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, T, T_pad, n_
 
 
 @triton.jit
-def _pass_step_columns(h_ptr, L_ptr, S, i, i_nh, T_pad, n_chunks, K: tl.constexpr, V: tl.constexpr,
-                       BT: tl.constexpr, rk, rv, mask, REVERSE: tl.constexpr):
-    """One chunk of the pass: swap h[c] (the contribution) for S, return exp(L_last_c) S + contribution, the decay
-    per value column."""
+def _pass_chunk_columns(h_ptr, L_ptr, i, i_nh, T_pad, n_chunks, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                        rk, rv, mask, REVERSE: tl.constexpr):
+    """The i-th chunk of the pass (the last first when REVERSE): its offsets in h, its contribution h[c] and its
+    decay exp(L_last_c) per value column; past the pass's end both are masked off (read by nothing)."""
     if REVERSE:
         i_c = n_chunks - 1 - i
     else:
         i_c = i
+    live = i < n_chunks
     offs, _ = state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
-    contrib = tl.load(h_ptr + offs, mask=mask, other=0.0)
+    contrib = tl.load(h_ptr + offs, mask=mask & live, other=0.0)
+    L_last = tl.load(L_ptr + (i_nh.to(tl.int64) * T_pad + i_c * BT + BT - 1) * V + rv, mask=(rv < V) & live,
+                     other=0.0)
+    return offs, contrib, tl.exp(L_last)
+
+
+@triton.jit
+def _pass_step_columns(h_ptr, L_ptr, S, i, offs, contrib, decay, offs1, contrib1, decay1, i_nh, T_pad, n_chunks,
+                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, rk, rv, mask, REVERSE: tl.constexpr):
+    """Chunk i of the pass, chunks i and i + 1 loaded: load chunk i + 2, swap h[c] (the contribution) for S, return
+    exp(L_last_c) S + contribution (the decay per value column) and the two loaded chunks moved up by one."""
+    offs2, contrib2, decay2 = _pass_chunk_columns(h_ptr, L_ptr, i + 2, i_nh, T_pad, n_chunks, K, V, BT, rk, rv, mask,
+                                                  REVERSE)
     tl.store(h_ptr + offs, S, mask=mask)
-    L_last = tl.load(L_ptr + (i_nh.to(tl.int64) * T_pad + i_c * BT + BT - 1) * V + rv, mask=rv < V, other=0.0)
-    return tl.exp(L_last)[None, :] * S + contrib
+    return decay[None, :] * S + contrib, offs1, contrib1, decay1, offs2, contrib2, decay2
 
 
 @triton.jit(do_not_specialize=SIZES)
@@ -170,15 +182,26 @@ def state_pass_columns_kernel(h_ptr, init_ptr, final_ptr, L_ptr, T_pad, n_chunks
                               HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, INTERPRET: tl.constexpr):
     """(2) / (2') The sequential pass over chunks, in place, with the decay per value column: h[c] holds chunk c's
     contribution on entry and the value carried into chunk c on exit (the entry states; REVERSE: dS' of every chunk).
-    The last carried value goes to final [N * H, K, V]. Grid (nK * nV, N * H)."""
+    The last carried value goes to final [N * H, K, V]. Grid (nK * nV, N * H).
+
+    Each chunk's contribution and decay are loaded two chunks ahead of the step that adds them, as in the SSD's
+    `state_pass_kernel` (a step has no other work to hide a load behind; benchmarks/RESULTS.md times that pass)."""
     i_nh = tl.program_id(1)
     S, rk, rv, offs0, mask = carried_block(init_ptr, tl.program_id(0), i_nh, K, V, BK, BV, HAS_INIT)
+    offs, contrib, decay = _pass_chunk_columns(h_ptr, L_ptr, 0, i_nh, T_pad, n_chunks, K, V, BT, rk, rv, mask,
+                                               REVERSE)
+    offs1, contrib1, decay1 = _pass_chunk_columns(h_ptr, L_ptr, 1, i_nh, T_pad, n_chunks, K, V, BT, rk, rv, mask,
+                                                  REVERSE)
     if INTERPRET:  # Triton's interpreter cannot `range` over a runtime int with numpy >= 2.4
         i = 0
         while i < n_chunks:
-            S = _pass_step_columns(h_ptr, L_ptr, S, i, i_nh, T_pad, n_chunks, K, V, BT, rk, rv, mask, REVERSE)
+            S, offs, contrib, decay, offs1, contrib1, decay1 = _pass_step_columns(
+                h_ptr, L_ptr, S, i, offs, contrib, decay, offs1, contrib1, decay1, i_nh, T_pad, n_chunks, K, V, BT,
+                rk, rv, mask, REVERSE)
             i += 1
     else:
         for i in range(n_chunks):
-            S = _pass_step_columns(h_ptr, L_ptr, S, i, i_nh, T_pad, n_chunks, K, V, BT, rk, rv, mask, REVERSE)
+            S, offs, contrib, decay, offs1, contrib1, decay1 = _pass_step_columns(
+                h_ptr, L_ptr, S, i, offs, contrib, decay, offs1, contrib1, decay1, i_nh, T_pad, n_chunks, K, V, BT,
+                rk, rv, mask, REVERSE)
     tl.store(final_ptr + offs0, S, mask=mask)

@@ -93,18 +93,29 @@ def chunk_state_kernel(a_ptr, w_ptr, dt_ptr, cum_ptr, out_ptr, T, T_pad, n_chunk
 
 
 @triton.jit
-def _pass_step(h_ptr, cum_ptr, S, k, i_bh, T_pad, n_chunks, P: tl.constexpr, N: tl.constexpr, BT: tl.constexpr,
-               rp, rn, mask, REVERSE: tl.constexpr):
-    """One chunk of the pass: swap h[c] (the chunk's term) for the carried S, return exp(c_last) S + term."""
+def _pass_chunk(h_ptr, cum_ptr, k, i_bh, T_pad, n_chunks, P: tl.constexpr, N: tl.constexpr, BT: tl.constexpr,
+                rp, rn, mask, REVERSE: tl.constexpr):
+    """The k-th chunk of the walk (the last first when REVERSE): its offsets in h, its term h[c] and its decay
+    exp(c_last); past the walk's end the term and decay are masked off (zeros, read by nothing)."""
     if REVERSE:
         i_c = n_chunks - 1 - k
     else:
         i_c = k
+    live = k < n_chunks
     offs, _ = state_offsets(i_bh, i_c, n_chunks, P, N, rp, rn)
-    term = tl.load(h_ptr + offs, mask=mask, other=0.0)
+    term = tl.load(h_ptr + offs, mask=mask & live, other=0.0)
+    decay = tl.exp(tl.load(cum_ptr + i_bh.to(tl.int64) * T_pad + i_c * BT + BT - 1, mask=live, other=0.0))
+    return offs, term, decay
+
+
+@triton.jit
+def _pass_step(h_ptr, cum_ptr, S, k, offs, term, decay, offs1, term1, decay1, i_bh, T_pad, n_chunks,
+               P: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, rp, rn, mask, REVERSE: tl.constexpr):
+    """Step k of the walk, chunk k's (offs, term, decay) and chunk k + 1's loaded: load chunk k + 2's, swap h[c] for
+    the carried S, return exp(c_last) S + term and the two loaded chunks moved up by one."""
+    offs2, term2, decay2 = _pass_chunk(h_ptr, cum_ptr, k + 2, i_bh, T_pad, n_chunks, P, N, BT, rp, rn, mask, REVERSE)
     tl.store(h_ptr + offs, S, mask=mask)
-    decay = tl.exp(tl.load(cum_ptr + i_bh.to(tl.int64) * T_pad + i_c * BT + BT - 1))
-    return decay * S + term
+    return decay * S + term, offs1, term1, decay1, offs2, term2, decay2
 
 
 @triton.jit(do_not_specialize=_SIZES)
@@ -116,6 +127,8 @@ def state_pass_kernel(h_ptr, init_ptr, final_ptr, cum_ptr, T_pad, n_chunks,
     h[c] ends as h_in of chunk c and `final` is the final state. REVERSE: from the last chunk down, from S = dL/dh_T,
     so h[c] ends as dS (= dL/dh_out) of chunk c and `final` is dL/dh0. Grid (nP * nN, b * H).
 
+    The terms and decays are loaded two chunks ahead of the step that adds them: no step waits on a load issued in
+    it, so the walk's time is not one memory round trip per chunk (nothing else in a step hides it).
     INTERPRET: a while loop (Triton's CPU interpreter cannot `range` over a runtime int with numpy >= 2.4)."""
     i_pn, i_bh = tl.program_id(0), tl.program_id(1)
     i_p, i_n = i_pn // tl.cdiv(N, BN), i_pn % tl.cdiv(N, BN)
@@ -125,14 +138,20 @@ def state_pass_kernel(h_ptr, init_ptr, final_ptr, cum_ptr, T_pad, n_chunks,
         S = tl.load(init_ptr + offs0, mask=mask, other=0.0).to(tl.float32)
     else:
         S = tl.zeros([BP, BN], dtype=tl.float32)
+    offs, term, decay = _pass_chunk(h_ptr, cum_ptr, 0, i_bh, T_pad, n_chunks, P, N, BT, rp, rn, mask, REVERSE)
+    offs1, term1, decay1 = _pass_chunk(h_ptr, cum_ptr, 1, i_bh, T_pad, n_chunks, P, N, BT, rp, rn, mask, REVERSE)
     if INTERPRET:
         k = 0
         while k < n_chunks:
-            S = _pass_step(h_ptr, cum_ptr, S, k, i_bh, T_pad, n_chunks, P, N, BT, rp, rn, mask, REVERSE)
+            S, offs, term, decay, offs1, term1, decay1 = _pass_step(
+                h_ptr, cum_ptr, S, k, offs, term, decay, offs1, term1, decay1, i_bh, T_pad, n_chunks, P, N, BT, rp,
+                rn, mask, REVERSE)
             k += 1
     else:
         for k in range(n_chunks):
-            S = _pass_step(h_ptr, cum_ptr, S, k, i_bh, T_pad, n_chunks, P, N, BT, rp, rn, mask, REVERSE)
+            S, offs, term, decay, offs1, term1, decay1 = _pass_step(
+                h_ptr, cum_ptr, S, k, offs, term, decay, offs1, term1, decay1, i_bh, T_pad, n_chunks, P, N, BT, rp,
+                rn, mask, REVERSE)
     tl.store(final_ptr + offs0, S, mask=mask)
 
 

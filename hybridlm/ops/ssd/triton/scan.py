@@ -78,7 +78,9 @@ class _Plan:
             BN=self.BN, GRAD=grad, PREC=self.prec)
 
     def _pass(self, h, init, final, cum, *, reverse: bool) -> None:
-        BP, BN = block(self.P, 32), block(self.N, 32)  # smaller blocks: more programs for the sequential pass
+        # [16, 32] blocks: the pass is a walk over the chunks in every program, so more, smaller programs finish
+        # sooner (benchmarks/RESULTS.md times [16, 16] to [64, 32] at two model widths).
+        BP, BN = block(self.P, 16), block(self.N, 32)
         kernels.state_pass_kernel[(cdiv(self.P, BP) * cdiv(self.N, BN), self.b * self.H)](
             h, h if init is None else init, final, cum, self.T_pad, self.n_chunks, **self._sizes(), BP=BP, BN=BN,
             HAS_INIT=init is not None, REVERSE=reverse, INTERPRET=triton_interpreting(), num_warps=4)
