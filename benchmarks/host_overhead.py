@@ -132,16 +132,31 @@ def build(variant: str, layers: int):
 
 
 def force_cuda_paths() -> None:
-    """The SiLU gate's "auto" takes its Triton kernel (as on CUDA), and AlignedLinear pads odd widths as on CUDA at
-    >= 1024 rows (training rows do)."""
+    """The SiLU gate's "auto" takes its Triton kernel (as on CUDA), RoPE its kernel (as `rotate_qk` does for CUDA
+    tensors), and AlignedLinear pads odd widths as on CUDA at >= 1024 rows (training rows do)."""
     from hybridlm.layers import mlp
-    from hybridlm.modules import gate, gated_norm, linear
+    from hybridlm.modules import gate, gated_norm, linear, rotary
 
     triton_gate = gate.silu_gate
     for module in (gate, mlp, gated_norm):
         module.silu_gate = lambda x, z, *, backend="triton": triton_gate(x, z, backend=backend)
+    takes_rotary_kernel = rotary._takes_kernel
+    rotary._takes_kernel = lambda q, k, cos, sin: takes_rotary_kernel(*(_OnCuda(t) for t in (q, k, cos, sin)))
+    rotary.triton_available = lambda: True
     linear.pads = lambda out_features, in_features, weight, x: (not hasattr(weight, "to_local")
                                                                 and out_features % linear.ALIGN_ROWS != 0)
+
+
+class _OnCuda:
+    """A stand-in that answers `is_cuda` with True and everything else as the tensor it wraps."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    is_cuda = True
+
+    def __getattr__(self, name):
+        return getattr(self._tensor, name)
 
 
 def host_ms(model, *, tokens: int, repeats: int) -> float:

@@ -3,8 +3,8 @@
 Frequency of pair i: base^(-2i/D). Falcon-H1 uses a very large base (1e11), so most pairs barely
 rotate within any trained length and context extension needs no rescaling.
 
-`rotate_qk` rotates a layer's queries and keys: where no gradient is recorded on CUDA (prefill, decoding) in one
-Triton kernel (`hybridlm.ops.rotary`, the same values bit for bit), else the torch form `apply_rotary`.
+`rotate_qk` rotates a layer's queries and keys: on CUDA outside torch.compile in one Triton kernel each way
+(`hybridlm.ops.rotary`: the same values and gradients bit for bit), else the torch form `apply_rotary`.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)) for q [B, T, Hq, D], k [B, T, Hk, D] and the tables
     cos, sin [B or 1, T, D] (or [T, D]) of `rotary_cos_sin`, rounded to q's dtype as apply_rotary does. One Triton
-    kernel (which rounds the tables itself) for CUDA tensors outside torch.compile (whose inductor fuses the torch
-    form) where no gradient is recorded; the torch form, with the tables cast once for q and k, otherwise."""
+    kernel each way (which rounds the tables itself) for CUDA tensors outside torch.compile (whose inductor fuses
+    the torch form) and tables that take no gradient; the torch form, with the tables cast once for q and k,
+    otherwise (DTensors too)."""
     if _takes_kernel(q, k, cos, sin):
         return rotary_qk_triton(q, k, cos, sin)
     cos, sin = cos.to(q.dtype), sin.to(q.dtype)
@@ -60,7 +61,8 @@ def _takes_kernel(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     tables = cos.dim() == 3 and cos.shape[0] in (1, B) and tuple(cos.shape[1:]) == (T, D) and sin.shape == cos.shape
     return (q.is_cuda and q.dtype in TRITON_DTYPES and k.dtype == q.dtype and tables
             and cos.dtype == sin.dtype and cos.dtype in (torch.float32, q.dtype)
-            and not needs_grad(q, k, cos, sin) and not torch.compiler.is_compiling() and triton_available())
+            and not any(hasattr(t, "to_local") for t in (q, k, cos, sin))
+            and not needs_grad(cos, sin) and not torch.compiler.is_compiling() and triton_available())
 
 
 class RotaryEmbedding(nn.Module):

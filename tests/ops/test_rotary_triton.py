@@ -1,7 +1,8 @@
 """The one-kernel rotation of queries and keys (`hybridlm.ops.rotary`) against the torch form
 (`hybridlm.modules.rotary.apply_rotary`), bit for bit and signed zeros included: dtypes, head dims and head counts
-that are no powers of two, strided inputs, per-row and shared tables, float32 tables rounded by the kernel; and
-where `rotate_qk` takes it.
+that are no powers of two, strided inputs, per-row and shared tables, float32 tables rounded by the kernel; its
+gradients against the torch form's autograd (bit for bit up to the sign of a zero) and against float64; and where
+`rotate_qk` takes it.
 
 - On a GPU, or under the interpreter (HYBRIDLM_TRITON_INTERPRET=1): everything marked `interpret`.
 - CPU, no GPU (CI): the choice of form, the input checks and the sm_90 build.
@@ -61,6 +62,68 @@ def test_equals_the_torch_form_bit_for_bit(B, T, HQ, HK, D, table_rows, tables, 
     assert _same(q_out, apply_rotary(q, *rounded)) and _same(k_out, apply_rotary(k, *rounded))
 
 
+def _torch_form_grads(q, k, cos, sin, dq_out, dk_out):
+    """dL/dq, dL/dk of the torch form's autograd for L = <q', dq_out> + <k', dk_out> (either may be None)."""
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    rounded = cos.to(q.dtype), sin.to(q.dtype)
+    outputs = [(apply_rotary(q, *rounded), dq_out), (apply_rotary(k, *rounded), dk_out)]
+    torch.autograd.backward([o for o, g in outputs if g is not None], [g for _, g in outputs if g is not None])
+    return q.grad if q.grad is not None else torch.zeros_like(q), k.grad if k.grad is not None else torch.zeros_like(k)
+
+
+@interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("B, T, HQ, HK, D, table_rows", [
+    (2, 5, 3, 1, 16, 1),
+    (3, 4, 5, 2, 80, 3),
+    (1, 7, 12, 4, 64, 1),
+])
+@pytest.mark.parametrize("tables", ["rope", "any"])
+def test_gradients_equal_the_torch_form_autograd(B, T, HQ, HK, D, table_rows, dtype, tables):
+    """Each product rounded, then the sum, as autograd computes them: equal values (a zero's sign may differ:
+    autograd also adds its slices' zero gradients). "any": tables whose halves differ (RoPE's repeat), so a sine
+    read at the wrong half shows."""
+    skip_bfloat16_interpreted(dtype)
+    q, k, cos, sin = _inputs(B, T, HQ, HK, D, table_rows=table_rows, dtype=dtype)
+    g = torch.Generator().manual_seed(5)
+    if tables == "any":
+        cos, sin = (torch.rand(t.shape, generator=g).to(DEVICE) * 2 - 1 for t in (cos, sin))
+    dq_out = torch.randn(q.shape, generator=g).to(DEVICE, dtype)
+    dk_out = torch.randn(k.shape, generator=g).to(DEVICE, dtype)
+    q_leaf, k_leaf = q.clone().requires_grad_(), k.clone().requires_grad_()
+    q_out, k_out = rotary_qk_triton(q_leaf, k_leaf, cos, sin)
+    torch.autograd.backward([q_out, k_out], [dq_out, dk_out])
+    want_q, want_k = _torch_form_grads(q, k, cos, sin, dq_out, dk_out)
+    assert torch.equal(q_leaf.grad, want_q) and torch.equal(k_leaf.grad, want_k)
+
+
+@interpret
+def test_gradients_match_float64_and_an_unused_output():
+    """float32 against the float64 torch form's gradients; an output that nothing reads has a zero gradient (its
+    input's gradient is the other half's alone); strided q, k (slices of one projection output)."""
+    g = torch.Generator().manual_seed(2)
+    row = torch.randn(2, 6, 4 * 32 + 2 * 32 + 3, generator=g, dtype=torch.float64)
+    _, _, cos, sin = _inputs(2, 6, 1, 1, 32, table_rows=2, dtype=torch.float32)
+    dq_out = torch.randn(2, 6, 4, 32, generator=g, dtype=torch.float64)
+    dk_out = torch.randn(2, 6, 2, 32, generator=g, dtype=torch.float64)
+
+    def grads(leaf, rotate, dtype, use_k=True):
+        x = leaf.to(dtype).detach().requires_grad_()
+        q, k = x[..., :4 * 32].unflatten(-1, (4, 32)), x[..., 4 * 32:6 * 32].unflatten(-1, (2, 32))
+        q_out, k_out = rotate(q, k)
+        loss = (q_out * dq_out.to(dtype)).sum() + ((k_out * dk_out.to(dtype)).sum() if use_k else 0.0)
+        loss.backward()
+        return x.grad.double()
+
+    reference = grads(row, lambda q, k: (apply_rotary(q, cos.double(), sin.double()),
+                                         apply_rotary(k, cos.double(), sin.double())), torch.float64)
+    kernel = grads(row.to(DEVICE), lambda q, k: rotary_qk_triton(q, k, cos, sin), torch.float32)
+    torch.testing.assert_close(kernel.cpu(), reference, rtol=1e-6, atol=1e-6)
+    only_q = grads(row.to(DEVICE), lambda q, k: rotary_qk_triton(q, k, cos, sin), torch.float32, use_k=False).cpu()
+    torch.testing.assert_close(only_q[..., :4 * 32], reference[..., :4 * 32], rtol=1e-6, atol=1e-6)
+    assert torch.count_nonzero(only_q[..., 4 * 32:]) == 0
+
+
 @interpret
 def test_reads_slices_of_a_wider_row():
     """q and k as row slices of one projection output (unit stride along D only)."""
@@ -73,18 +136,20 @@ def test_reads_slices_of_a_wider_row():
     assert _same(q_out, apply_rotary(q, cos, sin)) and _same(k_out, apply_rotary(k, cos, sin))
 
 
-def test_rotate_qk_takes_the_kernel_only_without_a_gradient_on_cuda(monkeypatch):
-    """The kernel for a CUDA call that records no gradient with [B or 1, T, D] tables; the torch form for a recorded
-    gradient, 2-D tables (1-D position_ids) and on the CPU: the same values every time."""
+def test_rotate_qk_takes_the_kernel_on_cuda_where_the_tables_take_no_gradient(monkeypatch):
+    """The kernel for CUDA calls with [B or 1, T, D] tables, with or without a gradient recorded for q; the torch form
+    for tables that take a gradient, 2-D tables (1-D position_ids) and on the CPU: the same values every time."""
     calls = []
     monkeypatch.setattr(rotary, "rotary_qk_triton", lambda *a: calls.append(1) or rotary_qk_triton(*a))
     q, k, cos, sin = _inputs(1, 2, 2, 1, 16, table_rows=1, dtype=torch.float16)
     rounded = cos.half(), sin.half()
     want = (apply_rotary(q, *rounded), apply_rotary(k, *rounded))
-    for q_in, tables in ((q, (cos, sin)), (q.clone().requires_grad_(), (cos, sin)), (q, (cos[0], sin[0]))):
+    cases = ((q, (cos, sin)), (q.clone().requires_grad_(), (cos, sin)), (q, (cos[0], sin[0])),
+             (q, (cos.clone().requires_grad_(), sin)))
+    for q_in, tables in cases:
         got = rotate_qk(q_in, k, *tables)
         assert all(_same(a.detach(), b) for a, b in zip(got, want))
-    assert calls == ([1] if ON_GPU else [])
+    assert calls == ([1, 1] if ON_GPU else [])
 
 
 def test_refuses_bad_inputs():
@@ -97,15 +162,20 @@ def test_refuses_bad_inputs():
         rotary_qk_triton(q, k, cos[:, :1], sin[:, :1])
     with pytest.raises(ValueError, match="must be even"):
         rotary_qk_triton(q[..., :15], k[..., :15], cos[..., :15], sin[..., :15])
+    with pytest.raises(ValueError, match="take no gradient"):
+        rotary_qk_triton(q, k, cos.requires_grad_(), sin)
 
 
 _SM90 = """
+import itertools
+
 from hybridlm.ops.rotary import kernels as k
 
 options = dict(k.LAUNCH, num_stages=3)
-for io, table, HQ, HK, D in (("*bf16", "*fp32", 12, 4, 64), ("*fp32", "*fp32", 5, 2, 80), ("*fp16", "*fp16", 16, 16,
-                                                                                              128)):
-    consts = dict(D=D, BHQ=triton.next_power_of_2(HQ), BHK=triton.next_power_of_2(HK), BD=triton.next_power_of_2(D))
+shapes = (("*bf16", "*fp32", 12, 4, 64), ("*fp32", "*fp32", 5, 2, 80), ("*fp16", "*fp16", 16, 16, 128))
+for (io, table, HQ, HK, D), backward in itertools.product(shapes, (False, True)):
+    consts = dict(D=D, BHQ=triton.next_power_of_2(HQ), BHK=triton.next_power_of_2(HK), BD=triton.next_power_of_2(D),
+                  BACKWARD=backward)
     fn = k.rotary_qk_kernel
     sig = {n: "constexpr" if n in consts else table if n in ("cos_ptr", "sin_ptr") else io if n.endswith("_ptr")
            else "i32" for n in fn.arg_names}
