@@ -136,6 +136,38 @@ def test_reads_slices_of_a_wider_row():
     assert _same(q_out, apply_rotary(q, cos, sin)) and _same(k_out, apply_rotary(k, cos, sin))
 
 
+@interpret
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_a_model_trains_the_same_on_the_kernel(monkeypatch, autocast):
+    """A Transformer's loss and every parameter's gradient with RoPE on the kernel (forced as `rotate_qk` takes it on
+    CUDA) equal those with the torch form: q and k as views of their projections, grouped keys, the gradients coming
+    back from attention."""
+    if autocast and not ON_GPU:
+        pytest.skip("bfloat16 is checked on the GPU; the interpreter runs float32")
+    from hybridlm.models.model import HybridForCausalLM
+    from hybridlm.models.presets import get_preset
+
+    config = get_preset("tiny", ssm_mixer="none", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = HybridForCausalLM(config).to(DEVICE)
+    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    calls = []
+    kernel = rotary.rotary_qk_triton
+    monkeypatch.setattr(rotary, "rotary_qk_triton", lambda *a: calls.append(1) or kernel(*a))
+    results = []
+    for on_kernel in (False, True):
+        monkeypatch.setattr(rotary, "_takes_kernel", lambda q, k, cos, sin, on=on_kernel: on and cos.dim() == 3)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    assert len(calls) == config.num_hidden_layers
+    (loss_torch, grads_torch), (loss_kernel, grads_kernel) = results
+    assert torch.equal(loss_torch, loss_kernel)
+    assert all(torch.equal(a, b) for a, b in zip(grads_torch, grads_kernel))
+
+
 def test_rotate_qk_takes_the_kernel_on_cuda_where_the_tables_take_no_gradient(monkeypatch):
     """The kernel for CUDA calls with [B or 1, T, D] tables, with or without a gradient recorded for q; the torch form
     for tables that take a gradient, 2-D tables (1-D position_ids) and on the CPU: the same values every time."""
