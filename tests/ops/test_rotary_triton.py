@@ -141,11 +141,13 @@ def test_reads_slices_of_a_wider_row():
 def test_a_model_trains_the_same_on_the_kernel(monkeypatch, autocast):
     """A Transformer's loss and every parameter's gradient with RoPE on the kernel (forced as `rotate_qk` takes it on
     CUDA) equal those with the torch form: q and k as views of their projections, grouped keys, the gradients coming
-    back from attention."""
+    back from attention. Deterministic kernels (`deterministic_kernels`), so that attention's backward repeats on a
+    GPU."""
     if autocast and not ON_GPU:
         pytest.skip("bfloat16 is checked on the GPU; the interpreter runs float32")
     from hybridlm.models.model import HybridForCausalLM
     from hybridlm.models.presets import get_preset
+    from hybridlm.training.rng import deterministic_kernels
 
     config = get_preset("tiny", ssm_mixer="none", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
@@ -157,9 +159,9 @@ def test_a_model_trains_the_same_on_the_kernel(monkeypatch, autocast):
     results = []
     for on_kernel in (False, True):
         monkeypatch.setattr(rotary, "_takes_kernel", lambda q, k, cos, sin, on=on_kernel: on and cos.dim() == 3)
-        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+        with deterministic_kernels(), torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
             loss = model(ids, labels=ids).loss
-        loss.backward()
+            loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
         model.zero_grad(set_to_none=True)
     assert len(calls) == config.num_hidden_layers
