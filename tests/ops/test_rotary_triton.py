@@ -143,8 +143,8 @@ def test_a_model_trains_the_same_on_the_kernel(monkeypatch, autocast):
     CUDA) equal those with the torch form: q and k as views of their projections, grouped keys, the gradients coming
     back from attention. Deterministic kernels (`deterministic_kernels`), so that attention's backward repeats on a
     GPU."""
-    if autocast and not ON_GPU:
-        pytest.skip("bfloat16 is checked on the GPU; the interpreter runs float32")
+    if autocast:
+        skip_bfloat16_interpreted(torch.bfloat16)
     from hybridlm.models.model import HybridForCausalLM
     from hybridlm.models.presets import get_preset
     from hybridlm.training.rng import deterministic_kernels
