@@ -111,12 +111,12 @@ def test_gradients_match_float64_and_an_unused_output():
         x = leaf.to(dtype).detach().requires_grad_()
         q, k = x[..., :4 * 32].unflatten(-1, (4, 32)), x[..., 4 * 32:6 * 32].unflatten(-1, (2, 32))
         q_out, k_out = rotate(q, k)
-        loss = (q_out * dq_out.to(dtype)).sum() + ((k_out * dk_out.to(dtype)).sum() if use_k else 0.0)
+        loss = (q_out * dq_out.to(x.device, dtype)).sum() + ((k_out * dk_out.to(x.device, dtype)).sum() if use_k else 0.0)
         loss.backward()
         return x.grad.double()
 
-    reference = grads(row, lambda q, k: (apply_rotary(q, cos.double(), sin.double()),
-                                         apply_rotary(k, cos.double(), sin.double())), torch.float64)
+    cos64, sin64 = cos.double().cpu(), sin.double().cpu()
+    reference = grads(row, lambda q, k: (apply_rotary(q, cos64, sin64), apply_rotary(k, cos64, sin64)), torch.float64)
     kernel = grads(row.to(DEVICE), lambda q, k: rotary_qk_triton(q, k, cos, sin), torch.float32)
     torch.testing.assert_close(kernel.cpu(), reference, rtol=1e-6, atol=1e-6)
     only_q = grads(row.to(DEVICE), lambda q, k: rotary_qk_triton(q, k, cos, sin), torch.float32, use_k=False).cpu()
