@@ -258,6 +258,8 @@ def profile_one(rule, B, T, H, D, *, chunk_size, rows=20) -> str:
     def step():
         o = run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0]
         o.backward(torch.ones_like(o))
+        for t in inputs:  # as `bench` times it: no accumulation into the warm-up's gradients
+            t.grad = None
 
     step()
     torch.cuda.synchronize()

@@ -26,6 +26,7 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hybridlm.ops.fast_weight.options import FastWeightOptions
 from hybridlm.ops.fast_weight.triton import (
@@ -222,30 +223,36 @@ def test_rejects_unsupported_calls():
 
 
 @interpret
+@pytest.mark.parametrize("rule", ["1A", "1"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_rule_1a_keeps_its_chunk_states_in_the_inputs_dtype(monkeypatch, dtype):
-    """The three per-chunk state buffers of a forward + backward (entry states, their recomputation, dS_out) are in
-    the inputs' dtype for 16-bit inputs (half the bytes of the op's largest buffers; the kernels' matmuls read them
-    in that dtype anyway, and the 16-bit accuracy tests above run through them), float32 for float32 inputs."""
-    from hybridlm.ops.fast_weight.triton import inner_product
+def test_chunk_states_are_stored_in_the_inputs_dtype(monkeypatch, rule, dtype):
+    """The per-chunk state buffers of a forward + backward are in the inputs' dtype for 16-bit inputs (half the bytes
+    of the op's largest buffers; the kernels' products read them at that precision or TF32, and the 16-bit accuracy
+    tests run through them), float32 for float32 inputs. Rule 1A: the entry states, their recomputation and dS_out;
+    rule 1: the entry states and their recomputation (its sequential pass carries a float32 state, and dS_out stays
+    float32). The final state is float32 either way."""
+    from hybridlm.ops.fast_weight.triton import inner_product, regression
 
+    plan = inner_product.ScalarPlan if rule == "1A" else regression.EventPlan
     made = []
-    original = inner_product.ScalarPlan.state_buffer
+    original = plan.state_buffer
 
-    def recording(self, *args, **kwargs):
-        buffer = original(self, *args, **kwargs)
+    def recording(self):
+        buffer = original(self)
         made.append(buffer.dtype)
         return buffer
 
-    monkeypatch.setattr(inner_product.ScalarPlan, "state_buffer", recording)
+    monkeypatch.setattr(plan, "state_buffer", recording)
     g = torch.Generator().manual_seed(0)
     q, x = (torch.randn(1, 40, 2, 16, generator=g).to(DEVICE, dtype).requires_grad_(True) for _ in range(2))
     y = torch.randn(1, 40, 2, 8, generator=g).to(DEVICE, dtype).requires_grad_(True)
-    eta = torch.rand(1, 40, 2, generator=g).to(DEVICE).requires_grad_(True)
+    eta = (0.5 * torch.rand(1, 40, 2, generator=g)).to(DEVICE).requires_grad_(True)
     log_gamma = (-torch.rand(1, 40, 2, generator=g)).to(DEVICE).requires_grad_(True)
-    o, S = fast_weight_1a_triton(q, x, y, eta, log_gamma, None, read_after=True, chunk_size=16)
+    scan = fast_weight_1a_triton if rule == "1A" else fast_weight_1_triton
+    o, S = scan(F.normalize(q, dim=-1), F.normalize(x, dim=-1), y, eta, log_gamma, None, read_after=True,
+                chunk_size=16)
     (o.float().sum() + S.sum()).backward()
-    assert made == [dtype] * 3 and S.dtype == torch.float32
+    assert made == [dtype] * (3 if rule == "1A" else 2) and S.dtype == torch.float32
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (no GPU)")

@@ -26,8 +26,8 @@ TILE_3D = 8192
 
 class ChunkPlan:
     """What every chunked launcher derives from one call: sizes, the chunk grid, the matmul precision, and the
-    buffer of per-chunk states (float32 unless a rule's plan says otherwise). The rules' plans add their block shapes
-    and stages."""
+    buffer of per-chunk states (`state_dtype`: float32 unless a rule's plan says otherwise). The rules' plans add
+    their block shapes and stages."""
 
     def __init__(self, q: torch.Tensor, y: torch.Tensor, chunk_size: int, read_after: bool):
         self.N, self.T, self.H, self.K = q.shape
@@ -44,10 +44,11 @@ class ChunkPlan:
         self.prec = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: exact products (no TF32)
         self.device = q.device
         self.sizes = {"K": self.K, "V": self.V, "BT": self.BT}
+        self.state_dtype = torch.float32
 
-    def state_buffer(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[N * H, n_chunks, K, V]: one state per chunk (float32 unless a rule's plan asks otherwise)."""
-        return torch.empty(self.NH, self.n_chunks, self.K, self.V, dtype=dtype, device=self.device)
+    def state_buffer(self) -> torch.Tensor:
+        """[N * H, n_chunks, K, V]: one state per chunk, in `state_dtype`."""
+        return torch.empty(self.NH, self.n_chunks, self.K, self.V, dtype=self.state_dtype, device=self.device)
 
     def column_tile(self) -> int:
         """The value tile of the per-column kernels' [BT, BT, BV] work (`TILE_3D` elements at most)."""

@@ -80,9 +80,6 @@ class ScalarPlan(ChunkPlan):
         # The carried state, S_0 and the final state stay float32; float32 inputs keep float32 states.
         self.state_dtype = q.dtype
 
-    def state_buffer(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return super().state_buffer(self.state_dtype if dtype is None else dtype)
-
     def states(self, x, y, eta, L, S0):
         """(1) + (2): the entry state of every chunk [N * H, n_chunks, K, V] and the final state [N, H, K, V]."""
         h = self.state_buffer()

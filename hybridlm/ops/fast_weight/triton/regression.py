@@ -156,11 +156,16 @@ class EventPlan(ChunkPlan):
         self.BK_full = block(self.K, 128)  # the pass and dq kernels hold all of K
         self.passes = pass_launch(self.K, self.V, self.NH)
         self.BV_pass = block(self.V, self.passes.block_v)
+        # The stored per-chunk states in the inputs' dtype, as rule 1A's: the output kernel's product rounds them to
+        # it anyway, the gradient kernels' products round them to TF32, and the sequential pass carries its float32
+        # state in registers (r = U - W S, the difference that cancels, never reads the stored copy). Half the bytes
+        # of the op's largest buffer move in the pass, the outputs and two gradient kernels.
+        self.state_dtype = q.dtype
 
     def scan(self, x, y, eta, L, S0):
-        """The WY factors and the sequential pass: every chunk's entry state [N * H, n_chunks, K, V], the residuals
-        r [N, T, H, V], the final state [N, H, K, V] and (I + A)^-1 of every chunk [N * H, T_pad, BT] (all
-        float32)."""
+        """The WY factors and the sequential pass: every chunk's entry state [N * H, n_chunks, K, V] (in
+        `state_dtype`), the residuals r [N, T, H, V], the final state [N, H, K, V] and (I + A)^-1 of every chunk
+        [N * H, T_pad, BT] (float32)."""
         N, T, H, K, V, NH, BT = self.N, self.T, self.H, self.K, self.V, self.NH, self.BT
         f32 = {"dtype": torch.float32, "device": self.device}
         tinv = torch.empty(NH, self.T_pad, BT, **f32)

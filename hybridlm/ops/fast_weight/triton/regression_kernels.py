@@ -55,8 +55,8 @@ B2's dZ and B3, sequentially from the last chunk; then, for all chunks in parall
 states: dS' r_s, S dZ_s and their dot products with x_s), and `delta_grad_kernel` the rest of B5-B7 with B2's dA,
 walking K in 64-column blocks. Neither of these two holds a [BT, K] accumulator beside [BT, BT] ones: together they
 spill registers. Buffers: residuals r, dr and dZ [N, T, H, V] float32 (the layout of y); the state terms of dx
-[N, T, H, K] float32 and their column blocks' parts [nK, 3, N * H, T_pad] float32; per-chunk states
-[N * H, n_chunks, K, V] float32.
+[N, T, H, K] float32 and their column blocks' parts [nK, 3, N * H, T_pad] float32; per-chunk entry states
+[N * H, n_chunks, K, V] in the inputs' dtype (the pass carries its state in float32), their gradients float32.
 
 Rule 2 (regression with step sizes and log decays per value column, window 1). Each value column j runs its own
 rule-1 recurrence with scalar eta_t[j] and log gamma_t[j]; all columns share the keys x_t (and the Gram X X^T):
@@ -247,7 +247,7 @@ def delta_grad_q_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dq_p
         do = load_rows(do_ptr, i_n, i_h, t, T, H, V, rv).to(tl.float32)                    # [BT, BV]
         r = load_rows(r_ptr, i_n, i_h, t, T, H, V, rv)                                     # fp32
         offs, mask = state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
-        S = tl.load(h_ptr + offs, mask=mask, other=0.0)                                     # [BK, BV] fp32
+        S = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)                      # [BK, BV]
         dOr += tl.dot(do, tl.trans(r), input_precision=PREC32)
         dq += tl.dot(do, tl.trans(S), input_precision=PREC32)
     eta = load_steps(eta_ptr, i_n, i_h, t, T, H)
@@ -286,7 +286,7 @@ def delta_grad_state_kernel(x_ptr, r_ptr, eta_ptr, L_ptr, h_ptr, dh_ptr, dz_ptr,
         r = load_rows(r_ptr, i_n, i_h, t, T, H, V, rv)                                     # [BT, BV] fp32
         dz = load_rows(dz_ptr, i_n, i_h, t, T, H, V, rv)
         offs, mask = state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
-        S = tl.load(h_ptr + offs, mask=mask, other=0.0)                                     # [BK, BV] fp32
+        S = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)                      # [BK, BV]
         dS = tl.load(dh_ptr + offs, mask=mask, other=0.0)
         dSr += tl.dot(r, tl.trans(dS), input_precision=PREC32)
         SdZ += tl.dot(dz, tl.trans(S), input_precision=PREC32)
