@@ -226,19 +226,19 @@ def test_rejects_unsupported_calls():
 @pytest.mark.parametrize("rule", ["1A", "1"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_chunk_states_are_stored_in_the_inputs_dtype(monkeypatch, rule, dtype):
-    """The per-chunk state buffers of a forward + backward are in the inputs' dtype for 16-bit inputs (half the bytes
-    of the op's largest buffers; the kernels' products read them at that precision or TF32, and the 16-bit accuracy
-    tests run through them), float32 for float32 inputs. Rule 1A: the entry states, their recomputation and dS_out;
-    rule 1: the entry states and their recomputation (its sequential pass carries a float32 state, and dS_out stays
-    float32). The final state is float32 either way."""
+    """The per-chunk state buffers of a forward + backward. Rule 1A: the entry states, their recomputation and dS_out
+    all in the inputs' dtype (every product that reads them takes that dtype; half the bytes of the op's largest
+    buffers). Rule 1: the forward's entry states in the inputs' dtype (only the outputs read them, rounded to it
+    anyway), the backward's recomputed states float32 (its TF32 products; its dS_out is a float32 buffer of its own).
+    float32 inputs: all float32. The final state is float32 either way."""
     from hybridlm.ops.fast_weight.triton import inner_product, regression
 
     plan = inner_product.ScalarPlan if rule == "1A" else regression.EventPlan
     made = []
     original = plan.state_buffer
 
-    def recording(self):
-        buffer = original(self)
+    def recording(self, *args):
+        buffer = original(self, *args)
         made.append(buffer.dtype)
         return buffer
 
@@ -252,7 +252,28 @@ def test_chunk_states_are_stored_in_the_inputs_dtype(monkeypatch, rule, dtype):
     o, S = scan(F.normalize(q, dim=-1), F.normalize(x, dim=-1), y, eta, log_gamma, None, read_after=True,
                 chunk_size=16)
     (o.float().sum() + S.sum()).backward()
-    assert made == [dtype] * (3 if rule == "1A" else 2) and S.dtype == torch.float32
+    assert made == ([dtype] * 3 if rule == "1A" else [dtype, torch.float32])
+    assert S.dtype == torch.float32
+
+
+@interpret
+@pytest.mark.parametrize("read_after", [True, False])
+def test_rule_1_outputs_are_the_same_from_16bit_stored_states(monkeypatch, read_after):
+    """Rule 1's forward stores its entry states in the inputs' dtype: its outputs and final state are bit for bit
+    those from float32 stored states (the output kernel's product rounds the states to the inputs' dtype either way;
+    the pass carries its own float32 state)."""
+    from hybridlm.ops.fast_weight.triton import regression
+
+    g = torch.Generator().manual_seed(1)
+    q, x = (F.normalize(torch.randn(2, 50, 2, 32, generator=g), dim=-1).to(DEVICE, torch.float16) for _ in range(2))
+    y = torch.randn(2, 50, 2, 16, generator=g).to(DEVICE, torch.float16)
+    eta = (0.5 * torch.rand(2, 50, 2, generator=g)).to(DEVICE)
+    log_gamma = (-0.1 * torch.rand(2, 50, 2, generator=g)).to(DEVICE)
+    o16, S16 = regression.forward_1(q, x, y, eta, log_gamma, None, read_after, 16)
+    scan = regression.EventPlan.scan
+    monkeypatch.setattr(regression.EventPlan, "scan", lambda self, *args, states_dtype: scan(self, *args))
+    o32, S32 = regression.forward_1(q, x, y, eta, log_gamma, None, read_after, 16)
+    assert o16.dtype == torch.float16 and torch.equal(o16, o32) and torch.equal(S16, S32)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (no GPU)")

@@ -128,8 +128,10 @@ for K, BT in ((128, 64), (64, 64), (16, 64)):
     # The kernels that do not take SLOTS, as regression.py launches them.
     plain = dict(K=K, V=K, BT=BT, BK=K, PREC32="tf32")
     for (io, prec), (BV, passes) in itertools.product(PASS_INPUTS, launches(K)):
-        b(k.delta_pass_kernel, dict(plain, BV=BV, HAS_INIT=True, INTERPRET=False, PREC32=prec), io=io,
-          **launch(passes.kwargs()))
+        # The forward stores the entry states (h) in the inputs' dtype, the backward's recomputation in float32.
+        for io_names in (IO, IO + ("h_ptr",)):
+            b(k.delta_pass_kernel, dict(plain, BV=BV, HAS_INIT=True, INTERPRET=False, PREC32=prec), io=io,
+              io_names=io_names, **launch(passes.kwargs()))
     for read_after in (True, False):
         b(k.delta_grad_q_kernel, dict(plain, BV=32 if K > 64 else min(64, max(16, K)), READ_AFTER=read_after),
           warps=8)

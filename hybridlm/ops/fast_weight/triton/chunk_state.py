@@ -14,8 +14,8 @@ Scalar decays run (1) + (2) as one kernel (`state_scan_kernel`: each program kee
 registers while it walks the chunks, the layout of flash-linear-attention's state kernels); `chunk_outer_kernel` is
 (1) / (1') alone, which rule 1's backward needs. Per value column, (1) and (2) are two kernels
 (`chunk_outer_columns_kernel`, `state_pass_columns_kernel`, the pass in place over the contributions). Per-chunk
-states are float32, or rule 1A's in the inputs' dtype (`inner_product.py`); every matmul that reads them converts
-them to the inputs' dtype.
+states are float32, or in the inputs' dtype where every product that reads them takes that dtype (rule 1A's,
+`inner_product.py`; rule 1's forward, `regression.py`).
 """
 
 from __future__ import annotations

@@ -46,9 +46,10 @@ class ChunkPlan:
         self.sizes = {"K": self.K, "V": self.V, "BT": self.BT}
         self.state_dtype = torch.float32
 
-    def state_buffer(self) -> torch.Tensor:
-        """[N * H, n_chunks, K, V]: one state per chunk, in `state_dtype`."""
-        return torch.empty(self.NH, self.n_chunks, self.K, self.V, dtype=self.state_dtype, device=self.device)
+    def state_buffer(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[N * H, n_chunks, K, V]: one state per chunk, in `dtype` (default `state_dtype`)."""
+        return torch.empty(self.NH, self.n_chunks, self.K, self.V, dtype=dtype or self.state_dtype,
+                           device=self.device)
 
     def column_tile(self) -> int:
         """The value tile of the per-column kernels' [BT, BT, BV] work (`TILE_3D` elements at most)."""

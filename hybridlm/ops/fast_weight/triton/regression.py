@@ -88,7 +88,10 @@ def forward_1(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int,
     dividing chunk_size)."""
     p = EventPlan(q, y, chunk_size, read_after, slots)
     L = chunk_cumsum(p, log_gamma)
-    states, R, final, _ = p.scan(x, y, eta, L, S0)
+    # The entry states stored in q's dtype: the output kernel's product rounds them to it anyway, so the outputs are
+    # the same and half the bytes of the op's largest buffer move. The backward recomputes them in float32 for its
+    # TF32 products (stored in 16 bits, they would put several times the error into dq, dx and d log_gamma).
+    states, R, final, _ = p.scan(x, y, eta, L, S0, states_dtype=q.dtype)
     return chunk_output.output(p, q, x, R, eta, L, states), final  # rule 1A's outputs, the residuals for y
 
 
@@ -156,16 +159,11 @@ class EventPlan(ChunkPlan):
         self.BK_full = block(self.K, 128)  # the pass and dq kernels hold all of K
         self.passes = pass_launch(self.K, self.V, self.NH)
         self.BV_pass = block(self.V, self.passes.block_v)
-        # The stored per-chunk states in the inputs' dtype, as rule 1A's: the output kernel's product rounds them to
-        # it anyway, the gradient kernels' products round them to TF32, and the sequential pass carries its float32
-        # state in registers (r = U - W S, the difference that cancels, never reads the stored copy). Half the bytes
-        # of the op's largest buffer move in the pass, the outputs and two gradient kernels.
-        self.state_dtype = q.dtype
 
-    def scan(self, x, y, eta, L, S0):
-        """The WY factors and the sequential pass: every chunk's entry state [N * H, n_chunks, K, V] (in
-        `state_dtype`), the residuals r [N, T, H, V], the final state [N, H, K, V] and (I + A)^-1 of every chunk
-        [N * H, T_pad, BT] (float32)."""
+    def scan(self, x, y, eta, L, S0, states_dtype: torch.dtype = torch.float32):
+        """The WY factors and the sequential pass: every chunk's entry state [N * H, n_chunks, K, V] (stored in
+        `states_dtype`; the pass carries its state in float32), the residuals r [N, T, H, V], the final state
+        [N, H, K, V] and (I + A)^-1 of every chunk [N * H, T_pad, BT] (float32)."""
         N, T, H, K, V, NH, BT = self.N, self.T, self.H, self.K, self.V, self.NH, self.BT
         f32 = {"dtype": torch.float32, "device": self.device}
         tinv = torch.empty(NH, self.T_pad, BT, **f32)
@@ -178,7 +176,7 @@ class EventPlan(ChunkPlan):
         wy.wu_kernel[(-(-K // BD) + -(-V // BD), self.n_chunks, NH)](
             x, y, L, tinv, U, W, T, self.T_pad, self.n_chunks, H, K=K, V=V, BT=BT, BD=BD, SLOTS=self.slots,
             PREC32=self.prec)
-        states = self.state_buffer()
+        states = self.state_buffer(states_dtype)
         R = torch.empty(N, T, H, V, **f32)
         final = torch.empty(N, H, K, V, **f32)
         regression_kernels.delta_pass_kernel[(-(-V // self.BV_pass), NH)](

@@ -56,7 +56,8 @@ states: dS' r_s, S dZ_s and their dot products with x_s), and `delta_grad_kernel
 walking K in 64-column blocks. Neither of these two holds a [BT, K] accumulator beside [BT, BT] ones: together they
 spill registers. Buffers: residuals r, dr and dZ [N, T, H, V] float32 (the layout of y); the state terms of dx
 [N, T, H, K] float32 and their column blocks' parts [nK, 3, N * H, T_pad] float32; per-chunk entry states
-[N * H, n_chunks, K, V] in the inputs' dtype (the pass carries its state in float32), their gradients float32.
+[N * H, n_chunks, K, V] (the forward's stored in the inputs' dtype for the outputs alone, the backward's
+recomputed in float32) and their gradients dS' float32.
 
 Rule 2 (regression with step sizes and log decays per value column, window 1). Each value column j runs its own
 rule-1 recurrence with scalar eta_t[j] and log gamma_t[j]; all columns share the keys x_t (and the Gram X X^T):
@@ -130,7 +131,7 @@ def _delta_step(x_ptr, eta_ptr, L_ptr, u_ptr, w_ptr, h_ptr, r_ptr, S, i_c, i_n, 
                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, rk, rv, PREC32: tl.constexpr):
     """(F3, F4) One chunk: record the entry state S, r = U - W S (stored), return exp(L_last) S + X^T (coef r)."""
     offs, mask = state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
-    tl.store(h_ptr + offs, S, mask=mask)
+    tl.store(h_ptr + offs, S.to(h_ptr.dtype.element_ty), mask=mask)
     t = i_c * BT + tl.arange(0, BT)
     w_offs, w_mask = buffer_offsets(i_nh, t, T_pad, K, rk)
     u_offs, u_mask = buffer_offsets(i_nh, t, T_pad, V, rv)
@@ -247,7 +248,7 @@ def delta_grad_q_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dq_p
         do = load_rows(do_ptr, i_n, i_h, t, T, H, V, rv).to(tl.float32)                    # [BT, BV]
         r = load_rows(r_ptr, i_n, i_h, t, T, H, V, rv)                                     # fp32
         offs, mask = state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
-        S = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)                      # [BK, BV]
+        S = tl.load(h_ptr + offs, mask=mask, other=0.0)                                     # [BK, BV] fp32
         dOr += tl.dot(do, tl.trans(r), input_precision=PREC32)
         dq += tl.dot(do, tl.trans(S), input_precision=PREC32)
     eta = load_steps(eta_ptr, i_n, i_h, t, T, H)
@@ -286,7 +287,7 @@ def delta_grad_state_kernel(x_ptr, r_ptr, eta_ptr, L_ptr, h_ptr, dh_ptr, dz_ptr,
         r = load_rows(r_ptr, i_n, i_h, t, T, H, V, rv)                                     # [BT, BV] fp32
         dz = load_rows(dz_ptr, i_n, i_h, t, T, H, V, rv)
         offs, mask = state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
-        S = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)                      # [BK, BV]
+        S = tl.load(h_ptr + offs, mask=mask, other=0.0)                                     # [BK, BV] fp32
         dS = tl.load(dh_ptr + offs, mask=mask, other=0.0)
         dSr += tl.dot(r, tl.trans(dS), input_precision=PREC32)
         SdZ += tl.dot(dz, tl.trans(S), input_precision=PREC32)
