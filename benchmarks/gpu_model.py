@@ -38,9 +38,11 @@ the Transformer's attention and MLP and add the SSM half: 143-159M parameters ag
    compiled update is warmed up before timing), every variant alike.
    `--rounds R` measures every training row R times with the variants interleaved (A B A B ...: a shared host's
    drift lands on baseline and variant alike) and reports the median tokens/s and the median of the per-round
-   ratios with their range. `--kept-mixers` also trains each variant with SSM mixers with the mixers' own
-   recomputation off (`parallel.recompute_mixers=false`: they keep their conv output, QK norms and write events for
-   the backward), as "<variant> (kept)" beside it in every round: the memory it saves and the time it costs.
+   ratios with their range. The SSM mixers recompute as `parallel.recompute_mixers` says (`--recompute-mixers`,
+   default the library's "fast_weight": the fast-weight mixers recompute, Mamba-2's keep their activations).
+   `--kept-mixers` also trains each variant with SSM mixers with none recomputing (`parallel.recompute_mixers=none`:
+   they keep their conv output, QK norms and write events for the backward), as "<variant> (kept)" beside it in
+   every round: the memory the recomputation saves and the time it costs.
    `--documents D` packs the rows into one row of rows x T tokens with `cu_seqlens` (each row cut into D documents
    at fixed random places, the same for every variant), as the trainer runs `data.document_boundaries`; compiled,
    each block compiles on its own, as in the trainer (`HybridBlock`'s packed-document paths), with a CUDA-graph
@@ -78,7 +80,7 @@ import torch
 from gpu_ops import kernel_launches  # benchmarks/ is on the path when this script runs
 
 from hybridlm.inference import GraphedDecoder, prefill
-from hybridlm.layers.block import set_mixers_recompute
+from hybridlm.layers.block import RECOMPUTE_MIXERS, set_mixers_recompute
 from hybridlm.layers.fast_weight import FastWeightMixer
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.allocation import channel_allocation
@@ -381,10 +383,12 @@ def main() -> None:
     parser.add_argument("--logits-loss", action="store_true",
                         help="train on the loss computed from the whole logits, not the chunked one `hybridlm train` "
                              "uses")
+    parser.add_argument("--recompute-mixers", default="fast_weight", choices=RECOMPUTE_MIXERS,
+                        help="which SSM mixers recompute what feeds their scans (`parallel.recompute_mixers`)")
     parser.add_argument("--kept-mixers", action="store_true",
-                        help="also train every variant with SSM mixers with their own recomputation off (the mixers "
-                             "keep their conv output, norms and write events: `parallel.recompute_mixers=false`), "
-                             "as '<variant> (kept)' in the same rounds")
+                        help="also train every variant with SSM mixers with none recomputing (the mixers keep their "
+                             "conv output, norms and write events: `parallel.recompute_mixers=none`), as "
+                             "'<variant> (kept)' in the same rounds")
     parser.add_argument("--decode-dtype", default="autocast", choices=["autocast", "bfloat16"],
                         help="decode under bf16 autocast (float32 weights), or a bf16 copy of each model (no autocast)")
     parser.add_argument("--torch-steps", action="store_true",
@@ -426,10 +430,10 @@ def main() -> None:
     params = {variant: sum(p.numel() for p in model.parameters()) for variant, model in models.items()}
     for round_ in range(args.rounds):
         for variant, model in models.items():
-            mixers = set_mixers_recompute(model, True)
-            for recompute in [True] + ([False] if args.kept_mixers and mixers else []):
+            mixers = set_mixers_recompute(model, args.recompute_mixers)
+            for kept, recompute in enumerate([args.recompute_mixers] + (["none"] if args.kept_mixers and mixers else [])):
                 set_mixers_recompute(model, recompute)
-                label = variant if recompute else f"{variant} (kept)"
+                label = f"{variant} (kept)" if kept else variant
                 for length in args.lengths:
                     row = {"variant": label, "baseline": BASELINE.get(variant, "transformer"),
                            "params": params[variant], "T": length, "rows": args.train_rows,
@@ -444,7 +448,7 @@ def main() -> None:
                     model.zero_grad(set_to_none=True)  # the other variants' turns need the memory
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-            set_mixers_recompute(model, True)
+            set_mixers_recompute(model, args.recompute_mixers)
     for variant in args.variants:
         model = models.pop(variant)
         has_mixers = any(isinstance(m, (FastWeightMixer, Mamba2Mixer)) for m in model.modules())

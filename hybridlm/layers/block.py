@@ -54,13 +54,21 @@ from hybridlm.layers.mlp import GatedMLP
 from hybridlm.modules.multiplier import scaled
 from hybridlm.modules.norm import RMSNorm
 
+# Which SSM mixers recompute what feeds their scans in the backward (`parallel.recompute_mixers`). "fast_weight", the
+# default and each mixer's own: the fast-weight mixers recompute (it saves ~1 GiB of a 16K row's ~11 at the 125m
+# shape, for 1-7% of an eager update) and Mamba-2 keeps its activations (recomputing saves 1-3% of the peak and costs
+# 15-20% of an eager update, host time: benchmarks/RESULTS.md, "Activation memory per token").
+RECOMPUTE_MIXERS = ("fast_weight", "all", "none")
 
-def set_mixers_recompute(model: nn.Module, enabled: bool) -> list[nn.Module]:
+
+def set_mixers_recompute(model: nn.Module, which: str) -> list[nn.Module]:
     """Set `recompute` (what feeds the scans recomputed in the backward, `hybridlm.ops.recompute`) on every SSM mixer
-    of `model`; returns those mixers."""
+    of `model` as `which` says (`RECOMPUTE_MIXERS`); returns those mixers."""
+    if which not in RECOMPUTE_MIXERS:
+        raise ValueError(f"recompute_mixers must be one of {RECOMPUTE_MIXERS}, got {which!r}")
     mixers = [m for m in model.modules() if isinstance(m, (FastWeightMixer, Mamba2Mixer))]
     for mixer in mixers:
-        mixer.recompute = enabled
+        mixer.recompute = which == "all" or (which == "fast_weight" and isinstance(mixer, FastWeightMixer))
     return mixers
 
 

@@ -21,7 +21,8 @@ the SSD's state restart at each document (the SSD's torch chunk path); the hybri
 Training on the Triton SSD (a gradient, no cache; eager or compiled) recomputes the multipliers, the conv and the
 discretization in the backward, not the scan (`hybridlm.ops.recompute`): the conv's output (x, B, C) is not kept, only
 the input projection (which holds z for the gate anyway) and the scan's output; eager, values and gradients are the
-same bit for bit (`recompute = False` on the mixer keeps them instead).
+same bit for bit. Off by default (`recompute = True` on the mixer, or `parallel.recompute_mixers: all`, turns it on):
+it saves 1-3% of an update's peak and costs 15-20% of an eager update's time (`layers.block.RECOMPUTE_MIXERS`).
 Under tensor parallelism (hybridlm.parallel.tensor_parallel) the head counts here (num_heads, groups, d_ssm,
 conv_channels) are the rank's local ones and the per-head parameters are Shard(0) DTensors read through `local_tensor`.
 """
@@ -65,7 +66,7 @@ class Mamba2Mixer(nn.Module):
         self.d_state = config.mamba_d_state
         self.chunk_size = config.mamba_chunk_size
         self.backend = "auto"  # the ssd op's backend for sequences ("chunk", "triton", ...); "auto": its choice
-        self.recompute = True  # training on the Triton SSD: `_mix` recomputed in the backward (less memory)
+        self.recompute = False  # True: training on the Triton SSD recomputes `_mix` in the backward (less memory)
         self.time_step_limit = tuple(config.time_step_limit)
         self.multipliers = {
             "z": config.ssm_multiplier_z,

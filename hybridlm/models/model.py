@@ -153,9 +153,9 @@ class HybridModel(HybridPreTrainedModel):
     def gradient_checkpointing(self, enabled: bool) -> None:
         """transformers' gradient_checkpointing_enable() / _disable() set this. With every block recomputed in the
         backward, the SSM mixers' own recomputation of what feeds their scans (their `recompute`) would only run it
-        a third time: enabling turns it off, disabling back on."""
+        a third time: enabling turns it off, disabling back to the mixers' default."""
         self._gradient_checkpointing = bool(enabled)
-        set_mixers_recompute(self, not enabled)
+        set_mixers_recompute(self, "none" if enabled else "fast_weight")
 
     def forward(
         self,

@@ -29,8 +29,8 @@ class ParallelConfig:
     cp: context parallelism (the sequence split over ranks; see `context_parallel`).
     tp: tensor parallelism (attention heads, SSM heads and MLP split; see `tensor_parallel`).
     activation_checkpointing: recompute each block in backward (applied by `parallelize`).
-    recompute_mixers: the SSM mixers recompute what feeds their scans in backward (`wrap_blocks`; off under
-        activation_checkpointing).
+    recompute_mixers: which SSM mixers recompute what feeds their scans in backward: "fast_weight" (the default),
+        "all" or "none" (`layers.block.RECOMPUTE_MIXERS`; none under activation_checkpointing).
     ssm_tensor_parallel: split the SSM mixers' heads over tp (True), or keep them replicated (False: e.g. the
         released Falcon-H1 checkpoints, whose mamba_n_groups=1 cannot split B/C over tp ranks).
     mixer_parallel: "off", "on" (attention on the first half of every tp group, the SSM mixer on the second,
@@ -43,7 +43,7 @@ class ParallelConfig:
     cp: int = 1
     tp: int = 1
     activation_checkpointing: bool = False
-    recompute_mixers: bool = True
+    recompute_mixers: str = "fast_weight"
     ssm_tensor_parallel: bool = True
     mixer_parallel: str = "off"
 

@@ -62,14 +62,14 @@ def parallelize(
 
 def wrap_blocks(
     model: nn.Module, *, activation_checkpointing: bool, compile: bool, compile_mode: str = "default",
-    recompute_mixers: bool = True,
+    recompute_mixers: str = "fast_weight",
 ) -> nn.ModuleList | None:
     """Steps 2 and 3 on every block in place (also what one process without a mesh applies); returns the list
     (None when neither is asked for: then any model passes). `compile_mode` is torch.compile's mode ("default",
-    "reduce-overhead": CUDA graphs per block, "max-autotune-no-cudagraphs"). `recompute_mixers`: the SSM mixers'
-    own recomputation in the backward (their `recompute`), off under activation_checkpointing, whose recomputation
-    of the whole block makes it redundant."""
-    set_mixers_recompute(model, recompute_mixers and not activation_checkpointing)
+    "reduce-overhead": CUDA graphs per block, "max-autotune-no-cudagraphs"). `recompute_mixers`: which SSM mixers
+    recompute what feeds their scans in the backward (`layers.block.RECOMPUTE_MIXERS`: "fast_weight", "all",
+    "none"); none under activation_checkpointing, whose recomputation of the whole block makes it redundant."""
+    set_mixers_recompute(model, "none" if activation_checkpointing else recompute_mixers)
     if not (activation_checkpointing or compile):
         return None
     layers = _layer_list(model)

@@ -221,9 +221,10 @@ class ParallelSection:
     mixer_parallel: str = "off"  # "on" | "interleaved": attention and SSM mixers on the two halves of tp
     ssm_tensor_parallel: bool = True  # False: SSM mixers replicated over tp (needed when mamba_n_groups % tp)
     activation_checkpointing: bool = False  # recompute every block in backward (not with cp > 1)
-    # the SSM mixers on their Triton kernels recompute their conv, norms and write preparation in backward, not the
-    # scans: less activation memory for a few launches more (off under activation_checkpointing, which recomputes all)
-    recompute_mixers: bool = True
+    # which SSM mixers on their Triton kernels recompute their conv, norms and write preparation in backward, not the
+    # scans: "fast_weight" (the default: Mamba-2 keeps its, a small share of the peak that costs more host time than
+    # it saves), "all" or "none" (true / false read as all / none; none under activation_checkpointing)
+    recompute_mixers: str = "fast_weight"
 
 
 @dataclass
@@ -294,7 +295,8 @@ SCHEMA = Schema(
         "all ranks), 'ddp' is parallel.dp_replicate=-1 with parallel.dp_shard=1 (replicas); delete the key",
     }},
     mappings={(ModelSection, "overrides"): FieldsMapping(_hybrid_config_class, literals={"mamba_d_head": ("auto",)})},
-    bool_words={(ParallelSection, "mixer_parallel"): ("off", "on")},
+    bool_words={(ParallelSection, "mixer_parallel"): ("off", "on"),
+                (ParallelSection, "recompute_mixers"): ("none", "all")},
     checks={ScheduleConfig: check_schedule_decay},
 )
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("fp32", "bf16")
 MIXER_PARALLEL = ("off", "on", "interleaved")
+RECOMPUTE_MIXERS = ("fast_weight", "all", "none")  # layers.block.RECOMPUTE_MIXERS (not imported: no torch here)
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")  # train.compile_mode
@@ -249,6 +250,7 @@ def _validate_parallel(config: TrainConfig, hybrid: HybridConfig) -> None:
         raise ConfigError("parallel.dp_replicate / parallel.dp_shard: at most one of them can be -1 (the rest); "
                           "e.g. dp_replicate: -1 with dp_shard: 1 for replicas, or dp_shard: -1 for FSDP2")
     _choice(p.mixer_parallel, "parallel.mixer_parallel", MIXER_PARALLEL)
+    _choice(p.recompute_mixers, "parallel.recompute_mixers", RECOMPUTE_MIXERS)
     if p.mixer_parallel != "off" and p.tp % 2:
         raise ConfigError(f"parallel.mixer_parallel: {p.mixer_parallel!r} splits every tp group into two halves "
                           f"(attention | SSM), so parallel.tp must be even, got {p.tp}")

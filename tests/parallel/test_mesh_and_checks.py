@@ -103,17 +103,31 @@ def test_checkpointed_compiled_blocks_compile_on_packed_documents():
 
 @pytest.mark.parametrize("ssm_mixer", ["mamba2", "fast_weight"])
 def test_wrap_blocks_sets_the_mixers_own_recomputation(ssm_mixer):
-    """On by default; off when asked, and under activation checkpointing (which recomputes the whole block)."""
+    """By default the fast-weight mixers recompute and Mamba-2's keep their activations; "all" / "none" when asked;
+    none under activation checkpointing (which recomputes the whole block); an unknown setting is refused."""
     from hybridlm.parallel.parallelize import wrap_blocks
 
     def flags(model):
         return [block.ssm.recompute for block in model.model.layers if block.ssm is not None]
 
+    default = ssm_mixer == "fast_weight"
     model = tiny_model(ssm_mixer=ssm_mixer)
+    assert flags(model) == [default, default]
+    wrap_blocks(model, activation_checkpointing=False, compile=False, recompute_mixers="all")
     assert flags(model) == [True, True]
-    wrap_blocks(model, activation_checkpointing=False, compile=False, recompute_mixers=False)
+    wrap_blocks(model, activation_checkpointing=False, compile=False, recompute_mixers="none")
     assert flags(model) == [False, False]
     wrap_blocks(model, activation_checkpointing=False, compile=False)
-    assert flags(model) == [True, True]
-    wrap_blocks(model, activation_checkpointing=True, compile=False)
+    assert flags(model) == [default, default]
+    wrap_blocks(model, activation_checkpointing=True, compile=False, recompute_mixers="all")
     assert flags(model) == [False, False]
+    with pytest.raises(ValueError, match="recompute_mixers must be one of"):
+        wrap_blocks(model, activation_checkpointing=False, compile=False, recompute_mixers=True)
+
+
+def test_recompute_mixers_choices_agree():
+    """The config check (torch-free) and the layers name the same settings."""
+    from hybridlm.layers.block import RECOMPUTE_MIXERS
+    from hybridlm.training import validate
+
+    assert validate.RECOMPUTE_MIXERS == RECOMPUTE_MIXERS

@@ -706,10 +706,17 @@ def test_train_deterministic_trains_under_deterministic_kernels_only(demo_dir, t
     assert losses(deterministic) == losses(plain)
 
 
-@pytest.mark.parametrize("setting", [True, False])
-def test_recompute_mixers_reaches_the_model(demo_dir, tmp_path, setting):
+@pytest.mark.parametrize("setting,recomputes", [("true", True), ("false", False), ("all", True), ("none", False),
+                                                 ("fast_weight", False)])
+def test_recompute_mixers_reaches_the_model(demo_dir, tmp_path, setting, recomputes):
+    """The demo's Mamba-2 mixers recompute under "all" (YAML's true) only: the default, "fast_weight", keeps them."""
     from hybridlm.layers.mamba2 import Mamba2Mixer
 
-    trainer = Trainer(small_config(demo_dir, tmp_path, f"parallel.recompute_mixers={str(setting).lower()}"))
+    trainer = Trainer(small_config(demo_dir, tmp_path, f"parallel.recompute_mixers={setting}"))
     mixers = [m for m in trainer.model.modules() if isinstance(m, Mamba2Mixer)]
-    assert mixers and all(m.recompute == setting for m in mixers)
+    assert mixers and all(m.recompute == recomputes for m in mixers)
+
+
+def test_recompute_mixers_refuses_an_unknown_setting(demo_dir, tmp_path):
+    with pytest.raises(ConfigError, match="parallel.recompute_mixers: must be one of fast_weight, all, none"):
+        Trainer(small_config(demo_dir, tmp_path, "parallel.recompute_mixers=mamba"))
