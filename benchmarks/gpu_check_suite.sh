@@ -18,9 +18,9 @@ variants=("transformer matched" "h1 fw-1A" "h1 mamba2")
 case $part in
 tests)
     timeout 520 python -m pytest -q -p no:cacheprovider -rf --tb=short tests/ops/test_rotary_triton.py \
-        tests/ops/test_ssd_triton.py tests/ops/test_decoding_steps.py tests/ops/test_triton_autotune.py tests/ops/test_recompute.py \
-        tests/ops/test_mixer_recompute.py tests/layers/test_attention.py tests/layers/test_norm_rotary.py \
-        tests/models/test_model.py > "$out/tests.log" 2>&1
+        tests/ops/test_ssd_triton.py tests/ops/test_decoding_steps.py tests/ops/test_triton_autotune.py \
+        tests/ops/test_recompute.py tests/ops/test_mixer_recompute.py tests/layers/test_attention.py \
+        tests/layers/test_norm_rotary.py tests/models/test_model.py > "$out/tests.log" 2>&1
     tail -n 25 "$out/tests.log"
     ;;
 timings)

@@ -431,7 +431,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         for variant, model in models.items():
             mixers = set_mixers_recompute(model, args.recompute_mixers)
-            for kept, recompute in enumerate([args.recompute_mixers] + (["none"] if args.kept_mixers and mixers else [])):
+            settings = [args.recompute_mixers] + (["none"] if args.kept_mixers and mixers else [])
+            for kept, recompute in enumerate(settings):
                 set_mixers_recompute(model, recompute)
                 label = f"{variant} (kept)" if kept else variant
                 for length in args.lengths:

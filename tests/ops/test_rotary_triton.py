@@ -111,7 +111,8 @@ def test_gradients_match_float64_and_an_unused_output():
         x = leaf.to(dtype).detach().requires_grad_()
         q, k = x[..., :4 * 32].unflatten(-1, (4, 32)), x[..., 4 * 32:6 * 32].unflatten(-1, (2, 32))
         q_out, k_out = rotate(q, k)
-        loss = (q_out * dq_out.to(x.device, dtype)).sum() + ((k_out * dk_out.to(x.device, dtype)).sum() if use_k else 0.0)
+        dq, dk = dq_out.to(x.device, dtype), dk_out.to(x.device, dtype)
+        loss = (q_out * dq).sum() + ((k_out * dk).sum() if use_k else 0.0)
         loss.backward()
         return x.grad.double()
 
