@@ -4,6 +4,7 @@ under Triton's interpreter).
 
     python benchmarks/decode_ops.py                       # the 125m shape of gpu_model.py, batch 1
     python benchmarks/decode_ops.py --batch 64 --variants "h1 mamba2" --json ops.json
+    python benchmarks/decode_ops.py --static              # the step a CUDA graph captures, its state copies counted
 
 A replayed CUDA graph of a decoding step at a small batch costs about one kernel's launch and latency per operator
 (benchmarks/RESULTS.md, "Serving on an H200"), so the number of operators that compute is the step's time there.
@@ -28,12 +29,14 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the step kern
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 
 import torch  # noqa: E402
 from gpu_model import BASELINE, VARIANTS, build, torch_steps  # noqa: E402  benchmarks/ is on the path
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from hybridlm.inference import GraphedDecoder  # noqa: E402
 from hybridlm.layers import attention as attention_layer  # noqa: E402
 from hybridlm.layers import fast_weight as fast_weight_layer  # noqa: E402
 from hybridlm.layers import mamba2 as mamba2_layer  # noqa: E402
@@ -87,14 +90,17 @@ def _in_place(where: list[str], label: str, fn):
     return run
 
 
-def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool) -> tuple[collections.Counter, int]:
+def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool,
+               static: bool = False) -> tuple[collections.Counter, int]:
     """(operators per layer kind, Triton launches) of one decoding step after a prefill of 64 tokens; the SSM ops
     themselves (`fast_weight_attention` and `ssd`, or with the step kernels `fast_weight_decoding_step` and
     `ssd_decoding_step`) counted apart from the rest of their mixers, as "ssm op".
-    `rotary_kernel`: attention's queries and keys rotated by the Triton kernel, as `rotate_qk` does on CUDA."""
+    `rotary_kernel`: attention's queries and keys rotated by the Triton kernel, as `rotate_qk` does on CUDA.
+    `static`: the step a CUDA graph captures (`GraphedDecoder`'s, on a `StaticCache`), whose copies of new SSM states
+    into the buffers the step reads count as "state copies"."""
     import triton.runtime.interpreter as interpreter
 
-    where = ["model"]
+    where = ["state copies"] if static else ["model"]
     ops_in_layers = [(fast_weight_layer, "fast_weight_attention"), (fast_weight_layer, "fast_weight_decoding_step"),
                      (mamba2_layer, "ssd"), (mamba2_layer, "ssd_decoding_step")]
     saved = {(module, name): getattr(module, name) for module, name in ops_in_layers}
@@ -131,9 +137,15 @@ def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool) -> tupl
             short_conv._depthwise = short_conv._conv1d  # the conv's torch form as CUDA runs it in eager mode
             if rotary_kernel:
                 attention_layer.rotate_qk = rotary_qk_triton
+            if static:
+                decoder = GraphedDecoder(model, cache, capacity=65, batch_size=batch, use_graph=False)
+                decoder.token.copy_(ids[:, 64:])
+                step = decoder._forward  # the model's step on the static cache, then the states copied back
+            else:
+                step = functools.partial(model, ids[:, 64:], cache=cache, logits_to_keep=1)
             try:
                 with ops:
-                    model(ids[:, 64:], cache=cache, logits_to_keep=1)
+                    step()
             finally:
                 interpreter.InterpretedFunction.run = launch
                 for module, name in ops_in_layers:
@@ -156,6 +168,9 @@ def main() -> None:
     parser.add_argument("--torch-rotary", action="store_true",
                         help="rotate queries and keys on the torch form (the CPU's and a recorded gradient's) instead "
                              "of the Triton kernel that CUDA's inference runs")
+    parser.add_argument("--static", action="store_true",
+                        help="count the step a CUDA graph captures (`GraphedDecoder` on a `StaticCache`: the static "
+                             "attention and the copies of new SSM states into the buffers the step reads)")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
@@ -165,28 +180,31 @@ def main() -> None:
         has_mixers = any(isinstance(m, (FastWeightMixer, Mamba2Mixer)) for m in model.modules())
         for kernels in ([False, True] if has_mixers else [False]):
             counts, launches = count_step(model, batch=args.batch, kernels=kernels,
-                                          rotary_kernel=not args.torch_rotary)
+                                          rotary_kernel=not args.torch_rotary, static=args.static)
             steps = "triton" if kernels else ("torch loops" if has_mixers else "-")
             rows.append(dict(variant=variant, steps=steps, total=sum(counts.values()), launches=launches,
                              op=counts["ssm op"] / layers, conv=counts["ssm conv"] / layers,
                              ssm=counts["ssm mixer"] / layers,
                              attention=counts["attention"] / layers,
-                             block=counts["block"] / layers, model=counts["model"],
+                             block=counts["block"] / layers, model=counts["model"], copies=counts["state copies"],
                              baseline=BASELINE.get(variant, "transformer")))
     totals = {r["variant"]: r["total"] for r in rows if r["steps"] in ("-",)}
-    print(f"operators per decoding step, batch {args.batch} (CPU; views and allocations not counted; queries and keys "
+    step = "the static step a CUDA graph captures" if args.static else "decoding step"
+    print(f"operators per {step}, batch {args.batch} (CPU; views and allocations not counted; queries and keys "
           f"rotated on the {'torch form' if args.torch_rotary else 'Triton kernel'})\n")
     print("| model | SSM steps | per step | of them Triton launches | / baseline | per layer: SSM op | SSM conv | "
-          "rest of the SSM mixer | attention | rest of the block | embedding, final norm, head |\n" + "|---" * 11 + "|")
+          "rest of the SSM mixer | attention | rest of the block | embedding, final norm, head | state copies |\n"
+          + "|---" * 12 + "|")
     for r in rows:
         base = totals.get(r["baseline"])
         ratio = f"{r['total'] / base:.2f}x" if base else "-"
         print(f"| {r['variant']} | {r['steps']} | {r['total']} | {r['launches']} | {ratio} | {r['op']:.0f} | "
-              f"{r['conv']:.0f} | {r['ssm']:.0f} | {r['attention']:.0f} | {r['block']:.0f} | {r['model']} |")
+              f"{r['conv']:.0f} | {r['ssm']:.0f} | {r['attention']:.0f} | {r['block']:.0f} | {r['model']} | "
+              f"{r['copies']} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"batch": args.batch, "preset": args.preset, "torch_rotary": args.torch_rotary, "rows": rows}, f,
-                      indent=1)
+            json.dump({"batch": args.batch, "preset": args.preset, "torch_rotary": args.torch_rotary,
+                       "static": args.static, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ padding `pad` shrinks by the dropped slots.
 `StaticCache` (built from a filled cache) is the form a CUDA graph of the decoding step needs
 (`hybridlm.models.graphed`): attention keys/values in storage of a fixed capacity written at a slot that is a
 device tensor, masks over the whole capacity, positions from device tensors. One token per call; every tensor a
-step reads stays at one address (the SSM states are copied back into their buffers by the decoder). With a window
+step reads stays at one address: its `states_in_place` lets the mixers' step kernels write the new SSM states over
+the ones they read, and the decoder copies back into their buffers only what other paths return as new tensors
+(`LayerCache.states_in_place`). With a window
 W smaller than the capacity the storage is a ring of W slots instead (slot s written at s mod W), so its memory does
 not depend on the capacity.
 """
@@ -39,6 +41,13 @@ from hybridlm.ops.utils import host_to_device
 
 class LayerCache:
     """One layer's decoding state: the attention keys/values and the SSM mixer's `ssm` dict."""
+
+    # Whether a mixer's decoding step may write its new state over the tensors in `ssm` (its step kernels do; the
+    # torch paths return new tensors either way). Not here: whoever holds a dynamic cache's state tensors (read out
+    # before a step, or handed in as a prefill's initial state) expects them unchanged, so a step replaces them. A
+    # cache of fixed addresses, which a replayed CUDA graph reads, says yes: it would otherwise copy every new state
+    # into its buffer after each step.
+    states_in_place = False
 
     def __init__(self) -> None:
         self.ssm: dict[str, torch.Tensor] = {}  # the SSM mixer's carried state
@@ -242,7 +251,10 @@ class StaticLayerCache(LayerCache):
     With an attention window W < capacity (`source.window`) the storage is a ring of W slots: slot s goes to ring
     index s mod W, and index i then holds slot `slot - ((slot - i) mod W)`: the one being written and the W - 1
     before it, exactly what the window lets the new query see. Built from the last min(filled, W - 1) slots of
-    `source`. `length` counts every slot seen (with a ring, more than it holds)."""
+    `source`. `length` counts every slot seen (with a ring, more than it holds). The mixers' step kernels write the
+    new SSM states over the ones in `ssm` (`states_in_place`)."""
+
+    states_in_place = True
 
     def __init__(self, source: LayerCache, *, capacity: int, slot: torch.Tensor) -> None:
         super().__init__()

@@ -53,7 +53,9 @@ Decoding: `cache.ssm` holds the conv tail ("conv" [B, K-1, C]) and the `FastWeig
 [B, H, K, V] fp32, "last_k" [B, H, K], and for the sliding rules "tail_x", "tail_v", "tail_len"); a prefill
 runs the chunk-parallel path, each later token the recurrent step. Where that step runs on the op's step kernel
 (no gradient, learned gates; `fast_weight_step_fuses`), the QK norm and the gains run inside the same kernel
-(`fast_weight_decoding_step`, the same values as steps 2-4 up to float32 rounding). With `cu_seqlens` and a cache (a
+(`fast_weight_decoding_step`, the same values as steps 2-4 up to float32 rounding); in a cache of fixed addresses
+(`cache.states_in_place`, what a replayed CUDA graph reads) that kernel and the conv's step kernel write the new
+states over the old. With `cu_seqlens` and a cache (a
 packed prefill) the states have one row per packed sequence.
 Under tensor parallelism (hybridlm.parallel.tensor_parallel) num_heads, width, beta_width and conv_channels
 are the rank's local ones and beta_bias / lam_bias are Shard(0) DTensors read through `local_tensor`.
@@ -198,9 +200,10 @@ class FastWeightMixer(nn.Module):
 
         # 2. Short causal conv + SiLU on (q, k, v); the conv tail carries across calls.
         conv_state = cache.ssm.get("conv") if cache is not None else None
+        in_place = cache is not None and cache.states_in_place  # the step kernels may write over the cached states
         qkv, conv_state = self.conv(  # with seq_idx, the rows' shapes (compiled); else the conv's own packing
             qkv, initial_state=conv_state, output_final_state=cache is not None,
-            cu_seqlens=cu_seqlens if seq_idx is None else None, seq_idx=seq_idx,
+            cu_seqlens=cu_seqlens if seq_idx is None else None, seq_idx=seq_idx, state_in_place=in_place,
         )
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         v = v.reshape(batch, length, H, V)  # [B, T, H, V], the activation dtype (bf16 under autocast)
@@ -211,7 +214,8 @@ class FastWeightMixer(nn.Module):
                 beta_logits.unflatten(-1, (H, V)) if self.rule in PER_COLUMN_RULES else beta_logits, lam_logits,
                 gates=(local_tensor(self.beta_bias), local_tensor(self.lam_bias), *self._gain_scales()),
                 qk_norm=self.qk_norm, qk_eps=_QK_EPS, rule=self.rule, pairing=self.pairing, read=self.read,
-                step_size=self.step_size, ridge_scaling=self.ridge_scaling, initial_state=_load_state(cache))
+                step_size=self.step_size, ridge_scaling=self.ridge_scaling, initial_state=_load_state(cache),
+                state_in_place=in_place)
             cache.ssm["conv"] = conv_state
             _store_state(cache, state)
             return o

@@ -14,7 +14,8 @@ expand * d, the output norm is optional, and the five multipliers above. The blo
 `LayerCache` carries the conv tail ("conv", [B, K-1, C]) and the SSM state ("ssm", [B, H, P, N], fp32):
 a prefill runs the chunked SSD, a single token the recurrence step (the naive step; on CUDA with the backend
 "auto" or "triton" its one-kernel form, `hybridlm/ops/ssd/triton/step.py`, which without a gradient to record also
-takes the discretization of step 3: `ssd_decoding_step`).
+takes the discretization of step 3: `ssd_decoding_step`). In a cache of fixed addresses (`cache.states_in_place`,
+what a replayed CUDA graph reads) those step kernels, the conv's and the SSD's, write the new states over the old.
 With `cu_seqlens` and a cache (a packed prefill) the states have one row per packed sequence. `seq_idx` (a
 document index per token, training only) marks packed documents without changing any shape: the conv's taps and
 the SSD's state restart at each document (the SSD's torch chunk path); the hybrid block uses it when compiled.
@@ -142,8 +143,10 @@ class Mamba2Mixer(nn.Module):
 
         # 2. Short causal conv + SiLU on (x, B, C); the conv tail carries across calls.
         conv_state = cache.ssm.get("conv") if cache is not None else None
+        in_place = cache is not None and cache.states_in_place  # the step kernels may write over the cached states
         xbc, conv_state = self.conv(
-            xbc, initial_state=conv_state, output_final_state=cache is not None, cu_seqlens=cu_seqlens, seq_idx=seq_idx
+            xbc, initial_state=conv_state, output_final_state=cache is not None, cu_seqlens=cu_seqlens, seq_idx=seq_idx,
+            state_in_place=in_place,
         )
         x, b, c = xbc.split([self.d_ssm, bc_width, bc_width], dim=-1)
         x = x.reshape(batch, length, self.num_heads, self.head_dim)  # [B, T, H, P]
@@ -152,7 +155,8 @@ class Mamba2Mixer(nn.Module):
             # A decoding step's discretization (3.) and recurrence (4.) as one kernel (`ssd_decoding_step`)
             y, cache.ssm["ssm"] = ssd_decoding_step(
                 x, dt, local_tensor(self.A_log), b, c, dt_bias=local_tensor(self.dt_bias),
-                dt_limit=self.time_step_limit, D=local_tensor(self.D), initial_state=cache.ssm.get("ssm"))
+                dt_limit=self.time_step_limit, D=local_tensor(self.D), initial_state=cache.ssm.get("ssm"),
+                state_in_place=in_place)
             cache.ssm["conv"] = conv_state
             return y.reshape(batch, length, self.d_ssm)
 

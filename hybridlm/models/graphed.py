@@ -7,9 +7,10 @@ A decoding step of these models is hundreds of small kernels whose launches, not
 (launch counts per step: benchmarks/RESULTS.md). Capturing the step once and replaying it needs every step to run the
 same kernels on the same addresses: the decoder converts the filled cache into a `StaticCache` (attention keys/values
 in storage of fixed capacity written at a device-side slot, masks over the whole storage, positions from device
-tensors), feeds the token through a static input buffer, and after the model's step copies every new SSM state (conv
-tails, SSD and fast-weight states, carried keys) back into the buffers the step reads. The copies are part of the
-graph.
+tensors), feeds the token through a static input buffer, and keeps every SSM state (conv tails, SSD and fast-weight
+states, carried keys) in the buffers the step reads: the mixers' step kernels write the new states over them
+(`StaticCache` takes states in place), and a new state a step returns as a new tensor (the torch paths: the CPU, the
+other rules) is copied back into its buffer, the copies part of the graph.
 
 `compile_step="inductor"` runs the model's step through torch.compile before the capture, so the graph holds
 inductor's fused kernels instead of one kernel per operator (a step is mostly small elementwise work: norms, gates,
@@ -90,7 +91,8 @@ class GraphedDecoder:
         return self.model(self.token, cache=self.cache, logits_to_keep=1).logits[:, -1]
 
     def _forward(self) -> torch.Tensor:
-        """One static step: the model on the token buffer, then the new SSM states copied into the read buffers."""
+        """One static step: the model on the token buffer, then any new SSM state that is not already in its buffer
+        copied there."""
         logits = self._step() if self._compiled_step is None else self._compiled_step(self)
         for layer, buffers in zip(self.cache.layers, self.buffers):
             if layer.ssm.keys() != buffers.keys():

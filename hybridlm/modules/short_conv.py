@@ -49,6 +49,7 @@ def causal_conv1d(
     cu_seqlens: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
     backend: str = "auto",
+    state_in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [B, T, C], weight [C, K], bias [C] -> (y [B, T, C], final_state [B or N, K-1, C] or None).
 
@@ -61,7 +62,9 @@ def causal_conv1d(
     torch.compile with no state in or out, where triton is installed; else the torch forms, with a
     `SlowPathWarning` once where only triton is missing). A decoding step, T == 1 with a state in and out (K >= 2),
     no packed rows and no gradient to record, runs one step kernel under "triton", and under "auto" on such a CUDA
-    tensor outside torch.compile."""
+    tensor outside torch.compile. With `state_in_place` that kernel writes the new state over `initial_state` (in
+    x's dtype, unit stride along the channels) and returns it: a fixed-address cache that a replayed CUDA graph reads
+    (`hybridlm.layers.cache.LayerCache.states_in_place`). Every other path returns a new state."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"causal_conv1d: unknown activation {activation!r}; choose one of {_ACTIVATIONS}")
     check_backend("causal_conv1d", backend)
@@ -82,7 +85,9 @@ def causal_conv1d(
         raise ValueError("causal_conv1d: pass either cu_seqlens or seq_idx, not both")
     if (length == 1 and width > 0 and initial_state is not None and output_final_state and cu_seqlens is None
             and seq_idx is None and _takes_step_kernel(backend, x, weight, bias, initial_state)):
-        y, final = short_conv_step_triton(x[:, 0], initial_state.to(x.dtype), weight, bias, silu=activation == "silu")
+        in_place = state_in_place and initial_state.dtype == x.dtype and initial_state.stride(-1) == 1
+        y, final = short_conv_step_triton(x[:, 0], initial_state.to(x.dtype), weight, bias, silu=activation == "silu",
+                                          in_place=in_place)
         return y[:, None], final
     stateless = initial_state is None and not output_final_state
     kernels = _takes_kernels(backend, x, stateless)
@@ -261,6 +266,7 @@ class ShortConvolution(nn.Module):
         output_final_state: bool = False,
         cu_seqlens: torch.Tensor | None = None,
         seq_idx: torch.Tensor | None = None,
+        state_in_place: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return causal_conv1d(
             x,
@@ -272,6 +278,7 @@ class ShortConvolution(nn.Module):
             cu_seqlens=cu_seqlens,
             seq_idx=seq_idx,
             backend=self.backend,
+            state_in_place=state_in_place,
         )
 
     def extra_repr(self) -> str:

@@ -15,7 +15,8 @@ views of the storage, never a gather. Per layer the storage holds:
   (position p at p mod W): O(W) memory per sequence, however long it runs;
 - every SSM state the mixer keeps in `cache.ssm` (conv tails, SSD / fast-weight states), [max_rows, ...].
 
-The mixers replace their `ssm` entries with new tensors each step; `commit` copies them back into the rows (as the
+The mixers' step kernels write the new SSM states over the rows' views they are given (`states_in_place`); where a
+mixer replaces an `ssm` entry with a new tensor instead (its torch paths), `commit` copies it into the rows (as the
 graphed decoder does), so the storage keeps its addresses.
 """
 
@@ -35,6 +36,7 @@ class SlotLayerCache(StaticLayerCache):
         LayerCache.__init__(self)  # empty: StaticLayerCache's constructor copies a filled cache, there is none
         self._owner = owner
         self._states: dict[str, torch.Tensor] = {}  # name -> [max_rows, ...] storage of each SSM state
+        self._views: dict[str, torch.Tensor] = {}  # the views of rows [0, rows) that `begin` handed the mixer
         self._ring = False  # set with the key/value storage: a ring of `window` slots per row
 
     def append_kv(self, key: torch.Tensor, value: torch.Tensor, *, saved_for_backward: bool = False,
@@ -126,14 +128,16 @@ class SlotLayerCache(StaticLayerCache):
     def begin(self, rows: int) -> None:
         """Before a step: the mixers' `ssm` dict holds views of rows [0, rows)."""
         self.ssm = {name: state[:rows] for name, state in self._states.items()}
+        self._views = dict(self.ssm)
 
     def commit(self, rows: int) -> None:
-        """After a step: the SSM states the mixers produced, copied into rows [0, rows)."""
+        """After a step: the SSM states the mixers produced as new tensors, copied into rows [0, rows) (those written
+        over the rows' views in place are there already)."""
         if self.ssm.keys() != self._states.keys():
             raise RuntimeError(f"a decoding step changed the SSM state's fields ({sorted(self._states)} -> "
                                f"{sorted(self.ssm)}): the slots cannot hold them")
         for name, state in self._states.items():
-            if self.ssm[name] is not state:
+            if self.ssm[name] is not state and self.ssm[name] is not self._views.get(name):
                 state[:rows].copy_(self.ssm[name])
 
     def move(self, source: int, target: int, length: int) -> None:

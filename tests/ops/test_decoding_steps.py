@@ -138,6 +138,32 @@ def test_fast_weight_step_reads_row_slices_in_place(monkeypatch):
     assert seen == [False, True]  # the slices read in place; the float32 copies are new tensors anyway
 
 
+@interpret
+@pytest.mark.parametrize("rule, pairing, K", [("1A", "shifted", 20), ("1", "shifted", 128), ("2A", "same_step", 20),
+                                              ("2", "shifted", 128), ("1", "same_step", 128)])
+def test_fast_weight_step_in_place_writes_the_same_state_over_the_old(rule, pairing, K):
+    """`in_place=True`: the same o, S' and carried key bit for bit as the step into new tensors, written over the given
+    S and carried key and returned in them; K = V = 20 is one value block (the key written by the kernel), 128 four
+    (the key copied over after it)."""
+    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_step_triton
+
+    q, k, v, beta, lam = (t[:, 0].float().to(DEVICE) for t in fw.make_inputs(rule, B=2, T=1, H=2, K=K, V=K))
+    state = fw.random_state(2, 2, K, K, window=1)
+    S, last_k = state.S.float().to(DEVICE), state.last_k.float().to(DEVICE) if pairing == "shifted" else None
+    options = dict(rule=rule, pairing=pairing, read_after=True, step_size="nlms", ridge_scaling=False, eps=1e-6,
+                   eps_gamma=1e-6)
+    want = fast_weight_step_triton(q, k, v, beta, lam, S.clone(), None if last_k is None else last_k.clone(),
+                                   **options)
+    address = S.data_ptr()
+    o, S_out, last_out = fast_weight_step_triton(q, k, v, beta, lam, S, last_k, **options, in_place=True)
+    assert S_out is S and last_out is last_k and S.data_ptr() == address
+    assert torch.equal(o, want[0]) and torch.equal(S, want[1])
+    if pairing == "shifted":
+        assert torch.equal(last_k, want[2])
+    with pytest.raises(ValueError, match="needs its carried key"):
+        fast_weight_step_triton(q, k, v, beta, lam, S, None, **{**options, "pairing": "shifted"}, in_place=True)
+
+
 def _prepared_reference(q, k, beta_logits, lam_logits, beta_bias, lam_bias, beta_scale, lam_scale, qk_norm, qk_eps):
     """The mixer's preparation of a step in float64: q, k normalized over K, the gains from their logits."""
     def normalize(u):
@@ -306,11 +332,18 @@ def test_step_ops_pass_opcheck():
         torch.library.opcheck(torch.ops.hybridlm.fast_weight_step,
                               (q, q.clone(), q.clone(), beta, lam, S, last_k, "1", True, True, True, False, 1e-6,
                                1e-6, *preparation), test_utils=tests)
+    for last_k, shifted in ((q.clone(), True), (None, False)):  # the in-place form: S and the carried key mutated
+        torch.library.opcheck(torch.ops.hybridlm.fast_weight_step_,
+                              (q, q.clone(), q.clone(), beta, lam, S.clone(), last_k, "1", shifted, True, True, False,
+                               1e-6, 1e-6, *plain), test_utils=tests)
     x, Bm = torch.randn(2, 4, 8, device=DEVICE), torch.randn(2, 2, 16, device=DEVICE)
     h = torch.randn(2, 4, 8, 16, device=DEVICE)
     for D, dt_bias in ((torch.randn(4, device=DEVICE), None), (None, None), (None, torch.randn(4, device=DEVICE))):
         torch.library.opcheck(torch.ops.hybridlm.ssd_step, (x, torch.rand(2, 4, device=DEVICE), -torch.rand(4,
                               device=DEVICE), Bm, Bm.clone(), D, h, dt_bias, 0.0, float("inf")), test_utils=tests)
+        torch.library.opcheck(torch.ops.hybridlm.ssd_step_, (x, torch.rand(2, 4, device=DEVICE), -torch.rand(4,
+                              device=DEVICE), Bm, Bm.clone(), D, h.clone(), dt_bias, 0.0, float("inf")),
+                              test_utils=tests)
 
 
 @interpret
@@ -387,6 +420,26 @@ def test_ssd_step_matches_spec(monkeypatch, groups, with_D, with_state):
     assert rel_err(y.double().cpu(), want_y) < TOL[torch.float32]
     assert rel_err(h.double().cpu(), want_h) < TOL[torch.float32]
     assert len(calls) == 1
+
+
+@interpret
+@pytest.mark.parametrize("groups", [1, 2])
+def test_ssd_step_in_place_writes_the_same_state_over_the_old(groups):
+    """`in_place=True`: the same y and h_t bit for bit as the step into a new tensor, written over h and returned in
+    it; a strided h is refused."""
+    from hybridlm.ops.ssd.triton import ssd_step_triton
+
+    inputs = {k: None if v is None else v.detach().float().to(DEVICE)
+              for k, v in ssd_helpers.make_inputs(3, 1, 4, 20, groups, 12).items()}
+    x, dt, B, C = (inputs[name][:, 0] for name in ("x", "dt", "B", "C"))
+    A, D, h = inputs["A"], inputs["D"], inputs["initial_state"]
+    want_y, want_h = ssd_step_triton(x, dt, A, B, C, D, h.clone())
+    address = h.data_ptr()
+    y, h_out = ssd_step_triton(x, dt, A, B, C, D, h, in_place=True)
+    assert h_out is h and h.data_ptr() == address
+    assert torch.equal(y, want_y) and torch.equal(h, want_h)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        ssd_step_triton(x, dt, A, B, C, D, h.transpose(2, 3).contiguous().transpose(2, 3), in_place=True)
 
 
 @interpret
@@ -616,6 +669,122 @@ def test_mixer_decoding_steps_through_the_kernels(monkeypatch, mixer):
     # the mixers hand the kernel their QK norm and gains (`fast_weight_decoding_step`) or discretization
     # (`ssd_decoding_step`) on the kernels' side
     assert len(fused_calls) == 4
+
+
+@interpret
+@pytest.mark.parametrize("mixer", ["fast_weight 1A", "fast_weight 1 options", "mamba2 limits"])
+def test_mixer_steps_write_a_fixed_address_cache_in_place(mixer):
+    """In a cache that takes its states in place (`states_in_place`, a graphed decoder's), the step kernels write the
+    new conv tail and SSM state over the tensors the step read, bit for bit what they return as new tensors in a
+    dynamic cache; the cache keeps the same tensors step after step."""
+    from hybridlm.layers.cache import LayerCache
+    from tests.ops.test_mixer_recompute import D, fast_weight_mixer, mamba2_mixer
+
+    module = (mamba2_mixer if mixer.startswith("mamba2") else fast_weight_mixer)(**MIXER_OPTIONS[mixer])
+    x = torch.randn(2, 9, D, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    with torch.no_grad():
+        dynamic = LayerCache()
+        module.conv.backend = "torch"  # a prefill with a state out: the torch form
+        module(x[:, :6], cache=dynamic)
+        module.backend = module.conv.backend = "triton"
+        fixed = dynamic.copy()
+        fixed.states_in_place = True
+        tensors = dict(fixed.ssm)
+        assert tensors and all(t is not dynamic.ssm[name] for name, t in tensors.items())
+        for t in range(6, 9):
+            before = dict(dynamic.ssm)
+            want = module(x[:, t:t + 1], cache=dynamic)
+            assert all(dynamic.ssm[name] is not before[name] for name in before)  # a dynamic cache gets new tensors
+            assert torch.equal(module(x[:, t:t + 1], cache=fixed), want)
+            assert fixed.ssm.keys() == tensors.keys()
+            for name, state in fixed.ssm.items():
+                assert state is tensors[name] and torch.equal(state, dynamic.ssm[name]), name
+
+
+@interpret
+@pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1A", "fast_weight-1"])
+def test_static_step_kernels_write_the_states_into_their_buffers(mixer):
+    """With the SSM mixers on their step kernels (CUDA's choice; the interpreter here), the static step leaves every
+    state in the very buffer it read (so a replayed graph holds no copy of the new states), with the dynamic cache's
+    logits."""
+    from hybridlm.inference import GraphedDecoder
+    from hybridlm.layers.fast_weight import FastWeightMixer
+    from hybridlm.layers.mamba2 import Mamba2Mixer
+    from hybridlm.modules import ShortConvolution
+    from tests.inference.helpers import MIXERS, ids, make_model
+
+    model = make_model(seed=10, **MIXERS[mixer]).to(DEVICE).eval()
+    tokens = ids(2, 7, seed=10).to(DEVICE)
+    with torch.no_grad():
+        dynamic = model.new_cache()
+        model(tokens[:, :5], cache=dynamic)  # the prefill on the torch forms, as "auto" on the CPU
+        decoder = GraphedDecoder(model, dynamic.copy(), capacity=8, batch_size=2, use_graph=False)
+        stepping = [m for m in model.modules() if isinstance(m, (FastWeightMixer, Mamba2Mixer, ShortConvolution))]
+        for module in stepping:
+            module.backend = "triton"
+        for t in (5, 6):
+            want = model(tokens[:, t:t + 1], cache=dynamic, logits_to_keep=1).logits[:, -1]
+            decoder.token.copy_(tokens[:, t:t + 1])
+            got = decoder._step()  # the model's step alone, before the decoder copies anything back
+            assert (got - want).abs().max() < 1e-4
+            for layer, buffers in zip(decoder.cache.layers, decoder.buffers):
+                assert buffers and all(layer.ssm[name] is buffer for name, buffer in buffers.items())
+            decoder.cache.seq_len += 1  # what `step` counts on the host after the replay
+            for layer in decoder.cache.layers:
+                layer.length += 1
+
+
+@interpret
+@pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1A"])
+def test_serving_slots_take_the_step_kernels_states_without_a_copy(mixer):
+    """The serving engine's slots hand the mixers views of their rows; the step kernels write the new states into
+    them, and `commit` copies nothing back (a state a mixer returns as a new tensor is still copied in): the rows
+    hold what each sequence's dynamic cache holds after the same step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hybridlm.layers.fast_weight import FastWeightMixer
+    from hybridlm.layers.mamba2 import Mamba2Mixer
+    from hybridlm.modules import ShortConvolution
+    from hybridlm.serving.slots import SlotCache
+    from tests.inference.helpers import MIXERS, ids, make_model
+
+    class Copies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Copies.count += func.overloadpacket.__name__ == "copy_"
+            return func(*args, **(kwargs or {}))
+
+    model = make_model(seed=11, **MIXERS[mixer]).to(DEVICE).eval()
+    prompts = [ids(1, n, seed=n).to(DEVICE) for n in (4, 6)]
+    with torch.no_grad():
+        caches = [model.new_cache() for _ in prompts]
+        for prompt, cache in zip(prompts, caches):
+            model(prompt, cache=cache)
+        slots = SlotCache(len(model.model.layers), max_rows=3, capacity=16, device=torch.device(DEVICE))
+        for cache in caches:
+            slots.install(cache)
+        for module in model.modules():
+            if isinstance(module, (FastWeightMixer, Mamba2Mixer, ShortConvolution)):
+                module.backend = "triton"
+        tokens = ids(2, 1, seed=12).to(DEVICE)
+        slots.begin()
+        model(tokens, cache=slots)
+        with Copies():
+            slots.commit()
+        assert Copies.count == 0
+        for row, cache in enumerate(caches):
+            model(tokens[row:row + 1], cache=cache)
+            for layer, source in zip(slots.layers, cache.layers):
+                for name, state in source.ssm.items():
+                    assert rel_err(layer._states[name][row], state[0]) < 1e-5, name  # rows batched: rounding
+        layer = slots.layers[0]
+        name = next(iter(layer._states))
+        slots.begin()
+        layer.ssm[name] = layer.ssm[name] + 1  # a state returned as a new tensor
+        with Copies():
+            slots.commit()
+        assert Copies.count == 1 and torch.equal(layer._states[name][:2], layer.ssm[name])
 
 
 @interpret

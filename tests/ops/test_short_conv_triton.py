@@ -314,6 +314,32 @@ def test_decoding_steps_on_the_step_kernel(monkeypatch, K, bias, activation, dty
 
 
 @interpret
+@pytest.mark.parametrize("K", [4, 2])
+def test_decoding_step_writes_the_state_in_place(K):
+    """`state_in_place=True`: the step kernel writes the same new state bit for bit over the one it read (here a
+    channel slice of a wider buffer, so at its own strides) and returns it; a state in another dtype than x (which
+    the step reads through a cast) comes back in a new tensor, and so does every step outside the kernel."""
+    x, weight, b, _ = _inputs(3, 1, 130, K, bias=True, seed=6)
+    x, weight, b = x.float().to(DEVICE), weight.float().to(DEVICE), b.float().to(DEVICE)
+    wide = torch.randn(3, K - 1, 140, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    state = wide[..., 5:135]
+    edges = wide[..., :5].clone(), wide[..., 135:].clone()
+    want_y, want_state = causal_conv1d(x, weight, b, activation="silu", initial_state=state.clone(),
+                                       output_final_state=True, backend="triton")
+    y, new = causal_conv1d(x, weight, b, activation="silu", initial_state=state, output_final_state=True,
+                           backend="triton", state_in_place=True)
+    assert new is state and torch.equal(y, want_y) and torch.equal(state, want_state)
+    assert torch.equal(wide[..., :5], edges[0]) and torch.equal(wide[..., 135:], edges[1])  # only the slice written
+    other = state.double()
+    _, new = causal_conv1d(x, weight, b, activation="silu", initial_state=other, output_final_state=True,
+                           backend="triton", state_in_place=True)
+    assert new is not other and torch.equal(other, state.double())
+    _, new = causal_conv1d(x, weight, b, activation="silu", initial_state=state, output_final_state=True,
+                           backend="torch", state_in_place=True)
+    assert new is not state
+
+
+@interpret
 def test_decoding_step_kernel_not_taken(monkeypatch):
     """The step kernel runs for one token with a state in and out and no gradient to record: not with a gradient,
     not for two tokens or a one-tap conv (no state), and "auto" not on a CPU tensor."""
@@ -359,9 +385,9 @@ _SM90_STEP = """
 from hybridlm.ops.short_conv import step as k
 
 for io in ("*bf16", "*fp32"):
-    for K, bias, silu in ((4, True, True), (2, False, False), (5, True, False)):
-        build(k.step_kernel, dict(K=K, KP=triton.next_power_of_2(K), BC=k.BC, HAS_BIAS=bias, SILU=silu), io=io,
-              io_names=("x_ptr", "state_ptr", "y_ptr", "state_out_ptr"), warps=k.NUM_WARPS)
+    for K, bias, silu, in_place in ((4, True, True, True), (2, False, False, False), (5, True, False, True)):
+        build(k.step_kernel, dict(K=K, KP=triton.next_power_of_2(K), BC=k.BC, HAS_BIAS=bias, SILU=silu,
+              IN_PLACE=in_place), io=io, io_names=("x_ptr", "state_ptr", "y_ptr", "state_out_ptr"), warps=k.NUM_WARPS)
 """
 
 

@@ -319,8 +319,8 @@ from hybridlm.ops.ssd.triton import step as k
 for io, P, N in (("*bf16", 64, 128), ("*bf16", 128, 256), ("*fp32", 20, 12)):
     BN = max(16, triton.next_power_of_2(N))
     BP = min(max(16, triton.next_power_of_2(P)), max(16, k.STATE_BLOCK // BN))
-    for has_d, raw in ((True, False), (False, False), (True, True)):
-        build(k.step_kernel, dict(P=P, N=N, BP=BP, BN=BN, HAS_D=has_d, RAW=raw), io=io,
+    for has_d, raw in ((True, False), (False, False), (True, True)):  # the mixer's form in place (a graphed decoder's)
+        build(k.step_kernel, dict(P=P, N=N, BP=BP, BN=BN, HAS_D=has_d, RAW=raw, IN_PLACE=raw), io=io,
               io_names=("x_ptr", "B_ptr", "C_ptr", "y_ptr") + (("dt_ptr",) if raw else ()),
               types={"dt_min": "fp32", "dt_max": "fp32"}, warps=k.NUM_WARPS)
 """

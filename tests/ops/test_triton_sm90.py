@@ -182,7 +182,8 @@ from hybridlm.ops.fast_weight.triton import step as k
 IO = ("q_ptr", "k_ptr", "v_ptr", "o_ptr")
 TYPES = {name: "fp32" for name in ("eps", "one_minus_eps_gamma", "qk_eps", "qk_scale", "beta_scale", "lam_scale")}
 # The decoding step as step.forward blocks it: a model's heads in bf16, the largest heads (MAX_HEAD_DIM), odd float32
-# sizes; the mixer's preparation in the kernel (QK norm rms / l2, the gains from their logits) on the bf16 heads.
+# sizes; the mixer's preparation in the kernel (QK norm rms / l2, the gains from their logits) on the bf16 heads; the
+# writing steps in place (a graphed decoder's), the others into new tensors.
 for io, K, V in (("*bf16", 64, 64), ("*bf16", 128, 128), ("*fp32", 20, 12)):
     BK = max(16, triton.next_power_of_2(K))
     BV = min(max(16, triton.next_power_of_2(V)), max(16, k.STATE_BLOCK // BK))
@@ -191,7 +192,7 @@ for io, K, V in (("*bf16", 64, 64), ("*bf16", 128, 128), ("*fp32", 20, 12)):
             prepared = io == "*bf16" and writes
             flags = dict(WRITES=writes, SHIFTED=shifted, REGRESSION=rule in ("1", "2"),
                          PER_COLUMN=rule in ("2A", "2"), NLMS=rule != "2A", SCALED=rule == "1", READ_AFTER=rule != "2",
-                         QK_NORM=1 + i % 2 if prepared else 0, GATES=prepared)
+                         QK_NORM=1 + i % 2 if prepared else 0, GATES=prepared, IN_PLACE=writes)
             build(k.step_kernel, dict(K=K, V=V, BK=BK, BV=BV, **flags), io=io, io_names=IO, types=TYPES,
                   warps=k.NUM_WARPS)
 """

@@ -176,6 +176,7 @@ def fast_weight_decoding_step(
     eps: float = 1e-6,
     eps_gamma: float = 1e-6,
     initial_state: FastWeightState | None = None,
+    state_in_place: bool = False,
 ) -> tuple[torch.Tensor, FastWeightState]:
     """One decoding step of a fast-weight mixer from its raw pieces, in one kernel: q and k normalized, the gains
     taken from their logits, then the step of `fast_weight_attention` (window 1, inference only, where
@@ -190,6 +191,10 @@ def fast_weight_decoding_step(
             (rules 2A, 2: `[B, 1, H, V]`), lam_logits: `[B, 1, H]`, any float dtype. gates: `(beta_bias, lam_bias,
             beta_scale, lam_scale)`, biases `[H]` (2A, 2's beta_bias `[H V]`). initial_state: the state after the
             steps so far (None: zeros).
+        state_in_place: write the state after the step over `initial_state`'s tensors and return them in it (a
+            fixed-address cache that a replayed CUDA graph reads, `hybridlm.layers.cache.LayerCache.states_in_place`);
+            only where they can take it (S float32 and contiguous; shifted pairing: a float32 contiguous carried key),
+            else the state comes back in new tensors.
 
     Returns:
         o `[B, 1, H, V]` in q's dtype and the state after the step (float32; the carried key is the normalized k).
@@ -206,7 +211,7 @@ def fast_weight_decoding_step(
                            device=q.device)
     with torch.autocast(q.device.type, enabled=False):
         return decoding_step(q, k, v, beta_logits, lam_logits, options, state, gates=gates, qk_norm=qk_norm,
-                             qk_eps=qk_eps)
+                             qk_eps=qk_eps, state_in_place=state_in_place)
 
 
 def _triton_in_row_groups(q, k, v, beta, lam, options, *, state, offsets, seq_idx):

@@ -9,6 +9,10 @@ state's K-1 inputs and the new one as a [KP, BC] tile (KP = K rounded up to a po
     state'[b, j] = e_{j+1}                                j = 0 .. K-2 (oldest first)
 
 with float32 accumulation, y and state' in x's dtype (the torch forms keep the state in x's dtype too).
+
+`in_place=True` writes state' over the state it read (a fixed-address cache that a replayed CUDA graph reads: no copy
+of the new state into it afterwards). Each program owns its channels, so only its own threads read what it
+overwrites: a barrier between its loads and its store of state' orders them.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def step_kernel(x_ptr, state_ptr, w_ptr, b_ptr, y_ptr, state_out_ptr, C, sx_b, ss_b, ss_k, K: tl.constexpr,
-                KP: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+def step_kernel(x_ptr, state_ptr, w_ptr, b_ptr, y_ptr, state_out_ptr, C, sx_b, ss_b, ss_k, so_b, so_k,
+                K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                IN_PLACE: tl.constexpr):
     # x and the state are read at their strides (unit stride along the channels): a row slice of the input
-    # projection, a prefill's state sliced from its extended input; y and state' are contiguous.
+    # projection, a prefill's state sliced from its extended input; y is contiguous, state' at its own strides.
     i_b, i_c = tl.program_id(0), tl.program_id(1)
     b = i_b.to(tl.int64)
     c = i_c * BC + tl.arange(0, BC)
@@ -49,24 +54,29 @@ def step_kernel(x_ptr, state_ptr, w_ptr, b_ptr, y_ptr, state_out_ptr, C, sx_b, s
     shifted = tl.load(state_ptr + b * ss_b + (k[:, None] + 1) * ss_k + c[None, :],
                       mask=(k[:, None] < K - 2) & mc[None, :], other=0.0)
     new = tl.where(k[:, None] == K - 2, x[None, :], shifted)
-    tl.store(state_out_ptr + (b * (K - 1) + k[:, None]) * C + c[None, :], new.to(state_out_ptr.dtype.element_ty),
+    if IN_PLACE:
+        tl.debug_barrier()  # every thread's reads of the state done before any row of it is overwritten
+    tl.store(state_out_ptr + b * so_b + k[:, None] * so_k + c[None, :], new.to(state_out_ptr.dtype.element_ty),
              mask=(k[:, None] < K - 1) & mc[None, :])
 
 
 def short_conv_step_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           *, silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                           *, silu: bool, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, C], state [B, K-1, C] (x's dtype; both at any strides but a unit one along the channels), weight [C, K]
-    (K >= 2), bias [C] or None -> y [B, C] and the new state [B, K-1, C] (contiguous), both in x's dtype. CUDA
-    tensors, or CPU tensors under Triton's interpreter; checked by the caller (`hybridlm.modules.causal_conv1d`)."""
+    (K >= 2), bias [C] or None -> y [B, C] and the new state [B, K-1, C], both in x's dtype: `state` itself, updated,
+    with `in_place`, else a new contiguous tensor. CUDA tensors, or CPU tensors under Triton's interpreter; checked by
+    the caller (`hybridlm.modules.causal_conv1d`)."""
     B, C = x.shape
     K = weight.shape[1]
+    if in_place and state.stride(-1) != 1:
+        raise ValueError("short_conv_step_triton: a state updated in place needs a unit stride along the channels")
     x, state = unit_last_stride(x), unit_last_stride(state)
     weight = weight.contiguous()
     y = x.new_empty(B, C)
-    state_out = state.new_empty(state.shape)
+    state_out = state if in_place else state.new_empty(state.shape)
     with on_tensor_device(x):
         step_kernel[(B, cdiv(C, BC))](
             x, state, weight, bias.contiguous() if bias is not None else weight, y, state_out, C, x.stride(0),
-            state.stride(0), state.stride(1), K=K, KP=next_power_of_2(K), BC=BC, HAS_BIAS=bias is not None,
-            SILU=silu, num_warps=NUM_WARPS)
+            state.stride(0), state.stride(1), state_out.stride(0), state_out.stride(1), K=K, KP=next_power_of_2(K),
+            BC=BC, HAS_BIAS=bias is not None, SILU=silu, IN_PLACE=in_place, num_warps=NUM_WARPS)
     return y, state_out

@@ -182,16 +182,24 @@ def _delayed_window(p: PreparedWrites, S0: torch.Tensor, *, read_after: bool,
     return o, S
 
 
-def decoding_step(q, k, v, beta, lam, options: FastWeightOptions, state: FastWeightState, **preparation):
+def decoding_step(q, k, v, beta, lam, options: FastWeightOptions, state: FastWeightState, *,
+                  state_in_place: bool = False, **preparation):
     """One step [B, 1, H, *] through the step kernel -> o [B, 1, H, V], the state after it. `preparation`: the
     mixer's QK norm and gains for the kernel to take (`fast_weight_step_triton`'s gates, qk_norm, qk_eps; beta and
-    lam are then the gains' logits)."""
+    lam are then the gains' logits). `state_in_place`: the state after the step written over `state`'s tensors and
+    returned in them, where they can take it (S float32 and contiguous; shifted pairing: a float32 contiguous carried
+    key); else new tensors."""
     shifted = options.shifted
     k, v = k.to(q.dtype), v.to(q.dtype)  # one dtype, as the scans take them
+    S = state.S.float()
+    last_k = state.last_k if shifted else None
+    in_place = (state_in_place and S is state.S and S.is_contiguous()
+                and (not shifted or (last_k is not None and last_k.dtype == torch.float32 and last_k.is_contiguous())))
     o, S, last_k = fast_weight_step_triton(
-        q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], state.S.float(), state.last_k if shifted else None,
+        q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam[:, 0], S, last_k,
         rule=options.rule, pairing=options.pairing, read_after=options.read_after, step_size=options.step_size,
-        ridge_scaling=options.ridge_scaling, eps=options.eps, eps_gamma=options.eps_gamma, **preparation)
+        ridge_scaling=options.ridge_scaling, eps=options.eps, eps_gamma=options.eps_gamma, in_place=in_place,
+        **preparation)
     return o[:, None], FastWeightState(S=S, last_k=last_k if shifted else None)
 
 

@@ -21,6 +21,8 @@
         eps_gamma, beta_bias?, lam_bias?, beta_scale, lam_scale, qk_norm, qk_eps, qk_scale) -> (o, S', last_k'): one
         decoding step of the window-1 rules (`step.py`), inference only; with the biases, beta and lam are the gains'
         logits, and qk_norm 1 (rms) / 2 (l2) normalizes q and k first.
+    hybridlm::fast_weight_step_(<the same arguments>, S!, last_k!?) -> o: the same step writing S' over S and k over
+        last_k (a fixed-address cache that a replayed CUDA graph reads).
 
     hybridlm::fast_weight_band_fwd(q, x_ext, y_ext, c, base, shift) -> base + o_band;
     hybridlm::fast_weight_band_bwd(do, q, x_ext, y_ext, c, shift) -> (dq, dx_ext, dy_ext, dc): rule 3A's band of the
@@ -174,7 +176,8 @@ _QK_NORMS = {"none": 0, "rms": 1, "l2": 2}  # the step kernel's QK_NORM
 
 def fast_weight_step_triton(q, k, v, beta, lam, S, last_k, *, rule: str, pairing: str, read_after: bool,
                             step_size: str, ridge_scaling: bool, eps: float, eps_gamma: float,
-                            gates: tuple | None = None, qk_norm: str = "none", qk_eps: float = 0.0):
+                            gates: tuple | None = None, qk_norm: str = "none", qk_eps: float = 0.0,
+                            in_place: bool = False):
     """One decoding step of rule 1A, 1, 2A or 2 (window 1) in one kernel (`step.py`), without autograd.
 
     Args:
@@ -188,6 +191,9 @@ def fast_weight_step_triton(q, k, v, beta, lam, S, last_k, *, rule: str, pairing
         qk_norm: "none", or "rms" / "l2" (eps `qk_eps`): q and k normalized over K in the kernel first, as the
             fast-weight mixer's `_normalize` (l2: rms with eps / K, times 1 / sqrt(K)), rounded to q's dtype; the
             carried key is the normalized k.
+        in_place: write S_t over S and the new carried key over last_k (both float32 and contiguous), and return
+            them; the third output is then last_k as given (None with same-step pairing, which carries no key; a
+            shifted row needs one).
 
     Returns:
         o `[N, H, V]` in q's dtype, S_t `[N, H, K, V]` float32 and k as float32 `[N, H, K]` (the next carried key).
@@ -225,11 +231,21 @@ def fast_weight_step_triton(q, k, v, beta, lam, S, last_k, *, rule: str, pairing
     if gates is None:
         beta, lam = beta.to(torch.float32), lam.to(torch.float32)
     l2 = qk_norm == "l2"
-    return torch.ops.hybridlm.fast_weight_step(
-        q, k, v, beta, lam, S, None if last_k is None else last_k.to(torch.float32), rule, pairing == "shifted",
-        bool(read_after), step_size == "nlms", bool(ridge_scaling), float(eps), float(eps_gamma), beta_bias, lam_bias,
-        float(beta_scale), float(lam_scale), _QK_NORMS[qk_norm], float(qk_eps) / (K if l2 else 1),
-        K ** -0.5 if l2 else 1.0)
+    options = (rule, pairing == "shifted", bool(read_after), step_size == "nlms", bool(ridge_scaling), float(eps),
+               float(eps_gamma), beta_bias, lam_bias, float(beta_scale), float(lam_scale), _QK_NORMS[qk_norm],
+               float(qk_eps) / (K if l2 else 1), K ** -0.5 if l2 else 1.0)
+    if in_place:
+        if pairing == "shifted" and last_k is None:
+            raise ValueError("fast_weight_step_triton: a shifted row updated in place needs its carried key (a fresh "
+                             "row's new key has nowhere to go: step it without in_place)")
+        if (not S.is_contiguous() or (last_k is not None and (last_k.dtype != torch.float32
+                                                              or not last_k.is_contiguous()))):
+            raise ValueError("fast_weight_step_triton: a state updated in place must be contiguous, its carried key "
+                             "float32")
+        o = torch.ops.hybridlm.fast_weight_step_(q, k, v, beta, lam, S, last_k, *options)
+        return o, S, last_k
+    return torch.ops.hybridlm.fast_weight_step(q, k, v, beta, lam, S,
+                                               None if last_k is None else last_k.to(torch.float32), *options)
 
 
 def _check_delta_chunk(chunk_size) -> None:
@@ -438,31 +454,48 @@ def _register_band() -> None:
 
 
 def _register_step() -> None:
-    """hybridlm::fast_weight_step (`step.py`) and its fake implementation; no autograd (decoding)."""
+    """hybridlm::fast_weight_step (`step.py`), hybridlm::fast_weight_step_ (the same, writing the state after the step
+    over S and last_k) and their fake implementations; no autograd (decoding)."""
+    arguments = ("Tensor v, Tensor beta, Tensor lam, {S}, {last_k}, str rule, bool shifted, bool read_after, "
+                 "bool nlms, bool ridge_scaling, float eps, float eps_gamma, Tensor? beta_bias, Tensor? lam_bias, "
+                 "float beta_scale, float lam_scale, int qk_norm, float qk_eps, float qk_scale")
 
     @torch.library.custom_op(
         "hybridlm::fast_weight_step", mutates_args=(),
-        schema="(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor lam, Tensor S, Tensor? last_k, str rule, "
-               "bool shifted, bool read_after, bool nlms, bool ridge_scaling, float eps, float eps_gamma, "
-               "Tensor? beta_bias, Tensor? lam_bias, float beta_scale, float lam_scale, int qk_norm, float qk_eps, "
-               "float qk_scale) -> (Tensor, Tensor, Tensor)")
-    def step(q, k, v, beta, lam, S, last_k, rule, shifted, read_after, nlms, ridge_scaling, eps, eps_gamma,
-             beta_bias, lam_bias, beta_scale, lam_scale, qk_norm, qk_eps, qk_scale):
-        from hybridlm.ops.fast_weight.triton import step as module
-
-        q, k, v = (unit_last_stride(t) for t in (q, k, v))  # read at their row and head strides
-        beta, lam = (contiguous_rows(t) for t in (beta, lam))  # read at their row strides
-        S = S.contiguous()
-        last_k, beta_bias, lam_bias = (None if t is None else t.contiguous() for t in (last_k, beta_bias, lam_bias))
-        with on_tensor_device(q):
-            return module.forward(q, k, v, beta, lam, S, last_k, rule=rule, shifted=shifted, read_after=read_after,
-                                  nlms=nlms, ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma,
-                                  beta_bias=beta_bias, lam_bias=lam_bias, beta_scale=beta_scale, lam_scale=lam_scale,
-                                  qk_norm=qk_norm, qk_eps=qk_eps, qk_scale=qk_scale)
+        schema=f"(Tensor q, Tensor k, {arguments.format(S='Tensor S', last_k='Tensor? last_k')}) "
+               "-> (Tensor, Tensor, Tensor)")
+    def step(q, k, v, beta, lam, S, last_k, *options):
+        return _run_step(q, k, v, beta, lam, S.contiguous(), None if last_k is None else last_k.contiguous(),
+                         *options, in_place=False)
 
     @step.register_fake
     def _(q, k, v, beta, lam, S, last_k, *args):
         return (q.new_empty(v.shape), S.new_empty(S.shape), q.new_empty(q.shape, dtype=torch.float32))
+
+    @torch.library.custom_op(
+        "hybridlm::fast_weight_step_", mutates_args=("S", "last_k"),
+        schema=f"(Tensor q, Tensor k, {arguments.format(S='Tensor(a!) S', last_k='Tensor(b!)? last_k')}) -> Tensor")
+    def step_in_place(q, k, v, beta, lam, S, last_k, *options):
+        return _run_step(q, k, v, beta, lam, S, last_k, *options, in_place=True)[0]
+
+    @step_in_place.register_fake
+    def _(q, k, v, *args):
+        return q.new_empty(v.shape)
+
+
+def _run_step(q, k, v, beta, lam, S, last_k, rule, shifted, read_after, nlms, ridge_scaling, eps, eps_gamma,
+              beta_bias, lam_bias, beta_scale, lam_scale, qk_norm, qk_eps, qk_scale, *, in_place: bool):
+    """The step kernel's launch (`step.forward`) on the custom ops' arguments; S and last_k contiguous."""
+    from hybridlm.ops.fast_weight.triton import step as module
+
+    q, k, v = (unit_last_stride(t) for t in (q, k, v))  # read at their row and head strides
+    beta, lam = (contiguous_rows(t) for t in (beta, lam))  # read at their row strides
+    beta_bias, lam_bias = (None if t is None else t.contiguous() for t in (beta_bias, lam_bias))
+    with on_tensor_device(q):
+        return module.forward(q, k, v, beta, lam, S, last_k, rule=rule, shifted=shifted, read_after=read_after,
+                              nlms=nlms, ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma,
+                              beta_bias=beta_bias, lam_bias=lam_bias, beta_scale=beta_scale, lam_scale=lam_scale,
+                              qk_norm=qk_norm, qk_eps=qk_eps, qk_scale=qk_scale, in_place=in_place)
 
 
 _register_prepare()

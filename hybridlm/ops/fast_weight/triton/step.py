@@ -17,6 +17,12 @@ one program per (row n, head h, block of value columns) computes, in float32 (th
 and writes o in q's dtype, S' and k in float32 (the next step's carried key). beta is [N, H] (or [N, H, V] for 2A, 2).
 Divisions are IEEE (`div_rn`), as torch's.
 
+`in_place=True` writes S' over S and k over the carried key (a fixed-address cache that a replayed CUDA graph reads,
+which then needs no copy of the new state into it). Each program owns its [K, BV] block of S, so only its own
+threads read what it overwrites: a barrier between its loads and its stores orders them. The carried key is read by
+every value block of its head but written by the first: over it only where one block covers V (else into a new
+tensor, copied over it after the kernel).
+
 A mixer's step can hand over its raw pieces instead, and the kernel prepares them where they are loaded (the fast-weight
 mixer's QK normalization and gains: two kernels (rms) or four (l2) and eight more per layer on the unfused path):
 
@@ -62,7 +68,7 @@ def step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, lam_ptr, S_ptr, last_ptr, o_ptr, 
                 one_minus_eps_gamma, qk_eps, qk_scale, beta_scale, lam_scale, K: tl.constexpr, V: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, WRITES: tl.constexpr, SHIFTED: tl.constexpr,
                 REGRESSION: tl.constexpr, PER_COLUMN: tl.constexpr, NLMS: tl.constexpr, SCALED: tl.constexpr,
-                READ_AFTER: tl.constexpr, QK_NORM: tl.constexpr, GATES: tl.constexpr):
+                READ_AFTER: tl.constexpr, QK_NORM: tl.constexpr, GATES: tl.constexpr, IN_PLACE: tl.constexpr):
     # q, k, v are read at (row, head) strides, beta and lam (or their logits) at row strides (unit stride along the
     # rest): the mixers hand over row slices of their projection, which a contiguous copy would cost a kernel each;
     # everything else is contiguous.
@@ -121,6 +127,8 @@ def step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, lam_ptr, S_ptr, last_ptr, o_ptr, 
     else:
         o = tl.sum(S * q[:, None], axis=0)
     tl.store(o_ptr + nh * V + rv, o.to(o_ptr.dtype.element_ty), mask=mv)                  # o, S', k: contiguous
+    if IN_PLACE:
+        tl.debug_barrier()  # every thread's reads of S and the carried key done before they are overwritten
     tl.store(S_out_ptr + s_offs, S_new, mask=s_mask)
     if i_v == 0:
         tl.store(last_out_ptr + nh * K + rk, k, mask=mk)
@@ -128,21 +136,23 @@ def step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, lam_ptr, S_ptr, last_ptr, o_ptr, 
 
 def forward(q, k, v, beta, lam, S, last_k, *, rule: str, shifted: bool, read_after: bool, nlms: bool,
             ridge_scaling: bool, eps: float, eps_gamma: float, beta_bias=None, lam_bias=None, beta_scale: float = 1.0,
-            lam_scale: float = 1.0, qk_norm: int = 0, qk_eps: float = 0.0, qk_scale: float = 1.0):
+            lam_scale: float = 1.0, qk_norm: int = 0, qk_eps: float = 0.0, qk_scale: float = 1.0,
+            in_place: bool = False):
     """o [N, H, V] (q's dtype), S' [N, H, K, V] and the new last key [N, H, K] (k in float32, whatever the
     pairing: same-step rows carry none and drop it) from q, k [N, H, K], v [N, H, V] (one dtype; any row and head
     strides, the head dim unit-strided), beta [N, H] (2A, 2: [N, H, V]) and lam [N, H] float32 (any row stride, the
     rest contiguous), S [N, H, K, V] float32, last_k [N, H, K] float32 or None (a fresh shifted row: no write), all
     contiguous but q, k, v, beta, lam. With beta_bias and lam_bias (any float dtype, read as float32; contiguous),
     beta and lam are the gains' logits in any float dtype (GATES); qk_norm 1 / 2 normalizes q and k first
-    (QK_NORM)."""
+    (QK_NORM). `in_place`: S' is S and the new last key is last_k (when given), overwritten."""
     N, H, K = q.shape
     V = v.shape[-1]
     o = q.new_empty(N, H, V)
-    S_out = torch.empty_like(S)
-    last_out = torch.empty(N, H, K, dtype=torch.float32, device=q.device)
     BK = block(K, 256)
     BV = min(block(V, 256), max(16, STATE_BLOCK // BK))
+    S_out = S if in_place else torch.empty_like(S)
+    key_in_place = in_place and last_k is not None and cdiv(V, BV) == 1  # the module docstring
+    last_out = last_k if key_in_place else torch.empty(N, H, K, dtype=torch.float32, device=q.device)
     writes = last_k is not None or not shifted
     gates = beta_bias is not None
     step_kernel[(N * H, cdiv(V, BV))](
@@ -151,5 +161,8 @@ def forward(q, k, v, beta, lam, S, last_k, *, rule: str, shifted: bool, read_aft
         v.stride(0), v.stride(1), beta.stride(0), lam.stride(0), eps, 1.0 - eps_gamma, qk_eps, qk_scale, beta_scale,
         lam_scale, K=K, V=V, BK=BK, BV=BV, WRITES=writes, SHIFTED=shifted, REGRESSION=rule in ("1", "2"),
         PER_COLUMN=rule in ("2A", "2"), NLMS=nlms, SCALED=ridge_scaling, READ_AFTER=read_after, QK_NORM=qk_norm,
-        GATES=gates, num_warps=NUM_WARPS)
+        GATES=gates, IN_PLACE=in_place, num_warps=NUM_WARPS)
+    if in_place and last_k is not None and not key_in_place:
+        last_k.copy_(last_out)
+        last_out = last_k
     return o, S_out, last_out

@@ -7,7 +7,8 @@ triton (`scan.py` and `kernels.py`, which do, are imported on the first call).
 - `ssd_triton(...)`: the same contract as `chunk.chunk_ssd` (packed sequences included), i.e. what
   `ssd(..., backend="triton")` runs; `backend.py`.
 - `ssd_step_triton(x, dt, A, B, C, D, h)`: one decoding step in one kernel (`step.py`, the custom op
-  `hybridlm::ssd_step`; inference only), what `ssd` runs for T == 1 on CUDA without a gradient to record.
+  `hybridlm::ssd_step`, or `hybridlm::ssd_step_` writing the new state over h; inference only), what `ssd` runs for
+  T == 1 on CUDA without a gradient to record.
 - `is_available()`: triton importable and a CUDA device present; `supports(...)`: the shapes and dtypes the kernels
   take (else use the chunk backend), `auto_takes(...)` (what `backend="auto"` sends here) and `slow_path_reason(...)`
   (why it does not): `limits.py`.
@@ -37,11 +38,11 @@ def ssd_chunk_triton(x, dt, A, B, C, D, h0, *, chunk_size: int = 64):
     return run(x, dt, A, B, C, D, h0, chunk_size=chunk_size)
 
 
-def ssd_step_triton(x, dt, A, B, C, D, h, *, discretize=None):
+def ssd_step_triton(x, dt, A, B, C, D, h, *, discretize=None, in_place=False):
     """One decoding step; see `custom_ops.ssd_step_triton`."""
     from hybridlm.ops.ssd.triton.custom_ops import ssd_step_triton as run
 
-    return run(x, dt, A, B, C, D, h, discretize=discretize)
+    return run(x, dt, A, B, C, D, h, discretize=discretize, in_place=in_place)
 
 
 def ssd_triton(x, dt, A, B, C, **options):

@@ -5,6 +5,8 @@ implementations give the output shapes; autograd is registered on the forward op
     hybridlm::ssd_bwd(dy, dh_final?, x, dt, A, B, C, D?, h0?, chunk_size) -> (dx, ddt, dA, dB, dC, dD, dh0)
     hybridlm::ssd_step(x, dt, A, B, C, D?, h, dt_bias?, dt_min, dt_max) -> (y, h_t): one decoding step (`step.py`),
         inference only; with dt_bias, dt is the raw value and A is A_log (the mixer's discretization in the kernel).
+    hybridlm::ssd_step_(x, dt, A, B, C, D?, h!, dt_bias?, dt_min, dt_max) -> y: the same step writing h_t over h (a
+        fixed-address cache that a replayed CUDA graph reads).
 
 The implementation (`scan.py`, which needs triton) is imported on the first call; this file imports only torch.
 dD and dh0 are always computed (dh0 is where the reverse pass ends); the autograd formula drops them when D / h0 is
@@ -124,7 +126,8 @@ _ssd_fwd.register_autograd(_backward, setup_context=_setup_context)
 keep_in_compiled_regions(torch.ops.hybridlm.ssd_fwd.default)
 
 
-def ssd_step_triton(x, dt, A, B, C, D, h, *, discretize: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def ssd_step_triton(x, dt, A, B, C, D, h, *, discretize: tuple | None = None,
+                    in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoding step of the SSD recurrence in one kernel (`step.py`), without autograd.
 
     Args:
@@ -134,6 +137,7 @@ def ssd_step_triton(x, dt, A, B, C, D, h, *, discretize: tuple | None = None) ->
         discretize: None, or `(dt_bias, (dt_min, dt_max))`: dt is then the raw value (any float dtype, read at its
             row stride) and A is A_log, and the kernel takes dt = clamp(softplus(dt + dt_bias), dt_min, dt_max),
             A = -exp(A_log) (dt_bias `[H]`, any float dtype), as the Mamba-2 mixer does.
+        in_place: write the state after the step over `h` (contiguous) and return `h` itself.
 
     Returns:
         y `[b, H, P]` in x's dtype and the state after the step `[b, H, P, N]` float32.
@@ -156,6 +160,10 @@ def ssd_step_triton(x, dt, A, B, C, D, h, *, discretize: tuple | None = None) ->
         raise ValueError(f"dt_bias must be [H] = [{H}]; got {list(dt_bias.shape)}")
     if x.device.type != "cuda" and not triton_interpreting():
         raise ValueError(f"the Triton kernels need CUDA tensors (got {x.device})")
+    if in_place:
+        if not h.is_contiguous():
+            raise ValueError("ssd_step_triton: a state updated in place must be contiguous")
+        return torch.ops.hybridlm.ssd_step_(x, dt, A, B, C, D, h, dt_bias, float(dt_min), float(dt_max)), h
     return torch.ops.hybridlm.ssd_step(x, dt, A, B, C, D, h, dt_bias, float(dt_min), float(dt_max))
 
 
@@ -163,15 +171,31 @@ def ssd_step_triton(x, dt, A, B, C, D, h, *, discretize: tuple | None = None) ->
                          schema="(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor h, "
                                 "Tensor? dt_bias, float dt_min, float dt_max) -> (Tensor, Tensor)")
 def _ssd_step(x, dt, A, B, C, D, h, dt_bias, dt_min, dt_max):
-    from hybridlm.ops.ssd.triton import step
-
-    x, B, C = (unit_last_stride(t) for t in (x, B, C))  # read at their row strides
-    dt = contiguous_rows(dt)
-    A, D, h, dt_bias = _contiguous(A, D, h, dt_bias)
-    with on_tensor_device(x):
-        return step.forward(x, dt, A, B, C, D, h, dt_bias=dt_bias, dt_limit=(dt_min, dt_max))
+    return _run_step(x, dt, A, B, C, D, h.contiguous(), dt_bias, dt_min, dt_max, in_place=False)
 
 
 @_ssd_step.register_fake
 def _(x, dt, A, B, C, D, h, dt_bias, dt_min, dt_max):
     return x.new_empty(x.shape), h.new_empty(h.shape)
+
+
+@torch.library.custom_op("hybridlm::ssd_step_", mutates_args=("h",),
+                         schema="(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor(a!) h, "
+                                "Tensor? dt_bias, float dt_min, float dt_max) -> Tensor")
+def _ssd_step_in_place(x, dt, A, B, C, D, h, dt_bias, dt_min, dt_max):
+    return _run_step(x, dt, A, B, C, D, h, dt_bias, dt_min, dt_max, in_place=True)[0]
+
+
+@_ssd_step_in_place.register_fake
+def _(x, dt, A, B, C, D, h, dt_bias, dt_min, dt_max):
+    return x.new_empty(x.shape)
+
+
+def _run_step(x, dt, A, B, C, D, h, dt_bias, dt_min, dt_max, *, in_place: bool):
+    from hybridlm.ops.ssd.triton import step
+
+    x, B, C = (unit_last_stride(t) for t in (x, B, C))  # read at their row strides
+    dt = contiguous_rows(dt)
+    A, D, dt_bias = _contiguous(A, D, dt_bias)
+    with on_tensor_device(x):
+        return step.forward(x, dt, A, B, C, D, h, dt_bias=dt_bias, dt_limit=(dt_min, dt_max), in_place=in_place)

@@ -9,7 +9,9 @@ block of head dims) computes, in float32 (the state's dtype), with g = h // (H /
     h_t = a * h_{t-1} + (dt * x) B_g^T          [BP, N]
     y = h_t C_g + D[h] * x                      [BP]
 
-and writes y in x's dtype and h_t.
+and writes y in x's dtype and h_t: into a new tensor, or over h_{t-1} itself (`in_place`: a fixed-address cache that
+a replayed CUDA graph reads, which then needs no copy of the new state into it). Each program owns its block of the
+state, so only its own threads read what it overwrites: a barrier between its loads and its store orders them.
 
 The Mamba-2 mixer's step can hand over its raw discretization inputs instead (RAW), which the kernel turns into dt
 and A where it loads them (the mixer's step 3: five kernels per layer on the unfused path):
@@ -46,7 +48,7 @@ def _softplus(u):
 @triton.jit
 def step_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h_ptr, y_ptr, h_out_ptr, dt_bias_ptr, H, G, sx_b, sx_h,
                 sb_b, sb_g, sc_b, sc_g, sdt_b, dt_min, dt_max, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr,
-                BN: tl.constexpr, HAS_D: tl.constexpr, RAW: tl.constexpr):
+                BN: tl.constexpr, HAS_D: tl.constexpr, RAW: tl.constexpr, IN_PLACE: tl.constexpr):
     # x, B, C are read at (row, head or group) strides (unit stride along the last dim), dt at its row stride: the
     # mixer hands over row slices of its projection and conv output, which a contiguous copy would cost a kernel
     # each; h, y, h' are contiguous.
@@ -76,22 +78,26 @@ def step_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h_ptr, y_ptr, h_out_p
     if HAS_D:
         y = y + tl.load(D_ptr + i_h).to(tl.float32) * x
     tl.store(y_ptr + bh * P + rp, y.to(y_ptr.dtype.element_ty), mask=mp)
+    if IN_PLACE:
+        tl.debug_barrier()  # every thread's reads of h_{t-1} done before any of it is overwritten
     tl.store(h_out_ptr + h_offs, h, mask=h_mask)
 
 
-def forward(x, dt, A, B, C, D, h, *, dt_bias=None, dt_limit: tuple[float, float] = (0.0, float("inf"))):
+def forward(x, dt, A, B, C, D, h, *, dt_bias=None, dt_limit: tuple[float, float] = (0.0, float("inf")),
+            in_place: bool = False):
     """y [b, H, P] (x's dtype) and h_t [b, H, P, N] float32 from x [b, H, P], B, C [b, G, N] (any strides but a unit
     one along the last dim), dt [b, H] (any row stride), A [H], D [H] or None (any float dtype, read as float32) and
     h [b, H, P, N] float32 (contiguous). With dt_bias [H] (likewise), dt is the raw value (any float dtype) and A is
-    A_log (RAW)."""
+    A_log (RAW). `in_place`: h_t is h itself, overwritten."""
     b, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     y = x.new_empty(b, H, P)
-    h_out = torch.empty_like(h)
+    h_out = h if in_place else torch.empty_like(h)
     BN = block(N, 256)
     BP = min(block(P, 256), max(16, STATE_BLOCK // BN))
     step_kernel[(b * H, cdiv(P, BP))](
         x, dt, A, B, C, D if D is not None else A, h, y, h_out, dt_bias if dt_bias is not None else A, H, G,
         x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1), dt.stride(0), dt_limit[0],
-        dt_limit[1], P=P, N=N, BP=BP, BN=BN, HAS_D=D is not None, RAW=dt_bias is not None, num_warps=NUM_WARPS)
+        dt_limit[1], P=P, N=N, BP=BP, BN=BN, HAS_D=D is not None, RAW=dt_bias is not None, IN_PLACE=in_place,
+        num_warps=NUM_WARPS)
     return y, h_out
