@@ -13,12 +13,13 @@ after a prefill of 64 tokens (no gradient, bf16 autocast as on the GPU), the sho
 in eager mode (`F.conv1d`; the CPU's own is a shifted sum of more operators). The norms run the CPU's forms (several
 operators each where CUDA runs one kernel), so the count is higher than CUDA's own (`gpu_model.py --profile-decode`);
 the models' ratios carry over (benchmarks/RESULTS.md, "Decoding on an H100"). With the step kernels the fast-weight
-mixer hands its QK norms and gains to its step's kernel (`fast_weight_decoding_step`) and the Mamba-2 mixer its
-discretization (`ssd_decoding_step`), as "auto" does on CUDA: the "SSM op" column is that one launch, and the "rest
-of the SSM mixer" column loses the norms, gains or discretization. "steps": the
-mixers' and their short convolutions' `backend` for the step ("recurrent" / "naive" / "torch": the torch loops;
-"triton": `hybridlm/ops/fast_weight/triton/step.py`, `hybridlm/ops/ssd/triton/step.py`,
-`hybridlm/ops/short_conv/step.py`). Inside the custom ops (`hybridlm::`) only their Triton launches are counted.
+mixer runs its conv, QK norms, gains, step and gated norm as one kernel (`fast_weight_mixer_decoding_step`) and the
+Mamba-2 mixer hands its discretization to the SSD's step kernel (`ssd_decoding_step`), as "auto" does on CUDA: the
+"SSM op" column is that one launch, and the "SSM conv" and "rest of the SSM mixer" columns lose what it took in (the
+CPU's form of the gated norm counts several operators there, one kernel on CUDA). "steps": the mixers' and their
+short convolutions' `backend` for the step ("recurrent" / "naive" / "torch": the torch loops; "triton":
+`hybridlm/ops/fast_weight/triton/mixer_step.py`, `hybridlm/ops/ssd/triton/step.py`, `hybridlm/ops/short_conv/step.py`).
+Inside the custom ops (`hybridlm::`) only their Triton launches are counted.
 """
 
 from __future__ import annotations
@@ -102,13 +103,15 @@ def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool,
 
     where = ["state copies"] if static else ["model"]
     ops_in_layers = [(fast_weight_layer, "fast_weight_attention"), (fast_weight_layer, "fast_weight_decoding_step"),
-                     (mamba2_layer, "ssd"), (mamba2_layer, "ssd_decoding_step")]
+                     (fast_weight_layer, "fast_weight_mixer_decoding_step"), (mamba2_layer, "ssd"),
+                     (mamba2_layer, "ssd_decoding_step")]
     saved = {(module, name): getattr(module, name) for module, name in ops_in_layers}
     depthwise, rotate = short_conv._depthwise, attention_layer.rotate_qk
+    conv_forward = ShortConvolution.forward
     hooks = []
     for module in model.modules():
         label = kind(module)
-        if label is not None:
+        if label is not None and label != "ssm conv":  # the conv: its class's forward labelled instead (below)
             hooks.append(module.register_forward_pre_hook(lambda m, a, label=label: where.append(label)))
             hooks.append(module.register_forward_hook(lambda m, a, o: where.pop() and None))
     launches = collections.Counter()
@@ -135,6 +138,9 @@ def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool,
             for module, name in ops_in_layers:
                 setattr(module, name, _in_place(where, "ssm op", saved[module, name]))
             short_conv._depthwise = short_conv._conv1d  # the conv's torch form as CUDA runs it in eager mode
+            # A hook on the conv would make the fast-weight mixer run it apart (a module with hooks is run as a call,
+            # never folded into the mixer's whole-step kernel): its class's forward carries the label instead.
+            ShortConvolution.forward = _in_place(where, "ssm conv", conv_forward)
             if rotary_kernel:
                 attention_layer.rotate_qk = rotary_qk_triton
             if static:
@@ -151,6 +157,7 @@ def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool,
                 for module, name in ops_in_layers:
                     setattr(module, name, saved[module, name])
                 short_conv._depthwise, attention_layer.rotate_qk = depthwise, rotate
+                ShortConvolution.forward = conv_forward
                 for module, backend in zip(stepping, saved_backends):
                     module.backend = backend
     for hook in hooks:

@@ -52,10 +52,12 @@ rules), and otherwise it runs outside the compiled graphs on `cu_seqlens`.
 Decoding: `cache.ssm` holds the conv tail ("conv" [B, K-1, C]) and the `FastWeightState` fields ("S"
 [B, H, K, V] fp32, "last_k" [B, H, K], and for the sliding rules "tail_x", "tail_v", "tail_len"); a prefill
 runs the chunk-parallel path, each later token the recurrent step. Where that step runs on the op's step kernel
-(no gradient, learned gates; `fast_weight_step_fuses`), the QK norm and the gains run inside the same kernel
-(`fast_weight_decoding_step`, the same values as steps 2-4 up to float32 rounding); in a cache of fixed addresses
-(`cache.states_in_place`, what a replayed CUDA graph reads) that kernel and the conv's step kernel write the new
-states over the old. With `cu_seqlens` and a cache (a
+(no gradient, learned gates; `fast_weight_step_fuses`), steps 2-5 between the two projections run as one kernel
+after a prefill (`fast_weight_mixer_decoding_step`: the conv's step, the QK norm, the gains, the rule's step and the
+gated norm, with the roundings of those steps apart; heads of up to 128 x 128), else the QK norm and the gains run
+inside the op's step kernel (`fast_weight_decoding_step`, the same values as steps 2-4 up to float32 rounding)
+beside the conv's; in a cache of fixed addresses (`cache.states_in_place`, what a replayed CUDA graph reads) these
+kernels write the new states over the old. With `cu_seqlens` and a cache (a
 packed prefill) the states have one row per packed sequence.
 Under tensor parallelism (hybridlm.parallel.tensor_parallel) num_heads, width, beta_width and conv_channels
 are the rank's local ones and beta_bias / lam_bias are Shard(0) DTensors read through `local_tensor`.
@@ -71,7 +73,7 @@ from torch import nn
 from hybridlm.layers.cache import LayerCache
 from hybridlm.modules.boundaries import has_restarts, pack_rows
 from hybridlm.modules.gated_norm import GatedRMSNorm, gated_output_projection
-from hybridlm.modules.linear import AlignedLinear
+from hybridlm.modules.linear import AlignedLinear, is_plain, linear_input
 from hybridlm.modules.norm import rms_normalize
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.fast_weight import (
@@ -79,6 +81,8 @@ from hybridlm.ops.fast_weight import (
     FastWeightState,
     fast_weight_attention,
     fast_weight_decoding_step,
+    fast_weight_mixer_decoding_step,
+    fast_weight_mixer_step_fuses,
     fast_weight_step_fuses,
     runs_triton,
     seq_idx_in_place,
@@ -179,7 +183,10 @@ class FastWeightMixer(nn.Module):
             packed, cu_seqlens, _ = pack_rows(hidden, position_ids)  # [1, B T, D]
             return self(packed, cu_seqlens=cu_seqlens).reshape(batch, length, -1)
         # 1. Fused input projection and split.
-        qkv, z, beta_logits, lam_logits = self.in_proj(hidden).split(
+        proj = self.in_proj(hidden)
+        if cache is not None and self._whole_step_in_one_kernel(proj, cache, cu_seqlens, seq_idx):
+            return self._decoding_step(proj, cache, hidden.dtype)
+        qkv, z, beta_logits, lam_logits = proj.split(
             [self.conv_channels, self.width, self.beta_width, self.lam_width], dim=-1
         )
         documents = dict(cu_seqlens=cu_seqlens, seq_idx=seq_idx)
@@ -244,6 +251,38 @@ class FastWeightMixer(nn.Module):
             cache.ssm["conv"] = conv_state
             _store_state(cache, state)
         return o
+
+    def _decoding_step(self, proj: torch.Tensor, cache: LayerCache, dtype: torch.dtype) -> torch.Tensor:
+        """Steps 2-5 of one token in one kernel (`fast_weight_mixer_decoding_step`), then the output projection."""
+        y, conv_state, state = fast_weight_mixer_decoding_step(
+            proj, conv_weight=local_tensor(self.conv.weight), conv_bias=local_tensor(self.conv.bias),
+            conv_state=cache.ssm["conv"], norm_weight=local_tensor(self.norm.weight), norm_eps=self.norm.eps,
+            gates=(local_tensor(self.beta_bias), local_tensor(self.lam_bias), *self._gain_scales()),
+            qk_norm=self.qk_norm, qk_eps=_QK_EPS, rule=self.rule, pairing=self.pairing, read=self.read,
+            step_size=self.step_size, ridge_scaling=self.ridge_scaling, initial_state=_load_state(cache),
+            state_in_place=cache.states_in_place)
+        cache.ssm["conv"] = conv_state
+        _store_state(cache, state)
+        return self.out_proj(linear_input(y, dtype))
+
+    def _whole_step_in_one_kernel(self, proj, cache, cu_seqlens, seq_idx) -> bool:
+        """Whether a cached step runs steps 2-5 as one kernel: what `_steps_in_one_kernel` asks, a state to continue
+        (the conv's and the op's, after a prefill), the conv and the norm as the mixer builds them on backends that
+        take kernels, and heads that fit the kernel (`fast_weight_mixer_step_fuses`)."""
+        if proj.shape[1] != 1 or cu_seqlens is not None or seq_idx is not None or self.gates == "fixed":
+            return False
+        if "conv" not in cache.ssm or "S" not in cache.ssm or self.conv.kernel_size < 2:
+            return False
+        if not (is_plain(self.conv, ShortConvolution) and is_plain(self.norm, GatedRMSNorm)
+                and self.conv.backend != "torch" and self.norm.backend != "torch"):
+            return False
+        if needs_grad(proj, self.conv.weight, self.conv.bias, self.norm.weight, self.beta_bias, self.lam_bias,
+                      *(cache.ssm.get(name) for name in _STATE_FIELDS)):
+            return False
+        H, K = self.num_heads, self.head_dim
+        q = proj[..., : H * K].unflatten(-1, (H, K))
+        v = proj[..., 2 * H * K: self.conv_channels].unflatten(-1, (H, K))
+        return fast_weight_mixer_step_fuses(q, v, rule=self.rule, window=self.window, backend=self.backend)
 
     def _steps_in_one_kernel(self, q, v, beta_logits, lam_logits, cache, cu_seqlens, seq_idx) -> bool:
         """Whether a cached step runs its QK norm, gains and recurrence as one kernel: one token per row, no packed

@@ -12,6 +12,7 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hybridlm.modules.norm import rms_normalize
 from hybridlm.ops import FastWeightState, fast_weight_attention
@@ -315,6 +316,136 @@ def test_decoding_step_refuses_wrong_biases():
                                 eps=1e-6, eps_gamma=1e-6, qk_norm="layer")
 
 
+def _mixer_inputs(rule, *, N, H, K, V, taps, bias, dtype, seed=0):
+    """A mixer's step inputs: the projection's rows p [N, width], the conv's weight, bias and state, S, the carried
+    key, the gains' biases, the norm's weight (float64; p and the conv state in `dtype`)."""
+    g = torch.Generator().manual_seed(seed)
+    C = H * (2 * K + V)
+    beta_width = H * V if rule in ("2A", "2") else H
+    p = torch.randn(N, C + H * V + beta_width + H, generator=g, dtype=torch.float64).to(dtype).double()
+    conv_w = 0.5 * torch.randn(C, taps, generator=g, dtype=torch.float64)
+    conv_b = 0.1 * torch.randn(C, generator=g, dtype=torch.float64) if bias else None
+    conv_state = torch.randn(N, taps - 1, C, generator=g, dtype=torch.float64).to(dtype).double()
+    state = fw.random_state(N, H, K, V, window=1, seed=seed + 1)
+    gains = (torch.randn(beta_width, generator=g, dtype=torch.float64), torch.randn(H, generator=g, dtype=torch.float64))
+    norm_w = 1.0 + 0.2 * torch.randn(H * V, generator=g, dtype=torch.float64)
+    return p, conv_w, conv_b, conv_state, state, gains, norm_w
+
+
+def _mixer_step_reference(p, conv_w, conv_b, conv_state, state, gains, norm_w, *, H, K, V, rule, pairing, read,
+                          step_size, ridge_scaling, qk_norm, scales, norm_eps):
+    """The mixer's steps 2-5 of one token in float64 (the conv, `_prepared_reference`, the naive op, the gated
+    norm) -> y [N, H V], the new conv state, the state."""
+    C = H * (2 * K + V)
+    extended = torch.cat([conv_state, p[:, None, :C]], dim=1)  # [N, taps, C]
+    conv = (extended * conv_w.T[None]).sum(1) + (0 if conv_b is None else conv_b)
+    conv = conv * torch.sigmoid(conv)
+    N = p.shape[0]
+    q, k, v = (t.reshape(N, 1, H, -1) for t in conv.split([H * K, H * K, H * V], dim=-1))
+    z = p[:, C:C + H * V].reshape(N, H, V)
+    beta_width = H * V if rule in ("2A", "2") else H
+    beta_logits = p[:, C + H * V:C + H * V + beta_width].reshape(N, 1, H, -1).squeeze(-1) if beta_width == H else \
+        p[:, C + H * V:C + H * V + beta_width].reshape(N, 1, H, V)
+    lam_logits = p[:, C + H * V + beta_width:].reshape(N, 1, H)
+    q, k, beta, lam = _prepared_reference(q, k, beta_logits, lam_logits, *gains, *scales, qk_norm, _QK_EPS)
+    o, final = fast_weight_attention(q, k, v, beta, lam, rule=rule, pairing=pairing, read=read, step_size=step_size,
+                                     ridge_scaling=ridge_scaling, initial_state=state, output_final_state=True,
+                                     backend="naive")
+    u = o[:, 0]  # [N, H, V]
+    y = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + norm_eps) * norm_w.view(H, V) * F.silu(z)
+    return y.reshape(N, H * V), extended[:, 1:], final
+
+
+_QK_EPS = 1e-6
+MIXER_STEP_CASES = [  # rule, pairing, read, step_size, ridge_scaling, qk_norm, K, V, taps, bias
+    ("1A", "shifted", "after", "nlms", False, "rms", 20, 12, 4, False),
+    ("1", "shifted", "after", "nlms", True, "l2", 20, 12, 2, True),
+    ("2A", "same_step", "before", "direct", False, "none", 16, 20, 3, False),
+    ("2", "shifted", "before", "nlms", False, "rms", 20, 12, 4, True),
+    ("1", "same_step", "after", "direct", True, "rms", 64, 100, 4, False),  # two value blocks, the second partial
+    ("1A", "shifted", "before", "nlms", False, "l2", 128, 128, 4, False),  # four value blocks
+]
+
+
+@interpret
+@pytest.mark.parametrize("rule, pairing, read, step_size, ridge_scaling, qk_norm, K, V, taps, bias", MIXER_STEP_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_mixer_step_matches_spec(rule, pairing, read, step_size, ridge_scaling, qk_norm, K, V, taps, bias, dtype):
+    """`fast_weight_mixer_decoding_step` (the conv, QK norm, gains, rule and gated norm in one kernel) equals the
+    float64 composition of the mixer's steps in y, the conv state, S and the carried key: from a carried state and,
+    shifted, from a fresh row (no carried key: no write); into new tensors and, bit for bit the same, in place."""
+    from hybridlm.ops.fast_weight import fast_weight_mixer_decoding_step
+
+    H, N = 2, 3
+    p, conv_w, conv_b, conv_state, state, gains, norm_w = _mixer_inputs(rule, N=N, H=H, K=K, V=V, taps=taps,
+                                                                         bias=bias, dtype=dtype)
+    scales = (2.0 if step_size == "nlms" else 2.0 / K, 0.7)
+    options = dict(rule=rule, pairing=pairing, read=read, step_size=step_size, ridge_scaling=ridge_scaling)
+    states = [state] + ([FastWeightState(S=state.S)] if pairing == "shifted" else [])
+    for given in states:
+        want_y, want_conv, want = _mixer_step_reference(p, conv_w, conv_b, conv_state, given, gains, norm_w, H=H, K=K,
+                                                        V=V, qk_norm=qk_norm, scales=scales, norm_eps=1e-5, **options)
+        device_state = FastWeightState(S=given.S.float().to(DEVICE),
+                                       last_k=None if given.last_k is None else given.last_k.float().to(DEVICE))
+        args = dict(conv_weight=conv_w.float().to(DEVICE), conv_bias=None if conv_b is None else conv_b.float().to(
+            DEVICE), norm_weight=norm_w.float().to(DEVICE), norm_eps=1e-5,
+            gates=(*(t.float().to(DEVICE) for t in gains), *scales), qk_norm=qk_norm, qk_eps=_QK_EPS, **options)
+        proj = p.to(DEVICE, dtype)[:, None]
+        y, conv, got = fast_weight_mixer_decoding_step(proj, conv_state=conv_state.to(DEVICE, dtype),
+                                                       initial_state=device_state, **args)
+        assert y.shape == (N, 1, H * V) and y.dtype == conv.dtype == dtype
+        tol = TOL[dtype] if dtype != torch.float32 else 5e-5
+        assert rel_err(y[:, 0].double().cpu(), want_y) < tol
+        assert torch.equal(conv.double().cpu(), want_conv)  # the inputs themselves, moved along
+        assert rel_err(got.S.double().cpu(), want.S) < TOL[torch.float32] * (1 if dtype == torch.float32 else 50)
+        if pairing == "shifted":
+            assert rel_err(got.last_k.double().cpu(), want.last_k) < tol
+        else:
+            assert got.last_k is None
+        if given.last_k is None and pairing == "shifted":
+            continue  # a fresh row's new key has nowhere to go in place
+        in_place = FastWeightState(S=device_state.S.clone(), last_k=None if device_state.last_k is None
+                                   else device_state.last_k.clone())
+        conv_in_place = conv_state.to(DEVICE, dtype)
+        y2, conv2, got2 = fast_weight_mixer_decoding_step(proj, conv_state=conv_in_place, initial_state=in_place,
+                                                          state_in_place=True, **args)
+        assert conv2 is conv_in_place and got2.S is in_place.S
+        assert got2.last_k is (in_place.last_k if pairing == "shifted" else None)
+        assert torch.equal(y2, y) and torch.equal(conv2, conv) and torch.equal(got2.S, got.S)
+        if pairing == "shifted":
+            assert torch.equal(got2.last_k, got.last_k)
+
+
+@interpret
+def test_mixer_step_refuses_what_it_cannot_take():
+    """Wrong sizes, heads past the kernel's state, a shifted row in place without its carried key: clear errors."""
+    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_mixer_step_triton
+
+    p, conv_w, _, conv_state, state, gains, norm_w = _mixer_inputs("1A", N=2, H=2, K=16, V=16, taps=4, bias=False,
+                                                                   dtype=torch.float32)
+    p, conv_w, conv_state, norm_w = (t.float().to(DEVICE) for t in (p, conv_w, conv_state, norm_w))
+    S, last_k = state.S.float().to(DEVICE), state.last_k.float().to(DEVICE)
+    args = dict(gates=(*(t.float().to(DEVICE) for t in gains), 2.0, 1.0), norm_weight=norm_w, norm_eps=1e-5, rule="1A",
+                pairing="shifted", read_after=True, step_size="nlms", ridge_scaling=False, eps=1e-6, eps_gamma=1e-6,
+                qk_norm="rms", qk_eps=1e-6)
+    with pytest.raises(ValueError, match="the mixer's step takes"):
+        fast_weight_mixer_step_triton(p[:, 1:], conv_w, None, conv_state, S, last_k, **args)
+    with pytest.raises(ValueError, match="the mixer's step takes"):
+        fast_weight_mixer_step_triton(p, conv_w[:, :1], None, conv_state, S, last_k, **args)
+    with pytest.raises(ValueError, match="needs? its carried key|carried key of a shifted row"):
+        fast_weight_mixer_step_triton(p, conv_w, None, conv_state, S, None, **args, in_place=True)
+    with pytest.raises(ValueError, match="rules 1A, 1, 2A and 2"):
+        fast_weight_mixer_step_triton(p, conv_w, None, conv_state, S, last_k, **{**args, "rule": "3A"})
+    big = _mixer_inputs("1A", N=1, H=1, K=256, V=128, taps=4, bias=False, dtype=torch.float32)
+    p, conv_w, _, conv_state, state, _, norm_w = (t.float().to(DEVICE) if isinstance(t, torch.Tensor) else t
+                                                  for t in big)
+    gates = (torch.zeros(1, device=DEVICE), torch.zeros(1, device=DEVICE), 2.0, 1.0)
+    with pytest.raises(ValueError, match="K V <= 16384"):
+        fast_weight_mixer_step_triton(p, conv_w, None, conv_state, state.S.float().to(DEVICE),
+                                      state.last_k.float().to(DEVICE), **{**args, "gates": gates,
+                                                                          "norm_weight": norm_w})
+
+
 @interpret
 def test_step_ops_pass_opcheck():
     """The step custom ops' schemas, fake implementations and dispatch (torch.compile traces them: a graphed
@@ -336,6 +467,17 @@ def test_step_ops_pass_opcheck():
         torch.library.opcheck(torch.ops.hybridlm.fast_weight_step_,
                               (q, q.clone(), q.clone(), beta, lam, S.clone(), last_k, "1", shifted, True, True, False,
                                1e-6, 1e-6, *plain), test_utils=tests)
+    p, conv_w, conv_b, conv_state, state, gains, norm_w = (
+        t.float().to(DEVICE) if isinstance(t, torch.Tensor) else t
+        for t in _mixer_inputs("1", N=2, H=2, K=16, V=16, taps=3, bias=True, dtype=torch.float32))
+    biases = tuple(t.float().to(DEVICE) for t in gains)
+    options = (2, "1", True, True, True, False, 1e-6, 1e-6, 2.0, 1.0, 1, 1e-6, 1.0, 1e-5)
+    S0, k0 = state.S.float().to(DEVICE), state.last_k.float().to(DEVICE)
+    torch.library.opcheck(torch.ops.hybridlm.fast_weight_mixer_step,
+                          (p, conv_w, conv_b, conv_state, S0, k0, *biases, norm_w, *options), test_utils=tests)
+    torch.library.opcheck(torch.ops.hybridlm.fast_weight_mixer_step_,
+                          (p, conv_w, None, conv_state.clone(), S0.clone(), k0.clone(), *biases, norm_w, *options),
+                          test_utils=tests)
     x, Bm = torch.randn(2, 4, 8, device=DEVICE), torch.randn(2, 2, 16, device=DEVICE)
     h = torch.randn(2, 4, 8, 16, device=DEVICE)
     for D, dt_bias in ((torch.randn(4, device=DEVICE), None), (None, None), (None, torch.randn(4, device=DEVICE))):
@@ -617,20 +759,30 @@ MIXER_OPTIONS = {
 }
 
 
+MIXER_FORMS = [(mixer, form) for mixer in MIXER_OPTIONS
+               for form in (["whole step", "apart"] if mixer.startswith("fast_weight") else ["apart"])]
+
+
 @interpret
-@pytest.mark.parametrize("mixer", list(MIXER_OPTIONS))
-def test_mixer_decoding_steps_through_the_kernels(monkeypatch, mixer):
-    """A mixer's prefill, then 4 one-token steps from two copies of its cache: on the step kernels (the op's and the
-    conv's, each step one launch each) and on the torch loops, the same outputs and states."""
+@pytest.mark.parametrize("mixer, form", MIXER_FORMS, ids=[" ".join(f) for f in MIXER_FORMS])
+def test_mixer_decoding_steps_through_the_kernels(monkeypatch, mixer, form):
+    """A mixer's prefill, then 4 one-token steps from two copies of its cache: on the step kernels and on the torch
+    loops, the same outputs and states. The fast-weight mixer runs its steps 2-5 as one kernel
+    (`fast_weight_mixer_decoding_step`, "whole step"), or, with its norm on the torch form, the op's step kernel (which
+    takes the QK norm and gains) beside the conv's ("apart"), as the Mamba-2 mixer does (its discretization in the
+    SSD's step kernel); each kernel one launch per step."""
     from hybridlm.layers.cache import LayerCache
+    from hybridlm.ops.fast_weight.triton import mixer_step
     from hybridlm.ops.fast_weight.triton import step as fast_weight_step
     from hybridlm.ops.ssd.triton import step as ssd_step
     from tests.ops.test_mixer_recompute import D, fast_weight_mixer, mamba2_mixer
 
-    module_step = ssd_step if mixer.startswith("mamba2") else fast_weight_step
-    calls, launch = [], module_step.forward
-    monkeypatch.setattr(module_step, "forward", lambda *a, **k: calls.append(
-        all(t.is_contiguous() for t in a if isinstance(t, torch.Tensor))) or launch(*a, **k))
+    is_mamba2 = mixer.startswith("mamba2")
+    launches = {}
+    for name, module_step in (("step", ssd_step if is_mamba2 else fast_weight_step), ("whole", mixer_step)):
+        launches[name], launch = [], module_step.forward
+        monkeypatch.setattr(module_step, "forward", lambda *a, calls=launches[name], launch=launch, **k: calls.append(
+            all(t.is_contiguous() for t in a if isinstance(t, torch.Tensor))) or launch(*a, **k))
     from hybridlm.modules import short_conv
 
     conv_calls = []
@@ -642,12 +794,13 @@ def test_mixer_decoding_steps_through_the_kernels(monkeypatch, mixer):
     from hybridlm.layers import mamba2 as mamba2_layer
 
     fused_calls = []
-    is_mamba2 = mixer.startswith("mamba2")
     layer, name = (mamba2_layer, "ssd_decoding_step") if is_mamba2 else (fast_weight_layer,
                                                                          "fast_weight_decoding_step")
     fused = getattr(layer, name)
     monkeypatch.setattr(layer, name, lambda *a, **k: fused_calls.append(1) or fused(*a, **k))
     module = (mamba2_mixer if is_mamba2 else fast_weight_mixer)(**MIXER_OPTIONS[mixer])
+    if form == "apart" and not is_mamba2:
+        module.norm.backend = "torch"
     loops = "naive" if is_mamba2 else "recurrent"
     g = torch.Generator().manual_seed(2)
     x = torch.randn(2, 13, D, generator=g).to(DEVICE)
@@ -664,11 +817,14 @@ def test_mixer_decoding_steps_through_the_kernels(monkeypatch, mixer):
             assert rel_err(outputs["triton"], outputs[loops]) < 1e-4
     for name, state in caches["triton"].ssm.items():
         assert rel_err(state, caches[loops].ssm[name]) < 1e-4, name
-    assert len(calls) == len(conv_calls) == 4
-    assert not any(calls)  # the projection's row slices read in place (two rows), not copied first
-    # the mixers hand the kernel their QK norm and gains (`fast_weight_decoding_step`) or discretization
-    # (`ssd_decoding_step`) on the kernels' side
-    assert len(fused_calls) == 4
+    if form == "whole step":
+        assert len(launches["whole"]) == 4 and launches["step"] == []
+    else:
+        assert launches["whole"] == [] and len(launches["step"]) == 4
+        assert not any(launches["step"])  # the projection's row slices read in place (two rows), not copied
+    # apart, the mixers hand the op's kernel their QK norm and gains (`fast_weight_decoding_step`) or discretization
+    # (`ssd_decoding_step`), beside the conv's kernel
+    assert len(conv_calls) == len(fused_calls) == (0 if form == "whole step" else 4)
 
 
 @interpret
@@ -790,19 +946,20 @@ def test_serving_slots_take_the_step_kernels_states_without_a_copy(mixer):
 @interpret
 @pytest.mark.parametrize("mixer", ["fast_weight", "mamba2"])
 def test_mixer_steps_not_fused_where_a_gradient_or_fixed_gates_need_the_op(monkeypatch, mixer):
-    """No fused step (`fast_weight_decoding_step` / `ssd_decoding_step`) where autograd records the step (through
-    the parameters, or through a carried state that requires a gradient while the mixer is frozen) nor with fixed
-    gates; the gradient through the state then equals the torch loops'."""
+    """No fused step (`fast_weight_mixer_decoding_step` or `fast_weight_decoding_step` / `ssd_decoding_step`) where
+    autograd records the step (through the parameters, or through a carried state that requires a gradient while the
+    mixer is frozen) nor with fixed gates; the gradient through the state then equals the torch loops'."""
     from hybridlm.layers import fast_weight as fast_weight_layer
     from hybridlm.layers import mamba2 as mamba2_layer
     from hybridlm.layers.cache import LayerCache
     from tests.ops.test_mixer_recompute import D, fast_weight_mixer, mamba2_mixer
 
-    layer, name = (mamba2_layer, "ssd_decoding_step") if mixer == "mamba2" else (fast_weight_layer,
-                                                                                 "fast_weight_decoding_step")
+    layer, names = (mamba2_layer, ["ssd_decoding_step"]) if mixer == "mamba2" else (
+        fast_weight_layer, ["fast_weight_decoding_step", "fast_weight_mixer_decoding_step"])
     fused_calls = []
-    fused = getattr(layer, name)
-    monkeypatch.setattr(layer, name, lambda *a, **k: fused_calls.append(1) or fused(*a, **k))
+    for name in names:
+        fused = getattr(layer, name)
+        monkeypatch.setattr(layer, name, lambda *a, fused=fused, **k: fused_calls.append(1) or fused(*a, **k))
     make = mamba2_mixer if mixer == "mamba2" else fast_weight_mixer
     x = torch.randn(2, 6, D, generator=torch.Generator().manual_seed(3)).to(DEVICE)
 

@@ -197,9 +197,31 @@ for io, K, V in (("*bf16", 64, 64), ("*bf16", 128, 128), ("*fp32", 20, 12)):
                   warps=k.NUM_WARPS)
 """
 
+MIXER_STEP = """
+from hybridlm.ops.fast_weight.triton import mixer_step as k
+from hybridlm.ops.fast_weight.triton.step import STATE_BLOCK
+
+IO = ("p_ptr", "cs_ptr", "cs_out_ptr", "y_ptr")
+TYPES = {name: "fp32" for name in ("eps", "one_minus_eps_gamma", "qk_eps", "qk_scale", "beta_scale", "lam_scale",
+                                   "norm_eps")}
+# The mixer's whole step as mixer_step.forward blocks it: a model's heads in bf16 (one value block at 64, four at
+# 128), odd float32 sizes (a partial value block); in place and not, a fresh shifted row (no write).
+for io, K, V in (("*bf16", 64, 64), ("*bf16", 128, 128), ("*fp32", 20, 12)):
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(max(16, triton.next_power_of_2(V)), max(16, STATE_BLOCK // BK))
+    for i, (rule, shifted) in enumerate((("1A", True), ("1", True), ("2A", False), ("2", True))):
+        for writes in (True, False):
+            flags = dict(WRITES=writes, SHIFTED=shifted, REGRESSION=rule in ("1", "2"),
+                         PER_COLUMN=rule in ("2A", "2"), NLMS=rule != "2A", SCALED=rule == "1", READ_AFTER=rule != "2",
+                         QK_NORM=i % 3, IN_PLACE=writes, CONV_BIAS=i % 2 == 1, KC=4 - i % 2, KCP=4)
+            build(k.mixer_step_kernel, dict(K=K, V=V, BK=BK, BV=BV, **flags), io=io, io_names=IO, types=TYPES,
+                  warps=k.NUM_WARPS)
+"""
+
 BUILDS = {  # module: its builds
     "decays": DECAYS, "chunk_state": CHUNK_STATE, "chunk_output": CHUNK_OUTPUT, "inner_product_kernels": INNER_PRODUCT,
     "wy": WY, "regression_kernels": REGRESSION, "band": BAND, "prepare": PREPARE, "step": STEP,
+    "mixer_step": MIXER_STEP,
 }
 
 

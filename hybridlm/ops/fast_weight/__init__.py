@@ -17,6 +17,8 @@ _EXPORTS = {
     "fast_weight_attention": "hybridlm.ops.fast_weight.op",
     "fast_weight_decoding_step": "hybridlm.ops.fast_weight.op",
     "fast_weight_step_fuses": "hybridlm.ops.fast_weight.op",
+    "fast_weight_mixer_decoding_step": "hybridlm.ops.fast_weight.op",
+    "fast_weight_mixer_step_fuses": "hybridlm.ops.fast_weight.op",
     "seq_idx_in_place": "hybridlm.ops.fast_weight.op",
     "runs_triton": "hybridlm.ops.fast_weight.op",
     "FastWeightState": "hybridlm.ops.fast_weight.state",

@@ -214,6 +214,82 @@ def fast_weight_decoding_step(
                              qk_eps=qk_eps, state_in_place=state_in_place)
 
 
+def fast_weight_mixer_step_fuses(q: torch.Tensor, v: torch.Tensor, *, rule: str, window: int = 1,
+                                   backend: str = "auto") -> bool:
+    """Whether a decoding step of q [B, 1, H, K], v [B, 1, H, V] runs the step kernel (`fast_weight_step_fuses`) and
+    its heads fit the fast-weight mixer's whole-step kernel (`fast_weight_mixer_decoding_step`). Metadata only."""
+    from hybridlm.ops.fast_weight.triton.limits import MAX_MIXER_STATE
+
+    return (fast_weight_step_fuses(q, v, rule=rule, window=window, backend=backend)
+            and q.shape[-1] * v.shape[-1] <= MAX_MIXER_STATE)
+
+
+def fast_weight_mixer_decoding_step(
+    proj: torch.Tensor,
+    *,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    gates: tuple[torch.Tensor, torch.Tensor, float, float],
+    qk_norm: str,
+    qk_eps: float,
+    rule: str,
+    pairing: str = "shifted",
+    read: str = "after",
+    step_size: str = "nlms",
+    ridge_scaling: bool = False,
+    eps: float = 1e-6,
+    eps_gamma: float = 1e-6,
+    initial_state: FastWeightState,
+    state_in_place: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, FastWeightState]:
+    """The fast-weight mixer's decoding step between its two projections in one kernel (where
+    `fast_weight_mixer_step_fuses`): the short conv's step with its state and SiLU, then `fast_weight_decoding_step`
+    (QK norm, gains, the rule's step), then the gated RMSNorm (groups of V channels, the norm before the gate), with
+    the same roundings as those steps run apart.
+
+    Args:
+        proj: `[B, 1, width]` the input projection's output, [q | k | v | z | beta logits | lam logits] (q, k `[H K]`,
+            v, z `[H V]`, beta logits `[H]` or `[H V]` for 2A, 2, lam logits `[H]`).
+        conv_weight: `[H (2K + V), taps]`, conv_bias: its bias or None, conv_state: `[B, taps - 1, H (2K + V)]` (cast
+            to proj's dtype). norm_weight: `[H V]`, norm_eps: the gated norm's. gates, qk_norm, qk_eps and the rule's
+            options: `fast_weight_decoding_step`'s.
+        initial_state: the state after the steps so far (its S `[B, H, K, V]` gives K and V).
+        state_in_place: write the new conv state and fast-weight state over `conv_state` and `initial_state`'s tensors
+            and return them (a fixed-address cache that a replayed CUDA graph reads); only where they can take it (S
+            float32 and contiguous, the carried key of a shifted row float32 and contiguous, the conv state in proj's
+            dtype with a unit stride along its channels), else new tensors.
+
+    Returns:
+        y `[B, 1, H V]` in proj's dtype (the output projection's input), the new conv state, the new state.
+    """
+    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_mixer_step_triton
+
+    if proj.dim() != 3 or proj.shape[1] != 1:
+        raise ValueError(f"fast_weight_mixer_decoding_step takes one step, proj [B, 1, width]; got {list(proj.shape)}")
+    B = proj.shape[0]
+    if initial_state is None or initial_state.S.dim() != 4:
+        raise ValueError("fast_weight_mixer_decoding_step continues a state: initial_state with S [B, H, K, V]")
+    _, H, K, V = initial_state.S.shape
+    state = _prepare_state(initial_state, n_rows=B, H=H, K=K, V=V, window=1, pairing=pairing, dtype=torch.float32,
+                           device=proj.device)
+    shifted = pairing == "shifted"
+    last_k = state.last_k if shifted else None
+    in_place = (state_in_place and state.S is initial_state.S and state.S.is_contiguous()
+                and conv_state.dtype == proj.dtype and conv_state.stride(-1) == 1
+                and (not shifted or (last_k is not None and last_k is initial_state.last_k
+                                     and last_k.is_contiguous())))
+    with torch.autocast(proj.device.type, enabled=False):
+        y, conv, S, last = fast_weight_mixer_step_triton(
+            proj[:, 0], conv_weight, conv_bias, conv_state.to(proj.dtype), state.S, last_k, gates=gates,
+            norm_weight=norm_weight, norm_eps=norm_eps, rule=rule, pairing=pairing, read_after=read == "after",
+            step_size=step_size, ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, qk_norm=qk_norm,
+            qk_eps=qk_eps, in_place=in_place)
+    return y[:, None], conv, FastWeightState(S=S, last_k=last if shifted else None)
+
+
 def _triton_in_row_groups(q, k, v, beta, lam, options, *, state, offsets, seq_idx):
     """`fast_weight_triton` once per group of sequences that keeps its launches within CUDA's grid: one call for the
     usual shapes; more for sequences x heads > 65535 (a synthetic task's 8192 rows x 8 heads, thousands of packed

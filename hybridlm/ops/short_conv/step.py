@@ -28,6 +28,37 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def conv_step_columns(x, state_ptr, ss_k, w_ptr, b_ptr, c, mc, K: tl.constexpr, KP: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """The step on the channels c (mask mc) of one row: x [BC] the new input as loaded, the carried inputs at
+    state_ptr + j ss_k + c (j = 0 .. K-2, oldest first) -> y [BC] float32 and state' [KP, BC] in x's dtype (rows past
+    K-2 for the caller's store to mask: `store_conv_state`). Also the fast-weight mixer's whole step's conv
+    (`hybridlm/ops/fast_weight/triton/mixer_step.py`)."""
+    k = tl.arange(0, KP)
+    # e_k: the state's rows k < K-1, then x at k = K-1; [KP, BC], zeros past K
+    carried = tl.load(state_ptr + k[:, None] * ss_k + c[None, :], mask=(k[:, None] < K - 1) & mc[None, :], other=0.0)
+    e = tl.where(k[:, None] == K - 1, x[None, :], carried).to(tl.float32)
+    w = tl.load(w_ptr + c[None, :] * K + k[:, None], mask=(k[:, None] < K) & mc[None, :], other=0.0).to(tl.float32)
+    y = tl.sum(w * e, axis=0)                                                               # [BC]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + c, mask=mc, other=0.0).to(tl.float32)
+    if SILU:
+        y = y * tl.sigmoid(y)
+    # state'_j = e_{j+1}: the state's rows 1 .. K-2, then x
+    shifted = tl.load(state_ptr + (k[:, None] + 1) * ss_k + c[None, :], mask=(k[:, None] < K - 2) & mc[None, :],
+                      other=0.0)
+    return y, tl.where(k[:, None] == K - 2, x[None, :], shifted)
+
+
+@triton.jit
+def store_conv_state(out_ptr, so_k, c, mc, new, K: tl.constexpr, KP: tl.constexpr):
+    """state' [KP, BC] from `conv_step_columns` at out_ptr + j so_k + c, rows j = 0 .. K-2."""
+    k = tl.arange(0, KP)
+    tl.store(out_ptr + k[:, None] * so_k + c[None, :], new.to(out_ptr.dtype.element_ty),
+             mask=(k[:, None] < K - 1) & mc[None, :])
+
+
+@triton.jit
 def step_kernel(x_ptr, state_ptr, w_ptr, b_ptr, y_ptr, state_out_ptr, C, sx_b, ss_b, ss_k, so_b, so_k,
                 K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                 IN_PLACE: tl.constexpr):
@@ -37,27 +68,12 @@ def step_kernel(x_ptr, state_ptr, w_ptr, b_ptr, y_ptr, state_out_ptr, C, sx_b, s
     b = i_b.to(tl.int64)
     c = i_c * BC + tl.arange(0, BC)
     mc = c < C
-    k = tl.arange(0, KP)
-    # e_k: the state's rows k < K-1, then x at k = K-1; [KP, BC], zeros past K
-    in_state = (k[:, None] < K - 1) & mc[None, :]
-    carried = tl.load(state_ptr + b * ss_b + k[:, None] * ss_k + c[None, :], mask=in_state, other=0.0)
     x = tl.load(x_ptr + b * sx_b + c, mask=mc, other=0.0)
-    e = tl.where(k[:, None] == K - 1, x[None, :], carried).to(tl.float32)
-    w = tl.load(w_ptr + c[None, :] * K + k[:, None], mask=(k[:, None] < K) & mc[None, :], other=0.0).to(tl.float32)
-    y = tl.sum(w * e, axis=0)                                                               # [BC]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + c, mask=mc, other=0.0).to(tl.float32)
-    if SILU:
-        y = y * tl.sigmoid(y)
+    y, new = conv_step_columns(x, state_ptr + b * ss_b, ss_k, w_ptr, b_ptr, c, mc, K, KP, HAS_BIAS, SILU)
     tl.store(y_ptr + b * C + c, y.to(y_ptr.dtype.element_ty), mask=mc)
-    # state'_j = e_{j+1}: the state's rows 1 .. K-2, then x
-    shifted = tl.load(state_ptr + b * ss_b + (k[:, None] + 1) * ss_k + c[None, :],
-                      mask=(k[:, None] < K - 2) & mc[None, :], other=0.0)
-    new = tl.where(k[:, None] == K - 2, x[None, :], shifted)
     if IN_PLACE:
         tl.debug_barrier()  # every thread's reads of the state done before any row of it is overwritten
-    tl.store(state_out_ptr + b * so_b + k[:, None] * so_k + c[None, :], new.to(state_out_ptr.dtype.element_ty),
-             mask=(k[:, None] < K - 1) & mc[None, :])
+    store_conv_state(state_out_ptr + b * so_b, so_k, c, mc, new, K, KP)
 
 
 def short_conv_step_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

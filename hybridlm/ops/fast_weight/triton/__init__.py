@@ -19,7 +19,8 @@ Layout. Shared building blocks, named for the stage they compute: `decays.py` (c
 preparation of rules 1A and 1), `band.py` (rule 3A's band), `chunking.py` (the chunk grid and plan they share).
 Per rule family: `inner_product.py` / `inner_product_kernels.py` (rules 1A, 2A; 3A on 1A's) and `regression.py` /
 `regression_kernels.py` (rules 1, 3, 2): launchers and their family's kernels. `step.py`: one decoding step of
-the window-1 rules in one kernel (inference).
+the window-1 rules in one kernel (inference); `mixer_step.py`: the fast-weight mixer's whole decoding step between
+its projections (conv, QK norm, gains, step, gated norm) in one kernel (inference).
 
 The kernels also run on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set before triton is
 imported): that is how the tests check them without a GPU (`HYBRIDLM_TRITON_INTERPRET=1`).

@@ -24,6 +24,12 @@
     hybridlm::fast_weight_step_(<the same arguments>, S!, last_k!?) -> o: the same step writing S' over S and k over
         last_k (a fixed-address cache that a replayed CUDA graph reads).
 
+    hybridlm::fast_weight_mixer_step(p, conv_weight, conv_bias?, conv_state, S, last_k?, beta_bias, lam_bias,
+        norm_weight, heads, rule, shifted, read_after, nlms, ridge_scaling, eps, eps_gamma, beta_scale, lam_scale,
+        qk_norm, qk_eps, qk_scale, norm_eps) -> (y, conv_state', S', last_k'): the fast-weight mixer's whole decoding
+        step between its projections (`mixer_step.py`), inference only; hybridlm::fast_weight_mixer_step_(<the same>,
+        conv_state!, S!, last_k!?) -> y writes the new states over the old.
+
     hybridlm::fast_weight_band_fwd(q, x_ext, y_ext, c, base, shift) -> base + o_band;
     hybridlm::fast_weight_band_bwd(do, q, x_ext, y_ext, c, shift) -> (dq, dx_ext, dy_ext, dc): rule 3A's band of the
         pairs still being written (`band.py`), added to the 1A scan's output (base; d base = do).
@@ -41,7 +47,13 @@ import math
 
 import torch
 
-from hybridlm.ops.fast_weight.triton.limits import DTYPES, MAX_DELTA_CHUNK, MAX_HEAD_DIM, MAX_RULE_2_CHUNK
+from hybridlm.ops.fast_weight.triton.limits import (
+    DTYPES,
+    MAX_DELTA_CHUNK,
+    MAX_HEAD_DIM,
+    MAX_MIXER_STATE,
+    MAX_RULE_2_CHUNK,
+)
 from hybridlm.ops.recompute import keep_in_compiled_regions, kept_kernel, on_contiguous
 from hybridlm.ops.utils import contiguous_rows, on_tensor_device, triton_interpreting, unit_last_stride
 
@@ -498,8 +510,126 @@ def _run_step(q, k, v, beta, lam, S, last_k, rule, shifted, read_after, nlms, ri
                               qk_norm=qk_norm, qk_eps=qk_eps, qk_scale=qk_scale, in_place=in_place)
 
 
+def fast_weight_mixer_step_triton(p, conv_weight, conv_bias, conv_state, S, last_k, *, gates: tuple,
+                                  norm_weight, norm_eps: float, rule: str, pairing: str, read_after: bool,
+                                  step_size: str, ridge_scaling: bool, eps: float, eps_gamma: float, qk_norm: str,
+                                  qk_eps: float, in_place: bool = False):
+    """The fast-weight mixer's decoding step between its projections in one kernel (`mixer_step.py`), without
+    autograd: the conv step, the QK norm, the gains, the step of rule 1A, 1, 2A or 2 (window 1), the gated RMSNorm.
+
+    Args:
+        p: `[N, width]` the input projection's rows, [q | k | v | z | beta logits | lam logits] (q, k `[H K]`, v, z
+            `[H V]`, beta logits `[H]` or `[H V]` for 2A, 2, lam logits `[H]`); a dtype among the kernels'.
+        conv_weight: `[C, KC]` (C = H (2K + V), KC >= 2), conv_bias `[C]` or None; conv_state `[N, KC-1, C]` in p's
+            dtype (unit stride along the channels).
+        S: `[N, H, K, V]` float32; last_k: `[N, H, K]` float32 (shifted pairing; None: a fresh row, no write).
+        gates: `(beta_bias, lam_bias, beta_scale, lam_scale)` as `fast_weight_step_triton`'s. norm_weight: `[H V]`,
+            norm_eps: the gated norm's (groups of V channels, the norm before the gate). qk_norm, qk_eps: as there.
+        in_place: the new conv state, S and last key written over conv_state, S and last_k (S, last_k contiguous
+            float32; last_k given for shifted pairing) and returned.
+
+    Returns:
+        y `[N, H V]` in p's dtype (the out projection's input), the new conv state, S_t, the new carried key.
+    """
+    beta_bias, lam_bias, beta_scale, lam_scale = gates
+    N, width = p.shape if p.dim() == 2 else (None, None)
+    K, V = (S.shape[2], S.shape[3]) if S.dim() == 4 else (None, None)
+    H = lam_bias.shape[0]
+    per_column = rule in ("2A", "2")
+    C = None if K is None else H * (2 * K + V)
+    want_width = None if K is None else C + H * V + (H * V if per_column else H) + H
+    if (p.dim() != 2 or S.dim() != 4 or tuple(S.shape) != (N, H, K, V) or width != want_width
+            or conv_weight.dim() != 2 or conv_weight.shape[0] != C or conv_weight.shape[1] < 2
+            or tuple(conv_state.shape) != (N, conv_weight.shape[1] - 1, C)
+            or (conv_bias is not None and tuple(conv_bias.shape) != (C,))
+            or (last_k is not None and tuple(last_k.shape) != (N, H, K))
+            or tuple(beta_bias.shape) != ((H * V,) if per_column else (H,)) or tuple(norm_weight.shape) != (H * V,)):
+        raise ValueError(f"the mixer's step takes p [N, H (3K + 2V) + beta + H], S [N, H, K, V], a conv of >= 2 taps "
+                         f"on its H (2K + V) channels and its state [N, taps - 1, C], last_k [N, H, K], biases and a "
+                         f"norm weight of the heads' sizes; got p {list(p.shape)}, S {list(S.shape)}, conv "
+                         f"{list(conv_weight.shape)}, state {list(conv_state.shape)}, last_k "
+                         f"{None if last_k is None else list(last_k.shape)}, beta_bias {list(beta_bias.shape)}, "
+                         f"lam_bias {list(lam_bias.shape)}, norm {list(norm_weight.shape)}")
+    if rule not in ("1A", "1", "2A", "2"):
+        raise ValueError(f"the mixer's step kernel runs rules 1A, 1, 2A and 2 (window 1); got rule {rule!r}")
+    if p.dtype not in DTYPES or conv_state.dtype != p.dtype or S.dtype != torch.float32 or (
+            last_k is not None and last_k.dtype != torch.float32):
+        raise ValueError(f"p must be in one of {DTYPES}, the conv state in p's dtype, S and last_k float32; got "
+                         f"{p.dtype}, {conv_state.dtype}, {S.dtype}, {None if last_k is None else last_k.dtype}")
+    if K * V > MAX_MIXER_STATE:
+        raise ValueError(f"the mixer's step kernel holds a head's state in one program: K V <= {MAX_MIXER_STATE}; got "
+                         f"K = {K}, V = {V}")
+    if qk_norm not in _QK_NORMS:
+        raise ValueError(f"qk_norm must be one of {list(_QK_NORMS)}; got {qk_norm!r}")
+    if in_place and ((pairing == "shifted" and last_k is None) or not S.is_contiguous()
+                     or conv_state.stride(-1) != 1):
+        raise ValueError("fast_weight_mixer_step_triton: states updated in place must be contiguous (the conv state "
+                         "along its channels), with the carried key of a shifted row")
+    if p.device.type != "cuda" and not triton_interpreting():
+        raise ValueError(f"the Triton kernels need CUDA tensors (got {p.device})")
+    l2 = qk_norm == "l2"
+    options = (H, rule, pairing == "shifted", bool(read_after), step_size == "nlms", bool(ridge_scaling), float(eps),
+               float(eps_gamma), float(beta_scale), float(lam_scale), _QK_NORMS[qk_norm],
+               float(qk_eps) / (K if l2 else 1), K ** -0.5 if l2 else 1.0, float(norm_eps))
+    if in_place:
+        y = torch.ops.hybridlm.fast_weight_mixer_step_(p, conv_weight, conv_bias, conv_state, S, last_k, beta_bias,
+                                                       lam_bias, norm_weight, *options)
+        return y, conv_state, S, last_k
+    return torch.ops.hybridlm.fast_weight_mixer_step(p, conv_weight, conv_bias, conv_state, S, last_k, beta_bias,
+                                                     lam_bias, norm_weight, *options)
+
+
+def _register_mixer_step() -> None:
+    """hybridlm::fast_weight_mixer_step (`mixer_step.py`), hybridlm::fast_weight_mixer_step_ (the same, writing the
+    new states over the old) and their fake implementations; no autograd (decoding)."""
+    arguments = ("Tensor p, Tensor conv_weight, Tensor? conv_bias, {states}, Tensor beta_bias, Tensor lam_bias, "
+                 "Tensor norm_weight, int heads, str rule, bool shifted, bool read_after, bool nlms, "
+                 "bool ridge_scaling, float eps, float eps_gamma, float beta_scale, float lam_scale, int qk_norm, "
+                 "float qk_eps, float qk_scale, float norm_eps")
+
+    @torch.library.custom_op(
+        "hybridlm::fast_weight_mixer_step", mutates_args=(),
+        schema=f"({arguments.format(states='Tensor conv_state, Tensor S, Tensor? last_k')}) "
+               "-> (Tensor, Tensor, Tensor, Tensor)")
+    def step(p, conv_weight, conv_bias, conv_state, S, last_k, *options):
+        return _run_mixer_step(p, conv_weight, conv_bias, conv_state, S.contiguous(),
+                               None if last_k is None else last_k.contiguous(), *options, in_place=False)
+
+    @step.register_fake
+    def _(p, conv_weight, conv_bias, conv_state, S, last_k, beta_bias, lam_bias, norm_weight, heads, *args):
+        return (p.new_empty(p.shape[0], norm_weight.shape[0]), conv_state.new_empty(conv_state.shape),
+                S.new_empty(S.shape), S.new_empty(S.shape[:3]))
+
+    @torch.library.custom_op(
+        "hybridlm::fast_weight_mixer_step_", mutates_args=("conv_state", "S", "last_k"),
+        schema=f"({arguments.format(states='Tensor(a!) conv_state, Tensor(b!) S, Tensor(c!)? last_k')}) -> Tensor")
+    def step_in_place(p, conv_weight, conv_bias, conv_state, S, last_k, *options):
+        return _run_mixer_step(p, conv_weight, conv_bias, conv_state, S, last_k, *options, in_place=True)[0]
+
+    @step_in_place.register_fake
+    def _(p, conv_weight, conv_bias, conv_state, S, last_k, beta_bias, lam_bias, norm_weight, *args):
+        return p.new_empty(p.shape[0], norm_weight.shape[0])
+
+
+def _run_mixer_step(p, conv_weight, conv_bias, conv_state, S, last_k, beta_bias, lam_bias, norm_weight, heads, rule,
+                    shifted, read_after, nlms, ridge_scaling, eps, eps_gamma, beta_scale, lam_scale, qk_norm, qk_eps,
+                    qk_scale, norm_eps, *, in_place: bool):
+    """The mixer step kernel's launch (`mixer_step.forward`) on the custom ops' arguments; S and last_k contiguous."""
+    from hybridlm.ops.fast_weight.triton import mixer_step
+
+    conv_weight, conv_bias, beta_bias, lam_bias, norm_weight = (
+        None if t is None else t.contiguous() for t in (conv_weight, conv_bias, beta_bias, lam_bias, norm_weight))
+    with on_tensor_device(p):
+        return mixer_step.forward(unit_last_stride(p), conv_weight, conv_bias, unit_last_stride(conv_state), S, last_k,
+                                  beta_bias, lam_bias, norm_weight, heads=heads, rule=rule, shifted=shifted,
+                                  read_after=read_after, nlms=nlms, ridge_scaling=ridge_scaling, eps=eps,
+                                  eps_gamma=eps_gamma, beta_scale=beta_scale, lam_scale=lam_scale, qk_norm=qk_norm,
+                                  qk_eps=qk_eps, qk_scale=qk_scale, norm_eps=norm_eps, in_place=in_place)
+
+
 _register_prepare()
 _register_step()
+_register_mixer_step()
 _register_band()
 _register("1A", "1a")
 _register("1", "1")

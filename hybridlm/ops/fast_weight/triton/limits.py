@@ -17,6 +17,10 @@ AUTO_RULES = ("1A", "3A", "1")
 MAX_HEAD_DIM = FAST_WEIGHT_MAX_HEAD_DIM  # K and V
 # The rules whose single decoding steps (T = 1, window 1, no gradient) run as one kernel (`step.py`).
 STEP_RULES = ("1A", "1", "2A", "2")
+# The fast-weight mixer's whole decoding step (`mixer_step.py`) walks a head's [K, V] state in one program, so it
+# takes heads of at most this many state elements (K = V = 128); larger ones run conv, step and norm apart, with
+# more programs per head.
+MAX_MIXER_STATE = 16384
 # Rules 1 and 3 take chunks of at most 64: at 128 rule 1's gradient kernels ask for more shared memory than an H200
 # block has (227 KiB), while chunks of 64 fit (tests/ops/test_triton_sm90.py builds them).
 MAX_DELTA_CHUNK = 64

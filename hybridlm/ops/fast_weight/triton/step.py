@@ -46,7 +46,7 @@ STATE_BLOCK = 4096  # float32 elements of S per program: BK x BV, 32 per thread 
 
 
 @triton.jit
-def _qk_normalize(u, K: tl.constexpr, eps, scale, L2: tl.constexpr, dtype: tl.constexpr):
+def qk_normalize(u, K: tl.constexpr, eps, scale, L2: tl.constexpr, dtype: tl.constexpr):
     """u [BK] float32 (zeros past K) -> u / sqrt(mean u^2 + eps) rounded to `dtype` (`rms_normalize`'s arithmetic),
     then for L2 times `scale`, rounded again; back in float32."""
     rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(u * u, axis=0), K * 1.0) + eps))
@@ -57,9 +57,42 @@ def _qk_normalize(u, K: tl.constexpr, eps, scale, L2: tl.constexpr, dtype: tl.co
 
 
 @triton.jit
-def _gain(logit, bias, scale):
+def gain_from_logit(logit, bias, scale):
     """scale sigmoid(logit + bias) in float32 (the bias as loaded, in the parameters' dtype)."""
     return scale * tl.sigmoid(logit.to(tl.float32) + bias.to(tl.float32))
+
+
+@triton.jit
+def rule_step(S, q, x, y, beta, lam, eps, one_minus_eps_gamma, WRITES: tl.constexpr, REGRESSION: tl.constexpr,
+              PER_COLUMN: tl.constexpr, NLMS: tl.constexpr, SCALED: tl.constexpr, READ_AFTER: tl.constexpr):
+    """The step of the module docstring on one [BK, BV] block: S float32, q and the written key x [BK], the value y
+    [BV], beta (a scalar, or [BV] PER_COLUMN) and lam (gains taken) -> (S', o [BV]). Also the fast-weight mixer's whole
+    step's (`mixer_step.py`)."""
+    S_new = S
+    if WRITES:
+        E = tl.sum(x * x, axis=0)
+        if SCALED:
+            ridge = lam * E
+        else:
+            ridge = lam
+        if NLMS:
+            eta = tl.math.div_rn(beta, E + ridge + eps)
+        else:
+            eta = beta
+        gamma = 1.0 - tl.minimum(eta * ridge, one_minus_eps_gamma, propagate_nan=tl.PropagateNan.ALL)  # NaN stays
+        if REGRESSION:
+            r = y - tl.sum(S * x[:, None], axis=0)                                          # y - S^T x  [BV]
+        else:
+            r = y
+        if PER_COLUMN:
+            S_new = S * gamma[None, :] + x[:, None] * (eta * r)[None, :]
+        else:
+            S_new = gamma * S + eta * (x[:, None] * r[None, :])
+    if READ_AFTER:
+        o = tl.sum(S_new * q[:, None], axis=0)
+    else:
+        o = tl.sum(S * q[:, None], axis=0)
+    return S_new, o
 
 
 @triton.jit
@@ -81,51 +114,29 @@ def step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, lam_ptr, S_ptr, last_ptr, o_ptr, 
     q = tl.load(q_ptr + i_n * sq_n + i_h * sq_h + rk, mask=mk, other=0.0).to(tl.float32)   # [BK]
     k = tl.load(k_ptr + i_n * sk_n + i_h * sk_h + rk, mask=mk, other=0.0).to(tl.float32)   # [BK]
     if QK_NORM != 0:
-        q = _qk_normalize(q, K, qk_eps, qk_scale, QK_NORM == 2, q_ptr.dtype.element_ty)
-        k = _qk_normalize(k, K, qk_eps, qk_scale, QK_NORM == 2, q_ptr.dtype.element_ty)
+        q = qk_normalize(q, K, qk_eps, qk_scale, QK_NORM == 2, q_ptr.dtype.element_ty)
+        k = qk_normalize(k, K, qk_eps, qk_scale, QK_NORM == 2, q_ptr.dtype.element_ty)
     s_offs = (nh * K + rk[:, None]) * V + rv[None, :]
     s_mask = mk[:, None] & mv[None, :]
     S = tl.load(S_ptr + s_offs, mask=s_mask, other=0.0)                                    # [BK, BV] S_{t-1}
-    S_new = S
+    x, y, beta, lam = k, tl.zeros([BV], dtype=tl.float32), 0.0, 0.0  # read only where the step writes
     if WRITES:
         if SHIFTED:
             x = tl.load(last_ptr + nh * K + rk, mask=mk, other=0.0).to(tl.float32)         # k_{t-1}
-        else:
-            x = k
         y = tl.load(v_ptr + i_n * sv_n + i_h * sv_h + rv, mask=mv, other=0.0).to(tl.float32)   # [BV]
-        E = tl.sum(x * x, axis=0)
         lam = tl.load(lam_ptr + i_n * sl_n + i_h)
         if GATES:
-            lam = _gain(lam, tl.load(lam_bias_ptr + i_h), lam_scale)
-        if SCALED:
-            ridge = lam * E
-        else:
-            ridge = lam
+            lam = gain_from_logit(lam, tl.load(lam_bias_ptr + i_h), lam_scale)
         if PER_COLUMN:
             beta = tl.load(beta_ptr + i_n * sb_n + i_h * V + rv, mask=mv, other=0.0)        # [BV]
             if GATES:
-                beta = _gain(beta, tl.load(beta_bias_ptr + i_h * V + rv, mask=mv, other=0.0), beta_scale)
+                beta = gain_from_logit(beta, tl.load(beta_bias_ptr + i_h * V + rv, mask=mv, other=0.0), beta_scale)
         else:
             beta = tl.load(beta_ptr + i_n * sb_n + i_h)
             if GATES:
-                beta = _gain(beta, tl.load(beta_bias_ptr + i_h), beta_scale)
-        if NLMS:
-            eta = tl.math.div_rn(beta, E + ridge + eps)
-        else:
-            eta = beta
-        gamma = 1.0 - tl.minimum(eta * ridge, one_minus_eps_gamma, propagate_nan=tl.PropagateNan.ALL)  # NaN stays
-        if REGRESSION:
-            r = y - tl.sum(S * x[:, None], axis=0)                                          # y - S^T x  [BV]
-        else:
-            r = y
-        if PER_COLUMN:
-            S_new = S * gamma[None, :] + x[:, None] * (eta * r)[None, :]
-        else:
-            S_new = gamma * S + eta * (x[:, None] * r[None, :])
-    if READ_AFTER:
-        o = tl.sum(S_new * q[:, None], axis=0)
-    else:
-        o = tl.sum(S * q[:, None], axis=0)
+                beta = gain_from_logit(beta, tl.load(beta_bias_ptr + i_h), beta_scale)
+    S_new, o = rule_step(S, q, x, y, beta, lam, eps, one_minus_eps_gamma, WRITES, REGRESSION, PER_COLUMN, NLMS,
+                         SCALED, READ_AFTER)
     tl.store(o_ptr + nh * V + rv, o.to(o_ptr.dtype.element_ty), mask=mv)                  # o, S', k: contiguous
     if IN_PLACE:
         tl.debug_barrier()  # every thread's reads of S and the carried key done before they are overwritten
