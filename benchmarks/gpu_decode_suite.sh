@@ -1,25 +1,44 @@
 #!/usr/bin/env bash
-# The decoding measurements of RESULTS.md's "Decoding on an H100" in one go, on one quiet GPU (~6 minutes):
+# The decoding checks and measurements of RESULTS.md's "Decoding on an H100", on one quiet GPU, in two parts that each
+# fit one device call: `tests` (~4 minutes: the step kernels, the fast-weight mixer's one-kernel step, the states
+# written in place under CUDA graphs, eager and compiled, and the serving engine's graphs) and `timings` (~6 minutes:
 # the row kernels at decoding sizes, the graphed step under bf16 autocast beside the SSM mixers' torch loops, the
-# graphed step of a bf16 copy of each model, both compiled by inductor, and the eager step's kernel profile.
+# graphed step of a bf16 copy of each model, both compiled by inductor, and the eager step's kernel profile).
 #
-#   bash benchmarks/gpu_decode_suite.sh OUT_DIR        # one log per measurement in OUT_DIR, the tables printed
+#   bash benchmarks/gpu_decode_suite.sh OUT_DIR tests      # one log per step in OUT_DIR, the summaries printed
+#   bash benchmarks/gpu_decode_suite.sh OUT_DIR timings
 set -u
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_decode_suite.sh OUT_DIR}
+out=${1:?usage: gpu_decode_suite.sh OUT_DIR tests|timings}
+part=${2:?usage: gpu_decode_suite.sh OUT_DIR tests|timings}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 variants=("transformer matched" "h1 fw-1A" "h1 mamba2")
 decode=(python benchmarks/gpu_model.py --lengths --contexts 4096 --decode-steps 32 --variants "${variants[@]}")
 
-python benchmarks/gpu_row_norms.py --rows 1 16 64 256 4096 > "$out/row_kernels.log" 2>&1
-"${decode[@]}" --decode-batches 1 64 --graph --torch-steps > "$out/graphed.log" 2>&1
-"${decode[@]}" --decode-batches 1 64 --graph --decode-dtype bfloat16 > "$out/graphed_bf16.log" 2>&1
-"${decode[@]}" --decode-batches 1 --graph --compile-decode > "$out/compiled.log" 2>&1
-"${decode[@]}" --decode-batches 1 --graph --compile-decode --decode-dtype bfloat16 > "$out/compiled_bf16.log" 2>&1
-"${decode[@]}" --decode-batches 1 --decode-steps 4 --profile-decode --decode-dtype bfloat16 > "$out/profile_bf16.log" 2>&1
-for log in row_kernels graphed graphed_bf16 compiled compiled_bf16; do
-    echo "## $log"
-    grep "^|" "$out/$log.log" | grep -v "rows x T"
-done
-grep -h "kernel launches per call" "$out/profile_bf16.log"
+case $part in
+tests)
+    timeout 300 python -m pytest -q -p no:cacheprovider -rf --tb=short tests/ops/test_decoding_steps.py \
+        tests/ops/test_short_conv_triton.py tests/inference/test_generate.py tests/serving/test_graphed_cuda.py \
+        tests/layers/test_fast_weight_mixer.py tests/layers/test_mamba2.py > "$out/tests.log" 2>&1
+    tail -n 25 "$out/tests.log"
+    ;;
+timings)
+    python benchmarks/gpu_row_norms.py --rows 1 16 64 256 4096 > "$out/row_kernels.log" 2>&1
+    "${decode[@]}" --decode-batches 1 64 --graph --torch-steps > "$out/graphed.log" 2>&1
+    "${decode[@]}" --decode-batches 1 64 --graph --decode-dtype bfloat16 > "$out/graphed_bf16.log" 2>&1
+    "${decode[@]}" --decode-batches 1 --graph --compile-decode > "$out/compiled.log" 2>&1
+    "${decode[@]}" --decode-batches 1 --graph --compile-decode --decode-dtype bfloat16 > "$out/compiled_bf16.log" 2>&1
+    "${decode[@]}" --decode-batches 1 --decode-steps 4 --profile-decode --decode-dtype bfloat16 \
+        > "$out/profile_bf16.log" 2>&1
+    for log in row_kernels graphed graphed_bf16 compiled compiled_bf16; do
+        echo "## $log"
+        grep "^|" "$out/$log.log" | grep -v "rows x T"
+    done
+    grep -h "kernel launches per call" "$out/profile_bf16.log"
+    ;;
+*)
+    echo "gpu_decode_suite.sh: the part is 'tests' or 'timings', not '$part'" >&2
+    exit 2
+    ;;
+esac
