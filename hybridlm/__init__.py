@@ -16,6 +16,7 @@ _EXPORTS = {
     "HybridForCausalLM": "hybridlm.models.model",
     "HybridCache": "hybridlm.layers.cache",
     "load_model": "hybridlm.models.hf",
+    "fold_multipliers": "hybridlm.models.fold",
 }
 
 __all__ = ["__version__", *_EXPORTS]

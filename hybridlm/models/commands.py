@@ -16,6 +16,14 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_models)
 
 
+def add_fold_multipliers_flag(parser: argparse.ArgumentParser) -> None:
+    """`--no-fold-multipliers` for the commands that load a model for inference (generate, chat, serve), which fold
+    its muP multipliers into its weights by default (`hybridlm.models.fold`)."""
+    parser.add_argument("--no-fold-multipliers", action="store_true",
+                        help="keep the muP multipliers as separate scalings (default: folded into the weights at load, "
+                             "hybridlm/models/fold.py: the same function with fewer kernels per decoding step)")
+
+
 def count_parameters(config) -> int:
     """Parameters of a HybridForCausalLM built from `config` (a HybridConfig) on the meta device."""
     import torch

@@ -285,11 +285,12 @@ class ShardRows(ParallelStyle):
 class _LocalShortConvolution(ShortConvolution):
     """A ShortConvolution whose channel-sharded DTensor parameters are used through their local shards."""
 
-    def forward(self, x, *, initial_state=None, output_final_state=False, cu_seqlens=None, seq_idx=None):
+    def forward(self, x, *, initial_state=None, output_final_state=False, cu_seqlens=None, seq_idx=None,
+                state_in_place=False):
         return causal_conv1d(
             x, local_tensor(self.weight), local_tensor(self.bias), activation=self.activation,
             initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-            seq_idx=seq_idx, backend=self.backend,
+            seq_idx=seq_idx, backend=self.backend, state_in_place=state_in_place,
         )
 
 

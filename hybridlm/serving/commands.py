@@ -9,13 +9,17 @@ completion tokens, cached prompt tokens, time to first token, total time). The t
 from the model directory (or --tokenizer). On a CUDA device the decoding step replays CUDA graphs, captured at
 start-up for every batch and key-span bucket (`hybridlm.serving.graphed`); --compile compiles that step with
 torch.compile (inductor) before the capture, so each graph replays fused kernels; --enforce-eager runs the step op by
-op. The engine runs in a process of its own (`hybridlm.serving.process`; --engine-thread: on a thread of the server's).
+op. The muP multipliers are folded into the loaded weights (`hybridlm.models.fold`; --no-fold-multipliers keeps
+them). The engine runs in a process of its own (`hybridlm.serving.process`; --engine-thread: on a thread of the
+server's).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from hybridlm.models.commands import add_fold_multipliers_flag
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -51,6 +55,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile the decoding step with torch.compile (inductor) before capturing its graphs: fewer, "
                         "fused kernels per step, for a longer start-up (one or two compilations)")
+    add_fold_multipliers_flag(p)
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process (default: a process of its own, so "
                         "the engine's Python work and the server's do not take turns on one interpreter)")
@@ -90,7 +95,8 @@ def run_serve(args: argparse.Namespace) -> int:
                     max_prefill_tokens=args.max_prefill_tokens, prefix_cache_bytes=int(args.prefix_cache_gb * 2**30),
                     dtype=getattr(torch, args.dtype),
                     device=None if args.device == "auto" else args.device,
-                    decode_step="eager" if args.enforce_eager else "auto")
+                    decode_step="eager" if args.enforce_eager else "auto",
+                    fold_multipliers=not args.no_fold_multipliers)
     if args.compile:
         settings["compile_step"] = "inductor"
     try:

@@ -135,6 +135,10 @@ class Engine:
             grows with its tokens, and running streams wait for it).
         prefix_cache_bytes: memory of the prefix cache's snapshots (0: no prefix caching).
         dtype, device: where a model loaded from a directory goes (default float32; cuda when available).
+        fold_multipliers: a model loaded from a directory has its muP multipliers folded into its weights
+            (`hybridlm.models.fold`: the same function, an elementwise kernel fewer per multiplier and call; an
+            official Falcon-H1 checkpoint's decoding step loses some thirteen per layer). A model given as an object
+            is used as it is.
         decode_step: "auto" (CUDA graphs on a CUDA device, else "eager"), "graph" (each step at a fixed shape replayed
             as a CUDA graph: `hybridlm.serving.graphed`), "fixed" (the same fixed-shape step run eagerly) or "eager"
             (the running rows and the longest row's keys exactly, one kernel launch per operator).
@@ -146,9 +150,16 @@ class Engine:
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 8, max_model_len: int | None = None,
                  block_size: int = 256, max_prefill_tokens: int | None = None, prefix_cache_bytes: int = 1 << 30,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
-                 decode_step: str = "auto", compile_step: str | Callable | None = None) -> None:
+                 decode_step: str = "auto", compile_step: str | Callable | None = None,
+                 fold_multipliers: bool = True) -> None:
         if isinstance(model, (str, Path)):
             model, tokenizer = _load(Path(model), tokenizer, dtype=dtype, device=device)
+            if fold_multipliers:
+                from hybridlm.models.fold import fold_multipliers as fold
+
+                folded = fold(model)
+                if folded:
+                    log.info("folded %d muP multipliers into the weights (%s)", len(folded), ", ".join(folded))
         self.device = next(model.parameters()).device
         if max_prefill_tokens is None:
             max_prefill_tokens = 8192 if self.device.type == "cuda" else 2048
