@@ -43,6 +43,7 @@ from hybridlm.layers import fast_weight as fast_weight_layer  # noqa: E402
 from hybridlm.layers import mamba2 as mamba2_layer  # noqa: E402
 from hybridlm.layers.fast_weight import FastWeightMixer  # noqa: E402
 from hybridlm.layers.mamba2 import Mamba2Mixer  # noqa: E402
+from hybridlm.models.fold import fold_multipliers  # noqa: E402
 from hybridlm.modules import ShortConvolution, short_conv  # noqa: E402
 from hybridlm.ops.rotary import rotary_qk_triton  # noqa: E402
 
@@ -175,6 +176,9 @@ def main() -> None:
     parser.add_argument("--torch-rotary", action="store_true",
                         help="rotate queries and keys on the torch form (the CPU's and a recorded gradient's) instead "
                              "of the Triton kernel that CUDA's inference runs")
+    parser.add_argument("--fold", action="store_true",
+                        help="fold each model's muP multipliers into its weights first (`hybridlm.models.fold`, what "
+                             "serve, generate and chat do at load); a preset like falcon-h1-0.5b has them")
     parser.add_argument("--static", action="store_true",
                         help="count the step a CUDA graph captures (`GraphedDecoder` on a `StaticCache`: the static "
                              "attention and the copies of new SSM states into the buffers the step reads)")
@@ -183,6 +187,8 @@ def main() -> None:
     rows = []
     for variant in args.variants:
         model = build(args.preset, variant, torch.device("cpu")).eval()
+        if args.fold:
+            fold_multipliers(model)
         layers = len(model.model.layers)
         has_mixers = any(isinstance(m, (FastWeightMixer, Mamba2Mixer)) for m in model.modules())
         for kernels in ([False, True] if has_mixers else [False]):
@@ -197,7 +203,8 @@ def main() -> None:
                              baseline=BASELINE.get(variant, "transformer")))
     totals = {r["variant"]: r["total"] for r in rows if r["steps"] in ("-",)}
     step = "the static step a CUDA graph captures" if args.static else "decoding step"
-    print(f"operators per {step}, batch {args.batch} (CPU; views and allocations not counted; queries and keys "
+    print(f"operators per {step}, {args.preset}{', multipliers folded' if args.fold else ''}, batch {args.batch} "
+          f"(CPU; views and allocations not counted; queries and keys "
           f"rotated on the {'torch form' if args.torch_rotary else 'Triton kernel'})\n")
     print("| model | SSM steps | per step | of them Triton launches | / baseline | per layer: SSM op | SSM conv | "
           "rest of the SSM mixer | attention | rest of the block | embedding, final norm, head | state copies |\n"
