@@ -14,8 +14,9 @@ expand * d, the output norm is optional, and the five multipliers above. The blo
 `LayerCache` carries the conv tail ("conv", [B, K-1, C]) and the SSM state ("ssm", [B, H, P, N], fp32):
 a prefill runs the chunked SSD, a single token the recurrence step (the naive step; on CUDA with the backend
 "auto" or "triton" its one-kernel form, `hybridlm/ops/ssd/triton/step.py`, which without a gradient to record also
-takes the discretization of step 3: `ssd_decoding_step`). In a cache of fixed addresses (`cache.states_in_place`,
-what a replayed CUDA graph reads) those step kernels, the conv's and the SSD's, write the new states over the old.
+takes the discretization of step 3 and, without the output norm, step 5's gate: `ssd_decoding_step`). In a cache of
+fixed addresses (`cache.states_in_place`, what a replayed CUDA graph reads) those step kernels, the conv's and the
+SSD's, write the new states over the old.
 With `cu_seqlens` and a cache (a packed prefill) the states have one row per packed sequence. `seq_idx` (a
 document index per token, training only) marks packed documents without changing any shape: the conv's taps and
 the SSD's state restart at each document (the SSD's torch chunk path); the hybrid block uses it when compiled.
@@ -39,7 +40,7 @@ from torch import nn
 from hybridlm.layers.cache import LayerCache
 from hybridlm.modules.boundaries import has_restarts, pack_rows
 from hybridlm.modules.gated_norm import GatedRMSNorm, gated_output_projection
-from hybridlm.modules.linear import AlignedLinear
+from hybridlm.modules.linear import AlignedLinear, linear_input
 from hybridlm.modules.multiplier import scaled
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.recompute import recompute_except_kernels
@@ -116,23 +117,28 @@ class Mamba2Mixer(nn.Module):
                 raise ValueError("Mamba2Mixer: a decoding cache cannot be combined with packed documents (restarts)")
             packed, cu_seqlens, _ = pack_rows(hidden, position_ids)  # documents packed inside rows
             return self(packed, cu_seqlens=cu_seqlens).reshape(hidden.shape[0], hidden.shape[1], -1)
-        # 1. Fused input projection, split, muP multiplier of the gate (those of x, B, C, dt in `_mix`).
+        # 1. Fused input projection, split (the muP multipliers of x, B, C, dt in `_mix`, the gate's below).
         zxbcdt = self.in_proj(hidden)  # [B, T, 2 d_ssm + 2 G N + H]
         z, xbc, dt = zxbcdt.split([self.d_ssm, self.conv_channels, self.num_heads], dim=-1)
-        z = scaled(z, self.multipliers["z"])
         documents = dict(cu_seqlens=cu_seqlens, seq_idx=seq_idx)
         if self._recomputes(xbc, cache, seq_idx):  # training on the Triton kernels: keep the projection only
-            y = recompute_except_kernels(lambda *inputs: self._mix(*inputs, **documents, cache=None), xbc, dt)
+            y = recompute_except_kernels(lambda *inputs: self._mix(*inputs, **documents, cache=None)[0], xbc, dt)
         else:
-            y = self._mix(xbc, dt, **documents, cache=cache)
+            # a plain gate rides on a decoding step's kernel (`ssd_decoding_step`), which then returns y gated
+            gate = (z, self.multipliers["z"]) if self.norm is None and cache is not None else None
+            y, gated = self._mix(xbc, dt, **documents, cache=cache, gate=gate)
+            if gated:
+                return self.out_proj(linear_input(y, hidden.dtype))
 
         # 5. Gate (through the grouped norm, or a plain SiLU gate: float32 math, the 16-bit y and z kept for the
         # backward), output projection (the gated output recomputed in the backward).
+        z = scaled(z, self.multipliers["z"])
         return gated_output_projection(y, z, self.out_proj, self.norm, hidden.dtype)
 
-    def _mix(self, xbc, dt, *, cu_seqlens, seq_idx, cache) -> torch.Tensor:
+    def _mix(self, xbc, dt, *, cu_seqlens, seq_idx, cache, gate=None) -> tuple[torch.Tensor, bool]:
         """The rest of step 1 and steps 2-4: the multipliers of x, B, C and dt, the conv, the discretization and the
-        SSD scan on the projection's pieces -> y [B, T, d_ssm]; the conv tail and the scan's state go into `cache`."""
+        SSD scan on the projection's pieces -> (y [B, T, d_ssm], whether y is gated); the conv tail and the scan's
+        state go into `cache`. `gate` (z, m_z): a decoding step on its one kernel also takes step 5's plain gate."""
         batch, length, _ = xbc.shape
         bc_width = self.groups * self.d_state
         m = self.multipliers
@@ -153,12 +159,13 @@ class Mamba2Mixer(nn.Module):
         b, c = (t.reshape(batch, length, self.groups, self.d_state) for t in (b, c))  # [B, T, G, N]
         if cache is not None and self._steps_in_one_kernel(x, b, dt, cache, cu_seqlens, seq_idx):
             # A decoding step's discretization (3.) and recurrence (4.) as one kernel (`ssd_decoding_step`)
+            gated = gate is not None and gate[0].dtype == x.dtype
             y, cache.ssm["ssm"] = ssd_decoding_step(
                 x, dt, local_tensor(self.A_log), b, c, dt_bias=local_tensor(self.dt_bias),
                 dt_limit=self.time_step_limit, D=local_tensor(self.D), initial_state=cache.ssm.get("ssm"),
-                state_in_place=in_place)
+                gate=gate if gated else None, state_in_place=in_place)
             cache.ssm["conv"] = conv_state
-            return y.reshape(batch, length, self.d_ssm)
+            return y.reshape(batch, length, self.d_ssm), gated
 
         # 3. Discretization inputs in float32 (float64 stays float64).
         dtype = compute_dtype(dt.dtype)
@@ -185,7 +192,7 @@ class Mamba2Mixer(nn.Module):
         )
         if cache is not None:
             cache.ssm["conv"], cache.ssm["ssm"] = conv_state, ssm_state
-        return y.reshape(batch, length, self.d_ssm)  # [B, T, d_ssm]
+        return y.reshape(batch, length, self.d_ssm), False  # [B, T, d_ssm]
 
     def _steps_in_one_kernel(self, x, b, dt, cache, cu_seqlens, seq_idx) -> bool:
         """Whether a cached step runs its discretization and recurrence as one kernel: one token per row, no packed

@@ -480,11 +480,14 @@ def test_step_ops_pass_opcheck():
                           test_utils=tests)
     x, Bm = torch.randn(2, 4, 8, device=DEVICE), torch.randn(2, 2, 16, device=DEVICE)
     h = torch.randn(2, 4, 8, 16, device=DEVICE)
-    for D, dt_bias in ((torch.randn(4, device=DEVICE), None), (None, None), (None, torch.randn(4, device=DEVICE))):
+    z = torch.randn(2, 32, device=DEVICE)
+    for D, dt_bias, gate in ((torch.randn(4, device=DEVICE), None, (None, 1.0)), (None, None, (z, 0.5)),
+                             (None, torch.randn(4, device=DEVICE), (None, 1.0))):
         torch.library.opcheck(torch.ops.hybridlm.ssd_step, (x, torch.rand(2, 4, device=DEVICE), -torch.rand(4,
-                              device=DEVICE), Bm, Bm.clone(), D, h, dt_bias, 0.0, float("inf")), test_utils=tests)
+                              device=DEVICE), Bm, Bm.clone(), D, h, dt_bias, 0.0, float("inf"), *gate),
+                              test_utils=tests)
         torch.library.opcheck(torch.ops.hybridlm.ssd_step_, (x, torch.rand(2, 4, device=DEVICE), -torch.rand(4,
-                              device=DEVICE), Bm, Bm.clone(), D, h.clone(), dt_bias, 0.0, float("inf")),
+                              device=DEVICE), Bm, Bm.clone(), D, h.clone(), dt_bias, 0.0, float("inf"), *gate),
                               test_utils=tests)
 
 
@@ -611,6 +614,35 @@ def test_ssd_decoding_step_discretizes(monkeypatch, groups, dt_limit):
     assert rel_err(y.double().cpu(), want_y) < TOL[torch.float32]
     assert rel_err(h.double().cpu(), want_h) < TOL[torch.float32]
     assert len(calls) == 1
+
+
+@interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("m_z", [1.0, 0.35])
+def test_ssd_decoding_step_takes_the_plain_gate(dtype, m_z):
+    """`ssd_decoding_step(gate=(z, m_z))`: y gated in the kernel as the mixer's plain gate gives it, `silu_gate(y,
+    m_z z)` on the step's y (z a row slice of a wider projection, read in place); the state unchanged by the gate."""
+    from hybridlm.modules.gate import silu_gate
+    from hybridlm.ops.ssd import ssd_decoding_step
+
+    b, H, P, G, N = 3, 4, 16, 2, 16
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(b, 1, H, P, generator=g).to(DEVICE, dtype)
+    Bm, Cm = (torch.randn(b, 1, G, N, generator=g).to(DEVICE, dtype) for _ in range(2))
+    dt = torch.randn(b, 1, H, generator=g).to(DEVICE, dtype)
+    A_log, D, dt_bias = (torch.randn(H, generator=g).to(DEVICE) for _ in range(3))
+    h = torch.randn(b, H, P, N, generator=g).to(DEVICE)
+    row = torch.randn(b, 1, H * P + 7, generator=g).to(DEVICE, dtype)
+    z = row[..., 3:3 + H * P]  # [b, 1, H P], rows H P + 7 apart
+    step = dict(dt_bias=dt_bias, dt_limit=(1e-3, 2.0), D=D, initial_state=h)
+    y, state = ssd_decoding_step(x, dt, A_log, Bm, Cm, **step)
+    gated, gated_state = ssd_decoding_step(x, dt, A_log, Bm, Cm, **step, gate=(z, m_z))
+    want = silu_gate(y.reshape(b, 1, H * P), z * m_z if m_z != 1.0 else z)
+    assert gated.dtype == dtype and torch.equal(gated_state, state)
+    assert rel_err(gated.reshape(b, 1, H * P).double().cpu(), want.double().cpu()) < (1e-6 if dtype == torch.float32
+                                                                                      else 1e-3)
+    with pytest.raises(ValueError, match="the gate z must be"):
+        ssd_decoding_step(x, dt, A_log, Bm, Cm, **step, gate=(z[..., 1:], m_z))
 
 
 @interpret
@@ -756,6 +788,8 @@ MIXER_OPTIONS = {
     "fast_weight 1A options": dict(fw_rule="1A", fw_read="before", fw_step_size="direct", fw_lam_scale=2.0),
     "mamba2": dict(),
     "mamba2 limits": dict(time_step_limit=(0.2, 0.6), mamba_n_groups=2),
+    "mamba2 multipliers": dict(ssm_multiplier_z=0.5, ssm_multiplier_x=0.7, ssm_multiplier_dt=0.6),
+    "mamba2 norm": dict(mamba_rms_norm=True, mamba_n_groups=2),
 }
 
 
@@ -855,6 +889,30 @@ def test_mixer_steps_write_a_fixed_address_cache_in_place(mixer):
             assert fixed.ssm.keys() == tensors.keys()
             for name, state in fixed.ssm.items():
                 assert state is tensors[name] and torch.equal(state, dynamic.ssm[name]), name
+
+
+@interpret
+@pytest.mark.parametrize("mixer", ["mamba2 multipliers", "mamba2 norm"])
+def test_mamba2_step_gates_in_its_kernel_without_a_norm(monkeypatch, mixer):
+    """A Mamba-2 decoding step on its kernel takes the plain output gate along (no gate call of its own after it);
+    with the grouped norm the gate stays with the norm."""
+    from hybridlm.layers import mamba2 as mamba2_layer
+    from hybridlm.layers.cache import LayerCache
+    from tests.ops.test_mixer_recompute import D, mamba2_mixer
+
+    calls = []
+    gate = mamba2_layer.gated_output_projection
+    monkeypatch.setattr(mamba2_layer, "gated_output_projection", lambda *a, **k: calls.append(1) or gate(*a, **k))
+    module = mamba2_mixer(**MIXER_OPTIONS[mixer])
+    x = torch.randn(2, 6, D, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    with torch.no_grad():
+        cache = LayerCache()
+        module.conv.backend = "torch"
+        module(x[:, :5], cache=cache)
+        calls.clear()
+        module.conv.backend = "triton"
+        module(x[:, 5:], cache=cache)
+    assert len(calls) == (0 if module.norm is None else 1)
 
 
 @interpret

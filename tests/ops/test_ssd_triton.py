@@ -315,14 +315,14 @@ _SM90_STEP = """
 from hybridlm.ops.ssd.triton import step as k
 
 # The decoding step as step.forward blocks it: a model's sizes in bf16, the largest state, odd float32 sizes; with
-# the mixer's discretization (RAW: the raw dt in bf16) and without.
+# the mixer's discretization (RAW: the raw dt in bf16), its gate and in place, and without.
 for io, P, N in (("*bf16", 64, 128), ("*bf16", 128, 256), ("*fp32", 20, 12)):
     BN = max(16, triton.next_power_of_2(N))
     BP = min(max(16, triton.next_power_of_2(P)), max(16, k.STATE_BLOCK // BN))
     for has_d, raw in ((True, False), (False, False), (True, True)):  # the mixer's form in place (a graphed decoder's)
-        build(k.step_kernel, dict(P=P, N=N, BP=BP, BN=BN, HAS_D=has_d, RAW=raw, IN_PLACE=raw), io=io,
-              io_names=("x_ptr", "B_ptr", "C_ptr", "y_ptr") + (("dt_ptr",) if raw else ()),
-              types={"dt_min": "fp32", "dt_max": "fp32"}, warps=k.NUM_WARPS)
+        build(k.step_kernel, dict(P=P, N=N, BP=BP, BN=BN, HAS_D=has_d, RAW=raw, GATE=raw, IN_PLACE=raw), io=io,
+              io_names=("x_ptr", "B_ptr", "C_ptr", "y_ptr", "z_ptr") + (("dt_ptr",) if raw else ()),
+              types={"dt_min": "fp32", "dt_max": "fp32", "z_scale": "fp32"}, warps=k.NUM_WARPS)
 """
 
 

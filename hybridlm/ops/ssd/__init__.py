@@ -160,6 +160,7 @@ def ssd_decoding_step(
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     D: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
+    gate: tuple[torch.Tensor, float] | None = None,
     state_in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoding step of the Mamba-2 mixer from its raw discretization inputs, in one kernel (where
@@ -169,12 +170,15 @@ def ssd_decoding_step(
     Args:
         x: `[b, 1, H, P]`, B, C: `[b, 1, G, N]` (one dtype; row slices are read in place). dt: `[b, 1, H]` the raw
             step sizes (any float dtype). A_log, dt_bias, D: `[H]`. initial_state: `[b, H, P, N]` (None: zeros).
+        gate: None, or `(z [b, 1, d_ssm], m_z)`: y comes out as the mixer's output gate without a norm gives it,
+            `silu_gate(y, m_z z)` (y and m_z z rounded to their dtype first); z in x's dtype (row slices read in
+            place).
         state_in_place: write the state after the step over `initial_state` and return it (a fixed-address cache
             that a replayed CUDA graph reads, `hybridlm.layers.cache.LayerCache.states_in_place`); only where it is
             float32 and contiguous, else the state comes back in a new tensor.
 
     Returns:
-        `(y [b, 1, H, P] in x's dtype, the state after the step [b, H, P, N] float32)`.
+        `(y [b, 1, H, P] in x's dtype (gated, with `gate`), the state after the step [b, H, P, N] float32)`.
     """
     from hybridlm.ops.ssd.triton import ssd_step_triton
 
@@ -186,7 +190,8 @@ def ssd_decoding_step(
     in_place = state_in_place and h0 is initial_state and h0.is_contiguous()
     with torch.autocast(x.device.type, enabled=False):
         y, final = ssd_step_triton(x[:, 0], dt[:, 0], A_log, B[:, 0], C[:, 0], D, h0,
-                                   discretize=(dt_bias, dt_limit), in_place=in_place)
+                                   discretize=(dt_bias, dt_limit),
+                                   gate=None if gate is None else (gate[0][:, 0], gate[1]), in_place=in_place)
     return y[:, None], final
 
 

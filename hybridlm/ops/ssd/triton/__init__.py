@@ -38,11 +38,11 @@ def ssd_chunk_triton(x, dt, A, B, C, D, h0, *, chunk_size: int = 64):
     return run(x, dt, A, B, C, D, h0, chunk_size=chunk_size)
 
 
-def ssd_step_triton(x, dt, A, B, C, D, h, *, discretize=None, in_place=False):
+def ssd_step_triton(x, dt, A, B, C, D, h, *, discretize=None, gate=None, in_place=False):
     """One decoding step; see `custom_ops.ssd_step_triton`."""
     from hybridlm.ops.ssd.triton.custom_ops import ssd_step_triton as run
 
-    return run(x, dt, A, B, C, D, h, discretize=discretize, in_place=in_place)
+    return run(x, dt, A, B, C, D, h, discretize=discretize, gate=gate, in_place=in_place)
 
 
 def ssd_triton(x, dt, A, B, C, **options):

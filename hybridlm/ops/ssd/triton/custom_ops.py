@@ -3,10 +3,11 @@ implementations give the output shapes; autograd is registered on the forward op
 
     hybridlm::ssd_fwd(x, dt, A, B, C, D?, h0?, chunk_size) -> (y, h_final)
     hybridlm::ssd_bwd(dy, dh_final?, x, dt, A, B, C, D?, h0?, chunk_size) -> (dx, ddt, dA, dB, dC, dD, dh0)
-    hybridlm::ssd_step(x, dt, A, B, C, D?, h, dt_bias?, dt_min, dt_max) -> (y, h_t): one decoding step (`step.py`),
-        inference only; with dt_bias, dt is the raw value and A is A_log (the mixer's discretization in the kernel).
-    hybridlm::ssd_step_(x, dt, A, B, C, D?, h!, dt_bias?, dt_min, dt_max) -> y: the same step writing h_t over h (a
-        fixed-address cache that a replayed CUDA graph reads).
+    hybridlm::ssd_step(x, dt, A, B, C, D?, h, dt_bias?, dt_min, dt_max, z?, z_scale) -> (y, h_t): one decoding step
+        (`step.py`), inference only; with dt_bias, dt is the raw value and A is A_log (the mixer's discretization in
+        the kernel); with z, y is gated, y * SiLU(z_scale z) (the mixer's output gate without a norm).
+    hybridlm::ssd_step_(x, dt, A, B, C, D?, h!, dt_bias?, dt_min, dt_max, z?, z_scale) -> y: the same step writing h_t
+        over h (a fixed-address cache that a replayed CUDA graph reads).
 
 The implementation (`scan.py`, which needs triton) is imported on the first call; this file imports only torch.
 dD and dh0 are always computed (dh0 is where the reverse pass ends); the autograd formula drops them when D / h0 is
@@ -126,7 +127,7 @@ _ssd_fwd.register_autograd(_backward, setup_context=_setup_context)
 keep_in_compiled_regions(torch.ops.hybridlm.ssd_fwd.default)
 
 
-def ssd_step_triton(x, dt, A, B, C, D, h, *, discretize: tuple | None = None,
+def ssd_step_triton(x, dt, A, B, C, D, h, *, discretize: tuple | None = None, gate: tuple | None = None,
                     in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoding step of the SSD recurrence in one kernel (`step.py`), without autograd.
 
@@ -137,6 +138,8 @@ def ssd_step_triton(x, dt, A, B, C, D, h, *, discretize: tuple | None = None,
         discretize: None, or `(dt_bias, (dt_min, dt_max))`: dt is then the raw value (any float dtype, read at its
             row stride) and A is A_log, and the kernel takes dt = clamp(softplus(dt + dt_bias), dt_min, dt_max),
             A = -exp(A_log) (dt_bias `[H]`, any float dtype), as the Mamba-2 mixer does.
+        gate: None, or `(z, z_scale)`: y comes out gated, y * SiLU(z_scale z) with y and z_scale z rounded to their
+            dtypes first (the Mamba-2 mixer's output gate without a norm); z `[b, H P]` in x's dtype (any row stride).
         in_place: write the state after the step over `h` (contiguous) and return `h` itself.
 
     Returns:
@@ -158,44 +161,53 @@ def ssd_step_triton(x, dt, A, B, C, D, h, *, discretize: tuple | None = None,
     dt_bias, (dt_min, dt_max) = discretize if discretize is not None else (None, (0.0, math.inf))
     if dt_bias is not None and tuple(dt_bias.shape) != (H,):
         raise ValueError(f"dt_bias must be [H] = [{H}]; got {list(dt_bias.shape)}")
+    z, z_scale = gate if gate is not None else (None, 1.0)
+    if z is not None and (tuple(z.shape) != (b, H * P) or z.dtype != x.dtype):
+        raise ValueError(f"the gate z must be [b, H P] = {[b, H * P]} in x's dtype {x.dtype}; got {list(z.shape)} "
+                         f"{z.dtype}")
     if x.device.type != "cuda" and not triton_interpreting():
         raise ValueError(f"the Triton kernels need CUDA tensors (got {x.device})")
+    options = (dt_bias, float(dt_min), float(dt_max), z, float(z_scale))
     if in_place:
         if not h.is_contiguous():
             raise ValueError("ssd_step_triton: a state updated in place must be contiguous")
-        return torch.ops.hybridlm.ssd_step_(x, dt, A, B, C, D, h, dt_bias, float(dt_min), float(dt_max)), h
-    return torch.ops.hybridlm.ssd_step(x, dt, A, B, C, D, h, dt_bias, float(dt_min), float(dt_max))
+        return torch.ops.hybridlm.ssd_step_(x, dt, A, B, C, D, h, *options), h
+    return torch.ops.hybridlm.ssd_step(x, dt, A, B, C, D, h, *options)
+
+
+_STEP_OPTIONS = "Tensor? dt_bias, float dt_min, float dt_max, Tensor? z, float z_scale"
 
 
 @torch.library.custom_op("hybridlm::ssd_step", mutates_args=(),
                          schema="(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor h, "
-                                "Tensor? dt_bias, float dt_min, float dt_max) -> (Tensor, Tensor)")
-def _ssd_step(x, dt, A, B, C, D, h, dt_bias, dt_min, dt_max):
-    return _run_step(x, dt, A, B, C, D, h.contiguous(), dt_bias, dt_min, dt_max, in_place=False)
+                                f"{_STEP_OPTIONS}) -> (Tensor, Tensor)")
+def _ssd_step(x, dt, A, B, C, D, h, *options):
+    return _run_step(x, dt, A, B, C, D, h.contiguous(), *options, in_place=False)
 
 
 @_ssd_step.register_fake
-def _(x, dt, A, B, C, D, h, dt_bias, dt_min, dt_max):
+def _(x, dt, A, B, C, D, h, *options):
     return x.new_empty(x.shape), h.new_empty(h.shape)
 
 
 @torch.library.custom_op("hybridlm::ssd_step_", mutates_args=("h",),
                          schema="(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor(a!) h, "
-                                "Tensor? dt_bias, float dt_min, float dt_max) -> Tensor")
-def _ssd_step_in_place(x, dt, A, B, C, D, h, dt_bias, dt_min, dt_max):
-    return _run_step(x, dt, A, B, C, D, h, dt_bias, dt_min, dt_max, in_place=True)[0]
+                                f"{_STEP_OPTIONS}) -> Tensor")
+def _ssd_step_in_place(x, dt, A, B, C, D, h, *options):
+    return _run_step(x, dt, A, B, C, D, h, *options, in_place=True)[0]
 
 
 @_ssd_step_in_place.register_fake
-def _(x, dt, A, B, C, D, h, dt_bias, dt_min, dt_max):
+def _(x, dt, A, B, C, D, h, *options):
     return x.new_empty(x.shape)
 
 
-def _run_step(x, dt, A, B, C, D, h, dt_bias, dt_min, dt_max, *, in_place: bool):
+def _run_step(x, dt, A, B, C, D, h, dt_bias, dt_min, dt_max, z, z_scale, *, in_place: bool):
     from hybridlm.ops.ssd.triton import step
 
     x, B, C = (unit_last_stride(t) for t in (x, B, C))  # read at their row strides
     dt = contiguous_rows(dt)
     A, D, dt_bias = _contiguous(A, D, dt_bias)
     with on_tensor_device(x):
-        return step.forward(x, dt, A, B, C, D, h, dt_bias=dt_bias, dt_limit=(dt_min, dt_max), in_place=in_place)
+        return step.forward(x, dt, A, B, C, D, h, dt_bias=dt_bias, dt_limit=(dt_min, dt_max),
+                            z=None if z is None else unit_last_stride(z), z_scale=z_scale, in_place=in_place)

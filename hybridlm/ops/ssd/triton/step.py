@@ -14,7 +14,9 @@ a replayed CUDA graph reads, which then needs no copy of the new state into it).
 state, so only its own threads read what it overwrites: a barrier between its loads and its store orders them.
 
 The Mamba-2 mixer's step can hand over its raw discretization inputs instead (RAW), which the kernel turns into dt
-and A where it loads them (the mixer's step 3: five kernels per layer on the unfused path):
+and A where it loads them (the mixer's step 3: five kernels per layer on the unfused path), and its output gate
+without a norm (GATE: y <- y * SiLU(m_z z), y and m_z z rounded to their dtypes first, `silu_gate`'s float32 product;
+one kernel, two with the multiplier, per layer unfused):
 
     dt = clamp(softplus(dt_raw + dt_bias[h]), dt_min, dt_max)     A[h] = -exp(A_log[h])
 
@@ -46,9 +48,10 @@ def _softplus(u):
 
 
 @triton.jit
-def step_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h_ptr, y_ptr, h_out_ptr, dt_bias_ptr, H, G, sx_b, sx_h,
-                sb_b, sb_g, sc_b, sc_g, sdt_b, dt_min, dt_max, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr,
-                BN: tl.constexpr, HAS_D: tl.constexpr, RAW: tl.constexpr, IN_PLACE: tl.constexpr):
+def step_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h_ptr, y_ptr, h_out_ptr, dt_bias_ptr, z_ptr, H, G, sx_b,
+                sx_h, sb_b, sb_g, sc_b, sc_g, sdt_b, sz_b, dt_min, dt_max, z_scale, P: tl.constexpr, N: tl.constexpr,
+                BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, RAW: tl.constexpr, GATE: tl.constexpr,
+                IN_PLACE: tl.constexpr):
     # x, B, C are read at (row, head or group) strides (unit stride along the last dim), dt at its row stride: the
     # mixer hands over row slices of its projection and conv output, which a contiguous copy would cost a kernel
     # each; h, y, h' are contiguous.
@@ -77,18 +80,23 @@ def step_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h_ptr, y_ptr, h_out_p
     y = tl.sum(h * Cg[None, :], axis=1)
     if HAS_D:
         y = y + tl.load(D_ptr + i_h).to(tl.float32) * x
+    if GATE:  # the mixer's output gate on y as the op hands it over (in x's dtype)
+        z = tl.load(z_ptr + i_b * sz_b + i_h * P + rp, mask=mp, other=0.0).to(tl.float32)
+        z = (z * z_scale).to(z_ptr.dtype.element_ty).to(tl.float32)
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) * z * tl.sigmoid(z)
     tl.store(y_ptr + bh * P + rp, y.to(y_ptr.dtype.element_ty), mask=mp)
     if IN_PLACE:
         tl.debug_barrier()  # every thread's reads of h_{t-1} done before any of it is overwritten
     tl.store(h_out_ptr + h_offs, h, mask=h_mask)
 
 
-def forward(x, dt, A, B, C, D, h, *, dt_bias=None, dt_limit: tuple[float, float] = (0.0, float("inf")),
-            in_place: bool = False):
+def forward(x, dt, A, B, C, D, h, *, dt_bias=None, dt_limit: tuple[float, float] = (0.0, float("inf")), z=None,
+            z_scale: float = 1.0, in_place: bool = False):
     """y [b, H, P] (x's dtype) and h_t [b, H, P, N] float32 from x [b, H, P], B, C [b, G, N] (any strides but a unit
     one along the last dim), dt [b, H] (any row stride), A [H], D [H] or None (any float dtype, read as float32) and
     h [b, H, P, N] float32 (contiguous). With dt_bias [H] (likewise), dt is the raw value (any float dtype) and A is
-    A_log (RAW). `in_place`: h_t is h itself, overwritten."""
+    A_log (RAW). With z [b, H P] (x's dtype, any row stride), y is gated: y * SiLU(z_scale z) (GATE). `in_place`: h_t
+    is h itself, overwritten."""
     b, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     y = x.new_empty(b, H, P)
@@ -96,8 +104,8 @@ def forward(x, dt, A, B, C, D, h, *, dt_bias=None, dt_limit: tuple[float, float]
     BN = block(N, 256)
     BP = min(block(P, 256), max(16, STATE_BLOCK // BN))
     step_kernel[(b * H, cdiv(P, BP))](
-        x, dt, A, B, C, D if D is not None else A, h, y, h_out, dt_bias if dt_bias is not None else A, H, G,
-        x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1), dt.stride(0), dt_limit[0],
-        dt_limit[1], P=P, N=N, BP=BP, BN=BN, HAS_D=D is not None, RAW=dt_bias is not None, IN_PLACE=in_place,
-        num_warps=NUM_WARPS)
+        x, dt, A, B, C, D if D is not None else A, h, y, h_out, dt_bias if dt_bias is not None else A,
+        z if z is not None else x, H, G, x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+        dt.stride(0), z.stride(0) if z is not None else 0, dt_limit[0], dt_limit[1], z_scale, P=P, N=N, BP=BP, BN=BN,
+        HAS_D=D is not None, RAW=dt_bias is not None, GATE=z is not None, IN_PLACE=in_place, num_warps=NUM_WARPS)
     return y, h_out
