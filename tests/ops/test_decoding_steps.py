@@ -892,6 +892,39 @@ def test_mixer_steps_write_a_fixed_address_cache_in_place(mixer):
 
 
 @interpret
+@pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1A", "fast_weight-1"])
+def test_compiled_static_step_on_the_kernels_writes_the_states_in_place(mixer):
+    """The static decoder's step compiled (aot_eager: the custom ops that write the states over their buffers go
+    through dynamo's functionalization) with the SSM mixers on their step kernels: each step's logits, and the states
+    after them, equal the eager static step's."""
+    from hybridlm.inference import GraphedDecoder
+    from hybridlm.layers.fast_weight import FastWeightMixer
+    from hybridlm.layers.mamba2 import Mamba2Mixer
+    from tests.inference.helpers import MIXERS, ids, make_model
+
+    torch._dynamo.reset()
+    model = make_model(seed=12, **MIXERS[mixer]).to(DEVICE).eval()
+    prompt = ids(2, 6, seed=12).to(DEVICE)
+    with torch.no_grad():
+        caches = [model.new_cache(), model.new_cache()]
+        for cache in caches:
+            model(prompt, cache=cache)
+        for module in model.modules():  # the convs as "auto" takes them under torch.compile: the torch form
+            if isinstance(module, (FastWeightMixer, Mamba2Mixer)):
+                module.backend = "triton"
+        plain, compiled = (GraphedDecoder(model, cache, capacity=10, batch_size=2, use_graph=False,
+                                          compile_step=backend) for cache, backend in zip(caches, (None, "aot_eager")))
+        token = prompt[:, -1]
+        for _ in range(3):  # a mutation lost in the trace would show from the second step on
+            expected = plain.step(token).clone()
+            assert (compiled.step(token) - expected).abs().max() < 1e-5
+            token = expected.argmax(-1)
+        for a, b in zip(plain.cache.layers, compiled.cache.layers):
+            for name in a.ssm:
+                assert (a.ssm[name] - b.ssm[name]).abs().max() < 1e-5, name
+
+
+@interpret
 @pytest.mark.parametrize("mixer", ["mamba2 multipliers", "mamba2 norm"])
 def test_mamba2_step_gates_in_its_kernel_without_a_norm(monkeypatch, mixer):
     """A Mamba-2 decoding step on its kernel takes the plain output gate along (no gate call of its own after it);
