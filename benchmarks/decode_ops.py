@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from hybridlm.inference import GraphedDecoder  # noqa: E402
 from hybridlm.layers import attention as attention_layer  # noqa: E402
+from hybridlm.layers import cache as cache_module  # noqa: E402
 from hybridlm.layers import fast_weight as fast_weight_layer  # noqa: E402
 from hybridlm.layers import mamba2 as mamba2_layer  # noqa: E402
 from hybridlm.layers.fast_weight import FastWeightMixer  # noqa: E402
@@ -81,6 +82,12 @@ def kind(module: torch.nn.Module) -> str | None:
     return {"Attention": "attention", "HybridBlock": "block", "HybridForCausalLM": "model"}.get(name)
 
 
+def _fuses_on_cpu(q, k, v, cos, sin, keys) -> bool:
+    """`rotate_into_cache_fuses` as CUDA answers it, for the interpreter's CPU tensors."""
+    return (keys is not None and q.shape[1] == 1 and v.dtype == q.dtype == k.dtype == keys.dtype
+            and not torch.is_grad_enabled())
+
+
 def _in_place(where: list[str], label: str, fn):
     """fn, with `label` on `where` while it runs."""
     def run(*args, **kwargs):
@@ -107,7 +114,7 @@ def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool,
                      (fast_weight_layer, "fast_weight_mixer_decoding_step"), (mamba2_layer, "ssd"),
                      (mamba2_layer, "ssd_decoding_step")]
     saved = {(module, name): getattr(module, name) for module, name in ops_in_layers}
-    depthwise, rotate = short_conv._depthwise, attention_layer.rotate_qk
+    depthwise, rotate, into_cache = short_conv._depthwise, attention_layer.rotate_qk, cache_module.rotate_into_cache_fuses
     conv_forward = ShortConvolution.forward
     hooks = []
     for module in model.modules():
@@ -144,6 +151,8 @@ def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool,
             ShortConvolution.forward = _in_place(where, "ssm conv", conv_forward)
             if rotary_kernel:
                 attention_layer.rotate_qk = rotary_qk_triton
+                # a static cache's step rotates into the storage on CUDA: here on the interpreter's CPU tensors
+                cache_module.rotate_into_cache_fuses = _fuses_on_cpu
             if static:
                 decoder = GraphedDecoder(model, cache, capacity=65, batch_size=batch, use_graph=False)
                 decoder.token.copy_(ids[:, 64:])
@@ -158,6 +167,7 @@ def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool,
                 for module, name in ops_in_layers:
                     setattr(module, name, saved[module, name])
                 short_conv._depthwise, attention_layer.rotate_qk = depthwise, rotate
+                cache_module.rotate_into_cache_fuses = into_cache
                 ShortConvolution.forward = conv_forward
                 for module, backend in zip(stepping, saved_backends):
                     module.backend = backend

@@ -110,10 +110,18 @@ class Attention(nn.Module):
         v = self.v_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
         if rotary is None:
             rotary = self.rotary(position_ids)  # (cos, sin) [B or 1, T, D] float32
-        q, k = rotate_qk(q, k, *rotary)  # the tables rounded to q's dtype
 
         pad = key_offsets = None  # key_offsets: with documents that continue cached keys, [N + 1] on the host
-        if cache is not None:
+        # A decoding step into a fixed-address cache: the rotation writes k and v into the storage itself, where its
+        # kernel runs (`StaticLayerCache.append_rotated`); None: rotated, then appended
+        stored = cache.append_rotated(q, k, v, *rotary, window=self.window) if (
+            isinstance(cache, StaticLayerCache) and offsets is None) else None
+        if stored is not None:
+            q, k, v = stored  # q rotated [B, 1, Hq, D]; k, v the storage [B, S, Hkv, D]
+            pad = cache.pad
+        else:
+            q, k = rotate_qk(q, k, *rotary)  # the tables rounded to q's dtype
+        if cache is not None and stored is None:
             if offsets is not None:
                 # one row per document (an empty cache); keys [1, S, Hkv, D] when documents continue cached ones
                 k, v, key_offsets = cache.store_packed_kv(k, v, host_offsets, window=self.window)

@@ -36,6 +36,8 @@ from __future__ import annotations
 import torch
 
 from hybridlm.modules.boundaries import local_positions, sequence_ids
+from hybridlm.modules.rotary import rotate_into_cache_fuses
+from hybridlm.ops.rotary import rotary_qk_into_cache_triton
 from hybridlm.ops.utils import host_to_device
 
 
@@ -287,6 +289,30 @@ class StaticLayerCache(LayerCache):
 
     def append_kv(self, key: torch.Tensor, value: torch.Tensor, *, saved_for_backward: bool = False,
                   window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_append(key, value, saved_for_backward, window)
+        index = (torch.remainder(self._slot, self.window) if self._ring else self._slot).view(1)
+        self._key.index_copy_(1, index, key)
+        self._value.index_copy_(1, index, value)
+        self.length += 1
+        return self._key, self._value
+
+    def append_rotated(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, *, window: int | None = None) -> tuple[torch.Tensor, ...] | None:
+        """A decoding step's RoPE and append in one kernel, where it runs (`rotate_into_cache_fuses`: CUDA, no
+        gradient, the kernels' dtypes): query and key (unrotated, [B, 1, H, D]) rotated by the tables cos, sin, the
+        rotated key and the value written into the storage at the slot. Returns (the rotated query, the keys and
+        values as `append_kv` returns them), or None where the kernel does not run (the caller then rotates and calls
+        `append_kv`): the same values either way."""
+        if not rotate_into_cache_fuses(query, key, value, cos, sin, self._key):
+            return None
+        self._check_append(key, value, False, window)
+        query = rotary_qk_into_cache_triton(query, key, value, cos, sin, self._key, self._value, self._slot,
+                                            ring=self.window if self._ring else None)
+        self.length += 1
+        return query, self._key, self._value
+
+    def _check_append(self, key: torch.Tensor, value: torch.Tensor, saved_for_backward: bool,
+                      window: int | None) -> None:
         if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad or saved_for_backward):
             raise ValueError("a static cache decodes without gradients (its storage is written in place): run the "
                              "steps under torch.no_grad()")
@@ -296,11 +322,6 @@ class StaticLayerCache(LayerCache):
             raise ValueError("a static cache is built from a filled cache (run the prefill first)")
         if window != self.window:
             raise ValueError(f"this cache was filled with attention_window={self.window}, this call has {window}")
-        index = (torch.remainder(self._slot, self.window) if self._ring else self._slot).view(1)
-        self._key.index_copy_(1, index, key)
-        self._value.index_copy_(1, index, value)
-        self.length += 1
-        return self._key, self._value
 
     def static_mask(self) -> torch.Tensor:
         """[B or 1, 1, 1, S] True where the new query may attend (from device tensors only: no host read)."""

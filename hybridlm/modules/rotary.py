@@ -4,7 +4,8 @@ Frequency of pair i: base^(-2i/D). Falcon-H1 uses a very large base (1e11), so m
 rotate within any trained length and context extension needs no rescaling.
 
 `rotate_qk` rotates a layer's queries and keys: on CUDA outside torch.compile in one Triton kernel each way
-(`hybridlm.ops.rotary`: the same values and gradients bit for bit), else the torch form `apply_rotary`.
+(`hybridlm.ops.rotary`: the same values and gradients bit for bit), else the torch form `apply_rotary`. A decoding
+step into a fixed-address cache rotates and appends in one kernel where `rotate_into_cache_fuses`.
 """
 
 from __future__ import annotations
@@ -54,6 +55,15 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         return rotary_qk_triton(q, k, cos, sin)
     cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def rotate_into_cache_fuses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            keys: torch.Tensor | None) -> bool:
+    """Whether a decoding step's rotation and its append to a fixed-address cache's storage `keys` run as one kernel
+    (`hybridlm.ops.rotary.rotary_qk_into_cache_triton`): where `rotate_qk` would take its kernel, one token, nothing
+    recording a gradient, and v and the storage in q's dtype (the storage unit-strided along D). Metadata only."""
+    return (keys is not None and q.dim() == 4 and q.shape[1] == 1 and _takes_kernel(q, k, cos, sin)
+            and v.dtype == q.dtype and keys.dtype == q.dtype and keys.stride(-1) == 1 and not needs_grad(q, k, v))
 
 
 def _takes_kernel(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

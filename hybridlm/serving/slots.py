@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 
 from hybridlm.layers.cache import HybridCache, LayerCache, StaticLayerCache
+from hybridlm.modules.rotary import rotate_into_cache_fuses
+from hybridlm.ops.rotary import rotary_qk_into_cache_triton
 
 
 class SlotLayerCache(StaticLayerCache):
@@ -55,6 +57,23 @@ class SlotLayerCache(StaticLayerCache):
         self._value[batch, index] = value[:, 0]
         span = self._span()
         return self._key[:rows, :span], self._value[:rows, :span]
+
+    def append_rotated(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, *, window: int | None = None) -> tuple[torch.Tensor, ...] | None:
+        """`StaticLayerCache.append_rotated` at each row's own slot: (the rotated query, the rows' keys and values as
+        `append_kv` returns them), or None where the kernel does not run."""
+        if not rotate_into_cache_fuses(query, key, value, cos, sin, self._key):
+            return None
+        if torch.is_grad_enabled():
+            raise ValueError("a slot cache takes one token per row per call, without gradients")
+        if window != self.window:
+            raise ValueError(f"this cache was filled with attention_window={self.window}, this call has {window}")
+        rows = self._owner.step_rows
+        query = rotary_qk_into_cache_triton(query, key, value, cos, sin, self._key[:rows], self._value[:rows],
+                                            self._owner.positions_now(),
+                                            ring=self._key.shape[1] if self._ring else None)
+        span = self._span()
+        return query, self._key[:rows, :span], self._value[:rows, :span]
 
     def _span(self) -> int:
         """Key slots a step reads: the ring's W, else the step's fixed span or the longest row's length + 1."""

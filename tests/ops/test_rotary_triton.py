@@ -187,6 +187,103 @@ def test_rotate_qk_takes_the_kernel_on_cuda_where_the_tables_take_no_gradient(mo
     assert calls == ([1, 1] if ON_GPU else [])
 
 
+@interpret
+@pytest.mark.parametrize("slots", ["shared", "per row", "ring"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_rotation_into_a_cache_equals_rotating_then_copying(slots, dtype):
+    """`rotary_qk_into_cache_triton`: q' equal to `rotary_qk_triton`'s bit for bit, k' and v written at each row's slot
+    (one shared slot, one per row, a slot taken modulo a ring) and nothing else of the storage touched; q, k, v read
+    as slices of one projection row."""
+    from hybridlm.ops.rotary import rotary_qk_into_cache_triton
+
+    B, HQ, HK, D, S = 3, 6, 2, 20, 9
+    g = torch.Generator().manual_seed(11)
+    row = torch.randn(B, 1, (HQ + 2 * HK) * D + 5, generator=g).to(DEVICE, dtype)
+    q, k, v = (row[..., a * D:b * D].unflatten(-1, (-1, D)) for a, b in ((0, HQ), (HQ, HQ + HK),
+                                                                         (HQ + HK, HQ + 2 * HK)))
+    positions = torch.randint(0, 5000, (B, 1), generator=g)
+    cos, sin = (t.to(DEVICE) for t in rotary_cos_sin(positions, head_dim=D, base=10000.0))
+    keys, values = (torch.randn(B, S, HK, D, generator=g).to(DEVICE, dtype) for _ in range(2))
+    before = keys.clone(), values.clone()
+    slot = {"shared": torch.tensor(4), "per row": torch.tensor([0, 8, 3]), "ring": torch.tensor([13, 9, 21])}[slots]
+    ring = S if slots == "ring" else None
+    out = rotary_qk_into_cache_triton(q, k, v, cos, sin, keys, values, slot.to(DEVICE), ring=ring)
+    want_q, want_k = rotary_qk_triton(q, k, cos, sin)
+    assert torch.equal(out, want_q)
+    index = (slot.expand(B) % S).tolist()
+    for b, i in enumerate(index):
+        assert torch.equal(keys[b, i], want_k[b, 0]) and torch.equal(values[b, i], v[b, 0])
+        others = [j for j in range(S) if j != i]
+        assert torch.equal(keys[b, others], before[0][b, others]) and torch.equal(values[b, others],
+                                                                                   before[1][b, others])
+    with pytest.raises(ValueError, match="records no gradient"):
+        rotary_qk_into_cache_triton(q.detach().requires_grad_(), k, v, cos, sin, keys, values, slot.to(DEVICE))
+    with pytest.raises(ValueError, match=r"q \[B, 1, Hq, D\]"):
+        rotary_qk_into_cache_triton(q, k, v[..., :1, :], cos, sin, keys, values, slot.to(DEVICE))
+
+
+def _fuses_on_any_device(q, k, v, cos, sin, keys):
+    """`rotate_into_cache_fuses` without its CUDA condition: the interpreter runs the kernel on CPU tensors."""
+    return (keys is not None and q.shape[1] == 1 and v.dtype == q.dtype == k.dtype == keys.dtype
+            and cos.dim() == 3 and not any(t.requires_grad for t in (q, k, v)))
+
+
+@interpret
+@pytest.mark.parametrize("mixer", ["none", "fast_weight-1A"])
+@pytest.mark.parametrize("window", [None, 4])
+def test_static_decoding_step_rotates_into_its_cache(monkeypatch, mixer, window):
+    """The static decoder's step with the rotation writing into the storage (every layer's attention, every step):
+    the dynamic cache's logits; with a window below the capacity, a ring."""
+    from hybridlm.inference import GraphedDecoder
+    from hybridlm.layers import cache as cache_module
+    from tests.inference.helpers import MIXERS, ids, make_model
+
+    calls = []
+    monkeypatch.setattr(cache_module, "rotate_into_cache_fuses",
+                        lambda *a: calls.append(1) or _fuses_on_any_device(*a))
+    model = make_model(seed=13, **MIXERS[mixer], attention_window=window).to(DEVICE).eval()
+    prompt = ids(2, 6, seed=13).to(DEVICE)
+    with torch.no_grad():
+        dynamic = model.new_cache()
+        logits = model(prompt, cache=dynamic, logits_to_keep=1).logits[:, -1]
+        fresh = model.new_cache()
+        model(prompt, cache=fresh)
+        decoder = GraphedDecoder(model, fresh, capacity=12, batch_size=2, use_graph=False)
+        for _ in range(5):
+            token = logits.argmax(-1)
+            logits = model(token[:, None], cache=dynamic, logits_to_keep=1).logits[:, -1]
+            assert (decoder.step(token) - logits).abs().max() < 1e-5
+    assert len(calls) == 5 * len(model.model.layers)
+
+
+@interpret
+def test_serving_steps_rotate_into_the_slots(monkeypatch):
+    """The serving engine's fixed-shape steps (padded rows, each row at its own slot) with the rotation writing into the
+    slots: the same tokens as rotating, then copying into the slots (float32: the kernel's rotation is the torch
+    form's bit for bit)."""
+    from hybridlm.serving import Engine, SamplingParams
+    from hybridlm.serving import slots as slots_module
+    from hybridlm.serving.graphed import SlotStepGraphs
+    from tests.inference.helpers import ids, make_model
+    from tests.serving.test_engine import run_staggered
+
+    model = make_model(seed=14).to(DEVICE)
+    prompts = [ids(1, n, seed=n)[0].tolist() for n in (3, 9, 5)]
+    lengths = [6, 4, 7]
+
+    def run():
+        engine = Engine(model, max_num_seqs=3, max_model_len=32, block_size=4, max_prefill_tokens=8,
+                        decode_step="fixed")
+        engine.step_graphs = SlotStepGraphs(model, engine.slots, use_graph=False, min_span=4)
+        return run_staggered(engine, prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
+
+    want = run()
+    calls = []
+    monkeypatch.setattr(slots_module, "rotate_into_cache_fuses",
+                        lambda *a: calls.append(1) or _fuses_on_any_device(*a))
+    assert run() == want and len(calls) >= sum(lengths) - len(lengths)
+
+
 def test_refuses_bad_inputs():
     q, k, cos, sin = (torch.zeros(1, 2, 2, 16), torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 16), torch.zeros(1, 2, 16))
     with pytest.raises(ValueError, match="share one dtype"):
@@ -217,6 +314,15 @@ for (io, table, HQ, HK, D), backward in itertools.product(shapes, (False, True))
     compiled = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=options)
     assert "fma." not in compiled.asm["ptx"], "a fused multiply-add would round differently from the torch form"
     print("built", fn.__name__, compiled.metadata.shared)
+for (io, table, HQ, HK, D), ring in itertools.product(shapes, (False, True)):  # a decoding step into a cache
+    consts = dict(D=D, BHQ=triton.next_power_of_2(HQ), BHK=triton.next_power_of_2(HK), BD=triton.next_power_of_2(D),
+                  RING=ring)
+    fn = k.rotary_qk_cache_kernel
+    sig = {n: "constexpr" if n in consts else table if n in ("cos_ptr", "sin_ptr") else "*i64" if n == "slot_ptr"
+           else io if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=options)
+    assert "fma." not in compiled.asm["ptx"], "a fused multiply-add would round differently from the torch form"
+    print("built", fn.__name__, compiled.metadata.shared)
 """
 
 
@@ -225,5 +331,5 @@ def test_kernel_compiles_for_sm90_without_fused_multiply_adds():
     """Built with the launch's options (`kernels.LAUNCH`): no fused multiply-add in the PTX, whose single rounding
     would differ from the torch form's two."""
     report = compile_for_sm90(_SM90, modules=("hybridlm.ops.rotary.kernels",))
-    assert set(report["built"]) == report["defined"] == {"rotary_qk_kernel"}, report
+    assert set(report["built"]) == report["defined"] == {"rotary_qk_kernel", "rotary_qk_cache_kernel"}, report
     assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
