@@ -2,9 +2,9 @@
 # The decoding checks and measurements of RESULTS.md's "Decoding on an H100", on one quiet GPU, in two parts that each
 # fit one device call: `tests` (~4 minutes: the step kernels, the fast-weight mixer's one-kernel step, the rotation
 # into the cache, the states written in place under CUDA graphs, eager and compiled, and the serving engine's graphs)
-# and `timings` (~6 minutes:
-# the row kernels at decoding sizes, the graphed step under bf16 autocast beside the SSM mixers' torch loops, the
-# graphed step of a bf16 copy of each model, both compiled by inductor, and the eager step's kernel profile).
+# and `timings` (~6 minutes: the row kernels at decoding sizes, the graphed step under bf16 autocast beside the SSM
+# mixers' torch loops, the graphed step of a bf16 copy of each model, both compiled by inductor, and the eager step's
+# kernel profile).
 #
 #   bash benchmarks/gpu_decode_suite.sh OUT_DIR tests      # one log per step in OUT_DIR, the summaries printed
 #   bash benchmarks/gpu_decode_suite.sh OUT_DIR timings
