@@ -43,10 +43,19 @@ def fold_multipliers(model: nn.Module) -> dict[str, float]:
     """Fold `model`'s (a `HybridForCausalLM` or `HybridModel`) muP multipliers into its weights in place (the module
     docstring); returns the config fields folded, with the values they had (those already 1 are left out, as are the
     embedding and LM-head multipliers of tied embeddings). The config then holds 1 for each."""
-    lm = model if hasattr(model, "lm_head") else None
+    from hybridlm.models.model import HybridForCausalLM, HybridModel
+
+    lm = model if isinstance(model, HybridForCausalLM) else None
     base = model.model if lm is not None else model
+    if not isinstance(base, HybridModel):
+        raise ValueError(f"fold_multipliers takes a HybridForCausalLM or HybridModel, got {type(model).__name__} "
+                         "(an adapter-wrapped model: merge its adapters first, or fold before adding them)")
     if any(hasattr(p, "to_local") for p in model.parameters()):
         raise ValueError("fold_multipliers: the model's weights are sharded (DTensor); fold before parallelizing")
+    wrapped = [name for name, m in base.named_modules() if name.endswith("_proj") and not isinstance(m, nn.Linear)]
+    if wrapped:
+        raise ValueError(f"fold_multipliers: projections wrapped by adapters ({', '.join(wrapped[:3])}...): merge the "
+                         "adapters first, or fold before adding them")
     folded: dict[str, float] = {}
     for block in base.layers:
         folded.update(_fold_block(block))

@@ -117,3 +117,25 @@ def test_folding_refuses_sharded_weights(monkeypatch):
         fold_multipliers(model)
     monkeypatch.undo()
     assert torch.equal(weight, before) and model.config.mlp_multiplier_gate == MULTIPLIERS["mlp_multiplier_gate"]
+
+
+def test_folding_refuses_adapter_wrapped_projections():
+    """A projection wrapped by an adapter (as PEFT's LoRA wraps it) would not see its weight scaled: refused, the model
+    unchanged."""
+    model = make_model(seed=8, **MULTIPLIERS)
+    attn = model.model.layers[0].attn
+
+    class Adapter(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer = base
+
+        def forward(self, x):
+            return self.base_layer(x)
+
+    attn.k_proj = Adapter(attn.k_proj)
+    with pytest.raises(ValueError, match="adapters"):
+        fold_multipliers(model)
+    assert model.config.key_multiplier == MULTIPLIERS["key_multiplier"]
+    with pytest.raises(ValueError, match="HybridForCausalLM or HybridModel"):
+        fold_multipliers(torch.nn.Linear(2, 2))
