@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# The decoding checks and measurements of RESULTS.md's "Decoding on an H100", on one quiet GPU, in two parts that each
-# fit one device call: `tests` (~4 minutes: the step kernels, the fast-weight mixer's one-kernel step, the rotation
+# The decoding checks and measurements of RESULTS.md's "Decoding on an H100", on one quiet GPU, in three parts that
+# each fit one device call: `tests` (~4 minutes: the step kernels, the fast-weight mixer's one-kernel step, the rotation
 # into the cache, the states written in place under CUDA graphs, eager and compiled, and the serving engine's graphs)
 # and `timings` (~6 minutes: the row kernels at decoding sizes, the graphed step under bf16 autocast beside the SSM
 # mixers' torch loops, the graphed step of a bf16 copy of each model, both compiled by inductor, and the eager step's
-# kernel profile).
+# kernel profile); `fold` (~3 minutes: the falcon-h1-0.5b shape's graphed step with its muP multipliers kept, then
+# folded into the weights).
 #
 #   bash benchmarks/gpu_decode_suite.sh OUT_DIR tests      # one log per step in OUT_DIR, the summaries printed
 #   bash benchmarks/gpu_decode_suite.sh OUT_DIR timings
+#   bash benchmarks/gpu_decode_suite.sh OUT_DIR fold
 set -u
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_decode_suite.sh OUT_DIR tests|timings}
-part=${2:?usage: gpu_decode_suite.sh OUT_DIR tests|timings}
+out=${1:?usage: gpu_decode_suite.sh OUT_DIR tests|timings|fold}
+part=${2:?usage: gpu_decode_suite.sh OUT_DIR tests|timings|fold}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 variants=("transformer matched" "h1 fw-1A" "h1 mamba2")
@@ -39,8 +41,19 @@ timings)
     done
     grep -h "kernel launches per call" "$out/profile_bf16.log"
     ;;
+fold)
+    # the falcon-h1-0.5b shape carries Falcon-H1's muP multipliers: its graphed bf16 step, multipliers kept and folded
+    h1=(python benchmarks/gpu_model.py --preset falcon-h1-0.5b --lengths --contexts 4096 --decode-steps 32
+        --variants "${variants[@]}" --decode-batches 1 --graph --decode-dtype bfloat16)
+    "${h1[@]}" > "$out/h1_kept.log" 2>&1
+    "${h1[@]}" --fold-multipliers > "$out/h1_folded.log" 2>&1
+    for log in h1_kept h1_folded; do
+        echo "## $log"
+        grep "^|" "$out/$log.log"
+    done
+    ;;
 *)
-    echo "gpu_decode_suite.sh: the part is 'tests' or 'timings', not '$part'" >&2
+    echo "gpu_decode_suite.sh: the part is 'tests', 'timings' or 'fold', not '$part'" >&2
     exit 2
     ;;
 esac

@@ -84,6 +84,7 @@ from hybridlm.layers.block import RECOMPUTE_MIXERS, set_mixers_recompute
 from hybridlm.layers.fast_weight import FastWeightMixer
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.allocation import channel_allocation
+from hybridlm.models.fold import fold_multipliers
 from hybridlm.models.model import HybridForCausalLM
 from hybridlm.models.presets import get_preset
 from hybridlm.modules import ShortConvolution
@@ -394,6 +395,9 @@ def main() -> None:
     parser.add_argument("--torch-steps", action="store_true",
                         help="also decode every variant with SSM mixers with their single steps on the torch loops "
                              "instead of the step kernels, as '<variant> (torch steps)'")
+    parser.add_argument("--fold-multipliers", action="store_true",
+                        help="decode with each model's muP multipliers folded into its weights (`fold_multipliers`, "
+                             "as serve / generate / chat load a model); a preset like falcon-h1-0.5b has them")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run of this script)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -412,7 +416,8 @@ def main() -> None:
           + (f" · training through torch.compile ({args.compile})" if args.compile else "")
           + (" · decoding through CUDA graphs" if args.graph else "")
           + (" of the compiled step" if args.graph and args.compile_decode else "")
-          + f" · short conv backend {args.conv_backend}")
+          + f" · short conv backend {args.conv_backend}"
+          + (" · decoding with the muP multipliers folded" if args.fold_multipliers else ""))
     compile_step = ("inductor" if device.type == "cuda" else "aot_eager") if args.compile_decode else None
     rows: list[dict] = []
 
@@ -454,8 +459,10 @@ def main() -> None:
         model = models.pop(variant)
         has_mixers = any(isinstance(m, (FastWeightMixer, Mamba2Mixer)) for m in model.modules())
         autocast = args.decode_dtype == "autocast"
+        if args.fold_multipliers:
+            fold_multipliers(model)  # training is done: the model serves decoding alone from here
         if not autocast:
-            model.to(torch.bfloat16)  # training is done: the model serves decoding alone from here
+            model.to(torch.bfloat16)
         for context in args.contexts:
             for batch in args.decode_batches:
                 for loops in [False] + ([True] if args.torch_steps and has_mixers else []):
