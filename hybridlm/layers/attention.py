@@ -121,11 +121,10 @@ class Attention(nn.Module):
             pad = cache.pad
         else:
             q, k = rotate_qk(q, k, *rotary)  # the tables rounded to q's dtype
-        if cache is not None and stored is None:
-            if offsets is not None:
+            if cache is not None and offsets is not None:
                 # one row per document (an empty cache); keys [1, S, Hkv, D] when documents continue cached ones
                 k, v, key_offsets = cache.store_packed_kv(k, v, host_offsets, window=self.window)
-            else:
+            elif cache is not None:
                 # [B, S, Hkv, D], S = past + T: the earlier slots kept (all of them, or those the window reaches)
                 k, v = cache.append_kv(k, v, saved_for_backward=q.requires_grad, window=self.window)
                 pad = cache.pad

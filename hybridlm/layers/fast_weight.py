@@ -266,35 +266,37 @@ class FastWeightMixer(nn.Module):
         return self.out_proj(linear_input(y, dtype))
 
     def _whole_step_in_one_kernel(self, proj, cache, cu_seqlens, seq_idx) -> bool:
-        """Whether a cached step runs steps 2-5 as one kernel: what `_steps_in_one_kernel` asks, a state to continue
-        (the conv's and the op's, after a prefill), the conv and the norm as the mixer builds them on backends that
-        take kernels, and heads that fit the kernel (`fast_weight_mixer_step_fuses`)."""
-        if proj.shape[1] != 1 or cu_seqlens is not None or seq_idx is not None or self.gates == "fixed":
-            return False
+        """Whether a cached step runs steps 2-5 as one kernel: what `_steps_in_one_kernel` asks (of the projection and
+        the conv's and norm's parameters), a state to continue (the conv's and the op's, after a prefill), the conv
+        and the norm as the mixer builds them on backends that take kernels, and heads that fit the kernel
+        (`fast_weight_mixer_step_fuses`)."""
         if "conv" not in cache.ssm or "S" not in cache.ssm or self.conv.kernel_size < 2:
             return False
         if not (is_plain(self.conv, ShortConvolution) and is_plain(self.norm, GatedRMSNorm)
                 and self.conv.backend != "torch" and self.norm.backend != "torch"):
             return False
-        if needs_grad(proj, self.conv.weight, self.conv.bias, self.norm.weight, self.beta_bias, self.lam_bias,
-                      *(cache.ssm.get(name) for name in _STATE_FIELDS)):
-            return False
         H, K = self.num_heads, self.head_dim
         q = proj[..., : H * K].unflatten(-1, (H, K))
         v = proj[..., 2 * H * K: self.conv_channels].unflatten(-1, (H, K))
-        return fast_weight_mixer_step_fuses(q, v, rule=self.rule, window=self.window, backend=self.backend)
+        return (self._decoding_step_allowed(cache, cu_seqlens, seq_idx, proj, self.conv.weight, self.conv.bias,
+                                            self.norm.weight)
+                and fast_weight_mixer_step_fuses(q, v, rule=self.rule, window=self.window, backend=self.backend))
 
     def _steps_in_one_kernel(self, q, v, beta_logits, lam_logits, cache, cu_seqlens, seq_idx) -> bool:
-        """Whether a cached step runs its QK norm, gains and recurrence as one kernel: one token per row, no packed
-        documents, learned gates, no gradient to record (through the inputs, the gains' biases or the carried
-        state), and the op's step kernel taking the step."""
-        if q.shape[1] != 1 or cu_seqlens is not None or seq_idx is not None or self.gates == "fixed":
-            return False
-        if needs_grad(q, v, beta_logits, lam_logits, self.beta_bias, self.lam_bias,
-                      *(cache.ssm.get(name) for name in _STATE_FIELDS)):
+        """Whether a cached step runs its QK norm, gains and recurrence as one kernel: `_decoding_step_allowed` on
+        its inputs, and the op's step kernel taking the step."""
+        if not self._decoding_step_allowed(cache, cu_seqlens, seq_idx, q, v, beta_logits, lam_logits):
             return False
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         return fast_weight_step_fuses(q, v, rule=self.rule, window=self.window, backend=self.backend)
+
+    def _decoding_step_allowed(self, cache, cu_seqlens, seq_idx, *tensors) -> bool:
+        """A fused decoding step's common terms: one token per row (`tensors[0]` [B, T, ...]), no packed documents,
+        learned gates, and no gradient to record through `tensors`, the gains' biases or the carried state."""
+        if tensors[0].shape[1] != 1 or cu_seqlens is not None or seq_idx is not None or self.gates == "fixed":
+            return False
+        return not needs_grad(*tensors, self.beta_bias, self.lam_bias,
+                              *(cache.ssm.get(name) for name in _STATE_FIELDS))
 
     def _recomputes(self, qkv: torch.Tensor, cache: LayerCache | None, seq_idx: torch.Tensor | None) -> bool:
         """Whether the forward recomputes steps 2-4 in the backward (`recompute_except_kernels`): `self.recompute`
