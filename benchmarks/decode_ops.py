@@ -186,7 +186,7 @@ def main() -> None:
     parser.add_argument("--torch-rotary", action="store_true",
                         help="rotate queries and keys on the torch form (the CPU's and a recorded gradient's) instead "
                              "of the Triton kernel that CUDA's inference runs")
-    parser.add_argument("--fold", action="store_true",
+    parser.add_argument("--fold-multipliers", action="store_true",
                         help="fold each model's muP multipliers into its weights first (`hybridlm.models.fold`, what "
                              "serve, generate and chat do at load); a preset like falcon-h1-0.5b has them")
     parser.add_argument("--static", action="store_true",
@@ -197,7 +197,7 @@ def main() -> None:
     rows = []
     for variant in args.variants:
         model = build(args.preset, variant, torch.device("cpu")).eval()
-        if args.fold:
+        if args.fold_multipliers:
             fold_multipliers(model)
         layers = len(model.model.layers)
         has_mixers = any(isinstance(m, (FastWeightMixer, Mamba2Mixer)) for m in model.modules())
@@ -213,7 +213,7 @@ def main() -> None:
                              baseline=BASELINE.get(variant, "transformer")))
     totals = {r["variant"]: r["total"] for r in rows if r["steps"] in ("-",)}
     step = "the static step a CUDA graph captures" if args.static else "decoding step"
-    print(f"operators per {step}, {args.preset}{', multipliers folded' if args.fold else ''}, batch {args.batch} "
+    print(f"operators per {step}, {args.preset}{', multipliers folded' if args.fold_multipliers else ''}, batch {args.batch} "
           f"(CPU; views and allocations not counted; queries and keys "
           f"rotated on the {'torch form' if args.torch_rotary else 'Triton kernel'})\n")
     print("| model | SSM steps | per step | of them Triton launches | / baseline | per layer: SSM op | SSM conv | "
