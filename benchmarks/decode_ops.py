@@ -114,7 +114,8 @@ def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool,
                      (fast_weight_layer, "fast_weight_mixer_decoding_step"), (mamba2_layer, "ssd"),
                      (mamba2_layer, "ssd_decoding_step")]
     saved = {(module, name): getattr(module, name) for module, name in ops_in_layers}
-    depthwise, rotate, into_cache = short_conv._depthwise, attention_layer.rotate_qk, cache_module.rotate_into_cache_fuses
+    depthwise, rotate = short_conv._depthwise, attention_layer.rotate_qk
+    into_cache = cache_module.rotate_into_cache_fuses
     conv_forward = ShortConvolution.forward
     hooks = []
     for module in model.modules():
@@ -213,7 +214,8 @@ def main() -> None:
                              baseline=BASELINE.get(variant, "transformer")))
     totals = {r["variant"]: r["total"] for r in rows if r["steps"] in ("-",)}
     step = "the static step a CUDA graph captures" if args.static else "decoding step"
-    print(f"operators per {step}, {args.preset}{', multipliers folded' if args.fold_multipliers else ''}, batch {args.batch} "
+    folded = ", multipliers folded" if args.fold_multipliers else ""
+    print(f"operators per {step}, {args.preset}{folded}, batch {args.batch} "
           f"(CPU; views and allocations not counted; queries and keys "
           f"rotated on the {'torch form' if args.torch_rotary else 'Triton kernel'})\n")
     print("| model | SSM steps | per step | of them Triton launches | / baseline | per layer: SSM op | SSM conv | "

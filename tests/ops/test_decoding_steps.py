@@ -327,7 +327,7 @@ def _mixer_inputs(rule, *, N, H, K, V, taps, bias, dtype, seed=0):
     conv_b = 0.1 * torch.randn(C, generator=g, dtype=torch.float64) if bias else None
     conv_state = torch.randn(N, taps - 1, C, generator=g, dtype=torch.float64).to(dtype).double()
     state = fw.random_state(N, H, K, V, window=1, seed=seed + 1)
-    gains = (torch.randn(beta_width, generator=g, dtype=torch.float64), torch.randn(H, generator=g, dtype=torch.float64))
+    gains = tuple(torch.randn(n, generator=g, dtype=torch.float64) for n in (beta_width, H))
     norm_w = 1.0 + 0.2 * torch.randn(H * V, generator=g, dtype=torch.float64)
     return p, conv_w, conv_b, conv_state, state, gains, norm_w
 
