@@ -154,7 +154,7 @@ class Attention(nn.Module):
             if out is not None:
                 return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
         if isinstance(cache, StaticLayerCache):
-            mask, is_causal = cache.static_mask(), False  # the whole storage, its empty slots masked
+            mask, is_causal = cache.static_mask(q.dtype), False  # the whole storage, its empty slots masked
         elif offsets is not None and not torch.compiler.is_compiling():
             out = _grouped_attention(q, k, v, host_offsets, key_offsets, window=self.window,
                                      dropout=self.dropout if self.training else 0.0,

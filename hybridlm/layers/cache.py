@@ -254,12 +254,16 @@ class StaticLayerCache(LayerCache):
     index s mod W, and index i then holds slot `slot - ((slot - i) mod W)`: the one being written and the W - 1
     before it, exactly what the window lets the new query see. Built from the last min(filled, W - 1) slots of
     `source`. `length` counts every slot seen (with a ring, more than it holds). The mixers' step kernels write the
-    new SSM states over the ones in `ssm` (`states_in_place`)."""
+    new SSM states over the ones in `ssm` (`states_in_place`). `step_memo`: a dict the layers of one cache share,
+    emptied whenever the slot advances, where the step's mask is kept once computed (`static_mask`; None: each call
+    computes it)."""
 
     states_in_place = True
 
-    def __init__(self, source: LayerCache, *, capacity: int, slot: torch.Tensor) -> None:
+    def __init__(self, source: LayerCache, *, capacity: int, slot: torch.Tensor,
+                 step_memo: dict | None = None) -> None:
         super().__init__()
+        self._memo = step_memo
         self.ssm = {name: t.clone() for name, t in source.ssm.items()}
         self.window = source.window
         # Slots here are counted from the rows' start (nothing is dropped), so the left padding is the rows' first.
@@ -323,8 +327,20 @@ class StaticLayerCache(LayerCache):
         if window != self.window:
             raise ValueError(f"this cache was filled with attention_window={self.window}, this call has {window}")
 
-    def static_mask(self) -> torch.Tensor:
-        """[B or 1, 1, 1, S] True where the new query may attend (from device tensors only: no host read)."""
+    def static_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """[B or 1, 1, 1, S] additive mask of `dtype`: 0 where the new query may attend, -inf elsewhere (from device
+        tensors only: no host read). Every layer of a step reads the same mask, so the first computes it and the others
+        take it from the step's memo: a few kernels once per step rather than per layer, and in the queries' dtype,
+        which SDPA would otherwise convert a boolean mask into in every layer."""
+        if self._memo is None:
+            return additive_mask(self._attendable(), dtype)
+        key = ("static_mask", self._ring, self.window, id(self._first), dtype)
+        if key not in self._memo:
+            self._memo[key] = additive_mask(self._attendable(), dtype)
+        return self._memo[key]
+
+    def _attendable(self) -> torch.Tensor:
+        """[B or 1, 1, 1, S] True where the new query may attend."""
         if self._ring:
             held = self._slot - torch.remainder(self._slot - self._slots, self.window)  # [W] slot each index holds
             valid = held >= 0  # before the ring came round, some indices hold nothing yet
@@ -347,7 +363,16 @@ class StaticCache(HybridCache):
                              "slots already filled")
         self.capacity = capacity
         self.slot = torch.tensor(cache.seq_len, dtype=torch.int64, device=device)
-        self.layers = [StaticLayerCache(layer, capacity=capacity, slot=self.slot) for layer in cache.layers]
+        self.step_memo: dict = {}  # what the layers compute once per step (`StaticLayerCache.static_mask`)
+        self.layers = [StaticLayerCache(layer, capacity=capacity, slot=self.slot, step_memo=self.step_memo)
+                       for layer in cache.layers]
+        # Every layer holds the same rows, so one tensor of their left padding serves them all (and they share a mask)
+        firsts = [layer._first for layer in self.layers if layer._first is not None]
+        if any(not torch.equal(first, firsts[0]) for first in firsts[1:]):
+            raise ValueError("the cache's layers disagree on their rows' left padding")
+        for layer in self.layers:
+            if layer._first is not None:
+                layer.pad = layer._first = firsts[0]
         self.seq_len = cache.seq_len
         rows = cache.lengths if cache.lengths is not None else torch.full((batch_size,), cache.seq_len)
         self.next_positions = rows.to(device=device, dtype=torch.int64).clone()[:, None]  # [B, 1]
@@ -367,12 +392,19 @@ class StaticCache(HybridCache):
         return self.next_positions
 
     def advance(self, length: int) -> None:
+        self.step_memo.clear()
         self.slot.add_(length)
         self.next_positions.add_(length)
         self.seq_len += length
 
     def start_rows(self, lengths: torch.Tensor, *, device: torch.device | str) -> None:
         raise ValueError("a static cache continues a filled cache: run the prefill on a HybridCache")
+
+
+def additive_mask(attendable: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as SDPA's additive one of `dtype`: 0 where True, -inf where False."""
+    return torch.full(attendable.shape, float("-inf"), dtype=dtype, device=attendable.device).masked_fill_(
+        attendable, 0.0)
 
 
 def _grow(storage: torch.Tensor | None, filled: int, like: torch.Tensor, capacity: int, *,

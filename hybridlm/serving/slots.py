@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridlm.layers.cache import HybridCache, LayerCache, StaticLayerCache
+from hybridlm.layers.cache import HybridCache, LayerCache, StaticLayerCache, additive_mask
 from hybridlm.modules.rotary import rotate_into_cache_fuses
 from hybridlm.ops.rotary import rotary_qk_into_cache_triton
 
@@ -81,8 +81,18 @@ class SlotLayerCache(StaticLayerCache):
             return self._key.shape[1]
         return self._owner.step_span or self._owner.longest + 1
 
-    def static_mask(self) -> torch.Tensor:
-        """[n, 1, 1, S] True where a row's query may attend: its filled slots and the one just written."""
+    def static_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """[n, 1, 1, S] additive mask of `dtype`: 0 where a row's query may attend (its filled slots and the one just
+        written), -inf elsewhere. Computed by the step's first layer, the others take it from the owner's step memo
+        (`StaticLayerCache.static_mask`)."""
+        key = ("static_mask", self._ring, dtype)  # the step's span is the same in every layer
+        memo = self._owner.step_memo
+        if key not in memo:
+            memo[key] = additive_mask(self._attendable(), dtype)
+        return memo[key]
+
+    def _attendable(self) -> torch.Tensor:
+        """[n, 1, 1, S] True where a row's query may attend."""
         where = self._owner.positions_now()[:, None]  # [n, 1]
         if self._ring:
             index = torch.arange(self._key.shape[1], device=where.device)[None]  # [1, W]
@@ -185,6 +195,8 @@ class SlotCache(HybridCache):
         self.step_rows = 0
         self.step_span: int | None = None
         self.storage_version = 0  # counts storage allocations: tensors captured before a change are stale
+        # What the layers compute once per step (`SlotLayerCache.static_mask`), emptied as each step begins and ends.
+        self.step_memo: dict = {}
 
     @property
     def longest(self) -> int:
@@ -202,6 +214,7 @@ class SlotCache(HybridCache):
     def advance(self, length: int) -> None:
         """Count a step's tokens: on the device, and on the host unless the step has a fixed span (`begin`): such a
         step is the body of a replayed graph, so its caller counts the host's (`count_step`) after each run."""
+        self.step_memo.clear()
         self.lengths_device[: self.step_rows] += length
         if self.step_span is None:
             self.count_step(length)
@@ -247,6 +260,7 @@ class SlotCache(HybridCache):
             raise ValueError(f"a step of {rows} rows and span {span} cannot hold {self.rows} rows of up to "
                              f"{self.longest} tokens in slots of {self.capacity}")
         self.step_rows, self.step_span = rows, span
+        self.step_memo.clear()
         if views:
             for layer in self.layers:
                 layer.begin(rows)
@@ -264,6 +278,7 @@ class SlotCache(HybridCache):
     def restore(self, saved: dict) -> None:
         """Undo the steps since `snapshot` (but the key/value slots they wrote, which the next step rewrites)."""
         self.host_lengths = list(saved["host"])
+        self.step_memo.clear()
         self.lengths_device.copy_(saved["device"])
         for layer, states in zip(self.layers, saved["states"]):
             for name, value in states.items():

@@ -316,6 +316,23 @@ def test_static_decoding_step_equals_the_dynamic_cache(mixer, padded, monkeypatc
     assert max_diff(static.logits, dynamic.logits) < 1e-5
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["equal", "left-padded"])
+def test_static_step_computes_its_attention_mask_once_for_every_layer(padded, monkeypatch):
+    """The static step's layers share one additive mask per step (`StaticLayerCache.static_mask`): built once per
+    step however many attention layers read it, and rebuilt after the slot advances (the logits' equality with the
+    dynamic cache, above, fails if a stale one is read)."""
+    import hybridlm.layers.cache as cache_module
+
+    built = []
+    monkeypatch.setattr(cache_module, "additive_mask",
+                        lambda attendable, dtype, make=cache_module.additive_mask: built.append(dtype) or make(
+                            attendable, dtype))
+    model = make_model(seed=6, num_hidden_layers=3, **MIXERS["mamba2"])
+    batch, mask = padded_batch(seed=7)[1:] if padded else (ids(3, 6, seed=7), None)
+    generate(model, batch, attention_mask=mask, max_new_tokens=5, graph=True)
+    assert built == [torch.float32] * 4  # the four steps after the prefill's token, one mask each
+
+
 def test_static_decoder_reads_its_states_from_fixed_buffers():
     """Every step reads the same state tensors (what a replayed graph needs), the write slot advances on the device,
     and the decoder refuses to run past its capacity."""

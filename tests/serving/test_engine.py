@@ -203,6 +203,33 @@ def test_windowed_layers_keep_a_ring_of_window_slots():
     assert keys and all(k.shape[1] == 5 for k in keys)  # W slots per row, not max_model_len
 
 
+@pytest.mark.parametrize("changes", [{}, dict(attention_window=5)], ids=["full", "window"])
+def test_a_decoding_step_builds_its_attention_mask_once_for_every_layer(changes, monkeypatch):
+    """The slots' layers share one additive mask per step (`SlotLayerCache.static_mask`): as many masks as decoding
+    steps, not one per layer, and the outputs still equal each request alone (a stale mask would change them)."""
+    import hybridlm.serving.slots as slots_module
+
+    built = []
+    monkeypatch.setattr(slots_module, "additive_mask",
+                        lambda attendable, dtype, make=slots_module.additive_mask: built.append(dtype) or make(
+                            attendable, dtype))
+    model = make_model(num_hidden_layers=3, **changes).double()
+    steps, forward = [], model.forward
+
+    def counted(*args, cache=None, **kwargs):
+        if cache is not None and cache is engine.slots:
+            steps.append(1)
+        return forward(*args, cache=cache, **kwargs)
+
+    model.forward = counted
+    engine = Engine(model, max_num_seqs=2, max_model_len=40, block_size=4)
+    prompts = [ids(1, n, seed=n)[0].tolist() for n in (3, 9)]
+    got = run_staggered(engine, prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 4)])
+    model.forward = forward
+    assert got == [alone(model, p, n) for p, n in zip(prompts, (5, 4))]
+    assert len(steps) >= 4 and built == [torch.float64] * len(steps)
+
+
 def test_step_buckets():
     assert row_buckets(1) == [1]
     assert row_buckets(5) == [1, 2, 4, 5]
