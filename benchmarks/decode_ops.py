@@ -45,6 +45,7 @@ from hybridlm.layers import mamba2 as mamba2_layer  # noqa: E402
 from hybridlm.layers.fast_weight import FastWeightMixer  # noqa: E402
 from hybridlm.layers.mamba2 import Mamba2Mixer  # noqa: E402
 from hybridlm.models.fold import fold_multipliers  # noqa: E402
+from hybridlm.models.fuse import fuse_projections  # noqa: E402
 from hybridlm.modules import ShortConvolution, short_conv  # noqa: E402
 from hybridlm.ops.rotary import rotary_qk_triton  # noqa: E402
 
@@ -190,6 +191,9 @@ def main() -> None:
     parser.add_argument("--fold-multipliers", action="store_true",
                         help="fold each model's muP multipliers into its weights first (`hybridlm.models.fold`, what "
                              "serve, generate and chat do at load); a preset like falcon-h1-0.5b has them")
+    parser.add_argument("--fuse-projections", action="store_true",
+                        help="fuse the projections that read one input into one GEMM each (`hybridlm.models.fuse`, "
+                             "what serve, generate and chat do at load)")
     parser.add_argument("--static", action="store_true",
                         help="count the step a CUDA graph captures (`GraphedDecoder` on a `StaticCache`: the static "
                              "attention and the copies of new SSM states into the buffers the step reads)")
@@ -200,6 +204,8 @@ def main() -> None:
         model = build(args.preset, variant, torch.device("cpu")).eval()
         if args.fold_multipliers:
             fold_multipliers(model)
+        if args.fuse_projections:
+            fuse_projections(model)
         layers = len(model.model.layers)
         has_mixers = any(isinstance(m, (FastWeightMixer, Mamba2Mixer)) for m in model.modules())
         for kernels in ([False, True] if has_mixers else [False]):
@@ -214,7 +220,8 @@ def main() -> None:
                              baseline=BASELINE.get(variant, "transformer")))
     totals = {r["variant"]: r["total"] for r in rows if r["steps"] in ("-",)}
     step = "the static step a CUDA graph captures" if args.static else "decoding step"
-    folded = ", multipliers folded" if args.fold_multipliers else ""
+    folded = (", multipliers folded" if args.fold_multipliers else "") + (
+        ", projections fused" if args.fuse_projections else "")
     print(f"operators per {step}, {args.preset}{folded}, batch {args.batch} "
           f"(CPU; views and allocations not counted; queries and keys "
           f"rotated on the {'torch form' if args.torch_rotary else 'Triton kernel'})\n")

@@ -85,6 +85,7 @@ from hybridlm.layers.fast_weight import FastWeightMixer
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.allocation import channel_allocation
 from hybridlm.models.fold import fold_multipliers
+from hybridlm.models.fuse import fuse_projections
 from hybridlm.models.model import HybridForCausalLM
 from hybridlm.models.presets import get_preset
 from hybridlm.modules import ShortConvolution
@@ -398,6 +399,9 @@ def main() -> None:
     parser.add_argument("--fold-multipliers", action="store_true",
                         help="decode with each model's muP multipliers folded into its weights (`fold_multipliers`, "
                              "as serve / generate / chat load a model); a preset like falcon-h1-0.5b has them")
+    parser.add_argument("--fuse-projections", action="store_true",
+                        help="decode with the projections that read one input fused into one GEMM each "
+                             "(`fuse_projections`, as serve / generate / chat load a model)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run of this script)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -417,7 +421,8 @@ def main() -> None:
           + (" · decoding through CUDA graphs" if args.graph else "")
           + (" of the compiled step" if args.graph and args.compile_decode else "")
           + f" · short conv backend {args.conv_backend}"
-          + (" · decoding with the muP multipliers folded" if args.fold_multipliers else ""))
+          + (" · decoding with the muP multipliers folded" if args.fold_multipliers else "")
+          + (" · decoding with the projections fused" if args.fuse_projections else ""))
     compile_step = ("inductor" if device.type == "cuda" else "aot_eager") if args.compile_decode else None
     rows: list[dict] = []
 
@@ -463,6 +468,8 @@ def main() -> None:
             fold_multipliers(model)  # training is done: the model serves decoding alone from here
         if not autocast:
             model.to(torch.bfloat16)
+        if args.fuse_projections:
+            fuse_projections(model)  # after the cast: `.to()` gives the fused parts their own storage again
         for context in args.contexts:
             for batch in args.decode_batches:
                 for loops in [False] + ([True] if args.torch_steps and has_mixers else []):

@@ -17,6 +17,7 @@ _EXPORTS = {
     "HybridCache": "hybridlm.layers.cache",
     "load_model": "hybridlm.models.hf",
     "fold_multipliers": "hybridlm.models.fold",
+    "fuse_projections": "hybridlm.models.fuse",
 }
 
 __all__ = ["__version__", *_EXPORTS]

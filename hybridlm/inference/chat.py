@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from hybridlm.models.commands import add_fold_multipliers_flag
+from hybridlm.models.commands import add_generation_flags, generation_options
 
 
 def add_chat_command(subparsers) -> None:
@@ -35,7 +35,7 @@ def add_chat_command(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None, metavar="S", help="seed of the sampling")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="parameter dtype")
-    add_fold_multipliers_flag(p)
+    add_generation_flags(p)
     p.set_defaults(func=run_chat)
 
 
@@ -166,7 +166,7 @@ def _session(args: argparse.Namespace) -> ChatSession:
     from hybridlm.data.chat import ChatEncoder
     from hybridlm.data.errors import DataError
     from hybridlm.devices import parse_device
-    from hybridlm.models.fold import fold_multipliers
+    from hybridlm.models.fuse import prepare_for_generation
     from hybridlm.models.hf import load_model
 
     model_dir = Path(args.model)
@@ -179,7 +179,6 @@ def _session(args: argparse.Namespace) -> ChatSession:
         raise ValueError(str(err)) from None
     device = parse_device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     model = load_model(model_dir, dtype=getattr(torch, args.dtype)).to(device)
-    if not getattr(args, "no_fold_multipliers", False):
-        fold_multipliers(model)
+    prepare_for_generation(model, **generation_options(args))
     return ChatSession(model, encoder, system=args.system, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)

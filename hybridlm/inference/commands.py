@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hybridlm.models.commands import add_fold_multipliers_flag
+from hybridlm.models.commands import add_generation_flags, generation_options
 
 DEFAULT_NEW_TOKENS = 64
 
@@ -53,7 +53,7 @@ def add_commands(subparsers) -> None:
                    help="prefill in pieces of N tokens per prompt (bounds memory on long prompts)")
     p.add_argument("--graph", action="store_true",
                    help="decode through a CUDA graph of the step (hybridlm/models/graphed.py; eager on the CPU)")
-    add_fold_multipliers_flag(p)
+    add_generation_flags(p)
     p.set_defaults(func=run_generate)
 
     from hybridlm.inference.chat import add_chat_command
@@ -80,7 +80,7 @@ def generate_texts(args: argparse.Namespace) -> list[str]:
 
     from hybridlm.devices import parse_device
     from hybridlm.inference import generate
-    from hybridlm.models.fold import fold_multipliers
+    from hybridlm.models.fuse import prepare_for_generation
     from hybridlm.models.hf import load_model
 
     model_dir = Path(args.model)
@@ -94,8 +94,7 @@ def generate_texts(args: argparse.Namespace) -> list[str]:
     tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else model_dir)
     device = parse_device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     model = load_model(model_dir, dtype=getattr(torch, args.dtype)).to(device)
-    if not getattr(args, "no_fold_multipliers", False):
-        fold_multipliers(model)
+    prepare_for_generation(model, **generation_options(args))
     config = model.config
 
     prompts = [tokenizer.encode(text) for text in args.prompt]

@@ -79,7 +79,8 @@ class Attention(nn.Module):
         cache: LayerCache | None = None,
         restarts_resolved: bool = False,  # the caller (the model) packed any document restarts and numbered tokens
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin) [B or 1, T, D] of the positions
-    ) -> torch.Tensor:
+        projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # (q, k, v)_proj(hidden) computed
+    ) -> torch.Tensor:                                                              # by the caller: one fused GEMM
         if cu_seqlens is None and position_ids is not None and not restarts_resolved and has_restarts(position_ids):
             if cache is not None:
                 raise ValueError("Attention: a decoding cache cannot be combined with packed documents (restarts)")
@@ -105,9 +106,10 @@ class Attention(nn.Module):
             else:
                 position_ids = torch.arange(length, device=hidden.device).unsqueeze(0)  # [1, T]
 
-        q = self.q_proj(hidden).view(batch, length, self.num_heads, self.head_dim)  # [B, T, Hq, D]
-        k = scaled(self.k_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim), self.key_multiplier)
-        v = self.v_proj(hidden).view(batch, length, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        q, k, v = projected if projected is not None else (self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden))
+        q = q.view(batch, length, self.num_heads, self.head_dim)  # [B, T, Hq, D]
+        k = scaled(k.view(batch, length, self.num_kv_heads, self.head_dim), self.key_multiplier)
+        v = v.view(batch, length, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
         if rotary is None:
             rotary = self.rotary(position_ids)  # (cos, sin) [B or 1, T, D] float32
 

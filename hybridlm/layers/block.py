@@ -51,6 +51,7 @@ from hybridlm.layers.cache import LayerCache
 from hybridlm.layers.fast_weight import FastWeightMixer
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.layers.mlp import GatedMLP
+from hybridlm.modules.fused_linear import FusedLinear
 from hybridlm.modules.multiplier import scaled
 from hybridlm.modules.norm import RMSNorm
 
@@ -102,6 +103,11 @@ class HybridBlock(nn.Module):
         self.attn_norm = RMSNorm(config.hidden_size, eps=eps) if sequential else None
         mlp_needs_norm = self.mlp is not None and self.arrangement != "SAM"
         self.mlp_norm = RMSNorm(config.hidden_size, eps=eps) if mlp_needs_norm else None
+        # The projections that read one input as one GEMM each (`hybridlm.models.fuse.fuse_projections`), for calls
+        # with a cache and no gradient (`_fuses`): q, k, v (with the SSM's in_proj when both mixers read N(x) unscaled)
+        # and the MLP's up and gate. None: each projection apart.
+        self.fused_input: FusedLinear | None = None
+        self.fused_mlp: FusedLinear | None = None
 
     def forward(
         self,
@@ -117,29 +123,52 @@ class HybridBlock(nn.Module):
         if seq_idx is not None and cu_seqlens is None:
             raise ValueError("HybridBlock: seq_idx marks the documents of a packed row and needs its cu_seqlens")
         mix = dict(cu_seqlens=cu_seqlens, position_ids=position_ids, cache=cache, restarts_resolved=restarts_resolved)
+        fuses = self._fuses(mix)
         n = self.norm(x)
         if self.arrangement == "S_A_M":
             h = x
             if self.ssm is not None:
-                h = h + self._ssm(n, mix, seq_idx)
+                h = h + self._ssm(n, mix, seq_idx, {})  # its in_proj alone reads N(x): nothing to fuse with
             if self.attn is not None:
-                h = h + self._attn(self.attn_norm(h) if self.attn_norm is not None else n, mix, rotary)
-            return h + self.mlp(self.mlp_norm(h)) if self.mlp is not None else h
+                h = h + self._attn(self.attn_norm(h) if self.attn_norm is not None else n, mix, rotary, fuses, {})
+            return h + self._mlp(self.mlp_norm(h), fuses) if self.mlp is not None else h
+        shared = self.fused_input is not None and "ssm.in_proj" in self.fused_input.names
+        parts = self._project(self.fused_input, n, fuses) if shared else {}  # both mixers' projections of N(x)
         mixed = x
         if self.ssm is not None:
-            mixed = mixed + self._ssm(n, mix, seq_idx)
+            mixed = mixed + self._ssm(n, mix, seq_idx, parts)
         if self.attn is not None:
-            mixed = mixed + self._attn(n, mix, rotary)
+            mixed = mixed + self._attn(n, mix, rotary, fuses, parts)
         if self.mlp is None:
             return mixed
         if self.arrangement == "SAM":
-            return mixed + self.mlp(n)
-        return mixed + self.mlp(self.mlp_norm(mixed))  # SA_M
+            return mixed + self._mlp(n, fuses)
+        return mixed + self._mlp(self.mlp_norm(mixed), fuses)  # SA_M
 
-    def _ssm(self, n: torch.Tensor, mix: dict, seq_idx: torch.Tensor | None) -> torch.Tensor:
+    def _fuses(self, mix: dict) -> bool:
+        """Whether this call takes the fused projections (`fused_input`, `fused_mlp`): generation's calls (a cache,
+        no packed documents, no gradient: the fused weights are buffers, which record none)."""
+        return (mix["cache"] is not None and mix["cu_seqlens"] is None and not torch.is_grad_enabled()
+                and (self.fused_input is not None or self.fused_mlp is not None))
+
+    def _project(self, fused: FusedLinear | None, x: torch.Tensor, fuses: bool) -> dict[str, torch.Tensor]:
+        """The parts of `fused` this block still holds (`FusedLinear.reads`) applied to x in one GEMM, by their paths
+        ("attn.q_proj", ...); {} where the call does not fuse, or where the SSM's and attention's projections would
+        read N(x) scaled by input multipliers that are not 1 (`fold_multipliers` makes them 1)."""
+        if not fuses or fused is None:
+            return {}
+        if "ssm.in_proj" in fused.names and (self.ssm_in_multiplier, self.attn_in_multiplier) != (1.0, 1.0):
+            return {}
+        return fused(x, {name: self.get_submodule(name) for name in fused.names}) or {}
+
+    def _mlp(self, x: torch.Tensor, fuses: bool) -> torch.Tensor:
+        parts = self._project(self.fused_mlp, x, fuses)
+        return self.mlp(x, projected=(parts["mlp.up_proj"], parts["mlp.gate_proj"]) if parts else None)
+
+    def _ssm(self, n: torch.Tensor, mix: dict, seq_idx: torch.Tensor | None, parts: dict) -> torch.Tensor:
         n = scaled(n, self.ssm_in_multiplier)
         if mix["cu_seqlens"] is None:
-            out = self.ssm(n, **mix)
+            out = self.ssm(n, **mix, **({"projected": parts["ssm.in_proj"]} if "ssm.in_proj" in parts else {}))
         elif (seq_idx is not None and mix["cache"] is None and getattr(self.ssm, "takes_seq_idx", False)
               and (torch.compiler.is_compiling() or getattr(self.ssm, "prefers_seq_idx", False))):
             out = self.ssm(n, cu_seqlens=mix["cu_seqlens"], position_ids=mix["position_ids"], seq_idx=seq_idx,
@@ -148,9 +177,15 @@ class HybridBlock(nn.Module):
             out = _packed_mix(self.ssm, n, mix)
         return scaled(out, self.ssm_out_multiplier)
 
-    def _attn(self, n: torch.Tensor, mix: dict, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def _attn(self, n: torch.Tensor, mix: dict, rotary: tuple[torch.Tensor, torch.Tensor] | None, fuses: bool,
+              parts: dict) -> torch.Tensor:
+        """`parts`: q, k, v's projections if the block computed them with the SSM's; else q, k, v fused alone."""
         n = scaled(n, self.attn_in_multiplier)
         mix = {**mix, "rotary": rotary}
+        if self.fused_input is not None and "ssm.in_proj" not in self.fused_input.names:
+            parts = self._project(self.fused_input, n, fuses)
+        if "attn.q_proj" in parts:
+            mix["projected"] = (parts["attn.q_proj"], parts["attn.k_proj"], parts["attn.v_proj"])
         out = self.attn(n, **mix) if mix["cu_seqlens"] is None else _packed_mix(self.attn, n, mix)
         return scaled(out, self.attn_out_multiplier)
 

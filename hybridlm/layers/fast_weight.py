@@ -170,6 +170,7 @@ class FastWeightMixer(nn.Module):
         cache: LayerCache | None = None,
         restarts_resolved: bool = False,  # the caller (the model) packed any document restarts already
         seq_idx: torch.Tensor | None = None,  # [1, T] with cu_seqlens: the compiled block's static packed path
+        projected: torch.Tensor | None = None,  # in_proj(hidden), computed by the caller (a fused GEMM)
     ) -> torch.Tensor:
         batch, length, _ = hidden.shape
         if seq_idx is not None and (cu_seqlens is None or cache is not None):
@@ -183,7 +184,7 @@ class FastWeightMixer(nn.Module):
             packed, cu_seqlens, _ = pack_rows(hidden, position_ids)  # [1, B T, D]
             return self(packed, cu_seqlens=cu_seqlens).reshape(batch, length, -1)
         # 1. Fused input projection and split.
-        proj = self.in_proj(hidden)
+        proj = self.in_proj(hidden) if projected is None else projected
         if cache is not None and self._whole_step_in_one_kernel(proj, cache, cu_seqlens, seq_idx):
             return self._decoding_step(proj, cache, hidden.dtype)
         qkv, z, beta_logits, lam_logits = proj.split(

@@ -106,6 +106,7 @@ class Mamba2Mixer(nn.Module):
         cache: LayerCache | None = None,
         restarts_resolved: bool = False,  # the caller (the model) packed any document restarts already
         seq_idx: torch.Tensor | None = None,  # [B, T] document index per token; replaces cu_seqlens (then ignored)
+        projected: torch.Tensor | None = None,  # in_proj(hidden), computed by the caller (a fused GEMM)
     ) -> torch.Tensor:
         if seq_idx is not None:
             if cache is not None:
@@ -118,7 +119,7 @@ class Mamba2Mixer(nn.Module):
             packed, cu_seqlens, _ = pack_rows(hidden, position_ids)  # documents packed inside rows
             return self(packed, cu_seqlens=cu_seqlens).reshape(hidden.shape[0], hidden.shape[1], -1)
         # 1. Fused input projection, split (the muP multipliers of x, B, C, dt in `_mix`, the gate's below).
-        zxbcdt = self.in_proj(hidden)  # [B, T, 2 d_ssm + 2 G N + H]
+        zxbcdt = self.in_proj(hidden) if projected is None else projected  # [B, T, 2 d_ssm + 2 G N + H]
         z, xbc, dt = zxbcdt.split([self.d_ssm, self.conv_channels, self.num_heads], dim=-1)
         documents = dict(cu_seqlens=cu_seqlens, seq_idx=seq_idx)
         if self._recomputes(xbc, cache, seq_idx):  # training on the Triton kernels: keep the projection only

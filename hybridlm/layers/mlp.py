@@ -19,8 +19,10 @@ class GatedMLP(nn.Module):
         self.gate_multiplier = config.mlp_multiplier_gate
         self.down_multiplier = config.mlp_multiplier_down
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
+    def forward(self, x: torch.Tensor, *, projected: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]; `projected`: (up_proj(x), gate_proj(x)) computed by the caller (a fused GEMM)."""
         # up * SiLU(gate) with float32 math, rounded once [B, T, d_mlp]; only up and gate are kept for the backward
         # (`silu_gate`), and down_proj recomputes the product there rather than keeping it (`recomputed_linear`)
-        up, gate = self.up_proj(x), scaled(self.gate_proj(x), self.gate_multiplier)
+        up, gate = projected if projected is not None else (self.up_proj(x), self.gate_proj(x))
+        gate = scaled(gate, self.gate_multiplier)
         return scaled(recomputed_linear(silu_gate, (up, gate), self.down_proj), self.down_multiplier)

@@ -16,12 +16,22 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_models)
 
 
-def add_fold_multipliers_flag(parser: argparse.ArgumentParser) -> None:
-    """`--no-fold-multipliers` for the commands that load a model for inference (generate, chat, serve), which fold
-    its muP multipliers into its weights by default (`hybridlm.models.fold`)."""
+def add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    """`--no-fold-multipliers` and `--no-fuse-projections` for the commands that load a model for inference
+    (generate, chat, serve), which fold its muP multipliers into its weights and fuse the projections that read one
+    input by default (`hybridlm.models.fuse.prepare_for_generation`)."""
     parser.add_argument("--no-fold-multipliers", action="store_true",
                         help="keep the muP multipliers as separate scalings (default: folded into the weights at load, "
                              "hybridlm/models/fold.py: the same function with fewer kernels per decoding step)")
+    parser.add_argument("--no-fuse-projections", action="store_true",
+                        help="run each projection apart (default: those that read one input, q/k/v with a parallel "
+                             "block's SSM in_proj and the MLP's up/gate, as one GEMM each; hybridlm/models/fuse.py)")
+
+
+def generation_options(args: argparse.Namespace) -> dict[str, bool]:
+    """`prepare_for_generation`'s fold and fuse as `add_generation_flags` set them."""
+    return dict(fold=not getattr(args, "no_fold_multipliers", False),
+                fuse=not getattr(args, "no_fuse_projections", False))
 
 
 def count_parameters(config) -> int:

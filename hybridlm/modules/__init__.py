@@ -9,12 +9,14 @@ from hybridlm.modules.boundaries import (
     padding_mask,
     sequence_ids,
 )
+from hybridlm.modules.fused_linear import FusedLinear
 from hybridlm.modules.gated_norm import GatedRMSNorm, gated_rms_norm
 from hybridlm.modules.norm import RMSNorm, rms_norm
 from hybridlm.modules.rotary import RotaryEmbedding, apply_rotary, rotary_cos_sin
 from hybridlm.modules.short_conv import ShortConvolution, causal_conv1d
 
 __all__ = [
+    "FusedLinear",
     "GatedRMSNorm",
     "RMSNorm",
     "RotaryEmbedding",

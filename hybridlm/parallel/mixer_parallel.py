@@ -131,12 +131,13 @@ class MixerParallelBlock(HybridBlock):
     mixer_role: str
     mixer_pair: DeviceMesh
 
-    def _attn(self, n: torch.Tensor, mix: dict, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        own = super()._attn(_ToMixer.apply(n, self.mixer_pair), mix, rotary)
+    def _attn(self, n: torch.Tensor, mix: dict, rotary: tuple[torch.Tensor, torch.Tensor] | None, fuses: bool,
+              parts: dict) -> torch.Tensor:
+        own = super()._attn(_ToMixer.apply(n, self.mixer_pair), mix, rotary, fuses, parts)
         return _SumOverMixers.apply(own, self.mixer_pair)
 
-    def _ssm(self, n: torch.Tensor, mix: dict, seq_idx: torch.Tensor | None) -> torch.Tensor:
-        own = super()._ssm(_ToMixer.apply(n, self.mixer_pair), mix, seq_idx)
+    def _ssm(self, n: torch.Tensor, mix: dict, seq_idx: torch.Tensor | None, parts: dict) -> torch.Tensor:
+        own = super()._ssm(_ToMixer.apply(n, self.mixer_pair), mix, seq_idx, parts)
         return _SumOverMixers.apply(own, self.mixer_pair)
 
     def extra_repr(self) -> str:

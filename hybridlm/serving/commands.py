@@ -9,8 +9,8 @@ completion tokens, cached prompt tokens, time to first token, total time). The t
 from the model directory (or --tokenizer). On a CUDA device the decoding step replays CUDA graphs, captured at
 start-up for every batch and key-span bucket (`hybridlm.serving.graphed`); --compile compiles that step with
 torch.compile (inductor) before the capture, so each graph replays fused kernels; --enforce-eager runs the step op by
-op. The muP multipliers are folded into the loaded weights (`hybridlm.models.fold`; --no-fold-multipliers keeps
-them). The engine runs in a process of its own (`hybridlm.serving.process`; --engine-thread: on a thread of the
+op. The muP multipliers are folded into the loaded weights and the projections that read one input run as one GEMM
+(`hybridlm.models.fuse`; --no-fold-multipliers, --no-fuse-projections keep them apart). The engine runs in a process of its own (`hybridlm.serving.process`; --engine-thread: on a thread of the
 server's).
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hybridlm.models.commands import add_fold_multipliers_flag
+from hybridlm.models.commands import add_generation_flags
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -55,7 +55,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile the decoding step with torch.compile (inductor) before capturing its graphs: fewer, "
                         "fused kernels per step, for a longer start-up (one or two compilations)")
-    add_fold_multipliers_flag(p)
+    add_generation_flags(p)
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process (default: a process of its own, so "
                         "the engine's Python work and the server's do not take turns on one interpreter)")
@@ -96,7 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     dtype=getattr(torch, args.dtype),
                     device=None if args.device == "auto" else args.device,
                     decode_step="eager" if args.enforce_eager else "auto",
-                    fold_multipliers=not args.no_fold_multipliers)
+                    fold_multipliers=not args.no_fold_multipliers, fuse_projections=not args.no_fuse_projections)
     if args.compile:
         settings["compile_step"] = "inductor"
     try:

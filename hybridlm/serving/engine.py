@@ -139,6 +139,8 @@ class Engine:
             (`hybridlm.models.fold`: the same function, an elementwise kernel fewer per multiplier and call; an
             official Falcon-H1 checkpoint's decoding step loses some thirteen per layer). A model given as an object
             is used as it is.
+        fuse_projections: a model loaded from a directory has the projections that read one input fused into one
+            GEMM each (`hybridlm.models.fuse`: q, k, v with a parallel block's SSM in_proj, the MLP's up and gate).
         decode_step: "auto" (CUDA graphs on a CUDA device, else "eager"), "graph" (each step at a fixed shape replayed
             as a CUDA graph: `hybridlm.serving.graphed`), "fixed" (the same fixed-shape step run eagerly) or "eager"
             (the running rows and the longest row's keys exactly, one kernel launch per operator).
@@ -151,15 +153,12 @@ class Engine:
                  block_size: int = 256, max_prefill_tokens: int | None = None, prefix_cache_bytes: int = 1 << 30,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  decode_step: str = "auto", compile_step: str | Callable | None = None,
-                 fold_multipliers: bool = True) -> None:
+                 fold_multipliers: bool = True, fuse_projections: bool = True) -> None:
         if isinstance(model, (str, Path)):
-            model, tokenizer = _load(Path(model), tokenizer, dtype=dtype, device=device)
-            if fold_multipliers:
-                from hybridlm.models.fold import fold_multipliers as fold
+            from hybridlm.models.fuse import prepare_for_generation
 
-                folded = fold(model)
-                if folded:
-                    log.info("folded %d muP multipliers into the weights (%s)", len(folded), ", ".join(folded))
+            model, tokenizer = _load(Path(model), tokenizer, dtype=dtype, device=device)
+            prepare_for_generation(model, fold=fold_multipliers, fuse=fuse_projections)
         self.device = next(model.parameters()).device
         if max_prefill_tokens is None:
             max_prefill_tokens = 8192 if self.device.type == "cuda" else 2048

@@ -396,6 +396,38 @@ def test_cuda_graph_decoding_equals_eager(mixer):
     assert decoder.graph is not None
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
+@pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1A", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_of_fused_projections_equals_the_projections_apart(mixer, dtype):
+    """On a GPU, a model in `dtype`: with its projections fused (`prepare_for_generation`: multipliers folded, then
+    one GEMM per input; strided slices into the conv, the SSM step kernels, the rotation into the cache and the SiLU
+    gate), the replayed graph's logits equal the separate projections' within a rounding of the dtype, fed the same
+    tokens."""
+    from hybridlm.inference import GraphedDecoder
+    from hybridlm.models.fuse import prepare_for_generation
+
+    _, batch, mask = padded_batch(seed=10)
+    batch, mask = batch.cuda(), mask.cuda()
+    apart = make_model(seed=10, **MIXERS[mixer]).cuda().to(dtype)
+    prepare_for_generation(apart, fuse=False)
+    fused = make_model(seed=10, **MIXERS[mixer]).cuda().to(dtype)
+    prepare_for_generation(fused)
+    assert fused.model.layers[0].fused_mlp is not None
+    with torch.no_grad():
+        caches = [model.new_cache() for model in (apart, fused)]
+        logits = [model(batch, attention_mask=mask, cache=cache, logits_to_keep=1).logits[:, -1]
+                  for model, cache in zip((apart, fused), caches)]
+        tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+        assert max_diff(logits[1].float(), logits[0].float()) < tolerance  # the prefill's fused GEMMs
+        decoder = GraphedDecoder(fused, caches[1], capacity=caches[1].seq_len + 8, batch_size=batch.shape[0])
+        for _ in range(8):
+            token = logits[0].argmax(-1)
+            logits[0] = apart(token[:, None], cache=caches[0], logits_to_keep=1).logits[:, -1]
+            assert max_diff(decoder.step(token).float(), logits[0].float()) < tolerance
+    assert decoder.graph is not None
+
+
 @pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1A", "fast_weight-3A-same_step-read_before", "none"])
 def test_compiled_static_step_equals_the_static_step(mixer):
     """`GraphedDecoder(compile_step=...)`: the model's step through torch.compile (aot_eager here; inductor on a GPU,

@@ -1,0 +1,92 @@
+"""Several linear maps of one input as one GEMM, their weights stored once (`hybridlm.models.fuse`).
+
+    fused = FusedLinear({"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj})
+    parts = fused(hidden, {"q": attn.q_proj, ...})   # {"q": [..., out_q], ...} views of one [..., sum(out)] result,
+                                                     # or None where the given projections are no longer the parts
+
+The parts' weights (and biases) become views of the concatenated ones, so no weight is held twice and anything that
+updates a part in place (loading a state dict, an optimizer) updates the fused weight too. A part whose storage left
+the fused weight (`.to()` of the model moves each tensor apart), or that was replaced or wrapped (an adapter, a
+hook, a subclass) is noticed at the call, which then returns None: the caller runs the projections apart.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridlm.modules.linear import AlignedLinear, padded_linear, pads, is_plain
+
+FUSABLE = (nn.Linear, AlignedLinear)
+
+
+class FusedLinear(nn.Module):
+    """The projections `parts` (name -> `nn.Linear` or `AlignedLinear`, all of one input width, dtype and device) as
+    one weight [sum(out), in] and bias (zeros for the parts without one; None when none has one). The fused tensors
+    are buffers left out of the state dict: the checkpoint keeps each projection under its own name."""
+
+    def __init__(self, parts: dict[str, nn.Linear]) -> None:
+        super().__init__()
+        linears = list(parts.values())
+        first = linears[0].weight
+        for name, linear in parts.items():
+            if type(linear) not in FUSABLE or not is_plain(linear, type(linear)):
+                raise ValueError(f"FusedLinear: {name} is a {type(linear).__name__} (wrapped or replaced): only plain "
+                                 "nn.Linear projections fuse (merge adapters first, or fuse before adding them)")
+            if (linear.in_features != linears[0].in_features or linear.weight.dtype != first.dtype
+                    or linear.weight.device != first.device or hasattr(linear.weight, "to_local")):
+                raise ValueError("FusedLinear: the parts must share their input width, dtype and device, with plain "
+                                 f"(not sharded) weights; {name} differs")
+        with torch.no_grad():
+            weight = torch.cat([linear.weight for linear in linears])  # [sum(out), in]
+            bias = None
+            if any(linear.bias is not None for linear in linears):
+                bias = torch.cat([linear.bias if linear.bias is not None else first.new_zeros(linear.out_features)
+                                  for linear in linears])
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.names = list(parts)
+        self.widths = [linear.out_features for linear in linears]
+        start = 0
+        for linear, width in zip(linears, self.widths):
+            linear.weight.data = weight[start : start + width]
+            if linear.bias is not None:
+                linear.bias.data = bias[start : start + width]
+            start += width
+
+    def reads(self, parts: dict[str, nn.Module]) -> bool:
+        """Whether `parts` (the projections as their owners hold them now) are still this fusion's: the same names,
+        plain linears whose weights and biases lie where the fused tensors keep them."""
+        if list(parts) != self.names:
+            return False
+        start = 0
+        for linear, width in zip(parts.values(), self.widths):
+            if type(linear) not in FUSABLE or not is_plain(linear, type(linear)) or linear.out_features != width:
+                return False
+            if not _lies_in(linear.weight, self.weight, start) or (
+                    linear.bias is not None and (self.bias is None or not _lies_in(linear.bias, self.bias, start))):
+                return False
+            start += width
+        return True
+
+    def forward(self, x: torch.Tensor, parts: dict[str, nn.Module]) -> dict[str, torch.Tensor] | None:
+        """x [..., in] -> {name: [..., out of that part]} (views of one GEMM's output), or None where `parts` are no
+        longer this fusion's (`reads`)."""
+        if not self.reads(parts):
+            warnings.warn("fused projections no longer hold the model's weights (moved or cast after fusing, or "
+                          "replaced): they run apart; fuse again after .to() to fuse them", stacklevel=2)
+            return None
+        if pads(self.weight.shape[0], self.weight.shape[1], self.weight, x):  # `AlignedLinear`'s reason, many rows
+            out = padded_linear(x, self.weight, self.bias)
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        return dict(zip(self.names, out.split(self.widths, dim=-1)))
+
+
+def _lies_in(part: torch.Tensor, whole: torch.Tensor, start: int) -> bool:
+    """Whether `part` is the view of `whole`'s rows from `start` that `FusedLinear` made it."""
+    return (part.device == whole.device and part.dtype == whole.dtype and part.stride() == whole.stride()
+            and part.data_ptr() == whole[start:].data_ptr())

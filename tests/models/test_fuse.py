@@ -1,0 +1,175 @@
+"""`fuse_projections`: the projections that read one input as one GEMM give the same logits (float64) in every
+generation path, with fewer GEMMs per step; training, gradients and the checkpoint are unchanged; a moved, cast or
+adapter-wrapped part is noticed and run apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hybridlm import fold_multipliers, fuse_projections
+from hybridlm.inference import generate
+from hybridlm.models.fuse import prepare_for_generation
+from hybridlm.models.model import HybridForCausalLM
+from hybridlm.modules import FusedLinear
+from tests.helpers import rel_err
+from tests.models.helpers import VOCAB, make_model
+from tests.models.test_fold import MODELS, MULTIPLIERS, _decode
+
+GEMMS = {"mm", "addmm", "bmm"}
+
+
+class Gemms(TorchDispatchMode):
+    """Counts the matrix products dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ in GEMMS
+        return func(*args, **(kwargs or {}))
+
+
+def _step_gemms(model, ids) -> int:
+    """Matrix products of one cached decoding step after a prefill of `ids`."""
+    with torch.no_grad():
+        cache = model(ids, cache=model.new_cache()).cache
+        with Gemms() as gemms:
+            model(ids[:, -1:], cache=cache)
+    return gemms.count
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fused_projections_give_the_same_logits_with_fewer_gemms(name):
+    """Float64, multipliers folded: a cached decode (prefill + 3 steps), greedy `generate` and its static step agree
+    with the separate projections to float64 rounding; a step runs as many GEMMs fewer as `fuse_projections` says,
+    and the parallel blocks' SSM in_proj shares q, k, v's."""
+    torch.manual_seed(0)
+    model = make_model(seed=1, **{**MULTIPLIERS, **MODELS[name]}).double()
+    ids = torch.randint(0, VOCAB, (2, 7))
+    fold_multipliers(model)
+    with torch.no_grad():
+        reference = _decode(model, ids)
+    generated = generate(model, ids, max_new_tokens=5, output_logits=True)
+    gemms = _step_gemms(model, ids)
+    saved = fuse_projections(model)
+    with torch.no_grad():
+        fused = _decode(model, ids)
+    assert rel_err(fused, reference) < 1e-12
+    for graph in (False, True):
+        out = generate(model, ids, max_new_tokens=5, output_logits=True, graph=graph)
+        assert torch.equal(out.sequences, generated.sequences) and rel_err(out.logits, generated.logits) < 1e-12
+    assert saved > 0 and _step_gemms(model, ids) == gemms - saved
+    block = model.model.layers[0]
+    parallel = block.ssm is not None and block.attn is not None and block.arrangement != "S_A_M"
+    assert ("ssm.in_proj" in block.fused_input.names) == parallel if block.attn is not None else (
+        block.fused_input is None)
+
+
+def test_training_takes_the_projections_apart_and_their_gradients_are_unchanged():
+    """With a gradient to record, the blocks run each projection (the fused tensors are buffers): the loss and every
+    parameter's gradient equal the unfused model's; an optimizer's update of a part reaches the fused weight (a view),
+    so generation after it reads the updated weights."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (2, 9))
+    models = [make_model(seed=2).double() for _ in range(2)]
+    fuse_projections(models[1])
+    for model in models:
+        model.train()
+        model(ids, labels=ids).loss.backward()
+    grads = [{name: p.grad for name, p in model.named_parameters()} for model in models]
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.equal(grads[0][name], grads[1][name]) for name in grads[0])
+    for model in models:
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        model.eval()
+    with torch.no_grad():
+        assert rel_err(_decode(models[1], ids), _decode(models[0], ids)) < 1e-12
+    layer = models[1].model.layers[0]
+    assert torch.equal(layer.fused_input.weight[: layer.ssm.in_proj.out_features], layer.ssm.in_proj.weight)
+
+
+def test_checkpoint_is_unchanged_and_reloads(tmp_path):
+    """The state dict keeps each projection under its own name (the fused buffers are not saved), save_pretrained /
+    from_pretrained give the same tensors back, and nothing is stored twice (the parts are views)."""
+    model = make_model(seed=3)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    fuse_projections(model)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    block = model.model.layers[0]
+    assert block.attn.k_proj.weight.untyped_storage().data_ptr() == block.fused_input.weight.untyped_storage(
+        ).data_ptr()
+    model.save_pretrained(tmp_path)
+    loaded = HybridForCausalLM.from_pretrained(tmp_path)
+    assert all(torch.equal(loaded.state_dict()[k], before[k]) for k in before)
+
+
+def test_a_moved_or_wrapped_part_runs_apart_with_a_warning():
+    """After `.to()` (each weight its own storage again) or an adapter replacing q_proj, the fused GEMM would read
+    stale or bypassed weights: the blocks notice, warn, and run the projections apart, with the new module's output."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (1, 6))
+    model = make_model(seed=4)
+    fuse_projections(model)
+    model.double()
+    with torch.no_grad():
+        model.model.layers[0].attn.q_proj.weight.mul_(2.0)  # only the moved part sees it
+    reference = make_model(seed=4).double()
+    with torch.no_grad():
+        reference.model.layers[0].attn.q_proj.weight.mul_(2.0)
+        expected = _decode(reference, ids)
+        with pytest.warns(UserWarning, match="fuse again"):
+            got = _decode(model, ids)
+    assert rel_err(got, expected) < 1e-12
+
+    model = make_model(seed=4).double()
+    fuse_projections(model)
+
+    class Doubled(nn.Module):  # an adapter-like wrapper: the base projection's output, doubled
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def forward(self, x):
+            return 2 * self.base(x)
+
+    attn = model.model.layers[1].attn
+    attn.v_proj = Doubled(attn.v_proj)
+    reference = make_model(seed=4).double()
+    reference.model.layers[1].attn.v_proj = Doubled(reference.model.layers[1].attn.v_proj)
+    with torch.no_grad(), pytest.warns(UserWarning, match="fuse again"):
+        assert rel_err(_decode(model, ids), _decode(reference, ids)) < 1e-12
+
+
+def test_unfolded_input_multipliers_keep_the_ssm_projection_apart():
+    """Input multipliers that are not 1 scale N(x) differently for each mixer: q, k, v fuse alone, and the logits
+    still equal the unfused model's; `prepare_for_generation` folds first, so the SSM's in_proj then joins them."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (2, 7))
+    model = make_model(seed=5, **MULTIPLIERS).double()
+    with torch.no_grad():
+        reference = _decode(model, ids)
+    fuse_projections(model)
+    assert model.model.layers[0].fused_input.names == ["attn.q_proj", "attn.k_proj", "attn.v_proj"]
+    with torch.no_grad():
+        assert rel_err(_decode(model, ids), reference) < 1e-12
+    model = make_model(seed=5, **MULTIPLIERS).double()
+    prepare_for_generation(model)
+    assert model.model.layers[0].fused_input.names[0] == "ssm.in_proj"
+    with torch.no_grad():
+        assert rel_err(_decode(model, ids), reference) < 1e-12
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="HybridForCausalLM or HybridModel"):
+        fuse_projections(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="input width, dtype and device"):
+        FusedLinear({"a": nn.Linear(4, 3), "b": nn.Linear(5, 3)})
+    model = make_model(seed=6)
+    model.model.layers[0].attn.q_proj = nn.Sequential(model.model.layers[0].attn.q_proj)
+    with pytest.raises(ValueError, match=r"layer 0: .*attn.q_proj is a Sequential"):
+        fuse_projections(model)
