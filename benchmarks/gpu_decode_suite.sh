@@ -4,16 +4,18 @@
 # into the cache, the states written in place under CUDA graphs, eager and compiled, and the serving engine's graphs)
 # and `timings` (~6 minutes: the row kernels at decoding sizes, the graphed step under bf16 autocast beside the SSM
 # mixers' torch loops, the graphed step of a bf16 copy of each model, both compiled by inductor, and the eager step's
-# kernel profile); `fold` (~3 minutes: the falcon-h1-0.5b shape's graphed step with its muP multipliers kept, then
-# folded into the weights).
+# kernel profile); `fused` (~3 minutes: the graphed bf16 step with its projections apart, then fused as serve, generate
+# and chat load a model); `fold` (~4 minutes: the falcon-h1-0.5b shape's graphed step with its muP multipliers kept,
+# folded into the weights, then folded with the projections fused).
 #
 #   bash benchmarks/gpu_decode_suite.sh OUT_DIR tests      # one log per step in OUT_DIR, the summaries printed
 #   bash benchmarks/gpu_decode_suite.sh OUT_DIR timings
+#   bash benchmarks/gpu_decode_suite.sh OUT_DIR fused
 #   bash benchmarks/gpu_decode_suite.sh OUT_DIR fold
 set -u
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_decode_suite.sh OUT_DIR tests|timings|fold}
-part=${2:?usage: gpu_decode_suite.sh OUT_DIR tests|timings|fold}
+out=${1:?usage: gpu_decode_suite.sh OUT_DIR tests|timings|fused|fold}
+part=${2:?usage: gpu_decode_suite.sh OUT_DIR tests|timings|fused|fold}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 variants=("transformer matched" "h1 fw-1A" "h1 mamba2")
@@ -41,19 +43,29 @@ timings)
     done
     grep -h "kernel launches per call" "$out/profile_bf16.log"
     ;;
+fused)
+    "${decode[@]}" --decode-batches 1 64 --graph --decode-dtype bfloat16 > "$out/apart_bf16.log" 2>&1
+    "${decode[@]}" --decode-batches 1 64 --graph --decode-dtype bfloat16 --fuse-projections \
+        > "$out/fused_bf16.log" 2>&1
+    for log in apart_bf16 fused_bf16; do
+        echo "## $log"
+        grep "^|" "$out/$log.log"
+    done
+    ;;
 fold)
     # the falcon-h1-0.5b shape carries Falcon-H1's muP multipliers: its graphed bf16 step, multipliers kept and folded
     h1=(python benchmarks/gpu_model.py --preset falcon-h1-0.5b --lengths --contexts 4096 --decode-steps 32
         --variants "${variants[@]}" --decode-batches 1 --graph --decode-dtype bfloat16)
     "${h1[@]}" > "$out/h1_kept.log" 2>&1
     "${h1[@]}" --fold-multipliers > "$out/h1_folded.log" 2>&1
-    for log in h1_kept h1_folded; do
+    "${h1[@]}" --fold-multipliers --fuse-projections > "$out/h1_fused.log" 2>&1
+    for log in h1_kept h1_folded h1_fused; do
         echo "## $log"
         grep "^|" "$out/$log.log"
     done
     ;;
 *)
-    echo "gpu_decode_suite.sh: the part is 'tests', 'timings' or 'fold', not '$part'" >&2
+    echo "gpu_decode_suite.sh: the part is 'tests', 'timings', 'fused' or 'fold', not '$part'" >&2
     exit 2
     ;;
 esac
