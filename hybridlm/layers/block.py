@@ -53,7 +53,8 @@ from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.layers.mlp import GatedMLP
 from hybridlm.modules.fused_linear import FusedLinear
 from hybridlm.modules.multiplier import scaled
-from hybridlm.modules.norm import RMSNorm
+from hybridlm.modules.linear import is_plain
+from hybridlm.modules.norm import RMSNorm, add_rms_norm
 
 # Which SSM mixers recompute what feeds their scans in the backward (`parallel.recompute_mixers`). "fast_weight", the
 # default and each mixer's own: the fast-weight mixers recompute (it saves ~1 GiB of a 16K row's ~11 at the 125m
@@ -130,20 +131,27 @@ class HybridBlock(nn.Module):
             if self.ssm is not None:
                 h = h + self._ssm(n, mix, seq_idx, {})  # its in_proj alone reads N(x): nothing to fuse with
             if self.attn is not None:
-                h = h + self._attn(self.attn_norm(h) if self.attn_norm is not None else n, mix, rotary, fuses, {})
+                out = self._attn(self.attn_norm(h) if self.attn_norm is not None else n, mix, rotary, fuses, {})
+                if self.mlp is not None:
+                    h, m = _add_and_norm(h, out, self.mlp_norm)
+                    return h + self._mlp(m, fuses)
+                h = h + out
             return h + self._mlp(self.mlp_norm(h), fuses) if self.mlp is not None else h
         shared = self.fused_input is not None and "ssm.in_proj" in self.fused_input.names
         parts = self._project(self.fused_input, n, fuses) if shared else {}  # both mixers' projections of N(x)
-        mixed = x
+        mixed, last = x, None  # last: the last mixer's output, not yet added
         if self.ssm is not None:
-            mixed = mixed + self._ssm(n, mix, seq_idx, parts)
+            last = self._ssm(n, mix, seq_idx, parts)
         if self.attn is not None:
-            mixed = mixed + self._attn(n, mix, rotary, fuses, parts)
-        if self.mlp is None:
-            return mixed
-        if self.arrangement == "SAM":
-            return mixed + self._mlp(n, fuses)
-        return mixed + self._mlp(self.mlp_norm(mixed), fuses)  # SA_M
+            attn_out = self._attn(n, mix, rotary, fuses, parts)
+            mixed, last = (mixed if last is None else mixed + last), attn_out
+        if self.arrangement == "SAM" or self.mlp is None:
+            mixed = mixed if last is None else mixed + last
+            return mixed + self._mlp(n, fuses) if self.mlp is not None else mixed
+        if last is None:
+            return mixed + self._mlp(self.mlp_norm(mixed), fuses)
+        mixed, m = _add_and_norm(mixed, last, self.mlp_norm)  # SA_M: the last residual add and N' in one launch
+        return mixed + self._mlp(m, fuses)
 
     def _fuses(self, mix: dict) -> bool:
         """Whether this call takes the fused projections (`fused_input`, `fused_mlp`): generation's calls (a cache,
@@ -188,6 +196,15 @@ class HybridBlock(nn.Module):
             mix["projected"] = (parts["attn.q_proj"], parts["attn.k_proj"], parts["attn.v_proj"])
         out = self.attn(n, **mix) if mix["cu_seqlens"] is None else _packed_mix(self.attn, n, mix)
         return scaled(out, self.attn_out_multiplier)
+
+
+def _add_and_norm(x: torch.Tensor, out: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + out, norm(x + out)): the residual add and the norm after it in one launch where the inference norm runs
+    (`add_rms_norm`: no gradient, the kernels' tensors), else apart; the same values either way."""
+    if is_plain(norm, RMSNorm):
+        return add_rms_norm(x, out, norm.weight, eps=norm.eps, backend=norm.backend)
+    h = x + out
+    return h, norm(h)
 
 
 @torch.compiler.disable

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.ops.rms_norm import MAX_DIM, rms_normalize_triton
-from hybridlm.ops.utils import MAX_KERNEL_ROWS, TRITON_DTYPES, compute_dtype, runs_kernels, triton_available
+from hybridlm.ops.rms_norm import MAX_DIM, rms_norm_scaled_triton, rms_normalize_triton
+from hybridlm.ops.utils import (MAX_KERNEL_ROWS, TRITON_DTYPES, compute_dtype, needs_grad, runs_kernels,
+                                triton_available)
 
 
 def rms_normalize(u: torch.Tensor, *, eps: float, backend: str = "auto") -> torch.Tensor:
@@ -45,9 +46,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, backend: str 
     The statistics run in float32 (float64 stays float64); the normalized tensor goes back to `x.dtype` before the
     scale, so a float32 `weight` returns float32 (Falcon-H1's RMSNorm does the same). `backend`: `rms_normalize`'s.
     The scale's backward keeps the normalized tensor, so the kernels' output-keeping backward adds nothing to it: x
-    itself (the residual stream) is not kept.
+    itself (the residual stream) is not kept. Where no gradient is recorded and the kernels run, the scale rides on
+    the normalization's launch (`rms_norm_scaled_triton`: the same values).
     """
+    if _scaled_kernel_takes(x, weight, None, backend):
+        return rms_norm_scaled_triton(x, weight, eps)[1]
     return weight * rms_normalize(x, eps=eps, backend=backend).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float,
+                 backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rms_norm(h, weight)) with h = x + residual: a block's residual add and the next norm, which read the same
+    rows. Where no gradient is recorded and the kernels run, both in one launch (`rms_norm_scaled_triton`: the same
+    values as apart)."""
+    if _scaled_kernel_takes(x, weight, residual, backend):
+        return rms_norm_scaled_triton(x, weight, eps, residual)
+    h = x + residual
+    return h, rms_norm(h, weight, eps=eps, backend=backend)
+
+
+def _scaled_kernel_takes(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, backend: str) -> bool:
+    """Whether the one-launch inference norm runs: the normalization's kernels would (`rms_normalize`'s backend
+    rule), nothing records a gradient, and the weight (and residual) are kernel dtypes on x's device, shaped to
+    match."""
+    if backend == "torch" or needs_grad(x, weight, residual):
+        return False
+    if (x.dtype not in TRITON_DTYPES or weight.dtype not in TRITON_DTYPES or not 0 < x.shape[-1] <= MAX_DIM
+            or weight.shape != (x.shape[-1],) or weight.device != x.device or x.numel() // x.shape[-1] > MAX_KERNEL_ROWS):
+        return False
+    if residual is not None and (residual.shape != x.shape or residual.dtype not in TRITON_DTYPES):
+        return False
+    return runs_kernels("rms_norm", backend, x, lambda: _auto_takes_kernels(x))
 
 
 class RMSNorm(nn.Module):

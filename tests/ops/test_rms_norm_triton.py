@@ -211,15 +211,19 @@ for io in ("*bf16", "*fp32"):
         consts = dict(D=D, BD=BD, BR=max(1, k.ROW_ELEMENTS // BD), STEPS=k.STEPS)
         build(k.rms_normalize_fwd_kernel, consts, io=io, io_names=("u_ptr", "n_ptr"), types={"eps": "fp32"})
         build(k.rms_normalize_bwd_kernel, consts, io=io, io_names=("dn_ptr", "n_ptr", "du_ptr"))
+        for residual in (False, True):
+            build(k.rms_norm_scaled_kernel, {**consts, "RESIDUAL": residual}, io=io,
+                  io_names=("x_ptr", "r_ptr", "w_ptr", "h_ptr", "y_ptr"), types={"eps": "fp32"})
 """
 
 
 @needs_cuda_backend
 def test_kernels_compile_for_sm90():
-    """Both kernels build for sm_90 (bf16 and fp32 rows of 16 to 4096 channels): the compiled path the interpreter
-    never runs."""
+    """Every kernel builds for sm_90 (bf16 and fp32 rows of 16 to 4096 channels; the inference norm with and without
+    its residual): the compiled path the interpreter never runs."""
     report = compile_for_sm90(_SM90_BUILDS, modules=("hybridlm.ops.rms_norm.kernels",))
-    assert set(report["built"]) == report["defined"] == {"rms_normalize_fwd_kernel", "rms_normalize_bwd_kernel"}
+    assert set(report["built"]) == report["defined"] == {"rms_normalize_fwd_kernel", "rms_normalize_bwd_kernel",
+                                                         "rms_norm_scaled_kernel"}
     assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
 
 
@@ -235,3 +239,81 @@ def test_row_steps_spread_the_rows_before_walking_blocks():
     assert row_steps(32 * 8 * SPREAD_PROGRAMS + 1, 32, 4) == 4  # capped at `most`
     assert row_steps(64, 2, 8) == 1  # a decoding step's 64 rows of 768 channels: 32 programs of one block
 
+
+def _apart(x, weight, eps, residual=None):
+    """What the one-launch norm stands for, run apart: torch's add, the normalization's kernel, then the scale."""
+    h = x if residual is None else x + residual
+    return h, weight * rms_normalize_triton(h, eps).to(h.dtype)
+
+
+@interpret
+@pytest.mark.parametrize("case", [
+    dict(shape=(3, 5, 40), x=torch.float32, w=torch.float32),
+    dict(shape=(1, 1, 768), x=torch.float16, w=torch.float16),
+    dict(shape=(2, 7, 33), x=torch.float32, w=torch.float32, r=torch.float16),  # the residual stream under autocast
+    dict(shape=(2, 7, 33), x=torch.float16, w=torch.float16, r=torch.float16),
+    dict(shape=(700, 48), x=torch.float16, w=torch.float32, r=torch.float16),  # several programs; f32 weight
+    dict(shape=(4, 3, 20), x=torch.float16, w=torch.float16, r=torch.float16, strided=True),
+], ids=["fp32", "fp16-one-row", "fp32+fp16", "fp16", "programs", "strided"])
+def test_scaled_norm_equals_the_norm_apart_bit_for_bit(case, walked_blocks):
+    """`rms_norm_scaled_triton`: h = x + residual and y = weight * normalize(h) in one launch are the values, dtypes
+    and shapes of the add, the normalization's kernel and the scale run apart, bit for bit (rows read at their
+    strides), and near the float64 formula."""
+    from hybridlm.ops.rms_norm import rms_norm_scaled_triton
+
+    g = torch.Generator().manual_seed(5)
+    shape, D = case["shape"], case["shape"][-1]
+
+    def make(dtype):
+        if case.get("strided"):  # rows of a wider tensor (a fused projection's slice)
+            return (2 * torch.randn(*shape[:-1], D + 9, generator=g)).to(dtype)[..., 3:3 + D].to(DEVICE)
+        return (2 * torch.randn(*shape, generator=g)).to(dtype).to(DEVICE)
+    x, weight = make(case["x"]), torch.randn(D, generator=g).to(case["w"]).to(DEVICE)
+    residual = make(case["r"]) if "r" in case else None
+    with torch.no_grad():
+        h, y = rms_norm_scaled_triton(x, weight, 1e-6, residual)
+        h_apart, y_apart = _apart(x, weight, 1e-6, residual)
+    assert (h.dtype, y.dtype, h.shape, y.shape) == (h_apart.dtype, y_apart.dtype, h_apart.shape, y_apart.shape)
+    assert torch.equal(h, h_apart) and torch.equal(y, y_apart)
+    reference = weight.double() * rms_normalize_naive(h.double(), 1e-6)
+    assert_near_reference({"y": (y, reference)}, TOL[case["x"]])
+
+
+@interpret
+def test_model_norm_and_residual_add_take_one_launch_without_a_gradient():
+    """`rms_norm` and `add_rms_norm` on the kernels: without a gradient to record, one launch each, the values of
+    the recorded path; with one, the differentiable path (the one-launch kernel records nothing)."""
+    import hybridlm.modules.norm as norm_module
+    from hybridlm.modules.norm import add_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 4, 32, generator=g).to(DEVICE)
+    residual = torch.randn(3, 4, 32, generator=g).half().to(DEVICE)
+    weight = torch.randn(32, generator=g).to(DEVICE).requires_grad_(True)
+    launches = []
+    run = norm_module.rms_norm_scaled_triton
+    norm_module.rms_norm_scaled_triton = lambda *args: launches.append(len(args)) or run(*args)
+    try:
+        with torch.no_grad():
+            y = rms_norm(x, weight, eps=1e-5, backend="triton")
+            h, y2 = add_rms_norm(x, residual, weight, eps=1e-5, backend="triton")
+        assert launches == [3, 4]
+        recorded = rms_norm(x, weight, eps=1e-5, backend="triton")
+        h_recorded, y2_recorded = add_rms_norm(x, residual, weight, eps=1e-5, backend="triton")
+        assert launches == [3, 4] and recorded.requires_grad and y2_recorded.requires_grad
+    finally:
+        norm_module.rms_norm_scaled_triton = run
+    assert torch.equal(y, recorded.detach()) and torch.equal(h, h_recorded) and torch.equal(y2, y2_recorded.detach())
+
+
+def test_scaled_norm_rejects_bad_inputs():
+    from hybridlm.ops.rms_norm import rms_norm_scaled_triton
+
+    with pytest.raises(ValueError, match="weight \\[D\\]"):
+        rms_norm_scaled_triton(torch.zeros(2, 4), torch.ones(5), 1e-6)
+    with pytest.raises(ValueError, match="shaped like x"):
+        rms_norm_scaled_triton(torch.zeros(2, 4), torch.ones(4), 1e-6, torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        rms_norm_scaled_triton(torch.zeros(2, 4, dtype=torch.float64), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="records no gradient"):
+        rms_norm_scaled_triton(torch.zeros(2, 4), torch.ones(4, requires_grad=True), 1e-6)

@@ -17,6 +17,9 @@ to n. The backward is once-differentiable (no double backward: use `F.rms_norm` 
 - `rms_normalize_naive(u, eps)`: the float64 reference;
 - `rms_normalize_triton(u, eps)`: Triton kernels, one launch each way (`kernels.py`; imported on the first call, so
   importing this package never needs triton). Rows of at most `MAX_DIM` channels.
+- `rms_norm_scaled_triton(x, weight, eps, residual=None)`: inference's whole RMSNorm in one launch, without autograd:
+  an optional residual added first (h = x + residual, written out), then the normalization and the scale, with the
+  roundings of the three apart.
 
 `hybridlm.modules.norm.rms_normalize` is the entry point: these kernels for 32- or 16-bit CUDA tensors outside
 torch.compile (`backend="auto"`), else `F.rms_norm`.
@@ -56,4 +59,29 @@ def rms_normalize_triton(u: torch.Tensor, eps: float) -> torch.Tensor:
     return run(u, eps)
 
 
-__all__ = ["MAX_DIM", "rms_normalize_naive", "rms_normalize_triton"]
+def rms_norm_scaled_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                           residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inference's RMSNorm in one launch, without autograd: x [..., D] (float32, bfloat16 or float16), weight [D],
+    residual None or [..., D] like x -> (h, y) with h = x + residual (x itself without one) and y = weight *
+    (h / sqrt(mean(h^2) + eps) rounded to h's dtype), the values `rms_normalize_triton` then the scale (and torch's
+    add before them) give apart, in the dtypes torch's promotion gives."""
+    if x.dim() < 1 or x.shape[-1] == 0 or x.shape[-1] > MAX_DIM or weight.shape != (x.shape[-1],):
+        raise ValueError(f"rms_norm_scaled_triton: x [..., D] with 1 <= D <= {MAX_DIM} and weight [D]; got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"rms_norm_scaled_triton: the residual must be shaped like x {tuple(x.shape)}, got "
+                         f"{tuple(residual.shape)}")
+    dtypes = [x.dtype, weight.dtype] + ([] if residual is None else [residual.dtype])
+    if any(dtype not in TRITON_DTYPES for dtype in dtypes):
+        raise ValueError(f"rms_norm_scaled_triton: float32, bfloat16 or float16 tensors, got {dtypes}")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, residual)):
+        raise ValueError("rms_norm_scaled_triton records no gradient: run it under torch.no_grad(), or train on "
+                         "`hybridlm.modules.norm.rms_norm`")
+    if x.numel() // x.shape[-1] > MAX_KERNEL_ROWS:
+        raise ValueError(f"rms_norm_scaled_triton: at most {MAX_KERNEL_ROWS} rows, got {x.numel() // x.shape[-1]}")
+    from hybridlm.ops.rms_norm.kernels import rms_norm_scaled_triton as run
+
+    return run(x, weight, eps, residual)
+
+
+__all__ = ["MAX_DIM", "rms_norm_scaled_triton", "rms_normalize_naive", "rms_normalize_triton"]
