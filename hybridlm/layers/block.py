@@ -53,8 +53,7 @@ from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.layers.mlp import GatedMLP
 from hybridlm.modules.fused_linear import FusedLinear
 from hybridlm.modules.multiplier import scaled
-from hybridlm.modules.linear import is_plain
-from hybridlm.modules.norm import RMSNorm, add_rms_norm
+from hybridlm.modules.norm import RMSNorm, add_and_norm
 
 # Which SSM mixers recompute what feeds their scans in the backward (`parallel.recompute_mixers`). "fast_weight", the
 # default and each mixer's own: the fast-weight mixers recompute (it saves ~1 GiB of a 16K row's ~11 at the 125m
@@ -121,22 +120,37 @@ class HybridBlock(nn.Module):
         seq_idx: torch.Tensor | None = None,  # [1, T] with cu_seqlens: each token's document, on the device
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # attention's RoPE (cos, sin) of position_ids
     ) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
+        h, last = self.deferred(x, None, cu_seqlens=cu_seqlens, position_ids=position_ids, cache=cache,
+                                restarts_resolved=restarts_resolved, seq_idx=seq_idx, rotary=rotary)
+        return h if last is None else h + last
+
+    def deferred(self, x: torch.Tensor, residual: torch.Tensor | None, *, cu_seqlens=None, position_ids=None,
+                 cache: LayerCache | None = None, restarts_resolved: bool = False, seq_idx=None,
+                 rotary=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block on x + residual (x alone for None) with its last residual add left to the caller: (h, last),
+        the block's output being h + last (h alone for None). A model chains its blocks this way in generation, so
+        that each residual add runs with the next block's norm, and the last with the final norm, in one launch
+        (`add_rms_norm`): the same values as `forward`'s, one kernel fewer per block where the inference norm runs.
+        The keywords are `forward`'s."""
         if seq_idx is not None and cu_seqlens is None:
             raise ValueError("HybridBlock: seq_idx marks the documents of a packed row and needs its cu_seqlens")
         mix = dict(cu_seqlens=cu_seqlens, position_ids=position_ids, cache=cache, restarts_resolved=restarts_resolved)
         fuses = self._fuses(mix)
-        n = self.norm(x)
+        if residual is None:
+            n = self.norm(x)
+        else:
+            x, n = add_and_norm(x, residual, self.norm)
         if self.arrangement == "S_A_M":
             h = x
             if self.ssm is not None:
                 h = h + self._ssm(n, mix, seq_idx, {})  # its in_proj alone reads N(x): nothing to fuse with
             if self.attn is not None:
                 out = self._attn(self.attn_norm(h) if self.attn_norm is not None else n, mix, rotary, fuses, {})
-                if self.mlp is not None:
-                    h, m = _add_and_norm(h, out, self.mlp_norm)
-                    return h + self._mlp(m, fuses)
-                h = h + out
-            return h + self._mlp(self.mlp_norm(h), fuses) if self.mlp is not None else h
+                if self.mlp is None:
+                    return h, out
+                h, m = add_and_norm(h, out, self.mlp_norm)
+                return h, self._mlp(m, fuses)
+            return (h, self._mlp(self.mlp_norm(h), fuses)) if self.mlp is not None else (h, None)
         shared = self.fused_input is not None and "ssm.in_proj" in self.fused_input.names
         parts = self._project(self.fused_input, n, fuses) if shared else {}  # both mixers' projections of N(x)
         mixed, last = x, None  # last: the last mixer's output, not yet added
@@ -145,13 +159,15 @@ class HybridBlock(nn.Module):
         if self.attn is not None:
             attn_out = self._attn(n, mix, rotary, fuses, parts)
             mixed, last = (mixed if last is None else mixed + last), attn_out
-        if self.arrangement == "SAM" or self.mlp is None:
+        if self.mlp is None:
+            return mixed, last
+        if self.arrangement == "SAM":
             mixed = mixed if last is None else mixed + last
-            return mixed + self._mlp(n, fuses) if self.mlp is not None else mixed
+            return mixed, self._mlp(n, fuses)
         if last is None:
-            return mixed + self._mlp(self.mlp_norm(mixed), fuses)
-        mixed, m = _add_and_norm(mixed, last, self.mlp_norm)  # SA_M: the last residual add and N' in one launch
-        return mixed + self._mlp(m, fuses)
+            return mixed, self._mlp(self.mlp_norm(mixed), fuses)
+        mixed, m = add_and_norm(mixed, last, self.mlp_norm)  # SA_M: the last residual add and N' in one launch
+        return mixed, self._mlp(m, fuses)
 
     def _fuses(self, mix: dict) -> bool:
         """Whether this call takes the fused projections (`fused_input`, `fused_mlp`): generation's calls (a cache,
@@ -196,15 +212,6 @@ class HybridBlock(nn.Module):
             mix["projected"] = (parts["attn.q_proj"], parts["attn.k_proj"], parts["attn.v_proj"])
         out = self.attn(n, **mix) if mix["cu_seqlens"] is None else _packed_mix(self.attn, n, mix)
         return scaled(out, self.attn_out_multiplier)
-
-
-def _add_and_norm(x: torch.Tensor, out: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + out, norm(x + out)): the residual add and the norm after it in one launch where the inference norm runs
-    (`add_rms_norm`: no gradient, the kernels' tensors), else apart; the same values either way."""
-    if is_plain(norm, RMSNorm):
-        return add_rms_norm(x, out, norm.weight, eps=norm.eps, backend=norm.backend)
-    h = x + out
-    return h, norm(h)
 
 
 @torch.compiler.disable

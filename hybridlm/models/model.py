@@ -57,7 +57,7 @@ from hybridlm.modules.gated_norm import GatedRMSNorm
 from hybridlm.modules.linear import is_plain
 from hybridlm.modules.linear_cross_entropy import linear_cross_entropy
 from hybridlm.modules.multiplier import scaled
-from hybridlm.modules.norm import RMSNorm
+from hybridlm.modules.norm import RMSNorm, add_and_norm
 from hybridlm.modules.rotary import RotaryEmbedding
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.utils import check_cu_seqlens, host_to_device
@@ -260,14 +260,23 @@ class HybridModel(HybridPreTrainedModel):
         # Gradient checkpointing recomputes each block in the backward pass; never with a cache, which the
         # recomputation would advance a second time.
         checkpointed = self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled()
+        # Generation chains the blocks with each one's last residual add left to the next block's norm (and the last
+        # to the final norm), which take the add in their launch (`HybridBlock.deferred`): the same values.
+        chained = cache is not None and not torch.is_grad_enabled() and all(
+            is_plain(layer, type(layer)) for layer in self.layers)
+        last = None
         for i, layer in enumerate(self.layers):
             layer_cache = cache[i] if cache is not None else None
             # Document restarts are resolved above (packed into cu_seqlens, or there are none): the layers need not
             # look again (each look is a host synchronization, which also rules out CUDA-graph capture).
-            block = functools.partial(layer, cu_seqlens=cu_seqlens, position_ids=position_ids, cache=layer_cache,
-                                      restarts_resolved=True, seq_idx=seq_idx, rotary=rotary)
+            options = dict(cu_seqlens=cu_seqlens, position_ids=position_ids, cache=layer_cache, restarts_resolved=True,
+                           seq_idx=seq_idx, rotary=rotary)
+            if chained:
+                h, last = layer.deferred(h, last, **options)
+                continue
+            block = functools.partial(layer, **options)
             h = self._gradient_checkpointing_func(block, h) if checkpointed else block(h)
-        h = self.norm(h)
+        h = self.norm(h) if last is None else add_and_norm(h, last, self.norm)[1]
         if packed_rows is not None:
             h = h.reshape(packed_rows, length, width)
         if cache is not None:

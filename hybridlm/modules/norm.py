@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridlm.modules.linear import is_plain
 from hybridlm.ops.rms_norm import MAX_DIM, rms_norm_scaled_triton, rms_normalize_triton
 from hybridlm.ops.utils import (MAX_KERNEL_ROWS, TRITON_DTYPES, compute_dtype, needs_grad, runs_kernels,
                                 triton_available)
@@ -63,6 +64,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         return rms_norm_scaled_triton(x, weight, eps, residual)
     h = x + residual
     return h, rms_norm(h, weight, eps=eps, backend=backend)
+
+
+def add_and_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, norm(x + residual)) for a norm module: a residual add and the norm after it, in one launch
+    where `add_rms_norm` takes them (a plain `RMSNorm`, no gradient, the kernels' tensors), else apart; the same
+    values either way."""
+    if is_plain(norm, RMSNorm):
+        return add_rms_norm(x, residual, norm.weight, eps=norm.eps, backend=norm.backend)
+    h = x + residual
+    return h, norm(h)
 
 
 def _scaled_kernel_takes(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, backend: str) -> bool:

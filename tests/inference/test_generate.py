@@ -428,6 +428,21 @@ def test_cuda_graph_of_fused_projections_equals_the_projections_apart(mixer, dty
     assert decoder.graph is not None
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the inference norm's kernel)")
+@pytest.mark.parametrize("arrangement", ["SA_M", "SAM", "S_A_M"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_inference_norms_equal_the_recorded_forward(arrangement, dtype):
+    """On a GPU, a model in `dtype`: a cached forward without a gradient (norms in one launch with their residual
+    adds, the blocks chained) gives the logits of the same forward recording a gradient (each operator apart)."""
+    model = make_model(seed=11, block_arrangement=arrangement).cuda().to(dtype)
+    batch = ids(2, 9, seed=11).cuda()
+    with torch.no_grad():
+        fast = model(batch, cache=model.new_cache()).logits
+    recorded = model(batch, cache=model.new_cache()).logits
+    assert recorded.requires_grad
+    assert max_diff(fast.float(), recorded.detach().float()) < (1e-5 if dtype == torch.float32 else 5e-2)
+
+
 @pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1A", "fast_weight-3A-same_step-read_before", "none"])
 def test_compiled_static_step_equals_the_static_step(mixer):
     """`GraphedDecoder(compile_step=...)`: the model's step through torch.compile (aot_eager here; inductor on a GPU,

@@ -173,3 +173,26 @@ def test_refusals():
     model.model.layers[0].attn.q_proj = nn.Sequential(model.model.layers[0].attn.q_proj)
     with pytest.raises(ValueError, match=r"layer 0: .*attn.q_proj is a Sequential"):
         fuse_projections(model)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_generation_chains_the_blocks_residual_adds_into_the_next_norm(name, monkeypatch):
+    """With a cache and no gradient the model chains its blocks (`HybridBlock.deferred`): each block's last residual
+    add goes to the next block's norm, the last to the final norm; the logits are the unchained forward's bit for bit
+    (float64), every block after the first given its predecessor's residual."""
+    from hybridlm.layers.block import HybridBlock
+
+    torch.manual_seed(0)
+    model = make_model(seed=7, **MODELS[name]).double()
+    ids = torch.randint(0, VOCAB, (2, 7))
+    handed = []
+    deferred = HybridBlock.deferred
+    monkeypatch.setattr(HybridBlock, "deferred",
+                        lambda self, x, residual, **kw: handed.append(residual is not None) or deferred(
+                            self, x, residual, **kw))
+    with torch.no_grad():
+        chained = model(ids, cache=model.new_cache()).logits
+    assert handed == [False] + [True] * (len(model.model.layers) - 1)
+    handed.clear()
+    apart = model(ids, cache=model.new_cache()).logits  # a gradient to record: each block whole
+    assert handed == [False] * len(model.model.layers) and torch.equal(chained, apart.detach())
