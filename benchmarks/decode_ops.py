@@ -10,9 +10,10 @@ A replayed CUDA graph of a decoding step at a small batch costs about one kernel
 (benchmarks/RESULTS.md, "Serving on an H200"), so the number of operators that compute is the step's time there.
 Counted: every dispatched aten operator except views and empty allocations, and every Triton launch, in one step
 after a prefill of 64 tokens (no gradient, bf16 autocast as on the GPU), the short conv's torch form as CUDA runs it
-in eager mode (`F.conv1d`; the CPU's own is a shifted sum of more operators). The norms run the CPU's forms (several
-operators each where CUDA runs one kernel), so the count is higher than CUDA's own (`gpu_model.py --profile-decode`);
-the models' ratios carry over (benchmarks/RESULTS.md, "Decoding on an H100"). With the step kernels the fast-weight
+in eager mode (`F.conv1d`; the CPU's own is a shifted sum of more operators). The norms run their Triton kernels, as
+"auto" does on CUDA (with a residual add or a scale inside the launch where no gradient is recorded); `--torch-norms`
+counts their CPU forms instead (several operators each). CUDA's own count is `gpu_model.py --profile-decode`'s; the
+models' ratios carry over (benchmarks/RESULTS.md, "Decoding on an H100"). With the step kernels the fast-weight
 mixer runs its conv, QK norms, gains, step and gated norm as one kernel (`fast_weight_mixer_decoding_step`) and the
 Mamba-2 mixer hands its discretization to the SSD's step kernel (`ssd_decoding_step`), as "auto" does on CUDA: the
 "SSM op" column is that one launch, and the "SSM conv" and "rest of the SSM mixer" columns lose what it took in (the
@@ -42,11 +43,12 @@ from hybridlm.layers import attention as attention_layer  # noqa: E402
 from hybridlm.layers import cache as cache_module  # noqa: E402
 from hybridlm.layers import fast_weight as fast_weight_layer  # noqa: E402
 from hybridlm.layers import mamba2 as mamba2_layer  # noqa: E402
+from hybridlm.layers.block import HybridBlock  # noqa: E402
 from hybridlm.layers.fast_weight import FastWeightMixer  # noqa: E402
 from hybridlm.layers.mamba2 import Mamba2Mixer  # noqa: E402
 from hybridlm.models.fold import fold_multipliers  # noqa: E402
 from hybridlm.models.fuse import fuse_projections  # noqa: E402
-from hybridlm.modules import ShortConvolution, short_conv  # noqa: E402
+from hybridlm.modules import GatedRMSNorm, RMSNorm, ShortConvolution, short_conv  # noqa: E402
 from hybridlm.ops.rotary import rotary_qk_triton  # noqa: E402
 
 # Operators that launch no kernel (allocations, host reads, dtype arithmetic, which the dispatch mode sees too).
@@ -100,14 +102,15 @@ def _in_place(where: list[str], label: str, fn):
     return run
 
 
-def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool,
-               static: bool = False) -> tuple[collections.Counter, int]:
+def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool, static: bool = False,
+               kernel_norms: bool = True) -> tuple[collections.Counter, int]:
     """(operators per layer kind, Triton launches) of one decoding step after a prefill of 64 tokens; the SSM ops
     themselves (`fast_weight_attention` and `ssd`, or with the step kernels `fast_weight_decoding_step` and
     `ssd_decoding_step`) counted apart from the rest of their mixers, as "ssm op".
     `rotary_kernel`: attention's queries and keys rotated by the Triton kernel, as `rotate_qk` does on CUDA.
     `static`: the step a CUDA graph captures (`GraphedDecoder`'s, on a `StaticCache`), whose copies of new SSM states
-    into the buffers the step reads count as "state copies"."""
+    into the buffers the step reads count as "state copies". `kernel_norms`: the norms on their Triton kernels (CUDA's
+    "auto"), else their torch forms."""
     import triton.runtime.interpreter as interpreter
 
     where = ["state copies"] if static else ["model"]
@@ -117,11 +120,12 @@ def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool,
     saved = {(module, name): getattr(module, name) for module, name in ops_in_layers}
     depthwise, rotate = short_conv._depthwise, attention_layer.rotate_qk
     into_cache = cache_module.rotate_into_cache_fuses
-    conv_forward = ShortConvolution.forward
+    conv_forward, block_deferred = ShortConvolution.forward, HybridBlock.deferred
     hooks = []
     for module in model.modules():
         label = kind(module)
-        if label is not None and label != "ssm conv":  # the conv: its class's forward labelled instead (below)
+        # the conv and the blocks: their class's methods labelled instead (below)
+        if label is not None and label not in ("ssm conv", "block"):
             hooks.append(module.register_forward_pre_hook(lambda m, a, label=label: where.append(label)))
             hooks.append(module.register_forward_hook(lambda m, a, o: where.pop() and None))
     launches = collections.Counter()
@@ -151,6 +155,13 @@ def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool,
             # A hook on the conv would make the fast-weight mixer run it apart (a module with hooks is run as a call,
             # never folded into the mixer's whole-step kernel): its class's forward carries the label instead.
             ShortConvolution.forward = _in_place(where, "ssm conv", conv_forward)
+            # A hook on a block would keep the model from chaining its blocks (a block with hooks runs as a call):
+            # HybridBlock.deferred, which its forward calls too, carries the label.
+            HybridBlock.deferred = _in_place(where, "block", block_deferred)
+            norms = [m for m in model.modules() if isinstance(m, (RMSNorm, GatedRMSNorm))]
+            saved_norms = [m.backend for m in norms]
+            for module in norms if kernel_norms else []:
+                module.backend = "triton"  # as "auto" runs them on CUDA
             if rotary_kernel:
                 attention_layer.rotate_qk = rotary_qk_triton
                 # a static cache's step rotates into the storage on CUDA: here on the interpreter's CPU tensors
@@ -170,7 +181,9 @@ def count_step(model, *, batch: int, kernels: bool, rotary_kernel: bool,
                     setattr(module, name, saved[module, name])
                 short_conv._depthwise, attention_layer.rotate_qk = depthwise, rotate
                 cache_module.rotate_into_cache_fuses = into_cache
-                ShortConvolution.forward = conv_forward
+                ShortConvolution.forward, HybridBlock.deferred = conv_forward, block_deferred
+                for module, backend in zip(norms, saved_norms):
+                    module.backend = backend
                 for module, backend in zip(stepping, saved_backends):
                     module.backend = backend
     for hook in hooks:
@@ -194,6 +207,8 @@ def main() -> None:
     parser.add_argument("--fuse-projections", action="store_true",
                         help="fuse the projections that read one input into one GEMM each (`hybridlm.models.fuse`, "
                              "what serve, generate and chat do at load)")
+    parser.add_argument("--torch-norms", action="store_true",
+                        help="run the norms on the CPU's torch forms instead of the Triton kernels CUDA runs")
     parser.add_argument("--static", action="store_true",
                         help="count the step a CUDA graph captures (`GraphedDecoder` on a `StaticCache`: the static "
                              "attention and the copies of new SSM states into the buffers the step reads)")
@@ -210,7 +225,8 @@ def main() -> None:
         has_mixers = any(isinstance(m, (FastWeightMixer, Mamba2Mixer)) for m in model.modules())
         for kernels in ([False, True] if has_mixers else [False]):
             counts, launches = count_step(model, batch=args.batch, kernels=kernels,
-                                          rotary_kernel=not args.torch_rotary, static=args.static)
+                                          rotary_kernel=not args.torch_rotary, static=args.static,
+                                          kernel_norms=not args.torch_norms)
             steps = "triton" if kernels else ("torch loops" if has_mixers else "-")
             rows.append(dict(variant=variant, steps=steps, total=sum(counts.values()), launches=launches,
                              op=counts["ssm op"] / layers, conv=counts["ssm conv"] / layers,

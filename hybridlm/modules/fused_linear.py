@@ -59,15 +59,24 @@ class FusedLinear(nn.Module):
 
     def reads(self, parts: dict[str, nn.Module]) -> bool:
         """Whether `parts` (the projections as their owners hold them now) are still this fusion's: the same names,
-        plain linears whose weights and biases lie where the fused tensors keep them."""
+        plain linears whose weights and biases lie where the fused tensors keep them. Run at every call of an eager
+        step, so it compares addresses (a part moved or cast by `.to()` has storage of its own) rather than building
+        views to compare."""
         if list(parts) != self.names:
             return False
+        weight, bias = self.weight, self.bias
+        row_bytes = weight.stride(0) * weight.element_size()
         start = 0
         for linear, width in zip(parts.values(), self.widths):
-            if type(linear) not in FUSABLE or not is_plain(linear, type(linear)) or linear.out_features != width:
+            if type(linear) not in FUSABLE or not is_plain(linear, type(linear)):
                 return False
-            if not _lies_in(linear.weight, self.weight, start) or (
-                    linear.bias is not None and (self.bias is None or not _lies_in(linear.bias, self.bias, start))):
+            part = linear.weight
+            if part.dtype is not weight.dtype or part.data_ptr() != weight.data_ptr() + start * row_bytes or (
+                    part.shape[0] != width):
+                return False
+            part = linear.bias
+            if part is not None and (bias is None or part.dtype is not bias.dtype or (
+                    part.data_ptr() != bias.data_ptr() + start * bias.element_size())):
                 return False
             start += width
         return True
@@ -84,9 +93,3 @@ class FusedLinear(nn.Module):
         else:
             out = F.linear(x, self.weight, self.bias)
         return dict(zip(self.names, out.split(self.widths, dim=-1)))
-
-
-def _lies_in(part: torch.Tensor, whole: torch.Tensor, start: int) -> bool:
-    """Whether `part` is the view of `whole`'s rows from `start` that `FusedLinear` made it."""
-    return (part.device == whole.device and part.dtype == whole.dtype and part.stride() == whole.stride()
-            and part.data_ptr() == whole[start:].data_ptr())
