@@ -120,54 +120,60 @@ class HybridBlock(nn.Module):
         seq_idx: torch.Tensor | None = None,  # [1, T] with cu_seqlens: each token's document, on the device
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # attention's RoPE (cos, sin) of position_ids
     ) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
-        h, last = self.deferred(x, None, cu_seqlens=cu_seqlens, position_ids=position_ids, cache=cache,
-                                restarts_resolved=restarts_resolved, seq_idx=seq_idx, rotary=rotary)
-        return h if last is None else h + last
+        h, pending = self.deferred(x, (), cu_seqlens=cu_seqlens, position_ids=position_ids, cache=cache,
+                                   restarts_resolved=restarts_resolved, seq_idx=seq_idx, rotary=rotary)
+        for out in pending:
+            h = h + out
+        return h
 
-    def deferred(self, x: torch.Tensor, residual: torch.Tensor | None, *, cu_seqlens=None, position_ids=None,
+    def deferred(self, x: torch.Tensor, residuals: tuple[torch.Tensor, ...], *, cu_seqlens=None, position_ids=None,
                  cache: LayerCache | None = None, restarts_resolved: bool = False, seq_idx=None,
-                 rotary=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The block on x + residual (x alone for None) with its last residual add left to the caller: (h, last),
-        the block's output being h + last (h alone for None). A model chains its blocks this way in generation, so
-        that each residual add runs with the next block's norm, and the last with the final norm, in one launch
-        (`add_rms_norm`): the same values as `forward`'s, one kernel fewer per block where the inference norm runs.
-        The keywords are `forward`'s."""
+                 rotary=None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The block on x + residuals[0] + ... with its last residual adds left to the caller: (h, pending), the
+        block's output being h + pending[0] + ... (at most two). A model chains its blocks this way in generation,
+        so that each block's adds run inside the next block's norm, and the last block's inside the final norm
+        (`add_and_norm`: one launch where the inference norm runs); inside a block, a mixer's output is added in the
+        launch of the norm after it. The same values as `forward`'s, added in the same order. The keywords are
+        `forward`'s."""
         if seq_idx is not None and cu_seqlens is None:
             raise ValueError("HybridBlock: seq_idx marks the documents of a packed row and needs its cu_seqlens")
         mix = dict(cu_seqlens=cu_seqlens, position_ids=position_ids, cache=cache, restarts_resolved=restarts_resolved)
         fuses = self._fuses(mix)
-        if residual is None:
-            n = self.norm(x)
-        else:
-            x, n = add_and_norm(x, residual, self.norm)
+        x, n = add_and_norm(x, residuals, self.norm) if residuals else (x, self.norm(x))
         if self.arrangement == "S_A_M":
-            h = x
+            h, pending = x, ()
             if self.ssm is not None:
-                h = h + self._ssm(n, mix, seq_idx, {})  # its in_proj alone reads N(x): nothing to fuse with
+                pending = (self._ssm(n, mix, seq_idx, {}),)  # its in_proj alone reads N(x): nothing to fuse with
             if self.attn is not None:
-                out = self._attn(self.attn_norm(h) if self.attn_norm is not None else n, mix, rotary, fuses, {})
-                if self.mlp is None:
-                    return h, out
-                h, m = add_and_norm(h, out, self.mlp_norm)
-                return h, self._mlp(m, fuses)
-            return (h, self._mlp(self.mlp_norm(h), fuses)) if self.mlp is not None else (h, None)
+                if self.attn_norm is not None:
+                    h, a = add_and_norm(h, pending, self.attn_norm)
+                    pending = ()
+                else:  # no SSM: attention reads N(x)
+                    a = n
+                pending = (*pending, self._attn(a, mix, rotary, fuses, {}))
+            return self._mlp_after(h, pending, fuses)
         shared = self.fused_input is not None and "ssm.in_proj" in self.fused_input.names
         parts = self._project(self.fused_input, n, fuses) if shared else {}  # both mixers' projections of N(x)
-        mixed, last = x, None  # last: the last mixer's output, not yet added
+        pending = ()
         if self.ssm is not None:
-            last = self._ssm(n, mix, seq_idx, parts)
+            pending = (self._ssm(n, mix, seq_idx, parts),)
         if self.attn is not None:
-            attn_out = self._attn(n, mix, rotary, fuses, parts)
-            mixed, last = (mixed if last is None else mixed + last), attn_out
+            pending = (*pending, self._attn(n, mix, rotary, fuses, parts))
+        if self.arrangement == "SAM" and self.mlp is not None:
+            h = x
+            if len(pending) == 2:
+                h, pending = h + pending[0], pending[1:]
+            return h, (*pending, self._mlp(n, fuses))
+        return self._mlp_after(x, pending, fuses)
+
+    def _mlp_after(self, h: torch.Tensor, pending: tuple[torch.Tensor, ...],
+                   fuses: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """h + pending, then the MLP on N'(h + pending) with its output pending (the mixers' adds inside N''s launch);
+        (h, pending) itself without an MLP."""
         if self.mlp is None:
-            return mixed, last
-        if self.arrangement == "SAM":
-            mixed = mixed if last is None else mixed + last
-            return mixed, self._mlp(n, fuses)
-        if last is None:
-            return mixed, self._mlp(self.mlp_norm(mixed), fuses)
-        mixed, m = add_and_norm(mixed, last, self.mlp_norm)  # SA_M: the last residual add and N' in one launch
-        return mixed, self._mlp(m, fuses)
+            return h, pending
+        h, m = add_and_norm(h, pending, self.mlp_norm) if pending else (h, self.mlp_norm(h))
+        return h, (self._mlp(m, fuses),)
 
     def _fuses(self, mix: dict) -> bool:
         """Whether this call takes the fused projections (`fused_input`, `fused_mlp`): generation's calls (a cache,

@@ -264,7 +264,7 @@ class HybridModel(HybridPreTrainedModel):
         # to the final norm), which take the add in their launch (`HybridBlock.deferred`): the same values.
         chained = cache is not None and not torch.is_grad_enabled() and all(
             is_plain(layer, type(layer)) for layer in self.layers)
-        last = None
+        pending = ()
         for i, layer in enumerate(self.layers):
             layer_cache = cache[i] if cache is not None else None
             # Document restarts are resolved above (packed into cu_seqlens, or there are none): the layers need not
@@ -272,11 +272,11 @@ class HybridModel(HybridPreTrainedModel):
             options = dict(cu_seqlens=cu_seqlens, position_ids=position_ids, cache=layer_cache, restarts_resolved=True,
                            seq_idx=seq_idx, rotary=rotary)
             if chained:
-                h, last = layer.deferred(h, last, **options)
+                h, pending = layer.deferred(h, pending, **options)
                 continue
             block = functools.partial(layer, **options)
             h = self._gradient_checkpointing_func(block, h) if checkpointed else block(h)
-        h = self.norm(h) if last is None else add_and_norm(h, last, self.norm)[1]
+        h = add_and_norm(h, pending, self.norm)[1] if pending else self.norm(h)
         if packed_rows is not None:
             h = h.reshape(packed_rows, length, width)
         if cache is not None:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.modules.linear import is_plain
-from hybridlm.ops.rms_norm import MAX_DIM, rms_norm_scaled_triton, rms_normalize_triton
+from hybridlm.ops.rms_norm import MAX_DIM, rms_norm_scaled_triton, rms_normalize_triton, sums_in_one_dtype
 from hybridlm.ops.utils import (MAX_KERNEL_ROWS, TRITON_DTYPES, compute_dtype, needs_grad, runs_kernels,
                                 triton_available)
 
@@ -50,42 +50,49 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, backend: str 
     itself (the residual stream) is not kept. Where no gradient is recorded and the kernels run, the scale rides on
     the normalization's launch (`rms_norm_scaled_triton`: the same values).
     """
-    if _scaled_kernel_takes(x, weight, None, backend):
+    if _scaled_kernel_takes(x, weight, (), backend):
         return rms_norm_scaled_triton(x, weight, eps)[1]
     return weight * rms_normalize(x, eps=eps, backend=backend).to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float,
+def add_rms_norm(x: torch.Tensor, residuals: tuple[torch.Tensor, ...], weight: torch.Tensor, *, eps: float,
                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, rms_norm(h, weight)) with h = x + residual: a block's residual add and the next norm, which read the same
-    rows. Where no gradient is recorded and the kernels run, both in one launch (`rms_norm_scaled_triton`: the same
-    values as apart)."""
-    if _scaled_kernel_takes(x, weight, residual, backend):
-        return rms_norm_scaled_triton(x, weight, eps, residual)
-    h = x + residual
+    """(h, rms_norm(h, weight)) with h = x + residuals[0] + residuals[1] + ..., added in that order: a block's
+    residual adds and the next norm, which read the same rows. Where no gradient is recorded and the kernels run,
+    all in one launch (`rms_norm_scaled_triton`, up to two residuals of one sum dtype), else apart: the same values
+    either way."""
+    if _scaled_kernel_takes(x, weight, residuals, backend):
+        return rms_norm_scaled_triton(x, weight, eps, residuals)
+    h = x
+    for residual in residuals:
+        h = h + residual
     return h, rms_norm(h, weight, eps=eps, backend=backend)
 
 
-def add_and_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + residual, norm(x + residual)) for a norm module: a residual add and the norm after it, in one launch
-    where `add_rms_norm` takes them (a plain `RMSNorm`, no gradient, the kernels' tensors), else apart; the same
-    values either way."""
+def add_and_norm(x: torch.Tensor, residuals: tuple[torch.Tensor, ...],
+                 norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, norm(h)) with h = x + residuals[0] + ... for a norm module: residual adds and the norm after them, in one
+    launch where `add_rms_norm` takes them (a plain `RMSNorm`), else apart; the same values either way."""
     if is_plain(norm, RMSNorm):
-        return add_rms_norm(x, residual, norm.weight, eps=norm.eps, backend=norm.backend)
-    h = x + residual
+        return add_rms_norm(x, residuals, norm.weight, eps=norm.eps, backend=norm.backend)
+    h = x
+    for residual in residuals:
+        h = h + residual
     return h, norm(h)
 
 
-def _scaled_kernel_takes(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, backend: str) -> bool:
+def _scaled_kernel_takes(x: torch.Tensor, weight: torch.Tensor, residuals: tuple[torch.Tensor, ...],
+                         backend: str) -> bool:
     """Whether the one-launch inference norm runs: the normalization's kernels would (`rms_normalize`'s backend
-    rule), nothing records a gradient, and the weight (and residual) are kernel dtypes on x's device, shaped to
-    match."""
-    if backend == "torch" or needs_grad(x, weight, residual):
+    rule), nothing records a gradient, and the weight and residuals (at most two, their partial sums in one dtype)
+    are kernel dtypes on x's device, shaped to match."""
+    if backend == "torch" or len(residuals) > 2 or needs_grad(x, weight, *residuals):
         return False
     if (x.dtype not in TRITON_DTYPES or weight.dtype not in TRITON_DTYPES or not 0 < x.shape[-1] <= MAX_DIM
             or weight.shape != (x.shape[-1],) or weight.device != x.device or x.numel() // x.shape[-1] > MAX_KERNEL_ROWS):
         return False
-    if residual is not None and (residual.shape != x.shape or residual.dtype not in TRITON_DTYPES):
+    if any(r.shape != x.shape or r.dtype not in TRITON_DTYPES for r in residuals) or not sums_in_one_dtype(
+            x, residuals):
         return False
     return runs_kernels("rms_norm", backend, x, lambda: _auto_takes_kernels(x))
 

@@ -211,9 +211,9 @@ for io in ("*bf16", "*fp32"):
         consts = dict(D=D, BD=BD, BR=max(1, k.ROW_ELEMENTS // BD), STEPS=k.STEPS)
         build(k.rms_normalize_fwd_kernel, consts, io=io, io_names=("u_ptr", "n_ptr"), types={"eps": "fp32"})
         build(k.rms_normalize_bwd_kernel, consts, io=io, io_names=("dn_ptr", "n_ptr", "du_ptr"))
-        for residual in (False, True):
-            build(k.rms_norm_scaled_kernel, {**consts, "RESIDUAL": residual}, io=io,
-                  io_names=("x_ptr", "r_ptr", "w_ptr", "h_ptr", "y_ptr"), types={"eps": "fp32"})
+        for residuals in (0, 1, 2):
+            build(k.rms_norm_scaled_kernel, {**consts, "RESIDUALS": residuals}, io=io,
+                  io_names=("x_ptr", "r1_ptr", "r2_ptr", "w_ptr", "h_ptr", "y_ptr"), types={"eps": "fp32"})
 """
 
 
@@ -240,9 +240,11 @@ def test_row_steps_spread_the_rows_before_walking_blocks():
     assert row_steps(64, 2, 8) == 1  # a decoding step's 64 rows of 768 channels: 32 programs of one block
 
 
-def _apart(x, weight, eps, residual=None):
-    """What the one-launch norm stands for, run apart: torch's add, the normalization's kernel, then the scale."""
-    h = x if residual is None else x + residual
+def _apart(x, weight, eps, residuals=()):
+    """What the one-launch norm stands for, run apart: torch's adds, the normalization's kernel, then the scale."""
+    h = x
+    for residual in residuals:
+        h = h + residual
     return h, weight * rms_normalize_triton(h, eps).to(h.dtype)
 
 
@@ -250,14 +252,16 @@ def _apart(x, weight, eps, residual=None):
 @pytest.mark.parametrize("case", [
     dict(shape=(3, 5, 40), x=torch.float32, w=torch.float32),
     dict(shape=(1, 1, 768), x=torch.float16, w=torch.float16),
-    dict(shape=(2, 7, 33), x=torch.float32, w=torch.float32, r=torch.float16),  # the residual stream under autocast
-    dict(shape=(2, 7, 33), x=torch.float16, w=torch.float16, r=torch.float16),
-    dict(shape=(700, 48), x=torch.float16, w=torch.float32, r=torch.float16),  # several programs; f32 weight
-    dict(shape=(4, 3, 20), x=torch.float16, w=torch.float16, r=torch.float16, strided=True),
-], ids=["fp32", "fp16-one-row", "fp32+fp16", "fp16", "programs", "strided"])
+    dict(shape=(2, 7, 33), x=torch.float32, w=torch.float32, r=(torch.float16,)),  # the stream under autocast
+    dict(shape=(2, 7, 33), x=torch.float16, w=torch.float16, r=(torch.float16,)),
+    dict(shape=(2, 7, 33), x=torch.float32, w=torch.float32, r=(torch.float16, torch.float16)),  # two mixers' outputs
+    dict(shape=(1, 2, 64), x=torch.float16, w=torch.float16, r=(torch.float16, torch.float16)),
+    dict(shape=(700, 48), x=torch.float16, w=torch.float32, r=(torch.float16, torch.float16)),  # programs; f32 weight
+    dict(shape=(4, 3, 20), x=torch.float16, w=torch.float16, r=(torch.float16, torch.float16), strided=True),
+], ids=["fp32", "fp16-one-row", "fp32+fp16", "fp16", "fp32+2fp16", "fp16+2", "programs", "strided"])
 def test_scaled_norm_equals_the_norm_apart_bit_for_bit(case, walked_blocks):
-    """`rms_norm_scaled_triton`: h = x + residual and y = weight * normalize(h) in one launch are the values, dtypes
-    and shapes of the add, the normalization's kernel and the scale run apart, bit for bit (rows read at their
+    """`rms_norm_scaled_triton`: h = x + r1 + r2 and y = weight * normalize(h) in one launch are the values, dtypes
+    and shapes of the adds, the normalization's kernel and the scale run apart, bit for bit (rows read at their
     strides), and near the float64 formula."""
     from hybridlm.ops.rms_norm import rms_norm_scaled_triton
 
@@ -269,10 +273,10 @@ def test_scaled_norm_equals_the_norm_apart_bit_for_bit(case, walked_blocks):
             return (2 * torch.randn(*shape[:-1], D + 9, generator=g)).to(dtype)[..., 3:3 + D].to(DEVICE)
         return (2 * torch.randn(*shape, generator=g)).to(dtype).to(DEVICE)
     x, weight = make(case["x"]), torch.randn(D, generator=g).to(case["w"]).to(DEVICE)
-    residual = make(case["r"]) if "r" in case else None
+    residuals = tuple(make(dtype) for dtype in case.get("r", ()))
     with torch.no_grad():
-        h, y = rms_norm_scaled_triton(x, weight, 1e-6, residual)
-        h_apart, y_apart = _apart(x, weight, 1e-6, residual)
+        h, y = rms_norm_scaled_triton(x, weight, 1e-6, residuals)
+        h_apart, y_apart = _apart(x, weight, 1e-6, residuals)
     assert (h.dtype, y.dtype, h.shape, y.shape) == (h_apart.dtype, y_apart.dtype, h_apart.shape, y_apart.shape)
     assert torch.equal(h, h_apart) and torch.equal(y, y_apart)
     reference = weight.double() * rms_normalize_naive(h.double(), 1e-6)
@@ -280,30 +284,37 @@ def test_scaled_norm_equals_the_norm_apart_bit_for_bit(case, walked_blocks):
 
 
 @interpret
-def test_model_norm_and_residual_add_take_one_launch_without_a_gradient():
-    """`rms_norm` and `add_rms_norm` on the kernels: without a gradient to record, one launch each, the values of
-    the recorded path; with one, the differentiable path (the one-launch kernel records nothing)."""
+def test_model_norm_and_residual_adds_take_one_launch_without_a_gradient():
+    """`rms_norm` and `add_rms_norm` on the kernels: without a gradient to record, one launch each (two residuals
+    included), the values of the recorded path; with one, the differentiable path (the one-launch kernel records
+    nothing); partial sums of another dtype than the whole sum's are added apart first."""
     import hybridlm.modules.norm as norm_module
     from hybridlm.modules.norm import add_rms_norm, rms_norm
 
     g = torch.Generator().manual_seed(6)
     x = torch.randn(3, 4, 32, generator=g).to(DEVICE)
-    residual = torch.randn(3, 4, 32, generator=g).half().to(DEVICE)
+    residuals = tuple(torch.randn(3, 4, 32, generator=g).half().to(DEVICE) for _ in range(2))
     weight = torch.randn(32, generator=g).to(DEVICE).requires_grad_(True)
     launches = []
     run = norm_module.rms_norm_scaled_triton
-    norm_module.rms_norm_scaled_triton = lambda *args: launches.append(len(args)) or run(*args)
+    norm_module.rms_norm_scaled_triton = lambda *args: launches.append(len(args[3]) if len(args) > 3 else 0) or run(
+        *args)
     try:
         with torch.no_grad():
             y = rms_norm(x, weight, eps=1e-5, backend="triton")
-            h, y2 = add_rms_norm(x, residual, weight, eps=1e-5, backend="triton")
-        assert launches == [3, 4]
+            h, y2 = add_rms_norm(x, residuals, weight, eps=1e-5, backend="triton")
+            assert launches == [0, 2]
+            half = x.half()  # half + half stays half, + float32 would not: the first add runs apart
+            mixed = (residuals[0], x)
+            h3, _ = add_rms_norm(half, mixed, weight.detach(), eps=1e-5, backend="triton")
+            assert launches == [0, 2, 0] and h3.dtype == torch.float32  # the adds apart, then the norm's one launch
         recorded = rms_norm(x, weight, eps=1e-5, backend="triton")
-        h_recorded, y2_recorded = add_rms_norm(x, residual, weight, eps=1e-5, backend="triton")
-        assert launches == [3, 4] and recorded.requires_grad and y2_recorded.requires_grad
+        h_recorded, y2_recorded = add_rms_norm(x, residuals, weight, eps=1e-5, backend="triton")
+        assert launches == [0, 2, 0] and recorded.requires_grad and y2_recorded.requires_grad
     finally:
         norm_module.rms_norm_scaled_triton = run
     assert torch.equal(y, recorded.detach()) and torch.equal(h, h_recorded) and torch.equal(y2, y2_recorded.detach())
+    assert torch.equal(h3, (half + residuals[0]) + x)
 
 
 def test_scaled_norm_rejects_bad_inputs():
@@ -312,7 +323,12 @@ def test_scaled_norm_rejects_bad_inputs():
     with pytest.raises(ValueError, match="weight \\[D\\]"):
         rms_norm_scaled_triton(torch.zeros(2, 4), torch.ones(5), 1e-6)
     with pytest.raises(ValueError, match="shaped like x"):
-        rms_norm_scaled_triton(torch.zeros(2, 4), torch.ones(4), 1e-6, torch.zeros(3, 4))
+        rms_norm_scaled_triton(torch.zeros(2, 4), torch.ones(4), 1e-6, (torch.zeros(3, 4),))
+    with pytest.raises(ValueError, match="up to two residuals"):
+        rms_norm_scaled_triton(torch.zeros(2, 4), torch.ones(4), 1e-6, (torch.zeros(2, 4),) * 3)
+    with pytest.raises(ValueError, match="add the first apart"):
+        rms_norm_scaled_triton(torch.zeros(2, 4).half(), torch.ones(4), 1e-6, (torch.zeros(2, 4).half(),
+                                                                                torch.zeros(2, 4)))
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         rms_norm_scaled_triton(torch.zeros(2, 4, dtype=torch.float64), torch.ones(4), 1e-6)
     with pytest.raises(ValueError, match="records no gradient"):

@@ -17,9 +17,9 @@ to n. The backward is once-differentiable (no double backward: use `F.rms_norm` 
 - `rms_normalize_naive(u, eps)`: the float64 reference;
 - `rms_normalize_triton(u, eps)`: Triton kernels, one launch each way (`kernels.py`; imported on the first call, so
   importing this package never needs triton). Rows of at most `MAX_DIM` channels.
-- `rms_norm_scaled_triton(x, weight, eps, residual=None)`: inference's whole RMSNorm in one launch, without autograd:
-  an optional residual added first (h = x + residual, written out), then the normalization and the scale, with the
-  roundings of the three apart.
+- `rms_norm_scaled_triton(x, weight, eps, residuals=())`: inference's whole RMSNorm in one launch, without autograd:
+  up to two residuals added first (h = x + r1 + r2, written out), then the normalization and the scale, with the
+  roundings of the adds, the normalization and the scale apart.
 
 `hybridlm.modules.norm.rms_normalize` is the entry point: these kernels for 32- or 16-bit CUDA tensors outside
 torch.compile (`backend="auto"`), else `F.rms_norm`.
@@ -60,28 +60,44 @@ def rms_normalize_triton(u: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm_scaled_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                           residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           residuals: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Inference's RMSNorm in one launch, without autograd: x [..., D] (float32, bfloat16 or float16), weight [D],
-    residual None or [..., D] like x -> (h, y) with h = x + residual (x itself without one) and y = weight *
-    (h / sqrt(mean(h^2) + eps) rounded to h's dtype), the values `rms_normalize_triton` then the scale (and torch's
-    add before them) give apart, in the dtypes torch's promotion gives."""
+    up to two residuals shaped like x -> (h, y) with h = (x + residuals[0]) + residuals[1] (x itself without any)
+    and y = weight * (h / sqrt(mean(h^2) + eps) rounded to h's dtype): the values torch's adds, then
+    `rms_normalize_triton` and the scale give apart, in the dtypes torch's promotion gives. With two residuals, the
+    first sum's dtype must be the whole sum's (x + residuals[0] already in the promoted dtype)."""
     if x.dim() < 1 or x.shape[-1] == 0 or x.shape[-1] > MAX_DIM or weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm_scaled_triton: x [..., D] with 1 <= D <= {MAX_DIM} and weight [D]; got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"rms_norm_scaled_triton: the residual must be shaped like x {tuple(x.shape)}, got "
-                         f"{tuple(residual.shape)}")
-    dtypes = [x.dtype, weight.dtype] + ([] if residual is None else [residual.dtype])
+    if len(residuals) > 2 or any(r.shape != x.shape for r in residuals):
+        raise ValueError(f"rms_norm_scaled_triton: up to two residuals shaped like x {tuple(x.shape)}, got "
+                         f"{[tuple(r.shape) for r in residuals]}")
+    dtypes = [x.dtype, weight.dtype] + [r.dtype for r in residuals]
     if any(dtype not in TRITON_DTYPES for dtype in dtypes):
         raise ValueError(f"rms_norm_scaled_triton: float32, bfloat16 or float16 tensors, got {dtypes}")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, residual)):
+    if len(residuals) == 2 and not sums_in_one_dtype(x, residuals):
+        raise ValueError(f"rms_norm_scaled_triton: x + residuals[0] ({x.dtype} + {residuals[0].dtype}) would be "
+                         f"rounded to another dtype than the sum with {residuals[1].dtype}: add the first apart")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *residuals)):
         raise ValueError("rms_norm_scaled_triton records no gradient: run it under torch.no_grad(), or train on "
                          "`hybridlm.modules.norm.rms_norm`")
     if x.numel() // x.shape[-1] > MAX_KERNEL_ROWS:
         raise ValueError(f"rms_norm_scaled_triton: at most {MAX_KERNEL_ROWS} rows, got {x.numel() // x.shape[-1]}")
     from hybridlm.ops.rms_norm.kernels import rms_norm_scaled_triton as run
 
-    return run(x, weight, eps, residual)
+    return run(x, weight, eps, tuple(residuals))
 
 
-__all__ = ["MAX_DIM", "rms_norm_scaled_triton", "rms_normalize_naive", "rms_normalize_triton"]
+def sums_in_one_dtype(x: torch.Tensor, residuals: tuple[torch.Tensor, ...]) -> bool:
+    """Whether every partial sum x + residuals[0] + ... has the whole sum's dtype (what one launch rounds to)."""
+    dtype, whole = x.dtype, x.dtype
+    for r in residuals:
+        whole = torch.promote_types(whole, r.dtype)
+    for r in residuals[:-1]:
+        dtype = torch.promote_types(dtype, r.dtype)
+        if dtype != whole:
+            return False
+    return True
+
+
+__all__ = ["MAX_DIM", "rms_norm_scaled_triton", "rms_normalize_naive", "rms_normalize_triton", "sums_in_one_dtype"]

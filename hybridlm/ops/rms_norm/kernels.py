@@ -65,13 +65,15 @@ def rms_normalize_bwd_kernel(dn_ptr, n_ptr, rstd_ptr, du_ptr, R, D: tl.constexpr
         tl.store(du_ptr + offs, du.to(du_ptr.dtype.element_ty), mask=mask)
 
 
-@autotune(["D", "STEPS", "RESIDUAL"], fixed_warps=4)
+@autotune(["D", "STEPS", "RESIDUALS"], fixed_warps=4)
 @triton.jit(do_not_specialize=["R"])
-def rms_norm_scaled_kernel(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, R, stride_x, stride_r, eps, D: tl.constexpr,
-                           BD: tl.constexpr, BR: tl.constexpr, STEPS: tl.constexpr, RESIDUAL: tl.constexpr):
-    """Inference's norm in one launch: h = x + r (RESIDUAL; h's dtype, contiguous [R, D]) or h = x, then y = w n
-    [R, D] (contiguous, y's dtype) with n = h rstd(h) rounded to h's dtype, as `rms_norm` computes it apart (the
-    normalization's kernel, then the scale). Rows of x, r at their row strides. Grid (cdiv(R, STEPS BR),)."""
+def rms_norm_scaled_kernel(x_ptr, r1_ptr, r2_ptr, w_ptr, h_ptr, y_ptr, R, stride_x, stride_r1, stride_r2, eps,
+                           D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, STEPS: tl.constexpr,
+                           RESIDUALS: tl.constexpr):
+    """Inference's norm in one launch: h = (x + r1) + r2 (as many residuals as RESIDUALS, each sum rounded to h's
+    dtype as torch's adds round it; h contiguous [R, D]) or h = x, then y = w n [R, D] (contiguous, y's dtype) with
+    n = h rstd(h) rounded to h's dtype, as `rms_norm` computes it apart (the normalization's kernel, then the
+    scale). Rows of x and the residuals at their row strides. Grid (cdiv(R, STEPS BR),)."""
     cols = tl.arange(0, BD)
     in_col = cols < D
     w = tl.load(w_ptr + cols, mask=in_col, other=0.0).to(tl.float32)  # [BD]
@@ -80,38 +82,45 @@ def rms_norm_scaled_kernel(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, R, stride_x, strid
         r64 = rows.to(tl.int64)
         mask = (rows < R)[:, None] & in_col[None, :]
         h = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if RESIDUAL:
-            r = tl.load(r_ptr + r64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            h = (h + r).to(h_ptr.dtype.element_ty)  # the sum rounded as torch's add rounds it
-            tl.store(h_ptr + r64[:, None] * D + cols[None, :], h, mask=mask)
-            h = h.to(tl.float32)
+        if RESIDUALS >= 1:
+            r = tl.load(r1_ptr + r64[:, None] * stride_r1 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            h = (h + r).to(h_ptr.dtype.element_ty).to(tl.float32)
+        if RESIDUALS >= 2:
+            r = tl.load(r2_ptr + r64[:, None] * stride_r2 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            h = (h + r).to(h_ptr.dtype.element_ty).to(tl.float32)
+        if RESIDUALS >= 1:
+            tl.store(h_ptr + r64[:, None] * D + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
         rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(h * h, axis=1), D * 1.0) + eps))  # [BR]
         n = (h * rstd[:, None]).to(h_ptr.dtype.element_ty).to(tl.float32)
         tl.store(y_ptr + r64[:, None] * D + cols[None, :], (n * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm_scaled_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                           residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checked inputs (the package's entry point) -> (h, y): h = x + residual (x itself without one), y = weight *
-    rms_normalize(h) in the dtype torch's product gives, both [..., D] contiguous. No autograd."""
+                           residuals: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked inputs (the package's entry point) -> (h, y): h = x + residuals[0] + residuals[1] (x itself without
+    any), y = weight * rms_normalize(h) in the dtype torch's product gives, both [..., D] contiguous. No autograd."""
     D = x.shape[-1]
-    rows = x.reshape(-1, D)
-    h_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    res = None if residual is None else residual.reshape(-1, D)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    if res is not None and res.stride(-1) != 1:
-        res = res.contiguous()
+
+    def rows_of(t: torch.Tensor) -> torch.Tensor:
+        t = t.reshape(-1, D)
+        return t if t.stride(-1) == 1 else t.contiguous()
+
+    rows = rows_of(x)
+    extra = [rows_of(r) for r in residuals]
+    h_dtype = x.dtype
+    for r in residuals:
+        h_dtype = torch.promote_types(h_dtype, r.dtype)
     R = rows.shape[0]
-    h = rows if residual is None else torch.empty(R, D, dtype=h_dtype, device=x.device)
+    h = torch.empty(R, D, dtype=h_dtype, device=x.device) if residuals else rows
     y = torch.empty(R, D, dtype=torch.promote_types(h_dtype, weight.dtype), device=x.device)
     if R:
         BD, BR, steps, blocks = _blocks(R, D)
+        r1, r2 = (extra + [rows, rows])[:2]
         with on_tensor_device(x):
-            rms_norm_scaled_kernel[(blocks,)](rows, rows if res is None else res, weight.contiguous(), h, y, R,
-                                              rows.stride(0), 0 if res is None else res.stride(0), eps, D=D, BD=BD,
-                                              BR=BR, STEPS=steps, RESIDUAL=res is not None)
-    return (x if residual is None else h.view(x.shape)), y.view(x.shape)
+            rms_norm_scaled_kernel[(blocks,)](rows, r1, r2, weight.contiguous(), h, y, R, rows.stride(0), r1.stride(0),
+                                              r2.stride(0), eps, D=D, BD=BD, BR=BR, STEPS=steps,
+                                              RESIDUALS=len(residuals))
+    return (h.view(x.shape) if residuals else x), y.view(x.shape)
 
 
 def _blocks(R: int, D: int) -> tuple[int, int, int, int]:
