@@ -61,9 +61,13 @@ class FusedLinear(nn.Module):
         """Whether `parts` (the projections as their owners hold them now) are still this fusion's: the same names,
         plain linears whose weights and biases lie where the fused tensors keep them. Run at every call of an eager
         step, so it compares addresses (a part moved or cast by `.to()` has storage of its own) rather than building
-        views to compare."""
+        views to compare. Under torch.compile, which traces no address, the modules only: the compiled graph guards
+        on the fused tensors (a `.to()` gives them new storage and the graph recompiles), and they hold the parts'
+        values as they were when fused or moved."""
         if list(parts) != self.names:
             return False
+        if torch.compiler.is_compiling():
+            return all(type(linear) in FUSABLE and is_plain(linear, type(linear)) for linear in parts.values())
         weight, bias = self.weight, self.bias
         row_bytes = weight.stride(0) * weight.element_size()
         start = 0

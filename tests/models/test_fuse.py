@@ -196,3 +196,32 @@ def test_generation_chains_the_blocks_residual_adds_into_the_next_norm(name, mon
     handed.clear()
     apart = model(ids, cache=model.new_cache()).logits  # a gradient to record: each block whole
     assert handed == [False] * len(model.model.layers) and torch.equal(chained, apart.detach())
+
+
+def test_compiled_step_traces_the_fused_projections_in_as_many_graphs():
+    """`GraphedDecoder(compile_step=...)` on a fused model: torch.compile traces the fused GEMMs without breaking the
+    step's graph (the address check is left to eager calls): as many graphs as the unfused model's, and the plain
+    static step's logits."""
+    from hybridlm.inference import GraphedDecoder
+
+    graphs = []
+    for fuse in (False, True):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        model = make_model(seed=8).eval()
+        prepare_for_generation(model, fuse=fuse)
+        prompt = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(9))
+        with torch.no_grad():
+            caches = [model.new_cache(), model.new_cache()]
+            for cache in caches:
+                model(prompt, cache=cache)
+            plain, compiled = (GraphedDecoder(model, cache, capacity=16, batch_size=2, use_graph=False,
+                                              compile_step=backend)
+                               for cache, backend in zip(caches, (None, "aot_eager")))
+            token = prompt[:, -1]
+            for _ in range(3):
+                expected = plain.step(token).clone()
+                assert rel_err(compiled.step(token), expected) < 1e-6
+                token = expected.argmax(-1)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1] == graphs[0]
