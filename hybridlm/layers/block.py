@@ -50,6 +50,8 @@ Generation (a cache, no gradient) runs fewer, larger kernels with the same value
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -196,7 +198,8 @@ class HybridBlock(nn.Module):
             return {}
         if "ssm.in_proj" in fused.names and (self.ssm_in_multiplier, self.attn_in_multiplier) != (1.0, 1.0):
             return {}
-        return fused(x, {name: self.get_submodule(name) for name in fused.names}) or {}
+        return fused(x, {name: functools.reduce(getattr, path, self) for name, path in zip(fused.names, fused.paths)}
+                     ) or {}
 
     def _mlp(self, x: torch.Tensor, fuses: bool) -> torch.Tensor:
         parts = self._project(self.fused_mlp, x, fuses)

@@ -24,8 +24,9 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
                         help="keep the muP multipliers as separate scalings (default: folded into the weights at load, "
                              "hybridlm/models/fold.py: the same function with fewer kernels per decoding step)")
     parser.add_argument("--no-fuse-projections", action="store_true",
-                        help="run each projection apart (default: those that read one input, q/k/v with a parallel "
-                             "block's SSM in_proj and the MLP's up/gate, as one GEMM each; hybridlm/models/fuse.py)")
+                        help="run each projection apart (default on CUDA: those that read one input, q/k/v with a "
+                             "parallel block's SSM in_proj and the MLP's up/gate, as one GEMM each; "
+                             "hybridlm/models/fuse.py)")
 
 
 def generation_options(args: argparse.Namespace) -> dict[str, bool]:

@@ -18,8 +18,8 @@ on the same tensors.
 Each output element is the same dot product either way; a wider GEMM may run another kernel whose summation order
 differs, so outputs may move by a rounding of the activations' dtype. The SSM's in_proj joins q, k, v only where
 the mixers' input multipliers are 1 (each would otherwise read N(x) scaled its own way): fold them first
-(`fold_multipliers`; `prepare_for_generation` does both, and so do the serving engine and the `generate` and `chat`
-commands). Fuse after moving the model to its device and dtype: `.to()` gives each weight its own
+(`fold_multipliers`; `prepare_for_generation` does both, on a CUDA device, and so do the serving engine and the
+`generate` and `chat` commands). Fuse after moving the model to its device and dtype: `.to()` gives each weight its own
 storage again, and the blocks then notice it and run the projections apart.
 """
 
@@ -36,16 +36,17 @@ log = logging.getLogger(__name__)
 
 def prepare_for_generation(model: nn.Module, *, fold: bool = True, fuse: bool = True) -> None:
     """What the serving engine and the `generate` and `chat` commands do to a model they load, once it is on its
-    device and in its dtype: fold its muP multipliers into its weights (`fold_multipliers`), then fuse the projections
-    that read one input (`fuse_projections`); `fold`, `fuse` False leave either out. The same function, fewer
-    kernels per decoding step."""
+    device and in its dtype: fold its muP multipliers into its weights (`fold_multipliers`), then, on a CUDA device,
+    fuse the projections that read one input (`fuse_projections`); `fold`, `fuse` False leave either out. The same
+    function, fewer kernels per decoding step. A model on the CPU keeps its projections apart: there a GEMM's own
+    time, not its launch, sets a step's, and the fused blocks' checks cost about what the joined GEMMs save."""
     from hybridlm.models.fold import fold_multipliers
 
     if fold:
         folded = fold_multipliers(model)
         if folded:
             log.info("folded %d muP multipliers into the weights (%s)", len(folded), ", ".join(folded))
-    if fuse:
+    if fuse and next(model.parameters()).is_cuda:
         log.info("fused the projections that read one input: %d GEMMs fewer per forward", fuse_projections(model))
 
 

@@ -50,6 +50,9 @@ class FusedLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         self.names = list(parts)
         self.widths = [linear.out_features for linear in linears]
+        self.paths = [tuple(name.split(".")) for name in self.names]  # attribute paths, for the owner's lookups
+        self._names = tuple(self.names)
+        self._starts = [sum(self.widths[:i]) for i in range(len(self.widths))]  # each part's first row
         start = 0
         for linear, width in zip(linears, self.widths):
             linear.weight.data = weight[start : start + width]
@@ -64,25 +67,24 @@ class FusedLinear(nn.Module):
         views to compare. Under torch.compile, which traces no address, the modules only: the compiled graph guards
         on the fused tensors (a `.to()` gives them new storage and the graph recompiles), and they hold the parts'
         values as they were when fused or moved."""
-        if list(parts) != self.names:
+        if tuple(parts) != self._names:
             return False
         if torch.compiler.is_compiling():
             return all(type(linear) in FUSABLE and is_plain(linear, type(linear)) for linear in parts.values())
         weight, bias = self.weight, self.bias
-        row_bytes = weight.stride(0) * weight.element_size()
-        start = 0
-        for linear, width in zip(parts.values(), self.widths):
+        w_ptr, w_row = weight.data_ptr(), weight.stride(0) * weight.element_size()
+        b_ptr, b_row = (0, 0) if bias is None else (bias.data_ptr(), bias.element_size())
+        for linear, start in zip(parts.values(), self._starts):
             if type(linear) not in FUSABLE or not is_plain(linear, type(linear)):
                 return False
-            part = linear.weight
-            if part.dtype is not weight.dtype or part.data_ptr() != weight.data_ptr() + start * row_bytes or (
-                    part.shape[0] != width):
+            params = linear._parameters  # the dict itself: Module.__getattr__ costs more than the rest of the check
+            part = params["weight"]
+            if part is None or part.dtype is not weight.dtype or part.data_ptr() != w_ptr + start * w_row:
                 return False
-            part = linear.bias
-            if part is not None and (bias is None or part.dtype is not bias.dtype or (
-                    part.data_ptr() != bias.data_ptr() + start * bias.element_size())):
+            part = params.get("bias")
+            if part is not None and (bias is None or part.dtype is not bias.dtype
+                                     or part.data_ptr() != b_ptr + start * b_row):
                 return False
-            start += width
         return True
 
     def forward(self, x: torch.Tensor, parts: dict[str, nn.Module]) -> dict[str, torch.Tensor] | None:
@@ -96,4 +98,4 @@ class FusedLinear(nn.Module):
             out = padded_linear(x, self.weight, self.bias)
         else:
             out = F.linear(x, self.weight, self.bias)
-        return dict(zip(self.names, out.split(self.widths, dim=-1)))
+        return dict(zip(self.names, out.split_with_sizes(self.widths, dim=-1)))

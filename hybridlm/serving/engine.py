@@ -139,8 +139,9 @@ class Engine:
             (`hybridlm.models.fold`: the same function, an elementwise kernel fewer per multiplier and call; an
             official Falcon-H1 checkpoint's decoding step loses some thirteen per layer). A model given as an object
             is used as it is.
-        fuse_projections: a model loaded from a directory has the projections that read one input fused into one
-            GEMM each (`hybridlm.models.fuse`: q, k, v with a parallel block's SSM in_proj, the MLP's up and gate).
+        fuse_projections: a model loaded from a directory onto a CUDA device has the projections that read one input
+            fused into one GEMM each (`hybridlm.models.fuse`: q, k, v with a parallel block's SSM in_proj, the MLP's up
+            and gate).
         decode_step: "auto" (CUDA graphs on a CUDA device, else "eager"), "graph" (each step at a fixed shape replayed
             as a CUDA graph: `hybridlm.serving.graphed`), "fixed" (the same fixed-shape step run eagerly) or "eager"
             (the running rows and the longest row's keys exactly, one kernel launch per operator).

@@ -159,6 +159,8 @@ def test_unfolded_input_multipliers_keep_the_ssm_projection_apart():
         assert rel_err(_decode(model, ids), reference) < 1e-12
     model = make_model(seed=5, **MULTIPLIERS).double()
     prepare_for_generation(model)
+    assert model.model.layers[0].fused_input is None  # a CPU model keeps its projections apart
+    fuse_projections(model)  # what prepare_for_generation does on CUDA after folding
     assert model.model.layers[0].fused_input.names[0] == "ssm.in_proj"
     with torch.no_grad():
         assert rel_err(_decode(model, ids), reference) < 1e-12
@@ -209,7 +211,9 @@ def test_compiled_step_traces_the_fused_projections_in_as_many_graphs():
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         model = make_model(seed=8).eval()
-        prepare_for_generation(model, fuse=fuse)
+        prepare_for_generation(model, fuse=False)
+        if fuse:
+            fuse_projections(model)
         prompt = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(9))
         with torch.no_grad():
             caches = [model.new_cache(), model.new_cache()]

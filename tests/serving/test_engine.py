@@ -303,14 +303,13 @@ def test_engine_settings_are_checked_and_the_prefill_budget_follows_the_device()
 
 
 def test_an_engine_loading_a_checkpoint_folds_its_multipliers(model_dir):
-    """A checkpoint directory's model comes with its muP multipliers folded into its weights (`fold_multipliers`) and
-    its projections fused (`fuse_projections`): the logits of the model as saved, to float32 rounding;
-    `fold_multipliers=False` keeps the multipliers, `fuse_projections=False` the projections apart, and a model given
-    as an object is used as it is."""
+    """A checkpoint directory's model comes with its muP multipliers folded into its weights (`fold_multipliers`; its
+    projections fused on a CUDA device only, `prepare_for_generation`): the logits of the model as saved, to float32
+    rounding; `fold_multipliers=False` keeps the multipliers, and a model given as an object is used as it is."""
     settings = dict(max_num_seqs=1, max_model_len=40, device="cpu")
     folded = Engine(model_dir, **settings)
     kept = Engine(model_dir, **settings, fold_multipliers=False, fuse_projections=False)
-    assert folded.model.model.layers[0].fused_mlp is not None and kept.model.model.layers[0].fused_mlp is None
+    assert folded.model.model.layers[0].fused_mlp is None  # the CPU's projections stay apart
     assert (folded.model.config.key_multiplier, kept.model.config.key_multiplier) == (1.0, 0.5)
     assert (folded.model.config.embedding_multiplier, kept.model.config.embedding_multiplier) == (1.0, 2.0)
     ids = torch.tensor([[5, 9, 12, 40, 7]])
@@ -319,7 +318,7 @@ def test_an_engine_loading_a_checkpoint_folds_its_multipliers(model_dir):
     assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     with torch.no_grad():
         cache = folded.model.new_cache()
-        folded.model(ids, cache=cache)  # generation's call: through the fused GEMMs
+        folded.model(ids, cache=cache)  # generation's call: the blocks chained, the norms taking the adds
         assert (folded.model(ids[:, -1:], cache=cache).logits - kept.model(torch.cat([ids, ids[:, -1:]], 1)).logits[
             :, -1:]).abs().max() <= 1e-5 * b.abs().max()
     model = make_model(seed=2)
