@@ -86,7 +86,9 @@ def _scaled_kernel_takes(x: torch.Tensor, weight: torch.Tensor, residuals: tuple
     """Whether the one-launch inference norm runs: the normalization's kernels would (`rms_normalize`'s backend
     rule), nothing records a gradient, and the weight and residuals (at most two, their partial sums in one dtype)
     are kernel dtypes on x's device, shaped to match."""
-    if backend == "torch" or len(residuals) > 2 or needs_grad(x, weight, *residuals):
+    if backend == "torch" or (backend == "auto" and not x.is_cuda) or len(residuals) > 2:
+        return False  # the common refusals first: this runs for every norm of every call
+    if needs_grad(x, weight, *residuals):
         return False
     if (x.dtype not in TRITON_DTYPES or weight.dtype not in TRITON_DTYPES or not 0 < x.shape[-1] <= MAX_DIM
             or weight.shape != (x.shape[-1],) or weight.device != x.device or x.numel() // x.shape[-1] > MAX_KERNEL_ROWS):
