@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The decoding checks and measurements of RESULTS.md's "Decoding on an H100", on one quiet GPU, in three parts that
 # each fit one device call: `tests` (~4 minutes: the step kernels, the fast-weight mixer's one-kernel step, the rotation
-# into the cache, the states written in place under CUDA graphs, eager and compiled, and the serving engine's graphs)
+# into the cache, the inference norm, the states written in place under CUDA graphs, eager and compiled, and the serving engine's graphs)
 # and `timings` (~6 minutes: the row kernels at decoding sizes, the graphed step under bf16 autocast beside the SSM
 # mixers' torch loops, the graphed step of a bf16 copy of each model, both compiled by inductor, and the eager step's
 # kernel profile); `fused` (~3 minutes: the graphed bf16 step with its projections apart, then fused as serve, generate
@@ -24,7 +24,8 @@ decode=(python benchmarks/gpu_model.py --lengths --contexts 4096 --decode-steps 
 case $part in
 tests)
     timeout 300 python -m pytest -q -p no:cacheprovider -rf --tb=short tests/ops/test_decoding_steps.py \
-        tests/ops/test_short_conv_triton.py tests/ops/test_rotary_triton.py tests/inference/test_generate.py \
+        tests/ops/test_short_conv_triton.py tests/ops/test_rotary_triton.py tests/ops/test_rms_norm_triton.py \
+        tests/inference/test_generate.py \
         tests/serving/test_graphed_cuda.py tests/layers/test_fast_weight_mixer.py tests/layers/test_mamba2.py \
         > "$out/tests.log" 2>&1
     tail -n 25 "$out/tests.log"
