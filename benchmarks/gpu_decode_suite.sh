@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The decoding checks and measurements of RESULTS.md's "Decoding on an H100", on one quiet GPU, in three parts that
+# The decoding checks and measurements of RESULTS.md's "Decoding on an H100", on one quiet GPU, in four parts that
 # each fit one device call: `tests` (~4 minutes: the step kernels, the fast-weight mixer's one-kernel step, the rotation
-# into the cache, the inference norm, the states written in place under CUDA graphs, eager and compiled, and the serving engine's graphs)
-# and `timings` (~6 minutes: the row kernels at decoding sizes, the graphed step under bf16 autocast beside the SSM
+# into the cache, the inference norm, the states written in place under CUDA graphs, eager and compiled, fused
+# projections, and the serving engine's graphs) and `timings` (~6 minutes: the row kernels at decoding sizes, the graphed step under bf16 autocast beside the SSM
 # mixers' torch loops, the graphed step of a bf16 copy of each model, both compiled by inductor, and the eager step's
 # kernel profile); `fused` (~3 minutes: the graphed bf16 step with its projections apart, then fused as serve, generate
 # and chat load a model); `fold` (~4 minutes: the falcon-h1-0.5b shape's graphed step with its muP multipliers kept,
