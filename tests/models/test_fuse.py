@@ -229,3 +229,32 @@ def test_compiled_step_traces_the_fused_projections_in_as_many_graphs():
                 token = expected.argmax(-1)
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert graphs[0] > 0 and graphs[1] == graphs[0]
+
+
+def test_serving_engine_steps_with_fused_projections_equal_each_request_alone(monkeypatch):
+    """The serving engine on a fused model (float64): packed prefills, slot steps at fixed shapes (padded rows and
+    spans) give each request's tokens alone, as the unfused model generates them."""
+    from hybridlm.serving import Engine, SamplingParams
+    from hybridlm.serving.graphed import SlotStepGraphs
+
+    model = make_model(seed=9, **MODELS["fast_weight 1A"]).double()
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 13, 6)]
+    lengths = [6, 5, 4]
+    alone = [generate(model, torch.tensor([p]), max_new_tokens=n).sequences[0, len(p):].tolist()
+             for p, n in zip(prompts, lengths)]
+    fold_multipliers(model)
+    fuse_projections(model)
+    calls, forward = [], FusedLinear.forward
+    monkeypatch.setattr(FusedLinear, "forward", lambda self, *args: calls.append(1) or forward(self, *args))
+    engine = Engine(model, max_num_seqs=3, max_model_len=32, block_size=4, max_prefill_tokens=8, decode_step="fixed")
+    engine.step_graphs = SlotStepGraphs(model, engine.slots, use_graph=False, min_span=4)
+    final = {}
+    for prompt, n in zip(prompts, lengths):
+        engine.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True),
+                           on_output=lambda out: final.__setitem__(out.request_id, out.token_ids) if out.finished
+                           else None)
+        engine.step()
+    while engine.has_work():
+        engine.step()
+    assert [final[key] for key in sorted(final)] == alone
+    assert calls  # the slot steps ran the fused GEMMs
