@@ -40,10 +40,10 @@ forward for all its layers (each layer would otherwise compute the same tables: 
 decoding step). An SSM mixer keeps its decoding state in `cache.ssm` (a dict it owns). The block applies the
 ssm_in/ssm_out and attention_in/attention_out multipliers; mixers apply only their internal ones.
 
-Generation (a cache, no gradient) runs fewer, larger kernels with the same values:
-- `projected=`: a mixer (and the MLP) takes its input projection(s) computed by the block, which multiplies once by
-  the weights `hybridlm.models.fuse.fuse_projections` concatenated (q, k, v, with the SSM's in_proj where both
-  mixers read N(x); the MLP's up and gate) and hands each its slice;
+Calls without a gradient run fewer, larger kernels with the same values:
+- `projected=` (generation: a cache too): a mixer (and the MLP) takes its input projection(s) computed by the block,
+  which multiplies once by the weights `hybridlm.models.fuse.fuse_projections` concatenated (q, k, v, with the SSM's
+  in_proj where both mixers read N(x); the MLP's up and gate) and hands each its slice;
 - `deferred`: the block leaves its last residual adds to the caller, so that they run inside the next norm's launch
   (`add_and_norm`), as a mixer's output is added inside the launch of the norm after it within the block.
 """

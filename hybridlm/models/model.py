@@ -260,10 +260,10 @@ class HybridModel(HybridPreTrainedModel):
         # Gradient checkpointing recomputes each block in the backward pass; never with a cache, which the
         # recomputation would advance a second time.
         checkpointed = self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled()
-        # Generation chains the blocks with each one's last residual add left to the next block's norm (and the last
-        # to the final norm), which take the add in their launch (`HybridBlock.deferred`): the same values.
-        chained = cache is not None and not torch.is_grad_enabled() and all(
-            is_plain(layer, type(layer)) for layer in self.layers)
+        # Without a gradient (generation, evaluation) the blocks are chained with each one's last residual adds left
+        # to the next block's norm (the last block's to the final norm), which takes them in its launch
+        # (`HybridBlock.deferred`): the same values.
+        chained = not torch.is_grad_enabled() and all(is_plain(layer, type(layer)) for layer in self.layers)
         pending = ()
         for i, layer in enumerate(self.layers):
             layer_cache = cache[i] if cache is not None else None

@@ -179,7 +179,7 @@ def test_refusals():
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_generation_chains_the_blocks_residual_adds_into_the_next_norm(name, monkeypatch):
-    """With a cache and no gradient the model chains its blocks (`HybridBlock.deferred`): each block's last residual
+    """Without a gradient the model chains its blocks (`HybridBlock.deferred`): each block's last residual
     add goes to the next block's norm, the last to the final norm; the logits are the unchained forward's bit for bit
     (float64), every block after the first given its predecessor's residual."""
     from hybridlm.layers.block import HybridBlock
