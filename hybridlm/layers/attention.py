@@ -106,7 +106,9 @@ class Attention(nn.Module):
             else:
                 position_ids = torch.arange(length, device=hidden.device).unsqueeze(0)  # [1, T]
 
-        q, k, v = projected if projected is not None else (self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden))
+        if projected is None:
+            projected = (self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden))
+        q, k, v = projected
         q = q.view(batch, length, self.num_heads, self.head_dim)  # [B, T, Hq, D]
         k = scaled(k.view(batch, length, self.num_kv_heads, self.head_dim), self.key_multiplier)
         v = v.view(batch, length, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]

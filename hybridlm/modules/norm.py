@@ -91,7 +91,8 @@ def _scaled_kernel_takes(x: torch.Tensor, weight: torch.Tensor, residuals: tuple
     if needs_grad(x, weight, *residuals):
         return False
     if (x.dtype not in TRITON_DTYPES or weight.dtype not in TRITON_DTYPES or not 0 < x.shape[-1] <= MAX_DIM
-            or weight.shape != (x.shape[-1],) or weight.device != x.device or x.numel() // x.shape[-1] > MAX_KERNEL_ROWS):
+            or weight.shape != (x.shape[-1],) or weight.device != x.device
+            or x.numel() // x.shape[-1] > MAX_KERNEL_ROWS):
         return False
     if any(r.shape != x.shape or r.dtype not in TRITON_DTYPES for r in residuals) or not sums_in_one_dtype(
             x, residuals):

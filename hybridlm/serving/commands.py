@@ -9,9 +9,9 @@ completion tokens, cached prompt tokens, time to first token, total time). The t
 from the model directory (or --tokenizer). On a CUDA device the decoding step replays CUDA graphs, captured at
 start-up for every batch and key-span bucket (`hybridlm.serving.graphed`); --compile compiles that step with
 torch.compile (inductor) before the capture, so each graph replays fused kernels; --enforce-eager runs the step op by
-op. The muP multipliers are folded into the loaded weights and the projections that read one input run as one GEMM
-(`hybridlm.models.fuse`; --no-fold-multipliers, --no-fuse-projections keep them apart). The engine runs in a process of its own (`hybridlm.serving.process`; --engine-thread: on a thread of the
-server's).
+op. The muP multipliers are folded into the loaded weights and, on CUDA, the projections that read one input run as
+one GEMM (`hybridlm.models.fuse`; --no-fold-multipliers, --no-fuse-projections keep them apart). The engine runs in a
+process of its own (`hybridlm.serving.process`; --engine-thread: on a thread of the server's).
 """
 
 from __future__ import annotations
