@@ -18,6 +18,7 @@ _EXPORTS = {
     "load_model": "hybridlm.models.hf",
     "fold_multipliers": "hybridlm.models.fold",
     "fuse_projections": "hybridlm.models.fuse",
+    "prepare_for_generation": "hybridlm.models.fuse",
 }
 
 __all__ = ["__version__", *_EXPORTS]
