@@ -279,7 +279,7 @@ def test_scaled_norm_equals_the_norm_apart_bit_for_bit(case, walked_blocks):
         h_apart, y_apart = _apart(x, weight, 1e-6, residuals)
     assert (h.dtype, y.dtype, h.shape, y.shape) == (h_apart.dtype, y_apart.dtype, h_apart.shape, y_apart.shape)
     assert torch.equal(h, h_apart) and torch.equal(y, y_apart)
-    reference = weight.double() * rms_normalize_naive(h.double(), 1e-6)
+    reference = weight.double().cpu() * rms_normalize_naive(h.double().cpu(), 1e-6)
     assert_near_reference({"y": (y, reference)}, TOL[case["x"]])
 
 
