@@ -19,6 +19,8 @@ forward and forward+backward of:
   [64, 32] blocks; by default they narrow when fewer than 264 programs would cover the rows x heads, which "triton"
   times). Only timed where the blocks narrow, i.e. not at the default shape: compare at a model's shape, e.g.
   `--B 1 --H 10 --D 64`.
+- two-kernel forward (1A, 3A): the triton op again with `inner_product.ONE_PASS_MIN_PROGRAMS` out of reach (the state
+  scan, then the outputs, instead of the forward in one pass); only timed where the one pass is taken.
 `--documents D` times packed documents instead (D per row, equal lengths), forward + backward of the triton op: the
 documents restarted in place (`seq_idx`, the rows' shapes, what a compiled model runs) against the same documents
 through `cu_seqlens` (the rows laid end to end, then padded per document by the backend). It skips the main table,
@@ -26,6 +28,8 @@ whose rule-1 rows alone take minutes.
 `--pass-configs` times rule 1's triton op instead under other launches of its two sequential passes
 (`regression.PassLaunch`: value columns per program, warps and pipeline stages; `PASS_CONFIGS` below), each checked
 against the launch the op picks (`regression.pass_launch`) first, with the ratio to it.
+`--one-pass-configs` times rule 1A's triton op instead under launches of its one-pass forward (`ONE_PASS_CONFIGS`
+below: value columns per program, warps) and the two-kernel forward, each checked against the two-kernel forward.
 `--profile` then prints, per rule at the longest T, the kernels of one forward + backward of the triton op with their
 GPU time (torch.profiler): which stage to work on. Prints a markdown table with the ratios triton / SDPA and
 chunk / triton, and what the triton op's time means against
@@ -71,6 +75,14 @@ PASS_CONFIGS = {
     "BV128 8w1s": regression.PassLaunch(128, (8, 1), (8, 1)),
 }
 
+# Launches of rule 1A's one-pass forward (`inner_product.OnePassLaunch`: value columns per program, warps) timed
+# against the two-kernel forward ("two kernels", the baseline) and what `inner_product.one_pass_launch` picks.
+ONE_PASS_CONFIGS = {
+    "two kernels": None,
+    "default": "default",
+    **{f"BV{bv} {w}w": inner_product.OnePassLaunch(bv, w) for bv in (16, 32, 64, 128) for w in (4, 8)},
+}
+
 
 def run_triton(q, k, v, beta, lam, *, rule, chunk_size, initial_state=None, output_final_state=False,
                fused_preparation=True):
@@ -100,7 +112,7 @@ def make_inputs(B, T, H, D, dtype, *, seed=0):
 
 @contextlib.contextmanager
 def module_settings(module, **settings):
-    """Module settings (`inner_product.SCAN_MIN_PROGRAMS`) changed for the block, then put back."""
+    """Module settings (`inner_product.SCAN_MIN_PROGRAMS`, `ONE_PASS_MIN_PROGRAMS`) changed for the block, then put back."""
     previous = {name: getattr(module, name) for name in settings}
     try:
         for name, value in settings.items():
@@ -161,9 +173,21 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=0,
                         help="time D packed documents per row instead: seq_idx in place vs cu_seqlens")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU time of the triton op at the longest T")
+    parser.add_argument("--one-pass-configs", action="store_true",
+                        help="time rule 1A under each launch of its one-pass forward (ONE_PASS_CONFIGS) instead")
     parser.add_argument("--pass-configs", action="store_true",
                         help="time rule 1 under each launch of its sequential passes (PASS_CONFIGS) instead")
     args = parser.parse_args()
+    if args.one_pass_configs:
+        print(f"# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+              f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | rule 1A's one-pass forward")
+        print("| rule | T | forward | fwd (ms) | fwd / two kernels | fwd+bwd (ms) | fwd+bwd / two kernels |")
+        print("|---|---|---|---|---|---|---|")
+        for T in args.T:
+            for line in time_one_pass_configs(args.B, T, args.H, args.D, chunk_size=args.chunk_size):
+                print(line, flush=True)
+            torch.cuda.empty_cache()
+        return
     if args.pass_configs:
         print(f"# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
               f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | rule 1's pass launches")
@@ -184,9 +208,9 @@ def main() -> None:
           f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | window 3 for 3A")
     if not args.documents:
         print("| rule | T | pass | SDPA (ms) | chunk (ms) | chunk compiled (ms) | triton (ms) | kernels (ms) "
-              "| torch preparation (ms) | fixed scan blocks (ms) | triton compiled (ms) "
+              "| torch preparation (ms) | fixed scan blocks (ms) | two-kernel forward (ms) | triton compiled (ms) "
               "| triton / SDPA | triton compiled / SDPA | chunk / triton | triton TFLOP/s | triton TB/s (min. bytes) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for T in args.T:
             for rule in args.rules:
                 for line in time_one(rule, args.B, T, args.H, args.D, torch.bfloat16, chunk_size=args.chunk_size,
@@ -216,37 +240,60 @@ def pass_settings(config: str):
     return module_settings(regression, pass_launch=lambda K, V, NH: launch)
 
 
-def time_pass_configs(B, T, H, D, *, chunk_size, configs=tuple(PASS_CONFIGS)) -> list[str]:
-    """Table rows: rule 1's triton op, forward and forward + backward (bf16), under each pass launch of `configs`
-    (the first is the baseline), each checked first against the baseline's output and gradients (the launches
-    change no arithmetic, only which program computes which value columns)."""
+def time_launches(rule, B, T, H, D, *, chunk_size, configs, settings) -> dict[str, list[float]]:
+    """The rule's triton op (bf16), forward and forward + backward in ms, under `settings(config)` for each config
+    (the first is the baseline), each checked first against the baseline's outputs and gradients (the launches
+    change no arithmetic beyond the order of a few sums)."""
     inputs = make_inputs(B, T, H, D, torch.bfloat16)
 
     def run():
-        return run_triton(*inputs, rule="1", chunk_size=chunk_size)[0]
+        return run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0]
 
     def outputs_and_grads():
         o = run()
         return [o.detach(), *torch.autograd.grad(o.float().square().sum(), inputs)]
 
-    with pass_settings(configs[0]):
+    with settings(configs[0]):
         reference = outputs_and_grads()
     times = {}
     for config in configs:
-        with pass_settings(config):
+        with settings(config):
             error = max(rel_err(a, b) for a, b in zip(outputs_and_grads(), reference))
             if not error < 1e-2:
-                raise SystemExit(f"rule 1 with passes {config!r} disagrees with {configs[0]!r} (rel err {error:.1e})")
+                raise SystemExit(f"rule {rule} under {config!r} disagrees with {configs[0]!r} (rel err {error:.1e})")
             times[config] = [bench(run, backward=backward, inputs=inputs) for backward in (False, True)]
-    base = times[configs[0]]
+    return times
+
+
+def ratio_rows(rule, T, times, label) -> list[str]:
+    """Table rows of `time_launches`' times with their ratios to the first config's."""
+    base = next(iter(times.values()))
+    return [f"| {rule} | {T} | {label(config)} | {fwd:.2f} | {fwd / base[0]:.2f}x | {both:.2f} | "
+            f"{both / base[1]:.2f}x |" for config, (fwd, both) in times.items()]
+
+
+def time_pass_configs(B, T, H, D, *, chunk_size, configs=tuple(PASS_CONFIGS)) -> list[str]:
+    """Table rows: rule 1 under each pass launch of `configs` (the first is the baseline)."""
+    times = time_launches("1", B, T, H, D, chunk_size=chunk_size, configs=configs, settings=pass_settings)
     picked = {regression.NARROW_PASSES: "narrow", regression.WIDE_PASSES: "wide"}.get(
         regression.pass_launch(D, D, B * H), "other")
+    return ratio_rows("1", T, times, lambda config: config if PASS_CONFIGS[config] else f"{config} ({picked})")
 
-    def label(config):
-        return config if PASS_CONFIGS[config] else f"{config} ({picked})"
 
-    return [f"| 1 | {T} | {label(config)} | {fwd:.2f} | {fwd / base[0]:.2f}x | {both:.2f} | {both / base[1]:.2f}x |"
-            for config, (fwd, both) in times.items()]
+def one_pass_settings(config: str):
+    """Settings under which rule 1A's forward runs as `config` of ONE_PASS_CONFIGS."""
+    launch = ONE_PASS_CONFIGS[config]
+    if launch == "default":
+        return contextlib.nullcontext()
+    return module_settings(inner_product, one_pass_launch=lambda K, V, NH: launch)
+
+
+def time_one_pass_configs(B, T, H, D, *, chunk_size) -> list[str]:
+    """Table rows: rule 1A under each forward of ONE_PASS_CONFIGS, against the two-kernel forward."""
+    times = time_launches("1A", B, T, H, D, chunk_size=chunk_size, configs=tuple(ONE_PASS_CONFIGS),
+                          settings=one_pass_settings)
+    picked = inner_product.one_pass_launch(D, D, B * H)
+    return ratio_rows("1A", T, times, lambda config: f"default ({picked})" if config == "default" else config)
 
 
 def profile_one(rule, B, T, H, D, *, chunk_size, rows=20) -> str:
@@ -326,7 +373,7 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compi
 
         sdpa = timed(lambda: causal_sdpa(q, k, v))
         triton_ms = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
-        torch_prep = kernels = fixed_scan = chunk = compiled = compiled_t = False
+        torch_prep = kernels = fixed_scan = two_kernel = chunk = compiled = compiled_t = False
         if rule in backend.FUSED_RULES:
             torch_prep = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size,
                                                   fused_preparation=False)[0])
@@ -337,6 +384,9 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compi
         if rule in ("1A", "3A") and narrows:
             with module_settings(inner_product, SCAN_MIN_PROGRAMS=0):
                 fixed_scan = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
+        if rule in ("1A", "3A") and inner_product.one_pass_launch(D, D, B * H) is not None:
+            with module_settings(inner_product, ONE_PASS_MIN_PROGRAMS=10**9):
+                two_kernel = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
         if eager_chunk:
             chunk = timed(lambda: run_chunk(*inputs, rule=rule, chunk_size=chunk_size)[0])
         if chunk_compiled is not None:
@@ -356,7 +406,7 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compi
         flops, nbytes = fast_weight_counts(rule, B=B, T=T, H=H, K=D, V=D, chunk=chunk_size, backward=backward)
         use = utilization(ms=triton_ms, flops=flops, nbytes=nbytes)
         rows.append(f"| {rule} | {T} | {name} | {cell(sdpa)} | {cell(chunk)} | {cell(compiled)} | {cell(triton_ms)} | "
-                    f"{cell(kernels)} | {cell(torch_prep)} | {cell(fixed_scan)} | "
+                    f"{cell(kernels)} | {cell(torch_prep)} | {cell(fixed_scan)} | {cell(two_kernel)} | "
                     f"{cell(compiled_t)} | "
                     f"{triton_ms / sdpa:.2f}x | "
                     f"{f'{compiled_t / sdpa:.2f}x' if isinstance(compiled_t, float) else '-'} | "

@@ -317,6 +317,75 @@ def test_rule_1a_scan_launches_with_scan_blocks(monkeypatch, min_programs, block
     assert launched == [((n_blocks, 2), BK, BV)] * 3
 
 
+ONE_PASS_CASES = [(130, 16, True, True, 16, 24), (63, 16, False, False, 16, 24), (1, 64, True, False, 16, 24),
+                  (200, 64, False, True, 100, 40), (70, 16, True, True, 128, 16)]
+
+
+@interpret
+@pytest.mark.parametrize("T,chunk_size,read_after,with_S0,K,V", ONE_PASS_CASES,
+                         ids=[f"T{c[0]}-C{c[1]}-{'after' if c[2] else 'before'}-{'S0' if c[3] else 'noS0'}-K{c[4]}V{c[5]}"
+                              for c in ONE_PASS_CASES])
+def test_rule_1a_one_pass_forward_matches_reference(monkeypatch, T, chunk_size, read_after, with_S0, K, V):
+    """Rule 1A's forward in one pass (`chunk_output.scan_output_kernel`, taken here for every shape with
+    ONE_PASS_MIN_PROGRAMS = 0) gives the step loop's outputs, final state and gradients (the backward recomputes
+    the states with the scan): float32 and float16, with and without S0, reading before and after, one step, odd
+    lengths, several value blocks (V = 40 in blocks of 32), K up to ONE_PASS_MAX_K. The forward launches it once and
+    no state scan."""
+    from hybridlm.ops.fast_weight.triton import inner_product
+
+    monkeypatch.setattr(inner_product, "ONE_PASS_MIN_PROGRAMS", 0)
+    one_pass = record_launches(monkeypatch, inner_product.chunk_output, "scan_output_kernel",
+                               lambda grid, kwargs: (grid, kwargs["BV"]))
+    scans = record_launches(monkeypatch, inner_product.chunk_state, "state_scan_kernel", lambda grid, kwargs: grid)
+    check_against_reference(2, T, 2, K, V, dtype=torch.float32, chunk_size=chunk_size, read_after=read_after,
+                            with_S0=with_S0)
+    BV = min(32, max(16, 1 << (V - 1).bit_length()))
+    assert one_pass == [((-(-V // BV), 4), BV)] and len(scans) == 2  # the backward's two scans
+    check_against_reference(1, T, 2, K, V, dtype=torch.float16, chunk_size=chunk_size, read_after=read_after,
+                            with_S0=with_S0)
+
+
+@interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rule_1a_one_pass_forward_equals_the_two_kernel_forward(monkeypatch, dtype):
+    """The one-pass forward against the scan + outputs forward on the same inputs: the same carried states (the same
+    products of each step), outputs within the rounding of their sums over K taken in one block instead of two."""
+    if dtype == torch.bfloat16 and not ON_GPU:
+        pytest.skip("the interpreter's tl.dot is wrong for bfloat16; float16 covers the 16-bit path on the CPU")
+    from hybridlm.ops.fast_weight.triton import inner_product
+
+    q, x, y, eta, log_gamma, S0 = prepared(3, 150, 2, 128, 64, seed=11)
+    q, x, y = (t.to(DEVICE, dtype) for t in (q, x, y))
+    eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in (eta, log_gamma, S0))
+    results = {}
+    for min_programs in (0, 10**6):
+        monkeypatch.setattr(inner_product, "ONE_PASS_MIN_PROGRAMS", min_programs)
+        results[min_programs] = inner_product.forward_1a(q, x, y, eta, log_gamma, S0, True, 64)
+    (o1, S1), (o2, S2) = results[0], results[10**6]
+    assert rel_err(S1.cpu(), S2.cpu()) < 1e-6
+    assert rel_err(o1.float().cpu(), o2.float().cpu()) < (1e-6 if dtype == torch.float32 else 4e-3)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (no GPU)")
+def test_one_pass_launch_covers_the_sms_or_declines():
+    """The one-pass forward runs where its V / BV x rows x heads programs cover ONE_PASS_MIN_PROGRAMS (132, an
+    H200's SMs) at a value block of 32 halved down to 16, with all of K (<= 128) in one block, at 8 warps;
+    otherwise the two-kernel forward."""
+    from hybridlm.ops.fast_weight.triton.inner_product import (
+        ONE_PASS_MAX_K,
+        ONE_PASS_MIN_PROGRAMS,
+        OnePassLaunch,
+        one_pass_launch,
+    )
+
+    assert (ONE_PASS_MAX_K, ONE_PASS_MIN_PROGRAMS) == (128, 132)
+    assert one_pass_launch(128, 128, 8 * 16) == OnePassLaunch(32, 8)  # the op benchmark's shape: 4 x 128 programs
+    assert one_pass_launch(128, 128, 20) == OnePassLaunch(16, 8)      # 8 x 20 = 160
+    assert one_pass_launch(128, 128, 10) is None                      # a model's row of 10 heads: 80 at most
+    assert one_pass_launch(256, 256, 8 * 16) is None                  # K over one block of registers
+    assert one_pass_launch(64, 24, 200) == OnePassLaunch(32, 8)       # one value block of 32 covers V = 24
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (no GPU)")
 def test_pass_launch_widens_when_its_programs_cover_the_sms():
     """Rule 1's passes: the narrow launch (32 value columns, 8 warps) for few rows x heads, the wide one (64 columns,

@@ -58,6 +58,10 @@ for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "iee
         b = functools.partial(build, io=io, io_names=io_names, warps=8)
         b(k.output_kernel, dict(blocks, READ_AFTER=True, PREC=prec))
         b(k.grad_y_kernel, dict(blocks, READ_AFTER=True, HAS_DH=True, PREC=prec))
+    # Rule 1A's one-pass forward: all of K in one block, value blocks of 16 and 32 (`inner_product.one_pass_launch`)
+    for block_v, read_after, has_init in ((32, True, True), (16, False, False)):
+        build(k.scan_output_kernel, dict(s, BK=128, BV=block_v, READ_AFTER=read_after, HAS_INIT=has_init, PREC=prec,
+                                         INTERPRET=False), io=io, io_names=IO, warps=8)
 # Per value column (rules 2A, 2).
 for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=16)), ("*fp32", "ieee", dict(K=16, V=8, BT=16))):
     blocks3 = dict(s, BK=min(64, s["K"]), BV=min(32, max(16, s["V"])), READ_AFTER=False, PREC=prec)
@@ -71,7 +75,7 @@ IO = ("q_ptr", "x_ptr", "y_ptr", "do_ptr", "dq_ptr", "dx_ptr", "dy_ptr")
 for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "ieee", dict(K=100, V=40, BT=16))):
     for io_names in ((IO, IO + ("h_ptr", "dh_ptr")) if io == "*bf16" else (IO,)):  # rule 1A's 16-bit states too
         for read_after in (False, True):
-            build(k.grad_qx_kernel, dict(s, BK=128, BV=32, READ_AFTER=read_after, PREC=prec), io=io,
+            build(k.grad_qxy_kernel, dict(s, BK=128, BV=32, READ_AFTER=read_after, PREC=prec), io=io,
                   io_names=io_names, warps=8)
 for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=16)), ("*fp32", "ieee", dict(K=16, V=8, BT=16))):
     blocks3 = dict(s, BK=min(64, s["K"]), BV=min(32, max(16, s["V"])), READ_AFTER=False, PREC=prec)

@@ -14,6 +14,8 @@ exit, and dS_0), then the per-chunk gradients (`inner_product_kernels.py`; rule 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from hybridlm.ops.fast_weight.triton import chunk_output, chunk_state, inner_product_kernels
@@ -29,6 +31,11 @@ from hybridlm.ops.utils import triton_interpreting
 # waves of an H200's 132 SMs (benchmarks/RESULTS.md compares the fixed and the narrowed blocks). 0: the fixed
 # [64, 32] blocks.
 SCAN_MIN_PROGRAMS = 264
+# Rule 1A's forward in one pass (`one_pass_launch`) holds the state's [K, BV] blocks, all of K, in registers, and
+# walks the chunks in V / BV x N * H programs: it needs K <= ONE_PASS_MAX_K and that many programs to fill an H200's
+# 132 SMs once (benchmarks/RESULTS.md times it against the two-kernel forward).
+ONE_PASS_MAX_K = 128
+ONE_PASS_MIN_PROGRAMS = 132
 
 
 def forward_1a(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,6 +43,9 @@ def forward_1a(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -
     inputs (checked by `custom_ops.py`); S0 None for zeros."""
     plan = ScalarPlan(q, y, chunk_size, read_after)
     L = chunk_cumsum(plan, log_gamma)
+    launch = one_pass_launch(plan.K, plan.V, plan.NH)
+    if launch is not None:
+        return plan.scan_output(q, x, y, eta, L, S0, launch)
     states, S_final = plan.states(x, y, eta, L, S0)
     return chunk_output.output(plan, q, x, y, eta, L, states), S_final
 
@@ -47,9 +57,29 @@ def backward_1a(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chu
     L = chunk_cumsum(plan, log_gamma)
     states, _ = plan.states(x, y, eta, L, S0)                     # recomputed: entry state of every chunk
     dstates, dS0 = plan.state_grads(q, do, L, dS_final)          # dL/dS at every chunk exit, and dS_0
-    dq, dx, deta, dlg = plan.grad_qx(q, x, y, eta, L, do, states, dstates, log_gamma.dtype)
-    dy = plan.grad_y(q, x, eta, L, do, dstates)
+    dq, dx, dy, deta, dlg = plan.grad_qxy(q, x, y, eta, L, do, states, dstates, log_gamma.dtype)
     return dq, dx, dy, deta, dlg, dS0
+
+
+class OnePassLaunch(NamedTuple):
+    """A launch of rule 1A's one-pass forward: value columns per program and warps."""
+
+    block_v: int
+    warps: int
+
+
+def one_pass_launch(K: int, V: int, NH: int) -> OnePassLaunch | None:
+    """The launch of rule 1A's one-pass forward (`chunk_output.scan_output_kernel`), or None for the two-kernel
+    forward (the state scan, then the outputs). Each of its V / BV x N * H programs walks every chunk holding a
+    [K, BV] state block, so it needs K <= ONE_PASS_MAX_K and, to cover the SMs once, ONE_PASS_MIN_PROGRAMS programs
+    at BV >= 16 (value blocks of 32, halved while too few); 8 warps (4 spill the operands of the chunk's products,
+    `benchmarks/ptxas_spills.py`)."""
+    if K > ONE_PASS_MAX_K:
+        return None
+    BV = block(V, 32)
+    while -(-V // BV) * NH < ONE_PASS_MIN_PROGRAMS and BV > 16:
+        BV //= 2
+    return OnePassLaunch(BV, 8) if -(-V // BV) * NH >= ONE_PASS_MIN_PROGRAMS else None
 
 
 def scan_blocks(K: int, V: int, NH: int, min_programs: int | None = None) -> tuple[int, int]:
@@ -87,6 +117,16 @@ class ScalarPlan(ChunkPlan):
         self._scan(x, y, eta, L, h, S0, final, grad=False)
         return h, final
 
+    def scan_output(self, q, x, y, eta, L, S0, launch: OnePassLaunch):
+        """(3) with (1) + (2) in one pass: o [N, T, H, V] (q's dtype) and the final state [N, H, K, V] float32."""
+        o = torch.empty(self.N, self.T, self.H, self.V, dtype=q.dtype, device=self.device)
+        final = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
+        chunk_output.scan_output_kernel[(-(-self.V // launch.block_v), self.NH)](
+            q, x, y, eta, L, o, final if S0 is None else S0, final, self.T, self.T_pad, self.n_chunks, self.H,
+            **self.sizes, BK=self.BK_full, BV=launch.block_v, HAS_INIT=S0 is not None, READ_AFTER=self.read_after,
+            PREC=self.prec, INTERPRET=triton_interpreting(), num_warps=launch.warps)
+        return o, final
+
     def _scan(self, a, b, eta, L, h, init, final, *, grad: bool) -> None:
         """(1) + (2) (or with grad, (1') + (2') in reverse) as one kernel."""
         BK, BV = scan_blocks(self.K, self.V, self.NH)
@@ -103,21 +143,15 @@ class ScalarPlan(ChunkPlan):
         self._scan(q, do, L, L, g, init, dS0, grad=True)  # (eta is unused)
         return g, dS0
 
-    def grad_qx(self, q, x, y, eta, L, do, states, dstates, lg_dtype):
-        dq, dx = torch.empty_like(q), torch.empty_like(x)
+    def grad_qxy(self, q, x, y, eta, L, do, states, dstates, lg_dtype):
+        """dq, dx, dy, d eta, d log_gamma of every chunk in one kernel (`grad_qxy_kernel`)."""
+        dq, dx, dy = torch.empty_like(q), torch.empty_like(x), torch.empty_like(y)
         deta = torch.empty_like(eta)
         dlg = torch.empty(eta.shape, dtype=lg_dtype, device=self.device)
-        inner_product_kernels.grad_qx_kernel[(self.n_chunks, self.N * self.H)](
-            q, x, y, eta, L, do, states, dstates, dq, dx, deta, dlg, self.T, self.T_pad, self.n_chunks, self.H,
+        inner_product_kernels.grad_qxy_kernel[(self.n_chunks, self.N * self.H)](
+            q, x, y, eta, L, do, states, dstates, dq, dx, dy, deta, dlg, self.T, self.T_pad, self.n_chunks, self.H,
             **self.sizes, BK=self.BK_full, BV=self.BV_qx, READ_AFTER=self.read_after, PREC=self.prec)
-        return dq, dx, deta, dlg
-
-    def grad_y(self, q, x, eta, L, do, dstates):
-        dy = torch.empty(self.N, self.T, self.H, self.V, dtype=q.dtype, device=self.device)
-        chunk_output.grad_y_kernel[(-(-self.V // self.BV), self.n_chunks, self.N * self.H)](
-            q, x, eta, L, do, dstates, dy, self.T, self.T_pad, self.n_chunks, self.H, **self.sizes, BK=self.BK,
-            BV=self.BV, READ_AFTER=self.read_after, HAS_DH=True, PREC=self.prec)
-        return dy
+        return dq, dx, dy, deta, dlg
 
 
 def forward_2a(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:

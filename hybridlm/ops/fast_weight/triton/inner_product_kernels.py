@@ -1,7 +1,7 @@
 """The inner-product family's gradient kernels (rules 1A and 2A; rule 3A runs on 1A's): dq, dx, d eta and
 d log_gamma of every chunk, in parallel, once the state stages (`chunk_state.py`) have given each chunk's entry state
-S_c = h[c] and the gradient of its exit state dS_out = dh[c]. dy is the output stage's (`chunk_output.grad_y_kernel`)
-for rule 1A, `grad_v_2a_kernel`'s for rule 2A.
+S_c = h[c] and the gradient of its exit state dS_out = dh[c]. Rule 1A's dy comes from the same kernel as its dq and dx
+(`grad_qxy_kernel`, which already holds every operand of (3'') in `chunk_output.py`); rule 2A's from `grad_v_2a_kernel`.
 
 Rule 1A (scalar decay; L, Lr, L_last, M as in `chunk_output.py`):
 
@@ -58,20 +58,25 @@ from hybridlm.ops.triton_utils import load_rows, load_steps, state_offsets, stor
 
 @autotuned(KEY)
 @triton.jit(do_not_specialize=SIZES)
-def grad_qx_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr,
-                   dq_ptr, dx_ptr, deta_ptr, dlg_ptr, T, T_pad, n_chunks, H,
-                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   READ_AFTER: tl.constexpr, PREC: tl.constexpr):
-    """(3') Per chunk, with S_c = h[c] (entry state) and dS_out = dh[c] (gradient of the chunk's exit state):
+def grad_qxy_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr,
+                    dq_ptr, dx_ptr, dy_ptr, deta_ptr, dlg_ptr, T, T_pad, n_chunks, H,
+                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    READ_AFTER: tl.constexpr, PREC: tl.constexpr):
+    """(3') and (3'') Per chunk, with S_c = h[c] (entry state) and dS_out = dh[c] (gradient of the chunk's exit
+    state):
 
         dq_t   = exp(Lr_t) S_c dO_t + sum_s G[t, s] eta_s x_s          G[t, s] = M exp(Lr_t - L_s) (dO_t . y_s)
         dxt_s  = sum_t G[t, s] q_t + exp(L_last - L_s) dS_out y_s      dx_s = eta_s dxt_s,  deta_s = x_s . dxt_s
+        dy_s   = sum_t A[t, s] dO_t + exp(L_last - L_s) eta_s dS_out^T x_s
+                                                                       A[t, s] = M exp(Lr_t - L_s) eta_s (q_t . x_s)
         dlog_gamma_r = sum_{t >= r} (q_t . dq_t) [t > r when reading before] - sum_{t >= r} (x_t . dx_t)
                        + <dS_out, S_{c+1}>
 
     (every term of o_t carries exp(Lr_t) and is linear in q_t; every term that x_s enters carries exp(-L_s);
     the exit state carries exp(L_last), and <dS_out, S_{c+1}> = exp(L_last) <dS_out, S_c> + sum_s x_s . dx_s^out).
-    BK covers all of K. Grid (n_chunks, N * H)."""
+    One program holds the chunk's q and x (BK covers all of K) and walks the value blocks, whose dO, y, S_c and
+    dS_out blocks give dq's and dx's terms and the block of dy outright: dy needs no kernel of its own rereading q,
+    x, dO and dS_out. Grid (n_chunks, N * H)."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     t = i_c * BT + tl.arange(0, BT)
@@ -95,9 +100,10 @@ def grad_qx_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr,
         s_dot += tl.sum(tl.sum(S * dS, axis=1), axis=0)
     eta = load_steps(eta_ptr, i_n, i_h, t, T, H)
     L, Lr, L_last = chunk_decays(L_ptr, i_nh, i_c, T_pad, BT, READ_AFTER)
-    G = dA * causal_decay(L, Lr, BT, READ_AFTER)                                           # [BT, BT]
-    dq = dq_inter * tl.exp(Lr)[:, None] + tl.dot((G * eta[None, :]).to(x.dtype), x, input_precision=PREC)
+    M = causal_decay(L, Lr, BT, READ_AFTER)                                                 # [BT(t), BT(s)]
     out_coef = tl.exp(L_last - L)                                                           # [BT]
+    G = dA * M                                                                              # [BT, BT]
+    dq = dq_inter * tl.exp(Lr)[:, None] + tl.dot((G * eta[None, :]).to(x.dtype), x, input_precision=PREC)
     dxt = tl.dot(tl.trans(G).to(q.dtype), q, input_precision=PREC) + dx_out * out_coef[:, None]
     dx = dxt * eta[:, None]
     qf, xf = q.to(tl.float32), x.to(tl.float32)
@@ -115,6 +121,17 @@ def grad_qx_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr,
     scalar_offs = (i_n.to(tl.int64) * T + t) * H + i_h
     tl.store(deta_ptr + scalar_offs, deta.to(deta_ptr.dtype.element_ty), mask=t < T)
     tl.store(dlg_ptr + scalar_offs, dlg.to(dlg_ptr.dtype.element_ty), mask=t < T)
+    # (3''), a second walk over the value blocks once dq's and dx's accumulators are free: its dO and dS_out blocks
+    # were just read by this program (from L2, not from memory again)
+    At = tl.trans(tl.dot(q, tl.trans(x), input_precision=PREC) * M * eta[None, :]).to(q.dtype)  # A^T [BT(s), BT(t)]
+    for i_v in range(tl.cdiv(V, BV)):
+        rv = i_v * BV + tl.arange(0, BV)
+        do = load_rows(do_ptr, i_n, i_h, t, T, H, V, rv)                                   # [BT, BV]
+        offs, mask = state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
+        dS = tl.load(dh_ptr + offs, mask=mask, other=0.0)
+        dy = tl.dot(At, do, input_precision=PREC) \
+            + tl.dot(x, dS.to(x.dtype), input_precision=PREC) * (out_coef * eta)[:, None]  # [BT, BV]
+        store_rows(dy_ptr, dy, i_n, i_h, t, T, H, V, rv)
 
 
 @autotuned(KEY)
