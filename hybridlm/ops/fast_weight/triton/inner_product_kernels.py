@@ -74,9 +74,9 @@ def grad_qxy_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr,
 
     (every term of o_t carries exp(Lr_t) and is linear in q_t; every term that x_s enters carries exp(-L_s);
     the exit state carries exp(L_last), and <dS_out, S_{c+1}> = exp(L_last) <dS_out, S_c> + sum_s x_s . dx_s^out).
-    One program holds the chunk's q and x (BK covers all of K) and walks the value blocks, whose dO, y, S_c and
-    dS_out blocks give dq's and dx's terms and the block of dy outright: dy needs no kernel of its own rereading q,
-    x, dO and dS_out. Grid (n_chunks, N * H)."""
+    One program holds the chunk's q and x (BK covers all of K) and walks the value blocks twice: first for dq's and
+    dx's terms, then, with their accumulators stored, for dy block by block (dO and dS_out again, from L2), so that
+    dy needs no kernel of its own reading q, x, dO and dS_out from memory once more. Grid (n_chunks, N * H)."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     t = i_c * BT + tl.arange(0, BT)
@@ -121,8 +121,7 @@ def grad_qxy_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr,
     scalar_offs = (i_n.to(tl.int64) * T + t) * H + i_h
     tl.store(deta_ptr + scalar_offs, deta.to(deta_ptr.dtype.element_ty), mask=t < T)
     tl.store(dlg_ptr + scalar_offs, dlg.to(dlg_ptr.dtype.element_ty), mask=t < T)
-    # (3''), a second walk over the value blocks once dq's and dx's accumulators are free: its dO and dS_out blocks
-    # were just read by this program (from L2, not from memory again)
+    # (3''): the second walk (its blocks of dO and dS_out were just read by this program)
     At = tl.trans(tl.dot(q, tl.trans(x), input_precision=PREC) * M * eta[None, :]).to(q.dtype)  # A^T [BT(s), BT(t)]
     for i_v in range(tl.cdiv(V, BV)):
         rv = i_v * BV + tl.arange(0, BV)
