@@ -37,24 +37,14 @@ from hybridlm.ops.fast_weight.triton import (
     supports,
 )
 from tests.helpers import rel_err
-from tests.ops.fast_weight_helpers import KERNELS, check_against_reference, front_door_errors, prepared
+from tests.ops.fast_weight_helpers import (
+    KERNELS,
+    check_against_reference,
+    front_door_errors,
+    prepared,
+    record_launches,
+)
 from tests.ops.triton_modes import DEVICE, HAS_TRITON, ON_GPU, gpu_only, interpret
-
-
-def record_launches(monkeypatch, module, name: str, describe) -> list:
-    """Replace the Triton kernel `name` of `module` (for the test) by one that appends describe(grid, kwargs) of every
-    launch to the returned list, then launches."""
-    launched, kernel = [], getattr(module, name)
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append(describe(grid, kwargs))
-                return kernel[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(module, name, Recorder())
-    return launched
 
 
 CASES = list(itertools.product(KERNELS, (torch.float32, torch.float16, torch.bfloat16), (1, 63, 130), (16, 64),
@@ -329,8 +319,8 @@ def test_rule_1a_one_pass_forward_matches_reference(monkeypatch, T, chunk_size, 
     """Rule 1A's forward in one pass (`chunk_output.scan_output_kernel`, taken here for every shape with
     ONE_PASS_MIN_PROGRAMS = 0) gives the step loop's outputs, final state and gradients (the backward recomputes
     the states with the scan): float32 and float16, with and without S0, reading before and after, one step, odd
-    lengths, several value blocks (V = 40 in blocks of 32), K up to ONE_PASS_MAX_K. The forward launches it once and
-    no state scan."""
+    lengths, a padded value block (V = 40 in 64), K up to ONE_PASS_MAX_K. The forward launches it once and no state
+    scan."""
     from hybridlm.ops.fast_weight.triton import inner_product
 
     monkeypatch.setattr(inner_product, "ONE_PASS_MIN_PROGRAMS", 0)
@@ -339,8 +329,8 @@ def test_rule_1a_one_pass_forward_matches_reference(monkeypatch, T, chunk_size, 
     scans = record_launches(monkeypatch, inner_product.chunk_state, "state_scan_kernel", lambda grid, kwargs: grid)
     check_against_reference(2, T, 2, K, V, dtype=torch.float32, chunk_size=chunk_size, read_after=read_after,
                             with_S0=with_S0)
-    BV = min(32, max(16, 1 << (V - 1).bit_length()))
-    assert one_pass == [((-(-V // BV), 4), BV)] and len(scans) == 2  # the backward's two scans
+    BV = max(16, 1 << (V - 1).bit_length())
+    assert one_pass == [((1, 4), BV)] and len(scans) == 2  # one program per row x head; the backward's two scans
     check_against_reference(1, T, 2, K, V, dtype=torch.float16, chunk_size=chunk_size, read_after=read_after,
                             with_S0=with_S0)
 
@@ -368,9 +358,9 @@ def test_rule_1a_one_pass_forward_equals_the_two_kernel_forward(monkeypatch, dty
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (no GPU)")
 def test_one_pass_launch_covers_the_sms_or_declines():
-    """The one-pass forward runs where its V / BV x rows x heads programs cover ONE_PASS_MIN_PROGRAMS (132, an
-    H200's SMs) at a value block of 32 halved down to 16, with all of K (<= 128) in one block, at 8 warps;
-    otherwise the two-kernel forward."""
+    """The one-pass forward runs one program per row x head, holding the whole state (K, V <= 128) at 8 warps,
+    where the rows x heads reach ONE_PASS_MIN_PROGRAMS (128, about an H100's SMs); otherwise the two-kernel
+    forward."""
     from hybridlm.ops.fast_weight.triton.inner_product import (
         ONE_PASS_MAX_K,
         ONE_PASS_MIN_PROGRAMS,
@@ -378,12 +368,12 @@ def test_one_pass_launch_covers_the_sms_or_declines():
         one_pass_launch,
     )
 
-    assert (ONE_PASS_MAX_K, ONE_PASS_MIN_PROGRAMS) == (128, 132)
-    assert one_pass_launch(128, 128, 8 * 16) == OnePassLaunch(32, 8)  # the op benchmark's shape: 4 x 128 programs
-    assert one_pass_launch(128, 128, 20) == OnePassLaunch(16, 8)      # 8 x 20 = 160
-    assert one_pass_launch(128, 128, 10) is None                      # a model's row of 10 heads: 80 at most
-    assert one_pass_launch(256, 256, 8 * 16) is None                  # K over one block of registers
-    assert one_pass_launch(64, 24, 200) == OnePassLaunch(32, 8)       # one value block of 32 covers V = 24
+    assert (ONE_PASS_MAX_K, ONE_PASS_MIN_PROGRAMS) == (128, 128)
+    assert one_pass_launch(128, 128, 8 * 16) == OnePassLaunch(128, 8)  # the op benchmark's shape
+    assert one_pass_launch(64, 40, 200) == OnePassLaunch(64, 8)        # V padded to a power of two
+    assert one_pass_launch(128, 128, 10) is None                       # a model's row of 10 heads
+    assert one_pass_launch(128, 128, 127) is None
+    assert one_pass_launch(256, 128, 8 * 16) is None and one_pass_launch(128, 256, 8 * 16) is None
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (no GPU)")

@@ -31,11 +31,11 @@ from hybridlm.ops.utils import triton_interpreting
 # waves of an H200's 132 SMs (benchmarks/RESULTS.md compares the fixed and the narrowed blocks). 0: the fixed
 # [64, 32] blocks.
 SCAN_MIN_PROGRAMS = 264
-# Rule 1A's forward in one pass (`one_pass_launch`) holds the state's [K, BV] blocks, all of K, in registers, and
-# walks the chunks in V / BV x N * H programs: it needs K <= ONE_PASS_MAX_K and that many programs to fill an H200's
-# 132 SMs once (benchmarks/RESULTS.md times it against the two-kernel forward).
+# Rule 1A's forward in one pass (`one_pass_launch`): one program per row x head holds the whole [K, V] state in
+# registers and walks the chunks; it needs K, V <= ONE_PASS_MAX_K and ONE_PASS_MIN_PROGRAMS rows x heads to occupy
+# about one program per SM of an H100 / H200 (132).
 ONE_PASS_MAX_K = 128
-ONE_PASS_MIN_PROGRAMS = 132
+ONE_PASS_MIN_PROGRAMS = 128
 
 
 def forward_1a(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,16 +70,14 @@ class OnePassLaunch(NamedTuple):
 
 def one_pass_launch(K: int, V: int, NH: int) -> OnePassLaunch | None:
     """The launch of rule 1A's one-pass forward (`chunk_output.scan_output_kernel`), or None for the two-kernel
-    forward (the state scan, then the outputs). Each of its V / BV x N * H programs walks every chunk holding a
-    [K, BV] state block, so it needs K <= ONE_PASS_MAX_K and, to cover the SMs once, ONE_PASS_MIN_PROGRAMS programs
-    at BV >= 16 (value blocks of 32, halved while too few); 8 warps (4 spill the operands of the chunk's products,
-    `benchmarks/ptxas_spills.py`)."""
-    if K > ONE_PASS_MAX_K:
+    forward (the state scan, then the outputs). Each program walks every chunk holding a whole [K, V] state (K, V <=
+    ONE_PASS_MAX_K) at 8 warps, so the scores q_t . x_s and the loads of q and x are not repeated per value block;
+    with fewer than ONE_PASS_MIN_PROGRAMS rows x heads the two-kernel forward spreads the walk over more programs.
+    Timed on an H100 at B = 8, H = 16, K = V = 128 (benchmarks/RESULTS.md): whole states 0.84x the two-kernel
+    forward's time, value blocks of 64 1.0x, of 32 or 16 1.3-2.7x (the scores computed 4-8 times)."""
+    if max(K, V) > ONE_PASS_MAX_K or NH < ONE_PASS_MIN_PROGRAMS:
         return None
-    BV = block(V, 32)
-    while -(-V // BV) * NH < ONE_PASS_MIN_PROGRAMS and BV > 16:
-        BV //= 2
-    return OnePassLaunch(BV, 8) if -(-V // BV) * NH >= ONE_PASS_MIN_PROGRAMS else None
+    return OnePassLaunch(block(V, ONE_PASS_MAX_K), 8)
 
 
 def scan_blocks(K: int, V: int, NH: int, min_programs: int | None = None) -> tuple[int, int]:
