@@ -276,3 +276,19 @@ def opcheck_scan(name: str, inputs: list[torch.Tensor], *, final_state_grad: boo
     if final_state_grad:
         dS = torch.randn(S0.shape, device=DEVICE)
         torch.library.opcheck(bwd, (do, dS, *detached, S0.detach(), True, 16), test_utils=OPCHECKS)
+
+
+def record_launches(monkeypatch, module, name: str, describe) -> list:
+    """Replace the Triton kernel `name` of `module` (for the test) by one that appends describe(grid, kwargs) of every
+    launch to the returned list, then launches."""
+    launched, kernel = [], getattr(module, name)
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(describe(grid, kwargs))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(module, name, Recorder())
+    return launched
