@@ -19,8 +19,8 @@ forward and forward+backward of:
   [64, 32] blocks; by default they narrow when fewer than 264 programs would cover the rows x heads, which "triton"
   times). Only timed where the blocks narrow, i.e. not at the default shape: compare at a model's shape, e.g.
   `--B 1 --H 10 --D 64`.
-- two-kernel forward (1A, 3A): the triton op again with `inner_product.ONE_PASS_MIN_PROGRAMS` out of reach (the state
-  scan, then the outputs, instead of the forward in one pass); only timed where the one pass is taken.
+- chunk-parallel (1A, 3A): the triton op again with `inner_product.WALK_MIN_PROGRAMS` and `GRAD_WALK_MIN_PROGRAMS`
+  out of reach (the chunk-parallel kernels instead of the whole-state walks); only timed where the walks are taken.
 `--documents D` times packed documents instead (D per row, equal lengths), forward + backward of the triton op: the
 documents restarted in place (`seq_idx`, the rows' shapes, what a compiled model runs) against the same documents
 through `cu_seqlens` (the rows laid end to end, then padded per document by the backend). It skips the main table,
@@ -28,8 +28,8 @@ whose rule-1 rows alone take minutes.
 `--pass-configs` times rule 1's triton op instead under other launches of its two sequential passes
 (`regression.PassLaunch`: value columns per program, warps and pipeline stages; `PASS_CONFIGS` below), each checked
 against the launch the op picks (`regression.pass_launch`) first, with the ratio to it.
-`--one-pass-configs` times rule 1A's triton op instead under launches of its one-pass forward (`ONE_PASS_CONFIGS`
-below: value columns per program, warps) and the two-kernel forward, each checked against the two-kernel forward.
+`--walk-configs` times rule 1A's triton op instead with its whole-state walks forward, backward, both or neither,
+and at other warps (`WALK_CONFIGS` below), each checked against the chunk-parallel form first.
 `--profile` then prints, per rule at the longest T, the kernels of one forward + backward of the triton op with their
 GPU time (torch.profiler): which stage to work on. Prints a markdown table with the ratios triton / SDPA and
 chunk / triton, and what the triton op's time means against
@@ -75,12 +75,16 @@ PASS_CONFIGS = {
     "BV128 8w1s": regression.PassLaunch(128, (8, 1), (8, 1)),
 }
 
-# Launches of rule 1A's one-pass forward (`inner_product.OnePassLaunch`: value columns per program, warps) timed
-# against the two-kernel forward ("two kernels", the baseline) and what `inner_product.one_pass_launch` picks.
-ONE_PASS_CONFIGS = {
-    "two kernels": None,
-    "default": "default",
-    **{f"BV{bv} {w}w": inner_product.OnePassLaunch(bv, w) for bv in (16, 32, 64, 128) for w in (4, 8)},
+# Rule 1A's whole-state walks (`inner_product` settings) against the chunk-parallel form (the baseline): forward
+# walk only, gradient walks only, both (the default), both at other warps.
+_NEVER = 10**9
+WALK_CONFIGS = {
+    "chunk-parallel": {"WALK_MIN_PROGRAMS": _NEVER, "GRAD_WALK_MIN_PROGRAMS": _NEVER},
+    "forward walk": {"GRAD_WALK_MIN_PROGRAMS": _NEVER},
+    "gradient walks": {"WALK_MIN_PROGRAMS": _NEVER},
+    "default": {},
+    "walks, 4 warps": {"WALK_WARPS": 4},
+    "walks, 16 warps": {"WALK_WARPS": 16},
 }
 
 
@@ -112,7 +116,7 @@ def make_inputs(B, T, H, D, dtype, *, seed=0):
 
 @contextlib.contextmanager
 def module_settings(module, **settings):
-    """Module settings (`inner_product.SCAN_MIN_PROGRAMS`, `ONE_PASS_MIN_PROGRAMS`) changed for the block, then put back."""
+    """Module settings (`inner_product.SCAN_MIN_PROGRAMS`, `WALK_MIN_PROGRAMS`) changed for the block, then put back."""
     previous = {name: getattr(module, name) for name in settings}
     try:
         for name, value in settings.items():
@@ -173,18 +177,18 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=0,
                         help="time D packed documents per row instead: seq_idx in place vs cu_seqlens")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU time of the triton op at the longest T")
-    parser.add_argument("--one-pass-configs", action="store_true",
-                        help="time rule 1A under each launch of its one-pass forward (ONE_PASS_CONFIGS) instead")
+    parser.add_argument("--walk-configs", action="store_true",
+                        help="time rule 1A with and without its whole-state walks (WALK_CONFIGS) instead")
     parser.add_argument("--pass-configs", action="store_true",
                         help="time rule 1 under each launch of its sequential passes (PASS_CONFIGS) instead")
     args = parser.parse_args()
-    if args.one_pass_configs:
+    if args.walk_configs:
         print(f"# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-              f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | rule 1A's one-pass forward")
-        print("| rule | T | forward | fwd (ms) | fwd / two kernels | fwd+bwd (ms) | fwd+bwd / two kernels |")
+              f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | rule 1A's whole-state walks")
+        print("| rule | T | kernels | fwd (ms) | fwd / chunk-parallel | fwd+bwd (ms) | fwd+bwd / chunk-parallel |")
         print("|---|---|---|---|---|---|---|")
         for T in args.T:
-            for line in time_one_pass_configs(args.B, T, args.H, args.D, chunk_size=args.chunk_size):
+            for line in time_walk_configs(args.B, T, args.H, args.D, chunk_size=args.chunk_size):
                 print(line, flush=True)
             torch.cuda.empty_cache()
         return
@@ -208,7 +212,7 @@ def main() -> None:
           f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | window 3 for 3A")
     if not args.documents:
         print("| rule | T | pass | SDPA (ms) | chunk (ms) | chunk compiled (ms) | triton (ms) | kernels (ms) "
-              "| torch preparation (ms) | fixed scan blocks (ms) | two-kernel forward (ms) | triton compiled (ms) "
+              "| torch preparation (ms) | fixed scan blocks (ms) | chunk-parallel (ms) | triton compiled (ms) "
               "| triton / SDPA | triton compiled / SDPA | chunk / triton | triton TFLOP/s | triton TB/s (min. bytes) |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for T in args.T:
@@ -280,20 +284,16 @@ def time_pass_configs(B, T, H, D, *, chunk_size, configs=tuple(PASS_CONFIGS)) ->
     return ratio_rows("1", T, times, lambda config: config if PASS_CONFIGS[config] else f"{config} ({picked})")
 
 
-def one_pass_settings(config: str):
-    """Settings under which rule 1A's forward runs as `config` of ONE_PASS_CONFIGS."""
-    launch = ONE_PASS_CONFIGS[config]
-    if launch == "default":
-        return contextlib.nullcontext()
-    return module_settings(inner_product, one_pass_launch=lambda K, V, NH: launch)
+def walk_settings(config: str):
+    """Settings under which rule 1A runs as `config` of WALK_CONFIGS."""
+    return module_settings(inner_product, **WALK_CONFIGS[config])
 
 
-def time_one_pass_configs(B, T, H, D, *, chunk_size) -> list[str]:
-    """Table rows: rule 1A under each forward of ONE_PASS_CONFIGS, against the two-kernel forward."""
-    times = time_launches("1A", B, T, H, D, chunk_size=chunk_size, configs=tuple(ONE_PASS_CONFIGS),
-                          settings=one_pass_settings)
-    picked = inner_product.one_pass_launch(D, D, B * H)
-    return ratio_rows("1A", T, times, lambda config: f"default ({picked})" if config == "default" else config)
+def time_walk_configs(B, T, H, D, *, chunk_size) -> list[str]:
+    """Table rows: rule 1A under each config of WALK_CONFIGS, against the chunk-parallel form."""
+    times = time_launches("1A", B, T, H, D, chunk_size=chunk_size, configs=tuple(WALK_CONFIGS),
+                          settings=walk_settings)
+    return ratio_rows("1A", T, times, lambda config: config)
 
 
 def profile_one(rule, B, T, H, D, *, chunk_size, rows=20) -> str:
@@ -373,7 +373,7 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compi
 
         sdpa = timed(lambda: causal_sdpa(q, k, v))
         triton_ms = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
-        torch_prep = kernels = fixed_scan = two_kernel = chunk = compiled = compiled_t = False
+        torch_prep = kernels = fixed_scan = chunk_parallel = chunk = compiled = compiled_t = False
         if rule in backend.FUSED_RULES:
             torch_prep = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size,
                                                   fused_preparation=False)[0])
@@ -384,9 +384,9 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compi
         if rule in ("1A", "3A") and narrows:
             with module_settings(inner_product, SCAN_MIN_PROGRAMS=0):
                 fixed_scan = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
-        if rule in ("1A", "3A") and inner_product.one_pass_launch(D, D, B * H) is not None:
-            with module_settings(inner_product, ONE_PASS_MIN_PROGRAMS=10**9):
-                two_kernel = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
+        if rule in ("1A", "3A") and inner_product.walk_warps(D, D, B * H, inner_product.WALK_MIN_PROGRAMS):
+            with module_settings(inner_product, **WALK_CONFIGS["chunk-parallel"]):
+                chunk_parallel = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
         if eager_chunk:
             chunk = timed(lambda: run_chunk(*inputs, rule=rule, chunk_size=chunk_size)[0])
         if chunk_compiled is not None:
@@ -406,7 +406,7 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compi
         flops, nbytes = fast_weight_counts(rule, B=B, T=T, H=H, K=D, V=D, chunk=chunk_size, backward=backward)
         use = utilization(ms=triton_ms, flops=flops, nbytes=nbytes)
         rows.append(f"| {rule} | {T} | {name} | {cell(sdpa)} | {cell(chunk)} | {cell(compiled)} | {cell(triton_ms)} | "
-                    f"{cell(kernels)} | {cell(torch_prep)} | {cell(fixed_scan)} | {cell(two_kernel)} | "
+                    f"{cell(kernels)} | {cell(torch_prep)} | {cell(fixed_scan)} | {cell(chunk_parallel)} | "
                     f"{cell(compiled_t)} | "
                     f"{triton_ms / sdpa:.2f}x | "
                     f"{f'{compiled_t / sdpa:.2f}x' if isinstance(compiled_t, float) else '-'} | "

@@ -58,14 +58,23 @@ for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "iee
         b = functools.partial(build, io=io, io_names=io_names, warps=8)
         b(k.output_kernel, dict(blocks, READ_AFTER=True, PREC=prec))
         b(k.grad_y_kernel, dict(blocks, READ_AFTER=True, HAS_DH=True, PREC=prec))
-    # Rule 1A's one-pass forward: all of K in one block, value blocks of 16 and 32 (`inner_product.one_pass_launch`)
-    for block_v, read_after, has_init in ((32, True, True), (16, False, False)):
-        build(k.scan_output_kernel, dict(s, BK=128, BV=block_v, READ_AFTER=read_after, HAS_INIT=has_init, PREC=prec,
-                                         INTERPRET=False), io=io, io_names=IO, warps=8)
 # Per value column (rules 2A, 2).
 for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=16)), ("*fp32", "ieee", dict(K=16, V=8, BT=16))):
     blocks3 = dict(s, BK=min(64, s["K"]), BV=min(32, max(16, s["V"])), READ_AFTER=False, PREC=prec)
     build(k.output_columns_kernel, blocks3, io=io, io_names=IO, warps=8)
+"""
+
+WHOLE_STATE = """
+from hybridlm.ops.fast_weight.triton import whole_state as k
+
+IO = ("q_ptr", "x_ptr", "y_ptr", "do_ptr", "o_ptr", "dq_ptr", "dx_ptr", "dy_ptr")
+# Rule 1A's whole-state walks: bf16 at a model's head sizes at the launch's 8 warps, float32 at padded odd sizes
+for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64, BK=128, BV=128)),
+                    ("*fp32", "ieee", dict(K=100, V=40, BT=16, BK=128, BV=64))):
+    for read_after, has_init, has_dsf in ((True, True, True), (False, False, False)):
+        flags = dict(s, READ_AFTER=read_after, HAS_INIT=has_init, HAS_DSF=has_dsf, PREC=prec, INTERPRET=False)
+        for kernel in (k.output_walk_kernel, k.grad_q_walk_kernel, k.grad_xy_walk_kernel):
+            build(kernel, flags, io=io, io_names=IO, warps=8)
 """
 
 INNER_PRODUCT = """
@@ -223,7 +232,8 @@ for io, K, V in (("*bf16", 64, 64), ("*bf16", 128, 128), ("*fp32", 20, 12)):
 """
 
 BUILDS = {  # module: its builds
-    "decays": DECAYS, "chunk_state": CHUNK_STATE, "chunk_output": CHUNK_OUTPUT, "inner_product_kernels": INNER_PRODUCT,
+    "decays": DECAYS, "chunk_state": CHUNK_STATE, "chunk_output": CHUNK_OUTPUT, "whole_state": WHOLE_STATE,
+    "inner_product_kernels": INNER_PRODUCT,
     "wy": WY, "regression_kernels": REGRESSION, "band": BAND, "prepare": PREPARE, "step": STEP,
     "mixer_step": MIXER_STEP,
 }

@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridlm.ops.fast_weight.triton.chunk_state import carried_block
 from hybridlm.ops.fast_weight.triton.chunking import KEY, SIZES, ChunkPlan, autotuned
 from hybridlm.ops.fast_weight.triton.decays import causal_decay, causal_decay_columns, chunk_decays, column_decays
 from hybridlm.ops.triton_utils import block, load_rows, load_steps, state_offsets, store_rows
@@ -65,55 +64,6 @@ def output_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, h_ptr, o_ptr, T, T_pad, n
     y = load_rows(y_ptr, i_n, i_h, t, T, H, V, rv)
     o = o_inter * tl.exp(Lr)[:, None] + tl.dot(A.to(y.dtype), y, input_precision=PREC)
     store_rows(o_ptr, o, i_n, i_h, t, T, H, V, rv)
-
-
-@triton.jit
-def _scan_output_step(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, o_ptr, S, i_c, i_n, i_h, i_nh, T, T_pad, H,
-                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, rv,
-                      READ_AFTER: tl.constexpr, PREC: tl.constexpr):
-    """Chunk i_c of `scan_output_kernel`: (3) from the carried S_c (rounded to q's dtype, as the per-chunk states
-    that `output_kernel` reads), then (1) + (2); returns S_{c+1}."""
-    t = i_c * BT + tl.arange(0, BT)
-    rk = tl.arange(0, BK)
-    q = load_rows(q_ptr, i_n, i_h, t, T, H, K, rk)                                         # [BT, K]
-    x = load_rows(x_ptr, i_n, i_h, t, T, H, K, rk)
-    y = load_rows(y_ptr, i_n, i_h, t, T, H, V, rv)                                         # [BT, BV]
-    eta = load_steps(eta_ptr, i_n, i_h, t, T, H)
-    L, Lr, L_last = chunk_decays(L_ptr, i_nh, i_c, T_pad, BT, READ_AFTER)
-    A = tl.dot(q, tl.trans(x), input_precision=PREC) * causal_decay(L, Lr, BT, READ_AFTER) * eta[None, :]
-    o = tl.dot(q, S.to(q.dtype), input_precision=PREC) * tl.exp(Lr)[:, None] \
-        + tl.dot(A.to(y.dtype), y, input_precision=PREC)                                    # (3)
-    store_rows(o_ptr, o, i_n, i_h, t, T, H, V, rv)
-    coef = tl.exp(L_last - L) * eta                                                         # (1)
-    return tl.exp(L_last) * S + tl.dot(tl.trans((x * coef[:, None]).to(x.dtype)), y, input_precision=PREC)  # (2)
-
-
-@triton.jit(do_not_specialize=SIZES)
-def scan_output_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, o_ptr, init_ptr, final_ptr, T, T_pad, n_chunks, H,
-                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       HAS_INIT: tl.constexpr, READ_AFTER: tl.constexpr, PREC: tl.constexpr,
-                       INTERPRET: tl.constexpr):
-    """Rule 1A's forward in one pass: (3) and then (1) + (2) for every chunk in order, each program carrying the
-    [K, BV] block of the state (BK covers all of K: the read q_t^T S_c needs every key row) in registers. The
-    per-chunk states, which `state_scan_kernel` writes and `output_kernel` reads back, never reach memory (the
-    backward recomputes them); the price is q and x read once per value block, and the scores q_t . x_s computed as
-    often. Grid (nV, N * H).
-
-    INTERPRET: a while loop (Triton's CPU interpreter cannot `range` over a runtime int with numpy >= 2.4)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    S, _, rv, offs0, mask = carried_block(init_ptr, i_v, i_nh, K, V, BK, BV, HAS_INIT)    # [BK, BV] fp32
-    if INTERPRET:
-        i_c = 0
-        while i_c < n_chunks:
-            S = _scan_output_step(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, o_ptr, S, i_c, i_n, i_h, i_nh, T, T_pad, H,
-                                  K, V, BT, BK, rv, READ_AFTER, PREC)
-            i_c += 1
-    else:
-        for i_c in range(n_chunks):
-            S = _scan_output_step(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, o_ptr, S, i_c, i_n, i_h, i_nh, T, T_pad, H,
-                                  K, V, BT, BK, rv, READ_AFTER, PREC)
-    tl.store(final_ptr + offs0, S, mask=mask)
 
 
 @autotuned(KEY)

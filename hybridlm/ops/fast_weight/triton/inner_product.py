@@ -9,16 +9,16 @@ kernels, forward and backward, the implementations of the custom ops `hybridlm::
 Forward: chunk-local cumulative decays (`decays.py`) -> each chunk's contribution to the state and the sequential
 pass giving every chunk's entry state and the final state (`chunk_state.py`) -> the outputs (`chunk_output.py`).
 Backward recomputes the entry states, runs the same state stages on the gradients in reverse (dS of every chunk
-exit, and dS_0), then the per-chunk gradients (`inner_product_kernels.py`; rule 1A's dy is the output stage's).
+exit, and dS_0), then the per-chunk gradients (`inner_product_kernels.py`).
+Rule 1A with enough rows x heads (`walk_warps`) instead walks the chunks with the whole state per program, forward
+and backward (`whole_state.py`), and no per-chunk state reaches memory.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from hybridlm.ops.fast_weight.triton import chunk_output, chunk_state, inner_product_kernels
+from hybridlm.ops.fast_weight.triton import chunk_output, chunk_state, inner_product_kernels, whole_state
 from hybridlm.ops.fast_weight.triton.chunking import ChunkPlan
 from hybridlm.ops.fast_weight.triton.decays import chunk_cumsum, chunk_cumsum_columns
 from hybridlm.ops.triton_utils import block
@@ -31,11 +31,13 @@ from hybridlm.ops.utils import triton_interpreting
 # waves of an H200's 132 SMs (benchmarks/RESULTS.md compares the fixed and the narrowed blocks). 0: the fixed
 # [64, 32] blocks.
 SCAN_MIN_PROGRAMS = 264
-# Rule 1A's forward in one pass (`one_pass_launch`): one program per row x head holds the whole [K, V] state in
-# registers and walks the chunks; it needs K, V <= ONE_PASS_MAX_K and ONE_PASS_MIN_PROGRAMS rows x heads to occupy
-# about one program per SM of an H100 / H200 (132).
-ONE_PASS_MAX_K = 128
-ONE_PASS_MIN_PROGRAMS = 128
+# Rule 1A's whole-state walks (`walk_warps`): one program per row x head holds the whole [K, V] state in registers
+# and walks the chunks; they need K, V <= WALK_MAX_DIM and, to occupy about one program per SM of an H100 / H200
+# (132), WALK_MIN_PROGRAMS rows x heads for the forward walk, GRAD_WALK_MIN_PROGRAMS for the gradient walks.
+WALK_MAX_DIM = 128
+WALK_MIN_PROGRAMS = 128
+GRAD_WALK_MIN_PROGRAMS = 128
+WALK_WARPS = 8
 
 
 def forward_1a(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,9 +45,9 @@ def forward_1a(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -
     inputs (checked by `custom_ops.py`); S0 None for zeros."""
     plan = ScalarPlan(q, y, chunk_size, read_after)
     L = chunk_cumsum(plan, log_gamma)
-    launch = one_pass_launch(plan.K, plan.V, plan.NH)
-    if launch is not None:
-        return plan.scan_output(q, x, y, eta, L, S0, launch)
+    warps = walk_warps(plan.K, plan.V, plan.NH, WALK_MIN_PROGRAMS)
+    if warps is not None:
+        return plan.output_walk(q, x, y, eta, L, S0, warps)
     states, S_final = plan.states(x, y, eta, L, S0)
     return chunk_output.output(plan, q, x, y, eta, L, states), S_final
 
@@ -55,29 +57,24 @@ def backward_1a(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chu
     dtype) and dL/dS_final (float32 or None). The entry states are recomputed."""
     plan = ScalarPlan(q, y, chunk_size, read_after)
     L = chunk_cumsum(plan, log_gamma)
+    warps = walk_warps(plan.K, plan.V, plan.NH, GRAD_WALK_MIN_PROGRAMS)
+    if warps is not None:
+        return plan.grad_walks(do, dS_final, q, x, y, eta, L, S0, log_gamma.dtype, warps)
     states, _ = plan.states(x, y, eta, L, S0)                     # recomputed: entry state of every chunk
     dstates, dS0 = plan.state_grads(q, do, L, dS_final)          # dL/dS at every chunk exit, and dS_0
     dq, dx, dy, deta, dlg = plan.grad_qxy(q, x, y, eta, L, do, states, dstates, log_gamma.dtype)
     return dq, dx, dy, deta, dlg, dS0
 
 
-class OnePassLaunch(NamedTuple):
-    """A launch of rule 1A's one-pass forward: value columns per program and warps."""
-
-    block_v: int
-    warps: int
-
-
-def one_pass_launch(K: int, V: int, NH: int) -> OnePassLaunch | None:
-    """The launch of rule 1A's one-pass forward (`chunk_output.scan_output_kernel`), or None for the two-kernel
-    forward (the state scan, then the outputs). Each program walks every chunk holding a whole [K, V] state (K, V <=
-    ONE_PASS_MAX_K) at 8 warps, so the scores q_t . x_s and the loads of q and x are not repeated per value block;
-    with fewer than ONE_PASS_MIN_PROGRAMS rows x heads the two-kernel forward spreads the walk over more programs.
-    Timed on an H100 at B = 8, H = 16, K = V = 128 (benchmarks/RESULTS.md): whole states 0.84x the two-kernel
-    forward's time, value blocks of 64 1.0x, of 32 or 16 1.3-2.7x (the scores computed 4-8 times)."""
-    if max(K, V) > ONE_PASS_MAX_K or NH < ONE_PASS_MIN_PROGRAMS:
+def walk_warps(K: int, V: int, NH: int, min_programs: int) -> int | None:
+    """The warps of rule 1A's whole-state walks (`whole_state.py`), or None for the chunk-parallel form: the walks
+    run one program per row x head, so they need K, V <= WALK_MAX_DIM and `min_programs` rows x heads; with fewer,
+    the chunk-parallel form spreads the work over more programs. Timed on an H100 at B = 8, H = 16, K = V =
+    128 (benchmarks/RESULTS.md): the forward walk with whole states took 0.84x the two-kernel forward's time; value
+    blocks of 64 per program 1.0x, of 32 or 16 1.3-2.7x (the scores and the loads of q, x made once per block)."""
+    if max(K, V) > WALK_MAX_DIM or NH < min_programs:
         return None
-    return OnePassLaunch(block(V, ONE_PASS_MAX_K), 8)
+    return WALK_WARPS
 
 
 def scan_blocks(K: int, V: int, NH: int, min_programs: int | None = None) -> tuple[int, int]:
@@ -102,6 +99,7 @@ class ScalarPlan(ChunkPlan):
         self.BK, self.BV = block(self.K, 64), block(self.V, 64)
         self.BK_full = block(self.K, 128)  # the dq/dx kernel holds all of K
         self.BV_qx = block(self.V, 64 if self.BK_full <= 64 else 32)
+        self.walk_sizes = {**self.sizes, "BK": block(self.K, WALK_MAX_DIM), "BV": block(self.V, WALK_MAX_DIM)}
         # The per-chunk states (and their gradients) are stored in the inputs' dtype: every matmul that reads them
         # takes that dtype anyway, so only the exit term of dlog_gamma (<dS_out, S_c>, summed in fp32) sees the
         # rounding, and half the bytes of the buffers, the op's largest, move (flash-linear-attention's choice too).
@@ -115,15 +113,34 @@ class ScalarPlan(ChunkPlan):
         self._scan(x, y, eta, L, h, S0, final, grad=False)
         return h, final
 
-    def scan_output(self, q, x, y, eta, L, S0, launch: OnePassLaunch):
-        """(3) with (1) + (2) in one pass: o [N, T, H, V] (q's dtype) and the final state [N, H, K, V] float32."""
+    def output_walk(self, q, x, y, eta, L, S0, warps: int):
+        """The forward walk: o [N, T, H, V] (q's dtype) and the final state [N, H, K, V] float32."""
         o = torch.empty(self.N, self.T, self.H, self.V, dtype=q.dtype, device=self.device)
         final = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
-        chunk_output.scan_output_kernel[(-(-self.V // launch.block_v), self.NH)](
+        whole_state.output_walk_kernel[(self.NH,)](
             q, x, y, eta, L, o, final if S0 is None else S0, final, self.T, self.T_pad, self.n_chunks, self.H,
-            **self.sizes, BK=self.BK_full, BV=launch.block_v, HAS_INIT=S0 is not None, READ_AFTER=self.read_after,
-            PREC=self.prec, INTERPRET=triton_interpreting(), num_warps=launch.warps)
+            **self.walk_sizes, HAS_INIT=S0 is not None, READ_AFTER=self.read_after, PREC=self.prec,
+            INTERPRET=triton_interpreting(), num_warps=warps)
         return o, final
+
+    def grad_walks(self, do, dS_final, q, x, y, eta, L, S0, lg_dtype, warps: int):
+        """The two gradient walks: dq, dx, dy (inputs' dtype), d eta, d log_gamma and dS_0 (float32)."""
+        dq, dx, dy = torch.empty_like(q), torch.empty_like(x), torch.empty_like(y)
+        deta = torch.empty_like(eta)
+        dlg = torch.empty(eta.shape, dtype=lg_dtype, device=self.device)
+        q_dq = torch.empty(eta.shape, dtype=torch.float32, device=self.device)    # q_t . dq_t
+        exit_term = torch.empty(self.NH, dtype=torch.float32, device=self.device)  # <dS_T, S_T>
+        dS0 = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
+        dS_T = dS0 if dS_final is None else dS_final.to(torch.float32).contiguous()
+        flags = {"READ_AFTER": self.read_after, "PREC": self.prec, "INTERPRET": triton_interpreting(),
+                 "num_warps": warps}
+        whole_state.grad_q_walk_kernel[(self.NH,)](
+            q, x, y, eta, L, do, dS0 if S0 is None else S0, dS_T, dq, q_dq, exit_term, self.T, self.T_pad,
+            self.n_chunks, self.H, **self.walk_sizes, HAS_INIT=S0 is not None, HAS_DSF=dS_final is not None, **flags)
+        whole_state.grad_xy_walk_kernel[(self.NH,)](
+            q, x, y, eta, L, do, q_dq, exit_term, dS_T, dx, dy, deta, dlg, dS0, self.T, self.T_pad, self.n_chunks,
+            self.H, **self.walk_sizes, HAS_DSF=dS_final is not None, **flags)
+        return dq, dx, dy, deta, dlg, dS0
 
     def _scan(self, a, b, eta, L, h, init, final, *, grad: bool) -> None:
         """(1) + (2) (or with grad, (1') + (2') in reverse) as one kernel."""
