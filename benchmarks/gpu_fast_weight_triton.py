@@ -19,8 +19,8 @@ forward and forward+backward of:
   [64, 32] blocks; by default they narrow when fewer than 264 programs would cover the rows x heads, which "triton"
   times). Only timed where the blocks narrow, i.e. not at the default shape: compare at a model's shape, e.g.
   `--B 1 --H 10 --D 64`.
-- chunk-parallel (1A, 3A): the triton op again with `inner_product.WALK_MIN_PROGRAMS` and `GRAD_WALK_MIN_PROGRAMS`
-  out of reach (the chunk-parallel kernels instead of the whole-state walks); only timed where the walks are taken.
+- chunk-parallel (1A, 3A): the triton op again with `inner_product.WALK_MIN_PROGRAMS` out of reach (the
+  chunk-parallel forward instead of the whole-state walk); only timed where the walk is taken.
 `--documents D` times packed documents instead (D per row, equal lengths), forward + backward of the triton op: the
 documents restarted in place (`seq_idx`, the rows' shapes, what a compiled model runs) against the same documents
 through `cu_seqlens` (the rows laid end to end, then padded per document by the backend). It skips the main table,
@@ -28,8 +28,8 @@ whose rule-1 rows alone take minutes.
 `--pass-configs` times rule 1's triton op instead under other launches of its two sequential passes
 (`regression.PassLaunch`: value columns per program, warps and pipeline stages; `PASS_CONFIGS` below), each checked
 against the launch the op picks (`regression.pass_launch`) first, with the ratio to it.
-`--walk-configs` times rule 1A's triton op instead with its whole-state walks forward, backward, both or neither,
-and at other warps (`WALK_CONFIGS` below), each checked against the chunk-parallel form first.
+`--walk-configs` times rule 1A's triton op instead with and without its whole-state forward walk, and the walk at
+other warps (`WALK_CONFIGS` below), each checked against the chunk-parallel form first.
 `--profile` then prints, per rule at the longest T, the kernels of one forward + backward of the triton op with their
 GPU time (torch.profiler): which stage to work on. Prints a markdown table with the ratios triton / SDPA and
 chunk / triton, and what the triton op's time means against
@@ -75,16 +75,13 @@ PASS_CONFIGS = {
     "BV128 8w1s": regression.PassLaunch(128, (8, 1), (8, 1)),
 }
 
-# Rule 1A's whole-state walks (`inner_product` settings) against the chunk-parallel form (the baseline): forward
-# walk only, gradient walks only, both (the default), both at other warps.
-_NEVER = 10**9
+# Rule 1A's whole-state forward walk (`inner_product` settings) against the chunk-parallel forward (the baseline):
+# the default, and the walk at other warps.
 WALK_CONFIGS = {
-    "chunk-parallel": {"WALK_MIN_PROGRAMS": _NEVER, "GRAD_WALK_MIN_PROGRAMS": _NEVER},
-    "forward walk": {"GRAD_WALK_MIN_PROGRAMS": _NEVER},
-    "gradient walks": {"WALK_MIN_PROGRAMS": _NEVER},
+    "chunk-parallel": {"WALK_MIN_PROGRAMS": 10**9},
     "default": {},
-    "walks, 4 warps": {"WALK_WARPS": 4},
-    "walks, 16 warps": {"WALK_WARPS": 16},
+    "walk, 4 warps": {"WALK_WARPS": 4},
+    "walk, 16 warps": {"WALK_WARPS": 16},
 }
 
 
@@ -178,13 +175,13 @@ def main() -> None:
                         help="time D packed documents per row instead: seq_idx in place vs cu_seqlens")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU time of the triton op at the longest T")
     parser.add_argument("--walk-configs", action="store_true",
-                        help="time rule 1A with and without its whole-state walks (WALK_CONFIGS) instead")
+                        help="time rule 1A with and without its whole-state forward walk (WALK_CONFIGS) instead")
     parser.add_argument("--pass-configs", action="store_true",
                         help="time rule 1 under each launch of its sequential passes (PASS_CONFIGS) instead")
     args = parser.parse_args()
     if args.walk_configs:
         print(f"# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-              f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | rule 1A's whole-state walks")
+              f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | rule 1A's whole-state forward walk")
         print("| rule | T | kernels | fwd (ms) | fwd / chunk-parallel | fwd+bwd (ms) | fwd+bwd / chunk-parallel |")
         print("|---|---|---|---|---|---|---|")
         for T in args.T:
@@ -384,7 +381,7 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compi
         if rule in ("1A", "3A") and narrows:
             with module_settings(inner_product, SCAN_MIN_PROGRAMS=0):
                 fixed_scan = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
-        if rule in ("1A", "3A") and inner_product.walk_warps(D, D, B * H, inner_product.WALK_MIN_PROGRAMS):
+        if rule in ("1A", "3A") and inner_product.walk_warps(D, D, B * H, dtype):
             with module_settings(inner_product, **WALK_CONFIGS["chunk-parallel"]):
                 chunk_parallel = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
         if eager_chunk:

@@ -302,84 +302,75 @@ def test_rule_1a_scan_launches_with_scan_blocks(monkeypatch, min_programs, block
 
 WALK_CASES = [(130, 16, True, True, 16, 24), (63, 16, False, False, 16, 24), (1, 64, True, False, 16, 24),
               (200, 64, False, True, 100, 40), (70, 16, True, True, 128, 16)]
+WALK_IDS = [f"T{c[0]}-C{c[1]}-{'after' if c[2] else 'before'}-{'S0' if c[3] else 'noS0'}-K{c[4]}V{c[5]}"
+            for c in WALK_CASES]
 
 
 @interpret
-@pytest.mark.parametrize("T,chunk_size,read_after,with_S0,K,V", WALK_CASES,
-                         ids=[f"T{c[0]}-C{c[1]}-{'after' if c[2] else 'before'}-{'S0' if c[3] else 'noS0'}-K{c[4]}V{c[5]}"
-                              for c in WALK_CASES])
-def test_rule_1a_whole_state_walks_match_reference(monkeypatch, T, chunk_size, read_after, with_S0, K, V):
-    """Rule 1A's whole-state walks (`whole_state.py`, taken here for every shape with WALK_MIN_PROGRAMS =
-    GRAD_WALK_MIN_PROGRAMS = 0) give
-    the step loop's outputs, final state and every gradient, also when only the outputs or only the final state
-    carry one (the log decays' <dS_T, S_T> term alone, or no exit term): float32 and float16, with and without S0,
-    reading before and after, one step, odd lengths, padded blocks (K = 100, V = 40), K up to WALK_MAX_DIM. Each
-    call launches one forward walk, one walk each way for the gradients, and no chunk-parallel kernel."""
+@pytest.mark.parametrize("T,chunk_size,read_after,with_S0,K,V", WALK_CASES, ids=WALK_IDS)
+def test_rule_1a_forward_walk_matches_reference(monkeypatch, T, chunk_size, read_after, with_S0, K, V):
+    """Rule 1A's forward walk (`whole_state.output_walk_kernel`, taken here for 16-bit inputs of every shape with
+    WALK_MIN_PROGRAMS = 0) gives the step loop's outputs, final state and, through the chunk-parallel backward,
+    gradients: float16, with and without S0, reading before and after, one step, odd lengths, padded blocks (K =
+    100, V = 40), K up to WALK_MAX_DIM; it launches once per call, one program per row x head, and no state scan.
+    The same kernel on float32 inputs (called directly, chunks of 16: the op keeps float32 chunk-parallel) to
+    float32's precision."""
     from hybridlm.ops.fast_weight.triton import inner_product
+    from tests.ops.fast_weight_helpers import reference
 
     monkeypatch.setattr(inner_product, "WALK_MIN_PROGRAMS", 0)
-    monkeypatch.setattr(inner_product, "GRAD_WALK_MIN_PROGRAMS", 0)
-    launched = []
-    for name in ("output_walk_kernel", "grad_q_walk_kernel", "grad_xy_walk_kernel"):
-        launched += [record_launches(monkeypatch, inner_product.whole_state, name, lambda grid, kwargs: grid)]
-    others = [record_launches(monkeypatch, module, name, lambda grid, kwargs: grid) for module, name in (
-        (inner_product.chunk_state, "state_scan_kernel"), (inner_product.chunk_output, "output_kernel"),
-        (inner_product.inner_product_kernels, "grad_qxy_kernel"))]
-    check_against_reference(2, T, 2, K, V, dtype=torch.float32, chunk_size=chunk_size, read_after=read_after,
-                            with_S0=with_S0)
-    assert launched == [[(4,)]] * 3 and others == [[]] * 3  # one program per row x head (2 x 2)
+    walks = record_launches(monkeypatch, inner_product.whole_state, "output_walk_kernel", lambda grid, kwargs: grid)
+    scans = record_launches(monkeypatch, inner_product.chunk_state, "state_scan_kernel", lambda grid, kwargs: grid)
     check_against_reference(1, T, 2, K, V, dtype=torch.float16, chunk_size=chunk_size, read_after=read_after,
                             with_S0=with_S0)
+    assert walks == [(2,)] and len(scans) == 2  # the backward's recomputed states and their gradients
     for grad_o, grad_S in ((True, False), (False, True)):
-        check_against_reference(1, T, 2, K, V, dtype=torch.float32, chunk_size=chunk_size, read_after=read_after,
+        check_against_reference(1, T, 2, K, V, dtype=torch.float16, chunk_size=chunk_size, read_after=read_after,
                                 with_S0=with_S0, grad_o=grad_o, grad_S=grad_S)
+
+    q, x, y, eta, log_gamma, S0 = prepared(2, T, 2, K, V, seed=3)
+    o_ref, S_ref = reference(q, x, y, eta, log_gamma, S0 if with_S0 else torch.zeros_like(S0), read_after=read_after)
+    q, x, y, eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in (q, x, y, eta, log_gamma, S0))
+    plan = inner_product.ScalarPlan(q, y, 16, read_after)  # chunks of 16: float32 tiles of 64 exceed shared memory
+    L = inner_product.chunk_cumsum(plan, log_gamma)
+    o, S = plan.output_walk(q, x, y, eta, L, S0 if with_S0 else None, 8)
+    assert rel_err(o.cpu(), o_ref) < 1e-5 and rel_err(S.cpu(), S_ref) < 1e-5
 
 
 @interpret
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_rule_1a_whole_state_walks_equal_the_chunk_parallel_form(monkeypatch, dtype):
-    """The walks against the chunk-parallel kernels on the same inputs, forward and backward (dS_final given and
-    not): the same states (the same products of each step), outputs and gradients within the rounding of sums
-    taken in another order (the scores over K in one block; d log_gamma through the whole row's identity)."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rule_1a_forward_walk_equals_the_chunk_parallel_forward(monkeypatch, dtype):
+    """The forward walk against the state scan + outputs on the same 16-bit inputs: the same final state (the same
+    products of each step), outputs within the rounding of their sums over K taken in one block instead of two."""
     if dtype == torch.bfloat16 and not ON_GPU:
         pytest.skip("the interpreter's tl.dot is wrong for bfloat16; float16 covers the 16-bit path on the CPU")
-    import hybridlm.ops.fast_weight.triton.custom_ops  # noqa: F401  (registers the ops)
     from hybridlm.ops.fast_weight.triton import inner_product
 
     q, x, y, eta, log_gamma, S0 = prepared(3, 150, 2, 128, 64, seed=11)
     q, x, y = (t.to(DEVICE, dtype) for t in (q, x, y))
     eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in (eta, log_gamma, S0))
-    do = torch.randn(q.shape[:3] + (64,), generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
-    dS = torch.randn(S0.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     results = {}
     for min_programs in (0, 10**6):
         monkeypatch.setattr(inner_product, "WALK_MIN_PROGRAMS", min_programs)
-        monkeypatch.setattr(inner_product, "GRAD_WALK_MIN_PROGRAMS", min_programs)
-        forward = inner_product.forward_1a(q, x, y, eta, log_gamma, S0, True, 64)
-        grads = [inner_product.backward_1a(do, dS_final, q, x, y, eta, log_gamma, S0, True, 64)
-                 for dS_final in (dS, None)]
-        results[min_programs] = [*forward, *grads[0], *grads[1]]
-    tol = 1e-5 if dtype == torch.float32 else 5e-3
-    for walk, parallel in zip(results[0], results[10**6]):
-        assert rel_err(walk.float().cpu(), parallel.float().cpu()) < tol
+        results[min_programs] = inner_product.forward_1a(q, x, y, eta, log_gamma, S0, True, 64)
+    (o1, S1), (o2, S2) = results[0], results[10**6]
+    assert rel_err(S1.cpu(), S2.cpu()) < 1e-6
+    assert rel_err(o1.float().cpu(), o2.float().cpu()) < 4e-3
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (no GPU)")
-def test_walks_take_enough_rows_and_heads_or_decline():
-    """The whole-state walks run one program per row x head (K, V <= 128) at 8 warps where the rows x heads reach
-    WALK_MIN_PROGRAMS (forward) / GRAD_WALK_MIN_PROGRAMS (gradients), 128 each, about an H100's SMs; otherwise the
-    chunk-parallel form."""
-    from hybridlm.ops.fast_weight.triton.inner_product import (
-        GRAD_WALK_MIN_PROGRAMS,
-        WALK_MAX_DIM,
-        WALK_MIN_PROGRAMS,
-        walk_warps,
-    )
+def test_forward_walk_takes_16bit_inputs_with_enough_rows_and_heads():
+    """The forward walk runs one program per row x head (K, V <= 128) at 8 warps for float16 / bfloat16 inputs
+    where the rows x heads reach WALK_MIN_PROGRAMS (128, about an H100's SMs); otherwise the chunk-parallel
+    forward."""
+    from hybridlm.ops.fast_weight.triton.inner_product import WALK_MAX_DIM, WALK_MIN_PROGRAMS, walk_warps
 
-    assert (WALK_MAX_DIM, WALK_MIN_PROGRAMS, GRAD_WALK_MIN_PROGRAMS) == (128, 128, 128)
-    assert walk_warps(128, 128, 8 * 16, 128) == 8 and walk_warps(64, 40, 200, 128) == 8
-    assert walk_warps(128, 128, 10, 128) is None and walk_warps(128, 128, 127, 128) is None  # a model's row: 10 heads
-    assert walk_warps(256, 128, 8 * 16, 128) is None and walk_warps(128, 256, 8 * 16, 0) is None
+    assert (WALK_MAX_DIM, WALK_MIN_PROGRAMS) == (128, 128)
+    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    assert walk_warps(128, 128, 8 * 16, bf16) == 8 and walk_warps(64, 40, 200, f16) == 8
+    assert walk_warps(128, 128, 8 * 16, f32) is None                                   # float32 tiles spill
+    assert walk_warps(128, 128, 10, bf16) is None and walk_warps(128, 128, 127, bf16) is None  # a model's row
+    assert walk_warps(256, 128, 8 * 16, bf16) is None and walk_warps(128, 256, 8 * 16, bf16) is None
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (no GPU)")

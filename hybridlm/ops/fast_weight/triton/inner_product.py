@@ -10,8 +10,8 @@ Forward: chunk-local cumulative decays (`decays.py`) -> each chunk's contributio
 pass giving every chunk's entry state and the final state (`chunk_state.py`) -> the outputs (`chunk_output.py`).
 Backward recomputes the entry states, runs the same state stages on the gradients in reverse (dS of every chunk
 exit, and dS_0), then the per-chunk gradients (`inner_product_kernels.py`).
-Rule 1A with enough rows x heads (`walk_warps`) instead walks the chunks with the whole state per program, forward
-and backward (`whole_state.py`), and no per-chunk state reaches memory.
+Rule 1A's forward with 16-bit inputs and enough rows x heads (`walk_warps`) instead walks the chunks with the
+whole state per program (`whole_state.py`), and no per-chunk state reaches memory.
 """
 
 from __future__ import annotations
@@ -31,12 +31,11 @@ from hybridlm.ops.utils import triton_interpreting
 # waves of an H200's 132 SMs (benchmarks/RESULTS.md compares the fixed and the narrowed blocks). 0: the fixed
 # [64, 32] blocks.
 SCAN_MIN_PROGRAMS = 264
-# Rule 1A's whole-state walks (`walk_warps`): one program per row x head holds the whole [K, V] state in registers
-# and walks the chunks; they need K, V <= WALK_MAX_DIM and, to occupy about one program per SM of an H100 / H200
-# (132), WALK_MIN_PROGRAMS rows x heads for the forward walk, GRAD_WALK_MIN_PROGRAMS for the gradient walks.
+# Rule 1A's forward walk (`walk_warps`): one program per row x head holds the whole [K, V] state in registers and
+# walks the chunks; it needs K, V <= WALK_MAX_DIM and, to occupy about one program per SM of an H100 / H200 (132),
+# WALK_MIN_PROGRAMS rows x heads.
 WALK_MAX_DIM = 128
 WALK_MIN_PROGRAMS = 128
-GRAD_WALK_MIN_PROGRAMS = 128
 WALK_WARPS = 8
 
 
@@ -45,7 +44,7 @@ def forward_1a(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -
     inputs (checked by `custom_ops.py`); S0 None for zeros."""
     plan = ScalarPlan(q, y, chunk_size, read_after)
     L = chunk_cumsum(plan, log_gamma)
-    warps = walk_warps(plan.K, plan.V, plan.NH, WALK_MIN_PROGRAMS)
+    warps = walk_warps(plan.K, plan.V, plan.NH, q.dtype)
     if warps is not None:
         return plan.output_walk(q, x, y, eta, L, S0, warps)
     states, S_final = plan.states(x, y, eta, L, S0)
@@ -57,22 +56,22 @@ def backward_1a(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chu
     dtype) and dL/dS_final (float32 or None). The entry states are recomputed."""
     plan = ScalarPlan(q, y, chunk_size, read_after)
     L = chunk_cumsum(plan, log_gamma)
-    warps = walk_warps(plan.K, plan.V, plan.NH, GRAD_WALK_MIN_PROGRAMS)
-    if warps is not None:
-        return plan.grad_walks(do, dS_final, q, x, y, eta, L, S0, log_gamma.dtype, warps)
     states, _ = plan.states(x, y, eta, L, S0)                     # recomputed: entry state of every chunk
     dstates, dS0 = plan.state_grads(q, do, L, dS_final)          # dL/dS at every chunk exit, and dS_0
     dq, dx, dy, deta, dlg = plan.grad_qxy(q, x, y, eta, L, do, states, dstates, log_gamma.dtype)
     return dq, dx, dy, deta, dlg, dS0
 
 
-def walk_warps(K: int, V: int, NH: int, min_programs: int) -> int | None:
-    """The warps of rule 1A's whole-state walks (`whole_state.py`), or None for the chunk-parallel form: the walks
-    run one program per row x head, so they need K, V <= WALK_MAX_DIM and `min_programs` rows x heads; with fewer,
-    the chunk-parallel form spreads the work over more programs. Timed on an H100 at B = 8, H = 16, K = V =
-    128 (benchmarks/RESULTS.md): the forward walk with whole states took 0.84x the two-kernel forward's time; value
-    blocks of 64 per program 1.0x, of 32 or 16 1.3-2.7x (the scores and the loads of q, x made once per block)."""
-    if max(K, V) > WALK_MAX_DIM or NH < min_programs:
+def walk_warps(K: int, V: int, NH: int, dtype: torch.dtype) -> int | None:
+    """The warps of rule 1A's forward walk (`whole_state.py`), or None for the chunk-parallel forward. The walk runs
+    one program per row x head, so it needs K, V <= WALK_MAX_DIM and WALK_MIN_PROGRAMS rows x heads (with fewer,
+    the chunk-parallel form spreads the work over more programs), and 16-bit inputs (float32 tiles of q and x
+    would not fit its registers: ptxas spills tens of KB per thread, and its pipelined loads exceed an SM's shared
+    memory at chunk 64). Timed at B = 8, H = 16, K = V = 128, bf16 (benchmarks/RESULTS.md): 0.69-0.84x the
+    chunk-parallel forward's time; value blocks of 64 per program 1.0x, of 32 or 16 1.3-2.7x (the scores and the
+    loads of q, x made once per block). A backward walking the chunks the same way (dq forward; dx, dy in reverse)
+    measured 1.2-1.4x the chunk-parallel backward: its tiles spill more."""
+    if max(K, V) > WALK_MAX_DIM or NH < WALK_MIN_PROGRAMS or dtype not in (torch.float16, torch.bfloat16):
         return None
     return WALK_WARPS
 
@@ -122,25 +121,6 @@ class ScalarPlan(ChunkPlan):
             **self.walk_sizes, HAS_INIT=S0 is not None, READ_AFTER=self.read_after, PREC=self.prec,
             INTERPRET=triton_interpreting(), num_warps=warps)
         return o, final
-
-    def grad_walks(self, do, dS_final, q, x, y, eta, L, S0, lg_dtype, warps: int):
-        """The two gradient walks: dq, dx, dy (inputs' dtype), d eta, d log_gamma and dS_0 (float32)."""
-        dq, dx, dy = torch.empty_like(q), torch.empty_like(x), torch.empty_like(y)
-        deta = torch.empty_like(eta)
-        dlg = torch.empty(eta.shape, dtype=lg_dtype, device=self.device)
-        q_dq = torch.empty(eta.shape, dtype=torch.float32, device=self.device)    # q_t . dq_t
-        exit_term = torch.empty(self.NH, dtype=torch.float32, device=self.device)  # <dS_T, S_T>
-        dS0 = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
-        dS_T = dS0 if dS_final is None else dS_final.to(torch.float32).contiguous()
-        flags = {"READ_AFTER": self.read_after, "PREC": self.prec, "INTERPRET": triton_interpreting(),
-                 "num_warps": warps}
-        whole_state.grad_q_walk_kernel[(self.NH,)](
-            q, x, y, eta, L, do, dS0 if S0 is None else S0, dS_T, dq, q_dq, exit_term, self.T, self.T_pad,
-            self.n_chunks, self.H, **self.walk_sizes, HAS_INIT=S0 is not None, HAS_DSF=dS_final is not None, **flags)
-        whole_state.grad_xy_walk_kernel[(self.NH,)](
-            q, x, y, eta, L, do, q_dq, exit_term, dS_T, dx, dy, deta, dlg, dS0, self.T, self.T_pad, self.n_chunks,
-            self.H, **self.walk_sizes, HAS_DSF=dS_final is not None, **flags)
-        return dq, dx, dy, deta, dlg, dS0
 
     def _scan(self, a, b, eta, L, h, init, final, *, grad: bool) -> None:
         """(1) + (2) (or with grad, (1') + (2') in reverse) as one kernel."""
