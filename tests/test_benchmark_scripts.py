@@ -150,7 +150,7 @@ def test_decode_ops_counts_the_step_kernels(tmp_path):
     """Each SSM layer's op is one launch (the fast-weight mixer's with its QK norm and gains) where the torch loops
     run a dozen and more; attention and the rest count the same either way."""
     run("decode_ops.py", "--preset", "tiny", "--variants", "transformer", "hybrid fw-1A", "hybrid mamba2",
-        "--json", str(tmp_path / "ops.json"), timeout=600)
+        "--torch-norms", "--json", str(tmp_path / "ops.json"), timeout=600)  # the norms apart: their CPU forms
     rows = {(r["variant"], r["steps"]): r for r in json.loads((tmp_path / "ops.json").read_text())["rows"]}
     transformer = rows[("transformer", "-")]
     layers = get_preset("tiny").num_hidden_layers
@@ -160,7 +160,7 @@ def test_decode_ops_counts_the_step_kernels(tmp_path):
         assert kernels["op"] == 1 and loops["op"] > 10
         assert kernels["total"] < loops["total"] and kernels["launches"] > loops["launches"] == transformer["launches"]
         assert kernels["attention"] == loops["attention"] == transformer["attention"]
-    run("decode_ops.py", "--preset", "tiny", "--variants", "transformer", "--torch-rotary",
+    run("decode_ops.py", "--preset", "tiny", "--variants", "transformer", "--torch-rotary", "--torch-norms",
         "--json", str(tmp_path / "torch.json"), timeout=600)
     (torch_rotary,) = json.loads((tmp_path / "torch.json").read_text())["rows"]
     # the torch form's casts of the two tables, then its negation, concatenation, two products and the sum for q and
@@ -327,7 +327,38 @@ g.time_pass_configs(1, 20, 1, 128, chunk_size=16, configs=("default", "broken"))
     assert lines[:8] == [f"| 1 | 20 | {label} | 1.00 | 1.00x | 1.00 | 1.00x |" for label in labels], \
         result.stderr[-2000:]
     assert lines[8] == "restored True True"
-    assert result.returncode != 0 and "with passes 'broken' disagrees with 'default'" in result.stderr
+    assert result.returncode != 0 and "under 'broken' disagrees with 'default'" in result.stderr
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="runs the Triton kernels under the interpreter (needs triton)")
+def test_gpu_fast_weight_triton_times_walk_configs():
+    """`gpu_fast_weight_triton.py --walk-configs`'s rows (under Triton's interpreter, a stand-in timer, float16 rows
+    of 128 heads so that the forward walk is taken): every config runs, matches the chunk-parallel form, lands in the
+    table, and the settings are put back."""
+    code = """
+import torch, gpu_fast_weight_triton as g
+from hybridlm.ops.fast_weight.triton import inner_product, whole_state
+walks = []
+kernel = whole_state.output_walk_kernel
+class Recorder:
+    def __getitem__(self, grid):
+        return lambda *a, **k: (walks.append(k["num_warps"]), kernel[grid](*a, **k))[1]
+whole_state.output_walk_kernel = Recorder()
+g.make_inputs = lambda B, T, H, D, dtype: [t.requires_grad_(True) for t in (
+    torch.randn(B, T, H, D, dtype=torch.float16), torch.nn.functional.normalize(torch.randn(B, T, H, D), dim=-1).half(),
+    torch.randn(B, T, H, D, dtype=torch.float16), torch.rand(B, T, H), 0.1 * torch.rand(B, T, H))]
+g.bench = lambda fn, backward, inputs: (fn().float().sum().backward(), 1.0)[1]
+print("\\n".join(g.time_walk_configs(1, 20, 128, 16, chunk_size=16)))
+print("walks", walks, inner_product.WALK_MIN_PROGRAMS, inner_product.WALK_WARPS)
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=BENCHMARKS, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"}, check=False)
+    lines = result.stdout.splitlines()
+    labels = ["chunk-parallel", "default", "walk, 4 warps", "walk, 16 warps"]
+    assert lines[:4] == [f"| 1A | 20 | {label} | 1.00 | 1.00x | 1.00 | 1.00x |" for label in labels], \
+        result.stderr[-2000:]
+    # each walking config: its check against the chunk-parallel outputs, then its two timings (fwd, fwd+bwd)
+    assert lines[4] == f"walks {[8] * 3 + [4] * 3 + [16] * 3} 128 8", lines[4]
 
 
 @pytest.mark.parametrize("script", ["gpu_ops.py", "gpu_train_step.py", "gpu_fla_compare.py", "gpu_short_conv.py",
