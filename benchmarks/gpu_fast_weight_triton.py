@@ -13,7 +13,7 @@ forward and forward+backward of:
   with `--compiled-triton` also the same under `torch.compile` (inductor fuses the torch preparation around the
   kernels' custom ops, as it does in a compiled model: rule 3A's windows, statistic, steps and band coefficients);
 - kernels (1A): `fast_weight_1a_triton` alone on prepared writes (the kernels without the preparation);
-- torch preparation (1A, 1): the triton op again with `fused_preparation=False` (the write events from chunk.py's
+- torch preparation (1A, 1, 3A): the triton op again with `fused_preparation=False` (the write events from chunk.py's
   torch `prepare_writes` instead of the fused Triton kernel);
 - fixed scan blocks (1A, 3A): the triton op again with `inner_product.SCAN_MIN_PROGRAMS` = 0 (the state scan's fixed
   [64, 32] blocks; by default they narrow when fewer than 264 programs would cover the rows x heads, which "triton"
@@ -60,6 +60,7 @@ from hybridlm.ops.fast_weight.triton import (
 )
 
 WINDOW = {"1A": 1, "3A": 3, "1": 1}
+PREPARED_RULES = (*backend.FUSED_RULES, "3A")  # the rules with a fused Triton preparation at these windows
 # Launches of rule 1's passes (`regression.PassLaunch`: value columns per program, (warps, stages) of the forward pass
 # and of the reverse pass) timed against what `regression.pass_launch` picks for the shape ("default"): both of its
 # launches, the ones that spill least at 8 warps x 1 stage (benchmarks/ptxas_spills.py), two programs per SM at 4
@@ -139,7 +140,7 @@ def check(rule, *, B=2, T=1000, H=4, D=128, chunk_size=64) -> None:
     w_o, w_s = torch.randn_like(o_ref), torch.randn_like(s_ref.S)
     g_ref = torch.autograd.grad((o_ref * w_o).sum() + (s_ref.S * w_s).sum(), ref_in + [state.S])
     variants = [("", True)]  # (label, fused_preparation)
-    if rule in backend.FUSED_RULES:
+    if rule in PREPARED_RULES:
         variants = [("", False), (" fused preparation", True)]
     cases = list(itertools.product(((torch.float32, 1e-4), (torch.bfloat16, 2e-2)), variants))
     for (dtype, tol), (variant, fused) in cases:
@@ -371,7 +372,7 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compi
         sdpa = timed(lambda: causal_sdpa(q, k, v))
         triton_ms = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
         torch_prep = kernels = fixed_scan = chunk_parallel = chunk = compiled = compiled_t = False
-        if rule in backend.FUSED_RULES:
+        if rule in PREPARED_RULES:
             torch_prep = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size,
                                                   fused_preparation=False)[0])
         if prepared is not None:

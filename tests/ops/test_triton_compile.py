@@ -1,5 +1,5 @@
-"""The Triton scans, the fused rule-1A/1 preparation and rule 3A's band as torch.library custom ops
-(`hybridlm::fast_weight_{1a,1,prepare,band}_{fwd,bwd}`): `torch.library.opcheck`
+"""The Triton scans, the fused rule-1A/1 and rule-3A preparations and rule 3A's band as torch.library custom ops
+(`hybridlm::fast_weight_{1a,1,prepare,window_prepare,band}_{fwd,bwd}`): `torch.library.opcheck`
 (schema, fake tensors, autograd registration, AOT dispatch with dynamic shapes) and `torch.compile(fullgraph=True)`
 of the front door with backend="triton" against eager.
 
@@ -62,6 +62,31 @@ def test_opcheck_prepare():
 
 
 @interpret
+def test_opcheck_window_prepare():
+    """Rule 3A's fused window preparation (`hybridlm::fast_weight_window_prepare_fwd` / `_bwd`), window 3: shifted
+    with a carried key and tail (NLMS, ridge scaling), same-step without a carried state (direct steps); the backward
+    op with and without the tail."""
+    fwd, bwd = _ops("window_prepare")
+    N, T, H, K, V, W = 2, 19, 2, 16, 8, 3
+    k, v = torch.randn(N, T, H, K, device=DEVICE), torch.randn(N, T, H, V, device=DEVICE)
+    beta, lam = torch.rand(N, T, H, device=DEVICE), torch.rand(N, T, H, device=DEVICE)
+    last_k = torch.randn(N, H, K, device=DEVICE)
+    tail_x, tail_v = torch.randn(N, H, W - 1, K, device=DEVICE), torch.randn(N, H, W - 1, V, device=DEVICE)
+    tail_len = torch.tensor([1, 2], device=DEVICE)
+    leaves = [t.requires_grad_(True) for t in (k, v, beta, lam, last_k, tail_x, tail_v)]
+    torch.library.opcheck(fwd, (*leaves, tail_len, W, True, True, True, 1e-6, 1e-6), test_utils=OPCHECKS)
+    torch.library.opcheck(fwd, (*leaves[:4], None, None, None, None, W, False, False, False, 1e-6, 1e-6),
+                          test_utils=OPCHECKS)
+    x_ext, y_ext, C, log_gamma, E = (t.detach() for t in fwd(*leaves, tail_len, W, True, True, True, 1e-6, 0.05))
+    grads = [torch.randn(t.shape, device=DEVICE) for t in (x_ext, y_ext, C, log_gamma)]
+    saved = (x_ext, y_ext, C, log_gamma, E, beta.detach(), lam.detach())
+    torch.library.opcheck(bwd, (*grads, *saved, last_k.detach(), tail_x.detach(), tail_v.detach(), tail_len, W, True,
+                                True, True, 1e-6, 0.05), test_utils=OPCHECKS)
+    torch.library.opcheck(bwd, (*grads, *saved, None, None, None, None, W, False, True, False, 1e-6, 0.05),
+                          test_utils=OPCHECKS)
+
+
+@interpret
 @pytest.mark.parametrize("shift,dtype", [(0, torch.float32), (1, torch.float32), (0, torch.float16)])
 def test_opcheck_band(shift, dtype):
     """Rule 3A's band op (`hybridlm::fast_weight_band_fwd` / `_bwd`, the delayed-write form), window 3; in float16
@@ -78,7 +103,7 @@ def test_opcheck_band(shift, dtype):
                           test_utils=OPCHECKS)
 
 
-COMPILE_CASES = [("3A", "aot_eager"), ("1", "aot_eager"),  # 3A runs the 1A ops and the band op
+COMPILE_CASES = [("3A", "aot_eager"), ("1", "aot_eager"),  # 3A runs its preparation op, the 1A ops and the band op
                  ("2A", "aot_eager"),
                  pytest.param("1", "inductor", marks=gpu_only), pytest.param("3A", "inductor", marks=gpu_only),
                  pytest.param("2A", "inductor", marks=gpu_only)]

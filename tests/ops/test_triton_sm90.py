@@ -189,6 +189,23 @@ for io, K, V in (("*bf16", 128, 128), ("*fp32", 20, 12)):
             build(kernel, consts, io=io, io_names=HALF, types=TYPES, warps=k.NUM_WARPS)
 """
 
+WINDOW_PREPARE = """
+from hybridlm.ops.fast_weight.triton import window_prepare as k
+
+HALF = ("k_ptr", "v_ptr", "last_ptr", "x_ptr", "y_ptr", "dx_ptr", "dy_ptr", "dk_ptr", "dv_ptr", "dlast_ptr")
+TYPES = {"tail_len_ptr": "*i64", "eps": "fp32", "one_minus_eps_gamma": "fp32"}
+KERNELS = (k.rows_fwd_kernel, k.steps_fwd_kernel, k.coefficients_fwd_kernel, k.coefficients_bwd_kernel,
+           k.steps_bwd_kernel, k.rows_bwd_kernel)
+# A model's heads in bf16 at the smallest and the largest window (the step kernels' tiles: [256, 4] and [32, 64]),
+# odd float32 sizes; a shifted row with its carried key and tail, NLMS, ridge scaling, and a fresh same-step one.
+for io, K, V, W in (("*bf16", 128, 128, 3), ("*bf16", 128, 128, 64), ("*fp32", 20, 12, 5)):
+    rows, _, steps, _ = k._launch(2, 100, 2, K, V, W)
+    for on in (True, False):
+        flags = dict(SHIFTED=on, HAS_LAST=on, HAS_TAIL=on, NLMS=on, SCALED=on)
+        for kernel in KERNELS:
+            build(kernel, dict(rows, **steps, **flags), io=io, io_names=HALF, types=TYPES, warps=k.NUM_WARPS)
+"""
+
 STEP = """
 from hybridlm.ops.fast_weight.triton import step as k
 
@@ -234,8 +251,8 @@ for io, K, V in (("*bf16", 64, 64), ("*bf16", 128, 128), ("*fp32", 20, 12)):
 BUILDS = {  # module: its builds
     "decays": DECAYS, "chunk_state": CHUNK_STATE, "chunk_output": CHUNK_OUTPUT, "whole_state": WHOLE_STATE,
     "inner_product_kernels": INNER_PRODUCT,
-    "wy": WY, "regression_kernels": REGRESSION, "band": BAND, "prepare": PREPARE, "step": STEP,
-    "mixer_step": MIXER_STEP,
+    "wy": WY, "regression_kernels": REGRESSION, "band": BAND, "prepare": PREPARE,
+    "window_prepare": WINDOW_PREPARE, "step": STEP, "mixer_step": MIXER_STEP,
 }
 
 

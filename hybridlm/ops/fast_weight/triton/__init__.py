@@ -16,7 +16,8 @@ Entry points:
 Layout. Shared building blocks, named for the stage they compute: `decays.py` (chunk-local cumulative log decays),
 `chunk_state.py` (each chunk's contribution to the state and the sequential pass over chunks), `chunk_output.py`
 (outputs and their value gradient), `wy.py` (the WY factors: (I + A)^-1, U, W), `prepare.py` (the fused write
-preparation of rules 1A and 1), `band.py` (rule 3A's band), `chunking.py` (the chunk grid and plan they share).
+preparation of rules 1A and 1), `window_prepare.py` (rule 3A's, with its delayed-write coefficients), `band.py` (rule
+3A's band), `chunking.py` (the chunk grid and plan they share).
 Per rule family: `inner_product.py` / `inner_product_kernels.py` (rules 1A, 2A; 3A on 1A's) and `regression.py` /
 `regression_kernels.py` (rules 1, 3, 2): launchers and their family's kernels. `step.py`: one decoding step of
 the window-1 rules in one kernel (inference); `mixer_step.py`: the fast-weight mixer's whole decoding step between

@@ -21,8 +21,11 @@ P events (powers of two: they hold whole steps). The cost is P times rule 1's.
 
 The preparation (pairs, windows, statistic, step sizes, decays) is chunk.py's `prepare_writes`, except for rules 1A
 and 1 (window 1, one step size per head): there one fused Triton kernel computes the same write events, forward and
-backward (`prepare.py`, the custom op `hybridlm::fast_weight_prepare_fwd`), unless `fused_preparation=False` asks
-for prepare_writes (the tests compare the two; benchmarks/gpu_fast_weight_triton.py times them).
+backward (`prepare.py`, the custom op `hybridlm::fast_weight_prepare_fwd`), and for rule 3A on rows (no packed
+sequences, no documents in place, windows up to `limits.MAX_PREPARED_WINDOW`): there three kernels compute the
+tail-extended pairs, the log decays and the delayed writes' coefficients, forward and backward (`window_prepare.py`,
+`hybridlm::fast_weight_window_prepare_fwd`). `fused_preparation=False` asks for prepare_writes in both cases (the
+tests compare the two; benchmarks/gpu_fast_weight_triton.py times them).
 """
 
 from __future__ import annotations
@@ -42,8 +45,15 @@ from hybridlm.ops.fast_weight.triton.custom_ops import (
     fast_weight_band_triton,
     fast_weight_prepare_triton,
     fast_weight_step_triton,
+    fast_weight_window_prepare_triton,
 )
-from hybridlm.ops.fast_weight.triton.limits import MAX_DELTA_CHUNK, PER_COLUMN_CHUNK, step_takes, supports
+from hybridlm.ops.fast_weight.triton.limits import (
+    MAX_DELTA_CHUNK,
+    MAX_PREPARED_WINDOW,
+    PER_COLUMN_CHUNK,
+    step_takes,
+    supports,
+)
 from hybridlm.ops.utils import (
     compute_dtype,
     host_to_device,
@@ -72,8 +82,9 @@ def fast_weight_triton(
     """Rules 1A / 3A / 1 / 3 / 2A / 2 through the Triton kernels. `options.chunk_size` is rounded to a power of two
     in [16, 128] (rules 2A and 2: 16, whatever is asked; their intra-chunk work is O(C^2 V) exponentials per chunk, as
     in chunk.py); for rule 3 it counts events (at least one step's slots).
-    Rules 1A and 1 take their write events from the fused preparation kernel (`fused_preparation`; False: from
-    chunk.py's prepare_writes, the same events computed in torch).
+    Rules 1A and 1, and rule 3A on rows with a window up to MAX_PREPARED_WINDOW, take their write events from the
+    fused preparation kernels (`fused_preparation`; False: from chunk.py's prepare_writes, the same events computed
+    in torch).
     `seq_idx` ([B, T], a document index per step; only where `options.restarts_in_place`) restarts documents in
     place: the preparation (fused, or prepare_writes) puts no pair across a document start, keeps each window inside
     its document, and puts a log decay of -100 on the start (exp(-100) ~ 4e-44), so the scan's state holds nothing of
@@ -101,6 +112,9 @@ def fast_weight_triton(
         return decoding_step(q, k, v, beta, lam, options, initial_state)
     if fused_preparation and rule in FUSED_RULES and window == 1:
         return _window_1(q, k, v, beta, lam, options, initial_state=initial_state, offsets=offsets, seq_idx=seq_idx)
+    if (fused_preparation and rule == "3A" and 1 < window <= MAX_PREPARED_WINDOW and offsets is None
+            and seq_idx is None):
+        return _window_prepared(q, k, v, beta, lam, options, initial_state=initial_state)
     p = prepare_writes(q, k, v, beta, lam, options, initial_state=initial_state, offsets=offsets, seq_idx=seq_idx)
     N, T, H, _ = p.q.shape
     W = window
@@ -162,24 +176,61 @@ def _delayed_window(p: PreparedWrites, S0: torch.Tensor, *, read_after: bool,
     windows), p.weights [N, T, H, W, 1] the weight w_(t,j) of slot j at step t. Returns o [N, T, H, V] in q's dtype
     and the final state [N, H, K, V] float32 (at the padded end of every row: padded steps write nothing and do not
     decay)."""
-    T, W = p.X.shape[1], p.X.shape[3]
-    w = p.weights[..., 0]                                                                  # [N, T, H, W]
     lg = p.log_gamma[..., 0]                                                               # [N, T, H]
-    # C_t[j] = sum_m exp(lg_(t-m+1) + ... + lg_t) w_(t-m)[j+m]: the pair in slot j of step t, over its writes so far.
+    C = window_coefficients(p.weights[..., 0], lg)
+    return _delayed_scan(p.q, p.x_ext, p.y_ext, C, lg, S0, read_after=read_after, chunk_size=chunk_size)
+
+
+def window_coefficients(w: torch.Tensor, lg: torch.Tensor) -> torch.Tensor:
+    """C [N, T, H, W] from the window weights w [N, T, H, W] and log decays lg [N, T, H]:
+    C_t[j] = sum_m exp(lg_(t-m+1) + ... + lg_t) w_(t-m)[j+m], the pair in slot j of step t over its writes so far."""
+    T, W = w.shape[1], w.shape[3]
     C, span = w, torch.zeros_like(lg)
     for m in range(1, min(W, T)):
         span = span + F.pad(lg[:, : T - m + 1], (0, 0, m - 1, 0))                         # sum of the last m lg
         C = C + span.exp()[..., None] * F.pad(w[:, : T - m, :, m:], (0, m, 0, 0, m, 0))
-    dtype = p.q.dtype
-    x_ext, y_ext = p.x_ext.to(dtype), p.y_ext.to(dtype)  # (already in q's dtype: the op keeps k and v's)
-    o, S = fast_weight_1a_triton(p.q, x_ext[:, :T].contiguous(), y_ext[:, :T].contiguous(), C[..., 0].contiguous(),
+    return C
+
+
+def _delayed_scan(q, x_ext, y_ext, C, lg, S0, *, read_after: bool, chunk_size: int):
+    """The 1A scan over the delayed writes (x_ext, y_ext [N, W-1+T, H, *], C [N, T, H, W], lg [N, T, H]; README.md,
+    "Rule 3A as delayed writes") plus the band -> o [N, T, H, V] in q's dtype and the final state float32."""
+    T = q.shape[1]
+    x_q, y_q = x_ext.to(q.dtype), y_ext.to(q.dtype)  # (already in q's dtype: the op keeps k and v's)
+    o, S = fast_weight_1a_triton(q, x_q[:, :T].contiguous(), y_q[:, :T].contiguous(), C[..., 0].contiguous(),
                                  lg.contiguous(), S0, read_after=read_after, chunk_size=chunk_size)
     band = C[..., 1:]                                                                      # [N, T, H, W-1]
     if not read_after:  # S_(t-1)'s band: step t-1's coefficients in row t (S_0's partial writes are in S_0)
         band = F.pad(band[:, :-1], (0, 0, 0, 0, 1, 0))
-    o = fast_weight_band_triton(p.q, x_ext, y_ext, band.float().contiguous(), o, read_after=read_after)
-    S = S + torch.einsum("nhj,nhjk,nhjv->nhkv", C[:, -1, :, 1:], p.X[:, -1, :, 1:].float(), p.Y[:, -1, :, 1:].float())
+    o = fast_weight_band_triton(q, x_q, y_q, band.float().contiguous(), o, read_after=read_after)
+    # The last step's band (ext rows T .. T+W-2) enters the final state.
+    S = S + torch.einsum("nhj,njhk,njhv->nhkv", C[:, -1, :, 1:], x_ext[:, T:].float(), y_ext[:, T:].float())
     return o, S
+
+
+def _window_prepared(q, k, v, beta, lam, options: FastWeightOptions, *,
+                     initial_state: FastWeightState) -> tuple[torch.Tensor, FastWeightState]:
+    """Rule 3A (window W > 1) on rows with the fused preparation: the pairs, log decays and delayed-write coefficients
+    of prepare_writes and `window_coefficients` from window_prepare.py's kernels, then `_delayed_scan`."""
+    shifted, W, T = options.shifted, options.window, q.shape[1]
+    state = initial_state
+    x_ext, y_ext, C, lg = fast_weight_window_prepare_triton(
+        k, v, beta, lam, state.last_k if shifted else None, state.tail_x, state.tail_v, state.tail_len, window=W,
+        pairing=options.pairing, step_size=options.step_size, ridge_scaling=options.ridge_scaling, eps=options.eps,
+        eps_gamma=options.eps_gamma)
+    o, S = _delayed_scan(q, x_ext, y_ext, C, lg, state.S.float(), read_after=options.read_after,
+                         chunk_size=triton_chunk_size(options.chunk_size, cap=128))
+    stat = compute_dtype(k.dtype)
+    # The final tail is ext rows T .. T+W-2: each of its pairs exists but a fresh shifted row's pair 0, and where
+    # T < W-1 it keeps the carried tail's slots T .. W-2, whose last tail_len hold pairs.
+    pairs = min(T, W - 1) - int(shifted and state.last_k is None and T <= W - 1)
+    tail_len = torch.full((q.shape[0],), pairs, dtype=torch.int64, device=q.device)
+    if state.tail_len is not None and T < W - 1:
+        tail_len = tail_len + state.tail_len.clamp(max=W - 1 - T)
+    final = FastWeightState(S=S, last_k=k[:, -1].to(stat) if shifted else None,
+                            tail_x=x_ext[:, T:].transpose(1, 2).to(stat), tail_v=y_ext[:, T:].transpose(1, 2).to(stat),
+                            tail_len=tail_len)
+    return o, final
 
 
 def decoding_step(q, k, v, beta, lam, options: FastWeightOptions, state: FastWeightState, *,

@@ -30,7 +30,7 @@ BT, NUM_WARPS = 16, 4  # bwd_xy holds six [BT, 128] float32 blocks: 96 registers
 
 
 @triton.jit
-def _rows(n, h, rows, valid, length, H, D: tl.constexpr, BD: tl.constexpr):
+def row_offsets(n, h, rows, valid, length, H, D: tl.constexpr, BD: tl.constexpr):
     """Offsets [BR, BD] of rows `rows` of a [N, length, H, D] tensor and their mask."""
     cols = tl.arange(0, BD)
     offsets = ((n.to(tl.int64) * length + rows[:, None]) * H + h) * D + cols[None, :]  # past 2^31 elements
@@ -40,12 +40,12 @@ def _rows(n, h, rows, valid, length, H, D: tl.constexpr, BD: tl.constexpr):
 @triton.jit
 def _load(ptr, n, h, rows, valid, length, H, D: tl.constexpr, BD: tl.constexpr):
     """Rows `rows` of a [N, length, H, D] tensor as float32 [BR, BD] (zeros where masked), their offsets and mask."""
-    offsets, mask = _rows(n, h, rows, valid, length, H, D, BD)
+    offsets, mask = row_offsets(n, h, rows, valid, length, H, D, BD)
     return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32), offsets, mask
 
 
 @triton.jit
-def _block(length, H, BT: tl.constexpr):
+def program_rows(length, H, BT: tl.constexpr):
     """This program's (row n, head h) and its BT rows of a sequence of `length`: (n, h, rows, rows < length)."""
     pid_t, pid_nh = tl.program_id(0), tl.program_id(1)
     rows = pid_t * BT + tl.arange(0, BT)
@@ -66,7 +66,7 @@ def _slot(x_ptr, y_ptr, c_ptr, n, h, t, valid, j, T, H, SHIFT: tl.constexpr, W: 
 @triton.jit
 def band_fwd_kernel(q_ptr, x_ptr, y_ptr, c_ptr, base_ptr, o_ptr, T, H, SHIFT: tl.constexpr, W: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    n, h, t, valid = _block(T, H, BT)
+    n, h, t, valid = program_rows(T, H, BT)
     q, _, _ = _load(q_ptr, n, h, t, valid, T, H, K, BK)
     acc, o_off, o_mask = _load(base_ptr, n, h, t, valid, T, H, V, BV)
     for j in tl.static_range(1, W):
@@ -79,7 +79,7 @@ def band_fwd_kernel(q_ptr, x_ptr, y_ptr, c_ptr, base_ptr, o_ptr, T, H, SHIFT: tl
 def band_bwd_q_kernel(do_ptr, q_ptr, x_ptr, y_ptr, c_ptr, dq_ptr, dc_ptr, T, H, SHIFT: tl.constexpr,
                       W: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr):
-    n, h, t, valid = _block(T, H, BT)
+    n, h, t, valid = program_rows(T, H, BT)
     q, q_off, q_mask = _load(q_ptr, n, h, t, valid, T, H, K, BK)
     do, _, _ = _load(do_ptr, n, h, t, valid, T, H, V, BV)
     dq = tl.zeros([BT, BK], dtype=tl.float32)
@@ -95,7 +95,7 @@ def band_bwd_q_kernel(do_ptr, q_ptr, x_ptr, y_ptr, c_ptr, dq_ptr, dc_ptr, T, H, 
 def band_bwd_xy_kernel(do_ptr, q_ptr, x_ptr, y_ptr, c_ptr, dx_ptr, dy_ptr, T, H, SHIFT: tl.constexpr,
                        W: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                        BV: tl.constexpr):
-    n, h, e, rows = _block(T + W - 1, H, BT)
+    n, h, e, rows = program_rows(T + W - 1, H, BT)
     x, x_off, x_mask = _load(x_ptr, n, h, e, rows, T + W - 1, H, K, BK)
     y, y_off, y_mask = _load(y_ptr, n, h, e, rows, T + W - 1, H, V, BV)
     dx = tl.zeros([BT, BK], dtype=tl.float32)

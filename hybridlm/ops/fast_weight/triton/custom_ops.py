@@ -16,6 +16,11 @@
         (`prepare.py`);
     hybridlm::fast_weight_prepare_bwd(dx, dy, deta, dlog_gamma, <the forward's inputs>) -> (dk, dv, dbeta, dlam,
         dlast_k).
+    hybridlm::fast_weight_window_prepare_fwd(k, v, beta, lam, last_k?, tail_x?, tail_v?, tail_len?, window, shifted,
+        nlms, ridge_scaling, eps, eps_gamma) -> (x_ext, y_ext, C, log_gamma, E): the fused write preparation of rule
+        3A on rows (`window_prepare.py`); E (the window statistic) is kept for the backward;
+    hybridlm::fast_weight_window_prepare_bwd(dx_ext, dy_ext, dC, dlog_gamma, x_ext, y_ext, C, log_gamma, E,
+        <the forward's inputs after v>) -> (dk, dv, dbeta, dlam, dlast_k, dtail_x, dtail_v).
 
     hybridlm::fast_weight_step(q, k, v, beta, lam, S, last_k?, rule, shifted, read_after, nlms, ridge_scaling, eps,
         eps_gamma, beta_bias?, lam_bias?, beta_scale, lam_scale, qk_norm, qk_eps, qk_scale) -> (o, S', last_k'): one
@@ -36,8 +41,8 @@
 
 Rule 3A runs as rule 1A over delayed writes plus the band (`backend.py`), so it goes through the 1A ops and the band
 ops; rule 3's events differ from rule 1's rows (the events of one step do not see each other's writes), hence its own
-ops on rule 1's kernels. The implementations (`inner_product.py`, `regression.py`, `prepare.py`, `band.py`, which
-need triton) are imported on the first call; this file imports only torch.
+ops on rule 1's kernels. The implementations (`inner_product.py`, `regression.py`, `prepare.py`, `window_prepare.py`,
+`band.py`, which need triton) are imported on the first call; this file imports only torch.
 dS0 is always computed (the backward pass ends on it); the autograd formula drops it when S0 is None.
 The scans' and the band's forward launches are `kept_kernel`s: a region recomputed in the backward
 (`hybridlm.ops.recompute`, the fast-weight mixer's) keeps their outputs and recomputes only what feeds them.
@@ -52,6 +57,7 @@ from hybridlm.ops.fast_weight.triton.limits import (
     MAX_DELTA_CHUNK,
     MAX_HEAD_DIM,
     MAX_MIXER_STATE,
+    MAX_PREPARED_WINDOW,
     MAX_RULE_2_CHUNK,
 )
 from hybridlm.ops.recompute import keep_in_compiled_regions, kept_kernel, on_contiguous
@@ -149,6 +155,40 @@ def fast_weight_prepare_triton(k, v, beta, lam, last_k, offsets, *, max_len: int
     return torch.ops.hybridlm.fast_weight_prepare_fwd(
         k, v, beta.to(torch.float32), lam.to(torch.float32), last_k, offsets, seq_idx, int(max_len), shifted,
         step_size == "nlms", bool(ridge_scaling), float(eps), float(eps_gamma))
+
+
+def fast_weight_window_prepare_triton(k, v, beta, lam, last_k, tail_x, tail_v, tail_len, *, window: int,
+                                      pairing: str, step_size: str, ridge_scaling: bool, eps: float,
+                                      eps_gamma: float):
+    """chunk.py's `prepare_writes` for rule 3A (window W > 1) on rows, followed by the delayed-write coefficients of
+    `backend._delayed_window`, fused (`window_prepare.py`), differentiable in k, v, beta, lam, last_k, tail_x and
+    tail_v.
+
+    Args:
+        k: `[N, T, H, K]`, v: `[N, T, H, V]`, beta, lam: `[N, T, H]` (cast to float32 here).
+        last_k: `[N, H, K]` the carried last key (shifted pairing) or None (cast to k's dtype, as prepare_writes).
+        tail_x, tail_v, tail_len: the carried tail `[N, H, W-1, K]`, `[N, H, W-1, V]`, `[N]` (integers; the last
+            tail_len slots hold pairs), or all None.
+        window: W in [2, `limits.MAX_PREPARED_WINDOW`].
+
+    Returns:
+        x_ext `[N, W-1+T, H, K]` (k's dtype), y_ext `[N, W-1+T, H, V]` (v's dtype): the pairs with the carried tail
+        in front (prepare_writes' `p.x_ext`, `p.y_ext`); C `[N, T, H, W]` (C_t[j]: the coefficient of the pair in slot
+        j of step t over its writes so far) and log_gamma `[N, T, H]`, float32.
+    """
+    if not 2 <= window <= MAX_PREPARED_WINDOW:
+        raise ValueError(f"the window preparation takes windows 2 .. {MAX_PREPARED_WINDOW}; got {window}")
+    if k.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"the Triton kernels take K, V <= {MAX_HEAD_DIM}; got {k.shape[-1]}, {v.shape[-1]}")
+    if k.device.type != "cuda" and not triton_interpreting():
+        raise ValueError(f"the Triton kernels need CUDA tensors (got {k.device})")
+    shifted = pairing == "shifted"
+    last_k = last_k.to(k.dtype) if shifted and last_k is not None else None
+    tail_len = None if tail_len is None else tail_len.to(torch.int64)
+    x_ext, y_ext, C, log_gamma, _ = torch.ops.hybridlm.fast_weight_window_prepare_fwd(
+        k, v, beta.to(torch.float32), lam.to(torch.float32), last_k, tail_x, tail_v, tail_len, int(window), shifted,
+        step_size == "nlms", bool(ridge_scaling), float(eps), float(eps_gamma))
+    return x_ext, y_ext, C, log_gamma
 
 
 def fast_weight_band_triton(q, x_ext, y_ext, c, base, *, read_after: bool) -> torch.Tensor:
@@ -423,6 +463,79 @@ def _register_prepare() -> None:
     fwd.register_autograd(backward, setup_context=setup_context)
 
 
+_WINDOW_OPTIONS = "Tensor beta, Tensor lam, Tensor? last_k, Tensor? tail_x, Tensor? tail_v, Tensor? tail_len, " \
+                  "int window, bool shifted, bool nlms, bool ridge_scaling, float eps, float eps_gamma"
+
+
+def _register_window_prepare() -> None:
+    """hybridlm::fast_weight_window_prepare_fwd / _bwd (`window_prepare.py`), their fake implementations and
+    autograd."""
+
+    def optional(*tensors):
+        return (None if t is None else t.contiguous() for t in tensors)
+
+    @torch.library.custom_op("hybridlm::fast_weight_window_prepare_fwd", mutates_args=(),
+                             schema=f"(Tensor k, Tensor v, {_WINDOW_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, "
+                                    "Tensor)")
+    def fwd(k, v, beta, lam, last_k, tail_x, tail_v, tail_len, *options):
+        from hybridlm.ops.fast_weight.triton import window_prepare
+
+        with on_tensor_device(k):
+            return window_prepare.forward(*(t.contiguous() for t in (k, v, beta, lam)),
+                                          *optional(last_k, tail_x, tail_v, tail_len), *options)
+
+    @fwd.register_fake
+    def _(k, v, beta, lam, last_k, tail_x, tail_v, tail_len, window, *options):
+        N, T, H, K = k.shape
+        C = beta.new_empty(N, T, H, window, dtype=torch.float32)
+        return (k.new_empty(N, window - 1 + T, H, K), v.new_empty(N, window - 1 + T, H, v.shape[3]), C,
+                C.new_empty(N, T, H), C.new_empty(N, H, T))
+
+    # The backward takes the forward's outputs x_ext (every key a pair reads), C, log_gamma and E in place of k and v
+    # (y_ext for dv's shape and dtype): the scan and the band keep x_ext and y_ext anyway.
+    @torch.library.custom_op("hybridlm::fast_weight_window_prepare_bwd", mutates_args=(),
+                             schema="(Tensor dx_ext, Tensor dy_ext, Tensor dC, Tensor dlog_gamma, Tensor x_ext, "
+                                    f"Tensor y_ext, Tensor C, Tensor log_gamma, Tensor E, {_WINDOW_OPTIONS}) -> "
+                                    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+    def bwd(dx_ext, dy_ext, dC, dlog_gamma, x_ext, y_ext, C, log_gamma, E, beta, lam, last_k, tail_x, tail_v,
+            tail_len, *options):
+        from hybridlm.ops.fast_weight.triton import window_prepare
+
+        with on_tensor_device(x_ext):
+            return window_prepare.backward(
+                dx_ext.to(x_ext.dtype).contiguous(), dy_ext.to(y_ext.dtype).contiguous(),
+                *(t.float().contiguous() for t in (dC, dlog_gamma)),
+                *(t.contiguous() for t in (x_ext, y_ext, C, log_gamma, E, beta, lam)),
+                *optional(last_k, tail_x, tail_v, tail_len), *options)
+
+    @bwd.register_fake
+    def _(dx_ext, dy_ext, dC, dlog_gamma, x_ext, y_ext, C, log_gamma, E, beta, lam, last_k, tail_x, tail_v, tail_len,
+          window, shifted, *options):
+        N, T, H = beta.shape
+        K, V = x_ext.shape[3], y_ext.shape[3]
+        dtail_x, dtail_v = (C.new_empty(N, H, window - 1, D) if tail is None else tail.new_empty(tail.shape)
+                            for tail, D in ((tail_x, K), (tail_v, V)))
+        return (x_ext.new_empty(N, T, H, K), y_ext.new_empty(N, T, H, V), beta.new_empty(beta.shape),
+                lam.new_empty(lam.shape), x_ext.new_empty(N, H, K) if last_k is None or not shifted
+                else last_k.new_empty(last_k.shape), dtail_x, dtail_v)
+
+    def setup_context(ctx, inputs, output):
+        beta, lam, last_k, tail_x, tail_v, tail_len = inputs[2:8]
+        x_ext, y_ext, C, log_gamma, E = output
+        ctx.save_for_backward(x_ext, y_ext, C, log_gamma, E, beta, lam, last_k, tail_x, tail_v, tail_len)
+        ctx.options = inputs[8:]
+
+    def backward(ctx, dx_ext, dy_ext, dC, dlog_gamma, _):
+        saved = ctx.saved_tensors
+        last_k, tail_x = saved[7], saved[8]
+        dk, dv, dbeta, dlam, dlast, dtail_x, dtail_v = bwd(dx_ext, dy_ext, dC, dlog_gamma, *saved, *ctx.options)
+        no_tail = tail_x is None
+        return (dk, dv, dbeta, dlam, None if last_k is None else dlast, None if no_tail else dtail_x,
+                None if no_tail else dtail_v) + (None,) * 7  # tail_len .. eps_gamma
+
+    fwd.register_autograd(backward, setup_context=setup_context)
+
+
 def _register_band() -> None:
     """hybridlm::fast_weight_band_fwd / _bwd (`band.py`), their fake implementations and autograd."""
 
@@ -628,6 +741,7 @@ def _run_mixer_step(p, conv_weight, conv_bias, conv_state, S, last_k, beta_bias,
 
 
 _register_prepare()
+_register_window_prepare()
 _register_step()
 _register_mixer_step()
 _register_band()

@@ -26,6 +26,9 @@ MAX_MIXER_STATE = 16384
 MAX_DELTA_CHUNK = 64
 # Rule 3 lays each step out on the next power of two >= window slots; a chunk holds whole steps.
 MAX_RULE_3_WINDOW = MAX_DELTA_CHUNK
+# Rule 3A's fused window preparation (window_prepare.py) holds a step's window and history in [BT, next power of two
+# >= W] tiles: windows up to this one; longer ones run chunk.py's prepare_writes.
+MAX_PREPARED_WINDOW = 64
 # Rules 2A and 2's chunk length: their intra-chunk decays form a [C, C, V] tensor of exponentials, so their chunks
 # are kept short, as chunk.py's PER_COLUMN_MAX_CHUNK. Rule 2's kernels take chunks of 16 or 32.
 PER_COLUMN_CHUNK = 16

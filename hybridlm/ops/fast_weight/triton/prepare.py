@@ -54,12 +54,56 @@ BT, NUM_WARPS = 16, 8
 
 
 @triton.jit
-def _log1p(u):
+def log1p_small(u):
     """log(1 + u) to a few ulp for small |u| (the interpreter has no libdevice.log1p): Goldberg's
     log(w) * u / (w - 1) with w = 1 + u rounded, and u itself where w rounds to 1."""
     w = 1.0 + u
     tiny = w == 1.0
     return tl.where(tiny, u, tl.log(w) * tl.math.div_rn(u, tl.where(tiny, 1.0, w - 1.0)))
+
+
+@triton.jit
+def step_sizes(E, beta, lam, exists, eps, one_minus_eps_gamma, NLMS: tl.constexpr, SCALED: tl.constexpr):
+    """ridge, denom (1 for direct steps and where no pair exists), eta, a = eta ridge and alpha of steps [BT] from
+    their statistic E (also the windowed rule 3A's, `window_prepare.py`)."""
+    if SCALED:
+        ridge = lam * E
+    else:
+        ridge = lam
+    if NLMS:
+        denom = tl.where(exists, E + ridge + eps, 1.0)
+        eta = tl.math.div_rn(beta, denom)
+    else:
+        denom = tl.full(E.shape, 1.0, tl.float32)
+        eta = beta
+    eta = tl.where(exists, eta, 0.0)
+    a = eta * ridge
+    alpha = tl.minimum(a, one_minus_eps_gamma, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch's clamp
+    return ridge, denom, eta, a, alpha
+
+
+@triton.jit
+def step_size_grads(deta, dlg, E, beta, ridge, denom, eta, a, alpha, exists, one_minus_eps_gamma,
+                     NLMS: tl.constexpr, SCALED: tl.constexpr):
+    """d beta, d lam and g_E (dL/dE) of steps [BT] from the gradients of their eta and lg (the backward of
+    `step_sizes` and lg = log1p(-alpha))."""
+    g_alpha = -tl.math.div_rn(dlg, 1.0 - alpha)                          # d log1p(-alpha) / d alpha = -1 / (1 - alpha)
+    g_a = tl.where(a <= one_minus_eps_gamma, g_alpha, 0.0)               # torch.clamp(max=m): passes at a == m
+    g_ridge = g_a * eta
+    g_eta = tl.where(exists, deta + g_a * ridge, 0.0)
+    if NLMS:
+        g_beta = tl.math.div_rn(g_eta, denom)
+        g_denom = tl.where(exists, tl.math.div_rn(-(g_eta * beta), denom * denom), 0.0)
+        g_E = g_denom
+        g_ridge = g_ridge + g_denom
+    else:
+        g_beta = g_eta
+        g_E = tl.zeros(E.shape, tl.float32)
+    if SCALED:
+        g_lam = g_ridge * E                                              # E detached: no path to x through ridge
+    else:
+        g_lam = g_ridge
+    return g_beta, g_lam, g_E
 
 
 @triton.jit
@@ -114,20 +158,8 @@ def _steps(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, seq_ptr, T_pa
     E = tl.sum(xf * xf, axis=1)                                                         # |x_t|^2 [BT]
     beta = tl.load(beta_ptr + src * H + i_h, mask=valid, other=0.0)
     lam = tl.load(lam_ptr + src * H + i_h, mask=valid, other=0.0)
-    if SCALED:
-        ridge = lam * E
-    else:
-        ridge = lam
-    if NLMS:
-        denom = tl.where(exists, E + ridge + eps, 1.0)
-        eta = tl.math.div_rn(beta, denom)
-    else:
-        denom = tl.full([BT], 1.0, tl.float32)
-        eta = beta
-    eta = tl.where(exists, eta, 0.0)
-    a = eta * ridge
-    alpha = tl.minimum(a, one_minus_eps_gamma, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch's clamp
-    lg = tl.where(restart, RESTART_LOG_DECAY, _log1p(-alpha))
+    ridge, denom, eta, a, alpha = step_sizes(E, beta, lam, exists, eps, one_minus_eps_gamma, NLMS, SCALED)
+    lg = tl.where(restart, RESTART_LOG_DECAY, log1p_small(-alpha))
     return i_n, i_h, t, valid, exists, restart, src, ck, kmask, x, xf, E, beta, lam, ridge, denom, eta, a, alpha, lg
 
 
@@ -169,22 +201,8 @@ def prepare_bwd_kernel(x_ptr, beta_ptr, lam_ptr, offsets_ptr, seq_ptr, dx_ptr, d
     rows = (i_n.to(tl.int64) * T_pad + t) * H + i_h
     dlg = tl.load(dlg_ptr + rows, mask=valid & ~restart, other=0.0).to(tl.float32)  # a restart's lg is a constant
     deta = tl.load(deta_ptr + rows, mask=valid, other=0.0).to(tl.float32)
-    g_alpha = -tl.math.div_rn(dlg, 1.0 - alpha)                          # d log1p(-alpha) / d alpha = -1 / (1 - alpha)
-    g_a = tl.where(a <= one_minus_eps_gamma, g_alpha, 0.0)               # torch.clamp(max=m): passes at a == m
-    g_ridge = g_a * eta
-    g_eta = tl.where(exists, deta + g_a * ridge, 0.0)
-    if NLMS:
-        g_beta = tl.math.div_rn(g_eta, denom)
-        g_denom = tl.where(exists, tl.math.div_rn(-(g_eta * beta), denom * denom), 0.0)
-        g_E = g_denom
-        g_ridge = g_ridge + g_denom
-    else:
-        g_beta = g_eta
-        g_E = tl.zeros([BT], tl.float32)
-    if SCALED:
-        g_lam = g_ridge * E                                              # E detached: no path to x through ridge
-    else:
-        g_lam = g_ridge
+    g_beta, g_lam, g_E = step_size_grads(deta, dlg, E, beta, ridge, denom, eta, a, alpha, exists, one_minus_eps_gamma,
+                                          NLMS, SCALED)
     tl.store(dbeta_ptr + src * H + i_h, g_beta, mask=valid)
     tl.store(dlam_ptr + src * H + i_h, g_lam, mask=valid)
 
