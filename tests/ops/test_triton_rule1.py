@@ -38,7 +38,7 @@ from hybridlm.ops.fast_weight.triton import (
 )
 from tests.helpers import rel_err
 from tests.ops.fast_weight_helpers import KERNELS, check_against_reference, front_door_errors, prepared, record_launches
-from tests.ops.triton_modes import DEVICE, HAS_TRITON, ON_GPU, gpu_only, interpret
+from tests.ops.triton_modes import DEVICE, HAS_TRITON, ON_GPU, gpu_only, interpret, skip_bfloat16_interpreted
 
 CASES = list(itertools.product(KERNELS, (torch.float32, torch.float16, torch.bfloat16), (1, 63, 130), (16, 64),
                                (True, False)))
@@ -342,8 +342,7 @@ def test_rule_1a_forward_walk_matches_reference(monkeypatch, T, chunk_size, read
 def test_rule_1a_forward_walk_equals_the_chunk_parallel_forward(monkeypatch, dtype):
     """The forward walk against the state scan + outputs on the same 16-bit inputs: the same final state (the same
     products of each step), outputs within the rounding of their sums over K taken in one block instead of two."""
-    if dtype == torch.bfloat16 and not ON_GPU:
-        pytest.skip("the interpreter's tl.dot is wrong for bfloat16; float16 covers the 16-bit path on the CPU")
+    skip_bfloat16_interpreted(dtype)
     from hybridlm.ops.fast_weight.triton import inner_product
 
     q, x, y, eta, log_gamma, S0 = prepared(3, 150, 2, 128, 64, seed=11)

@@ -23,7 +23,7 @@ from hybridlm.ops.fast_weight.options import FastWeightOptions
 from hybridlm.ops.fast_weight.state import FastWeightState
 from tests.helpers import rel_err
 from tests.ops.fast_weight_helpers import make_inputs, projection, random_state, record_launches
-from tests.ops.triton_modes import DEVICE, interpret
+from tests.ops.triton_modes import DEVICE, interpret, skip_bfloat16_interpreted
 
 N, H, K, V = 3, 2, 20, 12
 CARRIED = {  # what the initial state carries: the last key, the tail (tail_len 0, partial and full over the rows)
@@ -276,8 +276,6 @@ def test_16bit_front_door_matches_prepare_writes(monkeypatch, dtype):
     (bitwise prepare_writes' x_ext and y_ext) and computes its statistics in float32 as prepare_writes does, so the
     outputs, the final state and every gradient match the Triton backend on prepare_writes in the same dtype to
     within the 16-bit scan's rounding (shifted pairing, NLMS, ridge scaling, a carried last key and tail)."""
-    from tests.ops.triton_modes import skip_bfloat16_interpreted
-
     skip_bfloat16_interpreted(dtype)
     from hybridlm.ops.fast_weight.triton import backend as triton_backend
 
