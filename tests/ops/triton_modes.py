@@ -3,7 +3,8 @@
 Imported before anything imports triton's kernels (tests/ops/conftest.py imports it first): it sets
 TRITON_INTERPRET for the interpreter mode, and one launch configuration (HYBRIDLM_TRITON_AUTOTUNE=0) instead of
 autotuning, since the many test shapes would each tune (compile time) over configurations that differ only in
-warps/stages. Also the harness that compiles kernels for sm_90 without a GPU (`compile_for_sm90`).
+warps/stages. Under the interpreter every kernel's memory accesses are also checked against its arguments
+(`check_interpreted_bounds`). Also the harness that compiles kernels for sm_90 without a GPU (`compile_for_sm90`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,67 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs CUDA + triton (too slow 
 
 # Elementwise and row-wise kernels (norms, gates, short conv) against their float64 references, by input dtype.
 ELEMENTWISE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def check_interpreted_bounds() -> None:
+    """Make Triton's interpreter fail every load and store that a kernel makes (its mask's active lanes) outside the
+    storages of the tensors it was launched with. On a GPU such an access faults (an illegal memory access, surfacing
+    at some later call) or silently reads another tensor; the interpreter reads or writes host memory without a word,
+    so without this check a kernel's out-of-bounds access passes every interpreted test. Patches the interpreter's
+    launch (to record the arguments' storages) and its masked load and store; a Triton whose interpreter lacks them
+    fails here, naming what is missing."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    missing = [name for owner, name in ((interpreter.GridExecutor, "_init_args_hst"),
+                                        (interpreter.InterpreterBuilder, "create_masked_load"),
+                                        (interpreter.InterpreterBuilder, "create_masked_store"))
+               if not hasattr(owner, name)]
+    if missing:
+        raise RuntimeError(f"check_interpreted_bounds: this Triton's interpreter has no {missing}; update the check")
+    ranges: list[tuple[int, int]] = []
+    kernel = [""]
+    init_args = interpreter.GridExecutor._init_args_hst
+    load, store = interpreter.InterpreterBuilder.create_masked_load, interpreter.InterpreterBuilder.create_masked_store
+
+    def recording_init(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
+        ranges.clear()
+        for arg in (*args_hst, *kwargs_hst.values()):
+            if isinstance(arg, torch.Tensor):
+                storage = arg.untyped_storage()
+                ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+        kernel[0] = getattr(self.fn, "__name__", "?")
+        return args_hst, kwargs_hst
+
+    def check(ptrs, mask, what):
+        addresses, active = np.broadcast_arrays(ptrs.data.astype(np.uint64), mask.data.astype(bool))
+        addresses = addresses[active]
+        if addresses.size == 0:
+            return
+        end = addresses + np.uint64(np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize)
+        inside = np.zeros(addresses.shape, dtype=bool)
+        for lo, hi in ranges:
+            inside |= (addresses >= lo) & (end <= hi)
+        if not inside.all():
+            raise AssertionError(f"{kernel[0]}: {int((~inside).sum())} of {addresses.size} active {what} lanes fall "
+                                 "outside every tensor the kernel was launched with")
+
+    def checked_load(self, ptrs, mask, *rest):
+        check(ptrs, mask, "load")
+        return load(self, ptrs, mask, *rest)
+
+    def checked_store(self, ptrs, value, mask, *rest):
+        check(ptrs, mask, "store")
+        return store(self, ptrs, value, mask, *rest)
+
+    interpreter.GridExecutor._init_args_hst = recording_init
+    interpreter.InterpreterBuilder.create_masked_load = checked_load
+    interpreter.InterpreterBuilder.create_masked_store = checked_store
+
+
+if INTERPRET and HAS_TRITON:
+    check_interpreted_bounds()
 
 
 def skip_bfloat16_interpreted(dtype: torch.dtype) -> None:
