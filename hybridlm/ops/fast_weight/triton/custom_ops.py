@@ -180,8 +180,7 @@ def fast_weight_window_prepare_triton(k, v, beta, lam, last_k, tail_x, tail_v, t
         raise ValueError(f"the window preparation takes windows 2 .. {MAX_PREPARED_WINDOW}; got {window}")
     if k.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"the Triton kernels take K, V <= {MAX_HEAD_DIM}; got {k.shape[-1]}, {v.shape[-1]}")
-    if k.device.type != "cuda" and not triton_interpreting():
-        raise ValueError(f"the Triton kernels need CUDA tensors (got {k.device})")
+    _check_device(k)
     shifted = pairing == "shifted"
     last_k = last_k.to(k.dtype) if shifted and last_k is not None else None
     tail_len = None if tail_len is None else tail_len.to(torch.int64)
@@ -218,8 +217,7 @@ def fast_weight_band_triton(q, x_ext, y_ext, c, base, *, read_after: bool) -> to
                          f"{q.dtype}, {x_ext.dtype}, {y_ext.dtype}, {base.dtype}, {c.dtype}")
     if K > MAX_HEAD_DIM or y_ext.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"the Triton kernels take K, V <= {MAX_HEAD_DIM}; got {K}, {y_ext.shape[-1]}")
-    if q.device.type != "cuda" and not triton_interpreting():
-        raise ValueError(f"the Triton kernels need CUDA tensors (got {q.device})")
+    _check_device(q)
     return torch.ops.hybridlm.fast_weight_band_fwd(q, x_ext, y_ext, c, base, 0 if read_after else 1)
 
 
@@ -278,8 +276,7 @@ def fast_weight_step_triton(q, k, v, beta, lam, S, last_k, *, rule: str, pairing
         if tuple(beta_bias.shape) != (width,) or tuple(lam_bias.shape) != (H,):
             raise ValueError(f"the gains' biases must be [{width}] (beta) and [{H}] (lam); got "
                              f"{list(beta_bias.shape)}, {list(lam_bias.shape)}")
-    if q.device.type != "cuda" and not triton_interpreting():
-        raise ValueError(f"the Triton kernels need CUDA tensors (got {q.device})")
+    _check_device(q)
     if gates is None:
         beta, lam = beta.to(torch.float32), lam.to(torch.float32)
     l2 = qk_norm == "l2"
@@ -298,6 +295,12 @@ def fast_weight_step_triton(q, k, v, beta, lam, S, last_k, *, rule: str, pairing
         return o, S, last_k
     return torch.ops.hybridlm.fast_weight_step(q, k, v, beta, lam, S,
                                                None if last_k is None else last_k.to(torch.float32), *options)
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and not triton_interpreting():
+        raise ValueError(f"the Triton kernels need CUDA tensors (got {t.device}; on a CPU set TRITON_INTERPRET=1 "
+                         "before triton is imported to run them under the interpreter)")
 
 
 def _check_delta_chunk(chunk_size) -> None:
@@ -331,9 +334,7 @@ def _check(q, x, y, eta, log_gamma, S0, chunk_size, per_column: bool = False) ->
     devices = {t.device for t in (q, x, y, eta, log_gamma, S0) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device; got {sorted(map(str, devices))}")
-    if q.device.type != "cuda" and not triton_interpreting():
-        raise ValueError(f"the Triton kernels need CUDA tensors (got {q.device}; on a CPU set TRITON_INTERPRET=1 "
-                         "before triton is imported to run them under the interpreter)")
+    _check_device(q)
 
 
 def _implementation(rule: str):
@@ -678,8 +679,7 @@ def fast_weight_mixer_step_triton(p, conv_weight, conv_bias, conv_state, S, last
                      or conv_state.stride(-1) != 1):
         raise ValueError("fast_weight_mixer_step_triton: states updated in place must be contiguous (the conv state "
                          "along its channels), with the carried key of a shifted row")
-    if p.device.type != "cuda" and not triton_interpreting():
-        raise ValueError(f"the Triton kernels need CUDA tensors (got {p.device})")
+    _check_device(p)
     l2 = qk_norm == "l2"
     options = (H, rule, pairing == "shifted", bool(read_after), step_size == "nlms", bool(ridge_scaling), float(eps),
                float(eps_gamma), float(beta_scale), float(lam_scale), _QK_NORMS[qk_norm],
