@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ops.triton_modes import H200_SHARED_BYTES, compile_for_sm90, needs_cuda_backend
+from tests.ops.triton_modes import (
+    H200_SHARED_BYTES,
+    compile_for_sm90,
+    needs_cuda_backend,
+    uniform_reads_before_writes,
+)
 
 PACKAGE = "hybridlm.ops.fast_weight.triton"
 
@@ -78,7 +83,9 @@ for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64, BK=128, BV=128))
 """
 
 INNER_PRODUCT = """
+import itertools
 from hybridlm.ops.fast_weight.triton import inner_product_kernels as k
+from hybridlm.ops.fast_weight.triton.inner_product import grad_qxy_blocks
 
 IO = ("q_ptr", "x_ptr", "y_ptr", "do_ptr", "dq_ptr", "dx_ptr", "dy_ptr")
 for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "ieee", dict(K=100, V=40, BT=16))):
@@ -86,6 +93,12 @@ for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "iee
         for read_after in (False, True):
             build(k.grad_qxy_kernel, dict(s, BK=128, BV=32, READ_AFTER=read_after, PREC=prec), io=io,
                   io_names=io_names, warps=8)
+# The launcher's blocks at small head sizes and every chunk (ptxas 12.8 miscompiles some of them: `grad_qxy_blocks`).
+for io in ("*bf16", "*fp16"):
+    for (K, V), BT in itertools.product(((20, 12), (32, 16), (16, 16), (64, 16), (100, 64)), (16, 32, 64)):
+        BK, BV = grad_qxy_blocks(K, V)
+        build(k.grad_qxy_kernel, dict(K=K, V=V, BT=BT, BK=BK, BV=BV, READ_AFTER=False, PREC="tf32"), io=io,
+              io_names=IO + ("h_ptr", "dh_ptr"), warps=8, stages=2)
 for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=16)), ("*fp32", "ieee", dict(K=16, V=8, BT=16))):
     blocks3 = dict(s, BK=min(64, s["K"]), BV=min(32, max(16, s["V"])), READ_AFTER=False, PREC=prec)
     for kernel in (k.grad_v_2a_kernel, k.grad_qx_2a_kernel):
@@ -263,3 +276,31 @@ def test_kernels_compile_for_sm90(module):
     report = compile_for_sm90(BUILDS[module], modules=(f"{PACKAGE}.{module}",))
     assert set(report["built"]) == report["defined"], report  # every kernel of the module
     assert max(report["built"].values()) <= H200_SHARED_BYTES, report["built"]
+
+
+# The SASS of a kernel that ptxas 12.8 built for grad_qxy_kernel at K = 20, V = 12, chunks of 64 and blocks (32, 16):
+# the wgmma descriptor's register pair UR14:UR15 comes from UR9, which nothing sets.
+UNSET_DESCRIPTOR = """
+        /*06a0*/                   UMOV UR8, 0x400 ;                                            /* 0x0000040000087882 */
+        /*0a10*/                   S2UR UR4, SR_CgaCtaId ;                                      /* 0x00000000000479c3 */
+        /*0a90*/                   ULEA UR8, UR4, UR8, 0x18 ;                                   /* 0x0000000804087291 */
+        /*0ab0*/                   USHF.R.U32.HI UR6, URZ, 0x4, UR8 ;                           /* 0x0000000804067899 */
+        /*0f10*/                   UIMAD.WIDE.U32 UR10, UR6, 0x4, URZ ;                         /* 0x00000004060a78a5 */
+        /*0f20*/                   UIADD3 UR12, UR11, 0x1, URZ ;                                /* 0x000000010b0c7890 */
+        /*4a10*/                   UIADD3 UR14, UP0, UR9, 0x1, URZ ;                            /* 0x0000000109 */
+        /*4a60*/                   UIADD3.X UR15, UR9, -0x3ffffff0, URZ, UP0, !UPT ;            /* 0xc000001009 */
+        /*6560*/                   HGMMA.64x8x16.F32 R28, gdesc[UR12].tnspB, RZ, !UPT ;         /* 0x400000000c */
+        /*6570*/                   HGMMA.64x8x16.F32 R28, gdesc[UR36].tnspB, RZ, !UPT ;         /* 0x4000000024 */
+        /*65d0*/                   STS.128 [R131+UR8+0x2000], R28 ;                             /* 0x0020001c83 */
+        /*65e0*/                   STS.128 [R131+UR40+0x2800], R36 ;                            /* 0x0028002483 */
+"""
+
+
+def test_uniform_register_check_flags_what_nothing_set():
+    """`uniform_reads_before_writes`, which every sm_90 build above passes through: reads of UR9 (never set), the
+    descriptor group at UR36 (never set) and the store's UR40 are flagged; UR4, UR6, UR8, UR11 (set as the high half
+    of a WIDE product) and the group at UR12 are not."""
+    unset = uniform_reads_before_writes(UNSET_DESCRIPTOR)
+    assert [line.split()[0] for line in unset] == ["4a10", "4a60", "65e0", "6570"], unset
+    assert uniform_reads_before_writes(UNSET_DESCRIPTOR.replace("UR9", "UR6").replace("UR36", "UR12")
+                                       .replace("UR40", "UR8")) == []

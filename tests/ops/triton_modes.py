@@ -10,7 +10,9 @@ warps/stages. Under the interpreter every kernel's memory accesses are also chec
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
+import re
 import subprocess
 import sys
 
@@ -110,23 +112,37 @@ needs_cuda_backend = pytest.mark.skipif(
 
 _SM90_BUILD = '''
 import functools
+import os
+import subprocess
+import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
 def build(kernel, consts, *, io="*fp32", io_names=(), warps=4, stages=3, types=None):
     """Compile `kernel` for sm_90 with `warps` warps and `stages` pipeline stages: the constexprs in `consts` that it
     takes, pointers named in io_names of type io, the other pointers *fp32, the other arguments i32 unless `types`
-    names them."""
+    names them. Every pointer is 16-byte aligned, as a launch on tensors that torch allocated specializes it. Prints
+    the shared memory it asks for, and every read of a uniform register that its SASS never set before."""
     fn = kernel.fn if hasattr(kernel, "configs") else kernel  # under the autotuner
     consts = {name: value for name, value in consts.items() if name in fn.arg_names}
     types = types or {}
     sig = {n: "constexpr" if n in consts else types.get(n) or (io if n in io_names else "*fp32" if n.endswith("_ptr")
                                                                 else "i32")
            for n in fn.arg_names}
-    compiled = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    compiled = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=aligned), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages})
     print("built", fn.__name__, compiled.metadata.shared)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([CUOBJDUMP, "--dump-sass", path], capture_output=True, text=True, check=True).stdout
+    for line in uniform_reads_before_writes(sass):
+        print("unset", fn.__name__, consts, line)
 '''
 
 _SM90_DEFINED = '''
@@ -141,21 +157,56 @@ for name in MODULES:
 H200_SHARED_BYTES = 232448
 
 
+def uniform_reads_before_writes(sass: str) -> list[str]:
+    """The instructions of a kernel's SASS (`cuobjdump --dump-sass`) that read a uniform register (URn) which no
+    instruction before them in program order writes, and the wgmma descriptor groups (`gdesc[URn]`, URn..URn+3) that
+    no instruction of the kernel writes. Such a read takes whatever the register last held: ptxas 12.8 (the one
+    triton 3.6 ships) builds some wgmma descriptors from a register it never sets, at some block shapes, and the
+    kernel then reads shared memory at an address that changes from run to run, faulting or reading garbage. A
+    straight-line scan: a loop that sets a register at its bottom before reading it at its top on the next iteration
+    would be flagged too (ptxas sets loop-carried uniform registers before the loop)."""
+    written, unset, descriptors = set(), [], []
+    for line in sass.splitlines():
+        found = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][\w.]*)\s+([^;]*);", line)
+        if found is None:
+            continue
+        pc, op, operands = found.groups()
+        if op.startswith("HGMMA"):
+            descriptors += [(pc, op, int(n)) for n in re.findall(r"gdesc\[UR(\d+)\]", operands)]
+            continue
+        first, _, rest = operands.partition(",")
+        target = re.fullmatch(r"\s*UR(\d+)\s*", first)
+        sources = rest if target else operands  # a store's or compare's first operand is read
+        unset += [f"{pc} {op} {operands.strip()}" for n in re.findall(r"\bUR(\d+)\b", sources)
+                  if int(n) not in written][:1]
+        if target:
+            n = int(target.group(1))
+            written.update((n, n + 1) if ".64" in op or ".WIDE" in op else (n,))
+    unset += [f"{pc} {op} gdesc[UR{n}]" for pc, op, n in descriptors if not written & {n, n + 1, n + 2, n + 3}]
+    return unset
+
+
 def compile_for_sm90(script: str, *, modules: tuple[str, ...], timeout: int = 600) -> dict:
     """Run `script` (calls of `build(kernel, consts, io=..., io_names=..., warps=...)`) in a subprocess without
     TRITON_INTERPRET, after the definition of `build`. Returns {"built": {kernel: largest shared memory in bytes over
     its builds}, "defined": the names of the `*_kernel` Triton functions of `modules`} for the caller's assertions;
-    a build that does not compile fails here, with its error output."""
+    a build that does not compile, or whose SASS reads a uniform register that it never set
+    (`uniform_reads_before_writes`), fails here, with its error output."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = _SM90_BUILD + script + f"\nMODULES = {list(modules)!r}\n" + _SM90_DEFINED
+    checker = "import re\n" + inspect.getsource(uniform_reads_before_writes)
+    code = checker + _SM90_BUILD + script + f"\nMODULES = {list(modules)!r}\n" + _SM90_DEFINED
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False,
                             env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    built, defined = {}, set()
+    built, defined, unset = {}, set(), []
     for line in result.stdout.splitlines():
         what, name, *rest = line.split()
         if what == "built":
             built[name] = max(built.get(name, 0), int(rest[0]))
         elif what == "defined":
             defined.add(name)
+        elif what == "unset":
+            unset.append(line)
+    assert not unset, ("ptxas built kernels that read uniform registers they never set (garbage descriptors or "
+                       "addresses at run time; pick other block shapes for these sizes):\n" + "\n".join(unset[:20]))
     return {"built": built, "defined": defined}

@@ -90,14 +90,24 @@ def scan_blocks(K: int, V: int, NH: int, min_programs: int | None = None) -> tup
     return BK, BV
 
 
+def grad_qxy_blocks(K: int, V: int) -> tuple[int, int]:
+    """`grad_qxy_kernel`'s blocks: all of K, and a value block of up to 64 (32 where K's block is over 64). Never
+    (32, 16): at chunks of 64, ptxas 12.8 (the one triton 3.6 ships) builds the kernel with a wgmma descriptor taken
+    from a uniform register that it never sets, and the launch reads shared memory at an address that changes from
+    run to run (`tests/ops/triton_modes.uniform_reads_before_writes` finds such builds), so V <= 16 takes a value
+    block of 32 there."""
+    BK = block(K, 128)
+    BV = block(V, 64 if BK <= 64 else 32)
+    return (BK, 32) if (BK, BV) == (32, 16) else (BK, BV)
+
+
 class ScalarPlan(ChunkPlan):
     """Rule 1A's block shapes; each method launches one stage."""
 
     def __init__(self, q: torch.Tensor, y: torch.Tensor, chunk_size: int, read_after: bool):
         super().__init__(q, y, chunk_size, read_after)
         self.BK, self.BV = block(self.K, 64), block(self.V, 64)
-        self.BK_full = block(self.K, 128)  # the dq/dx kernel holds all of K
-        self.BV_qx = block(self.V, 64 if self.BK_full <= 64 else 32)
+        self.BK_full, self.BV_qx = grad_qxy_blocks(self.K, self.V)  # the dq/dx kernel holds all of K
         self.walk_sizes = {**self.sizes, "BK": block(self.K, WALK_MAX_DIM), "BV": block(self.V, WALK_MAX_DIM)}
         # The per-chunk states (and their gradients) are stored in the inputs' dtype: every matmul that reads them
         # takes that dtype anyway, so only the exit term of dlog_gamma (<dS_out, S_c>, summed in fp32) sees the
