@@ -124,6 +124,14 @@ def store_rows(ptr, value, i_n, i_h, t, T, H, D: tl.constexpr, cols):
 
 
 @triton.jit
+def row_views(a_ptr, b_ptr, i_n, T, T_ab, H, A: tl.constexpr, B: tl.constexpr):
+    """Pointers at which `load_rows` / `store_rows` with T rows reach row i_n's first T rows of an [N, T_ab, H, A]
+    and an [N, T_ab, H, B] tensor (T_ab >= T): they offset row n by n T H D, the tensors hold n T_ab H D before it."""
+    shift = i_n.to(tl.int64) * (T_ab - T) * H
+    return a_ptr + shift * A, b_ptr + shift * B
+
+
+@triton.jit
 def load_steps(ptr, i_n, i_h, t, T, H):
     """Steps t (< T) of head i_h of a [N, T, H] tensor, in float32 (zeros outside)."""
     return tl.load(ptr + (i_n.to(tl.int64) * T + t) * H + i_h, mask=t < T, other=0.0).to(tl.float32)

@@ -87,23 +87,27 @@ def test_opcheck_window_prepare():
 
 
 @interpret
-@pytest.mark.parametrize("shift,dtype", [(0, torch.float32), (1, torch.float32), (0, torch.float16)])
-def test_opcheck_band(shift, dtype):
-    """Rule 3A's band op (`hybridlm::fast_weight_band_fwd` / `_bwd`, the delayed-write form), window 3; in float16
-    the fake output must take base's dtype as the kernel's does."""
-    fwd, bwd = _ops("band")
-    q = torch.randn(2, 19, 2, 16, device=DEVICE, dtype=dtype)
-    x_ext = torch.randn(2, 21, 2, 16, device=DEVICE, dtype=dtype)
-    y_ext = torch.randn(2, 21, 2, 8, device=DEVICE, dtype=dtype)
-    c, base = torch.rand(2, 19, 2, 2, device=DEVICE), torch.randn(2, 19, 2, 8, device=DEVICE, dtype=dtype)
-    leaves = [t.requires_grad_(True) for t in (q, x_ext, y_ext, c, base)]
-    torch.library.opcheck(fwd, (*leaves, shift), test_utils=OPCHECKS)
-    detached = [t.detach() for t in leaves[:4]]
-    torch.library.opcheck(bwd, (torch.randn(2, 19, 2, 8, device=DEVICE, dtype=dtype), *detached, shift),
-                          test_utils=OPCHECKS)
+@pytest.mark.parametrize("read_after,dtype,with_S0", [(True, torch.float32, True), (False, torch.float32, False),
+                                                      (True, torch.float16, True)])
+def test_opcheck_delayed(read_after, dtype, with_S0):
+    """Rule 3A's delayed op (`hybridlm::fast_weight_delayed_fwd` / `_bwd`: the 1A scan over the first T ext rows plus
+    the band), window 3; in float16 the fake outputs must take q's dtype as the kernels' do."""
+    fwd, bwd = _ops("delayed")
+    N, T, H, K, V = 2, 19, 2, 16, 8
+    q = torch.randn(N, T, H, K, device=DEVICE, dtype=dtype)
+    x_ext, y_ext = (torch.randn(N, T + 2, H, D, device=DEVICE, dtype=dtype) for D in (K, V))
+    eta, log_gamma = torch.rand(N, T, H, device=DEVICE), -torch.rand(N, T, H, device=DEVICE)
+    c = torch.rand(N, T, H, 2, device=DEVICE)
+    S0 = torch.randn(N, H, K, V, device=DEVICE) if with_S0 else None
+    leaves = [t.requires_grad_(True) for t in (q, x_ext, y_ext, eta, log_gamma, c)]
+    options = (read_after, 16)
+    torch.library.opcheck(fwd, (*leaves, S0, *options), test_utils=OPCHECKS)
+    detached = [t.detach() for t in leaves]
+    grads = (torch.randn(N, T, H, V, device=DEVICE, dtype=dtype), torch.randn(N, H, K, V, device=DEVICE))
+    torch.library.opcheck(bwd, (*grads, *detached, S0, *options), test_utils=OPCHECKS)
 
 
-COMPILE_CASES = [("3A", "aot_eager"), ("1", "aot_eager"),  # 3A runs its preparation op, the 1A ops and the band op
+COMPILE_CASES = [("3A", "aot_eager"), ("1", "aot_eager"),  # 3A runs its preparation op and the delayed op
                  ("2A", "aot_eager"),
                  pytest.param("1", "inductor", marks=gpu_only), pytest.param("3A", "inductor", marks=gpu_only),
                  pytest.param("2A", "inductor", marks=gpu_only)]

@@ -259,6 +259,46 @@ def test_rule_1_outputs_are_the_same_from_16bit_stored_states(monkeypatch, read_
     assert o16.dtype == torch.float16 and torch.equal(o16, o32) and torch.equal(S16, S32)
 
 
+@interpret
+@pytest.mark.parametrize("K,V,extra,chunk_size,read_after", [(32, 24, 3, 16, False), (20, 12, 2, 64, True)],
+                         ids=["K32V24-C16-before", "K20V12-C64-after"])
+@pytest.mark.parametrize("dtype,walk", [(torch.float32, False), (torch.float16, False), (torch.float16, True),
+                                        (torch.bfloat16, True)], ids=["float32", "float16", "float16-walk",
+                                                                      "bfloat16-walk"])
+def test_rule_1a_reads_the_first_rows_of_longer_writes(monkeypatch, dtype, walk, K, V, extra, chunk_size, read_after):
+    """Rule 1A's kernels on x and y with T_xy > T rows (rule 3A's delayed op passes its ext rows, of which the first T
+    are the delayed writes) give exactly the results of their first T rows alone, in the forward walk and the
+    chunk-parallel form, on several rows (each program finds its row's writes at the row stride T_xy): the same
+    outputs, final state and gradients bit for bit, and zero gradients for the rows after the first T. The public
+    op takes x and y of T rows only."""
+    skip_bfloat16_interpreted(dtype)
+    from hybridlm.ops.fast_weight.triton import inner_product
+
+    monkeypatch.setattr(inner_product, "WALK_MIN_PROGRAMS", 0 if walk else 10**6)
+    walks = record_launches(monkeypatch, inner_product.whole_state, "output_walk_kernel", lambda grid, kwargs: grid)
+    T = 70
+    q, x, y, eta, log_gamma, S0 = prepared(3, T, 2, K, V, seed=5)
+    x_long = torch.cat([x, torch.randn(3, extra, 2, K, dtype=x.dtype) * 50], dim=1)
+    y_long = torch.cat([y, torch.randn(3, extra, 2, V, dtype=y.dtype) * 50], dim=1)
+    q, x, y, x_long, y_long = (t.to(DEVICE, dtype) for t in (q, x, y, x_long, y_long))
+    eta, log_gamma, S0 = (t.to(DEVICE, torch.float32) for t in (eta, log_gamma, S0))
+    do, dS = torch.randn_like(q[..., :V]), torch.randn_like(S0)
+    results = []
+    for xs, ys in ((x, y), (x_long, y_long)):
+        o, S = inner_product.forward_1a(q, xs, ys, eta, log_gamma, S0, read_after, chunk_size)
+        results.append((o, S, *inner_product.backward_1a(do, dS, q, xs, ys, eta, log_gamma, S0, read_after,
+                                                         chunk_size)))
+    assert walks == ([(6,)] * 2 if walk else [])
+    (o, S, dq, dx, dy, deta, dlg, dS0), (o2, S2, dq2, dx2, dy2, deta2, dlg2, dS02) = results
+    for a, b in ((o, o2), (S, S2), (dq, dq2), (dx, dx2[:, :T]), (dy, dy2[:, :T]), (deta, deta2), (dlg, dlg2),
+                 (dS0, dS02)):
+        assert torch.equal(a, b)
+    assert dx2.shape == x_long.shape and not dx2[:, T:].any() and not dy2[:, T:].any()
+    assert o.float().abs().amax() > 0
+    with pytest.raises(ValueError, match=r"x \[N, T, H, K\]"):
+        fast_weight_1a_triton(q, x_long, y_long, eta, log_gamma, S0, read_after=False, chunk_size=16)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (no GPU)")
 def test_scan_blocks_narrow_for_few_states():
     """By default (SCAN_MIN_PROGRAMS = 264, two waves of an H200's 132 SMs) the scan keeps [64, 32] blocks when the

@@ -16,8 +16,8 @@ of slots, the step's decay on slot 0).
 - The custom ops (`torch.library.opcheck`) and torch.compile of the front door.
 
 Rule 3A (sliding-window inner product): rule 1A's scan over delayed writes plus the band of the pairs still being
-written: the band kernel against a float64 loop, and the front door against the chunk backend (windows up to 9,
-longer than some packed documents; calls shorter than the window).
+written (the delayed op): against a float64 loop of the scan and the band, and the front door against the chunk
+backend (windows up to 9, longer than some packed documents; calls shorter than the window).
 
 Where they run: as tests/ops/test_triton_rule1.py (the `interpret` tests on the CPU under
 HYBRIDLM_TRITON_INTERPRET=1; everything on a GPU).
@@ -465,34 +465,54 @@ def band_reference(q, x_ext, y_ext, c, *, read_after):
 
 
 @interpret
-@pytest.mark.parametrize("W,read_after,dtype", [(2, True, torch.float32), (3, False, torch.float32),
-                                                (5, True, torch.float16), (3, True, torch.float32)])
-def test_band_kernel_matches_a_loop(W, read_after, dtype, monkeypatch):
-    """Rule 3A's band kernel added to a base output (forward and all five gradients) against a float64 loop, odd
-    sizes (T = 45 over blocks of 16, K = 24, V = 40)."""
-    from hybridlm.ops.fast_weight.triton import band
-    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_band_triton
+@pytest.mark.parametrize("W,read_after,dtype,with_S0", [(2, True, torch.float32, True), (3, False, torch.float32, True),
+                                                        (5, True, torch.float16, False),
+                                                        (3, True, torch.float32, False)])
+def test_delayed_op_matches_a_loop(W, read_after, dtype, with_S0):
+    """Rule 3A's delayed op (`fast_weight_delayed_triton`: the 1A scan over the first T ext rows, read in place,
+    plus the band kernel) against a float64 step loop of the scan plus a loop over the band: outputs, final state
+    and the gradients of all seven inputs (dx_ext and dy_ext sum the scan's rows and the band's, which the band's
+    kernels add in place); odd sizes (T = 45 over blocks of 16, K = 24, V = 40), several rows and heads."""
+    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_delayed_triton
+    from tests.ops.fast_weight_helpers import reference as scan_reference
 
     g = torch.Generator().manual_seed(W)
     N, T, H, K, V = 2, 45, 3, 24, 40
-    inputs = [torch.randn(N, T, H, K, generator=g), torch.randn(N, W - 1 + T, H, K, generator=g),
-              torch.randn(N, W - 1 + T, H, V, generator=g), torch.rand(N, T, H, W - 1, generator=g),
-              torch.randn(N, T, H, V, generator=g)]
-    ref_inputs = [t.double().requires_grad_(True) for t in inputs]
-    dev = [t.to(DEVICE, torch.float32 if name == "c" else dtype).requires_grad_(True)
-           for name, t in zip(NAMES_BAND, inputs)]
-    o_ref = ref_inputs[4] + band_reference(*ref_inputs[:4], read_after=read_after)
-    o = fast_weight_band_triton(*dev, read_after=read_after)
-    assert o.dtype == dtype and rel_err(o.cpu(), o_ref) < TOL[dtype]
-    seen = []  # the backward takes do in its own dtype (no float32 copy)
-    original = band.backward
-    monkeypatch.setattr(band, "backward", lambda do, *rest: seen.append(do.dtype) or original(do, *rest))
-    w = torch.randn(o_ref.shape, generator=g, dtype=torch.float64)
-    grads_ref = torch.autograd.grad((o_ref * w).sum(), ref_inputs)
-    grads = torch.autograd.grad((o * w.to(DEVICE, dtype)).sum(), dev)
-    for name, grad, grad_ref in zip(NAMES_BAND, grads, grads_ref):
-        assert grad.dtype == dev[NAMES_BAND.index(name)].dtype and rel_err(grad.cpu(), grad_ref) < TOL[dtype], name
-    assert seen == [dtype]
+    q, x, y, eta, log_gamma, S0 = prepared(N, T + W - 1, H, K, V, seed=W)
+    inputs = [q[:, :T], x, y, eta[:, :T], log_gamma[:, :T],
+              torch.rand(N, T, H, W - 1, generator=g, dtype=torch.float64), S0]
+    ref = [t.clone().requires_grad_(True) for t in inputs]
+    o_scan, S_ref = scan_reference(ref[0], ref[1][:, :T], ref[2][:, :T], ref[3], ref[4],
+                                   ref[6] if with_S0 else torch.zeros_like(S0), read_after=read_after)
+    o_ref = o_scan + band_reference(ref[0], ref[1], ref[2], ref[5], read_after=read_after)
+    dtypes = (dtype, dtype, dtype, torch.float32, torch.float32, torch.float32, torch.float32)
+    dev = [t.to(DEVICE, d).requires_grad_(True) for t, d in zip(inputs, dtypes)]
+    o, S = fast_weight_delayed_triton(*dev[:6], dev[6] if with_S0 else None, read_after=read_after, chunk_size=16)
+    assert o.dtype == dtype and rel_err(o.cpu(), o_ref) < TOL[dtype] and rel_err(S.cpu(), S_ref) < TOL[dtype]
+    w_o, w_S = torch.randn(o_ref.shape, generator=g, dtype=torch.float64), torch.randn(S_ref.shape, generator=g,
+                                                                                      dtype=torch.float64)
+    grads_ref = torch.autograd.grad((o_ref * w_o).sum() + (S_ref * w_S).sum(), ref if with_S0 else ref[:6])
+    grads = torch.autograd.grad((o * w_o.to(DEVICE, dtype)).sum() + (S * w_S.to(DEVICE)).sum(),
+                                dev if with_S0 else dev[:6])
+    for name, grad, grad_ref in zip(NAMES_DELAYED, grads, grads_ref):
+        assert grad.dtype == dev[NAMES_DELAYED.index(name)].dtype and rel_err(grad.cpu(), grad_ref) < TOL[dtype], name
 
 
-NAMES_BAND = ("q", "x_ext", "y_ext", "c", "base")
+def test_delayed_op_rejects_mismatched_band():
+    """The band's coefficients must match the ext rows (W - 1 columns for W - 1 + T rows) and be float32."""
+    from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_delayed_triton
+
+    q, x_ext, y_ext = torch.randn(1, 5, 2, 8), torch.randn(1, 7, 2, 8), torch.randn(1, 7, 2, 4)
+    eta, lg = torch.rand(1, 5, 2), -torch.rand(1, 5, 2)
+    with pytest.raises(ValueError, match="W-1"):
+        fast_weight_delayed_triton(q, x_ext, y_ext, eta, lg, torch.rand(1, 5, 2, 3), None, read_after=True)
+    with pytest.raises(ValueError, match="float32"):
+        fast_weight_delayed_triton(q, x_ext, y_ext, eta, lg, torch.rand(1, 5, 2, 2).double(), None, read_after=True)
+    with pytest.raises(ValueError, match="W-1\\+T rows"):
+        fast_weight_delayed_triton(q, x_ext[:, :6], y_ext[:, :6], eta, lg, torch.rand(1, 5, 2, 2), None,
+                                   read_after=True)
+    with pytest.raises(ValueError, match="y \\[N, T_xy >= T, H, V\\]"):
+        fast_weight_delayed_triton(q, x_ext, y_ext[:, :6], eta, lg, torch.rand(1, 5, 2, 2), None, read_after=True)
+
+
+NAMES_DELAYED = ("q", "x_ext", "y_ext", "eta", "log_gamma", "c", "S0")

@@ -42,7 +42,7 @@ from hybridlm.ops.fast_weight.triton.custom_ops import (
     fast_weight_2_triton,
     fast_weight_2a_triton,
     fast_weight_3_triton,
-    fast_weight_band_triton,
+    fast_weight_delayed_triton,
     fast_weight_prepare_triton,
     fast_weight_step_triton,
     fast_weight_window_prepare_triton,
@@ -197,12 +197,12 @@ def _delayed_scan(q, x_ext, y_ext, C, lg, S0, *, read_after: bool, chunk_size: i
     "Rule 3A as delayed writes") plus the band -> o [N, T, H, V] in q's dtype and the final state float32."""
     T = q.shape[1]
     x_q, y_q = x_ext.to(q.dtype), y_ext.to(q.dtype)  # (already in q's dtype: the op keeps k and v's)
-    o, S = fast_weight_1a_triton(q, x_q[:, :T].contiguous(), y_q[:, :T].contiguous(), C[..., 0].contiguous(),
-                                 lg.contiguous(), S0, read_after=read_after, chunk_size=chunk_size)
     band = C[..., 1:]                                                                      # [N, T, H, W-1]
     if not read_after:  # S_(t-1)'s band: step t-1's coefficients in row t (S_0's partial writes are in S_0)
         band = F.pad(band[:, :-1], (0, 0, 0, 0, 1, 0))
-    o = fast_weight_band_triton(q, x_q, y_q, band.float().contiguous(), o, read_after=read_after)
+    # The delayed writes are the first T ext rows, which the scan reads in place.
+    o, S = fast_weight_delayed_triton(q, x_q, y_q, C[..., 0].contiguous(), lg.contiguous(),
+                                      band.float().contiguous(), S0, read_after=read_after, chunk_size=chunk_size)
     # The last step's band (ext rows T .. T+W-2) enters the final state.
     S = S + torch.einsum("nhj,njhk,njhv->nhkv", C[:, -1, :, 1:], x_ext[:, T:].float(), y_ext[:, T:].float())
     return o, S

@@ -1,6 +1,7 @@
 """Rule 3A's band: the W - 1 newest pairs of a step's window, still being written, read directly beside the 1A scan
-over delayed writes (`backend.py`; README.md, "Rule 3A as delayed writes"): the kernels, and their launchers, the
-implementations of the custom ops `hybridlm::fast_weight_band_fwd` / `_bwd` (`custom_ops.py`).
+over delayed writes (`backend.py`; README.md, "Rule 3A as delayed writes"): its kernels, and the implementations of
+the custom ops `hybridlm::fast_weight_delayed_fwd` / `_bwd` (`custom_ops.py`), the 1A scan over the first T ext rows
+with the band added to its outputs, and in the backward the band's gradients added to the scan's.
 
 Per row n, head h, step t
 (x_ext / y_ext: the pairs with the carried tail in front, [N, W - 1 + T, H, *]; slot j of step t's window is ext row
@@ -11,8 +12,9 @@ coefficients the caller has already moved to row t):
     dq_t  = sum_j c_(t,j) (do_t . y_e) x_e                         dc_(t,j) = (q_t . x_e) (do_t . y_e)
     dx_e  = sum_j c_(t,j) (do_t . y_e) q_t                         dy_e = sum_j c_(t,j) (q_t . x_e) do_t
 
-(the last two over the steps t = e - j + SHIFT in 0..T-1; d base = do). base is the 1A scan's output, so the sum is
-rounded to its dtype once. Products and sums in float32.
+(the last two over the steps t = e - j + SHIFT in 0..T-1; d base = do). base is the 1A scan's output, which the
+forward kernel adds to in place (rounded to its dtype once); the backward kernels add to the scan's dq, dx_ext and
+dy_ext in place, so no gradient is summed by a separate pass. Products and sums in float32.
 
 The band is O(W (K + V)) work per step and reads each input a few times: memory-bound, one program per block of
 BT steps (or ext rows) and (row, head).
@@ -24,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridlm.ops.fast_weight.triton import inner_product
 from hybridlm.ops.utils import cdiv, next_power_of_2
 
 BT, NUM_WARPS = 16, 4  # bwd_xy holds six [BT, 128] float32 blocks: 96 registers per thread at 16
@@ -64,11 +67,12 @@ def _slot(x_ptr, y_ptr, c_ptr, n, h, t, valid, j, T, H, SHIFT: tl.constexpr, W: 
 
 
 @triton.jit
-def band_fwd_kernel(q_ptr, x_ptr, y_ptr, c_ptr, base_ptr, o_ptr, T, H, SHIFT: tl.constexpr, W: tl.constexpr,
+def band_fwd_kernel(q_ptr, x_ptr, y_ptr, c_ptr, o_ptr, T, H, SHIFT: tl.constexpr, W: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """o += o_band, in place (o holds the 1A scan's outputs)."""
     n, h, t, valid = program_rows(T, H, BT)
     q, _, _ = _load(q_ptr, n, h, t, valid, T, H, K, BK)
-    acc, o_off, o_mask = _load(base_ptr, n, h, t, valid, T, H, V, BV)
+    acc, o_off, o_mask = _load(o_ptr, n, h, t, valid, T, H, V, BV)
     for j in tl.static_range(1, W):
         x, y, c, _ = _slot(x_ptr, y_ptr, c_ptr, n, h, t, valid, j, T, H, SHIFT, W, K, V, BK, BV)
         acc += (tl.sum(q * x, axis=1) * c)[:, None] * y
@@ -79,10 +83,11 @@ def band_fwd_kernel(q_ptr, x_ptr, y_ptr, c_ptr, base_ptr, o_ptr, T, H, SHIFT: tl
 def band_bwd_q_kernel(do_ptr, q_ptr, x_ptr, y_ptr, c_ptr, dq_ptr, dc_ptr, T, H, SHIFT: tl.constexpr,
                       W: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr):
+    """dq += dq_band, in place, and dc."""
     n, h, t, valid = program_rows(T, H, BT)
-    q, q_off, q_mask = _load(q_ptr, n, h, t, valid, T, H, K, BK)
+    q, _, _ = _load(q_ptr, n, h, t, valid, T, H, K, BK)
     do, _, _ = _load(do_ptr, n, h, t, valid, T, H, V, BV)
-    dq = tl.zeros([BT, BK], dtype=tl.float32)
+    dq, q_off, q_mask = _load(dq_ptr, n, h, t, valid, T, H, K, BK)
     for j in tl.static_range(1, W):
         x, y, c, c_off = _slot(x_ptr, y_ptr, c_ptr, n, h, t, valid, j, T, H, SHIFT, W, K, V, BK, BV)
         dy_dot = tl.sum(do * y, axis=1)  # do_t . y_e
@@ -95,11 +100,12 @@ def band_bwd_q_kernel(do_ptr, q_ptr, x_ptr, y_ptr, c_ptr, dq_ptr, dc_ptr, T, H, 
 def band_bwd_xy_kernel(do_ptr, q_ptr, x_ptr, y_ptr, c_ptr, dx_ptr, dy_ptr, T, H, SHIFT: tl.constexpr,
                        W: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                        BV: tl.constexpr):
+    """dx_ext += dx_band and dy_ext += dy_band, in place."""
     n, h, e, rows = program_rows(T + W - 1, H, BT)
     x, x_off, x_mask = _load(x_ptr, n, h, e, rows, T + W - 1, H, K, BK)
     y, y_off, y_mask = _load(y_ptr, n, h, e, rows, T + W - 1, H, V, BV)
-    dx = tl.zeros([BT, BK], dtype=tl.float32)
-    dy = tl.zeros([BT, BV], dtype=tl.float32)
+    dx, _, _ = _load(dx_ptr, n, h, e, rows, T + W - 1, H, K, BK)
+    dy, _, _ = _load(dy_ptr, n, h, e, rows, T + W - 1, H, V, BV)
     for j in tl.static_range(1, W):
         t = e - j + SHIFT
         valid = rows & (t >= 0) & (t < T)
@@ -120,25 +126,33 @@ def _sizes(q, y_ext, c):
                      "BV": max(16, next_power_of_2(V))}
 
 
-def forward(q, x_ext, y_ext, c, base, shift: int) -> torch.Tensor:
-    """base + o_band [N, T, H, V] in base's dtype (contiguous inputs: q [N, T, H, K], x_ext [N, W-1+T, H, K], y_ext
-    [N, W-1+T, H, V], c [N, T, H, W-1] float32, base [N, T, H, V])."""
+def delayed_forward(q, x_ext, y_ext, eta, log_gamma, c, S0, read_after: bool, chunk_size: int):
+    """The 1A scan over the first T rows of x_ext, y_ext, then its outputs plus the band: o [N, T, H, V] (q's dtype)
+    and the scan's final state [N, H, K, V] float32 (contiguous, checked inputs: q [N, T, H, K], x_ext
+    [N, W-1+T, H, K], y_ext [N, W-1+T, H, V], eta, log_gamma [N, T, H], c [N, T, H, W-1] float32, S0 or None)."""
+    o, S = inner_product.forward_1a(q, x_ext, y_ext, eta, log_gamma, S0, read_after, chunk_size)
     N, T, H, sizes = _sizes(q, y_ext, c)
-    o = torch.empty_like(base)
-    band_fwd_kernel[(cdiv(T, BT), N * H)](q, x_ext, y_ext, c, base, o, T, H, SHIFT=shift,
-                                          **sizes, num_warps=NUM_WARPS)
-    return o
+    band_fwd_kernel[(cdiv(T, BT), N * H)](q, x_ext, y_ext, c, o, T, H, SHIFT=_shift(read_after), **sizes,
+                                          num_warps=NUM_WARPS)
+    return o, S
 
 
-def backward(do, q, x_ext, y_ext, c, shift: int):
-    """dq (q's dtype), dx_ext, dy_ext (their dtypes) and dc (float32) for do [N, T, H, V] (any float dtype: the
-    kernels read it in float32)."""
+def delayed_backward(do, dS_final, q, x_ext, y_ext, eta, log_gamma, c, S0, read_after: bool, chunk_size: int):
+    """dq, dx_ext, dy_ext (the inputs' dtype), d eta, d log_gamma, dc and dS_0 (float32) for dL/do (q's dtype) and
+    dL/dS_final (float32 or None): the 1A scan's gradients (`inner_product.backward_1a`; zeros on ext rows T..), to
+    which the band's kernels add theirs."""
+    dq, dx, dy, deta, dlg, dS0 = inner_product.backward_1a(do, dS_final, q, x_ext, y_ext, eta, log_gamma, S0,
+                                                           read_after, chunk_size)
     N, T, H, sizes = _sizes(q, y_ext, c)
-    dq, dc = torch.empty_like(q), torch.empty_like(c)
-    dx, dy = torch.empty_like(x_ext), torch.empty_like(y_ext)
+    dc = torch.empty_like(c)
+    shift = _shift(read_after)
     band_bwd_q_kernel[(cdiv(T, BT), N * H)](do, q, x_ext, y_ext, c, dq, dc, T, H, SHIFT=shift,
                                             **sizes, num_warps=NUM_WARPS)
-    rows = x_ext.shape[1]
-    band_bwd_xy_kernel[(cdiv(rows, BT), N * H)](do, q, x_ext, y_ext, c, dx, dy, T, H,
-                                                SHIFT=shift, **sizes, num_warps=NUM_WARPS)
-    return dq, dx, dy, dc
+    band_bwd_xy_kernel[(cdiv(x_ext.shape[1], BT), N * H)](do, q, x_ext, y_ext, c, dx, dy, T, H,
+                                                          SHIFT=shift, **sizes, num_warps=NUM_WARPS)
+    return dq, dx, dy, deta, dlg, dc, dS0
+
+
+def _shift(read_after: bool) -> int:
+    """SHIFT: reading before, step t reads step t-1's band (the caller has moved its coefficients to row t)."""
+    return 0 if read_after else 1

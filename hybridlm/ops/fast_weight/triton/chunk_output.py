@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridlm.ops.fast_weight.triton.chunking import KEY, SIZES, ChunkPlan, autotuned
+from hybridlm.ops.fast_weight.triton.chunking import KEY, SIZES, XY_SIZES, ChunkPlan, autotuned
 from hybridlm.ops.fast_weight.triton.decays import causal_decay, causal_decay_columns, chunk_decays, column_decays
-from hybridlm.ops.triton_utils import block, load_rows, load_steps, state_offsets, store_rows
+from hybridlm.ops.triton_utils import block, load_rows, load_steps, row_views, state_offsets, store_rows
 
 
 @triton.jit
@@ -46,14 +46,15 @@ def _scores_and_read(q_ptr, x_ptr, h_ptr, i_n, i_h, i_nh, i_c, t, T, n_chunks, H
 
 
 @autotuned(KEY)
-@triton.jit(do_not_specialize=SIZES)
-def output_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, h_ptr, o_ptr, T, T_pad, n_chunks, H,
+@triton.jit(do_not_specialize=XY_SIZES)
+def output_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, h_ptr, o_ptr, T, T_xy, T_pad, n_chunks, H,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   READ_AFTER: tl.constexpr, PREC: tl.constexpr):
-    """(3) o_t = exp(Lr_t) S_c^T q_t + sum_s M exp(Lr_t - L_s) eta_s (q_t . x_s) y_s for a [BT, BV] block.
-    Grid (nV, n_chunks, N * H)."""
+    """(3) o_t = exp(Lr_t) S_c^T q_t + sum_s M exp(Lr_t - L_s) eta_s (q_t . x_s) y_s for a [BT, BV] block; x and y
+    have T_xy >= T rows, of which the first T are read. Grid (nV, n_chunks, N * H)."""
     i_v, i_c, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
+    x_ptr, y_ptr = row_views(x_ptr, y_ptr, i_n, T, T_xy, H, K, V)
     t = i_c * BT + tl.arange(0, BT)
     rv = i_v * BV + tl.arange(0, BV)
     qx, o_inter = _scores_and_read(q_ptr, x_ptr, h_ptr, i_n, i_h, i_nh, i_c, t, T, n_chunks, H, K, V, BT, BK, BV, rv,
@@ -122,11 +123,12 @@ def output_columns_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, h_ptr, o_ptr, T, 
 
 def output(plan: ChunkPlan, q, x, y, eta, L, states) -> torch.Tensor:
     """(3): o [N, T, H, V] in q's dtype from the chunk-local decays L [N * H, T_pad] and the entry states; y is the
-    values (rule 1A) or the residuals (the regression rules)."""
+    values (rule 1A) or the residuals (the regression rules). x and y may have more than T rows (their first T are
+    read)."""
     o = torch.empty(plan.N, plan.T, plan.H, plan.V, dtype=q.dtype, device=plan.device)
     BK, BV = block(plan.K, 64), block(plan.V, 64)
     output_kernel[(-(-plan.V // BV), plan.n_chunks, plan.NH)](
-        q, x, y, eta, L, states, o, plan.T, plan.T_pad, plan.n_chunks, plan.H, **plan.sizes, BK=BK, BV=BV,
+        q, x, y, eta, L, states, o, plan.T, plan.T_xy, plan.T_pad, plan.n_chunks, plan.H, **plan.sizes, BK=BK, BV=BV,
         READ_AFTER=plan.read_after, PREC=plan.prec)
     return o
 

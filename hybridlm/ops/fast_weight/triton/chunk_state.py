@@ -23,9 +23,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybridlm.ops.fast_weight.triton.chunking import KEY, SIZES, autotuned
+from hybridlm.ops.fast_weight.triton.chunking import KEY, SIZES, XY_SIZES, autotuned
 from hybridlm.ops.fast_weight.triton.decays import chunk_decays, column_decays
-from hybridlm.ops.triton_utils import load_rows, load_steps, state_offsets
+from hybridlm.ops.triton_utils import load_rows, load_steps, row_views, state_offsets
 
 
 @triton.jit
@@ -94,8 +94,8 @@ def _scan_step(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, S, i, i_nh, T, T_pad, n_chun
     return tl.exp(L_last) * S + contrib
 
 
-@triton.jit(do_not_specialize=SIZES)
-def state_scan_kernel(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, init_ptr, final_ptr, T, T_pad, n_chunks, H,
+@triton.jit(do_not_specialize=XY_SIZES)
+def state_scan_kernel(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, init_ptr, final_ptr, T, T_xy, T_pad, n_chunks, H,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       HAS_INIT: tl.constexpr, READ_AFTER: tl.constexpr, GRAD: tl.constexpr, REVERSE: tl.constexpr,
                       PREC: tl.constexpr, INTERPRET: tl.constexpr):
@@ -103,11 +103,13 @@ def state_scan_kernel(a_ptr, b_ptr, eta_ptr, L_ptr, h_ptr, init_ptr, final_ptr, 
     carried state in registers and walks the chunks, writing the state carried into every chunk to h and the last
     one to final. The per-chunk contributions never reach memory, where a form with (1) as its own kernel
     (`chunk_outer_kernel`) and (2) as a pass over the buffer it wrote makes two more passes over the
-    [N * H, n_chunks, K, V] buffer (benchmarks/RESULTS.md compares the two). Grid (nK * nV, N * H).
+    [N * H, n_chunks, K, V] buffer (benchmarks/RESULTS.md compares the two). a and b have T_xy >= T rows, of which
+    the first T are read (T_xy = T but for rule 3A's delayed writes). Grid (nK * nV, N * H).
 
     INTERPRET: a while loop (Triton's CPU interpreter cannot `range` over a runtime int with numpy >= 2.4);
     compiled kernels use the for loop, which Triton can software-pipeline."""
     i_nh = tl.program_id(1)
+    a_ptr, b_ptr = row_views(a_ptr, b_ptr, i_nh // H, T, T_xy, H, K, V)
     S, rk, rv, offs0, mask = carried_block(init_ptr, tl.program_id(0), i_nh, K, V, BK, BV, HAS_INIT)
     if INTERPRET:
         i = 0

@@ -16,6 +16,9 @@ import torch
 from hybridlm.ops.triton_utils import MAX_GRID_YZ, autotune, block
 
 SIZES = ["T", "T_pad", "n_chunks"]  # runtime sizes: `do_not_specialize`, no recompilation per sequence length
+# The kernels that read x and y from tensors of T_xy >= T rows (their first T rows; rule 3A's delayed writes are the
+# first T of its T + W - 1 pairs) take T_xy as one more runtime size.
+XY_SIZES = [*SIZES, "T_xy"]
 KEY = ["K", "V", "BT", "READ_AFTER"]  # the tuning key of the chunk-parallel kernels
 # The chunk-parallel kernels' autotuner; with autotuning off they launch with 8 warps.
 autotuned = functools.partial(autotune, fixed_warps=8)
@@ -32,6 +35,7 @@ class ChunkPlan:
     def __init__(self, q: torch.Tensor, y: torch.Tensor, chunk_size: int, read_after: bool):
         self.N, self.T, self.H, self.K = q.shape
         self.V = y.shape[-1]
+        self.T_xy = y.shape[1]  # rows of x and y: T, or more where only their first T are the writes (rule 3A)
         self.NH = self.N * self.H
         self.BT = chunk_size
         self.n_chunks = -(-self.T // self.BT)

@@ -35,16 +35,18 @@
         step between its projections (`mixer_step.py`), inference only; hybridlm::fast_weight_mixer_step_(<the same>,
         conv_state!, S!, last_k!?) -> y writes the new states over the old.
 
-    hybridlm::fast_weight_band_fwd(q, x_ext, y_ext, c, base, shift) -> base + o_band;
-    hybridlm::fast_weight_band_bwd(do, q, x_ext, y_ext, c, shift) -> (dq, dx_ext, dy_ext, dc): rule 3A's band of the
-        pairs still being written (`band.py`), added to the 1A scan's output (base; d base = do).
+    hybridlm::fast_weight_delayed_fwd(q, x_ext, y_ext, eta, log_gamma, c, S0?, read_after, chunk_size) -> (o, S_final):
+        rule 3A as the 1A scan over the first T rows of x_ext, y_ext plus the band of the pairs still being written
+        (`band.py`, coefficients c);
+    hybridlm::fast_weight_delayed_bwd(do, dS_final?, q, x_ext, y_ext, eta, log_gamma, c, S0?, read_after, chunk_size)
+        -> (dq, dx_ext, dy_ext, deta, dlog_gamma, dc, dS0).
 
-Rule 3A runs as rule 1A over delayed writes plus the band (`backend.py`), so it goes through the 1A ops and the band
-ops; rule 3's events differ from rule 1's rows (the events of one step do not see each other's writes), hence its own
-ops on rule 1's kernels. The implementations (`inner_product.py`, `regression.py`, `prepare.py`, `window_prepare.py`,
-`band.py`, which need triton) are imported on the first call; this file imports only torch.
+Rule 3A runs as rule 1A over delayed writes plus the band (`backend.py`): one delayed op (on rows, after its
+preparation op); rule 3's events differ from rule 1's rows (the events of one step do not see each other's writes),
+hence its own ops on rule 1's kernels. The implementations (`inner_product.py`, `regression.py`, `prepare.py`,
+`window_prepare.py`, `band.py`, which need triton) are imported on the first call; this file imports only torch.
 dS0 is always computed (the backward pass ends on it); the autograd formula drops it when S0 is None.
-The scans' and the band's forward launches are `kept_kernel`s: a region recomputed in the backward
+The scans' forward launches are `kept_kernel`s: a region recomputed in the backward
 (`hybridlm.ops.recompute`, the fast-weight mixer's) keeps their outputs and recomputes only what feeds them.
 """
 
@@ -190,35 +192,33 @@ def fast_weight_window_prepare_triton(k, v, beta, lam, last_k, tail_x, tail_v, t
     return x_ext, y_ext, C, log_gamma
 
 
-def fast_weight_band_triton(q, x_ext, y_ext, c, base, *, read_after: bool) -> torch.Tensor:
-    """Rule 3A's band (`band.py`) added to `base`: o_t = base_t + sum_{j=1..W-1} c_(t,j) (q_t . x_e) y_e with
-    e = t + j (read after) or t + j - 1 (read before: the caller puts step t-1's coefficients in row t),
+def fast_weight_delayed_triton(q, x_ext, y_ext, eta, log_gamma, c, S0, *, read_after: bool, chunk_size: int = 64):
+    """Rule 3A as delayed writes (`band.py`; README.md, "Rule 3A as delayed writes"): rule 1A's scan over the first T
+    rows of x_ext, y_ext (step sizes eta, log decays log_gamma), plus the band of the W - 1 pairs still being written,
+
+        o_t = o_t(1A) + sum_{j=1..W-1} c_(t,j) (q_t . x_e) y_e,    e = t + j (read after) or t + j - 1 (read before:
+                                                                  the caller puts step t-1's coefficients in row t),
+
     differentiable in every input.
 
     Args:
         q: `[N, T, H, K]`. x_ext: `[N, W-1+T, H, K]`, y_ext: `[N, W-1+T, H, V]` the pairs with the carried tail in
-            front (q's dtype). c: `[N, T, H, W-1]` float32. base: `[N, T, H, V]` (q's dtype: the 1A scan's output).
+            front (q's dtype). eta, log_gamma: `[N, T, H]`. c: `[N, T, H, W-1]` float32. S0: `[N, H, K, V]` float32
+            or None. read_after, chunk_size: as `fast_weight_1a_triton`'s.
 
     Returns:
-        `[N, T, H, V]` in base's dtype (the sum computed in float32, rounded once).
+        o `[N, T, H, V]` in q's dtype and the scan's final state `[N, H, K, V]` float32 (the last step's band, the
+        pairs still being written, is not in it).
     """
-    N, T, H, K = q.shape if q.dim() == 4 else (None,) * 4
-    W = c.shape[-1] + 1 if c.dim() == 4 else None
-    if (q.dim() != 4 or c.dim() != 4 or tuple(c.shape[:3]) != (N, T, H) or x_ext.shape != (N, W - 1 + T, H, K)
-            or y_ext.dim() != 4 or y_ext.shape[:3] != x_ext.shape[:3]):
-        raise ValueError(f"the band takes q [N, T, H, K], c [N, T, H, W-1], x_ext [N, W-1+T, H, K] and y_ext "
-                         f"[N, W-1+T, H, V]; got {list(q.shape)}, {list(c.shape)}, {list(x_ext.shape)}, "
-                         f"{list(y_ext.shape)}")
-    if base.shape != (N, T, H, y_ext.shape[-1]):
-        raise ValueError(f"base must be [N, T, H, V] = {[N, T, H, y_ext.shape[-1]]}; got {list(base.shape)}")
-    if (q.dtype not in DTYPES or x_ext.dtype != q.dtype or y_ext.dtype != q.dtype or base.dtype != q.dtype
-            or c.dtype != torch.float32):
-        raise ValueError(f"q, x_ext, y_ext, base must share one dtype among {DTYPES} and c be float32; got "
-                         f"{q.dtype}, {x_ext.dtype}, {y_ext.dtype}, {base.dtype}, {c.dtype}")
-    if K > MAX_HEAD_DIM or y_ext.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"the Triton kernels take K, V <= {MAX_HEAD_DIM}; got {K}, {y_ext.shape[-1]}")
-    _check_device(q)
-    return torch.ops.hybridlm.fast_weight_band_fwd(q, x_ext, y_ext, c, base, 0 if read_after else 1)
+    if q.dim() == 4 and (c.dim() != 4 or tuple(c.shape[:3]) != tuple(q.shape[:3]) or c.shape[3] < 1
+                         or x_ext.shape[1] != q.shape[1] + c.shape[3]):
+        raise ValueError(f"c must be [N, T, H, W-1] with x_ext, y_ext of W-1+T rows; got c {list(c.shape)}, x_ext "
+                         f"{list(x_ext.shape)} for q {list(q.shape)}")
+    if c.dtype != torch.float32:
+        raise ValueError(f"c must be float32; got {c.dtype}")
+    _check(q, x_ext, y_ext, eta, log_gamma, S0, chunk_size, more_rows=True)
+    return torch.ops.hybridlm.fast_weight_delayed_fwd(q, x_ext, y_ext, eta, log_gamma, c, S0, bool(read_after),
+                                                      int(chunk_size))
 
 
 _QK_NORMS = {"none": 0, "rms": 1, "l2": 2}  # the step kernel's QK_NORM
@@ -309,10 +309,17 @@ def _check_delta_chunk(chunk_size) -> None:
                          f"more shared memory than a GPU block has); got chunk_size {chunk_size}")
 
 
-def _check(q, x, y, eta, log_gamma, S0, chunk_size, per_column: bool = False) -> None:
-    if q.dim() != 4 or x.shape != q.shape or y.dim() != 4 or y.shape[:3] != q.shape[:3]:
-        raise ValueError(f"q, x must be [N, T, H, K] and y [N, T, H, V]; got q {tuple(q.shape)}, "
-                         f"x {tuple(x.shape)}, y {tuple(y.shape)}")
+def _check(q, x, y, eta, log_gamma, S0, chunk_size, per_column: bool = False, more_rows: bool = False) -> None:
+    """The scans' inputs; `more_rows`: x and y may have T_xy >= T rows (the delayed op's x_ext, y_ext)."""
+    bad = q.dim() != 4 or x.dim() != 4 or y.dim() != 4
+    if not bad:
+        N, T, H, K = q.shape
+        T_xy = x.shape[1]
+        bad = x.shape != (N, T_xy, H, K) or y.shape[:3] != (N, T_xy, H) or (T_xy < T if more_rows else T_xy != T)
+    if bad:
+        rows = "T_xy >= T" if more_rows else "T"
+        raise ValueError(f"q must be [N, T, H, K], x [N, {rows}, H, K] and y [N, {rows}, H, V]; got q "
+                         f"{tuple(q.shape)}, x {tuple(x.shape)}, y {tuple(y.shape)}")
     N, T, H, K = q.shape
     V = y.shape[-1]
     if T < 1:
@@ -537,46 +544,57 @@ def _register_window_prepare() -> None:
     fwd.register_autograd(backward, setup_context=setup_context)
 
 
-def _register_band() -> None:
-    """hybridlm::fast_weight_band_fwd / _bwd (`band.py`), their fake implementations and autograd."""
+def _register_delayed() -> None:
+    """hybridlm::fast_weight_delayed_fwd / _bwd (`band.py`), their fake implementations and autograd."""
+    args = "Tensor q, Tensor x_ext, Tensor y_ext, Tensor eta, Tensor log_gamma, Tensor c, Tensor? S0, " \
+           "bool read_after, int chunk_size"
 
-    @torch.library.custom_op(
-        "hybridlm::fast_weight_band_fwd", mutates_args=(),
-        schema="(Tensor q, Tensor x_ext, Tensor y_ext, Tensor c, Tensor base, int shift) -> Tensor")
-    def fwd(q, x_ext, y_ext, c, base, shift):
+    @torch.library.custom_op("hybridlm::fast_weight_delayed_fwd", mutates_args=(),
+                             schema=f"({args}) -> (Tensor, Tensor)")
+    def fwd(q, x_ext, y_ext, eta, log_gamma, c, S0, read_after, chunk_size):
         from hybridlm.ops.fast_weight.triton import band
 
         with on_tensor_device(q):
-            return kept_kernel(on_contiguous(band.forward), q, x_ext, y_ext, c, base, shift)
+            return kept_kernel(on_contiguous(band.delayed_forward), q, x_ext, y_ext, eta, log_gamma, c, S0,
+                               read_after, chunk_size)
 
     @fwd.register_fake
-    def _(q, x_ext, y_ext, c, base, shift):
-        return torch.empty_like(base, memory_format=torch.contiguous_format)
+    def _(q, x_ext, y_ext, eta, log_gamma, c, S0, read_after, chunk_size):
+        N, T, H, K = q.shape
+        return q.new_empty(N, T, H, y_ext.shape[-1]), q.new_empty(N, H, K, y_ext.shape[-1], dtype=torch.float32)
 
-    @torch.library.custom_op("hybridlm::fast_weight_band_bwd", mutates_args=(),
-                             schema="(Tensor do, Tensor q, Tensor x_ext, Tensor y_ext, Tensor c, int shift) "
-                                    "-> (Tensor, Tensor, Tensor, Tensor)")
-    def bwd(do, q, x_ext, y_ext, c, shift):
+    @torch.library.custom_op("hybridlm::fast_weight_delayed_bwd", mutates_args=(),
+                             schema=f"(Tensor do, Tensor? dS_final, {args}) -> "
+                                    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+    def bwd(do, dS_final, q, x_ext, y_ext, eta, log_gamma, c, S0, read_after, chunk_size):
         from hybridlm.ops.fast_weight.triton import band
 
+        do, q, x_ext, y_ext, eta, log_gamma, c = (t.contiguous() for t in (do, q, x_ext, y_ext, eta, log_gamma, c))
+        S0 = None if S0 is None else S0.contiguous()
+        dS_final = None if dS_final is None else dS_final.float().contiguous()
         with on_tensor_device(q):
-            return band.backward(*(t.contiguous() for t in (do, q, x_ext, y_ext, c)), shift)
+            return band.delayed_backward(do, dS_final, q, x_ext, y_ext, eta, log_gamma, c, S0, read_after, chunk_size)
 
     @bwd.register_fake
-    def _(do, q, x_ext, y_ext, c, shift):
-        return q.new_empty(q.shape), x_ext.new_empty(x_ext.shape), y_ext.new_empty(y_ext.shape), c.new_empty(c.shape)
+    def _(do, dS_final, q, x_ext, y_ext, eta, log_gamma, c, S0, read_after, chunk_size):
+        N, _, H, K = q.shape
+        # Contiguous, as the kernels write them (the inputs are made contiguous first).
+        return (q.new_empty(q.shape), x_ext.new_empty(x_ext.shape), y_ext.new_empty(y_ext.shape),
+                eta.new_empty(eta.shape), log_gamma.new_empty(log_gamma.shape), c.new_empty(c.shape),
+                q.new_empty(N, H, K, y_ext.shape[-1], dtype=torch.float32))
 
     def setup_context(ctx, inputs, output):
-        q, x_ext, y_ext, c, base, shift = inputs
-        ctx.save_for_backward(q, x_ext, y_ext, c)
-        ctx.shift = shift
+        *tensors, read_after, chunk_size = inputs
+        ctx.save_for_backward(*tensors)
+        ctx.options = (read_after, chunk_size)
 
-    def backward(ctx, do):
-        q, x_ext, y_ext, c = ctx.saved_tensors
-        return (*bwd(do, q, x_ext, y_ext, c, ctx.shift), do, None)
+    def backward(ctx, do, dS_final):
+        q, x_ext, y_ext, eta, log_gamma, c, S0 = ctx.saved_tensors
+        *grads, dS0 = bwd(do.to(q.dtype), dS_final, q, x_ext, y_ext, eta, log_gamma, c, S0, *ctx.options)
+        return (*grads, None if S0 is None else dS0, None, None)
 
     fwd.register_autograd(backward, setup_context=setup_context)
-    keep_in_compiled_regions(torch.ops.hybridlm.fast_weight_band_fwd.default)
+    keep_in_compiled_regions(torch.ops.hybridlm.fast_weight_delayed_fwd.default)
 
 
 def _register_step() -> None:
@@ -744,7 +762,7 @@ _register_prepare()
 _register_window_prepare()
 _register_step()
 _register_mixer_step()
-_register_band()
+_register_delayed()
 _register("1A", "1a")
 _register("1", "1")
 _register("3", "3", options=f"{_OPTIONS}, int slots")

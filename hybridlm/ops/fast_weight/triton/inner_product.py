@@ -41,7 +41,8 @@ WALK_WARPS = 8
 
 def forward_1a(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rule 1A: o `[N, T, H, V]` (q's dtype) and the final state `[N, H, K, V]` float32 on contiguous, checked
-    inputs (checked by `custom_ops.py`); S0 None for zeros."""
+    inputs (checked by `custom_ops.py`; x and y may have more than T rows, of which the first T are the writes); S0
+    None for zeros."""
     plan = ScalarPlan(q, y, chunk_size, read_after)
     L = chunk_cumsum(plan, log_gamma)
     warps = walk_warps(plan.K, plan.V, plan.NH, q.dtype)
@@ -53,7 +54,8 @@ def forward_1a(q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int) -
 
 def backward_1a(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chunk_size: int):
     """Rule 1A: dq, dx, dy (inputs' dtype), d eta, d log_gamma (their dtypes) and dS_0 (float32) for dL/do (q's
-    dtype) and dL/dS_final (float32 or None). The entry states are recomputed."""
+    dtype) and dL/dS_final (float32 or None). The entry states are recomputed. dx and dy have x's and y's rows (zeros
+    after the first T)."""
     plan = ScalarPlan(q, y, chunk_size, read_after)
     L = chunk_cumsum(plan, log_gamma)
     states, _ = plan.states(x, y, eta, L, S0)                     # recomputed: entry state of every chunk
@@ -127,8 +129,8 @@ class ScalarPlan(ChunkPlan):
         o = torch.empty(self.N, self.T, self.H, self.V, dtype=q.dtype, device=self.device)
         final = torch.empty(self.N, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
         whole_state.output_walk_kernel[(self.NH,)](
-            q, x, y, eta, L, o, final if S0 is None else S0, final, self.T, self.T_pad, self.n_chunks, self.H,
-            **self.walk_sizes, HAS_INIT=S0 is not None, READ_AFTER=self.read_after, PREC=self.prec,
+            q, x, y, eta, L, o, final if S0 is None else S0, final, self.T, self.T_xy, self.T_pad, self.n_chunks,
+            self.H, **self.walk_sizes, HAS_INIT=S0 is not None, READ_AFTER=self.read_after, PREC=self.prec,
             INTERPRET=triton_interpreting(), num_warps=warps)
         return o, final
 
@@ -136,7 +138,7 @@ class ScalarPlan(ChunkPlan):
         """(1) + (2) (or with grad, (1') + (2') in reverse) as one kernel."""
         BK, BV = scan_blocks(self.K, self.V, self.NH)
         chunk_state.state_scan_kernel[(-(-self.K // BK) * -(-self.V // BV), self.N * self.H)](
-            a, b, eta, L, h, h if init is None else init, final, self.T, self.T_pad, self.n_chunks, self.H,
+            a, b, eta, L, h, h if init is None else init, final, self.T, a.shape[1], self.T_pad, self.n_chunks, self.H,
             **self.sizes, BK=BK, BV=BV, HAS_INIT=init is not None, READ_AFTER=self.read_after, GRAD=grad,
             REVERSE=grad, PREC=self.prec, INTERPRET=triton_interpreting(), num_warps=4)
 
@@ -151,11 +153,14 @@ class ScalarPlan(ChunkPlan):
     def grad_qxy(self, q, x, y, eta, L, do, states, dstates, lg_dtype):
         """dq, dx, dy, d eta, d log_gamma of every chunk in one kernel (`grad_qxy_kernel`)."""
         dq, dx, dy = torch.empty_like(q), torch.empty_like(x), torch.empty_like(y)
+        if self.T_xy > self.T:  # rows that are not writes (rule 3A's band rows)
+            dx[:, self.T:], dy[:, self.T:] = 0, 0
         deta = torch.empty_like(eta)
         dlg = torch.empty(eta.shape, dtype=lg_dtype, device=self.device)
         inner_product_kernels.grad_qxy_kernel[(self.n_chunks, self.N * self.H)](
-            q, x, y, eta, L, do, states, dstates, dq, dx, dy, deta, dlg, self.T, self.T_pad, self.n_chunks, self.H,
-            **self.sizes, BK=self.BK_full, BV=self.BV_qx, READ_AFTER=self.read_after, PREC=self.prec)
+            q, x, y, eta, L, do, states, dstates, dq, dx, dy, deta, dlg, self.T, self.T_xy, self.T_pad,
+            self.n_chunks, self.H, **self.sizes, BK=self.BK_full, BV=self.BV_qx, READ_AFTER=self.read_after,
+            PREC=self.prec)
         return dq, dx, dy, deta, dlg
 
 

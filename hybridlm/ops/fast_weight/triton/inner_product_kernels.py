@@ -51,15 +51,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybridlm.ops.fast_weight.triton.chunking import KEY, SIZES, autotuned
+from hybridlm.ops.fast_weight.triton.chunking import KEY, SIZES, XY_SIZES, autotuned
 from hybridlm.ops.fast_weight.triton.decays import causal_decay, causal_decay_columns, chunk_decays, column_decays
-from hybridlm.ops.triton_utils import load_rows, load_steps, state_offsets, store_rows
+from hybridlm.ops.triton_utils import load_rows, load_steps, row_views, state_offsets, store_rows
 
 
 @autotuned(KEY)
-@triton.jit(do_not_specialize=SIZES)
+@triton.jit(do_not_specialize=XY_SIZES)
 def grad_qxy_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr,
-                    dq_ptr, dx_ptr, dy_ptr, deta_ptr, dlg_ptr, T, T_pad, n_chunks, H,
+                    dq_ptr, dx_ptr, dy_ptr, deta_ptr, dlg_ptr, T, T_xy, T_pad, n_chunks, H,
                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     READ_AFTER: tl.constexpr, PREC: tl.constexpr):
     """(3') and (3'') Per chunk, with S_c = h[c] (entry state) and dS_out = dh[c] (gradient of the chunk's exit
@@ -76,9 +76,12 @@ def grad_qxy_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr,
     the exit state carries exp(L_last), and <dS_out, S_{c+1}> = exp(L_last) <dS_out, S_c> + sum_s x_s . dx_s^out).
     One program holds the chunk's q and x (BK covers all of K) and walks the value blocks twice: first for dq's and
     dx's terms, then, with their accumulators stored, for dy block by block (dO and dS_out again, from L2), so that
-    dy needs no kernel of its own reading q, x, dO and dS_out from memory once more. Grid (n_chunks, N * H)."""
+    dy needs no kernel of its own reading q, x, dO and dS_out from memory once more. x, y, dx and dy have
+    T_xy >= T rows, of which the first T are read and written. Grid (n_chunks, N * H)."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
+    x_ptr, y_ptr = row_views(x_ptr, y_ptr, i_n, T, T_xy, H, K, V)
+    dx_ptr, dy_ptr = row_views(dx_ptr, dy_ptr, i_n, T, T_xy, H, K, V)
     t = i_c * BT + tl.arange(0, BT)
     rk = tl.arange(0, BK)
     q = load_rows(q_ptr, i_n, i_h, t, T, H, K, rk)                                         # [BT, BK]

@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 
 from hybridlm.ops.fast_weight.triton.chunk_state import carried_block
-from hybridlm.ops.fast_weight.triton.chunking import SIZES
+from hybridlm.ops.fast_weight.triton.chunking import XY_SIZES
 from hybridlm.ops.fast_weight.triton.decays import causal_decay, chunk_decays
-from hybridlm.ops.triton_utils import load_rows, load_steps, store_rows
+from hybridlm.ops.triton_utils import load_rows, load_steps, row_views, store_rows
 
 
 @triton.jit
@@ -62,17 +62,18 @@ def _output_step(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, o_ptr, S, i_c, i_n, i_h, i
     return _write(S, x, y, eta, L, L_last, PREC)
 
 
-@triton.jit(do_not_specialize=SIZES)
-def output_walk_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, o_ptr, init_ptr, final_ptr, T, T_pad, n_chunks, H,
+@triton.jit(do_not_specialize=XY_SIZES)
+def output_walk_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, o_ptr, init_ptr, final_ptr, T, T_xy, T_pad, n_chunks, H,
                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        HAS_INIT: tl.constexpr, READ_AFTER: tl.constexpr, PREC: tl.constexpr,
                        INTERPRET: tl.constexpr):
-    """The forward walk: o [N, T, H, V] and the final state [N * H, K, V] (float32) from S_0 (init, or zeros).
-    Grid (N * H,).
+    """The forward walk: o [N, T, H, V] and the final state [N * H, K, V] (float32) from S_0 (init, or zeros); x and
+    y have T_xy >= T rows, of which the first T are read. Grid (N * H,).
 
     INTERPRET: a while loop (Triton's CPU interpreter cannot `range` over a runtime int with numpy >= 2.4)."""
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
+    x_ptr, y_ptr = row_views(x_ptr, y_ptr, i_n, T, T_xy, H, K, V)
     S, _, _, offs0, mask = carried_block(init_ptr, 0, i_nh, K, V, BK, BV, HAS_INIT)        # [BK, BV] fp32
     if INTERPRET:
         i_c = 0
