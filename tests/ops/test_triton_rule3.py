@@ -465,19 +465,21 @@ def band_reference(q, x_ext, y_ext, c, *, read_after):
 
 
 @interpret
-@pytest.mark.parametrize("W,read_after,dtype,with_S0", [(2, True, torch.float32, True), (3, False, torch.float32, True),
-                                                        (5, True, torch.float16, False),
-                                                        (3, True, torch.float32, False)])
-def test_delayed_op_matches_a_loop(W, read_after, dtype, with_S0):
+@pytest.mark.parametrize("W,read_after,dtype,with_S0,sizes", [
+    (2, True, torch.float32, True, (2, 45, 3, 24, 40, 16)), (3, False, torch.float32, True, (2, 45, 3, 24, 40, 16)),
+    (5, True, torch.float16, False, (2, 45, 3, 24, 40, 16)), (3, True, torch.float32, False, (2, 45, 3, 24, 40, 16)),
+    (3, True, torch.float16, True, (3, 70, 2, 20, 12, 64))])  # the 16-bit window-prepare test's sizes
+def test_delayed_op_matches_a_loop(W, read_after, dtype, with_S0, sizes):
     """Rule 3A's delayed op (`fast_weight_delayed_triton`: the 1A scan over the first T ext rows, read in place,
     plus the band kernel) against a float64 step loop of the scan plus a loop over the band: outputs, final state
     and the gradients of all seven inputs (dx_ext and dy_ext sum the scan's rows and the band's, which the band's
-    kernels add in place); odd sizes (T = 45 over blocks of 16, K = 24, V = 40), several rows and heads."""
+    kernels add in place); odd sizes (T = 45 over chunks of 16, K = 24, V = 40; T = 70 over chunks of 64, K = 20,
+    V = 12), several rows and heads."""
     from hybridlm.ops.fast_weight.triton.custom_ops import fast_weight_delayed_triton
     from tests.ops.fast_weight_helpers import reference as scan_reference
 
     g = torch.Generator().manual_seed(W)
-    N, T, H, K, V = 2, 45, 3, 24, 40
+    N, T, H, K, V, chunk_size = sizes
     q, x, y, eta, log_gamma, S0 = prepared(N, T + W - 1, H, K, V, seed=W)
     inputs = [q[:, :T], x, y, eta[:, :T], log_gamma[:, :T],
               torch.rand(N, T, H, W - 1, generator=g, dtype=torch.float64), S0]
@@ -487,7 +489,8 @@ def test_delayed_op_matches_a_loop(W, read_after, dtype, with_S0):
     o_ref = o_scan + band_reference(ref[0], ref[1], ref[2], ref[5], read_after=read_after)
     dtypes = (dtype, dtype, dtype, torch.float32, torch.float32, torch.float32, torch.float32)
     dev = [t.to(DEVICE, d).requires_grad_(True) for t, d in zip(inputs, dtypes)]
-    o, S = fast_weight_delayed_triton(*dev[:6], dev[6] if with_S0 else None, read_after=read_after, chunk_size=16)
+    o, S = fast_weight_delayed_triton(*dev[:6], dev[6] if with_S0 else None, read_after=read_after,
+                                      chunk_size=chunk_size)
     assert o.dtype == dtype and rel_err(o.cpu(), o_ref) < TOL[dtype] and rel_err(S.cpu(), S_ref) < TOL[dtype]
     w_o, w_S = torch.randn(o_ref.shape, generator=g, dtype=torch.float64), torch.randn(S_ref.shape, generator=g,
                                                                                       dtype=torch.float64)
