@@ -93,13 +93,12 @@ def scan_blocks(K: int, V: int, NH: int, min_programs: int | None = None) -> tup
 
 
 def grad_qxy_blocks(K: int, V: int) -> tuple[int, int]:
-    """`grad_qxy_kernel`'s blocks: all of K, and a value block of up to 64 (32 where K's block is over 64). Never
-    (32, 16): at chunks of 64, ptxas 12.8 (the one triton 3.6 ships) builds the kernel with a wgmma descriptor taken
-    from a uniform register that it never sets, and the launch reads shared memory at an address that changes from
-    run to run (`tests/ops/triton_modes.uniform_reads_before_writes` finds such builds), so V <= 16 takes a value
-    block of 32 there."""
-    BK = block(K, 128)
-    BV = block(V, 64 if BK <= 64 else 32)
+    """`grad_qxy_kernel`'s blocks: all of K, and a value block of up to 64 (at K = V = 128 faster than 32 despite its
+    spills, and than 128: benchmarks/RESULTS.md). Never (32, 16): at chunks of 64, ptxas 12.8 (the one triton 3.6
+    ships) builds the kernel with a wgmma descriptor taken from a uniform register that it never sets, and the launch
+    reads shared memory at an address that changes from run to run (`tests/ops/triton_modes.uniform_reads_before_writes`
+    finds such builds), so V <= 16 takes a value block of 32 there."""
+    BK, BV = block(K, 128), block(V, 64)
     return (BK, 32) if (BK, BV) == (32, 16) else (BK, BV)
 
 

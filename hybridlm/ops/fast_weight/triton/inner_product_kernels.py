@@ -106,21 +106,22 @@ def grad_qxy_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr,
     M = causal_decay(L, Lr, BT, READ_AFTER)                                                 # [BT(t), BT(s)]
     out_coef = tl.exp(L_last - L)                                                           # [BT]
     G = dA * M                                                                              # [BT, BT]
-    dq = dq_inter * tl.exp(Lr)[:, None] + tl.dot((G * eta[None, :]).to(x.dtype), x, input_precision=PREC)
-    dxt = tl.dot(tl.trans(G).to(q.dtype), q, input_precision=PREC) + dx_out * out_coef[:, None]
-    dx = dxt * eta[:, None]
+    # Each result is stored, and its row sums taken, as soon as it is complete, so that few [BT, BK] float32 tiles are
+    # live at once (ptxas spills what does not fit in registers).
     qf, xf = q.to(tl.float32), x.to(tl.float32)
-    deta = tl.sum(xf * dxt, axis=1)
+    dq = dq_inter * tl.exp(Lr)[:, None] + tl.dot((G * eta[None, :]).to(x.dtype), x, input_precision=PREC)
     q_dq = tl.sum(qf * dq, axis=1)
-    x_dx = tl.sum(xf * dx, axis=1)
-    exit_term = tl.exp(L_last) * s_dot \
-        + tl.sum(tl.sum(xf * dx_out, axis=1) * out_coef * eta, axis=0)                      # <dS_out, S_{c+1}>
+    store_rows(dq_ptr, dq, i_n, i_h, t, T, H, K, rk)
+    x_out = tl.sum(xf * dx_out, axis=1)                                                     # x_s . dS_out y_s
+    dxt = tl.dot(tl.trans(G).to(q.dtype), q, input_precision=PREC) + dx_out * out_coef[:, None]
+    store_rows(dx_ptr, dxt * eta[:, None], i_n, i_h, t, T, H, K, rk)
+    deta = tl.sum(xf * dxt, axis=1)
+    x_dx = eta * deta                                                                       # x_s . dx_s
+    exit_term = tl.exp(L_last) * s_dot + tl.sum(x_out * out_coef * eta, axis=0)             # <dS_out, S_{c+1}>
     if READ_AFTER:
         dlg = tl.cumsum(q_dq - x_dx, axis=0, reverse=True) + exit_term
     else:
         dlg = tl.cumsum(q_dq - x_dx, axis=0, reverse=True) - q_dq + exit_term
-    store_rows(dq_ptr, dq, i_n, i_h, t, T, H, K, rk)
-    store_rows(dx_ptr, dx, i_n, i_h, t, T, H, K, rk)
     scalar_offs = (i_n.to(tl.int64) * T + t) * H + i_h
     tl.store(deta_ptr + scalar_offs, deta.to(deta_ptr.dtype.element_ty), mask=t < T)
     tl.store(dlg_ptr + scalar_offs, dlg.to(dlg_ptr.dtype.element_ty), mask=t < T)
