@@ -287,6 +287,8 @@ UNSET_DESCRIPTOR = """
         /*0ab0*/                   USHF.R.U32.HI UR6, URZ, 0x4, UR8 ;                           /* 0x0000000804067899 */
         /*0f10*/                   UIMAD.WIDE.U32 UR10, UR6, 0x4, URZ ;                         /* 0x00000004060a78a5 */
         /*0f20*/                   UIADD3 UR12, UR11, 0x1, URZ ;                                /* 0x000000010b0c7890 */
+        /*0f40*/                   ULOP3.LUT UP1, UR30, UR4, 0x6, URZ, 0xc0, !UPT ;              /* 0x00000006041e7892 */
+        /*0f50*/                   UISETP.NE.U32.AND UP2, UPT, UR30, URZ, UPT ;                 /* 0x0000003f1e00728c */
         /*4a10*/                   UIADD3 UR14, UP0, UR9, 0x1, URZ ;                            /* 0x0000000109 */
         /*4a60*/                   UIADD3.X UR15, UR9, -0x3ffffff0, URZ, UP0, !UPT ;            /* 0xc000001009 */
         /*6560*/                   HGMMA.64x8x16.F32 R28, gdesc[UR12].tnspB, RZ, !UPT ;         /* 0x400000000c */
@@ -299,7 +301,7 @@ UNSET_DESCRIPTOR = """
 def test_uniform_register_check_flags_what_nothing_set():
     """`uniform_reads_before_writes`, which every sm_90 build above passes through: reads of UR9 (never set), the
     descriptor group at UR36 (never set) and the store's UR40 are flagged; UR4, UR6, UR8, UR11 (set as the high half
-    of a WIDE product) and the group at UR12 are not."""
+    of a WIDE product), UR30 (set by a LOP3 that also sets a predicate) and the group at UR12 are not."""
     unset = uniform_reads_before_writes(UNSET_DESCRIPTOR)
     assert [line.split()[0] for line in unset] == ["4a10", "4a60", "65e0", "6570"], unset
     assert uniform_reads_before_writes(UNSET_DESCRIPTOR.replace("UR9", "UR6").replace("UR36", "UR12")

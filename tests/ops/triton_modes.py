@@ -174,6 +174,8 @@ def uniform_reads_before_writes(sass: str) -> list[str]:
         if op.startswith("HGMMA"):
             descriptors += [(pc, op, int(n)) for n in re.findall(r"gdesc\[UR(\d+)\]", operands)]
             continue
+        if re.match(r"U?LOP3", op) and re.match(r"\s*U?P(\d|T)", operands):
+            operands = operands.split(",", 1)[1]  # LOP3 with a predicate result: the register result comes next
         first, _, rest = operands.partition(",")
         target = re.fullmatch(r"\s*UR(\d+)\s*", first)
         sources = rest if target else operands  # a store's or compare's first operand is read
