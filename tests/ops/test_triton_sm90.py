@@ -6,7 +6,11 @@ triton with its CUDA backend but no GPU, are the CPU's check of it (`triton_mode
 
 from __future__ import annotations
 
+import importlib.util
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from tests.ops.triton_modes import (
     H200_SHARED_BYTES,
@@ -306,3 +310,25 @@ def test_uniform_register_check_flags_what_nothing_set():
     assert [line.split()[0] for line in unset] == ["4a10", "4a60", "65e0", "6570"], unset
     assert uniform_reads_before_writes(UNSET_DESCRIPTOR.replace("UR9", "UR6").replace("UR36", "UR12")
                                        .replace("UR40", "UR8")) == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_launch_sweep_specializes_as_a_cuda_launch():
+    """`sm90_launch_sweep` records a launch as the JIT would build it on a GPU: tensors as typed pointers, 16-byte
+    aligned or not; ints equal to 1 as constexprs and ints divisible by 16 with that attribute, unless the kernel
+    does not specialize them; None as a constexpr; the INTERPRET flag off; the launch's warps and stages."""
+    import triton.language as tl
+
+    from tests.ops.sm90_launch_sweep import _specialization
+
+    def kernel(a_ptr, b_ptr, one, n, T, maybe_ptr, K: tl.constexpr, INTERPRET: tl.constexpr):
+        """The shape of a kernel's parameters; never run."""
+
+    launched = SimpleNamespace(kwargs={"do_not_specialize": ["T"]})  # the interpreter's view: the jit's options
+    args = (torch.zeros(8, dtype=torch.bfloat16), torch.zeros(9)[1:], 1, 32, 48, None, 20, True)
+    spec = _specialization(launched, kernel, args, {"num_warps": 8, "num_stages": 2})
+    assert spec["signature"] == {"a_ptr": "*bf16", "b_ptr": "*fp32", "one": "constexpr", "n": "i32", "T": "i32",
+                                 "maybe_ptr": "constexpr", "K": "constexpr", "INTERPRET": "constexpr"}
+    assert spec["constexprs"] == {"one": 1, "maybe_ptr": None, "K": 20, "INTERPRET": False}
+    assert spec["attrs"] == {"0": [["tt.divisibility", 16]], "3": [["tt.divisibility", 16]]}
+    assert (spec["warps"], spec["stages"], spec["kernel"]) == (8, 2, "kernel")
