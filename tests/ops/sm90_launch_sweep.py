@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-WORKERS = max(1, (os.cpu_count() or 1))
+WORKERS = os.cpu_count() or 1
 
 
 def _constexpr_params(fn) -> set[str]:
@@ -98,7 +98,7 @@ def build(spec: dict) -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from tests.ops.triton_modes import uniform_reads_before_writes
+    from tests.ops.triton_modes import sass_of, uniform_reads_before_writes
 
     kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
     fn = kernel.fn if hasattr(kernel, "configs") else kernel
@@ -106,13 +106,7 @@ def build(spec: dict) -> list[str]:
     compiled = triton.compile(ASTSource(fn, spec["signature"], constexprs=spec["constexprs"], attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": spec["warps"], "num_stages": spec["stages"]})
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "kernel.cubin")
-        with open(cubin, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        sass = subprocess.run([cuobjdump, "--dump-sass", cubin], capture_output=True, text=True, check=True).stdout
-    return uniform_reads_before_writes(sass)
+    return uniform_reads_before_writes(sass_of(compiled))
 
 
 def _build_part(path: str, part: int, parts: int) -> None:

@@ -112,14 +112,9 @@ needs_cuda_backend = pytest.mark.skipif(
 
 _SM90_BUILD = '''
 import functools
-import os
-import subprocess
-import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 def build(kernel, consts, *, io="*fp32", io_names=(), warps=4, stages=3, types=None):
     """Compile `kernel` for sm_90 with `warps` warps and `stages` pipeline stages: the constexprs in `consts` that it
@@ -136,12 +131,7 @@ def build(kernel, consts, *, io="*fp32", io_names=(), warps=4, stages=3, types=N
     compiled = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=aligned), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages})
     print("built", fn.__name__, compiled.metadata.shared)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        sass = subprocess.run([CUOBJDUMP, "--dump-sass", path], capture_output=True, text=True, check=True).stdout
-    for line in uniform_reads_before_writes(sass):
+    for line in uniform_reads_before_writes(sass_of(compiled)):
         print("unset", fn.__name__, consts, line)
 '''
 
@@ -155,6 +145,22 @@ for name in MODULES:
 
 # An H200 block has 227 KiB of shared memory: a kernel that asks for more compiles, and fails at launch.
 H200_SHARED_BYTES = 232448
+
+
+def sass_of(compiled) -> str:
+    """The SASS of a kernel that `triton.compile` built for a CUDA target, from the cuobjdump that triton ships."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        return subprocess.run([cuobjdump, "--dump-sass", path], capture_output=True, text=True, check=True).stdout
 
 
 def uniform_reads_before_writes(sass: str) -> list[str]:
@@ -195,7 +201,7 @@ def compile_for_sm90(script: str, *, modules: tuple[str, ...], timeout: int = 60
     a build that does not compile, or whose SASS reads a uniform register that it never set
     (`uniform_reads_before_writes`), fails here, with its error output."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    checker = "import re\n" + inspect.getsource(uniform_reads_before_writes)
+    checker = "import re\n" + inspect.getsource(sass_of) + inspect.getsource(uniform_reads_before_writes)
     code = checker + _SM90_BUILD + script + f"\nMODULES = {list(modules)!r}\n" + _SM90_DEFINED
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False,
                             env=env)
