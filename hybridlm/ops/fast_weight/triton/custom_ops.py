@@ -303,6 +303,13 @@ def _check_device(t: torch.Tensor) -> None:
                          "before triton is imported to run them under the interpreter)")
 
 
+def _contiguous_grad_inputs(dS_final, S0, *tensors) -> tuple:
+    """A scan backward op's inputs as its kernels read them: dS_final float32 and S0 (each or None), then the other
+    tensors, all contiguous."""
+    return (None if dS_final is None else dS_final.float().contiguous(), None if S0 is None else S0.contiguous(),
+            *(t.contiguous() for t in tensors))
+
+
 def _check_delta_chunk(chunk_size) -> None:
     if chunk_size > MAX_DELTA_CHUNK:
         raise ValueError(f"rule 1's (and rule 3's) kernels take chunks of at most {MAX_DELTA_CHUNK} (at 128 they need "
@@ -374,9 +381,7 @@ def _register(rule: str, name: str, options: str = _OPTIONS) -> None:
     @torch.library.custom_op(f"hybridlm::fast_weight_{name}_bwd", mutates_args=(),
                              schema=_BWD_SCHEMA.format(options=options))
     def bwd(do, dS_final, q, x, y, eta, log_gamma, S0, *options):
-        do, q, x, y, eta, log_gamma = (t.contiguous() for t in (do, q, x, y, eta, log_gamma))
-        S0 = None if S0 is None else S0.contiguous()
-        dS_final = None if dS_final is None else dS_final.float().contiguous()
+        dS_final, S0, do, q, x, y, eta, log_gamma = _contiguous_grad_inputs(dS_final, S0, do, q, x, y, eta, log_gamma)
         with on_tensor_device(q):
             return _implementation(rule)[1](do, dS_final, q, x, y, eta, log_gamma, S0, *options)
 
@@ -569,9 +574,8 @@ def _register_delayed() -> None:
     def bwd(do, dS_final, q, x_ext, y_ext, eta, log_gamma, c, S0, read_after, chunk_size):
         from hybridlm.ops.fast_weight.triton import band
 
-        do, q, x_ext, y_ext, eta, log_gamma, c = (t.contiguous() for t in (do, q, x_ext, y_ext, eta, log_gamma, c))
-        S0 = None if S0 is None else S0.contiguous()
-        dS_final = None if dS_final is None else dS_final.float().contiguous()
+        dS_final, S0, do, q, x_ext, y_ext, eta, log_gamma, c = _contiguous_grad_inputs(
+            dS_final, S0, do, q, x_ext, y_ext, eta, log_gamma, c)
         with on_tensor_device(q):
             return band.delayed_backward(do, dS_final, q, x_ext, y_ext, eta, log_gamma, c, S0, read_after, chunk_size)
 
