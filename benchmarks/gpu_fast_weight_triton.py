@@ -46,7 +46,13 @@ import time
 
 import torch
 import torch.nn.functional as F
-from gpu_ops import bench, causal_sdpa, rel_err  # benchmarks/ is on the path when this script runs
+from gpu_ops import (  # benchmarks/ is on the path when this script runs
+    add_timing_args,
+    bench,
+    causal_sdpa,
+    rel_err,
+    set_timing,
+)
 from roofline import fast_weight_counts, utilization
 
 from hybridlm.ops import FastWeightState, fast_weight_attention
@@ -179,10 +185,13 @@ def main() -> None:
                         help="time rule 1A with and without its whole-state forward walk (WALK_CONFIGS) instead")
     parser.add_argument("--pass-configs", action="store_true",
                         help="time rule 1 under each launch of its sequential passes (PASS_CONFIGS) instead")
+    add_timing_args(parser)
     args = parser.parse_args()
+    timing = set_timing(args)
     if args.walk_configs:
         print(f"# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-              f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | rule 1A's whole-state forward walk")
+              f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | {timing} | "
+              "rule 1A's whole-state forward walk")
         print("| rule | T | kernels | fwd (ms) | fwd / chunk-parallel | fwd+bwd (ms) | fwd+bwd / chunk-parallel |")
         print("|---|---|---|---|---|---|---|")
         for T in args.T:
@@ -192,7 +201,7 @@ def main() -> None:
         return
     if args.pass_configs:
         print(f"# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-              f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | rule 1's pass launches")
+              f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | {timing} | rule 1's pass launches")
         print("| rule | T | passes (BV, warps/stages fwd, bwd) | fwd (ms) | fwd / default | fwd+bwd (ms) "
               "| fwd+bwd / default |")
         print("|---|---|---|---|---|---|---|")
@@ -207,7 +216,7 @@ def main() -> None:
     for rule in args.rules:
         check(rule, chunk_size=args.chunk_size)
     print(f"\n# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-          f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | window 3 for 3A")
+          f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | {timing} | window 3 for 3A")
     if not args.documents:
         print("| rule | T | pass | SDPA (ms) | chunk (ms) | chunk compiled (ms) | triton (ms) | kernels (ms) "
               "| torch preparation (ms) | fixed scan blocks (ms) | chunk-parallel (ms) | triton compiled (ms) "

@@ -34,7 +34,12 @@ import math
 
 import torch
 import torch.nn.functional as F
-from gpu_ops import bench, causal_sdpa  # benchmarks/ is on the path when this script runs
+from gpu_ops import (  # benchmarks/ is on the path when this script runs
+    add_timing_args,
+    bench,
+    causal_sdpa,
+    set_timing,
+)
 
 from hybridlm.ops import fast_weight_attention
 
@@ -165,7 +170,9 @@ def main() -> None:
                         help=f"time only these columns, in this order (of: {', '.join(COLUMNS)})")
     parser.add_argument("--no-agreement", action="store_true",
                         help="skip the float32 agreement check (it autotunes fla's float32 kernels: minutes)")
+    add_timing_args(parser)
     args = parser.parse_args()
+    timing = set_timing(args)
     if not args.no_agreement:
         errors = agreement(2, 300, 4, args.D)
         print("agreement with fla (float32, relative; nan: fla's backward refused):",
@@ -174,7 +181,8 @@ def main() -> None:
         # correspondence (a missing shift, gamma or eta) shows as errors of order one.
         if max((e for e in errors.values() if not math.isnan(e)), default=0.0) > 1e-2:
             raise SystemExit("ours and fla disagree: fix that before timing anything")
-    print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · B={args.B} H={args.H} D={args.D} bf16, ms")
+    print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · B={args.B} H={args.H} D={args.D} bf16, ms "
+          f"· {timing}")
     names = COLUMNS
     ratios = [("ours 1A", "fla simple GLA"), ("ours 1", "fla gated delta"), ("ours 1", "fla delta")]
     print("| T | pass | " + " | ".join(names) + " | ours 1A / fla GLA | ours 1 / fla GDN | ours 1 / fla delta |")

@@ -150,13 +150,16 @@ def fast_weight_prepare_triton(k, v, beta, lam, last_k, offsets, *, max_len: int
 
     Returns:
         x `[N, max_len, H, K]` (k's dtype), y `[N, max_len, H, V]`, eta and log_gamma `[N, max_len, H]` float32: the
-        window-1 `p.X[..., 0, :]`, `p.Y[..., 0, :]`, `p.weights[..., 0, 0]`, `p.log_gamma[..., 0]`.
+        window-1 `p.X[..., 0, :]`, `p.Y[..., 0, :]`, `p.weights[..., 0, 0]`, `p.log_gamma[..., 0]`; but without offsets
+        y is v itself (made contiguous), not `p.Y`, which has zeros where no pair exists: eta is 0 there, so the scans
+        read neither (`prepare.py`).
     """
     shifted = pairing == "shifted"
     last_k = last_k.to(k.dtype) if shifted and last_k is not None else None
-    return torch.ops.hybridlm.fast_weight_prepare_fwd(
+    x, y, eta, log_gamma = torch.ops.hybridlm.fast_weight_prepare_fwd(
         k, v, beta.to(torch.float32), lam.to(torch.float32), last_k, offsets, seq_idx, int(max_len), shifted,
         step_size == "nlms", bool(ridge_scaling), float(eps), float(eps_gamma))
+    return x, (y if offsets is not None else v.contiguous()), eta, log_gamma
 
 
 def fast_weight_window_prepare_triton(k, v, beta, lam, last_k, tail_x, tail_v, tail_len, *, window: int,
@@ -423,7 +426,8 @@ def _register_prepare() -> None:
     def fwd(k, v, beta, lam, last_k, offsets, seq_idx, max_len, shifted, nlms, ridge_scaling, eps, eps_gamma):
         from hybridlm.ops.fast_weight.triton import prepare
 
-        k, v, beta, lam = (t.contiguous() for t in (k, v, beta, lam))
+        k, beta, lam = (t.contiguous() for t in (k, beta, lam))
+        v = v.contiguous() if offsets is not None else v  # read for packed rows only (`prepare.value_rows`)
         last_k, seq_idx = (None if t is None else t.contiguous() for t in (last_k, seq_idx))
         with on_tensor_device(k):
             return prepare.forward(k, v, beta, lam, last_k, offsets, seq_idx, max_len, shifted, nlms, ridge_scaling,
@@ -431,14 +435,17 @@ def _register_prepare() -> None:
 
     @fwd.register_fake
     def _(k, v, beta, lam, last_k, offsets, seq_idx, max_len, shifted, nlms, ridge_scaling, eps, eps_gamma):
+        from hybridlm.ops.fast_weight.triton.prepare import value_rows
+
         N, H = rows(k, offsets), k.shape[2]
         eta = beta.new_empty(N, max_len, H, dtype=torch.float32)
-        return (k.new_empty(N, max_len, H, k.shape[3]), v.new_empty(N, max_len, H, v.shape[3]), eta,
-                torch.empty_like(eta))
+        return (k.new_empty(N, max_len, H, k.shape[3]), v.new_empty(N, value_rows(offsets, max_len), H, v.shape[3]),
+                eta, torch.empty_like(eta))
 
     # The backward takes the forward's outputs x and y in place of k and v (`prepare.backward`): x holds every key a
     # pair reads, y gives dv's shape and dtype. Both stay alive for the scan's own backward, so keeping them costs
     # nothing, where keeping v (a slice of the mixer's conv output) would hold that whole output until the backward.
+    # Without offsets y has no rows: the scan reads v (a contiguous copy where v is a slice) and gives dv itself.
     @torch.library.custom_op("hybridlm::fast_weight_prepare_bwd", mutates_args=(),
                              schema="(Tensor dx, Tensor dy, Tensor deta, Tensor dlog_gamma, Tensor x, Tensor y, "
                                     f"{_PREP_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
@@ -458,8 +465,9 @@ def _register_prepare() -> None:
     def _(dx, dy, deta, dlog_gamma, x, y, beta, lam, last_k, offsets, seq_idx, max_len, shifted, nlms, ridge_scaling,
           eps, eps_gamma):
         K, V = x.shape[-1], y.shape[-1]
-        return (x.new_empty(*beta.shape, K), y.new_empty(*beta.shape, V), beta.new_empty(beta.shape),
-                lam.new_empty(lam.shape), x.new_empty(x.shape[0], x.shape[2], K))
+        return (x.new_empty(*beta.shape, K), y.new_empty(*beta.shape, V) if offsets is not None else
+                y.new_empty(x.shape[0], 0, x.shape[2], V), beta.new_empty(beta.shape), lam.new_empty(lam.shape),
+                x.new_empty(x.shape[0], x.shape[2], K))
 
     def setup_context(ctx, inputs, output):
         beta, lam, last_k, offsets, seq_idx = inputs[2:7]
@@ -471,6 +479,7 @@ def _register_prepare() -> None:
         x, y, beta, lam, last_k, offsets, seq_idx = ctx.saved_tensors
         dk, dv, dbeta, dlam, dlast = bwd(dx, dy, deta, dlog_gamma, x, y, beta, lam, last_k, offsets, seq_idx,
                                          *ctx.options)
+        dv = dv if offsets is not None else None  # on rows y is v (fast_weight_prepare_triton): the scan gives dv
         return (dk, dv, dbeta, dlam, None if last_k is None else dlast) + (None,) * 8  # offsets .. eps_gamma
 
     fwd.register_autograd(backward, setup_context=setup_context)

@@ -34,6 +34,10 @@ zero within its document). Every later exponent the scan kernels take is a diffe
 holds -100 either on both sides (the same document) or on one (another: ~0).
 
 Outputs are padded rows [N, T_pad, H, *] (T_pad = the longest sequence); padded steps hold zeros (eta = 0, lg = 0).
+y is written only for packed rows (VALUES), which it pads: on rows it would be v itself but where no pair exists,
+and there eta = 0, so no write of the scan reads y_t (every term it enters carries eta_t) and its gradient dy_t is
+exactly 0. The caller hands v to the scan in y's place (`custom_ops.fast_weight_prepare_triton`), v's gradient is
+the scan's dy, and neither the copy nor its backward runs.
 Divisions are IEEE (`div_rn`; Triton's `/` compiles to the approximate div.full.f32 on NVIDIA GPUs), as torch's.
 """
 
@@ -168,19 +172,21 @@ def prepare_fwd_kernel(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, s
                        lg_ptr, T_pad, H, eps, one_minus_eps_gamma, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SHIFTED: tl.constexpr,
                        HAS_LAST: tl.constexpr, PACKED: tl.constexpr, NLMS: tl.constexpr, SCALED: tl.constexpr,
-                       SEQ: tl.constexpr):
-    """x [N, T_pad, H, K], y [N, T_pad, H, V] (k's / v's dtype), eta and lg [N, T_pad, H] float32.
+                       SEQ: tl.constexpr, VALUES: tl.constexpr):
+    """x [N, T_pad, H, K], y [N, T_pad, H, V] (k's / v's dtype; VALUES only), eta and lg [N, T_pad, H] float32.
     Grid (cdiv(T_pad, BT), N * H)."""
     i_n, i_h, t, _, exists, _, src, ck, kmask, x, _, _, _, _, _, _, eta, _, _, lg = _steps(
         k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, seq_ptr, T_pad, H, eps, one_minus_eps_gamma, K, V,
         BT, BK, BV, SHIFTED, HAS_LAST, PACKED, NLMS, SCALED, SEQ, False)
-    cv = tl.arange(0, BV)
-    vmask = cv < V
-    y = tl.load(v_ptr + (src * H + i_h)[:, None] * V + cv[None, :], mask=exists[:, None] & vmask[None, :], other=0.0)
     rows = (i_n.to(tl.int64) * T_pad + t) * H + i_h                                     # padded output rows [BT]
     inside = t < T_pad
     tl.store(x_ptr + rows[:, None] * K + ck[None, :], x, mask=inside[:, None] & kmask[None, :])
-    tl.store(y_ptr + rows[:, None] * V + cv[None, :], y, mask=inside[:, None] & vmask[None, :])
+    if VALUES:
+        cv = tl.arange(0, BV)
+        vmask = cv < V
+        y = tl.load(v_ptr + (src * H + i_h)[:, None] * V + cv[None, :], mask=exists[:, None] & vmask[None, :],
+                    other=0.0)
+        tl.store(y_ptr + rows[:, None] * V + cv[None, :], y, mask=inside[:, None] & vmask[None, :])
     tl.store(eta_ptr + rows, eta, mask=inside)
     tl.store(lg_ptr + rows, lg, mask=inside)
 
@@ -190,11 +196,11 @@ def prepare_bwd_kernel(x_ptr, beta_ptr, lam_ptr, offsets_ptr, seq_ptr, dx_ptr, d
                        dv_ptr, dbeta_ptr, dlam_ptr, dlast_ptr, T_pad, H, eps, one_minus_eps_gamma, K: tl.constexpr,
                        V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SHIFTED: tl.constexpr,
                        HAS_LAST: tl.constexpr, PACKED: tl.constexpr, NLMS: tl.constexpr, SCALED: tl.constexpr,
-                       SEQ: tl.constexpr):
-    """dk, dv (x's / dy's dtype, laid out as k, v), d beta, d lam (float32, as beta, lam) and d last_k [N, H, K] for
-    the gradients of x, y, eta, lg (padded rows), from the forward's x (its keys: k itself is not kept) and beta, lam.
-    dk must be zeros on entry (shifted: each row's last key feeds no write here); every other output is written
-    wherever it exists. Grid (cdiv(T_pad, BT), N * H)."""
+                       SEQ: tl.constexpr, VALUES: tl.constexpr):
+    """dk, dv (x's / dy's dtype, laid out as k, v; dv with VALUES only), d beta, d lam (float32, as beta, lam) and
+    d last_k [N, H, K] for the gradients of x, y, eta, lg (padded rows), from the forward's x (its keys: k itself is
+    not kept) and beta, lam. Every row of every output is written (shifted: a sequence's last key feeds no write
+    here, so its dk row gets zeros). Grid (cdiv(T_pad, BT), N * H)."""
     i_n, i_h, t, valid, exists, restart, src, ck, kmask, _, xf, E, beta, _, ridge, denom, eta, a, alpha, _ = _steps(
         x_ptr, x_ptr, beta_ptr, lam_ptr, x_ptr, offsets_ptr, seq_ptr, T_pad, H, eps, one_minus_eps_gamma, K, V,
         BT, BK, BV, SHIFTED, HAS_LAST, PACKED, NLMS, SCALED, SEQ, True)
@@ -212,17 +218,24 @@ def prepare_bwd_kernel(x_ptr, beta_ptr, lam_ptr, offsets_ptr, seq_ptr, dx_ptr, d
     if SHIFTED:
         prev = (src - 1) * H + i_h
         tl.store(dk_ptr + prev[:, None] * K + ck[None, :], g_x, mask=(valid & (t >= 1))[:, None] & kmask[None, :])
+        if PACKED:
+            last_row = t == tl.load(offsets_ptr + i_n + 1) - tl.load(offsets_ptr + i_n) - 1
+        else:
+            last_row = t == T_pad - 1
+        tl.store(dk_ptr + (src * H + i_h)[:, None] * K + ck[None, :], tl.zeros_like(g_x),
+                 mask=last_row[:, None] & kmask[None, :])
         if HAS_LAST:
             head = (i_n * H + i_h).to(tl.int64) * K
             tl.store(dlast_ptr + head + ck[None, :] + 0 * t[:, None], g_x, mask=(t == 0)[:, None] & kmask[None, :])
     else:
         tl.store(dk_ptr + (src * H + i_h)[:, None] * K + ck[None, :], g_x, mask=valid[:, None] & kmask[None, :])
 
-    cv = tl.arange(0, BV)
-    vmask = cv < V
-    dy = tl.load(dy_ptr + rows[:, None] * V + cv[None, :], mask=valid[:, None] & vmask[None, :], other=0.0)
-    dy = tl.where(exists[:, None], dy, 0.0).to(dv_ptr.dtype.element_ty)
-    tl.store(dv_ptr + (src * H + i_h)[:, None] * V + cv[None, :], dy, mask=valid[:, None] & vmask[None, :])
+    if VALUES:
+        cv = tl.arange(0, BV)
+        vmask = cv < V
+        dy = tl.load(dy_ptr + rows[:, None] * V + cv[None, :], mask=valid[:, None] & vmask[None, :], other=0.0)
+        dy = tl.where(exists[:, None], dy, 0.0).to(dv_ptr.dtype.element_ty)
+        tl.store(dv_ptr + (src * H + i_h)[:, None] * V + cv[None, :], dy, mask=valid[:, None] & vmask[None, :])
 
 
 def _launch(k, v, offsets, max_len):
@@ -238,7 +251,12 @@ def _launch(k, v, offsets, max_len):
 
 def _flags(last_k, offsets, seq_idx, shifted, nlms, ridge_scaling):
     return {"SHIFTED": shifted, "HAS_LAST": shifted and last_k is not None, "PACKED": offsets is not None,
-            "NLMS": nlms, "SCALED": ridge_scaling, "SEQ": seq_idx is not None}
+            "NLMS": nlms, "SCALED": ridge_scaling, "SEQ": seq_idx is not None, "VALUES": offsets is not None}
+
+
+def value_rows(offsets, max_len: int) -> int:
+    """The rows of y the forward writes: max_len for packed rows, none on rows (y is v there: module docstring)."""
+    return 0 if offsets is None else max_len
 
 
 def _pointers(k, last_k, offsets, seq_idx):
@@ -248,13 +266,13 @@ def _pointers(k, last_k, offsets, seq_idx):
 
 def forward(k, v, beta, lam, last_k, offsets, seq_idx, max_len: int, shifted: bool, nlms: bool, ridge_scaling: bool,
             eps: float, eps_gamma: float):
-    """x [N, max_len, H, K] (k's dtype), y [N, max_len, H, V] (v's dtype), eta, log_gamma [N, max_len, H] float32 on
-    contiguous inputs: k [B, T, H, K], v [B, T, H, V], beta, lam [B, T, H] float32, last_k [N, H, K] (k's dtype) or
-    None, offsets [N + 1] int64 on k's device or None (then N = B and max_len = T), seq_idx [B, T] integers (a
-    document index per step; without offsets) or None."""
+    """x [N, max_len, H, K] (k's dtype), y [N, value_rows, H, V] (v's dtype; no rows without offsets: v takes its
+    place), eta, log_gamma [N, max_len, H] float32 on contiguous inputs: k [B, T, H, K], v [B, T, H, V], beta, lam
+    [B, T, H] float32, last_k [N, H, K] (k's dtype) or None, offsets [N + 1] int64 on k's device or None (then N = B
+    and max_len = T), seq_idx [B, T] integers (a document index per step; without offsets) or None."""
     N, H, K, V, grid, sizes = _launch(k, v, offsets, max_len)
     x = k.new_empty(N, max_len, H, K)
-    y = v.new_empty(N, max_len, H, V)
+    y = v.new_empty(N, value_rows(offsets, max_len), H, V)
     eta = torch.empty(N, max_len, H, dtype=torch.float32, device=k.device)
     lg = torch.empty_like(eta)
     prepare_fwd_kernel[grid](
@@ -265,15 +283,15 @@ def forward(k, v, beta, lam, last_k, offsets, seq_idx, max_len: int, shifted: bo
 
 def backward(dx, dy, deta, dlg, x, y, beta, lam, last_k, offsets, seq_idx, max_len: int, shifted: bool, nlms: bool,
              ridge_scaling: bool, eps: float, eps_gamma: float):
-    """dk, dv ([B, T, H, K] / [B, T, H, V] as beta's rows, in x's / y's dtype), d beta, d lam (float32) and d last_k
-    ([N, H, K], zeros when last_k is None) for the gradients of the forward's four outputs (contiguous, their shapes),
-    from the forward's outputs x and y (y for its shape and dtype only) and its inputs beta, lam, last_k: k and v are
-    not needed, so the autograd formula keeps neither (x holds every key a pair reads)."""
+    """dk, dv ([B, T, H, K] / [B, T, H, V] as beta's rows, in x's / y's dtype; dv without rows when y has none: v's
+    gradient is then the scan's), d beta, d lam (float32) and d last_k ([N, H, K], zeros when last_k is None) for the
+    gradients of the forward's four outputs (contiguous, their shapes), from the forward's outputs x and y (y for its
+    shape and dtype only) and its inputs beta, lam, last_k: k and v are not needed, so the autograd formula keeps
+    neither (x holds every key a pair reads)."""
     N, H, K, V, grid, sizes = _launch(x, y, offsets, max_len)
-    # Every input row is some step's (t < its length), which writes its dv, d beta, d lam (zeros where no pair);
-    # dk: a shifted row's last key feeds no write here (the final state's last_k is taken outside), so zeros first.
-    dk = x.new_zeros(*beta.shape, K) if shifted else x.new_empty(*beta.shape, K)
-    dv = y.new_empty(*beta.shape, V)
+    # Every input row is some step's (t < its length), which writes its dk, dv, d beta, d lam (zeros where no pair).
+    dk = x.new_empty(*beta.shape, K)
+    dv = y.new_empty(*beta.shape, V) if offsets is not None else y.new_empty(N, 0, H, V)
     dbeta = torch.empty_like(beta)
     dlam = torch.empty_like(lam)
     dlast = x.new_zeros(N, H, K)
