@@ -98,9 +98,8 @@ def run_triton(q, k, v, beta, lam, *, rule, chunk_size, initial_state=None, outp
     B, _, H, K = q.shape
     state = initial_state or FastWeightState(S=q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32))
     options = FastWeightOptions(rule=rule, window=WINDOW[rule], chunk_size=chunk_size)
-    o, final = fast_weight_triton(q, k, v, beta, lam, options, initial_state=state, offsets=None,
-                                  fused_preparation=fused_preparation)
-    return o, (final if output_final_state else None)
+    return fast_weight_triton(q, k, v, beta, lam, options, initial_state=state, offsets=None,
+                              fused_preparation=fused_preparation, final_state=output_final_state)
 
 
 def run_chunk(q, k, v, beta, lam, *, rule, chunk_size, initial_state=None, output_final_state=False):

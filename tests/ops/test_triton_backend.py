@@ -18,7 +18,7 @@ from hybridlm.ops import fast_weight_attention
 from hybridlm.ops.fast_weight.triton import AUTO_RULES
 from tests.helpers import rel_err
 from tests.ops.fast_weight_helpers import TOL, make_inputs, prepared, projection, random_state
-from tests.ops.triton_modes import ON_GPU, gpu_only
+from tests.ops.triton_modes import DEVICE, ON_GPU, gpu_only, interpret
 
 
 @gpu_only
@@ -42,6 +42,30 @@ def test_front_door(rule, dtype):
     grads = torch.autograd.grad((o.double() * w_o.cuda()).sum() + (s.S.double() * w_S.cuda()).sum(), gpu)
     for grad, grad_ref in zip(grads, grads_ref):
         assert rel_err(grad.cpu(), grad_ref) < TOL[dtype]
+
+
+@interpret
+@pytest.mark.parametrize("rule,window,packed", [("1A", 1, False), ("1A", 1, True), ("1", 1, False), ("3A", 3, False),
+                                                ("3A", 3, True), ("2A", 1, False)])
+def test_without_final_state(rule, window, packed):
+    """output_final_state=False (a training step: the backend then skips assembling the final state) gives the same
+    outputs and gradients as output_final_state=True, bit for bit, and no state; from a carried state (rule 3A's
+    with its tail), through the fused preparations (rows) and prepare_writes (packed 3A)."""
+    B, T, H, K, V = (1, 40, 2, 16, 24) if packed else (2, 23, 2, 16, 24)
+    cu_seqlens = torch.tensor([0, 9, 31, 40]) if packed else None
+    n = 3 if packed else B
+    inputs = [t.to(DEVICE) for t in make_inputs(rule, B=B, T=T, H=H, K=K, V=V, dtype=torch.float32)]
+    state = random_state(n, H, K, V, window=window, dtype=torch.float32).to(DEVICE)
+    w_o = projection(inputs[2].cpu(), inputs[2].cpu())[0].to(DEVICE, torch.float32)  # o has v's shape
+    results = []
+    for final_state in (True, False):
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+        o, s = fast_weight_attention(*leaves, rule=rule, window=window, backend="triton", initial_state=state,
+                                     output_final_state=final_state, cu_seqlens=cu_seqlens)
+        results.append((o, s, torch.autograd.grad((o * w_o).sum(), leaves)))
+    (o1, s1, g1), (o0, s0, g0) = results
+    assert s1 is not None and s0 is None
+    assert torch.equal(o0, o1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
 
 
 @pytest.mark.skipif(not ON_GPU or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

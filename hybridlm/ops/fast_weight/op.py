@@ -132,7 +132,7 @@ def fast_weight_attention(
                              "use backend='chunk' (or 'auto') here")
         with torch.autocast(q.device.type, enabled=False):
             o, final = _triton_in_row_groups(q, k, v, beta, lam, options, state=state, offsets=offsets,
-                                             seq_idx=seq_idx)
+                                             seq_idx=seq_idx, final_state=output_final_state)
         return o.to(out_dtype), (final if output_final_state else None)
     q, k, v, beta, lam = (t.to(dtype) for t in (q, k, v, beta, lam))
     # The recurrence stays in `dtype` under a caller's bf16 autocast (its matmuls would otherwise run in bf16).
@@ -290,18 +290,19 @@ def fast_weight_mixer_decoding_step(
     return y[:, None], conv, FastWeightState(S=S, last_k=last if shifted else None)
 
 
-def _triton_in_row_groups(q, k, v, beta, lam, options, *, state, offsets, seq_idx):
+def _triton_in_row_groups(q, k, v, beta, lam, options, *, state, offsets, seq_idx, final_state: bool):
     """`fast_weight_triton` once per group of sequences that keeps its launches within CUDA's grid: one call for the
     usual shapes; more for sequences x heads > 65535 (a synthetic task's 8192 rows x 8 heads, thousands of packed
-    documents), whose outputs and final states are joined in order (`call_in_row_groups`)."""
+    documents), whose outputs and final states are joined in order (`call_in_row_groups`). Without `final_state`
+    the final state is None."""
 
     def call(steps, rows, group_offsets):
         *inputs, group_seq_idx = steps
         return fast_weight_triton(*inputs, options, initial_state=rows[0], offsets=group_offsets,
-                                  seq_idx=group_seq_idx)
+                                  seq_idx=group_seq_idx, final_state=final_state)
 
     return call_in_row_groups(call, [q, k, v, beta, lam, seq_idx], [state], heads=q.shape[2], offsets=offsets,
-                              join_rows=FastWeightState.cat)
+                              join_rows=FastWeightState.cat if final_state else lambda states: None)
 
 
 def _backend(q, v, *, rule, window, packed, backend, inference=False) -> str:

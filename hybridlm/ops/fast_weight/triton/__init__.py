@@ -2,9 +2,10 @@
 launcher modules, which do, are imported on the first call).
 
 Entry points:
-- `fast_weight_triton(q, k, v, beta, lam, options, *, initial_state, offsets, seq_idx)`: the same contract as
-  `chunk.fast_weight_chunk` for the calls of `supports(...)` (rules 1A, 3A, 3 (window <= 64), and 1, 2A and 2 with
-  window 1), i.e. what `fast_weight_attention(..., backend="triton")` runs (`backend.py`).
+- `fast_weight_triton(q, k, v, beta, lam, options, *, initial_state, offsets, seq_idx, final_state)`: the same
+  contract as `chunk.fast_weight_chunk` for the calls of `supports(...)` (rules 1A, 3A, 3 (window <= 64), and 1, 2A
+  and 2 with window 1), i.e. what `fast_weight_attention(..., backend="triton")` runs (`backend.py`); without
+  `final_state` it returns None in the final state's place and skips assembling it.
 - `fast_weight_{1a,1,3,2a,2}_triton(q, x, y, eta, log_gamma, S0, *, read_after, chunk_size)`: one rule's scan on
   prepared writes (chunk.py's pipeline after its step 3), forward and backward in Triton, as `torch.library` custom
   ops (`hybridlm::fast_weight_{1a,1,3,2a,2}_{fwd,bwd}`, `custom_ops.py`, registered on the first call), so that

@@ -78,7 +78,8 @@ def fast_weight_triton(
     offsets: torch.Tensor | None,
     seq_idx: torch.Tensor | None = None,
     fused_preparation: bool = True,
-) -> tuple[torch.Tensor, FastWeightState]:
+    final_state: bool = True,
+) -> tuple[torch.Tensor, FastWeightState | None]:
     """Rules 1A / 3A / 1 / 3 / 2A / 2 through the Triton kernels. `options.chunk_size` is rounded to a power of two
     in [16, 128] (rules 2A and 2: 16, whatever is asked; their intra-chunk work is O(C^2 V) exponentials per chunk, as
     in chunk.py); for rule 3 it counts events (at least one step's slots).
@@ -95,7 +96,11 @@ def fast_weight_triton(
     A single step (T = 1) of rules 1A, 1, 2A, 2 without packed sequences and without a gradient to record (a
     decoding step) runs as one kernel (`step.py`) instead.
 
-    Returns o `[B, T, H, V]` in q's dtype and the final state (S float32)."""
+    `final_state=False` (a training step, which discards it): the final state is not assembled, and None is
+    returned in its place. The scans' kernels produce S either way; what is skipped is the torch work around them:
+    rule 3A's last band folded into S, the carried tail and key.
+
+    Returns o `[B, T, H, V]` in q's dtype and the final state (S float32), or None."""
     rule, window, chunk_size, read_after = options.rule, options.window, options.chunk_size, options.read_after
     K, V = q.shape[-1], v.shape[-1]
     if not supports(rule=rule, window=window, K=K, V=V, dtype=q.dtype):
@@ -109,12 +114,14 @@ def fast_weight_triton(
     if (q.shape[1] == 1 and offsets is None and seq_idx is None and step_takes(rule=rule, window=window, K=K, V=V,
                                                                                 dtype=q.dtype)
             and not needs_grad(q, k, v, beta, lam, initial_state.S, initial_state.last_k)):
-        return decoding_step(q, k, v, beta, lam, options, initial_state)
+        o, final = decoding_step(q, k, v, beta, lam, options, initial_state)
+        return o, final if final_state else None
     if fused_preparation and rule in FUSED_RULES and window == 1:
-        return _window_1(q, k, v, beta, lam, options, initial_state=initial_state, offsets=offsets, seq_idx=seq_idx)
+        return _window_1(q, k, v, beta, lam, options, initial_state=initial_state, offsets=offsets, seq_idx=seq_idx,
+                         final_state=final_state)
     if (fused_preparation and rule == "3A" and 1 < window <= MAX_PREPARED_WINDOW and offsets is None
             and seq_idx is None):
-        return _window_prepared(q, k, v, beta, lam, options, initial_state=initial_state)
+        return _window_prepared(q, k, v, beta, lam, options, initial_state=initial_state, final_state=final_state)
     p = prepare_writes(q, k, v, beta, lam, options, initial_state=initial_state, offsets=offsets, seq_idx=seq_idx)
     N, T, H, _ = p.q.shape
     W = window
@@ -126,15 +133,15 @@ def fast_weight_triton(
         if offsets is not None:
             o = padded_to_packed(o, offsets)
         p.final.S = S
-        return o, p.final
+        return o, p.final if final_state else None
 
     if rule == "3A" and window > 1:
         o, S = _delayed_window(p, initial_state.S.float(), read_after=read_after,
-                               chunk_size=triton_chunk_size(chunk_size, cap=128))
+                               chunk_size=triton_chunk_size(chunk_size, cap=128), final_state=final_state)
         if offsets is not None:
             o = padded_to_packed(o, offsets)
         p.final.S = S
-        return o, p.final
+        return o, p.final if final_state else None
 
     # The 1A / 1 scan over the T * P events (the events of step t are (t, 0), ..., (t, P - 1)): P = 1 for window 1;
     # rule 3's steps are padded to P = a power of two >= W with events that write nothing.
@@ -165,11 +172,11 @@ def fast_weight_triton(
     if offsets is not None:
         o = padded_to_packed(o, offsets)
     p.final.S = S
-    return o, p.final
+    return o, p.final if final_state else None
 
 
-def _delayed_window(p: PreparedWrites, S0: torch.Tensor, *, read_after: bool,
-                    chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _delayed_window(p: PreparedWrites, S0: torch.Tensor, *, read_after: bool, chunk_size: int,
+                    final_state: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Rule 3A (window W > 1) on prepare_writes' windows as 1A over delayed writes plus the band of the W-1 pairs
     still being written (README.md, "Rule 3A as delayed writes"). p.x_ext / p.y_ext [N, W-1+T, H, *] are the pairs
     with the carried tail in front (ext row e = pair e-W+1, so slot j of step t is ext row t + j; p.X / p.Y are their
@@ -178,7 +185,8 @@ def _delayed_window(p: PreparedWrites, S0: torch.Tensor, *, read_after: bool,
     decay)."""
     lg = p.log_gamma[..., 0]                                                               # [N, T, H]
     C = window_coefficients(p.weights[..., 0], lg)
-    return _delayed_scan(p.q, p.x_ext, p.y_ext, C, lg, S0, read_after=read_after, chunk_size=chunk_size)
+    return _delayed_scan(p.q, p.x_ext, p.y_ext, C, lg, S0, read_after=read_after, chunk_size=chunk_size,
+                         final_state=final_state)
 
 
 def window_coefficients(w: torch.Tensor, lg: torch.Tensor) -> torch.Tensor:
@@ -192,9 +200,10 @@ def window_coefficients(w: torch.Tensor, lg: torch.Tensor) -> torch.Tensor:
     return C
 
 
-def _delayed_scan(q, x_ext, y_ext, C, lg, S0, *, read_after: bool, chunk_size: int):
+def _delayed_scan(q, x_ext, y_ext, C, lg, S0, *, read_after: bool, chunk_size: int, final_state: bool = True):
     """The 1A scan over the delayed writes (x_ext, y_ext [N, W-1+T, H, *], C [N, T, H, W], lg [N, T, H]; README.md,
-    "Rule 3A as delayed writes") plus the band -> o [N, T, H, V] in q's dtype and the final state float32."""
+    "Rule 3A as delayed writes") plus the band -> o [N, T, H, V] in q's dtype and the final state float32 (the
+    scan's alone, without the last step's band, where `final_state` is False: the caller discards it)."""
     T = q.shape[1]
     x_q, y_q = x_ext.to(q.dtype), y_ext.to(q.dtype)  # (already in q's dtype: the op keeps k and v's)
     band = C[..., 1:]                                                                      # [N, T, H, W-1]
@@ -203,13 +212,15 @@ def _delayed_scan(q, x_ext, y_ext, C, lg, S0, *, read_after: bool, chunk_size: i
     # The delayed writes are the first T ext rows, which the scan reads in place.
     o, S = fast_weight_delayed_triton(q, x_q, y_q, C[..., 0].contiguous(), lg.contiguous(),
                                       band.float().contiguous(), S0, read_after=read_after, chunk_size=chunk_size)
+    if not final_state:
+        return o, S
     # The last step's band (ext rows T .. T+W-2) enters the final state.
     S = S + torch.einsum("nhj,njhk,njhv->nhkv", C[:, -1, :, 1:], x_ext[:, T:].float(), y_ext[:, T:].float())
     return o, S
 
 
-def _window_prepared(q, k, v, beta, lam, options: FastWeightOptions, *,
-                     initial_state: FastWeightState) -> tuple[torch.Tensor, FastWeightState]:
+def _window_prepared(q, k, v, beta, lam, options: FastWeightOptions, *, initial_state: FastWeightState,
+                     final_state: bool = True) -> tuple[torch.Tensor, FastWeightState | None]:
     """Rule 3A (window W > 1) on rows with the fused preparation: the pairs, log decays and delayed-write coefficients
     of prepare_writes and `window_coefficients` from window_prepare.py's kernels, then `_delayed_scan`."""
     shifted, W, T = options.shifted, options.window, q.shape[1]
@@ -219,7 +230,9 @@ def _window_prepared(q, k, v, beta, lam, options: FastWeightOptions, *,
         pairing=options.pairing, step_size=options.step_size, ridge_scaling=options.ridge_scaling, eps=options.eps,
         eps_gamma=options.eps_gamma)
     o, S = _delayed_scan(q, x_ext, y_ext, C, lg, state.S.float(), read_after=options.read_after,
-                         chunk_size=triton_chunk_size(options.chunk_size, cap=128))
+                         chunk_size=triton_chunk_size(options.chunk_size, cap=128), final_state=final_state)
+    if not final_state:
+        return o, None
     stat = compute_dtype(k.dtype)
     # The final tail is ext rows T .. T+W-2: each of its pairs exists but a fresh shifted row's pair 0, and where
     # T < W-1 it keeps the carried tail's slots T .. W-2, whose last tail_len hold pairs.
@@ -254,15 +267,15 @@ def decoding_step(q, k, v, beta, lam, options: FastWeightOptions, state: FastWei
     return o[:, None], FastWeightState(S=S, last_k=last_k if shifted else None)
 
 
-def _window_1(q, k, v, beta, lam, options: FastWeightOptions, *, initial_state, offsets,
-              seq_idx=None) -> tuple[torch.Tensor, FastWeightState]:
+def _window_1(q, k, v, beta, lam, options: FastWeightOptions, *, initial_state, offsets, seq_idx=None,
+              final_state: bool = True) -> tuple[torch.Tensor, FastWeightState | None]:
     """Rules 1A / 1 with the fused preparation: the write events of prepare_writes (window 1) from one kernel."""
     shifted = options.shifted
     if offsets is not None:
         ends = offsets[1:] - 1                                                             # each sequence's last step
         max_len = int((offsets[1:] - offsets[:-1]).max())
         q_rows = packed_to_padded(q, offsets)
-        last = k[0, host_to_device(ends, k.device)] if shifted else None                   # [N, H, K]
+        last = k[0, host_to_device(ends, k.device)] if shifted and final_state else None   # [N, H, K]
         device_offsets = host_to_device(offsets.to(torch.int64), q.device)
     else:
         max_len = q.shape[1]
@@ -280,5 +293,7 @@ def _window_1(q, k, v, beta, lam, options: FastWeightOptions, *, initial_state, 
                 read_after=options.read_after, chunk_size=chunk)
     if offsets is not None:
         o = padded_to_packed(o, offsets)
+    if not final_state:
+        return o, None
     return o, FastWeightState(S=S, last_k=None if last is None else last.to(compute_dtype(k.dtype)))
 
