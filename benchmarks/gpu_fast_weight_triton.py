@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_fast_weight_triton.py                          # 1A, B=8 H=16 D=128 bf16, T 2048 4096 16384
     python benchmarks/gpu_fast_weight_triton.py --rules 1A 3A --T 2048 4096
+    python benchmarks/gpu_fast_weight_triton.py --rules 1A 3A --T 4096 16384 --triton-only --cuda-graph  # A/B of trees
 
 First checks the Triton backend against the chunk backend at one shape for each rule (float32 and bf16; outputs,
 final state and every gradient) and stops if they disagree. Then times (median of `triton.testing.do_bench`)
@@ -177,6 +178,9 @@ def main() -> None:
     parser.add_argument("--compiled-triton", action="store_true",
                         help="also time the triton op under torch.compile (its torch preparation fused by inductor)")
     parser.add_argument("--no-chunk", action="store_true", help="skip the (slow) eager torch chunk path")
+    parser.add_argument("--triton-only", action="store_true",
+                        help="time SDPA and the triton op alone (no chunk path, kernels, torch preparation, scan "
+                             "or walk variants): an A/B of two trees compiles and runs in a fraction of the time")
     parser.add_argument("--documents", type=int, default=0,
                         help="time D packed documents per row instead: seq_idx in place vs cu_seqlens")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU time of the triton op at the longest T")
@@ -225,7 +229,8 @@ def main() -> None:
             for rule in args.rules:
                 for line in time_one(rule, args.B, T, args.H, args.D, torch.bfloat16, chunk_size=args.chunk_size,
                                      compiled_chunk=args.compiled_chunk, compiled_triton=args.compiled_triton,
-                                     eager_chunk=not args.no_chunk):
+                                     eager_chunk=not (args.no_chunk or args.triton_only),
+                                     variants=not args.triton_only):
                     print(line, flush=True)
                 torch.cuda.empty_cache()
     else:
@@ -347,8 +352,10 @@ def time_documents(rule, B, T, H, D, documents, *, chunk_size) -> str:
             f"{ms_in_place / ms_packed:.2f}x |")
 
 
-def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compiled_triton=False, eager_chunk=True):
-    """The table rows (fwd, fwd+bwd) of one rule and sequence length."""
+def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compiled_triton=False, eager_chunk=True,
+             variants=True):
+    """The table rows (fwd, fwd+bwd) of one rule and sequence length; without `variants` only SDPA and the triton op
+    (and what the flags ask for)."""
     chunk_compiled = torch.compile(run_chunk, dynamic=False) if compiled_chunk else None
     triton_compiled = torch.compile(run_triton, dynamic=False) if compiled_triton else None
     q, k, v, beta, lam = inputs = make_inputs(B, T, H, D, dtype)
@@ -380,17 +387,17 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compi
         sdpa = timed(lambda: causal_sdpa(q, k, v))
         triton_ms = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
         torch_prep = kernels = fixed_scan = chunk_parallel = chunk = compiled = compiled_t = False
-        if rule in PREPARED_RULES:
+        if variants and rule in PREPARED_RULES:
             torch_prep = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size,
                                                   fused_preparation=False)[0])
-        if prepared is not None:
+        if variants and prepared is not None:
             kernels = timed(lambda: fast_weight_1a_triton(*prepared, None, read_after=True, chunk_size=chunk_size)[0],
                             inputs=prepared)
         narrows = inner_product.scan_blocks(D, D, B * H) != inner_product.scan_blocks(D, D, B * H, min_programs=0)
-        if rule in ("1A", "3A") and narrows:
+        if variants and rule in ("1A", "3A") and narrows:
             with module_settings(inner_product, SCAN_MIN_PROGRAMS=0):
                 fixed_scan = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
-        if rule in ("1A", "3A") and inner_product.walk_warps(D, D, B * H, dtype):
+        if variants and rule in ("1A", "3A") and inner_product.walk_warps(D, D, B * H, dtype):
             with module_settings(inner_product, **WALK_CONFIGS["chunk-parallel"]):
                 chunk_parallel = timed(lambda: run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0])
         if eager_chunk:
