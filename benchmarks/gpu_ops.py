@@ -84,15 +84,14 @@ def bench(fn, *, backward: bool, inputs) -> float:
     step()
     end.record()
     torch.cuda.synchronize()
+    # Both repeat rep / (their estimate) times: at rep=100 a call over 50 ms would be one sample, not a median
+    rep = max(100.0, 10 * start.elapsed_time(end))
     if TIMING["cuda_graph"]:
         try:
-            return triton.testing.do_bench_cudagraph(step, rep=max(100.0, 10 * start.elapsed_time(end)),
-                                                     return_mode="median")
+            return triton.testing.do_bench_cudagraph(step, rep=rep, return_mode="median")
         except RuntimeError as error:  # a host synchronization inside fn cannot be captured
             print(f"# CUDA graph capture failed ({str(error).splitlines()[0]}); timed with eager launches")
             torch.cuda.synchronize()
-    # do_bench repeats rep / (its estimate) times: at rep=100 a call over 50 ms would be one sample, not a median
-    rep = max(100.0, 10 * start.elapsed_time(end))
     return triton.testing.do_bench(step, warmup=25, rep=rep, return_mode="median")
 
 

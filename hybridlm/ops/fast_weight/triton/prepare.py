@@ -34,7 +34,7 @@ zero within its document). Every later exponent the scan kernels take is a diffe
 holds -100 either on both sides (the same document) or on one (another: ~0).
 
 Outputs are padded rows [N, T_pad, H, *] (T_pad = the longest sequence); padded steps hold zeros (eta = 0, lg = 0).
-y is written only for packed rows (VALUES), which it pads: on rows it would be v itself but where no pair exists,
+y is written only for packed rows (PACKED), which it pads: on rows it would be v itself but where no pair exists,
 and there eta = 0, so no write of the scan reads y_t (every term it enters carries eta_t) and its gradient dy_t is
 exactly 0. The caller hands v to the scan in y's place (`custom_ops.fast_weight_prepare_triton`), v's gradient is
 the scan's dy, and neither the copy nor its backward runs.
@@ -172,8 +172,8 @@ def prepare_fwd_kernel(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, s
                        lg_ptr, T_pad, H, eps, one_minus_eps_gamma, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SHIFTED: tl.constexpr,
                        HAS_LAST: tl.constexpr, PACKED: tl.constexpr, NLMS: tl.constexpr, SCALED: tl.constexpr,
-                       SEQ: tl.constexpr, VALUES: tl.constexpr):
-    """x [N, T_pad, H, K], y [N, T_pad, H, V] (k's / v's dtype; VALUES only), eta and lg [N, T_pad, H] float32.
+                       SEQ: tl.constexpr):
+    """x [N, T_pad, H, K], y [N, T_pad, H, V] (k's / v's dtype; PACKED only), eta and lg [N, T_pad, H] float32.
     Grid (cdiv(T_pad, BT), N * H)."""
     i_n, i_h, t, _, exists, _, src, ck, kmask, x, _, _, _, _, _, _, eta, _, _, lg = _steps(
         k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, seq_ptr, T_pad, H, eps, one_minus_eps_gamma, K, V,
@@ -181,7 +181,7 @@ def prepare_fwd_kernel(k_ptr, v_ptr, beta_ptr, lam_ptr, last_ptr, offsets_ptr, s
     rows = (i_n.to(tl.int64) * T_pad + t) * H + i_h                                     # padded output rows [BT]
     inside = t < T_pad
     tl.store(x_ptr + rows[:, None] * K + ck[None, :], x, mask=inside[:, None] & kmask[None, :])
-    if VALUES:
+    if PACKED:  # y is written (`value_rows`)
         cv = tl.arange(0, BV)
         vmask = cv < V
         y = tl.load(v_ptr + (src * H + i_h)[:, None] * V + cv[None, :], mask=exists[:, None] & vmask[None, :],
@@ -196,8 +196,8 @@ def prepare_bwd_kernel(x_ptr, beta_ptr, lam_ptr, offsets_ptr, seq_ptr, dx_ptr, d
                        dv_ptr, dbeta_ptr, dlam_ptr, dlast_ptr, T_pad, H, eps, one_minus_eps_gamma, K: tl.constexpr,
                        V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SHIFTED: tl.constexpr,
                        HAS_LAST: tl.constexpr, PACKED: tl.constexpr, NLMS: tl.constexpr, SCALED: tl.constexpr,
-                       SEQ: tl.constexpr, VALUES: tl.constexpr):
-    """dk, dv (x's / dy's dtype, laid out as k, v; dv with VALUES only), d beta, d lam (float32, as beta, lam) and
+                       SEQ: tl.constexpr):
+    """dk, dv (x's / dy's dtype, laid out as k, v; dv with PACKED only), d beta, d lam (float32, as beta, lam) and
     d last_k [N, H, K] for the gradients of x, y, eta, lg (padded rows), from the forward's x (its keys: k itself is
     not kept) and beta, lam. Every row of every output is written (shifted: a sequence's last key feeds no write
     here, so its dk row gets zeros). Grid (cdiv(T_pad, BT), N * H)."""
@@ -230,7 +230,7 @@ def prepare_bwd_kernel(x_ptr, beta_ptr, lam_ptr, offsets_ptr, seq_ptr, dx_ptr, d
     else:
         tl.store(dk_ptr + (src * H + i_h)[:, None] * K + ck[None, :], g_x, mask=valid[:, None] & kmask[None, :])
 
-    if VALUES:
+    if PACKED:  # y is written (`value_rows`)
         cv = tl.arange(0, BV)
         vmask = cv < V
         dy = tl.load(dy_ptr + rows[:, None] * V + cv[None, :], mask=valid[:, None] & vmask[None, :], other=0.0)
@@ -251,7 +251,7 @@ def _launch(k, v, offsets, max_len):
 
 def _flags(last_k, offsets, seq_idx, shifted, nlms, ridge_scaling):
     return {"SHIFTED": shifted, "HAS_LAST": shifted and last_k is not None, "PACKED": offsets is not None,
-            "NLMS": nlms, "SCALED": ridge_scaling, "SEQ": seq_idx is not None, "VALUES": offsets is not None}
+            "NLMS": nlms, "SCALED": ridge_scaling, "SEQ": seq_idx is not None}
 
 
 def value_rows(offsets, max_len: int) -> int:
