@@ -280,7 +280,7 @@ def _window_1(q, k, v, beta, lam, options: FastWeightOptions, *, initial_state, 
     else:
         max_len = q.shape[1]
         q_rows = q
-        last = k[:, -1] if shifted else None
+        last = k[:, -1] if shifted and final_state else None
         device_offsets = None
     x, y, eta, log_gamma = fast_weight_prepare_triton(
         k, v, beta, lam, initial_state.last_k if shifted else None, device_offsets, max_len=max_len,

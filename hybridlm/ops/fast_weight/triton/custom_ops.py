@@ -464,10 +464,11 @@ def _register_prepare() -> None:
     @bwd.register_fake
     def _(dx, dy, deta, dlog_gamma, x, y, beta, lam, last_k, offsets, seq_idx, max_len, shifted, nlms, ridge_scaling,
           eps, eps_gamma):
-        K, V = x.shape[-1], y.shape[-1]
-        return (x.new_empty(*beta.shape, K), y.new_empty(*beta.shape, V) if offsets is not None else
-                y.new_empty(x.shape[0], 0, x.shape[2], V), beta.new_empty(beta.shape), lam.new_empty(lam.shape),
-                x.new_empty(x.shape[0], x.shape[2], K))
+        from hybridlm.ops.fast_weight.triton.prepare import value_grad
+
+        K = x.shape[-1]
+        return (x.new_empty(*beta.shape, K), value_grad(y, beta, offsets), beta.new_empty(beta.shape),
+                lam.new_empty(lam.shape), x.new_empty(x.shape[0], x.shape[2], K))
 
     def setup_context(ctx, inputs, output):
         beta, lam, last_k, offsets, seq_idx = inputs[2:7]

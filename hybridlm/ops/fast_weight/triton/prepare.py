@@ -259,6 +259,12 @@ def value_rows(offsets, max_len: int) -> int:
     return 0 if offsets is None else max_len
 
 
+def value_grad(y: torch.Tensor, beta: torch.Tensor, offsets) -> torch.Tensor:
+    """The backward's dv buffer: v's rows (as beta's) for packed rows; none on rows (v's gradient is the scan's)."""
+    N, _, H, V = y.shape
+    return y.new_empty(*beta.shape, V) if offsets is not None else y.new_empty(N, 0, H, V)
+
+
 def _pointers(k, last_k, offsets, seq_idx):
     """The optional inputs' pointers (k where absent: never read)."""
     return tuple(k if t is None else t for t in (last_k, offsets, seq_idx))
@@ -288,10 +294,10 @@ def backward(dx, dy, deta, dlg, x, y, beta, lam, last_k, offsets, seq_idx, max_l
     gradients of the forward's four outputs (contiguous, their shapes), from the forward's outputs x and y (y for its
     shape and dtype only) and its inputs beta, lam, last_k: k and v are not needed, so the autograd formula keeps
     neither (x holds every key a pair reads)."""
-    N, H, K, V, grid, sizes = _launch(x, y, offsets, max_len)
+    N, H, K, _, grid, sizes = _launch(x, y, offsets, max_len)
     # Every input row is some step's (t < its length), which writes its dk, dv, d beta, d lam (zeros where no pair).
     dk = x.new_empty(*beta.shape, K)
-    dv = y.new_empty(*beta.shape, V) if offsets is not None else y.new_empty(N, 0, H, V)
+    dv = value_grad(y, beta, offsets)
     dbeta = torch.empty_like(beta)
     dlam = torch.empty_like(lam)
     dlast = x.new_zeros(N, H, K)
