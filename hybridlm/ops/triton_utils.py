@@ -30,7 +30,7 @@ from triton.runtime.autotuner import Autotuner
 
 from hybridlm.ops.utils import MAX_GRID_YZ, cdiv, next_power_of_2, triton_interpreting
 
-TUNED_CONFIGS = tuple(triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2))
+TUNED_STAGES = (1, 2)  # the pipeline stages that autotuning tries (with 4 and 8 warps) unless a kernel names others
 
 
 def block(dim: int, cap: int) -> int:
@@ -61,16 +61,18 @@ def autotuning() -> bool:
 
 
 class CallTimeAutotuner(Autotuner):
-    """`triton.autotune` over `TUNED_CONFIGS` (timings cached on disk) when `autotuning()` holds at the launch, else
-    one launch of `fixed_config` (no timing, nothing cached).
+    """`triton.autotune` over 4 and 8 warps x `tuned_stages` (timings cached on disk) when `autotuning()` holds at the
+    launch, else one launch of `fixed_config` (no timing, nothing cached).
 
     A launch whose key is tuned already goes straight to the kernel with the tuned configuration: the generic
     `Autotuner.run` builds dictionaries of every argument to find it (~10 us of host time per launch, dozens of
     launches per training layer). `tuning_key` computes the generic key's tuple itself, so both read one cache."""
 
-    def __init__(self, fn, key: list[str], *, fixed_warps: int):
-        super().__init__(fn, fn.arg_names, list(TUNED_CONFIGS), key, None, None, cache_results=True)
-        self.fixed_config = triton.Config({}, num_warps=fixed_warps, num_stages=2)
+    def __init__(self, fn, key: list[str], *, fixed_warps: int, fixed_stages: int = 2,
+                 tuned_stages: tuple[int, ...] = TUNED_STAGES):
+        configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in tuned_stages]
+        super().__init__(fn, fn.arg_names, configs, key, None, None, cache_results=True)
+        self.fixed_config = triton.Config({}, num_warps=fixed_warps, num_stages=fixed_stages)
         self._positions = {name: i for i, name in enumerate(self.arg_names)}
 
     def tuning_key(self, args: tuple, kwargs: dict) -> tuple:
@@ -103,9 +105,11 @@ class CallTimeAutotuner(Autotuner):
         return self.fn.run(*args, **kwargs, **config.all_kwargs())
 
 
-def autotune(key: list[str], *, fixed_warps: int):
+def autotune(key: list[str], *, fixed_warps: int, fixed_stages: int = 2,
+             tuned_stages: tuple[int, ...] = TUNED_STAGES):
     """Decorator: the jitted kernel under a `CallTimeAutotuner` for each new value of the `key` arguments."""
-    return lambda fn: CallTimeAutotuner(fn, key, fixed_warps=fixed_warps)
+    return lambda fn: CallTimeAutotuner(fn, key, fixed_warps=fixed_warps, fixed_stages=fixed_stages,
+                                        tuned_stages=tuned_stages)
 
 
 @triton.jit

@@ -1,6 +1,6 @@
-"""Every Triton kernel of hybridlm.ops tunes through `hybridlm.ops.triton_utils.autotune`: four launches with results
-cached on disk, decided at each launch: one fixed launch instead with HYBRIDLM_TRITON_AUTOTUNE=0 or under the
-interpreter, whenever the switch is set. Checked in fresh interpreters (no GPU needed: the launches are recorded, not
+"""Every Triton kernel of hybridlm.ops tunes through `hybridlm.ops.triton_utils.autotune`: four launches (six for
+`grad_qxy_kernel`) with results cached on disk, decided at each launch: one fixed launch instead with
+HYBRIDLM_TRITON_AUTOTUNE=0 or under the interpreter, whenever the switch is set. Checked in fresh interpreters (no GPU needed: the launches are recorded, not
 run), since the test session sets HYBRIDLM_TRITON_AUTOTUNE=0 (triton_modes)."""
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ FOUR_WARPS = ("hybridlm.ops.ssd", "hybridlm.ops.gated_norm.kernels.gated_norm_fw
               "hybridlm.ops.short_conv.kernels.short_conv_bwd_input_kernel",
               "hybridlm.ops.fast_weight.triton.wy.tinv_kernel", "hybridlm.ops.rms_norm",
               "hybridlm.ops.silu_gate")
+# Kernels whose launches differ from the rest: their fixed launch and the stages they tune over.
+OWN_LAUNCHES = {"hybridlm.ops.fast_weight.triton.inner_product_kernels.grad_qxy_kernel": ("4x3", (1, 2, 3))}
 
 
 def autotuners(**env: str) -> dict:
@@ -68,11 +70,12 @@ def autotuners(**env: str) -> dict:
     return json.loads(result.stdout)
 
 
-def test_kernels_tune_over_four_launches_with_cached_results():
+def test_kernels_tune_over_warps_and_stages_with_cached_results():
     found = autotuners()
     assert len(found) == 29, sorted(found)  # 15 fast-weight, 4 SSD, 3 short conv, 3 RMS norm, 2 each gated norm, gate
     for kernel, report in found.items():
-        assert sorted(report["configs"]) == ["4x1", "4x2", "8x1", "8x2"], kernel
+        stages = OWN_LAUNCHES.get(kernel, (None, (1, 2)))[1]
+        assert sorted(report["configs"]) == sorted(f"{w}x{s}" for w in (4, 8) for s in stages), kernel
         assert report["cached"] and report["call_time"], kernel
 
 
@@ -82,7 +85,7 @@ def test_the_switch_is_read_at_each_launch(env):
     switch unset, launches the kernel's fixed configuration with HYBRIDLM_TRITON_AUTOTUNE=0 or under the
     interpreter, and tunes again once the switch is unset."""
     for kernel, report in autotuners(**env).items():
-        fixed = "4x2" if kernel.startswith(FOUR_WARPS) else "8x2"
+        fixed = OWN_LAUNCHES.get(kernel, ("4x2" if kernel.startswith(FOUR_WARPS) else "8x2",))[0]
         assert report["launches"] == ["tuned", fixed, fixed, "tuned"], kernel
 
 

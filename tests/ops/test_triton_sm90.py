@@ -92,17 +92,21 @@ from hybridlm.ops.fast_weight.triton import inner_product_kernels as k
 from hybridlm.ops.fast_weight.triton.inner_product import grad_qxy_blocks
 
 IO = ("q_ptr", "x_ptr", "y_ptr", "do_ptr", "dq_ptr", "dx_ptr", "dy_ptr")
-for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "ieee", dict(K=100, V=40, BT=16))):
+# The launcher's blocks under its fixed launch (4 warps, 3 stages) and the autotuner's widest (8 warps).
+launches = (dict(warps=4, stages=3), dict(warps=8, stages=3))
+for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=64)), ("*fp32", "ieee", dict(K=100, V=40, BT=16)),
+                    ("*fp32", "ieee", dict(K=128, V=128, BT=64))):
+    BK, BV = grad_qxy_blocks(s["K"], s["V"])
     for io_names in ((IO, IO + ("h_ptr", "dh_ptr")) if io == "*bf16" else (IO,)):  # rule 1A's 16-bit states too
-        for read_after in (False, True):
-            build(k.grad_qxy_kernel, dict(s, BK=128, BV=32, READ_AFTER=read_after, PREC=prec), io=io,
-                  io_names=io_names, warps=8)
+        for read_after, launch in itertools.product((False, True), launches):
+            build(k.grad_qxy_kernel, dict(s, BK=BK, BV=BV, READ_AFTER=read_after, PREC=prec), io=io,
+                  io_names=io_names, **launch)
 # The launcher's blocks at small head sizes and every chunk (ptxas 12.8 miscompiles some of them: `grad_qxy_blocks`).
 for io in ("*bf16", "*fp16"):
-    for (K, V), BT in itertools.product(((20, 12), (32, 16), (16, 16), (64, 16), (100, 64)), (16, 32, 64)):
+    for (K, V), BT in itertools.product(((20, 12), (32, 16), (16, 16), (64, 16), (100, 64), (128, 32)), (16, 32, 64)):
         BK, BV = grad_qxy_blocks(K, V)
         build(k.grad_qxy_kernel, dict(K=K, V=V, BT=BT, BK=BK, BV=BV, READ_AFTER=False, PREC="tf32"), io=io,
-              io_names=IO + ("h_ptr", "dh_ptr"), warps=8, stages=2)
+              io_names=IO + ("h_ptr", "dh_ptr"), warps=4, stages=3)
 for io, prec, s in (("*bf16", "tf32", dict(K=128, V=128, BT=16)), ("*fp32", "ieee", dict(K=16, V=8, BT=16))):
     blocks3 = dict(s, BK=min(64, s["K"]), BV=min(32, max(16, s["V"])), READ_AFTER=False, PREC=prec)
     for kernel in (k.grad_v_2a_kernel, k.grad_qx_2a_kernel):

@@ -28,10 +28,11 @@ from hybridlm.ops.triton_utils import block, load_rows, load_steps, row_views, s
 
 
 @triton.jit
-def _scores_and_read(q_ptr, x_ptr, h_ptr, i_n, i_h, i_nh, i_c, t, T, n_chunks, H, K: tl.constexpr, V: tl.constexpr,
+def scores_and_read(q_ptr, x_ptr, h_ptr, i_n, i_h, i_nh, i_c, t, T, n_chunks, H, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, rv, PREC: tl.constexpr):
     """The output kernels' pass over K for chunk i_c and value block rv: the scores q_t . x_s [BT, BT] and the
-    inter-chunk read q_t^T S_c [BT, BV] (S_c = h[c]), both accumulated in fp32."""
+    inter-chunk read q_t^T S_c [BT, BV] (S_c = h[c]), both accumulated in fp32. Rule 1A's gradient kernel passes x
+    for q and the exit states' gradients for h (`inner_product_kernels.grad_qxy_kernel`)."""
     qx = tl.zeros([BT, BT], dtype=tl.float32)
     o_inter = tl.zeros([BT, BV], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -57,8 +58,8 @@ def output_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, h_ptr, o_ptr, T, T_xy, T_
     x_ptr, y_ptr = row_views(x_ptr, y_ptr, i_n, T, T_xy, H, K, V)
     t = i_c * BT + tl.arange(0, BT)
     rv = i_v * BV + tl.arange(0, BV)
-    qx, o_inter = _scores_and_read(q_ptr, x_ptr, h_ptr, i_n, i_h, i_nh, i_c, t, T, n_chunks, H, K, V, BT, BK, BV, rv,
-                                   PREC)
+    qx, o_inter = scores_and_read(q_ptr, x_ptr, h_ptr, i_n, i_h, i_nh, i_c, t, T, n_chunks, H, K, V, BT, BK, BV, rv,
+                                  PREC)
     eta = load_steps(eta_ptr, i_n, i_h, t, T, H)
     L, Lr, _ = chunk_decays(L_ptr, i_nh, i_c, T_pad, BT, READ_AFTER)
     A = qx * causal_decay(L, Lr, BT, READ_AFTER) * eta[None, :]                            # [BT, BT]
@@ -111,8 +112,8 @@ def output_columns_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, h_ptr, o_ptr, T, 
     i_n, i_h = i_nh // H, i_nh % H
     t = i_c * BT + tl.arange(0, BT)
     rv = i_v * BV + tl.arange(0, BV)
-    P, o_inter = _scores_and_read(q_ptr, x_ptr, h_ptr, i_n, i_h, i_nh, i_c, t, T, n_chunks, H, K, V, BT, BK, BV, rv,
-                                  PREC)
+    P, o_inter = scores_and_read(q_ptr, x_ptr, h_ptr, i_n, i_h, i_nh, i_c, t, T, n_chunks, H, K, V, BT, BK, BV, rv,
+                                 PREC)
     L, Lr, _ = column_decays(L_ptr, i_nh, i_c, T_pad, V, BT, rv, READ_AFTER)
     u = load_rows(y_ptr, i_n, i_h, t, T, H, V, rv).to(tl.float32) \
         * load_rows(eta_ptr, i_n, i_h, t, T, H, V, rv).to(tl.float32)                      # [BT, BV]

@@ -93,12 +93,12 @@ def scan_blocks(K: int, V: int, NH: int, min_programs: int | None = None) -> tup
 
 
 def grad_qxy_blocks(K: int, V: int) -> tuple[int, int]:
-    """`grad_qxy_kernel`'s blocks: all of K, and a value block of up to 64 (at K = V = 128 faster than 32 despite its
-    spills, and than 128: benchmarks/RESULTS.md). Never (32, 16): at chunks of 64, ptxas 12.8 (the one triton 3.6
-    ships) builds the kernel with a wgmma descriptor taken from a uniform register that it never sets, and the launch
-    reads shared memory at an address that changes from run to run (`tests/ops/triton_modes.uniform_reads_before_writes`
-    finds such builds), so V <= 16 takes a value block of 32 there."""
-    BK, BV = block(K, 128), block(V, 64)
+    """`grad_qxy_kernel`'s key and value blocks, up to 64 each. Never (32, 16): at chunks of 64, ptxas 12.8 (the one
+    triton 3.6 ships) has built the kernel with a wgmma descriptor taken from a uniform register that it never sets,
+    and the launch then reads shared memory at an address that changes from run to run
+    (`tests/ops/triton_modes.uniform_reads_before_writes` finds such builds), so V <= 16 takes a value block of 32
+    there."""
+    BK, BV = block(K, 64), block(V, 64)
     return (BK, 32) if (BK, BV) == (32, 16) else (BK, BV)
 
 
@@ -108,7 +108,7 @@ class ScalarPlan(ChunkPlan):
     def __init__(self, q: torch.Tensor, y: torch.Tensor, chunk_size: int, read_after: bool):
         super().__init__(q, y, chunk_size, read_after)
         self.BK, self.BV = block(self.K, 64), block(self.V, 64)
-        self.BK_full, self.BV_qx = grad_qxy_blocks(self.K, self.V)  # the dq/dx kernel holds all of K
+        self.BK_qxy, self.BV_qxy = grad_qxy_blocks(self.K, self.V)
         self.walk_sizes = {**self.sizes, "BK": block(self.K, WALK_MAX_DIM), "BV": block(self.V, WALK_MAX_DIM)}
         # The per-chunk states (and their gradients) are stored in the inputs' dtype: every matmul that reads them
         # takes that dtype anyway, so only the exit term of dlog_gamma (<dS_out, S_c>, summed in fp32) sees the
@@ -150,16 +150,23 @@ class ScalarPlan(ChunkPlan):
         return g, dS0
 
     def grad_qxy(self, q, x, y, eta, L, do, states, dstates, lg_dtype):
-        """dq, dx, dy, d eta, d log_gamma of every chunk in one kernel (`grad_qxy_kernel`)."""
+        """dq, dx, dy, d eta, d log_gamma of every chunk in one kernel (`grad_qxy_kernel`); d eta and d log_gamma
+        are sums of one share per key block, summed here where there are several."""
         dq, dx, dy = torch.empty_like(q), torch.empty_like(x), torch.empty_like(y)
         if self.T_xy > self.T:  # rows that are not writes (rule 3A's band rows)
             dx[:, self.T:], dy[:, self.T:] = 0, 0
-        deta = torch.empty_like(eta)
-        dlg = torch.empty(eta.shape, dtype=lg_dtype, device=self.device)
-        inner_product_kernels.grad_qxy_kernel[(self.n_chunks, self.N * self.H)](
+        BK, BV = self.BK_qxy, self.BV_qxy
+        n_k, n_v = -(-self.K // BK), -(-self.V // BV)
+        if n_k == 1:
+            deta, dlg = torch.empty_like(eta), torch.empty(eta.shape, dtype=lg_dtype, device=self.device)
+        else:
+            deta, dlg = torch.empty(2, n_k, *eta.shape, dtype=torch.float32, device=self.device)
+        inner_product_kernels.grad_qxy_kernel[(max(n_k, n_v), self.n_chunks, self.N * self.H)](
             q, x, y, eta, L, do, states, dstates, dq, dx, dy, deta, dlg, self.T, self.T_xy, self.T_pad,
-            self.n_chunks, self.H, **self.sizes, BK=self.BK_full, BV=self.BV_qx, READ_AFTER=self.read_after,
+            self.n_chunks, self.H, eta.numel(), **self.sizes, BK=BK, BV=BV, READ_AFTER=self.read_after,
             PREC=self.prec)
+        if n_k > 1:
+            deta, dlg = deta.sum(0).to(eta.dtype), dlg.sum(0).to(lg_dtype)
         return dq, dx, dy, deta, dlg
 
 

@@ -1,7 +1,7 @@
 """The inner-product family's gradient kernels (rules 1A and 2A; rule 3A runs on 1A's): dq, dx, d eta and
 d log_gamma of every chunk, in parallel, once the state stages (`chunk_state.py`) have given each chunk's entry state
 S_c = h[c] and the gradient of its exit state dS_out = dh[c]. Rule 1A's dy comes from the same kernel as its dq and dx
-(`grad_qxy_kernel`, which already holds every operand of (3'') in `chunk_output.py`); rule 2A's from `grad_v_2a_kernel`.
+(`grad_qxy_kernel`; (3'') in `chunk_output.py`); rule 2A's from `grad_v_2a_kernel`.
 
 Rule 1A (scalar decay; L, Lr, L_last, M as in `chunk_output.py`):
 
@@ -51,15 +51,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hybridlm.ops.fast_weight.triton.chunk_output import scores_and_read
 from hybridlm.ops.fast_weight.triton.chunking import KEY, SIZES, XY_SIZES, autotuned
 from hybridlm.ops.fast_weight.triton.decays import causal_decay, causal_decay_columns, chunk_decays, column_decays
-from hybridlm.ops.triton_utils import load_rows, load_steps, row_views, state_offsets, store_rows
+from hybridlm.ops.triton_utils import autotune, load_rows, load_steps, row_views, state_offsets, store_rows
 
 
-@autotuned(KEY)
-@triton.jit(do_not_specialize=XY_SIZES)
+# 4 warps and 3 pipeline stages: two programs per SM by registers (8 warps fit one), and 3 stages overlap the walks'
+# loads (K = V = 128, chunk 64: benchmarks/RESULTS.md).
+@autotune(KEY, fixed_warps=4, fixed_stages=3, tuned_stages=(1, 2, 3))
+@triton.jit(do_not_specialize=[*XY_SIZES, "NTH"])
 def grad_qxy_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr,
-                    dq_ptr, dx_ptr, dy_ptr, deta_ptr, dlg_ptr, T, T_xy, T_pad, n_chunks, H,
+                    dq_ptr, dx_ptr, dy_ptr, deta_ptr, dlg_ptr, T, T_xy, T_pad, n_chunks, H, NTH,
                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     READ_AFTER: tl.constexpr, PREC: tl.constexpr):
     """(3') and (3'') Per chunk, with S_c = h[c] (entry state) and dS_out = dh[c] (gradient of the chunk's exit
@@ -74,66 +77,67 @@ def grad_qxy_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr,
 
     (every term of o_t carries exp(Lr_t) and is linear in q_t; every term that x_s enters carries exp(-L_s);
     the exit state carries exp(L_last), and <dS_out, S_{c+1}> = exp(L_last) <dS_out, S_c> + sum_s x_s . dx_s^out).
-    One program holds the chunk's q and x (BK covers all of K) and walks the value blocks twice: first for dq's and
-    dx's terms, then, with their accumulators stored, for dy block by block (dO and dS_out again, from L2), so that
-    dy needs no kernel of its own reading q, x, dO and dS_out from memory once more. x, y, dx and dy have
-    T_xy >= T rows, of which the first T are read and written. Grid (n_chunks, N * H)."""
-    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    Program p of a chunk takes key block p (BK columns of dq and dx, walking the value blocks) and value block p
+    (BV columns of dy, walking the key blocks), as flash-linear-attention's chunked backward splits its dq / dk by
+    key block: a program holds [BT, BK] float32 accumulators instead of [BT, K] ones, so two programs fit an SM
+    where one program holding all of K took every register and spilled. The blocks that p's siblings read (dO and y
+    for dq and dx; q, x and dS_out for dy) come from L2. d eta and d log_gamma are sums over the key blocks: program
+    p writes its block's share to row p of the [K / BK, N, T, H] buffers deta and dlg (dlog_gamma is linear in the
+    row sums q_t . dq_t, x_t . dx_t and in the exit term), which the launcher sums. x, y, dx and dy have T_xy >= T
+    rows, of which the first T are read and written; NTH = N T H. Grid (max(K / BK, V / BV), n_chunks, N * H)."""
+    i_p, i_c, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     x_ptr, y_ptr = row_views(x_ptr, y_ptr, i_n, T, T_xy, H, K, V)
     dx_ptr, dy_ptr = row_views(dx_ptr, dy_ptr, i_n, T, T_xy, H, K, V)
     t = i_c * BT + tl.arange(0, BT)
-    rk = tl.arange(0, BK)
-    q = load_rows(q_ptr, i_n, i_h, t, T, H, K, rk)                                         # [BT, BK]
-    x = load_rows(x_ptr, i_n, i_h, t, T, H, K, rk)
-    dA = tl.zeros([BT, BT], dtype=tl.float32)                                               # dO_t . y_s
-    dq_inter = tl.zeros([BT, BK], dtype=tl.float32)                                         # S_c dO_t
-    dx_out = tl.zeros([BT, BK], dtype=tl.float32)                                           # dS_out y_s
-    s_dot = 0.0                                                                             # <dS_out, S_c>
-    for i_v in range(tl.cdiv(V, BV)):
-        rv = i_v * BV + tl.arange(0, BV)
-        do = load_rows(do_ptr, i_n, i_h, t, T, H, V, rv)                                   # [BT, BV]
-        y = load_rows(y_ptr, i_n, i_h, t, T, H, V, rv)
-        offs, mask = state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
-        S = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)                      # [BK, BV]
-        dS = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        dA += tl.dot(do, tl.trans(y), input_precision=PREC)
-        dq_inter += tl.dot(do, tl.trans(S).to(do.dtype), input_precision=PREC)
-        dx_out += tl.dot(y, tl.trans(dS).to(y.dtype), input_precision=PREC)
-        s_dot += tl.sum(tl.sum(S * dS, axis=1), axis=0)
     eta = load_steps(eta_ptr, i_n, i_h, t, T, H)
     L, Lr, L_last = chunk_decays(L_ptr, i_nh, i_c, T_pad, BT, READ_AFTER)
     M = causal_decay(L, Lr, BT, READ_AFTER)                                                 # [BT(t), BT(s)]
     out_coef = tl.exp(L_last - L)                                                           # [BT]
-    G = dA * M                                                                              # [BT, BT]
-    # Each result is stored, and its row sums taken, as soon as it is complete, so that few [BT, BK] float32 tiles are
-    # live at once (ptxas spills what does not fit in registers).
-    qf, xf = q.to(tl.float32), x.to(tl.float32)
-    dq = dq_inter * tl.exp(Lr)[:, None] + tl.dot((G * eta[None, :]).to(x.dtype), x, input_precision=PREC)
-    q_dq = tl.sum(qf * dq, axis=1)
-    store_rows(dq_ptr, dq, i_n, i_h, t, T, H, K, rk)
-    x_out = tl.sum(xf * dx_out, axis=1)                                                     # x_s . dS_out y_s
-    dxt = tl.dot(tl.trans(G).to(q.dtype), q, input_precision=PREC) + dx_out * out_coef[:, None]
-    store_rows(dx_ptr, dxt * eta[:, None], i_n, i_h, t, T, H, K, rk)
-    deta = tl.sum(xf * dxt, axis=1)
-    x_dx = eta * deta                                                                       # x_s . dx_s
-    exit_term = tl.exp(L_last) * s_dot + tl.sum(x_out * out_coef * eta, axis=0)             # <dS_out, S_{c+1}>
-    if READ_AFTER:
+    if i_p < tl.cdiv(K, BK):  # (3'): dq, dx and this key block's share of d eta, d log_gamma
+        rk = i_p * BK + tl.arange(0, BK)
+        q = load_rows(q_ptr, i_n, i_h, t, T, H, K, rk)                                     # [BT, BK]
+        x = load_rows(x_ptr, i_n, i_h, t, T, H, K, rk)
+        dA = tl.zeros([BT, BT], dtype=tl.float32)                                           # dO_t . y_s
+        dq_inter = tl.zeros([BT, BK], dtype=tl.float32)                                     # S_c dO_t
+        dx_out = tl.zeros([BT, BK], dtype=tl.float32)                                       # dS_out y_s
+        s_dot = 0.0                                                                         # <dS_out, S_c> (block)
+        for i_v in range(tl.cdiv(V, BV)):
+            rv = i_v * BV + tl.arange(0, BV)
+            do = load_rows(do_ptr, i_n, i_h, t, T, H, V, rv)                               # [BT, BV]
+            y = load_rows(y_ptr, i_n, i_h, t, T, H, V, rv)
+            offs, mask = state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
+            S = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)                  # [BK, BV]
+            dS = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            dA += tl.dot(do, tl.trans(y), input_precision=PREC)
+            dq_inter += tl.dot(do, tl.trans(S).to(do.dtype), input_precision=PREC)
+            dx_out += tl.dot(y, tl.trans(dS).to(y.dtype), input_precision=PREC)
+            s_dot += tl.sum(tl.sum(S * dS, axis=1), axis=0)
+        G = dA * M                                                                          # [BT, BT]
+        qf, xf = q.to(tl.float32), x.to(tl.float32)
+        dq = dq_inter * tl.exp(Lr)[:, None] + tl.dot((G * eta[None, :]).to(x.dtype), x, input_precision=PREC)
+        q_dq = tl.sum(qf * dq, axis=1)
+        store_rows(dq_ptr, dq, i_n, i_h, t, T, H, K, rk)
+        x_out = tl.sum(xf * dx_out, axis=1)                                                 # x_s . dS_out y_s
+        dxt = tl.dot(tl.trans(G).to(q.dtype), q, input_precision=PREC) + dx_out * out_coef[:, None]
+        store_rows(dx_ptr, dxt * eta[:, None], i_n, i_h, t, T, H, K, rk)
+        deta = tl.sum(xf * dxt, axis=1)
+        x_dx = eta * deta                                                                   # x_s . dx_s
+        exit_term = tl.exp(L_last) * s_dot + tl.sum(x_out * out_coef * eta, axis=0)         # <dS_out, S_{c+1}>
         dlg = tl.cumsum(q_dq - x_dx, axis=0, reverse=True) + exit_term
-    else:
-        dlg = tl.cumsum(q_dq - x_dx, axis=0, reverse=True) - q_dq + exit_term
-    scalar_offs = (i_n.to(tl.int64) * T + t) * H + i_h
-    tl.store(deta_ptr + scalar_offs, deta.to(deta_ptr.dtype.element_ty), mask=t < T)
-    tl.store(dlg_ptr + scalar_offs, dlg.to(dlg_ptr.dtype.element_ty), mask=t < T)
-    # (3''): the second walk (its blocks of dO and dS_out were just read by this program)
-    At = tl.trans(tl.dot(q, tl.trans(x), input_precision=PREC) * M * eta[None, :]).to(q.dtype)  # A^T [BT(s), BT(t)]
-    for i_v in range(tl.cdiv(V, BV)):
-        rv = i_v * BV + tl.arange(0, BV)
+        if not READ_AFTER:
+            dlg -= q_dq
+        scalar_offs = i_p.to(tl.int64) * NTH + (i_n.to(tl.int64) * T + t) * H + i_h
+        tl.store(deta_ptr + scalar_offs, deta.to(deta_ptr.dtype.element_ty), mask=t < T)
+        tl.store(dlg_ptr + scalar_offs, dlg.to(dlg_ptr.dtype.element_ty), mask=t < T)
+    if i_p < tl.cdiv(V, BV):  # (3''): dy of this value block
+        rv = i_p * BV + tl.arange(0, BV)
+        # x_s . q_t [BT(s), BT(t)] and dS_out^T x_s [BT, BV]: the output kernels' pass over K with x and q swapped
+        xq, x_dS = scores_and_read(x_ptr, q_ptr, dh_ptr, i_n, i_h, i_nh, i_c, t, T, n_chunks, H, K, V, BT, BK, BV, rv,
+                                   PREC)
+        At = (xq * tl.trans(M) * eta[:, None]).to(q_ptr.dtype.element_ty)                   # A^T [BT(s), BT(t)]
         do = load_rows(do_ptr, i_n, i_h, t, T, H, V, rv)                                   # [BT, BV]
-        offs, mask = state_offsets(i_nh, i_c, n_chunks, K, V, rk, rv)
-        dS = tl.load(dh_ptr + offs, mask=mask, other=0.0)
-        dy = tl.dot(At, do, input_precision=PREC) \
-            + tl.dot(x, dS.to(x.dtype), input_precision=PREC) * (out_coef * eta)[:, None]  # [BT, BV]
+        dy = tl.dot(At, do, input_precision=PREC) + x_dS * (out_coef * eta)[:, None]
         store_rows(dy_ptr, dy, i_n, i_h, t, T, H, V, rv)
 
 
