@@ -108,6 +108,18 @@ def test_head_dims(rule, K, V):
 
 
 @interpret
+@pytest.mark.parametrize("blocks", [(64, 32), (32, 64), (64, 16), (16, 64)], ids=str)
+@pytest.mark.parametrize("read_after", [True, False], ids=["after", "before"])
+def test_gradient_kernel_with_more_key_or_value_blocks(monkeypatch, blocks, read_after):
+    """Rule 1A's dq/dx/dy kernel with more key blocks than value blocks and the reverse (programs that take only a
+    key block of dq and dx, or only a value block of dy), d eta and d log_gamma summed from per-block shares."""
+    from hybridlm.ops.fast_weight.triton import inner_product
+
+    monkeypatch.setattr(inner_product, "grad_qxy_blocks", lambda K, V: blocks)
+    check_against_reference(2, 70, 1, 128, 128, dtype=torch.float32, chunk_size=32, read_after=read_after)
+
+
+@interpret
 @pytest.mark.parametrize("rule", KERNELS)
 def test_no_initial_state_and_the_largest_chunk(rule):
     """Chunks of 128 for 1A, of MAX_DELTA_CHUNK (64) for rule 1, which refuses 128 (shared memory)."""
