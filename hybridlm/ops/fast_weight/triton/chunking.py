@@ -20,7 +20,8 @@ SIZES = ["T", "T_pad", "n_chunks"]  # runtime sizes: `do_not_specialize`, no rec
 # first T of its T + W - 1 pairs) take T_xy as one more runtime size.
 XY_SIZES = [*SIZES, "T_xy"]
 KEY = ["K", "V", "BT", "READ_AFTER"]  # the tuning key of the chunk-parallel kernels
-# The chunk-parallel kernels' autotuner; with autotuning off they launch with 8 warps.
+# The chunk-parallel kernels' autotuner; with autotuning off they launch with 8 warps (`grad_qxy_kernel` names its
+# own launches).
 autotuned = functools.partial(autotune, fixed_warps=8)
 # Elements of the [BT, BT, BV] decay tensors of the per-column kernels (rules 2A and 2): their value tile shrinks as
 # the chunk grows.
