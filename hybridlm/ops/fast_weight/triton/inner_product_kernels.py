@@ -79,9 +79,9 @@ def grad_qxy_kernel(q_ptr, x_ptr, y_ptr, eta_ptr, L_ptr, do_ptr, h_ptr, dh_ptr,
     the exit state carries exp(L_last), and <dS_out, S_{c+1}> = exp(L_last) <dS_out, S_c> + sum_s x_s . dx_s^out).
     Program p of a chunk takes key block p (BK columns of dq and dx, walking the value blocks) and value block p
     (BV columns of dy, walking the key blocks), as flash-linear-attention's chunked backward splits its dq / dk by
-    key block: a program holds [BT, BK] float32 accumulators instead of [BT, K] ones, so two programs fit an SM
-    where one program holding all of K took every register and spilled. The blocks that p's siblings read (dO and y
-    for dq and dx; q, x and dS_out for dy) come from L2. d eta and d log_gamma are sums over the key blocks: program
+    key block: a program holds [BT, BK] float32 accumulators instead of [BT, K] ones, so that two programs of 4 warps
+    fit an SM. The blocks that p's siblings also read (dO and y for dq and dx; q, x and dS_out for dy) are launched
+    side by side and mostly read from L2. d eta and d log_gamma are sums over the key blocks: program
     p writes its block's share to row p of the [K / BK, N, T, H] buffers deta and dlg (dlog_gamma is linear in the
     row sums q_t . dq_t, x_t . dx_t and in the exit term), which the launcher sums. x, y, dx and dy have T_xy >= T
     rows, of which the first T are read and written; NTH = N T H. Grid (max(K / BK, V / BV), n_chunks, N * H)."""
