@@ -19,7 +19,10 @@ nothing is written), gamma_t = 1 - min(eta_t lam_t, 1 - eps_gamma):
    gradients where fla runs its backward.
 2. Timing (median of `triton.testing.do_bench`), forward and forward+backward, bf16: SDPA (causal), ours 1A and
    rule 1, fla simple GLA and gated delta rule on the mapped inputs, and fla's ungated `chunk_delta_rule` (raw
-   shifted keys, no decay: less work than rule 1, reported as the closest peer whose backward runs). fla 0.6
+   shifted keys, no decay: less work than rule 1, reported as the closest peer whose backward runs). The
+   "kernels" columns time rule 1A's kernels alone on writes mapped before the timed call, ours
+   (`fast_weight_1a_triton` on x, eta, log gamma) and fla's (`chunk_simple_gla` on eta x and log gamma), so that
+   neither side's input mapping counts. fla 0.6
    refuses its gated backward kernels on Hopper with Triton >= 3.4 and < 3.7.1 (fla issue #640: wrong results
    there), so on an H200 with Triton 3.6 the forward + backward rows of simple GLA and the gated delta rule print
    "refused". Each timing is printed as soon as it is measured: fla autotunes every kernel again for each dtype and
@@ -114,22 +117,50 @@ def agreement(B: int, T: int, H: int, D: int) -> dict[str, float]:
         out[f"{name} o"] = rel(o_ours, o_fla)
         for n, i in (("dq", 0), ("dk", 1), ("dv", 2)):
             out[f"{name} {n}"] = math.nan if g_fla is None else rel(g_ours[i], g_fla[i])
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    from hybridlm.ops.fast_weight.triton import fast_weight_1a_triton
+
+    (xs, eta, log_gamma), (eta_x, g) = mapped_1a(x["k"], x["beta"], x["lam"], requires_grad=False)
+    out["1A kernels o"] = rel(fast_weight_1a_triton(x["q"], xs, x["v"], eta, log_gamma, None, read_after=True)[0],
+                              chunk_simple_gla(x["q"], eta_x, x["v"], g=g, scale=1.0)[0])
     return out
 
 
-COLUMNS = ["SDPA", "ours 1A", "ours 1", "fla simple GLA", "fla gated delta", "fla delta"]
+COLUMNS = ["SDPA", "ours 1A", "ours 1", "fla simple GLA", "fla gated delta", "fla delta", "ours 1A kernels",
+           "fla simple GLA kernels"]
+RATIOS = {"ours 1A / fla GLA": ("ours 1A", "fla simple GLA"), "ours 1 / fla GDN": ("ours 1", "fla gated delta"),
+          "ours 1 / fla delta": ("ours 1", "fla delta"),
+          "ours 1A / fla GLA, kernels": ("ours 1A kernels", "fla simple GLA kernels")}
+
+
+def mapped_1a(k: torch.Tensor, beta: torch.Tensor, lam: torch.Tensor, *, requires_grad: bool):
+    """Rule 1A's writes mapped once, outside any timed call: x, eta, log gamma for our kernels, and the key eta x
+    that fla's simple GLA takes in their place (as leaves, so that a backward reaches them)."""
+    with torch.no_grad():
+        x = _shift(k)
+        eta, gamma = _steps(x, beta, lam)
+        ours_writes = (x, eta, gamma.log())
+        fla_writes = ((eta[..., None] * x).to(k.dtype), gamma.log())
+    return ([t.clone().requires_grad_(requires_grad) for t in ours_writes],
+            [t.clone().requires_grad_(requires_grad) for t in fla_writes])
 
 
 def timings(B: int, T: int, H: int, D: int, *, backward: bool, only: list[str]) -> dict[str, float]:
     """Median ms per call of the columns in `only`, in that order; NaN where fla refuses the call (a RuntimeError
     raised before any kernel runs)."""
     from fla.ops.delta_rule import chunk_delta_rule
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    from hybridlm.ops.fast_weight.triton import fast_weight_1a_triton
 
     x = inputs(B, T, H, D, torch.bfloat16)
     leaves = [x["q"], x["k"], x["v"]]
     for t in leaves:
         t.requires_grad_(backward)
     q, k, v, beta, lam = x["q"], x["k"], x["v"], x["beta"], x["lam"]
+    (xs, eta, log_gamma), (eta_x, g) = mapped_1a(k, beta, lam, requires_grad=backward)
+    kernel_leaves = {"ours 1A kernels": [q, xs, v, eta, log_gamma], "fla simple GLA kernels": [q, eta_x, v, g]}
     calls = {
         "SDPA": lambda: causal_sdpa(q, k, v),
         "ours 1A": lambda: ours("1A")(q, k, v, beta, lam),
@@ -137,12 +168,18 @@ def timings(B: int, T: int, H: int, D: int, *, backward: bool, only: list[str]) 
         "fla simple GLA": lambda: fla_1a(q, k, v, beta, lam),
         "fla gated delta": lambda: fla_1(q, k, v, beta, lam),
         "fla delta": lambda: chunk_delta_rule(q, _shift(k), v, beta=beta.to(q.dtype), scale=1.0)[0],
+        "ours 1A kernels": lambda: fast_weight_1a_triton(q, xs, v, eta, log_gamma, None, read_after=True)[0],
+        "fla simple GLA kernels": lambda: chunk_simple_gla(q, eta_x, v, g=g, scale=1.0)[0],
     }
+    if {"ours 1A kernels", "fla simple GLA kernels"} <= set(only):
+        with torch.no_grad():
+            diff = rel(calls["ours 1A kernels"](), calls["fla simple GLA kernels"]())
+        print(f"  T={T}: rule 1A's kernels, ours vs fla's on the same writes (bf16): {diff:.1e} relative", flush=True)
     out = {}
     for name in only:
         fn = calls[name]
         try:
-            out[name] = bench(fn, backward=backward, inputs=leaves)
+            out[name] = bench(fn, backward=backward, inputs=kernel_leaves.get(name, leaves))
             print(f"  measured T={T} {'fwd+bwd' if backward else 'fwd'} {name}: {out[name]:.3f} ms", flush=True)
         except RuntimeError as error:
             if not name.startswith("fla"):
@@ -184,15 +221,14 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · B={args.B} H={args.H} D={args.D} bf16, ms "
           f"· {timing}")
     names = COLUMNS
-    ratios = [("ours 1A", "fla simple GLA"), ("ours 1", "fla gated delta"), ("ours 1", "fla delta")]
-    print("| T | pass | " + " | ".join(names) + " | ours 1A / fla GLA | ours 1 / fla GDN | ours 1 / fla delta |")
-    print("|---|---|" + "---|" * (len(names) + len(ratios)))
+    print("| T | pass | " + " | ".join([*names, *RATIOS]) + " |")
+    print("|---|---|" + "---|" * (len(names) + len(RATIOS)))
     for T in args.T:
         for backward in [p == "fwd+bwd" for p in args.passes]:
             ms = timings(args.B, T, args.H, args.D, backward=backward, only=args.only)
             row = " | ".join(cell(ms.get(n)) for n in names)
             ratio_cells = " | ".join(cell(ms[a] / ms[b] if a in ms and b in ms else None, suffix="x")
-                                     for a, b in ratios)
+                                     for a, b in RATIOS.values())
             print(f"| {T} | {'fwd+bwd' if backward else 'fwd'} | {row} | {ratio_cells} |", flush=True)
 
 
