@@ -361,9 +361,39 @@ print("walks", walks, inner_product.WALK_MIN_PROGRAMS, inner_product.WALK_WARPS)
     assert lines[4] == f"walks {[8] * 3 + [4] * 3 + [16] * 3} 128 8", lines[4]
 
 
+def test_fla_accuracy_reference_is_rule_1_without_decay():
+    """`gpu_fla_accuracy.py`'s float64 reference is rule 1 with lam = 0 (the front door's chunk backend, its raw
+    inputs made from the prepared writes), and its error pipeline (rounding, the projected loss, the gradients) reads
+    ~0 for a side that computes that function in float64 and clearly more for one computing another."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import torch.nn.functional as F
+    from gpu_fla_accuracy import NAMES, errors, make_writes, reference
+
+    from hybridlm.ops import fast_weight_attention
+
+    def front_door(q, x, v, eta, lam_scale=0.0):
+        # raw inputs whose preparation gives back x and eta: k_t = x_{t+1}, beta_t = eta_t (|x_t|^2 + lam_t + eps)
+        k = torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
+        lam = torch.full_like(eta, lam_scale)
+        beta = eta * (x.pow(2).sum(-1) + lam + 1e-6)
+        o, state = fast_weight_attention(q, k, v, beta, lam, rule="1", backend="chunk", read="after",
+                                         output_final_state=True, chunk_size=16)
+        return o, state.S
+
+    q, x, v, eta = make_writes(1, 37, 2, 8, unit_keys=False, device="cpu")
+    x, eta = F.pad(x[:, 1:], (0, 0, 0, 0, 1, 0)), F.pad(eta[:, 1:], (0, 0, 1, 0))  # x_1 = 0, eta_1 = 0: no write
+    o, S = front_door(q, x, v, eta)
+    o_ref, S_ref = reference(q, x, v, eta)
+    assert torch.allclose(o, o_ref, rtol=0, atol=1e-12) and torch.allclose(S, S_ref, rtol=0, atol=1e-12)
+    same = errors(front_door, q, x, v, eta, torch.float64, torch.float64)
+    assert set(same) == set(NAMES) and max(same.values()) < 1e-12, same
+    decayed = errors(lambda *w: front_door(*w, lam_scale=0.5), q, x, v, eta, torch.float64, torch.float64)
+    assert min(decayed[n] for n in ("o", "S")) > 1e-3, decayed
+
+
 @pytest.mark.parametrize("script", ["gpu_ops.py", "gpu_train_step.py", "gpu_fla_compare.py", "gpu_short_conv.py",
                                     "gpu_gated_norm.py", "gpu_fast_weight_triton.py", "gpu_ssd.py", "serve_bench.py", "sft_bench.py",
-                                    "serve_step_profile.py", "gpu_row_norms.py"])
+                                    "serve_step_profile.py", "gpu_row_norms.py", "gpu_fla_accuracy.py"])
 def test_gpu_scripts_parse_their_command_line(script):
     if script in ("gpu_fast_weight_triton.py", "gpu_row_norms.py") and not HAS_TRITON:
         pytest.skip("imports the Triton launchers (needs triton)")
