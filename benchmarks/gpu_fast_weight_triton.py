@@ -1,14 +1,15 @@
-"""GPU timing of rules 1A, 3A and 1: the Triton kernels vs the torch chunk path vs causal SDPA, in one run.
+"""GPU timing of the fast-weight rules: the Triton kernels vs the torch chunk path vs causal SDPA, in one run.
 
     python benchmarks/gpu_fast_weight_triton.py                          # 1A, B=8 H=16 D=128 bf16, T 2048 4096 16384
     python benchmarks/gpu_fast_weight_triton.py --rules 1A 3A --T 2048 4096
     python benchmarks/gpu_fast_weight_triton.py --rules 1A 3A --T 4096 16384 --triton-only --cuda-graph  # A/B of trees
+    python benchmarks/gpu_fast_weight_triton.py --rules 2A 3 2 --T 4096 16384   # rules that "auto" sends to chunk
 
 First checks the Triton backend against the chunk backend at one shape for each rule (float32 and bf16; outputs,
 final state and every gradient) and stops if they disagree. Then times (median of `triton.testing.do_bench`)
 forward and forward+backward of:
 - SDPA: causal `F.scaled_dot_product_attention` on the same q, k, v (flash / cuDNN backend);
-- chunk: `fast_weight_attention(..., backend="chunk")` (the torch chunk path; window 3 for 3A); with
+- chunk: `fast_weight_attention(..., backend="chunk")` (the torch chunk path; window 3 for 3A and 3); with
   `--compiled-chunk` also the same under `torch.compile` (inductor; compiling per shape takes minutes);
 - triton: the same op through the Triton backend (raw q, k, v, beta, lam -> prepared writes -> kernels);
   with `--compiled-triton` also the same under `torch.compile` (inductor fuses the torch preparation around the
@@ -66,7 +67,8 @@ from hybridlm.ops.fast_weight.triton import (
     regression,
 )
 
-WINDOW = {"1A": 1, "3A": 3, "1": 1}
+WINDOW = {"1A": 1, "3A": 3, "1": 1, "2A": 1, "3": 3, "2": 1}
+PER_COLUMN = ("2A", "2")  # step sizes per value column: beta [B, T, H, V]
 PREPARED_RULES = (*backend.FUSED_RULES, "3A")  # the rules with a fused Triton preparation at these windows
 # Launches of rule 1's passes (`regression.PassLaunch`: value columns per program, (warps, stages) of the forward pass
 # and of the reverse pass) timed against what `regression.pass_launch` picks for the shape ("default"): both of its
@@ -109,11 +111,11 @@ def run_chunk(q, k, v, beta, lam, *, rule, chunk_size, initial_state=None, outpu
                                  output_final_state=output_final_state)
 
 
-def make_inputs(B, T, H, D, dtype, *, seed=0):
+def make_inputs(B, T, H, D, dtype, *, rule="1A", seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(B, T, H, D, device="cuda", generator=g) for _ in range(3))
     k = F.normalize(k, dim=-1)
-    beta = 1.9 * torch.rand(B, T, H, device="cuda", generator=g)
+    beta = 1.9 * torch.rand(B, T, H, *([D] if rule in PER_COLUMN else []), device="cuda", generator=g)
     lam = 0.1 * torch.rand(B, T, H, device="cuda", generator=g)
     return [t.to(dtype).requires_grad_(True) for t in (q, k, v, beta, lam)]
 
@@ -135,7 +137,7 @@ def check(rule, *, B=2, T=1000, H=4, D=128, chunk_size=64) -> None:
     """Triton vs chunk backend: float32 (< 1e-4) and bf16 against the float32 chunk path (< 2e-2), with the fused
     preparation and (rules 1A, 1) with the torch one. Stops the run when the op disagrees."""
     W = WINDOW[rule]
-    ref_in = make_inputs(B, T, H, D, torch.float32)
+    ref_in = make_inputs(B, T, H, D, torch.float32, rule=rule)
     state = FastWeightState(S=0.3 * torch.randn(B, H, D, D, device="cuda"), last_k=torch.randn(B, H, D, device="cuda"))
     if W > 1:
         state.tail_x = torch.randn(B, H, W - 1, D, device="cuda")
@@ -219,7 +221,7 @@ def main() -> None:
     for rule in args.rules:
         check(rule, chunk_size=args.chunk_size)
     print(f"\n# {time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-          f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | {timing} | window 3 for 3A")
+          f"B={args.B} H={args.H} D={args.D} bf16 chunk={args.chunk_size} | {timing} | window 3 for 3A and 3")
     if not args.documents:
         print("| rule | T | pass | SDPA (ms) | chunk (ms) | chunk compiled (ms) | triton (ms) | kernels (ms) "
               "| torch preparation (ms) | fixed scan blocks (ms) | chunk-parallel (ms) | triton compiled (ms) "
@@ -259,7 +261,7 @@ def time_launches(rule, B, T, H, D, *, chunk_size, configs, settings) -> dict[st
     """The rule's triton op (bf16), forward and forward + backward in ms, under `settings(config)` for each config
     (the first is the baseline), each checked first against the baseline's outputs and gradients (the launches
     change no arithmetic beyond the order of a few sums)."""
-    inputs = make_inputs(B, T, H, D, torch.bfloat16)
+    inputs = make_inputs(B, T, H, D, torch.bfloat16, rule=rule)
 
     def run():
         return run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0]
@@ -311,7 +313,7 @@ def profile_one(rule, B, T, H, D, *, chunk_size, rows=20) -> str:
     """torch.profiler table (self GPU time per kernel) of one forward + backward of the triton op, after a warm-up."""
     from torch.profiler import ProfilerActivity, profile
 
-    inputs = make_inputs(B, T, H, D, torch.bfloat16)
+    inputs = make_inputs(B, T, H, D, torch.bfloat16, rule=rule)
 
     def step():
         o = run_triton(*inputs, rule=rule, chunk_size=chunk_size)[0]
@@ -332,7 +334,7 @@ def time_documents(rule, B, T, H, D, documents, *, chunk_size) -> str:
     (seq_idx) and through cu_seqlens; checks the two outputs agree first."""
     from hybridlm.ops.fast_weight.op import document_offsets
 
-    inputs = make_inputs(B, T, H, D, torch.bfloat16)
+    inputs = make_inputs(B, T, H, D, torch.bfloat16, rule=rule)
     seq_idx = (torch.arange(T, device=inputs[0].device) * documents // T).expand(B, T).contiguous()
     offsets = document_offsets(seq_idx)
     options = dict(rule=rule, window=WINDOW[rule], chunk_size=chunk_size, backend="triton")
@@ -358,7 +360,7 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compi
     (and what the flags ask for)."""
     chunk_compiled = torch.compile(run_chunk, dynamic=False) if compiled_chunk else None
     triton_compiled = torch.compile(run_triton, dynamic=False) if compiled_triton else None
-    q, k, v, beta, lam = inputs = make_inputs(B, T, H, D, dtype)
+    q, k, v, beta, lam = inputs = make_inputs(B, T, H, D, dtype, rule=rule)
     prepared = None
     if rule == "1A":
         with torch.no_grad():  # the prepared writes as the backend makes them (shifted pair, NLMS step, decay)
