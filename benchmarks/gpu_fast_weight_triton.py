@@ -337,7 +337,7 @@ def time_documents(rule, B, T, H, D, documents, *, chunk_size) -> str:
     inputs = make_inputs(B, T, H, D, torch.bfloat16, rule=rule)
     seq_idx = (torch.arange(T, device=inputs[0].device) * documents // T).expand(B, T).contiguous()
     offsets = document_offsets(seq_idx)
-    options = dict(rule=rule, window=WINDOW[rule], chunk_size=chunk_size, backend="triton")
+    options = {"rule": rule, "window": WINDOW[rule], "chunk_size": chunk_size, "backend": "triton"}
 
     def in_place():
         return fast_weight_attention(*inputs, seq_idx=seq_idx, **options)[0]
@@ -373,7 +373,7 @@ def time_one(rule, B, T, H, D, dtype, *, chunk_size, compiled_chunk=False, compi
     rows = []
     for backward in (False, True):
 
-        def timed(fn, inputs=inputs):
+        def timed(fn, inputs=inputs, backward=backward):
             """bench(fn) in ms, or None when it runs out of memory."""
             try:
                 return bench(fn, backward=backward, inputs=inputs)
