@@ -286,7 +286,7 @@ def test_gpu_fast_weight_triton_times_documents_in_place():
     forms run, agree, and land in the table."""
     code = """
 import torch, gpu_fast_weight_triton as g
-g.make_inputs = lambda B, T, H, D, dtype: [t.requires_grad_(True) for t in (
+g.make_inputs = lambda B, T, H, D, dtype, rule="1A": [t.requires_grad_(True) for t in (
     torch.randn(B, T, H, D), torch.nn.functional.normalize(torch.randn(B, T, H, D), dim=-1), torch.randn(B, T, H, D),
     torch.rand(B, T, H), 0.1 * torch.rand(B, T, H))]
 g.bench = lambda fn, backward, inputs: (fn().float().sum().backward(), 1.0)[1]
@@ -306,7 +306,7 @@ def test_gpu_fast_weight_triton_times_pass_configs():
     code = """
 import torch, gpu_fast_weight_triton as g
 from hybridlm.ops.fast_weight.triton import regression
-g.make_inputs = lambda B, T, H, D, dtype: [t.requires_grad_(True) for t in (
+g.make_inputs = lambda B, T, H, D, dtype, rule="1A": [t.requires_grad_(True) for t in (
     torch.randn(B, T, H, D), torch.nn.functional.normalize(torch.randn(B, T, H, D), dim=-1), torch.randn(B, T, H, D),
     torch.rand(B, T, H), 0.1 * torch.rand(B, T, H))]
 g.bench = lambda fn, backward, inputs: (fn().float().sum().backward(), 1.0)[1]
@@ -344,7 +344,7 @@ class Recorder:
     def __getitem__(self, grid):
         return lambda *a, **k: (walks.append(k["num_warps"]), kernel[grid](*a, **k))[1]
 whole_state.output_walk_kernel = Recorder()
-g.make_inputs = lambda B, T, H, D, dtype: [t.requires_grad_(True) for t in (
+g.make_inputs = lambda B, T, H, D, dtype, rule="1A": [t.requires_grad_(True) for t in (
     torch.randn(B, T, H, D, dtype=torch.float16), torch.nn.functional.normalize(torch.randn(B, T, H, D), dim=-1).half(),
     torch.randn(B, T, H, D, dtype=torch.float16), torch.rand(B, T, H), 0.1 * torch.rand(B, T, H))]
 g.bench = lambda fn, backward, inputs: (fn().float().sum().backward(), 1.0)[1]
