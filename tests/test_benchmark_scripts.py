@@ -392,8 +392,8 @@ def test_fla_accuracy_reference_is_rule_1_without_decay():
 
 
 @pytest.mark.parametrize("script", ["gpu_ops.py", "gpu_train_step.py", "gpu_fla_compare.py", "gpu_short_conv.py",
-                                    "gpu_gated_norm.py", "gpu_fast_weight_triton.py", "gpu_ssd.py", "serve_bench.py", "sft_bench.py",
-                                    "serve_step_profile.py", "gpu_row_norms.py", "gpu_fla_accuracy.py"])
+                                    "gpu_gated_norm.py", "gpu_fast_weight_triton.py", "gpu_ssd.py", "serve_bench.py",
+                                    "sft_bench.py", "serve_step_profile.py", "gpu_row_norms.py", "gpu_fla_accuracy.py"])
 def test_gpu_scripts_parse_their_command_line(script):
     if script in ("gpu_fast_weight_triton.py", "gpu_row_norms.py") and not HAS_TRITON:
         pytest.skip("imports the Triton launchers (needs triton)")
