@@ -96,6 +96,13 @@ def projection(o, S, seed=7):
             torch.randn(S.shape, generator=g, dtype=torch.float64))
 
 
+def projected_loss(o, S, w_o, w_S, *, grad_o=True, grad_S=True):
+    """<o, w_o> + <S, w_S> in float64 over the outputs asked for: one left out is not in the graph, so its gradient
+    reaches the op's backward as None (not as zeros)."""
+    terms = [(o.double() * w_o.to(o.device)).sum()] * grad_o + [(S.double() * w_S.to(S.device)).sum()] * grad_S
+    return sum(terms)
+
+
 def check_against_reference(N, T, H, K, V, *, dtype, chunk_size, read_after, with_S0=True, seed=0, rule="1A",
                             grad_o=True, grad_S=True):
     """Outputs, final state and the gradients of a random projection of (either or both of) them, against the
@@ -107,8 +114,8 @@ def check_against_reference(N, T, H, K, V, *, dtype, chunk_size, read_after, wit
         ref_in[5] = torch.zeros_like(base[5])
     o_ref, S_ref = reference(*ref_in, read_after=read_after, rule=rule)
     w_o, w_S = projection(o_ref, S_ref)
-    w_o, w_S = w_o * grad_o, w_S * grad_S
-    grads_ref = torch.autograd.grad((o_ref * w_o).sum() + (S_ref * w_S).sum(), ref_in if with_S0 else ref_in[:5],
+    used = {"grad_o": grad_o, "grad_S": grad_S}
+    grads_ref = torch.autograd.grad(projected_loss(o_ref, S_ref, w_o, w_S, **used), ref_in if with_S0 else ref_in[:5],
                                     materialize_grads=True)  # q is unused when only the final state is
 
     dtypes = (dtype, dtype, dtype, torch.float32, torch.float32, torch.float32)
@@ -116,8 +123,8 @@ def check_against_reference(N, T, H, K, V, *, dtype, chunk_size, read_after, wit
     S0 = ins[5] if with_S0 else None
     o, S = KERNELS[rule](*ins[:5], S0, read_after=read_after, chunk_size=chunk_size)
     assert o.dtype == dtype and o.shape == (N, T, H, V) and S.dtype == torch.float32 and S.shape == (N, H, K, V)
-    loss = (o.double() * w_o.to(DEVICE)).sum() + (S.double() * w_S.to(DEVICE)).sum()
-    grads = torch.autograd.grad(loss, ins if with_S0 else ins[:5], materialize_grads=True)
+    grads = torch.autograd.grad(projected_loss(o, S, w_o, w_S, **used), ins if with_S0 else ins[:5],
+                                materialize_grads=True)
     tol = TOL[dtype]
     errors = {"o": rel_err(o.cpu(), o_ref), "S": rel_err(S.cpu(), S_ref)}
     for name, grad, grad_ref, leaf in zip(NAMES, grads, grads_ref, ins):
@@ -208,16 +215,16 @@ def check_kernels(N, T, H, K, V, *, dtype=torch.float32, chunk_size=16, read_aft
         ref_in[5] = torch.zeros_like(base[5])
     o_ref, S_ref = reference(*ref_in, read_after=read_after)
     w_o, w_S = projection(o_ref, S_ref)
-    w_o, w_S = w_o * grad_o, w_S * grad_S
+    used = {"grad_o": grad_o, "grad_S": grad_S}
     leaves_ref = ref_in if with_S0 else ref_in[:5]
-    grads_ref = torch.autograd.grad((o_ref * w_o).sum() + (S_ref * w_S).sum(), leaves_ref, materialize_grads=True)
+    grads_ref = torch.autograd.grad(projected_loss(o_ref, S_ref, w_o, w_S, **used), leaves_ref, materialize_grads=True)
 
     dtypes = (dtype, dtype, dtype, torch.float32, torch.float32, torch.float32)
     ins = [t.to(DEVICE, d).requires_grad_(True) for t, d in zip(base, dtypes)]
     o, S = kernel(*ins[:5], ins[5] if with_S0 else None, read_after=read_after, chunk_size=chunk_size)
     assert o.dtype == dtype and o.shape == (N, T, H, V) and S.dtype == torch.float32 and S.shape == (N, H, K, V)
-    loss = (o.double() * w_o.to(DEVICE)).sum() + (S.double() * w_S.to(DEVICE)).sum()
-    grads = torch.autograd.grad(loss, ins if with_S0 else ins[:5], materialize_grads=True)
+    grads = torch.autograd.grad(projected_loss(o, S, w_o, w_S, **used), ins if with_S0 else ins[:5],
+                                materialize_grads=True)
     errors = {"o": rel_err(o.cpu(), o_ref), "S": rel_err(S.cpu(), S_ref)}
     for name, grad, grad_ref, leaf in zip(NAMES, grads, grads_ref, ins):
         assert grad.dtype == leaf.dtype and grad.shape == leaf.shape, name
@@ -267,6 +274,8 @@ def opcheck_scan(name: str, inputs: list[torch.Tensor], *, final_state_grad: boo
     """`torch.library.opcheck` of hybridlm::fast_weight_{name}_fwd with an initial state (read after, chunks of 16),
     and of its backward op without one and without dL/dS_final (read before); with `final_state_grad` the backward
     also with both (read after). inputs: prepared (q, x, y, eta, log_gamma, S0) on DEVICE, float32, requiring grad."""
+    from hybridlm.ops.fast_weight.triton import custom_ops  # noqa: F401  (registers the ops on import)
+
     fwd, bwd = (getattr(torch.ops.hybridlm, f"fast_weight_{name}_{op}") for op in ("fwd", "bwd"))
     q, x, y, eta, log_gamma, S0 = inputs
     torch.library.opcheck(fwd, (q, x, y, eta, log_gamma, S0, True, 16), test_utils=OPCHECKS)

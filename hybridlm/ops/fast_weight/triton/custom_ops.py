@@ -306,6 +306,14 @@ def _check_device(t: torch.Tensor) -> None:
                          "before triton is imported to run them under the interpreter)")
 
 
+def _output_grad(do, q, y) -> torch.Tensor:
+    """dL/do in q's dtype for a scan's backward: zeros where only the final state was used (the scans' autograd does
+    not materialize unused gradients, so an unused final state costs no zero-filled [N, H, K, V] tensor)."""
+    if do is None:
+        return q.new_zeros(*q.shape[:-1], y.shape[-1])
+    return do.to(q.dtype)
+
+
 def _contiguous_grad_inputs(dS_final, S0, *tensors) -> tuple:
     """A scan backward op's inputs as its kernels read them: dS_final float32 and S0 (each or None), then the other
     tensors, all contiguous."""
@@ -400,10 +408,12 @@ def _register(rule: str, name: str, options: str = _OPTIONS) -> None:
         q, x, y, eta, log_gamma, S0, *options = inputs
         ctx.save_for_backward(q, x, y, eta, log_gamma, S0)
         ctx.options = options
+        ctx.set_materialize_grads(False)  # an unused final state's gradient stays None, not a zero-filled tensor
 
     def backward(ctx, do, dS_final):
         q, x, y, eta, log_gamma, S0 = ctx.saved_tensors
-        dq, dx, dy, deta, dlg, dS0 = bwd(do.to(q.dtype), dS_final, q, x, y, eta, log_gamma, S0, *ctx.options)
+        do = _output_grad(do, q, y)
+        dq, dx, dy, deta, dlg, dS0 = bwd(do, dS_final, q, x, y, eta, log_gamma, S0, *ctx.options)
         return (dq, dx, dy, deta, dlg, None if S0 is None else dS0) + (None,) * len(ctx.options)
 
     fwd.register_autograd(backward, setup_context=setup_context)
@@ -601,10 +611,12 @@ def _register_delayed() -> None:
         *tensors, read_after, chunk_size = inputs
         ctx.save_for_backward(*tensors)
         ctx.options = (read_after, chunk_size)
+        ctx.set_materialize_grads(False)  # an unused final state's gradient stays None, not a zero-filled tensor
 
     def backward(ctx, do, dS_final):
         q, x_ext, y_ext, eta, log_gamma, c, S0 = ctx.saved_tensors
-        *grads, dS0 = bwd(do.to(q.dtype), dS_final, q, x_ext, y_ext, eta, log_gamma, c, S0, *ctx.options)
+        do = _output_grad(do, q, y_ext)
+        *grads, dS0 = bwd(do, dS_final, q, x_ext, y_ext, eta, log_gamma, c, S0, *ctx.options)
         return (*grads, None if S0 is None else dS0, None, None)
 
     fwd.register_autograd(backward, setup_context=setup_context)
