@@ -76,13 +76,18 @@ def _steps(x: torch.Tensor, beta: torch.Tensor, lam: torch.Tensor) -> tuple[torc
     return eta, 1.0 - torch.clamp(eta * lam, max=1.0 - EPS_GAMMA)
 
 
+def _gla_writes(x, eta, gamma, dtype):
+    """fla's simple GLA inputs for rule 1A's writes: the key eta_t x_t (in dtype) and g_t = log gamma_t."""
+    return (eta[..., None] * x).to(dtype), gamma.log()
+
+
 def fla_1a(q, k, v, beta, lam):
     """Our rule 1A through fla's simple GLA (the mapping included)."""
     from fla.ops.simple_gla import chunk_simple_gla
 
     x = _shift(k)
-    eta, gamma = _steps(x, beta, lam)
-    return chunk_simple_gla(q, (eta[..., None] * x).to(q.dtype), v, g=gamma.log(), scale=1.0)[0]
+    key, g = _gla_writes(x, *_steps(x, beta, lam), q.dtype)
+    return chunk_simple_gla(q, key, v, g=g, scale=1.0)[0]
 
 
 def fla_1(q, k, v, beta, lam):
@@ -141,7 +146,7 @@ def mapped_1a(k: torch.Tensor, beta: torch.Tensor, lam: torch.Tensor, *, require
         x = _shift(k)
         eta, gamma = _steps(x, beta, lam)
         ours_writes = (x, eta, gamma.log())
-        fla_writes = ((eta[..., None] * x).to(k.dtype), gamma.log())
+        fla_writes = _gla_writes(x, eta, gamma, k.dtype)
     return ([t.clone().requires_grad_(requires_grad) for t in ours_writes],
             [t.clone().requires_grad_(requires_grad) for t in fla_writes])
 

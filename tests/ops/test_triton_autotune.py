@@ -1,7 +1,8 @@
 """Every Triton kernel of hybridlm.ops tunes through `hybridlm.ops.triton_utils.autotune`: four launches (six for
 `grad_qxy_kernel`) with results cached on disk, decided at each launch: one fixed launch instead with
-HYBRIDLM_TRITON_AUTOTUNE=0 or under the interpreter, whenever the switch is set. Checked in fresh interpreters (no GPU needed: the launches are recorded, not
-run), since the test session sets HYBRIDLM_TRITON_AUTOTUNE=0 (triton_modes)."""
+HYBRIDLM_TRITON_AUTOTUNE=0 or under the interpreter, whenever the switch is set. Checked in fresh interpreters (no
+GPU needed: the launches are recorded, not run), since the test session sets HYBRIDLM_TRITON_AUTOTUNE=0
+(triton_modes)."""
 
 from __future__ import annotations
 
