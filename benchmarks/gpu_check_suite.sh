@@ -3,7 +3,7 @@
 # (~8 minutes: the kernel tests whose GPU paths the interpreter only emulates: RoPE's backward, the sequential
 # passes, the decoding steps, the autotuner, the recomputed mixers), `timings` (~5 minutes: the SSD's state pass;
 # training at the 125m and falcon-h1-0.5b shapes, eager, with the update's profile) and `kernels` (~8 minutes: the
-# fast-weight rules that backend="auto" leaves on the chunk path, timed against it; with FLA_WHEELS, a folder
+# fast-weight rules 2A, 3 and 2 timed against the chunk path; with FLA_WHEELS, a folder
 # holding the fla 0.6 and einops wheels, rule 1 against fla's delta rule: accuracy against float64, then time).
 # The decoding timings are `gpu_decode_suite.sh`'s.
 #

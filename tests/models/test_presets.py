@@ -113,8 +113,8 @@ def test_ssm_heads_fit_the_triton_kernels(name):
     with torch.device("meta"):
         mamba = Mamba2Mixer(preset_or_defaults(name), 0)
         fast_weight = {rule: FastWeightMixer(preset_or_defaults(name, ssm_mixer="fast_weight", fw_rule=rule,
-                                                                fw_window=4 if rule == "3A" else 1), 0)
-                       for rule in fw_triton.AUTO_RULES}
+                                                                fw_window=4 if rule in ("3A", "3") else 1), 0)
+                       for rule in fw_triton.SUPPORTED_RULES}
     for dtype in ssd_triton.AUTO_DTYPES:
         assert ssd_triton.auto_takes(P=mamba.head_dim, N=mamba.d_state, dtype=dtype), (mamba.head_dim, mamba.d_state)
     for rule, mixer in fast_weight.items():

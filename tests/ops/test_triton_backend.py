@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybridlm.ops import fast_weight_attention
-from hybridlm.ops.fast_weight.triton import AUTO_RULES
+from hybridlm.ops.fast_weight.triton import SUPPORTED_RULES, auto_takes
 from tests.helpers import rel_err
 from tests.ops.fast_weight_helpers import TOL, make_inputs, prepared, projection, random_state
 from tests.ops.triton_modes import DEVICE, ON_GPU, gpu_only, interpret
@@ -94,9 +94,14 @@ def test_kernels_run_on_the_tensors_gpu(rule):
         assert rel_err(mine, ref) < 1e-6
 
 
-def test_auto_takes_the_rules_timed_on_a_gpu():
-    """backend="auto" on CUDA: rules 1A, 3A and 1 (benchmarks/RESULTS.md); the others only when asked for."""
-    assert set(AUTO_RULES) == {"1A", "3A", "1"}
+def test_auto_takes_every_rule():
+    """backend="auto" on CUDA sends every rule to the kernels (each timed faster than the chunk path,
+    benchmarks/RESULTS.md); rule 3 up to window 64."""
+    for rule in SUPPORTED_RULES:
+        assert auto_takes(rule=rule, window=1, K=128, V=128, dtype=torch.bfloat16), rule
+    assert auto_takes(rule="3", window=64, K=64, V=64, dtype=torch.float32)
+    assert not auto_takes(rule="3", window=65, K=64, V=64, dtype=torch.float32)
+    assert not auto_takes(rule="1", window=1, K=64, V=256, dtype=torch.float32)
 
 
 def test_import_without_triton():

@@ -25,8 +25,8 @@ import torch
 from hybridlm.ops import fast_weight_attention
 from hybridlm.ops.fast_weight.state import FastWeightState
 from hybridlm.ops.fast_weight.triton import (
-    AUTO_RULES,
     SUPPORTED_RULES,
+    auto_takes,
     fast_weight_1_triton,
     fast_weight_2_triton,
     fast_weight_2a_triton,
@@ -132,12 +132,12 @@ def test_rejects_per_step_eta_2a():
         fast_weight_2a_triton(q, x, y, eta, log_gamma, S0, read_after=True, chunk_size=16)
 
 
-def test_2a_supported_on_request_only():
-    """backend="triton" runs 2A (window 1); backend="auto" does not send it there (`AUTO_RULES`)."""
+def test_2a_supported():
+    """The kernels run 2A (window 1), on request and from backend="auto"."""
     assert supports(rule="2A", window=1, K=128, V=128, dtype=torch.bfloat16)
     assert not supports(rule="2A", window=2, K=64, V=64, dtype=torch.float32)
     assert not supports(rule="2A", window=1, K=64, V=256, dtype=torch.float32)
-    assert "2A" not in AUTO_RULES
+    assert auto_takes(rule="2A", window=1, K=128, V=128, dtype=torch.bfloat16)
 
 
 @interpret
@@ -263,13 +263,13 @@ def test_rejects_per_step_eta_2():
         fast_weight_2_triton(q, x, y, eta, log_gamma, S0, read_after=True, chunk_size=16)
 
 
-def test_2_supported_on_request_only():
-    """backend="triton" runs rule 2 (window 1); backend="auto" does not send it there (`AUTO_RULES`)."""
+def test_2_supported():
+    """The kernels run rule 2 (window 1), on request and from backend="auto"."""
     assert "2" in SUPPORTED_RULES
     assert supports(rule="2", window=1, K=128, V=128, dtype=torch.bfloat16)
     assert not supports(rule="2", window=2, K=64, V=64, dtype=torch.float32)
     assert not supports(rule="2", window=1, K=64, V=256, dtype=torch.float32)
-    assert "2" not in AUTO_RULES
+    assert auto_takes(rule="2", window=1, K=128, V=128, dtype=torch.bfloat16)
 
 
 @gpu_only

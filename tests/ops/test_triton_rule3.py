@@ -31,7 +31,7 @@ import torch
 from hybridlm.ops import fast_weight_attention
 from hybridlm.ops.fast_weight.state import FastWeightState
 from hybridlm.ops.fast_weight.triton import (
-    AUTO_RULES,
+    auto_takes,
     fast_weight_1_triton,
     fast_weight_3_triton,
     supports,
@@ -385,13 +385,12 @@ def test_compiled_front_door_matches_eager():
 
 def test_supports_rule_3():
     """Every window up to 64 (a step's slots must fit in a chunk every head size can use: at chunk 128 with
-    K = V = 128 rule 1's gradient kernel needs more shared memory than an H200 has); "auto" does not send rule 3
-    here."""
+    K = V = 128 rule 1's gradient kernel needs more shared memory than an H200 has); "auto" sends those here."""
     for window in (1, 2, 3, 4, 5, 64):
         assert supports(rule="3", window=window, K=128, V=128, dtype=torch.bfloat16)
     assert not supports(rule="3", window=65, K=64, V=64, dtype=torch.float32)
     assert not supports(rule="3", window=3, K=256, V=64, dtype=torch.float32)
-    assert "3" not in AUTO_RULES
+    assert auto_takes(rule="3", window=64, K=128, V=128, dtype=torch.bfloat16)
 
 
 @interpret

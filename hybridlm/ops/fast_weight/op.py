@@ -82,12 +82,12 @@ def fast_weight_attention(
         backend: "auto" | "naive" | "recurrent" | "chunk" | "triton". "recurrent" is the step loop vectorized
             over rows (no cu_seqlens). "auto" takes it for T == 1 (decoding; naive with cu_seqlens; on CUDA
             the Triton step kernel for rules 1A, 1, 2A, 2 when no gradient is recorded), the
-            Triton kernels on CUDA for the rules timed against the chunk path on a GPU (1A, 3A, 1; K, V <= 128;
-            float32/bf16/fp16; benchmarks/RESULTS.md) when triton is installed, and the chunk path otherwise.
-            "triton" also runs rules 2A, 2 and 3 (window <= 64, on rule 1's kernels over write events). Where
-            "auto" leaves a CUDA call of T > 1 on the chunk path it warns once per reason and process (a
-            `SlowPathWarning` naming it: triton missing, heads over 128, the rule, window or dtype), except for
-            float64 inputs, whose exact path is the caller's choice.
+            Triton kernels on CUDA when triton is installed (every rule; rule 3 with window <= 64, on rule 1's
+            kernels over write events; K, V <= 128; float32/bf16/fp16: each faster than the chunk path,
+            benchmarks/RESULTS.md), and the chunk path otherwise. Where "auto" leaves a CUDA call of T > 1 on the
+            chunk path it warns once per reason and process (a `SlowPathWarning` naming it: triton missing, heads
+            over 128, rule 3's window or the dtype), except for float64 inputs, whose exact path is the caller's
+            choice.
 
         check_lam: check that lam >= 0 (a negative or NaN entry raises; on CUDA a device-side assert, three small
             kernels per call, that stops the process). False: the caller guarantees it, as the fast-weight mixer

@@ -31,7 +31,6 @@ imported): that is how the tests check them without a GPU (`HYBRIDLM_TRITON_INTE
 from __future__ import annotations
 
 from hybridlm.ops.fast_weight.triton.limits import (
-    AUTO_RULES,
     DTYPES,
     MAX_DELTA_CHUNK,
     MAX_HEAD_DIM,
@@ -89,8 +88,7 @@ def fast_weight_triton(q, k, v, beta, lam, options, **call):
     return run(q, k, v, beta, lam, options, **call)
 
 
-__all__ = ["AUTO_RULES", "DTYPES", "MAX_DELTA_CHUNK", "MAX_HEAD_DIM", "MAX_RULE_3_WINDOW", "STEP_RULES",
-           "SUPPORTED_RULES",
+__all__ = ["DTYPES", "MAX_DELTA_CHUNK", "MAX_HEAD_DIM", "MAX_RULE_3_WINDOW", "STEP_RULES", "SUPPORTED_RULES",
            "auto_takes", "fast_weight_1_triton", "fast_weight_1a_triton", "fast_weight_2_triton",
            "fast_weight_2a_triton", "fast_weight_3_triton", "fast_weight_triton", "is_available", "slow_path_reason",
            "step_takes", "supports"]

@@ -11,9 +11,6 @@ from hybridlm.ops.utils import TRITON_DTYPES
 # 3A runs on 1A's kernels over delayed writes plus a band kernel (backend.py), 3 as 1 over its write events (a
 # step's events do not see each other's writes); 1, 2A and 2: window 1 (2A, 2: decays per value column).
 SUPPORTED_RULES = ("1A", "3A", "1", "2A", "3", "2")
-# The rules `backend="auto"` sends to these kernels on CUDA: those whose kernels are timed against the chunk path on a
-# GPU (benchmarks/RESULTS.md). The others run when asked for (`backend="triton"`).
-AUTO_RULES = ("1A", "3A", "1")
 MAX_HEAD_DIM = FAST_WEIGHT_MAX_HEAD_DIM  # K and V
 # The rules whose single decoding steps (T = 1, window 1, no gradient) run as one kernel (`step.py`).
 STEP_RULES = ("1A", "1", "2A", "2")
@@ -48,9 +45,9 @@ def step_takes(*, rule: str, window: int, K: int, V: int, dtype: torch.dtype) ->
 
 
 def auto_takes(*, rule: str, window: int, K: int, V: int, dtype: torch.dtype) -> bool:
-    """Whether `backend="auto"` sends a CUDA call of this kind to these kernels (triton installed): a rule of
-    AUTO_RULES that `supports` takes."""
-    return rule in AUTO_RULES and supports(rule=rule, window=window, K=K, V=V, dtype=dtype)
+    """Whether `backend="auto"` sends a CUDA call of this kind to these kernels (triton installed): every call that
+    `supports` takes, since every rule's kernels run faster than the chunk path on a GPU (benchmarks/RESULTS.md)."""
+    return supports(rule=rule, window=window, K=K, V=V, dtype=dtype)
 
 
 def slow_path_reason(*, rule: str, window: int, K: int, V: int, dtype: torch.dtype) -> str | None:
@@ -68,13 +65,10 @@ def slow_path_reason(*, rule: str, window: int, K: int, V: int, dtype: torch.dty
     if dtype not in DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
         return f"fast-weight inputs in {dtype} are not among the Triton kernels' dtypes ({names}): {slow}"
-    if not _windowed(rule, window):
-        return (f"fast-weight rule {rule!r} with window {window}: the Triton kernels take windows of at most "
-                f"{MAX_RULE_3_WINDOW}, so the torch chunk path runs it; with a window <= {MAX_RULE_3_WINDOW}, "
-                "backend='triton' runs it on them (in a model: FastWeightMixer.backend)")
-    return (f"fast-weight rule {rule!r}: backend='auto' sends only rules {', '.join(AUTO_RULES)} (those timed against "
-            "the chunk path) to the Triton kernels on CUDA, so it runs the torch chunk path; backend='triton' runs "
-            f"rule {rule!r} on its kernels (tested, not yet timed; in a model: FastWeightMixer.backend)")
+    if rule not in SUPPORTED_RULES or _windowed(rule, window):
+        return None  # an unknown rule, or a window the rule does not have: the op rejects the call
+    return (f"fast-weight rule {rule!r} with window {window}: the Triton kernels take windows of at most "
+            f"{MAX_RULE_3_WINDOW}, so {slow}")
 
 
 def _windowed(rule: str, window: int) -> bool:
