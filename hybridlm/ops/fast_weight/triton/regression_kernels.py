@@ -338,20 +338,29 @@ def delta_grad_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, dz_ptr, qdq_p
     _, Lp, _ = residual_decays(L_ptr, i_nh, i_c, T_pad, BT, SLOTS)
     out_decay = tl.exp(L_last - L)                                                          # [BT]
     start = tl.exp(Lp)
-    G = dOr * causal_decay(L, Lr, BT, READ_AFTER)                                          # [BT(t), BT(s)]
     earlier = earlier_steps(BT, SLOTS)                                                     # st(s') < st(s)
     decay = tl.exp(tl.where(earlier, Lp[:, None] - L[None, :], float("-inf")))
     dA_decay = -dZr * decay                                                                 # B2's dA exp(Lp_s - L_s')
+    # The Gram matrix x_s . x_s' first (one pass over K), and the terms of B6 / B7 that read it, so that the pass
+    # over K for dx below holds two [BT, BT] tiles (G and dGr + dGr^T) beside its accumulators, not four.
+    gram = tl.zeros([BT, BT], dtype=tl.float32)                                             # x_s . x_s'
+    for i_k in tl.static_range(N_PARTS):
+        rk = i_k * BK + tl.arange(0, BK)
+        xf = load_rows(x_ptr, i_n, i_h, t, T, H, K, rk).to(tl.float32)                    # [BT, BK]
+        gram += tl.dot(xf, tl.trans(xf), input_precision=PREC32)
+    deta_gram = tl.sum(dA_decay * gram, axis=0)                                             # (B6)'s F1 term
     dGr = dA_decay * eta[None, :]
+    E = dGr * gram                                                                          # dA * A
+    E_rows, E_cols = tl.sum(E, axis=1), tl.sum(E, axis=0)
     dGr_sym = dGr + tl.trans(dGr)
+    G = dOr * causal_decay(L, Lr, BT, READ_AFTER)                                          # [BT(t), BT(s)]
     # Over column blocks of K (BK = delta_grad_state_kernel's, whose parts are summed here): dx of rule 1A's part
     # of B5 (eta_s dxt_s, dxt_s = sum_t G[t, s] q_t + exp(L_last - L_s) dS' r_s, the second term in dxs) plus its
-    # F1 term; the sums over K of x_s . dxt_s and of the Gram matrix x_s . x_s'.
+    # F1 term; the sum over K of x_s . dxt_s.
     x_dxt = tl.zeros([BT], dtype=tl.float32)                                                # x_s . sum_t G q_t
     x_dSr = tl.zeros([BT], dtype=tl.float32)                                                # x_s . (dS' r_s)
     x_SdZ = tl.zeros([BT], dtype=tl.float32)                                                # x_s^T S dZ_s
     s_dot = 0.0                                                                             # <dS', S>
-    gram = tl.zeros([BT, BT], dtype=tl.float32)                                             # x_s . x_s'
     NH = tl.num_programs(1)
     for i_k in tl.static_range(N_PARTS):
         x_dSr += tl.load(_part_row(part_ptr, i_k, 0, NH, i_nh, T_pad) + t)
@@ -362,19 +371,17 @@ def delta_grad_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, dz_ptr, qdq_p
         qf = load_rows(q_ptr, i_n, i_h, t, T, H, K, rk).to(tl.float32)
         dxt_attn = tl.dot(tl.trans(G), qf, input_precision=PREC32)                          # sum_t G[t, s] q_t
         x_dxt += tl.sum(xf * dxt_attn, axis=1)
-        gram += tl.dot(xf, tl.trans(xf), input_precision=PREC32)
         dx = load_rows(dxs_ptr, i_n, i_h, t, T, H, K, rk) + dxt_attn * eta[:, None] \
             + tl.dot(dGr_sym, xf, input_precision=PREC32)
         store_rows(dx_ptr, dx, i_n, i_h, t, T, H, K, rk)
     deta = x_dxt + out_decay * x_dSr                                                        # x_s . dxt_s
     x_dx = eta * deta                                                                       # x_s . (eta_s dxt_s)
     exit_term = tl.exp(L_last) * s_dot + tl.sum(out_decay * eta * x_dSr, axis=0)           # <dS', S_{c+1}>
-    deta += tl.sum(dA_decay * gram, axis=0)                                                 # (B6)
-    E = dGr * gram                                                                          # dA * A
+    deta += deta_gram                                                                       # (B6)
     # B7.
     q_dq = load_steps(qdq_ptr, i_n, i_h, t, T, H)
-    dL = -x_dx - tl.sum(E, axis=0)
-    dLp = tl.sum(E, axis=1) - start * x_SdZ
+    dL = -x_dx - E_cols
+    dLp = E_rows - start * x_SdZ
     if READ_AFTER:
         dL += q_dq
     if SLOTS == 1:  # Lp_t = L_{t-1} = Lr_t (before): one reverse cumulative sum
