@@ -43,7 +43,7 @@ def sm90_ptxas() -> str:
 
 
 PTXAS = sm90_ptxas()
-BF16_POINTERS = ("x_ptr", "q_ptr", "y_ptr", "do_ptr", "dx_ptr", "dq_ptr")
+BF16_POINTERS = ("x_ptr", "q_ptr", "y_ptr", "do_ptr", "dx_ptr", "dq_ptr", "dy_ptr")
 SM_REGISTERS, SM_SHARED_BYTES = 65536, 228 * 1024  # per SM on sm_90
 
 
@@ -103,7 +103,8 @@ def main() -> None:
     pass_blocks = args.pass_block_v or sorted(launched_blocks)
     grad_blocks = block(args.K, 64), block(args.V, 64)  # regression's gradient blocks
     sizes = {"K": args.K, "V": args.V, "BT": args.chunk, "BK": block_k, "PREC": "tf32", "PREC32": "tf32",
-             "SLOTS": 1, "READ_AFTER": True, "HAS_INIT": True, "INTERPRET": False, "N_PARTS": -(-block_k // 64)}
+             "SLOTS": 1, "READ_AFTER": True, "HAS_INIT": True, "INTERPRET": False, "N_PARTS": -(-block_k // 64),
+             "STORE_DY": True}
     kernels = ((wy, "tinv_kernel", {"BK": grad_blocks[0]}), (wy, "wu_kernel", {"BD": max(grad_blocks)}),
                *((regression_kernels, name, {"BV": bv}) for name in ("delta_pass_kernel", "delta_grad_pass_kernel")
                  for bv in pass_blocks),

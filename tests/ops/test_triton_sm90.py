@@ -158,7 +158,7 @@ for K, BT in ((128, 64), (64, 64), (16, 64)):
         b(k.delta_grad_state_kernel, dict(sizes, BK=min(64, K), BV=min(64, K)), warps=8)
         for read_after in (True, False):
             b(k.delta_grad_kernel, dict(sizes, BK=min(64, K), BV=min(64, K), READ_AFTER=read_after,
-                                        N_PARTS=-(-K // 64)), warps=8)
+                                        N_PARTS=-(-K // 64), STORE_DY=True), warps=8)
     # The kernels that do not take SLOTS, as regression.py launches them.
     plain = dict(K=K, V=K, BT=BT, BK=K, PREC32="tf32")
     for (io, prec), (BV, passes) in itertools.product(PASS_INPUTS, launches(K)):

@@ -140,10 +140,12 @@ def backward_1(do, dS_final, q, x, y, eta, log_gamma, S0, read_after: bool, chun
     dx = torch.empty_like(x)
     deta = torch.empty_like(eta)
     dlg = torch.empty_like(log_gamma)
+    store_dy = y.dtype != dz.dtype
+    dy = torch.empty_like(y) if store_dy else dz  # dy = dZ (B2), cast where the kernel reads it
     regression_kernels.delta_grad_kernel[(p.n_chunks, p.NH)](
-        q, x, R, eta, L, do, dz, qdq, dxs, parts, dx, deta, dlg, p.T, p.T_pad, p.n_chunks, p.H, **sizes,
-        BK=BK_s, BV=BV_s, READ_AFTER=read_after, SLOTS=p.slots, N_PARTS=n_parts, PREC32=p.prec)
-    return dq, dx, dz.to(y.dtype), deta, dlg, dS0
+        q, x, R, eta, L, do, dz, qdq, dxs, parts, dx, deta, dlg, dy, p.T, p.T_pad, p.n_chunks, p.H, **sizes,
+        BK=BK_s, BV=BV_s, READ_AFTER=read_after, SLOTS=p.slots, N_PARTS=n_parts, STORE_DY=store_dy, PREC32=p.prec)
+    return dq, dx, dy, deta, dlg, dS0
 
 
 class EventPlan(ChunkPlan):

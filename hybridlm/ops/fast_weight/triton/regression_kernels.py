@@ -313,14 +313,15 @@ def _part_row(part_ptr, i_k, j, NH, i_nh, T_pad):
 @autotuned(["K", "V", "BT", "READ_AFTER", "SLOTS", "N_PARTS"])
 @triton.jit(do_not_specialize=SIZES)
 def delta_grad_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, dz_ptr, qdq_ptr, dxs_ptr, part_ptr,
-                      dx_ptr, deta_ptr, dlg_ptr, T, T_pad, n_chunks, H,
+                      dx_ptr, deta_ptr, dlg_ptr, dy_ptr, T, T_pad, n_chunks, H,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       READ_AFTER: tl.constexpr, SLOTS: tl.constexpr, N_PARTS: tl.constexpr,
-                      PREC32: tl.constexpr):
+                      STORE_DY: tl.constexpr, PREC32: tl.constexpr):
     """(B2's dA, B5-B7) dx, d eta and d log_gamma of one chunk, from the residuals r, dZ, q_t . dq_t
     (`delta_grad_q_kernel`) and the state terms that `delta_grad_state_kernel` wrote (dxs, and its N_PARTS column
     blocks' parts of x_s . (dS' r_s), x_s^T S dZ_s and <dS', S>). BK: the column block of K (N_PARTS of them
-    cover K), as the state kernel's. Grid (n_chunks, N * H)."""
+    cover K), as the state kernel's. STORE_DY: dy = dZ (B2) stored in dy's dtype as it is read (16-bit inputs;
+    float32 ones take the float32 dZ itself). Grid (n_chunks, N * H)."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     t = i_c * BT + tl.arange(0, BT)
@@ -331,6 +332,8 @@ def delta_grad_kernel(q_ptr, x_ptr, r_ptr, eta_ptr, L_ptr, do_ptr, dz_ptr, qdq_p
         do = load_rows(do_ptr, i_n, i_h, t, T, H, V, rv).to(tl.float32)                    # [BT, BV]
         r = load_rows(r_ptr, i_n, i_h, t, T, H, V, rv)                                     # fp32
         dz = load_rows(dz_ptr, i_n, i_h, t, T, H, V, rv)                                   # fp32
+        if STORE_DY:
+            store_rows(dy_ptr, dz, i_n, i_h, t, T, H, V, rv)
         dOr += tl.dot(do, tl.trans(r), input_precision=PREC32)
         dZr += tl.dot(dz, tl.trans(r), input_precision=PREC32)
     eta = load_steps(eta_ptr, i_n, i_h, t, T, H)
