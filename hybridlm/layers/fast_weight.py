@@ -7,7 +7,7 @@
     beta = 2 sigmoid(b + b_beta)                   NLMS gain in (0, 2)          (step_size "nlms")
     eta  = (2 / E0) sigmoid(b + b_beta)            the step itself, ctx-eta      (step_size "direct")
     lam  = lam_scale sigmoid(l + b_lam)            ridge >= 0 per head          (paper C.1)
-    (fw_gates "fixed": no b, l; beta = 1 (eta = 1 for "direct") and lam_h = 2^(-5-h): RetNet's fixed decays)
+    (fw_gates "fixed": no b, l; beta = 1, eta = 1 (1 / E0 for rules 1/2/3), lam_h = 2^(-5-h): RetNet's decays)
     o = fast_weight_attention(q, k, v, beta or eta, lam; rule, window, pairing, read, ridge_scaling)
     y = W_out GatedRMSNorm(o, z)                   per-head RMSNorm, then * SiLU(z)
 
@@ -35,8 +35,11 @@ Decisions (documented here because they are choices, not the paper's prescriptio
 - No muP multipliers inside: q and k are normalized, and the block applies ssm_in / ssm_out.
 - `fw_gates="fixed"` drops the gate logits and biases: beta = 1 and lam_h = 2^(-5-h) for head h = 0..H-1. With
   step_size "direct" and rule 1A this is RetNet's retention, S_t = gamma_h S_{t-1} + k_t v_t^T with
-  gamma_h = 1 - 2^(-5-h) (Sun et al. 2023's schedule): no write normalization, no input-dependent gate. Not
-  supported under tensor parallelism (the fixed decays are indexed by the global head).
+  gamma_h = 1 - 2^(-5-h) (Sun et al. 2023's schedule): no write normalization, no input-dependent gate. The
+  regression rules (1, 2, 3) take eta = 1 / E0 there instead: their residual feeds the state back, and a step
+  of eta E0 outside (0, 2) diverges (eta = 1 with rms-normalized keys is eta E0 = head_dim), while eta E0 = 1 is
+  the step that fits a pair of nominal energy exactly, as beta = 1 does with NLMS steps. Not supported under
+  tensor parallelism (the fixed decays are indexed by the global head).
 
 Training on the Triton kernels (a gradient, no cache; eager or compiled) recomputes steps 2-4 but the op's scans in
 the backward (`hybridlm.ops.recompute`): the mixer keeps its input projection (which holds z for the gated norm anyway)
@@ -78,6 +81,7 @@ from hybridlm.modules.norm import rms_normalize
 from hybridlm.modules.short_conv import ShortConvolution
 from hybridlm.ops.fast_weight import (
     PER_COLUMN_RULES,
+    REGRESSION_RULES,
     FastWeightState,
     fast_weight_attention,
     fast_weight_decoding_step,
@@ -333,10 +337,11 @@ class FastWeightMixer(nn.Module):
     def _gains(self, beta_logits: torch.Tensor, lam_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> beta [B, T, H] (or [B, T, H, V]) and lam [B, T, H] >= 0."""
         dtype = compute_dtype(beta_logits.dtype)
-        if self.gates == "fixed":  # beta (or eta) = 1, lam_h = 2^(-5-h)
+        if self.gates == "fixed":  # beta = 1 or eta = 1 (1 / E0 for the regression rules), lam_h = 2^(-5-h)
             lam = self.fixed_lam.to(dtype).expand(*beta_logits.shape[:-1], self.num_heads)
             width = (self.num_heads, self.head_dim) if self.rule in PER_COLUMN_RULES else (self.num_heads,)
-            return torch.ones(*beta_logits.shape[:-1], *width, dtype=dtype, device=lam.device), lam
+            step = 1.0 / self.feature_energy if self.step_size == "direct" and self.rule in REGRESSION_RULES else 1.0
+            return torch.full((*beta_logits.shape[:-1], *width), step, dtype=dtype, device=lam.device), lam
         gate = torch.sigmoid(beta_logits.to(dtype) + local_tensor(self.beta_bias).to(dtype))
         if self.rule in PER_COLUMN_RULES:
             gate = gate.unflatten(-1, (self.num_heads, self.head_dim))  # [B, T, H, V]

@@ -117,8 +117,9 @@ class HybridConfig:
     fw_pairing: str = "shifted"
     fw_qk_norm: str = "rms"  # "rms" (the paper's default) | "l2" | "none"; True / False read as "rms" / "none"
     fw_step_size: str = "nlms"
-    # "context": beta (or eta) and lam from the input (the paper's ctx-beta / ctx-eta, ctx-lambda); "fixed": beta (or
-    # eta) = 1 and a fixed per-head lam, RetNet's decays with fw_step_size "direct" (hybridlm.layers.fast_weight)
+    # "context": beta (or eta) and lam from the input (the paper's ctx-beta / ctx-eta, ctx-lambda); "fixed": beta = 1
+    # (direct steps: eta = 1, or 1 / E0 for rules 1/2/3) and a fixed per-head lam, RetNet's decays with fw_step_size
+    # "direct" (hybridlm.layers.fast_weight)
     fw_gates: str = "context"
     fw_read: str = "after"
     fw_ridge_scaling: bool = False

@@ -46,7 +46,8 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     # probability mass strictly ahead of each token: an exclusive running sum (no subtraction, no cancellation)
     before = torch.cumsum(probs, dim=-1).roll(1, dims=-1)
     before[..., 0] = 0.0
-    drop_sorted = before >= p - TOP_P_TOLERANCE  # the set already reached p without this token; never the first
+    drop_sorted = before >= p - TOP_P_TOLERANCE  # the set already reached p without this token
+    drop_sorted[..., 0] = False  # the most likely token stays, however small p is
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, -math.inf)
 

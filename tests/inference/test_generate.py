@@ -220,6 +220,15 @@ def test_top_k_and_top_p_filters():
     assert set(draws.tolist()) == {1, 3}
 
 
+@pytest.mark.parametrize("top_p", [1e-9, 1e-12, 5e-324])
+def test_a_tiny_top_p_keeps_the_most_likely_token(top_p):
+    """p at or under the running sums' tolerance: the top token alone, in every row, and sampling draws it."""
+    logits = torch.tensor([[2.0, 1.0, 0.5], [0.0, 3.0, 3.5]])
+    assert torch.isfinite(top_p_filter(logits, top_p)).tolist() == [[True, False, False], [False, False, True]]
+    draws = sample_next(logits, temperature=1.0, top_p=top_p, generator=torch.Generator().manual_seed(0))
+    assert draws.tolist() == [0, 2]
+
+
 @pytest.mark.parametrize("top_k", [0, -1, 2.5, True])
 def test_sample_next_and_top_k_filter_check_top_k(top_k):
     """top_k=0 is an error here, as in generate() (None turns the filter off; transformers' 0 is mapped to None by

@@ -259,6 +259,23 @@ def test_initialization():
     assert beta.shape == (1, 1, H, K) and torch.allclose(beta, torch.ones_like(beta))
 
 
+@pytest.mark.parametrize("rule", RULES)
+def test_fixed_direct_steps_keep_the_regression_rules_stable(rule):
+    """Fixed gates with direct steps: eta = 1 for the inner-product rules (RetNet's retention), eta E0 = 1 for the
+    regression rules, whose residual feeds the state back (eta = 1 against rms-normalized keys of energy K would be
+    eta E0 = K, outside (0, 2), and the state would grow ~K-fold per step); a long row stays finite."""
+    config = make_config(rule, fw_gates="fixed", fw_step_size="direct", fw_head_dim=16, fw_heads=2)
+    torch.manual_seed(0)
+    mixer = FastWeightMixer(config, layer_idx=0).double()
+    width = 2 * 16 if rule in ("2", "2A") else 2
+    eta, _ = mixer._gains(torch.zeros(1, 1, width), torch.zeros(1, 1, 2))
+    want = 1 / mixer.feature_energy if rule in ("1", "2", "3") else 1.0
+    assert mixer.feature_energy == 16 and torch.all(eta == want)
+    hidden = torch.randn(1, 200, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    _, o = op_outputs(mixer, hidden)
+    assert bool(torch.isfinite(o).all()) and o.abs().max() < 1e3
+
+
 def test_heads_default_to_the_mamba_allocation():
     config = make_config("1A", fw_heads=None, fw_head_dim=None, mamba_n_heads=4, mamba_d_ssm=40)
     mixer = FastWeightMixer(config, 0)
