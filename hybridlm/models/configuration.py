@@ -11,6 +11,7 @@ converts it here) and read it back with `model.config.to_hybrid()`. A config of 
 from __future__ import annotations
 
 import difflib
+from types import MappingProxyType
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -20,6 +21,11 @@ from hybridlm.models.config import HybridConfig
 
 class HybridTransformersConfig(PretrainedConfig):
     model_type = "hybridlm"
+    # No remote code: the classes register with transformers' Auto classes on import (`hybridlm.models`). Tools that
+    # read `config.auto_map` unguarded (TRL's model-from-path helper, which builds DPO's reference model, then
+    # transformers' Auto classes) find an empty mapping and take AutoModelForCausalLM. A config.json that carries
+    # one (`hybridlm eval export-hf` writes it) sets it on the instance.
+    auto_map = MappingProxyType({})
 
     def __init__(self, **kwargs: Any) -> None:
         # A config.json of another model (from_pretrained on its dir) would otherwise fail on its first foreign key.

@@ -50,3 +50,28 @@ def test_dpo_moves_the_preference_margin(tmp_path, tokenizer, make_model, data, 
     assert logged[-1]["loss"] < logged[0]["loss"] - 0.05
     after = margins(model, tokenizer, examples)
     assert after.mean() > before.mean() + 1.0
+
+
+def test_trainers_build_models_from_a_directory(tmp_path, tokenizer, make_model, data):
+    """The forms where TRL loads the model itself (its model-from-path helper reads `config.auto_map`, then
+    AutoModelForCausalLM): SFTTrainer given a model directory, DPOTrainer building its reference model from the
+    directory the policy was loaded from; both reference copies equal the saved weights."""
+    import hybridlm
+    from trl import SFTConfig, SFTTrainer
+
+    saved = tmp_path / "model"
+    make_model(tokenizer, seed=2).save_pretrained(saved)
+    tokenizer.save_pretrained(saved)
+    common = dict(max_steps=1, per_device_train_batch_size=4, report_to="none", save_strategy="no", use_cpu=True,
+                  disable_tqdm=True, max_length=64)
+    sft = SFTTrainer(model=str(saved), args=SFTConfig(output_dir=str(tmp_path / "sft"), **common),
+                     train_dataset=datasets.Dataset.from_list(data["conversations"](1)), processing_class=tokenizer)
+    policy = hybridlm.load_model(saved).train()
+    dpo = DPOTrainer(model=policy, ref_model=None, args=DPOConfig(output_dir=str(tmp_path / "dpo"), **common),
+                     train_dataset=datasets.Dataset.from_list(data["preferences"]()), processing_class=tokenizer)
+    for model in (sft.model, dpo.ref_model):
+        assert isinstance(model, hybridlm.HybridForCausalLM)
+        for name, tensor in policy.state_dict().items():
+            assert torch.equal(model.state_dict()[name], tensor), name
+    dpo.train()
+    assert torch.isfinite(torch.tensor(dpo.state.log_history[-1]["train_loss"]))
