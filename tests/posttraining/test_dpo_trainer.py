@@ -7,7 +7,9 @@ import torch
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from trl import DPOConfig, DPOTrainer  # noqa: E402
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
+
+import hybridlm  # noqa: E402
 
 
 def margins(model, tokenizer, examples):
@@ -56,9 +58,6 @@ def test_trainers_build_models_from_a_directory(tmp_path, tokenizer, make_model,
     """The forms where TRL loads the model itself (its model-from-path helper reads `config.auto_map`, then
     AutoModelForCausalLM): SFTTrainer given a model directory, DPOTrainer building its reference model from the
     directory the policy was loaded from; both reference copies equal the saved weights."""
-    import hybridlm
-    from trl import SFTConfig, SFTTrainer
-
     saved = tmp_path / "model"
     make_model(tokenizer, seed=2).save_pretrained(saved)
     tokenizer.save_pretrained(saved)
