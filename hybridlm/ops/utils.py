@@ -131,6 +131,9 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, *, batch_size: int, total_len: in
             f"cu_seqlens needs a packed batch with B == 1, got B = {batch_size}; "
             "concatenate the sequences along time into one row"
         )
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {type(cu_seqlens).__name__}; "
+                         "wrap the offsets in torch.tensor(...)")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be a 1-D tensor [N + 1] with N >= 1, got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:

@@ -322,8 +322,9 @@ def test_bad_input_raises_clear_errors():
     call = fast_weight_attention
     with pytest.raises(ValueError, match="unknown rule"):
         call(q, k, v, beta, rule="4")
-    with pytest.raises(ValueError, match="window must be an integer >= 1"):
-        call(q, k, v, beta, rule="3", window=0)
+    for window in (0, True, 2.0):
+        with pytest.raises(ValueError, match="window must be an integer >= 1"):
+            call(q, k, v, beta, rule="3", window=window)
     with pytest.raises(ValueError, match="only applies to the sliding rules"):
         call(q, k, v, beta, rule="1", window=2)
     with pytest.raises(ValueError, match="one gain per value column"):
@@ -349,6 +350,8 @@ def test_bad_input_raises_clear_errors():
         call(q, k, v, beta, rule="1", cu_seqlens=torch.tensor([0, 5, 5, 8]))
     with pytest.raises(ValueError, match="end at the packed length"):
         call(q, k, v, beta, rule="1", cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match=r"cu_seqlens must be a 1-D integer tensor \[N \+ 1\], got list"):
+        call(q, k, v, beta, rule="1", cu_seqlens=[0, 5, 8])
     with pytest.raises(ValueError, match="initial_state.S must be"):
         call(q, k, v, beta, rule="1", initial_state=FastWeightState(S=torch.zeros(2, 3, 5, 7)))
     _, s = run((q, k, v, beta, lam), "chunk", rule="3", window=3)

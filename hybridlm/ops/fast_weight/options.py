@@ -54,7 +54,7 @@ class FastWeightOptions:
                                      ("step_size", self.step_size, STEP_SIZES)):
             if value not in choices:
                 raise ValueError(f"unknown {name} {value!r}; choose one of {choices}")
-        if not isinstance(self.window, int) or self.window < 1:
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
             raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
         if self.window > 1 and self.rule not in SLIDING_RULES:
             raise ValueError(f"window = {self.window} only applies to the sliding rules {SLIDING_RULES}; rule "
