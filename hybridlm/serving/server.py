@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from hybridlm.data.chat import ChatEncoder
 from hybridlm.serving.engine import RequestOutput
 from hybridlm.serving.params import SamplingParams
 from hybridlm.serving.runner import EngineRunner
@@ -138,8 +139,9 @@ def build_app(runner: EngineRunner, *, model_name: str, api_key: str | None = No
         messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
         ids = _chat_ids(engine.tokenizer, messages)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        end_ids, end_text = _turn_end(engine.tokenizer)
         params = _sampling(body, limit if limit is not None else max(1, engine.max_model_len - len(ids)),
-                           stop_token_ids=tuple(_end_of_turn(engine.tokenizer)))
+                           stop_token_ids=end_ids, more_stop=end_text)
         answer = _Answer("chatcmpl", "chat.completion", model_name, chat=True)
         return await _respond(runner, request, body, [ids], params, answer)
 
@@ -305,14 +307,26 @@ def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _end_of_turn(tokenizer) -> list[int]:
-    """The tokenizer's end-of-turn token, which ends an assistant reply (none if it has no such token)."""
-    token = tokenizer.convert_tokens_to_ids("<|end_of_turn|>")
-    return [] if token is None or token == tokenizer.unk_token_id else [token]
+def _turn_end(tokenizer) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """What ends an assistant reply, as `hybridlm chat` ends it (`ChatEncoder`): the text the chat template writes
+    after an assistant message ("<|end_of_turn|>", ChatML's "<|im_end|>"), as its token where the tokenizer has it
+    as one special token, else as a stop string (a byte-level tokenizer spells it in many tokens), cut from the
+    reply; nothing where the template writes nothing there."""
+    encoder = ChatEncoder(tokenizer)
+    try:
+        end = encoder.turn_end()
+    except Exception:  # a template that refuses the probe's plain user / assistant pair: nothing to stop at
+        return (), ()
+    if not end:
+        return (), ()
+    ids = tuple(i for i in encoder.stop_ids() if i != encoder.eos_id)
+    return (ids, ()) if ids else ((), (end,))
 
 
-def _sampling(body: _Sampling, max_tokens: int, *, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
-    """SamplingParams from the request's fields; APIError 400 naming the field that is out of range."""
+def _sampling(body: _Sampling, max_tokens: int, *, stop_token_ids: tuple[int, ...] = (),
+              more_stop: tuple[str, ...] = ()) -> SamplingParams:
+    """SamplingParams from the request's fields (with `more_stop` after the request's stop strings); APIError 400
+    naming the field that is out of range."""
     if body.n != 1:
         raise APIError(400, "n must be 1 (one choice per prompt)", param="n")
     extra = body.model_extra or {}
@@ -327,8 +341,15 @@ def _sampling(body: _Sampling, max_tokens: int, *, stop_token_ids: tuple[int, ..
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature, top_p=top_p,
-            top_k=top_k, stop=body.stop or (), seed=body.seed, ignore_eos=body.ignore_eos,
+            top_k=top_k, stop=_stop_strings(body.stop) + more_stop, seed=body.seed, ignore_eos=body.ignore_eos,
             stop_token_ids=stop_token_ids,
         )
     except ValueError as error:
         raise APIError(400, str(error), param=str(error).split(" ", 1)[0]) from None
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    """The request's `stop` field as a tuple (SamplingParams checks each string)."""
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)

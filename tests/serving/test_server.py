@@ -228,3 +228,23 @@ def test_a_stream_sends_a_chunk_per_token_while_it_keeps_up_and_merges_the_text_
     assert [[e["choices"][0]["text"] for e in write] for write in per_token] == [
         ["a"], [" b"], [" c", ""], ["a"], [" b"], [" c", ""]]
     assert per_token[2][1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_chat_reply_ends_at_the_templates_turn_end_as_a_token_or_as_text(model_dir, tmp_path):
+    """The served tokenizer has "<|end_of_turn|>" as one special token: it stops the reply as a token. The demo's
+    byte-level tokenizer (what `hybridlm train`'s demo and an SFT of it serve) spells it in 15 byte tokens: it stops
+    the reply as a stop string, after the request's own, as `hybridlm chat` cuts it."""
+    from hybridlm.data.chat import load_tokenizer
+    from hybridlm.serving.server import ChatRequest, _sampling, _turn_end
+    from hybridlm.training.demo import build_byte_tokenizer
+
+    special = load_tokenizer(model_dir)
+    assert _turn_end(special) == ((special.convert_tokens_to_ids("<|end_of_turn|>"),), ())
+    build_byte_tokenizer().save(tmp_path)
+    byte_level = load_tokenizer(tmp_path)
+    assert len(byte_level("<|end_of_turn|>", add_special_tokens=False)["input_ids"]) == 15
+    ids, text = _turn_end(byte_level)
+    assert (ids, text) == ((), ("<|end_of_turn|>",))
+    body = ChatRequest(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], stop="\n\n")
+    params = _sampling(body, 8, stop_token_ids=ids, more_stop=text)
+    assert params.stop == ("\n\n", "<|end_of_turn|>") and params.stop_token_ids == ()
