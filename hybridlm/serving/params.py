@@ -34,8 +34,9 @@ class SamplingParams:
         if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed must be an int in [-2^63, 2^64), got {self.seed!r}")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from hybridlm.serving.engine import RequestOutput, check_length, encode_prompt
 from hybridlm.serving.params import SamplingParams
-from hybridlm.serving.runner import put_all
+from hybridlm.serving.runner import EngineUnavailable, put_all
 
 log = logging.getLogger("hybridlm.serving")
 
@@ -155,7 +155,7 @@ class EngineProcess:
         """As `EngineRunner.submit`: one request per prompt, outputs on the returned queue as (prompt index,
         RequestOutput); ValueError (nothing queued) when a prompt is refused or the engine process is gone."""
         if self.engine.failure is not None:
-            raise ValueError(f"the engine is not running ({self.engine.failure}); restart the server")
+            raise EngineUnavailable(f"the engine is not running ({self.engine.failure}); restart the server")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         ids = [self.engine.check_request(prompt, params) for prompt in prompts]  # all checked before any is queued

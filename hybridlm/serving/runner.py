@@ -24,6 +24,10 @@ from hybridlm.serving.params import SamplingParams
 log = logging.getLogger("hybridlm.serving")
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take requests (its process died): the server answers 503, not a client error."""
+
+
 class EngineRunner:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException
 from hybridlm.data.chat import ChatEncoder
 from hybridlm.serving.engine import RequestOutput
 from hybridlm.serving.params import SamplingParams
-from hybridlm.serving.runner import EngineRunner
+from hybridlm.serving.runner import EngineRunner, EngineUnavailable
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 
@@ -113,8 +113,11 @@ def build_app(runner: EngineRunner, *, model_name: str, api_key: str | None = No
         return await call_next(request)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", **engine.stats()}
+    async def health():
+        stats = engine.stats()
+        if getattr(engine, "failure", None) is not None:  # the engine process died: 503, so that a balancer moves on
+            return JSONResponse({"status": "failed", **stats}, status_code=503)
+        return {"status": "ok", **stats}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -186,6 +189,8 @@ async def _respond(runner: EngineRunner, request: Request, body: _Sampling, prom
                    params: SamplingParams, answer: _Answer):
     try:
         request_ids, queue = runner.submit(prompts, params)
+    except EngineUnavailable as error:
+        raise APIError(503, str(error), kind="server_error") from None
     except ValueError as error:
         raise APIError(400, str(error)) from None
     if body.stream:

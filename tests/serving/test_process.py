@@ -9,7 +9,8 @@ import signal
 
 import pytest
 
-from hybridlm.serving import Engine, EngineProcess, SamplingParams
+from hybridlm.serving import Engine, EngineProcess, SamplingParams, build_app
+from hybridlm.serving.runner import EngineUnavailable
 
 SETTINGS = dict(max_num_seqs=3, max_model_len=96, block_size=8, device="cpu")
 
@@ -57,6 +58,8 @@ def test_an_abort_frees_the_request(runner):
 
 
 def test_a_dead_engine_fails_the_requests_in_flight_and_refuses_new_ones(model_dir):
+    TestClient = pytest.importorskip("fastapi.testclient").TestClient
+
     runner = EngineProcess(model_dir, engine_kwargs=SETTINGS, threads=1, start_timeout=120)
     runner.start()
     try:
@@ -76,8 +79,14 @@ def test_a_dead_engine_fails_the_requests_in_flight_and_refuses_new_ones(model_d
         async def submit_again():
             runner.submit([[1]], SamplingParams())
 
-        with pytest.raises(ValueError, match="the engine is not running"):
+        with pytest.raises(EngineUnavailable, match="the engine is not running"):
             asyncio.run(submit_again())
+        # the server: 503 for a generation and from /health (a balancer moves on), not a client error
+        client = TestClient(build_app(runner, model_name="tiny"))
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+        reply = client.post("/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 1})
+        assert reply.status_code == 503 and reply.json()["error"]["type"] == "server_error"
     finally:
         runner.shutdown()
 

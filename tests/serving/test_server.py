@@ -138,6 +138,7 @@ BAD_REQUESTS = {
     "empty messages": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, 400),
     "past max-model-len": ("/v1/completions", {"model": MODEL_NAME, "prompt": "a" * 90, "max_tokens": 10}, 400),
     "n > 1": ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "n": 2}, 400),
+    "seed past 2^64": ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "seed": 2**64}, 400),
     "malformed JSON": ("/v1/completions", b'{"model": "tiny", "prompt": ', 400),
 }
 
