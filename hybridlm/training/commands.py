@@ -58,7 +58,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "memory export; no torchrun needed.",
     )
     export.add_argument("--run", type=Path, required=True, help="the run's output directory (holds config.yaml)")
-    export.add_argument("--out", type=Path, required=True, help="the model directory to write (replaced if present)")
+    export.add_argument("--out", type=Path, required=True,
+                        help="the model directory to write (not inside the run; an existing one with --overwrite)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out, if it is a model directory (config.json, safetensors)")
     export.add_argument("--step", type=int, help="the checkpoint's step (default: the newest complete checkpoint)")
     export.add_argument("--format", choices=("hybridlm", "falcon_h1"), default="hybridlm",
                         help="hybridlm (default) or an official falcon_h1 checkpoint (Mamba-2 SA_M models with an MLP)")
@@ -241,7 +244,7 @@ def run_checkpoint_export(args: argparse.Namespace) -> int:
     from hybridlm.training.export import export_checkpoint
 
     try:
-        out = export_checkpoint(args.run, args.out, step=args.step, format=args.format)
+        out = export_checkpoint(args.run, args.out, step=args.step, format=args.format, overwrite=args.overwrite)
     except ConfigError as err:
         print(f"checkpoint export: {err}", file=sys.stderr)
         return 2

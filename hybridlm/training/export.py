@@ -29,6 +29,7 @@ from hybridlm.training.checkpoint import (
     checkpoint_dir_name,
     checkpoint_format,
     latest_checkpoint,
+    list_checkpoints,
     verify_checkpoint,
 )
 from hybridlm.training.config import ConfigError, load_config
@@ -70,11 +71,13 @@ def _iter_full_tensors(path: Path, names: list[str]) -> Iterator[tuple[str, torc
 
 
 def export_checkpoint(run: str | Path, out: str | Path, *, step: int | None = None,
-                      format: str = "hybridlm", shard_bytes: int = SHARD_BYTES) -> Path:  # noqa: A002
+                      format: str = "hybridlm", shard_bytes: int = SHARD_BYTES,  # noqa: A002
+                      overwrite: bool = False) -> Path:
     """Write the model of a run's checkpoint (`step`, default the newest complete one) to the model directory `out`
-    (written as `out`.tmp and renamed: an existing `out` is replaced only by a complete export). Verifies the
-    checkpoint's checksums first. Raises ConfigError for a run, step or format that cannot be exported and
-    CheckpointError for a damaged checkpoint."""
+    (written as `out`.tmp and renamed: an existing `out` is replaced only by a complete export, and only with
+    `overwrite` and where it is a model directory; `out` is never the run, inside it or around it). Verifies the
+    checkpoint's checksums first. Raises ConfigError for a run, step, format or `out` that cannot be exported (before
+    anything is written) and CheckpointError for a damaged checkpoint."""
     from hybridlm.models.model import HybridForCausalLM
     from hybridlm.training.validate import build_model_config
 
@@ -83,12 +86,15 @@ def export_checkpoint(run: str | Path, out: str | Path, *, step: int | None = No
         raise ConfigError(f"--format: must be one of {', '.join(EXPORT_FORMATS)}, got {format!r}")
     if not (run / CONFIG_FILE).is_file():
         raise ConfigError(f"--run {run}: no {CONFIG_FILE}; give the output directory of a `hybridlm train` run")
+    _check_out(run, out, overwrite)
     config = load_config(run / CONFIG_FILE)
     directory = run / CHECKPOINT_DIR
     path = latest_checkpoint(directory) if step is None else directory / checkpoint_dir_name(step)
     if path is None or not path.is_dir():
         which = "no complete checkpoint" if step is None else f"no checkpoint of step {step}"
-        raise ConfigError(f"--run {run}: {which} in {directory}")
+        steps = [p.name for p in list_checkpoints(directory)] if directory.is_dir() else []
+        held = f" (it holds {', '.join(steps)})" if steps else ""
+        raise ConfigError(f"--run {run}: {which} in {directory}{held}")
     verify_checkpoint(path)
 
     with torch.device("meta"):
@@ -133,6 +139,32 @@ def export_checkpoint(run: str | Path, out: str | Path, *, step: int | None = No
     os.replace(tmp, out)
     remove_path(old)
     return out
+
+
+def _check_out(run: Path, out: Path, overwrite: bool) -> None:
+    """Refuse an `out` whose replacement would lose what is not an export: the run itself, a path inside it (its
+    checkpoints) or one holding it; an existing path without `overwrite`; with it, anything but a model directory."""
+    run_path, out_path = run.resolve(), out.resolve()
+    if out_path == run_path or run_path in out_path.parents or out_path in run_path.parents:
+        where = ("is the run" if out_path == run_path else "is inside the run" if run_path in out_path.parents
+                 else "holds the run")
+        raise ConfigError(f"--out {out} {where} --run {run}; write the model to a directory of its own")
+    if not os.path.lexists(out):
+        return
+    if not overwrite:
+        raise ConfigError(f"--out {out} already exists; pass --overwrite to replace it (a model directory only)")
+    if not _is_model_dir(out):
+        raise ConfigError(f"--out {out} is not a model directory (config.json and .safetensors files, no folders), "
+                          "so --overwrite does not replace it; choose another --out")
+
+
+def _is_model_dir(path: Path) -> bool:
+    """A directory that an export (or `save_pretrained`) writes: files only, config.json and safetensors among them."""
+    if not path.is_dir() or path.is_symlink():
+        return False
+    entries = list(path.iterdir())
+    return (all(entry.is_file() for entry in entries) and (path / "config.json").is_file()
+            and any(entry.suffix == ".safetensors" for entry in entries))
 
 
 def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], directory: Path, shard_bytes: int) -> None:

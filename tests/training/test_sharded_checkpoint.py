@@ -150,6 +150,9 @@ def test_export_equals_the_runs_final_model(two_ranks, tmp_path, fmt):
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) for k in want)  # final/ is the gathered model of the same update
     assert (tmp_path / "model" / "tokenizer.json").is_file()
+    again = ["checkpoint", "export", "--run", str(root / "run"), "--out", str(tmp_path / "model"), "--format", fmt]
+    assert main(again) == 2 and main([*again, "--overwrite"]) == 0  # an earlier export is replaced when asked
+    assert all(torch.equal(load_model(tmp_path / "model").state_dict()[k], want[k]) for k in want)
 
 
 def test_export_writes_safetensors_shards_with_their_index(two_ranks, tmp_path):

@@ -1,0 +1,59 @@
+"""`hybridlm checkpoint export`'s --out: refused, before anything is written, where replacing it would lose what is
+not an export (the run, its checkpoints, a folder holding it, files of the user's), and an existing model directory
+replaced only with --overwrite. (The exports themselves: tests/training/test_sharded_checkpoint.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridlm.cli import main
+from hybridlm.training.config import ConfigError
+from hybridlm.training.export import _check_out
+
+
+@pytest.fixture
+def run(tmp_path):
+    run = tmp_path / "runs" / "x"
+    (run / "checkpoints" / "step_00000010").mkdir(parents=True)
+    (run / "config.yaml").write_text("train: {steps: 10}\n")
+    return run
+
+
+@pytest.mark.parametrize("where, message", [
+    (lambda run: run, "is the run"),
+    (lambda run: run / "checkpoints", "is inside the run"),
+    (lambda run: run / "final" / "model", "is inside the run"),
+    (lambda run: run.parent, "holds the run"),
+])
+def test_the_run_and_what_holds_it_are_never_the_out(run, where, message):
+    for overwrite in (False, True):
+        with pytest.raises(ConfigError, match=message):
+            _check_out(run, where(run), overwrite)
+    assert (run / "config.yaml").is_file() and (run / "checkpoints" / "step_00000010").is_dir()
+
+
+def test_an_existing_out_needs_overwrite_and_must_be_a_model_directory(run, tmp_path, capsys):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "precious.txt").write_text("keep")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep")
+    for out in (notes, a_file):
+        with pytest.raises(ConfigError, match="already exists; pass --overwrite"):
+            _check_out(run, out, False)
+        with pytest.raises(ConfigError, match="is not a model directory"):
+            _check_out(run, out, True)
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (model / name).write_text("{}")
+    with pytest.raises(ConfigError, match="already exists"):
+        _check_out(run, model, False)
+    _check_out(run, model, True)  # an earlier export: replaced
+    (model / "checkpoints").mkdir()
+    with pytest.raises(ConfigError, match="is not a model directory"):
+        _check_out(run, model, True)
+    # through the command line: exit 2, the reason, nothing touched
+    assert main(["checkpoint", "export", "--run", str(run), "--out", str(notes), "--overwrite"]) == 2
+    assert "is not a model directory" in capsys.readouterr().err
+    assert (notes / "precious.txt").read_text() == "keep" and a_file.read_text() == "keep"
