@@ -69,7 +69,9 @@ def export_for_lm_eval(model_dir: str | Path, *, tokenizer_dir: str | Path | Non
         raise FileNotFoundError(f"{tokenizer_dir}: no tokenizer.json")
     if tokenizer_dir is None and not (model_dir / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no tokenizer files; pass the tokenizer directory (lm_eval needs one)")
-    if tokenizer_dir is not None and Path(tokenizer_dir).resolve() != model_dir.resolve():
+    copy_tokenizer = tokenizer_dir is not None and Path(tokenizer_dir).resolve() != model_dir.resolve()
+    if copy_tokenizer:
+        _check_tokenizer_fits(Path(tokenizer_dir), model_dir, config)
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).is_file():
                 write_atomic(model_dir / name, (Path(tokenizer_dir) / name).read_bytes())
@@ -77,6 +79,26 @@ def export_for_lm_eval(model_dir: str | Path, *, tokenizer_dir: str | Path | Non
     config["auto_map"] = dict(AUTO_MAP)
     write_atomic(config_path, (json.dumps(config, indent=2) + "\n").encode("utf-8"))
     return model_dir
+
+
+def _check_tokenizer_fits(tokenizer_dir: Path, model_dir: Path, config: dict) -> None:
+    """Refuse a tokenizer whose ids exceed the model's vocabulary, and one that would replace a different tokenizer
+    already beside the model (its own, most likely): ValueError naming both."""
+    from tokenizers import Tokenizer
+
+    source = tokenizer_dir / "tokenizer.json"
+    try:
+        size = Tokenizer.from_file(str(source)).get_vocab_size(with_added_tokens=True)
+    except Exception as err:  # the tokenizers library raises its own exception types for a damaged file
+        raise ValueError(f"{source}: not a readable tokenizer ({err})") from None
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int) and size > vocab:
+        raise ValueError(f"{tokenizer_dir} has {size} tokens, more than the model's vocabulary of {vocab} "
+                         f"({model_dir / 'config.json'}); is this the tokenizer the model was trained with?")
+    present = model_dir / "tokenizer.json"
+    if present.is_file() and present.read_bytes() != source.read_bytes():
+        raise ValueError(f"{model_dir} already holds a tokenizer, not the one in {tokenizer_dir}; leave out "
+                         "--tokenizer to use it, or remove its tokenizer files first to replace it")
 
 
 def lm_eval_model_args(model_dir: str | Path) -> str:

@@ -98,6 +98,29 @@ def test_export_refuses_a_dir_without_tokenizer(tmp_path):
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # refused before anything changed
 
 
+def test_export_refuses_a_tokenizer_that_does_not_fit_the_model(tmp_path, tokenizer_dir):
+    """A tokenizer with more ids than the model's vocabulary, or one that would replace the different tokenizer
+    already beside the model: refused, nothing changed; the model's own tokenizer passed again is fine."""
+    vocab = HybridTokenizer.load(tokenizer_dir).vocab_size
+    small = tmp_path / "small"
+    build_model(task_config("transformer", vocab_size=vocab - 1, size="tiny"), seed=0).save_pretrained(small)
+    before = {p.name: p.read_bytes() for p in small.iterdir()}
+    with pytest.raises(ValueError, match=rf"has {vocab} tokens, more than the model's vocabulary of {vocab - 1}"):
+        export_for_lm_eval(small, tokenizer_dir=tokenizer_dir)
+    assert {p.name: p.read_bytes() for p in small.iterdir()} == before
+    own = tmp_path / "own"
+    build_model(task_config("transformer", vocab_size=vocab, size="tiny"), seed=0).save_pretrained(own)
+    export_for_lm_eval(own, tokenizer_dir=tokenizer_dir)
+    export_for_lm_eval(own, tokenizer_dir=tokenizer_dir)  # the same tokenizer again: nothing to replace
+    other = tmp_path / "other_tokenizer"
+    other.mkdir()
+    (other / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes().replace(b"  ", b" "))
+    before = {p.name: p.read_bytes() for p in own.iterdir()}
+    with pytest.raises(ValueError, match="already holds a tokenizer"):
+        export_for_lm_eval(own, tokenizer_dir=other)
+    assert {p.name: p.read_bytes() for p in own.iterdir()} == before
+
+
 def test_an_empty_context_is_conditioned_on_the_prefix(exported):
     """lm_eval replaces an empty context by one prefix token; ours is EOS unless prefix_id says otherwise (our documents
     start after an EOS, never a BOS: harness.py's docstring). Non-empty contexts do not use it."""
