@@ -503,7 +503,8 @@ _MANIFEST_FIELDS = {"dtype": str, "num_tokens": int, "num_docs": int, "vocab_siz
 
 
 def _manifest_problem(manifest: dict) -> str:
-    """What is wrong with a manifest's structure (a field missing or of the wrong type), "" if nothing."""
+    """What is wrong with a manifest's structure (a field missing or of the wrong type, totals that are not its
+    shards' sums), "" if nothing."""
     for key, kind in _MANIFEST_FIELDS.items():
         if not isinstance(manifest.get(key), kind):
             return f"{key!r} missing or not {kind.__name__}"
@@ -517,6 +518,10 @@ def _manifest_problem(manifest: dict) -> str:
         for key, kind in _SHARD_FIELDS.items():
             if not isinstance(shard.get(key), kind):
                 return f"shards[{i}].{key} missing or not {kind.__name__}"
+    for total, part in (("num_tokens", "tokens"), ("num_docs", "index_docs")):
+        summed = sum(shard[part] for shard in manifest["shards"])
+        if manifest[total] != summed:
+            return f"{total} {manifest[total]} is not its shards' total {summed}"
     return ""
 
 

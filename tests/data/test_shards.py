@@ -293,8 +293,9 @@ def test_interrupted_repair_keeps_the_intact_shards(corpus, tokenizer_dir, tmp_p
     assert _files(out) == good
 
 
-@pytest.mark.parametrize("edit", [lambda m: m.pop("num_docs"), lambda m: m.update(complete=False)],
-                         ids=["num_docs_missing", "marked_incomplete"])
+@pytest.mark.parametrize("edit", [lambda m: m.pop("num_docs"), lambda m: m.update(complete=False),
+                                  lambda m: m.update(num_tokens=1)],
+                         ids=["num_docs_missing", "marked_incomplete", "num_tokens_not_the_total"])
 def test_damaged_manifest_fields_are_rewritten_keeping_every_shard(corpus, tokenizer_dir, tmp_path, monkeypatch,
                                                                     edit):
     corpus_dir, _ = corpus
