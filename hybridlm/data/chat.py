@@ -185,7 +185,8 @@ class ChatEncoder:
                        **kwargs) -> ChatEncoder:
         """The tokenizer of a model directory (ours or any transformers one) and its chat template, or the
         template in `chat_template_file`."""
-        return cls(load_tokenizer(model_dir), read_chat_template(chat_template_file), source=str(model_dir), **kwargs)
+        source = str(model_dir) if chat_template_file is None else f"{chat_template_file} (for {model_dir})"
+        return cls(load_tokenizer(model_dir), read_chat_template(chat_template_file), source=source, **kwargs)
 
     # ------------------------------------------------------------------------------------------ rendering
     def render(self, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
@@ -249,7 +250,7 @@ class ChatEncoder:
                 raise DataError(
                     f"the chat template of {self.source} renders no span for message {i} ({messages[i]['role']}): "
                     "rendering the conversation's first messages does not give a prefix of the whole rendering; "
-                    "use a template that renders prefixes as prefixes, or --set sft.train_on=all"
+                    "use a template that renders prefixes as prefixes, or --set data.train_on=all"
                 )
             spans.append((len(start), len(end)))
         encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)

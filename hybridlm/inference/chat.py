@@ -174,9 +174,15 @@ def _session(args: argparse.Namespace) -> ChatSession:
         raise ValueError(f"{model_dir}: no config.json; give a model directory (e.g. the final/ of `hybridlm sft`)")
     try:
         encoder = ChatEncoder.from_model_dir(model_dir, args.chat_template)
-        encoder.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)  # no template: say so now
     except DataError as err:
         raise ValueError(str(err)) from None
+    if encoder.chat_template is None:  # said now, before the model loads
+        raise ValueError(f"{model_dir} has no chat template: pass --chat-template FILE (a Jinja template), or use "
+                         "`hybridlm generate` for plain text")
+    try:
+        encoder.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    except Exception as err:  # a template that does not render a plain user turn (jinja raises its own types)
+        raise ValueError(f"the chat template does not render a user message: {err}") from None
     device = parse_device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     model = load_model(model_dir, dtype=getattr(torch, args.dtype)).to(device)
     prepare_for_generation(model, **generation_options(args))

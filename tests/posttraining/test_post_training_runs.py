@@ -4,6 +4,7 @@ answers what it was fine-tuned on, DPO moving the preference margin, LoRA output
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,22 @@ def test_bad_input_is_one_line_and_loses_nothing(model_dir, tmp_path, capsys):
         _config(model_dir, tmp_path / "r5", "sft", "data.demo=false")
     assert main(["chat", "--model", str(tmp_path / "nowhere"), "--prompt", "hi"]) == 1
     assert "no config.json" in capsys.readouterr().err
+    no_template = tmp_path / "no_template"
+    shutil.copytree(model_dir, no_template)
+    for name in ("tokenizer_config.json", "hybridlm_tokenizer.json"):
+        path = no_template / name
+        if path.is_file():
+            settings = json.loads(path.read_text())
+            settings.pop("chat_template", None)
+            path.write_text(json.dumps(settings))
+    (no_template / "chat_template.jinja").unlink(missing_ok=True)
+    assert main(["chat", "--model", str(no_template), "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "has no chat template: pass --chat-template FILE" in err and "records" not in err
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{{ messages[0].content | no_such_filter }}")
+    assert main(["chat", "--model", str(model_dir), "--chat-template", str(bad), "--prompt", "hi"]) == 1
+    assert "the chat template does not render a user message" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
