@@ -62,10 +62,7 @@ def read_records(path: str | Path, *, kind: str, skip_bad: bool = False,
     if kind not in ("sft", "preference"):
         raise ValueError(f"kind must be 'sft' or 'preference', got {kind!r}")
     counts = counts if counts is not None else ReadCounts()
-    files = find_files([path])
-    other = [f.path for f in files if Path(f.path).suffix.lower() not in RECORD_FORMATS]
-    if other:
-        raise DataError(f"{other[0]}: chat data must be .jsonl or .parquet records, not {Path(other[0]).suffix}")
+    files = find_files([path], RECORD_FORMATS)
     records: list[Record] = []
     for file in files:
         for where, raw in _raw_records(Path(file.path)):

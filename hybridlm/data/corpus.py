@@ -68,12 +68,14 @@ class ReadStats:
         return asdict(self)
 
 
-def _format_of(path: Path) -> str | None:
-    return FORMATS.get(path.suffix.lower())
+def _format_of(path: Path, suffixes: Sequence[str] = tuple(FORMATS)) -> str | None:
+    suffix = path.suffix.lower()
+    return FORMATS.get(suffix) if suffix in suffixes else None
 
 
-def find_files(inputs: Sequence[str | Path]) -> list[SourceFile]:
-    """Expand files and directories (recursively, hidden entries skipped) into a sorted, de-duplicated list.
+def find_files(inputs: Sequence[str | Path], suffixes: Sequence[str] = tuple(FORMATS)) -> list[SourceFile]:
+    """Expand files and directories (recursively, hidden entries skipped) into a sorted, de-duplicated list of the
+    files with one of `suffixes` (FORMATS' by default: a directory's other files are skipped, a named one refused).
 
     Order: inputs in the order given; inside a directory, by relative path. That order fixes document
     numbering, so the same inputs always give the same shards.
@@ -88,14 +90,14 @@ def find_files(inputs: Sequence[str | Path]) -> list[SourceFile]:
             raise DataError(f"input {str(raw)!r} does not exist")
         if root.is_dir():
             found = sorted(
-                (p for p in root.rglob("*") if p.is_file() and _format_of(p)
+                (p for p in root.rglob("*") if p.is_file() and _format_of(p, suffixes)
                  and not any(part.startswith(".") for part in p.relative_to(root).parts)),
                 key=lambda p: p.relative_to(root).as_posix(),
             )
             if not found:
-                raise DataError(f"directory {str(raw)!r} holds no {', '.join(FORMATS)} files")
-        elif _format_of(root) is None:
-            raise DataError(f"{str(raw)!r}: unsupported file type {root.suffix!r}; expected one of {', '.join(FORMATS)}")
+                raise DataError(f"directory {str(raw)!r} holds no {', '.join(suffixes)} files")
+        elif _format_of(root, suffixes) is None:
+            raise DataError(f"{str(raw)!r}: unsupported file type {root.suffix!r}; expected one of {', '.join(suffixes)}")
         else:
             found = [root]
         for p in found:
@@ -104,7 +106,7 @@ def find_files(inputs: Sequence[str | Path]) -> list[SourceFile]:
                 continue
             seen.add(resolved)
             st = resolved.stat()
-            out.append(SourceFile(str(resolved), _format_of(p), st.st_size, st.st_mtime_ns))
+            out.append(SourceFile(str(resolved), _format_of(p, suffixes), st.st_size, st.st_mtime_ns))
     return out
 
 

@@ -103,6 +103,16 @@ def test_bad_records_name_file_and_line_or_are_skipped_and_counted(tmp_path):
         read_records(_write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "rejected": "b"}]), kind="preference")
     with pytest.raises(DataError, match="does not exist"):
         read_records(tmp_path / "missing.jsonl", kind="sft")
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "chat.txt").write_text("user: a\nassistant: b\n")
+    for given in (texts / "chat.txt", tmp_path / "prefs.csv"):  # the formats named are the ones records take
+        given.touch()
+        with pytest.raises(DataError, match=rf"unsupported file type '{given.suffix}'; expected one of .jsonl, "
+                                            r"\.parquet$"):
+            read_records(given, kind="sft")
+    with pytest.raises(DataError, match=r"holds no \.jsonl, \.parquet files"):
+        read_records(texts, kind="sft")
 
 
 def test_parquet_records(tmp_path):
