@@ -97,7 +97,8 @@ def find_files(inputs: Sequence[str | Path], suffixes: Sequence[str] = tuple(FOR
             if not found:
                 raise DataError(f"directory {str(raw)!r} holds no {', '.join(suffixes)} files")
         elif _format_of(root, suffixes) is None:
-            raise DataError(f"{str(raw)!r}: unsupported file type {root.suffix!r}; expected one of {', '.join(suffixes)}")
+            raise DataError(f"{str(raw)!r}: unsupported file type {root.suffix!r}; "
+                            f"expected one of {', '.join(suffixes)}")
         else:
             found = [root]
         for p in found:

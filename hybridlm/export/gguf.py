@@ -61,8 +61,10 @@ def export_gguf(model: str | Path | HybridForCausalLM, out: str | Path, *, token
     out = Path(out)
     if not out.parent.is_dir():
         raise FileNotFoundError(f"{out.parent} is not a directory; create it first or choose another output path")
+    if out.is_dir():
+        raise IsADirectoryError(f"{out} is a directory; give a file path for the GGUF (e.g. {out / 'model.gguf'})")
     if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; pass --overwrite (overwrite=True) to replace it")
+        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
     if isinstance(model, (str, Path)):
         model_dir = Path(model)
         if not model_dir.is_dir():

@@ -210,8 +210,14 @@ def test_command(tmp_path, tok_dir, capsys):
     assert gguf.GGUFReader(out).fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q8_0
     capsys.readouterr()
     assert main(["export", "gguf", "--model", str(model_dir), "--out", str(out)]) == 1
-    assert capsys.readouterr().err == f"hybridlm export gguf: {out} already exists; pass --overwrite (overwrite=True) " \
-                                      "to replace it\n"
+    assert capsys.readouterr().err == f"hybridlm export gguf: {out} already exists; pass --overwrite to replace it\n"
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("keep")
+    assert main(["export", "gguf", "--model", str(model_dir), "--out", str(folder), "--overwrite"]) == 1
+    assert capsys.readouterr().err == (f"hybridlm export gguf: {folder} is a directory; give a file path for the "
+                                       f"GGUF (e.g. {folder / 'model.gguf'})\n")
+    assert [p.name for p in folder.iterdir()] == ["keep.txt"]
     assert main(["export", "gguf", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "n.gguf")]) == 1
     assert capsys.readouterr().err == f"hybridlm export gguf: model directory {tmp_path / 'nope'} does not exist\n"
     fast = checkpoint_dir(falcon_model(ssm_mixer="fast_weight"), tok_dir, tmp_path / "fast")
