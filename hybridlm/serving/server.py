@@ -104,13 +104,8 @@ def build_app(runner: EngineRunner, *, model_name: str, api_key: str | None = No
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         return APIError(error.status_code, str(error.detail), code=str(error.status_code)).response()
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return APIError(401, "missing or wrong API key (Authorization: Bearer KEY)",
-                                code="invalid_api_key").response()
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_RequireKey, api_key=api_key)
 
     @app.get("/health")
     async def health():
@@ -149,6 +144,23 @@ def build_app(runner: EngineRunner, *, model_name: str, api_key: str | None = No
         return await _respond(runner, request, body, [ids], params, answer)
 
     return app
+
+
+class _RequireKey:
+    """A /v1/ request without `Authorization: Bearer KEY` gets a 401; everything else passes through untouched. Pure
+    ASGI: an `@app.middleware("http")` function wraps the request's `receive`, and `request.is_disconnected()` then
+    does not see a client that left while its whole (non-streamed) answer was being generated."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode("latin-1")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            if dict(scope["headers"]).get(b"authorization", b"") != self.expected:
+                error = APIError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _Answer:
@@ -197,13 +209,17 @@ async def _respond(runner: EngineRunner, request: Request, body: _Sampling, prom
         usage = bool((body.stream_options or {}).get("include_usage"))
         return StreamingResponse(_stream(runner, request_ids, queue, answer, usage), media_type="text/event-stream")
     final: list[RequestOutput | None] = [None] * len(prompts)
+    checked = time.monotonic()
     try:
         while any(out is None for out in final):
+            # every DISCONNECT_POLL_S, whether or not outputs keep coming (a decoding request sends one per token)
+            if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                if await request.is_disconnected():
+                    return JSONResponse({}, status_code=499)  # nobody reads it; the finally aborts the requests
+                checked = time.monotonic()
             try:
                 index, out = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return JSONResponse({}, status_code=499)  # nobody reads it; the finally aborts the requests
                 continue
             if isinstance(out, Exception):
                 raise APIError(500, f"the engine failed: {out}", kind="server_error")

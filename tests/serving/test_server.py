@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -123,6 +124,34 @@ def test_client_disconnect_mid_stream_frees_the_slot(server, monkeypatch):
         first = next(line for line in reply.iter_lines() if line.startswith("data: "))
         assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
     report = wait_idle(url)
+    assert report["finished"]["abort"] == aborted + 1 and engine.slots.rows == 0
+
+
+def test_client_disconnect_while_a_whole_answer_is_generated_frees_the_slot(server, monkeypatch):
+    """A non-streamed request whose client leaves: aborted at the next disconnect check although its outputs keep
+    coming (one per token), and seen through the API key's middleware."""
+    url, engine = server
+    if not hasattr(engine, "step"):
+        pytest.skip("slows the engine's steps in this process (the process runner's abort: test_process.py)")
+    step = engine.step
+
+    def slow_step():  # 80 tokens take >= 2 s
+        time.sleep(0.025)
+        step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    aborted = engine.finished["abort"]
+    body = json.dumps({"model": MODEL_NAME, "prompt": "jumps", "max_tokens": 80, "ignore_eos": True}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+                       + body)
+        for _ in range(100):  # until it decodes
+            if healthy(url)["running"]:
+                break
+            time.sleep(0.02)
+    report = wait_idle(url)  # within 10 s: well before 80 slow steps and the checks' 0.5 s
     assert report["finished"]["abort"] == aborted + 1 and engine.slots.rows == 0
 
 
