@@ -133,10 +133,14 @@ def run_chat(args: argparse.Namespace) -> int:
         print(text, end="", flush=True)
 
     if args.prompt is not None:
-        session.reply(args.prompt, show)
+        try:
+            session.reply(args.prompt, show)
+        except KeyboardInterrupt:
+            print()
+            return 130
         print()
         return 0
-    print("chat: /reset starts over, Ctrl-D leaves", file=sys.stderr)
+    print("chat: /reset starts over, Ctrl-C stops an answer, Ctrl-D leaves", file=sys.stderr)
     while True:
         try:
             text = input("> ")
@@ -156,6 +160,9 @@ def run_chat(args: argparse.Namespace) -> int:
             session.reply(text, show)
         except ValueError as err:
             print(f"\n{err}", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:  # the answer stops; the conversation goes on without this exchange
+            print("\n(answer stopped; this exchange is not kept)", file=sys.stderr)
             continue
         print()
 

@@ -219,3 +219,47 @@ def test_a_turn_end_spelled_in_bytes_still_ends_the_answer(tmp_path):
                   on_text=streamed.append)
     assert text == "C-A-T." and "".join(streamed) == "C-A-T."
     assert not any("<" in piece for piece in streamed)  # the marker's start was held back, never printed
+
+
+def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(monkeypatch, capsys):
+    """Ctrl-C while the model answers: back at the prompt, the interrupted exchange left out of the conversation;
+    then Ctrl-D leaves with status 0 (Ctrl-C at the prompt: 130, no traceback either way)."""
+    import argparse
+
+    from hybridlm.inference import chat
+
+    class Session:
+        def __init__(self):
+            self.messages, self.calls = [], 0
+
+        def reply(self, text, on_text):
+            self.calls += 1
+            if self.calls == 1:
+                on_text("partial")
+                raise KeyboardInterrupt
+            on_text("answer")
+            self.messages += [text, "answer"]
+            return "answer"
+
+    session = Session()
+    monkeypatch.setattr(chat, "_session", lambda args: session)
+    lines = iter(["first", "second"])
+
+    def typed(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", typed)
+    assert chat.run_chat(argparse.Namespace(prompt=None)) == 0
+    out, err = capsys.readouterr()
+    assert session.messages == ["second", "answer"] and "answer stopped" in err and "answer" in out
+
+    def interrupted(prompt):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("builtins.input", interrupted)
+    assert chat.run_chat(argparse.Namespace(prompt=None)) == 130
+    session.calls = 0
+    assert chat.run_chat(argparse.Namespace(prompt="hi")) == 130
