@@ -110,14 +110,29 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 
 def _looks_complete(path: Path) -> bool:
     """Cheap check (no hashing): the manifest parses and every file it lists exists with its size."""
+    return not incomplete_reason(path)
+
+
+def incomplete_reason(path: Path) -> str:
+    """Why the checkpoint directory `path` is not complete (no hashing: the manifest and the listed files' sizes),
+    "" if it looks complete: the first problem, naming the file."""
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return f"no {MANIFEST_FILE}"
     try:
-        manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         files = manifest["files"]
-        return manifest.get("format") in FORMATS and all(
-            (path / name).is_file() and (path / name).stat().st_size == entry["bytes"] for name, entry in files.items()
-        )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
+        if manifest.get("format") not in FORMATS:
+            return f"{MANIFEST_FILE} names no known format"
+        for name, entry in files.items():
+            if not (path / name).is_file():
+                return f"{name} is missing"
+            size = (path / name).stat().st_size
+            if size != entry["bytes"]:
+                return f"{name} is {size:,} bytes, its manifest says {entry['bytes']:,}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"{MANIFEST_FILE} is unreadable ({type(err).__name__})"
+    return ""
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:

@@ -74,6 +74,7 @@ from hybridlm.training.checkpoint import (
     CheckpointError,
     CheckpointMismatchError,
     checkpoint_format,
+    incomplete_reason,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -547,9 +548,11 @@ class Trainer:
             for name in (METRICS_FILE, EVAL_FILE):
                 self.run_dir.truncate(name, 0)
             return
-        skipped = [p.name for p in found if p.name > path.name]
+        skipped = [p for p in found if p.name > path.name]
         if skipped:
-            self._print(f"--resume: skipping incomplete newer checkpoint(s) {', '.join(skipped)}")
+            reasons = "; ".join(f"{p.name}: {incomplete_reason(p)}" for p in skipped)
+            self._print(f"--resume: skipping newer checkpoint(s) that are not complete ({reasons}); resuming from "
+                        f"{path.name}, so the updates after it run again and their saves replace those directories")
         model_state = _ModelState()
         # The config given now wins: every group's hyperparameters (base lr / wd for the schedule, betas, eps and
         # torch's own options) stay those of the fresh groups; the checkpoint gives only the per-parameter state

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from hybridlm.training.checkpoint import (
     MANIFEST_FILE,
     CheckpointError,
     CheckpointMismatchError,
+    incomplete_reason,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -180,6 +182,11 @@ def test_latest_checkpoint_ignores_partial_saves(tmp_path: Path) -> None:
     assert [p.name for p in list_checkpoints(tmp_path)] == [
         "step_00000001", "step_00000002", "step_00000007", "step_00000008"
     ]
+    # what a resume says of the ones it skips
+    assert incomplete_reason(no_manifest) == "no manifest.json" and incomplete_reason(newest) == ""
+    assert re.fullmatch(r"model.safetensors is 1 bytes, its manifest says [\d,]+", incomplete_reason(truncated))
+    (no_manifest / MANIFEST_FILE).write_text("garbage{")
+    assert incomplete_reason(no_manifest) == "manifest.json is unreadable (JSONDecodeError)"
     # a new save of step 9 replaces the stale .tmp
     run.step = 9
     path = run.save(tmp_path)
