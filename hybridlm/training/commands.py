@@ -137,7 +137,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser, config_default: str) -> 
                         help="override one config value, e.g. --set train.steps=12 (repeatable)")
     start = parser.add_mutually_exclusive_group()
     start.add_argument("--resume", action="store_true",
-                       help="continue from the newest complete checkpoint in the output directory")
+                       help="continue from the newest complete checkpoint in the output directory, with its "
+                       "config.yaml unless --config is given (none there yet: start the run)")
     start.add_argument("--overwrite", action="store_true",
                        help="start a new run even if the output directory holds one: deletes its checkpoints/, "
                        "final/, metrics, config.yaml, loss.png and samples.txt first (without it, that is refused)")
@@ -147,7 +148,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, config_default: str) -> 
 
 def _resolve_config(args: argparse.Namespace):
     """(the config, the file it was read from or None for the built-in demo)."""
-    from hybridlm.training.config import load_config
+    from hybridlm.training.config import ConfigError, load_config
 
     task = getattr(args, "task", "pretrain")
     overrides = [f"train.task={task}"] if task != "pretrain" else []
@@ -169,6 +170,9 @@ def _resolve_config(args: argparse.Namespace):
         saved = Path(out) / "config.yaml"
         if saved.is_file():
             config_path = saved
+        elif (Path(out) / "checkpoints").is_dir():  # a run without its config: the defaults would not fit it
+            raise ConfigError(f"--resume: {saved} is missing, so the run's settings are unknown; pass the config it "
+                              f"was started with (--config FILE)")
     return load_config(config_path, overrides, task=task), config_path
 
 

@@ -208,7 +208,7 @@ def test_a_resumed_run_logs_the_metrics_of_an_uninterrupted_one(demo_dir, tmp_pa
     assert comparable("split") == comparable("whole")
 
 
-def test_resume_with_more_steps_through_the_cli(demo_dir, tmp_path):
+def test_resume_with_more_steps_through_the_cli(demo_dir, tmp_path, capsys):
     from hybridlm.cli import main
 
     out = tmp_path / "cli"
@@ -221,6 +221,15 @@ def test_resume_with_more_steps_through_the_cli(demo_dir, tmp_path):
     assert latest_checkpoint(out / "checkpoints").name == "step_00000005"
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")][-1] == 5
     assert load_config(out / "config.yaml").train.steps == 5
+    # without its config.yaml the run's settings are unknown: said before anything is prepared or written
+    saved = (out / "config.yaml").read_text()
+    (out / "config.yaml").unlink()
+    before = snapshot(out)
+    assert main(["train", "--resume", "--out", str(out), "--set", "train.steps=6"]) == 2
+    assert "config.yaml is missing, so the run's settings are unknown; pass the config it was started with" in \
+        capsys.readouterr().err
+    assert snapshot(out) == before
+    (out / "config.yaml").write_text(saved)
 
 
 def test_a_finished_run_is_never_replaced_without_overwrite(demo_dir, tmp_path, capsys):
