@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,7 +28,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from starlette.exceptions import HTTPException
 
 from hybridlm.data.chat import ChatEncoder
@@ -35,6 +36,7 @@ from hybridlm.serving.engine import RequestOutput
 from hybridlm.serving.params import SamplingParams
 from hybridlm.serving.runner import EngineRunner, EngineUnavailable
 
+_TYPE_NAME = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\])$")
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 
 
@@ -52,19 +54,21 @@ class APIError(Exception):
 
 
 class _Sampling(BaseModel):
-    """The fields both endpoints take (unknown fields are accepted and ignored, as OpenAI clients send many)."""
+    """The fields both endpoints take (unknown fields are accepted and ignored, as OpenAI clients send many). Counts
+    and switches are strict, as OpenAI's API checks them: `"max_tokens": true` or `"stream": "yes"` is a 400, not
+    1 token or a stream."""
 
     model_config = ConfigDict(extra="allow")
     model: str
-    max_tokens: int | None = None
+    max_tokens: StrictInt | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: StrictInt | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    n: int = 1
-    stream: bool = False
+    seed: StrictInt | None = None
+    ignore_eos: StrictBool = False
+    n: StrictInt = 1
+    stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
 
 
@@ -80,7 +84,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(default_factory=list)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
 
 
 def build_app(runner: EngineRunner, *, model_name: str, api_key: str | None = None) -> FastAPI:
@@ -97,7 +101,8 @@ def build_app(runner: EngineRunner, *, model_name: str, api_key: str | None = No
         first = error.errors()[0] if error.errors() else {}
         if first.get("type") == "json_invalid":
             return APIError(400, f"the request body is not valid JSON: {first.get('msg', '')}").response()
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        # the field's path, without pydantic's names of the union members it tried ("stop.str", "prompt.list[int]")
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not _TYPE_NAME.match(str(p)))
         return APIError(400, f"{where or 'body'}: {first.get('msg', 'invalid')}", param=where or None).response()
 
     @app.exception_handler(HTTPException)
@@ -138,8 +143,9 @@ def build_app(runner: EngineRunner, *, model_name: str, api_key: str | None = No
         ids = _chat_ids(engine.tokenizer, messages)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         end_ids, end_text = _turn_end(engine.tokenizer)
+        limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         params = _sampling(body, limit if limit is not None else max(1, engine.max_model_len - len(ids)),
-                           stop_token_ids=end_ids, more_stop=end_text)
+                           stop_token_ids=end_ids, more_stop=end_text, max_tokens_field=limit_field)
         answer = _Answer("chatcmpl", "chat.completion", model_name, chat=True)
         return await _respond(runner, request, body, [ids], params, answer)
 
@@ -345,9 +351,9 @@ def _turn_end(tokenizer) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 
 def _sampling(body: _Sampling, max_tokens: int, *, stop_token_ids: tuple[int, ...] = (),
-              more_stop: tuple[str, ...] = ()) -> SamplingParams:
+              more_stop: tuple[str, ...] = (), max_tokens_field: str = "max_tokens") -> SamplingParams:
     """SamplingParams from the request's fields (with `more_stop` after the request's stop strings); APIError 400
-    naming the field that is out of range."""
+    naming the field that is out of range (`max_tokens_field`: the request's name of the token limit)."""
     if body.n != 1:
         raise APIError(400, "n must be 1 (one choice per prompt)", param="n")
     extra = body.model_extra or {}
@@ -366,7 +372,10 @@ def _sampling(body: _Sampling, max_tokens: int, *, stop_token_ids: tuple[int, ..
             stop_token_ids=stop_token_ids,
         )
     except ValueError as error:
-        raise APIError(400, str(error), param=str(error).split(" ", 1)[0]) from None
+        message, field = str(error), str(error).split(" ", 1)[0]
+        if field == "max_tokens" and max_tokens_field != field:
+            message, field = max_tokens_field + message.removeprefix(field), max_tokens_field
+        raise APIError(400, message, param=field) from None
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -168,6 +168,8 @@ BAD_REQUESTS = {
     "past max-model-len": ("/v1/completions", {"model": MODEL_NAME, "prompt": "a" * 90, "max_tokens": 10}, 400),
     "n > 1": ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "n": 2}, 400),
     "seed past 2^64": ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "seed": 2**64}, 400),
+    "max_tokens true": ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "max_tokens": True}, 400),
+    "stream 'yes'": ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "stream": "yes"}, 400),
     "malformed JSON": ("/v1/completions", b'{"model": "tiny", "prompt": ', 400),
 }
 
@@ -184,6 +186,22 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     error = reply.json()["error"]
     assert error["message"] and error["type"] == "invalid_request_error"
     assert client.completions.create(model=MODEL_NAME, prompt="ok", max_tokens=1).choices[0].finish_reason
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/completions", {"prompt": "a", "stop": 5}, "stop", "stop: Input should be a valid string"),
+    ("/v1/completions", {"prompt": 5}, "prompt", "prompt: Input should be a valid string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content",
+     "messages.0.content: Input should be a valid string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": -1},
+     "max_completion_tokens", "max_completion_tokens must be an int >= 1, got -1"),
+])
+def test_errors_name_the_field_as_the_request_spelt_it(server, path, body, param, message):
+    """Not pydantic's names of the union members it tried ("stop.str"), nor the engine's name for the limit."""
+    reply = httpx.post(server[0] + path, json={"model": MODEL_NAME, **body},
+                       headers={"Authorization": f"Bearer {API_KEY}"})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and (error["param"], error["message"]) == (param, message), error
 
 
 def test_api_key_is_required(server, client):
