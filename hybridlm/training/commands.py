@@ -158,10 +158,12 @@ def _resolve_config(args: argparse.Namespace):
             overrides.append(f"{key}={json.dumps(str(value))}")  # quoted: a path is not YAML ("#", "2024")
     if getattr(args, "data", None) is not None:
         overrides.append("data.demo=false")
-    overrides += list(args.overrides)
     config_path = args.config
-    if args.out is not None:
+    if args.out is not None:  # before the user's --set, so that an error in one of those names it, not this one
+        if any(item.split("=", 1)[0].strip() == "train.out_dir" for item in args.overrides):
+            raise ConfigError("--out and --set train.out_dir both set the output directory; pass one of them")
         overrides.append(f"train.out_dir={json.dumps(str(args.out))}")  # quoted: a path is not YAML ("#", "2024")
+    overrides += list(args.overrides)
     if config_path is None and args.resume:
         # continue the run with its own settings (the --out dir's, else the demo's default out dir)
         out = args.out

@@ -168,6 +168,19 @@ def test_resume_takes_every_optimizer_hyperparameter_from_the_new_config(demo_di
         assert torch.equal(p, c)
 
 
+def test_out_and_the_users_set_keys(tmp_path, capsys):
+    """A bad --set beside --out is named itself (not the train.out_dir that --out adds); --out with --set
+    train.out_dir is one setting given twice. Nothing is written either way."""
+    from hybridlm.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--set", "train=5"]) == 2
+    assert capsys.readouterr().err.startswith("config error: train: expected a mapping of keys")
+    assert main(["train", "--out", str(out), "--set", f"train.out_dir={tmp_path / 'other'}"]) == 2
+    assert "--out and --set train.out_dir both set the output directory" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_run_length_the_ranks_do_not_fit_is_a_config_error_of_the_cli(demo_dir, tmp_path, capsys):
     """A token budget with a decay in steps: the number of updates depends on the ranks, so load_config leaves the
     check to the trainer (here 1 rank: 640 tokens = 10 updates of 2 x 32), whose ConfigError the CLI reports in one
