@@ -46,6 +46,15 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridF
 _OPTIONAL_WEIGHTS = (".ssm.beta_bias", ".ssm.lam_bias")
 
 
+def load_tokenizer(path: str | Path):
+    """transformers' AutoTokenizer of a model directory (or a tokenizer directory). With model_type "hybridlm"
+    registered (importing this module does), transformers reads the directory's config.json without its warning
+    about instantiating a model of an unknown type."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
 def _model_type(path: Path) -> str:
     """The model_type of a model directory's config.json: "hybridlm" or "falcon_h1"; errors say what is wrong."""
     config_file = path / "config.json"

@@ -494,13 +494,11 @@ def _ids(*candidates) -> list[int]:
 
 def _load(path: Path, tokenizer, *, dtype: torch.dtype | None, device: str | torch.device | None):
     """A checkpoint directory's model (in eval mode, on `device`) and its tokenizer (or the one given)."""
-    from transformers import AutoTokenizer
-
     from hybridlm.devices import parse_device
-    from hybridlm.models.hf import load_model
+    from hybridlm.models.hf import load_model, load_tokenizer
 
     device = parse_device(str(device or ("cuda" if torch.cuda.is_available() else "cpu")))
     model = load_model(path, dtype=dtype or torch.float32).to(device)
     if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = load_tokenizer(path)
     return model, tokenizer
