@@ -296,3 +296,15 @@ def test_a_chat_reply_ends_at_the_templates_turn_end_as_a_token_or_as_text(model
     body = ChatRequest(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], stop="\n\n")
     params = _sampling(body, 8, stop_token_ids=ids, more_stop=text)
     assert params.stop == ("\n\n", "<|end_of_turn|>") and params.stop_token_ids == ()
+
+
+def test_the_tokenizer_loads_without_transformers_warning_of_an_unknown_model_type(model_dir):
+    """In a fresh process (what `serve`'s front and engine processes are): transformers reads the directory's
+    config.json, which it knows once hybridlm's config is registered."""
+    import subprocess
+    import sys
+
+    code = f"from hybridlm.models.hf import load_tokenizer; load_tokenizer({str(model_dir)!r})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "instantiate a model of type" not in proc.stderr + proc.stdout
