@@ -255,8 +255,10 @@ class Engine:
         if self.has_work():
             raise ValueError("warm_up runs before any request is added")
         prefix_cache, self.prefix_cache = self.prefix_cache, None
-        try:
-            self.generate([[0]], SamplingParams(max_tokens=2, ignore_eos=True))
+        try:  # logged as "warm-up", not under the first id a request gets
+            self.add_request([0], SamplingParams(max_tokens=2, ignore_eos=True), request_id="warm-up")
+            while self.has_work():
+                self.step()
         finally:
             self.prefix_cache = prefix_cache
         self.finished.clear()

@@ -325,3 +325,14 @@ def test_an_engine_loading_a_checkpoint_folds_its_multipliers(model_dir):
     Engine(model, **settings)
     assert model.config.key_multiplier == 0.5 and model.model.embedding_multiplier == 2.0
     assert model.model.layers[0].fused_input is None
+
+
+def test_the_warm_up_is_logged_under_its_own_name(model_dir, caplog):
+    """The warm-up's log line says "warm-up", and the first request is still req-0 (one id, one request)."""
+    engine = Engine(model_dir, max_num_seqs=2, max_model_len=64, block_size=8, device="cpu")
+    with caplog.at_level("INFO", logger="hybridlm.serving"):
+        engine.warm_up()
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+    names = [r.getMessage().split(":", 1)[0] for r in caplog.records if "completion" in r.getMessage()]
+    assert names == ["warm-up", "req-0"]
+    assert engine.finished["length"] == 1  # the warm-up is not counted
