@@ -478,6 +478,9 @@ def _manifest(out, settings, dtype, tok, shards, stats, files, file_docs) -> dic
 
 def load_manifest(directory: str | Path) -> dict:
     d = Path(directory)
+    if not d.is_dir():
+        raise DataError(f"dataset directory {d} does not exist" if not d.exists() else f"{d} is a file; give the "
+                        "dataset directory `hybridlm data prepare` wrote (the folder holding manifest.json)")
     if not (d / MANIFEST).is_file():
         if (d / PROGRESS).is_file():
             raise DataError(f"{d}: `prepare` has not finished (progress.json but no manifest.json); "

@@ -306,6 +306,8 @@ class HybridTokenizer:
     @classmethod
     def load(cls, directory: str | Path) -> "HybridTokenizer":
         d = Path(directory)
+        if not d.exists():
+            raise DataError(f"tokenizer directory {d} does not exist")
         for name in (TOKENIZER_FILE, META_FILE):
             if not (d / name).is_file():
                 raise DataError(f"{d}: no {name}; not a tokenizer directory written by `hybridlm tokenizer train`")

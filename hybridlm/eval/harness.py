@@ -56,7 +56,9 @@ def export_for_lm_eval(model_dir: str | Path, *, tokenizer_dir: str | Path | Non
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{model_dir}: no config.json (save the model with save_pretrained first)")
+        from hybridlm.models.hf import model_dir_problem
+
+        raise FileNotFoundError(model_dir_problem(model_dir))
     try:
         config = json.loads(config_path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:

@@ -174,11 +174,11 @@ def _session(args: argparse.Namespace) -> ChatSession:
     from hybridlm.data.errors import DataError
     from hybridlm.devices import parse_device
     from hybridlm.models.fuse import prepare_for_generation
-    from hybridlm.models.hf import load_model
+    from hybridlm.models.hf import load_model, model_dir_problem
 
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
-        raise ValueError(f"{model_dir}: no config.json; give a model directory (e.g. the final/ of `hybridlm sft`)")
+        raise ValueError(model_dir_problem(model_dir))
     try:
         encoder = ChatEncoder.from_model_dir(model_dir, args.chat_template)
     except DataError as err:

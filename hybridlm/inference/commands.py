@@ -81,16 +81,15 @@ def generate_texts(args: argparse.Namespace) -> list[str]:
     from hybridlm.devices import parse_device
     from hybridlm.inference import generate
     from hybridlm.models.fuse import prepare_for_generation
-    from hybridlm.models.hf import load_model
+    from hybridlm.models.hf import load_model, model_dir_problem
 
     model_dir = Path(args.model)
     if model_dir.is_file():
         raise CommandError(f"--model takes the checkpoint directory (the folder holding config.json), not the file "
                            f"{model_dir}: pass --model {model_dir.parent}")
-    if not model_dir.is_dir():
-        raise CommandError(f"model directory {model_dir} does not exist")
-    if not (model_dir / "config.json").is_file():
-        raise CommandError(f"{model_dir} has no config.json; not a checkpoint directory")
+    problem = model_dir_problem(model_dir)
+    if problem:
+        raise CommandError(problem)
     tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else model_dir)
     device = parse_device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     model = load_model(model_dir, dtype=getattr(torch, args.dtype)).to(device)

@@ -55,11 +55,26 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def model_dir_problem(path: str | Path) -> str:
+    """Why `path` is not a model directory, "" where it holds a config.json: it does not exist, it is a file (the
+    weights, say), it is a training run (its model is in final/) or another folder."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return ""
+    if not path.exists():
+        return f"model directory {path} does not exist"
+    if path.is_file():
+        return (f"{path} is a file; give the model directory (the folder holding config.json), e.g. {path.parent}")
+    if (path / "final" / "config.json").is_file():
+        return f"{path} is a training run, not a model directory; its model is {path / 'final'}"
+    return f"{path} has no config.json; not a model directory"
+
+
 def _model_type(path: Path) -> str:
     """The model_type of a model directory's config.json: "hybridlm" or "falcon_h1"; errors say what is wrong."""
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"{path}: no config.json")
+        raise FileNotFoundError(model_dir_problem(path))
     try:
         config = json.loads(config_file.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:

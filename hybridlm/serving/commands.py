@@ -86,7 +86,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
-        print(f"hybridlm serve: {model_dir} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        from hybridlm.models.hf import model_dir_problem
+
+        print(f"hybridlm serve: {model_dir_problem(model_dir)}", file=sys.stderr)
         return 1
     if args.threads is not None and args.threads < 1:
         print(f"hybridlm serve: --threads must be >= 1, got {args.threads}", file=sys.stderr)

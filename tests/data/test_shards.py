@@ -204,6 +204,12 @@ def test_token_dtype_by_vocab_size():
 
 
 def test_open_rejects_non_datasets(tmp_path):
+    with pytest.raises(DataError, match=f"dataset directory {tmp_path / 'nope'} does not exist"):
+        TokenDataset(tmp_path / "nope")
+    from hybridlm.data.tokenizer import HybridTokenizer
+
+    with pytest.raises(DataError, match=f"tokenizer directory {tmp_path / 'nope'} does not exist"):
+        HybridTokenizer.load(tmp_path / "nope")
     with pytest.raises(DataError, match="no manifest.json"):
         TokenDataset(tmp_path)
     (tmp_path / MANIFEST).write_text("{broken")
