@@ -191,7 +191,9 @@ def _read_jsonl(path: str, text_field: str, skip: bool, stats: ReadStats) -> Ite
             value = record.get(text_field)
             if value is None:
                 keys = ", ".join(sorted(map(str, record))[:8]) or "none"
-                _missing(path, str(lineno), text_field, f"no text field {text_field!r} (fields: {keys})", skip, stats)
+                what = (f"field {text_field!r} is null" if text_field in record
+                        else f"no text field {text_field!r} (fields: {keys})")
+                _missing(path, str(lineno), text_field, what, skip, stats)
                 continue
             if not isinstance(value, str):
                 raise DataError(f"{path}:{lineno}: field {text_field!r} is a {type(value).__name__}, not a string")

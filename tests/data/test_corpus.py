@@ -85,6 +85,9 @@ def test_missing_text_field_is_an_error_naming_file_and_line(tmp_path):
     path.write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"body": "b"}) + "\n")
     with pytest.raises(DataError, match=r"d\.jsonl:2: no text field 'text' \(fields: body\).*--skip-missing-field"):
         _read([path])
+    path.write_text(json.dumps({"text": None}) + "\n")
+    with pytest.raises(DataError, match=r"d\.jsonl:1: field 'text' is null; pass --text-field"):
+        _read([path])
 
 
 def test_missing_text_field_can_be_skipped_and_counted(tmp_path):
