@@ -80,7 +80,7 @@ def test_wrong_data_dirs_and_ssm_names_are_refused_before_any_run(shards_dir, tm
 
     point = [("SA_M", (2, 1, 5))]
     wrong_dir = AllocationRecipe(data="shards", data_dir=str(tmp_path / "nodir"), val_dir=str(shards_dir))
-    with pytest.raises(ValueError, match="--data: .*nodir: no manifest.json"):
+    with pytest.raises(ValueError, match="--data: dataset directory .*nodir does not exist"):
         bench_allocation(point, [0], wrong_dir, tmp_path / "out")
     with pytest.raises(ValueError, match="unknown model name 'fw-9'"):
         bench_allocation(point, [0], AllocationRecipe(data="synthetic", ssm="fw-9"), tmp_path / "out")

@@ -234,7 +234,7 @@ def test_recipe_values_that_cannot_train_are_usage_errors_before_any_run(tmp_pat
     ("allocation", ["--val-data", "/nonexistent/val"],
      "--val-data goes with --data DIR (prepared training and held-out shards), and only there"),
     ("allocation", ["--data", "/nonexistent/train", "--val-data", "/nonexistent/val"],
-     "--data: /nonexistent/train: no manifest.json; not a dataset written by `hybridlm data prepare`"),
+     "--data: dataset directory /nonexistent/train does not exist"),
     ("allocation", ["--data", "stdlib", "--data-bytes", "10"],
      "--data-bytes: the demo corpus's 10 bytes hold 1 files, fewer than one held-out file per 20: raise the byte "
      "limit"),
