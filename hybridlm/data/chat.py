@@ -294,12 +294,9 @@ def load_tokenizer(model_dir: str | Path):
     if not ((model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file()):
         raise DataError(f"{model_dir} has no tokenizer (tokenizer.json / tokenizer_config.json); copy the tokenizer "
                         "files of the model's training run into it (a `hybridlm train` run's final/ has them)")
-    from transformers import AutoTokenizer
+    from hybridlm.models.hf import load_auto_tokenizer
 
-    from hybridlm.models.progress import transformers_progress_bars
-
-    with transformers_progress_bars(False):
-        return AutoTokenizer.from_pretrained(str(model_dir))
+    return load_auto_tokenizer(model_dir)
 
 
 def read_chat_template(path: str | Path | None) -> str | None:

@@ -160,9 +160,9 @@ def load_tokenizer(path: Path) -> _Tokenizer:
             raise CommandError(str(error)) from None
         return _Tokenizer(tok.encode, tok.decode, tok.eos_id, tok.pad_id)
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
+        from hybridlm.models.hf import load_auto_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(path))
+        tok = load_auto_tokenizer(path)
         return _Tokenizer(
             lambda text: tok(text)["input_ids"],
             lambda ids: tok.decode(ids, skip_special_tokens=True),

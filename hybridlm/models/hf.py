@@ -46,13 +46,14 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridF
 _OPTIONAL_WEIGHTS = (".ssm.beta_bias", ".ssm.lam_bias")
 
 
-def load_tokenizer(path: str | Path):
-    """transformers' AutoTokenizer of a model directory (or a tokenizer directory). With model_type "hybridlm"
-    registered (importing this module does), transformers reads the directory's config.json without its warning
-    about instantiating a model of an unknown type."""
+def load_auto_tokenizer(path: str | Path):
+    """transformers' AutoTokenizer of a model directory (or a tokenizer directory), without its download progress
+    bars. With model_type "hybridlm" registered (importing this module does), transformers reads the directory's
+    config.json without its warning about instantiating a model of an unknown type."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    with transformers_progress_bars(False):
+        return AutoTokenizer.from_pretrained(str(path))
 
 
 def model_dir_problem(path: str | Path) -> str:

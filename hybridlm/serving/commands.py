@@ -107,9 +107,9 @@ def run_serve(args: argparse.Namespace) -> int:
                 torch.set_num_threads(args.threads)
             tokenizer = None
             if args.tokenizer is not None:
-                from hybridlm.models.hf import load_tokenizer
+                from hybridlm.models.hf import load_auto_tokenizer
 
-                tokenizer = load_tokenizer(args.tokenizer)
+                tokenizer = load_auto_tokenizer(args.tokenizer)
             engine = Engine(model_dir, tokenizer, **settings)
             engine.warm_up()
             runner = EngineRunner(engine)

@@ -497,10 +497,10 @@ def _ids(*candidates) -> list[int]:
 def _load(path: Path, tokenizer, *, dtype: torch.dtype | None, device: str | torch.device | None):
     """A checkpoint directory's model (in eval mode, on `device`) and its tokenizer (or the one given)."""
     from hybridlm.devices import parse_device
-    from hybridlm.models.hf import load_model, load_tokenizer
+    from hybridlm.models.hf import load_auto_tokenizer, load_model
 
     device = parse_device(str(device or ("cuda" if torch.cuda.is_available() else "cpu")))
     model = load_model(path, dtype=dtype or torch.float32).to(device)
     if tokenizer is None:
-        tokenizer = load_tokenizer(path)
+        tokenizer = load_auto_tokenizer(path)
     return model, tokenizer

@@ -107,9 +107,9 @@ class EngineProcess:
 
     def start(self) -> None:
         """Start the engine process; return once it is ready. RuntimeError (with the engine's error) if it fails."""
-        from hybridlm.models.hf import load_tokenizer
+        from hybridlm.models.hf import load_auto_tokenizer
 
-        tokenizer = load_tokenizer(self.tokenizer_dir)
+        tokenizer = load_auto_tokenizer(self.tokenizer_dir)
         context = multiprocessing.get_context("spawn")
         commands_out, commands_in = context.Pipe(duplex=False)  # (receiving end, sending end)
         outputs_out, outputs_in = context.Pipe(duplex=False)
@@ -231,14 +231,14 @@ def _engine_main(commands, outputs, model_dir: str, tokenizer_dir: str, engine_k
     """The engine process: load, warm up, report ready, then serve commands until "stop" (module docstring)."""
     import torch
 
-    from hybridlm.models.hf import load_tokenizer
+    from hybridlm.models.hf import load_auto_tokenizer
     from hybridlm.serving.engine import Engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        engine = Engine(model_dir, load_tokenizer(tokenizer_dir), **engine_kwargs)
+        engine = Engine(model_dir, load_auto_tokenizer(tokenizer_dir), **engine_kwargs)
         engine.warm_up()
     except Exception as error:  # reported to the server, which exits with it
         outputs.send(("error", f"{type(error).__name__}: {error}"))

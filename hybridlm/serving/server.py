@@ -91,6 +91,8 @@ def build_app(runner: EngineRunner, *, model_name: str, api_key: str | None = No
     """The FastAPI app serving `runner`'s engine as `model_name`."""
     app = FastAPI(title="hybridlm", docs_url=None, redoc_url=None)
     engine = runner.engine
+    has_template = getattr(engine.tokenizer, "chat_template", None) is not None
+    end_ids, end_text = _turn_end(engine.tokenizer) if has_template else ((), ())  # one template per server
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -137,12 +139,11 @@ def build_app(runner: EngineRunner, *, model_name: str, api_key: str | None = No
         _check_model(body.model, model_name)
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
-        if engine.tokenizer is None or getattr(engine.tokenizer, "chat_template", None) is None:
+        if not has_template:
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
         messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
         ids = _chat_ids(engine.tokenizer, messages)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        end_ids, end_text = _turn_end(engine.tokenizer)
         limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         params = _sampling(body, limit if limit is not None else max(1, engine.max_model_len - len(ids)),
                            stop_token_ids=end_ids, more_stop=end_text, max_tokens_field=limit_field)

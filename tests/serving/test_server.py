@@ -304,7 +304,7 @@ def test_the_tokenizer_loads_without_transformers_warning_of_an_unknown_model_ty
     import subprocess
     import sys
 
-    code = f"from hybridlm.models.hf import load_tokenizer; load_tokenizer({str(model_dir)!r})"
+    code = f"from hybridlm.models.hf import load_auto_tokenizer; load_auto_tokenizer({str(model_dir)!r})"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "instantiate a model of type" not in proc.stderr + proc.stdout
