@@ -2,8 +2,9 @@
 
 `hybridlm/cli.py` calls `add_commands(subparsers)` with what `ArgumentParser.add_subparsers()` returned;
 each command's `func(args)` returns an exit status (0 ok, 1 a DataError: bad input or output,
-explained on stderr without a traceback; 2 a usage error: `tokenizer train` or `data prepare` into an --out
-that holds a tokenizer or a dataset from other inputs, without --overwrite, as `hybridlm train` refuses an
+explained on stderr without a traceback; 2 a usage error: an option's value out of range (a count below 1, a
+--vocab-size too small for the fixed tokens; argparse reports those), or `tokenizer train` or `data prepare` into an
+--out that holds a tokenizer or a dataset from other inputs, without --overwrite, as `hybridlm train` refuses an
 existing run).
 
     hybridlm tokenizer train --input corpus/ --vocab-size 32768 --out tok/
@@ -32,7 +33,7 @@ def add_commands(subparsers) -> None:
                                        "tokens, 1,024 reserved special tokens) and save it to a directory.")
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help="files or directories (searched recursively) of .txt, .jsonl and .parquet")
-    p.add_argument("--vocab-size", type=int, required=True, metavar="N",
+    p.add_argument("--vocab-size", type=_vocab_size, required=True, metavar="N",
                    help="total vocabulary size, special, reserved and LaTeX tokens included (at least 1561)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write tokenizer.json and metadata to")
     _add_text_options(p)
@@ -66,10 +67,10 @@ def add_commands(subparsers) -> None:
                    help="files or directories (searched recursively) of .txt, .jsonl and .parquet")
     p.add_argument("--tokenizer", required=True, metavar="DIR", help="a directory written by `tokenizer train`")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory for shards and manifest.json")
-    p.add_argument("--workers", type=int, default=None, metavar="N",
+    p.add_argument("--workers", type=_positive_int, default=None, metavar="N",
                    help="tokenizer processes (default: number of CPUs; 1 = in this process)")
     _add_text_options(p)
-    p.add_argument("--shard-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--shard-tokens", type=_positive_int, default=None, metavar="N",
                    help="tokens per shard; every shard but the last has exactly N (default 100,000,000)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a dataset in --out that was prepared from other inputs or settings")
@@ -90,6 +91,19 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _vocab_size(text: str) -> int:
+    """argparse type of `tokenizer train --vocab-size`: a size too small for the fixed tokens and the bytes is a usage
+    error (exit 2), found before the input is read."""
+    from hybridlm.data.tokenizer import check_vocab_size  # loads `tokenizers`: only when the command is parsed
+
+    value = _positive_int(text)
+    try:
+        check_vocab_size(value)
+    except DataError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
     return value
 
 

@@ -193,6 +193,16 @@ def fixed_tokens(num_reserved: int = NUM_RESERVED) -> list[str]:
     return [t for _, t in SPECIAL_TOKENS] + [reserved_token(i) for i in range(num_reserved)] + latex_tokens()
 
 
+def check_vocab_size(vocab_size: int, num_reserved: int = NUM_RESERVED) -> None:
+    """DataError unless `vocab_size` holds the fixed tokens and the 256 bytes with room for one merge."""
+    smallest = len(fixed_tokens(num_reserved)) + 256 + 1
+    if vocab_size < smallest:
+        raise DataError(
+            f"vocab_size {vocab_size} is too small: {len(SPECIAL_TOKENS)} named + {num_reserved} reserved special "
+            f"tokens, {len(latex_tokens())} LaTeX tokens and 256 bytes take {smallest - 1}; use at least {smallest}"
+        )
+
+
 def train_from_texts(
     texts: Iterable[str],
     vocab_size: int,
@@ -203,13 +213,8 @@ def train_from_texts(
     progress: bool = False,
 ) -> Tokenizer:
     """Train the BPE on an iterable of documents and return the `tokenizers.Tokenizer`."""
+    check_vocab_size(vocab_size, num_reserved)
     fixed = fixed_tokens(num_reserved)
-    smallest = len(fixed) + 256 + 1
-    if vocab_size < smallest:
-        raise DataError(
-            f"vocab_size {vocab_size} is too small: {len(SPECIAL_TOKENS)} named + {num_reserved} reserved special "
-            f"tokens, {len(latex_tokens())} LaTeX tokens and 256 bytes take {smallest - 1}; use at least {smallest}"
-        )
     tok = build_pipeline(pattern)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

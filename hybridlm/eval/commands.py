@@ -3,7 +3,8 @@
     hybridlm eval ppl --model runs/my-model --data data/val --tokenizer tok/
     hybridlm eval export-hf --model runs/my-model --tokenizer tok/      # prints the lm_eval command
 
-Exit status: 0 done, 1 a bad input (message on stderr), 2 a usage error. See hybridlm/eval/README.md.
+Exit status: 0 done, 1 a bad input (message on stderr), 2 a usage error (an option's value: --device, --batch-size,
+--seq-len, --json; found before the evaluation). See hybridlm/eval/README.md.
 """
 
 from __future__ import annotations
@@ -76,12 +77,17 @@ def _eval_ppl(args: argparse.Namespace) -> int:
     )
     from hybridlm.models.hf import load_model
 
-    try:
+    try:  # the options themselves: a usage error (exit status 2), before anything is loaded
         device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if args.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+        if args.seq_len < 2:
+            raise ValueError(f"--seq-len must be >= 2 (a window scores its tokens after the first), got {args.seq_len}")
         if args.json and (not Path(args.json).parent.is_dir() or Path(args.json).is_dir()):  # not after the run
             raise ValueError(f"--json {args.json}: needs a file name in an existing directory")
+    except ValueError as err:
+        return _fail(str(err), status=2)
+    try:
         data = TokenDataset(args.data)
         tokenizer_dir = find_tokenizer(args.tokenizer) if args.tokenizer else find_tokenizer(args.model)
         if args.tokenizer is not None and tokenizer_dir is None:
@@ -92,9 +98,9 @@ def _eval_ppl(args: argparse.Namespace) -> int:
             byte_lengths = token_byte_lengths(tokenizer_dir)
         with _hf_progress_bars(not args.no_progress):  # transformers' "Loading weights" bar
             model = load_model(args.model).to(device)
-        if args.seq_len > model.config.max_position_embeddings:
-            raise ValueError(f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings "
-                             f"{model.config.max_position_embeddings}")
+        if args.seq_len > model.config.max_position_embeddings:  # an option the model rules out: a usage error
+            return _fail(f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings "
+                         f"{model.config.max_position_embeddings}", status=2)
         data_vocab = int(data.manifest["vocab_size"])
         if data_vocab > model.config.vocab_size:
             raise ValueError(f"{args.data} was tokenized with {data_vocab:,} ids but the model has "

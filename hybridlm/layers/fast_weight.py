@@ -250,7 +250,8 @@ class FastWeightMixer(nn.Module):
         o, state = op(
             q, k, v, beta, lam, **options, step_size=self.step_size, ridge_scaling=self.ridge_scaling,
             initial_state=_load_state(cache), output_final_state=cache is not None, **documents,
-            chunk_size=self.chunk_size, backend=self.backend, check_lam=False,  # lam >= 0: a scaled sigmoid or fixed
+            chunk_size=self.chunk_size, backend=self.backend,
+            check_lam=False, check_beta=False,  # both scaled sigmoids (or fixed): in range, NaN reaches the guard
         )  # o [B, T, H, V]
         if cache is not None:
             cache.ssm["conv"] = conv_state

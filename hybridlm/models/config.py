@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -39,6 +40,7 @@ FW_READS = ("after", "before")
 FW_QK_NORMS = ("rms", "l2", "none")
 FW_GATES = ("context", "fixed")
 MAMBA_HEADS = 8  # the Mamba-2 head count that mamba_n_heads=None starts from
+_UNREAD_FW_WARNED: set[str] = set()  # the warnings of `_warn_unread_fast_weight_options` this process has issued
 
 
 @dataclass
@@ -257,6 +259,8 @@ class HybridConfig:
             if self.mamba_d_ssm % heads:
                 raise ValueError(f"fast_weight: mamba_d_ssm={self.mamba_d_ssm} must be a multiple of the head count "
                                  f"{heads} (fw_heads, else mamba_n_heads), or set fw_head_dim")
+        if self.ssm_mixer != "fast_weight":
+            _warn_unread_fast_weight_options(self)
 
     # ------------------------------------------------------------------ views
     @staticmethod
@@ -317,6 +321,24 @@ class HybridConfig:
 
 # The scalar float fields (time_step_limit, a pair of floats, is resolved beside them).
 FLOAT_FIELDS = tuple(f.name for f in fields(HybridConfig) if f.type in ("float", "float | None"))
+
+
+def _warn_unread_fast_weight_options(config: HybridConfig) -> None:
+    """Warn, once per process and message, that fw_* fields set away from their defaults on a config whose ssm_mixer
+    is not "fast_weight" are read by nothing. Not an error: such configs come from legitimate flows that change only
+    ssm_mixer, e.g. `channel_allocation` switching the SSM off (ssm_mixer="none") over a fast-weight base, one base of
+    fields for several mixers, and saved checkpoints, which record every field (as mamba_* stay free without
+    Mamba-2)."""
+    changed = [f.name for f in fields(HybridConfig)
+               if f.name.startswith("fw_") and getattr(config, f.name) != f.default]
+    if not changed:
+        return
+    settings = ", ".join(f"{name}={getattr(config, name)!r}" for name in changed)
+    message = (f"{settings}: ignored with ssm_mixer={config.ssm_mixer!r} (only the fast-weight mixer reads fw_* "
+               "options); set ssm_mixer='fast_weight' to use them, or drop them")
+    if message not in _UNREAD_FW_WARNED:
+        _UNREAD_FW_WARNED.add(message)
+        warnings.warn(message, UserWarning, stacklevel=5)  # the caller that built the config
 
 
 def _mamba_heads(d_ssm: Any, d_head: Any) -> Any:

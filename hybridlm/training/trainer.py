@@ -46,7 +46,10 @@ back at the new schedule's value there, the peak for a run still short of the ne
 loader state is moved to the current data-parallel size, so a run saved under 2 ranks resumes under 1 with the
 same stream of tokens (keep the global batch the same for exactness).
 A train.steps below the checkpoint's step is a ConfigError (a run is not shortened after the fact); a run resumed at
-its full length with final/ written is "already complete": nothing is trained or rewritten.
+its full length with final/ written is "already complete": nothing is trained or rewritten. A step directory newer
+than the newest complete checkpoint is a damaged one (an interrupted save leaves only a `.tmp` directory, which is
+passed over): the resume refuses it with a CheckpointError naming it and its problem, rather than train past it and
+replace it with a new save; move it away (or delete it) to resume from the older checkpoint.
 
 Stopping: SIGINT or SIGTERM (or `request_stop()` from a callback) finishes the current update, saves
 a checkpoint and returns status "interrupted"; a second signal more than 2 s later raises KeyboardInterrupt at once
@@ -548,11 +551,15 @@ class Trainer:
             for name in (METRICS_FILE, EVAL_FILE):
                 self.run_dir.truncate(name, 0)
             return
-        skipped = [p for p in found if p.name > path.name]
-        if skipped:
-            reasons = "; ".join(f"{p.name}: {incomplete_reason(p)}" for p in skipped)
-            self._print(f"--resume: skipping newer checkpoint(s) that are not complete ({reasons}); resuming from "
-                        f"{path.name}, so the updates after it run again and their saves replace those directories")
+        damaged = found[found.index(path) + 1:]
+        if damaged:  # a save only ever leaves a `.tmp` directory unfinished: these were damaged after it
+            problems = "; ".join(f"{p.name}: {incomplete_reason(p)}" for p in damaged)
+            raise CheckpointError(
+                f"--resume: checkpoint(s) in {self.checkpoint_dir} newer than the newest complete one, {path.name}, "
+                f"are damaged ({problems}); resuming from {path.name} would train their steps again and replace them. "
+                f"Restore their files, or move them out of {self.checkpoint_dir} (or delete them) to resume from "
+                f"{path.name}"
+            )
         model_state = _ModelState()
         # The config given now wins: every group's hyperparameters (base lr / wd for the schedule, betas, eps and
         # torch's own options) stay those of the fresh groups; the checkpoint gives only the per-parameter state

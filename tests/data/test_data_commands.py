@@ -92,8 +92,21 @@ def test_errors_exit_1_with_a_message(tmp_path, tokenizer_dir, capsys):
 
     assert _call(["data", "verify", "--data", str(tmp_path)]) == 1
     assert "no manifest.json" in capsys.readouterr().err
-    assert _call(["tokenizer", "train", "--input", str(bad), "--vocab-size", "500", "--out", str(tmp_path / "t")]) == 1
-    assert "too small" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["tokenizer", "train", "--input", "x", "--out", "t", "--vocab-size", "500"], "vocab_size 500 is too small"),
+    (["data", "prepare", "--input", "x", "--tokenizer", "t", "--out", "o", "--workers", "0"], "must be >= 1, got 0"),
+    (["data", "prepare", "--input", "x", "--tokenizer", "t", "--out", "o", "--shard-tokens", "-3"], "got -3"),
+])
+def test_option_values_out_of_range_are_usage_errors(capsys, argv, message):
+    """An option's value out of range exits with status 2 (a usage error, as the module documents), naming the
+    option, before any input is read; a data problem is status 1."""
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {argv[-2]}: " in err and message in err
 
 
 def test_lone_surrogates_are_counted_not_a_crash(tmp_path, tokenizer_dir, capsys):

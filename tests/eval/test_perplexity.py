@@ -136,20 +136,24 @@ def test_eval_ppl_command(model_dir, shards_dir, tokenizer_dir, tmp_path, capsys
     assert main(["eval", "ppl", "--model", str(model_dir), "--data", str(shards_dir), "--tokenizer", str(other),
                  "--device", "cpu"]) == 1
     assert "not the tokenizer" in capsys.readouterr().err
-    # a --tokenizer without tokenizer.json is refused, not replaced by the model dir's; a --json with no directory
-    # is found before the evaluation
+    # a --tokenizer without tokenizer.json is refused (a bad input, status 1), not replaced by the model dir's
     assert main(["eval", "ppl", "--model", str(model_dir), "--data", str(shards_dir), "--tokenizer",
                  str(tmp_path), "--device", "cpu"]) == 1
     assert "no tokenizer.json" in capsys.readouterr().err
-    assert main(["eval", "ppl", "--model", str(model_dir), "--data", str(shards_dir), "--device", "cpu", "--json",
-                 str(tmp_path / "nowhere" / "ppl.json")]) == 1
-    captured = capsys.readouterr()
-    assert "needs a file name in an existing directory" in captured.err and "perplexity" not in captured.out
-    for option, message in ((["--seq-len", "100000"], "longer than the model's max_position_embeddings"),
+
+
+def test_eval_ppl_option_values_are_usage_errors(model_dir, shards_dir, tmp_path, capsys):
+    """A bad option value is a usage error, exit status 2 as the command documents (1 is a bad input), found
+    before the evaluation: a --json with no directory, a --seq-len the model cannot take, --batch-size, --device."""
+    for option, message in ((["--json", str(tmp_path / "nowhere" / "ppl.json")], "needs a file name in an existing"),
+                            (["--seq-len", "100000"], "longer than the model's max_position_embeddings"),
+                            (["--seq-len", "1"], "--seq-len must be >= 2"),
                             (["--batch-size", "0"], "--batch-size must be >= 1"),
                             (["--device", "tpu"], "--device tpu")):
-        assert main(["eval", "ppl", "--model", str(model_dir), "--data", str(shards_dir), *option]) == 1
-        assert message in capsys.readouterr().err
+        device = [] if option[0] == "--device" else ["--device", "cpu"]
+        assert main(["eval", "ppl", "--model", str(model_dir), "--data", str(shards_dir), *device, *option]) == 2
+        captured = capsys.readouterr()
+        assert message in captured.err and captured.err.count("\n") == 1 and "perplexity" not in captured.out
 
 
 def test_eval_ppl_shows_progress_on_stderr_unless_told_not_to(model_dir, shards_dir, capsys):

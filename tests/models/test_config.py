@@ -1,9 +1,11 @@
 """HybridConfig validation and (de)serialization, the transformers config wrapper, channel allocation."""
 
 import math
+import warnings
 
 import pytest
 
+from hybridlm.models import config as config_module
 from hybridlm.models.allocation import channel_allocation
 from hybridlm.models.config import HybridConfig
 from hybridlm.models.configuration import HybridTransformersConfig
@@ -33,15 +35,17 @@ def test_derived_ssm_heads_stay_within_the_triton_kernels():
     assert heads(hidden_size=768, mamba_d_head=64) == ((24, 64), (24, 64))
     assert heads(hidden_size=768, mamba_n_heads=8) == ((8, 192), (16, 96))  # the fast-weight heads split further
     assert heads(hidden_size=768, mamba_n_heads=6, mamba_d_head="auto") == ((6, 256), (12, 128))
-    assert heads(hidden_size=768, fw_heads=8)[1] == (8, 192)
-    assert heads(hidden_size=768, fw_head_dim=192)[1] == (16, 192)  # mamba_n_heads heads of the given width
-    assert heads(hidden_size=768, mamba_n_heads=8, fw_head_dim=192)[1] == (8, 192)
+    fast_weight = dict(hidden_size=768, ssm_mixer="fast_weight")
+    assert heads(**fast_weight, fw_heads=8)[1] == (8, 192)
+    assert heads(**fast_weight, fw_head_dim=192)[1] == (16, 192)  # mamba_n_heads heads of the given width
+    assert heads(**fast_weight, mamba_n_heads=8, fw_head_dim=192)[1] == (8, 192)
     assert HybridConfig.from_dict(HybridConfig(hidden_size=768).to_dict()).mamba_n_heads == 16
 
 
 def test_dict_round_trip():
-    config = HybridConfig(ssm_multiplier_B=0.25, time_step_limit=(0.0, 0.5), eos_token_id=[2, 3], fw_rule="3A",
-                          fw_window=4, fw_qk_norm="l2", fw_lam_scale=0.5, fw_chunk_size=32)
+    config = HybridConfig(ssm_multiplier_B=0.25, time_step_limit=(0.0, 0.5), eos_token_id=[2, 3],
+                          ssm_mixer="fast_weight", fw_rule="3A", fw_window=4, fw_qk_norm="l2", fw_lam_scale=0.5,
+                          fw_chunk_size=32)
     again = HybridConfig.from_dict(config.to_dict())
     assert again == config and isinstance(again.time_step_limit, tuple)
     assert config.ssm_multipliers == [1.0, 1.0, 0.25, 1.0, 1.0]
@@ -51,7 +55,7 @@ def test_dict_round_trip():
 def test_float_fields_given_as_ints_become_floats():
     # (transformers' strict FalconH1Config refuses ints in these fields; a saved config is typed one way)
     config = HybridConfig(embedding_multiplier=5, ssm_multiplier_B=2, rms_norm_eps=1, rope_theta=10000,
-                          time_step_limit=[0, 10], fw_lam_scale=3)
+                          time_step_limit=[0, 10], ssm_mixer="fast_weight", fw_lam_scale=3)
     for name in ("embedding_multiplier", "ssm_multiplier_B", "rms_norm_eps", "rope_theta", "fw_lam_scale"):
         assert type(getattr(config, name)) is float, name
     assert config.time_step_limit == (0.0, 10.0) and all(type(v) is float for v in config.time_step_limit)
@@ -116,8 +120,30 @@ def test_inconsistent_values_name_the_field(changes, field):
 def test_fast_weight_defaults_and_the_boolean_qk_norm():
     config = HybridConfig()
     assert (config.fw_qk_norm, config.fw_lam_scale, config.fw_chunk_size) == ("rms", None, 64)
-    assert HybridConfig(fw_qk_norm=False).fw_qk_norm == "none" and HybridConfig(fw_qk_norm=True).fw_qk_norm == "rms"
-    assert HybridConfig(fw_rule="3", fw_window=5).fw_window == 5
+    fast_weight = HybridConfig(ssm_mixer="fast_weight")
+    assert fast_weight.replace(fw_qk_norm=False).fw_qk_norm == "none"
+    assert fast_weight.replace(fw_qk_norm=True).fw_qk_norm == "rms"
+    assert fast_weight.replace(fw_rule="3", fw_window=5).fw_window == 5
+
+
+@pytest.mark.parametrize("mixer", ["mamba2", "none"])
+def test_fast_weight_options_without_the_fast_weight_mixer_warn_once(monkeypatch, mixer):
+    """fw_* values away from their defaults mean nothing without ssm_mixer="fast_weight": a warning names them and
+    what to do, once per process (not an error: switching only ssm_mixer, as `channel_allocation` does for an SSM
+    share of 0, is legitimate). Defaults, and fw_* with the fast-weight mixer, are silent."""
+    monkeypatch.setattr(config_module, "_UNREAD_FW_WARNED", set())
+    expected = (rf"fw_rule='3A', fw_window=4, fw_qk_norm='none': ignored with ssm_mixer='{mixer}' \(only the "
+                r"fast-weight mixer reads fw_\* options\); set ssm_mixer='fast_weight' to use them, or drop them")
+    with pytest.warns(UserWarning, match=expected):
+        HybridConfig(ssm_mixer=mixer, fw_rule="3A", fw_window=4, fw_qk_norm=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = HybridConfig(ssm_mixer=mixer, fw_rule="3A", fw_window=4, fw_qk_norm=False)  # warned already
+        assert config.fw_rule == "3A"  # kept as given: a saved config round-trips
+        HybridConfig(ssm_mixer=mixer, fw_qk_norm=True)  # True reads as the default "rms"
+        HybridConfig(ssm_mixer="fast_weight", fw_rule="3A", fw_window=4, fw_qk_norm=False)
+    with pytest.warns(UserWarning, match=r"fw_chunk_size=8: ignored"):  # another setting: its own warning
+        HybridConfig(ssm_mixer=mixer, fw_chunk_size=8)
 
 
 def test_mamba_sizes_are_free_without_mamba():

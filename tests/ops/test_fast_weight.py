@@ -192,13 +192,14 @@ def test_fresh_shifted_sequence_first_step_neither_writes_nor_decays(backend):
 
 @pytest.mark.parametrize("rule", ["1", "2", "3"])
 def test_gains_above_one_stay_stable_and_above_two_diverge(rule):
-    """NLMS with beta in (1, 2) flips the sign along x but contracts (|1 - beta| < 1); beta > 2 expands."""
+    """NLMS with beta in (1, 2) flips the sign along x but contracts (|1 - beta| < 1); beta > 2 expands, which is
+    why the op refuses such gains unless told not to check them (`check_beta=False`)."""
     window = 3 if rule == "3" else 1
 
     def final_norm(low, high):
         q, k, v, beta, _ = make_inputs(rule, B=1, T=600, H=2, K=8, V=8)
         beta = low + (high - low) * torch.rand_like(beta)
-        _, s = run((q, k, v, beta, None), "chunk", rule=rule, window=window, chunk_size=64)
+        _, s = run((q, k, v, beta, None), "chunk", rule=rule, window=window, chunk_size=64, check_beta=False)
         return s.S.norm().item()
 
     stable = final_norm(1.5, 1.99)
@@ -315,6 +316,49 @@ def test_unchecked_lam_propagates_nan_instead_of_raising():
         fast_weight_attention(q, k, v, beta, lam, rule="1A")
     o, _ = fast_weight_attention(q, k, v, beta, lam, rule="1A", check_lam=False)
     assert o[:, :, 1].isnan().any() and not o[:, :, [0, 2]].isnan().any()  # the heads are independent
+
+
+@pytest.mark.parametrize("rule", ["1", "2A"])
+def test_beta_out_of_range_raises_unless_unchecked(rule):
+    """beta is an NLMS gain in [0, 2] (above 2 the write diverges) or, with direct steps, a finite step size >= 0:
+    anything else, NaN included, raises a ValueError naming the range; the ends are legal. `check_beta=False` (the
+    mixer's call: its beta is a scaled sigmoid) skips the check, also where seq_idx takes the packed path."""
+    q, k, v, beta, lam = make_inputs(rule, B=1, T=8)
+
+    def with_entry(value):
+        changed = beta.clone()
+        changed[0, 3, 1] = value  # one step of one head (every column of it for rule 2A)
+        return changed
+
+    for value in (2.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"beta must be in \[0, 2\] with step_size='nlms'"):
+            fast_weight_attention(q, k, v, with_entry(value), lam, rule=rule)
+    for value in (-0.1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"beta must be finite and >= 0 with step_size='direct'"):
+            fast_weight_attention(q, k, v, with_entry(value), lam, rule=rule, step_size="direct")
+    edges = with_entry(0.0)
+    edges[0, 5, 0] = 2.0
+    assert fast_weight_attention(q, k, v, edges, lam, rule=rule)[0].isfinite().all()
+    fast_weight_attention(q, k, v, 10.0 * beta, lam, rule=rule, step_size="direct")  # a step size has no bound
+    nan = with_entry(float("nan"))
+    o, _ = fast_weight_attention(q, k, v, nan, lam, rule=rule, check_beta=False)
+    assert o[:, 3:, 1].isnan().any() and not o[:, :, 0].isnan().any()
+    documents = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
+    o, _ = fast_weight_attention(q, k, v, nan, lam, rule=rule, seq_idx=documents, backend="naive", check_beta=False)
+    assert o[:, 3, 1].isnan().any()
+
+
+def test_mixed_qkv_dtypes_raise_instead_of_a_silent_cast():
+    """q, k and v of different dtypes are refused with the three named; beta and lam may have any float dtype."""
+    q, k, v, beta, lam = make_inputs("1A", B=1, T=8, dtype=torch.float32)
+    message = r"q, k and v must have one dtype; got q torch.float32, k torch.float32, v torch.bfloat16: cast them"
+    for backend in ("naive", "chunk"):
+        with pytest.raises(ValueError, match=message):
+            fast_weight_attention(q, k, v.bfloat16(), beta, lam, rule="1A", backend=backend)
+    with pytest.raises(ValueError, match="got q torch.float64, k torch.float32, v torch.float32"):
+        fast_weight_attention(q.double(), k, v, beta, lam, rule="1A")
+    o, _ = fast_weight_attention(*(t.bfloat16() for t in (q, k, v)), beta.double(), lam, rule="1A")
+    assert o.dtype == torch.bfloat16
 
 
 def test_bad_input_raises_clear_errors():

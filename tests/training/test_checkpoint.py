@@ -182,7 +182,7 @@ def test_latest_checkpoint_ignores_partial_saves(tmp_path: Path) -> None:
     assert [p.name for p in list_checkpoints(tmp_path)] == [
         "step_00000001", "step_00000002", "step_00000007", "step_00000008"
     ]
-    # what a resume says of the ones it skips
+    # what a resume says of the newer damaged ones it refuses to train past
     assert incomplete_reason(no_manifest) == "no manifest.json" and incomplete_reason(newest) == ""
     assert re.fullmatch(r"model.safetensors is 1 bytes, its manifest says [\d,]+", incomplete_reason(truncated))
     (no_manifest / MANIFEST_FILE).write_text("garbage{")
@@ -209,15 +209,16 @@ def test_keep_last_and_overwrite(tmp_path: Path) -> None:
 
 
 def test_keep_last_counts_only_verified_checkpoints(tmp_path: Path) -> None:
-    """A newer step directory that cannot be read (garbage, no manifest) is skipped on resume: it must not count
-    toward keep_last either, or rotation deletes the good checkpoint the run resumed from and keeps the garbage."""
+    """A newer step directory that cannot be read (garbage, no manifest) is passed over by `latest_checkpoint` (a
+    resume refuses to train past it): it must not count toward keep_last either, or rotation deletes the good
+    checkpoint and keeps the garbage."""
     run = Run(seed=3)
     run.train(2)
     good = run.save(tmp_path, keep_last=2)
     garbage = tmp_path / "step_00000099"
     garbage.mkdir()
     (garbage / "notes.txt").write_text("not a checkpoint")
-    assert latest_checkpoint(tmp_path) == good  # what a resume picks
+    assert latest_checkpoint(tmp_path) == good
     run.train(2)
     second = run.save(tmp_path, keep_last=1)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004", "step_00000099"]

@@ -483,6 +483,31 @@ def test_resume_refuses_when_no_checkpoint_is_complete_and_keeps_the_metrics(dem
     assert (out / "metrics.jsonl").read_text() == metrics and model_file.is_file()
 
 
+def test_resume_refuses_to_train_past_a_damaged_newer_checkpoint(demo_dir, tmp_path):
+    """A step directory newer than the newest complete checkpoint was damaged after its save (an interrupted save
+    leaves only a `.tmp` directory): --resume refuses, naming it and its problem and what to do, instead of resuming
+    from the older checkpoint and replacing it with a new save; moved away, the run resumes from the older one, and a
+    `.tmp` directory is still passed over."""
+    out = tmp_path / "damaged"
+    Trainer(small_config(demo_dir, out, "train.steps=4", "train.save_every=2")).train()
+    checkpoints = out / "checkpoints"
+    older, newer = list_checkpoints(checkpoints)
+    metrics = (out / "metrics.jsonl").read_text()
+    model_file = newer / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[:-100])
+    damaged = {p.name: p.read_bytes() for p in newer.iterdir()}
+    with pytest.raises(CheckpointError, match=r"newer than the newest complete one, step_00000002, are damaged "
+                       r"\(step_00000004: model.safetensors is [\d,]+ bytes, its manifest says [\d,]+\); .*"
+                       r"move them out of .*checkpoints \(or delete them\) to resume from step_00000002"):
+        Trainer(small_config(demo_dir, out, "train.steps=6", "train.save_every=2"), resume=True)
+    assert {p.name: p.read_bytes() for p in newer.iterdir()} == damaged  # left exactly as it was
+    assert (out / "metrics.jsonl").read_text() == metrics
+    newer.rename(tmp_path / "set_aside")
+    (checkpoints / "step_00000005.tmp").mkdir()  # an interrupted save
+    trainer = Trainer(small_config(demo_dir, out, "train.steps=6", "train.save_every=2"), resume=True)
+    assert trainer.resumed_from == older and trainer.step == 2
+
+
 def test_resume_with_a_different_shape_names_the_changed_settings(demo_dir, tmp_path):
     out = tmp_path / "changed"
     Trainer(small_config(demo_dir, out, "train.steps=2")).train()

@@ -51,14 +51,16 @@ def fast_weight_attention(
     chunk_size: int = 64,
     backend: str = "auto",
     check_lam: bool = True,
+    check_beta: bool = True,
 ) -> tuple[torch.Tensor, FastWeightState | None]:
     """Falcon fast-weight attention: o_t = S_t^T q_t with S written by one of the six Falcon rules.
 
     Args:
         q, k: `[B, T, H, K]` query and key features (already feature-mapped; the op does the key shift).
-        v: `[B, T, H, V]` values.
-        beta: `[B, T, H]` NLMS gains in (0, 2) (or the step sizes themselves with `step_size="direct"`);
-            rules "2"/"2A" take one gain per value column, `[B, T, H, V]`.
+        v: `[B, T, H, V]` values, in q's and k's dtype (mixed dtypes raise: cast them to one first).
+        beta: `[B, T, H]` NLMS gains in [0, 2] (0 writes nothing; above 2 the write diverges), or with
+            `step_size="direct"` the step sizes themselves (finite, >= 0); rules "2"/"2A" take one gain per value
+            column, `[B, T, H, V]`. Any float dtype, as lam.
         lam: `[B, T, H]` ridge >= 0 (decay through gamma = 1 - min(eta * lam, 1 - eps_gamma)); None = 0.
         rule: "1" | "2" | "3" | "1A" | "2A" | "3A" (regression / inner product; scalar, per-column, sliding).
         window: the sliding window B of rules "3"/"3A" (1 for the other rules).
@@ -93,6 +95,8 @@ def fast_weight_attention(
             kernels per call, that stops the process). False: the caller guarantees it, as the fast-weight mixer
             does (its lam is a scaled sigmoid): a NaN lam then reaches the output and the loss, where the trainer's
             guard skips the update.
+        check_beta: check that beta is in the range above (as check_lam does for lam, at the same cost). False:
+            the caller guarantees it, as the fast-weight mixer does (its beta is a scaled sigmoid).
 
     Returns:
         o `[B, T, H, V]` in q's dtype, and the final state (float32; float64 for float64 inputs) or None.
@@ -103,7 +107,8 @@ def fast_weight_attention(
     """
     options = FastWeightOptions(rule=rule, window=window, pairing=pairing, read=read, step_size=step_size,
                                 ridge_scaling=ridge_scaling, eps=eps, eps_gamma=eps_gamma, chunk_size=chunk_size)
-    offsets = _check_inputs(q, k, v, beta, lam, options, cu_seqlens=cu_seqlens, check_lam=check_lam)
+    offsets = _check_inputs(q, k, v, beta, lam, options, cu_seqlens=cu_seqlens, check_lam=check_lam,
+                            check_beta=check_beta)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if seq_idx is not None:
@@ -114,7 +119,8 @@ def fast_weight_attention(
             o, _ = fast_weight_attention(
                 *packed, None if lam is None else lam.reshape(1, B * T, H), rule=rule, window=window,
                 pairing=pairing, read=read, step_size=step_size, ridge_scaling=ridge_scaling, eps=eps,
-                eps_gamma=eps_gamma, cu_seqlens=document_offsets(seq_idx), chunk_size=chunk_size, backend=backend)
+                eps_gamma=eps_gamma, cu_seqlens=document_offsets(seq_idx), chunk_size=chunk_size, backend=backend,
+                check_lam=False, check_beta=False)  # checked above
             return o.reshape(B, T, H, V), None
     n_rows = B if offsets is None else len(offsets) - 1
     dtype = compute_dtype(q.dtype)
@@ -369,7 +375,7 @@ def _check_seq_idx(seq_idx, *, B, T, device, cu_seqlens, initial_state, output_f
 
 
 def _check_inputs(q, k, v, beta, lam, options: FastWeightOptions, *, cu_seqlens,
-                  check_lam: bool = True) -> torch.Tensor | None:
+                  check_lam: bool = True, check_beta: bool = True) -> torch.Tensor | None:
     """Raise a ValueError that says what is wrong with a tensor (the options checked themselves); return the
     packed offsets (or None)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -400,6 +406,21 @@ def _check_inputs(q, k, v, beta, lam, options: FastWeightOptions, *, cu_seqlens,
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
         if t is not None and t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}: put every input on one device")
+    if not q.dtype == k.dtype == v.dtype:  # the Triton kernels read them as they are, the torch paths in one dtype
+        raise ValueError(f"q, k and v must have one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}: cast them to "
+                         "one dtype before the call")
+    if check_beta and not _tracing():
+        if options.step_size == "nlms":  # NaN fails both comparisons
+            valid = ((beta >= 0) & (beta <= 2)).all()
+            message = ("beta must be in [0, 2] with step_size='nlms' (an NLMS gain; above 2 the write diverges); "
+                       "got entries outside it or NaN")
+        else:
+            valid = ((beta >= 0) & (beta <= torch.finfo(beta.dtype).max)).all()
+            message = "beta must be finite and >= 0 with step_size='direct' (a step size); got negative, inf or NaN"
+        if beta.is_cuda:  # a device-side assert: a host sync per call would stall the GPU
+            torch._assert_async(valid, message)
+        elif not bool(valid):
+            raise ValueError(message)
     if cu_seqlens is None:
         return None
     return check_cu_seqlens(cu_seqlens, batch_size=B, total_len=T)
