@@ -7,16 +7,19 @@
 # mixers' torch loops, the graphed step of a bf16 copy of each model, both compiled by inductor, and the eager step's
 # kernel profile); `fused` (~3 minutes: the graphed bf16 step with its projections apart, then fused as serve, generate
 # and chat load a model); `fold` (~4 minutes: the falcon-h1-0.5b shape's graphed step with its muP multipliers kept,
-# folded into the weights, then folded with the projections fused).
+# folded into the weights, then folded with the projections fused); `concurrent` (~3 minutes: the graphed bf16 step
+# fused as serve, generate and chat load a model, each hybrid also with its SSM halves on a side stream, at 4K and
+# 16K of context, then the falcon-h1-0.5b shape's the same way at 4K).
 #
 #   bash benchmarks/gpu_decode_suite.sh OUT_DIR tests      # one log per step in OUT_DIR, the summaries printed
 #   bash benchmarks/gpu_decode_suite.sh OUT_DIR timings
 #   bash benchmarks/gpu_decode_suite.sh OUT_DIR fused
 #   bash benchmarks/gpu_decode_suite.sh OUT_DIR fold
+#   bash benchmarks/gpu_decode_suite.sh OUT_DIR concurrent
 set -u
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_decode_suite.sh OUT_DIR tests|timings|fused|fold}
-part=${2:?usage: gpu_decode_suite.sh OUT_DIR tests|timings|fused|fold}
+out=${1:?usage: gpu_decode_suite.sh OUT_DIR tests|timings|fused|fold|concurrent}
+part=${2:?usage: gpu_decode_suite.sh OUT_DIR tests|timings|fused|fold|concurrent}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 variants=("transformer matched" "h1 fw-1A" "h1 mamba2")
@@ -66,8 +69,20 @@ fold)
         grep "^|" "$out/$log.log"
     done
     ;;
+concurrent)
+    python benchmarks/gpu_model.py --lengths --contexts 4096 16384 --decode-steps 32 --variants "${variants[@]}" \
+        --decode-batches 1 8 64 --graph --decode-dtype bfloat16 --fuse-projections --concurrent-mixers \
+        > "$out/concurrent_bf16.log" 2>&1
+    python benchmarks/gpu_model.py --preset falcon-h1-0.5b --lengths --contexts 4096 --decode-steps 32 \
+        --variants "${variants[@]}" --decode-batches 1 --graph --decode-dtype bfloat16 --fold-multipliers \
+        --fuse-projections --concurrent-mixers > "$out/h1_concurrent.log" 2>&1
+    for log in concurrent_bf16 h1_concurrent; do
+        echo "## $log"
+        grep "^|" "$out/$log.log"
+    done
+    ;;
 *)
-    echo "gpu_decode_suite.sh: the part is 'tests', 'timings', 'fused' or 'fold', not '$part'" >&2
+    echo "gpu_decode_suite.sh: the part is 'tests', 'timings', 'fused', 'fold' or 'concurrent', not '$part'" >&2
     exit 2
     ;;
 esac

@@ -61,6 +61,9 @@ the Transformer's attention and MLP and add the SSM half: 143-159M parameters ag
    after the prefill) instead of the one-kernel steps "auto" takes on CUDA, as "<variant> (torch steps)": what the
    step kernels save per token. The fast-weight mixer's QK norms follow its backend: those rows also run them on
    torch's `rms_norm` (float32 math: a fused norm and the casts around it) instead of their Triton kernels.
+   `--concurrent-mixers` also decodes each variant with parallel blocks of both mixers with their SSM half on a
+   second stream beside attention (`concurrent_mixers`, as serve / generate / chat load a model on CUDA), as
+   "<variant> (concurrent)" right after the same variant one stream only.
    `--decode-dtype bfloat16` decodes a bf16 copy of each model instead (the weights cast once, no autocast: what
    `hybridlm serve --dtype bfloat16` runs); under autocast every step casts the float32 weights it multiplies.
 3. `--profile-decode`: `torch.profiler` over 3 decoding steps at the first context, per variant: the operators with
@@ -85,7 +88,7 @@ from hybridlm.layers.fast_weight import FastWeightMixer
 from hybridlm.layers.mamba2 import Mamba2Mixer
 from hybridlm.models.allocation import channel_allocation
 from hybridlm.models.fold import fold_multipliers
-from hybridlm.models.fuse import fuse_projections
+from hybridlm.models.fuse import fuse_projections, set_concurrent_mixers
 from hybridlm.models.model import HybridForCausalLM
 from hybridlm.models.presets import get_preset
 from hybridlm.modules import ShortConvolution
@@ -402,6 +405,9 @@ def main() -> None:
     parser.add_argument("--fuse-projections", action="store_true",
                         help="decode with the projections that read one input fused into one GEMM each "
                              "(`fuse_projections`, as serve / generate / chat load a model)")
+    parser.add_argument("--concurrent-mixers", action="store_true",
+                        help="also decode with each parallel block's SSM half on a second stream beside attention "
+                             "(`set_concurrent_mixers`, as serve / generate / chat load a model on CUDA)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke run of this script)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -470,9 +476,12 @@ def main() -> None:
             model.to(torch.bfloat16)
         if args.fuse_projections:
             fuse_projections(model)  # after the cast: `.to()` gives the fused parts their own storage again
+        concurrent = [False] + ([True] if args.concurrent_mixers and set_concurrent_mixers(model, False) else [])
         for context in args.contexts:
             for batch in args.decode_batches:
-                for loops in [False] + ([True] if args.torch_steps and has_mixers else []):
+                for loops, side in [(False, side) for side in concurrent] + (
+                        [(True, False)] if args.torch_steps and has_mixers else []):
+                    set_concurrent_mixers(model, side)
                     try:
                         measured = decoding(model, context=context, device=device, steps=args.decode_steps,
                                             batch=batch, graph=args.graph, compile_step=compile_step,
@@ -480,7 +489,7 @@ def main() -> None:
                     except torch.OutOfMemoryError:
                         measured = {"prefill_s": None, "decode_ms": None, "tokens_per_s": None,
                                     "cache_mib_per_row": None}
-                    label = f"{variant} (torch steps)" if loops else variant
+                    label = f"{variant} (torch steps)" if loops else f"{variant} (concurrent)" if side else variant
                     record({"variant": label, "baseline": BASELINE.get(variant, "transformer"), "context": context,
                             "batch": batch, **measured})
                     if device.type == "cuda":

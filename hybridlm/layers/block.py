@@ -45,7 +45,12 @@ Calls without a gradient run fewer, larger kernels with the same values:
   which multiplies once by the weights `hybridlm.models.fuse.fuse_projections` concatenated (q, k, v, with the SSM's
   in_proj where both mixers read N(x); the MLP's up and gate) and hands each its slice;
 - `deferred`: the block leaves its last residual adds to the caller, so that they run inside the next norm's launch
-  (`add_and_norm`), as a mixer's output is added inside the launch of the norm after it within the block.
+  (`add_and_norm`), as a mixer's output is added inside the launch of the norm after it within the block;
+- `concurrent_mixers` (set by `hybridlm.models.fuse.prepare_for_generation` on CUDA): in a decoding step (one token
+  per row) of a parallel block, the SSM half runs on a second CUDA stream while attention runs on the caller's. The
+  two halves read the same N(x) and neither reads the other, so the GPU may run both at once; a step at a small batch
+  is a chain of kernels each too small to fill the GPU, and a replayed CUDA graph keeps the two branches. The same
+  kernels on the same inputs, their outputs added in the same order: the same values.
 """
 
 from __future__ import annotations
@@ -117,6 +122,7 @@ class HybridBlock(nn.Module):
         # and the MLP's up and gate. None: each projection apart.
         self.fused_input: FusedLinear | None = None
         self.fused_mlp: FusedLinear | None = None
+        self.concurrent_mixers = False  # the module docstring; `prepare_for_generation` sets it on CUDA
 
     def forward(
         self,
@@ -164,16 +170,42 @@ class HybridBlock(nn.Module):
         shared = self.fused_input is not None and "ssm.in_proj" in self.fused_input.names
         parts = self._project(self.fused_input, n, fuses) if shared else {}  # both mixers' projections of N(x)
         pending = ()
-        if self.ssm is not None:
-            pending = (self._ssm(n, mix, seq_idx, parts),)
-        if self.attn is not None:
-            pending = (*pending, self._attn(n, mix, rotary, fuses, parts))
+        if self._side_by_side(n, mix):
+            pending = self._mixers_side_by_side(n, mix, rotary, fuses, parts)
+        else:
+            if self.ssm is not None:
+                pending = (self._ssm(n, mix, seq_idx, parts),)
+            if self.attn is not None:
+                pending = (*pending, self._attn(n, mix, rotary, fuses, parts))
         if self.arrangement == "SAM" and self.mlp is not None:
             h = x
             if len(pending) == 2:
                 h, pending = h + pending[0], pending[1:]
             return h, (*pending, self._mlp(n, fuses))
         return self._mlp_after(x, pending, fuses)
+
+    def _side_by_side(self, n: torch.Tensor, mix: dict) -> bool:
+        """Whether this call runs its two mixers on two streams (`concurrent_mixers`): a decoding step on CUDA with
+        both mixers, no gradient, no packed documents, outside torch.compile (which traces one stream)."""
+        return (self.concurrent_mixers and self.ssm is not None and self.attn is not None and n.is_cuda
+                and n.shape[1] == 1 and mix["cache"] is not None and mix["cu_seqlens"] is None
+                and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+
+    def _mixers_side_by_side(self, n: torch.Tensor, mix: dict, rotary, fuses: bool,
+                             parts: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ssm, attention) outputs, the SSM half enqueued on a side stream after everything the caller's stream
+        holds so far (N(x), the fused projections), and the caller's stream made to wait for it before it goes on.
+        Memory stays safe without `record_stream`: the side stream's next allocations come after its next wait on
+        the caller's stream, so after every read of this step's SSM output; and the caller's stream reads nothing of
+        the SSM's before this wait."""
+        main = torch.cuda.current_stream(n.device)
+        side = _side_stream(n.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            s = self._ssm(n, mix, None, parts)
+        a = self._attn(n, mix, rotary, fuses, parts)
+        main.wait_stream(side)
+        return s, a
 
     def _mlp_after(self, h: torch.Tensor, pending: tuple[torch.Tensor, ...],
                    fuses: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -228,6 +260,18 @@ class HybridBlock(nn.Module):
             mix["projected"] = (parts["attn.q_proj"], parts["attn.k_proj"], parts["attn.v_proj"])
         out = self.attn(n, **mix) if mix["cu_seqlens"] is None else _packed_mix(self.attn, n, mix)
         return scaled(out, self.attn_out_multiplier)
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per CUDA device for `HybridBlock._mixers_side_by_side`, made on first use. One for all blocks:
+    each block's SSM half waits for the caller's stream anyway, so the halves of two blocks never overlap."""
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 @torch.compiler.disable

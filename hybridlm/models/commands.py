@@ -17,9 +17,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_generation_flags(parser: argparse.ArgumentParser) -> None:
-    """`--no-fold-multipliers` and `--no-fuse-projections` for the commands that load a model for inference
-    (generate, chat, serve), which fold its muP multipliers into its weights and fuse the projections that read one
-    input by default (`hybridlm.models.fuse.prepare_for_generation`)."""
+    """`--no-fold-multipliers`, `--no-fuse-projections` and `--no-concurrent-mixers` for the commands that load a
+    model for inference (generate, chat, serve), which by default fold its muP multipliers into its weights, fuse the
+    projections that read one input and decode a parallel block's two mixers on two streams
+    (`hybridlm.models.fuse.prepare_for_generation`)."""
     parser.add_argument("--no-fold-multipliers", action="store_true",
                         help="keep the muP multipliers as separate scalings (default: folded into the weights at load, "
                              "hybridlm/models/fold.py: the same function with fewer kernels per decoding step)")
@@ -27,12 +28,17 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
                         help="run each projection apart (default on CUDA: those that read one input, q/k/v with a "
                              "parallel block's SSM in_proj and the MLP's up/gate, as one GEMM each; "
                              "hybridlm/models/fuse.py)")
+    parser.add_argument("--no-concurrent-mixers", action="store_true",
+                        help="decode a parallel block's attention and SSM halves one after the other on one stream "
+                             "(default on CUDA: the SSM half on a second stream beside attention, the same values; "
+                             "hybridlm/layers/block.py)")
 
 
 def generation_options(args: argparse.Namespace) -> dict[str, bool]:
-    """`prepare_for_generation`'s fold and fuse as `add_generation_flags` set them."""
+    """`prepare_for_generation`'s fold, fuse and concurrent as `add_generation_flags` set them."""
     return dict(fold=not getattr(args, "no_fold_multipliers", False),
-                fuse=not getattr(args, "no_fuse_projections", False))
+                fuse=not getattr(args, "no_fuse_projections", False),
+                concurrent=not getattr(args, "no_concurrent_mixers", False))
 
 
 def count_parameters(config) -> int:

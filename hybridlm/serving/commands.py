@@ -12,6 +12,9 @@ torch.compile (inductor) before the capture, so each graph replays fused kernels
 op. The muP multipliers are folded into the loaded weights and, on CUDA, the projections that read one input run as
 one GEMM (`hybridlm.models.fuse`; --no-fold-multipliers, --no-fuse-projections keep them apart). The engine runs in a
 process of its own (`hybridlm.serving.process`; --engine-thread: on a thread of the server's).
+
+Exit status: 0 the server stopped, 1 it could not start (a missing model directory, the server's dependencies, the
+engine's failure), 2 a usage error (options that contradict each other or a value out of range).
 """
 
 from __future__ import annotations
@@ -83,22 +86,23 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.compile and args.enforce_eager:
         print("hybridlm serve: --compile compiles the graphed step; it cannot go with --enforce-eager", file=sys.stderr)
-        return 1
+        return 2
+    if args.threads is not None and args.threads < 1:
+        print(f"hybridlm serve: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+        return 2
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         from hybridlm.models.hf import model_dir_problem
 
         print(f"hybridlm serve: {model_dir_problem(model_dir)}", file=sys.stderr)
         return 1
-    if args.threads is not None and args.threads < 1:
-        print(f"hybridlm serve: --threads must be >= 1, got {args.threads}", file=sys.stderr)
-        return 1
     settings = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
                     max_prefill_tokens=args.max_prefill_tokens, prefix_cache_bytes=int(args.prefix_cache_gb * 2**30),
                     dtype=getattr(torch, args.dtype),
                     device=None if args.device == "auto" else args.device,
                     decode_step="eager" if args.enforce_eager else "auto",
-                    fold_multipliers=not args.no_fold_multipliers, fuse_projections=not args.no_fuse_projections)
+                    fold_multipliers=not args.no_fold_multipliers, fuse_projections=not args.no_fuse_projections,
+                    concurrent_mixers=not args.no_concurrent_mixers)
     if args.compile:
         settings["compile_step"] = "inductor"
     try:

@@ -142,6 +142,8 @@ class Engine:
         fuse_projections: a model loaded from a directory onto a CUDA device has the projections that read one input
             fused into one GEMM each (`hybridlm.models.fuse`: q, k, v with a parallel block's SSM in_proj, the MLP's up
             and gate).
+        concurrent_mixers: a model loaded from a directory onto a CUDA device decodes each parallel block's SSM half
+            on a second stream beside attention (`hybridlm.layers.block`: the same values, the halves overlapping).
         decode_step: "auto" (CUDA graphs on a CUDA device, else "eager"), "graph" (each step at a fixed shape replayed
             as a CUDA graph: `hybridlm.serving.graphed`), "fixed" (the same fixed-shape step run eagerly) or "eager"
             (the running rows and the longest row's keys exactly, one kernel launch per operator).
@@ -154,12 +156,12 @@ class Engine:
                  block_size: int = 256, max_prefill_tokens: int | None = None, prefix_cache_bytes: int = 1 << 30,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  decode_step: str = "auto", compile_step: str | Callable | None = None,
-                 fold_multipliers: bool = True, fuse_projections: bool = True) -> None:
+                 fold_multipliers: bool = True, fuse_projections: bool = True, concurrent_mixers: bool = True) -> None:
         if isinstance(model, (str, Path)):
             from hybridlm.models.fuse import prepare_for_generation
 
             model, tokenizer = _load(Path(model), tokenizer, dtype=dtype, device=device)
-            prepare_for_generation(model, fold=fold_multipliers, fuse=fuse_projections)
+            prepare_for_generation(model, fold=fold_multipliers, fuse=fuse_projections, concurrent=concurrent_mixers)
         self.device = next(model.parameters()).device
         if max_prefill_tokens is None:
             max_prefill_tokens = 8192 if self.device.type == "cuda" else 2048

@@ -437,6 +437,56 @@ def test_cuda_graph_of_fused_projections_equals_the_projections_apart(mixer, dty
     assert decoder.graph is not None
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (streams, graph capture)")
+@pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1A", "fast_weight-3A-same_step-read_before",
+                                   "fast_weight-1"])
+@pytest.mark.parametrize("arrangement", ["SA_M", "SAM"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_cuda_concurrent_mixers_decode_bit_for_bit_as_one_stream(mixer, arrangement, graph):
+    """On a GPU, a parallel block's SSM half on a side stream beside attention (`concurrent_mixers`): the decoding
+    steps' logits and the states equal one stream's bit for bit, eager and replayed from a CUDA graph, bf16 weights,
+    the projections fused, a side stream actually taken."""
+    from hybridlm.inference import GraphedDecoder
+    from hybridlm.layers import block as block_module
+    from hybridlm.models.fuse import prepare_for_generation, set_concurrent_mixers
+
+    _, batch, mask = padded_batch(seed=12)
+    batch, mask = batch.cuda(), mask.cuda()
+    models = [make_model(seed=12, block_arrangement=arrangement, **MIXERS[mixer]).cuda().to(torch.bfloat16)
+              for _ in range(2)]
+    for model, concurrent in zip(models, (False, True)):
+        prepare_for_generation(model, concurrent=concurrent)
+        assert set_concurrent_mixers(model, concurrent) == model.config.num_hidden_layers
+    taken = []
+    side_stream = block_module._side_stream
+    block_module._side_stream = lambda device: taken.append(device) or side_stream(device)
+    try:
+        with torch.no_grad():
+            caches = [model.new_cache() for model in models]
+            logits = [model(batch, attention_mask=mask, cache=cache, logits_to_keep=1).logits[:, -1]
+                      for model, cache in zip(models, caches)]
+            assert torch.equal(logits[0], logits[1]) and not taken  # a prefill stays on one stream
+            steps = [(lambda tok, m=m, c=c: m(tok[:, None], cache=c, logits_to_keep=1).logits[:, -1])
+                     for m, c in zip(models, caches)]
+            if graph:
+                decoders = [GraphedDecoder(m, c, capacity=c.seq_len + 8, batch_size=batch.shape[0])
+                            for m, c in zip(models, caches)]
+                steps = [decoder.step for decoder in decoders]
+                caches = [decoder.cache for decoder in decoders]
+            for _ in range(8):
+                token = logits[0].argmax(-1)
+                logits = [step(token).clone() for step in steps]
+                assert torch.equal(logits[0], logits[1])
+            for first, second in zip(caches[0].layers, caches[1].layers):
+                for name in first.ssm:
+                    assert torch.equal(first.ssm[name], second.ssm[name]), name
+    finally:
+        block_module._side_stream = side_stream
+    assert len(taken) >= models[1].config.num_hidden_layers  # every block of the concurrent model, every step
+    if graph:
+        assert all(decoder.graph is not None for decoder in decoders)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the inference norm's kernel)")
 @pytest.mark.parametrize("arrangement", ["SA_M", "SAM", "S_A_M"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

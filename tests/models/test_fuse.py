@@ -166,6 +166,29 @@ def test_unfolded_input_multipliers_keep_the_ssm_projection_apart():
         assert rel_err(_decode(model, ids), reference) < 1e-12
 
 
+@pytest.mark.parametrize("arrangement, blocks", [("SA_M", 2), ("SAM", 2), ("S_A_M", 0)])
+def test_concurrent_mixers_are_set_on_parallel_blocks_and_only_act_on_cuda(arrangement, blocks):
+    """`set_concurrent_mixers` marks the blocks whose two mixers read one N(x) (the parallel arrangements), and
+    `prepare_for_generation` does it on CUDA only. On the CPU a marked block steps on its one stream (no side stream
+    taken) and gives the same logits."""
+    from hybridlm.layers import block as block_module
+    from hybridlm.models.fuse import set_concurrent_mixers
+
+    model = make_model(seed=7, block_arrangement=arrangement).double()
+    prepare_for_generation(model)
+    assert not any(block.concurrent_mixers for block in model.model.layers)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        reference = _decode(model, ids)
+    assert set_concurrent_mixers(model, True) == blocks
+    assert sum(block.concurrent_mixers for block in model.model.layers) == blocks
+    assert set_concurrent_mixers(make_model(seed=7, ssm_mixer="none"), True) == 0  # attention alone
+    block_module._SIDE_STREAMS.clear()
+    with torch.no_grad():
+        assert torch.equal(_decode(model, ids), reference)
+    assert not block_module._SIDE_STREAMS
+
+
 def test_refusals():
     with pytest.raises(ValueError, match="HybridForCausalLM or HybridModel"):
         fuse_projections(nn.Linear(2, 2))

@@ -23,9 +23,15 @@ def engines(model, **kwargs) -> tuple[Engine, Engine]:
     return Engine(model, decode_step="graph", **settings), Engine(model, decode_step="eager", **settings)
 
 
+@pytest.mark.parametrize("concurrent", [False, True], ids=["one_stream", "concurrent_mixers"])
 @pytest.mark.parametrize("changes", MODELS.values(), ids=MODELS.keys())
-def test_graphed_steps_equal_each_request_alone(changes):
+def test_graphed_steps_equal_each_request_alone(changes, concurrent):
+    """Also with each parallel block's SSM half on a side stream (`concurrent_mixers`, as a model loaded from a
+    directory onto CUDA runs): the graphs capture both streams."""
+    from hybridlm.models.fuse import set_concurrent_mixers
+
     model = make_model(**changes).double().cuda()
+    set_concurrent_mixers(model, concurrent)
     prompts = [ids(1, n, seed=n)[0].tolist() for n in (3, 13, 6, 250, 2)]
     lengths = [6, 9, 4, 20, 12]
     graphed, eager = engines(model)
