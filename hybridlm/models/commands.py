@@ -30,8 +30,8 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
                              "hybridlm/models/fuse.py)")
     parser.add_argument("--no-concurrent-mixers", action="store_true",
                         help="decode a parallel block's attention and SSM halves one after the other on one stream "
-                             "(default on CUDA: the SSM half on a second stream beside attention, the same values; "
-                             "hybridlm/layers/block.py)")
+                             "(default on CUDA: in the steps CUDA graphs replay, the SSM half on a second stream "
+                             "beside attention, the same values; hybridlm/layers/block.py)")
 
 
 def generation_options(args: argparse.Namespace) -> dict[str, bool]:

@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 def prepare_for_generation(model: nn.Module, *, fold: bool = True, fuse: bool = True, concurrent: bool = True) -> None:
     """What the serving engine and the `generate` and `chat` commands do to a model they load, once it is on its
     device and in its dtype: fold its muP multipliers into its weights (`fold_multipliers`), then, on a CUDA device,
-    fuse the projections that read one input (`fuse_projections`) and let each parallel block's decoding step run its
-    SSM half on a second stream beside attention (`concurrent_mixers`, `hybridlm.layers.block`); `fold`, `fuse`,
+    fuse the projections that read one input (`fuse_projections`) and let each parallel block's graphed decoding steps
+    run its SSM half on a second stream beside attention (`concurrent_mixers`, `hybridlm.layers.block`); `fold`, `fuse`,
     `concurrent` False leave each out. The same function, fewer kernels per decoding step, and the two halves of a
     block overlapping. A model on the CPU keeps its projections apart: there a GEMM's own time, not its launch, sets a
     step's, and the fused blocks' checks cost about what the joined GEMMs save."""
@@ -58,7 +58,8 @@ def prepare_for_generation(model: nn.Module, *, fold: bool = True, fuse: bool = 
 
 def set_concurrent_mixers(model: nn.Module, enabled: bool) -> int:
     """Set `concurrent_mixers` on every block of `model` that has both mixers in a parallel arrangement ("SA_M",
-    "SAM"); returns how many blocks that is. It acts only in decoding steps on CUDA (`hybridlm.layers.block`)."""
+    "SAM"); returns how many blocks that is. It acts only in decoding steps on CUDA over a fixed-address cache, the
+    steps CUDA graphs replay (`hybridlm.layers.block`)."""
     from hybridlm.layers.block import HybridBlock
 
     blocks = [m for m in model.modules() if isinstance(m, HybridBlock) and m.ssm is not None

@@ -443,9 +443,10 @@ def test_cuda_graph_of_fused_projections_equals_the_projections_apart(mixer, dty
 @pytest.mark.parametrize("arrangement", ["SA_M", "SAM"])
 @pytest.mark.parametrize("graph", [False, True])
 def test_cuda_concurrent_mixers_decode_bit_for_bit_as_one_stream(mixer, arrangement, graph):
-    """On a GPU, a parallel block's SSM half on a side stream beside attention (`concurrent_mixers`): the decoding
-    steps' logits and the states equal one stream's bit for bit, eager and replayed from a CUDA graph, bf16 weights,
-    the projections fused, a side stream actually taken."""
+    """On a GPU, a parallel block's SSM half on a side stream beside attention (`concurrent_mixers`): the static
+    decoding steps' logits and states equal one stream's bit for bit, run eagerly and replayed from a CUDA graph (bf16
+    weights, the projections fused), every block taking the side stream; the prefill and the eager steps over the
+    growing cache stay on one stream."""
     from hybridlm.inference import GraphedDecoder
     from hybridlm.layers import block as block_module
     from hybridlm.models.fuse import prepare_for_generation, set_concurrent_mixers
@@ -465,26 +466,23 @@ def test_cuda_concurrent_mixers_decode_bit_for_bit_as_one_stream(mixer, arrangem
             caches = [model.new_cache() for model in models]
             logits = [model(batch, attention_mask=mask, cache=cache, logits_to_keep=1).logits[:, -1]
                       for model, cache in zip(models, caches)]
-            assert torch.equal(logits[0], logits[1]) and not taken  # a prefill stays on one stream
-            steps = [(lambda tok, m=m, c=c: m(tok[:, None], cache=c, logits_to_keep=1).logits[:, -1])
-                     for m, c in zip(models, caches)]
-            if graph:
-                decoders = [GraphedDecoder(m, c, capacity=c.seq_len + 8, batch_size=batch.shape[0])
-                            for m, c in zip(models, caches)]
-                steps = [decoder.step for decoder in decoders]
-                caches = [decoder.cache for decoder in decoders]
+            token = logits[0].argmax(-1)
+            logits = [model(token[:, None], cache=cache, logits_to_keep=1).logits[:, -1]
+                      for model, cache in zip(models, caches)]
+            assert torch.equal(logits[0], logits[1]) and not taken  # the prefill, an eager step: one stream
+            decoders = [GraphedDecoder(m, c, capacity=c.seq_len + 8, batch_size=batch.shape[0], use_graph=graph)
+                        for m, c in zip(models, caches)]
             for _ in range(8):
                 token = logits[0].argmax(-1)
-                logits = [step(token).clone() for step in steps]
+                logits = [decoder.step(token).clone() for decoder in decoders]
                 assert torch.equal(logits[0], logits[1])
-            for first, second in zip(caches[0].layers, caches[1].layers):
+            for first, second in zip(decoders[0].cache.layers, decoders[1].cache.layers):
                 for name in first.ssm:
                     assert torch.equal(first.ssm[name], second.ssm[name]), name
     finally:
         block_module._side_stream = side_stream
-    assert len(taken) >= models[1].config.num_hidden_layers  # every block of the concurrent model, every step
-    if graph:
-        assert all(decoder.graph is not None for decoder in decoders)
+    assert len(taken) >= models[1].config.num_hidden_layers  # every block of the concurrent model
+    assert all((decoder.graph is not None) == graph for decoder in decoders)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the inference norm's kernel)")
