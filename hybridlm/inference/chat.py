@@ -7,7 +7,8 @@
 Every turn renders the whole conversation with the model directory's chat template (or --chat-template FILE) and
 the generation prompt, and decodes the answer with the model's cache, printing tokens as they come (the decoded
 text grows; only the new characters are printed). An answer ends at eos or at the special token the template writes
-after an assistant message (our template's <|end_of_turn|>), or at --max-new-tokens.
+after an assistant message (our template's <|end_of_turn|>), or at --max-new-tokens. On a CUDA device each answer's
+decoding steps replay a CUDA graph of the step (`hybridlm.models.graphed`; --eager runs them op by op).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def add_chat_command(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None, metavar="S", help="seed of the sampling")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="parameter dtype")
+    p.add_argument("--eager", action="store_true",
+                   help="decode op by op over the growing cache (default on CUDA: a CUDA graph of the fixed-shape step "
+                        "replays once per token, hybridlm/models/graphed.py)")
     add_generation_flags(p)
     p.set_defaults(func=run_chat)
 
@@ -45,7 +49,7 @@ class ChatSession:
 
     def __init__(self, model, encoder, *, system: str | None = None, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, graph: bool = False) -> None:
         import torch
 
         from hybridlm.models.sampling import check_sampling
@@ -57,6 +61,7 @@ class ChatSession:
         self.system = system
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         self.max_new_tokens = max_new_tokens
+        self.graph = graph  # decode through `GraphedDecoder` (`generate(graph=True)`)
         self.device = next(model.parameters()).device
         self.generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         self.limit = model.config.max_position_embeddings
@@ -74,13 +79,13 @@ class ChatSession:
             raise ValueError(f"the conversation has {len(prompt)} tokens, the model's context is {self.limit}: "
                              "/reset to start over")
         final = answer(self.model, self.encoder, prompt, max_new_tokens=room, on_text=on_text,
-                       generator=self.generator, **self.sampling)
+                       generator=self.generator, graph=self.graph, **self.sampling)
         self.messages = messages + [{"role": "assistant", "content": final}]
         return final
 
 
 def answer(model, encoder, prompt: list[int], *, max_new_tokens: int, on_text: Callable[[str], None] = lambda s: None,
-           generator=None, **sampling) -> str:
+           generator=None, graph: bool = False, **sampling) -> str:
     """The model's answer to a rendered prompt's ids, streamed to `on_text` as it grows: decoding ends at eos, at the
     turn's end (`ChatEncoder.stop_ids`, or its text where the tokenizer spells it in ordinary tokens: then text that
     could be the start of it is held back until it is known not to be) or after `max_new_tokens`."""
@@ -115,7 +120,7 @@ def answer(model, encoder, prompt: list[int], *, max_new_tokens: int, on_text: C
 
     device = next(model.parameters()).device
     out = generate(model, torch.tensor([prompt], device=device), max_new_tokens=max_new_tokens,
-                   eos_token_id=stops or None, generator=generator, stop=stream, **sampling)
+                   eos_token_id=stops or None, generator=generator, stop=stream, graph=graph, **sampling)
     final, _ = encoder.cut_at_turn_end(encoder.tokenizer.decode(
         [t for t in out.sequences[0, len(prompt):].tolist() if t not in stops], skip_special_tokens=True))
     show(final)
@@ -194,4 +199,5 @@ def _session(args: argparse.Namespace) -> ChatSession:
     model = load_model(model_dir, dtype=getattr(torch, args.dtype)).to(device)
     prepare_for_generation(model, **generation_options(args))
     return ChatSession(model, encoder, system=args.system, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                       graph=device.type == "cuda" and not args.eager)

@@ -10,7 +10,9 @@ The tokenizer comes from --tokenizer, else from the model directory: a directory
 (tokenizer.json / tokenizer_config.json). Several --prompt values run as one left-padded batch. Decoding
 stops per prompt at the tokenizer's or the model's eos. Errors (a missing directory, no tokenizer, a
 prompt longer than the model's max_position_embeddings, bad sampling settings) are one line on stderr
-and exit status 1.
+and exit status 1. On a CUDA device the decoding steps replay a CUDA graph of the step (`hybridlm.models.graphed`:
+one launch per token instead of one per operator; --eager runs them op by op); its attention reads the prompt
+length + --max-new-tokens slots at every step, so ask for the tokens you need.
 """
 
 from __future__ import annotations
@@ -51,8 +53,12 @@ def add_commands(subparsers) -> None:
                    help="parameter dtype (default float32)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prefill in pieces of N tokens per prompt (bounds memory on long prompts)")
-    p.add_argument("--graph", action="store_true",
-                   help="decode through a CUDA graph of the step (hybridlm/models/graphed.py; eager on the CPU)")
+    steps = p.add_mutually_exclusive_group()
+    steps.add_argument("--graph", action="store_true",
+                       help="decode through the fixed-shape step (hybridlm/models/graphed.py): the default on CUDA, "
+                            "where a CUDA graph of it replays; on the CPU the same step runs eagerly")
+    steps.add_argument("--eager", action="store_true",
+                       help="decode op by op over the growing cache, without the fixed-shape step or CUDA graphs")
     add_generation_flags(p)
     p.set_defaults(func=run_generate)
 
@@ -124,7 +130,8 @@ def generate_texts(args: argparse.Namespace) -> list[str]:
     out = generate(
         model, batch, attention_mask=mask, max_new_tokens=new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=eos or None,
-        pad_token_id=pad, seed=args.seed, graph=args.graph, prefill_chunk=args.prefill_chunk,
+        pad_token_id=pad, seed=args.seed, prefill_chunk=args.prefill_chunk,
+        graph=args.graph or (device.type == "cuda" and not args.eager),
     )
     texts = []
     for row, (text, ids) in enumerate(zip(args.prompt, prompts)):

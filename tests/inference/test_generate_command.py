@@ -63,10 +63,17 @@ def test_greedy_text_matches_the_library(word_model, capsys, monkeypatch):
     words_out = [t for t in new if t >= 4]  # the transformers decode skips special tokens (<pad> <s> </s> <unk>)
     assert len(words_out) >= 3
     assert out == "w5 w7 w9 " + words(words_out) + "\n"  # the word-level decoder joins tokens with spaces
+    assert (steps.count > 0) == torch.cuda.is_available()  # by default the fixed-shape step on CUDA alone
     # --graph: the fixed-shape decoding step (a CUDA graph on a GPU, eager here) writes the same text.
     code, graphed, err = run(capsys, "--model", path, "--prompt", "w5 w7 w9", "--max-new-tokens", 6, "--graph")
     assert code == 0 and graphed == out, err
     assert steps.count >= 1  # the decoder ran (it is not the dynamic path's output twice)
+    counted = steps.count
+    code, eager, err = run(capsys, "--model", path, "--prompt", "w5 w7 w9", "--max-new-tokens", 6, "--eager")
+    assert code == 0 and eager == out and steps.count == counted, err  # --eager: the growing cache, no decoder
+    with pytest.raises(SystemExit) as exit_:
+        run(capsys, "--model", path, "--prompt", "w5", "--graph", "--eager")
+    assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
     # --prefill-chunk: the prompt prefilled a token at a time writes the same text, also in a batch of two lengths.
     code, pieces, err = run(capsys, "--model", path, "--prompt", "w5 w7 w9", "--max-new-tokens", 6,
                             "--prefill-chunk", 1)

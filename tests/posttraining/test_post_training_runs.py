@@ -19,6 +19,7 @@ from hybridlm.training.dpo import reference_log_probs
 from hybridlm.training.posttraining import FitCounts, PreferencePairs, fit_pair
 from hybridlm.training.run_dir import read_jsonl
 from hybridlm.training.trainer import Trainer
+from tests.inference.helpers import count_decoder_steps
 from tests.posttraining.helpers import make_model_dir
 
 QA = [("Spell cat.", "C-A-T."), ("What colour is snow?", "Snow is white."), ("Hello!", "Hello to you."),
@@ -72,7 +73,7 @@ def test_sft_resume_reproduces_an_uninterrupted_run(model_dir, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_sft_teaches_answers_that_chat_gives_back_through_the_template(model_dir, tmp_path):
+def test_sft_teaches_answers_that_chat_gives_back_through_the_template(model_dir, tmp_path, monkeypatch):
     records = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in QA] * 8
     data = _write(tmp_path / "chats.jsonl", records)
     out = tmp_path / "sft"
@@ -91,6 +92,13 @@ def test_sft_teaches_answers_that_chat_gives_back_through_the_template(model_dir
         streamed = []
         assert session.reply(question, streamed.append) == answer
         assert "".join(streamed) == answer
+    # The fixed-shape step (`graph=True`, what chat runs on CUDA: a CUDA graph there, eager here): the same answers.
+    steps = count_decoder_steps(monkeypatch)
+    graphed = ChatSession(session.model, session.encoder, max_new_tokens=16, graph=True)
+    for question, answer in QA:
+        graphed.reset()
+        assert graphed.reply(question) == answer
+    assert steps.count >= len(QA)
 
 
 def test_dpo_on_swapped_preferences_moves_the_margin_their_way(model_dir, tmp_path):
