@@ -10,8 +10,10 @@ from the model directory (or --tokenizer). On a CUDA device the decoding step re
 start-up for every batch and key-span bucket (`hybridlm.serving.graphed`); --compile compiles that step with
 torch.compile (inductor) before the capture, so each graph replays fused kernels; --enforce-eager runs the step op by
 op. The muP multipliers are folded into the loaded weights and, on CUDA, the projections that read one input run as
-one GEMM (`hybridlm.models.fuse`; --no-fold-multipliers, --no-fuse-projections keep them apart). The engine runs in a
-process of its own (`hybridlm.serving.process`; --engine-thread: on a thread of the server's).
+one GEMM (`hybridlm.models.fuse`; --no-fold-multipliers, --no-fuse-projections keep them apart) and each parallel
+block's SSM half decodes on a second stream beside attention in the graphed steps (`hybridlm.layers.block`;
+--no-concurrent-mixers: one stream). The engine runs in a process of its own (`hybridlm.serving.process`;
+--engine-thread: on a thread of the server's).
 
 Exit status: 0 the server stopped, 1 it could not start (a missing model directory, the server's dependencies, the
 engine's failure), 2 a usage error (options that contradict each other or a value out of range).
