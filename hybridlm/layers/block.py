@@ -59,6 +59,7 @@ Calls without a gradient run fewer, larger kernels with the same values:
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 from torch import nn
@@ -201,14 +202,17 @@ class HybridBlock(nn.Module):
         holds so far (N(x), the fused projections), and the caller's stream made to wait for it before it goes on.
         Memory stays safe without `record_stream`: the side stream's next allocations come after its next wait on
         the caller's stream, so after every read of this step's SSM output; and the caller's stream reads nothing of
-        the SSM's before this wait."""
+        the SSM's before this wait. The wait comes whatever either half raises: a capture left with unjoined work
+        would hide the error, and the memory of N(x) must not return to the caller's stream under a running SSM."""
         main = torch.cuda.current_stream(n.device)
         side = _side_stream(n.device)
         side.wait_stream(main)
-        with torch.cuda.stream(side):
-            s = self._ssm(n, mix, None, parts)
-        a = self._attn(n, mix, rotary, fuses, parts)
-        main.wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                s = self._ssm(n, mix, None, parts)
+            a = self._attn(n, mix, rotary, fuses, parts)
+        finally:
+            main.wait_stream(side)
         return s, a
 
     def _mlp_after(self, h: torch.Tensor, pending: tuple[torch.Tensor, ...],
@@ -266,16 +270,19 @@ class HybridBlock(nn.Module):
         return scaled(out, self.attn_out_multiplier)
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per CUDA device for `HybridBlock._mixers_side_by_side`, made on first use. One for all blocks:
-    each block's SSM half waits for the caller's stream anyway, so the halves of two blocks never overlap."""
+    """One side stream per CUDA device and thread for `HybridBlock._mixers_side_by_side`, made on first use. One for
+    all blocks: each block's SSM half waits for the caller's stream anyway, so the halves of two blocks never overlap.
+    Per thread: streams and captures are the caller's thread's own, and a side stream shared by two threads' steps
+    would join one's kernels to the other's capture and order neither's memory."""
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+    key = (device, threading.get_ident())
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[key]
 
 
 @torch.compiler.disable

@@ -113,7 +113,9 @@ class GraphedDecoder:
         if torch.is_autocast_enabled("cuda"):  # the module docstring: no cached weight casts inside the graph
             casts = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
         try:
-            with casts:
+            # On the model's device, with a capture stream of that device: torch.cuda.graph's default stream belongs
+            # to the device current at its first capture, where a model on another GPU would record an empty graph.
+            with casts, torch.cuda.device(self.device):
                 stream = torch.cuda.Stream(self.device)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
@@ -124,7 +126,7 @@ class GraphedDecoder:
                 no_recompile = contextlib.nullcontext()
                 if self._compiled_step is not None:  # the module docstring: compiling inside the capture would fail
                     no_recompile = torch._dynamo.config.patch(error_on_recompile=True)
-                with no_recompile, torch.cuda.graph(graph):
+                with no_recompile, torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
                     logits = self._forward()
             self.graph, self.logits = graph, logits
         finally:

@@ -17,7 +17,8 @@ FAST_WEIGHT_SIZES = dict(fw_heads=2, fw_head_dim=8, fw_chunk_size=4, fw_conv_siz
 def make_model(seed: int = 0, **changes) -> HybridForCausalLM:
     """The model tests' small model (vocab 61, 2 layers, GQA, grouped Mamba-2, muP multipliers), with small
     fast-weight chunks so that the prompts of the tests span several of them."""
-    return model_helpers.make_model(seed, **{**FAST_WEIGHT_SIZES, **changes})
+    sizes = FAST_WEIGHT_SIZES if changes.get("ssm_mixer") == "fast_weight" else {}  # fw_* read by no other mixer
+    return model_helpers.make_model(seed, **{**sizes, **changes})
 
 
 def fast_weight(rule: str, **changes) -> dict:

@@ -485,6 +485,24 @@ def test_cuda_concurrent_mixers_decode_bit_for_bit_as_one_stream(mixer, arrangem
     assert all((decoder.graph is not None) == graph for decoder in decoders)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1A"])
+def test_cuda_graph_on_a_device_that_is_not_the_current_one(mixer):
+    """A model on cuda:1 while cuda:0 is current: the graphed steps (captured on a stream of the model's device) give
+    the eager steps' tokens; a capture on the current device's stream would record an empty graph."""
+    from hybridlm.models.fuse import prepare_for_generation
+
+    model = make_model(seed=13, **MIXERS[mixer]).to("cuda:1")
+    prepare_for_generation(model)
+    _, batch, mask = padded_batch(seed=13)
+    batch, mask = batch.to("cuda:1"), mask.to("cuda:1")
+    torch.cuda.set_device(0)
+    eager = generate(model, batch, attention_mask=mask, max_new_tokens=6, output_logits=True)
+    graphed = generate(model, batch, attention_mask=mask, max_new_tokens=6, output_logits=True, graph=True)
+    assert torch.equal(graphed.sequences, eager.sequences)
+    assert max_diff(graphed.logits, eager.logits) < TOL
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the inference norm's kernel)")
 @pytest.mark.parametrize("arrangement", ["SA_M", "SAM", "S_A_M"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -559,7 +577,7 @@ def test_a_failed_capture_leaves_no_graph_and_the_states_as_they_were(monkeypatc
             pass
 
     @contextlib.contextmanager
-    def failing_capture(graph):
+    def failing_capture(graph, stream=None):
         raise RuntimeError("capture failed")
         yield
 
@@ -572,6 +590,7 @@ def test_a_failed_capture_leaves_no_graph_and_the_states_as_they_were(monkeypatc
     decoder.use_graph = True
     for name, stand_in in [("Stream", lambda device=None: Stream()), ("current_stream", lambda device=None: Stream()),
                            ("stream", lambda s: contextlib.nullcontext()), ("CUDAGraph", object),
+                           ("device", lambda device: contextlib.nullcontext()),
                            ("graph", failing_capture)]:
         monkeypatch.setattr(torch.cuda, name, stand_in)
     before = decoder._snapshot()

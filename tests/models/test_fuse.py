@@ -189,6 +189,39 @@ def test_concurrent_mixers_are_set_on_parallel_blocks_and_only_act_on_cuda(arran
     assert not block_module._SIDE_STREAMS
 
 
+def test_side_stream_is_joined_whatever_a_mixer_raises(monkeypatch):
+    """`HybridBlock._mixers_side_by_side` with the CUDA stream calls stood in for on the CPU: the caller's stream waits
+    for the side stream when attention raises (a capture left with unjoined work would hide the error), and the side
+    stream first waits for the caller's."""
+    import contextlib
+
+    from hybridlm.layers import block as block_module
+
+    waits = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            waits.append((self.name, other.name))
+
+    main, side = Stream("main"), Stream("side")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(block_module, "_side_stream", lambda device: side)
+    block = make_model(seed=8).model.layers[0]
+
+    def failing_attention(*args, **kwargs):
+        raise RuntimeError("attention failed")
+
+    monkeypatch.setattr(block, "_attn", failing_attention)
+    mix = dict(cu_seqlens=None, position_ids=None, cache=None, restarts_resolved=False)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="attention failed"):
+        block._mixers_side_by_side(torch.randn(1, 1, block.norm.weight.shape[0]), mix, None, False, {})
+    assert waits == [("side", "main"), ("main", "side")]
+
+
 def test_refusals():
     with pytest.raises(ValueError, match="HybridForCausalLM or HybridModel"):
         fuse_projections(nn.Linear(2, 2))
