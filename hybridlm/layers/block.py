@@ -277,11 +277,13 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per CUDA device and thread for `HybridBlock._mixers_side_by_side`, made on first use. One for
     all blocks: each block's SSM half waits for the caller's stream anyway, so the halves of two blocks never overlap.
     Per thread: streams and captures are the caller's thread's own, and a side stream shared by two threads' steps
-    would join one's kernels to the other's capture and order neither's memory."""
+    would join one's kernels to the other's capture and order neither's memory. Taken from torch's pool of
+    high-priority streams: the warm-up and capture streams that graph captures take from the default-priority pool
+    cycle through it and would, now and then, be this very stream (still correct, but one stream again)."""
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     key = (device, threading.get_ident())
     if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device)
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device, priority=-1)
     return _SIDE_STREAMS[key]
 
 
