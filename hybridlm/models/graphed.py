@@ -32,6 +32,8 @@ from memory the cache frees when its context ends, so the graph recomputes the c
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -113,21 +115,9 @@ class GraphedDecoder:
         if torch.is_autocast_enabled("cuda"):  # the module docstring: no cached weight casts inside the graph
             casts = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
         try:
-            # On the model's device, with a capture stream of that device: torch.cuda.graph's default stream belongs
-            # to the device current at its first capture, where a model on another GPU would record an empty graph.
-            with casts, torch.cuda.device(self.device):
-                stream = torch.cuda.Stream(self.device)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    self._forward()  # warm-up: lazy library set-up and kernel selection happen outside the capture
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                self._restore(saved)
-                graph = torch.cuda.CUDAGraph()
-                no_recompile = contextlib.nullcontext()
-                if self._compiled_step is not None:  # the module docstring: compiling inside the capture would fail
-                    no_recompile = torch._dynamo.config.patch(error_on_recompile=True)
-                with no_recompile, torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
-                    logits = self._forward()
+            with casts:
+                graph, logits = capture_step(self.device, self._forward, between=lambda: self._restore(saved),
+                                             compiled=self._compiled_step is not None)
             self.graph, self.logits = graph, logits
         finally:
             self._restore(saved)
@@ -147,6 +137,28 @@ class GraphedDecoder:
         for buffers, states in zip(self.buffers, saved["states"]):
             for name, value in states.items():
                 buffers[name].copy_(value)
+
+
+def capture_step(device: torch.device, step: Callable[[], Any], *, between: Callable[[], None], compiled: bool,
+                 pool=None) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """The capture of both graphed decoders (this one and the serving engine's): `step()` once on a side stream
+    (lazy library set-up and kernel selection happen outside the capture), `between()` (undo its effect), then
+    `step()` recorded into a new CUDA graph; returns (the graph, what the recorded call returned). On `device`, with a
+    capture stream of it: torch.cuda.graph's default stream belongs to the device current at its first capture, where
+    a model on another GPU would record an empty graph. `compiled`: a step through torch.compile, which must not
+    compile inside the capture (the module docstring). `pool`: a memory pool shared with other graphs."""
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        between()
+        graph = torch.cuda.CUDAGraph()
+        no_recompile = torch._dynamo.config.patch(error_on_recompile=True) if compiled else contextlib.nullcontext()
+        with no_recompile, torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(device)):
+            out = step()
+    return graph, out
 
 
 def _cache_rows(cache: HybridCache) -> int | None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridlm.models.graphed import capture_step
 from hybridlm.serving.slots import SlotCache
 
 log = logging.getLogger("hybridlm.serving")
@@ -162,25 +163,14 @@ class SlotStepGraphs:
     def _capture(self, entry: _Graph, rows: int, span: int) -> None:
         """Record the step into `entry.graph`: a warm-up step on a side stream (lazy set-up outside the capture),
         then the capture; the slots' states and counts are restored after each (capture records without running,
-        the warm-up's effect is undone; the key/value slot both write is the one the next real step rewrites). Both
-        on the model's device, the capture on a stream of that device (`hybridlm.models.graphed.GraphedDecoder`)."""
+        the warm-up's effect is undone; the key/value slot both write is the one the next real step rewrites), as
+        `hybridlm.models.graphed.capture_step` makes them."""
         saved = self.slots.snapshot(rows)
         try:
-            with torch.cuda.device(self.device):
-                self._pad(rows)
-                stream = torch.cuda.Stream(self.device)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    self._forward(entry, rows, span)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                self.slots.restore(saved)
-                self._pad(rows)
-                graph = torch.cuda.CUDAGraph()
-                no_recompile = (torch._dynamo.config.patch(error_on_recompile=True) if self.compiled
-                                else contextlib.nullcontext())  # the module docstring: never compile inside a capture
-                with no_recompile, torch.cuda.graph(graph, pool=self._pool, stream=torch.cuda.Stream(self.device)):
-                    self._forward(entry, rows, span)
-            entry.graph = graph
+            self._pad(rows)
+            entry.graph, _ = capture_step(self.device, lambda: self._forward(entry, rows, span),
+                                          between=lambda: (self.slots.restore(saved), self._pad(rows)),
+                                          compiled=self.compiled, pool=self._pool)
         finally:
             self.slots.restore(saved)
 

@@ -577,7 +577,7 @@ def test_a_failed_capture_leaves_no_graph_and_the_states_as_they_were(monkeypatc
             pass
 
     @contextlib.contextmanager
-    def failing_capture(graph, stream=None):
+    def failing_capture(graph, **options):
         raise RuntimeError("capture failed")
         yield
 
