@@ -47,13 +47,14 @@ Calls without a gradient run fewer, larger kernels with the same values:
 - `deferred`: the block leaves its last residual adds to the caller, so that they run inside the next norm's launch
   (`add_and_norm`), as a mixer's output is added inside the launch of the norm after it within the block;
 - `concurrent_mixers` (set by `hybridlm.models.fuse.prepare_for_generation` on CUDA): in a decoding step (one token
-  per row) of a parallel block over a cache of fixed addresses (`cache.states_in_place`: the steps that CUDA graphs
-  replay, `GraphedDecoder`'s and the serving engine's), the SSM half runs on a second CUDA stream while attention
-  runs on the caller's. The two halves read the same N(x) and neither reads the other, so the GPU may run both at
-  once; a step at a small batch is a chain of kernels each too small to fill the GPU, and the replayed graph keeps
-  the two branches. The same kernels on the same inputs, their outputs added in the same order: the same values.
-  Steps over the growing cache of eager decoding stay on one stream: there the host's launches, not the GPU, set a
-  step's time, and switching streams only adds to them (benchmarks/RESULTS.md).
+  per row) of a parallel block being captured into a CUDA graph (over a cache of fixed addresses,
+  `cache.states_in_place`: `GraphedDecoder`'s and the serving engine's steps), the SSM half is recorded on a second
+  CUDA stream while attention is recorded on the caller's. The two halves read the same N(x) and neither reads the
+  other, so the replayed graph keeps two branches the GPU may run at once; a step at a small batch is a chain of
+  kernels each too small to fill the GPU. The same kernels on the same inputs, their outputs added in the same order:
+  the same values. Steps run eagerly (over the growing cache, or the static step without a graph) stay on one
+  stream: there the host's launches, not the GPU, set a step's time, and switching streams only adds to them
+  (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -191,10 +192,11 @@ class HybridBlock(nn.Module):
     def _side_by_side(self, n: torch.Tensor, mix: dict) -> bool:
         """Whether this call runs its two mixers on two streams (`concurrent_mixers`): a decoding step on CUDA over a
         fixed-address cache with both mixers, no gradient, no packed documents, outside torch.compile (which traces
-        one stream)."""
+        one stream), being captured into a CUDA graph (the module docstring)."""
         return (self.concurrent_mixers and self.ssm is not None and self.attn is not None and n.is_cuda
                 and n.shape[1] == 1 and mix["cache"] is not None and mix["cache"].states_in_place
-                and mix["cu_seqlens"] is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+                and mix["cu_seqlens"] is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and torch.cuda.is_current_stream_capturing())
 
     def _mixers_side_by_side(self, n: torch.Tensor, mix: dict, rotary, fuses: bool,
                              parts: dict) -> tuple[torch.Tensor, torch.Tensor]:

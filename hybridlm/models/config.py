@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any
@@ -338,7 +340,19 @@ def _warn_unread_fast_weight_options(config: HybridConfig) -> None:
                "options); set ssm_mixer='fast_weight' to use them, or drop them")
     if message not in _UNREAD_FW_WARNED:
         _UNREAD_FW_WARNED.add(message)
-        warnings.warn(message, UserWarning, stacklevel=5)  # the caller that built the config
+        warnings.warn(message, UserWarning, stacklevel=_outside_stacklevel())
+
+
+def _outside_stacklevel() -> int:
+    """The `stacklevel` (for a `warnings.warn` in the caller of this function) of the first frame outside this
+    package and outside the dataclasses module and its generated `__init__` ("<string>"): the user's line that built
+    the config, whether directly, through `get_preset`, `replace` or `from_dict`."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    inside = ("<string>", dataclasses.__file__)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename in inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _mamba_heads(d_ssm: Any, d_head: Any) -> Any:

@@ -144,7 +144,8 @@ class Engine:
             and gate).
         concurrent_mixers: a model loaded from a directory onto a CUDA device decodes each parallel block's SSM half
             on a second stream beside attention in the graphed steps (`hybridlm.layers.block`: the same values, the
-            halves overlapping; decode_step "eager" and "fixed" stay on one stream, as their launches set their time).
+            halves overlapping; decode_step "eager" and "fixed" run without a graph and stay on one stream, as their
+            launches set their time).
         decode_step: "auto" (CUDA graphs on a CUDA device, else "eager"), "graph" (each step at a fixed shape replayed
             as a CUDA graph: `hybridlm.serving.graphed`), "fixed" (the same fixed-shape step run eagerly) or "eager"
             (the running rows and the longest row's keys exactly, one kernel launch per operator).
@@ -163,7 +164,7 @@ class Engine:
 
             model, tokenizer = _load(Path(model), tokenizer, dtype=dtype, device=device)
             prepare_for_generation(model, fold=fold_multipliers, fuse=fuse_projections,
-                                   concurrent=concurrent_mixers and decode_step in ("auto", "graph"))
+                                   concurrent=concurrent_mixers)
         self.device = next(model.parameters()).device
         if max_prefill_tokens is None:
             max_prefill_tokens = 8192 if self.device.type == "cuda" else 2048

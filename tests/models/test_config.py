@@ -146,6 +146,26 @@ def test_fast_weight_options_without_the_fast_weight_mixer_warn_once(monkeypatch
         HybridConfig(ssm_mixer=mixer, fw_chunk_size=8)
 
 
+@pytest.mark.parametrize("build", ["direct", "preset", "replace", "from_dict"])
+def test_fast_weight_options_warning_points_at_the_users_line(monkeypatch, build):
+    """The warning names the line outside hybridlm that built the config, however it was built."""
+    from hybridlm.models.presets import get_preset
+
+    monkeypatch.setattr(config_module, "_UNREAD_FW_WARNED", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if build == "direct":
+            HybridConfig(ssm_mixer="mamba2", fw_chunk_size=24)
+        elif build == "preset":
+            get_preset("tiny", ssm_mixer="mamba2", fw_chunk_size=24)
+        elif build == "replace":
+            HybridConfig(ssm_mixer="mamba2").replace(fw_chunk_size=24)
+        else:
+            HybridConfig.from_dict({"ssm_mixer": "mamba2", "fw_chunk_size": 24})
+    [warning] = [w for w in caught if "fw_chunk_size=24" in str(w.message)]
+    assert warning.filename == __file__, warning.filename
+
+
 def test_mamba_sizes_are_free_without_mamba():
     config = HybridConfig(ssm_mixer="none", mamba_d_ssm=96, mamba_n_heads=4, mamba_d_head=16)  # no error
     assert config.ssm_mixer == "none" and config.mamba_d_ssm == 96
