@@ -15,13 +15,15 @@ block's SSM half decodes on a second stream beside attention in the graphed step
 --no-concurrent-mixers: one stream). The engine runs in a process of its own (`hybridlm.serving.process`;
 --engine-thread: on a thread of the server's).
 
-Exit status: 0 the server stopped, 1 it could not start (a missing model directory, the server's dependencies, the
-engine's failure), 2 a usage error (options that contradict each other or a value out of range).
+Exit status: 0 the server stopped, 1 it could not start (a missing model or tokenizer directory, a directory without
+tokenizer files, the server's dependencies, the engine's failure), 2 a usage error (options that contradict each other
+or a value out of range, such as a --port outside 0-65535 or a negative --prefix-cache-gb).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from hybridlm.models.commands import add_generation_flags
@@ -36,7 +38,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: the model directory)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model name clients ask for (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=_port, default=8000,
+                   help="port, 0-65535 (default 8000; 0: any free port, which the start-up log names)")
     p.add_argument("--max-num-seqs", type=int, default=16, metavar="N", help="requests decoded at once (default 16)")
     p.add_argument("--max-model-len", type=int, default=None, metavar="L",
                    help="prompt + new tokens per request (default: the model's max_position_embeddings)")
@@ -52,8 +55,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=None, metavar="N",
                    help="prompt tokens prefilled per step at most (default 8192 on a GPU, 2048 on a CPU); larger: "
                         "prompts start sooner, running streams wait longer for their next token while a step prefills")
-    p.add_argument("--prefix-cache-gb", type=float, default=1.0, metavar="GB",
-                   help="memory for prefix-cache snapshots (default 1; 0 turns prefix caching off)")
+    p.add_argument("--prefix-cache-gb", type=_cache_gb, default=1.0, metavar="GB",
+                   help="memory for prefix-cache snapshots, >= 0 (default 1; 0 turns prefix caching off)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="decode without CUDA graphs (default on a CUDA device: each step replays a captured graph; "
                         "the graphs are captured at start-up)")
@@ -65,6 +68,30 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                    help="run the engine on a thread of the server's process (default: a process of its own, so "
                         "the engine's Python work and the server's do not take turns on one interpreter)")
     p.set_defaults(func=run_serve)
+
+
+def _port(text: str) -> int:
+    """argparse type of --port: a TCP port, 0-65535 (0: the OS picks a free one); a bad value is a usage error (exit 2)
+    before the model loads, not uvicorn's OverflowError after."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0-65535 (0: any free port), got {value}")
+    return value
+
+
+def _cache_gb(text: str) -> float:
+    """argparse type of --prefix-cache-gb: a finite size >= 0 (0: no prefix caching); a bad value is a usage error
+    (exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size in GB (a number >= 0), got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (0 turns prefix caching off), got {text}")
+    return value
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -97,6 +124,15 @@ def run_serve(args: argparse.Namespace) -> int:
         from hybridlm.models.hf import model_dir_problem
 
         print(f"hybridlm serve: {model_dir_problem(model_dir)}", file=sys.stderr)
+        return 1
+    # The tokenizer as `generate` finds it: a missing directory, or one without tokenizer files, fails here in a line,
+    # before the model loads, not as retried downloads from the Hub or transformers' guess at a converter.
+    from hybridlm.inference.commands import CommandError, load_tokenizer
+
+    try:
+        load_tokenizer(Path(args.tokenizer) if args.tokenizer is not None else model_dir)
+    except (CommandError, ValueError, OSError) as error:
+        print(f"hybridlm serve: {error}", file=sys.stderr)
         return 1
     settings = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
                     max_prefill_tokens=args.max_prefill_tokens, prefix_cache_bytes=int(args.prefix_cache_gb * 2**30),
