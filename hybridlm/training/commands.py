@@ -245,10 +245,13 @@ def _stopped_at_once(err: KeyboardInterrupt, trainer) -> int:
 
 
 def run_checkpoint_export(args: argparse.Namespace) -> int:
+    import logging
+
     from hybridlm.training.checkpoint import CheckpointError
     from hybridlm.training.config import ConfigError
     from hybridlm.training.export import export_checkpoint
 
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")  # (a missing tokenizer)
     try:
         out = export_checkpoint(args.run, args.out, step=args.step, format=args.format, overwrite=args.overwrite)
     except ConfigError as err:

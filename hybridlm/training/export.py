@@ -5,16 +5,18 @@
     for key, tensor in iter_sharded_tensors(step_dir): ...         # a sharded checkpoint, one tensor at a time
 
 The output loads with `hybridlm.load_model` and transformers' Auto classes (config.json, safetensors shards with
-their index, the run's tokenizer files). A sharded (dcp) checkpoint is consolidated one tensor at a time: DCP's
-metadata gives each tensor's global shape and dtype, a single-tensor `dcp.load` reads its chunks from every rank's
-file, and the tensors go into safetensors shards of at most `shard_bytes`; host memory stays at one shard, so models
-larger than memory export. A full checkpoint's model.safetensors is read tensor by tensor as well. No process group
-is needed.
+their index, the run's tokenizer files: those its final/ gets, for sft / dpo model.init's and the chat template the
+run trained with; a run whose tokenizer is not there is exported with a warning saying so). A sharded (dcp)
+checkpoint is consolidated one tensor at a time: DCP's metadata gives each tensor's global shape and dtype, a
+single-tensor `dcp.load` reads its chunks from every rank's file, and the tensors go into safetensors shards of at
+most `shard_bytes`; host memory stays at one shard, so models larger than memory export. A full checkpoint's
+model.safetensors is read tensor by tensor as well. No process group is needed.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,13 +34,24 @@ from hybridlm.training.checkpoint import (
     list_checkpoints,
     verify_checkpoint,
 )
-from hybridlm.training.config import ConfigError, load_config
-from hybridlm.training.run_dir import CHECKPOINT_DIR, CONFIG_FILE, copy_tokenizer_files, remove_path, run_tokenizer_dir
+from hybridlm.training.config import ConfigError, TrainConfig, load_config
+from hybridlm.training.run_dir import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    copy_tokenizer_files,
+    missing_tokenizer,
+    remove_path,
+    run_tokenizer_dir,
+    run_tokenizer_setting,
+)
 from hybridlm.training.sharded_checkpoint import DCP_DIR, single_process_quiet
+
+log = logging.getLogger(__name__)
 
 EXPORT_FORMATS = ("hybridlm", "falcon_h1")
 SHARD_BYTES = 2 * 1024**3  # largest safetensors file written (transformers' default shard size is 5 GB)
 INDEX_FILE = "model.safetensors.index.json"
+TEMPLATE_FILE = "chat_template.jinja"  # transformers' tokenizer loading prefers it to tokenizer_config.json's template
 
 
 def iter_sharded_tensors(path: str | Path, keys: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -131,7 +144,7 @@ def export_checkpoint(run: str | Path, out: str | Path, *, step: int | None = No
         model.config.save_pretrained(str(tmp))
         model.generation_config.save_pretrained(str(tmp))
     _write_shards(tensors, tmp, shard_bytes)
-    copy_tokenizer_files(run_tokenizer_dir(config, run), tmp)
+    _write_tokenizer(config, run, tmp, out)
     old = out.with_name(out.name + ".old.tmp")
     remove_path(old)
     if os.path.lexists(out):
@@ -139,6 +152,27 @@ def export_checkpoint(run: str | Path, out: str | Path, *, step: int | None = No
     os.replace(tmp, out)
     remove_path(old)
     return out
+
+
+def _write_tokenizer(config: TrainConfig, run: Path, directory: Path, out: Path) -> None:
+    """The run's tokenizer into the export being written in `directory` (`out` once renamed), as the run's final/
+    gets it (`Trainer.export`): the files of `run_tokenizer_dir` (model.init's for sft / dpo, with its chat template)
+    and data.chat_template, the template the run trained with instead, as chat_template.jinja. Read from where the
+    run's config names them now; what is missing there is logged as a warning (the weights are exported anyway)."""
+    tokenizer_dir = run_tokenizer_dir(config, run)
+    copy_tokenizer_files(tokenizer_dir, directory)
+    missing = missing_tokenizer(tokenizer_dir, directory, run_tokenizer_setting(config))
+    if missing:
+        log.warning("%s has no tokenizer: %s", out, missing)
+    template = config.data.chat_template
+    if template is not None:
+        try:
+            text = Path(template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            log.warning("%s lacks the chat template the run trained with: its data.chat_template %s cannot be read "
+                        "(%s); copy that template to %s", out, template, err, out / TEMPLATE_FILE)
+        else:
+            (directory / TEMPLATE_FILE).write_text(text, encoding="utf-8")
 
 
 def _check_out(run: Path, out: Path, overwrite: bool) -> None:

@@ -24,13 +24,16 @@ global stream (keep the global batch the same for exactness).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from hybridlm.training.config import ConfigError
 from hybridlm.training.loop import IGNORE_INDEX
 
 
@@ -317,6 +320,51 @@ class ChatData:
     encoder: Any  # hybridlm.data.chat.ChatEncoder
     records: list  # hybridlm.data.chat.Record
     summary: str  # one line: what was read, cut and skipped
+
+
+def check_chat_inputs(config: Any) -> None:
+    """ConfigError for what an sft / dpo run (train.task) would read and cannot, found without reading the data:
+    data.chat that does not exist, holds no record files or cannot be opened; a first .jsonl record (unless
+    data.skip_bad_records) that is not of the task's format (a file of another kind given as --data); data.chat_template
+    missing or empty; model.init without a tokenizer. The trainer calls it before the run's directory is created:
+    what is wrong with the records further on is a DataError of `build_chat_source`, found while reading them."""
+    from hybridlm.data.chat import RECORD_FORMATS, _raw_records, check_record, read_chat_template
+    from hybridlm.data.corpus import find_files
+    from hybridlm.data.errors import DataError
+
+    data, init = config.data, Path(config.model.init)
+    if not ((init / "tokenizer.json").is_file() or (init / "tokenizer_config.json").is_file()):
+        raise ConfigError(f"model.init: {init} has no tokenizer (tokenizer.json / tokenizer_config.json); copy the "
+                          "tokenizer files of the model's training run into it (a `hybridlm train` run's final/ has "
+                          "them)")
+    try:
+        read_chat_template(data.chat_template)
+    except (DataError, OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"data.chat_template: {err} (--chat-template)") from err
+    if data.demo:
+        return
+    kind = "preference" if config.train.task == "dpo" else "sft"
+    try:
+        files = find_files([data.chat], RECORD_FORMATS)
+        for file in files:
+            with open(file.path, "rb"):
+                pass
+    except (DataError, OSError) as err:
+        raise ConfigError(f"data.chat: {err}; --data takes a .jsonl / .parquet file or a directory of them") from err
+    if data.skip_bad_records or Path(files[0].path).suffix.lower() == ".parquet":  # (read whole: not cheap)
+        return
+    try:
+        with contextlib.closing(_raw_records(Path(files[0].path))) as records:
+            first = next(records, None)
+    except DataError as err:  # not UTF-8
+        raise ConfigError(f"data.chat: {err}") from err
+    if first is not None:
+        where, raw = first
+        try:
+            check_record(raw, kind)
+        except DataError as err:
+            raise ConfigError(f"data.chat: {where}: {err} (the first record: is --data the right file? "
+                              "data.skip_bad_records=true skips bad records)") from err
 
 
 def build_chat_source(config: Any, *, rank: int, world_size: int) -> ChatData:

@@ -7,8 +7,9 @@ What a run writes there:
 - `eval.jsonl`: step, tokens, eval_loss on the held-out data;
 - `checkpoints/step_XXXXXXXX/` (`hybridlm.training.checkpoint`), `loss.png` (`plot_losses`), `samples.txt`;
 - `final/`: the trained model as a `from_pretrained` directory with the tokenizer's own files (`hybridlm generate
-  --model <out_dir>/final --prompt ...`), written through a temporary directory renamed into place (the model's
-  `save_pretrained` prints no progress bar);
+  --model <out_dir>/final --prompt ...`; `run_tokenizer_dir`: model.init's for sft / dpo, with data.chat_template as
+  chat_template.jinja; a run without a tokenizer says so), written through a temporary directory renamed into place
+  (the model's `save_pretrained` prints no progress bar);
 - `.train.lock` (`LOCK_FILE`).
 
 A new run (resume=False) into a directory that holds one (checkpoints, final/, metrics.jsonl, its config.yaml, ...)
@@ -234,17 +235,22 @@ class RunDirectory:
 
     # ------------------------------------------------------------------------------------------ final/
     def export(self, model: Any, state_dict: dict[str, torch.Tensor], tokenizer_dir: Path | None, *,
-               extras: dict[str, Callable[[Path], None]] | None = None) -> Path | None:
+               extras: dict[str, Callable[[Path], None]] | None = None,
+               tokenizer_setting: str = "data.tokenizer") -> Path | None:
         """`final/`: `model.save_pretrained` with the full `state_dict` (safetensors) and the tokenizer's files from
         `tokenizer_dir` beside it; `extras` maps more names in final/ to a function writing that path. Every rank
         calls it; rank 0 writes, through a temporary directory renamed into place (the previous final/ is moved aside
-        first: a crash leaves one of them)."""
+        first: a crash leaves one of them). A final/ left without a tokenizer is said (`say`), naming
+        `tokenizer_setting`, the setting that gave `tokenizer_dir`."""
         final = self.path / FINAL_DIR
         if self.ctx.is_main:
             tmp = self.path / f"{FINAL_DIR}.tmp"
             remove_path(tmp)
             model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             copy_tokenizer_files(tokenizer_dir, tmp)
+            missing = missing_tokenizer(tokenizer_dir, tmp, tokenizer_setting)
+            if missing:
+                self.say(f"{final} has no tokenizer: {missing}")
             for name, write in (extras or {}).items():
                 write(tmp / name)
             old = self.path / f"{FINAL_DIR}.old.tmp"
@@ -258,26 +264,62 @@ class RunDirectory:
         return final if self.ctx.is_main else None
 
 
-def copy_tokenizer_files(tokenizer_dir: Path | None, model_dir: Path) -> None:
+def copy_tokenizer_files(tokenizer_dir: Path | None, model_dir: Path) -> list[str]:
     """The tokenizer's files from `tokenizer_dir` (None: nothing) into a model directory, none that the model wrote:
-    the tokenizer directory may be an earlier run's final/, whose config.json and weights must not replace these."""
+    the tokenizer directory may be an earlier run's final/, whose config.json and weights must not replace these.
+    Returns the names copied (`missing_tokenizer` says what a model directory still lacks)."""
     if tokenizer_dir is None:
-        return
+        return []
     from hybridlm.data.tokenizer import HF_CONFIG_FILE, META_FILE, TOKENIZER_FILE
 
+    copied = []
     for name in (TOKENIZER_FILE, HF_CONFIG_FILE, META_FILE, *TOKENIZER_EXTRA_FILES):
         source = Path(tokenizer_dir) / name
         if source.is_file() and not os.path.lexists(model_dir / name):
             shutil.copy2(source, model_dir / name)
+            copied.append(name)
+    return copied
+
+
+def missing_tokenizer(tokenizer_dir: Path | None, model_dir: Path, setting: str) -> str | None:
+    """Why `model_dir` holds no tokenizer (neither tokenizer.json nor tokenizer_config.json, which transformers and
+    `hybridlm generate` / `chat` load), and what to do, for a message "<model_dir> has no tokenizer: ..."; None when
+    it holds one. `tokenizer_dir` is where its files were to come from, given by the run's `setting`
+    (`run_tokenizer_setting`)."""
+    from hybridlm.data.tokenizer import HF_CONFIG_FILE, TOKENIZER_FILE
+
+    if (model_dir / TOKENIZER_FILE).is_file() or (model_dir / HF_CONFIG_FILE).is_file():
+        return None
+    if tokenizer_dir is None:
+        why = f"the run names no tokenizer ({setting} is not set)"
+    elif not Path(tokenizer_dir).is_dir():
+        why = f"the run's tokenizer directory {tokenizer_dir} ({setting}) does not exist (any more)"
+    else:
+        why = f"the run's tokenizer directory {tokenizer_dir} ({setting}) holds no {TOKENIZER_FILE} / {HF_CONFIG_FILE}"
+    return (f"{why}; copy the tokenizer's files ({TOKENIZER_FILE}, {HF_CONFIG_FILE}, ...) into it before "
+            "`hybridlm generate` / `hybridlm chat` load it")
 
 
 def run_tokenizer_dir(config: TrainConfig, out_dir: Path) -> Path | None:
-    """The tokenizer directory of a run: the demo corpus's (in data.demo_dir, else <out_dir>/demo_data), else
-    data.tokenizer (None when not given)."""
+    """The tokenizer directory of a run, whose files its final/ and its exports get: for sft / dpo, model.init (the
+    model directory they start from: its tokenizer and chat template are the ones they train with); for
+    pretraining, the demo corpus's (in data.demo_dir, else <out_dir>/demo_data), else data.tokenizer (None when not
+    given). `run_tokenizer_setting` names the setting it comes from."""
     c = config.data
+    if config.train.task != "pretrain" and config.model.init is not None:
+        return Path(config.model.init)
     if c.demo:
         return (Path(c.demo_dir) if c.demo_dir else Path(out_dir) / "demo_data") / "tokenizer"
     return Path(c.tokenizer) if c.tokenizer else None
+
+
+def run_tokenizer_setting(config: TrainConfig) -> str:
+    """The setting `run_tokenizer_dir` reads, for messages."""
+    if config.train.task != "pretrain" and config.model.init is not None:
+        return "model.init"
+    if config.data.demo:
+        return "data.demo_dir (the demo corpus's tokenizer)"
+    return "data.tokenizer"
 
 
 def same_file(a: Path, b: Path) -> bool:

@@ -25,12 +25,19 @@ What it plugs into the loop (update s, 0-based; t = tokens consumed before it):
 Before every update the ranks agree whether to stop (SIGINT / SIGTERM / `request_stop`); after it the Trainer
 logs, evaluates, saves and calls its callbacks.
 
+Configuration errors (`ConfigError`, the CLI's exit status 2) come before training and before anything of a previous
+run is deleted; those that need no data (the run's length and schedule, the files sft / dpo read, --resume's
+train.steps against the newest checkpoint) before the output directory is created or locked and before any note is
+printed. Once the data is open, an update's global batch larger than one pass over the training data is one too
+(`_check_batch_fits_data`): it would repeat data in every update, and a batch that large tends to exhaust memory.
+
 Parallelism (`parallel` section, under torchrun): `hybridlm.parallel.parallelize` in one place (TP or mixer
 parallelism, compile, activation checkpointing, FSDP2); after a forward under no_grad (evaluation, samples)
 FSDP2's root is resharded before the next step.
 
 After the last update: a checkpoint, the held-out loss, `samples.txt` (`hybridlm.inference.generate` continuing the
-first tokens of held-out documents), `final/` (the trained model and the tokenizer's files) and `loss.png`.
+first tokens of held-out documents; where none is longer than the prompt, or the run has no tokenizer, a line says
+why there are none), `final/` (the trained model and the tokenizer's files) and `loss.png`.
 
 Resuming (`resume=True`): the newest complete checkpoint in `<out_dir>/checkpoints` is verified and
 loaded (model, AdamW state, RNG streams, step, tokens, data-loader position, guard counters); the
@@ -103,6 +110,7 @@ from hybridlm.training.run_dir import (
     METRICS_FILE,
     RunDirectory,
     run_tokenizer_dir,
+    run_tokenizer_setting,
     same_file,
 )
 from hybridlm.training.schedules import schedule_factors
@@ -236,32 +244,47 @@ class Trainer:
         # the updates since the last metrics record: saved with checkpoints, so a resumed run logs the same records
         self._interval: list[dict] = []
         try:
+            self._check_before_start(config, resume)
             self.run_dir.prepare(resume=resume, overwrite=overwrite, needed=self._needed_files())
             self._build(config, resume, overwrite)
         except BaseException:
             self.run_dir.release()
             raise
 
-    def _build(self, config: TrainConfig, resume: bool, overwrite: bool) -> None:
-        """Everything after the output directory's checks: data, model, optimizer, resume; then (every check
-        passed) --overwrite's removal of the previous run and the first write, config.yaml."""
-        self._seed(config.train.seed)
-
+    def _check_before_start(self, config: TrainConfig, resume: bool) -> None:
+        """The checks that need neither the output directory nor the data's contents, made before the directory is
+        created or locked and before any note is printed, so that their ConfigError (exit status 2) leaves no trace:
+        the run's length and schedule at this number of data-parallel ranks, the files sft / dpo read
+        (`posttraining.check_chat_inputs`) and, with --resume, train.steps against the newest complete checkpoint."""
         # sizes and schedule: batch sizes count rows per data-parallel rank
         dp = self.ctx.dp_size
-        self.hybrid = build_model_config(config)
         self.total_steps, self.total_tokens = plan_steps(config, dp)
         # ConfigError (the CLI's one-line config error) if the decay does not fit the run at dp; notes for a shortened
-        # warmup or a rampup the run outlasts
-        self.schedule, self.schedule_total, note = schedule_config(config, dp)
-        if note:
-            self._print(note)
+        # warmup or a rampup the run outlasts, printed once every check has passed (`_build`)
+        self.schedule, self.schedule_total, self._schedule_note = schedule_config(config, dp)
+        if config.train.task != "pretrain":
+            from hybridlm.training.posttraining import check_chat_inputs
+
+            check_chat_inputs(config)
+        if resume:
+            latest = latest_checkpoint(self.checkpoint_dir)
+            if latest is not None:  # (step_XXXXXXXX; `_resume` checks the loaded step again)
+                self._check_resume_length(int(latest.name.split("_", 1)[1]))
+
+    def _build(self, config: TrainConfig, resume: bool, overwrite: bool) -> None:
+        """Everything after the output directory's checks: data, model, optimizer, resume; then (every check
+        passed) the schedule's note, --overwrite's removal of the previous run and the first write, config.yaml."""
+        self._seed(config.train.seed)
+
+        dp = self.ctx.dp_size
+        self.hybrid = build_model_config(config)
         b = config.batch
         self.rows_per_micro = b.micro_batch * dp  # global rows drawn per micro-step
         self.tokens_per_update = self.rows_per_micro * b.grad_accum * b.seq_len  # without rampup
 
         # data, model, optimizer
         self.data = self._build_data()
+        self._check_batch_fits_data()
         if self.data.vocab_size > self.hybrid.vocab_size and config.model.init is not None:
             raise ConfigError(f"model.init: its tokenizer has {self.data.vocab_size} ids but the model's vocabulary is "
                               f"{self.hybrid.vocab_size}; the directory's tokenizer is not the model's")
@@ -320,6 +343,8 @@ class Trainer:
         self.already_complete = False
         if resume:
             self._resume()
+        if self._schedule_note and not self.already_complete:
+            self._print(self._schedule_note)
         if overwrite:  # only now, every check passed: a bad setting leaves the previous run as it was
             self.run_dir.remove_previous_run()
         if not self.already_complete:
@@ -406,13 +431,45 @@ class Trainer:
         vocab = max(int(load_manifest(s.path)["vocab_size"]) for s in sources)
         return _Data(loader, eval_sources, tokenizer_dir, vocab)
 
+    def _check_batch_fits_data(self) -> None:
+        """ConfigError when one update's global batch (batch.micro_batch x batch.grad_accum x the data-parallel ranks,
+        at the rampup's target: its largest) needs more than one pass over the training data holds: every update
+        would repeat data, and a batch that large tends to exhaust memory before the first update. Pretraining
+        counts tokens (the sources with a positive weight, a max_epochs below 1 counting that share of its source),
+        sft the rows an epoch packs, dpo the pairs. Data that runs out later in the run (every source at its
+        max_epochs) stops it with the loop's "the training data ran out" (exit status 1)."""
+        c, b = self.config, self.config.batch
+        task = c.train.task
+        dp = self.ctx.dp_size
+        how = (f"batch.micro_batch {b.micro_batch} x batch.grad_accum {b.grad_accum} x {dp} data-parallel "
+               f"rank{'s' if dp > 1 else ''}")
+        per_update = self.rows_per_micro * b.grad_accum
+        if task == "pretrain":
+            need, unit, how = per_update * b.seq_len, "tokens", how + f" x batch.seq_len {b.seq_len}"
+            have = int(sum(d.num_tokens * (1.0 if s.max_epochs is None else min(1.0, s.max_epochs))
+                           for s, d in zip(self.data.loader.sources, self.data.loader.datasets) if s.weight > 0))
+            source = ("the demo corpus's training files; data.demo_max_bytes sets its size" if c.data.demo
+                      else "data.sources")
+        elif task == "sft":
+            need, unit, have = per_update, f"rows of batch.seq_len {b.seq_len}", len(self.data.loader.epoch_rows(0))
+            source = f"{len(self.data.loader.samples):,} samples packed"
+        else:
+            need, unit, have = per_update, "preference pairs", len(self.data.loader.pairs)
+            source = "data.chat" if c.data.chat else "the demo pairs"
+        if need > have:
+            raise ConfigError(
+                f"batch: an update takes {need:,} {unit} ({how}), more than the training data holds: {have:,} "
+                f"({source}); every update would repeat data (and a batch that large can exhaust memory). Lower "
+                "batch.micro_batch / batch.grad_accum, or train on more data"
+            )
+
     def _build_chat_data(self) -> _Data:
         """sft / dpo: the records tokenized with model.init's tokenizer and chat template, packed (`posttraining`)."""
         from hybridlm.training.posttraining import build_chat_source
 
         chat = build_chat_source(self.config, rank=self.ctx.dp_rank, world_size=self.ctx.dp_size)
         self._print(f"{self.config.train.task} data: {chat.summary}")
-        return _Data(chat.source, [], Path(self.config.model.init), len(chat.encoder.tokenizer), chat)
+        return _Data(chat.source, [], run_tokenizer_dir(self.config, self.out_dir), len(chat.encoder.tokenizer), chat)
 
     def _new_model(self) -> torch.nn.Module:
         """A fresh model of the config's preset, or model.init's trained one (in float32: the master weights)."""
@@ -758,7 +815,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ samples
     def _write_samples(self) -> list[str]:
         c = self.config.train
-        if c.samples == 0 or self.data.tokenizer_dir is None:
+        if c.samples == 0:
+            return []
+        if self.data.tokenizer_dir is None:
+            self._print(f"no samples (train.samples={c.samples}): the run has no tokenizer to decode them; set "
+                        "data.tokenizer to the one the data was prepared with")
             return []
         if self.data.chat is not None:
             return self._write_chat_samples()
@@ -773,13 +834,18 @@ class Trainer:
         dataset = TokenDataset(source.path, verify="size")
         prompt_len = 32
         prompts = []
-        for i in range(min(dataset.num_docs, 100 * c.samples)):
+        scanned = min(dataset.num_docs, 100 * c.samples)
+        for i in range(scanned):
             doc = dataset.doc(i)
             if len(doc) > prompt_len:
                 prompts.append(doc[:prompt_len].tolist())
             if len(prompts) == c.samples:
                 break
         if not prompts:
+            which = "held-out" if self.data.eval_sources else "training"
+            self._print(f"no samples (train.samples={c.samples}): a sample continues the first {prompt_len} tokens "
+                        f"of a {which} document, and the first {scanned:,} documents of {source.name} ({source.path}) "
+                        f"are all {prompt_len} tokens or shorter")
             return []
         from hybridlm.inference import generate
 
@@ -956,8 +1022,10 @@ class Trainer:
                 model.save_pretrained(str(adapter))
                 extras["adapter"] = lambda path: Path(adapter).replace(path)
             model = model.merge_and_unload()
-            return self.run_dir.export(model, model.state_dict(), self.data.tokenizer_dir, extras=extras)
-        return self.run_dir.export(model, full_model_state_dict(self.model), self.data.tokenizer_dir, extras=extras)
+            return self.run_dir.export(model, model.state_dict(), self.data.tokenizer_dir, extras=extras,
+                                       tokenizer_setting=run_tokenizer_setting(self.config))
+        return self.run_dir.export(model, full_model_state_dict(self.model), self.data.tokenizer_dir, extras=extras,
+                                   tokenizer_setting=run_tokenizer_setting(self.config))
 
     def _log_interval(self, interval: list[dict]) -> float | None:
         seconds = sum(r["seconds"] for r in interval)

@@ -4,6 +4,7 @@ answers what it was fine-tuned on, DPO moving the preference margin, LoRA output
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -271,3 +272,62 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(monkeypatch, capsys):
     assert chat.run_chat(argparse.Namespace(prompt=None)) == 130
     session.calls = 0
     assert chat.run_chat(argparse.Namespace(prompt="hi")) == 130
+
+
+@pytest.mark.parametrize("task", ["sft", "dpo"])
+def test_data_that_cannot_be_read_is_a_config_error_before_anything_is_created(model_dir, tmp_path, capsys, task):
+    """A missing --data path, a directory without record files, a first record of another format and a missing
+    --chat-template: exit status 2 with the setting named, before any note is printed or the output directory (or
+    its lock) is created."""
+    text = _write(tmp_path / "pretraining.jsonl", [{"text": "plain text, no messages"}])
+    empty = tmp_path / "no_records"
+    empty.mkdir()
+    cases = [(["--data", str(tmp_path / "nope.jsonl")], "data.chat: input .*nope.jsonl' does not exist"),
+             (["--data", str(empty)], "data.chat: directory .*no_records' holds no .jsonl, .parquet files"),
+             (["--data", str(text)], r"data.chat: .*pretraining.jsonl:1: a record without .*is --data the right file"),
+             (["--chat-template", str(tmp_path / "nope.jinja")], "data.chat_template: chat template .*nope.jinja: "
+                                                                 "no such file")]
+    out = tmp_path / "run"
+    for args, message in cases:
+        assert main([task, "--model", str(model_dir), *args, "--out", str(out), "--set", "train.steps=5"]) == 2
+        captured = capsys.readouterr()
+        assert re.match(f"config error: {message}", captured.err), captured.err
+        assert captured.err.count("\n") == 1 and captured.out == ""  # (train.steps=5 shortens the warmup: no note)
+        assert not out.exists()
+
+
+def test_a_batch_larger_than_the_data_is_a_config_error(model_dir, tmp_path, capsys):
+    """An update that would take more rows (sft) or pairs (dpo) than the data holds is refused before training."""
+    pairs = _write(tmp_path / "prefs.jsonl", demo_preferences(16))
+    with pytest.raises(ConfigError, match=r"batch: an update takes 32 preference pairs \(batch.micro_batch 16 x "
+                                          r"batch.grad_accum 2 x 1 data-parallel rank\), more than the training data "
+                                          r"holds: 16 \(data.chat\)"):
+        Trainer(_config(model_dir, tmp_path / "dpo", "dpo", f"data.chat={pairs}", "data.demo=false",
+                        "batch.micro_batch=16", "batch.grad_accum=2"))
+    with pytest.raises(ConfigError, match=r"batch: an update takes 100,000 rows of batch.seq_len 128 .*more than the "
+                                          r"training data holds: \d+ \(512 samples packed\)"):
+        Trainer(_config(model_dir, tmp_path / "sft", "sft", "batch.micro_batch=100000"))
+    Trainer(_config(model_dir, tmp_path / "fits", "dpo", f"data.chat={pairs}", "data.demo=false",
+                    "batch.micro_batch=16")).close()  # all 16 pairs in one update: fine
+
+
+def test_export_of_a_fine_tuning_run_has_its_tokenizer_and_chat_template(model_dir, tmp_path, caplog):
+    """`hybridlm checkpoint export` of an sft run: the exported directory holds the tokenizer of model.init and the
+    chat template the run trained with (data.chat_template), as the run's final/ does, so `hybridlm chat` loads it."""
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end_of_turn|>{% endfor %}"
+                        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    run, out = tmp_path / "sft", tmp_path / "exported"
+    trainer = Trainer(_config(model_dir, run, "sft", "train.steps=2", f"data.chat_template={template}"))
+    trainer.train()
+    trainer.close()
+    assert main(["checkpoint", "export", "--run", str(run), "--out", str(out)]) == 0
+    assert "has no tokenizer" not in caplog.text
+    tokenizer_files = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
+    assert tokenizer_files <= {p.name for p in out.iterdir()}
+    for name in tokenizer_files:
+        assert (out / name).read_bytes() == (run / "final" / name).read_bytes(), name
+    encoder = ChatEncoder.from_model_dir(out)
+    assert encoder.chat_template == template.read_text()
+    assert len(encoder.tokenizer) == len(ChatEncoder.from_model_dir(model_dir).tokenizer)
+    assert main(["chat", "--model", str(out), "--prompt", "Hello!", "--max-new-tokens", "2", "--device", "cpu"]) == 0

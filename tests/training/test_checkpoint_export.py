@@ -57,3 +57,22 @@ def test_an_existing_out_needs_overwrite_and_must_be_a_model_directory(run, tmp_
     assert main(["checkpoint", "export", "--run", str(run), "--out", str(notes), "--overwrite"]) == 2
     assert "is not a model directory" in capsys.readouterr().err
     assert (notes / "precious.txt").read_text() == "keep" and a_file.read_text() == "keep"
+
+
+def test_an_export_without_a_tokenizer_says_so(demo_dir, tmp_path, caplog, capsys):
+    """A run on prepared shards without data.tokenizer has no tokenizer to copy: its final/ and its export are
+    written, each with a message saying that the tokenizer is missing and what to do (not silently without one)."""
+    from hybridlm.training.trainer import Trainer
+    from tests.training.toys import small_config
+
+    run, out = tmp_path / "run", tmp_path / "model"
+    sources = f"data.sources=[{{name: d, path: {demo_dir / 'train'}}}]"
+    trainer = Trainer(small_config(demo_dir, run, "data.demo=false", sources, "train.steps=1"))
+    trainer.train()
+    trainer.close()
+    assert f"{run / 'final'} has no tokenizer: the run names no tokenizer (data.tokenizer is not set)" in \
+        capsys.readouterr().out
+    assert main(["checkpoint", "export", "--run", str(run), "--out", str(out)]) == 0
+    assert f"{out} has no tokenizer: the run names no tokenizer (data.tokenizer is not set); copy the tokenizer's " \
+           "files" in caplog.text
+    assert (out / "model.safetensors").is_file() and not (out / "tokenizer.json").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import pytest
 import torch
@@ -767,3 +768,66 @@ def test_recompute_mixers_reaches_the_model(demo_dir, tmp_path, setting, recompu
 def test_recompute_mixers_refuses_an_unknown_setting(demo_dir, tmp_path):
     with pytest.raises(ConfigError, match="parallel.recompute_mixers: must be one of fast_weight, all, none"):
         Trainer(small_config(demo_dir, tmp_path, "parallel.recompute_mixers=mamba"))
+
+
+def test_resume_with_fewer_steps_is_refused_before_any_note_or_data_preparation(demo_dir, tmp_path, capsys):
+    """The config error comes first: no "warmup shortened" note (2 steps shorten it) and no demo corpus preparation
+    before it."""
+    from hybridlm.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), *cli_sets(demo_dir, "train.steps=4")]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", "--out", str(out), "--set", "train.steps=2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("config error: train.steps: 2 is below the checkpoint's step 4"), captured.err
+    assert captured.out == ""
+
+
+def _short_documents(demo_dir, directory, count: int = 8):
+    """A prepared dataset (the demo's byte tokenizer) of `count` documents of 12 tokens each ("value = 000" + eos)."""
+    from hybridlm.data.shards import prepare
+
+    texts = directory.with_suffix(".jsonl")
+    texts.write_text("".join(json.dumps({"text": f"value = {i:03d}"}) + "\n" for i in range(count)))
+    prepare([texts], demo_dir / "tokenizer", directory, workers=1, progress=False)
+    return directory
+
+
+@pytest.mark.parametrize("batch, fits", [(["batch.micro_batch=8"], False), (["batch.grad_accum=4"], False),
+                                         (["batch.grad_accum=2"], True)],
+                         ids=["micro-batch", "global-batch", "fits"])
+def test_a_batch_larger_than_the_training_data_is_a_config_error(demo_dir, tmp_path, capsys, batch, fits):
+    """A micro-batch, or one update's global batch, of more tokens than the training data holds (12 documents of 12
+    tokens: 144) is a config error before training, not a run that repeats the data in every update (or exhausts
+    memory doing so). Rows of 32 tokens: 2 x 2 x 32 = 128 fit."""
+    from hybridlm.cli import main
+
+    data = _short_documents(demo_dir, tmp_path / "short", count=12)
+    out = tmp_path / "run"
+    sets = cli_sets(demo_dir, "data.demo=false", f"data.sources=[{{name: short, path: {data}}}]", "train.steps=2",
+                    *batch)
+    assert main(["train", "--out", str(out), *sets]) == (0 if fits else 2)
+    captured = capsys.readouterr()
+    if fits:
+        return
+    assert re.match(r"config error: batch: an update takes 256 tokens \(batch.micro_batch \d x batch.grad_accum \d x 1 "
+                    r"data-parallel rank x batch.seq_len 32\), more than the training data holds: 144 "
+                    r"\(data.sources\); every update would repeat data", captured.err), captured.err
+    assert not any(line.startswith("training ") for line in captured.out.splitlines()), captured.out
+    assert not (out / "checkpoints").exists()
+
+
+def test_no_samples_says_why(demo_dir, tmp_path, capsys):
+    """train.samples > 0 and held-out documents too short to give a prompt: a line saying so, no samples.txt."""
+    short = _short_documents(demo_dir, tmp_path / "short")
+    out = tmp_path / "run"
+    trainer = Trainer(small_config(
+        demo_dir, out, "data.demo=false", f"data.sources=[{{name: d, path: {demo_dir / 'train'}}}]",
+        f"data.eval_sources=[{{name: short, path: {short}}}]", f"data.tokenizer={demo_dir / 'tokenizer'}",
+        "train.steps=1", "train.samples=3", "train.sample_tokens=4"))
+    result = trainer.train()
+    trainer.close()
+    assert result.samples == [] and not (out / "samples.txt").exists()
+    assert (f"no samples (train.samples=3): a sample continues the first 32 tokens of a held-out document, and the "
+            f"first 8 documents of short ({short}) are all 32 tokens or shorter") in capsys.readouterr().out
