@@ -128,7 +128,6 @@ class HybridBlock(nn.Module):
         self.fused_input: FusedLinear | None = None
         self.fused_mlp: FusedLinear | None = None
         self.concurrent_mixers = False  # the module docstring; `prepare_for_generation` sets it on CUDA
-        self.split_concurrent_input = True
 
     def forward(
         self,
@@ -174,14 +173,11 @@ class HybridBlock(nn.Module):
                 pending = (*pending, self._attn(a, mix, rotary, fuses, {}))
             return self._mlp_after(h, pending, fuses)
         shared = self.fused_input is not None and "ssm.in_proj" in self.fused_input.names
+        parts = self._project(self.fused_input, n, fuses) if shared else {}  # both mixers' projections of N(x)
         pending = ()
         if self._side_by_side(n, mix):
-            # Attention's q, k, v in one GEMM on the caller's stream, the SSM's in_proj on the side stream.
-            split = shared and self.split_concurrent_input
-            parts = self._project(self.fused_input, n, fuses, skip_first=split) if shared else {}
             pending = self._mixers_side_by_side(n, mix, rotary, fuses, parts)
         else:
-            parts = self._project(self.fused_input, n, fuses) if shared else {}  # both mixers' projections of N(x)
             if self.ssm is not None:
                 pending = (self._ssm(n, mix, seq_idx, parts),)
             if self.attn is not None:
@@ -236,8 +232,7 @@ class HybridBlock(nn.Module):
         return (mix["cache"] is not None and mix["cu_seqlens"] is None and not torch.is_grad_enabled()
                 and (self.fused_input is not None or self.fused_mlp is not None))
 
-    def _project(self, fused: FusedLinear | None, x: torch.Tensor, fuses: bool,
-                 skip_first: bool = False) -> dict[str, torch.Tensor]:
+    def _project(self, fused: FusedLinear | None, x: torch.Tensor, fuses: bool) -> dict[str, torch.Tensor]:
         """The parts of `fused` this block still holds (`FusedLinear.reads`) applied to x in one GEMM, by their paths
         ("attn.q_proj", ...); {} where the call does not fuse, or where the SSM's and attention's projections would
         read N(x) scaled by input multipliers that are not 1 (`fold_multipliers` makes them 1)."""
@@ -245,8 +240,8 @@ class HybridBlock(nn.Module):
             return {}
         if "ssm.in_proj" in fused.names and (self.ssm_in_multiplier, self.attn_in_multiplier) != (1.0, 1.0):
             return {}
-        return fused(x, {name: functools.reduce(getattr, path, self) for name, path in zip(fused.names, fused.paths)},
-                     skip_first=skip_first) or {}
+        return fused(x, {name: functools.reduce(getattr, path, self) for name, path in zip(fused.names, fused.paths)}
+                     ) or {}
 
     def _mlp(self, x: torch.Tensor, fuses: bool) -> torch.Tensor:
         parts = self._project(self.fused_mlp, x, fuses)

@@ -87,21 +87,15 @@ class FusedLinear(nn.Module):
                 return False
         return True
 
-    def forward(self, x: torch.Tensor, parts: dict[str, nn.Module], *,
-                skip_first: bool = False) -> dict[str, torch.Tensor] | None:
+    def forward(self, x: torch.Tensor, parts: dict[str, nn.Module]) -> dict[str, torch.Tensor] | None:
         """x [..., in] -> {name: [..., out of that part]} (views of one GEMM's output), or None where `parts` are no
-        longer this fusion's (`reads`). `skip_first`: all parts but the first, in one GEMM over the rows after it (a
-        view of the fused weight: its caller runs the first part's projection itself, elsewhere)."""
+        longer this fusion's (`reads`)."""
         if not self.reads(parts):
             warnings.warn("fused projections no longer hold the model's weights (moved or cast after fusing, or "
                           "replaced): they run apart; fuse again after .to() to fuse them", stacklevel=2)
             return None
-        weight, bias, names, widths = self.weight, self.bias, self.names, self.widths
-        if skip_first:
-            start = widths[0]
-            weight, bias, names, widths = weight[start:], None if bias is None else bias[start:], names[1:], widths[1:]
-        if pads(weight.shape[0], weight.shape[1], weight, x):  # `AlignedLinear`'s reason, many rows
-            out = padded_linear(x, weight, bias)
+        if pads(self.weight.shape[0], self.weight.shape[1], self.weight, x):  # `AlignedLinear`'s reason, many rows
+            out = padded_linear(x, self.weight, self.bias)
         else:
-            out = F.linear(x, weight, bias)
-        return dict(zip(names, out.split_with_sizes(widths, dim=-1)))
+            out = F.linear(x, self.weight, self.bias)
+        return dict(zip(self.names, out.split_with_sizes(self.widths, dim=-1)))

@@ -437,9 +437,6 @@ def test_cuda_graph_of_fused_projections_equals_the_projections_apart(mixer, dty
     assert decoder.graph is not None
 
 
-ATTENTION_INPUT = ["attn.q_proj", "attn.k_proj", "attn.v_proj"]
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (streams, graph capture)")
 @pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1A", "fast_weight-3A-same_step-read_before",
                                    "fast_weight-1"])
@@ -449,13 +446,10 @@ def test_cuda_concurrent_mixers_decode_bit_for_bit_as_one_stream(mixer, arrangem
     """On a GPU, a parallel block's SSM half on a side stream beside attention (`concurrent_mixers`): the static
     decoding steps' logits and states equal one stream's bit for bit, run eagerly and replayed from a CUDA graph (bf16
     weights, the projections fused), every block of the captured step taking the side stream; the prefill, the eager
-    steps over the growing cache and the static steps run without a graph stay on one stream. The captured blocks
-    run q, k, v in one GEMM and the SSM's in_proj in its own on the side stream, so the one-stream model's graph is
-    fused that way."""
+    steps over the growing cache and the static steps run without a graph stay on one stream."""
     from hybridlm.inference import GraphedDecoder
     from hybridlm.layers import block as block_module
     from hybridlm.models.fuse import prepare_for_generation, set_concurrent_mixers
-    from hybridlm.modules import FusedLinear
 
     _, batch, mask = padded_batch(seed=12)
     batch, mask = batch.cuda(), mask.cuda()
@@ -476,9 +470,6 @@ def test_cuda_concurrent_mixers_decode_bit_for_bit_as_one_stream(mixer, arrangem
             logits = [model(token[:, None], cache=cache, logits_to_keep=1).logits[:, -1]
                       for model, cache in zip(models, caches)]
             assert torch.equal(logits[0], logits[1]) and not taken  # the prefill, an eager step: one stream
-            if graph:  # the captured step's GEMMs one stream: q, k, v joined, the SSM's in_proj apart
-                for block in models[0].model.layers:
-                    block.fused_input = FusedLinear({path: block.get_submodule(path) for path in ATTENTION_INPUT})
             decoders = [GraphedDecoder(m, c, capacity=c.seq_len + 8, batch_size=batch.shape[0], use_graph=graph)
                         for m, c in zip(models, caches)]
             for _ in range(8):

@@ -222,22 +222,6 @@ def test_side_stream_is_joined_whatever_a_mixer_raises(monkeypatch):
     assert waits == [("side", "main"), ("main", "side")]
 
 
-def test_fused_parts_after_the_first_in_one_gemm():
-    """`skip_first`: the parts after the first from one GEMM over the fused weight's rows after the first part's (the
-    side-by-side decoding step's q, k, v, while the SSM runs its in_proj itself): each equals its projection alone."""
-    torch.manual_seed(0)
-    linears = {"a": nn.Linear(6, 5, bias=False, dtype=torch.float64), "b": nn.Linear(6, 3, dtype=torch.float64),
-               "c": nn.Linear(6, 4, bias=False, dtype=torch.float64)}
-    fused = FusedLinear(linears)
-    x = torch.randn(2, 1, 6, dtype=torch.float64)
-    with Gemms() as gemms:
-        parts = fused(x, linears, skip_first=True)
-    assert gemms.count == 1 and list(parts) == ["b", "c"]
-    for name, out in parts.items():
-        assert rel_err(out, linears[name](x)) < 1e-12, name
-    assert set(fused(x, linears)) == {"a", "b", "c"}
-
-
 def test_refusals():
     with pytest.raises(ValueError, match="HybridForCausalLM or HybridModel"):
         fuse_projections(nn.Linear(2, 2))
@@ -317,7 +301,7 @@ def test_serving_engine_steps_with_fused_projections_equal_each_request_alone(mo
     fold_multipliers(model)
     fuse_projections(model)
     calls, forward = [], FusedLinear.forward
-    monkeypatch.setattr(FusedLinear, "forward", lambda self, *args, **kw: calls.append(1) or forward(self, *args, **kw))
+    monkeypatch.setattr(FusedLinear, "forward", lambda self, *args: calls.append(1) or forward(self, *args))
     engine = Engine(model, max_num_seqs=3, max_model_len=32, block_size=4, max_prefill_tokens=8, decode_step="fixed")
     engine.step_graphs = SlotStepGraphs(model, engine.slots, use_graph=False, min_span=4)
     final = {}
