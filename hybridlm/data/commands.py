@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 
+from hybridlm.argtypes import positive_int
 from hybridlm.data.errors import DataError, OutputExistsError
 
 
@@ -39,7 +40,7 @@ def add_commands(subparsers) -> None:
     _add_text_options(p)
     p.add_argument("--min-frequency", type=int, default=2, metavar="K",
                    help="merge only pairs seen at least K times (default 2)")
-    p.add_argument("--max-bytes", type=_positive_int, default=None, metavar="B",
+    p.add_argument("--max-bytes", type=positive_int, default=None, metavar="B",
                    help="train on at most about B bytes of text, B >= 1 (default: all)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a tokenizer already in --out (data prepared with it will no longer match)")
@@ -67,10 +68,10 @@ def add_commands(subparsers) -> None:
                    help="files or directories (searched recursively) of .txt, .jsonl and .parquet")
     p.add_argument("--tokenizer", required=True, metavar="DIR", help="a directory written by `tokenizer train`")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory for shards and manifest.json")
-    p.add_argument("--workers", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--workers", type=positive_int, default=None, metavar="N",
                    help="tokenizer processes (default: number of CPUs; 1 = in this process)")
     _add_text_options(p)
-    p.add_argument("--shard-tokens", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--shard-tokens", type=positive_int, default=None, metavar="N",
                    help="tokens per shard; every shard but the last has exactly N (default 100,000,000)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a dataset in --out that was prepared from other inputs or settings")
@@ -83,23 +84,12 @@ def add_commands(subparsers) -> None:
     p.set_defaults(func=_data_verify)
 
 
-def _positive_int(text: str) -> int:
-    """argparse type of a count >= 1: a bad value is a usage error (exit 2) before any work starts."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _vocab_size(text: str) -> int:
     """argparse type of `tokenizer train --vocab-size`: a size too small for the fixed tokens and the bytes is a usage
     error (exit 2), found before the input is read."""
     from hybridlm.data.tokenizer import check_vocab_size  # loads `tokenizers`: only when the command is parsed
 
-    value = _positive_int(text)
+    value = positive_int(text)
     try:
         check_vocab_size(value)
     except DataError as err:

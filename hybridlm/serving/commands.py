@@ -26,6 +26,7 @@ import argparse
 import math
 import sys
 
+from hybridlm.argtypes import at_least, positive_int
 from hybridlm.models.commands import add_generation_flags
 
 
@@ -40,19 +41,20 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_port, default=8000,
                    help="port, 0-65535 (default 8000; 0: any free port, which the start-up log names)")
-    p.add_argument("--max-num-seqs", type=int, default=16, metavar="N", help="requests decoded at once (default 16)")
-    p.add_argument("--max-model-len", type=int, default=None, metavar="L",
+    p.add_argument("--max-num-seqs", type=positive_int, default=16, metavar="N",
+                   help="requests decoded at once (default 16)")
+    p.add_argument("--max-model-len", type=at_least(2), default=None, metavar="L",
                    help="prompt + new tokens per request (default: the model's max_position_embeddings)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="parameter dtype (default float32)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
-    p.add_argument("--threads", type=int, metavar="N",
+    p.add_argument("--threads", type=positive_int, metavar="N",
                    help="CPU threads of the model's ops (default: torch's, one per core); 1 on a CPU shared with other "
                         "jobs, where a batched step waits for every descheduled thread")
     p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/ routes")
-    p.add_argument("--block-size", type=int, default=256, metavar="N",
+    p.add_argument("--block-size", type=positive_int, default=256, metavar="N",
                    help="prefill piece and prefix-cache checkpoint interval in tokens (default 256)")
-    p.add_argument("--max-prefill-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--max-prefill-tokens", type=positive_int, default=None, metavar="N",
                    help="prompt tokens prefilled per step at most (default 8192 on a GPU, 2048 on a CPU); larger: "
                         "prompts start sooner, running streams wait longer for their next token while a step prefills")
     p.add_argument("--prefix-cache-gb", type=_cache_gb, default=1.0, metavar="GB",
@@ -115,9 +117,6 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.compile and args.enforce_eager:
         print("hybridlm serve: --compile compiles the graphed step; it cannot go with --enforce-eager", file=sys.stderr)
-        return 2
-    if args.threads is not None and args.threads < 1:
-        print(f"hybridlm serve: --threads must be >= 1, got {args.threads}", file=sys.stderr)
         return 2
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():

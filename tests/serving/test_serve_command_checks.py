@@ -73,6 +73,18 @@ def test_serve_prefix_cache_gb_must_be_a_size_of_0_or_more(size, tmp_path, capsy
     assert "--prefix-cache-gb" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("option,value,minimum", [("--threads", "0", 1), ("--max-num-seqs", "0", 1),
+                                                  ("--block-size", "-4", 1), ("--max-prefill-tokens", "0", 1),
+                                                  ("--max-model-len", "1", 2), ("--max-num-seqs", "many", 1)])
+def test_serve_counts_below_their_minimum_are_usage_errors(option, value, minimum, tmp_path, capsys):
+    """Checked while the command line is parsed (exit 2), not by the engine after the model has loaded."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--model", str(tmp_path), option, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert option in err and f">= {minimum}" in err, err
+
+
 def test_serve_takes_port_0_and_prefix_cache_0():
     args = build_parser().parse_args(["serve", "--model", "m", "--port", "0", "--prefix-cache-gb", "0"])
     assert (args.port, args.prefix_cache_gb) == (0, 0.0)

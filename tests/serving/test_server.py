@@ -223,7 +223,6 @@ def test_serve_refuses_conflicting_flags_before_loading(tmp_path, capsys):
     from hybridlm.cli import main
 
     assert main(["serve", "--model", str(tmp_path), "--compile", "--enforce-eager"]) == 2
-    assert main(["serve", "--model", str(tmp_path), "--threads", "0"]) == 2
     assert "cannot go with --enforce-eager" in capsys.readouterr().err
 
 
