@@ -49,7 +49,9 @@ Calls without a gradient run fewer, larger kernels with the same values:
 - `concurrent_mixers` (set by `hybridlm.models.fuse.prepare_for_generation` on CUDA): in a decoding step (one token
   per row) of a parallel block being captured into a CUDA graph (over a cache of fixed addresses,
   `cache.states_in_place`: `GraphedDecoder`'s and the serving engine's steps), the SSM half is recorded on a second
-  CUDA stream while attention is recorded on the caller's. The two halves read the same N(x) and neither reads the
+  CUDA stream while attention is recorded on the caller's; the eager warm-up step before the capture
+  (`capturing_soon`) takes the side stream too, so that the libraries' lazy set-up for it (cuBLAS's workspace per
+  stream) happens outside the capture. The two halves read the same N(x) and neither reads the
   other, so the replayed graph keeps two branches the GPU may run at once; a step at a small batch is a chain of
   kernels each too small to fill the GPU. The same kernels on the same inputs, their outputs added in the same order:
   the same values. Steps run eagerly (over the growing cache, or the static step without a graph) stay on one
@@ -59,6 +61,8 @@ Calls without a gradient run fewer, larger kernels with the same values:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import threading
 
@@ -196,7 +200,7 @@ class HybridBlock(nn.Module):
         return (self.concurrent_mixers and self.ssm is not None and self.attn is not None and n.is_cuda
                 and n.shape[1] == 1 and mix["cache"] is not None and mix["cache"].states_in_place
                 and mix["cu_seqlens"] is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-                and torch.cuda.is_current_stream_capturing())
+                and (_CAPTURING_SOON.get() or torch.cuda.is_current_stream_capturing()))
 
     def _mixers_side_by_side(self, n: torch.Tensor, mix: dict, rotary, fuses: bool,
                              parts: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,6 +277,18 @@ class HybridBlock(nn.Module):
 
 
 _SIDE_STREAMS: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+_CAPTURING_SOON = contextvars.ContextVar("capturing_soon", default=False)
+
+
+@contextlib.contextmanager
+def capturing_soon():
+    """The eager warm-up step before a CUDA graph capture (`hybridlm.models.graphed.capture_step`): the blocks run as
+    they will in the capture, their SSM halves on the side stream (the module docstring)."""
+    token = _CAPTURING_SOON.set(True)
+    try:
+        yield
+    finally:
+        _CAPTURING_SOON.reset(token)
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from hybridlm.layers.block import capturing_soon
 from hybridlm.layers.cache import HybridCache, StaticCache
 
 
@@ -150,7 +151,7 @@ def capture_step(device: torch.device, step: Callable[[], Any], *, between: Call
     with torch.cuda.device(device):
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), capturing_soon():
             step()
         torch.cuda.current_stream(device).wait_stream(stream)
         between()

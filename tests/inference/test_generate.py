@@ -445,8 +445,8 @@ def test_cuda_graph_of_fused_projections_equals_the_projections_apart(mixer, dty
 def test_cuda_concurrent_mixers_decode_bit_for_bit_as_one_stream(mixer, arrangement, graph):
     """On a GPU, a parallel block's SSM half on a side stream beside attention (`concurrent_mixers`): the static
     decoding steps' logits and states equal one stream's bit for bit, run eagerly and replayed from a CUDA graph (bf16
-    weights, the projections fused), every block of the captured step taking the side stream; the prefill, the eager
-    steps over the growing cache and the static steps run without a graph stay on one stream."""
+    weights, the projections fused), every block of the capture and of its warm-up taking the side stream; the
+    prefill, the eager steps over the growing cache and the static steps run without a graph stay on one stream."""
     from hybridlm.inference import GraphedDecoder
     from hybridlm.layers import block as block_module
     from hybridlm.models.fuse import prepare_for_generation, set_concurrent_mixers
@@ -481,8 +481,8 @@ def test_cuda_concurrent_mixers_decode_bit_for_bit_as_one_stream(mixer, arrangem
                     assert torch.equal(first.ssm[name], second.ssm[name]), name
     finally:
         block_module._side_stream = side_stream
-    if graph:
-        assert len(taken) == models[1].config.num_hidden_layers  # every block of the captured step, once
+    if graph:  # every block of the warm-up step and of the captured step, once each
+        assert len(taken) == 2 * models[1].config.num_hidden_layers
     else:
         assert not taken  # eager static steps: one stream
     assert all((decoder.graph is not None) == graph for decoder in decoders)
