@@ -2,7 +2,7 @@
 
 Every module under hybridlm/ is parsed (not imported) and each of its import statements checked, those inside
 functions too (a lazy import is a dependency all the same). `hybridlm/fileio.py`, `hybridlm/devices.py`,
-`hybridlm/lazy.py` and `hybridlm/ops/` sit at the bottom, importable by every layer; the package root `hybridlm/__init__.py` (the public
+`hybridlm/lazy.py`, `hybridlm/argtypes.py` and `hybridlm/ops/` sit at the bottom, importable by every layer; the package root `hybridlm/__init__.py` (the public
 front door) sits at the top with the CLI. Packages on one level may import each other. A new package under
 hybridlm/ must be given its level in `LEVELS` before this test passes.
 """
@@ -20,7 +20,7 @@ PACKAGE = Path(hybridlm.__file__).parent
 
 # First name under hybridlm/ -> level; a module may import from its own level and those below.
 LEVELS = {
-    "ops": 0, "fileio": 0, "devices": 0, "lazy": 0,
+    "ops": 0, "fileio": 0, "devices": 0, "lazy": 0, "argtypes": 0,
     "modules": 1,
     "layers": 2,
     "models": 3,
