@@ -65,7 +65,7 @@ def read_records(path: str | Path, *, kind: str, skip_bad: bool = False,
     files = find_files([path], RECORD_FORMATS)
     records: list[Record] = []
     for file in files:
-        for where, raw in _raw_records(Path(file.path)):
+        for where, raw in raw_records(Path(file.path)):
             try:
                 check_record(raw, kind)
             except DataError as err:
@@ -80,7 +80,7 @@ def read_records(path: str | Path, *, kind: str, skip_bad: bool = False,
     return records
 
 
-def _raw_records(path: Path):
+def raw_records(path: Path):
     """(where, parsed value) of every non-blank line of a .jsonl file, or every row of a .parquet file."""
     if path.suffix.lower() == ".parquet":
         try:

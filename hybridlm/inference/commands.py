@@ -154,9 +154,21 @@ class _Tokenizer:
         self.encode, self.decode, self.eos_id, self.pad_id = encode, decode, eos_id, pad_id
 
 
-def load_tokenizer(path: Path) -> _Tokenizer:
+def tokenizer_problem(path: Path) -> str | None:
+    """What keeps `load_tokenizer` from finding a tokenizer in `path` (a missing directory, no tokenizer files), said
+    for the user with what to do; None when its files are there. Reads no file."""
     if not path.is_dir():
-        raise CommandError(f"tokenizer directory {path} does not exist")
+        return f"tokenizer directory {path} does not exist"
+    if not any((path / name).is_file() for name in ("hybridlm_tokenizer.json", "tokenizer.json",
+                                                     "tokenizer_config.json")):
+        return f"no tokenizer in {path} (tokenizer.json); pass --tokenizer DIR"
+    return None
+
+
+def load_tokenizer(path: Path) -> _Tokenizer:
+    problem = tokenizer_problem(path)
+    if problem:
+        raise CommandError(problem)
     if (path / "hybridlm_tokenizer.json").is_file():
         from hybridlm.data.errors import DataError
         from hybridlm.data.tokenizer import HybridTokenizer
@@ -166,17 +178,15 @@ def load_tokenizer(path: Path) -> _Tokenizer:
         except DataError as error:
             raise CommandError(str(error)) from None
         return _Tokenizer(tok.encode, tok.decode, tok.eos_id, tok.pad_id)
-    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-        from hybridlm.models.hf import load_auto_tokenizer
+    from hybridlm.models.hf import load_auto_tokenizer
 
-        tok = load_auto_tokenizer(path)
-        return _Tokenizer(
-            lambda text: tok(text)["input_ids"],
-            lambda ids: tok.decode(ids, skip_special_tokens=True),
-            tok.eos_token_id,
-            tok.pad_token_id,
-        )
-    raise CommandError(f"no tokenizer in {path} (tokenizer.json); pass --tokenizer DIR")
+    tok = load_auto_tokenizer(path)
+    return _Tokenizer(
+        lambda text: tok(text)["input_ids"],
+        lambda ids: tok.decode(ids, skip_special_tokens=True),
+        tok.eos_token_id,
+        tok.pad_token_id,
+    )
 
 
 def _eos_ids(*candidates) -> list[int]:

@@ -126,12 +126,11 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     # The tokenizer as `generate` finds it: a missing directory, or one without tokenizer files, fails here in a line,
     # before the model loads, not as retried downloads from the Hub or transformers' guess at a converter.
-    from hybridlm.inference.commands import CommandError, load_tokenizer
+    from hybridlm.inference.commands import tokenizer_problem
 
-    try:
-        load_tokenizer(Path(args.tokenizer) if args.tokenizer is not None else model_dir)
-    except (CommandError, ValueError, OSError) as error:
-        print(f"hybridlm serve: {error}", file=sys.stderr)
+    problem = tokenizer_problem(Path(args.tokenizer) if args.tokenizer is not None else model_dir)
+    if problem:
+        print(f"hybridlm serve: {problem}", file=sys.stderr)
         return 1
     settings = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
                     max_prefill_tokens=args.max_prefill_tokens, prefix_cache_bytes=int(args.prefix_cache_gb * 2**30),

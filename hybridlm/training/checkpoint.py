@@ -94,7 +94,8 @@ def _write_json(path: Path, obj: Any, what: str) -> None:
     path.write_text(text + "\n", encoding="utf-8")
 
 
-def _step_of(path: Path) -> int | None:
+def step_of(path: Path) -> int | None:
+    """The step a `step_XXXXXXXX` checkpoint directory's name gives (None for any other name)."""
     match = _STEP_DIR.match(path.name)
     return int(match.group(1)) if match else None
 
@@ -104,7 +105,7 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(step, p) for p in directory.iterdir() if p.is_dir() and (step := _step_of(p)) is not None]
+    found = [(step, p) for p in directory.iterdir() if p.is_dir() and (step := step_of(p)) is not None]
     return [p for _, p in sorted(found)]
 
 
@@ -148,7 +149,7 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
 
 
 def _previous_hint(path: Path) -> str:
-    older = [p for p in list_checkpoints(path.parent) if (_step_of(p) or 0) < (_step_of(path) or 0)]
+    older = [p for p in list_checkpoints(path.parent) if (step_of(p) or 0) < (step_of(path) or 0)]
     if older:
         return f"remove {path} to fall back to the previous checkpoint ({older[-1].name})"
     return f"remove {path}; there is no older checkpoint to fall back to, so training restarts from scratch"

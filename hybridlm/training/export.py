@@ -36,6 +36,7 @@ from hybridlm.training.checkpoint import (
 )
 from hybridlm.training.config import ConfigError, TrainConfig, load_config
 from hybridlm.training.run_dir import (
+    CHAT_TEMPLATE_FILE,
     CHECKPOINT_DIR,
     CONFIG_FILE,
     copy_tokenizer_files,
@@ -51,7 +52,6 @@ log = logging.getLogger(__name__)
 EXPORT_FORMATS = ("hybridlm", "falcon_h1")
 SHARD_BYTES = 2 * 1024**3  # largest safetensors file written (transformers' default shard size is 5 GB)
 INDEX_FILE = "model.safetensors.index.json"
-TEMPLATE_FILE = "chat_template.jinja"  # transformers' tokenizer loading prefers it to tokenizer_config.json's template
 
 
 def iter_sharded_tensors(path: str | Path, keys: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -170,9 +170,9 @@ def _write_tokenizer(config: TrainConfig, run: Path, directory: Path, out: Path)
             text = Path(template).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
             log.warning("%s lacks the chat template the run trained with: its data.chat_template %s cannot be read "
-                        "(%s); copy that template to %s", out, template, err, out / TEMPLATE_FILE)
+                        "(%s); copy that template to %s", out, template, err, out / CHAT_TEMPLATE_FILE)
         else:
-            (directory / TEMPLATE_FILE).write_text(text, encoding="utf-8")
+            (directory / CHAT_TEMPLATE_FILE).write_text(text, encoding="utf-8")
 
 
 def _check_out(run: Path, out: Path, overwrite: bool) -> None:

@@ -328,13 +328,14 @@ def check_chat_inputs(config: Any) -> None:
     data.skip_bad_records) that is not of the task's format (a file of another kind given as --data); data.chat_template
     missing or empty; model.init without a tokenizer. The trainer calls it before the run's directory is created:
     what is wrong with the records further on is a DataError of `build_chat_source`, found while reading them."""
-    from hybridlm.data.chat import RECORD_FORMATS, _raw_records, check_record, read_chat_template
+    from hybridlm.data.chat import RECORD_FORMATS, raw_records, check_record, read_chat_template
     from hybridlm.data.corpus import find_files
     from hybridlm.data.errors import DataError
+    from hybridlm.data.tokenizer import HF_CONFIG_FILE, TOKENIZER_FILE
 
     data, init = config.data, Path(config.model.init)
-    if not ((init / "tokenizer.json").is_file() or (init / "tokenizer_config.json").is_file()):
-        raise ConfigError(f"model.init: {init} has no tokenizer (tokenizer.json / tokenizer_config.json); copy the "
+    if not ((init / TOKENIZER_FILE).is_file() or (init / HF_CONFIG_FILE).is_file()):
+        raise ConfigError(f"model.init: {init} has no tokenizer ({TOKENIZER_FILE} / {HF_CONFIG_FILE}); copy the "
                           "tokenizer files of the model's training run into it (a `hybridlm train` run's final/ has "
                           "them)")
     try:
@@ -354,7 +355,7 @@ def check_chat_inputs(config: Any) -> None:
     if data.skip_bad_records or Path(files[0].path).suffix.lower() == ".parquet":  # (read whole: not cheap)
         return
     try:
-        with contextlib.closing(_raw_records(Path(files[0].path))) as records:
+        with contextlib.closing(raw_records(Path(files[0].path))) as records:
             first = next(records, None)
     except DataError as err:  # not UTF-8
         raise ConfigError(f"data.chat: {err}") from err

@@ -60,7 +60,8 @@ RUN_OUTPUTS = (CHECKPOINT_DIR, FINAL_DIR, METRICS_FILE, EVAL_FILE, CONFIG_FILE, 
 # What `export` copies from the tokenizer directory into final/: the files `HybridTokenizer.save` writes
 # (tokenizer.json, tokenizer_config.json, hybridlm_tokenizer.json) and these HF ones where present; never a model's
 # config.json or weights (the tokenizer directory may well be an earlier run's final/).
-TOKENIZER_EXTRA_FILES = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers' tokenizer loading prefers it to tokenizer_config.json's
+TOKENIZER_EXTRA_FILES = ("special_tokens_map.json", "added_tokens.json", CHAT_TEMPLATE_FILE)
 
 
 class RunDirectory:

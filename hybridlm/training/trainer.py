@@ -89,6 +89,7 @@ from hybridlm.training.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
+    step_of,
 )
 from hybridlm.training.config import (
     ConfigError,
@@ -104,6 +105,7 @@ from hybridlm.training.plan import checkpoint_format as resolve_checkpoint_forma
 from hybridlm.training.plan import plan_steps, schedule_config
 from hybridlm.training.rng import deterministic_kernels
 from hybridlm.training.run_dir import (
+    CHAT_TEMPLATE_FILE,
     CONFIG_FILE,
     EVAL_FILE,
     FINAL_DIR,
@@ -268,8 +270,8 @@ class Trainer:
             check_chat_inputs(config)
         if resume:
             latest = latest_checkpoint(self.checkpoint_dir)
-            if latest is not None:  # (step_XXXXXXXX; `_resume` checks the loaded step again)
-                self._check_resume_length(int(latest.name.split("_", 1)[1]))
+            if latest is not None:  # `_resume` checks the loaded checkpoint's own step again
+                self._check_resume_length(step_of(latest))
 
     def _build(self, config: TrainConfig, resume: bool, overwrite: bool) -> None:
         """Everything after the output directory's checks: data, model, optimizer, resume; then (every check
@@ -1014,7 +1016,7 @@ class Trainer:
         template = self.config.data.chat_template
         if template is not None:
             text = Path(template).read_text(encoding="utf-8")
-            extras["chat_template.jinja"] = lambda path: path.write_text(text, encoding="utf-8")
+            extras[CHAT_TEMPLATE_FILE] = lambda path: path.write_text(text, encoding="utf-8")
         model = self.raw_model
         if self.config.lora.r:
             if self.config.lora.save_adapter:
@@ -1022,9 +1024,10 @@ class Trainer:
                 model.save_pretrained(str(adapter))
                 extras["adapter"] = lambda path: Path(adapter).replace(path)
             model = model.merge_and_unload()
-            return self.run_dir.export(model, model.state_dict(), self.data.tokenizer_dir, extras=extras,
-                                       tokenizer_setting=run_tokenizer_setting(self.config))
-        return self.run_dir.export(model, full_model_state_dict(self.model), self.data.tokenizer_dir, extras=extras,
+            state = model.state_dict()
+        else:
+            state = full_model_state_dict(self.model)
+        return self.run_dir.export(model, state, self.data.tokenizer_dir, extras=extras,
                                    tokenizer_setting=run_tokenizer_setting(self.config))
 
     def _log_interval(self, interval: list[dict]) -> float | None:
