@@ -154,13 +154,16 @@ class HybridConfig:
             self.fw_qk_norm = "rms" if self.fw_qk_norm else "none"
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None and _is_int(self.num_attention_heads) and self.num_attention_heads > 0:
+        # Sizes derive only from ints: a wrong type stays as it is for _validate to name.
+        if (self.head_dim is None and _is_int(self.hidden_size) and _is_int(self.num_attention_heads)
+                and self.num_attention_heads > 0):
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.mamba_d_ssm is None:
+        if self.mamba_d_ssm is None and _is_int(self.mamba_expand) and _is_int(self.hidden_size):
             self.mamba_d_ssm = self.mamba_expand * self.hidden_size
         if self.mamba_n_heads is None:
             self.mamba_n_heads = _mamba_heads(self.mamba_d_ssm, self.mamba_d_head)
-        if (self.mamba_d_head is None or self.mamba_d_head == "auto") and _is_int(self.mamba_n_heads):
+        if (self.mamba_d_head is None or self.mamba_d_head == "auto") and _is_int(self.mamba_n_heads) \
+                and _is_int(self.mamba_d_ssm):
             self.mamba_d_head = self.mamba_d_ssm // self.mamba_n_heads if self.mamba_n_heads > 0 else 0
 
     # ------------------------------------------------------------------ validation

@@ -21,7 +21,9 @@ from hybridlm.models.config import HybridConfig
 
 class HybridTransformersConfig(PretrainedConfig):
     model_type = "hybridlm"
-    # No remote code: the classes register with transformers' Auto classes on import (`hybridlm.models`). Tools that
+    # No remote code: the classes register with transformers' Auto classes when `hybridlm.models.model` is imported
+    # (`hybridlm.HybridForCausalLM`, `hybridlm.load_model` or `hybridlm.models.hf` import it; a bare `import hybridlm`
+    # stays light and does not), so name one of them before loading a "hybridlm" directory by path. Tools that
     # read `config.auto_map` unguarded (TRL's model-from-path helper, which builds DPO's reference model, then
     # transformers' Auto classes) find an empty mapping and take AutoModelForCausalLM. A config.json that carries
     # one (`hybridlm eval export-hf` writes it) sets it on the instance.

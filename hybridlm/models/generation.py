@@ -117,6 +117,8 @@ def generate(
     if pad_token_id is None:
         pad_token_id = getattr(model.config, "pad_token_id", None)
     filler = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos is not None else 0)
+    if eos is not None or stop is not None:  # rows can finish: the steps after feed them the filler
+        _check_filler(model, filler, "pad_token_id" if pad_token_id is not None else "eos_token_id")
     batch = input_ids.shape[0]
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
@@ -195,6 +197,16 @@ def _stopped(result, batch: int, device: torch.device) -> torch.Tensor:
         raise ValueError(f"stop(sequences, logits) must return a bool (every row) or a bool tensor of shape [{batch}] "
                          f"(one per row), got {what}")
     return done.expand(batch)
+
+
+def _check_filler(model, filler, source: str) -> None:
+    """Finished rows are fed `filler` (the pad id, else the first eos id) in the steps after their eos, so it must be
+    an id of the model's embedding."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = embeddings.num_embeddings if embeddings is not None else getattr(model.config, "vocab_size", None)
+    if isinstance(filler, bool) or not isinstance(filler, int) or (vocab is not None and not 0 <= filler < vocab):
+        raise ValueError(f"{source}={filler!r} is the token that rows get after their eos, so it must be an id of the "
+                         f"model's vocabulary (0..{vocab - 1 if vocab else '?'}); pass pad_token_id=<an id in it>")
 
 
 def _eos_ids(eos_token_id, device: torch.device) -> torch.Tensor | None:

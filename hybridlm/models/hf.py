@@ -20,10 +20,11 @@ from hybridlm.models.model import HybridForCausalLM
 from hybridlm.models.progress import transformers_progress_bars
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridForCausalLM:
+def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None) -> HybridForCausalLM:
     """Load a local checkpoint dir by its config.json model_type; returns the model in eval mode (without
-    transformers' progress bar)."""
+    transformers' progress bar). dtype: a floating torch.dtype or its name ("bfloat16"); None keeps the saved one."""
     path = Path(path)
+    dtype = _floating_dtype(dtype)
     model_type = _model_type(path)
     try:
         if model_type == "falcon_h1":
@@ -44,6 +45,18 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridF
 
 
 _OPTIONAL_WEIGHTS = (".ssm.beta_bias", ".ssm.lam_bias")
+
+
+def _floating_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """`dtype` as a floating torch.dtype ("bfloat16", "torch.float16" or the dtype itself), None as None."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch dtype or its name (torch.bfloat16, 'bfloat16', "
+                         f"'float32'), got {dtype!r}")
+    return dtype
 
 
 def load_auto_tokenizer(path: str | Path):

@@ -414,8 +414,10 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         Any other keyword is a TypeError that lists these.
 
         Stopping at eos differs from `hybridlm.inference.generate`: here eos_token_id defaults to the model config's
-        (transformers stops at config.eos_token_id); pass eos_token_id=None to decode every requested token. The
-        function's own default is None (never stop at an eos not asked for). Greedy by default."""
+        (`model.config.eos_token_id`, the id transformers writes into the generation config); pass eos_token_id=None
+        to decode every requested token. The function's own default is None (never stop at an eos not asked for).
+        Greedy by default. `model.generation_config` is saved and loaded for transformers' tools but not read here:
+        give eos_token_id, max_new_tokens and sampling per call (or set model.config.eos_token_id)."""
         supported = [name for name, p in inspect.signature(generate).parameters.items() if p.kind == p.KEYWORD_ONLY]
         unknown = sorted(set(options) - set(supported))
         if unknown:
@@ -464,6 +466,11 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         `falcon_h1` checkpoint (needs ssm_mixer="mamba2", attention on, SA_M blocks, an MLP). Without transformers'
         progress bar."""
         if format == "falcon_h1":
+            if args or kwargs:  # sharding, state_dict, push_to_hub, ...: not silently dropped
+                names = ", ".join(([f"{len(args)} positional"] if args else []) + sorted(kwargs))
+                raise ValueError(f"save_pretrained(format='falcon_h1') writes one unsharded checkpoint of the model's "
+                                 f"own weights and takes no other arguments; got {names}: save without them, or in "
+                                 "the default format")
             return save_falcon_h1(self, save_directory)
         if format != "hybridlm":
             raise ValueError(f"unknown checkpoint format {format!r}; choose 'hybridlm' or 'falcon_h1'")

@@ -290,6 +290,8 @@ def test_tiny_temperatures_sample_the_argmax_without_nan(dtype):
         (dict(max_new_tokens=-1), "max_new_tokens"),
         (dict(seed=1, generator=torch.Generator()), "generator or a seed"),
         (dict(eos_token_id=[]), "eos_token_id"),
+        (dict(eos_token_id=5, pad_token_id=VOCAB), "pad_token_id=.* vocabulary"),  # fed to finished rows
+        (dict(eos_token_id=5, pad_token_id="0"), "pad_token_id"),
     ],
 )
 def test_bad_options_raise(options, message):

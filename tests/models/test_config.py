@@ -110,6 +110,12 @@ def test_unknown_keys_are_named():
         (dict(eos_token_id=-1), "eos_token_id"),
         (dict(eos_token_id=[]), "eos_token_id"),
         (dict(eos_token_id=[2, "3"]), "eos_token_id"),
+        # wrong types of the sizes other sizes derive from: named, not a TypeError from the derivation
+        (dict(hidden_size="128"), "hidden_size"),
+        (dict(hidden_size=None), "hidden_size"),
+        (dict(num_attention_heads="4"), "num_attention_heads"),
+        (dict(mamba_expand="2"), "mamba_expand"),
+        (dict(mamba_d_ssm="96"), "mamba_d_ssm"),
     ],
 )
 def test_inconsistent_values_name_the_field(changes, field):

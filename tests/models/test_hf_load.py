@@ -27,3 +27,31 @@ def test_a_path_that_is_not_a_model_directory_is_named_with_what_it_is(tmp_path,
                     ["eval", "export-hf", *model]):
         assert main(command) == 1, command
         assert f"its model is {run / 'final'}" in capsys.readouterr().err, command
+
+
+@pytest.mark.parametrize("fmt", ["hybridlm", "falcon_h1"])
+def test_load_model_takes_a_dtype_or_its_name_in_either_format(tmp_path, fmt):
+    """dtype as a torch dtype or its name loads either format in it; a name that is no floating dtype is refused
+    (the falcon_h1 path once read a name as a device)."""
+    import torch
+
+    from hybridlm import HybridForCausalLM
+    from hybridlm.models.presets import get_preset
+
+    HybridForCausalLM(get_preset("tiny")).save_pretrained(tmp_path, format=fmt)
+    for dtype in (torch.bfloat16, "bfloat16", "torch.bfloat16"):
+        assert load_model(tmp_path, dtype=dtype).model.embed_tokens.weight.dtype == torch.bfloat16
+    for bad in ("int8", "bogus", torch.int64):
+        with pytest.raises(ValueError, match="dtype must be a floating torch dtype"):
+            load_model(tmp_path, dtype=bad)
+
+
+def test_falcon_h1_format_refuses_the_arguments_it_cannot_honour(tmp_path):
+    """save_pretrained(format="falcon_h1") writes one unsharded file: sharding and the like are refused, not dropped."""
+    from hybridlm import HybridForCausalLM
+    from hybridlm.models.presets import get_preset
+
+    model = HybridForCausalLM(get_preset("tiny"))
+    with pytest.raises(ValueError, match="takes no other arguments; got max_shard_size"):
+        model.save_pretrained(tmp_path / "a", format="falcon_h1", max_shard_size="200KB")
+    assert not (tmp_path / "a").exists()
