@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 
@@ -33,3 +35,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def type_lines(monkeypatch, lines) -> Iterator[str]:
+    """`input()` returns `lines` one per call, then raises EOFError (Ctrl-D); returns the iterator, so a test can see
+    which lines were never read."""
+    remaining = iter(lines)
+
+    def typed(prompt: str = "") -> str:
+        try:
+            return next(remaining)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", typed)
+    return remaining

@@ -1,6 +1,6 @@
 """`hybridlm chat`: talk to a model through its chat template, in the terminal.
 
-    hybridlm chat --model runs/sft/final                          # interactive: /reset starts over, Ctrl-D leaves
+    hybridlm chat --model runs/sft/final                          # interactive: /reset, /exit, /quit (below)
     hybridlm chat --model runs/sft/final --prompt "Spell cat."   # one answer, then exit
     hybridlm chat --model M --system "You are brief." --temperature 0.7 --top-p 0.9 --seed 0
 
@@ -9,6 +9,8 @@ the generation prompt, and decodes the answer with the model's cache, printing t
 text grows; only the new characters are printed). An answer ends at eos or at the special token the template writes
 after an assistant message (our template's <|end_of_turn|>), or at --max-new-tokens. On a CUDA device each answer's
 decoding steps replay a CUDA graph of the step (`hybridlm.models.graphed`; --eager runs them op by op).
+Interactive, a line is a message or a command: /reset starts over, /exit or /quit leaves (as Ctrl-D does), and
+Ctrl-C stops an answer.
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ def run_chat(args: argparse.Namespace) -> int:
             return 130
         print()
         return 0
-    print("chat: /reset starts over, Ctrl-C stops an answer, Ctrl-D leaves", file=sys.stderr)
+    print("chat: /reset starts over, Ctrl-C stops an answer, /exit, /quit or Ctrl-D leave", file=sys.stderr)
     while True:
         try:
             text = input("> ")
@@ -155,6 +157,8 @@ def run_chat(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print()
             return 130
+        if text.strip() in ("/exit", "/quit"):
+            return 0
         if text.strip() == "/reset":
             session.reset()
             print("(conversation reset)", file=sys.stderr)

@@ -10,9 +10,10 @@ context leaves), temperature (default 1), top_p, stop, seed, stream, stream_opti
 and ignore_eos. `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens restored from the prefix cache.
 
 Errors are OpenAI's error object `{"error": {"message", "type", "param", "code"}}` with a 4xx status: 400 for
-malformed JSON, invalid or unsupported parameters, empty messages and prompts that with max_tokens pass the context
-length; 401 for a missing or wrong API key (when the server has one); 404 for an unknown model. A client that
-disconnects (mid-stream or while waiting) has its requests aborted, which frees their slots at the next step.
+malformed JSON, invalid or unsupported parameters, empty messages, a message whose role is not system, user or
+assistant or that has no content, and prompts that with max_tokens pass the context length; 401 for a missing or
+wrong API key (when the server has one); 404 for an unknown model. A client that disconnects (mid-stream or while
+waiting) has its requests aborted, which frees their slots at the next step.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from hybridlm.serving.runner import EngineRunner, EngineUnavailable
 
 _TYPE_NAME = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\])$")
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+# The roles a chat message may have: those of the conversations the models are trained on. Not "tool", although our
+# chat template has a token for it: the server takes no `tools`, so no assistant message calls one for it to answer.
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 class APIError(Exception):
@@ -79,7 +83,7 @@ class CompletionRequest(_Sampling):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]] | None = None  # required, but by `_check_messages`: it names the message
 
 
 class ChatRequest(_Sampling):
@@ -139,6 +143,7 @@ def build_app(runner: EngineRunner, *, model_name: str, api_key: str | None = No
         _check_model(body.model, model_name)
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
+        _check_messages(body.messages)
         if not has_template:
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
         messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
@@ -317,10 +322,23 @@ def _encode(engine, prompt: str | list[int]) -> list[int]:
         raise APIError(400, str(error), param="prompt") from None
 
 
-def _text(content) -> str:
+def _check_messages(messages: list[ChatMessage]) -> None:
+    """APIError 400 naming the first message whose role is not one of CHAT_ROLES or that has no content."""
+    for i, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            roles = ", ".join(repr(role) for role in CHAT_ROLES)
+            raise APIError(400, f"messages[{i}].role must be one of {roles} (got {message.role!r})",
+                           param=f"messages[{i}].role")
+        if message.content is None:
+            problem = "is required" if "content" not in message.model_fields_set else (
+                "must be a string or a list of text parts (got null)")
+            raise APIError(400, f"messages[{i}].content {problem}", param=f"messages[{i}].content")
+
+
+def _text(content: str | list[dict[str, Any]]) -> str:
     """A chat message's content: a string, or OpenAI's list of parts (text parts only)."""
-    if content is None or isinstance(content, str):
-        return content or ""
+    if isinstance(content, str):
+        return content
     if not all(part.get("type") == "text" and isinstance(part.get("text"), str) for part in content):
         raise APIError(400, "only text content parts are supported", param="messages")
     return "".join(part["text"] for part in content)

@@ -20,6 +20,7 @@ from hybridlm.training.dpo import reference_log_probs
 from hybridlm.training.posttraining import FitCounts, PreferencePairs, fit_pair
 from hybridlm.training.run_dir import read_jsonl
 from hybridlm.training.trainer import Trainer
+from tests.helpers import type_lines
 from tests.inference.helpers import count_decoder_steps
 from tests.posttraining.helpers import make_model_dir
 
@@ -252,15 +253,7 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(monkeypatch, capsys):
 
     session = Session()
     monkeypatch.setattr(chat, "_session", lambda args: session)
-    lines = iter(["first", "second"])
-
-    def typed(prompt):
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr("builtins.input", typed)
+    type_lines(monkeypatch, ["first", "second"])
     assert chat.run_chat(argparse.Namespace(prompt=None)) == 0
     out, err = capsys.readouterr()
     assert session.messages == ["second", "answer"] and "answer stopped" in err and "answer" in out

@@ -204,6 +204,28 @@ def test_errors_name_the_field_as_the_request_spelt_it(server, path, body, param
     assert reply.status_code == 400 and (error["param"], error["message"]) == (param, message), error
 
 
+@pytest.mark.parametrize("messages, param, message", [
+    ([{"role": "wizard", "content": "hi"}], "messages[0].role",
+     "messages[0].role must be one of 'system', 'user', 'assistant' (got 'wizard')"),
+    ([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}], "messages[1].role",
+     "messages[1].role must be one of 'system', 'user', 'assistant' (got 'tool')"),
+    ([{"role": "user"}], "messages[0].content", "messages[0].content is required"),
+    ([{"role": "system", "content": "a"}, {"role": "user", "content": None}], "messages[1].content",
+     "messages[1].content must be a string or a list of text parts (got null)"),
+], ids=["unknown role", "tool role", "no content", "null content"])
+def test_a_message_of_an_unknown_role_or_without_content_gets_a_400_naming_it(server, messages, param, message):
+    """A role other than system, user or assistant, or a message without content: 400 naming that message's field
+    (not a prompt with the role as text or an empty turn); then a good request (text parts too) answers 200."""
+    url, headers = f"{server[0]}/v1/chat/completions", {"Authorization": f"Bearer {API_KEY}"}
+    reply = httpx.post(url, json={"model": MODEL_NAME, "messages": messages, "max_tokens": 1}, headers=headers)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    good = [{"role": "system", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    reply = httpx.post(url, json={"model": MODEL_NAME, "messages": good, "max_tokens": 1}, headers=headers)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["role"] == "assistant"
+
+
 def test_api_key_is_required(server, client):
     wrong = openai.OpenAI(base_url=f"{server[0]}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
