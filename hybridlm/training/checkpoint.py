@@ -148,6 +148,24 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return None
 
 
+def check_no_damaged_newer(path: Path, who: str, consequence: str, fallback: str) -> None:
+    """CheckpointError when step directories newer than `path`, the newest complete checkpoint of its directory
+    (`latest_checkpoint`), are there: a save leaves only a `.tmp` directory unfinished, so these were complete and
+    were damaged since, and going on from `path` would silently use an older state than the run's newest. The message
+    names each one and its problem; the caller gives `who` (its option, e.g. "--resume"), `consequence` (what using
+    `path` instead would do) and `fallback` (the end of "move them out ... (or delete them) ...": what that allows)."""
+    directory = path.parent
+    found = list_checkpoints(directory)
+    damaged = found[found.index(path) + 1:]
+    if damaged:
+        problems = "; ".join(f"{p.name}: {incomplete_reason(p)}" for p in damaged)
+        raise CheckpointError(
+            f"{who}: checkpoint(s) in {directory} newer than the newest complete one, {path.name}, are damaged "
+            f"({problems}); {consequence}. Restore their files, or move them out of {directory} (or delete them) "
+            f"{fallback}"
+        )
+
+
 def _previous_hint(path: Path) -> str:
     older = [p for p in list_checkpoints(path.parent) if (step_of(p) or 0) < (step_of(path) or 0)]
     if older:

@@ -28,10 +28,12 @@ from safetensors.torch import save_file
 from hybridlm.training.checkpoint import (
     MODEL_FILE,
     CheckpointError,
+    check_no_damaged_newer,
     checkpoint_dir_name,
     checkpoint_format,
     latest_checkpoint,
     list_checkpoints,
+    step_of,
     verify_checkpoint,
 )
 from hybridlm.training.config import ConfigError, TrainConfig, load_config
@@ -86,7 +88,8 @@ def _iter_full_tensors(path: Path, names: list[str]) -> Iterator[tuple[str, torc
 def export_checkpoint(run: str | Path, out: str | Path, *, step: int | None = None,
                       format: str = "hybridlm", shard_bytes: int = SHARD_BYTES,  # noqa: A002
                       overwrite: bool = False) -> Path:
-    """Write the model of a run's checkpoint (`step`, default the newest complete one) to the model directory `out`
+    """Write the model of a run's checkpoint (`step`, default the newest complete one; refused with a CheckpointError
+    while a newer step directory is damaged, as --resume refuses it) to the model directory `out`
     (written as `out`.tmp and renamed: an existing `out` is replaced only by a complete export, and only with
     `overwrite` and where it is a model directory; `out` is never the run, inside it or around it). Verifies the
     checkpoint's checksums first. Raises ConfigError for a run, step, format or `out` that cannot be exported (before
@@ -108,6 +111,10 @@ def export_checkpoint(run: str | Path, out: str | Path, *, step: int | None = No
         steps = [p.name for p in list_checkpoints(directory)] if directory.is_dir() else []
         held = f" (it holds {', '.join(steps)})" if steps else ""
         raise ConfigError(f"--run {run}: {which} in {directory}{held}")
+    if step is None:
+        check_no_damaged_newer(path, f"--run {run}", f"exporting {path.name} instead would give an older model than "
+                               "the run's newest", f"to export {path.name}, or pass --step {step_of(path)} to export "
+                               "it while they are there")
     verify_checkpoint(path)
 
     with torch.device("meta"):

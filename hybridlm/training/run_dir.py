@@ -22,7 +22,9 @@ output beside it, is the user's file: never replaced or deleted (a ConfigError s
 
 One run per directory: rank 0 holds an exclusive lock (`hybridlm.fileio.FileLock`) on `<out_dir>/.train.lock` from
 `prepare` until `release` (the system releases it if the process dies); a second run on the directory, in this or
-another process (a job started twice), is a ConfigError at once. The lock file itself is never deleted.
+another process (a job started twice), is a ConfigError at once. The lock file is deleted only by a run that fails
+before it starts (`abandon`) and that created it, with the folders `lock` created for it while they are empty: a
+refused run leaves no trace.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class RunDirectory:
         self.say = say
         self.checkpoints = self.path / CHECKPOINT_DIR
         self._lock = FileLock(self.path / LOCK_FILE)
+        self._created: list[Path] = []  # what `lock` created (the lock file, then folders, deepest first): `abandon`
 
     # ------------------------------------------------------------------------------------------ checks and lock
     def prepare(self, *, resume: bool, overwrite: bool, needed: Sequence[tuple[str, Path | None]] = ()) -> None:
@@ -143,12 +146,15 @@ class RunDirectory:
         problem = None
         if self.ctx.is_main:
             try:
+                absent = _absent(self._lock.path)
                 self.path.mkdir(parents=True, exist_ok=True)
                 if not self._lock.acquire():
                     problem = (f"train.out_dir: another `hybridlm train` is running in {self.path} (it holds "
                                f"{LOCK_FILE}); wait for it to end or stop it, or choose another --out (in Python: "
                                "close() a Trainer of this process that will not train, or build it in a with "
                                "statement)")
+                else:
+                    self._created = [path for path in absent if os.path.lexists(path)]
             except OSError as err:
                 problem = f"train.out_dir: {self.path}: {err}"
         problem = D.broadcast_object(problem, self.ctx)
@@ -158,6 +164,22 @@ class RunDirectory:
     def release(self) -> None:
         """Let another run into the directory (a no-op when not held)."""
         self._lock.release()
+
+    def abandon(self) -> None:
+        """`release` for a run that fails before it starts: rank 0 first removes what the last `lock` created, the
+        lock file and then the output directory and the folders above it that did not exist, each only while empty
+        (a directory that existed before, or that holds anything else, such as a demo corpus prepared in it, stays).
+        The lock file goes while still held, and the folders before the release, so that no other run takes a lock
+        in what is removed."""
+        created, self._created = self._created, []
+        if self.ctx.is_main:
+            with contextlib.suppress(OSError):  # (stops at the first that is not empty)
+                for path in created:
+                    if path == self._lock.path:
+                        path.unlink()
+                    else:
+                        path.rmdir()
+        self.release()
 
     def _check_nothing_needed_is_deleted(self, needed: Sequence[tuple[str, Path | None]]) -> None:
         """--overwrite: a file the run reads inside an output it would delete is a ConfigError (a link is removed,
@@ -321,6 +343,15 @@ def run_tokenizer_setting(config: TrainConfig) -> str:
     if config.data.demo:
         return "data.demo_dir (the demo corpus's tokenizer)"
     return "data.tokenizer"
+
+
+def _absent(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist, deepest first."""
+    absent = []
+    while not os.path.lexists(path) and path != path.parent:
+        absent.append(path)
+        path = path.parent
+    return absent
 
 
 def same_file(a: Path, b: Path) -> bool:

@@ -30,6 +30,8 @@ run is deleted; those that need no data (the run's length and schedule, the file
 train.steps against the newest checkpoint) before the output directory is created or locked and before any note is
 printed. Once the data is open, an update's global batch larger than one pass over the training data is one too
 (`_check_batch_fits_data`): it would repeat data in every update, and a batch that large tends to exhaust memory.
+A run that fails before it starts removes the lock file and the output directory that it created
+(`RunDirectory.abandon`), so a config error found after the directory's checks leaves nothing behind either.
 
 Parallelism (`parallel` section, under torchrun): `hybridlm.parallel.parallelize` in one place (TP or mixer
 parallelism, compile, activation checkpointing, FSDP2); after a forward under no_grad (evaluation, samples)
@@ -83,8 +85,8 @@ from hybridlm.training.checkpoint import (
     TRAIN_STATE_FILE,
     CheckpointError,
     CheckpointMismatchError,
+    check_no_damaged_newer,
     checkpoint_format,
-    incomplete_reason,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -250,7 +252,7 @@ class Trainer:
             self.run_dir.prepare(resume=resume, overwrite=overwrite, needed=self._needed_files())
             self._build(config, resume, overwrite)
         except BaseException:
-            self.run_dir.release()
+            self.run_dir.abandon()  # a directory and lock file created for this run go with it
             raise
 
     def _check_before_start(self, config: TrainConfig, resume: bool) -> None:
@@ -610,15 +612,8 @@ class Trainer:
             for name in (METRICS_FILE, EVAL_FILE):
                 self.run_dir.truncate(name, 0)
             return
-        damaged = found[found.index(path) + 1:]
-        if damaged:  # a save only ever leaves a `.tmp` directory unfinished: these were damaged after it
-            problems = "; ".join(f"{p.name}: {incomplete_reason(p)}" for p in damaged)
-            raise CheckpointError(
-                f"--resume: checkpoint(s) in {self.checkpoint_dir} newer than the newest complete one, {path.name}, "
-                f"are damaged ({problems}); resuming from {path.name} would train their steps again and replace them. "
-                f"Restore their files, or move them out of {self.checkpoint_dir} (or delete them) to resume from "
-                f"{path.name}"
-            )
+        check_no_damaged_newer(path, "--resume", f"resuming from {path.name} would train their steps again and "
+                               "replace them", f"to resume from {path.name}")
         model_state = _ModelState()
         # The config given now wins: every group's hyperparameters (base lr / wd for the schedule, betas, eps and
         # torch's own options) stay those of the fresh groups; the checkpoint gives only the per-parameter state

@@ -1,8 +1,11 @@
 """`hybridlm checkpoint export`'s --out: refused, before anything is written, where replacing it would lose what is
 not an export (the run, its checkpoints, a folder holding it, files of the user's), and an existing model directory
-replaced only with --overwrite. (The exports themselves: tests/training/test_sharded_checkpoint.py.)"""
+replaced only with --overwrite; the newest checkpoint refused while a newer one is damaged. (The exports themselves:
+tests/training/test_sharded_checkpoint.py.)"""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -76,3 +79,31 @@ def test_an_export_without_a_tokenizer_says_so(demo_dir, tmp_path, caplog, capsy
     assert f"{out} has no tokenizer: the run names no tokenizer (data.tokenizer is not set); copy the tokenizer's " \
            "files" in caplog.text
     assert (out / "model.safetensors").is_file() and not (out / "tokenizer.json").exists()
+
+
+def test_export_without_step_refuses_a_damaged_newer_checkpoint_as_resume_does(demo_dir, tmp_path, capsys):
+    """A step directory newer than the newest complete checkpoint was damaged after its save: an export without --step
+    refuses (exit 1), naming it, its problem and what to do, instead of exporting the older checkpoint; nothing is
+    written. --step of the older one exports it; --step of the damaged one fails its checks."""
+    from hybridlm.training.checkpoint import list_checkpoints
+    from hybridlm.training.trainer import Trainer
+    from tests.training.toys import small_config
+
+    run, out = tmp_path / "run", tmp_path / "model"
+    with Trainer(small_config(demo_dir, run, "train.steps=4", "train.save_every=2")) as trainer:
+        trainer.train()
+    older, newer = list_checkpoints(run / "checkpoints")
+    weights = newer / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    capsys.readouterr()
+    assert main(["checkpoint", "export", "--run", str(run), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert re.match(rf"checkpoint export: --run {re.escape(str(run))}: checkpoint\(s\) in .*checkpoints newer than the "
+                    r"newest complete one, step_00000002, are damaged \(step_00000004: model.safetensors is [\d,]+ "
+                    r"bytes, its manifest says [\d,]+\); exporting step_00000002 instead .* move them out of "
+                    r".*checkpoints \(or delete them\) to export step_00000002, or pass --step 2 ", err), err
+    assert not out.exists() and not out.with_name("model.tmp").exists()
+    assert main(["checkpoint", "export", "--run", str(run), "--out", str(out), "--step", "4"]) == 1
+    assert not out.exists() and "step_00000004" in capsys.readouterr().err
+    assert main(["checkpoint", "export", "--run", str(run), "--out", str(out), "--step", "2"]) == 0
+    assert (out / "model.safetensors").is_file() and older.is_dir()

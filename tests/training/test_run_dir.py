@@ -183,6 +183,33 @@ def test_the_lock_is_held_from_the_start_to_the_end_of_train(demo_dir, tmp_path)
     assert lock_is_free(out)
 
 
+def test_a_config_error_after_the_lock_leaves_nothing_behind(demo_dir, finished, tmp_path, capsys):
+    """A config error found once the directory is locked (a data.tokenizer that is not there; sft's damaged
+    model.init) removes the lock file, the output directory and the folders above it that the command created; an
+    empty directory that was there before stays, empty."""
+    from hybridlm.cli import main
+
+    nowhere = tmp_path / "nowhere"
+    data = ("data.demo=false", f"data.sources=[{{name: d, path: {demo_dir / 'train'}}}]", f"data.tokenizer={nowhere}")
+    new, existing = tmp_path / "runs" / "bad", tmp_path / "existing"
+    existing.mkdir()
+    for out in (new, existing):
+        assert train_cli(out, *cli_sets(demo_dir, "train.steps=1", *data)) == 2
+        err = capsys.readouterr().err
+        assert err == f"config error: data.tokenizer: {nowhere} holds no tokenizer.json\n", err
+    assert not (tmp_path / "runs").exists()
+    assert existing.is_dir() and list(existing.iterdir()) == []
+    damaged = tmp_path / "damaged"
+    shutil.copytree(finished / "final", damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert main(["sft", "--model", str(damaged), "--out", str(new), "--set", "train.steps=2", "--set",
+                 "train.progress=false"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: model.init: {damaged}: a weights file is damaged"), err
+    assert not (tmp_path / "runs").exists()
+
+
 # ------------------------------------------------------------------------------------ 4. links and files in the way
 def test_overwrite_unlinks_linked_outputs_and_keeps_their_targets(demo_dir, finished, tmp_path, capsys):
     elsewhere = tmp_path / "big_disk"
@@ -235,7 +262,7 @@ def test_a_users_config_yaml_in_the_output_directory_is_never_replaced(demo_dir,
         assert train_cli(out, *args, *sets) == 2, args
         err = capsys.readouterr().err
         assert f"{mine} is not a run's record (a config of yours?)" in err and err.count("\n") == 1, err
-        assert mine.read_text() == text and sorted(p.name for p in out.iterdir()) == [LOCK_FILE, "config.yaml"]
+        assert mine.read_text() == text and [p.name for p in out.iterdir()] == ["config.yaml"]
     shutil.move(mine, other)  # kept elsewhere, as the message says
     assert train_cli(out, "--config", str(other), *sets) == 0
     assert other.read_text() == text and is_run_config(mine)
