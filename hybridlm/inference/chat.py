@@ -200,7 +200,7 @@ def _session(args: argparse.Namespace) -> ChatSession:
     except Exception as err:  # a template that does not render a plain user turn (jinja raises its own types)
         raise ValueError(f"the chat template does not render a user message: {err}") from None
     device = parse_device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    model = load_model(model_dir, dtype=getattr(torch, args.dtype)).to(device)
+    model = load_model(model_dir, dtype=args.dtype).to(device)
     prepare_for_generation(model, **generation_options(args))
     return ChatSession(model, encoder, system=args.system, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,

@@ -98,7 +98,7 @@ def generate_texts(args: argparse.Namespace) -> list[str]:
         raise CommandError(problem)
     tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else model_dir)
     device = parse_device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    model = load_model(model_dir, dtype=getattr(torch, args.dtype)).to(device)
+    model = load_model(model_dir, dtype=args.dtype).to(device)
     prepare_for_generation(model, **generation_options(args))
     config = model.config
 
