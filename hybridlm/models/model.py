@@ -194,6 +194,7 @@ class HybridModel(HybridPreTrainedModel):
         cu_seqlens = _packed_offsets(cu_seqlens, cu_seq_lens_q, cu_seq_lens_k)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
+        _check_inputs(input_ids, inputs_embeds, position_ids, self.embed_tokens.weight.shape)
         if inputs_embeds is None:
             h = scaled(self.embed_tokens(input_ids), self.embedding_multiplier)  # [B, T, D]
         else:
@@ -338,6 +339,9 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         labels). `return_logits=False` (with labels or shift_labels) computes the loss without holding the logits:
         the LM head and the cross entropy run together over row chunks (`linear_cross_entropy`: the same values,
         no [B, T, V] tensor kept for the backward), and `logits` is None."""
+        if not isinstance(logits_to_keep, torch.Tensor) and logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep={logits_to_keep}: pass n > 0 for the last n positions' logits, 0 for "
+                             "every position's, or a 1-D tensor of positions")
         keeps_some = isinstance(logits_to_keep, torch.Tensor) or logits_to_keep > 0
         if labels is not None and shift_labels is not None:
             raise ValueError("pass labels (the input ids, shifted here) or shift_labels (shifted already), not both")
@@ -358,6 +362,10 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             raise ValueError(f"shift_labels {tuple(shift_labels.shape)} must have the kept positions' shape "
                              f"{tuple(kept.shape[:2])} (position t is scored against shift_labels[:, t])")
         if labels is not None:
+            tokens = input_ids if input_ids is not None else inputs_embeds
+            if tuple(labels.shape) != tuple(tokens.shape[:2]):
+                raise ValueError(f"labels {tuple(labels.shape)} must have the inputs' shape [B, T] = "
+                                 f"{list(tokens.shape[:2])}: they are the input ids, shifted here")
             targets = _next_token_targets(labels, cu_seqlens=cu_seqlens, position_ids=position_ids,
                                           attention_mask=attention_mask)  # [B, T-1]
             scored = kept[:, :-1]
@@ -476,6 +484,46 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             raise ValueError(f"unknown checkpoint format {format!r}; choose 'hybridlm' or 'falcon_h1'")
         with transformers_progress_bars(False):
             return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+def _ids_checked_on_host(input_ids: torch.Tensor) -> bool:
+    """Whether the ids' range is checked: on the CPU, where reading min and max waits for nothing, and not while
+    compiling."""
+    return input_ids.device.type == "cpu" and input_ids.numel() > 0 and not torch.compiler.is_compiling()
+
+
+def _check_inputs(
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    embedding_shape: tuple[int, int],
+) -> None:
+    """Refuse, naming what is wrong, input_ids that are not [B, T] integers (on the CPU, not compiling, also ids
+    outside the vocabulary: on a GPU that check would wait for the device), inputs_embeds that are not [B, T, D], and
+    position_ids that are not [B or 1, T] or [T]. embedding_shape: the embedding table's [V, D]."""
+    vocab, width = embedding_shape
+    if input_ids is not None:
+        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            hint = " (one sequence: input_ids[None])" if input_ids.dim() == 1 else ""
+            raise ValueError(f"input_ids must be integer token ids [B, T], got {input_ids.dtype} "
+                             f"{list(input_ids.shape)}{hint}")
+        if _ids_checked_on_host(input_ids):
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= vocab:
+                raise ValueError(f"input_ids hold ids outside the model's vocabulary [0, {vocab}): min {low}, "
+                                 f"max {high}")
+        batch, length = input_ids.shape
+    else:
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != width:
+            raise ValueError(f"inputs_embeds must be [B, T, D] with D = hidden_size = {width}, got "
+                             f"{list(inputs_embeds.shape)}")
+        batch, length = inputs_embeds.shape[:2]
+    if position_ids is not None and not (
+        (position_ids.dim() == 1 and position_ids.shape[0] == length)
+        or (position_ids.dim() == 2 and position_ids.shape[0] in (1, batch) and position_ids.shape[1] == length)
+    ):
+        raise ValueError(f"position_ids must be [B or 1, T] or [T] with B, T = {batch}, {length}, got "
+                         f"{list(position_ids.shape)}")
 
 
 def _next_token_targets(

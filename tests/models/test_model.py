@@ -348,6 +348,32 @@ def test_bad_inputs(tmp_path):
         hybridlm.load_model(tmp_path)
 
 
+@pytest.mark.parametrize("inputs, message", [
+    (dict(input_ids=torch.arange(5)), r"integer token ids \[B, T\], got torch.int64 \[5\] \(one sequence"),
+    (dict(input_ids=torch.zeros(2, 5)), r"integer token ids \[B, T\], got torch.float32 \[2, 5\]$"),
+    (dict(input_ids=torch.tensor([[3, VOCAB]])), rf"outside the model's vocabulary \[0, {VOCAB}\): min 3, max {VOCAB}"),
+    (dict(input_ids=torch.tensor([[-1, 3]])), r"outside the model's vocabulary .*min -1, max 3"),
+    (dict(inputs_embeds=torch.zeros(2, 5, 16)), r"\[B, T, D\] with D = hidden_size = 32, got \[2, 5, 16\]"),
+    (dict(input_ids=torch.zeros(2, 5, dtype=torch.long), position_ids=torch.arange(4)[None]),
+     r"position_ids must be \[B or 1, T\] or \[T\] with B, T = 2, 5, got \[1, 4\]"),
+    (dict(input_ids=torch.zeros(2, 5, dtype=torch.long), position_ids=torch.zeros(3, 5, dtype=torch.long)),
+     r"got \[3, 5\]"),
+    (dict(input_ids=torch.zeros(2, 5, dtype=torch.long), labels=torch.zeros(2, 4, dtype=torch.long)),
+     r"labels \(2, 4\) must have the inputs' shape \[B, T\] = \[2, 5\]"),
+    (dict(input_ids=torch.zeros(2, 5, dtype=torch.long), logits_to_keep=-1), "logits_to_keep=-1: pass n > 0"),
+])
+def test_malformed_inputs_are_named(inputs, message):
+    with pytest.raises(ValueError, match=message):
+        make_model()(**inputs)
+
+
+def test_one_dimensional_position_ids_number_every_row():
+    model, tokens = make_model(), ids(2, 6)
+    positions = torch.tensor([0, 1, 2, 0, 1, 2])  # two documents per row
+    expected = model(tokens, position_ids=positions[None].expand(2, 6)).logits
+    torch.testing.assert_close(model(tokens, position_ids=positions).logits, expected, rtol=0, atol=0)
+
+
 def test_missing_fast_weight_gates_are_initialized_on_load(tmp_path):
     """A checkpoint that lacks the fast-weight gate biases loads with the mixer's
     init: b_beta = 0, b_lam = initial_lam_bias(heads), not whatever memory the meta-device build left."""

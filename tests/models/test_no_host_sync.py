@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import hybridlm.models.model as model_module
 import hybridlm.ops.fast_weight.op as fast_weight_op
 from hybridlm.experiments.addition import MODEL_VOCAB_SIZE, train_batch
 from hybridlm.experiments.models import build_model, task_config
@@ -30,13 +31,19 @@ class _CountSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.fixture
+def device_path(monkeypatch):
+    """The checks that read CPU tensors only (a sync on the CPU, never made on a GPU) take their device path, so that
+    everything else is what gets counted: the op's lam >= 0 check (a ValueError on CPU tensors, a device-side assert
+    on CUDA ones) and the model's token-id range check."""
+    monkeypatch.setattr(fast_weight_op, "_tracing", lambda: True)
+    monkeypatch.setattr(model_module, "_ids_checked_on_host", lambda ids: False)
+
+
 @pytest.mark.parametrize("with_positions", [False, True], ids=["no-position-ids", "trainer-position-ids"])
 @pytest.mark.parametrize("name", ["transformer", "mamba2", "hybrid-mamba2", "fw-1A", "fw-3A", "fw-1", "fw-2A",
                                   "hybrid-fw-3A"])
-def test_training_step_has_no_host_sync(name, with_positions, monkeypatch):
-    # The op's lam >= 0 check is a ValueError on CPU tensors (a sync) and a device-side assert on CUDA ones;
-    # pretend to be on the device path so that everything else is what gets counted.
-    monkeypatch.setattr(fast_weight_op, "_tracing", lambda: True)
+def test_training_step_has_no_host_sync(name, with_positions, device_path):
     model = build_model(task_config(name, vocab_size=MODEL_VOCAB_SIZE, size="tiny"), seed=0)
     batch = train_batch(np.random.default_rng(0), 4, max_width=6)
     if with_positions:  # as the trainer passes them: the model must look for document restarts, once
@@ -47,10 +54,9 @@ def test_training_step_has_no_host_sync(name, with_positions, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["transformer", "hybrid-fw-3A"])
-def test_the_chunked_loss_has_no_host_sync(name, monkeypatch):
+def test_the_chunked_loss_has_no_host_sync(name, device_path):
     """The loss `hybridlm train` computes (the LM head and cross entropy over row chunks, the trainer's shifted labels
     and a sum) asks the device nothing either."""
-    monkeypatch.setattr(fast_weight_op, "_tracing", lambda: True)
     model = build_model(task_config(name, vocab_size=MODEL_VOCAB_SIZE, size="tiny"), seed=0)
     batch = train_batch(np.random.default_rng(0), 4, max_width=6)
     ids = batch["input_ids"]
@@ -60,8 +66,7 @@ def test_the_chunked_loss_has_no_host_sync(name, monkeypatch):
     assert not counter.calls, dict(counter.calls)
 
 
-def test_cached_steps_have_no_host_sync(monkeypatch):
-    monkeypatch.setattr(fast_weight_op, "_tracing", lambda: True)
+def test_cached_steps_have_no_host_sync(device_path):
     model = build_model(task_config("hybrid-fw-3A", vocab_size=MODEL_VOCAB_SIZE, size="tiny"), seed=0).eval()
     prompt = train_batch(np.random.default_rng(0), 2, max_width=3)["input_ids"][:, :6]
     with torch.no_grad():
