@@ -176,6 +176,10 @@ def _resolve_config(args: argparse.Namespace):
         elif (Path(out) / "checkpoints").is_dir():  # a run without its config: the defaults would not fit it
             raise ConfigError(f"--resume: {saved} is missing, so the run's settings are unknown; pass the config it "
                               f"was started with (--config FILE)")
+        else:  # a new run, as a job that always passes --resume needs; said, in case --out is mistyped
+            command = "train" if task == "pretrain" else task
+            print(f"--resume: {out} holds no run (no config.yaml); starting a new one from `hybridlm {command}`'s "
+                  "defaults and the options given", file=sys.stderr)
     return load_config(config_path, overrides, task=task), config_path
 
 

@@ -284,6 +284,14 @@ def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it(demo_dir, 
     assert list_checkpoints(out / "checkpoints")
 
 
+def test_resume_of_a_directory_without_a_run_says_it_starts_one(demo_dir, tmp_path, capsys):
+    out = tmp_path / "mistyped"
+    assert train_cli(out, "--resume", *cli_sets(demo_dir, "train.steps=1")) == 0
+    assert f"--resume: {out} holds no run (no config.yaml); starting a new one from `hybridlm train`'s defaults" \
+        in capsys.readouterr().err
+    assert list_checkpoints(out / "checkpoints")
+
+
 def test_resume_from_a_checkpoint_still_rewrites_the_runs_own_config(demo_dir, finished):
     config = finished / "config.yaml"
     assert train_cli(finished, "--resume", "--config", str(config), "--set", "train.steps=3") == 0
