@@ -149,10 +149,23 @@ SPLIT_PATTERN = "|".join([
     r"\s+",
 ])
 
+# Each message renders as <|role|>content<|end_of_turn|>. The assistant's content and end-of-turn sit inside
+# {% generation %} ... {% endgeneration %}, which render nothing: transformers' apply_chat_template(
+# return_assistant_tokens_mask=True), hence TRL's `assistant_only_loss`, marks those tokens as the ones to train.
+# Template engines outside transformers (llama.cpp, plain jinja2) do not know the tag: `without_generation_tags`.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end_of_turn|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}{{ m['content'] }}<|end_of_turn|>{% endgeneration %}"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end_of_turn|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+_GENERATION_TAG = re.compile(r"(\{%[-+]?\s*)(generation|endgeneration)(\s*[-+]?%\})")
+
+
+def without_generation_tags(template: str) -> str:
+    """`template` with transformers' {% generation %} / {% endgeneration %} as {% if true %} / {% endif %}: the same
+    rendering (whitespace control kept) in any Jinja engine."""
+    return _GENERATION_TAG.sub(lambda m: m[1] + ("if true" if m[2] == "generation" else "endif") + m[3], template)
 
 
 def _latex_splitter() -> re.Pattern:

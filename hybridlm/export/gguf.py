@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from hybridlm.data.tokenizer import without_generation_tags
 from hybridlm.export import GGUF_DTYPES
 from hybridlm.fileio import fsync_dir
 from hybridlm.models.config import HybridConfig
@@ -238,7 +239,19 @@ def read_vocab(directory: Path, n_vocab: int) -> Vocab:
     special = gguf.SpecialVocab(directory, load_merges=bool(spec["model"].get("merges")), n_vocab=n_vocab)
     # Our tokenizers add no BOS when encoding; llama.cpp's falcon-h1 pre-tokenizer would add one by default.
     special.add_special_token.setdefault("bos", False)
+    special.chat_template = _inference_template(special.chat_template)
     return Vocab(tokens, [int(t) for t in types], special)
+
+
+def _inference_template(template: str | list | None) -> str | list | None:
+    """The chat template (or transformers' list of named ones) without the training-only {% generation %} tags, which
+    llama.cpp's and other engines' Jinja do not parse (`without_generation_tags`: the same rendering)."""
+    if isinstance(template, str):
+        return without_generation_tags(template)
+    if isinstance(template, list):
+        return [{**item, "template": without_generation_tags(item["template"])}
+                if isinstance(item, dict) and isinstance(item.get("template"), str) else item for item in template]
+    return template
 
 
 # ---------------------------------------------------------------------------------------------- the file

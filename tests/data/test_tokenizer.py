@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, decoders
 
 from hybridlm.data.errors import DataError
 from hybridlm.data.tokenizer import (
+    CHAT_TEMPLATE,
     META_FILE,
     NUM_RESERVED,
     SPECIAL_TOKENS,
@@ -24,6 +25,7 @@ from hybridlm.data.tokenizer import (
     text_stats,
     train_from_texts,
     train_tokenizer,
+    without_generation_tags,
 )
 from tests.data.corpora import VOCAB_SIZE, chinese, documents, write_jsonl
 
@@ -147,6 +149,29 @@ def test_saved_files_load_in_tokenizers_and_transformers(tokenizer, tokenizer_di
     chat = auto.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert chat == "<|begin_of_text|><|user|>hi<|end_of_turn|><|assistant|>"
     assert auto.encode(chat, add_special_tokens=False)[:2] == [1, 4]  # bos, user
+
+
+def test_chat_template_marks_the_assistants_tokens(tokenizer, tokenizer_dir):
+    """The assistant's content and end-of-turn are what transformers' assistant mask (TRL's assistant_only_loss)
+    marks; the template renders the same in plain jinja2 once its generation tags are replaced."""
+    import jinja2
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello there"}, {"role": "user", "content": "bye"},
+                {"role": "assistant", "content": "bye now"}]
+    out = auto.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = out["input_ids"], out["assistant_masks"]
+    trained = [i for i, m in zip(ids, mask) if m]
+    assert trained == [*tokenizer.encode("hello there"), 7, *tokenizer.encode("bye now"), 7]  # 7: end_of_turn
+    text = "<|begin_of_text|><|system|>be brief<|end_of_turn|><|user|>hi<|end_of_turn|><|assistant|>hello there" \
+           "<|end_of_turn|><|user|>bye<|end_of_turn|><|assistant|>bye now<|end_of_turn|>"
+    assert auto.apply_chat_template(messages, tokenize=False) == text
+    assert "generation %}" not in without_generation_tags(CHAT_TEMPLATE)
+    plain = jinja2.Template(without_generation_tags(CHAT_TEMPLATE))
+    assert plain.render(messages=messages, bos_token="<|begin_of_text|>", add_generation_prompt=False) == text
+    assert without_generation_tags("{%- generation +%}x{% endgeneration -%}") == "{%- if true +%}x{% endif -%}"
 
 
 def test_vocab_size_must_cover_fixed_tokens(train_texts):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridlm.cli import main
-from hybridlm.data.tokenizer import CHAT_TEMPLATE
+from hybridlm.data.tokenizer import CHAT_TEMPLATE, without_generation_tags
 from hybridlm.export.gguf import NO_MERGE, export_gguf
 from hybridlm.models.config import HybridConfig
 from hybridlm.models.model import HybridForCausalLM
@@ -115,7 +115,7 @@ def test_metadata(tmp_path, tok_dir):
         f"{arch}.ssm.time_step_rank": 4, f"{arch}.ssm.group_count": 2, f"{arch}.rope.freq_base": 1e4,
         "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "falcon-h1", "tokenizer.ggml.merges": [NO_MERGE],
         "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.padding_token_id": 0,
-        "tokenizer.ggml.add_bos_token": False, "tokenizer.chat_template": CHAT_TEMPLATE,
+        "tokenizer.ggml.add_bos_token": False, "tokenizer.chat_template": without_generation_tags(CHAT_TEMPLATE),
     }
     assert {key: value(key) for key in expected} == expected
     assert value(f"{arch}.attention.layer_norm_rms_epsilon") == pytest.approx(c.rms_norm_eps, rel=1e-7)

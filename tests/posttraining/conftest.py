@@ -1,24 +1,16 @@
-"""What the TRL / PEFT tests share: a tiny byte-level tokenizer with a chat template that marks the assistant's
-tokens (`{% generation %}`, for `assistant_only_loss`), a tiny hybrid sized to it, and a few seeded examples."""
+"""What the TRL / PEFT tests share: a tiny byte-level tokenizer with our chat template (whose `{% generation %}` tags
+mark the assistant's tokens for `assistant_only_loss`), a tiny hybrid sized to it, and a few seeded examples."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybridlm.data.tokenizer import SPECIAL_TOKENS, fixed_tokens, train_from_texts
+from hybridlm.data.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, fixed_tokens, train_from_texts
 from hybridlm.models.config import HybridConfig
 from hybridlm.models.model import HybridForCausalLM
 
 SPECIAL = dict(SPECIAL_TOKENS)
-# Our chat markup (hybridlm.data.tokenizer.CHAT_TEMPLATE) with the assistant's content and end-of-turn inside
-# {% generation %}: the tokens an assistant-only loss trains on.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}{{ m['content'] }}<|end_of_turn|>{% endgeneration %}"
-    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end_of_turn|>{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 QUESTIONS = ["what is two plus two", "name a colour", "say hello", "count to three"]
 ANSWERS = ["four", "blue", "hello there", "one two three"]
 
