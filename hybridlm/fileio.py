@@ -82,9 +82,11 @@ class FileLockBusy(RuntimeError):
 class FileLock:
     """An exclusive, non-blocking advisory lock (flock) on the file at `path`, kept apart between processes.
 
-    `acquire()` creates the file if needed (never writes or deletes it) and returns False at once when another
-    process holds the lock. The lock is released by `release()`, at the end of a `with` block, when this object is
-    garbage-collected, or by the system when the process dies. Where the file system cannot lock (some network file
+    `acquire()` creates the file if needed (never writes it) and returns False at once when another process holds
+    the lock. The lock is released by `release()`, at the end of a `with` block, when this object is
+    garbage-collected, or by the system when the process dies. `release(remove=True)` deletes the file first, while
+    still holding the lock: a process that opened it before then finds, once it holds the lock, that the path no
+    longer names its file, and takes the lock again on the path's new file, so one path never has two holders. Where the file system cannot lock (some network file
     systems: a warning is logged) or the platform has no flock (Windows), `acquire()` returns True without a lock:
     `locked` is False and `unlocked_reason` says why.
 
@@ -115,24 +117,30 @@ class FileLock:
         if fcntl is None:
             self.unlocked_reason = "this platform has no flock"
             return True
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            os.close(fd)
-            if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
-                return False
-            self.unlocked_reason = f"the file system cannot lock it ({err})"
-            log.warning("cannot lock %s (%s): going on unlocked, so a second process is not kept out", self.path,
-                        err)
-            return True
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                os.close(fd)
+                if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                    return False
+                self.unlocked_reason = f"the file system cannot lock it ({err})"
+                log.warning("cannot lock %s (%s): going on unlocked, so a second process is not kept out", self.path,
+                            err)
+                return True
+            if _names_file(self.path, fd):
+                break
+            _unlock_fd(fd)  # its holder removed it between our open and our lock: lock the path's file now
         self.unlocked_reason = None
         self._release = weakref.finalize(self, _unlock_fd, fd)
         return True
 
-    def release(self) -> None:
-        """Let another process take the lock (a no-op when not held)."""
+    def release(self, *, remove: bool = False) -> None:
+        """Let another process take the lock (a no-op when not held); `remove`: delete the file first."""
         if self._release is not None:
+            if remove:
+                self.path.unlink(missing_ok=True)
             self._release()
             self._release = None
 
@@ -143,6 +151,16 @@ class FileLock:
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+
+def _names_file(path: Path, fd: int) -> bool:
+    """Whether `path` names the open file `fd` (not a file created there since, nor nothing)."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _unlock_fd(fd: int) -> None:

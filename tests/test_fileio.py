@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import gc
 import logging
+import os
 import subprocess
 import sys
 
@@ -75,6 +76,34 @@ def test_file_lock_keeps_a_second_holder_out_until_released(tmp_path):
         assert second.locked and not FileLock(path).acquire()
     assert not second.locked and FileLock(path).acquire()
     assert path.read_bytes() == b""  # the file is created, never written, and left in place
+
+
+@needs_flock
+def test_a_removed_lock_file_never_has_two_holders(tmp_path, monkeypatch):
+    path = tmp_path / "run.lock"
+    first = FileLock(path)
+    assert first.acquire()
+    first.release(remove=True)
+    assert not path.exists()
+    # A process that opened the file just before its holder removed it and let go: once it holds the lock on that
+    # file, the path no longer names it, so it takes the lock on the path's new file.
+    real_flock, calls = fcntl.flock, []
+
+    def flock_after_removal(fd, operation):
+        if operation & fcntl.LOCK_EX:
+            if not calls:
+                os.unlink(path)  # what release(remove=True) of the holder did
+            calls.append(fd)
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_removal)
+    second = FileLock(path)
+    assert second.acquire() and path.is_file()
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    assert not FileLock(path).acquire()  # a newcomer sees the holder's file
+    assert len(calls) == 2  # the removed file, then the path's new one
+    second.release(remove=True)
+    assert not path.exists() and FileLock(path).acquire()
 
 
 @needs_flock

@@ -104,7 +104,7 @@ class RunBusy(RuntimeError):
 @contextlib.contextmanager
 def _run_lock(out_dir: Path, key: str):
     """An exclusive lock on runs/<key>.lock while the run trains, so two commands sharing an out_dir never train
-    (and checkpoint) the same run at once."""
+    (and checkpoint) the same run at once; the file is removed when the run ends."""
     lock = FileLock(out_dir / RUNS / f"{key}.lock")
     if not lock.acquire():
         raise RunBusy(f"run {key} is being trained by another command on {out_dir}: run this one again when that "
@@ -112,7 +112,7 @@ def _run_lock(out_dir: Path, key: str):
     try:
         yield
     finally:
-        lock.release()
+        lock.release(remove=True)
 
 
 def checkpoint_path(out_dir: str | Path, key: str) -> Path:

@@ -70,6 +70,7 @@ def test_a_run_another_command_is_training_is_left_alone(tmp_path):
     assert results.failed == ["a"] and results["b"]["value"] == 4
     assert any("FAILED a" in line and "being trained by another command" in line for line in lines)
     assert not (tmp_path / "runs" / "a.json").exists()
+    assert (tmp_path / "runs" / "a.lock").exists() and not (tmp_path / "runs" / "b.lock").exists()  # b's, removed
 
 
 def test_a_reused_run_removes_only_its_own_leftover_checkpoint(tmp_path):
