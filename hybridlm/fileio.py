@@ -86,9 +86,9 @@ class FileLock:
     the lock. The lock is released by `release()`, at the end of a `with` block, when this object is
     garbage-collected, or by the system when the process dies. `release(remove=True)` deletes the file first, while
     still holding the lock: a process that opened it before then finds, once it holds the lock, that the path no
-    longer names its file, and takes the lock again on the path's new file, so one path never has two holders. Where the file system cannot lock (some network file
-    systems: a warning is logged) or the platform has no flock (Windows), `acquire()` returns True without a lock:
-    `locked` is False and `unlocked_reason` says why.
+    longer names its file, and takes the lock again on the path's new file, so one path never has two holders.
+    Where the file system cannot lock (some network file systems: a warning is logged) or the platform has no flock
+    (Windows), `acquire()` returns True without a lock: `locked` is False and `unlocked_reason` says why.
 
         lock = FileLock(out / ".run.lock")
         if not lock.acquire():
