@@ -499,8 +499,9 @@ def _check_inputs(
     embedding_shape: tuple[int, int],
 ) -> None:
     """Refuse, naming what is wrong, input_ids that are not [B, T] integers (on the CPU, not compiling, also ids
-    outside the vocabulary: on a GPU that check would wait for the device), inputs_embeds that are not [B, T, D], and
-    position_ids that are not [B or 1, T] or [T]. embedding_shape: the embedding table's [V, D]."""
+    outside the vocabulary: on a GPU that check would wait for the device), inputs_embeds that are not [B, T, D], no
+    positions (T = 0), and position_ids that are not [B or 1, T] or [T]. embedding_shape: the embedding table's
+    [V, D]."""
     vocab, width = embedding_shape
     if input_ids is not None:
         if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
@@ -518,6 +519,8 @@ def _check_inputs(
             raise ValueError(f"inputs_embeds must be [B, T, D] with D = hidden_size = {width}, got "
                              f"{list(inputs_embeds.shape)}")
         batch, length = inputs_embeds.shape[:2]
+    if length == 0:  # (every mixer would have to agree on what an empty sequence returns; none is useful)
+        raise ValueError(f"the inputs hold no positions ([B, T] = [{batch}, 0]); pass at least one token")
     if position_ids is not None and not (
         (position_ids.dim() == 1 and position_ids.shape[0] == length)
         or (position_ids.dim() == 2 and position_ids.shape[0] in (1, batch) and position_ids.shape[1] == length)

@@ -361,6 +361,8 @@ def test_bad_inputs(tmp_path):
     (dict(input_ids=torch.zeros(2, 5, dtype=torch.long), labels=torch.zeros(2, 4, dtype=torch.long)),
      r"labels \(2, 4\) must have the inputs' shape \[B, T\] = \[2, 5\]"),
     (dict(input_ids=torch.zeros(2, 5, dtype=torch.long), logits_to_keep=-1), "logits_to_keep=-1: pass n > 0"),
+    (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), r"no positions \(\[B, T\] = \[1, 0\]\)"),
+    (dict(inputs_embeds=torch.zeros(2, 0, 32)), r"no positions \(\[B, T\] = \[2, 0\]\)"),
 ])
 def test_malformed_inputs_are_named(inputs, message):
     with pytest.raises(ValueError, match=message):
