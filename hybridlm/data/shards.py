@@ -329,13 +329,20 @@ def prepare(
             if (out / name).is_file():  # there but unreadable: its checksums are lost
                 log.warning("%s is not readable JSON, so the shards it listed cannot be verified; preparing "
                             "every shard again", out / name)
+        if manifest is None and earlier is not None and not earlier.get("shards"):
+            earlier = None  # an unfinished run that wrote no shard (e.g. stopped by a bad record): nothing to keep
         if earlier is not None and earlier.get("settings") != settings:
             if not overwrite:
                 old = earlier["settings"] if isinstance(earlier.get("settings"), dict) else {}
-                differ = sorted(k for k in settings if old.get(k) != settings[k])
+                differ = ", ".join(sorted(k for k in settings if old.get(k) != settings[k])) or "format"
+                if manifest is None:
+                    raise OutputExistsError(
+                        f"{out} holds an unfinished preparation of other inputs or settings ({len(earlier['shards'])}"
+                        f" shards written; differs in: {differ}); to start over with these, pass --overwrite; to "
+                        "finish that one, run it again with its own inputs; or use another --out")
                 raise OutputExistsError(
-                    f"{out} already holds a dataset prepared from other inputs or settings (differs in: "
-                    f"{', '.join(differ) or 'format'}); use another --out, or pass --overwrite to replace it")
+                    f"{out} already holds a dataset prepared from other inputs or settings (differs in: {differ}); "
+                    "use another --out, or pass --overwrite to replace it")
             earlier = manifest = None
             for p in _our_files(out):
                 p.unlink()
@@ -413,6 +420,7 @@ def _run(files, tok, tokenizer_dir, out, settings, dtype, shards, cursor, worker
             while pending:
                 consume(*pending.popleft())
         writer.finish(stats.docs)
+        bar.set_postfix(docs=stats.docs, shards=len(writer.shards))  # the last shard is written by finish
     except KeyboardInterrupt:
         log.warning("interrupted after %d complete shards; run the same command again to resume", len(writer.shards))
         raise

@@ -184,12 +184,30 @@ def test_other_inputs_into_the_same_directory(corpus, tokenizer_dir, tmp_path):
 def test_bad_record_stops_before_anything_is_published(tmp_path, tokenizer_dir):
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(30)) + '{"body": "x"}\n')
-    with pytest.raises(DataError, match=r"in\.jsonl:31: no text field 'text'"):
-        prepare([path], tokenizer_dir, tmp_path / "out", shard_tokens=10, workers=1, progress=False)
+    with pytest.raises(DataError, match=r"in\.jsonl:31: no text field 'text'"):  # after some shards are written
+        prepare([path], tokenizer_dir, tmp_path / "out", shard_tokens=10, workers=1, progress=False, batch_docs=4)
     assert not (tmp_path / "out" / MANIFEST).exists()
     result = prepare([path], tokenizer_dir, tmp_path / "out2", shard_tokens=10, workers=1, progress=False,
                      skip_missing_field=True)
     assert result.manifest["counts"]["missing_field"] == 1 and result.manifest["num_docs"] == 30
+    # The file fixed: its shards written before the bad record are another input's, kept unless told
+    path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(31)))
+    with pytest.raises(DataError, match=r"holds an unfinished preparation of other inputs or settings \(\d+ shards "
+                                        r"written; differs in: sources\); to start over with these, pass --overwrite"):
+        prepare([path], tokenizer_dir, tmp_path / "out", shard_tokens=10, workers=1, progress=False)
+    fixed = prepare([path], tokenizer_dir, tmp_path / "out", shard_tokens=10, workers=1, progress=False,
+                    overwrite=True)
+    assert fixed.manifest["num_docs"] == 31
+
+
+def test_a_run_stopped_before_its_first_shard_leaves_nothing_in_the_way(tmp_path, tokenizer_dir):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "one"}\n{"body": "x"}\n')
+    with pytest.raises(DataError, match=r"in\.jsonl:2: no text field 'text'"):
+        prepare([path], tokenizer_dir, tmp_path / "out", workers=1, progress=False)
+    path.write_text('{"text": "one"}\n{"text": "two"}\n')
+    result = prepare([path], tokenizer_dir, tmp_path / "out", workers=1, progress=False)
+    assert result.status == "created" and result.manifest["num_docs"] == 2
 
 
 def test_bad_settings_are_refused(corpus, tokenizer_dir, tmp_path):
