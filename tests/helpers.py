@@ -50,3 +50,10 @@ def type_lines(monkeypatch, lines) -> Iterator[str]:
 
     monkeypatch.setattr("builtins.input", typed)
     return remaining
+
+
+def chat_args(*flags: str):
+    """`hybridlm chat`'s parsed arguments for `--model M` and `flags` (the parser's defaults otherwise)."""
+    from hybridlm.cli import build_parser
+
+    return build_parser().parse_args(["chat", "--model", "M", *flags])

@@ -38,7 +38,7 @@ def add_commands(subparsers) -> None:
                    help="total vocabulary size, special, reserved and LaTeX tokens included (at least 1561)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write tokenizer.json and metadata to")
     _add_text_options(p)
-    p.add_argument("--min-frequency", type=int, default=2, metavar="K",
+    p.add_argument("--min-frequency", type=positive_int, default=2, metavar="K",
                    help="merge only pairs seen at least K times (default 2)")
     p.add_argument("--max-bytes", type=positive_int, default=None, metavar="B",
                    help="train on at most about B bytes of text, B >= 1 (default: all)")

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from hybridlm.fileio import write_atomic
 
+DEFAULT_SEQ_LEN = 2048  # `eval ppl`'s window, shortened to a model's max_position_embeddings
+
 
 def add_commands(subparsers) -> None:
     text = "evaluate a saved model (perplexity) or export it for lm_eval"
@@ -29,7 +31,8 @@ def add_commands(subparsers) -> None:
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="the tokenizer the shards were made with, for exact bytes (default: the model dir's, else "
                         "the manifest's average bytes per token)")
-    p.add_argument("--seq-len", type=int, default=2048, metavar="N", help="window length (default 2048)")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N",
+                   help="window length (default 2048, or the model's max_position_embeddings when shorter)")
     p.add_argument("--batch-size", type=int, default=4, metavar="B", help="rows per forward (default 4)")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N", help="evaluate the first N tokens' documents")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
@@ -81,7 +84,7 @@ def _eval_ppl(args: argparse.Namespace) -> int:
         device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if args.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-        if args.seq_len < 2:
+        if args.seq_len is not None and args.seq_len < 2:
             raise ValueError(f"--seq-len must be >= 2 (a window scores its tokens after the first), got {args.seq_len}")
         if args.json and (not Path(args.json).parent.is_dir() or Path(args.json).is_dir()):  # not after the run
             raise ValueError(f"--json {args.json}: needs a file name in an existing directory")
@@ -98,14 +101,15 @@ def _eval_ppl(args: argparse.Namespace) -> int:
             byte_lengths = token_byte_lengths(tokenizer_dir)
         with _hf_progress_bars(not args.no_progress):  # transformers' "Loading weights" bar
             model = load_model(args.model).to(device)
-        if args.seq_len > model.config.max_position_embeddings:  # an option the model rules out: a usage error
-            return _fail(f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings "
-                         f"{model.config.max_position_embeddings}", status=2)
+        limit = model.config.max_position_embeddings
+        seq_len = min(DEFAULT_SEQ_LEN, limit) if args.seq_len is None else args.seq_len
+        if seq_len > limit:  # an option the model rules out: a usage error
+            return _fail(f"--seq-len {seq_len} is longer than the model's max_position_embeddings {limit}", status=2)
         data_vocab = int(data.manifest["vocab_size"])
         if data_vocab > model.config.vocab_size:
             raise ValueError(f"{args.data} was tokenized with {data_vocab:,} ids but the model has "
                              f"{model.config.vocab_size:,}; prepare the data with the model's tokenizer")
-        result = evaluate_perplexity(model, data, seq_len=args.seq_len, batch_size=args.batch_size,
+        result = evaluate_perplexity(model, data, seq_len=seq_len, batch_size=args.batch_size,
                                      max_tokens=args.max_tokens, byte_lengths=byte_lengths, device=device,
                                      progress=not args.no_progress)
     except (ValueError, DataError, FileNotFoundError) as err:

@@ -20,7 +20,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from hybridlm.models.commands import add_generation_flags, generation_options
+from hybridlm.argtypes import positive_int
+from hybridlm.models.commands import (
+    add_generation_flags,
+    add_sampling_flags,
+    generation_options,
+    sampling_flags_problem,
+)
 
 
 def add_chat_command(subparsers) -> None:
@@ -31,11 +37,9 @@ def add_chat_command(subparsers) -> None:
     p.add_argument("--prompt", metavar="TEXT", help="answer this one message and exit (default: interactive)")
     p.add_argument("--system", metavar="TEXT", help="a system message at the start of the conversation")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template instead of the model's")
-    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="tokens per answer at most (256)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, metavar="P", help="sample within probability mass P")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed of the sampling")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, metavar="N",
+                   help="tokens per answer at most (256)")
+    add_sampling_flags(p)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="parameter dtype")
     p.add_argument("--eager", action="store_true",
@@ -130,6 +134,10 @@ def answer(model, encoder, prompt: list[int], *, max_new_tokens: int, on_text: C
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    problem = sampling_flags_problem(args)
+    if problem:
+        print(f"hybridlm chat: {problem}", file=sys.stderr)
+        return 2
     try:
         session = _session(args)
     except (ValueError, OSError) as err:

@@ -21,7 +21,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from hybridlm.models.commands import add_generation_flags, generation_options
+from hybridlm.argtypes import positive_int
+from hybridlm.models.commands import (
+    add_generation_flags,
+    add_sampling_flags,
+    generation_options,
+    sampling_flags_problem,
+)
 
 DEFAULT_NEW_TOKENS = 64
 
@@ -39,19 +45,14 @@ def add_commands(subparsers) -> None:
     p.add_argument("--prompt", required=True, action="append", metavar="TEXT",
                    help="the prompt; repeat for a batch of prompts")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: the model directory)")
-    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
                    help=f"tokens to add (default {DEFAULT_NEW_TOKENS}, or fewer when the model's "
                         "max_position_embeddings leaves less room)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                   help="0 = greedy (default); > 0 samples from softmax(logits / T)")
-    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, metavar="P",
-                   help="sample among the most likely tokens that cover probability P")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed of the sampling (reproducible output)")
+    add_sampling_flags(p)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="parameter dtype (default float32)")
-    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+    p.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="N",
                    help="prefill in pieces of N tokens per prompt (bounds memory on long prompts)")
     steps = p.add_mutually_exclusive_group()
     steps.add_argument("--graph", action="store_true",
@@ -68,6 +69,10 @@ def add_commands(subparsers) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    problem = sampling_flags_problem(args)
+    if problem:
+        print(f"hybridlm generate: {problem}", file=sys.stderr)
+        return 2
     try:
         texts = generate_texts(args)
     except (CommandError, ValueError) as error:

@@ -34,6 +34,32 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
                              "beside attention, the same values; hybridlm/layers/block.py)")
 
 
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """--temperature, --top-k, --top-p and --seed, checked as the command line is parsed (exit status 2)."""
+    from hybridlm.argtypes import non_negative_float, positive_int, probability
+
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
+                        help="0 = greedy (default); > 0 samples from softmax(logits / T)")
+    parser.add_argument("--top-k", type=positive_int, default=None, metavar="K",
+                        help="sample among the K most likely tokens (with --temperature > 0)")
+    parser.add_argument("--top-p", type=probability, default=None, metavar="P",
+                        help="sample among the most likely tokens that cover probability P (with --temperature > 0)")
+    parser.add_argument("--seed", type=int, default=None, metavar="S",
+                        help="seed of the sampling, for reproducible output (with --temperature > 0)")
+
+
+def sampling_flags_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with `add_sampling_flags`' values together: sampling options given for greedy decoding, where
+    they would be silently ignored."""
+    given = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
+             if value is not None]
+    if given and args.temperature == 0:
+        acts, them = ("act", "them") if len(given) > 1 else ("acts", "it")
+        return f"{', '.join(given)} only {acts} when sampling: pass --temperature > 0 with {them} (0, the default, " \
+               "decodes greedily)"
+    return None
+
+
 def generation_options(args: argparse.Namespace) -> dict[str, bool]:
     """`prepare_for_generation`'s fold, fuse and concurrent as `add_generation_flags` set them."""
     return dict(fold=not getattr(args, "no_fold_multipliers", False),

@@ -34,6 +34,8 @@ import json
 import sys
 from pathlib import Path
 
+from hybridlm.argtypes import at_least
+
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser(
@@ -62,8 +64,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                         help="the model directory to write (not inside the run; an existing one with --overwrite)")
     export.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out, if it is a model directory (config.json, safetensors)")
-    export.add_argument("--step", type=int, help="the checkpoint's step (default: the newest complete checkpoint, "
-                        "refused while a newer one is damaged)")
+    export.add_argument("--step", type=at_least(0),
+                        help="the checkpoint's step (default: the newest complete checkpoint, refused while a newer "
+                        "one is damaged)")
     export.add_argument("--format", choices=("hybridlm", "falcon_h1"), default="hybridlm",
                         help="hybridlm (default) or an official falcon_h1 checkpoint (Mamba-2 SA_M models with an MLP)")
     export.set_defaults(func=run_checkpoint_export)

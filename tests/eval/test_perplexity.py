@@ -142,6 +142,23 @@ def test_eval_ppl_command(model_dir, shards_dir, tokenizer_dir, tmp_path, capsys
     assert "no tokenizer.json" in capsys.readouterr().err
 
 
+def test_eval_ppl_windows_default_to_a_short_models_context(model_dir, shards_dir, tmp_path):
+    import shutil
+
+    short = tmp_path / "short"
+    shutil.copytree(model_dir, short)
+    config = json.loads((short / "config.json").read_text())
+    config["max_position_embeddings"] = 24  # under the default window of 2048
+    (short / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "ppl.json"
+    assert main(["eval", "ppl", "--model", str(short), "--data", str(shards_dir), "--device", "cpu", "--no-progress",
+                 "--json", str(out)]) == 0
+    from hybridlm.models.hf import load_model
+
+    direct = evaluate_perplexity(load_model(short), TokenDataset(shards_dir), seq_len=24)
+    assert json.loads(out.read_text())["loss"] == pytest.approx(direct["loss"], rel=1e-6)
+
+
 def test_eval_ppl_option_values_are_usage_errors(model_dir, shards_dir, tmp_path, capsys):
     """A bad option value is a usage error, exit status 2 as the command documents (1 is a bad input), found
     before the evaluation: a --json with no directory, a --seq-len the model cannot take, --batch-size, --device."""

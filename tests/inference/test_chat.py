@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from hybridlm.inference import chat
-from tests.helpers import type_lines
+from tests.helpers import chat_args, type_lines
 
 
 @pytest.mark.parametrize("command", ["/exit", "/quit"])
@@ -27,7 +25,7 @@ def test_exit_and_quit_end_the_chat_without_an_answer(monkeypatch, capsys, comma
     session = Session()
     monkeypatch.setattr(chat, "_session", lambda args: session)
     lines = type_lines(monkeypatch, ["hello", command, "after"])
-    assert chat.run_chat(argparse.Namespace(prompt=None)) == 0
+    assert chat.run_chat(chat_args()) == 0
     out, err = capsys.readouterr()
     assert session.asked == ["hello"] and out.count("answer") == 1
     assert next(lines) == "after"  # never read: the chat ended at the command

@@ -128,8 +128,16 @@ def test_errors_are_one_line(word_model, tmp_path, capsys):
     code, _, err = run(capsys, "--model", path, "--prompt", "w1 w2 w3", "--max-new-tokens", 10)
     assert code == 1 and "= 13 positions, more than the model's max_position_embeddings 12" in err
     assert "at most 9 new tokens" in err
-    code, _, err = run(capsys, "--model", path, "--prompt", "w1", "--temperature", -1)
-    assert code == 1 and "temperature" in err
+    for flags, message in ((["--temperature", -1], "argument --temperature: must be a finite number >= 0, got -1"),
+                           (["--top-p", 1.5], "argument --top-p: must be in (0, 1], got 1.5"),
+                           (["--top-k", 0], "argument --top-k: must be >= 1, got 0"),
+                           (["--max-new-tokens", 0], "argument --max-new-tokens: must be >= 1, got 0")):
+        with pytest.raises(SystemExit) as stopped:  # found while parsing, before the model loads
+            run(capsys, "--model", path, "--prompt", "w1", *flags)
+        assert stopped.value.code == 2 and message in capsys.readouterr().err
+    code, _, err = run(capsys, "--model", path, "--prompt", "w1", "--top-k", 5, "--seed", 1)
+    assert code == 2 and err == "hybridlm generate: --top-k, --seed only act when sampling: pass --temperature > 0 " \
+                               "with them (0, the default, decodes greedily)\n"
     bare = tmp_path / "bare"
     save_model(bare, len(WORDS))
     code, _, err = run(capsys, "--model", bare, "--prompt", "w1")

@@ -20,7 +20,7 @@ from hybridlm.training.dpo import reference_log_probs
 from hybridlm.training.posttraining import FitCounts, PreferencePairs, fit_pair
 from hybridlm.training.run_dir import read_jsonl
 from hybridlm.training.trainer import Trainer
-from tests.helpers import type_lines
+from tests.helpers import chat_args, type_lines
 from tests.inference.helpers import count_decoder_steps
 from tests.posttraining.helpers import make_model_dir
 
@@ -234,7 +234,6 @@ def test_a_turn_end_spelled_in_bytes_still_ends_the_answer(tmp_path):
 def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(monkeypatch, capsys):
     """Ctrl-C while the model answers: back at the prompt, the interrupted exchange left out of the conversation;
     then Ctrl-D leaves with status 0 (Ctrl-C at the prompt: 130, no traceback either way)."""
-    import argparse
 
     from hybridlm.inference import chat
 
@@ -254,7 +253,7 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(monkeypatch, capsys):
     session = Session()
     monkeypatch.setattr(chat, "_session", lambda args: session)
     type_lines(monkeypatch, ["first", "second"])
-    assert chat.run_chat(argparse.Namespace(prompt=None)) == 0
+    assert chat.run_chat(chat_args()) == 0
     out, err = capsys.readouterr()
     assert session.messages == ["second", "answer"] and "answer stopped" in err and "answer" in out
 
@@ -262,9 +261,9 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(monkeypatch, capsys):
         raise KeyboardInterrupt
 
     monkeypatch.setattr("builtins.input", interrupted)
-    assert chat.run_chat(argparse.Namespace(prompt=None)) == 130
+    assert chat.run_chat(chat_args()) == 130
     session.calls = 0
-    assert chat.run_chat(argparse.Namespace(prompt="hi")) == 130
+    assert chat.run_chat(chat_args("--prompt", "hi")) == 130
 
 
 @pytest.mark.parametrize("task", ["sft", "dpo"])
