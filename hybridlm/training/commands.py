@@ -13,10 +13,10 @@
 
 `--set key=value` (repeatable) addresses nested config keys with dots (train.steps, batch.micro_batch,
 model.overrides.hidden_size, optim.elr.ssm_in, ...); values are YAML (numbers, true/false, null,
-[lists]) and are checked against the key's type; a `--set` of schedule.kind (to cosine or constant),
-schedule.decay or schedule.decay_fraction drops the other decay key inherited from the config file. `--resume`
-without `--config` continues with the run's own `config.yaml`. An output directory that holds a run
-(checkpoints/, final/, metrics.jsonl, ...) is refused unless `--resume` continues it or `--overwrite`
+[lists]) and are checked against the key's type; a `--set` of schedule.kind drops the schedule settings inherited
+from the config file that the new kind does not read, and one of schedule.decay or schedule.decay_fraction drops
+the other. `--resume` without `--config` continues with the run's own `config.yaml`. An output directory that
+holds a run (checkpoints/, final/, metrics.jsonl, ...) is refused unless `--resume` continues it or `--overwrite`
 replaces it (only once every check has passed), and so is one another `train` is running in. Keep your
 own config files outside the output directory: the run writes its resolved config to <out>/config.yaml
 (marked by its first line), and a config.yaml there that a run did not write is refused, never replaced. Exit status:

@@ -21,8 +21,9 @@ Sections (dotted keys address them: `--set batch.micro_batch=4`):
     optim         AdamW lr, weight_decay, betas, eps; per-role multipliers: elr / ewd (matrix roles,
                   `training.optim`), vector_lr (vector roles)
     schedule      `training.schedules.ScheduleConfig` (kind, unit, warmup, decay, ...; not rampup). An override
-                  of kind (to cosine or constant), decay or decay_fraction drops the other decay key the file
-                  or demo gave (`--set schedule.kind=cosine` on the demo, whose decay_fraction is 0.2, just works)
+                  of kind drops the settings the file or demo gave that the new kind does not read, and one of
+                  decay or decay_fraction drops the other (`--set schedule.kind=cosine` on the demo, whose
+                  decay_fraction is 0.2, just works)
     batch         micro_batch (rows per rank per micro-step), seq_len, grad_accum; batch-size rampup:
                   rampup_start (rows at the start; None: off), rampup_tokens, ref_batch. Batch sizes count
                   rows per data-parallel rank: the global batch is micro_batch x grad_accum x dp_replicate x
@@ -67,7 +68,7 @@ from typing import Any
 import yaml
 
 from hybridlm.fileio import diff_nested, write_atomic
-from hybridlm.training.schedules import ScheduleConfig, has_decay_stage
+from hybridlm.training.schedules import KINDS, ScheduleConfig, unused_settings
 from hybridlm.training.typed_yaml import (
     ConfigError,
     FieldsMapping,
@@ -338,30 +339,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(SCHEMA.valid_keys(TrainConfig))})")
     merged = apply_overrides(raw, list(overrides))
-    _drop_inherited_decay(merged, {".".join(parse_override(text)[0]) for text in overrides})
+    _drop_inherited_schedule_keys(merged, {".".join(parse_override(text)[0]) for text in overrides})
     return config_from_dict(merged)
 
 
 _OTHER_DECAY_KEY = {"decay": "decay_fraction", "decay_fraction": "decay"}
 
 
-def _drop_inherited_decay(raw: dict[str, Any], set_keys: set[str]) -> None:
-    """A `--set` that chooses the decay replaces the config file's choice instead of clashing with it: setting
-    schedule.kind to a kind without a decay stage (cosine, constant) drops the file's schedule.decay and
-    schedule.decay_fraction; setting one of those two drops the other. A key set in the same command is kept
-    (and a clash among the command's own keys stays an error)."""
+def _drop_inherited_schedule_keys(raw: dict[str, Any], set_keys: set[str]) -> None:
+    """A `--set` that chooses the schedule replaces the config file's choice instead of clashing with it: setting
+    schedule.kind drops the file's settings the new kind does not read (`unused_settings`: decay and decay_fraction
+    for cosine and constant, power_t0 outside the power kinds, decay_shape and min_lr_ratio for constant); setting
+    decay or decay_fraction drops the other. A key set in the same command is kept (and a clash among the command's
+    own keys stays an error)."""
     schedule = raw.get("schedule")
     if not isinstance(schedule, dict) or "schedule" in set_keys:
         return
-    inherited = [k for k in ("decay", "decay_fraction") if f"schedule.{k}" not in set_keys]
-    if "schedule.kind" in set_keys and isinstance(schedule.get("kind"), str) and not has_decay_stage(schedule["kind"]):
-        drop = inherited
-    else:
-        drop = [k for k in inherited if schedule.get(_OTHER_DECAY_KEY[k]) is not None
-                and f"schedule.{_OTHER_DECAY_KEY[k]}" in set_keys]
+    drop = set()
+    if "schedule.kind" in set_keys and schedule.get("kind") in KINDS:
+        drop.update(unused_settings(schedule["kind"]))
+    drop.update(key for key, other in _OTHER_DECAY_KEY.items()
+                if schedule.get(other) is not None and f"schedule.{other}" in set_keys)
     for key in drop:
-        if key in schedule:
-            schedule[key] = None
+        if f"schedule.{key}" not in set_keys:
+            schedule.pop(key, None)  # the field's default
 
 
 def config_to_dict(config: Any) -> Any:

@@ -82,6 +82,18 @@ _NO_DECAY_STAGE = {
 def has_decay_stage(kind: str) -> bool:
     """Whether `kind` ends with a separate decay stage, whose length is `decay` or `decay_fraction`."""
     return kind in _DECAYING_KINDS
+
+
+def unused_settings(kind: str) -> tuple[str, ...]:
+    """The `ScheduleConfig` fields `kind` does not read (a value away from the default is refused for it)."""
+    unused = [] if kind in _POWER_KINDS else ["power_t0", "power_exponent"]
+    if not has_decay_stage(kind):
+        unused += ["decay", "decay_fraction"]
+    if kind == "constant":
+        unused += ["decay_shape", "min_lr_ratio"]
+    if kind == "cosine":  # always a cosine
+        unused += ["decay_shape"]
+    return tuple(unused)
 _DEFAULT_POWER_EXPONENT = 0.5  # the report's b = 1/2
 
 

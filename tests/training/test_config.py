@@ -145,6 +145,16 @@ def test_a_set_that_chooses_the_decay_replaces_the_inherited_one(tmp_path):
     # what the command itself sets is never dropped: the clash is reported
     with pytest.raises(ConfigError, match="schedule.decay_fraction=0.3: schedule.kind='cosine'"):
         load_config(None, ["schedule.kind=cosine", "schedule.decay_fraction=0.3"])
+    # a file's power schedule switched: its power_t0, decay_shape, min_lr_ratio go where the new kind reads none
+    power = _write(tmp_path / "power.yaml", "data: {demo: true}\nschedule: {kind: effective_power, warmup: 5, "
+                   "decay_fraction: 0.1, power_t0: 50, power_exponent: 0.7, decay_shape: cosine, min_lr_ratio: 0.1}\n")
+    for kind, kept in (("cosine", dict(min_lr_ratio=0.1)), ("constant", {}), ("wsd", dict(decay_shape="cosine"))):
+        schedule = load_config(power, [f"schedule.kind={kind}"]).schedule
+        assert (schedule.kind, schedule.power_t0, schedule.power_exponent, schedule.warmup) == (kind, None, 0.5, 5)
+        assert schedule.min_lr_ratio == kept.get("min_lr_ratio", 0.1 if kind != "constant" else 0.0)
+        assert schedule.decay_shape == kept.get("decay_shape", "linear")
+    with pytest.raises(ConfigError, match="power_t0=50"):  # set in the same command: kept, and refused
+        load_config(power, ["schedule.kind=cosine", "schedule.power_t0=50"])
 
 
 def test_diff_configs_names_each_changed_key_with_both_values():
