@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from hybridlm.fileio import write_atomic
+from hybridlm.models.hf import check_weight_files
 
 STUB = "hybridlm_auto.py"
 _STUB_TEXT = '''"""Loads hybridlm's model classes for transformers' trust_remote_code path (written by hybridlm eval export-hf)."""
@@ -71,6 +72,7 @@ def export_for_lm_eval(model_dir: str | Path, *, tokenizer_dir: str | Path | Non
         raise FileNotFoundError(f"{tokenizer_dir}: no tokenizer.json")
     if tokenizer_dir is None and not (model_dir / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no tokenizer files; pass the tokenizer directory (lm_eval needs one)")
+    check_weight_files(model_dir)
     copy_tokenizer = tokenizer_dir is not None and Path(tokenizer_dir).resolve() != model_dir.resolve()
     if copy_tokenizer:
         _check_tokenizer_fits(Path(tokenizer_dir), model_dir, config)

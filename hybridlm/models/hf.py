@@ -47,6 +47,31 @@ def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None) -> H
 _OPTIONAL_WEIGHTS = (".ssm.beta_bias", ".ssm.lam_bias")
 
 
+def check_weight_files(path: str | Path) -> None:
+    """ValueError unless the directory's safetensors weights are all there and whole (each file's header read and
+    its tensors' bytes present; the index's shards, when sharded), without loading them."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{index} is damaged ({err!r}); copy or export the checkpoint again") from None
+    else:
+        names = ["model.safetensors"]
+    for name in names:
+        if not (path / name).is_file():
+            raise ValueError(f"{path}: the weights file {name} is missing; copy or export the checkpoint again")
+        try:
+            with safe_open(path / name, framework="pt"):
+                pass
+        except SafetensorError as err:
+            raise ValueError(f"{path}: a weights file is damaged ({name}: {err}); copy or export the checkpoint "
+                             "again") from None
+
+
 def _floating_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """`dtype` as a floating torch.dtype ("bfloat16", "torch.float16" or the dtype itself), None as None."""
     if dtype is None:

@@ -98,6 +98,26 @@ def test_export_refuses_a_dir_without_tokenizer(tmp_path):
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # refused before anything changed
 
 
+def test_export_refuses_damaged_or_missing_weights(tmp_path, tokenizer_dir):
+    vocab = HybridTokenizer.load(tokenizer_dir).vocab_size
+    model = build_model(task_config("transformer", vocab_size=vocab, size="tiny"), seed=0)
+    model.save_pretrained(tmp_path / "whole")
+    weights = tmp_path / "whole" / "model.safetensors"
+    cut = weights.read_bytes()[:-8]
+    for name, damage, message in (("cut", lambda p: p.write_bytes(cut), "a weights file is damaged"),
+                                  ("gone", lambda p: p.unlink(), "the weights file model.safetensors is missing")):
+        broken = tmp_path / name
+        model.save_pretrained(broken)
+        damage(broken / "model.safetensors")
+        before = {p.name: p.read_bytes() for p in broken.iterdir()}
+        with pytest.raises(ValueError, match=message):
+            export_for_lm_eval(broken, tokenizer_dir=tokenizer_dir)
+        assert {p.name: p.read_bytes() for p in broken.iterdir()} == before
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    export_for_lm_eval(tmp_path / "sharded", tokenizer_dir=tokenizer_dir)
+
+
 def test_export_refuses_a_tokenizer_that_does_not_fit_the_model(tmp_path, tokenizer_dir):
     """A tokenizer with more ids than the model's vocabulary, or one that would replace the different tokenizer
     already beside the model: refused, nothing changed; the model's own tokenizer passed again is fine."""
