@@ -102,6 +102,9 @@ def generate_texts(args: argparse.Namespace) -> list[str]:
     if problem:
         raise CommandError(problem)
     tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else model_dir)
+    if args.tokenizer and _files_differ(Path(args.tokenizer) / "tokenizer.json", model_dir / "tokenizer.json"):
+        print(f"hybridlm generate: note: --tokenizer {args.tokenizer} is not the tokenizer saved with the model "
+              f"({model_dir / 'tokenizer.json'}); the text is encoded and decoded with the one given", file=sys.stderr)
     device = parse_device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     model = load_model(model_dir, dtype=args.dtype).to(device)
     prepare_for_generation(model, **generation_options(args))
@@ -143,6 +146,11 @@ def generate_texts(args: argparse.Namespace) -> list[str]:
         new = [t for t in out.sequences[row, width:][out.attention_mask[row, width:].bool()].tolist() if t not in eos]
         texts.append(text + _continuation(tokenizer, ids, new))
     return texts
+
+
+def _files_differ(a: Path, b: Path) -> bool:
+    """Whether both files exist and their bytes differ."""
+    return a.is_file() and b.is_file() and a.read_bytes() != b.read_bytes()
 
 
 def _continuation(tokenizer, prompt: list[int], new: list[int]) -> str:

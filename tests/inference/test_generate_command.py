@@ -112,6 +112,18 @@ def test_our_tokenizer_format(tmp_path, capsys):
     expected = generate(model, ids, max_new_tokens=4, eos_token_id=tok.eos_id)
     new = [t for t, real in zip(expected.sequences[0, 2:].tolist(), expected.attention_mask[0, 2:]) if real]
     assert out == tok.decode(ids[0].tolist() + [t for t in new if t != tok.eos_id]) + "\n"  # byte-level: exact
+    assert "note" not in err  # no tokenizer saved with the model to differ from
+    tok.save(tmp_path / "model")  # the model's own, then another one given
+    (tmp_path / "corpus.txt").write_text("a dog ran in the park. " * 50)
+    train_tokenizer([tmp_path / "corpus.txt"], 1600, tmp_path / "other")
+    code, out, err = run(capsys, "--model", tmp_path / "model", "--tokenizer", tmp_path / "other",
+                         "--prompt", "the cat", "--max-new-tokens", 2)
+    assert code == 0 and err == f"hybridlm generate: note: --tokenizer {tmp_path / 'other'} is not the tokenizer " \
+                                f"saved with the model ({tmp_path / 'model' / 'tokenizer.json'}); the text is encoded " \
+                                "and decoded with the one given\n"
+    code, out, err = run(capsys, "--model", tmp_path / "model", "--tokenizer", tmp_path / "tok",
+                         "--prompt", "the cat", "--max-new-tokens", 2)
+    assert code == 0 and err == ""  # the same tokenizer from elsewhere
 
 
 def test_errors_are_one_line(word_model, tmp_path, capsys):
