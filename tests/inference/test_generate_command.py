@@ -118,9 +118,9 @@ def test_our_tokenizer_format(tmp_path, capsys):
     train_tokenizer([tmp_path / "corpus.txt"], 1600, tmp_path / "other")
     code, out, err = run(capsys, "--model", tmp_path / "model", "--tokenizer", tmp_path / "other",
                          "--prompt", "the cat", "--max-new-tokens", 2)
-    assert code == 0 and err == f"hybridlm generate: note: --tokenizer {tmp_path / 'other'} is not the tokenizer " \
-                                f"saved with the model ({tmp_path / 'model' / 'tokenizer.json'}); the text is encoded " \
-                                "and decoded with the one given\n"
+    assert code == 0 and err == (f"hybridlm generate: note: --tokenizer {tmp_path / 'other'} is not the tokenizer "
+                                 f"saved with the model ({tmp_path / 'model' / 'tokenizer.json'}); the text is "
+                                 "encoded and decoded with the one given\n")
     code, out, err = run(capsys, "--model", tmp_path / "model", "--tokenizer", tmp_path / "tok",
                          "--prompt", "the cat", "--max-new-tokens", 2)
     assert code == 0 and err == ""  # the same tokenizer from elsewhere
