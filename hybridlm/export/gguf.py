@@ -239,6 +239,9 @@ def read_vocab(directory: Path, n_vocab: int) -> Vocab:
     special = gguf.SpecialVocab(directory, load_merges=bool(spec["model"].get("merges")), n_vocab=n_vocab)
     # Our tokenizers add no BOS when encoding; llama.cpp's falcon-h1 pre-tokenizer would add one by default.
     special.add_special_token.setdefault("bos", False)
+    own = directory / "chat_template.jinja"  # what transformers reads before tokenizer_config.json's template
+    if own.is_file():
+        special.chat_template = own.read_text(encoding="utf-8")
     special.chat_template = _inference_template(special.chat_template)
     return Vocab(tokens, [int(t) for t in types], special)
 

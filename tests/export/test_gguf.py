@@ -5,6 +5,7 @@ write. The same files run in llama.cpp itself: test_llama_cpp.py."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import gguf
 import numpy as np
@@ -118,6 +119,11 @@ def test_metadata(tmp_path, tok_dir):
         "tokenizer.ggml.add_bos_token": False, "tokenizer.chat_template": without_generation_tags(CHAT_TEMPLATE),
     }
     assert {key: value(key) for key in expected} == expected
+    # a chat_template.jinja beside the tokenizer (sft --chat-template writes one) is what transformers uses: so here
+    shutil.copytree(tok_dir, tmp_path / "tok")
+    (tmp_path / "tok" / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    own = gguf.GGUFReader(export_gguf(model, tmp_path / "own.gguf", tokenizer=tmp_path / "tok")).fields
+    assert own["tokenizer.chat_template"].contents() == "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     assert value(f"{arch}.attention.layer_norm_rms_epsilon") == pytest.approx(c.rms_norm_eps, rel=1e-7)
     tokens, types = value("tokenizer.ggml.tokens"), value("tokenizer.ggml.token_type")
     assert len(tokens) == len(types) == BYTE_VOCAB
