@@ -466,11 +466,24 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     return functools.partial(tokenizer.decode, skip_special_tokens=True)
 
 
+def text_problem(text: str) -> str | None:
+    """What keeps `text` from being encoded: an unpaired UTF-16 surrogate, which JSON's escapes admit ("\\ud800") and
+    no tokenizer encodes; None when it is valid Unicode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"is not valid Unicode: an unpaired surrogate {text[err.start]!r} at character {err.start}"
+    return None
+
+
 def encode_prompt(prompt: str | list[int], tokenizer, vocab_size: int) -> list[int]:
     """A prompt's ids: a text through `tokenizer`, or ids as given; ValueError when empty or out of the vocabulary."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this engine has no tokenizer: give the prompt as token ids")
+        problem = text_problem(prompt)
+        if problem:
+            raise ValueError(f"the prompt {problem}")
         ids = list(tokenizer.encode(prompt))
     else:
         ids = list(prompt)

@@ -10,8 +10,10 @@ context leaves), temperature (default 1), top_p, stop, seed, stream, stream_opti
 and ignore_eos. `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens restored from the prefix cache.
 
 Errors are OpenAI's error object `{"error": {"message", "type", "param", "code"}}` with a 4xx status: 400 for
-malformed JSON, invalid or unsupported parameters, empty messages, a message whose role is not system, user or
-assistant or that has no content, and prompts that with max_tokens pass the context length; 401 for a missing or
+malformed JSON, invalid parameters, unsupported ones (logprobs, tools, logit_bias, penalties, ...: `_UNIMPLEMENTED`)
+set to anything but their idle value, empty messages, a message whose role is not system, user or assistant or that
+has no content, text that is not valid Unicode (a lone surrogate), and prompts that with max_tokens pass the context
+length; 401 for a missing or
 wrong API key (when the server has one); 404 for an unknown model. A client that disconnects (mid-stream or while
 waiting) has its requests aborted, which frees their slots at the next step.
 """
@@ -33,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from starlette.exceptions import HTTPException
 
 from hybridlm.data.chat import ChatEncoder
-from hybridlm.serving.engine import RequestOutput
+from hybridlm.serving.engine import RequestOutput, text_problem
 from hybridlm.serving.params import SamplingParams
 from hybridlm.serving.runner import EngineRunner, EngineUnavailable
 
@@ -333,6 +335,9 @@ def _check_messages(messages: list[ChatMessage]) -> None:
             problem = "is required" if "content" not in message.model_fields_set else (
                 "must be a string or a list of text parts (got null)")
             raise APIError(400, f"messages[{i}].content {problem}", param=f"messages[{i}].content")
+        problem = text_problem(_text(message.content))
+        if problem:
+            raise APIError(400, f"messages[{i}].content {problem}", param=f"messages[{i}].content")
 
 
 def _text(content: str | list[dict[str, Any]]) -> str:
@@ -369,6 +374,16 @@ def _turn_end(tokenizer) -> tuple[tuple[int, ...], tuple[str, ...]]:
     return (ids, ()) if ids else ((), (end,))
 
 
+# OpenAI's and vLLM's parameters this server does not implement, with the values that ask for nothing (accepted, as
+# clients send them by default); any other value is a 400 rather than silently ignored. Other unknown fields pass.
+_UNIMPLEMENTED: dict[str, tuple] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None,), "tools": (None,),
+    "functions": (None,), "tool_choice": (None, "none"), "response_format": (None,), "logit_bias": (None, {}),
+    "best_of": (None, 1), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
+}
+
+
 def _sampling(body: _Sampling, max_tokens: int, *, stop_token_ids: tuple[int, ...] = (),
               more_stop: tuple[str, ...] = (), max_tokens_field: str = "max_tokens") -> SamplingParams:
     """SamplingParams from the request's fields (with `more_stop` after the request's stop strings); APIError 400
@@ -376,12 +391,11 @@ def _sampling(body: _Sampling, max_tokens: int, *, stop_token_ids: tuple[int, ..
     if body.n != 1:
         raise APIError(400, "n must be 1 (one choice per prompt)", param="n")
     extra = body.model_extra or {}
-    for name in ("logprobs", "echo", "suffix", "tools", "functions", "response_format"):
-        if extra.get(name) not in (None, False):
-            raise APIError(400, f"{name} is not supported", param=name)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if extra.get(name) not in (None, 0, 0.0):
-            raise APIError(400, f"{name} is not supported (only 0)", param=name)
+    for name, idle in _UNIMPLEMENTED.items():
+        value = extra.get(name)
+        if not any(value is v or (type(value) is type(v) and value == v) for v in idle):  # (True is not 1 here)
+            allowed = " or ".join("null" if v is None else json.dumps(v) for v in idle)
+            raise APIError(400, f"{name} is not supported (only {allowed}), got {json.dumps(value)}", param=name)
     top_p = None if body.top_p is None or body.top_p == 1 else body.top_p
     top_k = None if body.top_k is None or body.top_k in (0, -1) else body.top_k  # vLLM's "off" values
     try:

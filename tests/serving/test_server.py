@@ -171,7 +171,23 @@ BAD_REQUESTS = {
     "max_tokens true": ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "max_tokens": True}, 400),
     "stream 'yes'": ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "stream": "yes"}, 400),
     "malformed JSON": ("/v1/completions", b'{"model": "tiny", "prompt": ', 400),
+    # JSON's escapes admit UTF-16 halves that no text encodes (json.dumps writes them escaped)
+    "a lone surrogate": ("/v1/completions", json.dumps({"model": MODEL_NAME, "prompt": "a\ud800"}).encode(), 400),
+    "a lone surrogate in a message": ("/v1/chat/completions", json.dumps(
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "\udfff"}]}).encode(), 400),
+    **{f"{name} (not implemented)": ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", name: value}, 400)
+       for name, value in (("logit_bias", {"5": 100}), ("best_of", 2), ("logprobs", 1), ("top_logprobs", 2),
+                           ("tool_choice", "auto"), ("min_tokens", 3), ("repetition_penalty", 1.2),
+                           ("presence_penalty", 0.5), ("min_p", 0.1), ("echo", True))},
 }
+
+
+def test_parameters_that_ask_for_nothing_are_accepted(server, client):
+    idle = dict(logit_bias={}, best_of=1, logprobs=None, presence_penalty=0, frequency_penalty=0.0,
+                repetition_penalty=1.0, min_tokens=0, tool_choice="none", echo=False)
+    reply = httpx.post(server[0] + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"model": MODEL_NAME, "prompt": "a", "max_tokens": 1, **idle})
+    assert reply.status_code == 200, reply.text
 
 
 @pytest.mark.parametrize("case", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
