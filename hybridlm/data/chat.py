@@ -152,7 +152,7 @@ def check_record(raw: Any, kind: str) -> None:
     if not all(isinstance(v, list) for v in values):
         raise DataError(f"{', '.join(fields)} must all be strings or all be message lists")
     for name, messages in zip(fields, values):
-        if not messages and name != "prompt":
+        if not messages:  # (a template renders no empty conversation: transformers refuses one)
             raise DataError(f"{name!r} is an empty list of messages")
         for i, message in enumerate(messages):
             if not (isinstance(message, dict) and isinstance(message.get("role"), str)
@@ -190,8 +190,17 @@ class ChatEncoder:
         if self.chat_template is None:
             raise DataError(f"{self.source} has no chat template, and conversational records need one: pass "
                             "--chat-template FILE (a Jinja template), or use prompt-completion records of strings")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  chat_template=self.chat_template)
+        from jinja2 import TemplateError, TemplateSyntaxError
+
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      chat_template=self.chat_template)
+        except TemplateSyntaxError as err:
+            raise DataError(f"the chat template of {self.source} does not parse: {err.message} (its line "
+                            f"{err.lineno})") from None
+        except (TemplateError, ValueError) as err:  # raise_exception(...) in the template: roles it does not take
+            raise DataError(f"the chat template of {self.source} refused the messages: {err}") from None
 
     def prompt_text(self, record: dict[str, Any]) -> str:
         """What a model answers for this record: the conversation up to its last assistant message (or the prompt),

@@ -82,8 +82,7 @@ class ChatSession:
         prompt = self.encoder.encode_text(self.encoder.render(messages, add_generation_prompt=True))
         room = min(self.max_new_tokens, self.limit - len(prompt))
         if room < 1:
-            raise ValueError(f"the conversation has {len(prompt)} tokens, the model's context is {self.limit}: "
-                             "/reset to start over")
+            raise ValueError(f"the conversation has {len(prompt)} tokens, the model's context is {self.limit}")
         final = answer(self.model, self.encoder, prompt, max_new_tokens=room, on_text=on_text,
                        generator=self.generator, graph=self.graph, **self.sampling)
         self.messages = messages + [{"role": "assistant", "content": final}]
@@ -134,6 +133,8 @@ def answer(model, encoder, prompt: list[int], *, max_new_tokens: int, on_text: C
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    from hybridlm.data.errors import DataError
+
     problem = sampling_flags_problem(args)
     if problem:
         print(f"hybridlm chat: {problem}", file=sys.stderr)
@@ -150,6 +151,9 @@ def run_chat(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         try:
             session.reply(args.prompt, show)
+        except (ValueError, DataError) as err:  # too long for the context; a template that refuses the messages
+            print(f"hybridlm chat: {err}", file=sys.stderr)
+            return 1
         except KeyboardInterrupt:
             print()
             return 130
@@ -175,8 +179,8 @@ def run_chat(args: argparse.Namespace) -> int:
             continue
         try:
             session.reply(text, show)
-        except ValueError as err:
-            print(f"\n{err}", file=sys.stderr)
+        except (ValueError, DataError) as err:  # the message is not kept: the conversation goes on without it
+            print(f"\n{err}; /reset starts over", file=sys.stderr)
             continue
         except KeyboardInterrupt:  # the answer stops; the conversation goes on without this exchange
             print("\n(answer stopped; this exchange is not kept)", file=sys.stderr)
@@ -203,10 +207,12 @@ def _session(args: argparse.Namespace) -> ChatSession:
     if encoder.chat_template is None:  # said now, before the model loads
         raise ValueError(f"{model_dir} has no chat template: pass --chat-template FILE (a Jinja template), or use "
                          "`hybridlm generate` for plain text")
+    opening = [{"role": "system", "content": args.system}] if args.system else []
     try:
-        encoder.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-    except Exception as err:  # a template that does not render a plain user turn (jinja raises its own types)
-        raise ValueError(f"the chat template does not render a user message: {err}") from None
+        encoder.render([*opening, {"role": "user", "content": "hi"}], add_generation_prompt=True)
+    except DataError as err:  # a template that does not parse, or refuses a plain user turn (or a system message)
+        what = "a system message and a user message" if args.system else "a user message"
+        raise ValueError(f"the chat template does not render {what}: {err}") from None
     device = parse_device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     model = load_model(model_dir, dtype=args.dtype).to(device)
     prepare_for_generation(model, **generation_options(args))

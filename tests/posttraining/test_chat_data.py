@@ -75,6 +75,18 @@ def test_a_template_that_renders_no_assistant_span_is_refused(model_dir):
         enc.encode_sft({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
 
 
+def test_a_template_that_does_not_parse_or_refuses_the_messages_is_a_data_error(model_dir):
+    conversation = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+                                 {"role": "assistant", "content": "b"}]}
+    broken = ChatEncoder(load_tokenizer(model_dir), "{% for m in messages %}{{ m.content }{% endfor %}", source="x")
+    with pytest.raises(DataError, match=r"the chat template of x does not parse: .* \(its line 1\)"):
+        broken.encode_sft(conversation)
+    strict = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+              "{{ m.content }}{% endfor %}")
+    with pytest.raises(DataError, match="the chat template of y refused the messages: no system role"):
+        ChatEncoder(load_tokenizer(model_dir), strict, source="y").encode_sft(conversation)
+
+
 def test_a_model_without_a_chat_template_gets_a_clear_error(model_dir, tmp_path):
     tok = load_tokenizer(model_dir)
     tok.chat_template = None
@@ -101,6 +113,11 @@ def test_bad_records_name_file_and_line_or_are_skipped_and_counted(tmp_path):
         read_records(_write_jsonl(tmp_path / "e.jsonl", ["{}"]), kind="preference", skip_bad=True)
     with pytest.raises(DataError, match="without 'chosen'"):
         read_records(_write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "rejected": "b"}]), kind="preference")
+    answer = [{"role": "assistant", "content": "b"}]
+    for kind, record in (("preference", {"prompt": [], "chosen": answer, "rejected": answer}),
+                         ("sft", {"prompt": [], "completion": answer})):
+        with pytest.raises(DataError, match=r"e\.jsonl:1: 'prompt' is an empty list of messages"):
+            read_records(_write_jsonl(tmp_path / "e.jsonl", [record]), kind=kind)
     with pytest.raises(DataError, match="does not exist"):
         read_records(tmp_path / "missing.jsonl", kind="sft")
     texts = tmp_path / "texts"

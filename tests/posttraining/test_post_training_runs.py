@@ -180,6 +180,16 @@ def test_bad_input_is_one_line_and_loses_nothing(model_dir, tmp_path, capsys):
     bad.write_text("{{ messages[0].content | no_such_filter }}")
     assert main(["chat", "--model", str(model_dir), "--chat-template", str(bad), "--prompt", "hi"]) == 1
     assert "the chat template does not render a user message" in capsys.readouterr().err
+    strict = tmp_path / "strict.jinja"
+    strict.write_text("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}"
+                      "{% endif %}<|{{ m.role }}|>{{ m.content }}{% endfor %}")
+    assert main(["chat", "--model", str(model_dir), "--chat-template", str(strict), "--system", "be nice",
+                 "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "does not render a system message and a user message" in err and "no system role" in err
+    assert main(["chat", "--model", str(model_dir), "--prompt", "hi " * 5000, "--max-new-tokens", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hybridlm chat: the conversation has ") and err.count("\n") == 1 and "/reset" not in err
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
