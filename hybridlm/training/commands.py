@@ -152,7 +152,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, config_default: str) -> 
 
 def _resolve_config(args: argparse.Namespace):
     """(the config, the file it was read from or None for the built-in demo)."""
-    from hybridlm.training.config import ConfigError, load_config
+    from hybridlm.training.config import ConfigError, command_of, load_config
 
     task = getattr(args, "task", "pretrain")
     overrides = [f"train.task={task}"] if task != "pretrain" else []
@@ -180,9 +180,8 @@ def _resolve_config(args: argparse.Namespace):
             raise ConfigError(f"--resume: {saved} is missing, so the run's settings are unknown; pass the config it "
                               f"was started with (--config FILE)")
         else:  # a new run, as a job that always passes --resume needs; said, in case --out is mistyped
-            command = "train" if task == "pretrain" else task
-            print(f"--resume: {out} holds no run (no config.yaml); starting a new one from `hybridlm {command}`'s "
-                  "defaults and the options given", file=sys.stderr)
+            print(f"--resume: {out} holds no run (no config.yaml); starting a new one from `hybridlm "
+                  f"{command_of(task)}`'s defaults and the options given", file=sys.stderr)
     return load_config(config_path, overrides, task=task), config_path
 
 
@@ -238,6 +237,7 @@ def _stopped_at_once(err: KeyboardInterrupt, trainer) -> int:
     import signal
 
     from hybridlm.training.checkpoint import latest_checkpoint
+    from hybridlm.training.config import command_of
 
     signum = getattr(err, "signum", signal.SIGINT)  # hybridlm.training.stop.SecondSignal, or Ctrl-C's default
     name = signal.Signals(signum).name
@@ -246,7 +246,8 @@ def _stopped_at_once(err: KeyboardInterrupt, trainer) -> int:
     elif trainer.ctx.is_main:
         out = trainer.out_dir
         latest = latest_checkpoint(trainer.checkpoint_dir)
-        saved = (f"the newest checkpoint is {latest.name} (continue with `hybridlm train --resume --out {out}`)"
+        command = command_of(trainer.config.train.task)
+        saved = (f"the newest checkpoint is {latest.name} (continue with `hybridlm {command} --resume --out {out}`)"
                  if latest is not None else "no checkpoint was saved")
         print(f"stopped at once ({name}) at update {trainer.step}; {saved}", file=sys.stderr)
     return 128 + int(signum)

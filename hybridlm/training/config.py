@@ -256,6 +256,11 @@ def demo_config() -> TrainConfig:
     return config
 
 
+def command_of(task: str) -> str:
+    """The `hybridlm` command that trains a run of train.task `task`: train (pretrain), sft, dpo."""
+    return "train" if task == "pretrain" else task
+
+
 def post_training_defaults(task: str) -> dict[str, Any]:
     """What `hybridlm sft` / `hybridlm dpo` start from without --config (model.init and the data come from the
     command): a short fine-tune of a small model, in minutes on a CPU. The report's recipes for real models are

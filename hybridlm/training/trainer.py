@@ -96,6 +96,7 @@ from hybridlm.training.checkpoint import (
 from hybridlm.training.config import (
     ConfigError,
     TrainConfig,
+    command_of,
     config_to_dict,
     diff_configs,
     dump_config,
@@ -273,6 +274,7 @@ class Trainer:
         if resume:
             latest = latest_checkpoint(self.checkpoint_dir)
             if latest is not None:  # `_resume` checks the loaded checkpoint's own step again
+                self._check_resume_task(latest)
                 self._check_resume_length(step_of(latest))
 
     def _build(self, config: TrainConfig, resume: bool, overwrite: bool) -> None:
@@ -689,6 +691,26 @@ class Trainer:
             + ("; ".join(changes) or "none") + ". Resume with the run's own settings, or train into a new --out"
         )
 
+    def _check_resume_task(self, path: Path) -> None:
+        """ConfigError when the checkpoint is of another task (a dpo --resume of an sft run): its data, loss and state
+        are another command's."""
+        import yaml
+
+        try:
+            saved = yaml.safe_load(json.loads((path / TRAIN_STATE_FILE).read_text(encoding="utf-8"))
+                                   ["train_state"].get("config", "{}")) or {}
+        except Exception:  # noqa: BLE001 - unreadable: the load itself reports what is wrong
+            return
+        task, theirs = self.config.train.task, (saved.get("train") or {}).get("task", "pretrain")
+        if theirs != task:
+            start = "--model" if task != "pretrain" else "--set model.init="
+            raise ConfigError(
+                f"--resume: {self.out_dir} holds a `hybridlm {command_of(theirs)}` run ({path.name}), not a "
+                f"`hybridlm {command_of(task)}` one; continue it with `hybridlm {command_of(theirs)} --resume --out "
+                f"{self.out_dir}`, or start `hybridlm {command_of(task)}` from its model in a new --out ({start} "
+                f"{self.out_dir / FINAL_DIR})"
+            )
+
     def _check_resume_length(self, step: int) -> None:
         """ConfigError if the configured run ends before the checkpoint's step: it cannot be shortened after the
         fact (training would do nothing, then overwrite final/ and config.yaml with the shorter length)."""
@@ -941,7 +963,7 @@ class Trainer:
             last_loss, eval_loss = self.run_dir.logged_losses()
         if status == "interrupted":
             self._print(f"stopped ({self._stop.reason}) at update {self.step}; checkpoint {checkpoint}; continue "
-                        f"with `hybridlm train --resume --out {self.out_dir}`")
+                        f"with `hybridlm {command_of(self.config.train.task)} --resume --out {self.out_dir}`")
             samples: list[str] = []
         else:
             samples = self._write_samples()

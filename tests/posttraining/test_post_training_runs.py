@@ -66,6 +66,18 @@ def _whole_and_resumed(model_dir, tmp_path, task: str, stop_at: int, *sets: str)
     return tmp_path / "whole", tmp_path / "split"
 
 
+def test_resume_of_another_commands_run_is_refused_naming_both(model_dir, tmp_path, capsys):
+    out = tmp_path / "sft_run"
+    with Trainer(_config(model_dir, out, "sft", "train.steps=2", "train.save_every=1")) as trainer:
+        trainer.train()
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ConfigError, match=rf"holds a `hybridlm sft` run \(step_00000002\), not a `hybridlm dpo` one; "
+                                          rf"continue it with `hybridlm sft --resume --out {out}`, or start `hybridlm "
+                                          rf"dpo` from its model in a new --out \(--model {out / 'final'}\)"):
+        Trainer(_config(model_dir, out, "dpo", "train.steps=3"), resume=True)
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
 def test_sft_resume_reproduces_an_uninterrupted_run(model_dir, tmp_path):
     runs = _whole_and_resumed(model_dir, tmp_path, "sft", 3, "train.steps=6", "train.save_every=2",
                               "train.log_every=1")
