@@ -132,6 +132,18 @@ def run_serve(args: argparse.Namespace) -> int:
     if problem:
         print(f"hybridlm serve: {problem}", file=sys.stderr)
         return 1
+    if args.max_model_len is not None:  # as `generate` refuses a length past the one the model was trained for
+        from hybridlm.models.hf import read_model_config
+
+        try:
+            limit = read_model_config(model_dir).max_position_embeddings
+        except (ValueError, OSError) as error:
+            print(f"hybridlm serve: {error}", file=sys.stderr)
+            return 1
+        if args.max_model_len > limit:
+            print(f"hybridlm serve: --max-model-len {args.max_model_len} is longer than the model's "
+                  f"max_position_embeddings {limit}", file=sys.stderr)
+            return 2
     settings = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
                     max_prefill_tokens=args.max_prefill_tokens, prefix_cache_bytes=int(args.prefix_cache_gb * 2**30),
                     dtype=getattr(torch, args.dtype),

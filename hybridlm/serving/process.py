@@ -127,7 +127,11 @@ class EngineProcess:
             if time.monotonic() > deadline:
                 self._process.kill()
                 raise RuntimeError(f"the engine did not start within {self.start_timeout:.0f} s")
-        kind, info = self._outputs.recv()
+        try:
+            kind, info = self._outputs.recv()
+        except EOFError:  # it closed its end as it died (killed for memory, ...)
+            self._process.join(timeout=10)
+            raise RuntimeError(f"the engine process exited with code {self._process.exitcode} while starting") from None
         if kind != "ready":
             self._process.join(timeout=10)
             raise RuntimeError(f"the engine failed to start: {info}")

@@ -42,6 +42,18 @@ def test_serve_refuses_a_missing_tokenizer_directory_before_loading(model_dir, t
     assert no_engine == []
 
 
+def test_serve_refuses_a_max_model_len_past_the_models_context(model_dir, no_engine, capsys):
+    from hybridlm.models.hf import read_model_config
+
+    limit = read_model_config(model_dir).max_position_embeddings
+    assert main(["serve", "--model", str(model_dir), "--max-model-len", str(limit + 1)]) == 2
+    assert capsys.readouterr().err == f"hybridlm serve: --max-model-len {limit + 1} is longer than the model's " \
+                                      f"max_position_embeddings {limit}\n"
+    assert no_engine == []
+    assert main(["serve", "--model", str(model_dir), "--max-model-len", str(limit)]) == 1  # taken: the engine starts
+    assert "engine started" in capsys.readouterr().err
+
+
 def test_serve_asks_for_tokenizer_when_the_model_directory_has_none(model_dir, tmp_path, no_engine, capsys):
     bare = tmp_path / "bare"
     bare.mkdir()
