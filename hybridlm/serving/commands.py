@@ -173,7 +173,11 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"hybridlm serve: {error}", file=sys.stderr)
         return 1
     try:
-        app = build_app(runner, model_name=args.served_model_name or args.model, api_key=args.api_key)
+        try:
+            app = build_app(runner, model_name=args.served_model_name or args.model, api_key=args.api_key)
+        except ValueError as error:  # a chat template that renders nothing
+            print(f"hybridlm serve: {error}", file=sys.stderr)
+            return 1
         uvicorn.run(app, host=args.host, port=args.port, access_log=False)
     finally:
         runner.shutdown()

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from starlette.exceptions import HTTPException
 
 from hybridlm.data.chat import ChatEncoder
+from hybridlm.data.errors import DataError
 from hybridlm.serving.engine import RequestOutput, text_problem
 from hybridlm.serving.params import SamplingParams
 from hybridlm.serving.runner import EngineRunner, EngineUnavailable
@@ -94,7 +95,8 @@ class ChatRequest(_Sampling):
 
 
 def build_app(runner: EngineRunner, *, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving `runner`'s engine as `model_name`."""
+    """The FastAPI app serving `runner`'s engine as `model_name`. ValueError when the tokenizer's chat template (if
+    it has one) does not render a user message: every chat request would fail."""
     app = FastAPI(title="hybridlm", docs_url=None, redoc_url=None)
     engine = runner.engine
     has_template = getattr(engine.tokenizer, "chat_template", None) is not None
@@ -365,8 +367,13 @@ def _turn_end(tokenizer) -> tuple[tuple[int, ...], tuple[str, ...]]:
     reply; nothing where the template writes nothing there."""
     encoder = ChatEncoder(tokenizer)
     try:
+        encoder.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    except DataError as error:  # every chat request would fail: the server's fault, said before it serves
+        raise ValueError(f"the model's chat template does not render a user message ({error}); fix its "
+                         "chat_template.jinja / tokenizer_config.json") from None
+    try:
         end = encoder.turn_end()
-    except Exception:  # a template that refuses the probe's plain user / assistant pair: nothing to stop at
+    except DataError:  # a template that refuses the probe's plain user / assistant pair: nothing to stop at
         return (), ()
     if not end:
         return (), ()

@@ -336,6 +336,17 @@ def test_a_chat_reply_ends_at_the_templates_turn_end_as_a_token_or_as_text(model
     assert params.stop == ("\n\n", "<|end_of_turn|>") and params.stop_token_ids == ()
 
 
+def test_a_chat_template_that_renders_no_user_message_is_refused_before_serving(model_dir):
+    from hybridlm.data.chat import load_tokenizer
+    from hybridlm.serving.server import _turn_end
+
+    tokenizer = load_tokenizer(model_dir)
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }{% endfor %}"
+    with pytest.raises(ValueError, match=r"the model's chat template does not render a user message \(.*does not "
+                                         r"parse"):
+        _turn_end(tokenizer)
+
+
 def test_the_tokenizer_loads_without_transformers_warning_of_an_unknown_model_type(model_dir):
     """In a fresh process (what `serve`'s front and engine processes are): transformers reads the directory's
     config.json, which it knows once hybridlm's config is registered."""
