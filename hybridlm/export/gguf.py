@@ -27,7 +27,7 @@ from hybridlm.export import GGUF_DTYPES
 from hybridlm.fileio import fsync_dir
 from hybridlm.models.config import HybridConfig
 from hybridlm.models.falcon_h1 import config_to_falcon_h1, state_dict_to_falcon_h1
-from hybridlm.models.hf import load_model
+from hybridlm.models.hf import load_model, model_dir_problem
 from hybridlm.models.model import HybridForCausalLM
 
 ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.FALCON_H1]  # "falcon-h1"
@@ -68,8 +68,8 @@ def export_gguf(model: str | Path | HybridForCausalLM, out: str | Path, *, token
         raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
     if isinstance(model, (str, Path)):
         model_dir = Path(model)
-        if not model_dir.is_dir():
-            raise FileNotFoundError(f"model directory {model_dir} does not exist")
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(model_dir_problem(model_dir))
         tokenizer = model_dir if tokenizer is None else tokenizer
         model = load_model(model_dir)
     elif tokenizer is None:

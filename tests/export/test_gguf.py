@@ -226,6 +226,9 @@ def test_command(tmp_path, tok_dir, capsys):
     assert [p.name for p in folder.iterdir()] == ["keep.txt"]
     assert main(["export", "gguf", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "n.gguf")]) == 1
     assert capsys.readouterr().err == f"hybridlm export gguf: model directory {tmp_path / 'nope'} does not exist\n"
+    (tmp_path / "chats.jsonl").write_text("{}\n")
+    assert main(["export", "gguf", "--model", str(tmp_path / "chats.jsonl"), "--out", str(tmp_path / "n.gguf")]) == 1
+    assert f"{tmp_path / 'chats.jsonl'} is a file; give the model directory" in capsys.readouterr().err
     fast = checkpoint_dir(falcon_model(ssm_mixer="fast_weight"), tok_dir, tmp_path / "fast")
     assert main(["export", "gguf", "--model", str(fast), "--out", str(tmp_path / "f.gguf")]) == 1
     err = capsys.readouterr().err
