@@ -487,8 +487,10 @@ def _manifest(out, settings, dtype, tok, shards, stats, files, file_docs) -> dic
 def load_manifest(directory: str | Path) -> dict:
     d = Path(directory)
     if not d.is_dir():
-        raise DataError(f"dataset directory {d} does not exist" if not d.exists() else f"{d} is a file; give the "
-                        "dataset directory `hybridlm data prepare` wrote (the folder holding manifest.json)")
+        # (a relative path in a run's config.yaml is read from wherever the run is resumed)
+        where = "" if d.is_absolute() else f" (relative to the current directory, {Path.cwd()})"
+        raise DataError(f"dataset directory {d} does not exist{where}" if not d.exists() else f"{d} is a file; give "
+                        "the dataset directory `hybridlm data prepare` wrote (the folder holding manifest.json)")
     if not (d / MANIFEST).is_file():
         if (d / PROGRESS).is_file():
             raise DataError(f"{d}: `prepare` has not finished (progress.json but no manifest.json); "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import numpy as np
 import pytest
@@ -222,8 +223,11 @@ def test_token_dtype_by_vocab_size():
 
 
 def test_open_rejects_non_datasets(tmp_path):
-    with pytest.raises(DataError, match=f"dataset directory {tmp_path / 'nope'} does not exist"):
+    with pytest.raises(DataError, match=f"dataset directory {tmp_path / 'nope'} does not exist$"):
         TokenDataset(tmp_path / "nope")
+    with pytest.raises(DataError, match=r"dataset directory data/web does not exist \(relative to the current "
+                                        rf"directory, {os.getcwd()}\)"):
+        TokenDataset("data/web")
     from hybridlm.data.tokenizer import HybridTokenizer
 
     with pytest.raises(DataError, match=f"tokenizer directory {tmp_path / 'nope'} does not exist"):
