@@ -255,6 +255,23 @@ class PackedLoader:
             for i, s in enumerate(self.sources)
         }
 
+    def most_tokens(self) -> int | None:
+        """The most tokens the stream can ever hold before the loader stops (every source drawn from at its
+        `max_epochs`, a partial epoch counted with its longest documents), or None when that has no bound: a source
+        without max_epochs, or augmentations (they add tokens)."""
+        drawn = [s for s, weights in enumerate(zip(*(w for _, w in self.schedule))) if any(w > 0 for w in weights)]
+        if self.augment.enabled or any(self._doc_limit[s] is None for s in drawn):
+            return None
+        total = 0
+        for s in drawn:
+            dataset, limit = self.datasets[s], self._doc_limit[s]
+            epochs, rest = divmod(limit, dataset.num_docs)
+            total += epochs * dataset.num_tokens
+            if rest:
+                lengths = dataset.doc_lengths()
+                total += int(np.partition(lengths, len(lengths) - rest)[len(lengths) - rest:].sum())
+        return total
+
     # --- drawing documents ------------------------------------------------------------------------
 
     def _exhausted(self, s: int) -> bool:

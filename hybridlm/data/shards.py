@@ -604,6 +604,11 @@ class TokenDataset:
         s = int(np.searchsorted(self._shard_first_doc, i, side="right")) - 1
         return int(self._index[s][i - self._shard_first_doc[s]])
 
+    def doc_lengths(self) -> np.ndarray:
+        """[num_docs] int64: every document's token count, EOS included."""
+        starts = np.concatenate([*(np.asarray(index, dtype=np.int64) for index in self._index), [self.num_tokens]])
+        return np.diff(starts)
+
     def doc(self, i: int) -> np.ndarray:
         """Token ids of document `i` (int64, EOS included)."""
         return self.tokens(self.doc_start(i), self.doc_start(i + 1))

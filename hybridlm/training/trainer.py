@@ -442,8 +442,9 @@ class Trainer:
         at the rampup's target: its largest) needs more than one pass over the training data holds: every update
         would repeat data, and a batch that large tends to exhaust memory before the first update. Pretraining
         counts tokens (the sources with a positive weight, a max_epochs below 1 counting that share of its source),
-        sft the rows an epoch packs, dpo the pairs. Data that runs out later in the run (every source at its
-        max_epochs) stops it with the loop's "the training data ran out" (exit status 1)."""
+        sft the rows an epoch packs, dpo the pairs. Pretraining also refuses a run longer than every source's
+        max_epochs allow (`PackedLoader.most_tokens`, when they bound it); data that still runs out (a bound the
+        mixture does not reach) stops the run with the loop's "the training data ran out" (exit status 1)."""
         c, b = self.config, self.config.batch
         task = c.train.task
         dp = self.ctx.dp_size
@@ -467,6 +468,13 @@ class Trainer:
                 f"batch: an update takes {need:,} {unit} ({how}), more than the training data holds: {have:,} "
                 f"({source}); every update would repeat data (and a batch that large can exhaust memory). Lower "
                 "batch.micro_batch / batch.grad_accum, or train on more data"
+            )
+        most = self.data.loader.most_tokens() if task == "pretrain" else None
+        if most is not None and self.total_tokens + 1 > most:  # (the last batch reads one token past its rows)
+            raise ConfigError(
+                f"train: the run takes {self.total_tokens:,} tokens ({self.total_steps:,} updates) but data.sources "
+                f"hold at most {most:,} at their max_epochs, so the data would run out before the end; lower "
+                "train.steps / train.tokens, or raise the sources' max_epochs"
             )
 
     def _build_chat_data(self) -> _Data:

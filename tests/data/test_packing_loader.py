@@ -160,6 +160,24 @@ def test_loader_stops_when_every_source_is_exhausted(data):
         next(again)
 
 
+def test_most_tokens_bounds_what_the_stream_can_hold(data):
+    web, math = TokenDataset(data["web"]), TokenDataset(data["math"])
+    assert np.array_equal(np.cumsum(web.doc_lengths()), [web.doc_start(i + 1) for i in range(web.num_docs)])
+    for seed in (0, 1, 2):
+        sources = [Source("web", data["web"], max_epochs=2), Source("math", data["math"], max_epochs=0.5)]
+        loader = PackedLoader(sources, batch_size=2, seq_len=32, seed=seed)
+        for _ in loader:
+            pass
+        drawn = sum(loader.tokens_per_source.values())
+        most = loader.most_tokens()
+        longest = np.sort(math.doc_lengths())[-round(0.5 * math.num_docs):].sum()
+        assert most == 2 * web.num_tokens + longest and drawn <= most  # whole epochs exactly, half of one at most
+    assert PackedLoader([Source("web", data["web"])], batch_size=1, seq_len=8).most_tokens() is None
+    with_fim = PackedLoader([Source("web", data["web"], max_epochs=1)], batch_size=1, seq_len=8,
+                            augment=AugmentConfig(fim_rate=0.5))
+    assert with_fim.most_tokens() is None  # augmentations add tokens
+
+
 def test_schedule_switches_weights_at_a_token_count(data):
     web = TokenDataset(data["web"])
     switch = 1000

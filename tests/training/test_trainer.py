@@ -818,6 +818,27 @@ def test_a_batch_larger_than_the_training_data_is_a_config_error(demo_dir, tmp_p
     assert not (out / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("epochs, steps, fits", [(1, 2, True), (1, 3, False), (3, 6, True), (3, 7, False)])
+def test_a_run_longer_than_the_sources_max_epochs_allow_is_a_config_error(demo_dir, tmp_path, capsys, epochs, steps,
+                                                                         fits):
+    """12 documents of 12 tokens (144) at max_epochs 1 hold two updates of 2 x 32 tokens (128 + the one token the
+    last batch reads past its rows), not three; at max_epochs 3 (432 tokens) six, not seven."""
+    from hybridlm.cli import main
+
+    data = _short_documents(demo_dir, tmp_path / "short", count=12)
+    out = tmp_path / "run"
+    sets = cli_sets(demo_dir, "data.demo=false", f"data.sources=[{{name: short, path: {data}, max_epochs: {epochs}}}]",
+                    f"train.steps={steps}", "batch.micro_batch=2")
+    assert main(["train", "--out", str(out), *sets]) == (0 if fits else 2)
+    captured = capsys.readouterr()
+    if fits:
+        return
+    assert captured.err == (f"config error: train: the run takes {steps * 64:,} tokens ({steps} updates) but "
+                            f"data.sources hold at most {144 * epochs} at their max_epochs, so the data would run out "
+                            "before the end; lower train.steps / train.tokens, or raise the sources' max_epochs\n")
+    assert not (out / "checkpoints").exists()
+
+
 def test_no_samples_says_why(demo_dir, tmp_path, capsys):
     """train.samples > 0 and held-out documents too short to give a prompt: a line saying so, no samples.txt."""
     short = _short_documents(demo_dir, tmp_path / "short")
