@@ -160,6 +160,9 @@ def check_record(raw: Any, kind: str) -> None:
                 raise DataError(f"{name}[{i}] is not a message {{\"role\": str, \"content\": str}}")
     if fields == ("messages",) and not any(m["role"] == "assistant" for m in values[0]):
         raise DataError("a conversation without an assistant message (nothing to train on)")
+    for name, messages in zip(fields, values):  # the responses are the assistant's
+        if name in ("chosen", "rejected", "completion") and messages[-1]["role"] != "assistant":
+            raise DataError(f"{name!r} must end with an assistant message (its last is {messages[-1]['role']!r})")
 
 
 class ChatEncoder:
@@ -189,7 +192,7 @@ class ChatEncoder:
     def render(self, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
         if self.chat_template is None:
             raise DataError(f"{self.source} has no chat template, and conversational records need one: pass "
-                            "--chat-template FILE (a Jinja template), or use prompt-completion records of strings")
+                            "--chat-template FILE (a Jinja template), or use records whose fields are strings")
         from jinja2 import TemplateError, TemplateSyntaxError
 
         try:

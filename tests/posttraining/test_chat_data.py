@@ -114,6 +114,15 @@ def test_bad_records_name_file_and_line_or_are_skipped_and_counted(tmp_path):
     with pytest.raises(DataError, match="without 'chosen'"):
         read_records(_write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "rejected": "b"}]), kind="preference")
     answer = [{"role": "assistant", "content": "b"}]
+    question = [{"role": "user", "content": "q"}]
+    for kind, record, name in (("preference", {"prompt": question, "chosen": answer, "rejected": question}, "rejected"),
+                               ("sft", {"prompt": question, "completion": question}, "completion")):
+        path = _write_jsonl(tmp_path / "r.jsonl", [record])
+        with pytest.raises(DataError, match=rf"r\.jsonl:1: '{name}' must end with an assistant message \(its last is "
+                                            r"'user'\)"):
+            read_records(path, kind=kind)
+        with pytest.raises(DataError, match="no usable records"):  # a bad record: skipped when asked
+            read_records(path, kind=kind, skip_bad=True)
     for kind, record in (("preference", {"prompt": [], "chosen": answer, "rejected": answer}),
                          ("sft", {"prompt": [], "completion": answer})):
         with pytest.raises(DataError, match=r"e\.jsonl:1: 'prompt' is an empty list of messages"):
