@@ -112,7 +112,9 @@ def build_app(runner: EngineRunner, *, model_name: str, api_key: str | None = No
         if first.get("type") == "json_invalid":
             return APIError(400, f"the request body is not valid JSON: {first.get('msg', '')}").response()
         # the field's path, without pydantic's names of the union members it tried ("stop.str", "prompt.list[int]")
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not _TYPE_NAME.match(str(p)))
+        parts = [p for p in first.get("loc", ()) if p != "body" and not _TYPE_NAME.match(str(p))]
+        # messages[0].content, as the server's own checks name a field
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
         return APIError(400, f"{where or 'body'}: {first.get('msg', 'invalid')}", param=where or None).response()
 
     @app.exception_handler(HTTPException)

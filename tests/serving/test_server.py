@@ -207,8 +207,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
 @pytest.mark.parametrize("path, body, param, message", [
     ("/v1/completions", {"prompt": "a", "stop": 5}, "stop", "stop: Input should be a valid string"),
     ("/v1/completions", {"prompt": 5}, "prompt", "prompt: Input should be a valid string"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content",
-     "messages.0.content: Input should be a valid string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content",
+     "messages[0].content: Input should be a valid string"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": -1},
      "max_completion_tokens", "max_completion_tokens must be an int >= 1, got -1"),
 ])
