@@ -358,14 +358,17 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             kept = hidden[:, logits_to_keep]
         else:
             kept = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
-        if shift_labels is not None and tuple(shift_labels.shape) != tuple(kept.shape[:2]):
-            raise ValueError(f"shift_labels {tuple(shift_labels.shape)} must have the kept positions' shape "
-                             f"{tuple(kept.shape[:2])} (position t is scored against shift_labels[:, t])")
+        if shift_labels is not None:
+            if tuple(shift_labels.shape) != tuple(kept.shape[:2]):
+                raise ValueError(f"shift_labels {tuple(shift_labels.shape)} must have the kept positions' shape "
+                                 f"{tuple(kept.shape[:2])} (position t is scored against shift_labels[:, t])")
+            _check_targets(shift_labels, self.config.vocab_size, "shift_labels")
         if labels is not None:
             tokens = input_ids if input_ids is not None else inputs_embeds
             if tuple(labels.shape) != tuple(tokens.shape[:2]):
                 raise ValueError(f"labels {tuple(labels.shape)} must have the inputs' shape [B, T] = "
                                  f"{list(tokens.shape[:2])}: they are the input ids, shifted here")
+            _check_targets(labels, self.config.vocab_size, "labels")
             targets = _next_token_targets(labels, cu_seqlens=cu_seqlens, position_ids=position_ids,
                                           attention_mask=attention_mask)  # [B, T-1]
             scored = kept[:, :-1]
@@ -490,6 +493,16 @@ def _ids_checked_on_host(input_ids: torch.Tensor) -> bool:
     """Whether the ids' range is checked: on the CPU, where reading min and max waits for nothing, and not while
     compiling."""
     return input_ids.device.type == "cpu" and input_ids.numel() > 0 and not torch.compiler.is_compiling()
+
+
+def _check_targets(targets: torch.Tensor, vocab: int, name: str) -> None:
+    """On the CPU (`_ids_checked_on_host`), refuse targets outside the vocabulary other than IGNORE_INDEX."""
+    if not _ids_checked_on_host(targets):
+        return
+    scored = targets[targets != IGNORE_INDEX]
+    if scored.numel() and not (0 <= int(scored.min()) and int(scored.max()) < vocab):
+        raise ValueError(f"{name} hold ids outside the model's vocabulary [0, {vocab}): min {int(scored.min())}, "
+                         f"max {int(scored.max())} ({IGNORE_INDEX} marks a position that is not scored)")
 
 
 def _check_inputs(

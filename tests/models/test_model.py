@@ -361,6 +361,10 @@ def test_bad_inputs(tmp_path):
     (dict(input_ids=torch.zeros(2, 5, dtype=torch.long), labels=torch.zeros(2, 4, dtype=torch.long)),
      r"labels \(2, 4\) must have the inputs' shape \[B, T\] = \[2, 5\]"),
     (dict(input_ids=torch.zeros(2, 5, dtype=torch.long), logits_to_keep=-1), "logits_to_keep=-1: pass n > 0"),
+    (dict(input_ids=torch.zeros(1, 3, dtype=torch.long), labels=torch.tensor([[-100, 5, VOCAB + 2]])),
+     rf"labels hold ids outside the model's vocabulary \[0, {VOCAB}\): min 5, max {VOCAB + 2} \(-100 marks"),
+    (dict(input_ids=torch.zeros(1, 3, dtype=torch.long), shift_labels=torch.tensor([[-5, 1, -100]])),
+     r"shift_labels hold ids outside the model's vocabulary .*min -5, max 1"),
     (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), r"no positions \(\[B, T\] = \[1, 0\]\)"),
     (dict(inputs_embeds=torch.zeros(2, 0, 32)), r"no positions \(\[B, T\] = \[2, 0\]\)"),
 ])
