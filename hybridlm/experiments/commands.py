@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 DEFAULT_MODELS = "fw-1A,fw-1A-same,fw-3A,fw-3A-same,fw-1,mamba2,transformer,hybrid-fw-3A,hybrid-mamba2"
 PAPER_MODELS = "transformer,retnet,mamba2,fw-1A.1,fw-1A.2,fw-1A.3,fw-3A.3"  # the paper's Table 3, in its order
@@ -122,7 +123,8 @@ def add_commands(subparsers) -> None:
                             ("ssm", str, "SSM mixer name: mamba2 or fw-..."), ("batch-size", int, "sequences per step"),
                             ("seq-len", int, "tokens per sequence"), ("lr", float, "peak learning rate"),
                             ("warmup", int, "warmup steps"), ("val-docs", int, "held-out synthetic documents"),
-                            ("val-max-tokens", int, "held-out tokens scored on prepared data (default 2^20)")])
+                            ("val-max-tokens", int, "held-out tokens scored on prepared data: whole documents "
+                             "until this many are reached (default 2^20)")])
     p.set_defaults(func=_bench_allocation)
 
     p = sub.add_parser("lm", help="held-out perplexity at equal size, data and steps (fast-weight paper Table 1)",
@@ -140,7 +142,8 @@ def add_commands(subparsers) -> None:
                             ("seq-len", int, "tokens (bytes) per row (default 512)"),
                             ("lr", float, "peak learning rate (default 1e-3)"),
                             ("warmup", int, "warmup steps (default: 10%% of --steps when --steps is given)"),
-                            ("val-max-tokens", int, "tokens scored per held-out set (default 2^20)")])
+                            ("val-max-tokens", int, "tokens scored per held-out set: whole documents until this "
+                             "many are reached (default 2^20)")])
     p.set_defaults(func=_bench_lm)
 
 
@@ -278,8 +281,15 @@ def _bench_allocation(args: argparse.Namespace) -> int:
     try:
         run_options = _run_options(args)
         named = args.data in ("stdlib", "shakespeare", "synthetic")
-        if named == (args.val_data is not None):
+        if named and args.val_data is not None:
             raise ValueError("--val-data goes with --data DIR (prepared training and held-out shards), and only there")
+        if not named and not Path(args.data).is_dir():
+            raise ValueError(f"--data {args.data}: neither stdlib, shakespeare, synthetic nor a directory of "
+                             "prepared shards")
+        if not named and args.val_data is None:
+            raise ValueError(f"--data {args.data} (prepared shards) needs --val-data DIR, the held-out shards")
+        if not named and Path(args.val_data).resolve() == Path(args.data).resolve():
+            raise ValueError("--val-data is --data: the held-out score would be taken on the training data")
         points = sweep_points([a.strip() for a in args.arrangements.split(",") if a.strip()])
         if args.points:
             keep = set(parse_points(args.points))

