@@ -476,6 +476,9 @@ def check_recipe(recipe: AdditionRecipe) -> None:
     if recipe.protocol == "paper" and recipe.curriculum_steps:
         raise ValueError(f"--protocol paper samples widths uniformly from the first update; --curriculum-steps must be "
                          f"0, got {recipe.curriculum_steps} (--protocol curriculum has the width curriculum)")
+    if recipe.curriculum_steps and recipe.curriculum_start > recipe.train_max_width:
+        raise ValueError(f"--curriculum-start {recipe.curriculum_start} is wider than --train-max-width "
+                         f"{recipe.train_max_width}: the curriculum grows the widest operands up to it")
     if recipe.curriculum_steps >= recipe.steps > 1:
         raise ValueError(f"the width curriculum ({recipe.curriculum_steps} steps) must end before training does "
                          f"({recipe.steps} steps), or the model never sees the widest operands; lower "

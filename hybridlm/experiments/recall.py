@@ -131,6 +131,9 @@ def check_recipe(recipe: RecallRecipe, tasks: RecallTasks) -> None:
     if "mqar" in recipe.tasks and recipe.train_max_len < tasks.full_length("mqar"):
         raise ValueError(f"--train-max-len {recipe.train_max_len} is too short for {tasks.mqar_pairs} MQAR pairs and "
                          f"their queries (at least {tasks.full_length('mqar')}): raise it or lower --mqar-pairs")
+    if recipe.curriculum_steps and recipe.curriculum_start_len > recipe.train_max_len:
+        raise ValueError(f"--curriculum-start-len {recipe.curriculum_start_len} is longer than --train-max-len "
+                         f"{recipe.train_max_len}: the curriculum grows the longest sequences up to it")
     if recipe.curriculum_steps >= recipe.steps > 1:
         raise ValueError(f"the length curriculum ({recipe.curriculum_steps} steps) must end before training does "
                          f"({recipe.steps} steps); lower --curriculum-steps (0 turns it off)")

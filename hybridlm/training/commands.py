@@ -290,6 +290,9 @@ def _mup_check_argument_error(args: argparse.Namespace) -> str | None:
     bad = [w for w in args.widths if w < HEAD_DIM or w % HEAD_DIM]
     if bad:
         return f"--widths: every width must be a positive multiple of {HEAD_DIM} (the head dim), got {bad}"
+    repeated = sorted({w for w in args.widths if args.widths.count(w) > 1})
+    if repeated:
+        return f"--widths repeats {', '.join(map(str, repeated))}; give each width once"
     if args.base_width not in args.widths:
         return f"--base-width {args.base_width} must be one of --widths {args.widths}"
     if args.steps < 1:

@@ -224,6 +224,10 @@ def test_recipe_values_that_cannot_train_are_usage_errors_before_any_run(tmp_pat
     ("recall", ["--eval-lens", ","],
      "--eval-lens names no length; give context lengths, comma-separated, e.g. 512,1024"),
     ("recall", ["--eval-lens", "48,48"], "--eval-lens repeats a length: 48; give each once"),
+    ("recall", ["--curriculum-steps", "1", "--curriculum-start-len", "100000"],
+     "--curriculum-start-len 100000 is longer than --train-max-len"),
+    ("addition", ["--curriculum-steps", "1", "--curriculum-start", "40"],
+     "--curriculum-start 40 is wider than --train-max-width"),
     # allocation's points and data
     ("allocation", ["--points", "a,b"], "--points: 'a,b' is not three integers like 2,1,5"),
     ("allocation", ["--points", "4,4,0"], "allocation '4,4,0' is not on the grid: three eighths >= 1 that sum to 8"),

@@ -79,6 +79,7 @@ def test_cli(tmp_path, capsys):
         (["--lr", "-1"], "--lr: must be a finite number > 0"),
         (["--widths", "0", "128"], "--widths: every width must be a positive multiple of 64"),
         (["--widths", "100", "128"], "--widths: every width must be a positive multiple of 64"),
+        (["--widths", "64", "128", "64"], "--widths repeats 64; give each width once"),
         (["--layers", "0"], "--layers: must be >= 1"),
         (["--seed", "-3"], "--seed: must be >= 0"),
     ],
