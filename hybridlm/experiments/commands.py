@@ -219,7 +219,8 @@ def _run_options(args: argparse.Namespace) -> dict:
 
 def _run_bench(bench, *args, **kwargs) -> int:
     """Run a bench whose arguments were checked: its exit status; 2 when --out holds another recipe's finished run,
-    1 when it stops on another problem (e.g. the stdlib corpus cannot be prepared here)."""
+    1 when it stops on another problem (e.g. the stdlib corpus cannot be prepared here), 130 when Ctrl-C stops it
+    outside the runs' own stop (which saves and exits 75)."""
     from hybridlm.experiments.bench import RunConflict
 
     try:
@@ -228,6 +229,9 @@ def _run_bench(bench, *args, **kwargs) -> int:
         return _fail(str(err), status=2)
     except ValueError as err:
         return _fail(str(err))
+    except KeyboardInterrupt:  # before the runs' own handling (preparing a corpus), or a second Ctrl-C in them
+        print("stopped (Ctrl-C); run the same command again to continue where it stopped", file=sys.stderr)
+        return 130
     return report["exit_status"]
 
 

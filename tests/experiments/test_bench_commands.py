@@ -324,3 +324,19 @@ def test_an_earlier_versions_checkpoint_in_out_stops_the_bench_with_the_files_to
     assert err.startswith(f"error: {runs / key}.ckpt.json, {runs / key}.ckpt.step00000002.safetensors: in-progress "
                           "checkpoint(s) in the format of an earlier hybridlm version") and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"] and len(list(runs.iterdir())) == 2
+
+
+def test_ctrl_c_outside_the_runs_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while a bench prepares its corpus (before the runs' own stop handling): no traceback."""
+    from hybridlm.experiments import allocation
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(allocation, "prepare_builtin", interrupted)
+    out = tmp_path / "out"
+    assert main(["bench", "allocation", "--points", "2,1,5", "--arrangements", "SA_M", "--data", "stdlib",
+                 "--data-bytes", "1000000", *SMALL_ALLOCATION, "--steps", "2", "--device", "cpu", "--out",
+                 str(out)]) == 130
+    assert capsys.readouterr().err == ("stopped (Ctrl-C); run the same command again to continue where it "
+                                       "stopped\n")
