@@ -100,6 +100,9 @@ def export_checkpoint(run: str | Path, out: str | Path, *, step: int | None = No
     run, out = Path(run), Path(out)
     if format not in EXPORT_FORMATS:
         raise ConfigError(f"--format: must be one of {', '.join(EXPORT_FORMATS)}, got {format!r}")
+    if not run.is_dir():
+        raise ConfigError(f"--run {run}: " + ("no such directory" if not os.path.lexists(run) else "not a directory")
+                          + "; give the output directory of a `hybridlm train` run")
     if not (run / CONFIG_FILE).is_file():
         raise ConfigError(f"--run {run}: no {CONFIG_FILE}; give the output directory of a `hybridlm train` run")
     _check_out(run, out, overwrite)
@@ -184,7 +187,8 @@ def _write_tokenizer(config: TrainConfig, run: Path, directory: Path, out: Path)
 
 def _check_out(run: Path, out: Path, overwrite: bool) -> None:
     """Refuse an `out` whose replacement would lose what is not an export: the run itself, a path inside it (its
-    checkpoints) or one holding it; an existing path without `overwrite`; with it, anything but a model directory."""
+    checkpoints) or one holding it; an existing path that is not a model directory; a model directory without
+    `overwrite`."""
     run_path, out_path = run.resolve(), out.resolve()
     if out_path == run_path or run_path in out_path.parents or out_path in run_path.parents:
         where = ("is the run" if out_path == run_path else "is inside the run" if run_path in out_path.parents
@@ -192,11 +196,11 @@ def _check_out(run: Path, out: Path, overwrite: bool) -> None:
         raise ConfigError(f"--out {out} {where} --run {run}; write the model to a directory of its own")
     if not os.path.lexists(out):
         return
+    if not _is_model_dir(out):  # said first: --overwrite would not help
+        raise ConfigError(f"--out {out} exists and is not a model directory (config.json and .safetensors files, no "
+                          "folders), so it is not replaced; choose another --out")
     if not overwrite:
-        raise ConfigError(f"--out {out} already exists; pass --overwrite to replace it (a model directory only)")
-    if not _is_model_dir(out):
-        raise ConfigError(f"--out {out} is not a model directory (config.json and .safetensors files, no folders), "
-                          "so --overwrite does not replace it; choose another --out")
+        raise ConfigError(f"--out {out} already exists; pass --overwrite to replace it")
 
 
 def _is_model_dir(path: Path) -> bool:

@@ -41,11 +41,11 @@ def test_an_existing_out_needs_overwrite_and_must_be_a_model_directory(run, tmp_
     (notes / "precious.txt").write_text("keep")
     a_file = tmp_path / "a_file"
     a_file.write_text("keep")
-    for out in (notes, a_file):
-        with pytest.raises(ConfigError, match="already exists; pass --overwrite"):
-            _check_out(run, out, False)
-        with pytest.raises(ConfigError, match="is not a model directory"):
-            _check_out(run, out, True)
+    for out in (notes, a_file):  # --overwrite would not replace them: not offered
+        for overwrite in (False, True):
+            with pytest.raises(ConfigError, match=rf"--out {out} exists and is not a model directory .* it is not "
+                                                  "replaced; choose another --out"):
+                _check_out(run, out, overwrite)
     model = tmp_path / "model"
     model.mkdir()
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
@@ -59,6 +59,9 @@ def test_an_existing_out_needs_overwrite_and_must_be_a_model_directory(run, tmp_
     # through the command line: exit 2, the reason, nothing touched
     assert main(["checkpoint", "export", "--run", str(run), "--out", str(notes), "--overwrite"]) == 2
     assert "is not a model directory" in capsys.readouterr().err
+    for missing, what in ((tmp_path / "nope", "no such directory"), (a_file, "not a directory")):
+        assert main(["checkpoint", "export", "--run", str(missing), "--out", str(tmp_path / "m")]) == 2
+        assert f"--run {missing}: {what}; give the output directory" in capsys.readouterr().err
     assert (notes / "precious.txt").read_text() == "keep" and a_file.read_text() == "keep"
 
 
