@@ -223,6 +223,15 @@ def _call(job: Job, device: str, out_dir: Path, should_stop: Callable[[], bool] 
     return result
 
 
+def _failed_last_time(out_dir: Path, key: str) -> bool:
+    """Whether the run's log ends with a failure: its last attempt raised (`_run_one` logs "failed:")."""
+    log = out_dir / RUNS / f"{key}.log"
+    if not log.is_file():
+        return False
+    attempts = log.read_text(encoding="utf-8", errors="replace").split(f" start {key} on ")
+    return " failed:\n" in attempts[-1]
+
+
 def _is_interrupted(err: BaseException) -> bool:
     from hybridlm.experiments.train import TrainingInterrupted
 
@@ -369,9 +378,13 @@ def run_jobs(
             echo(f"  {len(plain)} of them trained without deterministic kernels ({', '.join(plain)}): move their "
                  f"runs/<key>.json away to train them again deterministically")
     if report_only:
-        results.failed, results.stopped, results.not_started = [], [], [j.key for j in todo]
-        if todo:
-            echo(f"report only: {len(todo)} run(s) not started ({', '.join(j.key for j in todo)})")
+        failed = [j.key for j in todo if _failed_last_time(out_dir, j.key)]
+        results.failed, results.stopped = failed, []
+        results.not_started = [j.key for j in todo if j.key not in failed]
+        if failed:
+            echo(f"report only: {len(failed)} run(s) failed ({', '.join(failed)}: see runs/<key>.log)")
+        if results.not_started:
+            echo(f"report only: {len(results.not_started)} run(s) not started ({', '.join(results.not_started)})")
         return results
     start = time.monotonic()
     stop = StopRequest()

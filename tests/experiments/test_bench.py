@@ -31,6 +31,12 @@ def test_reuse_rerun_and_failures(tmp_path):
     assert stored["spec"] == {"x": 1} and stored["result"]["device"] == "cpu"
     assert results.failed == ["b"] and results.exit_status() == 1
     assert results.missing(["a", "b", "c"]) == ["b (failed: see runs/b.log)"]
+    # a report of them names the failed run as failed, a run never started as not started
+    lines.clear()
+    report = run_jobs([*jobs, Job("d", RUNNER, {"x": 4})], tmp_path, echo=lines.append, report_only=True)
+    assert report.failed == ["b"] and report.not_started == ["d"] and report.exit_status() == 1
+    assert "report only: 1 run(s) failed (b: see runs/<key>.log)" in lines
+    assert report.missing(["a", "b", "c", "d"]) == ["b (failed: see runs/b.log)", "d"]
 
     lines.clear()
     # c's spec changed: its finished run is another recipe's, kept; nothing runs until it is moved away
