@@ -690,17 +690,22 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
         payload={"task": "addition", "protocol": recipe.protocol, "recipe": recipe.to_dict(), "aggregate": stats, "runs": by_model},
         plot=lambda path: plot_accuracy(stats, recipe, path),
     )
+    by_digit, grids = Path(out_dir) / "accuracy_by_digit.png", Path(out_dir) / "digit_map.png"
     if any(s["digit_acc"] for s in stats.values()):
-        files.append(str(Path(out_dir) / "accuracy_by_digit.png"))
-        plot_digit_accuracy(stats, recipe, Path(files[-1]))
+        files.append(str(by_digit))
+        plot_digit_accuracy(stats, recipe, by_digit)
+    else:  # an earlier report's figure of other runs would stand beside this report
+        by_digit.unlink(missing_ok=True)
     panels = {}
     for m, rs in by_model.items():
         if (scored := digit_map(rs, recipe)) is not None:
             grid, runs = scored
             panels[_scored_label(m, runs, len(rs))] = grid
     if panels:
-        files.append(str(Path(out_dir) / "digit_map.png"))
-        plot_digit_map(panels, recipe, Path(files[-1]))
+        files.append(str(grids))
+        plot_digit_map(panels, recipe, grids)
+    else:
+        grids.unlink(missing_ok=True)
     return {"files": files, "aggregate": stats}
 
 
