@@ -362,13 +362,13 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             if tuple(shift_labels.shape) != tuple(kept.shape[:2]):
                 raise ValueError(f"shift_labels {tuple(shift_labels.shape)} must have the kept positions' shape "
                                  f"{tuple(kept.shape[:2])} (position t is scored against shift_labels[:, t])")
-            _check_targets(shift_labels, self.config.vocab_size, "shift_labels")
+            _check_in_vocabulary(shift_labels, self.config.vocab_size, "shift_labels", ignored=IGNORE_INDEX)
         if labels is not None:
             tokens = input_ids if input_ids is not None else inputs_embeds
             if tuple(labels.shape) != tuple(tokens.shape[:2]):
                 raise ValueError(f"labels {tuple(labels.shape)} must have the inputs' shape [B, T] = "
                                  f"{list(tokens.shape[:2])}: they are the input ids, shifted here")
-            _check_targets(labels, self.config.vocab_size, "labels")
+            _check_in_vocabulary(labels, self.config.vocab_size, "labels", ignored=IGNORE_INDEX)
             targets = _next_token_targets(labels, cu_seqlens=cu_seqlens, position_ids=position_ids,
                                           attention_mask=attention_mask)  # [B, T-1]
             scored = kept[:, :-1]
@@ -495,14 +495,19 @@ def _ids_checked_on_host(input_ids: torch.Tensor) -> bool:
     return input_ids.device.type == "cpu" and input_ids.numel() > 0 and not torch.compiler.is_compiling()
 
 
-def _check_targets(targets: torch.Tensor, vocab: int, name: str) -> None:
-    """On the CPU (`_ids_checked_on_host`), refuse targets outside the vocabulary other than IGNORE_INDEX."""
-    if not _ids_checked_on_host(targets):
+def _check_in_vocabulary(ids: torch.Tensor, vocab: int, name: str, *, ignored: int | None = None) -> None:
+    """On the CPU (`_ids_checked_on_host`), refuse ids outside [0, vocab); `ignored`: a value skipped (the targets'
+    IGNORE_INDEX)."""
+    if not _ids_checked_on_host(ids):
         return
-    scored = targets[targets != IGNORE_INDEX]
-    if scored.numel() and not (0 <= int(scored.min()) and int(scored.max()) < vocab):
-        raise ValueError(f"{name} hold ids outside the model's vocabulary [0, {vocab}): min {int(scored.min())}, "
-                         f"max {int(scored.max())} ({IGNORE_INDEX} marks a position that is not scored)")
+    if ignored is not None:
+        ids = ids[ids != ignored]
+    if not ids.numel():
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab:
+        note = f" ({ignored} marks a position that is not scored)" if ignored is not None else ""
+        raise ValueError(f"{name} hold ids outside the model's vocabulary [0, {vocab}): min {low}, max {high}{note}")
 
 
 def _check_inputs(
@@ -521,11 +526,7 @@ def _check_inputs(
             hint = " (one sequence: input_ids[None])" if input_ids.dim() == 1 else ""
             raise ValueError(f"input_ids must be integer token ids [B, T], got {input_ids.dtype} "
                              f"{list(input_ids.shape)}{hint}")
-        if _ids_checked_on_host(input_ids):
-            low, high = int(input_ids.min()), int(input_ids.max())
-            if low < 0 or high >= vocab:
-                raise ValueError(f"input_ids hold ids outside the model's vocabulary [0, {vocab}): min {low}, "
-                                 f"max {high}")
+        _check_in_vocabulary(input_ids, vocab, "input_ids")
         batch, length = input_ids.shape
     else:
         if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != width:
