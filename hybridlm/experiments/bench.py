@@ -224,7 +224,8 @@ def _call(job: Job, device: str, out_dir: Path, should_stop: Callable[[], bool] 
 
 
 def _failed_last_time(out_dir: Path, key: str) -> bool:
-    """Whether the run's log ends with a failure: its last attempt raised (`_run_one` logs "failed:")."""
+    """Whether the run's log ends with a failure: its last attempt raised (`_call` logs "start <key> on", then
+    "failed:")."""
     log = out_dir / RUNS / f"{key}.log"
     if not log.is_file():
         return False

@@ -287,13 +287,14 @@ def _bench_allocation(args: argparse.Namespace) -> int:
         named = args.data in ("stdlib", "shakespeare", "synthetic")
         if named and args.val_data is not None:
             raise ValueError("--val-data goes with --data DIR (prepared training and held-out shards), and only there")
-        if not named and not Path(args.data).is_dir():
-            raise ValueError(f"--data {args.data}: neither stdlib, shakespeare, synthetic nor a directory of "
-                             "prepared shards")
-        if not named and args.val_data is None:
-            raise ValueError(f"--data {args.data} (prepared shards) needs --val-data DIR, the held-out shards")
-        if not named and Path(args.val_data).resolve() == Path(args.data).resolve():
-            raise ValueError("--val-data is --data: the held-out score would be taken on the training data")
+        if not named:
+            if not Path(args.data).is_dir():
+                raise ValueError(f"--data {args.data}: neither stdlib, shakespeare, synthetic nor a directory of "
+                                 "prepared shards")
+            if args.val_data is None:
+                raise ValueError(f"--data {args.data} (prepared shards) needs --val-data DIR, the held-out shards")
+            if Path(args.val_data).resolve() == Path(args.data).resolve():
+                raise ValueError("--val-data is --data: the held-out score would be taken on the training data")
         points = sweep_points([a.strip() for a in args.arrangements.split(",") if a.strip()])
         if args.points:
             keep = set(parse_points(args.points))
