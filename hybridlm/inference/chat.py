@@ -6,9 +6,12 @@
 
 Every turn renders the whole conversation with the model directory's chat template (or --chat-template FILE) and
 the generation prompt, and decodes the answer with the model's cache, printing tokens as they come (the decoded
-text grows; only the new characters are printed). An answer ends at eos or at the special token the template writes
-after an assistant message (our template's <|end_of_turn|>), or at --max-new-tokens. On a CUDA device each answer's
-decoding steps replay a CUDA graph of the step (`hybridlm.models.graphed`; --eager runs them op by op).
+text grows; only the new characters are printed). The model reads only what is new: the session keeps the cache of
+the last prompt, and when the new prompt's tokens go on from it (the template renders earlier turns the same way)
+only the answer and the new message are prefilled; otherwise the whole conversation is. An answer ends at eos or at
+the special token the template writes after an assistant message (our template's <|end_of_turn|>), or at
+--max-new-tokens. On a CUDA device each answer's decoding steps replay a CUDA graph of the step
+(`hybridlm.models.graphed`; --eager runs them op by op).
 Interactive, a line is a message or a command: /reset starts over, /exit or /quit leaves (as Ctrl-D does), and
 Ctrl-C stops an answer.
 """
@@ -51,7 +54,13 @@ def add_chat_command(subparsers) -> None:
 
 class ChatSession:
     """A conversation with a model: `reply(text, on_text)` adds the user's message, generates the answer (calling
-    `on_text(new_characters)` as it grows) and keeps it; `reset()` forgets all but the system message."""
+    `on_text(new_characters)` as it grows) and keeps it; `reset()` forgets all but the system message.
+
+    The cache of the last prompt but its final token is kept (`held`: those ids and the cache): a prompt whose ids
+    start with them continues a copy of it (`generate(cache=...)`), so each turn prefills only its new tokens, with
+    the logits of a prefill of the whole conversation (to float rounding). A prompt that does not (the template
+    rendered an earlier turn differently, an answer's tokens encode differently as text, or the messages changed)
+    is prefilled from the start."""
 
     def __init__(self, model, encoder, *, system: str | None = None, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
@@ -72,10 +81,12 @@ class ChatSession:
         self.generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         self.limit = model.config.max_position_embeddings
         self.messages: list[dict[str, str]] = []
+        self.held: tuple[list[int], object] | None = None  # (ids, the HybridCache filled with exactly them)
         self.reset()
 
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.held = None
 
     def reply(self, text: str, on_text: Callable[[str], None] = lambda s: None) -> str:
         messages = self.messages + [{"role": "user", "content": text}]
@@ -83,17 +94,36 @@ class ChatSession:
         room = min(self.max_new_tokens, self.limit - len(prompt))
         if room < 1:
             raise ValueError(f"the conversation has {len(prompt)} tokens, the model's context is {self.limit}")
+        cache = self._cache_of(prompt[:-1])
         final = answer(self.model, self.encoder, prompt, max_new_tokens=room, on_text=on_text,
-                       generator=self.generator, graph=self.graph, **self.sampling)
+                       generator=self.generator, graph=self.graph, cache=cache.copy(), **self.sampling)
         self.messages = messages + [{"role": "assistant", "content": final}]
         return final
 
+    def _cache_of(self, ids: list[int]):
+        """A cache filled with `ids`: the held one continued where they go on from its ids, else a new one; held for
+        the next turn. Forgotten while it is being filled: an interrupted prefill leaves no cache that is not what its
+        ids say."""
+        import torch
+
+        from hybridlm.models.generation import prefill
+
+        held, self.held = self.held, None
+        if held is None or held[0] != ids[:len(held[0])]:
+            held = ([], self.model.new_cache())
+        done, cache = held
+        if len(ids) > len(done):
+            prefill(self.model, torch.tensor([ids], device=self.device), cache=cache)
+        self.held = (list(ids), cache)
+        return cache
+
 
 def answer(model, encoder, prompt: list[int], *, max_new_tokens: int, on_text: Callable[[str], None] = lambda s: None,
-           generator=None, graph: bool = False, **sampling) -> str:
+           generator=None, graph: bool = False, cache=None, **sampling) -> str:
     """The model's answer to a rendered prompt's ids, streamed to `on_text` as it grows: decoding ends at eos, at the
     turn's end (`ChatEncoder.stop_ids`, or its text where the tokenizer spells it in ordinary tokens: then text that
-    could be the start of it is held back until it is known not to be) or after `max_new_tokens`."""
+    could be the start of it is held back until it is known not to be) or after `max_new_tokens`. `cache`: one filled
+    with the prompt's first tokens, continued in place (`generate`'s)."""
     import torch
 
     from hybridlm.models.generation import generate
@@ -125,7 +155,7 @@ def answer(model, encoder, prompt: list[int], *, max_new_tokens: int, on_text: C
 
     device = next(model.parameters()).device
     out = generate(model, torch.tensor([prompt], device=device), max_new_tokens=max_new_tokens,
-                   eos_token_id=stops or None, generator=generator, stop=stream, graph=graph, **sampling)
+                   eos_token_id=stops or None, generator=generator, stop=stream, graph=graph, cache=cache, **sampling)
     final, _ = encoder.cut_at_turn_end(encoder.tokenizer.decode(
         [t for t in out.sequences[0, len(prompt):].tolist() if t not in stops], skip_special_tokens=True))
     show(final)

@@ -207,6 +207,17 @@ class HybridCache:
     def __len__(self) -> int:
         return len(self.layers)
 
+    @property
+    def rows(self) -> int | None:
+        """The number of rows (sequences) the cache holds; None while it holds no tensor yet."""
+        if self.lengths is not None:
+            return int(self.lengths.shape[0])
+        for layer in self.layers:
+            for tensor in (layer._key, *layer.ssm.values()):
+                if tensor is not None:
+                    return int(tensor.shape[0])
+        return None
+
     def copy(self) -> HybridCache:
         """A copy that shares no storage with this cache, holding only filled slots (`LayerCache.copy`)."""
         out = HybridCache(0)

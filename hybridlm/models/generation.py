@@ -24,6 +24,12 @@ whole prompt's (a batch of 32 prompts of 64K tokens is 2M tokens at once otherwi
 first piece is the packed prefill of every row's padding and at least one of its tokens (so it is longer than n when
 some row's padding is), and the pieces after it hold no padding.
 
+`cache=` continues a cache an earlier call filled with the first `cache.seq_len` tokens of every row (a chat's
+conversation so far, `prefill` of a shared prefix): only the rest of the prompt is prefilled, onto that cache, which
+the call goes on filling in place (pass `cache.copy()` to keep it). The tokens and logits are those of a prefill of
+the whole prompt (to float rounding, as with `prefill_chunk`). The caller vouches that the cache holds those tokens:
+the call sees only how many.
+
 Stopping: a row is finished once it produces one of `eos_token_id`, or once the `stop` callback says so (called
 after every new token with the sequences so far, the way transformers calls a `StoppingCriteriaList`); its later
 positions hold `pad_token_id` (or the first eos id when no pad id is known) and decoding ends when every row is done
@@ -48,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridlm.layers.cache import HybridCache
+from hybridlm.layers.cache import HybridCache, StaticCache
 from hybridlm.models.graphed import GraphedDecoder
 from hybridlm.models.sampling import check_sampling, sample_next
 from hybridlm.modules.boundaries import left_padding_mask
@@ -79,6 +85,7 @@ def generate(
     graph: bool = False,
     prefill_chunk: int | None = None,
     stop: Callable[[torch.Tensor, torch.Tensor], bool | torch.Tensor] | None = None,
+    cache: HybridCache | None = None,
 ) -> GenerationOutput:
     """Generate up to `max_new_tokens` tokens after each prompt of `input_ids` [B, T].
 
@@ -101,6 +108,8 @@ def generate(
             row is done) or a bool tensor [B] (True: that row is done). A transformers `StoppingCriteriaList` (the
             stop strings of lm_eval's `generate_until`) is such a callable. A done row keeps its tokens so far, the
             one just chosen included, and gets filler after it.
+        cache: a cache filled with the first `cache.seq_len` tokens of every row (module docstring); the prefill runs
+            on the rest, at least one token, and the cache goes on in place. Not with `attention_mask`.
 
     The prompt + max_new_tokens may pass the config's max_position_embeddings (module docstring, "Length").
     """
@@ -125,6 +134,8 @@ def generate(
                                       or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk must be an int >= 1 (tokens per row per piece), got {prefill_chunk!r}")
 
+    if cache is not None:
+        _check_continued(cache, input_ids, attention_mask)
     if stop is not None and not callable(stop):
         raise ValueError(f"stop must be a callable stop(sequences, logits) -> bool or [B] bool tensor, got {stop!r}")
 
@@ -134,7 +145,7 @@ def generate(
     new_mask, step_logits = [], []
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     if max_new_tokens > 0:
-        cache, logits = prefill(model, input_ids, attention_mask=attention_mask, chunk=prefill_chunk)
+        cache, logits = prefill(model, input_ids, attention_mask=attention_mask, chunk=prefill_chunk, cache=cache)
         decoder = None
         if graph and max_new_tokens > 1:
             decoder = GraphedDecoder(model, cache, capacity=cache.seq_len + max_new_tokens - 1, batch_size=batch)
@@ -166,10 +177,18 @@ def generate(
 
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
-            chunk: int | None = None) -> tuple[HybridCache, torch.Tensor]:
+            chunk: int | None = None, cache: HybridCache | None = None) -> tuple[HybridCache, torch.Tensor]:
     """A new decoding cache filled with the prompts `input_ids` [B, T] (left-padded where `attention_mask` [B, T] has
     zeros), and the logits [B, V] of their last positions. `chunk`: pieces of that many tokens per row (the module
-    docstring's `prefill_chunk`); None: one call."""
+    docstring's `prefill_chunk`); None: one call. `cache`: one that holds the first `cache.seq_len` tokens of every
+    row (no `attention_mask` then), continued in place with the rest (`generate`'s `cache`)."""
+    if cache is not None:
+        _check_continued(cache, input_ids, attention_mask)
+        rest = input_ids[:, cache.seq_len:]  # [B, T - S]
+        piece = chunk or rest.shape[1]
+        for start in range(0, rest.shape[1], piece):
+            logits = model(rest[:, start:start + piece], cache=cache, logits_to_keep=1).logits[:, -1]
+        return cache, logits
     cache = model.new_cache()
     if chunk is None:
         return cache, model(input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=1).logits[:, -1]
@@ -182,6 +201,22 @@ def prefill(model, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | No
     for start in range(first, input_ids.shape[1], chunk):
         logits = model(input_ids[:, start:start + chunk], cache=cache, logits_to_keep=1).logits[:, -1]
     return cache, logits
+
+
+def _check_continued(cache: HybridCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """A cache to continue holds fewer tokens than the prompt, in rows of its batch, none left-padded."""
+    if not isinstance(cache, HybridCache) or isinstance(cache, StaticCache):
+        raise ValueError(f"cache must be a HybridCache filled by a prefill (model.new_cache()), got "
+                         f"{type(cache).__name__}")
+    if attention_mask is not None or cache.lengths is not None:
+        raise ValueError("a cache is continued for prompts without left padding: pass no attention_mask, and a cache "
+                         "whose rows all hold the same number of tokens")
+    if cache.seq_len >= input_ids.shape[1]:
+        raise ValueError(f"the cache holds {cache.seq_len} tokens and the prompt has {input_ids.shape[1]}: the prompt "
+                         "must go on past the cache by at least one token (whose logits choose the first new one)")
+    rows = cache.rows
+    if rows is not None and rows != input_ids.shape[0]:
+        raise ValueError(f"the cache holds {rows} rows and input_ids has {input_ids.shape[0]}")
 
 
 def _stopped(result, batch: int, device: torch.device) -> torch.Tensor:

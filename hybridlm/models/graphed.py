@@ -46,7 +46,7 @@ class GraphedDecoder:
 
     def __init__(self, model, cache: HybridCache, *, capacity: int, batch_size: int,
                  use_graph: bool | None = None, compile_step: str | None = None) -> None:
-        rows = _cache_rows(cache)
+        rows = cache.rows
         if rows is not None and rows != batch_size:
             raise ValueError(f"batch_size {batch_size} does not match the cache's {rows} rows")
         self.model = model
@@ -161,13 +161,3 @@ def capture_step(device: torch.device, step: Callable[[], Any], *, between: Call
             out = step()
     return graph, out
 
-
-def _cache_rows(cache: HybridCache) -> int | None:
-    """The number of rows a filled cache holds (None when it holds no tensor yet)."""
-    if cache.lengths is not None:
-        return int(cache.lengths.shape[0])
-    for layer in cache.layers:
-        for tensor in (layer._key, *layer.ssm.values()):
-            if tensor is not None:
-                return int(tensor.shape[0])
-    return None

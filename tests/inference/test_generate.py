@@ -4,6 +4,8 @@ filters and their checks, decoding past max_position_embeddings."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -686,3 +688,53 @@ def test_prefill_function_feeds_pieces_and_fills_the_whole_prompts_cache():
         step_pieces, step_whole = model(token, cache=pieces).logits, model(token, cache=whole).logits
     assert widths == [8, 8, 7]
     assert (step_pieces - step_whole).abs().max() < 1e-10 and (last_pieces - last_whole).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("mixer", ["mamba2", "fast_weight-1", "fast_weight-3A", "fast_weight-1A", "none"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_continued_cache_gives_the_whole_prompts_tokens_and_logits(mixer, graph):
+    """`generate(cache=...)` with a cache of the prompt's first 6 tokens (a separate earlier prefill, ending inside a
+    fast-weight chunk): the model reads only the other 5 tokens (then 1 per step), and the tokens and logits are those
+    of a prefill of all 11; pieces of 2 continue it too. The cache goes on in place; its copy is left as it was."""
+    from hybridlm.inference import prefill
+
+    model = make_model(seed=8, **MIXERS[mixer])
+    prompt = ids(2, 11, seed=9)
+    whole = generate(model, prompt, max_new_tokens=5, output_logits=True, graph=graph)
+    for chunk, widths_then in ((None, [5]), (2, [2, 2, 1])):
+        kept, _ = prefill(model, prompt[:, :6])
+        snapshot = kept.copy()
+        widths = []
+        hook = model.register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))
+        continued = generate(model, prompt, max_new_tokens=5, output_logits=True, graph=graph, cache=kept,
+                             prefill_chunk=chunk)
+        hook.remove()
+        assert widths == widths_then + [1] * 4
+        assert torch.equal(continued.sequences, whole.sequences)
+        assert max_diff(continued.logits, whole.logits) < TOL
+        assert kept.seq_len == (11 if graph else 15)  # the graphed decoder steps a static copy instead
+        assert snapshot.seq_len == 6
+    assert whole.logits.abs().max() > 0.5  # not a degenerate comparison
+
+
+def test_a_continued_cache_is_refused_where_it_cannot_hold_the_prompts_start():
+    from hybridlm.inference import prefill
+    from hybridlm.layers.cache import StaticCache
+
+    model = make_model()
+    prompt = ids(2, 6)
+    kept, _ = prefill(model, prompt[:, :4])
+    cases = [
+        (dict(cache=kept.copy(), attention_mask=torch.ones(2, 6, dtype=torch.long)), "without left padding"),
+        (dict(cache=prefill(model, prompt)[0]), "the cache holds 6 tokens and the prompt has 6"),
+        (dict(cache=prefill(model, prompt[:1, :4])[0]), "the cache holds 1 rows and input_ids has 2"),
+        (dict(cache=StaticCache(kept, capacity=8, batch_size=2, device=torch.device("cpu"))), "got StaticCache"),
+        (dict(cache=[]), "got list"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            generate(model, prompt, max_new_tokens=2, **kwargs)
+    padded = model.new_cache()
+    model(prompt, attention_mask=torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]]), cache=padded)
+    with pytest.raises(ValueError, match="same number of tokens"):
+        generate(model, torch.cat([prompt, prompt], dim=1), max_new_tokens=2, cache=padded)
