@@ -638,6 +638,18 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
         exact_rows.append([label, bench.pm(summary["val_exact"]), bench.pm(summary["ood_exact"]),
                            ", ".join(map(str, s["solved_width"])), ends])
     marks = sorted({1, recipe.train_max_width // 2, recipe.train_max_width, lo, (lo + hi) // 2, hi})
+    by_digit, grids = Path(out_dir) / "accuracy_by_digit.png", Path(out_dir) / "digit_map.png"
+    panels = {}
+    for m, rs in by_model.items():
+        if (scored := digit_map(rs, recipe)) is not None:
+            grid, runs = scored
+            panels[_scored_label(m, runs, len(rs))] = grid
+    notes = []  # the per-digit figures this report writes (none when no run has per-digit scores), then the dash
+    if any(s["digit_acc"] for s in stats.values()):
+        notes.append(f"`{by_digit.name}` plots every digit at these widths")
+    if panels:
+        notes.append(f"`{grids.name}` at every width")
+    notes.append('"–": runs recorded without per-digit scores')
     width_rows = [[f"`{m}`", *(bench.pm(s["token_acc"][w]) if s["seeds"] else "–" for w in marks)]
                   for m, s in stats.items()]
     text = [
@@ -674,8 +686,7 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
         ("The last column counts the sum digits that all reach "
          f"{SOLVED_ACCURACY:.0%} at that width from each end of the sum: from the least significant (emitted first) "
          "and from the most significant (emitted last), the second count stopping where the first stopped "
-         "(`accuracy_by_digit.png` plots every digit at these widths, `digit_map.png` at every width; \"–\": runs "
-         f"recorded without per-digit scores). A sum right at every digit reads {recipe.train_max_width + 1}+0 at "
+         f"({'; '.join(notes)}). A sum right at every digit reads {recipe.train_max_width + 1}+0 at "
          f"n = {recipe.train_max_width}. Counts that stay from the first width to the next mean that one more digit "
          "of input leaves those digits intact; counts that fall mean that it breaks digits the model gets right at "
          "the widest trained width."),
@@ -690,17 +701,11 @@ def write_report(by_model: dict[str, list[dict]], recipe: AdditionRecipe, out_di
         payload={"task": "addition", "protocol": recipe.protocol, "recipe": recipe.to_dict(), "aggregate": stats, "runs": by_model},
         plot=lambda path: plot_accuracy(stats, recipe, path),
     )
-    by_digit, grids = Path(out_dir) / "accuracy_by_digit.png", Path(out_dir) / "digit_map.png"
     if any(s["digit_acc"] for s in stats.values()):
         files.append(str(by_digit))
         plot_digit_accuracy(stats, recipe, by_digit)
     else:  # an earlier report's figure of other runs would stand beside this report
         by_digit.unlink(missing_ok=True)
-    panels = {}
-    for m, rs in by_model.items():
-        if (scored := digit_map(rs, recipe)) is not None:
-            grid, runs = scored
-            panels[_scored_label(m, runs, len(rs))] = grid
     if panels:
         files.append(str(grids))
         plot_digit_map(panels, recipe, grids)

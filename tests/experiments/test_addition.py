@@ -168,12 +168,13 @@ def test_report_gives_per_digit_columns_and_figure_for_runs_that_have_them(tmp_p
     assert exact_row["mamba2"].endswith("| – |")
     assert "Sum digits ≥ 99%, least + most significant end, at n=32 / 33 / 48, per seed" in md
     for png in ("accuracy_by_digit.png", "digit_map.png"):
-        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"`{png}`" in md
         assert str(tmp_path / png) in report["files"]
     # a report of runs without per-digit scores leaves no figure of the earlier runs beside it
     report = A.write_report({"mamba2": [_run_with_digits(0, None)]}, recipe, tmp_path)
     for png in ("accuracy_by_digit.png", "digit_map.png"):
         assert not (tmp_path / png).exists() and str(tmp_path / png) not in report["files"]
+        assert png not in (tmp_path / "results.md").read_text()  # nor names one
 
 
 def test_digit_map_averages_the_scored_runs_by_width_and_digit():
