@@ -94,6 +94,8 @@ def unused_settings(kind: str) -> tuple[str, ...]:
     if kind == "cosine":  # always a cosine
         unused += ["decay_shape"]
     return tuple(unused)
+
+
 _DEFAULT_POWER_EXPONENT = 0.5  # the report's b = 1/2
 
 
