@@ -510,3 +510,12 @@ def test_host_overhead_emulates_the_launches_and_times_each_model():
     assert all(len(found) == 1 for found in rows.values()), out
     assert all(float(found[0].split("|")[2]) > 0 for found in rows.values())
     assert "GPU launches emulated, no kernel runs" in out
+
+
+def test_chat_turns():
+    out = run("chat_turns.py", "--turns", "2", "--repeats", "1", "--message-chars", "20", "--max-new-tokens", "2",
+              "--variants", "fw-1A")
+    rows = [[cell.strip() for cell in row.split("|")[1:-1]] for row in table_rows(out, "1") + table_rows(out, "2")]
+    assert len(rows) == 2 and "differ" not in out
+    (first, _), (second, prefilled) = ((int(row[1]), int(row[2])) for row in rows)
+    assert prefilled == second - first  # the second turn prefilled only what follows the first turn's prompt
