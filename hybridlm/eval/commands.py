@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -34,7 +35,8 @@ def add_commands(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=None, metavar="N",
                    help="window length (default 2048, or the model's max_position_embeddings when shorter)")
     p.add_argument("--batch-size", type=int, default=4, metavar="B", help="rows per forward (default 4)")
-    p.add_argument("--max-tokens", type=int, default=None, metavar="N", help="evaluate the first N tokens' documents")
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="read whole documents until N tokens are read (the one reaching N whole; default: all)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the numbers to this JSON file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: one on stderr, in tok/s)")
@@ -84,6 +86,8 @@ def _eval_ppl(args: argparse.Namespace) -> int:
         device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if args.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+        if args.max_tokens is not None and args.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
         if args.seq_len is not None and args.seq_len < 2:
             raise ValueError(f"--seq-len must be >= 2 (a window scores its tokens after the first), got {args.seq_len}")
         if args.json and (not Path(args.json).parent.is_dir() or Path(args.json).is_dir()):  # not after the run
@@ -115,11 +119,13 @@ def _eval_ppl(args: argparse.Namespace) -> int:
     except (ValueError, DataError, FileNotFoundError) as err:
         return _fail(str(err))
     result["model"] = args.model
+    bits = result["bits_per_byte"]
     print(f"tokens {result['tokens']:,}  loss {result['loss']:.4f} nats/token  perplexity {result['perplexity']:.3f}  "
-          f"bits/byte {result['bits_per_byte']:.4f}  ({result['bytes_per_token']:.3f} bytes/token, "
-          f"{result['bytes_source']})")
-    if args.json:
-        write_atomic(Path(args.json), (json.dumps(result, indent=2) + "\n").encode("utf-8"))
+          f"bits/byte {'n/a (every target is an EOS: no bytes)' if bits is None else f'{bits:.4f}'}  "
+          f"({result['bytes_per_token']:.3f} bytes/token, {result['bytes_source']})")
+    if args.json:  # strict JSON: a perplexity past a float's range is written as null
+        finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in result.items()}
+        write_atomic(Path(args.json), (json.dumps(finite, indent=2, allow_nan=False) + "\n").encode("utf-8"))
     return 0
 
 

@@ -73,6 +73,7 @@ def export_for_lm_eval(model_dir: str | Path, *, tokenizer_dir: str | Path | Non
     if tokenizer_dir is None and not (model_dir / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no tokenizer files; pass the tokenizer directory (lm_eval needs one)")
     check_weight_files(model_dir)
+    _model_args(model_dir, config, config_path)  # what `lm_eval_model_args` then needs of the config and the path
     copy_tokenizer = tokenizer_dir is not None and Path(tokenizer_dir).resolve() != model_dir.resolve()
     if copy_tokenizer:
         _check_tokenizer_fits(Path(tokenizer_dir), model_dir, config)
@@ -111,9 +112,16 @@ def lm_eval_model_args(model_dir: str | Path) -> str:
     docstring). Add dtype=..., max_length=... to taste."""
     config_path = Path(model_dir) / "config.json"
     try:
-        eos = json.loads(config_path.read_text()).get("eos_token_id")
+        config = json.loads(config_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{config_path}: cannot read the config ({err})") from None
+    return _model_args(model_dir, config, config_path)
+
+
+def _model_args(model_dir: str | Path, config: dict, config_path: Path) -> str:
+    """`lm_eval_model_args` of a directory whose config.json holds `config`; ValueError where lm_eval cannot take
+    it (no EOS id to use as prefix_token_id, a comma in the path)."""
+    eos = config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
     if type(eos) is not int or eos < 0:  # (JSON: a bool is not an id)
         raise ValueError(f"{config_path}: eos_token_id is {eos!r}, not a token id; lm_eval needs prefix_token_id=<the "
@@ -153,6 +161,9 @@ def loglikelihood(model, tokenizer, requests: Sequence[tuple[str, str]], *, max_
         context_ids, continuation_ids = encode_request(tokenizer, context, continuation, prefix_id=prefix_id)
         if not continuation_ids:
             raise ValueError(f"continuation {continuation!r} encodes to no token")
+        if len(continuation_ids) > max_length:
+            raise ValueError(f"continuation {continuation[:40]!r}... has {len(continuation_ids)} tokens, more than "
+                             f"max_length {max_length}: a window of max_length tokens scores at most that many")
         window = (context_ids + continuation_ids)[-(max_length + 1):][:-1]
         logits = model(torch.tensor([window], device=device)).logits[0].float()  # [T, V]
         scored = torch.log_softmax(logits[-len(continuation_ids):], dim=-1)  # [n, V]

@@ -3,9 +3,10 @@
     result = evaluate_perplexity(model, TokenDataset("data/val"), seq_len=2048, byte_lengths=lengths)
     result["perplexity"], result["bits_per_byte"]
 
-What is counted. Documents are read in order (the first `max_tokens` tokens' worth of whole
-documents, or all). Every token of a document except its first is a target, EOS included; the first
-has no context inside its document and is not scored. A document longer than `seq_len` is cut into
+What is counted. Documents are read in order: all of them, or whole documents until `max_tokens`
+tokens are read (the one that reaches the count is read whole: every document is scored alike). Every
+token of a document except its first is a target, EOS included; the first has no context inside its
+document and is not scored. A document longer than `seq_len` is cut into
 windows of `seq_len` tokens that overlap by one token (window w starts at w (seq_len - 1)), so each
 target is predicted exactly once, from the start of its window. Windows are packed into rows of
 `seq_len` tokens with `position_ids` restarting at 0 at every window (and a padding segment at the
@@ -18,13 +19,15 @@ Bytes: with the tokenizer, each id's exact byte length (byte-level BPE: a vocabu
 character per byte; special tokens such as EOS have 0 bytes; added LaTeX tokens their UTF-8 length),
 checked against the shards' tokenizer hash. Without it, the manifest's average: `counts.bytes`
 (UTF-8 bytes of all documents) / (num_tokens - num_docs) bytes per non-EOS token, applied to the
-non-EOS targets; `bytes_source` says which was used.
+non-EOS targets; `bytes_source` says which was used. Targets that are all EOS (0 bytes) have no bits per
+byte (None), and a loss past exp's range (a diverged model) a perplexity of inf.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +39,7 @@ from hybridlm.eval import scoring
 from hybridlm.eval.scoring import IGNORE_INDEX
 
 TOKENIZER_FILE = "tokenizer.json"
+_LARGEST_EXP = math.log(sys.float_info.max)  # exp of more overflows a float
 
 
 def token_byte_lengths(tokenizer_dir: str | Path) -> np.ndarray:
@@ -61,7 +65,8 @@ def find_tokenizer(*candidates: str | Path | None) -> Path | None:
 
 
 def windows(data: TokenDataset, *, seq_len: int, max_tokens: int | None = None) -> Iterator[np.ndarray]:
-    """Token windows of at most `seq_len` (overlapping by one inside a document), documents in order."""
+    """Token windows of at most `seq_len` (overlapping by one inside a document), whole documents in order until
+    `max_tokens` tokens are read."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     used = 0
@@ -126,14 +131,26 @@ def evaluate_perplexity(
     batch_size: int = 4,
     max_tokens: int | None = None,
     byte_lengths: np.ndarray | None = None,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = None,
     progress: bool = False,
 ) -> dict:
-    """Token-weighted NLL, perplexity and bits per byte; see the module docstring. `progress`: a tqdm bar on stderr
-    counting scored tokens (rate in tok/s, running loss)."""
+    """Token-weighted NLL, perplexity and bits per byte; see the module docstring. `device`: where the batches go
+    (default: the model's). `progress`: a tqdm bar on stderr counting scored tokens (rate in tok/s, running loss).
+    The model runs in eval mode and is left in the mode it came in."""
+    was_training = model.training
+    model.eval()
+    try:
+        return _evaluate(model, data, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens,
+                         byte_lengths=byte_lengths, device=device or next(model.parameters()).device,
+                         progress=progress)
+    finally:
+        model.train(was_training)
+
+
+def _evaluate(model, data: TokenDataset, *, seq_len: int, batch_size: int, max_tokens: int | None,
+              byte_lengths: np.ndarray | None, device: str | torch.device, progress: bool) -> dict:
     from tqdm.auto import tqdm
 
-    model.eval()
     total = None
     target_bytes = 0
     non_eos_targets = 0
@@ -177,9 +194,9 @@ def evaluate_perplexity(
         "tokens": tokens,
         "nll_sum": nll,
         "loss": nll / tokens,
-        "perplexity": math.exp(nll / tokens),
+        "perplexity": math.exp(nll / tokens) if nll / tokens < _LARGEST_EXP else math.inf,
         "bytes": target_bytes,
-        "bits_per_byte": nll / math.log(2) / target_bytes if target_bytes else math.nan,
+        "bits_per_byte": nll / math.log(2) / target_bytes if target_bytes else None,  # (every target an EOS)
         "bytes_per_token": target_bytes / tokens,
         "bytes_source": source,
         "token_accuracy": total["hits"] / tokens,

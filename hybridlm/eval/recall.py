@@ -131,7 +131,7 @@ class RecallTasks:
             return needle_example(rng, length, 1, self.vocab)
         if task == "multi_needle":
             return needle_example(rng, length, self.needles, self.vocab)
-        raise ValueError(f"unknown recall task {task!r}; choose from {TASKS}")
+        raise ValueError(_unknown_task(task))
 
     def shortest(self, task: str) -> int:
         """The shortest sequence `task` can be laid out in (MQAR: one pair and its query)."""
@@ -170,8 +170,16 @@ def eval_set(tasks: RecallTasks, task: str, length: int, count: int, *, split: s
     of its own) for picking the best checkpoint during training, so the selection never sees the test sequences."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose from {SPLITS}")
+    if task not in TASKS:
+        raise ValueError(_unknown_task(task))
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be an int >= 1 (sequences per task and length), got {count!r}")
     rng = np.random.default_rng([_EVAL_SEED, TASKS.index(task), length, SPLITS.index(split)])
     return tasks.batch(task, rng, count, length)
+
+
+def _unknown_task(task: str) -> str:
+    return f"unknown recall task {task!r}; choose from {TASKS}"
 
 
 @torch.no_grad()
@@ -180,19 +188,21 @@ def evaluate(model, tasks: RecallTasks, task_names: Sequence[str], lengths: Sequ
     """task -> length -> answer accuracy, exact rate, loss (teacher-forced) on `eval_set`'s `split`."""
     was_training = model.training
     model.eval()
-    out: dict[str, dict[int, dict[str, float]]] = {}
-    for task in task_names:
-        out[task] = {}
-        for length in lengths:
-            data = eval_set(tasks, task, length, count, split=split)
-            per_batch = max(1, tokens_per_batch // length)
-            total = None
-            for start in range(0, count, per_batch):
-                ids = data["input_ids"][start:start + per_batch].to(device)
-                labels = data["labels"][start:start + per_batch].to(device)
-                with scoring.autocast_for(device):
-                    logits = model(ids).logits
-                total = scoring.accumulate(total, scoring.target_scores(logits, labels))
-            out[task][length] = scoring.finish(total)
-    model.train(was_training)
+    try:
+        out: dict[str, dict[int, dict[str, float]]] = {}
+        for task in task_names:
+            out[task] = {}
+            for length in lengths:
+                data = eval_set(tasks, task, length, count, split=split)
+                per_batch = max(1, tokens_per_batch // length)
+                total = None
+                for start in range(0, count, per_batch):
+                    ids = data["input_ids"][start:start + per_batch].to(device)
+                    labels = data["labels"][start:start + per_batch].to(device)
+                    with scoring.autocast_for(device):
+                        logits = model(ids).logits
+                    total = scoring.accumulate(total, scoring.target_scores(logits, labels))
+                out[task][length] = scoring.finish(total)
+    finally:
+        model.train(was_training)
     return out

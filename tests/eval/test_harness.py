@@ -191,3 +191,32 @@ def test_export_command_prints_the_lm_eval_command_with_the_eos_prefix(exported,
 
     assert main(["eval", "export-hf", "--model", str(exported), "--tokenizer", str(tokenizer_dir)]) == 0
     assert f"--model_args {lm_eval_model_args(exported)} --tasks" in capsys.readouterr().out
+
+
+def test_export_refuses_what_lm_eval_cannot_take_before_changing_the_directory(tmp_path, tokenizer_dir):
+    """No EOS id for prefix_token_id, a comma in the path (lm_eval splits --model_args at commas): refused by the
+    export itself, nothing in the directory changed."""
+    vocab = HybridTokenizer.load(tokenizer_dir).vocab_size
+    model = build_model(task_config("transformer", vocab_size=vocab, size="tiny"), seed=0)
+    for name, eos, message in (("no_eos", None, "eos_token_id is None"), ("with,comma", 2, "at commas")):
+        directory = tmp_path / name
+        model.save_pretrained(directory)
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, "eos_token_id": eos}))
+        before = {p.name: p.read_bytes() for p in directory.iterdir()}
+        with pytest.raises(ValueError, match=message):
+            export_for_lm_eval(directory, tokenizer_dir=tokenizer_dir)
+        assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+
+
+def test_a_continuation_longer_than_max_length_is_refused(exported):
+    from transformers import AutoTokenizer
+
+    from hybridlm.models.hf import load_model
+
+    model, tok = load_model(exported), AutoTokenizer.from_pretrained(exported)
+    continuation = " The model reads the data"
+    n = len(tok.encode(continuation, add_special_tokens=False))
+    assert len(loglikelihood(model, tok, [("a", continuation)], max_length=n)) == 1
+    with pytest.raises(ValueError, match=f"has {n} tokens, more than max_length {n - 1}"):
+        loglikelihood(model, tok, [("a", continuation)], max_length=n - 1)

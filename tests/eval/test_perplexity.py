@@ -83,19 +83,58 @@ def test_matches_the_direct_computation(model_dir, shards_dir, tokenizer_dir, se
 
 
 def test_manifest_average_without_tokenizer_and_max_tokens(model_dir, shards_dir):
+    """`max_tokens=100`: whole documents until 100 tokens are read, the one that reaches them read whole; the model
+    is left in the mode it came in (training here)."""
     from hybridlm.models.hf import load_model
 
     data = TokenDataset(shards_dir)
-    result = evaluate_perplexity(load_model(model_dir), data, seq_len=64, max_tokens=100)
-    first_docs = 0
-    used = 0
+    model = load_model(model_dir).train()
+    result = evaluate_perplexity(model, data, seq_len=64, max_tokens=100)
+    assert model.training
+    docs, used = [], 0
     while used < 100:
-        used += len(data.doc(first_docs))
-        first_docs += 1
-    assert result["tokens"] == used - first_docs  # whole documents up to max_tokens
+        docs.append(data.doc(len(docs)))
+        used += len(docs[-1])
+    assert used > 100  # the fixture's documents do cross the 100th token
+    assert result["tokens"] == used - len(docs)  # every token read but each document's first
+    non_eos = sum(int((doc[1:] != data.eos_id).sum()) for doc in docs)
     per_token = data.manifest["counts"]["bytes"] / (data.num_tokens - data.num_docs)
     assert result["bytes_source"] == "manifest-average"
-    assert result["bytes"] == pytest.approx(per_token * (result["tokens"] - first_docs))  # EOS targets: 0 bytes
+    assert result["bytes"] == pytest.approx(per_token * non_eos)  # EOS targets: 0 bytes
+    model.eval()
+    whole = evaluate_perplexity(model, TokenDataset(shards_dir), seq_len=64)
+    assert not model.training and whole["tokens"] == data.num_tokens - data.num_docs
+
+
+def test_a_diverged_model_and_eos_only_targets_give_strict_json(model_dir, shards_dir, tokenizer_dir, tmp_path,
+                                                                 capsys):
+    """A loss past exp's range: perplexity inf (printed), null in --json; targets that are all EOS: no bits per
+    byte (n/a, null). The JSON parses without the NaN / Infinity extensions."""
+    from hybridlm.data.shards import prepare
+    from hybridlm.models.hf import load_model
+    from tests.data.corpora import write_jsonl
+
+    model = load_model(model_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e5)
+    model.save_pretrained(tmp_path / "diverged")
+    write_jsonl(tmp_path / "letters" / "val.jsonl", ["a", "b"])
+    prepare([tmp_path / "letters" / "val.jsonl"], tokenizer_dir, tmp_path / "eos_only", workers=1, progress=False)
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+
+    out = tmp_path / "ppl.json"
+    assert main(["eval", "ppl", "--model", str(tmp_path / "diverged"), "--data", str(shards_dir), "--device", "cpu",
+                 "--no-progress", "--json", str(out)]) == 0
+    assert "perplexity inf" in capsys.readouterr().out
+    result = strict(out.read_text())
+    assert result["perplexity"] is None and result["loss"] > 710
+    assert main(["eval", "ppl", "--model", str(model_dir), "--data", str(tmp_path / "eos_only"), "--tokenizer",
+                 str(tokenizer_dir), "--device", "cpu", "--no-progress", "--json", str(out)]) == 0
+    assert "bits/byte n/a (every target is an EOS" in capsys.readouterr().out
+    result = strict(out.read_text())
+    assert result["tokens"] == 2 and result["bytes"] == 0 and result["bits_per_byte"] is None
 
 
 def test_packing_keeps_windows_whole():
@@ -166,6 +205,7 @@ def test_eval_ppl_option_values_are_usage_errors(model_dir, shards_dir, tmp_path
                             (["--seq-len", "100000"], "longer than the model's max_position_embeddings"),
                             (["--seq-len", "1"], "--seq-len must be >= 2"),
                             (["--batch-size", "0"], "--batch-size must be >= 1"),
+                            (["--max-tokens", "-5"], "--max-tokens"),
                             (["--device", "tpu"], "--device tpu")):
         device = [] if option[0] == "--device" else ["--device", "cpu"]
         assert main(["eval", "ppl", "--model", str(model_dir), "--data", str(shards_dir), *device, *option]) == 2

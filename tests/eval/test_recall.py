@@ -71,6 +71,22 @@ def test_eval_sets_are_fixed_and_too_short_lengths_raise():
     assert not (shorter == longer[:, :64]).all()
     with pytest.raises(ValueError, match="too short"):
         TASKS.example("mqar", np.random.default_rng(0), 30)
+    with pytest.raises(ValueError, match="unknown recall task 'bogus'; choose from"):
+        eval_set(TASKS, "bogus", 64, 3)
+    for count in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="count must be an int >= 1"):
+            eval_set(TASKS, "mqar", 64, count)
+
+
+def test_evaluate_leaves_the_model_in_its_mode_when_it_raises():
+    import torch
+
+    from hybridlm.eval.recall import evaluate
+
+    model = torch.nn.Linear(2, 2).train()
+    with pytest.raises(ValueError, match="unknown recall task"):
+        evaluate(model, TASKS, ["bogus"], [64], count=2, device="cpu")
+    assert model.training
 
 
 @pytest.mark.parametrize("task", ["mqar", "needle", "multi_needle"])
