@@ -8,7 +8,8 @@
 The tokenizer comes from --tokenizer, else from the model directory: a directory written by
 `hybridlm tokenizer train` (hybridlm_tokenizer.json), or any transformers tokenizer directory
 (tokenizer.json / tokenizer_config.json). Several --prompt values run as one left-padded batch. Decoding
-stops per prompt at the tokenizer's or the model's eos. Errors (a missing directory, no tokenizer, a
+stops per prompt at an eos of the tokenizer, the model's config or its generation_config.json (where instruct
+checkpoints keep their end-of-turn ids). Errors (a missing directory, no tokenizer, a
 prompt longer than the model's max_position_embeddings, bad sampling settings) are one line on stderr
 and exit status 1. On a CUDA device the decoding steps replay a CUDA graph of the step (`hybridlm.models.graphed`:
 one launch per token instead of one per operator; --eager runs them op by op); its attention reads the prompt
@@ -124,17 +125,23 @@ def generate_texts(args: argparse.Namespace) -> list[str]:
                 "is this the model's tokenizer?"
             )
 
-    pad = tokenizer.pad_id if tokenizer.pad_id is not None else (config.pad_token_id or 0)
     width = max(len(ids) for ids in prompts)
+    if width == limit:
+        raise CommandError(f"the longest prompt has {width} tokens, the model's whole max_position_embeddings: no "
+                           "position is left for a new token; shorten the prompt")
     new_tokens = min(DEFAULT_NEW_TOKENS, limit - width) if args.max_new_tokens is None else args.max_new_tokens
     if width + new_tokens > limit:
         raise CommandError(
             f"the longest prompt ({width} tokens) + --max-new-tokens {new_tokens} = {width + new_tokens} positions, "
             f"more than the model's max_position_embeddings {limit}: ask for at most {limit - width} new tokens"
         )
+    eos = _eos_ids(tokenizer.eos_id, config.eos_token_id, _generation_eos(model_dir))
+    # what rows get after their eos: the tokenizer's pad id where the model has it (a pad token added past the model's
+    # vocabulary never enters it: left padding is packed away), else the config's, else an eos
+    pad = next(i for i in (tokenizer.pad_id, config.pad_token_id, *eos, 0)
+               if type(i) is int and 0 <= i < config.vocab_size)
     batch = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=device)
-    eos = _eos_ids(tokenizer.eos_id, config.eos_token_id)
     out = generate(
         model, batch, attention_mask=mask, max_new_tokens=new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=eos or None,
@@ -200,6 +207,22 @@ def load_tokenizer(path: Path) -> _Tokenizer:
         tok.eos_token_id,
         tok.pad_token_id,
     )
+
+
+def _generation_eos(model_dir: Path):
+    """The eos id(s) of the model directory's generation_config.json (None without one, or without the field)."""
+    import json
+
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return None
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
+        raise CommandError(f"{path}: not a readable generation config ({err})") from None
+    if eos is not None and not (isinstance(eos, int) or isinstance(eos, list) and all(isinstance(i, int) for i in eos)):
+        raise CommandError(f"{path}: eos_token_id must be an id or a list of ids, got {eos!r}")
+    return eos
 
 
 def _eos_ids(*candidates) -> list[int]:

@@ -211,7 +211,13 @@ def read_falcon_h1_config(path: str | Path) -> HybridConfig:
     model_type = json.loads((path / "config.json").read_text()).get("model_type")
     if model_type != "falcon_h1":
         raise ValueError(f"{path}: model_type is {model_type!r}, not 'falcon_h1'")
-    return config_from_falcon_h1(FalconH1Config.from_json_file(str(path / "config.json")))
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:  # transformers validates the fields (types, head counts that divide the widths) as it reads them
+        falcon = FalconH1Config.from_json_file(str(path / "config.json"))
+    except (StrictDataclassError, TypeError, ValueError) as err:
+        raise ValueError(f"{path / 'config.json'}: {' '.join(str(err).split())}") from None  # one line
+    return config_from_falcon_h1(falcon)
 
 
 def load_falcon_h1_weights(model: torch.nn.Module, path: str | Path, *, dtype: torch.dtype | None = None) -> None:
@@ -272,6 +278,8 @@ def save_falcon_h1(model, path: str | Path) -> None:
         state.pop("lm_head.weight", None)
     path.mkdir(parents=True, exist_ok=True)
     falcon.save_pretrained(str(path))
+    if getattr(model, "generation_config", None) is not None:  # eos ids and sampling defaults go with the weights
+        model.generation_config.save_pretrained(str(path))
     tensors = {key: value.detach().to("cpu").contiguous().clone() for key, value in state.items()}
     staged = path / "model.safetensors.tmp"
     save_file(tensors, str(staged), metadata={"format": "pt"})

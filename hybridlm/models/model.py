@@ -436,6 +436,10 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
                 f"generate() got unsupported keyword(s) {', '.join(unknown)}; supported: "
                 f"{', '.join(supported + ['max_length', 'do_sample', 'stopping_criteria', 'num_beams', 'use_cache'])}"
             )
+        if options.get("output_logits"):
+            raise ValueError("output_logits: this method returns the sequences only (as transformers does without "
+                             "return_dict_in_generate); hybridlm.inference.generate(model, ids, output_logits=True) "
+                             "returns them with the logits (.sequences, .logits)")
         if options.get("max_new_tokens", 0) is None:
             del options["max_new_tokens"]  # transformers' "not given"
         if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:

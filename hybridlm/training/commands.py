@@ -204,21 +204,22 @@ def run_train(args: argparse.Namespace) -> int:
         return 0
     from hybridlm.training.trainer import Trainer
 
-    trainer = None
+    trainer, finished = None, False
     try:
         trainer = Trainer(config, resume=args.resume, overwrite=args.overwrite, config_path=config_path)
         result = trainer.train()
+        finished = True
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    except (TrainingDivergedError, CheckpointError, DataError, RuntimeError) as err:
+    except (TrainingDivergedError, CheckpointError, DataError, RuntimeError, OSError) as err:
         print(f"training failed: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:  # a second signal, or one outside the training loop (samples, final/)
         return _stopped_at_once(err, trainer)
     finally:
-        if trainer is not None:
-            trainer.close()
+        if trainer is not None:  # on an error, without waiting for ranks that may be inside a collective
+            trainer.close(together=finished)
     if trainer.ctx.is_main:
         loss = f"{result.loss:.4f}" if result.loss is not None else "n/a"
         held = f", held-out loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""

@@ -132,7 +132,10 @@ def init_distributed(config: Any, *, device: str = "auto", timeout_s: float = 18
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if backend == "nccl" and dev.type != "cuda":
-        raise RuntimeError("distributed.backend nccl needs CUDA devices; use gloo on the CPU")
+        from hybridlm.training.typed_yaml import ConfigError
+
+        raise ConfigError(f"distributed.backend: nccl needs CUDA devices, this run's is {dev}; set "
+                          "distributed.backend=gloo (or auto) on the CPU")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     owns_group = not dist.is_initialized()
@@ -145,15 +148,20 @@ def init_distributed(config: Any, *, device: str = "auto", timeout_s: float = 18
     return DistContext(rank, world, local_rank, dev, dist.get_backend(), parallel, mesh, owns_group)
 
 
-def destroy_distributed(ctx: DistContext) -> None:
+def destroy_distributed(ctx: DistContext, *, together: bool = True) -> None:
     """Leave together, then tear the process group down (only one this process's `init_distributed` created: a group
     it found, e.g. a test harness's, is its owner's to destroy). Without the barrier a rank could destroy its group while
     another still finishes its last save (seen on 2 gloo CPU processes: "terminate called without an active
-    exception", SIGABRT at exit). A barrier that fails (a peer already gone) does not stop the teardown."""
+    exception", SIGABRT at exit). A barrier that fails (a peer already gone) does not stop the teardown.
+
+    `together=False`: this rank leaves on its own (an error, or a stop at once), while the others may be inside a
+    collective that never completes without it: no barrier, which would wait for them until the group's timeout; the
+    rank exits with its error and the launcher stops the others."""
     if ctx.distributed and ctx.owns_group and dist.is_initialized():
-        # A peer that exited first (DistBackendError, a RuntimeError) reports its own error through the launcher.
-        with contextlib.suppress(RuntimeError):
-            dist.barrier()
+        if together:
+            # A peer that exited first (DistBackendError, a RuntimeError) reports its own error through the launcher.
+            with contextlib.suppress(RuntimeError):
+                dist.barrier()
         dist.destroy_process_group()
 
 
@@ -169,9 +177,6 @@ def parallelize(model: nn.Module, config: Any, ctx: DistContext) -> nn.Module:
 
     mode = config.train.compile_mode
     if ctx.mesh is not None:
-        if mode == "reduce-overhead":
-            raise ValueError("train.compile_mode: 'reduce-overhead' (CUDA graphs per block) runs in one process; under "
-                             "torchrun (FSDP2, tensor parallelism) use train.compile_mode=default")
         return parallelize_model(model, ctx.mesh, ctx.parallel, compile=config.train.compile, compile_mode=mode)
     wrap_blocks(model, activation_checkpointing=config.parallel.activation_checkpointing, compile=config.train.compile,
                 compile_mode=mode, recompute_mixers=config.parallel.recompute_mixers)

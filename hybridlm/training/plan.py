@@ -8,6 +8,10 @@
 `dp` is the number of data-parallel ranks (dp_replicate x dp_shard of `resolve_parallel`): the batch section counts
 rows per data-parallel rank, so the run's tokens under train.steps, and its updates under train.tokens, depend on
 it. What these functions find wrong is a ConfigError naming the keys and that number.
+
+A resumed run passes `start=(updates, tokens)` it has done: the rest is planned at the `dp` it resumes under, so a
+run resumed under another number of ranks keeps its token budget (train.tokens counts the tokens consumed, whatever
+the batch they came in) and a token-unit schedule its total (the tokens done plus those of the updates left).
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ def resolve_parallel(config: TrainConfig, world_size: int) -> ParallelConfig:
             )
         rest = world_size // fixed
         dp_replicate, dp_shard = (rest, dp_shard) if dp_replicate == -1 else (dp_replicate, rest)
+    if world_size > 1 and config.train.compile and config.train.compile_mode == "reduce-overhead":
+        raise ConfigError("train.compile_mode: 'reduce-overhead' (CUDA graphs per block) runs in one process; under "
+                          "torchrun (FSDP2, tensor parallelism) use train.compile_mode=default")
     product = dp_replicate * dp_shard * p.cp * p.tp
     if product != world_size:
         raise ConfigError(
@@ -110,7 +117,8 @@ def rampup_of(config: TrainConfig, world_size: int) -> BatchRampup | None:
     )
 
 
-def schedule_config(config: TrainConfig, world_size: int) -> tuple[ScheduleConfig, float, str | None]:
+def schedule_config(config: TrainConfig, world_size: int, *,
+                    start: tuple[int, int] = (0, 0)) -> tuple[ScheduleConfig, float, str | None]:
     """(the run's ScheduleConfig with its rampup, its total in its unit, a note if the warmup was shortened).
 
     A warmup that does not fit (warmup + decay > total, e.g. `--set train.steps=12` on a config written
@@ -120,7 +128,7 @@ def schedule_config(config: TrainConfig, world_size: int) -> tuple[ScheduleConfi
     number of data-parallel ranks (the run's tokens, or its updates under a token budget, depend on it:
     `validate` checks only what holds at any number).
     """
-    steps, tokens, total = schedule_total(config, world_size)
+    steps, tokens, total = schedule_total(config, world_size, start=start)
     schedule = config.schedule
     notes = []
     ranks = f" at {world_size} data-parallel rank{'s' if world_size > 1 else ''}"
@@ -140,26 +148,30 @@ def schedule_config(config: TrainConfig, world_size: int) -> tuple[ScheduleConfi
     return dataclasses.replace(schedule, rampup=rampup_of(config, world_size)), total, "; ".join(notes) or None
 
 
-def plan_steps(config: TrainConfig, world_size: int) -> tuple[int, int]:
+def plan_steps(config: TrainConfig, world_size: int, *, start: tuple[int, int] = (0, 0)) -> tuple[int, int]:
     """(updates, tokens) of the whole run: it ends after `train.steps` updates or once `train.tokens`
-    tokens are consumed, whichever comes first (one of the two may be null)."""
+    tokens are consumed, whichever comes first (one of the two may be null). `start`: the (updates, tokens) done
+    before this process (a resumed run; the module docstring); none of them is undone."""
     rampup = rampup_of(config, world_size)
     b = config.batch
     fixed = b.micro_batch * world_size * b.grad_accum * b.seq_len  # tokens per update without rampup
     max_steps, max_tokens = config.train.steps, config.train.tokens
+    done_steps, done_tokens = start
+    if max_steps is not None and max_steps < done_steps:  # a run shorter than what is done (its caller refuses it)
+        return max_steps, done_tokens
     if rampup is None:
-        steps = max_steps if max_tokens is None else -(-max_tokens // fixed)
+        left = max_steps - done_steps if max_tokens is None else max(0, -(-(max_tokens - done_tokens) // fixed))
         if max_steps is not None:
-            steps = min(steps, max_steps)
-        return steps, steps * fixed
-    steps = tokens = 0
+            left = min(left, max_steps - done_steps)
+        return done_steps + left, done_tokens + left * fixed
+    steps, tokens = start
     while (max_steps is None or steps < max_steps) and (max_tokens is None or tokens < max_tokens):
         tokens += rampup.batch_size(tokens) * b.seq_len
         steps += 1
     return steps, tokens
 
 
-def schedule_total(config: TrainConfig, world_size: int) -> tuple[int, int, float]:
+def schedule_total(config: TrainConfig, world_size: int, *, start: tuple[int, int] = (0, 0)) -> tuple[int, int, float]:
     """(updates, tokens, the schedule's total in its unit)."""
-    steps, tokens = plan_steps(config, world_size)
+    steps, tokens = plan_steps(config, world_size, start=start)
     return steps, tokens, steps if config.schedule.unit == "steps" else tokens

@@ -206,6 +206,16 @@ class _OptimizerState:
 _INTERVAL_KEYS = ("loss", "lr", "wd", "grad_norm", "step_tokens", "seconds", "skipped")  # what _log_interval reads
 
 
+def _progress(path: Path) -> tuple[int, int]:
+    """(updates, tokens) a checkpoint's run had done, from its train_state.json; (0, 0) where it cannot be read (the
+    load then reports what is wrong)."""
+    try:
+        record = json.loads((path / TRAIN_STATE_FILE).read_text(encoding="utf-8"))
+        return int(record["step"]), int(record["train_state"]["tokens"])
+    except Exception:  # noqa: BLE001 - any damage: the load's own error says what
+        return 0, 0
+
+
 def _finite_or_not_float(value: Any) -> bool:
     return not isinstance(value, float) or math.isfinite(value)
 
@@ -261,21 +271,23 @@ class Trainer:
         created or locked and before any note is printed, so that their ConfigError (exit status 2) leaves no trace:
         the run's length and schedule at this number of data-parallel ranks, the files sft / dpo read
         (`posttraining.check_chat_inputs`) and, with --resume, train.steps against the newest complete checkpoint."""
-        # sizes and schedule: batch sizes count rows per data-parallel rank
+        latest = latest_checkpoint(self.checkpoint_dir) if resume else None
+        if latest is not None:
+            self._check_resume_task(latest)
+        # sizes and schedule: batch sizes count rows per data-parallel rank; a resumed run plans the updates left at
+        # this dp from the updates and tokens done (`plan`'s docstring)
         dp = self.ctx.dp_size
-        self.total_steps, self.total_tokens = plan_steps(config, dp)
+        done = (0, 0) if latest is None else _progress(latest)
+        self.total_steps, self.total_tokens = plan_steps(config, dp, start=done)
         # ConfigError (the CLI's one-line config error) if the decay does not fit the run at dp; notes for a shortened
         # warmup or a rampup the run outlasts, printed once every check has passed (`_build`)
-        self.schedule, self.schedule_total, self._schedule_note = schedule_config(config, dp)
+        self.schedule, self.schedule_total, self._schedule_note = schedule_config(config, dp, start=done)
         if config.train.task != "pretrain":
             from hybridlm.training.posttraining import check_chat_inputs
 
             check_chat_inputs(config)
-        if resume:
-            latest = latest_checkpoint(self.checkpoint_dir)
-            if latest is not None:  # `_resume` checks the loaded checkpoint's own step again
-                self._check_resume_task(latest)
-                self._check_resume_length(step_of(latest))
+        if latest is not None:  # `_resume` checks the loaded checkpoint's own step again
+            self._check_resume_length(step_of(latest))
 
     def _build(self, config: TrainConfig, resume: bool, overwrite: bool) -> None:
         """Everything after the output directory's checks: data, model, optimizer, resume; then (every check
@@ -400,15 +412,22 @@ class Trainer:
             from hybridlm.training.demo import prepare_demo
 
             directory = Path(c.data.demo_dir) if c.data.demo_dir else self.out_dir / "demo_data"
+            problem = None  # (a config error?, what): rank 0 prepares, every rank raises its failure
             if self.ctx.is_main:
                 self._print(f"preparing the built-in demo corpus (the Python standard library) in {directory}")
                 try:
                     demo = prepare_demo(directory, max_bytes=c.data.demo_max_bytes,
                                         heldout_every=c.data.demo_heldout_every)
+                    self._print(f"demo corpus: {demo.train_files} training files, {demo.heldout_files} held out")
                 except ValueError as err:
-                    raise ConfigError(f"data.demo_max_bytes: {err}") from err
-                self._print(f"demo corpus: {demo.train_files} training files, {demo.heldout_files} held out")
-            D.barrier(self.ctx)
+                    problem = (True, f"data.demo_max_bytes: {err}")
+                except Exception as err:
+                    D.broadcast_object((False, f"rank 0 could not prepare the demo corpus in {directory}: {err}"),
+                                       self.ctx)
+                    raise
+            problem = D.broadcast_object(problem, self.ctx)
+            if problem:
+                raise (ConfigError if problem[0] else RuntimeError)(problem[1])
             sources = [Source("stdlib", directory / "train")]
             eval_sources = [Source("stdlib_heldout", directory / "heldout")]
         else:
@@ -671,6 +690,10 @@ class Trainer:
                         f"updates, {FINAL_DIR}/ written); nothing to do. To train it longer, resume with a larger "
                         f"train.steps (e.g. --set train.steps={2 * self.step})")
             return
+        ranks = state.get("data_parallel_size")
+        if ranks is not None and ranks != self.ctx.dp_size:
+            changes.append(f"data-parallel ranks: {ranks} -> {self.ctx.dp_size} (the updates left are planned at "
+                           f"{self.ctx.dp_size}: {self.total_steps - self.step} more, to {self.total_tokens:,} tokens)")
         self._print(f"resumed from {path} (step {self.step}, {self.tokens:,} tokens)"
                     + ("; settings changed since: " + "; ".join(changes) if changes else ""))
         # the records after the checkpoint, and a partial one its open interval replaces
@@ -746,8 +769,15 @@ class Trainer:
         return self._stop.reason
 
     def _agree_stop(self) -> bool:
-        flag = torch.tensor([1.0 if self._stop.reason else 0.0])
-        return bool(D.all_reduce_sum(flag, self.ctx).item() > 0)
+        """Whether any rank was asked to stop; a rank that was not takes the reason of those that were (a signal's
+        name, SIGTERM first, so every rank exits with 128 + its number; else a request's), as one all-reduce."""
+        reason = self._stop.reason
+        asked = D.all_reduce_sum(torch.tensor([float(reason is not None), float(reason == "SIGINT"),
+                                               float(reason == "SIGTERM")]), self.ctx)
+        if reason is None and asked[0] > 0:
+            self._stop.request("SIGTERM" if asked[2] > 0 else "SIGINT" if asked[1] > 0 else
+                               "stop requested on another rank")
+        return bool(asked[0] > 0)
 
     # ------------------------------------------------------------------------------------------ the loop's parts
     def _plan(self, step: int) -> UpdatePlan:
@@ -1079,13 +1109,15 @@ class Trainer:
             self._print(f"update {self.step}: held-out loss {value:.4f}")
         return value
 
-    def close(self) -> None:
+    def close(self, *, together: bool = True) -> None:
+        """Release the run directory and leave the process group. `together=False` when this rank leaves on an error
+        or a stop at once, which its peers may not share (`distributed.destroy_distributed`)."""
         self._sharded.abandon()  # (train() completes its saves; one still pending here stays a .tmp directory)
         self.run_dir.release()
-        D.destroy_distributed(self.ctx)
+        D.destroy_distributed(self.ctx, together=together)
 
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        self.close(together=exc_type is None)

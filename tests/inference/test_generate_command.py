@@ -161,3 +161,36 @@ def test_errors_are_one_line(word_model, tmp_path, capsys):
     code, _, err = run(capsys, "--model", path, "--prompt", "w1")
     (tmp_path / "weights").rename(path / "model.safetensors")
     assert code == 1 and "the weights do not load" in err and err.count("\n") == 1
+
+
+def test_eos_of_the_generation_config_a_pad_past_the_vocabulary_and_a_full_context(word_model, capsys):
+    """An eos id kept only in generation_config.json stops decoding there; a tokenizer whose pad token was added past
+    the model's vocabulary still generates (rows after their eos get an id of the model's); a prompt that fills the
+    whole context is an error that says so."""
+    import json
+
+    path, model = word_model
+    greedy = generate(model, torch.tensor([[9, 11, 13]]), max_new_tokens=6).sequences[0, 3:].tolist()
+    stop = next(t for t in greedy if t >= 4)  # the first word the model writes (ids 0-3 are special)
+    code, out, err = run(capsys, "--model", path, "--prompt", "w5 w7 w9", "--max-new-tokens", 6)
+    assert code == 0 and out.split()[3] == WORDS[stop], (out, err)
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [2, stop]}))
+    code, out, err = run(capsys, "--model", path, "--prompt", "w5 w7 w9", "--max-new-tokens", 6)
+    assert code == 0 and out.split() == ["w5", "w7", "w9"], (out, err)  # stopped at that word, which is not shown
+    (path / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": "end"}))
+    code, _, err = run(capsys, "--model", path, "--prompt", "w5")
+    assert code == 1 and "generation_config.json: eos_token_id must be an id or a list of ids" in err
+    (path / "generation_config.json").write_text(json.dumps(config))
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"pad_token": "<newpad>"})
+    assert tok.pad_token_id == len(WORDS)  # past the model's vocabulary
+    tok.save_pretrained(path / "tok_pad")
+    code, out, err = run(capsys, "--model", path, "--tokenizer", path / "tok_pad", "--prompt", "w5 w7 w9",
+                         "--prompt", "w1", "--max-new-tokens", 6)
+    assert code == 0, err
+    code, _, err = run(capsys, "--model", path, "--prompt", " ".join(f"w{i}" for i in range(12)))
+    assert code == 1 and "no position is left for a new token" in err

@@ -232,3 +232,24 @@ def test_left_padded_greedy_generate_matches_transformers(tmp_path):
     got = ours.generate(batch, attention_mask=mask, max_new_tokens=10, eos_token_id=None)
     assert torch.equal(got, expected)
     assert not torch.equal(got[1:2, 7:], ours.generate(batch[1:2], max_new_tokens=10, eos_token_id=None)[:, 7:])  # pads matter
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("mamba_n_heads", 5, "mamba_n_heads"),  # does not divide the SSM width: transformers' own check
+    ("embedding_multiplier", 2, "embedding_multiplier"),  # an int where the strict config wants a float
+])
+def test_a_config_transformers_refuses_is_a_value_error_naming_the_file(tmp_path, field, value, message):
+    random_falcon(seed=1).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(tmp_path / 'config.json'))}: .*{message}"):
+        hybridlm.load_model(tmp_path)
+
+
+def test_export_to_falcon_h1_keeps_the_generation_config(tmp_path):
+    """Extra eos ids (an instruct model's end of turn) live in generation_config.json: written with the weights."""
+    ours = HybridForCausalLM(config_from_falcon_h1(random_falcon(seed=0).config)).eval()
+    ours.generation_config.eos_token_id = [ours.config.eos_token_id, 7]
+    ours.save_pretrained(tmp_path, format="falcon_h1")
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == [
+        ours.config.eos_token_id, 7]

@@ -1,6 +1,7 @@
 """What transformers' machinery (Trainer, TRL, PEFT) asks of the model beyond our own calls: a generation_config,
 gradient checkpointing that changes no gradient, `last_hidden_state` from the base model, transformers' keywords."""
 
+import pytest
 import torch
 
 import hybridlm
@@ -56,3 +57,10 @@ def test_the_base_model_returns_last_hidden_state_and_logits_to_keep_takes_posit
         torch.testing.assert_close(model.lm_head(hidden) * model.lm_head_multiplier, logits)
         torch.testing.assert_close(model(tokens, logits_to_keep=torch.tensor([1, 4])).logits, logits[:, [1, 4]])
         torch.testing.assert_close(model(tokens, logits_to_keep=2).logits, logits[:, -2:])
+
+
+def test_generate_refuses_output_logits_it_would_not_return():
+    model = make_model(0)
+    with pytest.raises(ValueError, match=r"output_logits: this method returns the sequences only.*\.logits"):
+        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, output_logits=True)
+    assert model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, output_logits=False).shape == (1, 5)

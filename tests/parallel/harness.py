@@ -46,6 +46,9 @@ def _worker(rank: int, world: int, port: int, scenario, kwargs: dict, result_fil
         result = scenario(rank, world, **kwargs)
         if rank == 0:
             Path(result_file).write_text(json.dumps(result))
+        # Leave together: a rank that tore the group down while a peer still finished the scenario's last collective
+        # would abort that peer ("terminate called without an active exception", SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -122,3 +122,51 @@ def test_close_leaves_a_process_group_it_did_not_create():
     from tests.parallel.harness import run_ranks
 
     assert run_ranks(_leaves_a_group_it_found) == {"owned": False, "still_initialized": True}
+
+
+def _one_rank_signalled(rank: int, world: int, demo_dir: str, out: str) -> dict:
+    import torch.distributed as dist
+
+    def signal_rank_1(trainer, record):
+        if rank == 1 and record["step"] == 2:
+            trainer._stop.request("SIGTERM")  # what the signal handler sets, here on rank 1 only
+
+    with Trainer(_config(Path(demo_dir), Path(out)), callbacks=[signal_rank_1]) as trainer:
+        status = trainer.train().status
+        reasons = [None] * world
+        dist.all_gather_object(reasons, trainer.stop_reason)
+        return {"status": status, "step": trainer.step, "reasons": reasons}
+
+
+def test_a_signal_to_one_rank_stops_every_rank_with_its_name(demo_dir, tmp_path):
+    """SIGTERM reaches rank 1 only: both ranks stop after the same update and both name the signal (so each exits
+    with 128 + its number), not only the rank that got it."""
+    from tests.parallel.harness import run_ranks
+
+    got = run_ranks(_one_rank_signalled, demo_dir=str(demo_dir), out=str(tmp_path / "run"))
+    assert got == {"status": "interrupted", "step": 2, "reasons": ["SIGTERM", "SIGTERM"]}
+
+
+def _demo_too_small(rank: int, world: int, root: str) -> list:
+    import torch.distributed as dist
+
+    from hybridlm.training.config import ConfigError
+
+    config = small_config(Path(root) / "demo", Path(root) / "run", "data.demo_max_bytes=1000")
+    try:
+        Trainer(config)
+        problem = None
+    except ConfigError as err:
+        problem = str(err)
+    problems = [None] * world
+    dist.all_gather_object(problems, problem)
+    return problems
+
+
+def test_a_demo_corpus_rank_0_cannot_prepare_is_every_ranks_config_error(tmp_path):
+    """Rank 0 prepares the demo corpus; a size too small for it is a ConfigError on every rank (not rank 0's alone,
+    with the others failing on a closed connection)."""
+    from tests.parallel.harness import run_ranks
+
+    problems = run_ranks(_demo_too_small, root=str(tmp_path))
+    assert len(set(problems)) == 1 and problems[0].startswith("data.demo_max_bytes: "), problems

@@ -205,6 +205,8 @@ def test_head_split_checkpoint_resumes_in_one_process(demo_dir, reference, chain
         (["parallel.mixer_parallel=sideways"], 1, ["parallel.mixer_parallel", "interleaved"]),
         (["parallel.tp=2", "parallel.mixer_parallel=on", "train.compile=true"], 2, ["train.compile", "mixer_parallel"]),
         (["distributed.strategy=ddp"], 1, ["distributed.strategy", "removed", "parallel.dp_replicate=-1"]),
+        (["train.compile=true", "train.compile_mode=reduce-overhead"], 2,
+         ["train.compile_mode: 'reduce-overhead'", "runs in one process", "train.compile_mode=default"]),
         (["parallel.tp=2", "model.overrides.num_key_value_heads=2"], 2,
          ["parallel.tp=2", "mamba_n_groups=1", "parallel.ssm_tensor_parallel=false"]),
         (["parallel.tp=2", "model.overrides.mamba_n_groups=2"], 2, ["parallel.tp=2", "num_key_value_heads"]),
@@ -226,6 +228,11 @@ def test_sizes_resolve_against_the_world_size():
     assert resolve_parallel(replicated_ssm, 8).shape == (1, 4, 1, 2)
     replicas = load_config(None, ["parallel.dp_replicate=-1", "parallel.dp_shard=1"])
     assert resolve_parallel(replicas, 4).shape == (4, 1, 1, 1)
+
+
+def test_reduce_overhead_compile_is_fine_in_one_process():
+    config = load_config(None, ["train.compile=true", "train.compile_mode=reduce-overhead"])
+    assert resolve_parallel(config, 1).shape == (1, 1, 1, 1)
 
 
 def test_one_process_refuses_a_mesh_larger_than_the_world(demo_dir, tmp_path):
@@ -288,3 +295,15 @@ def test_full_state_dict_gathers_every_mixer_in_the_canonical_rows():
     for mode, got in results.items():
         assert got["keys_equal"] and got["missing"] == [] and got["unexpected"] == [], (mode, got)
         assert got["diff"] == 0.0 and got["round_trip"] == 0.0, (mode, got)
+
+
+def test_nccl_on_the_cpu_is_a_config_error_before_any_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    from hybridlm.training.distributed import init_distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match="distributed.backend: nccl needs CUDA devices.*distributed.backend=gloo"):
+        init_distributed(load_config(None, ["distributed.backend=nccl"]), device="cpu")
+    assert not dist.is_initialized()

@@ -60,3 +60,29 @@ def test_run_length_checks_that_depend_on_the_ranks_wait_for_the_trainer():
     assert schedule_config(config, world_size=1)[1] == 100
     with pytest.raises(ConfigError, match=r"schedule\.decay: .*\(50 steps at 2 data-parallel ranks\)"):
         schedule_config(config, world_size=2)
+
+
+@pytest.mark.parametrize("rampup", [False, True])
+def test_a_resumed_run_plans_the_rest_at_its_own_ranks(rampup):
+    """`start=(updates, tokens)` done at 2 ranks, planned on at 1: a token budget ends at the same token count (the
+    updates left are those of the smaller batch), a token-unit schedule's total is those tokens, and resuming at the
+    ranks the run was started with plans exactly the uninterrupted run. A train.steps below the updates done is
+    returned as it is, for the trainer to refuse."""
+    sizes = ["batch.micro_batch=2", "batch.grad_accum=2", "batch.seq_len=64", "schedule.unit=tokens",
+             "schedule.warmup=512", "train.steps=null", "train.tokens=20480"]
+    if rampup:
+        sizes += ["batch.rampup_start=2", "batch.rampup_tokens=4096"]
+    config = load_config(None, sizes)
+    whole = plan_steps(config, world_size=2)
+    if not rampup:
+        assert whole == (40, 20480)  # 512 tokens an update at 2 ranks
+    done = plan_steps(load_config(None, [*sizes, "train.steps=10"]), world_size=2)  # the first 10 updates at 2 ranks
+    assert plan_steps(config, world_size=2, start=done) == whole
+    steps, tokens = plan_steps(config, world_size=1, start=done)
+    assert tokens >= 20480 and tokens - 256 < 20480  # the budget, to one update of 256 tokens at 1 rank
+    assert steps - done[0] > whole[0] - done[0]  # smaller batches: more updates
+    if not rampup:
+        assert steps - done[0] == -(-(20480 - done[1]) // 256)
+    assert schedule_config(config, world_size=1, start=done)[1] == tokens
+    shorter = load_config(None, [*sizes, "train.steps=4"])
+    assert plan_steps(shorter, world_size=1, start=done)[0] == 4

@@ -353,3 +353,25 @@ def test_ctrl_c_while_writing_samples_or_final_is_one_line_and_resume_finishes(d
     assert not (out / "final").exists()
     assert train_cli(out, "--resume") == 0
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_a_write_that_fails_is_one_line_and_leaves_without_waiting_for_peers(demo_dir, tmp_path, capsys, monkeypatch):
+    """Writing samples.txt fails (a full disk): the run fails in one line (exit 1), and the trainer leaves the
+    process group without the closing barrier (under torchrun its peers may be inside a collective this rank never
+    joins: the barrier would wait out the group's timeout). A run that ends normally leaves together."""
+    from hybridlm.training import distributed
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device", "samples.txt")
+
+    leaving = []
+    monkeypatch.setattr(distributed, "destroy_distributed", lambda ctx, together=True: leaving.append(together))
+    out = tmp_path / "unwritable"
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "_write_samples", disk_full)
+        assert train_cli(out, *cli_sets(demo_dir, "train.steps=2")) == 1
+    err = capsys.readouterr().err
+    assert err == "training failed: [Errno 28] No space left on device: 'samples.txt'\n", err
+    assert leaving == [False] and lock_is_free(out)
+    assert train_cli(tmp_path / "fine", *cli_sets(demo_dir, "train.steps=1")) == 0
+    assert leaving == [False, True]

@@ -131,6 +131,26 @@ def test_two_rank_checkpoints_resume_in_one_process(demo_dir, two_ranks, referen
             assert _diff(_losses(trainer), reference[step:]) < TOL, (step, _losses(trainer), reference[step:])
 
 
+def test_a_token_budget_resumed_on_fewer_ranks_ends_at_its_tokens(demo_dir, two_ranks, tmp_path, capsys):
+    """The two-rank run's update 2 resumed in one process (half its rows per update) under the token budget of the
+    two-rank run's 6 updates: the updates left are planned at one rank (8, not the 10 that a plan from scratch would
+    add), the run ends at the budget, the token-unit schedule's total is the budget, and the note names the
+    change of ranks."""
+    root, _ = two_ranks
+    state = json.loads((root / "from2" / "checkpoints" / "step_00000002" / "train_state.json").read_text())
+    done = state["train_state"]["tokens"]
+    budget = STEPS * done // 2
+    out = _copy_checkpoint(root / "from2", 2, tmp_path / "one")
+    sets = ("train.steps=null", f"train.tokens={budget}", "schedule.unit=tokens", "schedule.warmup=64")
+    with Trainer(_config(demo_dir, out, *sets), resume=True) as trainer:
+        assert (trainer.total_steps, trainer.total_tokens, trainer.schedule_total) == (10, budget, budget)
+        result = trainer.train()
+    assert (result.step, result.tokens) == (10, budget)
+    assert "data-parallel ranks: 2 -> 1" in capsys.readouterr().out
+    with Trainer(_config(demo_dir, out, *sets), resume=True) as trainer:  # done: nothing more to train
+        assert trainer.already_complete
+
+
 def test_two_rank_checkpoint_resumes_on_four_ranks(demo_dir, two_ranks, reference, tmp_path):
     root, _ = two_ranks
     out = _copy_checkpoint(root / "from2", 2, tmp_path / "four")
