@@ -194,7 +194,7 @@ def _evaluate(model, data: TokenDataset, *, seq_len: int, batch_size: int, max_t
         "tokens": tokens,
         "nll_sum": nll,
         "loss": nll / tokens,
-        "perplexity": math.exp(nll / tokens) if nll / tokens < _LARGEST_EXP else math.inf,
+        "perplexity": math.inf if nll / tokens > _LARGEST_EXP else math.exp(nll / tokens),  # (NaN stays NaN)
         "bytes": target_bytes,
         "bits_per_byte": nll / math.log(2) / target_bytes if target_bytes else None,  # (every target an EOS)
         "bytes_per_token": target_bytes / tokens,

@@ -56,9 +56,11 @@ class ChatSession:
     """A conversation with a model: `reply(text, on_text)` adds the user's message, generates the answer (calling
     `on_text(new_characters)` as it grows) and keeps it; `reset()` forgets all but the system message.
 
-    The cache of the last prompt but its final token is kept (`held`: those ids and the cache): a prompt whose ids
-    start with them continues a copy of it (`generate(cache=...)`), so each turn prefills only its new tokens, with
-    the logits of a prefill of the whole conversation (to float rounding). A prompt that does not (the template
+    The cache of the last prompt is kept (`held`: its ids and the cache): a prompt whose ids start with them continues
+    it (`generate(cache=...)`), so each turn prefills only its new tokens, with the logits of a prefill of the whole
+    conversation (to float rounding). Decoding op by op continues a copy (the held cache stays at the prompt but its
+    last token, which the copy reads); the graphed decoder steps a static copy of its own, so the held cache itself
+    reads the last token (the whole prompt is held) and no other copy is made. A prompt that does not (the template
     rendered an earlier turn differently, an answer's tokens encode differently as text, or the messages changed)
     is prefilled from the start."""
 
@@ -95,8 +97,13 @@ class ChatSession:
         if room < 1:
             raise ValueError(f"the conversation has {len(prompt)} tokens, the model's context is {self.limit}")
         cache = self._cache_of(prompt[:-1])
+        if self.graph:  # the decoder steps a static copy: only the prompt's last token goes into the held cache
+            self.held = None  # (until it is there)
         final = answer(self.model, self.encoder, prompt, max_new_tokens=room, on_text=on_text,
-                       generator=self.generator, graph=self.graph, cache=cache.copy(), **self.sampling)
+                       generator=self.generator, graph=self.graph, cache=cache if self.graph else cache.copy(),
+                       **self.sampling)
+        if self.graph:
+            self.held = (list(prompt), cache)
         self.messages = messages + [{"role": "assistant", "content": final}]
         return final
 

@@ -206,14 +206,15 @@ class _OptimizerState:
 _INTERVAL_KEYS = ("loss", "lr", "wd", "grad_norm", "step_tokens", "seconds", "skipped")  # what _log_interval reads
 
 
-def _progress(path: Path) -> tuple[int, int]:
-    """(updates, tokens) a checkpoint's run had done, from its train_state.json; (0, 0) where it cannot be read (the
-    load then reports what is wrong)."""
+def _progress(path: Path) -> tuple[int, int, int] | None:
+    """(updates, tokens, data-parallel ranks) of a checkpoint's run, from its train_state.json; None where it cannot
+    be read (the load then reports what is wrong)."""
     try:
         record = json.loads((path / TRAIN_STATE_FILE).read_text(encoding="utf-8"))
-        return int(record["step"]), int(record["train_state"]["tokens"])
+        state = record["train_state"]
+        return int(record["step"]), int(state["tokens"]), int(state.get("data_parallel_size", 1))
     except Exception:  # noqa: BLE001 - any damage: the load's own error says what
-        return 0, 0
+        return None
 
 
 def _finite_or_not_float(value: Any) -> bool:
@@ -277,7 +278,9 @@ class Trainer:
         # sizes and schedule: batch sizes count rows per data-parallel rank; a resumed run plans the updates left at
         # this dp from the updates and tokens done (`plan`'s docstring)
         dp = self.ctx.dp_size
-        done = (0, 0) if latest is None else _progress(latest)
+        progress = None if latest is None else _progress(latest)
+        done = (0, 0) if progress is None else progress[:2]
+        self._saved_dp = dp if progress is None else progress[2]
         self.total_steps, self.total_tokens = plan_steps(config, dp, start=done)
         # ConfigError (the CLI's one-line config error) if the decay does not fit the run at dp; notes for a shortened
         # warmup or a rampup the run outlasts, printed once every check has passed (`_build`)
@@ -286,7 +289,7 @@ class Trainer:
             from hybridlm.training.posttraining import check_chat_inputs
 
             check_chat_inputs(config)
-        if latest is not None:  # `_resume` checks the loaded checkpoint's own step again
+        if progress is not None:  # `_resume` checks the loaded checkpoint's own step again
             self._check_resume_length(step_of(latest))
 
     def _build(self, config: TrainConfig, resume: bool, overwrite: bool) -> None:
@@ -744,15 +747,18 @@ class Trainer:
 
     def _check_resume_length(self, step: int) -> None:
         """ConfigError if the configured run ends before the checkpoint's step: it cannot be shortened after the
-        fact (training would do nothing, then overwrite final/ and config.yaml with the shorter length)."""
-        if self.total_steps >= step:
-            return
+        fact (training would do nothing, then overwrite final/ and config.yaml with the shorter length). A token
+        budget is measured at the data-parallel ranks the checkpoint was written at: would it have ended the run there
+        before this step."""
         t = self.config.train
+        ranks = self._saved_dp
         if t.steps is not None and t.steps < step:
             problem = f"train.steps: {t.steps} is below the checkpoint's step {step}"
+        elif t.tokens is not None and (ended := plan_steps(self.config, ranks)[0]) < step:
+            problem = (f"train.tokens: {t.tokens:,} tokens end the run after {ended} updates (at the checkpoint's "
+                       f"{ranks} data-parallel rank{'s' if ranks > 1 else ''}), below the checkpoint's step {step}")
         else:
-            problem = (f"train.tokens: {t.tokens:,} tokens end the run after {self.total_steps} updates, below the "
-                       f"checkpoint's step {step}")
+            return
         raise ConfigError(
             f"{problem} (a run cannot be shortened by resuming it); resume with train.steps >= {step}, or start a "
             "shorter run in another --out"

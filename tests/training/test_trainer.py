@@ -299,6 +299,15 @@ def test_resume_refuses_fewer_steps_than_the_checkpoint_and_a_complete_run_is_le
     assert captured.err.startswith("config error: train.steps: 2 is below the checkpoint's step 4"), captured.err
     assert not any(line.startswith("training ") for line in captured.out.splitlines()), captured.out
     assert snapshot(out) == before
+    # a token budget that ends the run sooner (2 updates of 64 tokens), refused alike; one that the 4th update
+    # crossed (200 tokens) is the run's own length
+    assert main(["train", "--resume", "--out", str(out), "--set", "train.steps=null", "--set", "train.tokens=128"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("config error: train.tokens: 128 tokens end the run after 2 updates (at the "
+                                   "checkpoint's 1 data-parallel rank), below the checkpoint's step 4"), captured.err
+    assert snapshot(out) == before
+    assert main(["train", "--resume", "--out", str(out), "--set", "train.steps=null", "--set", "train.tokens=200"]) == 0
+    assert "already complete" in capsys.readouterr().out and snapshot(out) == before
     # the same length (here with another lr): already complete, nothing rewritten
     assert main(["train", "--resume", "--out", str(out), "--set", "optim.lr=1e-4"]) == 0
     captured = capsys.readouterr()
@@ -660,17 +669,6 @@ def test_compiled_fast_weight_hybrid_on_packed_documents_trains_like_eager(demo_
 def test_compile_mode_errors(demo_dir, tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         small_config(demo_dir, tmp_path, *overrides)
-
-
-def test_cuda_graph_blocks_are_refused_under_a_device_mesh(demo_dir, tmp_path):
-    """Under torchrun (a device mesh: FSDP2, tensor parallelism) reduce-overhead is refused before any wrapping."""
-    from types import SimpleNamespace
-
-    from hybridlm.training import distributed as D
-
-    config = small_config(demo_dir, tmp_path, "train.compile=true", "train.compile_mode=reduce-overhead")
-    with pytest.raises(ValueError, match="runs in one process"):
-        D.parallelize(torch.nn.Linear(2, 2), config, SimpleNamespace(mesh=object(), parallel=None))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
