@@ -47,7 +47,7 @@ def conversation_times(model, encoder, args) -> list[dict]:
     for _ in range(args.repeats):
         sessions = {name: ChatSession(model, encoder, max_new_tokens=args.max_new_tokens, graph=args.graph)
                     for name in ("whole", "held")}
-        for turn, row in enumerate(rows):
+        for turn, row in enumerate(list(rows)):
             text = f"Message {turn}: " + "the quick brown fox jumps over the lazy dog " * (args.message_chars // 44 + 1)
             text = text[:args.message_chars]
             answers = {}
@@ -58,13 +58,19 @@ def conversation_times(model, encoder, args) -> list[dict]:
                 sync(model)
                 ends.clear()
                 start = time.perf_counter()
-                answers[name] = session.reply(text)
+                try:
+                    answers[name] = session.reply(text)
+                except ValueError:  # past the model's context: the conversation ends at the turns before
+                    del rows[turn:]
+                    break
                 sync(model)
                 row["reply"][name].append(time.perf_counter() - start)
                 row["first"][name].append(ends[1] - start)
-                if name == "held":
-                    row["prompt"] = len(session.held[0]) + 1
-                    row["prefilled"] = row["prompt"] - 1 - before
+                if name == "held":  # (op by op the held cache stops before the prompt's last token)
+                    row["prompt"] = len(session.held[0]) + (0 if args.graph else 1)
+                    row["prefilled"] = row["prompt"] - before  # what this reply's prefill read
+            if turn >= len(rows):
+                break
             row["same"] = row["same"] and answers["whole"] == answers["held"]
     hook.remove()
     for row in rows:

@@ -518,4 +518,4 @@ def test_chat_turns():
     rows = [[cell.strip() for cell in row.split("|")[1:-1]] for row in table_rows(out, "1") + table_rows(out, "2")]
     assert len(rows) == 2 and "differ" not in out
     (first, _), (second, prefilled) = ((int(row[1]), int(row[2])) for row in rows)
-    assert prefilled == second - first  # the second turn prefilled only what follows the first turn's prompt
+    assert prefilled == second - first + 1  # only what follows the first prompt, and that prompt's last token
