@@ -207,17 +207,6 @@ class HybridCache:
     def __len__(self) -> int:
         return len(self.layers)
 
-    @property
-    def rows(self) -> int | None:
-        """The number of rows (sequences) the cache holds; None while it holds no tensor yet."""
-        if self.lengths is not None:
-            return int(self.lengths.shape[0])
-        for layer in self.layers:
-            for tensor in (layer._key, *layer.ssm.values()):
-                if tensor is not None:
-                    return int(tensor.shape[0])
-        return None
-
     def copy(self) -> HybridCache:
         """A copy that shares no storage with this cache, holding only filled slots (`LayerCache.copy`)."""
         out = HybridCache(0)
@@ -410,6 +399,17 @@ class StaticCache(HybridCache):
 
     def start_rows(self, lengths: torch.Tensor, *, device: torch.device | str) -> None:
         raise ValueError("a static cache continues a filled cache: run the prefill on a HybridCache")
+
+
+def filled_rows(cache: HybridCache) -> int | None:
+    """The number of rows (sequences) a filled cache holds; None while it holds no tensor yet."""
+    if cache.lengths is not None:
+        return int(cache.lengths.shape[0])
+    for layer in cache.layers:
+        for tensor in (layer._key, *layer.ssm.values()):
+            if tensor is not None:
+                return int(tensor.shape[0])
+    return None
 
 
 def additive_mask(attendable: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

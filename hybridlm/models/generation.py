@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridlm.layers.cache import HybridCache, StaticCache
+from hybridlm.layers.cache import HybridCache, StaticCache, filled_rows
 from hybridlm.models.graphed import GraphedDecoder
 from hybridlm.models.sampling import check_sampling, sample_next
 from hybridlm.modules.boundaries import left_padding_mask
@@ -214,7 +214,7 @@ def _check_continued(cache: HybridCache, input_ids: torch.Tensor, attention_mask
     if cache.seq_len >= input_ids.shape[1]:
         raise ValueError(f"the cache holds {cache.seq_len} tokens and the prompt has {input_ids.shape[1]}: the prompt "
                          "must go on past the cache by at least one token (whose logits choose the first new one)")
-    rows = cache.rows
+    rows = filled_rows(cache)
     if rows is not None and rows != input_ids.shape[0]:
         raise ValueError(f"the cache holds {rows} rows and input_ids has {input_ids.shape[0]}")
 

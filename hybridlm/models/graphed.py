@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from hybridlm.layers.block import capturing_soon
-from hybridlm.layers.cache import HybridCache, StaticCache
+from hybridlm.layers.cache import HybridCache, StaticCache, filled_rows
 
 
 class GraphedDecoder:
@@ -46,7 +46,7 @@ class GraphedDecoder:
 
     def __init__(self, model, cache: HybridCache, *, capacity: int, batch_size: int,
                  use_graph: bool | None = None, compile_step: str | None = None) -> None:
-        rows = cache.rows
+        rows = filled_rows(cache)
         if rows is not None and rows != batch_size:
             raise ValueError(f"batch_size {batch_size} does not match the cache's {rows} rows")
         self.model = model
