@@ -61,10 +61,12 @@ def resolve_parallel(config: TrainConfig, world_size: int) -> ParallelConfig:
     fixed = p.cp * p.tp * (dp_shard if dp_replicate == -1 else dp_replicate)
     if -1 in (dp_replicate, dp_shard):
         if world_size % fixed:
+            fewer = (f" (a run resumed in fewer processes than it had: e.g. --set parallel.tp=1 --set parallel.cp=1; "
+                     "its checkpoints load under any mesh)" if world_size < fixed else "")
             raise ConfigError(
                 f"parallel: the world size {world_size} is not divisible by the fixed sizes "
                 f"(dp_replicate x dp_shard x cp x tp without the -1 = {fixed}); change parallel.tp / parallel.cp / "
-                "parallel.dp_* or the number of processes"
+                f"parallel.dp_* or the number of processes{fewer}"
             )
         rest = world_size // fixed
         dp_replicate, dp_shard = (rest, dp_shard) if dp_replicate == -1 else (dp_replicate, rest)

@@ -238,6 +238,8 @@ def test_reduce_overhead_compile_is_fine_in_one_process():
 def test_one_process_refuses_a_mesh_larger_than_the_world(demo_dir, tmp_path):
     with pytest.raises(ConfigError, match="world size is 1"):
         Trainer(_config(demo_dir, tmp_path / "tp", "parallel.tp=2", "parallel.dp_shard=1"))
+    with pytest.raises(ConfigError, match=r"world size 1 is not divisible .* fewer processes .*--set parallel\.tp=1"):
+        Trainer(_config(demo_dir, tmp_path / "tp", "parallel.tp=2"))  # a tp=2 run's config, resumed in one process
 
 
 def test_clip_grad_norm_equals_torch_in_one_process():
