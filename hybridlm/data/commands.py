@@ -104,12 +104,18 @@ def _add_text_options(p: argparse.ArgumentParser) -> None:
                    help="skip and count records without the text field (default: stop with an error naming file and line)")
 
 
-def _run(fn, args) -> int:
+def _run(fn, args, *, interrupted: str | None = "interrupted (Ctrl-C)") -> int:
+    """`fn(args)` with its errors as one line on stderr; Ctrl-C is exit status 130 and `interrupted` (None: the
+    command has said what it kept)."""
     try:
         return fn(args)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, OutputExistsError) else 1
+    except KeyboardInterrupt:
+        if interrupted:
+            print(interrupted, file=sys.stderr)
+        return 130
 
 
 def _tokenizer_train(args) -> int:
@@ -159,7 +165,7 @@ def _data_prepare(args) -> int:
               f"documents ({c['invalid_utf8_bytes']} bytes replaced)")
         return 0
 
-    return _run(run, args)
+    return _run(run, args, interrupted=None)  # prepare logs the shards it kept and that a rerun resumes
 
 
 def _data_verify(args) -> int:

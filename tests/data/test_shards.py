@@ -419,3 +419,17 @@ def test_a_second_prepare_into_a_directory_being_written_is_refused(corpus, toke
     held.release()
     assert _run(corpus_dir, tokenizer_dir, out).status == "created"
     assert FileLock(out / shards.LOCK).acquire()  # released when prepare returns
+
+
+def test_ctrl_c_in_data_prepare_is_one_line_and_status_130(corpus, tokenizer_dir, tmp_path, monkeypatch, capsys,
+                                                           caplog):
+    """The command says how far it got (the shards kept, that a rerun resumes) in one logged line, no traceback."""
+    from hybridlm.cli import main
+
+    corpus_dir, _ = corpus
+    _interrupt_at_shard(monkeypatch, 3)
+    code = main(["data", "prepare", "--input", str(corpus_dir), "--tokenizer", str(tokenizer_dir), "--out",
+                 str(tmp_path / "out"), "--workers", "1", "--shard-tokens", str(SHARD), "--no-progress"])
+    assert code == 130 and capsys.readouterr().err == ""
+    said = [r.getMessage() for r in caplog.records if "interrupted" in r.getMessage()]
+    assert said == ["interrupted after 2 complete shards; run the same command again to resume"], said
