@@ -134,8 +134,6 @@ def generate(
                                       or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk must be an int >= 1 (tokens per row per piece), got {prefill_chunk!r}")
 
-    if cache is not None:
-        _check_continued(cache, input_ids, attention_mask)
     if stop is not None and not callable(stop):
         raise ValueError(f"stop must be a callable stop(sequences, logits) -> bool or [B] bool tensor, got {stop!r}")
 

@@ -206,14 +206,23 @@ class _OptimizerState:
 _INTERVAL_KEYS = ("loss", "lr", "wd", "grad_norm", "step_tokens", "seconds", "skipped")  # what _log_interval reads
 
 
-def _progress(path: Path) -> tuple[int, int, int] | None:
-    """(updates, tokens, data-parallel ranks) of a checkpoint's run, from its train_state.json; None where it cannot
-    be read (the load then reports what is wrong)."""
+def _saved_record(path: Path) -> dict | None:
+    """A checkpoint's train_state.json ({"step", "train_state"}), read before the checkpoint loads for the checks and
+    messages that need it; None where it cannot be read (the load then reports what is wrong)."""
     try:
         record = json.loads((path / TRAIN_STATE_FILE).read_text(encoding="utf-8"))
+        return record if isinstance(record, dict) and isinstance(record.get("train_state"), dict) else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+
+
+def _progress(path: Path) -> tuple[int, int, int] | None:
+    """(updates, tokens, data-parallel ranks) of a checkpoint's run; None where they cannot be read."""
+    record = _saved_record(path)
+    try:
         state = record["train_state"]
         return int(record["step"]), int(state["tokens"]), int(state.get("data_parallel_size", 1))
-    except Exception:  # noqa: BLE001 - any damage: the load's own error says what
+    except (TypeError, KeyError, ValueError):  # no record, or one without these fields
         return None
 
 
@@ -712,9 +721,9 @@ class Trainer:
 
     def _changes_since(self, path: Path) -> list[str]:
         """`_config_changes` of the checkpoint at `path`, read from its train_state.json ([] if unreadable)."""
+        record = _saved_record(path)
         try:
-            record = json.loads((path / TRAIN_STATE_FILE).read_text(encoding="utf-8"))
-            return self._config_changes(record["train_state"])
+            return [] if record is None else self._config_changes(record["train_state"])
         except Exception:  # noqa: BLE001 - only for the message: the load itself reported what is wrong
             return []
 
@@ -730,9 +739,9 @@ class Trainer:
         are another command's."""
         import yaml
 
+        record = _saved_record(path)
         try:
-            saved = yaml.safe_load(json.loads((path / TRAIN_STATE_FILE).read_text(encoding="utf-8"))
-                                   ["train_state"].get("config", "{}")) or {}
+            saved = yaml.safe_load(record["train_state"].get("config", "{}")) or {}
         except Exception:  # noqa: BLE001 - unreadable: the load itself reports what is wrong
             return
         task, theirs = self.config.train.task, (saved.get("train") or {}).get("task", "pretrain")
